@@ -1,0 +1,84 @@
+"""Config loading with the same JSON Schema (and defaults) the Snakefile validates against."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Mapping
+
+import jsonschema
+import yaml
+
+from .errors import ConfigError
+
+SCHEMA_PATH = Path(__file__).parent / "schemas" / "config.schema.yaml"
+
+
+def _with_defaults(validator_cls):
+    validate_props = validator_cls.VALIDATORS["properties"]
+
+    def set_defaults(validator, properties, instance, schema):
+        if isinstance(instance, dict):
+            for key, sub in properties.items():
+                if "default" in sub and key not in instance:
+                    instance[key] = copy.deepcopy(sub["default"])
+        yield from validate_props(validator, properties, instance, schema)
+
+    def additional_defaults(validator, additional, instance, schema):
+        # defaults inside `additionalProperties` schemas (datasets.<name>, eval.sets.<name>)
+        if isinstance(instance, dict) and isinstance(additional, dict):
+            declared = set(schema.get("properties", {}))
+            for key, value in instance.items():
+                if key not in declared:
+                    yield from validator.descend(value, additional, path=key)
+        elif additional is False and isinstance(instance, dict):
+            yield from validator_cls.VALIDATORS["additionalProperties"](validator, additional, instance, schema)
+
+    return jsonschema.validators.extend(
+        validator_cls, {"properties": set_defaults, "additionalProperties": additional_defaults}
+    )
+
+
+def load_schema() -> dict:
+    """Return the config JSON Schema (a dict)."""
+    with open(SCHEMA_PATH, "r", encoding="utf-8") as fh:
+        return yaml.safe_load(fh)
+
+
+def validate_config(config: Mapping[str, Any]) -> dict:
+    """Validate ``config`` against the schema and return a deep copy with every default filled in.
+
+    Raises:
+        ConfigError: naming the offending key path and the schema's complaint.
+    """
+    schema = load_schema()
+    cfg = copy.deepcopy(dict(config))
+    validator = _with_defaults(jsonschema.Draft202012Validator)(schema)
+    errors = sorted(validator.iter_errors(cfg), key=lambda e: list(e.absolute_path))
+    if errors:
+        err = errors[0]
+        where = ".".join(str(p) for p in err.absolute_path) or "<top level>"
+        raise ConfigError(f"config key `{where}`: {err.message} (schema: {SCHEMA_PATH})")
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> dict:
+    """Load a YAML config (default: an empty one), deep-merge ``overrides`` and validate with defaults."""
+    cfg: dict = {}
+    if path is not None:
+        with open(path, "r", encoding="utf-8") as fh:
+            cfg = yaml.safe_load(fh) or {}
+    if overrides:
+        cfg = deep_merge(cfg, overrides)
+    return validate_config(cfg)
+
+
+def deep_merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict:
+    """Recursively merge ``update`` into a copy of ``base`` (mappings merge, everything else replaces)."""
+    out = copy.deepcopy(dict(base))
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out

@@ -1,0 +1,25 @@
+"""Exception types. Every message names the file, record and field involved, and the fix."""
+
+
+class PipelineError(Exception):
+    """Base class for all errors raised by dflash-pipeline."""
+
+
+class ConfigError(PipelineError):
+    """A config value is missing, out of range or inconsistent (message names the config key)."""
+
+
+class ProbeError(PipelineError):
+    """The target directory cannot be probed (message names the file and what to install or set)."""
+
+
+class DataError(PipelineError):
+    """A dataset record is malformed (message names file, line/record and field)."""
+
+
+class GenerationError(PipelineError):
+    """Completion generation failed in a way retries cannot fix (e.g. circuit breaker open)."""
+
+
+class TokenizationError(PipelineError):
+    """A conversation cannot be rendered or masked exactly (message names the prompt_id and turn)."""
