@@ -1,0 +1,504 @@
+"""The DFlash drafter: Qwen3-style layers with KV injection of fused target features.
+
+Read top to bottom like a Hugging Face ``modeling_*.py``:
+config helpers -> attention with KV injection -> decoder layer -> drafter -> training masks/anchors/loss
+-> export/load in the format SGLang and vLLM serve.
+
+Method source: ``reference/dflash.md`` (DFlash, arXiv 2602.06036; SpecForge as the public reference):
+§2 architecture, §2.5 inference loop, §3 target layers, §4 training objective, §8 checkpoint format.
+Notation: H hidden size (= target hidden size), K number of fused target layers, B block size,
+S sequence length, N anchors per sequence, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+from .contracts import CHECKPOINT_FORMAT_VERSION
+
+ARCHITECTURE = "DFlashDraftModel"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------------
+
+
+def drafter_config_from_target(
+    target_config,
+    *,
+    block_size: int,
+    num_draft_layers: int,
+    target_layer_ids: list[int],
+    mask_token_id: int,
+) -> Qwen3Config:
+    """Build the drafter's ``Qwen3Config`` from the target's text config (dflash.md §2.1, §8.2).
+
+    The drafter's hidden size, heads, head_dim, vocab and rope equal the target's (the target's
+    embedding and LM head are reused); ``num_hidden_layers`` is the number of *draft* layers.
+    DFlash fields ride along as ``block_size``, ``num_target_layers`` and ``dflash_config``.
+    """
+    t = target_config
+    head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+    rope = dict(getattr(t, "rope_parameters", None) or {})
+    rope.setdefault("rope_type", "default")
+    rope.setdefault("rope_theta", getattr(t, "rope_theta", 1_000_000.0))
+    cfg = Qwen3Config(
+        vocab_size=t.vocab_size,
+        hidden_size=t.hidden_size,
+        intermediate_size=getattr(t, "intermediate_size", 4 * t.hidden_size),
+        num_hidden_layers=num_draft_layers,
+        num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=getattr(t, "num_key_value_heads", t.num_attention_heads),
+        head_dim=head_dim,
+        hidden_act="silu",
+        max_position_embeddings=t.max_position_embeddings,
+        rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6),
+        rope_parameters=rope,
+        attention_bias=False,
+        tie_word_embeddings=False,
+        layer_types=["full_attention"] * num_draft_layers,
+    )
+    cfg.architectures = [ARCHITECTURE]
+    cfg.block_size = int(block_size)
+    cfg.num_target_layers = int(t.num_hidden_layers)
+    cfg.dflash_config = {"mask_token_id": int(mask_token_id), "target_layer_ids": [int(i) for i in target_layer_ids]}
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------------
+# Attention with KV injection (dflash.md §2.2)
+# ---------------------------------------------------------------------------------------------------
+
+
+class DraftContextCache:
+    """Per-layer keys/values of the injected context, for the inference loop (dflash.md §2.5).
+
+    Only context K/V are cached (block K/V are recomputed each step), so "crop to start" is implicit.
+    ``keys[i]``/``values[i]``: [batch, kv_heads, C, head_dim].
+    """
+
+    def __init__(self, num_layers: int):
+        self.keys: list[Optional[torch.Tensor]] = [None] * num_layers
+        self.values: list[Optional[torch.Tensor]] = [None] * num_layers
+
+    @property
+    def length(self) -> int:
+        """Number of context positions cached (tokens)."""
+        return 0 if self.keys[0] is None else int(self.keys[0].shape[-2])
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys[layer] is not None:
+            k = torch.cat([self.keys[layer], k], dim=-2)
+            v = torch.cat([self.values[layer], v], dim=-2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+
+class DFlashAttention(nn.Module):
+    """Qwen3 GQA attention whose keys/values are [context ‖ block] and whose queries are the block.
+
+    Context and block K/V use the same ``k_proj``/``v_proj``; ``k_norm`` applies to both; RoPE uses the
+    absolute positions of each part. Attention is non-causal: visibility comes only from the mask.
+    """
+
+    def __init__(self, config: Qwen3Config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        h = config.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=config.attention_bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, n, self.head_dim).transpose(1, 2)  # [b, n, t, head_dim]
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [b, Q, H] block stream (after input_layernorm)
+        context: torch.Tensor,  # [b, C, H] fused target features (shared by all layers)
+        ctx_rope: tuple[torch.Tensor, torch.Tensor],  # cos/sin [b, C, head_dim]
+        block_rope: tuple[torch.Tensor, torch.Tensor],  # cos/sin [b, Q, head_dim]
+        attn_mask: Optional[torch.Tensor] = None,  # bool [b, 1, Q, C(+cached)+Q], True = attend
+        cache: Optional[DraftContextCache] = None,
+    ) -> torch.Tensor:
+        q = self.q_norm(self._heads(self.q_proj(hidden), self.num_heads))  # [b, h, Q, d]
+        k_blk = self.k_norm(self._heads(self.k_proj(hidden), self.num_kv_heads))  # [b, kv, Q, d]
+        v_blk = self._heads(self.v_proj(hidden), self.num_kv_heads)
+        q, k_blk = apply_rotary_pos_emb(q, k_blk, *block_rope)
+        k_ctx = self.k_norm(self._heads(self.k_proj(context), self.num_kv_heads))  # [b, kv, C, d]
+        v_ctx = self._heads(self.v_proj(context), self.num_kv_heads)
+        cos, sin = ctx_rope
+        k_ctx = (k_ctx * cos.unsqueeze(1)) + (_rotate_half(k_ctx) * sin.unsqueeze(1))
+        if cache is not None:
+            k_ctx, v_ctx = cache.append(self.layer_idx, k_ctx, v_ctx)
+        k = torch.cat([k_ctx, k_blk], dim=-2)  # [b, kv, C+Q, d]
+        v = torch.cat([v_ctx, v_blk], dim=-2)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=False, scale=self.scaling,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )  # [b, h, Q, d]
+        b, _, t, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class DFlashDecoderLayer(nn.Module):
+    """Pre-norm Qwen3 decoder layer with :class:`DFlashAttention` (dflash.md §2.1)."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = Qwen3MLP(config)
+
+    def forward(self, x, context, ctx_rope, block_rope, attn_mask=None, cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), context, ctx_rope, block_rope, attn_mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The drafter
+# ---------------------------------------------------------------------------------------------------
+
+
+class DFlashDrafter(nn.Module):
+    """DFlash drafter: ``fc`` + ``hidden_norm`` fuse K target layers; L KV-injected layers; final ``norm``.
+
+    Owns no embedding and no LM head: callers pass target embeddings in and apply the target's
+    ``lm_head`` to :meth:`forward`'s output (dflash.md §2.1). Parameter names match the served format
+    (``fc``, ``hidden_norm``, ``norm``, ``layers.N.*``; §8.3).
+    """
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.config = config
+        k = len(config.dflash_config["target_layer_ids"])
+        h = config.hidden_size
+        self.block_size = int(config.block_size)
+        self.mask_token_id = int(config.dflash_config["mask_token_id"])
+        self.target_layer_ids = list(config.dflash_config["target_layer_ids"])
+        self.fc = nn.Linear(k * h, h, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = getattr(self.config, "initializer_range", 0.02)
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(
+        self,
+        noise_embedding: torch.Tensor,  # [b, Q, H] target embeddings of the block tokens
+        target_hidden: torch.Tensor,  # [b, C, K*H] concatenated target features (new context)
+        ctx_position_ids: torch.Tensor,  # [b, C] absolute positions of the context tokens
+        block_position_ids: torch.Tensor,  # [b, Q] absolute positions of the block tokens
+        attn_mask: Optional[torch.Tensor] = None,  # bool [b, 1, Q, C_total+Q]; None = see everything
+        cache: Optional[DraftContextCache] = None,
+    ) -> torch.Tensor:
+        """Return the final-normed block hidden states [b, Q, H] (apply the target ``lm_head`` next)."""
+        context = self.hidden_norm(self.fc(target_hidden))  # [b, C, H], computed once for all layers
+        ctx_rope = self.rotary_emb(context, ctx_position_ids)
+        block_rope = self.rotary_emb(noise_embedding, block_position_ids)
+        x = noise_embedding
+        for layer in self.layers:
+            x = layer(x, context, ctx_rope, block_rope, attn_mask, cache)
+        return self.norm(x)
+
+    @torch.no_grad()
+    def draft_block(
+        self,
+        embed_tokens: nn.Module,
+        lm_head: nn.Module,
+        bonus_token: torch.Tensor,  # [b] last committed token (block slot 0)
+        new_context: torch.Tensor,  # [b, C_new, K*H] target features not yet in the cache
+        start: int,  # absolute position of the bonus token
+        cache: DraftContextCache,
+        block_size: Optional[int] = None,
+    ) -> torch.Tensor:
+        """One inference step of dflash.md §2.5: logits [b, B, V] for block [bonus, MASK×(B−1)].
+
+        The block sees every cached context position (< ``start``) and itself, bidirectionally.
+        ``new_context`` covers positions ``cache.length .. start-1`` and is appended to ``cache``.
+        """
+        bs = block_size or self.block_size
+        b = bonus_token.shape[0]
+        dev = bonus_token.device
+        block = torch.full((b, bs), self.mask_token_id, dtype=torch.long, device=dev)
+        block[:, 0] = bonus_token
+        c0 = cache.length
+        ctx_pos = torch.arange(c0, c0 + new_context.shape[1], device=dev).expand(b, -1)
+        if ctx_pos.shape[1] and int(ctx_pos[0, -1]) != start - 1:
+            raise ValueError(f"context covers positions up to {int(ctx_pos[0, -1])}, block starts at {start}")
+        blk_pos = torch.arange(start, start + bs, device=dev).expand(b, -1)
+        emb = embed_tokens(block).to(new_context.dtype)
+        hidden = self(emb, new_context, ctx_pos, blk_pos, attn_mask=None, cache=cache)
+        return lm_head(hidden)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Training: anchors, block mask, decayed loss (dflash.md §4)
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AnchorBatch:
+    """Sampled anchors for a batch. ``anchors`` long [b, N] (sorted per row), ``keep`` bool [b, N]."""
+
+    anchors: torch.Tensor
+    keep: torch.Tensor
+
+
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: Optional[torch.Generator] = None) -> AnchorBatch:
+    """Draw up to ``num_anchors`` random anchors per sequence, redrawn every step (dflash.md §4.2).
+
+    Candidates are positions p ≤ S−2 with ``loss_mask[p] == 1`` and ``loss_mask[p+1] == 1`` (SpecForge
+    HEAD rule: the anchor is a generated token and the first label is supervised). N = min(num_anchors,
+    max #candidates over the batch); rows with fewer candidates get ``keep = False`` fill-ins.
+
+    Args:
+        loss_mask: [b, S] 0/1 (any integer or bool dtype).
+    Returns:
+        AnchorBatch with ``anchors`` long [b, N] sorted ascending, ``keep`` bool [b, N]; N ≥ 1.
+    """
+    lm = loss_mask.bool()
+    b, s = lm.shape
+    cand = torch.zeros_like(lm)
+    cand[:, :-1] = lm[:, :-1] & lm[:, 1:]
+    counts = cand.sum(dim=1)
+    n = int(max(1, min(num_anchors, int(counts.max().item()) if b else 1)))
+    scores = torch.rand((b, s), generator=generator, device=loss_mask.device)
+    scores = torch.where(cand, scores, torch.full_like(scores, 2.0))  # non-candidates sort last
+    idx = scores.argsort(dim=1)[:, :n]  # [b, N] random candidates first
+    keep = torch.arange(n, device=loss_mask.device).unsqueeze(0) < counts.unsqueeze(1)
+    idx = torch.where(keep, idx, torch.zeros_like(idx))
+    # sort kept anchors by position; fill-ins (anchor 0, keep False) go after them
+    order_key = torch.where(keep, idx, torch.full_like(idx, s + 1))
+    order = order_key.argsort(dim=1)
+    return AnchorBatch(anchors=idx.gather(1, order), keep=keep.gather(1, order))
+
+
+def build_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """Dense training attention mask (dflash.md §4.4), True = attend.
+
+    KV layout is [context (S) ‖ block_0 (B) ‖ … ‖ block_{N−1} (B)]; queries are the N·B block slots.
+    Query slot q of block n = q // B may see context key j iff j < anchors[n] (strictly before the
+    anchor, by *position*, so overlapping anchors never leak), and every key of its own block
+    (bidirectional). It never sees other blocks. Every row has ≥ B visible keys (its own block).
+
+    Args:
+        anchors: long [b, N].
+    Returns:
+        bool [b, 1, N·B, S + N·B].
+    """
+    b, n = anchors.shape
+    dev = anchors.device
+    q_block = torch.arange(n * block_size, device=dev) // block_size  # [Q]
+    q_anchor = anchors[:, q_block]  # [b, Q]
+    ctx = torch.arange(seq_len, device=dev).view(1, 1, -1) < q_anchor.unsqueeze(-1)  # [b, Q, S]
+    k_block = torch.arange(n * block_size, device=dev) // block_size
+    own = (q_block.view(-1, 1) == k_block.view(1, -1)).unsqueeze(0).expand(b, -1, -1)  # [b, Q, N·B]
+    return torch.cat([ctx, own], dim=-1).unsqueeze(1)
+
+
+def loss_decay_gamma(block_size: int) -> float:
+    """γ of the position decay: 7 for B=16, 5 for B=10, 4 for B=8 (dflash.md §4.5, [P6] App. A.1);
+    other sizes interpolate linearly between those points (and clamp at ≥ 1)."""
+    table = {8: 4.0, 10: 5.0, 16: 7.0}
+    if block_size in table:
+        return table[block_size]
+    if block_size < 10:
+        return max(1.0, 4.0 + (block_size - 8) * 0.5)
+    return 5.0 + (block_size - 10) * (2.0 / 6.0)
+
+
+def block_inputs_and_labels(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    anchors: AnchorBatch,
+    block_size: int,
+    mask_token_id: int,
+    gamma: Optional[float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block tokens, positions, same-position labels and loss weights (dflash.md §4.3, §4.5).
+
+    Slot k of the block anchored at p holds ``input_ids[p]`` (k = 0) or MASK, sits at position p+k, and
+    is trained to predict ``input_ids[p+k]`` (same-position labels; slot 0 carries no loss).
+    Weight = keep · [p+k < S] · [k ≥ 1] · loss_mask[p+k] · exp(−(k−1)/γ) (γ None → uniform).
+
+    Returns:
+        block_ids long [b, N·B], block_pos long [b, N·B], labels long [b, N·B], weights float [b, N·B].
+    """
+    b, s = input_ids.shape
+    a, keep = anchors.anchors, anchors.keep
+    n = a.shape[1]
+    k = torch.arange(block_size, device=input_ids.device)
+    pos = a.unsqueeze(-1) + k.view(1, 1, -1)  # [b, N, B]
+    in_range = pos < s
+    pos_c = pos.clamp(max=s - 1)
+    labels = input_ids.gather(1, pos_c.view(b, -1)).view(b, n, block_size)
+    lmask = loss_mask.gather(1, pos_c.view(b, -1)).view(b, n, block_size).bool()
+    block_ids = torch.full_like(labels, mask_token_id)
+    block_ids[:, :, 0] = input_ids.gather(1, a)
+    decay = torch.ones(block_size, device=input_ids.device, dtype=torch.float32)
+    if gamma is not None:
+        decay = torch.exp(-(k.float() - 1.0) / gamma)
+    decay[0] = 0.0
+    valid = keep.unsqueeze(-1) & in_range & lmask & (k.view(1, 1, -1) >= 1)
+    weights = valid.float() * decay.view(1, 1, -1)
+    return block_ids.view(b, -1), pos.view(b, -1), labels.view(b, -1), weights.view(b, -1)
+
+
+def decayed_cross_entropy(
+    hidden: torch.Tensor,  # [b, Q, H] drafter output
+    lm_head_weight: torch.Tensor,  # [V, H] frozen target LM head
+    labels: torch.Tensor,  # long [b, Q]
+    weights: torch.Tensor,  # float [b, Q]
+    chunk_tokens: int = 4096,
+) -> tuple[torch.Tensor, dict]:
+    """Weighted CE Σ w·CE / Σ w over slots with w > 0, computed in chunks of ``chunk_tokens`` slots
+    under activation checkpointing so memory never holds [N·B, V] logits at once (dflash.md §4.5, §4.7).
+
+    Returns ``(loss, stats)``; ``stats`` holds per-slot correct/total counts (for accuracy and the EAL
+    proxy). With no supervised slot the loss is ``0 * hidden.sum()`` so every rank still runs backward.
+    """
+    h = hidden.reshape(-1, hidden.shape[-1])
+    y = labels.reshape(-1)
+    w = weights.reshape(-1)
+    sel = (w > 0).nonzero(as_tuple=True)[0]
+    total_w = w[sel].sum()
+    if sel.numel() == 0:
+        return hidden.sum() * 0.0, {"num_slots": 0}
+    hs, ys, ws = h[sel], y[sel], w[sel]
+
+    def chunk_loss(hc, yc, wc):
+        logits = F.linear(hc, lm_head_weight).float()
+        ce = F.cross_entropy(logits, yc, reduction="none")
+        return (ce * wc).sum(), (logits.argmax(-1) == yc)
+
+    loss = hidden.new_zeros((), dtype=torch.float32)
+    correct = []
+    for i in range(0, hs.shape[0], chunk_tokens):
+        part, ok = torch.utils.checkpoint.checkpoint(
+            chunk_loss, hs[i : i + chunk_tokens], ys[i : i + chunk_tokens], ws[i : i + chunk_tokens], use_reentrant=False
+        )
+        loss = loss + part
+        correct.append(ok)
+    return loss / total_w, {"num_slots": int(sel.numel()), "correct": torch.cat(correct), "index": sel}
+
+
+def slot_accuracy(stats: dict, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-slot (k = 0..B−1) correct and total counts from :func:`decayed_cross_entropy` stats."""
+    correct = torch.zeros(block_size, dtype=torch.long)
+    total = torch.zeros(block_size, dtype=torch.long)
+    if stats.get("num_slots", 0):
+        slot = (stats["index"] % block_size).cpu()
+        correct.index_add_(0, slot, stats["correct"].long().cpu())
+        total.index_add_(0, slot, torch.ones_like(slot))
+    return correct, total
+
+
+def expected_acceptance_length(slot_acc: list[float]) -> float:
+    """EAL proxy τ ≈ 1 + Σ_k Π_{i≤k} acc_i over slots 1..B−1 (dflash.md §4.5, speculators metrics)."""
+    tau, prod = 1.0, 1.0
+    for acc in slot_acc[1:]:
+        prod *= acc
+        tau += prod
+    return tau
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checkpoint export / load (dflash.md §8)
+# ---------------------------------------------------------------------------------------------------
+
+
+def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16, extra: Optional[dict] = None) -> None:
+    """Write ``config.json`` + ``model.safetensors`` in the layout SGLang/vLLM load (dflash.md §8.1–8.3).
+
+    Tensor names are unprefixed (``fc.weight``, ``layers.0.self_attn.q_proj.weight``, …); no embedding
+    or LM head (they are the target's). Writes into ``out_dir`` (created); callers make it atomic.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu", dtype=dtype).contiguous() for k, v in drafter.state_dict().items() if not k.startswith("rotary_emb.")}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = drafter.config.to_dict()
+    cfg["architectures"] = [ARCHITECTURE]
+    cfg["model_type"] = "qwen3"
+    cfg["block_size"] = drafter.config.block_size
+    cfg["num_target_layers"] = drafter.config.num_target_layers
+    cfg["dflash_config"] = dict(drafter.config.dflash_config)
+    cfg["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in drafter.target_layer_ids]
+    cfg["dtype"] = str(dtype).replace("torch.", "")
+    cfg["tie_word_embeddings"] = False
+    cfg["dflash_pipeline"] = {"format_version": CHECKPOINT_FORMAT_VERSION, **(extra or {})}
+    cfg.pop("auto_map", None)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def load_drafter(ckpt_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DFlashDrafter:
+    """Load a drafter written by :func:`save_drafter` (or any unprefixed DFlash checkpoint)."""
+    from safetensors.torch import load_file
+
+    ckpt = Path(ckpt_dir)
+    raw = json.loads((ckpt / "config.json").read_text(encoding="utf-8"))
+    cfg = Qwen3Config(**{k: v for k, v in raw.items() if k not in ("dflash_pipeline",)})
+    cfg.block_size = raw["block_size"]
+    cfg.num_target_layers = raw["num_target_layers"]
+    cfg.dflash_config = raw["dflash_config"]
+    drafter = DFlashDrafter(cfg)
+    state = load_file(str(ckpt / "model.safetensors"))
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not m.startswith("rotary_emb.")]
+    if missing or unexpected:
+        raise ValueError(f"{ckpt}/model.safetensors: missing {missing}, unexpected {unexpected}")
+    return drafter.to(device=device, dtype=dtype)
+
+
+def count_parameters(module: nn.Module, trainable_only: bool = True) -> int:
+    """Number of (trainable) parameters."""
+    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
+
+
+def cosine_with_warmup(step: int, total: int, warmup: int) -> float:
+    """LR multiplier: linear warmup over ``warmup`` steps, cosine to 0 at ``total`` (dflash.md §4.7)."""
+    if step < warmup:
+        return (step + 1) / max(1, warmup)
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
