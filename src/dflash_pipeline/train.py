@@ -1,7 +1,7 @@
 """Train a DFlash drafter with HF Accelerate, target frozen and run online for its features.
 
 Launched by the ``train_drafter`` rule as ``accelerate launch … -m dflash_pipeline.train …`` (1..N GPUs,
-or N CPU ranks over gloo; see :func:`accelerate_launch_args`). Method: reference/dflash.md §4 (anchors,
+or N CPU ranks over gloo; see :func:`dflash_pipeline.workflow.accelerate_launch_args`). Method: reference/dflash.md §4 (anchors,
 block mask, same-position labels, decayed CE), §4.7 (AdamW, warmup + cosine, clipping, fp32 master
 weights under bf16 autocast), §5.3 (online target features).
 
@@ -119,24 +119,6 @@ def build_drafter(target, probe: dict, *, seed: int = 0) -> M.DFlashDrafter:
     )
     torch.manual_seed(seed)
     return M.DFlashDrafter(cfg)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Launch
-# ---------------------------------------------------------------------------------------------------
-
-
-def accelerate_launch_args(num_processes: int, mixed_precision: str = "no") -> list[str]:
-    """Arguments for ``accelerate launch`` (reference/feasibility.md §3).
-
-    One process: a plain single-process launch (GPU if present, else CPU). Several: ``--multi_gpu``,
-    which on a CPU-only machine gives real gloo ranks because the script builds
-    ``Accelerator(cpu=not torch.cuda.is_available())`` (plain ``--cpu`` would silently run ONE process).
-    """
-    args = ["--num_machines", "1", "--num_processes", str(num_processes), "--mixed_precision", mixed_precision, "--dynamo_backend", "no"]
-    if num_processes > 1:
-        args = ["--multi_gpu"] + args
-    return args
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,0 +1,27 @@
+# dflash-pipeline: target LLM + prompt datasets + endpoints -> trained, servable DFlash drafter.
+# Stages and contracts: DESIGN.md; run: `snakemake --profile local` (plan first with `-n`).
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+validate(config, "config/schema.yaml")
+
+
+include: "rules/common.smk"
+include: "rules/demo.smk"
+include: "rules/probe.smk"
+include: "rules/prompts.smk"
+include: "rules/completions.smk"
+include: "rules/tokens.smk"
+include: "rules/train.smk"
+include: "rules/eval.smk"
+
+
+rule all:
+    input:
+        final_targets(),
+    default_target: True

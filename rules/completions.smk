@@ -1,0 +1,21 @@
+rule generate_completions:
+    """Regenerate every assistant turn of one prompt shard with the target (transformers or servers)."""
+    input:
+        prompts=prompt_shard(),
+        target=target_input(),
+    output:
+        completion_shard(),
+    params:
+        target=target_dir(),
+        generation=config["generation"],
+        chat_template=config["target"]["chat_template"],
+        trust_remote_code=config["target"]["trust_remote_code"],
+    log:
+        f"logs/generate_completions/{{dataset}}/{{shard}}.log",
+    benchmark:
+        f"benchmarks/generate_completions/{{dataset}}/{{shard}}.tsv"
+    threads: workflow.cores if config["generation"]["backend"] == "transformers" else 1
+    conda:
+        "../envs/completions.yaml"
+    script:
+        "../scripts/generate_completions.py"

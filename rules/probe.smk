@@ -1,0 +1,17 @@
+rule probe_target:
+    """Normalized config probe of the target + the drafter decisions (DESIGN.md §2)."""
+    input:
+        target=target_input(),
+    output:
+        probe_json(),
+    params:
+        target=target_dir(),
+        drafter=config["drafter"],
+        trust_remote_code=config["target"]["trust_remote_code"],
+        chat_template=config["target"]["chat_template"],
+    log:
+        "logs/probe_target.log",
+    conda:
+        "../envs/probe.yaml"
+    script:
+        "../scripts/probe_target.py"

@@ -1,0 +1,18 @@
+rule tokenize_completions:
+    """Render one completion shard with the target's chat template; assistant-only loss mask."""
+    input:
+        completions=completion_shard(),
+        target=target_input(),
+    output:
+        token_shard(),
+    params:
+        target=target_dir(),
+        tokens=config["tokens"],
+        chat_template=config["target"]["chat_template"],
+        trust_remote_code=config["target"]["trust_remote_code"],
+    log:
+        f"logs/tokenize_completions/{{dataset}}/{{shard}}.log",
+    conda:
+        "../envs/tokens.yaml"
+    script:
+        "../scripts/tokenize_completions.py"

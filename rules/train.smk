@@ -1,0 +1,29 @@
+rule train_drafter:
+    """Train the DFlash drafter with `accelerate launch` (target frozen, online features).
+
+    Resumes from results/checkpoints/{run}/state/ after a kill; writes final/ atomically.
+    """
+    input:
+        probe=probe_json(),
+        target=target_input(),
+        tokens=all_token_shards,
+    output:
+        directory(f"{R}/checkpoints/{{run}}/final"),
+    params:
+        target=target_dir(),
+        run_dir=lambda wc: checkpoint_dir(wc.run),
+        train=as_json(config["train"]),
+        launch=" ".join(accelerate_launch_args()),
+    log:
+        f"logs/train_drafter/{{run}}.log",
+    benchmark:
+        f"benchmarks/train_drafter/{{run}}.tsv"
+    threads: workflow.cores
+    resources:
+        gpu=config["train"]["num_processes"] if config["train"]["mixed_precision"] != "no" else 0,
+    conda:
+        "../envs/torch.yaml"
+    shell:
+        "OMP_NUM_THREADS={threads} python -m accelerate.commands.launch {params.launch} "
+        "-m dflash_pipeline.train --probe {input.probe:q} --target {params.target:q} "
+        "--out-dir {params.run_dir:q} --train-config {params.train:q} {input.tokens:q} > {log:q} 2>&1"

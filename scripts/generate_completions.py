@@ -1,0 +1,9 @@
+from dflash_pipeline.completions import generate_shard
+from dflash_pipeline.workflow import log_to
+
+with log_to(snakemake.log[0], snakemake.threads):
+    p = snakemake.params
+    generate_shard(
+        snakemake.input.prompts, snakemake.output[0], target_dir=p.target, gen_cfg=p.generation,
+        chat_template=p.chat_template, trust_remote_code=p.trust_remote_code,
+    )
