@@ -1,0 +1,107 @@
+"""Prompt sharding throughput and peak memory: streaming `build_prompt_shards` vs a load-everything baseline.
+
+Usage: .venv/bin/python bench/bench_prompts.py [--records 200000] [--shard-size 4096]
+
+Generates a synthetic .jsonl source (a mix of ShareGPT, OpenAI-messages and single-prompt records, ~1 KiB
+each, 5 % duplicates), then runs each method in a fresh subprocess and prints prompts/s and the child's
+peak RSS (MiB). The baseline reads every line into memory, normalizes everything, builds one table and
+slices it into shards — what a straightforward script does. Figures, not assertions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def generate(path: Path, n: int, seed: int = 0) -> None:
+    rng = random.Random(seed)
+    words = [f"w{i}" for i in range(5000)]
+    with open(path, "w", encoding="utf-8") as fh:
+        for i in range(n):
+            j = i if rng.random() > 0.05 else rng.randrange(max(i, 1))  # ~5 % duplicates
+            text = f"[{j}] " + " ".join(random.Random(j).choices(words, k=150))
+            kind = j % 3
+            if kind == 0:
+                rec = {"id": j, "conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": "ok " * 20}]}
+            elif kind == 1:
+                rec = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]}
+            else:
+                rec = {"prompt": text, "source": "synthetic"}
+            fh.write(json.dumps(rec) + "\n")
+
+
+def run_streaming(src: Path, out: Path, shard_size: int) -> int:
+    from dflash_pipeline.prompts import build_prompt_shards
+
+    m = build_prompt_shards({"synth": {"path": str(src)}}, out, shard_size=shard_size, seed=0)
+    return m["total_prompts"]
+
+
+def run_naive(src: Path, out: Path, shard_size: int) -> int:
+    from dflash_pipeline import shards
+    from dflash_pipeline.contracts import PROMPT_SCHEMA, prompt_id
+    from dflash_pipeline.prompts import normalize_record
+
+    records = [json.loads(line) for line in open(src, encoding="utf-8")]
+    rows, seen = [], set()
+    for rec in records:
+        messages = normalize_record(rec)
+        pid = prompt_id(messages)
+        if pid in seen:
+            continue
+        seen.add(pid)
+        rows.append({"prompt_id": pid, "dataset": "synth", "messages": messages, "metadata": json.dumps(rec)})
+    table = shards.table_from_records(rows, PROMPT_SCHEMA)
+    for i in range(0, table.num_rows, shard_size):
+        shards.write_parquet(out / "synth" / f"{i // shard_size:05d}.parquet", table.slice(i, shard_size))
+    return len(rows)
+
+
+def child(mode: str, src: Path, out: Path, shard_size: int) -> None:
+    t0 = time.perf_counter()
+    kept = (run_streaming if mode == "streaming" else run_naive)(src, out, shard_size)
+    dt = time.perf_counter() - t0
+    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    print(json.dumps({"mode": mode, "kept": kept, "seconds": dt, "peak_rss_mib": rss_mib}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--records", type=int, default=200_000)
+    ap.add_argument("--shard-size", type=int, default=4096)
+    ap.add_argument("--child", nargs=3, metavar=("MODE", "SRC", "OUT"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        mode, src, out = args.child
+        child(mode, Path(src), Path(out), args.shard_size)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "synth.jsonl"
+        t0 = time.perf_counter()
+        generate(src, args.records)
+        size_mib = src.stat().st_size / 2**20
+        print(f"source: {args.records} records, {size_mib:.0f} MiB jsonl (generated in {time.perf_counter() - t0:.1f} s)")
+        results = {}
+        for mode in ("streaming", "naive"):
+            cmd = [sys.executable, __file__, "--shard-size", str(args.shard_size), "--child", mode, str(src),
+                   str(Path(tmp) / f"out-{mode}")]
+            res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+            results[mode] = res
+            rate = args.records / res["seconds"]
+            print(f"{mode:>9}: {rate:,.0f} prompts/s ({res['seconds']:.1f} s, {res['kept']} kept), "
+                  f"peak RSS {res['peak_rss_mib']:.0f} MiB")
+        s, n = results["streaming"], results["naive"]
+        print(f"ratio streaming/naive: speed x{n['seconds'] / s['seconds']:.2f}, "
+              f"peak RSS x{s['peak_rss_mib'] / n['peak_rss_mib']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,366 @@
+"""Prompt stage: readers, normalization, dedup, sampling, stable shards, manifest, eval prompt formats."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dflash_pipeline import prompts
+from dflash_pipeline.contracts import PROMPT_SCHEMA, prompt_id
+from dflash_pipeline.errors import ConfigError, DataError
+from dflash_pipeline.prompts import (
+    GSM8K_SUFFIX,
+    RejectedRecord,
+    build_prompt_shards,
+    list_shards,
+    load_eval_prompts,
+    normalize_record,
+    read_records,
+)
+from dflash_pipeline.shards import read_shard_metadata
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "data"
+
+
+def write_jsonl(path: Path, records, *, opener=open) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with opener(path, "wt", encoding="utf-8") as fh:
+        for r in records:
+            fh.write(json.dumps(r, ensure_ascii=False) + "\n")
+    return path
+
+
+def q(i: int) -> dict:
+    return {"question": f"What is {i} + {i}?", "answer": f"#### {2 * i}"}
+
+
+def shard_state(out: Path) -> dict[str, tuple[bytes, int]]:
+    return {str(p.relative_to(out)): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(out.rglob("*.parquet"))}
+
+
+def set_old_mtimes(out: Path) -> None:
+    for p in out.rglob("*.parquet"):
+        os.utime(p, ns=(1_000_000_000, 1_000_000_000))
+
+
+# ---------------------------------------------------------------------------------------------- formats
+
+
+def test_normalize_sharegpt_keeps_system_and_user_turns_only():
+    rec = {"conversations": [
+        {"from": "system", "value": "Be brief."},
+        {"from": "human", "value": "  Hi there  \n"},
+        {"from": "gpt", "value": "Hello!"},
+        {"from": "human", "value": "Bye"},
+        {"from": "gpt", "value": "Bye!"},
+    ]}
+    assert normalize_record(rec) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "  Hi there  \n"},  # nothing the user wrote is stripped
+        {"role": "user", "content": "Bye"},
+    ]
+
+
+def test_normalize_openai_alpaca_prompt_mtbench_and_top_level_system():
+    assert normalize_record({"messages": [
+        {"role": "developer", "content": "sys"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "tool_calls": []},
+    ]}) == [{"role": "system", "content": "sys"}, {"role": "user", "content": "ab"}]
+    assert normalize_record({"instruction": "Sort", "input": "3 1 2", "output": "1 2 3"}) == [
+        {"role": "user", "content": "Sort\n\nInput:\n3 1 2"}]
+    assert normalize_record({"instruction": "Sort", "input": ""}) == [{"role": "user", "content": "Sort"}]
+    assert normalize_record({"problem": "x", "system": "S"}) == [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "x"}]
+    assert normalize_record({"prompt": [{"role": "user", "content": "p"}]}) == [{"role": "user", "content": "p"}]
+    assert normalize_record({"turns": ["t1", "t2"]}, fmt="mt_bench") == [
+        {"role": "user", "content": "t1"}, {"role": "user", "content": "t2"}]
+
+
+def test_normalize_mapping_and_role_map():
+    rec = {"dialog": [{"speaker": "customer", "text": "help"}, {"speaker": "agent", "text": "ok"}]}
+    mapping = {"messages": "dialog", "role": "speaker", "content": "text",
+               "roles": {"customer": "user", "agent": "assistant"}}
+    assert normalize_record(rec, fmt="openai", mapping=mapping) == [{"role": "user", "content": "help"}]
+    assert normalize_record({"query": "q?"}, mapping={"prompt": "query"}) == [{"role": "user", "content": "q?"}]
+
+
+@pytest.mark.parametrize(
+    "rec, reason",
+    [
+        ({"conversations": [{"from": "gpt", "value": "hi"}, {"from": "human", "value": "x"}]}, "starts_with_assistant"),
+        ({"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]}, "starts_with_assistant"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "multimodal"),
+        ({"conversations": [{"from": "human", "value": "<image>\nwhat?"}], "image": "a.png"}, "multimodal"),
+        ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "r"}]}, "unsupported_role"),
+        ({"prompt": "   "}, "empty"),
+        ({"conversations": [{"from": "system", "value": "s"}]}, "empty"),
+        ({"text": "no known field"}, "no_prompt_field"),
+    ],
+)
+def test_normalize_rejections_carry_reason(rec, reason):
+    with pytest.raises(RejectedRecord) as exc:
+        normalize_record(rec)
+    assert exc.value.reason == reason
+
+
+def test_normalize_wrong_type_names_field():
+    with pytest.raises(DataError, match=r"conversations\[1\]\.value"):
+        normalize_record({"conversations": [{"from": "human", "value": "a"}, {"from": "human", "value": 3}]})
+    with pytest.raises(DataError, match="`messages`"):
+        normalize_record({"messages": "hello"})
+
+
+def test_read_real_bundled_files():
+    gsm = list(read_records(DATA / "gsm8k" / "train.jsonl"))
+    assert len(gsm) == 7473 and gsm[0][1]["question"].startswith("Natalia")
+    assert str(gsm[1][0]).endswith("train.jsonl: line 2")
+    share = list(read_records(DATA / "sharegpt" / "sharegpt.json"))
+    assert len(share) == 500 and share[3][0].kind == "record" and share[3][0].index == 3
+    assert share[1][0].line > share[0][0].line > 1
+    he = list(read_records(DATA / "humaneval" / "HumanEval.jsonl.gz"))
+    assert len(he) == 164 and "prompt" in he[0][1]
+    mt = [normalize_record(r) for _, r in read_records(DATA / "mt_bench" / "question.jsonl")]
+    assert len(mt) == 80 and all(len(m) == 2 for m in mt)
+    assert all(normalize_record(r) for _, r in share)
+
+
+def test_read_matches_shared_originals():
+    shared = REPO.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
+    if not shared.exists():
+        pytest.skip("../shared/data not present")
+    assert [r for _, r in read_records(shared)] == [r for _, r in read_records(DATA / "gsm8k" / "test.jsonl")]
+
+
+def test_read_json_array_parquet_arrow_gz_zst_and_directory(tmp_path):
+    recs = [{"prompt": f"p{i}", "n": i} for i in range(5)]
+    d = tmp_path / "src"
+    d.mkdir()
+    (d / "a.json").write_text(json.dumps(recs[:2], indent=1), encoding="utf-8")
+    write_jsonl(d / "b.jsonl.gz", recs[2:3], opener=gzip.open)
+    pq.write_table(pa.Table.from_pylist(recs[3:4]), d / "c.parquet")
+    with pa.ipc.new_stream(str(d / "d.arrow"), pa.Table.from_pylist(recs[4:]).schema) as w:
+        w.write_table(pa.Table.from_pylist(recs[4:]))
+    (d / ".hidden.jsonl").write_text("not json\n")
+    (d / "README.md").write_text("ignored")
+    got = list(read_records(d))
+    assert [r for _, r in got] == recs
+    assert [Path(loc.file).name for loc, _ in got] == ["a.json", "a.json", "b.jsonl.gz", "c.parquet", "d.arrow"]
+
+    sink = pa.BufferOutputStream()
+    with pa.CompressedOutputStream(sink, "zstd") as z:
+        z.write(b"".join(json.dumps(r).encode() + b"\n" for r in recs))
+    (tmp_path / "e.jsonl.zst").write_bytes(sink.getvalue().to_pybytes())
+    assert [r for _, r in read_records(tmp_path / "e.jsonl.zst")] == recs
+
+
+def test_json_array_streams_records_larger_than_read_chunk(tmp_path, monkeypatch):
+    monkeypatch.setattr(prompts, "_READ_CHUNK", 7)
+    recs = [{"prompt": "x" * 50, "i": i, "nested": {"a": [1, 2, {"b": "]"}]}} for i in range(20)]
+    (tmp_path / "a.json").write_text(json.dumps(recs, indent=2), encoding="utf-8")
+    assert [r for _, r in read_records(tmp_path / "a.json")] == recs
+    (tmp_path / "b.json").write_text("[\n" + ",\n".join(json.dumps(r) for r in recs) + "\n]\n", encoding="utf-8")
+    assert [loc.line for loc, _ in read_records(tmp_path / "b.json")] == list(range(2, 22))
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "name, content, pattern, reason",
+    [
+        ("bad.jsonl", b'{"prompt": "a"}\n{"prompt": \n', r"bad\.jsonl: line 2: invalid JSON", "malformed_json"),
+        ("utf.jsonl", b'{"prompt": "a"}\n{"prompt": "\xff\xfe"}\n', r"utf\.jsonl: line 2: invalid UTF-8", "invalid_utf8"),
+        ("arr.jsonl", b'{"prompt": "a"}\n[1, 2]\n', r"arr\.jsonl: line 2: expected a JSON object, got list", "not_an_object"),
+        ("arr.json", b'[{"prompt": "a"}, "str"]', r"arr\.json: record 1 \(line 1\): expected a JSON object", "not_an_object"),
+        ("utf.json", b'[{"prompt": "a"},\n {"prompt": "\xc3"}]', r"utf\.json: record 1 \(line 2\): invalid UTF-8", "invalid_utf8"),
+    ],
+)
+def test_bad_records_name_file_and_line_or_skip_when_not_strict(tmp_path, name, content, pattern, reason):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(DataError, match=pattern):
+        list(read_records(path))
+    counts: dict = {}
+    got = list(read_records(path, strict=False, counts=counts))
+    assert [r for _, r in got] == [{"prompt": "a"}]
+    assert counts == {reason: 1}
+
+
+def test_empty_file_and_broken_json_array(tmp_path):
+    (tmp_path / "e.jsonl").write_bytes(b"\n\n")
+    with pytest.raises(DataError, match=r"e\.jsonl: empty file"):
+        list(read_records(tmp_path / "e.jsonl"))
+    counts: dict = {}
+    assert list(read_records(tmp_path / "e.jsonl", strict=False, counts=counts)) == []
+    assert counts == {"empty_file": 1}
+    (tmp_path / "b.json").write_text('[{"prompt": "a"},\n{"prompt": "b"')
+    with pytest.raises(DataError, match=r"b\.json: line 2: invalid JSON in record 1"):
+        list(read_records(tmp_path / "b.json", strict=False))
+    with pytest.raises(DataError, match="no such file"):
+        list(read_records(tmp_path / "missing.jsonl"))
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match="unsupported file type"):
+        list(read_records(tmp_path / "x.csv"))
+
+
+def test_build_wrong_type_names_file_line_field_and_strict_false_counts(tmp_path):
+    src = tmp_path / "s.jsonl"
+    src.write_text('{"prompt": "ok"}\n{"conversations": [{"from": "human", "value": 5}]}\nnot json\n')
+    with pytest.raises(DataError, match=r"s\.jsonl: line 2: field `conversations\[0\]\.value`.*strict: false"):
+        build_prompt_shards({"s": {"path": str(src)}}, tmp_path / "out", shard_size=4, seed=0)
+    m = build_prompt_shards({"s": {"path": str(src), "strict": False}}, tmp_path / "out", shard_size=4, seed=0)
+    ds = m["datasets"]["s"]
+    assert ds["kept"] == 1 and ds["read"] == 3
+    assert ds["dropped"] == {"wrong_type": 1, "malformed_json": 1}
+    assert ["line 2" in ds["skipped_examples"][0], "line 3" in ds["skipped_examples"][1]] == [True, True]
+
+
+# ---------------------------------------------------------------------------------------------- sharding
+
+
+def test_build_shards_manifest_and_record_contents(tmp_path):
+    src = write_jsonl(tmp_path / "g.jsonl", [q(i) for i in range(10)])
+    out = tmp_path / "out"
+    m = build_prompt_shards({"g": {"path": str(src)}}, out, shard_size=4, seed=0)
+    assert [s["rows"] for s in m["datasets"]["g"]["shards"]] == [4, 4, 2]
+    assert list_shards(out / "manifest.json") == [("g", "00000"), ("g", "00001"), ("g", "00002")]
+    assert json.loads((out / "manifest.json").read_text()) == m
+    table = pq.read_table(out / "g" / "00000.parquet")
+    assert table.schema.remove_metadata().equals(PROMPT_SCHEMA)
+    rows = table.to_pylist()
+    assert rows[1]["messages"] == [{"role": "user", "content": "What is 1 + 1?"}]
+    assert rows[1]["prompt_id"] == prompt_id(rows[1]["messages"])
+    meta = json.loads(rows[1]["metadata"])
+    assert meta == {"answer": "#### 2", "_source": {"file": "", "line": 2}}
+    assert read_shard_metadata(out / "g" / "00001.parquet") == {"schema_version": 1, "dataset": "g", "shard": "00001"}
+
+
+def test_dedup_across_sources_first_wins_and_counts(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", [q(0), q(1), q(1)])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"messages": [{"role": "user", "content": "What is 1 + 1?"}]}, q(7)])
+    m = build_prompt_shards({"a": {"path": str(a)}, "b": {"path": str(b)}}, tmp_path / "out", shard_size=10, seed=0)
+    assert m["datasets"]["a"]["kept"] == 2 and m["datasets"]["a"]["dropped"] == {"duplicate": 1}
+    assert m["datasets"]["b"]["kept"] == 1 and m["datasets"]["b"]["dropped"] == {"duplicate": 1}
+    assert m["total_prompts"] == 3
+
+
+def test_filters_too_long_fraction_and_max_prompts(tmp_path):
+    class WordTokenizer:
+        def encode(self, text, add_special_tokens=False):
+            return text.split()
+
+    src = write_jsonl(tmp_path / "g.jsonl", [q(i) for i in range(200)] + [{"prompt": "w " * 50}])
+    m = build_prompt_shards({"g": {"path": str(src)}}, tmp_path / "o1", shard_size=64, seed=0,
+                            tokenizer=WordTokenizer(), max_prompt_tokens=10)
+    assert m["datasets"]["g"]["dropped"] == {"too_long": 1} and m["datasets"]["g"]["kept"] == 200
+    with pytest.raises(ConfigError, match="tokenizer"):
+        build_prompt_shards({"g": {"path": str(src)}}, tmp_path / "o2", shard_size=64, seed=0, max_prompt_tokens=10)
+
+    m = build_prompt_shards({"g": {"path": str(src), "fraction": 0.5}}, tmp_path / "o3", shard_size=64, seed=0)
+    ds = m["datasets"]["g"]
+    assert 60 < ds["kept"] < 140 and ds["kept"] + ds["dropped"]["sampled_out"] == 201
+    build_prompt_shards({"g": {"path": str(src), "fraction": 0.5}}, tmp_path / "o4", shard_size=64, seed=1)
+    ids = lambda out: [r["prompt_id"] for p in sorted(out.rglob("*.parquet")) for r in pq.read_table(p).to_pylist()]
+    assert ids(tmp_path / "o3") != ids(tmp_path / "o4")  # the seed matters
+
+    m = build_prompt_shards({"g": {"path": str(src), "fraction": 0.5, "max_prompts": 30}}, tmp_path / "o5",
+                            shard_size=64, seed=0)
+    assert m["datasets"]["g"]["kept"] == 30 and m["datasets"]["g"]["stopped_at_max_prompts"]
+    assert ids(tmp_path / "o5") == ids(tmp_path / "o3")[:30]  # a prefix of the seeded sample
+
+
+def test_same_config_gives_byte_identical_shards_and_rerun_touches_nothing(tmp_path):
+    src = write_jsonl(tmp_path / "g.jsonl", [q(i) for i in range(50)])
+    sg = str(DATA / "sharegpt" / "sharegpt.json")
+    cfg = {"g": {"path": str(src), "fraction": 0.7}, "sg": {"path": sg, "max_prompts": 20}}
+    build_prompt_shards(cfg, tmp_path / "a", shard_size=8, seed=3)
+    build_prompt_shards(cfg, tmp_path / "b", shard_size=8, seed=3)
+    sa, sb = shard_state(tmp_path / "a"), shard_state(tmp_path / "b")
+    assert {k: v[0] for k, v in sa.items()} == {k: v[0] for k, v in sb.items()}
+    set_old_mtimes(tmp_path / "a")
+    before = shard_state(tmp_path / "a")
+    build_prompt_shards(cfg, tmp_path / "a", shard_size=8, seed=3)
+    assert shard_state(tmp_path / "a") == before
+
+
+def test_append_and_new_source_keep_existing_full_shards_untouched(tmp_path):
+    src = tmp_path / "g.jsonl"
+    write_jsonl(src, [q(i) for i in range(20)])
+    out = tmp_path / "out"
+    cfg = {"g": {"path": str(src), "fraction": 0.8}}
+    m1 = build_prompt_shards(cfg, out, shard_size=4, seed=0)
+    set_old_mtimes(out)
+    before = shard_state(out)
+    full = [f"g/{s['name']}.parquet" for s in m1["datasets"]["g"]["shards"] if s["rows"] == 4]
+    assert len(full) >= 3
+
+    with open(src, "a", encoding="utf-8") as fh:  # append 30 records
+        for i in range(20, 50):
+            fh.write(json.dumps(q(i)) + "\n")
+    cfg["new"] = {"path": str(DATA / "mt_bench" / "question.jsonl")}
+    m2 = build_prompt_shards(cfg, out, shard_size=4, seed=0)
+    after = shard_state(out)
+    for name in full:
+        assert after[name] == before[name], name  # same bytes, same mtime
+    assert m2["datasets"]["g"]["kept"] > m1["datasets"]["g"]["kept"]
+    assert m2["datasets"]["new"]["kept"] == 80
+
+
+def test_stale_shards_removed_when_source_shrinks_or_leaves(tmp_path):
+    src = write_jsonl(tmp_path / "g.jsonl", [q(i) for i in range(10)])
+    other = write_jsonl(tmp_path / "h.jsonl", [q(100)])
+    out = tmp_path / "out"
+    build_prompt_shards({"g": {"path": str(src)}, "h": {"path": str(other)}}, out, shard_size=3, seed=0)
+    assert (out / "g" / "00003.parquet").exists() and (out / "h" / "00000.parquet").exists()
+    build_prompt_shards({"g": {"path": str(src), "max_prompts": 5}}, out, shard_size=3, seed=0)
+    assert sorted(p.name for p in (out / "g").iterdir()) == ["00000.parquet", "00001.parquet"]
+    assert not (out / "h" / "00000.parquet").exists()
+
+
+def test_nothing_kept_is_an_error(tmp_path):
+    src = write_jsonl(tmp_path / "g.jsonl", [{"prompt": ""}])
+    with pytest.raises(DataError, match="no prompt kept.*empty"):
+        build_prompt_shards({"g": {"path": str(src)}}, tmp_path / "out", shard_size=3, seed=0)
+
+
+def test_default_config_datasets_build(tmp_path, monkeypatch):
+    from dflash_pipeline.config import load_config
+
+    monkeypatch.chdir(REPO)
+    cfg = load_config(REPO / "config" / "config.yaml")
+    m = build_prompt_shards(cfg["datasets"], tmp_path / "out", shard_size=cfg["prompts"]["shard_size"],
+                            seed=cfg["prompts"]["seed"])
+    assert {n: d["kept"] for n, d in m["datasets"].items()} == {"gsm8k": 900, "sharegpt": 60, "mt_bench": 40}
+
+
+# ---------------------------------------------------------------------------------------------- eval prompts
+
+
+def test_eval_prompt_formats_and_seeded_subset():
+    gsm = load_eval_prompts(DATA / "gsm8k" / "test.jsonl", num_samples=5, seed=0)
+    assert len(gsm) == 5 and all(len(r["turns"]) == 1 and r["turns"][0].endswith(GSM8K_SUFFIX) for r in gsm)
+    assert gsm == load_eval_prompts(DATA / "gsm8k" / "test.jsonl", fmt="gsm8k", num_samples=5, seed=0)
+    assert gsm != load_eval_prompts(DATA / "gsm8k" / "test.jsonl", num_samples=5, seed=1)
+    first = json.loads((DATA / "gsm8k" / "test.jsonl").read_text().splitlines()[0])["question"]
+    everything = load_eval_prompts(DATA / "gsm8k" / "test.jsonl", num_samples=10_000, seed=0)
+    assert len(everything) == 1319 and first + GSM8K_SUFFIX in [r["turns"][0] for r in everything]
+
+    he = load_eval_prompts(DATA / "humaneval" / "HumanEval.jsonl.gz", num_samples=164, seed=0)
+    t = he[0]["turns"][0]
+    assert t.startswith("Write a solution to the following problem and make sure that it passes the tests:\n```python\n")
+    assert t.endswith("\n```") and "def " in t
+
+    mt = load_eval_prompts(DATA / "mt_bench" / "question.jsonl", num_samples=80, seed=0)
+    assert len(mt) == 80 and all(len(r["turns"]) == 2 for r in mt)
+    assert len({r["prompt_id"] for r in mt}) == 80
+
+    sg = load_eval_prompts(DATA / "sharegpt" / "sharegpt.json", fmt="sharegpt", num_samples=3, seed=0)
+    assert all(r["turns"] and r["system"] is None for r in sg)
