@@ -1,0 +1,163 @@
+"""Tokens stage throughput (tokens/s per core) vs a naive per-record baseline, and shard peak memory.
+
+Both paths run in this process on one core (Rust thread pools pinned to 1 thread) over the same records
+and produce the same masks:
+
+* ``tokens``: :func:`dflash_pipeline.tokens.tokenize_records` (string-level render diffs, one batched
+  offset-mapping tokenizer call per 256 sequences).
+* ``naive``: per record and assistant turn, ``apply_chat_template(..., tokenize=True)`` of the
+  generation-prompt render and of the render with the turn, mask = token-prefix difference (the usual
+  "re-render and re-encode every prefix" approach).
+
+Usage::
+
+    python bench/bench_tokens.py                     # 2000 conversations, throughput only
+    python bench/bench_tokens.py --peak-records 100000   # + peak RSS of tokenize_shard on a 100k shard
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAYON_RS_NUM_CPUS", "1")
+os.environ.setdefault("RAYON_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from dflash_pipeline import chat, demo, shards  # noqa: E402
+from dflash_pipeline.contracts import COMPLETION_SCHEMA  # noqa: E402
+from dflash_pipeline.tokens import tokenize_records, tokenize_shard  # noqa: E402
+
+
+def load_conversations(n: int, seed: int = 0) -> list[list[dict]]:
+    """Real conversations: GSM8K (single turn) and ShareGPT (multi-turn), assistant text as 'generated'."""
+    convs: list[list[dict]] = []
+    with open(REPO / "data" / "gsm8k" / "train.jsonl", encoding="utf-8") as fh:
+        for line in fh:
+            r = json.loads(line)
+            convs.append([{"role": "user", "content": r["question"]}, {"role": "assistant", "content": r["answer"]}])
+    for rec in json.loads((REPO / "data" / "sharegpt" / "sharegpt.json").read_text(encoding="utf-8")):
+        msgs = []
+        for t in rec.get("conversations", []):
+            role = {"human": "user", "gpt": "assistant"}.get(t.get("from"))
+            if role is None or (msgs and msgs[-1]["role"] == role) or (not msgs and role != "user"):
+                break
+            msgs.append({"role": role, "content": t.get("value", "")})
+        if len(msgs) >= 2 and msgs[-1]["role"] == "assistant":
+            convs.append(msgs)
+    rng = random.Random(seed)
+    rng.shuffle(convs)
+    return (convs * (n // max(len(convs), 1) + 1))[:n]
+
+
+def completion_records(convs: list[list[dict]], thinking: str) -> list[dict]:
+    recs = []
+    for i, msgs in enumerate(convs):
+        n = sum(m["role"] == "assistant" for m in msgs)
+        recs.append({
+            "prompt_id": f"p{i}", "dataset": "bench",
+            "messages": [dict(m, reasoning_content=None) for m in msgs],
+            "turns": [{"finish_reason": "stop"} for _ in range(n)],
+            "model": "bench", "sampling": "{}", "thinking": thinking, "status": "ok", "error": None,
+        })
+    return recs
+
+
+def naive(tokenizer, records, max_length: int) -> tuple[int, int]:
+    """Per record and turn: tokenize both renders, mask by token-prefix difference. Returns (tokens, loss)."""
+    n_tok = n_loss = 0
+    for rec in records:
+        msgs = rec["messages"]
+        for i, m in enumerate(msgs):
+            if m["role"] != "assistant":
+                continue
+            p = chat.render(tokenizer, msgs[:i], thinking=rec["thinking"], add_generation_prompt=True, tokenize=True)
+            q = chat.render(tokenizer, msgs[: i + 1], thinking=rec["thinking"], add_generation_prompt=False, tokenize=True)
+            if q[: len(p)] != p:
+                continue
+            mask = [0] * len(p) + [1] * (len(q) - len(p) - 1) + [0]  # trailing "\n" after <|im_end|>
+            q, mask = q[:max_length], mask[:max_length]
+            n_tok += len(q)
+            n_loss += sum(mask)
+    return n_tok, n_loss
+
+
+def peak_memory(tokenizer_dir: Path, n: int, thinking: str) -> dict:
+    """Write an n-record completion shard, tokenize it in a child process, report its peak RSS."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "c.parquet"
+        recs = completion_records(load_conversations(n), thinking)
+        shards.write_parquet(src, shards.table_from_records(recs, COMPLETION_SCHEMA))
+        del recs
+        code = (
+            "import json,resource,sys,time; sys.path.insert(0, %r)\n"
+            "from dflash_pipeline.tokens import tokenize_shard\n"
+            "t=time.perf_counter(); s=tokenize_shard(%r, %r, target_dir=%r, tokens_cfg={'max_length':3072,'last_turn_only':False})\n"
+            "print(json.dumps({'seconds': time.perf_counter()-t, 'records_out': s['records_out'], 'num_tokens': s['num_tokens'],"
+            " 'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss/1024}))"
+        ) % (str(REPO / "src"), str(src), str(Path(tmp) / "t.parquet"), str(tokenizer_dir))
+        out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env=os.environ)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--records", type=int, default=2000, help="conversations in the throughput run")
+    ap.add_argument("--thinking", default="disable", choices=["none", "disable"])
+    ap.add_argument("--vocab-size", type=int, default=8192)
+    ap.add_argument("--max-length", type=int, default=3072)
+    ap.add_argument("--peak-records", type=int, default=0, help="also measure peak RSS for a shard of this many records")
+    args = ap.parse_args(argv)
+
+    convs = load_conversations(args.records)
+    t0 = time.perf_counter()
+    tok = demo.train_tokenizer((m["content"] for c in convs[:3000] for m in c), vocab_size=args.vocab_size)
+    print(f"tokenizer: demo Qwen3-style template, byte-level BPE vocab {len(tok)} (trained in {time.perf_counter() - t0:.1f} s)")
+    records = completion_records(convs, args.thinking)
+    turns = sum(len(r["turns"]) for r in records)
+    print(f"records: {len(records)} conversations, {turns} assistant turns, thinking={args.thinking}")
+
+    naive(tok, records[:50], args.max_length)  # warm-up (template compile)
+    stats: dict = {}
+    list(tokenize_records(tok, records[:50], max_length=args.max_length))
+
+    t = time.perf_counter()
+    stats = {}
+    out = list(tokenize_records(tok, records, max_length=args.max_length, stats=stats))
+    fast_s = time.perf_counter() - t
+    fast_tokens = sum(r["num_tokens"] for r in out)
+
+    t = time.perf_counter()
+    naive_tokens, naive_loss = naive(tok, records, args.max_length)
+    naive_s = time.perf_counter() - t
+
+    print(f"tokens.tokenize_records: {fast_tokens:,} tokens ({stats['num_loss_tokens']:,} supervised, "
+          f"{stats['records_out']} sequences) in {fast_s:.2f} s = {fast_tokens / fast_s:,.0f} tokens/s/core")
+    print(f"naive per-record re-render + re-encode: {naive_tokens:,} tokens ({naive_loss:,} supervised) in "
+          f"{naive_s:.2f} s = {naive_tokens / naive_s:,.0f} tokens/s/core")
+    print(f"speedup: {(fast_tokens / fast_s) / (naive_tokens / naive_s):.2f}x (tokens/s ratio)")
+
+    if args.peak_records:
+        with tempfile.TemporaryDirectory() as tdir:
+            tok.save_pretrained(tdir)
+            m = peak_memory(Path(tdir), args.peak_records, args.thinking)
+        print(f"peak memory, tokenize_shard on {args.peak_records:,} records: {m['peak_rss_mb']:.0f} MiB RSS "
+              f"({m['records_out']:,} sequences, {m['num_tokens']:,} tokens, {m['seconds']:.1f} s)")
+    print(f"(this process peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,558 @@
+"""Tokens stage: completion shard -> token shard (``input_ids`` int32, ``loss_mask`` uint8).
+
+The loss mask says which tokens the target *generated*. It is built without any regex over decoded text,
+from differences of renders made with the target's own chat template (``chat.render``) and the same
+thinking mode used for generation:
+
+1. For assistant turn ``k`` (message index ``i``) render ``P = render(messages[:i], add_generation_prompt=True)``
+   (exactly the prompt the server rendered) and ``Q = render(messages[:i+1], add_generation_prompt=False)``.
+   ``Q`` must start with ``P``; otherwise the template rewrites the turn being trained (e.g. DeepSeek-R1
+   drops the ``<think>\\n`` its generation prompt opens) and we fail closed with
+   :class:`~dflash_pipeline.errors.TokenizationError` naming the prompt_id and the turn.
+2. ``X = Q[len(P):]`` is what the target produced after the prompt, plus what the template writes after
+   the end-of-turn marker. Supervised text = ``X`` without trailing whitespace (the ``\\n`` after
+   ``<|im_end|>``) and, when ``X`` ends with a run of special tokens, only the first of them (the model
+   stops at its first stop token). So the end-of-turn token is supervised, the newline after it is not,
+   and scaffolding the template puts in the generation prompt (Qwen3's empty ``<think>\\n\\n</think>\\n\\n``
+   with ``enable_thinking=False``, DeepSeek-V3.1's ``</think>``, Qwen3.5's opening ``<think>\\n``) is 0.
+   Sanity checks that also fail closed: the turn's content (stripped) and, when present, its reasoning
+   (stripped) must occur in the supervised text, else the template dropped what the target generated.
+3. **Templates that rewrite earlier turns.** Qwen3/3.5/3.6, GLM, MiniMax and gpt-oss render an earlier
+   assistant turn differently once a later user turn exists (reasoning dropped, empty think block
+   omitted, ``<|return|>`` becomes ``<|end|>``). Then ``Q_k`` is not a prefix of the full render, and in
+   the full render turn ``k`` no longer sits in the context the target generated it in. We never train a
+   turn in a context it was not generated in: a conversation becomes the fewest sequences such that each
+   selected turn is supervised exactly once, inside a sequence that starts with its own ``Q_k[:end_k]``.
+   Greedy from the last turn: sequence ``Q_j`` of the latest pending turn supervises every pending turn
+   whose ``Q_i[:end_i]`` is a prefix of ``Q_j``. Prefix-stable templates (Llama 3, Qwen2.5, Kimi-K2,
+   gemma 3, the TRL training templates, ...) give one sequence per conversation; rewriting templates give
+   one per turn (the SpecForge "expand reasoning conversations" layout). Rows split this way share the
+   ``prompt_id`` and are written in turn order; ``stats["split_conversations"]`` counts them.
+4. Strings -> tokens: each sequence is tokenized once (batched, fast tokenizer, ``return_offsets_mapping``).
+   A token is supervised iff its character span ``[start, end)`` is non-empty and lies entirely inside a
+   supervised span. A token that straddles a span boundary (BPE merged prompt text with generated text)
+   is **0** - its text was partly never generated - and counted in ``stats["straddling_tokens"]``.
+   Zero-width tokens are 0. This needs offsets relative to the original string (fast tokenizers; ByteLevel
+   post-processors with ``trim_offsets`` shift a leading space out of a token's span, which can only turn
+   a straddling token into an inside one).
+
+Server token ids (``turns[k].prompt_token_ids`` / ``output_token_ids``) are the exact trained tokens when
+present. With ``tokens.use_server_token_ids`` a record whose selected turns all carry both lists becomes one
+row per turn, ``prompt_token_ids + output_token_ids`` with 1 on the output ids (:func:`server_ids_sequence`);
+records without ids fall back to the render path. Off by default until the ids of each backend are
+checked against the render path on a real server.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from . import chat
+from .contracts import TOKEN_SCHEMA, TOKEN_SCHEMA_VERSION, sha256_text
+from .errors import TokenizationError
+from .shards import write_parquet
+
+#: Drop reasons counted in the shard metadata and the returned stats.
+DROP_REASONS = ("status_error", "no_assistant_turn", "no_loss_tokens", "tokenization_error")
+
+
+# --------------------------------------------------------------------------------------------------
+# String level: supervised character spans from render differences
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainSequence:
+    """One training sequence before tokenization.
+
+    Attributes:
+        text: the rendered string (a prefix-closed render of the conversation up to its last turn).
+        spans: supervised character spans ``[(start, end), ...]``, sorted, non-overlapping.
+        turns: assistant-turn indices (0-based among assistant turns) supervised in this sequence.
+    """
+
+    text: str
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    turns: list[int] = field(default_factory=list)
+
+
+def special_token_strings(tokenizer) -> tuple[str, ...]:
+    """Contents of the tokenizer's *special* added tokens (end-of-turn candidates), longest first."""
+    out = set()
+    for tok in getattr(tokenizer, "added_tokens_decoder", {}).values():
+        if getattr(tok, "special", False) and tok.content:
+            out.add(str(tok.content))
+    for name in ("eos_token", "bos_token", "pad_token"):
+        val = getattr(tokenizer, name, None)
+        if isinstance(val, str) and val:
+            out.add(val)
+    return tuple(sorted(out, key=lambda s: (-len(s), s)))
+
+
+def supervised_length(suffix: str, specials: Sequence[str], *, include_eot: bool = True) -> int:
+    """Length of the supervised head of ``suffix`` (= render after the generation prompt).
+
+    Trailing whitespace is template scaffolding; if what remains ends with a run of special tokens
+    (optionally separated by whitespace), only the first of that run is kept: it is the stop token the
+    target emitted, later ones are template text (e.g. a trailing ``<|endoftext|>``). With
+    ``include_eot=False`` (generation cut at max_tokens: the target never emitted a stop token) the whole
+    run is excluded.
+    """
+    end = len(suffix.rstrip())
+    first_special_end = None
+    while end > 0:
+        hit = next((s for s in specials if suffix.endswith(s, 0, end)), None)
+        if hit is None:
+            break
+        first_special_end = end
+        end = len(suffix[: end - len(hit)].rstrip())
+    if first_special_end is None or not include_eot:
+        return end
+    return first_special_end
+
+
+def render_messages(messages: Iterable[Mapping[str, Any]]) -> list[dict]:
+    """Completion messages -> template messages: ``{role, content}`` plus ``reasoning_content`` (and its
+    gpt-oss alias ``thinking``) on assistant turns that carry non-empty reasoning."""
+    out = []
+    for m in messages:
+        msg = {"role": m["role"], "content": m.get("content") or ""}
+        rc = m.get("reasoning_content")
+        if m["role"] == "assistant" and isinstance(rc, str) and rc.strip():
+            msg["reasoning_content"] = rc
+            msg["thinking"] = rc
+        out.append(msg)
+    return out
+
+
+def conversation_sequences(
+    tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    thinking: str,
+    last_turn_only: bool = False,
+    prompt_id: str = "?",
+    specials: Sequence[str] | None = None,
+    finish_reasons: Sequence[str | None] | None = None,
+) -> list[TrainSequence]:
+    """Training sequences and supervised character spans for one conversation (see module docstring).
+
+    Args:
+        tokenizer: HF tokenizer carrying the target's chat template.
+        messages: the completed conversation (``role``, ``content``, optional ``reasoning_content``).
+        thinking: ``none|save|disable``, the mode used for generation.
+        last_turn_only: supervise only the last assistant turn.
+        prompt_id: used in error messages.
+        specials: special-token strings (default: :func:`special_token_strings`).
+        finish_reasons: per assistant turn; a turn with ``"length"`` (cut at max_tokens) gets no supervised
+            end-of-turn token, since the target never emitted one.
+
+    Returns:
+        Sequences in turn order (empty if there is no assistant turn).
+
+    Raises:
+        TokenizationError: the generation-prompt render is not a prefix of the render with the turn, or
+            the template drops the turn's content or reasoning (message names prompt_id and turn).
+    """
+    specials = special_token_strings(tokenizer) if specials is None else specials
+    msgs = render_messages(messages)
+    a_idx = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+    if not a_idx:
+        return []
+    selected = list(range(len(a_idx)))[-1:] if last_turn_only else list(range(len(a_idx)))
+
+    turn_render: dict[int, tuple[str, int, int]] = {}  # k -> (Q, span_start, span_end)
+    for k in selected:
+        i = a_idx[k]
+        try:
+            p = chat.render(tokenizer, msgs[:i], thinking=thinking, add_generation_prompt=True)
+            q = chat.render(tokenizer, msgs[: i + 1], thinking=thinking, add_generation_prompt=False)
+        except TokenizationError:
+            raise
+        except Exception as exc:  # jinja raise_exception, missing keys, ...
+            raise TokenizationError(
+                f"prompt_id={prompt_id} turn={k}: chat template failed to render: {exc}"
+            ) from exc
+        if not q.startswith(p):
+            n = next((j for j, (a, b) in enumerate(zip(p, q)) if a != b), min(len(p), len(q)))
+            raise TokenizationError(
+                f"prompt_id={prompt_id} turn={k}: the render with the assistant turn does not start with the "
+                f"generation-prompt render (they differ at char {n}: prompt {p[n:n + 40]!r} vs "
+                f"conversation {q[n:n + 40]!r}); the template rewrites the turn it generates, so the loss "
+                f"mask cannot be derived exactly. Use a training variant of the template "
+                f"(`target.chat_template`) or server token ids."
+            )
+        suffix = q[len(p):]
+        cut = bool(finish_reasons) and k < len(finish_reasons) and finish_reasons[k] == "length"
+        sup = supervised_length(suffix, specials, include_eot=not cut)
+        text = suffix[:sup]
+        m = msgs[i]
+        content = m["content"].strip()
+        if content and content not in text:
+            raise TokenizationError(
+                f"prompt_id={prompt_id} turn={k}: the template does not render the assistant content "
+                f"verbatim after the generation prompt (rendered {text[:80]!r}); cannot mask it exactly"
+            )
+        rc = m.get("reasoning_content")
+        if rc and rc.strip() not in text:
+            raise TokenizationError(
+                f"prompt_id={prompt_id} turn={k}: the template drops this turn's reasoning_content, which the "
+                f"target generated (thinking={thinking!r}); use a template that renders it or thinking=disable"
+            )
+        turn_render[k] = (q, len(p), len(p) + sup)
+
+    pending = sorted(turn_render)
+    seqs: list[TrainSequence] = []
+    while pending:
+        j = pending[-1]
+        q_j = turn_render[j][0]
+        seq = TrainSequence(text=q_j)
+        keep = []
+        for k in pending:
+            q_k, s, e = turn_render[k]
+            if k == j or q_j.startswith(q_k[:e]):
+                seq.spans.append((s, e))
+                seq.turns.append(k)
+            else:
+                keep.append(k)
+        pending = keep
+        seqs.append(seq)
+    seqs.reverse()
+    return seqs
+
+
+# --------------------------------------------------------------------------------------------------
+# Token level
+# --------------------------------------------------------------------------------------------------
+
+
+def mask_from_offsets(offsets: np.ndarray, spans: Sequence[tuple[int, int]]) -> tuple[np.ndarray, int]:
+    """Loss mask from token character offsets.
+
+    Args:
+        offsets: int array [num_tokens, 2] of ``(start, end)`` character offsets into the sequence text.
+        spans: supervised character spans, sorted and non-overlapping.
+
+    Returns:
+        ``(mask, straddling)``: uint8 [num_tokens] (1 iff the token's non-empty span lies inside a
+        supervised span) and the number of tokens that overlap a span without lying inside it.
+    """
+    n = len(offsets)
+    mask = np.zeros(n, dtype=np.uint8)
+    if n == 0 or not spans:
+        return mask, 0
+    starts = offsets[:, 0]
+    ends = offsets[:, 1]
+    sp = np.asarray(spans, dtype=np.int64)
+    idx = np.searchsorted(sp[:, 0], starts, side="right") - 1
+    valid = idx >= 0
+    idx_c = np.clip(idx, 0, None)
+    s_end = sp[idx_c, 1]
+    nonempty = ends > starts
+    inside = valid & nonempty & (ends <= s_end) & (starts < s_end)
+    mask[inside] = 1
+    # overlap without inclusion: token starts before a span and ends after its start, or starts inside
+    # a span and ends after its end
+    nxt = np.clip(idx + 1, 0, len(sp) - 1)
+    over_next = (idx + 1 < len(sp)) & (ends > sp[nxt, 0]) & nonempty
+    over_cur = valid & nonempty & (starts < s_end) & (ends > s_end)
+    straddling = int(np.count_nonzero((over_next | over_cur) & ~inside))
+    return mask, straddling
+
+
+def tokenize_sequences(tokenizer, seqs: Sequence[TrainSequence]) -> list[tuple[np.ndarray, np.ndarray, int]]:
+    """Tokenize sequences (one batched call) and build their masks.
+
+    Returns:
+        Per sequence ``(input_ids int32 [n], loss_mask uint8 [n], straddling_tokens)``.
+
+    Raises:
+        TokenizationError: the tokenizer is not a fast tokenizer (no offset mapping).
+    """
+    if not seqs:
+        return []
+    if not getattr(tokenizer, "is_fast", False):
+        raise TokenizationError(
+            "the target tokenizer is not a fast tokenizer (no offset mapping); install `tokenizers` and use a "
+            "tokenizer.json"
+        )
+    texts = [s.text for s in seqs]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:  # the Rust tokenizer directly: same ids/offsets, no per-token Python objects
+        encs = backend.encode_batch(texts, add_special_tokens=False)
+        pairs = ((e.ids, e.offsets) for e in encs)
+    else:
+        enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        pairs = zip(enc["input_ids"], enc["offset_mapping"])
+    out = []
+    for seq, (ids, offs) in zip(seqs, pairs):
+        offsets = np.asarray(offs, dtype=np.int64).reshape(-1, 2)
+        mask, straddling = mask_from_offsets(offsets, seq.spans)
+        out.append((np.asarray(ids, dtype=np.int32), mask, straddling))
+    return out
+
+
+def server_ids_sequence(turn: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray] | None:
+    """Exact sequence from server token ids for one turn: ``prompt_token_ids + output_token_ids``.
+
+    Returns ``(input_ids int32 [n], loss_mask uint8 [n])`` with 1 on the output ids, or None when either
+    list is missing. These are exactly the tokens the target saw and produced, so no template is
+    involved (works for templates the render path rejects, e.g. DeepSeek-R1). The end-of-turn token is
+    supervised when the server included it in the output ids (vLLM does on ``finish_reason == "stop"``).
+    """
+    p, o = turn.get("prompt_token_ids"), turn.get("output_token_ids")
+    if not p or not o:
+        return None
+    ids = np.asarray(list(p) + list(o), dtype=np.int32)
+    mask = np.zeros(len(ids), dtype=np.uint8)
+    mask[len(p):] = 1
+    return ids, mask
+
+
+# --------------------------------------------------------------------------------------------------
+# Shard level
+# --------------------------------------------------------------------------------------------------
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """sha256 of the tokenizer's canonical serialization (backend JSON + added tokens)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return sha256_text(backend.to_str())
+    return sha256_text(json.dumps(sorted(tokenizer.get_vocab().items())))
+
+
+def _new_stats() -> dict:
+    return {
+        "records_in": 0,
+        "records_out": 0,
+        "conversations_kept": 0,
+        "split_conversations": 0,
+        "turns_supervised": 0,
+        "truncated": 0,
+        "num_tokens": 0,
+        "num_loss_tokens": 0,
+        "straddling_tokens": 0,
+        "server_ids_used": 0,
+        "server_ids_mismatch": 0,
+        "dropped": {r: 0 for r in DROP_REASONS},
+    }
+
+
+def tokenize_records(
+    tokenizer,
+    records: Iterable[Mapping[str, Any]],
+    *,
+    max_length: int,
+    last_turn_only: bool = False,
+    strict: bool = True,
+    use_server_token_ids: bool = False,
+    stats: dict | None = None,
+    batch_size: int = 256,
+) -> Iterator[dict]:
+    """Completion records -> token records (dicts matching ``contracts.TOKEN_SCHEMA``).
+
+    Args:
+        tokenizer: the target tokenizer with its chat template.
+        records: dicts with ``prompt_id, messages, turns, thinking, status``.
+        max_length: keep at most this many tokens per sequence (``truncated`` flag set when cut).
+        last_turn_only: supervise only the last assistant turn.
+        strict: re-raise :class:`TokenizationError`; ``False`` drops the record and counts it.
+        use_server_token_ids: records whose selected turns all carry prompt/output token ids become one
+            row per turn built from exactly those ids (counted in ``server_ids_used``).
+        stats: dict updated in place (see :func:`_new_stats` for keys).
+        batch_size: sequences per batched tokenizer call.
+
+    Yields:
+        ``{prompt_id, input_ids: int32 ndarray [n], loss_mask: uint8 ndarray [n], num_tokens,
+        num_loss_tokens, truncated}`` in input order.
+
+    Raises:
+        TokenizationError: a conversation cannot be masked exactly and ``strict`` is set.
+    """
+    stats = {} if stats is None else stats
+    for key, value in _new_stats().items():
+        stats.setdefault(key, value)
+    specials = special_token_strings(tokenizer)
+    pending: list[tuple[str, TrainSequence | tuple[np.ndarray, np.ndarray]]] = []
+
+    def flush():
+        seqs = [s for _, s in pending if isinstance(s, TrainSequence)]
+        toks = iter(tokenize_sequences(tokenizer, seqs))
+        for pid, s in pending:
+            if isinstance(s, TrainSequence):
+                ids, mask, straddling = next(toks)
+                stats["straddling_tokens"] += straddling
+            else:
+                ids, mask = s
+            truncated = len(ids) > max_length
+            if truncated:
+                ids, mask = ids[:max_length], mask[:max_length]
+            n_loss = int(mask.sum())
+            if n_loss == 0:
+                stats["dropped"]["no_loss_tokens"] += 1
+                continue
+            stats["records_out"] += 1
+            stats["truncated"] += int(truncated)
+            stats["num_tokens"] += len(ids)
+            stats["num_loss_tokens"] += n_loss
+            yield {
+                "prompt_id": pid,
+                "input_ids": ids,
+                "loss_mask": mask,
+                "num_tokens": len(ids),
+                "num_loss_tokens": n_loss,
+                "truncated": truncated,
+            }
+        pending.clear()
+
+    for rec in records:
+        stats["records_in"] += 1
+        pid = rec["prompt_id"]
+        if rec.get("status") == "error":
+            stats["dropped"]["status_error"] += 1
+            continue
+        thinking = rec.get("thinking") or "none"
+        turns = rec.get("turns") or []
+        if use_server_token_ids and turns:
+            chosen = turns[-1:] if last_turn_only else turns
+            exact = [server_ids_sequence(t) for t in chosen]
+            if all(e is not None for e in exact):
+                stats["conversations_kept"] += 1
+                stats["server_ids_used"] += 1
+                stats["split_conversations"] += int(len(exact) > 1)
+                stats["turns_supervised"] += len(exact)
+                pending.extend((pid, e) for e in exact)
+                if len(pending) >= batch_size:
+                    yield from flush()
+                continue
+        try:
+            seqs = conversation_sequences(
+                tokenizer, rec["messages"], thinking=thinking, last_turn_only=last_turn_only,
+                prompt_id=pid, specials=specials,
+                finish_reasons=[(t or {}).get("finish_reason") for t in turns],
+            )
+        except TokenizationError:
+            if strict:
+                raise
+            stats["dropped"]["tokenization_error"] += 1
+            continue
+        if not seqs:
+            stats["dropped"]["no_assistant_turn"] += 1
+            continue
+        stats["conversations_kept"] += 1
+        stats["split_conversations"] += int(len(seqs) > 1)
+        stats["turns_supervised"] += sum(len(s.turns) for s in seqs)
+        pending.extend((pid, s) for s in seqs)
+        if len(pending) >= batch_size:
+            yield from flush()
+    yield from flush()
+
+
+def tokenize_shard(
+    completion_shard: str | Path,
+    out_path: str | Path,
+    *,
+    target_dir: str | Path,
+    tokens_cfg: Mapping[str, Any],
+    chat_template: str | Path | None = None,
+    trust_remote_code: bool = False,
+    tokenizer=None,
+) -> dict:
+    """Tokenize one completion shard into one token shard (the Snakemake ``tokenize_completions`` entry).
+
+    Args:
+        completion_shard: Parquet file with ``contracts.COMPLETION_SCHEMA``.
+        out_path: token shard to write (Parquet, ``contracts.TOKEN_SCHEMA``), atomically.
+        target_dir: target model directory (tokenizer files).
+        tokens_cfg: validated ``config["tokens"]`` (``max_length``, ``last_turn_only``; optional
+            ``strict`` default True, ``use_server_token_ids`` default False).
+        chat_template: optional .jinja file overriding the tokenizer's template.
+        trust_remote_code: passed to ``AutoTokenizer``.
+        tokenizer: an already loaded tokenizer (tests, benchmarks); overrides ``target_dir``.
+
+    Returns:
+        Stats dict: ``records_in, records_out, conversations_kept, split_conversations, turns_supervised,
+        truncated, num_tokens, num_loss_tokens, straddling_tokens, dropped{reason: n}``, ...
+
+    File metadata (``shards.read_shard_metadata``): ``schema_version``, ``tokenizer_sha256``,
+    ``chat_template_sha256``, ``thinking`` (modes seen), ``max_length``, ``last_turn_only``, ``counts``.
+
+    Raises:
+        TokenizationError: a record cannot be masked exactly (names prompt_id and turn; ``strict``).
+        ConfigError: the tokenizer has no chat template.
+    """
+    if tokenizer is None:
+        tokenizer = chat.load_tokenizer(target_dir, chat_template=chat_template, trust_remote_code=trust_remote_code)
+    max_length = int(tokens_cfg["max_length"])
+    stats = _new_stats()
+    thinking_modes: set[str] = set()
+
+    def records() -> Iterator[dict]:
+        pf = pq.ParquetFile(str(completion_shard))
+        cols = [c for c in ("prompt_id", "messages", "turns", "thinking", "status") if c in pf.schema_arrow.names]
+        for batch in pf.iter_batches(batch_size=512, columns=cols):
+            for rec in batch.to_pylist():
+                if rec.get("thinking"):
+                    thinking_modes.add(rec["thinking"])
+                yield rec
+
+    out_ids: list[np.ndarray] = []
+    out_mask: list[np.ndarray] = []
+    pids: list[str] = []
+    n_tok: list[int] = []
+    n_loss: list[int] = []
+    trunc: list[bool] = []
+    for r in tokenize_records(
+        tokenizer, records(), max_length=max_length,
+        last_turn_only=bool(tokens_cfg.get("last_turn_only", False)),
+        strict=bool(tokens_cfg.get("strict", True)),
+        use_server_token_ids=bool(tokens_cfg.get("use_server_token_ids", False)),
+        stats=stats,
+    ):
+        pids.append(r["prompt_id"])
+        out_ids.append(r["input_ids"])
+        out_mask.append(r["loss_mask"])
+        n_tok.append(r["num_tokens"])
+        n_loss.append(r["num_loss_tokens"])
+        trunc.append(r["truncated"])
+
+    table = pa.Table.from_arrays(
+        [
+            pa.array(pids, pa.string()),
+            _list_array(out_ids, pa.int32()),
+            _list_array(out_mask, pa.uint8()),
+            pa.array(n_tok, pa.int32()),
+            pa.array(n_loss, pa.int32()),
+            pa.array(trunc, pa.bool_()),
+        ],
+        schema=TOKEN_SCHEMA,
+    )
+    metadata = {
+        "schema_version": TOKEN_SCHEMA_VERSION,
+        "tokenizer_sha256": tokenizer_hash(tokenizer),
+        "chat_template_sha256": sha256_text(tokenizer.chat_template or ""),
+        "thinking": sorted(thinking_modes),
+        "max_length": max_length,
+        "last_turn_only": bool(tokens_cfg.get("last_turn_only", False)),
+        "counts": stats,
+    }
+    write_parquet(out_path, table, metadata=metadata)
+    return stats
+
+
+def _list_array(arrays: Sequence[np.ndarray], value_type: pa.DataType) -> pa.ListArray:
+    """Concatenate per-record numpy arrays into one Arrow list array (no per-element Python objects)."""
+    lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    np_type = value_type.to_pandas_dtype()
+    values = np.concatenate(arrays).astype(np_type, copy=False) if arrays else np.zeros(0, np_type)
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, value_type))
