@@ -1,0 +1,1082 @@
+"""Completions stage: regenerate every assistant turn of a prompt shard with the target.
+
+One prompt shard (``contracts.PROMPT_SCHEMA``) becomes one completion shard
+(``contracts.COMPLETION_SCHEMA``), via :func:`generate_shard`. Each user turn is answered against the
+*regenerated* history, as a serving client would send it: ``system?, user1, assistant1, user2,
+assistant2, ...`` where every assistant message (its ``content``, plus ``reasoning_content`` when there is
+one, which Qwen3-style templates read) was produced by the target in this run.
+
+Backends (``generation.backend``), behind one interface (:class:`Backend`):
+
+* ``transformers`` (default): the target in-process; rendered with :func:`chat.render` (the same thinking
+  mapping the tokens stage uses), left-padded batches sorted by prompt length, greedy when
+  ``temperature == 0`` else sampled (seeded per batch).
+* ``openai``: ``AsyncOpenAI`` clients against one or more OpenAI-compatible servers (SGLang, vLLM), with
+  least-outstanding-requests balancing under a per-endpoint concurrency cap, retries with exponential
+  backoff and jitter, endpoints taken out after repeated failures and re-probed (``GET /models``), and a
+  circuit breaker (see the ``generation.*`` keys in the config schema for every knob).
+
+**Record.** ``messages`` holds the system/user messages as given and each generated assistant message
+with ``content`` (the answer; special tokens skipped, as servers decode) and ``reasoning_content`` (the
+text between ``<think>`` and ``</think>`` when the target thought, else null). ``turns[i]`` describes
+assistant turn ``i``: ``finish_reason`` (``stop|length``), ``prompt_tokens``/``completion_tokens``,
+``prompt_token_ids``/``output_token_ids`` (transformers: always, ``output_token_ids`` including the
+end-of-turn token when generated; openai: only when the server returns them, e.g. vLLM with
+``extra_body: {return_token_ids: true}``), ``latency_s`` (seconds of the successful request; the whole
+batch for transformers) and ``endpoint`` (base URL without credentials, or ``transformers``). ``status``
+is ``truncated`` if any turn hit ``max_tokens`` (later user turns are still answered), ``error`` with
+``error`` naming the turn and cause, else ``ok``.
+
+**Thinking.** ``disable`` sends/renders ``enable_thinking=False`` and rejects (error row, not retried) an
+answer that still carries reasoning; ``save`` sends ``enable_thinking=True`` and, on the openai backend,
+requires ``reasoning_content`` (or ``reasoning``, newer vLLM; or a raw ``<think>…</think>`` in the content,
+which is split locally) — a missing one means the server runs without a reasoning parser; ``none`` uses
+the template's default and keeps whatever reasoning comes back.
+
+**Resume.** Every finished conversation (ok or truncated) is appended as one JSON line, flushed, to the
+progress file (default ``<out>.progress.jsonl``; its first line is a header with the generation settings,
+and a file written under other settings is discarded). A rerun sends only prompts not in it, so a killed
+job re-sends at most its in-flight conversations. The shard is written atomically in prompt-shard order
+with each prompt exactly once, then the progress file is removed.
+
+**Errors.** A conversation that fails after retries (other 4xx, retries exhausted, reasoning in disable
+mode, ...) goes to the sidecar ``<out>.errors.jsonl`` (rewritten each run), never to the progress file, so
+the next run retries it. If more than ``generation.max_error_fraction`` (default 0) of the shard failed,
+:func:`generate_shard` raises :class:`GenerationError` without writing the shard (finished conversations
+stay in the progress file); otherwise the failed conversations are written as ``status: error`` rows
+with their message, and the sidecar stays next to the shard. Rows never vanish.
+
+**Secrets.** The API key is read from the environment variable named by ``api_key_env`` and handed only
+to the HTTP client; records, sidecars, stats and logs carry base URLs with any ``user:pass@`` removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import random
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Protocol, Sequence
+from urllib.parse import urlsplit, urlunsplit
+
+from . import shards
+from .chat import load_tokenizer, render, template_kwargs
+from .contracts import (
+    COMPLETION_SCHEMA,
+    COMPLETION_SCHEMA_VERSION,
+    PROMPT_ROLES,
+    canonical_json,
+)
+from .errors import ConfigError, DataError, GenerationError
+
+log = logging.getLogger(__name__)
+
+PROGRESS_SUFFIX = ".progress.jsonl"
+ERRORS_SUFFIX = ".errors.jsonl"
+#: HTTP statuses that are retried (plus every 5xx); other 4xx make an error row at once.
+RETRYABLE_STATUS = frozenset({408, 409, 425, 429})
+
+OnDone = Callable[[dict], None]
+
+
+# ------------------------------------------------------------------------------------------------
+# records
+
+
+@dataclass
+class Turn:
+    """One generated assistant turn (fields as in ``contracts.TURN_TYPE`` plus the two texts)."""
+
+    content: str
+    reasoning_content: str | None
+    finish_reason: str
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    prompt_token_ids: list[int] | None = None
+    output_token_ids: list[int] | None = None
+    latency_s: float | None = None
+    endpoint: str | None = None
+
+    def facts(self) -> dict:
+        """The ``turns[i]`` entry of the record."""
+        return {
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "prompt_token_ids": self.prompt_token_ids,
+            "output_token_ids": self.output_token_ids,
+            "latency_s": self.latency_s,
+            "endpoint": self.endpoint,
+        }
+
+    def history_message(self) -> dict:
+        """The assistant message appended to the history for the next user turn."""
+        msg = {"role": "assistant", "content": self.content}
+        if self.reasoning_content is not None:
+            msg["reasoning_content"] = self.reasoning_content
+        return msg
+
+
+class RowError(Exception):
+    """A conversation failed in a way retrying now will not fix; it becomes an error row."""
+
+
+@dataclass
+class RunInfo:
+    """What every record of a run shares."""
+
+    model: str
+    sampling: str  # canonical JSON
+    thinking: str
+
+
+def sampling_params(gen_cfg: dict) -> dict:
+    """The sampling parameters recorded in every record (``extra_body`` only when non-empty)."""
+    out = {k: gen_cfg.get(k) for k in ("temperature", "top_p", "top_k", "max_tokens", "seed")}
+    if gen_cfg.get("extra_body"):
+        out["extra_body"] = gen_cfg["extra_body"]
+    return out
+
+
+def build_record(prompt: dict, turns: Sequence[Turn], info: RunInfo, error: str | None = None) -> dict:
+    """Completion record (``COMPLETION_SCHEMA`` as a dict) from a prompt and its generated turns.
+
+    With ``error`` set, the record holds the turns generated before the failure and ``status: error``.
+    """
+    messages: list[dict] = []
+    it = iter(turns)
+    n_done = 0
+    for m in prompt["messages"]:
+        messages.append({"role": m["role"], "content": m["content"], "reasoning_content": None})
+        if m["role"] == "user":
+            t = next(it, None)
+            if t is None:
+                break
+            messages.append({"role": "assistant", "content": t.content, "reasoning_content": t.reasoning_content})
+            n_done += 1
+    if error is not None:
+        status = "error"
+    elif any(t.finish_reason == "length" for t in turns):
+        status = "truncated"
+    else:
+        status = "ok"
+    return {
+        "prompt_id": prompt["prompt_id"],
+        "dataset": prompt["dataset"],
+        "messages": messages,
+        "turns": [t.facts() for t in turns[:n_done]],
+        "model": info.model,
+        "sampling": info.sampling,
+        "thinking": info.thinking,
+        "status": status,
+        "error": error,
+    }
+
+
+def split_reasoning(text: str) -> tuple[str | None, str]:
+    """Split generated text into ``(reasoning, content)`` at ``<think>``/``</think>``.
+
+    ``"<think>\\nR\\n</think>\\n\\nC"`` → ``("R", "C")``; cut off while thinking (``<think>`` without
+    ``</think>``) → ``(rest, "")``; no markers → ``(None, text)``.
+    """
+    if "</think>" in text:
+        head, _, tail = text.partition("</think>")
+        return head.split("<think>")[-1].strip("\n"), tail.lstrip("\n")
+    stripped = text.lstrip("\n")
+    if stripped.startswith("<think>"):
+        return stripped[len("<think>"):].strip("\n"), ""
+    return None, text
+
+
+def check_thinking(thinking: str, reasoning: str | None, *, require_reasoning: bool) -> str | None:
+    """Normalize ``reasoning`` for a thinking mode.
+
+    Raises:
+        RowError: ``disable`` but the answer carries reasoning; ``save`` with ``require_reasoning`` but
+            none came back (the message names the server flag to set).
+    """
+    if thinking == "disable":
+        if reasoning is not None and reasoning.strip():
+            raise RowError(
+                "answer carries reasoning although generation.thinking=disable sent enable_thinking=false; "
+                "the server's chat template ignores chat_template_kwargs (check the served template)"
+            )
+        return None
+    if thinking == "save" and require_reasoning and reasoning is None:
+        raise RowError(
+            "generation.thinking=save but the answer has no reasoning_content; start the server with a "
+            "reasoning parser (SGLang/vLLM: --reasoning-parser qwen3, or the one for your model)"
+        )
+    return reasoning
+
+
+# ------------------------------------------------------------------------------------------------
+# prompts, progress and error files
+
+
+def read_prompts(path: str | Path) -> list[dict]:
+    """Read a prompt shard into ``[{prompt_id, dataset, messages}]`` in shard order.
+
+    Raises:
+        DataError: a record without a user turn, with a role other than system/user, or a duplicate
+            ``prompt_id`` (names the file and prompt_id).
+    """
+    rows = shards.read_parquet(path).select(["prompt_id", "dataset", "messages"]).to_pylist()
+    seen: set[str] = set()
+    for r in rows:
+        pid = r["prompt_id"]
+        if pid in seen:
+            raise DataError(f"{path}: prompt_id {pid} appears twice; rebuild the prompt shards (they dedup)")
+        seen.add(pid)
+        roles = [m["role"] for m in r["messages"]]
+        bad = [x for x in roles if x not in PROMPT_ROLES]
+        if bad or "user" not in roles:
+            raise DataError(
+                f"{path}: prompt {pid}: field `messages` must hold system/user turns with at least one user "
+                f"turn (got roles {roles}); rebuild the prompt shards"
+            )
+    return rows
+
+
+def redact_url(url: str) -> str:
+    """``url`` without ``user:password@`` (safe to record and log)."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+
+
+class ProgressLog:
+    """Append-only JSON-lines file of finished conversations, keyed by ``prompt_id``.
+
+    Line 1 is ``{"header": {...}}`` with the run's fingerprint (generation settings and target identity).
+    A file with another fingerprint is discarded on :meth:`open` (its conversations were generated
+    under other settings); an unreadable line (the tail of a killed write) is skipped.
+    """
+
+    def __init__(self, path: str | Path, fingerprint: dict):
+        self.path = Path(path)
+        self.fingerprint = fingerprint
+        self._fh = None
+
+    def load(self) -> dict[str, dict]:
+        """Records already finished under this fingerprint ({} if none)."""
+        if not self.path.is_file():
+            return {}
+        done: dict[str, dict] = {}
+        bad = 0
+        with open(self.path, "r", encoding="utf-8") as fh:
+            first = fh.readline()
+            try:
+                header = json.loads(first)["header"]
+            except (ValueError, KeyError, TypeError):
+                header = None
+            if header != self.fingerprint:
+                log.warning("%s: written under other generation settings; starting over", self.path)
+                return {}
+            for line in fh:
+                try:
+                    rec = json.loads(line)
+                    done[rec["prompt_id"]] = rec
+                except (ValueError, KeyError, TypeError):
+                    bad += 1
+        if bad:
+            log.warning("%s: skipped %d unreadable line(s) (a killed write); those prompts are redone", self.path, bad)
+        return done
+
+    def open(self, keep: Iterable[dict]) -> None:
+        """Rewrite the file atomically with the header and ``keep`` records, then open it for appending."""
+        lines = [json.dumps({"header": self.fingerprint}, sort_keys=True)]
+        lines += [json.dumps(r, ensure_ascii=False) for r in keep]
+        shards.atomic_write_bytes(self.path, ("\n".join(lines) + "\n").encode("utf-8"), skip_if_identical=False)
+        self._fh = open(self.path, "a", encoding="utf-8")
+
+    def append(self, record: dict) -> None:
+        """Append one finished conversation (one line, flushed to the OS before returning)."""
+        self._fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+def _fingerprint(backend: str, gen_cfg: dict, target_dir: str | Path | None, chat_template) -> dict:
+    fp: dict[str, Any] = {
+        "schema_version": COMPLETION_SCHEMA_VERSION,
+        "backend": backend,
+        "thinking": gen_cfg["thinking"],
+        "sampling": sampling_params(gen_cfg),
+        "model": gen_cfg.get("model"),
+    }
+    if backend == "transformers":
+        tdir = Path(target_dir).resolve()
+        files = sorted(p for p in tdir.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors", ".jinja", ".bin"))
+        fp["target"] = [[p.name, p.stat().st_size, int(p.stat().st_mtime)] for p in files]
+        fp["target_dir"] = str(tdir)
+        if chat_template is not None:
+            fp["chat_template"] = hashlib.sha256(Path(chat_template).read_bytes()).hexdigest()
+    return fp
+
+
+# ------------------------------------------------------------------------------------------------
+# progress display
+
+
+class _Progress:
+    """Live bar (stderr) with ok/truncated/error counts, requests/s and output tokens/s."""
+
+    def __init__(self, total: int, initial: int, desc: str):
+        from tqdm import tqdm
+
+        tty = sys.stderr.isatty()
+        self.bar = tqdm(
+            total=total, initial=initial, desc=desc, file=sys.stderr, mininterval=0.5 if tty else 30.0,
+            dynamic_ncols=True, unit="conv", leave=True,
+        )
+        self.counts: Counter = Counter()
+        self.t0 = time.monotonic()
+        self.turns = 0
+        self.out_tokens = 0
+
+    def update(self, record: dict) -> None:
+        self.counts[record["status"]] += 1
+        self.turns += len(record["turns"])
+        self.out_tokens += sum(t.get("completion_tokens") or 0 for t in record["turns"])
+        dt = max(time.monotonic() - self.t0, 1e-9)
+        c = self.counts
+        self.bar.set_postfix_str(
+            f"ok={c['ok']} trunc={c['truncated']} err={c['error']} "
+            f"{self.turns / dt:.1f} req/s {self.out_tokens / dt:.0f} tok/s",
+            refresh=False,
+        )
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# backends
+
+
+class Backend(Protocol):
+    """A generation backend: answers every user turn of each prompt and reports each conversation."""
+
+    #: model name recorded in every record
+    model: str
+
+    def run(self, prompts: Sequence[dict], on_done: OnDone, info: RunInfo) -> dict:
+        """Generate all ``prompts``; call ``on_done(record)`` once per conversation as it finishes
+        (status ok/truncated/error). Returns backend stats (JSON-able). Raises GenerationError to stop."""
+        ...
+
+
+class TransformersBackend:
+    """In-process batched generation with the target (``generation.backend: transformers``).
+
+    Args:
+        target_dir: target directory (config, weights, tokenizer).
+        gen_cfg: validated ``config["generation"]``.
+        chat_template: optional .jinja overriding the tokenizer's template.
+        trust_remote_code: allow the target's own code.
+        dtype: ``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32``, ``bfloat16`` or ``float16``.
+    """
+
+    def __init__(self, target_dir, gen_cfg: dict, *, chat_template=None, trust_remote_code=False, dtype="auto"):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.cfg = gen_cfg
+        self.tok = load_tokenizer(target_dir, chat_template=chat_template, trust_remote_code=trust_remote_code)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        if dtype == "auto":
+            dt = torch.bfloat16 if device == "cuda" else torch.float32
+        else:
+            dt = getattr(torch, dtype)
+        self.device = device
+        self.lm = AutoModelForCausalLM.from_pretrained(
+            str(target_dir), dtype=dt, trust_remote_code=trust_remote_code
+        ).to(device).eval()
+        eos = self.lm.generation_config.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        if self.tok.eos_token_id is not None and self.tok.eos_token_id not in eos:
+            eos.append(self.tok.eos_token_id)
+        if not eos:
+            raise ConfigError(f"{target_dir}: no eos token in generation_config.json or the tokenizer; set one")
+        self.eos_ids = eos
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else eos[0]
+        self.model = Path(target_dir).resolve().name
+        self._batches = 0
+
+    def _generate(self, prompts_ids: list[list[int]]) -> tuple[list[list[int]], float]:
+        torch, cfg = self.torch, self.cfg
+        width = max(len(p) for p in prompts_ids)
+        ids = torch.full((len(prompts_ids), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts_ids):  # left padding
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        kw: dict[str, Any] = dict(
+            max_new_tokens=cfg["max_tokens"], eos_token_id=self.eos_ids, pad_token_id=self.pad_id
+        )
+        if cfg["temperature"] > 0:
+            kw.update(do_sample=True, temperature=cfg["temperature"], top_p=cfg["top_p"], top_k=cfg["top_k"] or 0)
+            if cfg["seed"] is not None:
+                torch.manual_seed(cfg["seed"] + self._batches)
+        else:
+            kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        self._batches += 1
+        t0 = time.monotonic()
+        with torch.inference_mode():
+            out = self.lm.generate(ids.to(self.device), attention_mask=mask.to(self.device), **kw)
+        new = out[:, width:].tolist()
+        return new, time.monotonic() - t0
+
+    def _turn(self, prompt_ids: list[int], new: list[int], latency: float) -> Turn:
+        stop = False
+        for i, t in enumerate(new):
+            if t in self.eos_ids:
+                new, stop = new[: i + 1], True
+                break
+        body = new[:-1] if stop else new
+        reasoning, content = split_reasoning(self.tok.decode(body, skip_special_tokens=True))
+        reasoning = check_thinking(self.cfg["thinking"], reasoning, require_reasoning=False)
+        return Turn(
+            content=content, reasoning_content=reasoning, finish_reason="stop" if stop else "length",
+            prompt_tokens=len(prompt_ids), completion_tokens=len(new), prompt_token_ids=list(prompt_ids),
+            output_token_ids=list(new), latency_s=round(latency, 6), endpoint="transformers",
+        )
+
+    def run(self, prompts: Sequence[dict], on_done: OnDone, info: RunInfo) -> dict:
+        thinking, bs = self.cfg["thinking"], self.cfg["batch_size"]
+
+        @dataclass
+        class Conv:
+            prompt: dict
+            pos: int = 0  # next message of prompt["messages"] to add
+            history: list = field(default_factory=list)
+            turns: list = field(default_factory=list)
+            ids: list = field(default_factory=list)
+
+            def advance(self) -> bool:
+                """Add messages up to the next user turn; False when no user turn is left."""
+                msgs = self.prompt["messages"]
+                while self.pos < len(msgs):
+                    m = msgs[self.pos]
+                    self.pos += 1
+                    self.history.append({"role": m["role"], "content": m["content"]})
+                    if m["role"] == "user":
+                        return True
+                return False
+
+        def prepare(c: Conv) -> None:
+            c.ids = render(self.tok, c.history, thinking=thinking, add_generation_prompt=True, tokenize=True)
+
+        convs = [Conv(p) for p in prompts]
+        for c in convs:
+            c.advance()
+            prepare(c)
+        # Longest first: similar lengths share a batch, and an out-of-memory shows up in the first batch.
+        convs.sort(key=lambda c: -len(c.ids))
+        chunk = bs * 4
+        requests = 0
+        for start in range(0, len(convs), chunk):
+            active = convs[start:start + chunk]
+            while active:
+                active.sort(key=lambda c: -len(c.ids))
+                still: list[Conv] = []
+                for b in range(0, len(active), bs):
+                    batch = active[b:b + bs]
+                    outs, dt = self._generate([c.ids for c in batch])
+                    requests += len(batch)
+                    for c, new in zip(batch, outs):
+                        try:
+                            turn = self._turn(c.ids, new, dt)
+                        except RowError as exc:
+                            on_done(build_record(c.prompt, c.turns, info, error=f"turn {len(c.turns) + 1}: {exc}"))
+                            continue
+                        c.turns.append(turn)
+                        c.history.append(turn.history_message())
+                        if c.advance():
+                            prepare(c)
+                            still.append(c)
+                        else:
+                            on_done(build_record(c.prompt, c.turns, info))
+                active = still
+        return {"requests": requests, "attempts": requests, "retries": 0}
+
+
+@dataclass
+class _Endpoint:
+    url: str  # redacted
+    client: Any
+    max_concurrency: int
+    outstanding: int = 0
+    up: bool = True
+    consecutive_failures: int = 0
+    last_error: str = ""
+    attempts: int = 0
+    failures: int = 0
+    taken_out: int = 0
+    reprobe_task: Any = None
+
+
+class _Fleet:
+    """Endpoints with least-outstanding-requests selection, take-out/re-probe and a circuit breaker.
+
+    Single event loop, no locks: state changes happen between awaits.
+    """
+
+    def __init__(self, endpoints: list[_Endpoint], gen_cfg: dict):
+        self.eps = endpoints
+        self.cfg = gen_cfg
+        self.tripped: GenerationError | None = None
+        self._waiters: list[asyncio.Future] = []
+
+    def _wake(self, n: int | None = None) -> None:
+        while self._waiters and (n is None or n > 0):
+            fut = self._waiters.pop(0)
+            if not fut.done():
+                fut.set_result(None)
+                if n is not None:
+                    n -= 1
+
+    def _raise_if_tripped(self) -> None:
+        if self.tripped is not None:
+            raise self.tripped
+
+    async def acquire(self) -> _Endpoint:
+        """An up endpoint with a free slot and the fewest outstanding requests (relative to its cap);
+        waits while none has one. Raises GenerationError once the breaker is open."""
+        while True:
+            self._raise_if_tripped()
+            best = None
+            for ep in self.eps:
+                if ep.up and ep.outstanding < ep.max_concurrency:
+                    if best is None or ep.outstanding * best.max_concurrency < best.outstanding * ep.max_concurrency:
+                        best = ep
+            if best is not None:
+                best.outstanding += 1
+                best.attempts += 1
+                return best
+            fut = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            try:
+                await fut
+            finally:
+                if fut in self._waiters:
+                    self._waiters.remove(fut)
+
+    def release(self, ep: _Endpoint) -> None:
+        ep.outstanding -= 1
+        self._wake(1)
+
+    def success(self, ep: _Endpoint) -> None:
+        ep.consecutive_failures = 0
+
+    def failure(self, ep: _Endpoint, err: str) -> None:
+        """A failed request on ``ep``: counted while ``ep`` is in (failures of requests already in flight
+        when it was taken out are the same outage); takes it out at ``endpoint_max_failures``."""
+        ep.failures += 1
+        ep.last_error = err
+        if not ep.up:
+            return
+        ep.consecutive_failures += 1
+        if ep.consecutive_failures >= self.cfg["endpoint_max_failures"]:
+            ep.up = False
+            ep.taken_out += 1
+            log.warning("endpoint %s taken out after %d consecutive failures (last: %s)", ep.url, ep.consecutive_failures, err)
+            ep.reprobe_task = asyncio.get_running_loop().create_task(self._reprobe(ep))
+        self._check_breaker()
+
+    def _check_breaker(self) -> None:
+        n = self.cfg["circuit_breaker_failures"]
+        if self.tripped is None and all(e.consecutive_failures >= n for e in self.eps):
+            detail = "; ".join(f"{e.url}: {e.last_error}" for e in self.eps)
+            self.tripped = GenerationError(
+                f"circuit breaker open: every endpoint failed {n}+ consecutive times "
+                f"(generation.circuit_breaker_failures) — {detail}. Check that the servers are up and "
+                f"reachable from this host"
+            )
+            self._wake()
+
+    async def probe(self, ep: _Endpoint) -> list[str]:
+        """``GET /models`` on ``ep``; returns the model ids. Raises what the client raises."""
+        timeout = min(float(self.cfg["request_timeout_s"]), 30.0)
+        page = await asyncio.wait_for(ep.client.with_options(timeout=timeout).models.list(), timeout)
+        return [m.id for m in page.data]
+
+    async def _reprobe(self, ep: _Endpoint) -> None:
+        delay = float(self.cfg["endpoint_reprobe_s"])
+        while self.tripped is None:
+            await asyncio.sleep(delay)
+            try:
+                await self.probe(ep)
+            except Exception as exc:  # any failure keeps it out
+                ep.consecutive_failures += 1
+                ep.last_error = f"re-probe: {_describe(exc)}"
+                self._check_breaker()
+                delay = min(delay * 2, float(self.cfg["retry_backoff_max_s"]))
+                continue
+            log.warning("endpoint %s is back", ep.url)
+            ep.up = True
+            ep.consecutive_failures = 0
+            self._wake()
+            return
+
+    async def start(self) -> list[str]:
+        """Probe every endpoint; returns the model ids of the first (in config order) that answered.
+        Endpoints that do not answer start taken out. Waits for one to answer or the breaker."""
+        results = await asyncio.gather(*(self.probe(ep) for ep in self.eps), return_exceptions=True)
+        ids = None
+        for ep, res in zip(self.eps, results):
+            if isinstance(res, BaseException):
+                ep.up = False
+                ep.taken_out += 1
+                ep.consecutive_failures = 1
+                ep.last_error = f"probe: {_describe(res)}"
+                log.warning("endpoint %s does not answer (%s); re-probing later", ep.url, ep.last_error)
+                ep.reprobe_task = asyncio.get_running_loop().create_task(self._reprobe(ep))
+            elif ids is None:
+                ids = res
+        self._check_breaker()
+        while ids is None:
+            self._raise_if_tripped()
+            fut = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            await fut
+            for ep in self.eps:
+                if ep.up:
+                    try:
+                        ids = await self.probe(ep)
+                    except Exception as exc:  # went away again: the re-probe loop takes over
+                        self.failure(ep, f"probe: {_describe(exc)}")
+                        continue
+                    break
+        return ids
+
+    async def close(self) -> None:
+        for ep in self.eps:
+            if ep.reprobe_task is not None:
+                ep.reprobe_task.cancel()
+        for ep in self.eps:
+            try:
+                await ep.client.close()
+            except Exception:  # closing a broken connection is not worth failing the run
+                pass
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.TimeoutError):
+        return "timeout"
+    status = getattr(exc, "status_code", None)
+    msg = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+    return f"HTTP {status}: {msg}" if status is not None else f"{type(exc).__name__}: {msg}"
+
+
+def _aiohttp_client(max_concurrency: int, timeout_s: float):
+    """openai's aiohttp transport (about 2x the requests/s of the default one, feasibility.md §8) with
+    a connection pool sized to the endpoint's concurrency; None (= the default transport) if missing."""
+    import openai
+
+    try:
+        import httpx2
+    except ImportError:
+        return None
+    limits = httpx2.Limits(max_connections=max_concurrency + 8, max_keepalive_connections=max_concurrency + 8)
+    try:
+        return openai.DefaultAioHttpClient(limits=limits, timeout=timeout_s)
+    except RuntimeError:  # the aiohttp extra is not installed
+        log.info("aiohttp not installed: using the openai client's default transport (slower)")
+        return None
+
+
+class OpenAIBackend:
+    """Generation against OpenAI-compatible servers (``generation.backend: openai``).
+
+    Raises:
+        ConfigError: no endpoints, or ``api_key_env`` names an unset variable.
+    """
+
+    def __init__(self, gen_cfg: dict):
+        if not gen_cfg.get("endpoints"):
+            raise ConfigError("generation.endpoints is empty; list at least one {base_url: http://host:port/v1}")
+        self.cfg = gen_cfg
+        self.model = gen_cfg.get("model") or ""
+        self._keys = []
+        for i, ep in enumerate(gen_cfg["endpoints"]):
+            env = ep.get("api_key_env")
+            if env:
+                if env not in os.environ:
+                    raise ConfigError(
+                        f"generation.endpoints[{i}].api_key_env names ${env}, which is not set; export it "
+                        f"(the key itself never goes into the config)"
+                    )
+                self._keys.append(os.environ[env])
+            else:
+                self._keys.append("EMPTY")
+        self.stats: Counter = Counter()
+
+    def _make_fleet(self) -> _Fleet:
+        import openai
+
+        eps = []
+        for ep_cfg, key in zip(self.cfg["endpoints"], self._keys):
+            cap = int(ep_cfg.get("max_concurrency", 64))
+            http_client = _aiohttp_client(cap, float(self.cfg["request_timeout_s"]))
+            client = openai.AsyncOpenAI(
+                base_url=ep_cfg["base_url"], api_key=key, max_retries=0,
+                timeout=float(self.cfg["request_timeout_s"]), http_client=http_client,
+            )
+            eps.append(_Endpoint(url=redact_url(ep_cfg["base_url"]), client=client, max_concurrency=cap))
+        return _Fleet(eps, self.cfg)
+
+    def _request_kwargs(self, history: list[dict]) -> dict:
+        cfg = self.cfg
+        kw: dict[str, Any] = {
+            "model": self.model, "messages": history, "max_tokens": cfg["max_tokens"],
+            "temperature": cfg["temperature"], "top_p": cfg["top_p"],
+        }
+        if cfg.get("seed") is not None:
+            kw["seed"] = cfg["seed"]
+        extra = dict(cfg.get("extra_body") or {})
+        if cfg.get("top_k") is not None:
+            extra.setdefault("top_k", cfg["top_k"])
+        tk = template_kwargs(cfg["thinking"])
+        if tk:
+            extra["chat_template_kwargs"] = {**(extra.get("chat_template_kwargs") or {}), **tk}
+        if extra:
+            kw["extra_body"] = extra
+        return kw
+
+    def _backoff(self, attempt: int, retry_after: float | None) -> float:
+        cap = float(self.cfg["retry_backoff_max_s"])
+        d = min(cap, float(self.cfg["retry_backoff_s"]) * 2 ** (attempt - 1))
+        d = d * (0.5 + 0.5 * random.random())
+        if retry_after is not None:
+            d = max(d, min(retry_after, cap))
+        return d
+
+    def _parse(self, resp, latency: float, ep: _Endpoint) -> Turn:
+        """Turn from a response. Raises RowError (wrong thinking) or ValueError (malformed: retried)."""
+        if not resp.choices:
+            raise ValueError("response has no choices")
+        choice = resp.choices[0]
+        msg = choice.message
+        extra_msg = msg.model_extra or {}
+        content = msg.content or ""
+        reasoning = extra_msg.get("reasoning_content")
+        if reasoning is None:
+            reasoning = extra_msg.get("reasoning")
+        if reasoning is None and "</think>" in content:
+            reasoning, content = split_reasoning(content)
+        reasoning = check_thinking(self.cfg["thinking"], reasoning, require_reasoning=True)
+        extra_resp = resp.model_extra or {}
+        extra_choice = choice.model_extra or {}
+        prompt_ids = extra_resp.get("prompt_token_ids") or extra_choice.get("prompt_token_ids")
+        out_ids = extra_choice.get("token_ids") or extra_choice.get("output_token_ids")
+        usage = resp.usage
+        return Turn(
+            content=content, reasoning_content=reasoning, finish_reason=choice.finish_reason or "stop",
+            prompt_tokens=getattr(usage, "prompt_tokens", None), completion_tokens=getattr(usage, "completion_tokens", None),
+            prompt_token_ids=list(prompt_ids) if prompt_ids is not None else None,
+            output_token_ids=list(out_ids) if out_ids is not None else None,
+            latency_s=round(latency, 6), endpoint=ep.url,
+        )
+
+    async def _complete(self, fleet: _Fleet, history: list[dict]) -> Turn:
+        import openai
+
+        kw = self._request_kwargs(history)
+        timeout = float(self.cfg["request_timeout_s"])
+        attempt = 0
+        while True:
+            ep = await fleet.acquire()
+            self.stats["attempts"] += 1
+            t0 = time.monotonic()
+            retry_after = None
+            try:
+                resp = await asyncio.wait_for(ep.client.chat.completions.create(**kw), timeout)
+            except openai.APIStatusError as exc:
+                fleet.release(ep)
+                status = exc.status_code
+                err = _describe(exc)
+                if status not in RETRYABLE_STATUS and status < 500:
+                    fleet.success(ep)  # the server is alive and answered; the request is at fault
+                    raise RowError(f"{err} (not retried: client error) from {ep.url}") from None
+                if status == 429:
+                    ra = exc.response.headers.get("retry-after") if exc.response is not None else None
+                    try:
+                        retry_after = float(ra) if ra is not None else None
+                    except ValueError:
+                        retry_after = None
+                    self.stats["rate_limited"] += 1  # backpressure: the endpoint stays in
+                else:
+                    fleet.failure(ep, err)
+            except (openai.APIConnectionError, asyncio.TimeoutError) as exc:
+                fleet.release(ep)
+                err = _describe(exc)
+                fleet.failure(ep, err)
+            except (ValueError, openai.APIResponseValidationError) as exc:  # unparseable body
+                fleet.release(ep)
+                err = f"malformed response: {_describe(exc)}"
+                fleet.failure(ep, err)
+            else:
+                fleet.release(ep)
+                try:
+                    turn = self._parse(resp, time.monotonic() - t0, ep)
+                except (ValueError, AttributeError, TypeError) as exc:
+                    err = f"malformed response: {exc}"
+                    fleet.failure(ep, err)
+                else:
+                    fleet.success(ep)
+                    return turn
+            attempt += 1
+            if attempt > self.cfg["max_retries"]:
+                raise RowError(f"gave up after {attempt} attempts; last: {err} from {ep.url}")
+            self.stats["retries"] += 1
+            await asyncio.sleep(self._backoff(attempt, retry_after))
+
+    async def _conversation(self, fleet: _Fleet, prompt: dict, info: RunInfo) -> dict:
+        history: list[dict] = []
+        turns: list[Turn] = []
+        for m in prompt["messages"]:
+            history.append({"role": m["role"], "content": m["content"]})
+            if m["role"] != "user":
+                continue
+            try:
+                turn = await self._complete(fleet, list(history))
+            except RowError as exc:
+                return build_record(prompt, turns, info, error=f"turn {len(turns) + 1}: {exc}")
+            turns.append(turn)
+            history.append(turn.history_message())
+        return build_record(prompt, turns, info)
+
+    async def _run(self, prompts: Sequence[dict], on_done: OnDone, info: RunInfo) -> dict:
+        fleet = self._make_fleet()
+        try:
+            ids = await fleet.start()
+            if not self.model:
+                if not ids:
+                    raise GenerationError(f"{fleet.eps[0].url}/models lists no model; set generation.model")
+                self.model = ids[0]
+            info.model = self.model
+            queue = list(reversed(prompts))
+
+            async def worker() -> None:
+                while queue:
+                    prompt = queue.pop()
+                    on_done(await self._conversation(fleet, prompt, info))
+
+            n = min(len(prompts), sum(ep.max_concurrency for ep in fleet.eps))
+            tasks = [asyncio.ensure_future(worker()) for _ in range(n)]
+            try:
+                await asyncio.gather(*tasks)
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            await fleet.close()
+        return {
+            "requests": self.stats["attempts"] - self.stats["retries"],
+            "attempts": self.stats["attempts"],
+            "retries": self.stats["retries"],
+            "rate_limited": self.stats["rate_limited"],
+            "endpoints": {
+                ep.url: {"attempts": ep.attempts, "failures": ep.failures, "taken_out": ep.taken_out} for ep in fleet.eps
+            },
+        }
+
+    def run(self, prompts: Sequence[dict], on_done: OnDone, info: RunInfo) -> dict:
+        if not prompts:
+            return {"requests": 0, "attempts": 0, "retries": 0}
+        return asyncio.run(self._run(prompts, on_done, info))
+
+
+# ------------------------------------------------------------------------------------------------
+# entry point
+
+
+def make_backend(gen_cfg: dict, *, target_dir=None, chat_template=None, trust_remote_code=False, dtype="auto") -> Backend:
+    """The backend named by ``gen_cfg["backend"]``. Raises ConfigError for an unknown one."""
+    if gen_cfg["backend"] == "transformers":
+        if target_dir is None:
+            raise ConfigError("generation.backend=transformers needs the target directory (target.path)")
+        return TransformersBackend(
+            target_dir, gen_cfg, chat_template=chat_template, trust_remote_code=trust_remote_code, dtype=dtype
+        )
+    if gen_cfg["backend"] == "openai":
+        return OpenAIBackend(gen_cfg)
+    raise ConfigError(f"generation.backend: unknown backend {gen_cfg['backend']!r}; use transformers or openai")
+
+
+def generate_shard(
+    prompt_shard: str | Path,
+    out_path: str | Path,
+    *,
+    target_dir: str | Path | None,
+    gen_cfg: dict,
+    chat_template: str | Path | None = None,
+    trust_remote_code: bool = False,
+    progress_path: str | Path | None = None,
+    errors_path: str | Path | None = None,
+    stats_path: str | Path | None = None,
+    dtype: str = "auto",
+    backend: Backend | None = None,
+) -> dict:
+    """Generate the completion shard for one prompt shard (the ``generate_completions`` rule's entry).
+
+    Args:
+        prompt_shard: Parquet file with ``contracts.PROMPT_SCHEMA``.
+        out_path: completion shard to write (``contracts.COMPLETION_SCHEMA``, atomic).
+        target_dir: the target (weights for the transformers backend; unused by openai).
+        gen_cfg: validated ``config["generation"]`` (all defaults filled).
+        chat_template, trust_remote_code, dtype: as ``target.*`` (transformers backend).
+        progress_path: resume file (default ``<out_path>.progress.jsonl``), removed once the shard is written.
+        errors_path: error sidecar (default ``<out_path>.errors.jsonl``), rewritten each run; removed when
+            a run ends with no errors.
+        stats_path: if given, the run's stats are written there as JSON.
+        backend: an already built backend (tests, benchmarks); default from ``gen_cfg["backend"]``.
+
+    Returns:
+        stats: ``prompts, resumed, generated, ok, truncated, error, turns, prompt_tokens,
+        completion_tokens, wall_s, conversations_per_s, requests_per_s, output_tokens_per_s`` plus the
+        backend's figures (``attempts, retries`` and, for openai, per-endpoint counts).
+
+    Raises:
+        GenerationError: the circuit breaker opened, or more than ``max_error_fraction`` of the shard
+            failed (the shard is not written; finished conversations stay in the progress file).
+        DataError: malformed prompt shard. ConfigError: bad generation settings.
+    """
+    t_start = time.monotonic()
+    out_path = Path(out_path)
+    progress_path = Path(progress_path) if progress_path else Path(str(out_path) + PROGRESS_SUFFIX)
+    errors_path = Path(errors_path) if errors_path else Path(str(out_path) + ERRORS_SUFFIX)
+    prompts = read_prompts(prompt_shard)
+    thinking = gen_cfg["thinking"]
+    template_kwargs(thinking)  # validates the mode
+
+    progress = ProgressLog(progress_path, _fingerprint(gen_cfg["backend"], gen_cfg, target_dir, chat_template))
+    wanted = {p["prompt_id"] for p in prompts}
+    done = {pid: r for pid, r in progress.load().items() if pid in wanted and r.get("status") in ("ok", "truncated")}
+    pending = [p for p in prompts if p["prompt_id"] not in done]
+    resumed = len(done)
+    if resumed:
+        log.info("%s: resuming, %d of %d conversations already finished", out_path, resumed, len(prompts))
+
+    failed: dict[str, dict] = {}
+    backend_stats: dict = {}
+    model_name = None
+    if done:
+        model_name = next(iter(done.values())).get("model")
+    if pending:
+        if backend is None:
+            backend = make_backend(
+                gen_cfg, target_dir=target_dir, chat_template=chat_template,
+                trust_remote_code=trust_remote_code, dtype=dtype,
+            )
+        info = RunInfo(model=backend.model, sampling=canonical_json(sampling_params(gen_cfg)), thinking=thinking)
+        progress.open(done.values())
+        errors_path.parent.mkdir(parents=True, exist_ok=True)
+        err_fh = open(errors_path, "w", encoding="utf-8")
+        bar = _Progress(len(prompts), resumed, out_path.name)
+
+        def on_done(record: dict) -> None:
+            if record["status"] == "error":
+                failed[record["prompt_id"]] = record
+                err_fh.write(json.dumps({
+                    "prompt_id": record["prompt_id"], "dataset": record["dataset"], "error": record["error"],
+                    "turns_done": len(record["turns"]), "model": record["model"],
+                }, ensure_ascii=False) + "\n")
+                err_fh.flush()
+            else:
+                done[record["prompt_id"]] = record
+                progress.append(record)
+            bar.update(record)
+
+        try:
+            backend_stats = backend.run(pending, on_done, info)
+        except GenerationError as exc:
+            raise GenerationError(
+                f"{out_path}: {exc}. {len(done)} of {len(prompts)} conversations are finished and kept in "
+                f"{progress_path}; rerunning sends only the rest"
+            ) from None
+        finally:
+            bar.close()
+            progress.close()
+            err_fh.close()
+        model_name = info.model
+
+    missing = [p["prompt_id"] for p in prompts if p["prompt_id"] not in done and p["prompt_id"] not in failed]
+    if missing:  # a backend bug, never silently dropped
+        raise GenerationError(f"{out_path}: backend returned no record for {len(missing)} prompts (first: {missing[0]})")
+    n_err = len(failed)
+    if n_err > gen_cfg.get("max_error_fraction", 0.0) * len(prompts):
+        first = next(iter(failed.values()))
+        raise GenerationError(
+            f"{out_path}: {n_err} of {len(prompts)} conversations failed (first: prompt {first['prompt_id']}: "
+            f"{first['error']}); all are listed in {errors_path}. The {len(done)} finished ones are kept in "
+            f"{progress_path}, so a rerun retries only the failed ones. To accept failures as status=error "
+            f"rows instead, raise generation.max_error_fraction"
+        )
+
+    records = [done.get(p["prompt_id"]) or failed[p["prompt_id"]] for p in prompts]
+    counts = Counter(r["status"] for r in records)
+    table = shards.table_from_records(records, COMPLETION_SCHEMA)
+    meta = {
+        "schema_version": COMPLETION_SCHEMA_VERSION,
+        "stage": "completions",
+        "backend": gen_cfg["backend"],
+        "model": model_name,
+        "sampling": sampling_params(gen_cfg),
+        "thinking": thinking,
+        "prompt_shard": Path(prompt_shard).name,
+        "num_records": len(records),
+        "status_counts": {k: counts.get(k, 0) for k in ("ok", "truncated", "error")},
+    }
+    shards.write_parquet(out_path, table, metadata=meta)
+    progress_path.unlink(missing_ok=True)
+    if n_err == 0:
+        errors_path.unlink(missing_ok=True)
+
+    wall = time.monotonic() - t_start
+    gen_ids = {p["prompt_id"] for p in pending}
+    gen_turns = [t for r in records if r["prompt_id"] in gen_ids for t in r["turns"]]
+    out_tokens = sum(t.get("completion_tokens") or 0 for t in gen_turns)
+    stats = {
+        "schema_version": COMPLETION_SCHEMA_VERSION,
+        "shard": str(out_path),
+        "backend": gen_cfg["backend"],
+        "model": model_name,
+        "prompts": len(prompts),
+        "resumed": resumed,
+        "generated": len(pending),
+        "ok": counts.get("ok", 0),
+        "truncated": counts.get("truncated", 0),
+        "error": counts.get("error", 0),
+        "turns": len(gen_turns),
+        "prompt_tokens": sum(t.get("prompt_tokens") or 0 for t in gen_turns),
+        "completion_tokens": out_tokens,
+        "wall_s": round(wall, 3),
+        "conversations_per_s": round(len(pending) / wall, 3) if wall > 0 else None,
+        "requests_per_s": round(len(gen_turns) / wall, 3) if wall > 0 else None,
+        "output_tokens_per_s": round(out_tokens / wall, 3) if wall > 0 else None,
+        **{k: v for k, v in backend_stats.items()},
+    }
+    if stats_path is not None:
+        shards.write_json(stats_path, stats, skip_if_identical=False)
+    return stats

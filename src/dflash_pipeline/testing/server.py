@@ -1,0 +1,484 @@
+"""A local OpenAI-compatible chat server for tests, benchmarks and end-to-end runs, with fault injection.
+
+It stands in for SGLang/vLLM (DESIGN.md §4): ``GET /v1/models``, ``POST /v1/chat/completions`` and
+``GET /metrics`` (Prometheus-style counters), on 127.0.0.1.
+
+Two answer modes:
+
+* **canned** (default): a deterministic answer computed from the conversation, e.g.
+  ``"Answer 2 to: <last user message>"``; one "token" per whitespace-separated word, so ``max_tokens``
+  smaller than the answer gives ``finish_reason: length``. With ``reasoning=True`` the server acts like a
+  thinking model behind a reasoning parser: ``reasoning_content`` is returned unless the request sends
+  ``chat_template_kwargs: {enable_thinking: false}``.
+* **target**: the tiny target at ``target_dir``, rendered with its own chat template (honoring
+  ``chat_template_kwargs``) and decoded greedily; ``<think>…</think>`` is split into ``reasoning_content``
+  like SGLang's ``--reasoning-parser qwen3``.
+
+Token ids are returned as vLLM does when the request body has ``return_token_ids: true``
+(``prompt_token_ids`` at the top level, ``choices[0].token_ids``).
+
+Faults (a mutable :class:`Faults`, changeable while the server runs) apply to chat requests in order of
+arrival: first ``drop_first`` requests get their connection dropped, the next ``hang_first`` get no
+answer for ``hang_s`` seconds, the next ``fail_first`` get HTTP ``fail_status`` (with ``Retry-After`` if
+set); after ``die_after`` chat requests every request (models included) is dropped, like a crashed
+server. Marker strings in the last user message force a 400 (``bad_request_marker``), an answer that
+carries reasoning although thinking was disabled (``wrong_content_marker``), or a malformed 200 body
+(``malformed_marker``). Every request is counted (:class:`ServerStats`) per first user message and per
+exact conversation, so tests can assert that nothing was sent twice.
+
+Use :func:`start_test_server` (a context manager; the server runs in a background thread) or the CLI::
+
+    python -m dflash_pipeline.testing.server --port 0 --target resources/demo-target --port-file p.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import signal
+import sys
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from aiohttp import web
+
+#: Model id served when none is given.
+DEFAULT_MODEL_NAME = "test-model"
+
+
+@dataclass
+class Faults:
+    """Fault plan of a :class:`TestServer` (counts are numbers of chat requests, in arrival order)."""
+
+    drop_first: int = 0
+    hang_first: int = 0
+    hang_s: float = 30.0
+    fail_first: int = 0
+    fail_status: int = 503
+    retry_after_s: float | None = None
+    delay_s: float = 0.0
+    die_after: int | None = None
+    bad_request_marker: str = "[[400]]"
+    wrong_content_marker: str = "[[WRONG]]"
+    malformed_marker: str = "[[MALFORMED]]"
+
+
+@dataclass
+class ServerStats:
+    """What the server saw. ``by_prompt`` is keyed by the first user message of the request,
+    ``by_conversation`` by the canonical JSON of the messages sent (role + content)."""
+
+    chat_requests: int = 0
+    models_requests: int = 0
+    answered: int = 0
+    statuses: Counter = field(default_factory=Counter)
+    by_prompt: Counter = field(default_factory=Counter)
+    by_conversation: Counter = field(default_factory=Counter)
+    requests: list = field(default_factory=list)  # request bodies (dicts), in arrival order
+    unauthorized: int = 0
+
+
+def _first_user(messages: list[dict]) -> str:
+    return next((m.get("content") or "" for m in messages if m.get("role") == "user"), "")
+
+
+def _conversation_key(messages: list[dict]) -> str:
+    norm = [{"role": m.get("role"), "content": m.get("content")} for m in messages]
+    return json.dumps(norm, sort_keys=True, ensure_ascii=False)
+
+
+def _fake_id(word: str) -> int:
+    return int.from_bytes(hashlib.sha256(word.encode("utf-8")).digest()[:2], "little") % 30000 + 100
+
+
+def split_think(text: str) -> tuple[str | None, str]:
+    """Split generated text into (reasoning, content) like a Qwen3 reasoning parser.
+
+    ``"<think>\\nR\\n</think>\\n\\nC"`` → ``("R", "C")``; text without ``</think>`` but starting with
+    ``<think>`` (cut off while thinking) → ``(rest, "")``; anything else → ``(None, text)``.
+    """
+    if "</think>" in text:
+        head, _, tail = text.partition("</think>")
+        return head.split("<think>")[-1].strip("\n"), tail.lstrip("\n")
+    stripped = text.lstrip("\n")
+    if stripped.startswith("<think>"):
+        return stripped[len("<think>"):].strip("\n"), ""
+    return None, text
+
+
+class _TargetModel:
+    """Greedy generation with the tiny target (runs in one worker thread; requests are serialized)."""
+
+    def __init__(self, target_dir: str | Path):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from ..chat import load_tokenizer
+
+        self.torch = torch
+        self.tok = load_tokenizer(target_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+        eos = self.model.generation_config.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        if self.tok.eos_token_id is not None and self.tok.eos_token_id not in eos:
+            eos.append(self.tok.eos_token_id)
+        self.eos_ids = eos
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else eos[0]
+
+    def answer(self, messages: list[dict], template_kwargs: dict, max_tokens: int):
+        msgs = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        text = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **template_kwargs)
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        with self.torch.inference_mode():
+            out = self.model.generate(
+                self.torch.tensor([ids]),
+                attention_mask=self.torch.ones(1, len(ids), dtype=self.torch.long),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=self.eos_ids,
+                pad_token_id=self.pad_id,
+            )
+        new = out[0, len(ids):].tolist()
+        stop = False
+        for i, t in enumerate(new):
+            if t in self.eos_ids:
+                new, stop = new[: i + 1], True
+                break
+        body = new[:-1] if stop else new
+        generated = self.tok.decode(body, skip_special_tokens=True)  # as SGLang/vLLM by default
+        return generated, ("stop" if stop else "length"), ids, new
+
+
+class TestServer:
+    """An OpenAI-compatible server on 127.0.0.1 running in a background thread.
+
+    Args:
+        target_dir: serve the tiny target at this path (greedy); None = canned answers.
+        model_name: id listed by ``/v1/models`` and echoed in answers.
+        faults: the fault plan (mutable while running; see :class:`Faults`).
+        reasoning: canned mode only: act like a thinking model behind a reasoning parser.
+        reasoning_field: response field that carries reasoning (``reasoning_content`` as SGLang and
+            older vLLM, ``reasoning`` as newer vLLM).
+        api_key: if set, requests without ``Authorization: Bearer <api_key>`` get 401.
+        port: TCP port (0 = a free one).
+    """
+
+    __test__ = False  # not a pytest test class
+
+    def __init__(
+        self,
+        *,
+        target_dir: str | Path | None = None,
+        model_name: str = DEFAULT_MODEL_NAME,
+        faults: Faults | None = None,
+        reasoning: bool = False,
+        reasoning_field: str = "reasoning_content",
+        api_key: str | None = None,
+        port: int = 0,
+    ):
+        self.target_dir = target_dir
+        self.model_name = model_name
+        self.faults = faults or Faults()
+        self.reasoning = reasoning
+        self.reasoning_field = reasoning_field
+        self.api_key = api_key
+        self.port = port
+        self.stats = ServerStats()
+        self._target: _TargetModel | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
+        self._stopping: asyncio.Event | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    @property
+    def base_url(self) -> str:
+        """``http://127.0.0.1:<port>/v1`` (what a client passes as ``base_url``)."""
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def _make_app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/health", self._health)
+        return app
+
+    async def start_async(self) -> None:
+        """Start serving on the running loop (used by the CLI and by :meth:`start`)."""
+        if self.target_dir is not None and self._target is None:
+            self._target = _TargetModel(self.target_dir)
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="test-server-gen")
+        self._stopping = asyncio.Event()
+        self._runner = web.AppRunner(self._make_app(), handle_signals=False, access_log=None, shutdown_timeout=1.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # the bound port when 0 was asked
+
+    async def stop_async(self) -> None:
+        """Stop serving (hanging requests are released first)."""
+        if self._stopping is not None:
+            self._stopping.set()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
+
+    def start(self, timeout_s: float = 120.0) -> "TestServer":
+        """Start in a background thread; returns once the port is bound (or raises what start raised)."""
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            asyncio.set_event_loop(loop)
+            try:
+                loop.run_until_complete(self.start_async())
+            except BaseException as exc:  # reported to the starting thread
+                failure.append(exc)
+                ready.set()
+                loop.close()
+                return
+            ready.set()
+            loop.run_forever()
+            loop.run_until_complete(self.stop_async())
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name=f"test-server-{id(self)}", daemon=True)
+        self._thread.start()
+        if not ready.wait(timeout_s):
+            raise TimeoutError(f"test server did not start within {timeout_s} s")
+        if failure:
+            raise failure[0]
+        return self
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop the server and join its thread (idempotent). Afterwards the port refuses connections."""
+        if self._loop is None or self._thread is None:
+            return
+        loop, self._loop = self._loop, None
+        fut = asyncio.run_coroutine_threadsafe(self.stop_async(), loop)
+        with contextlib.suppress(Exception):
+            fut.result(timeout_s)
+        loop.call_soon_threadsafe(loop.stop)
+        self._thread.join(timeout_s)
+        self._thread = None
+
+    def __enter__(self) -> "TestServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- handlers -------------------------------------------------------------------------------
+    def _dead(self) -> bool:
+        f = self.faults
+        return f.die_after is not None and self.stats.chat_requests >= f.die_after
+
+    @staticmethod
+    def _drop(request: web.Request) -> web.Response:
+        if request.transport is not None:
+            request.transport.abort()
+        return web.Response(status=500)  # never reaches the client: the connection is gone
+
+    def _check_auth(self, request: web.Request) -> web.Response | None:
+        if self.api_key is None:
+            return None
+        if request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            self.stats.unauthorized += 1
+            return web.json_response({"error": {"message": "invalid api key", "type": "auth"}}, status=401)
+        return None
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if self._dead():
+            return self._drop(request)
+        return web.Response(text="ok")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        if self._dead():
+            return self._drop(request)
+        self.stats.models_requests += 1
+        denied = self._check_auth(request)
+        if denied is not None:
+            return denied
+        return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "test"}]})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        s = self.stats
+        lines = [
+            f"test_server_chat_requests_total {s.chat_requests}",
+            f"test_server_answered_total {s.answered}",
+            f"test_server_models_requests_total {s.models_requests}",
+        ]
+        lines += [f'test_server_responses_total{{status="{k}"}} {v}' for k, v in sorted(s.statuses.items())]
+        return web.Response(text="\n".join(lines) + "\n")
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        if self._dead():
+            return self._drop(request)
+        stats, f = self.stats, self.faults
+        stats.chat_requests += 1
+        n = stats.chat_requests
+        denied = self._check_auth(request)
+        if denied is not None:
+            stats.statuses[401] += 1
+            return denied
+        try:
+            body = await request.json()
+            messages = list(body["messages"])
+        except (ValueError, KeyError, TypeError):
+            stats.statuses[400] += 1
+            return web.json_response({"error": {"message": "body must be JSON with `messages`"}}, status=400)
+        stats.requests.append(body)
+        stats.by_prompt[_first_user(messages)] += 1
+        stats.by_conversation[_conversation_key(messages)] += 1
+
+        if n <= f.drop_first:
+            stats.statuses["dropped"] += 1
+            return self._drop(request)
+        if n <= f.drop_first + f.hang_first:
+            stats.statuses["hung"] += 1
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), f.hang_s)
+            return self._drop(request)
+        if n <= f.drop_first + f.hang_first + f.fail_first:
+            stats.statuses[f.fail_status] += 1
+            headers = {"Retry-After": f"{f.retry_after_s:g}"} if f.retry_after_s is not None else None
+            return web.json_response(
+                {"error": {"message": f"injected failure {f.fail_status}", "type": "server_error"}},
+                status=f.fail_status,
+                headers=headers,
+            )
+        if f.delay_s > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), f.delay_s)
+
+        last_user = next((m.get("content") or "" for m in reversed(messages) if m.get("role") == "user"), "")
+        if f.bad_request_marker and f.bad_request_marker in last_user:
+            stats.statuses[400] += 1
+            return web.json_response(
+                {"error": {"message": "injected bad request: prompt is too long", "type": "invalid_request_error"}},
+                status=400,
+            )
+        if f.malformed_marker and f.malformed_marker in last_user:
+            stats.statuses["malformed"] += 1
+            return web.Response(status=200, text='{"choices": [', content_type="application/json")
+
+        kwargs = dict(body.get("chat_template_kwargs") or {})
+        max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 256)
+        if self._target is not None:
+            text, finish, prompt_ids, out_ids = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self._target.answer, messages, kwargs, max_tokens
+            )
+            reasoning, content = split_think(text)
+            if reasoning is not None and not reasoning and kwargs.get("enable_thinking") is False:
+                reasoning = None  # an empty think block is the template's, not the model's
+        else:
+            reasoning, content, finish, prompt_ids, out_ids = self._canned(messages, kwargs, max_tokens)
+        if f.wrong_content_marker and f.wrong_content_marker in last_user:
+            reasoning = "unexpected reasoning"
+
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            message[self.reasoning_field] = reasoning
+        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
+        resp: dict[str, Any] = {
+            "id": f"chatcmpl-{n}",
+            "object": "chat.completion",
+            "created": 0,
+            "model": body.get("model") or self.model_name,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": len(out_ids),
+                "total_tokens": len(prompt_ids) + len(out_ids),
+            },
+        }
+        if body.get("return_token_ids"):
+            resp["prompt_token_ids"] = prompt_ids
+            choice["token_ids"] = out_ids
+        stats.statuses[200] += 1
+        stats.answered += 1
+        return web.json_response(resp)
+
+    def _canned(self, messages: list[dict], kwargs: dict, max_tokens: int):
+        n_user = sum(1 for m in messages if m.get("role") == "user")
+        last_user = next((m.get("content") or "" for m in reversed(messages) if m.get("role") == "user"), "")
+        words = f"Answer {n_user} to: {last_user}".split()
+        finish = "stop"
+        if len(words) > max_tokens:
+            words, finish = words[:max_tokens], "length"
+        reasoning = None
+        if self.reasoning and kwargs.get("enable_thinking") is not False:
+            reasoning = f"Let me think about turn {n_user}."
+        prompt_words = " ".join(f"{m.get('role')}: {m.get('content') or ''}" for m in messages).split()
+        out_ids = [_fake_id(w) for w in words] + ([2] if finish == "stop" else [])
+        return reasoning, " ".join(words), finish, [_fake_id(w) for w in prompt_words], out_ids
+
+
+@contextlib.contextmanager
+def start_test_server(**kwargs) -> Iterator[TestServer]:
+    """Run a :class:`TestServer` (same keyword arguments) for the duration of a ``with`` block."""
+    server = TestServer(**kwargs).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: serve until SIGINT/SIGTERM. Prints ``READY <base_url>`` on stdout once listening."""
+    ap = argparse.ArgumentParser(prog="python -m dflash_pipeline.testing.server", description=__doc__.split("\n")[0])
+    ap.add_argument("--port", type=int, default=0, help="TCP port on 127.0.0.1 (0 = a free one)")
+    ap.add_argument("--target", default=None, help="target directory to serve (default: canned answers)")
+    ap.add_argument("--model-name", default=DEFAULT_MODEL_NAME)
+    ap.add_argument("--reasoning", action="store_true", help="canned mode: answer with reasoning_content")
+    ap.add_argument("--delay-s", type=float, default=0.0, help="answer every chat request after this delay")
+    ap.add_argument("--api-key-env", default=None, help="require the key held by this environment variable")
+    ap.add_argument("--port-file", default=None, help="write the bound port to this file once listening")
+    args = ap.parse_args(argv)
+
+    import os
+
+    api_key = os.environ[args.api_key_env] if args.api_key_env else None
+    server = TestServer(
+        target_dir=args.target,
+        model_name=args.model_name,
+        faults=Faults(delay_s=args.delay_s),
+        reasoning=args.reasoning,
+        api_key=api_key,
+        port=args.port,
+    )
+
+    async def serve() -> None:
+        await server.start_async()
+        if args.port_file:
+            tmp = Path(args.port_file + ".tmp")
+            tmp.write_text(f"{server.port}\n")
+            tmp.replace(args.port_file)
+        print(f"READY {server.base_url}", flush=True)
+        done = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, done.set)
+        await done.wait()
+        await server.stop_async()
+
+    asyncio.run(serve())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
