@@ -13,6 +13,25 @@ wildcard_constraints:
     run=r"[A-Za-z0-9_.-]+",
 
 
+def repo_path(path):
+    """A relative path that is missing from the working directory but ships with the workflow
+    (bundled data under data/) resolves against the repo, so `snakemake -d elsewhere` works."""
+    p = Path(path)
+    if p.is_absolute() or p.exists():
+        return str(path)
+    shipped = Path(workflow.basedir) / p
+    return str(shipped) if shipped.exists() else str(path)
+
+
+def with_repo_paths(sources):
+    """Copy of a `datasets` / `eval.sets` mapping with each `path` resolved by :func:`repo_path`."""
+    return {name: {**src, "path": repo_path(src["path"])} for name, src in sources.items()}
+
+
+def demo_corpus():
+    return [repo_path(p) for p in ("data/gsm8k/train.jsonl", "data/sharegpt/sharegpt.json")]
+
+
 def target_dir():
     """The target model directory (the demo target is built by the workflow)."""
     path = config["target"]["path"]
@@ -23,6 +42,18 @@ def target_input():
     """What rules that read the target depend on: the demo dir, or the real target's config.json."""
     path = config["target"]["path"]
     return DEMO_TARGET if path == "demo" else str(Path(path) / "config.json")
+
+
+def target_dir_of_input(wildcards, input):
+    """`params.target` derived from the rule's `target` input (the demo dir, or the dir of config.json),
+    so the path travels with the input (Snakemake lint: no hard-coded input prefixes in params)."""
+    path = Path(input.target)
+    return str(path.parent) if path.name == "config.json" else str(path)
+
+
+def prompts_dir_of_output(wildcards, output):
+    """Directory of the prompt shards: the one holding the manifest."""
+    return str(Path(output.manifest).parent)
 
 
 def probe_json():
@@ -46,7 +77,7 @@ def token_shard():
 
 
 def dataset_inputs():
-    return [d["path"] for d in config["datasets"].values()]
+    return [d["path"] for d in with_repo_paths(config["datasets"]).values()]
 
 
 def shard_list(wildcards):
@@ -74,6 +105,13 @@ def final_targets():
 
 def as_json(obj):
     return json.dumps(obj, sort_keys=True)
+
+
+def gpus(rule):
+    """The `gpu` resource of one job of `rule` (0 on CPU runs; see dflash_pipeline.workflow.job_gpus)."""
+    from dflash_pipeline.workflow import job_gpus
+
+    return job_gpus(config, rule)
 
 
 def accelerate_launch_args():

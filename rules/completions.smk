@@ -6,7 +6,7 @@ rule generate_completions:
     output:
         completion_shard(),
     params:
-        target=target_dir(),
+        target=target_dir_of_input,
         generation=config["generation"],
         chat_template=config["target"]["chat_template"],
         trust_remote_code=config["target"]["trust_remote_code"],
@@ -15,6 +15,8 @@ rule generate_completions:
     benchmark:
         f"benchmarks/generate_completions/{{dataset}}/{{shard}}.tsv"
     threads: workflow.cores if config["generation"]["backend"] == "transformers" else 1
+    resources:
+        gpu=gpus("generate_completions"),
     conda:
         "../envs/completions.yaml"
     script:

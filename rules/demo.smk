@@ -1,7 +1,7 @@
 rule build_demo_target:
     """Tiny Qwen3 target + BPE tokenizer + Qwen3-style chat template, briefly trained on bundled data."""
     input:
-        corpus=["data/gsm8k/train.jsonl", "data/sharegpt/sharegpt.json"],
+        corpus=demo_corpus(),
     output:
         directory(DEMO_TARGET),
     params:

@@ -5,7 +5,7 @@ rule probe_target:
     output:
         probe_json(),
     params:
-        target=target_dir(),
+        target=target_dir_of_input,
         drafter=config["drafter"],
         trust_remote_code=config["target"]["trust_remote_code"],
         chat_template=config["target"]["chat_template"],

@@ -9,9 +9,9 @@ checkpoint shard_prompts:
     output:
         manifest=prompts_manifest(),
     params:
-        datasets=config["datasets"],
+        datasets=with_repo_paths(config["datasets"]),
         prompts=config["prompts"],
-        out_dir=f"{R}/prompts",
+        out_dir=prompts_dir_of_output,
     log:
         "logs/shard_prompts.log",
     conda:

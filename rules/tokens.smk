@@ -6,7 +6,7 @@ rule tokenize_completions:
     output:
         token_shard(),
     params:
-        target=target_dir(),
+        target=target_dir_of_input,
         tokens=config["tokens"],
         chat_template=config["target"]["chat_template"],
         trust_remote_code=config["target"]["trust_remote_code"],

@@ -10,7 +10,7 @@ rule train_drafter:
     output:
         directory(f"{R}/checkpoints/{{run}}/final"),
     params:
-        target=target_dir(),
+        target=target_dir_of_input,
         run_dir=lambda wc: checkpoint_dir(wc.run),
         train=as_json(config["train"]),
         launch=" ".join(accelerate_launch_args()),
@@ -20,10 +20,11 @@ rule train_drafter:
         f"benchmarks/train_drafter/{{run}}.tsv"
     threads: workflow.cores
     resources:
-        gpu=config["train"]["num_processes"] if config["train"]["mixed_precision"] != "no" else 0,
+        gpu=gpus("train_drafter"),
     conda:
         "../envs/torch.yaml"
     shell:
-        "OMP_NUM_THREADS={threads} python -m accelerate.commands.launch {params.launch} "
+        "OMP_NUM_THREADS={threads} python -m dflash_pipeline.workflow gpus {resources.gpu} -- "
+        "python -m accelerate.commands.launch {params.launch} "
         "-m dflash_pipeline.train --probe {input.probe:q} --target {params.target:q} "
         "--out-dir {params.run_dir:q} --train-config {params.train:q} {input.tokens:q} > {log:q} 2>&1"
