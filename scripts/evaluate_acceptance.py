@@ -1,8 +1,8 @@
 from dflash_pipeline.evaluate import evaluate
 from dflash_pipeline.shards import read_json
-from dflash_pipeline.workflow import log_to
+from dflash_pipeline.workflow import claim_gpus, log_to
 
-with log_to(snakemake.log[0], snakemake.threads):
+with log_to(snakemake.log[0], snakemake.threads), claim_gpus(snakemake.resources.gpu):
     p = snakemake.params
     evaluate(
         target_dir=p.target, probe=read_json(snakemake.input.probe),

@@ -1,7 +1,7 @@
 from dflash_pipeline.completions import generate_shard
-from dflash_pipeline.workflow import log_to
+from dflash_pipeline.workflow import claim_gpus, log_to
 
-with log_to(snakemake.log[0], snakemake.threads):
+with log_to(snakemake.log[0], snakemake.threads), claim_gpus(snakemake.resources.gpu):
     p = snakemake.params
     generate_shard(
         snakemake.input.prompts, snakemake.output[0], target_dir=p.target, gen_cfg=p.generation,

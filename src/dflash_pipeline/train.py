@@ -202,6 +202,8 @@ def train(
         skip = step - epoch * steps_per_epoch
         batches = accelerator.skip_first_batches(loader, skip) if skip else loader
         for batch in batches:
+            if cfg.get("trace_batches"):
+                trace_batch(out_dir, accelerator.process_index, step, batch)
             loss, stats = training_step(
                 drafter, target, embed, lm_head, batch, probe, cfg, block_size, gamma, gen, zero_target_features
             )
@@ -278,6 +280,17 @@ def training_step(drafter, target, embed, lm_head, batch, probe, cfg, block_size
         noise = embed(block_ids)
     hidden = drafter(noise.to(feats.dtype), feats, ctx_pos, block_pos, attn_mask=mask)
     return M.decayed_cross_entropy(hidden, lm_head.weight, labels, weights)
+
+
+def trace_batch(out_dir: Path, rank: int, step: int, batch: dict) -> None:
+    """Append ``{step, batch: sha1 of the input ids}`` to ``trace/rank{rank}.jsonl`` (data-parallel checks)."""
+    import hashlib
+
+    path = out_dir / "trace" / f"rank{rank}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha1(batch["input_ids"].cpu().numpy().tobytes()).hexdigest()
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"step": step, "batch": digest}) + "\n")
 
 
 def save_state(accelerator, state_dir: Path, step: int) -> None:
