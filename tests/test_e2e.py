@@ -89,7 +89,7 @@ def test_tokenization_change_never_regenerates_completions(built):
     path = work / "tokens_changed.yaml"
     path.write_text(yaml.safe_dump(changed))
     jobs = planned_jobs(snakemake(work, "-n", configfile=path))
-    assert jobs.get("tokenize_completions") == 2  # 16 prompts / shard_size 8
+    assert jobs.get("tokenize_completions") == 3  # gsm8k 12 prompts -> 2 shards of 8, mt_bench 4 -> 1
     assert "generate_completions" not in jobs and "shard_prompts" not in jobs
     assert jobs.get("train_drafter") == 1 and jobs.get("evaluate_acceptance") == 1
 
@@ -100,17 +100,27 @@ def test_generation_change_regenerates_all_completions(built):
     path = work / "gen_changed.yaml"
     path.write_text(yaml.safe_dump(changed))
     jobs = planned_jobs(snakemake(work, "-n", configfile=path))
-    assert jobs.get("generate_completions") == 2 and jobs.get("tokenize_completions") == 2
+    assert jobs.get("generate_completions") == 3 and jobs.get("tokenize_completions") == 3
 
 
-def test_lost_completion_shard_reruns_only_that_shard(built):
+def test_failed_shard_reruns_only_that_shard(built):
+    """A run where one generation job died (keep-going) has neither that completion nor its token shard,
+    and no checkpoint or eval: the rerun does only that shard, its tokens, train and eval; the other
+    shards' completions are kept."""
     work, _ = built
-    shard = work / "results/completions/gsm8k/00001.parquet"
-    data = shard.read_bytes()
-    shard.unlink()
+    lost = [work / "results/completions/gsm8k/00001.parquet", work / "results/tokens/gsm8k/00001.parquet",
+            work / "results/eval/e2e/acceptance.json"]
+    final = work / "results/checkpoints/e2e/final"
+    saved = [p.read_bytes() for p in lost]
+    for p in lost:
+        p.unlink()
+    final.rename(final.with_name("final.aside"))
     try:
         jobs = planned_jobs(snakemake(work, "-n"))
         assert jobs.get("generate_completions") == 1 and jobs.get("tokenize_completions") == 1
-        assert jobs.get("train_drafter") == 1 and "shard_prompts" not in jobs
+        assert jobs.get("train_drafter") == 1 and jobs.get("evaluate_acceptance") == 1
+        assert "shard_prompts" not in jobs and "probe_target" not in jobs
     finally:
-        shard.write_bytes(data)
+        for p, data in zip(lost, saved):
+            p.write_bytes(data)
+        final.with_name("final.aside").rename(final)
