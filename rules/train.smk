@@ -13,7 +13,9 @@ rule train_drafter:
         target=target_dir_of_input,
         run_dir=lambda wc: checkpoint_dir(wc.run),
         train=as_json(config["train"]),
+        arch=as_json({k: config["drafter"][k] for k in ("layer_types", "sliding_window")}),
         launch=" ".join(accelerate_launch_args()),
+        baseline=lambda wc: baseline_train_flags(wc.run),
     log:
         f"logs/train_drafter/{{run}}.log",
     benchmark:
@@ -27,4 +29,4 @@ rule train_drafter:
         "OMP_NUM_THREADS={threads} python -m dflash_pipeline.workflow gpus {resources.gpu} -- "
         "python -m accelerate.commands.launch {params.launch} "
         "-m dflash_pipeline.train --probe {input.probe:q} --target {params.target:q} "
-        "--out-dir {params.run_dir:q} --train-config {params.train:q} {input.tokens:q} > {log:q} 2>&1"
+        "--out-dir {params.run_dir:q} --train-config {params.train:q} {params.baseline} --drafter-arch {params.arch:q} {input.tokens:q} > {log:q} 2>&1"

@@ -207,3 +207,85 @@ def test_gamma_table():
     assert M.loss_decay_gamma(16) == 7.0 and M.loss_decay_gamma(10) == 5.0 and M.loss_decay_gamma(8) == 4.0
     assert M.expected_acceptance_length([0.0, 1.0, 1.0, 1.0]) == 4.0
     assert M.expected_acceptance_length([0.0, 0.5, 0.5]) == 1.75
+
+
+@pytest.fixture(scope="module")
+def tiny_sliding(tiny):
+    target, _ = tiny
+    torch.manual_seed(1)
+    dcfg = M.drafter_config_from_target(
+        target.config, block_size=B, num_draft_layers=2, target_layer_ids=[1, 3], mask_token_id=95,
+        layer_types=["sliding_attention", "full_attention"], sliding_window=5,
+    )
+    return target, M.DFlashDrafter(dcfg).eval()
+
+
+def test_sliding_mask_window_and_causal_block():
+    anchors = torch.tensor([[9, 10]])
+    mask = M.build_block_mask(anchors, 14, B, sliding_window=5)[0, 0]
+    for q in range(2 * B):
+        n, k = divmod(q, B)
+        a = int(anchors[0, n])
+        visible_ctx = mask[q, :14].nonzero().flatten().tolist()
+        assert visible_ctx == [j for j in range(14) if j < a and (a + k) - j < 5]
+        blk = mask[q, 14:].view(2, B)
+        assert blk[n].tolist() == [i <= k for i in range(B)] and not blk[1 - n].any()
+
+
+def test_sliding_drafter_training_matches_inference(tiny_sliding):
+    target, drafter = tiny_sliding
+    S = 16
+    ids = torch.randint(0, 90, (1, S), generator=torch.Generator().manual_seed(7))
+    feats, _ = target_features(target, ids, None, drafter.target_layer_ids)
+    anchors = M.AnchorBatch(torch.tensor([[2, 8, 9]]), torch.ones(1, 3, dtype=torch.bool))
+    blk, pos, _, _ = M.block_inputs_and_labels(ids, torch.ones_like(ids), anchors, B, drafter.mask_token_id, None)
+    masks = M.build_training_masks(drafter, anchors.anchors, S)
+    assert set(masks) == {"full_attention", "sliding_attention"}
+    with torch.no_grad():
+        hidden = drafter(target.model.embed_tokens(blk), feats, torch.arange(S).view(1, -1), pos, attn_mask=masks)
+        train_logits = target.lm_head(hidden).view(1, 3, B, -1)
+        for n, p in enumerate([2, 8, 9]):
+            inf = drafter.draft_block(target.model.embed_tokens, target.lm_head, ids[:, p], feats[:, :p], p,
+                                      M.DraftContextCache(len(drafter.layers)))
+            assert torch.allclose(train_logits[0, n], inf[0], atol=1e-5), p
+
+
+def test_flex_attention_mask_matches_dense(tiny_sliding):
+    """The FlexAttention BlockMask path gives the dense-mask path's outputs (eager flex on CPU)."""
+    target, drafter = tiny_sliding
+    S = 20
+    ids = torch.randint(0, 90, (2, S), generator=torch.Generator().manual_seed(8))
+    feats, _ = target_features(target, ids, None, drafter.target_layer_ids)
+    anchors = M.AnchorBatch(torch.tensor([[0, 5, 6, 12], [3, 3, 9, 15]]), torch.ones(2, 4, dtype=torch.bool))
+    blk, pos, _, _ = M.block_inputs_and_labels(ids, torch.ones_like(ids), anchors, B, drafter.mask_token_id, None)
+    ctx_pos = torch.arange(S).expand(2, -1)
+    emb = target.model.embed_tokens(blk)
+    with torch.no_grad():
+        dense = drafter(emb, feats, ctx_pos, pos, attn_mask=M.build_training_masks(drafter, anchors.anchors, S, "sdpa"))
+        flex = drafter(emb, feats, ctx_pos, pos, attn_mask=M.build_training_masks(drafter, anchors.anchors, S, "flex"))
+    assert torch.allclose(dense, flex, atol=1e-5)
+
+
+def test_sliding_layers_need_a_window(tiny):
+    target, _ = tiny
+    with pytest.raises(ValueError, match="sliding_window"):
+        M.drafter_config_from_target(target.config, block_size=B, num_draft_layers=1, target_layer_ids=[1],
+                                     mask_token_id=95, layer_types=["sliding_attention"])
+
+
+def test_batch_without_supervised_token_gives_every_parameter_a_gradient(tiny):
+    """With no anchor candidate the step still runs forward/backward through every drafter parameter,
+    so DDP's gradient all-reduce never waits on a rank that skipped (no hang)."""
+    from dflash_pipeline.train import training_step
+
+    target, drafter = tiny
+    drafter = M.DFlashDrafter(drafter.config).train()
+    batch = {"input_ids": torch.randint(0, 90, (2, 12)), "loss_mask": torch.zeros(2, 12, dtype=torch.uint8),
+             "attention_mask": torch.ones(2, 12, dtype=torch.long)}
+    batch["loss_mask"][0, 3] = 1  # a lone supervised token: still no (p, p+1) pair
+    probe = {"drafter": {"target_layer_ids": drafter.target_layer_ids, "mask_token_id": 95}}
+    loss, stats = training_step(drafter, target, target.model.embed_tokens, target.lm_head, batch, probe,
+                                {"num_anchors": 4}, B, 4.0, torch.Generator().manual_seed(0))
+    loss.backward()
+    assert stats["num_slots"] == 0 and float(loss) == 0.0
+    assert all(p.grad is not None for p in drafter.parameters())

@@ -93,3 +93,33 @@ def test_two_cpu_ranks_really_train_as_two_processes(setup, tmp_path):
     assert all(a["batch"] != b["batch"] for a, b in zip(r0, r1))  # ranks see different data
     log = [json.loads(l) for l in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert len(log) == 3 and all(np.isfinite(r["loss"]) for r in log)
+
+
+def test_killed_run_resumes_at_its_last_saved_step(setup, tmp_path):
+    """SIGKILL a real training process once it has saved state; the rerun starts from that step."""
+    import signal
+
+    root, probe = setup
+    cfg = dict(CFG, epochs=20, save_every_steps=3, trace_batches=False)
+    cmd = [sys.executable, "-m", "dflash_pipeline.train", "--probe", str(root / "probe.json"), "--target",
+           str(root / "target"), "--out-dir", str(tmp_path), "--train-config", json.dumps(cfg), str(root / "tokens.parquet")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    saved = None
+    for line in proc.stdout:  # wait on the process's own progress lines, not on time
+        if line.startswith("[train] step ") and (tmp_path / "state" / "step.json").is_file():
+            saved = json.loads((tmp_path / "state" / "step.json").read_text())["step"]
+            if saved >= 3:
+                proc.send_signal(signal.SIGKILL)
+                break
+    proc.wait(timeout=60)
+    assert saved is not None and saved >= 3 and proc.returncode == -signal.SIGKILL
+    assert not (tmp_path / "final").exists()  # a killed run leaves no finished-looking checkpoint
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    import re
+
+    resumed = re.search(r"resumed from .* at step (\d+)/", out.stdout + out.stderr)
+    # the state read just before the kill, or a later save that landed in between
+    assert resumed and int(resumed.group(1)) >= saved and int(resumed.group(1)) % 3 == 0
+    assert (tmp_path / "final" / "model.safetensors").is_file()

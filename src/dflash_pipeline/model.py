@@ -46,13 +46,24 @@ def drafter_config_from_target(
     num_draft_layers: int,
     target_layer_ids: list[int],
     mask_token_id: int,
+    layer_types: Optional[list[str]] = None,
+    sliding_window: Optional[int] = None,
 ) -> Qwen3Config:
     """Build the drafter's ``Qwen3Config`` from the target's text config (dflash.md §2.1, §8.2).
 
     The drafter's hidden size, heads, head_dim, vocab and rope equal the target's (the target's
     embedding and LM head are reused); ``num_hidden_layers`` is the number of *draft* layers.
+    ``layer_types`` (``full_attention``/``sliding_attention`` per draft layer) with ``sliding_window``
+    (tokens) makes sliding-window drafter layers (dflash.md §2.3, e.g. Qwen3.6-27B: 4 sliding + 1 full).
+
+    Raises:
+        ValueError: ``layer_types`` of the wrong length, or sliding layers without ``sliding_window``.
     DFlash fields ride along as ``block_size``, ``num_target_layers`` and ``dflash_config``.
     """
+    if layer_types is not None and len(layer_types) != num_draft_layers:
+        raise ValueError(f"drafter.layer_types has {len(layer_types)} entries for {num_draft_layers} draft layers")
+    if layer_types and "sliding_attention" in layer_types and not sliding_window:
+        raise ValueError("drafter.layer_types has sliding_attention layers: set drafter.sliding_window (tokens)")
     t = target_config
     head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
     rope = dict(getattr(t, "rope_parameters", None) or {})
@@ -72,7 +83,9 @@ def drafter_config_from_target(
         rope_parameters=rope,
         attention_bias=False,
         tie_word_embeddings=False,
-        layer_types=["full_attention"] * num_draft_layers,
+        layer_types=list(layer_types or ["full_attention"] * num_draft_layers),
+        sliding_window=sliding_window,
+        use_sliding_window=bool(layer_types and "sliding_attention" in layer_types),
     )
     cfg.architectures = [ARCHITECTURE]
     cfg.block_size = int(block_size)
@@ -157,12 +170,31 @@ class DFlashAttention(nn.Module):
             k_ctx, v_ctx = cache.append(self.layer_idx, k_ctx, v_ctx)
         k = torch.cat([k_ctx, k_blk], dim=-2)  # [b, kv, C+Q, d]
         v = torch.cat([v_ctx, v_blk], dim=-2)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=False, scale=self.scaling,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )  # [b, h, Q, d]
+        gqa = self.num_heads != self.num_kv_heads
+        if _is_block_mask(attn_mask):  # FlexAttention path (GPU training)
+            out = _flex_attention()(q, k, v, block_mask=attn_mask, scale=self.scaling, enable_gqa=gqa)
+        else:  # dense bool mask (CPU training) or None (inference: see everything)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=False, scale=self.scaling, enable_gqa=gqa)
+        # out: [b, h, Q, d]
         b, _, t, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+def _is_block_mask(mask) -> bool:
+    return mask is not None and type(mask).__name__ == "BlockMask"
+
+
+_FLEX = None
+
+
+def _flex_attention():
+    """``flex_attention``, compiled once on CUDA (eager elsewhere: correct but unfused, for tests)."""
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX = torch.compile(flex_attention, dynamic=True) if torch.cuda.is_available() else flex_attention
+    return _FLEX
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -175,12 +207,15 @@ class DFlashDecoderLayer(nn.Module):
 
     def __init__(self, config: Qwen3Config, layer_idx: int):
         super().__init__()
+        self.attention_type = (getattr(config, "layer_types", None) or ["full_attention"] * (layer_idx + 1))[layer_idx]
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = DFlashAttention(config, layer_idx)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = Qwen3MLP(config)
 
     def forward(self, x, context, ctx_rope, block_rope, attn_mask=None, cache=None):
+        if isinstance(attn_mask, dict):  # per layer type: {"full_attention": m, "sliding_attention": m}
+            attn_mask = attn_mask[self.attention_type]
         x = x + self.self_attn(self.input_layernorm(x), context, ctx_rope, block_rope, attn_mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -206,6 +241,8 @@ class DFlashDrafter(nn.Module):
         self.block_size = int(config.block_size)
         self.mask_token_id = int(config.dflash_config["mask_token_id"])
         self.target_layer_ids = list(config.dflash_config["target_layer_ids"])
+        self.layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+        self.sliding_window = getattr(config, "sliding_window", None) if "sliding_attention" in self.layer_types else None
         self.fc = nn.Linear(k * h, h, bias=False)
         self.hidden_norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
@@ -226,7 +263,7 @@ class DFlashDrafter(nn.Module):
         target_hidden: torch.Tensor,  # [b, C, K*H] concatenated target features (new context)
         ctx_position_ids: torch.Tensor,  # [b, C] absolute positions of the context tokens
         block_position_ids: torch.Tensor,  # [b, Q] absolute positions of the block tokens
-        attn_mask: Optional[torch.Tensor] = None,  # bool [b, 1, Q, C_total+Q]; None = see everything
+        attn_mask=None,  # bool [b, 1, Q, C_total+Q], a BlockMask, a dict of those per layer type, or None
         cache: Optional[DraftContextCache] = None,
     ) -> torch.Tensor:
         """Return the final-normed block hidden states [b, Q, H] (apply the target ``lm_head`` next)."""
@@ -265,7 +302,12 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"context covers positions up to {int(ctx_pos[0, -1])}, block starts at {start}")
         blk_pos = torch.arange(start, start + bs, device=dev).expand(b, -1)
         emb = embed_tokens(block).to(new_context.dtype)
-        hidden = self(emb, new_context, ctx_pos, blk_pos, attn_mask=None, cache=cache)
+        mask = None
+        if self.sliding_window is not None:  # full layers see everything; sliding layers need a mask
+            full = torch.ones((b, 1, bs, start + bs), dtype=torch.bool, device=dev)
+            sliding = build_inference_sliding_mask(start, bs, self.sliding_window, device=dev).expand(b, -1, -1, -1)
+            mask = {"full_attention": full, "sliding_attention": sliding}
+        hidden = self(emb, new_context, ctx_pos, blk_pos, attn_mask=mask, cache=cache)
         return lm_head(hidden)
 
 
@@ -311,13 +353,19 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: Optiona
     return AnchorBatch(anchors=idx.gather(1, order), keep=keep.gather(1, order))
 
 
-def build_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+def build_block_mask(
+    anchors: torch.Tensor, seq_len: int, block_size: int, *, sliding_window: Optional[int] = None
+) -> torch.Tensor:
     """Dense training attention mask (dflash.md §4.4), True = attend.
 
     KV layout is [context (S) ‖ block_0 (B) ‖ … ‖ block_{N−1} (B)]; queries are the N·B block slots.
     Query slot q of block n = q // B may see context key j iff j < anchors[n] (strictly before the
     anchor, by *position*, so overlapping anchors never leak), and every key of its own block
-    (bidirectional). It never sees other blocks. Every row has ≥ B visible keys (its own block).
+    (bidirectional). It never sees other blocks. Every row has ≥ 1 visible key (its own anchor).
+
+    ``sliding_window`` (sliding-attention layers, dflash.md §2.3, SpecForge semantics): the context is
+    further limited to keys with ``query_position − j < sliding_window``, and inside the block a slot
+    sees only slots at or before it (causal).
 
     Args:
         anchors: long [b, N].
@@ -327,11 +375,65 @@ def build_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> to
     b, n = anchors.shape
     dev = anchors.device
     q_block = torch.arange(n * block_size, device=dev) // block_size  # [Q]
+    q_off = torch.arange(n * block_size, device=dev) % block_size  # [Q]
     q_anchor = anchors[:, q_block]  # [b, Q]
-    ctx = torch.arange(seq_len, device=dev).view(1, 1, -1) < q_anchor.unsqueeze(-1)  # [b, Q, S]
-    k_block = torch.arange(n * block_size, device=dev) // block_size
-    own = (q_block.view(-1, 1) == k_block.view(1, -1)).unsqueeze(0).expand(b, -1, -1)  # [b, Q, N·B]
+    j = torch.arange(seq_len, device=dev).view(1, 1, -1)
+    ctx = j < q_anchor.unsqueeze(-1)  # [b, Q, S]
+    own = (q_block.view(-1, 1) == q_block.view(1, -1))  # [Q, N·B]
+    if sliding_window is not None:
+        q_pos = (q_anchor + q_off).unsqueeze(-1)  # [b, Q, 1]
+        ctx = ctx & (q_pos - j < sliding_window)
+        own = own & (q_off.view(1, -1) <= q_off.view(-1, 1))
+    own = own.unsqueeze(0).expand(b, -1, -1)
     return torch.cat([ctx, own], dim=-1).unsqueeze(1)
+
+
+def build_flex_block_mask(
+    anchors: torch.Tensor, seq_len: int, block_size: int, *, sliding_window: Optional[int] = None
+):
+    """The same predicate as :func:`build_block_mask` as a FlexAttention ``BlockMask`` (no dense
+    [b, Q, S+Q] tensor; dflash.md §4.4). The block index is clamped before the anchor gather."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b, n = anchors.shape
+    q_len = n * block_size
+
+    def mask_mod(bi, hi, q, kv):
+        blk = torch.clamp(q // block_size, max=n - 1)
+        anchor = anchors[bi, blk]
+        in_ctx = (kv < seq_len) & (kv < anchor)
+        kv_blk = torch.clamp(kv - seq_len, min=0) // block_size
+        in_own = (kv >= seq_len) & (kv_blk == blk)
+        if sliding_window is not None:
+            q_off = q % block_size
+            in_ctx = in_ctx & (anchor + q_off - kv < sliding_window)
+            in_own = in_own & ((kv - seq_len) % block_size <= q_off)
+        return in_ctx | in_own
+
+    return create_block_mask(mask_mod, B=b, H=None, Q_LEN=q_len, KV_LEN=seq_len + q_len, device=anchors.device)
+
+
+def build_training_masks(drafter: "DFlashDrafter", anchors: torch.Tensor, seq_len: int, backend: str = "sdpa"):
+    """Masks for every layer type the drafter has: one mask, or ``{layer_type: mask}`` when it mixes
+    full and sliding layers. ``backend``: ``sdpa`` (dense bool) or ``flex`` (BlockMask)."""
+    build = build_flex_block_mask if backend == "flex" else build_block_mask
+    types = set(drafter.layer_types)
+    masks = {}
+    if "full_attention" in types:
+        masks["full_attention"] = build(anchors, seq_len, drafter.block_size)
+    if "sliding_attention" in types:
+        masks["sliding_attention"] = build(anchors, seq_len, drafter.block_size, sliding_window=drafter.sliding_window)
+    return next(iter(masks.values())) if len(masks) == 1 else masks
+
+
+def build_inference_sliding_mask(start: int, block_size: int, sliding_window: int, device=None) -> torch.Tensor:
+    """Inference mask of a sliding layer: block slot k (position start+k) sees context j with
+    start+k−j < window, and block slots ≤ k. bool [1, 1, B, start + B]."""
+    k = torch.arange(block_size, device=device).view(-1, 1)
+    j = torch.arange(start, device=device).view(1, -1)
+    ctx = (start + k) - j < sliding_window
+    own = torch.arange(block_size, device=device).view(1, -1) <= k
+    return torch.cat([ctx, own], dim=-1).view(1, 1, block_size, start + block_size)
 
 
 def loss_decay_gamma(block_size: int) -> float:

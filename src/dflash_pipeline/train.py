@@ -7,7 +7,8 @@ weights under bf16 autocast), §5.3 (online target features).
 
 Outputs under ``out_dir``: ``final/`` (servable checkpoint, written atomically), ``state/`` (Accelerate
 state for resume; a killed run restarts at its last saved step), ``train_log.jsonl`` (one JSON per
-logged step) and ``train_summary.json``.
+logged step), ``train_summary.json`` and ``step_<N>/`` (an intermediate servable export at every state save,
+``save_every_steps``; the eval stage charts τ across them).
 """
 
 from __future__ import annotations
@@ -107,8 +108,9 @@ def load_target(target_dir: str | Path, *, dtype: str = "auto", device: str | to
     return target
 
 
-def build_drafter(target, probe: dict, *, seed: int = 0) -> M.DFlashDrafter:
-    """Random-init drafter sized from the target config and the probe's drafter decisions."""
+def build_drafter(target, probe: dict, *, seed: int = 0, layer_types=None, sliding_window=None) -> M.DFlashDrafter:
+    """Random-init drafter sized from the target config and the probe's drafter decisions
+    (``layer_types``/``sliding_window``: optional sliding-window draft layers, config ``drafter.*``)."""
     d = probe["drafter"]
     cfg = M.drafter_config_from_target(
         target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config,
@@ -116,6 +118,8 @@ def build_drafter(target, probe: dict, *, seed: int = 0) -> M.DFlashDrafter:
         num_draft_layers=d["num_draft_layers"],
         target_layer_ids=d["target_layer_ids"],
         mask_token_id=d["mask_token_id"],
+        layer_types=layer_types,
+        sliding_window=sliding_window,
     )
     torch.manual_seed(seed)
     return M.DFlashDrafter(cfg)
@@ -135,9 +139,11 @@ def train(
     cfg: dict,
     target_dtype: str = "auto",
     zero_target_features: bool = False,
+    drafter_arch: Optional[dict] = None,
 ) -> dict:
     """Train the drafter; see the module docstring for outputs. ``cfg`` is the validated ``train`` config.
 
+    ``drafter_arch`` holds the optional ``layer_types``/``sliding_window`` (config ``drafter.*``).
     ``zero_target_features`` trains the ablation baseline whose fused features are all zero (what the
     target features buy). Returns the summary dict (also written to ``train_summary.json``).
 
@@ -158,7 +164,11 @@ def train(
         raise ValueError(f"no token record with ≥2 supervised tokens in {len(token_shards)} shard(s)")
     target = load_target(target_dir, dtype=target_dtype, device=accelerator.device)
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-    drafter = build_drafter(target, probe, seed=cfg["seed"])
+    arch = drafter_arch or {}
+    drafter = build_drafter(target, probe, seed=cfg["seed"], layer_types=arch.get("layer_types"), sliding_window=arch.get("sliding_window"))
+    backend = cfg.get("attention_backend", "auto")
+    if backend == "auto":
+        backend = "flex" if accelerator.device.type == "cuda" else "sdpa"
     block_size = drafter.block_size
     gamma = cfg.get("loss_gamma") or M.loss_decay_gamma(block_size)
     n_trainable = M.count_parameters(drafter)
@@ -186,6 +196,9 @@ def train(
     log_path = out_dir / "train_log.jsonl"
     if is_main and step == 0 and log_path.exists():
         log_path.unlink()
+    if is_main and step == 0:
+        for old in out_dir.glob(f"{STEP_EXPORT_PREFIX}*"):  # intermediate exports of an earlier run
+            shutil.rmtree(old, ignore_errors=True)
     accelerator.print(
         f"[train] records={len(records)} processes={nproc} device={accelerator.device} steps={total_steps} "
         f"trainable_params={n_trainable} block_size={block_size} gamma={gamma} target_layer_ids={probe['drafter']['target_layer_ids']}"
@@ -205,7 +218,7 @@ def train(
             if cfg.get("trace_batches"):
                 trace_batch(out_dir, accelerator.process_index, step, batch)
             loss, stats = training_step(
-                drafter, target, embed, lm_head, batch, probe, cfg, block_size, gamma, gen, zero_target_features
+                drafter, target, embed, lm_head, batch, probe, cfg, block_size, gamma, gen, zero_target_features, backend
             )
             accelerator.backward(loss)
             accelerator.clip_grad_norm_(drafter.parameters(), cfg["max_grad_norm"])
@@ -235,6 +248,8 @@ def train(
                 t0 = time.time()
             if step % cfg["save_every_steps"] == 0 and step < total_steps:
                 save_state(accelerator, state_dir, step)
+                if is_main:
+                    export_step(accelerator.unwrap_model(drafter), out_dir, step, zero_target_features)
             if step >= total_steps:
                 done = True
                 break
@@ -243,6 +258,7 @@ def train(
     summary = {
         "steps": total_steps, "records": len(records), "num_processes": nproc, "trainable_params": n_trainable,
         "block_size": block_size, "loss_gamma": gamma, "zero_target_features": zero_target_features,
+        "attention_backend": backend, "layer_types": accelerator.unwrap_model(drafter).layer_types,
         "train_config": cfg,
     }
     if is_main:
@@ -259,7 +275,7 @@ def train(
     return summary
 
 
-def training_step(drafter, target, embed, lm_head, batch, probe, cfg, block_size, gamma, gen, zero_target_features=False):
+def training_step(drafter, target, embed, lm_head, batch, probe, cfg, block_size, gamma, gen, zero_target_features=False, backend="sdpa"):
     """One forward pass: target features → anchors → blocks → drafter → decayed CE (dflash.md §4).
 
     Returns ``(loss scalar, stats)``.
@@ -267,19 +283,38 @@ def training_step(drafter, target, embed, lm_head, batch, probe, cfg, block_size
     ids, lmask, am = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
     d = probe["drafter"]
     with torch.no_grad():
-        feats, _ = target_features(target, ids, am, d["target_layer_ids"])  # [b, S, K·H]
-        if zero_target_features:
-            feats = torch.zeros_like(feats)
+        if zero_target_features:  # the ablation never looks at the target: skip its forward pass
+            k_h = len(d["target_layer_ids"]) * embed.weight.shape[1]
+            feats = torch.zeros(*ids.shape, k_h, dtype=embed.weight.dtype, device=ids.device)  # [b, S, K·H]
+        else:
+            feats, _ = target_features(target, ids, am, d["target_layer_ids"])  # [b, S, K·H]
     anchors = M.sample_anchors(lmask.cpu(), cfg["num_anchors"], generator=gen)
     anchors = M.AnchorBatch(anchors.anchors.to(ids.device), anchors.keep.to(ids.device))
     block_ids, block_pos, labels, weights = M.block_inputs_and_labels(ids, lmask, anchors, block_size, d["mask_token_id"], gamma)
-    mask = M.build_block_mask(anchors.anchors, ids.shape[1], block_size)
+    core = drafter.module if hasattr(drafter, "module") else drafter
+    mask = M.build_training_masks(core, anchors.anchors, ids.shape[1], backend)
     b, s = ids.shape
     ctx_pos = torch.arange(s, device=ids.device).expand(b, -1)
     with torch.no_grad():
         noise = embed(block_ids)
     hidden = drafter(noise.to(feats.dtype), feats, ctx_pos, block_pos, attn_mask=mask)
     return M.decayed_cross_entropy(hidden, lm_head.weight, labels, weights)
+
+
+#: Intermediate drafter exports live in ``<out_dir>/step_<N>/`` (N zero-padded to 6 digits).
+STEP_EXPORT_PREFIX = "step_"
+
+
+def export_step(drafter, out_dir: Path, step: int, zero_target_features: bool = False) -> Path:
+    """Export the drafter at ``step`` as a servable checkpoint ``<out_dir>/step_<N>/`` (atomic), so the
+    eval stage can chart τ across training (``evaluate.step_checkpoints`` finds them)."""
+    final = out_dir / f"{STEP_EXPORT_PREFIX}{step:06d}"
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    M.save_drafter(drafter, tmp, extra={"train_steps": step, "zero_target_features": zero_target_features})
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    return final
 
 
 def trace_batch(out_dir: Path, rank: int, step: int, batch: dict) -> None:
@@ -317,12 +352,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--train-config", required=True, help="JSON of the validated `train` config")
     p.add_argument("--target-dtype", default="auto")
     p.add_argument("--zero-target-features", action="store_true")
+    p.add_argument("--drafter-arch", default="{}", help="JSON with optional layer_types / sliding_window")
     p.add_argument("token_shards", nargs="+")
     a = p.parse_args(argv)
     probe = json.loads(Path(a.probe).read_text(encoding="utf-8"))
     train(
         token_shards=a.token_shards, probe=probe, target_dir=a.target, out_dir=a.out_dir,
         cfg=json.loads(a.train_config), target_dtype=a.target_dtype, zero_target_features=a.zero_target_features,
+        drafter_arch=json.loads(a.drafter_arch),
     )
 
 
