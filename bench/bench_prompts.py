@@ -1,11 +1,19 @@
 """Prompt sharding throughput and peak memory: streaming `build_prompt_shards` vs a load-everything baseline.
 
-Usage: .venv/bin/python bench/bench_prompts.py [--records 200000] [--shard-size 4096]
+Usage: .venv/bin/python bench/bench_prompts.py [--records 200000] [--shard-size 4096] [--no-baseline]
 
 Generates a synthetic .jsonl source (a mix of ShareGPT, OpenAI-messages and single-prompt records, ~1 KiB
 each, 5 % duplicates), then runs each method in a fresh subprocess and prints prompts/s and the child's
 peak RSS (MiB). The baseline reads every line into memory, normalizes everything, builds one table and
 slices it into shards — what a straightforward script does. Figures, not assertions.
+
+Measured on the 2-core dev machine (shard size 4096):
+  1 000 000 records (925 MiB jsonl, --no-baseline): streaming 29,700 prompts/s (33.7 s, 952,072 kept in
+  233 shards), peak RSS 263 MiB.
+  200 000 records (185 MiB): streaming 29,600 prompts/s, 183 MiB vs naive 19,500 prompts/s, 1,409 MiB
+  (speed x1.52, peak RSS x0.13).
+Streaming memory is one shard of rows plus the dedup set of prompt ids (~100 B per kept prompt, the only
+part that grows with the source: 263 - 183 MiB for the extra 760k prompts).
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ def run_streaming(src: Path, out: Path, shard_size: int) -> int:
     from dflash_pipeline.prompts import build_prompt_shards
 
     m = build_prompt_shards({"synth": {"path": str(src)}}, out, shard_size=shard_size, seed=0)
-    return m["total_prompts"]
+    return m["total_prompts"], len(m["datasets"]["synth"]["shards"])
 
 
 def run_naive(src: Path, out: Path, shard_size: int) -> int:
@@ -62,21 +70,22 @@ def run_naive(src: Path, out: Path, shard_size: int) -> int:
     table = shards.table_from_records(rows, PROMPT_SCHEMA)
     for i in range(0, table.num_rows, shard_size):
         shards.write_parquet(out / "synth" / f"{i // shard_size:05d}.parquet", table.slice(i, shard_size))
-    return len(rows)
+    return len(rows), -(-len(rows) // shard_size)
 
 
 def child(mode: str, src: Path, out: Path, shard_size: int) -> None:
     t0 = time.perf_counter()
-    kept = (run_streaming if mode == "streaming" else run_naive)(src, out, shard_size)
+    kept, n_shards = (run_streaming if mode == "streaming" else run_naive)(src, out, shard_size)
     dt = time.perf_counter() - t0
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-    print(json.dumps({"mode": mode, "kept": kept, "seconds": dt, "peak_rss_mib": rss_mib}))
+    print(json.dumps({"mode": mode, "kept": kept, "shards": n_shards, "seconds": dt, "peak_rss_mib": rss_mib}))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--records", type=int, default=200_000)
     ap.add_argument("--shard-size", type=int, default=4096)
+    ap.add_argument("--no-baseline", action="store_true", help="skip the load-everything baseline")
     ap.add_argument("--child", nargs=3, metavar=("MODE", "SRC", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -90,14 +99,16 @@ def main() -> None:
         size_mib = src.stat().st_size / 2**20
         print(f"source: {args.records} records, {size_mib:.0f} MiB jsonl (generated in {time.perf_counter() - t0:.1f} s)")
         results = {}
-        for mode in ("streaming", "naive"):
+        for mode in ("streaming",) if args.no_baseline else ("streaming", "naive"):
             cmd = [sys.executable, __file__, "--shard-size", str(args.shard_size), "--child", mode, str(src),
                    str(Path(tmp) / f"out-{mode}")]
             res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
             results[mode] = res
             rate = args.records / res["seconds"]
-            print(f"{mode:>9}: {rate:,.0f} prompts/s ({res['seconds']:.1f} s, {res['kept']} kept), "
+            print(f"{mode:>9}: {rate:,.0f} prompts/s ({res['seconds']:.1f} s, {res['kept']} kept in {res['shards']} shards), "
                   f"peak RSS {res['peak_rss_mib']:.0f} MiB")
+        if args.no_baseline:
+            return
         s, n = results["streaming"], results["naive"]
         print(f"ratio streaming/naive: speed x{n['seconds'] / s['seconds']:.2f}, "
               f"peak RSS x{s['peak_rss_mib'] / n['peak_rss_mib']:.2f}")

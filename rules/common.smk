@@ -72,12 +72,36 @@ def completion_shard():
     return f"{R}/completions/{{dataset}}/{{shard}}.parquet"
 
 
+def completion_stats():
+    """Per-shard generation stats JSON, next to the completion shard."""
+    return f"{R}/completions/{{dataset}}/{{shard}}.stats.json"
+
+
+def tokenization_code():
+    """Fingerprint of the code that writes token shards (a `params` of tokenize_completions)."""
+    from dflash_pipeline.workflow import code_fingerprint
+
+    return code_fingerprint()
+
+
 def token_shard():
     return f"{R}/tokens/{{dataset}}/{{shard}}.parquet"
 
 
 def dataset_inputs():
-    return [d["path"] for d in with_repo_paths(config["datasets"]).values()]
+    """Local prompt source files/dirs (Hugging Face `hf:` ids are not files: their config is a param)."""
+    return [d["path"] for d in with_repo_paths(config["datasets"]).values() if not d["path"].startswith("hf:")]
+
+
+def prompt_filter_target():
+    """The prompts checkpoint reads the target tokenizer only for `prompts.max_prompt_tokens`; only then
+    is the target an input (so a new target does not re-shard, and thus regenerate, anything otherwise)."""
+    return target_input() if config["prompts"]["max_prompt_tokens"] is not None else []
+
+
+def prompt_filter_target_dir(wildcards, input):
+    """`params.target` of the prompts checkpoint: the target dir when it is an input, else None."""
+    return target_dir_of_input(wildcards, input) if input.target else None
 
 
 def shard_list(wildcards):
@@ -91,6 +115,10 @@ def all_token_shards(wildcards):
     return [f"{R}/tokens/{d}/{s}.parquet" for d, s in shard_list(wildcards)]
 
 
+def all_completion_shards(wildcards):
+    return [f"{R}/completions/{d}/{s}.parquet" for d, s in shard_list(wildcards)]
+
+
 def checkpoint_dir(run=RUN):
     return f"{R}/checkpoints/{run}"
 
@@ -99,8 +127,36 @@ def eval_json(run=RUN):
     return f"{R}/eval/{run}/acceptance.json"
 
 
+#: Baseline drafters (config `eval.baselines`) train as run `<run>.<baseline>` with these train.py flags.
+BASELINE_TRAIN_FLAGS = {"zero_features": "--zero-target-features"}
+
+
+def baseline_runs(run=RUN):
+    """Label -> run name of each configured baseline drafter, e.g. {"zero_features": "demo.zero_features"}."""
+    return {b: f"{run}.{b}" for b in config["eval"]["baselines"]}
+
+
+def baseline_train_flags(run):
+    """Extra train.py flags for a baseline run name (`demo.zero_features`), "" for a regular run."""
+    base, _, suffix = run.rpartition(".")
+    return BASELINE_TRAIN_FLAGS.get(suffix, "") if base else ""
+
+
+def baseline_checkpoints(wildcards):
+    """Final checkpoints of the baselines of `wildcards.run`, keyed by label (eval input)."""
+    return {b: f"{checkpoint_dir(r)}/final" for b, r in baseline_runs(wildcards.run).items()}
+
+
+def report_targets(run=RUN):
+    """Outputs that exist for the HTML report (`snakemake --report`): tables and plots."""
+    return [
+        f"{R}/report/probe.tsv", f"{R}/report/prompts.tsv", f"{R}/report/generation.tsv",
+        f"{R}/eval/{run}/tau_vs_step.png", f"{R}/eval/{run}/train_curves.png",
+    ]
+
+
 def final_targets():
-    return [f"{checkpoint_dir()}/final", eval_json()]
+    return [f"{checkpoint_dir()}/final", eval_json(), *report_targets()]
 
 
 def as_json(obj):

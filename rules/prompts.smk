@@ -2,16 +2,21 @@ checkpoint shard_prompts:
     """Load, normalize, dedupe and mix the datasets into stable prompt shards (+ manifest).
 
     Only the manifest is a declared output: shard files are rewritten only when their bytes change,
-    so unchanged shards keep their mtime and their completions stay valid.
+    so unchanged shards keep their mtime and their completions stay valid. The target is an input only
+    when `prompts.max_prompt_tokens` filters by its tokenizer (see `prompt_filter_target`).
     """
     input:
-        dataset_inputs(),
+        datasets=dataset_inputs(),
+        target=prompt_filter_target(),
     output:
         manifest=prompts_manifest(),
     params:
         datasets=with_repo_paths(config["datasets"]),
         prompts=config["prompts"],
         out_dir=prompts_dir_of_output,
+        target=prompt_filter_target_dir,
+        trust_remote_code=config["target"]["trust_remote_code"],
+        chat_template=config["target"]["chat_template"],
     log:
         "logs/shard_prompts.log",
     conda:

@@ -1,6 +1,7 @@
-from dflash_pipeline.prompts import build_prompt_shards
+from dflash_pipeline.prompts import shard_prompts
 from dflash_pipeline.workflow import log_to
 
 with log_to(snakemake.log[0]):
     p = snakemake.params
-    build_prompt_shards(p.datasets, p.out_dir, shard_size=p.prompts["shard_size"], seed=p.prompts["seed"])
+    shard_prompts(p.datasets, p.out_dir, p.prompts, target_dir=p.target, trust_remote_code=p.trust_remote_code,
+                  chat_template=p.chat_template)

@@ -15,15 +15,24 @@ import pytest
 
 from dflash_pipeline.contracts import PROBE_SCHEMA_VERSION
 from dflash_pipeline.errors import ConfigError, ProbeError
+from dflash_pipeline import probe as probe_mod
 from dflash_pipeline.probe import (
     build_target_layer_ids,
     hf_hidden_state_index,
     main,
-    probe_target,
     resolve_mask_token_id,
+    summary,
     validate_probe,
     write_probe,
 )
+
+
+def probe_target(*args, **kwargs) -> dict:
+    """:func:`dflash_pipeline.probe.probe_target`, and every record a test gets validates against the
+    probe JSON Schema (the issue's "every test output validates")."""
+    rec = probe_mod.probe_target(*args, **kwargs)
+    validate_probe(rec)
+    return rec
 
 from conftest import models_dir
 
@@ -394,3 +403,259 @@ def test_missing_chat_template_names_the_key(tmp_path, demo_target):
     rec = probe_target(target, block_size=16, num_draft_layers=5, chat_template=demo_target / "chat_template.jinja")
     validate_probe(rec)
     assert rec["tokenizer"]["chat_template"] and rec["tokenizer"]["chat_template_source"].startswith("override")
+
+
+# --------------------------------------------------------------------------------------------------
+# tokenizer backends built locally: Kimi-style tiktoken + remote code, and sentencepiece
+
+#: A small Kimi-style tokenizer module (shipped next to the weights and named in tokenizer_config.json's
+#: auto_map): tiktoken BPE ranks from ``tiktoken.model`` plus a block of reserved special tokens after the
+#: base vocabulary, named by ``added_tokens_decoder`` — the structure of Kimi's tokenization_kimi.py.
+TIKTOKEN_TOKENIZER_MODULE = r'''
+from pathlib import Path
+
+import tiktoken
+from tiktoken.load import load_tiktoken_bpe
+from transformers import PreTrainedTokenizer
+
+PAT_STR = r"""[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+
+
+def _bytes_to_unicode():
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+class TinyTikTokenTokenizer(PreTrainedTokenizer):
+    vocab_files_names = {"vocab_file": "tiktoken.model"}
+    model_input_names = ["input_ids", "attention_mask"]
+    num_reserved_special_tokens = 16
+
+    def __init__(self, vocab_file, bos_token="[BOS]", eos_token="[EOS]", unk_token=None, pad_token=None,
+                 added_tokens_decoder=None, **kwargs):
+        names = {int(i): getattr(t, "content", t) for i, t in (added_tokens_decoder or {}).items()}
+        self.vocab_file = vocab_file
+        ranks = load_tiktoken_bpe(vocab_file)
+        n = len(ranks)
+        self.special_tokens = {names.get(i, f"<|reserved_token_{i}|>"): i
+                               for i in range(n, n + self.num_reserved_special_tokens)}
+        self.model = tiktoken.Encoding(name=Path(vocab_file).name, pat_str=PAT_STR, mergeable_ranks=ranks,
+                                       special_tokens=self.special_tokens)
+        enc = _bytes_to_unicode()
+        self.decoder = {i: "".join(enc[b] for b in self.model.decode_single_token_bytes(i))
+                        for i in range(self.model.n_vocab)}
+        self.encoder = {v: k for k, v in self.decoder.items()}
+        self.byte_decoder = {v: k for k, v in enc.items()}
+        super().__init__(bos_token=bos_token, eos_token=eos_token, unk_token=unk_token, pad_token=pad_token,
+                         added_tokens_decoder=added_tokens_decoder, **kwargs)
+
+    @property
+    def vocab_size(self):
+        return self.model.n_vocab
+
+    def get_vocab(self):
+        return dict(self.encoder)
+
+    def _tokenize(self, text, **kwargs):
+        return [self.decoder[t] for t in self.model.encode(text, allowed_special="all")]
+
+    def _convert_token_to_id(self, token):
+        return self.encoder.get(token, self.encoder.get(str(self.unk_token)))
+
+    def _convert_id_to_token(self, index):
+        return self.decoder.get(index)
+
+    def convert_tokens_to_string(self, tokens):
+        return bytearray(self.byte_decoder[c] for c in "".join(tokens)).decode("utf-8", "replace")
+
+    def save_vocabulary(self, save_directory, filename_prefix=None):
+        return (self.vocab_file,)
+'''
+
+KIMI_SPECIALS = ["[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>",
+                 "<|im_middle|>", "[EOT]", "<think>", "</think>", "[PAD]", "[UNK]"]
+#: Kimi-K2-Thinking's chat template shape (role markers, <|im_middle|>, <think> in assistant turns).
+KIMI_STYLE_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'system' -%}<|im_system|>system<|im_middle|>"
+    "{%- elif m.role == 'user' -%}<|im_user|>user<|im_middle|>"
+    "{%- else -%}<|im_assistant|>assistant<|im_middle|><think>{{ m.reasoning_content or '' }}</think>{%- endif -%}"
+    "{{ m.content }}<|im_end|>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+)
+
+
+def _sparse_weights(target: Path, rows: int, hidden: int, total_gb: int, n_files: int = 2) -> None:
+    """Safetensors index + ``n_files`` sparse shards totalling ``total_gb`` GiB: a real JSON header naming
+    the embedding, then a hole. Reading any tensor data would take minutes; the probe reads the header."""
+    header = json.dumps({"model.embed_tokens.weight": {"dtype": "BF16", "shape": [rows, hidden],
+                                                       "data_offsets": [0, rows * hidden * 2]}}).encode()
+    names = [f"model-{i:05d}-of-{n_files:05d}.safetensors" for i in range(1, n_files + 1)]
+    index = {"metadata": {"total_size": total_gb * 2**30},
+             "weight_map": {"model.embed_tokens.weight": names[0], "lm_head.weight": names[-1]}}
+    (target / "model.safetensors.index.json").write_text(json.dumps(index))
+    for name in names:
+        with open(target / name, "wb") as fh:
+            fh.write(struct.pack("<Q", len(header)) + header)
+        os.truncate(target / name, total_gb * 2**30 // n_files)
+
+
+@pytest.fixture(scope="module")
+def kimi_style_dir(tmp_path_factory) -> Path:
+    """A Kimi-style target directory built here: Kimi-K2's config shape (kimi_k2, MLA + 384 experts, an
+    AutoConfig auto_map whose configuration_deepseek.py is *not* shipped), a tiktoken BPE ranks file of our
+    own, the tokenizer module named in tokenizer_config.json's auto_map, generation_config.json with a
+    second eos id, and 548 GB of sparse placeholder weights."""
+    import base64
+
+    target = tmp_path_factory.mktemp("kimi") / "Kimi-tiny"
+    target.mkdir()
+    ranks = {bytes([b]): b for b in range(256)}
+    for merge in (b"th", b"he", b"in", b"er", b"an", b" t", b" a", b"the", b" the", b"ing", b"at", b"is", b" is"):
+        ranks.setdefault(merge, len(ranks))
+    (target / "tiktoken.model").write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
+    n = len(ranks)
+    (target / "tokenization_tiny_kimi.py").write_text(TIKTOKEN_TOKENIZER_MODULE)
+    added = {str(n + i): {"content": tok, "special": True, "lstrip": False, "rstrip": False, "normalized": False,
+                          "single_word": False} for i, tok in enumerate(KIMI_SPECIALS)}
+    (target / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "TinyTikTokenTokenizer",
+        "auto_map": {"AutoTokenizer": ["tokenization_tiny_kimi.TinyTikTokenTokenizer", None]},
+        "bos_token": "[BOS]", "eos_token": "[EOS]", "pad_token": "[PAD]", "unk_token": "[UNK]",
+        "added_tokens_decoder": added, "model_max_length": 262144}))
+    (target / "chat_template.jinja").write_text(KIMI_STYLE_TEMPLATE)
+    (target / "generation_config.json").write_text(json.dumps({"bos_token_id": n, "eos_token_id": n + 2}))
+    cfg = {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
+        "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                     "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
+        "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 64, "num_key_value_heads": 64,
+        "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "n_routed_experts": 384, "num_experts_per_tok": 8, "n_shared_experts": 1,
+        "first_k_dense_replace": 1, "moe_intermediate_size": 2048, "vocab_size": 512,
+        "bos_token_id": n, "eos_token_id": n + 1, "max_position_embeddings": 131072, "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+    }
+    (target / "config.json").write_text(json.dumps(cfg))
+    _sparse_weights(target, rows=512, hidden=7168, total_gb=548, n_files=4)
+    return target
+
+
+def test_kimi_style_tiktoken_remote_code_tokenizer(kimi_style_dir):
+    rec = probe_target(kimi_style_dir, block_size=16, num_draft_layers=5, trust_remote_code=True)
+    n = 256 + 13  # byte tokens + merges in tiktoken.model; the 16 reserved specials follow
+    ids = {tok: n + i for i, tok in enumerate(KIMI_SPECIALS)}
+    tok = rec["tokenizer"]
+    assert tok["class"] == "TinyTikTokenTokenizer" and tok["module"].endswith("tokenization_tiny_kimi")
+    assert (tok["backend"], tok["runtime"], tok["vocab_file"]) == ("tiktoken", "python", "tiktoken.model")
+    assert tok["len"] == n + 16 and tok["base_vocab_size"] == n + 16
+    assert (tok["bos_token_id"], tok["eos_token_id"], tok["pad_token_id"], tok["unk_token_id"]) == (
+        ids["[BOS]"], ids["[EOS]"], ids["[PAD]"], ids["[UNK]"])
+    # several eos ids: the tokenizer's [EOS] and generation_config's <|im_end|>
+    assert rec["eos_token_ids"] == [ids["[EOS]"], ids["<|im_end|>"]]
+    assert tok["chat_template"] and tok["chat_template_source"] == "tokenizer" and tok["template_uses_thinking"]
+    assert tok["thinking_markers"] == {"open": {"token": "<think>", "id": ids["<think>"]},
+                                       "close": {"token": "</think>", "id": ids["</think>"]}}
+    assert tok["remote_code"] is True and tok["trust_remote_code_used"] is True and rec["trust_remote_code"] is True
+    # the config's own remote code (configuration_deepseek.py) is absent: raw JSON, and the tokenizer still loads
+    assert rec["config_source"]["loader"] == "raw_json" and rec["model_type"] == "kimi_k2"
+    assert rec["attention"]["kind"] == "MLA" and rec["moe"]["num_experts"] == 384
+    assert rec["embedding_rows"] == 512 and "model-00001-of-00004" in rec["embedding_rows_source"]
+    assert rec["drafter"]["target_layer_ids"] == [1, 15, 30, 44, 58]
+    assert rec["drafter"]["mask_token_id"] == n + 16  # first embedding row past the real tokens
+    # and it is a working tokenizer: the probe saw the same object the pipeline will render with
+    from transformers import AutoTokenizer, PretrainedConfig
+
+    t = AutoTokenizer.from_pretrained(str(kimi_style_dir), trust_remote_code=True, local_files_only=True,
+                                      config=PretrainedConfig())
+    text = "the thing is <think>x</think>"
+    ids_ = t.encode(text, add_special_tokens=False)
+    assert ids["<think>"] in ids_ and t.decode(ids_) == text
+    assert "tiktoken" in summary(rec) and "remote code" in summary(rec)
+
+
+def test_kimi_style_needs_trust_remote_code(kimi_style_dir):
+    with pytest.raises(ProbeError, match=r"target.trust_remote_code: true"):
+        probe_target(kimi_style_dir, block_size=16, num_draft_layers=5)
+
+
+def test_probe_of_548_gb_target_reads_metadata_only(kimi_style_dir):
+    """548 GB of sparse weight shards (Kimi K2's size): the probe reads one safetensors header, well
+    under a second (after the one-off imports and the remote module's first compile)."""
+    total = sum(f.stat().st_size for f in kimi_style_dir.glob("*.safetensors"))
+    assert total == 548 * 2**30
+    probe_target(kimi_style_dir, block_size=16, num_draft_layers=5, trust_remote_code=True)  # warm imports
+    t0 = time.perf_counter()
+    rec = probe_target(kimi_style_dir, block_size=16, num_draft_layers=5, trust_remote_code=True)
+    assert time.perf_counter() - t0 < 1.0
+    assert rec["embedding_rows"] == 512
+
+
+def test_cli_on_kimi_style_dir(kimi_style_dir, capsys):
+    assert main([str(kimi_style_dir), "--trust-remote-code"]) == 0
+    cap = capsys.readouterr()
+    validate_probe(json.loads(cap.out))
+    assert "TinyTikTokenTokenizer (backend tiktoken, from tiktoken.model)" in cap.err
+    assert "MLA" in cap.err and "384 experts" in cap.err
+    assert main([str(kimi_style_dir)]) == 2 and "--trust-remote-code" in capsys.readouterr().err
+
+
+def _sentencepiece_dir(target: Path) -> Path:
+    """A Llama-style target with only a sentencepiece ``tokenizer.model`` (no tokenizer.json), trained here."""
+    import io
+
+    import sentencepiece as spm
+
+    target.mkdir(parents=True)
+    lines = [json.loads(l)["question"] for l in (REPO_DATA / "gsm8k" / "train.jsonl").read_text().splitlines()[:300]]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=model, vocab_size=300, model_type="bpe",
+        user_defined_symbols=["<think>", "</think>", "<|im_start|>", "<|im_end|>"],
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    (target / "tokenizer.model").write_bytes(model.getvalue())
+    (target / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "chat_template": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"}))
+    (target / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 6]}))
+    (target / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 8,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 320}))
+    return target
+
+
+REPO_DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def test_sentencepiece_tokenizer(tmp_path):
+    pytest.importorskip("sentencepiece")
+    pytest.importorskip("google.protobuf")
+    target = _sentencepiece_dir(tmp_path / "sp")
+    rec = probe_target(target, block_size=8, num_draft_layers=2)
+    tok = rec["tokenizer"]
+    assert (tok["backend"], tok["vocab_file"], tok["runtime"]) == ("sentencepiece", "tokenizer.model", "tokenizers")
+    assert tok["class"] == "LlamaTokenizer" and tok["remote_code"] is False and tok["len"] == 300
+    assert (tok["bos_token_id"], tok["eos_token_id"]) == (1, 2)
+    assert rec["eos_token_ids"] == [2, 6]
+    assert tok["thinking_markers"] == {"open": {"token": "<think>", "id": 3}, "close": {"token": "</think>", "id": 4}}
+    assert tok["chat_template"] and rec["drafter"]["mask_token_id"] == 300 and rec["embedding_rows"] == 320
+
+
+def test_missing_sentencepiece_names_packages_and_env(tmp_path, monkeypatch):
+    target = tmp_path / "sp"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 8,
+                                                    "num_attention_heads": 4, "vocab_size": 320}))
+    (target / "tokenizer.model").write_bytes(b"\n\x0e\n\x05<unk>\x15\x00\x00\x00\x00\x18\x02")  # a protobuf, not BPE ranks
+    (target / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    monkeypatch.setitem(sys.modules, "sentencepiece", None)  # `import sentencepiece` now fails
+    with pytest.raises(ProbeError, match=r"`sentencepiece`.*pip install .*envs/probe.yaml"):
+        probe_target(target, block_size=16, num_draft_layers=5)

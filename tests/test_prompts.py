@@ -323,6 +323,12 @@ def test_stale_shards_removed_when_source_shrinks_or_leaves(tmp_path):
     build_prompt_shards({"g": {"path": str(src), "max_prompts": 5}}, out, shard_size=3, seed=0)
     assert sorted(p.name for p in (out / "g").iterdir()) == ["00000.parquet", "00001.parquet"]
     assert not (out / "h" / "00000.parquet").exists()
+    # inside the workflow the previous manifest is gone (Snakemake deletes a job's outputs before it runs):
+    # the shards of a source that left the config are found on disk
+    build_prompt_shards({"g": {"path": str(src)}, "h": {"path": str(other)}}, out, shard_size=3, seed=0)
+    (out / "manifest.json").unlink()
+    build_prompt_shards({"g": {"path": str(src)}}, out, shard_size=3, seed=0)
+    assert not (out / "h" / "00000.parquet").exists()
 
 
 def test_nothing_kept_is_an_error(tmp_path):
@@ -364,3 +370,110 @@ def test_eval_prompt_formats_and_seeded_subset():
 
     sg = load_eval_prompts(DATA / "sharegpt" / "sharegpt.json", fmt="sharegpt", num_samples=3, seed=0)
     assert all(r["turns"] and r["system"] is None for r in sg)
+
+
+# ---------------------------------------------------------------------- Hugging Face `datasets` sources
+
+
+def _chat_rows(n: int, tag: str) -> list[dict]:
+    return [{"messages": [{"role": "user", "content": f"{tag} question {i}?"},
+                          {"role": "assistant", "content": "answer"}], "id": f"{tag}-{i}"} for i in range(n)]
+
+
+def test_saved_dataset_and_dataset_dict_splits(tmp_path):
+    """Datasets written by `datasets.save_to_disk` (a Dataset, and a DatasetDict with splits) are read with
+    pyarrow, row for row as `load_from_disk` gives them; the split is chosen by `split` (default train)."""
+    datasets = pytest.importorskip("datasets")
+    train, test = _chat_rows(30, "train"), _chat_rows(7, "test")
+    datasets.Dataset.from_list(train).save_to_disk(str(tmp_path / "single"))
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(train), "test": datasets.Dataset.from_list(test)})
+    dd.save_to_disk(str(tmp_path / "dict"))
+    loaded = datasets.load_from_disk(str(tmp_path / "dict"))
+
+    assert [r for _, r in read_records(tmp_path / "single")] == train
+    assert [r for _, r in read_records(tmp_path / "dict")] == list(loaded["train"]) == train
+    assert [r for _, r in read_records(tmp_path / "dict", split="test")] == list(loaded["test"]) == test
+    with pytest.raises(DataError, match=r"splits \['train', 'test'\].*no split 'validation'.*set `split`"):
+        list(read_records(tmp_path / "dict", split="validation"))
+    with pytest.raises(ConfigError, match="only for a saved DatasetDict"):
+        list(read_records(tmp_path / "single", split="test"))
+
+    m = build_prompt_shards({"tr": {"path": str(tmp_path / "dict")},
+                             "te": {"path": str(tmp_path / "dict"), "split": "test"}},
+                            tmp_path / "out", shard_size=16, seed=0)
+    assert (m["datasets"]["tr"]["kept"], m["datasets"]["te"]["kept"]) == (30, 7)
+    assert m["datasets"]["te"]["config"]["split"] == "test"
+    row = pq.read_table(tmp_path / "out" / "te" / "00000.parquet").to_pylist()[0]
+    assert row["messages"] == [{"role": "user", "content": "test question 0?"}]
+    meta = json.loads(row["metadata"])
+    assert meta["id"] == "test-0" and meta["_source"]["file"].startswith("test/") and meta["_source"]["row"] == 0
+
+
+def test_dict_with_only_one_split_needs_no_split(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    datasets.DatasetDict({"train_sft": datasets.Dataset.from_list(_chat_rows(3, "s"))}).save_to_disk(str(tmp_path / "d"))
+    assert len(list(read_records(tmp_path / "d"))) == 3
+
+
+def test_hub_dataset_id_offline_names_the_fix(tmp_path, monkeypatch):
+    pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache: nothing to fall back on
+    with pytest.raises(DataError, match=r"hf:someone/ultrachat_like: cannot load.*save_to_disk\(DIR\)"):
+        build_prompt_shards({"u": {"path": "hf:someone/ultrachat_like", "split": "train_sft"}}, tmp_path / "o",
+                            shard_size=8, seed=0)
+
+
+def test_hub_dataset_id_without_datasets_package(tmp_path, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "datasets", None)  # `import datasets` now fails
+    with pytest.raises(DataError, match=r"need the `datasets` package.*dflash-pipeline\[datasets\]"):
+        list(read_records("hf:someone/x"))
+
+
+def test_hub_dataset_id_streams_rows(tmp_path, monkeypatch):
+    """With `datasets` available, an `hf:` id is streamed row by row (here a local stand-in for the Hub:
+    load_dataset is pointed at a saved dataset, the offline-safe part of the path is ours)."""
+    datasets = pytest.importorskip("datasets")
+    rows = _chat_rows(5, "hub")
+    calls = []
+
+    def fake_load_dataset(name, subset=None, *, split, streaming):
+        calls.append((name, subset, split, streaming))
+        return datasets.Dataset.from_list(rows).to_iterable_dataset()
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    m = build_prompt_shards({"h": {"path": "hf:org/chat", "split": "train_sft", "subset": "default"}}, tmp_path / "o",
+                            shard_size=4, seed=0)
+    assert calls == [("org/chat", "default", "train_sft", True)]
+    assert m["datasets"]["h"]["kept"] == 5 and [s["rows"] for s in m["datasets"]["h"]["shards"]] == [4, 1]
+
+
+# ---------------------------------------------------------------------- max_prompt_tokens with the target tokenizer
+
+
+def _word_tokenizer_dir(path: Path) -> Path:
+    """A target directory with a real (fast) word-level tokenizer and a chat template, no weights."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = sorted({w for i in range(60) for w in f"What is {i} + {i}?".split()} | {"w"})
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", *words])}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="[UNK]")
+    fast.chat_template = "{% for m in messages %}{{ m.content }}\n{% endfor %}"
+    fast.save_pretrained(str(path))
+    return path
+
+
+def test_shard_prompts_max_prompt_tokens_uses_target_tokenizer(tmp_path):
+    target = _word_tokenizer_dir(tmp_path / "target")
+    src = write_jsonl(tmp_path / "g.jsonl", [q(i) for i in range(20)] + [{"prompt": "w " * 40}])
+    cfg = {"shard_size": 8, "seed": 0, "max_prompt_tokens": 10}
+    m = prompts.shard_prompts({"g": {"path": str(src)}}, tmp_path / "o", cfg, target_dir=target)
+    assert m["datasets"]["g"]["dropped"] == {"too_long": 1} and m["datasets"]["g"]["kept"] == 20
+    assert m["max_prompt_tokens"] == 10 and m["tokenizer"] == str(target)
+    with pytest.raises(ConfigError, match="no target directory"):
+        prompts.shard_prompts({"g": {"path": str(src)}}, tmp_path / "o2", cfg)
+    m = prompts.shard_prompts({"g": {"path": str(src)}}, tmp_path / "o3", {**cfg, "max_prompt_tokens": None})
+    assert m["datasets"]["g"]["kept"] == 21 and m["tokenizer"] is None  # no filter: no tokenizer loaded

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import struct
 import sys
 import time
@@ -216,8 +217,9 @@ def _derive_layer_types(text: Mapping[str, Any], n_layers: int, auto_text: Any) 
     return None, None
 
 
-def _probe_config(target_dir: Path, trust_remote_code: bool) -> tuple[dict, list[str]]:
-    """The config part of the record (+ warnings). Raises ProbeError on a missing/unusable config."""
+def _probe_config(target_dir: Path, trust_remote_code: bool) -> tuple[dict, list[str], Any]:
+    """The config part of the record, warnings, and the ``AutoConfig`` object (None when it could not
+    load). Raises ProbeError on a missing/unusable config."""
     path = target_dir / "config.json"
     if not path.is_file():
         raise ProbeError(f"{path}: not found; `target.path` must be a model directory with config.json")
@@ -368,7 +370,7 @@ def _probe_config(target_dir: Path, trust_remote_code: bool) -> tuple[dict, list
     }
     if auto_cfg is None and auto_err:
         warnings.append(f"AutoConfig could not load config.json, read the raw JSON instead ({auto_err[:160]})")
-    return record, warnings
+    return record, warnings, auto_cfg
 
 
 def _embedding_rows(target_dir: Path, vocab_size: int) -> tuple[int, str]:
@@ -456,19 +458,82 @@ def _generation_eos(target_dir: Path) -> list[int]:
         return []
 
 
-def _backend(tok: Any) -> str:
-    if getattr(tok, "is_fast", False):
-        return "fast"
+def _vocab_file_kind(path: Path) -> str | None:
+    """``"tiktoken"`` for a tiktoken BPE ranks file (lines ``<base64 token> <rank>``), ``"sentencepiece"``
+    for a binary sentencepiece model (a protobuf), None when unreadable. Both are often named ``*.model``."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(4096)
+    except OSError:
+        return None
+    if not head:
+        return None
+    first = head.split(b"\n", 1)[0]
+    if re.fullmatch(rb"[A-Za-z0-9+/=]+ \d+\r?", first):
+        return "tiktoken"
+    return "sentencepiece"
+
+
+def _vocab_file(tok: Any, target_dir: Path) -> Path | None:
+    """The file the tokenizer's vocabulary came from: ``tokenizer.json`` when present, else the class's
+    ``vocab_file`` (``tokenizer.model``, ``tiktoken.model``, ``vocab.json`` ...)."""
+    if (target_dir / "tokenizer.json").is_file():
+        return target_dir / "tokenizer.json"
+    vf = getattr(tok, "vocab_file", None) or (getattr(tok, "init_kwargs", None) or {}).get("vocab_file")
+    if isinstance(vf, (str, os.PathLike)) and Path(vf).is_file():
+        return Path(vf)
+    return None
+
+
+def _backend(tok: Any, vocab_file: Path | None) -> str:
+    """Where the tokenization rules come from: ``tiktoken`` (a tiktoken BPE ranks file, run by tiktoken in
+    remote code, or converted), ``sentencepiece`` (a sentencepiece model: a slow ``sp_model`` tokenizer, or
+    transformers' conversion of ``tokenizer.model`` into a fast tokenizer), ``fast`` (``tokenizer.json``),
+    ``python`` (any other slow tokenizer)."""
     mods = type(tok).__module__ + " " + " ".join(type(v).__module__ for v in vars(tok).values() if v is not None)
     if "tiktoken" in mods:
         return "tiktoken"
     if getattr(tok, "sp_model", None) is not None or "sentencepiece" in mods:
         return "sentencepiece"
-    return "python"
+    if vocab_file is not None and vocab_file.name != "tokenizer.json" and vocab_file.suffix in (".model", ".tiktoken"):
+        kind = _vocab_file_kind(vocab_file)
+        if kind is not None:
+            return kind
+    return "fast" if getattr(tok, "is_fast", False) else "python"
 
 
-def _probe_tokenizer(target_dir: Path, *, trust_remote_code: bool, chat_template: str | os.PathLike | None) -> dict:
-    """Tokenizer facts; raises ProbeError (what to install / set) when the files exist but cannot load."""
+def _check_sentencepiece_deps(target_dir: Path) -> None:
+    """A sentencepiece ``tokenizer.model`` without ``tokenizer.json`` is converted by transformers, which
+    needs ``sentencepiece`` and ``protobuf``; without them it silently falls back to a tiktoken parser and
+    fails with an unrelated message. Say what to install instead."""
+    if (target_dir / "tokenizer.json").is_file() or _tokenizer_auto_map(target_dir):
+        return
+    model = next((target_dir / n for n in ("tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
+                  if (target_dir / n).is_file()), None)
+    if model is None or _vocab_file_kind(model) != "sentencepiece":
+        return
+    missing = []
+    for module, pkg in (("sentencepiece", "sentencepiece"), ("google.protobuf", "protobuf")):
+        try:
+            __import__(module)
+        except ImportError:
+            missing.append(pkg)
+    if missing:
+        pkgs = " ".join(missing)
+        raise ProbeError(
+            f"{model}: a sentencepiece model without tokenizer.json; loading it needs the Python package(s) "
+            f"{', '.join(f'`{m}`' for m in missing)}; install them (`pip install {pkgs}`, or "
+            f"`pip install dflash-pipeline[sentencepiece]`) and add them to {PROBE_ENV_FILE}"
+        )
+
+
+def _probe_tokenizer(target_dir: Path, *, trust_remote_code: bool, chat_template: str | os.PathLike | None,
+                     config: Any = None) -> dict:
+    """Tokenizer facts; raises ProbeError (what to install / set) when the files exist but cannot load.
+
+    ``config`` is the ``AutoConfig`` the probe already loaded (None when it could not): it is handed to
+    ``AutoTokenizer`` so that a config whose own remote code is absent (a directory with only config.json
+    and the tokenizer files, as often copied around) does not stop the tokenizer from loading."""
     auto_map = _tokenizer_auto_map(target_dir)
     if auto_map and not trust_remote_code:
         # transformers 5 does not refuse here: it silently builds an empty tokenizer instead
@@ -477,11 +542,13 @@ def _probe_tokenizer(target_dir: Path, *, trust_remote_code: bool, chat_template
             f"auto_map AutoTokenizer={auto_map}); review that code and set `target.trust_remote_code: true` "
             "(CLI: --trust-remote-code) to allow it"
         )
+    _check_sentencepiece_deps(target_dir)
     try:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, PretrainedConfig
 
         tok = AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=trust_remote_code,
-                                            local_files_only=True)
+                                            local_files_only=True,
+                                            config=config if config is not None else PretrainedConfig())
     except Exception as exc:  # noqa: BLE001 - translated into a message that names the fix
         raise _tokenizer_error(target_dir, exc, trust_remote_code) from exc
     if len(tok) < 16:
@@ -495,6 +562,7 @@ def _probe_tokenizer(target_dir: Path, *, trust_remote_code: bool, chat_template
     if chat_template is not None:
         template, template_src = Path(chat_template).read_text(encoding="utf-8"), f"override ({chat_template})"
     vocab = tok.get_vocab()
+    vocab_file = _vocab_file(tok, target_dir)
 
     def tid(token: str | None) -> int | None:
         return None if token is None else vocab.get(str(token))
@@ -509,7 +577,9 @@ def _probe_tokenizer(target_dir: Path, *, trust_remote_code: bool, chat_template
         "missing_reason": None,
         "class": cls.__name__,
         "module": cls.__module__,
-        "backend": _backend(tok),
+        "backend": _backend(tok, vocab_file),
+        "runtime": "tokenizers" if getattr(tok, "is_fast", False) else "python",
+        "vocab_file": vocab_file.name if vocab_file is not None else None,
         "len": len(tok),
         "base_vocab_size": getattr(tok, "vocab_size", None),
         "bos_token_id": tok.bos_token_id,
@@ -625,7 +695,7 @@ def probe_target(
     if num_draft_layers < 1:
         raise ConfigError(f"drafter.num_draft_layers must be >= 1, got {num_draft_layers}")
 
-    cfg, warnings = _probe_config(target_dir, trust_remote_code)
+    cfg, warnings, auto_cfg = _probe_config(target_dir, trust_remote_code)
     rows, rows_src = _embedding_rows(target_dir, cfg["vocab_size"])
     cfg["embedding_rows"], cfg["embedding_rows_source"] = rows, rows_src
     if rows != cfg["vocab_size"]:
@@ -633,7 +703,8 @@ def probe_target(
 
     missing = _tokenizer_files_missing(target_dir)
     if missing is None:
-        tok = _probe_tokenizer(target_dir, trust_remote_code=trust_remote_code, chat_template=chat_template)
+        tok = _probe_tokenizer(target_dir, trust_remote_code=trust_remote_code, chat_template=chat_template,
+                               config=auto_cfg)
         if not tok["chat_template"]:
             msg = f"{target_dir}: the tokenizer has no chat template; set `target.chat_template` to a .jinja file"
             if strict:
@@ -748,7 +819,9 @@ def summary(record: Mapping[str, Any]) -> str:
     if tok.get("present"):
         th = tok.get("thinking_markers") or {}
         lines.append(
-            f"tokenizer    {tok['class']} ({tok['backend']}), len {tok['len']}, bos {tok['bos_token_id']}, "
+            f"tokenizer    {tok['class']} (backend {tok['backend']}"
+            + (f", from {tok['vocab_file']}" if tok.get("vocab_file") else "")
+            + f"), len {tok['len']}, bos {tok['bos_token_id']}, "
             f"eos {record['eos_token_ids']}, pad {tok['pad_token_id']}, chat template "
             f"{'yes' if tok['chat_template'] else 'NO'}, think "
             + (f"{th['open']['id']}/{th['close']['id']}" if th else "none")

@@ -2,7 +2,8 @@
 
 Data flow (one source after the other, in config order, streaming; nothing holds a whole source)::
 
-    read_records(path)          -> (Locator, raw dict)          .jsonl/.json/.parquet/.arrow, dirs, .gz/.zst
+    read_records(path)          -> (Locator, raw dict)          .jsonl/.json/.parquet/.arrow, dirs, .gz/.zst,
+                                                                saved datasets (+ DatasetDict split), hf: ids
     normalize_record(record)    -> [{role, content}]            system + user turns only
     filters                     -> kept or dropped with a reason (counted in the manifest, never silent)
     build_prompt_shards(...)    -> {out}/{dataset}/{NNNNN}.parquet + {out}/manifest.json
@@ -97,6 +98,8 @@ MAPPABLE_FIELDS = (
 _SHARD_RE = re.compile(r"^(\d{5})\.parquet$")
 _SURROGATES = re.compile("[\udc80-\udcff]")
 _READ_CHUNK = 1 << 20  # bytes per read of a JSON array
+#: ``path`` prefix of a Hugging Face Hub dataset id (read through the optional `datasets` library).
+HF_PREFIX = "hf:"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -157,21 +160,39 @@ def _record_kind(path: Path) -> str | None:
     return None
 
 
-def list_source_files(path: str | os.PathLike) -> list[Path]:
+def list_source_files(path: str | os.PathLike, split: str | None = None) -> list[Path]:
     """Files of a source, in the order they are read.
 
     A file is returned as is. A directory yields every supported file below it (recursively, hidden
     files and folders skipped) sorted by relative POSIX path, so ``part-00010`` after ``part-00009`` with
     zero-padded names. A Hugging Face ``save_to_disk`` directory (``state.json`` + ``*.arrow``) yields only
-    its ``.arrow`` files.
+    its ``.arrow`` files (read with pyarrow: no `datasets` install needed). A saved ``DatasetDict``
+    (``dataset_dict.json`` + one directory per split) yields the files of ``split`` (default ``train``,
+    or its only split).
 
     Raises:
         DataError: the path does not exist, has an unsupported suffix, the directory holds no supported
-            file, or it is a saved ``DatasetDict`` (point ``path`` at one split's directory instead).
+            file, or a DatasetDict has no such split (the message lists its splits).
+        ConfigError: ``split`` given for a source that is not a saved DatasetDict.
     """
     p = Path(path)
     if not p.exists():
         raise DataError(f"{p}: no such file or directory (check `datasets.<name>.path` / `eval.sets.<name>.path`)")
+    if (p / "dataset_dict.json").is_file():
+        try:
+            splits = list(json.loads((p / "dataset_dict.json").read_text(encoding="utf-8"))["splits"])
+        except (OSError, ValueError, KeyError, TypeError):
+            splits = sorted(d.name for d in p.iterdir() if d.is_dir() and not d.name.startswith("."))
+        chosen = split or ("train" if "train" in splits else splits[0] if len(splits) == 1 else None)
+        if chosen is None or chosen not in splits or not (p / chosen).is_dir():
+            raise DataError(
+                f"{p}: a saved DatasetDict with splits {splits}; "
+                + (f"it has no split {chosen!r}; " if chosen else "")
+                + "set `split` on the source to one of them"
+            )
+        return list_source_files(p / chosen)
+    if split is not None:
+        raise ConfigError(f"{p}: `split: {split}` is only for a saved DatasetDict directory or an `hf:` dataset id")
     if p.is_file():
         if _record_kind(p) is None:
             raise DataError(
@@ -179,9 +200,6 @@ def list_source_files(path: str | os.PathLike) -> list[Path]:
                 f"(optionally compressed {', '.join(COMPRESSION_SUFFIXES)})"
             )
         return [p]
-    if (p / "dataset_dict.json").is_file():
-        splits = sorted(d.name for d in p.iterdir() if d.is_dir())
-        raise DataError(f"{p}: a saved DatasetDict; set the path to one split's directory ({', '.join(splits)})")
     files = []
     for f in p.rglob("*"):
         rel = f.relative_to(p)
@@ -243,8 +261,12 @@ def read_records(
     counts: MutableMapping[str, int] | None = None,
     examples: list[str] | None = None,
     max_examples: int = 5,
+    split: str | None = None,
+    subset: str | None = None,
 ) -> Iterator[tuple[Locator, dict]]:
-    """Stream ``(locator, record)`` pairs from a source file or directory (see :func:`list_source_files`).
+    """Stream ``(locator, record)`` pairs from a source file or directory (see :func:`list_source_files`),
+    or from a Hugging Face Hub dataset id ``hf:owner/name`` (``split``, default ``train``; ``subset`` = the
+    dataset's config name) streamed through the optional `datasets` library.
 
     Formats: ``.jsonl`` (one JSON object a line; blank lines ignored), ``.json`` (one JSON array of
     objects, parsed incrementally), ``.parquet`` and ``.arrow`` (rows as dicts, read in batches), each
@@ -263,8 +285,11 @@ def read_records(
             is not an object, an empty file, an unreadable/corrupt file. A JSON array that is not valid
             JSON raises even with ``strict=False`` (it cannot be resynchronized; fix or convert to jsonl).
     """
+    if isinstance(path, str) and path.startswith(HF_PREFIX):
+        yield from _read_hf_dataset(path[len(HF_PREFIX):], split=split, subset=subset)
+        return
     root = Path(path)
-    files = list_source_files(root)
+    files = list_source_files(root, split)
     for f in files:
         shown = str(f)
         kind = _record_kind(f)
@@ -288,6 +313,37 @@ def read_records(
             _count_skip(skip, counts, examples, max_examples)
         except (OSError, EOFError, gzip.BadGzipFile, pa.ArrowException) as exc:
             raise DataError(f"{shown}: cannot read ({type(exc).__name__}: {exc})") from None
+
+
+def _read_hf_dataset(dataset_id: str, *, split: str | None, subset: str | None):
+    """Rows of a Hub dataset, streamed (``datasets.load_dataset(..., streaming=True)``): nothing is
+    downloaded whole, and rows come in the dataset's own order."""
+    shown = f"{HF_PREFIX}{dataset_id}"
+    try:
+        import datasets  # optional: pip install 'dflash-pipeline[datasets]'
+    except ImportError:
+        raise DataError(
+            f"{shown}: Hugging Face dataset ids need the `datasets` package; install it (`pip install "
+            "'dflash-pipeline[datasets]'`, it is in envs/data.yaml), or save the dataset with "
+            "`save_to_disk(DIR)` on a machine that has it and set `path: DIR`"
+        ) from None
+    try:
+        ds = datasets.load_dataset(dataset_id, subset, split=split or "train", streaming=True)
+        rows = iter(ds)
+        first = next(rows, None)
+    except Exception as exc:  # noqa: BLE001 - offline, unknown id, missing split ...: one message naming the fix
+        msg = " ".join(str(exc).split())[:300]
+        raise DataError(
+            f"{shown}: cannot load the Hugging Face dataset (split {split or 'train'!r}"
+            + (f", subset {subset!r}" if subset else "") + f"): {type(exc).__name__}: {msg}. Without network "
+            "access (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE, or no route to the Hub) download it elsewhere with "
+            "`datasets.load_dataset(...).save_to_disk(DIR)` and set `path: DIR`"
+        ) from None
+    if first is None:
+        return
+    yield Locator(shown, 0, None, "row"), dict(first)
+    for index, row in enumerate(rows, start=1):
+        yield Locator(shown, index, None, "row"), dict(row)
 
 
 def _count_skip(skip: _Skip, counts, examples, max_examples) -> None:
@@ -708,7 +764,14 @@ def _remove_stale(ds_dir: Path, keep: int) -> list[str]:
 def _source_ref(root: Path, loc: Locator, rel_cache: dict[str, str]) -> dict:
     rel = rel_cache.get(loc.file)
     if rel is None:
-        rel = rel_cache[loc.file] = "" if root.is_file() else Path(loc.file).relative_to(root).as_posix()
+        if loc.file.startswith(HF_PREFIX) or root.is_file():
+            rel = ""
+        else:
+            try:
+                rel = Path(loc.file).relative_to(root).as_posix()
+            except ValueError:  # a DatasetDict split's files
+                rel = Path(loc.file).as_posix()
+        rel_cache[loc.file] = rel
     ref: dict[str, Any] = {"file": rel}
     if loc.kind == "line":
         ref["line"] = loc.line
@@ -768,13 +831,15 @@ def build_prompt_shards(
     ds_out: dict[str, dict] = {}
     total = 0
     for name, raw_cfg in datasets.items():
-        cfg = {"format": "auto", "max_prompts": None, "fraction": 1.0, "strict": True, "mapping": {}}
+        cfg = {"format": "auto", "max_prompts": None, "fraction": 1.0, "strict": True, "mapping": {},
+               "split": None, "subset": None}
         cfg.update({k: v for k, v in raw_cfg.items() if v is not None or k == "max_prompts"})
         fmt, fraction, cap = cfg["format"], float(cfg["fraction"]), cfg["max_prompts"]
         if not 0.0 < fraction <= 1.0:
             raise ConfigError(f"datasets.{name}.fraction must be in (0, 1], got {fraction}")
         if fmt not in FORMATS:
             raise ConfigError(f"datasets.{name}.format: unknown format {fmt!r}; use one of {FORMATS}")
+        hub = str(cfg["path"]).startswith(HF_PREFIX)
         root = Path(cfg["path"])
         dropped: collections.Counter = collections.Counter()
         skipped: dict[str, int] = {}  # malformed records the reader skipped (strict: false)
@@ -795,7 +860,8 @@ def build_prompt_shards(
                                "first_prompt_id": rows[0]["prompt_id"], "last_prompt_id": rows[-1]["prompt_id"]})
             rows.clear()
 
-        for loc, rec in read_records(root, strict=cfg["strict"], counts=skipped, examples=examples):
+        for loc, rec in read_records(str(cfg["path"]) if hub else root, strict=cfg["strict"], counts=skipped,
+                                     examples=examples, split=cfg["split"], subset=cfg["subset"]):
             read += 1
             try:
                 messages, used_fmt = _normalize(rec, fmt, cfg["mapping"])
@@ -840,7 +906,8 @@ def build_prompt_shards(
             log.info("%s: removed stale shards %s", name, removed)
         total += kept
         ds_out[name] = {
-            "config": {k: cfg[k] for k in ("path", "format", "max_prompts", "fraction", "strict", "mapping")},
+            "config": {k: cfg[k] for k in ("path", "format", "max_prompts", "fraction", "strict", "mapping")
+                       + tuple(k for k in ("split", "subset") if cfg[k] is not None)},
             "read": read + sum(n for r, n in skipped.items() if r != "empty_file"),  # incl. skipped malformed
             "kept": kept,
             "dropped": dict(sorted(dropped.items())),
@@ -851,9 +918,13 @@ def build_prompt_shards(
         log.info("%s: read %d, kept %d in %d shards, dropped %s", name, ds_out[name]["read"], kept,
                  len(shard_list), dict(dropped))
 
-    for old_name in (previous.get("datasets") or {}):
-        if old_name not in ds_out:
-            _remove_stale(out / old_name, 0)
+    # shards of sources that left the config: named by the previous manifest, or found on disk (inside the
+    # workflow Snakemake deletes the checkpoint's manifest before the job runs, so it is often absent)
+    old_names = set(previous.get("datasets") or {})
+    if out.is_dir():
+        old_names |= {d.name for d in out.iterdir() if d.is_dir() and any(_SHARD_RE.match(f.name) for f in d.iterdir())}
+    for old_name in sorted(old_names - set(ds_out)):
+        _remove_stale(out / old_name, 0)
     if total == 0:
         summary = {n: d["dropped"] for n, d in ds_out.items()}
         raise DataError(f"no prompt kept from any source (drops per source: {summary}); check `datasets` in the config")
@@ -869,6 +940,36 @@ def build_prompt_shards(
     }
     shards.write_json(manifest_file, manifest)
     return manifest
+
+
+def shard_prompts(
+    datasets: Mapping[str, Mapping[str, Any]],
+    out_dir: str | os.PathLike,
+    prompts_cfg: Mapping[str, Any],
+    *,
+    target_dir: str | os.PathLike | None = None,
+    trust_remote_code: bool = False,
+    chat_template: str | os.PathLike | None = None,
+) -> dict:
+    """The ``shard_prompts`` rule: :func:`build_prompt_shards` with the validated ``prompts`` config section.
+
+    The target tokenizer is loaded (from ``target_dir``, :func:`chat.load_tokenizer`) only when
+    ``prompts.max_prompt_tokens`` is set — the rule depends on the target only then, so the common case
+    does not re-shard when the target changes.
+
+    Raises:
+        ConfigError: ``max_prompt_tokens`` set but no ``target_dir``.
+    """
+    max_tokens = prompts_cfg.get("max_prompt_tokens")
+    tokenizer = None
+    if max_tokens is not None:
+        if target_dir is None:
+            raise ConfigError("prompts.max_prompt_tokens is set but no target directory was given for its tokenizer")
+        from .chat import load_tokenizer
+
+        tokenizer = load_tokenizer(target_dir, trust_remote_code=trust_remote_code, chat_template=chat_template)
+    return build_prompt_shards(datasets, out_dir, shard_size=prompts_cfg["shard_size"], seed=prompts_cfg["seed"],
+                               tokenizer=tokenizer, max_prompt_tokens=max_tokens)
 
 
 def shard_paths(manifest: Mapping[str, Any], out_dir: str | os.PathLike) -> dict[str, list[str]]:
