@@ -4,12 +4,14 @@ rule generate_completions:
         prompts=prompt_shard(),
         target=target_input(),
     output:
-        completion_shard(),
+        shard=completion_shard(),
+        stats=completion_stats(),
     params:
         target=target_dir_of_input,
         generation=config["generation"],
         chat_template=config["target"]["chat_template"],
         trust_remote_code=config["target"]["trust_remote_code"],
+        dtype=config["target"]["dtype"],
     log:
         f"logs/generate_completions/{{dataset}}/{{shard}}.log",
     benchmark:

@@ -10,6 +10,8 @@ rule tokenize_completions:
         tokens=config["tokens"],
         chat_template=config["target"]["chat_template"],
         trust_remote_code=config["target"]["trust_remote_code"],
+        # a change of the tokenization code reruns this rule (and never generate_completions)
+        code=tokenization_code(),
     log:
         f"logs/tokenize_completions/{{dataset}}/{{shard}}.log",
     conda:

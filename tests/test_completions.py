@@ -161,7 +161,7 @@ def test_openai_success_multi_turn_records(tmp_path):
     assert [m["role"] for m in turn2["messages"]] == ["system", "user", "assistant", "user"]
     assert turn2["messages"][2]["content"] == "Answer 1 to: What is 2 plus 3?"
     assert turn2["top_k"] == 20 and turn2["seed"] == 5 and turn2["temperature"] == 0.7
-    assert turn2["chat_template_kwargs"] == {"enable_thinking": False}
+    assert turn2["chat_template_kwargs"] == chat.template_kwargs("disable") == {"enable_thinking": False, "thinking": False}
     assert stats["turns"] == 4 and stats["retries"] == 0
     assert json.loads((tmp_path / "c.stats.json").read_text())["ok"] == 3
     meta = shards.read_shard_metadata(tmp_path / "c.parquet")
@@ -379,7 +379,7 @@ def test_thinking_save_stores_and_resends_reasoning(tmp_path):
     assert [m["reasoning_content"] for m in assistants] == ["Let me think about turn 1.", "Let me think about turn 2."]
     assert rec["thinking"] == "save" and rec["status"] == "ok"
     turn2 = next(b for b in sent if len(b["messages"]) == 4)
-    assert turn2["chat_template_kwargs"] == {"enable_thinking": True}
+    assert turn2["chat_template_kwargs"] == chat.template_kwargs("save") == {"enable_thinking": True, "thinking": True}
     assert turn2["messages"][2]["reasoning_content"] == "Let me think about turn 1."
 
 

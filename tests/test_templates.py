@@ -74,8 +74,8 @@ EXPECTED_FAILURES: dict[tuple[str, str], str] = {
     ("_trl_training_templates/deepseekv3_training.jinja", "*"): (
         "the R1-style template with generation tags: same '<think>\\n' generation prompt as DeepSeek-R1"),
     ("DeepSeek-V3.1/chat_template.jinja", "save"): (
-        "thinking is selected by the `thinking` kwarg (chat.py passes enable_thinking) and assistant turns "
-        "never render reasoning"),
+        "thinking is selected by the `thinking` kwarg (chat.py passes it with enable_thinking) and assistant "
+        "turns never render reasoning (the template writes '</think>' + content): reasoning would be dropped"),
     ("Kimi-K2-Thinking/chat_template.jinja", "save"): (
         "the turn being trained is rendered as history with an empty '<think></think>': reasoning dropped"),
     ("MiniMax-M2/chat_template.jinja", "disable"): (
@@ -238,3 +238,39 @@ def test_mask_invariant(base_bpe_json, name, multi, mode):
 def test_expected_failures_are_real_templates():
     for (name, _mode) in EXPECTED_FAILURES:
         assert name in TEMPLATES, f"EXPECTED_FAILURES names a template that does not exist: {name}"
+
+
+RENDER_CASES = [(name, multi, mode) for name in TEMPLATES for multi in (False, True) for mode in ("none", "disable", "save")]
+
+
+@pytest.mark.parametrize("name,multi,mode", RENDER_CASES,
+                         ids=[f"{n}-{'multi' if m else 'single'}-{t}" for n, m, t in RENDER_CASES])
+def test_fast_render_equals_apply_chat_template(base_bpe_json, name, multi, mode):
+    """chat.render_many (the compiled template called directly) renders exactly what
+    apply_chat_template(tokenize=False) renders, for every prefix the tokens stage renders."""
+    tok = make_tokenizer(base_bpe_json, name)
+    msgs = conversation(multi, "save" if mode == "save" else "disable")
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        for sub, gen in ((msgs[:i], True), (msgs[: i + 1], False)):
+            want = tok.apply_chat_template(chat.template_messages(sub), tokenize=False, add_generation_prompt=gen,
+                                           **chat.template_kwargs(mode))
+            assert chat.render_many(tok, [sub], thinking=mode, add_generation_prompt=gen) == [want]
+
+
+def test_thinking_kwargs_reach_deepseek_v31(base_bpe_json):
+    """DeepSeek-V3.1 selects thinking with the `thinking` kwarg: save opens '<think>', disable closes it."""
+    name = "DeepSeek-V3.1/chat_template.jinja"
+    tok = make_tokenizer(base_bpe_json, name)
+    msgs = [{"role": "user", "content": "hi"}]
+    assert chat.render(tok, msgs, thinking="save", add_generation_prompt=True).endswith("<｜Assistant｜><think>")
+    assert chat.render(tok, msgs, thinking="disable", add_generation_prompt=True).endswith("<｜Assistant｜></think>")
+
+
+def test_gpt_oss_reads_reasoning_as_thinking(base_bpe_json):
+    name = next(n for n in TEMPLATES if n.startswith("gpt-oss-20b/"))
+    tok = make_tokenizer(base_bpe_json, name)
+    msgs = [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello", "reasoning_content": "R-E-A-S-O-N"}]
+    assert "R-E-A-S-O-N" in chat.render(tok, msgs, thinking="save", add_generation_prompt=False)

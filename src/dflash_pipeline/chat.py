@@ -1,21 +1,32 @@
 """Tokenizer loading and chat-template rendering shared by generation, tokenization and eval.
 
-One place decides how a thinking mode maps to template kwargs, so generation and training render alike
-(reference/dflash.md §4.8.5: a train/serve template mismatch is the #1 cause of low acceptance).
+One place decides how a run's settings map onto the chat template, so generation and training render
+alike (reference/dflash.md §4.8.5: a train/serve template mismatch is the #1 cause of low acceptance):
+
+* :func:`template_kwargs` — thinking mode -> template kwargs (also sent to servers as
+  ``chat_template_kwargs``). ``enable_thinking`` is what Qwen3/3.5, GLM, MiniMax and most templates read;
+  DeepSeek-V3.1 reads ``thinking``. Both are passed; templates ignore the one they do not use.
+* :func:`template_messages` — completion messages -> the messages a template sees: ``{role, content}``
+  plus, on assistant turns that carry non-empty reasoning, ``reasoning_content`` and its gpt-oss name
+  ``thinking`` (empty reasoning is dropped, so ``""`` and "none" render alike).
+* :func:`render` / :func:`render_many` — the target's own template, rendered exactly as
+  ``apply_chat_template(tokenize=False)`` renders it (same sandboxed, cached, compiled Jinja template from
+  transformers, same variables: the special-token strings, ``add_generation_prompt``, the kwargs above),
+  without its per-call overhead. ``tests/test_templates.py`` checks the equality on every real template.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from .errors import ConfigError
 
-#: thinking mode -> extra kwargs passed to ``apply_chat_template`` (``chat_template_kwargs`` on servers).
+#: thinking mode -> extra kwargs passed to the chat template (``chat_template_kwargs`` on servers).
 THINKING_TEMPLATE_KWARGS: dict[str, dict[str, Any]] = {
     "none": {},
-    "save": {"enable_thinking": True},
-    "disable": {"enable_thinking": False},
+    "save": {"enable_thinking": True, "thinking": True},
+    "disable": {"enable_thinking": False, "thinking": False},
 }
 
 
@@ -31,6 +42,20 @@ def template_kwargs(thinking: str) -> dict[str, Any]:
         raise ConfigError(
             f"generation.thinking: unknown mode {thinking!r}; use one of {sorted(THINKING_TEMPLATE_KWARGS)}"
         ) from None
+
+
+def template_messages(messages: Iterable[Mapping[str, Any]]) -> list[dict]:
+    """Messages as the chat template sees them: ``{role, content}`` (``None`` content -> ``""``), plus
+    ``thinking`` and ``reasoning_content`` on assistant turns whose reasoning is non-empty (gpt-oss
+    templates read ``thinking``, Qwen3-style ones ``reasoning_content``). Other keys are dropped."""
+    out = []
+    for m in messages:
+        msg = {"role": m["role"], "content": m.get("content") or ""}
+        rc = m.get("reasoning_content")
+        if m["role"] == "assistant" and isinstance(rc, str) and rc.strip():
+            msg = {"thinking": rc, **msg, "reasoning_content": rc}  # the key order transformers uses
+        out.append(msg)
+    return out
 
 
 def load_tokenizer(target_dir: str | Path, *, chat_template: str | Path | None = None, trust_remote_code: bool = False):
@@ -51,23 +76,73 @@ def load_tokenizer(target_dir: str | Path, *, chat_template: str | Path | None =
     return tok
 
 
+def _compiled_template(tokenizer):
+    """``(compiled template, special-token variables)`` for the tokenizer's current template, cached on the
+    tokenizer (recompiled when its template or special tokens change); None when the fast path does not
+    apply (several named templates, or a transformers without the compiler), then callers use
+    ``apply_chat_template``."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return None
+    specials = dict(tokenizer.special_tokens_map)
+    cached = getattr(tokenizer, "_dflash_compiled_template", None)
+    if cached is not None and cached[0] == template and cached[2] == specials:
+        return cached[1], cached[2]
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # transformers moved its compiler: fall back to apply_chat_template
+        return None
+    compiled = _compile_jinja_template(template)  # transformers' sandboxed environment, lru-cached
+    try:
+        tokenizer._dflash_compiled_template = (template, compiled, specials)
+    except AttributeError:
+        pass
+    return compiled, specials
+
+
+def render_many(
+    tokenizer,
+    conversations: Sequence[Sequence[Mapping[str, Any]]],
+    *,
+    thinking: str,
+    add_generation_prompt: bool,
+) -> list[str]:
+    """Render each conversation with the tokenizer's own chat template (strings, as
+    ``apply_chat_template(tokenize=False)``), messages passed through :func:`template_messages`."""
+    kwargs = template_kwargs(thinking)
+    fast = _compiled_template(tokenizer)
+    if fast is None:
+        return [
+            tokenizer.apply_chat_template(
+                template_messages(c), tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+            )
+            for c in conversations
+        ]
+    compiled, specials = fast
+    variables = {**specials, **kwargs}  # as apply_chat_template: kwargs override special tokens
+    return [
+        compiled.render(
+            messages=template_messages(c), tools=None, documents=None,
+            add_generation_prompt=add_generation_prompt, **variables,
+        )
+        for c in conversations
+    ]
+
+
 def render(
     tokenizer,
-    messages: Sequence[dict],
+    messages: Sequence[Mapping[str, Any]],
     *,
     thinking: str,
     add_generation_prompt: bool,
     tokenize: bool = False,
 ):
-    """Render ``messages`` with the tokenizer's own chat template.
+    """Render ``messages`` with the tokenizer's own chat template (see :func:`render_many`).
 
     Returns the rendered string (``tokenize=False``) or a list of token ids (``tokenize=True``, no extra
     special tokens are added beyond what the template writes).
     """
-    msgs = [{k: v for k, v in m.items() if v is not None} for m in messages]
-    text = tokenizer.apply_chat_template(
-        msgs, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs(thinking)
-    )
+    text = render_many(tokenizer, [messages], thinking=thinking, add_generation_prompt=add_generation_prompt)[0]
     if not tokenize:
         return text
     return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -15,7 +15,7 @@ import pyarrow as pa
 PROBE_SCHEMA_VERSION = 1
 PROMPT_SCHEMA_VERSION = 1
 COMPLETION_SCHEMA_VERSION = 1
-TOKEN_SCHEMA_VERSION = 1
+TOKEN_SCHEMA_VERSION = 2  # 2: + turn
 EVAL_SCHEMA_VERSION = 1
 CHECKPOINT_FORMAT_VERSION = 1
 
@@ -76,7 +76,10 @@ COMPLETION_STATUSES = ("ok", "truncated", "error")
 THINKING_MODES = ("none", "save", "disable")
 
 #: Token record: ``input_ids`` int32 [num_tokens], ``loss_mask`` uint8 [num_tokens] (1 on tokens the
-#: target generated incl. end-of-turn, 0 elsewhere), counts and the truncation flag.
+#: target generated incl. end-of-turn, 0 elsewhere), counts and the truncation flag. ``turn``: 0-based index
+#: (among the conversation's assistant turns) of the last turn the row supervises; a conversation split into
+#: several rows (templates that rewrite earlier turns, server token ids) has one row per distinct ``turn``,
+#: in turn order.
 TOKEN_SCHEMA = pa.schema(
     [
         ("prompt_id", pa.string()),
@@ -85,6 +88,7 @@ TOKEN_SCHEMA = pa.schema(
         ("num_tokens", pa.int32()),
         ("num_loss_tokens", pa.int32()),
         ("truncated", pa.bool_()),
+        ("turn", pa.int32()),
     ]
 )
 

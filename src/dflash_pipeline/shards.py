@@ -92,7 +92,79 @@ def read_parquet(path: str | os.PathLike) -> pa.Table:
 
 
 def read_shard_metadata(path: str | os.PathLike) -> dict:
-    """Return the ``dflash`` key-value metadata of a shard written by :func:`write_parquet` ({} if none)."""
-    meta = pq.read_schema(path).metadata or {}
+    """Return the ``dflash`` key-value metadata of a shard written by :func:`write_parquet` or
+    :class:`ParquetStreamWriter` ({} if none)."""
+    meta = pq.read_metadata(path).metadata or {}  # the footer's key-value metadata (both writers)
     raw = meta.get(b"dflash")
     return json.loads(raw) if raw else {}
+
+
+def _same_file_bytes(a: Path, b: Path, chunk: int = 1 << 20) -> bool:
+    if not a.is_file() or not b.is_file() or a.stat().st_size != b.stat().st_size:
+        return False
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        while True:
+            x, y = fa.read(chunk), fb.read(chunk)
+            if x != y:
+                return False
+            if not x:
+                return True
+
+
+class ParquetStreamWriter:
+    """Write a Parquet shard one record batch (= one row group) at a time, with bounded memory.
+
+    Same file format as :func:`write_parquet` (zstd, no statistics, Arrow schema stored, ``metadata`` as
+    canonical JSON under ``dflash`` - given at :meth:`close`, since counts are known only at the end;
+    Parquet keeps key-value metadata in the footer). Rows go to a temporary file in the destination
+    directory that is fsynced and renamed into place on :meth:`close`; an exception inside the ``with``
+    block removes it. The bytes depend only on the rows, the batch boundaries and the metadata, so a
+    rerun with the same input writes the same file, and then the existing file is kept (mtime unchanged).
+    """
+
+    def __init__(self, path: str | os.PathLike, schema: pa.Schema):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.schema = schema
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        os.close(fd)
+        self.tmp = Path(tmp)
+        self._writer = pq.ParquetWriter(
+            str(self.tmp), schema, compression="zstd", write_statistics=False, store_schema=True
+        )
+        self.rows = 0
+
+    def write_batch(self, batch: pa.RecordBatch | pa.Table) -> None:
+        """Append rows (one row group)."""
+        if batch.num_rows:
+            self._writer.write(batch)
+            self.rows += batch.num_rows
+
+    def close(self, metadata: Mapping[str, Any] | None = None, *, skip_if_identical: bool = True) -> bool:
+        """Finish the file (with ``metadata``) and move it into place. Returns False if an identical file
+        was already there (kept, the temporary file removed)."""
+        if metadata is not None:
+            self._writer.add_key_value_metadata({"dflash": canonical_json(dict(metadata))})
+        self._writer.close()
+        with open(self.tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        if skip_if_identical and _same_file_bytes(self.tmp, self.path):
+            self.tmp.unlink()
+            return False
+        os.chmod(self.tmp, 0o644)
+        os.replace(self.tmp, self.path)
+        return True
+
+    def abort(self) -> None:
+        """Drop the temporary file (the destination is untouched)."""
+        try:
+            self._writer.close()
+        finally:
+            self.tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> "ParquetStreamWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and self.tmp.exists():
+            self.abort()

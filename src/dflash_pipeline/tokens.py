@@ -57,7 +57,7 @@ import pyarrow.parquet as pq
 from . import chat
 from .contracts import TOKEN_SCHEMA, TOKEN_SCHEMA_VERSION, sha256_text
 from .errors import TokenizationError
-from .shards import write_parquet
+from . import shards
 
 #: Drop reasons counted in the shard metadata and the returned stats.
 DROP_REASONS = ("status_error", "no_assistant_turn", "no_loss_tokens", "tokenization_error")
@@ -118,18 +118,8 @@ def supervised_length(suffix: str, specials: Sequence[str], *, include_eot: bool
     return first_special_end
 
 
-def render_messages(messages: Iterable[Mapping[str, Any]]) -> list[dict]:
-    """Completion messages -> template messages: ``{role, content}`` plus ``reasoning_content`` (and its
-    gpt-oss alias ``thinking``) on assistant turns that carry non-empty reasoning."""
-    out = []
-    for m in messages:
-        msg = {"role": m["role"], "content": m.get("content") or ""}
-        rc = m.get("reasoning_content")
-        if m["role"] == "assistant" and isinstance(rc, str) and rc.strip():
-            msg["reasoning_content"] = rc
-            msg["thinking"] = rc
-        out.append(msg)
-    return out
+#: Completion messages -> template messages (one definition, shared with generation: chat.py).
+render_messages = chat.template_messages
 
 
 def conversation_sequences(
@@ -169,17 +159,21 @@ def conversation_sequences(
     selected = list(range(len(a_idx)))[-1:] if last_turn_only else list(range(len(a_idx)))
 
     turn_render: dict[int, tuple[str, int, int]] = {}  # k -> (Q, span_start, span_end)
-    for k in selected:
+    try:
+        ps = chat.render_many(tokenizer, [msgs[: a_idx[k]] for k in selected], thinking=thinking, add_generation_prompt=True)
+        qs = chat.render_many(tokenizer, [msgs[: a_idx[k] + 1] for k in selected], thinking=thinking, add_generation_prompt=False)
+    except Exception:  # jinja raise_exception, missing keys, ...: find the turn that fails, for the message
+        for k in selected:
+            for sub, gen in ((msgs[: a_idx[k]], True), (msgs[: a_idx[k] + 1], False)):
+                try:
+                    chat.render(tokenizer, sub, thinking=thinking, add_generation_prompt=gen)
+                except Exception as exc:
+                    raise TokenizationError(
+                        f"prompt_id={prompt_id} turn={k}: chat template failed to render: {exc}"
+                    ) from exc
+        raise
+    for k, p, q in zip(selected, ps, qs):
         i = a_idx[k]
-        try:
-            p = chat.render(tokenizer, msgs[:i], thinking=thinking, add_generation_prompt=True)
-            q = chat.render(tokenizer, msgs[: i + 1], thinking=thinking, add_generation_prompt=False)
-        except TokenizationError:
-            raise
-        except Exception as exc:  # jinja raise_exception, missing keys, ...
-            raise TokenizationError(
-                f"prompt_id={prompt_id} turn={k}: chat template failed to render: {exc}"
-            ) from exc
         if not q.startswith(p):
             n = next((j for j, (a, b) in enumerate(zip(p, q)) if a != b), min(len(p), len(q)))
             raise TokenizationError(
@@ -371,8 +365,8 @@ def tokenize_records(
         batch_size: sequences per batched tokenizer call.
 
     Yields:
-        ``{prompt_id, input_ids: int32 ndarray [n], loss_mask: uint8 ndarray [n], num_tokens,
-        num_loss_tokens, truncated}`` in input order.
+        ``{prompt_id, turn, input_ids: int32 ndarray [n], loss_mask: uint8 ndarray [n], num_tokens,
+        num_loss_tokens, truncated}`` in input order (``turn``: last assistant turn the row supervises).
 
     Raises:
         TokenizationError: a conversation cannot be masked exactly and ``strict`` is set.
@@ -381,7 +375,8 @@ def tokenize_records(
     for key, value in _new_stats().items():
         stats.setdefault(key, value)
     specials = special_token_strings(tokenizer)
-    pending: list[tuple[str, TrainSequence | tuple[np.ndarray, np.ndarray]]] = []
+    # (prompt_id, sequence to tokenize | ((input_ids, loss_mask), turn) from server ids)
+    pending: list[tuple[str, Any]] = []
 
     def flush():
         seqs = [s for _, s in pending if isinstance(s, TrainSequence)]
@@ -390,8 +385,9 @@ def tokenize_records(
             if isinstance(s, TrainSequence):
                 ids, mask, straddling = next(toks)
                 stats["straddling_tokens"] += straddling
+                turn = max(s.turns)
             else:
-                ids, mask = s
+                (ids, mask), turn = s
             truncated = len(ids) > max_length
             if truncated:
                 ids, mask = ids[:max_length], mask[:max_length]
@@ -405,6 +401,7 @@ def tokenize_records(
             stats["num_loss_tokens"] += n_loss
             yield {
                 "prompt_id": pid,
+                "turn": turn,
                 "input_ids": ids,
                 "loss_mask": mask,
                 "num_tokens": len(ids),
@@ -422,14 +419,14 @@ def tokenize_records(
         thinking = rec.get("thinking") or "none"
         turns = rec.get("turns") or []
         if use_server_token_ids and turns:
-            chosen = turns[-1:] if last_turn_only else turns
-            exact = [server_ids_sequence(t) for t in chosen]
+            first = len(turns) - 1 if last_turn_only else 0
+            exact = [server_ids_sequence(t) for t in turns[first:]]
             if all(e is not None for e in exact):
                 stats["conversations_kept"] += 1
                 stats["server_ids_used"] += 1
                 stats["split_conversations"] += int(len(exact) > 1)
                 stats["turns_supervised"] += len(exact)
-                pending.extend((pid, e) for e in exact)
+                pending.extend((pid, (e, first + j)) for j, e in enumerate(exact))
                 if len(pending) >= batch_size:
                     yield from flush()
                 continue
@@ -465,6 +462,7 @@ def tokenize_shard(
     chat_template: str | Path | None = None,
     trust_remote_code: bool = False,
     tokenizer=None,
+    row_group_size: int = 1024,
 ) -> dict:
     """Tokenize one completion shard into one token shard (the Snakemake ``tokenize_completions`` entry).
 
@@ -477,6 +475,8 @@ def tokenize_shard(
         chat_template: optional .jinja file overriding the tokenizer's template.
         trust_remote_code: passed to ``AutoTokenizer``.
         tokenizer: an already loaded tokenizer (tests, benchmarks); overrides ``target_dir``.
+        row_group_size: rows per Parquet row group; the shard is written one group at a time (bounded
+            memory) to a temporary file renamed into place at the end.
 
     Returns:
         Stats dict: ``records_in, records_out, conversations_kept, split_conversations, turns_supervised,
@@ -504,48 +504,53 @@ def tokenize_shard(
                     thinking_modes.add(rec["thinking"])
                 yield rec
 
-    out_ids: list[np.ndarray] = []
-    out_mask: list[np.ndarray] = []
-    pids: list[str] = []
-    n_tok: list[int] = []
-    n_loss: list[int] = []
-    trunc: list[bool] = []
-    for r in tokenize_records(
-        tokenizer, records(), max_length=max_length,
-        last_turn_only=bool(tokens_cfg.get("last_turn_only", False)),
+    last_turn_only = bool(tokens_cfg.get("last_turn_only", False))
+    rows = tokenize_records(
+        tokenizer, records(), max_length=max_length, last_turn_only=last_turn_only,
         strict=bool(tokens_cfg.get("strict", True)),
         use_server_token_ids=bool(tokens_cfg.get("use_server_token_ids", False)),
         stats=stats,
-    ):
-        pids.append(r["prompt_id"])
-        out_ids.append(r["input_ids"])
-        out_mask.append(r["loss_mask"])
-        n_tok.append(r["num_tokens"])
-        n_loss.append(r["num_loss_tokens"])
-        trunc.append(r["truncated"])
+    )
+    # Streaming: one row group per `row_group_size` rows, so memory is bounded by one group (plus the
+    # reader's batch), whatever the shard size. Row-group boundaries depend only on the input, so a rerun
+    # writes identical bytes (and leaves an identical existing file untouched).
+    with shards.ParquetStreamWriter(out_path, TOKEN_SCHEMA) as writer:
+        group: list[dict] = []
+        for r in rows:
+            group.append(r)
+            if len(group) >= row_group_size:
+                writer.write_batch(_token_batch(group))
+                group.clear()
+        if group or writer.rows == 0:
+            writer.write_batch(_token_batch(group))
+        metadata = {
+            "schema_version": TOKEN_SCHEMA_VERSION,
+            "tokenizer_sha256": tokenizer_hash(tokenizer),
+            "chat_template_sha256": sha256_text(tokenizer.chat_template or ""),
+            "thinking": sorted(thinking_modes),
+            "max_length": max_length,
+            "last_turn_only": last_turn_only,
+            "row_group_size": row_group_size,
+            "counts": stats,
+        }
+        writer.close(metadata)
+    return stats
 
-    table = pa.Table.from_arrays(
+
+def _token_batch(rows: Sequence[dict]) -> pa.RecordBatch:
+    """Token rows -> one record batch with exactly ``TOKEN_SCHEMA``."""
+    return pa.RecordBatch.from_arrays(
         [
-            pa.array(pids, pa.string()),
-            _list_array(out_ids, pa.int32()),
-            _list_array(out_mask, pa.uint8()),
-            pa.array(n_tok, pa.int32()),
-            pa.array(n_loss, pa.int32()),
-            pa.array(trunc, pa.bool_()),
+            pa.array([r["prompt_id"] for r in rows], pa.string()),
+            _list_array([r["input_ids"] for r in rows], pa.int32()),
+            _list_array([r["loss_mask"] for r in rows], pa.uint8()),
+            pa.array([r["num_tokens"] for r in rows], pa.int32()),
+            pa.array([r["num_loss_tokens"] for r in rows], pa.int32()),
+            pa.array([r["truncated"] for r in rows], pa.bool_()),
+            pa.array([r["turn"] for r in rows], pa.int32()),
         ],
         schema=TOKEN_SCHEMA,
     )
-    metadata = {
-        "schema_version": TOKEN_SCHEMA_VERSION,
-        "tokenizer_sha256": tokenizer_hash(tokenizer),
-        "chat_template_sha256": sha256_text(tokenizer.chat_template or ""),
-        "thinking": sorted(thinking_modes),
-        "max_length": max_length,
-        "last_turn_only": bool(tokens_cfg.get("last_turn_only", False)),
-        "counts": stats,
-    }
-    write_parquet(out_path, table, metadata=metadata)
-    return stats
 
 
 def _list_array(arrays: Sequence[np.ndarray], value_type: pa.DataType) -> pa.ListArray:

@@ -174,3 +174,23 @@ def run_with_gpus(argv: Optional[list[str]] = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(run_with_gpus())
+
+
+#: Modules whose code decides the bytes of a token shard (rules/tokens.smk reruns when they change).
+TOKENIZATION_MODULES = ("dflash_pipeline.tokens", "dflash_pipeline.chat", "dflash_pipeline.contracts", "dflash_pipeline.shards")
+
+
+def code_fingerprint(modules=TOKENIZATION_MODULES) -> str:
+    """sha256 (first 16 hex) over the source files of ``modules`` as they would be imported (located with
+    ``importlib.util.find_spec``, not imported). Used as a rule ``param`` so that a code change reruns the
+    rule (Snakemake's ``code`` trigger only sees the rule's script, not the library it calls)."""
+    import hashlib
+    import importlib.util
+
+    h = hashlib.sha256()
+    for name in modules:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.origin:
+            raise ImportError(f"cannot locate module {name}; is dflash_pipeline installed (pip install -e .)?")
+        h.update(name.encode() + b"\0" + Path(spec.origin).read_bytes() + b"\0")
+    return h.hexdigest()[:16]
