@@ -19,6 +19,7 @@ include: "rules/completions.smk"
 include: "rules/tokens.smk"
 include: "rules/train.smk"
 include: "rules/eval.smk"
+include: "rules/report.smk"
 
 
 rule all:

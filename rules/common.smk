@@ -119,6 +119,10 @@ def all_completion_shards(wildcards):
     return [f"{R}/completions/{d}/{s}.parquet" for d, s in shard_list(wildcards)]
 
 
+def all_completion_stats(wildcards):
+    return [f"{R}/completions/{d}/{s}.stats.json" for d, s in shard_list(wildcards)]
+
+
 def checkpoint_dir(run=RUN):
     return f"{R}/checkpoints/{run}"
 

@@ -1,12 +1,19 @@
-from dflash_pipeline.evaluate import evaluate
+from pathlib import Path
+
+from dflash_pipeline.evaluate import checkpoint_info, evaluate, step_checkpoints, training_prompt_ids
 from dflash_pipeline.shards import read_json
 from dflash_pipeline.workflow import claim_gpus, log_to
 
 with log_to(snakemake.log[0], snakemake.threads), claim_gpus(snakemake.resources.gpu):
-    p = snakemake.params
+    p, inp, out = snakemake.params, snakemake.input, snakemake.output
+    final = Path(inp.drafter)
+    drafters = {"trained": str(final), **{b: getattr(inp, b) for b in p.baseline_labels}, "untrained": None}
+    series = {**step_checkpoints(final.parent), checkpoint_info(final)["train_steps"]: final}
     evaluate(
-        target_dir=p.target, probe=read_json(snakemake.input.probe),
-        drafters={"trained": snakemake.input.drafter, "untrained": None}, eval_cfg=p.eval,
-        thinking=p.thinking, out_json=snakemake.output.acceptance, plot_png=snakemake.output.plot,
-        chat_template=p.chat_template, trust_remote_code=p.trust_remote_code,
+        target_dir=p.target, probe=read_json(inp.probe), drafters=drafters, eval_cfg=p.eval, thinking=p.thinking,
+        out_json=out.acceptance, plot_png=out.plot, table_tsv=out.table, chat_template=p.chat_template,
+        trust_remote_code=p.trust_remote_code,
+        exclude_prompt_ids=training_prompt_ids(inp.manifest) if p.eval["exclude_training_prompts"] else (),
+        checkpoint_series=series, series_json=out.series, series_png=out.series_plot,
+        train_log=final.parent / "train_log.jsonl",
     )

@@ -70,12 +70,26 @@ def test_full_build_outputs(built):
     assert ckpt["dflash_config"]["mask_token_id"] == probe["drafter"]["mask_token_id"]
     assert (final / "model.safetensors").stat().st_size > 0
     ev = json.loads((work / "results/eval/e2e/acceptance.json").read_text())
-    for label in ("trained", "untrained"):
-        s = ev["drafters"][label]["sets"]["gsm8k"]
-        assert 1.0 <= s["tau"] <= 4.0 and s["num_responses"] == 2
+    assert set(ev["drafters"]) == {"trained", "zero_features", "untrained"}
+    for label in ev["drafters"]:
+        sets = ev["drafters"][label]["sets"]
+        assert set(sets) == {"gsm8k", "humaneval", "mt_bench"}
+        assert all(1.0 <= s["tau"] <= 4.0 for s in sets.values())
+        assert sets["gsm8k"]["num_responses"] == 2 and sets["humaneval"]["num_responses"] == 1
+        assert sets["mt_bench"]["num_responses"] == 2 and sets["mt_bench"]["num_conversations"] == 1  # 2 turns
+    assert ev["drafters"]["zero_features"]["zero_target_features"] is True
+    assert ev["drafters"]["zero_features"]["checkpoint"].endswith("checkpoints/e2e.zero_features/final")
+    assert ev["sets"]["mt_bench"]["excluded_training_prompts"] == 4  # the 4 MT-Bench prompts trained on
     assert ev["settings"]["thinking"] == "disable" and ev["settings"]["block_size"] == 4
-    assert (work / "results/eval/e2e/acceptance.png").stat().st_size > 1000
+    for name in ("acceptance.png", "tau_vs_step.png", "train_curves.png"):
+        assert (work / "results/eval/e2e" / name).stat().st_size > 1000, name
+    series = json.loads((work / "results/eval/e2e/tau_vs_step.json").read_text())
+    assert [p["step"] for p in series["points"]] == [2, 3]  # step_000002/ export + final (3 steps)
+    assert (work / "results/checkpoints/e2e/step_000002/model.safetensors").is_file()
     assert (work / "results/checkpoints/e2e/state/step.json").is_file()  # resumable state kept
+    gen = (work / "results/report/generation.tsv").read_text().splitlines()
+    assert gen[0].startswith("dataset\tshards\tconversations\tok\ttruncated\terror") and gen[-1].startswith("all\t3\t16\t")
+    assert "gsm8k\t12\t12\t" in (work / "results/report/prompts.tsv").read_text()
 
 
 def test_rerun_does_nothing(built):
@@ -91,7 +105,7 @@ def test_tokenization_change_never_regenerates_completions(built):
     jobs = planned_jobs(snakemake(work, "-n", configfile=path))
     assert jobs.get("tokenize_completions") == 3  # gsm8k 12 prompts -> 2 shards of 8, mt_bench 4 -> 1
     assert "generate_completions" not in jobs and "shard_prompts" not in jobs
-    assert jobs.get("train_drafter") == 1 and jobs.get("evaluate_acceptance") == 1
+    assert jobs.get("train_drafter") == 2 and jobs.get("evaluate_acceptance") == 1  # drafter + zero_features baseline
 
 
 def test_generation_change_regenerates_all_completions(built):
@@ -118,9 +132,38 @@ def test_failed_shard_reruns_only_that_shard(built):
     try:
         jobs = planned_jobs(snakemake(work, "-n"))
         assert jobs.get("generate_completions") == 1 and jobs.get("tokenize_completions") == 1
-        assert jobs.get("train_drafter") == 1 and jobs.get("evaluate_acceptance") == 1
+        assert jobs.get("train_drafter") == 2 and jobs.get("evaluate_acceptance") == 1  # + zero_features baseline
         assert "shard_prompts" not in jobs and "probe_target" not in jobs
     finally:
         for p, data in zip(lost, saved):
             p.write_bytes(data)
         final.with_name("final.aside").rename(final)
+
+
+def report_files(html: str) -> dict[str, bytes]:
+    """Files embedded in a Snakemake HTML report (data URIs), by file name."""
+    import base64
+
+    found = re.findall(r"data:[\w/+.-]+;charset=utf8;filename=([^;]+);base64,([A-Za-z0-9+/=]+)", html)
+    return {name: base64.b64decode(data) for name, data in found}
+
+
+def test_report_builds_with_eval_numbers(built):
+    """`snakemake --report` on the built workdir: the HTML embeds the eval table with the τ of the eval
+    record, the plots, the probe, the prompts manifest and the generation stats."""
+    work, _ = built
+    proc = snakemake(work, "--report", str(work / "report.html"))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    html = (work / "report.html").read_text(encoding="utf-8")
+    files = report_files(html)
+    expected = {"acceptance.tsv", "acceptance.json", "acceptance.png", "tau_vs_step.png", "train_curves.png",
+                "probe.tsv", "prompts.tsv", "generation.tsv"}
+    assert expected <= set(files), sorted(files)
+    ev = json.loads((work / "results/eval/e2e/acceptance.json").read_text())
+    table = files["acceptance.tsv"].decode()
+    assert table == (work / "results/eval/e2e/acceptance.tsv").read_text()
+    for label, entry in ev["drafters"].items():
+        for set_name, s in entry["sets"].items():
+            assert f"{label}\t{set_name}\t{round(s['tau'], 3)}\t" in table
+    assert "4. Evaluation" in html and "Per-position acceptance per eval set" in html  # categories, captions
+    assert b"drafter.target_layer_ids" in files["probe.tsv"]

@@ -4,6 +4,14 @@ Loop: reference/dflash.md §2.5 (z-lab ``dflash_generate``). Metrics: §7.1 — 
 accepted drafts plus the bonus token (a+1); a response's τ is the mean over its steps; the reported τ
 is the mean over responses. The draft is always greedy; the target samples at ``temperature``
 (greedy when 0), so the output distribution is the target's.
+
+Beyond the loop: :func:`evaluate` (every drafter on every eval set → the eval record JSON, a table, plots,
+and τ across the intermediate ``step_<N>/`` exports), :func:`merge_eval_records` (side-by-side comparison
+that refuses records produced under different thinking modes), :func:`plot_training` (loss and EAL proxy
+vs step from ``train_log.jsonl``) and :func:`server_acceptance` (τ reported by a running SGLang/vLLM).
+
+Response = one generated assistant turn: a multi-turn conversation (MT-Bench) contributes one response
+per turn, each generated against the history of the drafter's own earlier answers.
 """
 
 from __future__ import annotations
@@ -12,13 +20,18 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 
 from . import model as M
 from .contracts import EVAL_SCHEMA_VERSION
+from .errors import PipelineError
 from .shards import write_json
+
+
+class EvalComparisonError(PipelineError):
+    """Eval records that must not be compared (e.g. produced under different thinking modes)."""
 
 
 @dataclass
@@ -66,10 +79,13 @@ def speculative_generate(
     temperature: float = 0.0,
     stop_token_ids: Sequence[int] = (),
     generator: Optional[torch.Generator] = None,
+    zero_target_features: bool = False,
 ) -> SpecResult:
     """Generate up to ``max_new_tokens`` tokens for one prompt with DFlash speculative decoding (batch 1).
 
-    ``block_size`` ≤ the drafter's trained block size. Returns a :class:`SpecResult`.
+    ``block_size`` ≤ the drafter's trained block size. ``zero_target_features`` feeds the drafter zeros
+    instead of the target's features (for the baseline trained that way; the target still verifies).
+    Returns a :class:`SpecResult`.
 
     Raises:
         ValueError: ``block_size`` larger than the drafter's, or an empty prompt.
@@ -94,6 +110,8 @@ def speculative_generate(
     result = SpecResult(output_ids=[int(bonus)])
     start = ids.shape[1]  # position of the bonus token
     pending = feats  # target features not yet in the draft cache, positions cache.length .. start-1
+    if zero_target_features:
+        pending = torch.zeros_like(pending)
     dcache = M.DraftContextCache(len(drafter.layers))
     dtype = next(drafter.parameters()).dtype
     while int(bonus) not in stops and len(result.output_ids) < max_new_tokens:
@@ -113,6 +131,8 @@ def speculative_generate(
             if int(t) in stops or len(result.output_ids) >= max_new_tokens:
                 break
         pending = feats[:, : a + 1]  # features of slots 0..a (positions start..start+a)
+        if zero_target_features:
+            pending = torch.zeros_like(pending)
         start += a + 1
         _crop(cache, start)
         bonus = tgt[a : a + 1]
@@ -145,6 +165,106 @@ def acceptance_stats(accept_lengths_per_response: Sequence[Sequence[int]], block
     }
 
 
+def checkpoint_info(ckpt_dir: str | Path) -> dict:
+    """What a drafter checkpoint says about itself: ``train_steps``, ``zero_target_features``, ``block_size``."""
+    raw = json.loads((Path(ckpt_dir) / "config.json").read_text(encoding="utf-8"))
+    extra = raw.get("dflash_pipeline") or {}
+    return {
+        "train_steps": extra.get("train_steps"),
+        "zero_target_features": bool(extra.get("zero_target_features", False)),
+        "block_size": raw.get("block_size"),
+    }
+
+
+def step_checkpoints(run_dir: str | Path) -> dict[int, Path]:
+    """The intermediate exports ``<run_dir>/step_<N>/`` written during training, by step (ascending)."""
+    import re
+
+    found = {}
+    for d in Path(run_dir).glob("step_*"):
+        m = re.fullmatch(r"step_(\d+)", d.name)
+        if m and d.is_dir() and (d / "config.json").is_file() and (d / "model.safetensors").is_file():
+            found[int(m.group(1))] = d
+    return dict(sorted(found.items()))
+
+
+def training_prompt_ids(manifest_path: str | Path) -> set[str]:
+    """``prompt_id`` of every training prompt in the shards listed by the prompts manifest."""
+    from .shards import read_json, read_parquet
+
+    manifest_path = Path(manifest_path)
+    ids: set[str] = set()
+    for ds in read_json(manifest_path)["datasets"].values():
+        for shard in ds["shards"]:
+            ids.update(read_parquet(manifest_path.parent / shard["path"]).column("prompt_id").to_pylist())
+    return ids
+
+
+def load_eval_sets(eval_cfg: dict, exclude_prompt_ids: Iterable[str] = ()) -> tuple[dict[str, list[dict]], dict[str, dict]]:
+    """Each eval set's prompts (``prompts.load_eval_prompts``), with prompts seen in training removed
+    *before* the seeded draw of ``num_samples`` (so the count holds when enough held-out prompts exist).
+
+    Returns ``(sets, info)``: name → records, and name → ``{path, format, num_samples, available,
+    excluded_training_prompts, num_prompts, num_turns}``.
+    """
+    from .prompts import load_eval_prompts
+
+    exclude = set(exclude_prompt_ids)
+    sets, info = {}, {}
+    for name, s in eval_cfg["sets"].items():
+        fmt = s.get("format", "auto")
+        every = load_eval_prompts(s["path"], fmt=fmt, num_samples=10**9, seed=eval_cfg["seed"])  # seeded shuffle
+        held_out = [r for r in every if r["prompt_id"] not in exclude]
+        chosen = held_out[: s["num_samples"]]
+        sets[name] = chosen
+        info[name] = {
+            "path": str(s["path"]), "format": fmt, "num_samples": s["num_samples"], "available": len(every),
+            "excluded_training_prompts": len(every) - len(held_out), "num_prompts": len(chosen),
+            "num_turns": sum(len(r["turns"]) for r in chosen),
+        }
+    return sets, info
+
+
+def run_eval_set(
+    target, tok, drafter, prompts: Sequence[dict], *, block_size: int, max_new_tokens: int, temperature: float,
+    seed: int, thinking: str, stop_token_ids: Sequence[int], zero_target_features: bool = False,
+) -> dict:
+    """τ and friends (:func:`acceptance_stats`) of one drafter on one eval set.
+
+    Every user turn is answered by the speculative loop against the history of the earlier turns and
+    the loop's own answers (MT-Bench multi-turn); each answer is one response. Adds ``num_conversations``,
+    ``new_tokens``, ``target_forwards``, ``tokens_per_target_forward``, ``seconds``, ``tokens_per_s``.
+    """
+    from .chat import render
+
+    dev = next(target.parameters()).device
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    responses: list[list[int]] = []
+    t0, new_tokens, forwards = time.time(), 0, 0
+    for rec in prompts:
+        history: list[dict] = [{"role": "system", "content": rec["system"]}] if rec.get("system") else []
+        for turn in rec["turns"]:
+            history.append({"role": "user", "content": turn})
+            prompt_ids = render(tok, history, thinking=thinking, add_generation_prompt=True, tokenize=True)
+            res = speculative_generate(
+                target, drafter, prompt_ids, block_size=block_size, max_new_tokens=max_new_tokens,
+                temperature=temperature, stop_token_ids=stop_token_ids, generator=gen,
+                zero_target_features=zero_target_features,
+            )
+            responses.append(res.accept_lengths)
+            new_tokens += len(res.output_ids)
+            forwards += res.target_forwards
+            history.append({"role": "assistant", "content": tok.decode(res.output_ids, skip_special_tokens=True)})
+    seconds = time.time() - t0
+    stats = acceptance_stats(responses, block_size)
+    stats.update(
+        num_conversations=len(prompts), new_tokens=new_tokens, target_forwards=forwards,
+        tokens_per_target_forward=new_tokens / max(1, forwards), seconds=seconds,
+        tokens_per_s=new_tokens / seconds if seconds > 0 else 0.0,
+    )
+    return stats
+
+
 def evaluate(
     *,
     target_dir: str | Path,
@@ -157,14 +277,23 @@ def evaluate(
     chat_template: Optional[str | Path] = None,
     trust_remote_code: bool = False,
     target_dtype: str = "auto",
+    exclude_prompt_ids: Iterable[str] = (),
+    table_tsv: Optional[str | Path] = None,
+    checkpoint_series: Optional[dict[int, str | Path]] = None,
+    series_json: Optional[str | Path] = None,
+    series_png: Optional[str | Path] = None,
+    train_log: Optional[str | Path] = None,
 ) -> dict:
     """Run the speculative loop for every drafter (label → checkpoint dir, or None for an untrained
-    random-init drafter as a floor) on every eval set; write the eval record JSON (+ a PNG plot).
+    random-init drafter as a floor) on every eval set; write the eval record JSON (+ a PNG plot, a TSV
+    table). A checkpoint trained with zeroed target features (``checkpoint_info``) is fed zeros here too.
 
-    Multi-turn sets (MT-Bench) feed the answer to turn i back as history for turn i+1.
+    ``exclude_prompt_ids``: training prompts, never drawn as eval prompts (see :func:`load_eval_sets`).
+    ``checkpoint_series`` (step → checkpoint, e.g. :func:`step_checkpoints` plus ``final``): τ of each on
+    the first ``eval.checkpoint_samples`` prompts of every set, written to ``series_json`` and plotted to
+    ``series_png`` (with the train-time EAL proxy from ``train_log`` when given).
     """
-    from .chat import load_tokenizer, render
-    from .prompts import load_eval_prompts
+    from .chat import load_tokenizer
     from .train import build_drafter, load_target
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -174,92 +303,406 @@ def evaluate(
     trained_bs = probe["drafter"]["block_size"]
     bs = eval_cfg.get("block_size") or trained_bs
     temperature = float(eval_cfg["temperature"])
-
-    sets = {
-        name: load_eval_prompts(s["path"], fmt=s["format"], num_samples=s["num_samples"], seed=eval_cfg["seed"])
-        for name, s in eval_cfg["sets"].items()
+    sets, set_info = load_eval_sets(eval_cfg, exclude_prompt_ids)
+    settings = {
+        "block_size": bs, "trained_block_size": trained_bs, "max_new_tokens": eval_cfg["max_new_tokens"],
+        "temperature": temperature, "draft_sampling": "greedy", "thinking": thinking, "seed": eval_cfg["seed"],
+        "device": dev, "backend": "transformers", "batch_size": 1,
     }
+    loop = dict(block_size=bs, max_new_tokens=eval_cfg["max_new_tokens"], temperature=temperature,
+                seed=eval_cfg["seed"], thinking=thinking, stop_token_ids=stops)
     record: dict = {
         "schema_version": EVAL_SCHEMA_VERSION,
         "target": {"path": str(target_dir), "model_type": probe.get("model_type"), "architectures": probe.get("architectures")},
-        "settings": {
-            "block_size": bs, "trained_block_size": trained_bs, "max_new_tokens": eval_cfg["max_new_tokens"],
-            "temperature": temperature, "thinking": thinking, "seed": eval_cfg["seed"], "device": dev,
-        },
+        "settings": settings,
+        "sets": set_info,
         "drafters": {},
     }
-    for label, ckpt in drafters.items():
+
+    def load(label, ckpt):
         if ckpt is None:
-            drafter = build_drafter(target, probe, seed=eval_cfg["seed"]).to(dev)
+            drafter, info = build_drafter(target, probe, seed=eval_cfg["seed"]), {"train_steps": 0, "zero_target_features": False}
         else:
-            drafter = M.load_drafter(ckpt, device=dev)
+            drafter, info = M.load_drafter(ckpt, device=dev), checkpoint_info(ckpt)
         if bs > drafter.block_size:
             raise ValueError(f"eval.block_size {bs} exceeds drafter {label}'s trained block size {drafter.block_size}")
-        drafter.eval()
-        entry = {"checkpoint": str(ckpt) if ckpt else None, "sets": {}}
+        return drafter.to(dev).eval(), info
+
+    for label, ckpt in drafters.items():
+        drafter, info = load(label, ckpt)
+        entry = {"checkpoint": str(ckpt) if ckpt else None, "train_steps": info["train_steps"],
+                 "zero_target_features": info["zero_target_features"], "sets": {}}
         for set_name, prompts in sets.items():
-            gen = torch.Generator(device=dev).manual_seed(eval_cfg["seed"])
-            lengths, t0, new_tokens, forwards = [], time.time(), 0, 0
-            for rec in prompts:
-                history: list[dict] = []
-                acc: list[int] = []
-                for turn in rec["turns"]:
-                    history.append({"role": "user", "content": turn})
-                    prompt_ids = render(tok, history, thinking=thinking, add_generation_prompt=True, tokenize=True)
-                    res = speculative_generate(
-                        target, drafter, prompt_ids, block_size=bs, max_new_tokens=eval_cfg["max_new_tokens"],
-                        temperature=temperature, stop_token_ids=stops, generator=gen,
-                    )
-                    acc.extend(res.accept_lengths)
-                    new_tokens += len(res.output_ids)
-                    forwards += res.target_forwards
-                    history.append({"role": "assistant", "content": tok.decode(res.output_ids, skip_special_tokens=True)})
-                lengths.append(acc)
-            stats = acceptance_stats(lengths, bs)
-            stats["tokens_per_target_forward"] = new_tokens / max(1, forwards)
-            stats["seconds"] = time.time() - t0
+            stats = run_eval_set(target, tok, drafter, prompts, zero_target_features=info["zero_target_features"], **loop)
             entry["sets"][set_name] = stats
-            print(f"[eval] {label:>10} {set_name:>10}: tau={stats['tau']:.3f} over {stats['num_responses']} responses", flush=True)
+            print(f"[eval] {label:>14} {set_name:>10}: tau={stats['tau']:.3f} over {stats['num_responses']} responses "
+                  f"({stats['seconds']:.1f} s)", flush=True)
         record["drafters"][label] = entry
-    if "trained" in record["drafters"] and "untrained" in record["drafters"]:
-        record["trained_over_untrained"] = {
-            s: record["drafters"]["trained"]["sets"][s]["tau"] / max(1e-9, record["drafters"]["untrained"]["sets"][s]["tau"])
-            for s in sets
+    record["tau"] = {label: {s: e["sets"][s]["tau"] for s in sets} for label, e in record["drafters"].items()}
+    if "untrained" in record["drafters"]:
+        floor = record["tau"]["untrained"]
+        record["tau_over_untrained"] = {
+            label: {s: taus[s] / max(1e-9, floor[s]) for s in sets} for label, taus in record["tau"].items() if label != "untrained"
         }
+        if "trained" in record["tau_over_untrained"]:
+            record["trained_over_untrained"] = record["tau_over_untrained"]["trained"]
     write_json(out_json, record, skip_if_identical=False)
     if plot_png is not None:
         plot_acceptance(record, plot_png)
+    if table_tsv is not None:
+        write_eval_table(record, table_tsv)
+
+    if checkpoint_series is not None and series_json is not None:
+        n = int(eval_cfg.get("checkpoint_samples", 8))
+        subsets = {name: prompts[:n] for name, prompts in sets.items()} if n > 0 else {}
+        series = {"schema_version": EVAL_SCHEMA_VERSION, "settings": settings,
+                  "num_prompts": {s: len(p) for s, p in subsets.items()}, "points": []}
+        for step, ckpt in (sorted(checkpoint_series.items()) if subsets else []):
+            drafter, info = load(f"step {step}", ckpt)
+            point = {"step": int(step), "checkpoint": str(ckpt), "sets": {}}
+            for set_name, prompts in subsets.items():
+                st = run_eval_set(target, tok, drafter, prompts, zero_target_features=info["zero_target_features"], **loop)
+                point["sets"][set_name] = {k: st[k] for k in ("tau", "num_responses", "num_steps", "tokens_per_target_forward")}
+            series["points"].append(point)
+            print(f"[eval] step {step:>6}: " + " ".join(f"{s}={v['tau']:.2f}" for s, v in point["sets"].items()), flush=True)
+        write_json(series_json, series, skip_if_identical=False)
+        if series_png is not None:
+            plot_tau_vs_step(series, series_png, train_log=train_log)
     return record
 
 
-def plot_acceptance(record: dict, path: str | Path) -> None:
-    """PNG: per-position acceptance (k = 1..B−1) per drafter and eval set, τ in the legend."""
+# ---------------------------------------------------------------------------------------------------
+# Comparing records
+# ---------------------------------------------------------------------------------------------------
+
+
+def check_comparable(records: Mapping[str, dict]) -> str:
+    """Return the common thinking mode of eval records (name → record).
+
+    Raises:
+        EvalComparisonError: the records were produced under different thinking modes (τ with and without
+            thinking measure different text; comparing them is meaningless), or one does not say.
+    """
+    modes = {name: (r.get("settings") or {}).get("thinking") for name, r in records.items()}
+    missing = [n for n, m in modes.items() if m is None]
+    if missing:
+        raise EvalComparisonError(f"eval record(s) {missing} do not record `settings.thinking`; re-run the eval stage")
+    if len(set(modes.values())) > 1:
+        detail = ", ".join(f"{n}: thinking={m}" for n, m in modes.items())
+        raise EvalComparisonError(
+            f"refusing to compare eval records produced under different thinking modes ({detail}); "
+            "evaluate every drafter with the same `generation.thinking`"
+        )
+    return next(iter(modes.values())) if modes else "none"
+
+
+def merge_eval_records(records: Mapping[str, dict]) -> dict:
+    """Side-by-side record of several eval records (name → record): drafters become ``<name>/<label>``,
+    each keeping the settings it was measured under. Refuses mixed thinking modes (:func:`check_comparable`).
+    """
+    thinking = check_comparable(records)
+    merged: dict = {"schema_version": EVAL_SCHEMA_VERSION, "thinking": thinking, "drafters": {}, "settings": {}}
+    for name, rec in records.items():
+        merged["settings"][name] = rec["settings"]
+        for label, entry in rec["drafters"].items():
+            merged["drafters"][f"{name}/{label}"] = {**entry, "settings": rec["settings"]}
+    return merged
+
+
+TABLE_COLUMNS = (
+    "drafter", "set", "tau", "tau_over_untrained", "tokens_per_target_forward", "accept_pos1", "num_responses",
+    "num_steps", "thinking", "temperature", "block_size", "max_new_tokens", "train_steps", "zero_target_features",
+    "checkpoint",
+)
+
+
+def eval_table_rows(record: dict) -> list[dict]:
+    """One row per (drafter, set) with τ and the settings that produced it (:data:`TABLE_COLUMNS`)."""
+    rows = []
+    ratios = record.get("tau_over_untrained") or {}
+    for label, entry in record["drafters"].items():
+        st = entry.get("settings") or record["settings"]
+        for set_name, s in entry["sets"].items():
+            pos = s.get("per_position_acceptance") or []
+            rows.append({
+                "drafter": label, "set": set_name, "tau": round(s["tau"], 3),
+                "tau_over_untrained": round(ratios[label][set_name], 2) if label in ratios else "",
+                "tokens_per_target_forward": round(s.get("tokens_per_target_forward", 0.0), 3),
+                "accept_pos1": round(pos[0], 3) if pos else "", "num_responses": s["num_responses"],
+                "num_steps": s["num_steps"], "thinking": st["thinking"], "temperature": st["temperature"],
+                "block_size": st["block_size"], "max_new_tokens": st["max_new_tokens"],
+                "train_steps": entry.get("train_steps", ""), "zero_target_features": entry.get("zero_target_features", ""),
+                "checkpoint": entry.get("checkpoint") or "(random init)",
+            })
+    return rows
+
+
+def write_eval_table(record: dict, path: str | Path) -> None:
+    """TSV of :func:`eval_table_rows` (the report shows it as a table)."""
+    _write_tsv(path, TABLE_COLUMNS, eval_table_rows(record))
+
+
+def _write_tsv(path: str | Path, columns: Sequence[str], rows: Sequence[dict]) -> None:
+    lines = ["\t".join(columns)] + ["\t".join(str(r.get(c, "")) for c in columns) for r in rows]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Plots
+# ---------------------------------------------------------------------------------------------------
+
+
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    for label, entry in record["drafters"].items():
-        for set_name, s in entry["sets"].items():
-            ks = list(range(1, len(s["per_position_acceptance"]) + 1))
-            ax.plot(ks, s["per_position_acceptance"], marker="o", label=f"{label} / {set_name} (τ={s['tau']:.2f})")
-    st = record["settings"]
-    ax.set_xlabel("draft position k")
-    ax.set_ylabel("P(accepted ≥ k)")
-    ax.set_ylim(0, 1.02)
-    ax.set_title(f"DFlash acceptance — block {st['block_size']}, T={st['temperature']}, thinking={st['thinking']}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    return plt
+
+
+def _save(fig, path: str | Path) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)
+    _pyplot().close(fig)
+
+
+def plot_acceptance(record: dict, path: str | Path) -> None:
+    """PNG: per-position acceptance (k = 1..B−1), one panel per eval set, one line per drafter, τ in the legend."""
+    plt = _pyplot()
+    set_names = list(next(iter(record["drafters"].values()))["sets"]) if record["drafters"] else []
+    n = max(1, len(set_names))
+    fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.8), dpi=110, squeeze=False)
+    for ax, set_name in zip(axes[0], set_names or [None]):
+        for label, entry in record["drafters"].items():
+            s = entry["sets"].get(set_name)
+            if s is None:
+                continue
+            ks = list(range(1, len(s["per_position_acceptance"]) + 1))
+            ax.plot(ks, s["per_position_acceptance"], marker="o", label=f"{label} (τ={s['tau']:.2f})")
+        ax.set_title(set_name or "")
+        ax.set_xlabel("draft position k")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("P(accepted ≥ k)")
+    st = record["settings"]
+    fig.suptitle(f"DFlash acceptance — block {st['block_size']}, T={st['temperature']}, thinking={st['thinking']}", fontsize=10)
+    _save(fig, path)
+
+
+def read_train_log(path: str | Path) -> list[dict]:
+    """Records of a ``train_log.jsonl`` (empty when the file does not exist)."""
+    p = Path(path)
+    if not p.is_file():
+        return []
+    return [json.loads(line) for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def plot_tau_vs_step(series: dict, path: str | Path, *, train_log: Optional[str | Path] = None) -> None:
+    """PNG: τ per eval set across the intermediate checkpoints; the train-time EAL proxy (dashed) beside it."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    pts = series["points"]
+    set_names = list(pts[0]["sets"]) if pts else []
+    for set_name in set_names:
+        ax.plot([p["step"] for p in pts], [p["sets"][set_name]["tau"] for p in pts], marker="o",
+                label=f"τ {set_name} (n={series['num_prompts'].get(set_name, '?')})")
+    log = read_train_log(train_log) if train_log else []
+    if log:
+        ax.plot([r["step"] for r in log], [r["eal"] for r in log], ls="--", color="gray", label="train EAL proxy")
+    if not pts and not log:
+        ax.text(0.5, 0.5, "no intermediate checkpoints", ha="center", va="center", transform=ax.transAxes)
+    st = series["settings"]
+    ax.set_xlabel("training step")
+    ax.set_ylabel("acceptance length τ")
+    ax.set_ylim(bottom=0.9)
+    ax.set_title(f"τ across checkpoints — block {st['block_size']}, T={st['temperature']}, thinking={st['thinking']}", fontsize=10)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def plot_training(train_logs: Mapping[str, str | Path], path: str | Path) -> None:
+    """PNG: training loss and EAL proxy vs step, one line per run (label → ``train_log.jsonl``)."""
+    plt = _pyplot()
+    fig, (ax_loss, ax_eal) = plt.subplots(1, 2, figsize=(10, 3.8), dpi=110)
+    for label, log_path in train_logs.items():
+        log = read_train_log(log_path)
+        if not log:
+            continue
+        steps = [r["step"] for r in log]
+        ax_loss.plot(steps, [r["loss"] for r in log], label=label)
+        ax_eal.plot(steps, [r["eal"] for r in log], label=label)
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("decayed CE loss")
+    ax_loss.set_yscale("log")
+    ax_eal.set_xlabel("step")
+    ax_eal.set_ylabel("EAL proxy (from slot accuracy)")
+    for ax in (ax_loss, ax_eal):
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.suptitle("Training curves (train_log.jsonl)", fontsize=10)
+    _save(fig, path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Server mode: τ reported by a running SGLang / vLLM with the drafter loaded
+# ---------------------------------------------------------------------------------------------------
+
+#: vLLM Prometheus counters: mean acceptance length = 1 + accepted / drafts (one draft per verify step).
+VLLM_DRAFTS = "vllm:spec_decode_num_drafts_total"
+VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """``name{labels} value`` lines → name → value summed over label sets (comments skipped)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name_part, _, value = line.rpartition(" ")
+        name = name_part.split("{", 1)[0]
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def _http_json(url: str, body: Optional[dict] = None, *, api_key: Optional[str] = None, timeout_s: float = 600) -> Any:
+    import urllib.request
+
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    data = json.dumps(body).encode("utf-8") if body is not None else None
+    req = urllib.request.Request(url, data=data, headers=headers, method="POST" if body is not None else "GET")
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        raw = resp.read().decode("utf-8")
+    return json.loads(raw) if body is not None or raw.lstrip().startswith(("{", "[")) else raw
+
+
+def server_acceptance(
+    base_url: str,
+    prompts: Sequence[dict],
+    *,
+    model: Optional[str] = None,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    thinking: str = "disable",
+    metrics_url: Optional[str] = None,
+    api_key: Optional[str] = None,
+    timeout_s: float = 600,
+) -> dict:
+    """τ as the serving engine reports it, for train/serve agreement checks (dflash.md §7.1, server mode).
+
+    Sends every turn of ``prompts`` (``load_eval_prompts`` records; later turns carry the server's earlier
+    answers) to ``{base_url}/chat/completions``, one request at a time. Per response it reads SGLang's
+    ``meta_info.spec_accept_length`` (or ``completion_tokens / meta_info.spec_verify_ct``); τ is then the
+    mean over responses, as in the transformers loop. When responses carry no meta_info and
+    ``metrics_url`` is given (vLLM ``/metrics``), τ is pooled from the counter deltas:
+    ``1 + Δaccepted / Δdrafts``. Other traffic on the server during the run skews the pooled figure.
+
+    Returns ``{tau, source (meta_info|metrics), num_responses, per_response, completion_tokens, base_url,
+    model, thinking, temperature, max_tokens}``.
+
+    Raises:
+        EvalComparisonError: the server reported no acceptance (no meta_info, no usable metrics).
+    """
+    from .chat import template_kwargs
+
+    base = base_url.rstrip("/")
+    if model is None:
+        model = _http_json(f"{base}/models", api_key=api_key, timeout_s=timeout_s)["data"][0]["id"]
+    before = parse_prometheus(_http_json(metrics_url, timeout_s=timeout_s)) if metrics_url else {}
+    per_response, completion_tokens = [], 0
+    for rec in prompts:
+        history: list[dict] = [{"role": "system", "content": rec["system"]}] if rec.get("system") else []
+        for turn in rec["turns"]:
+            history.append({"role": "user", "content": turn})
+            body = {"model": model, "messages": history, "max_tokens": max_tokens, "temperature": temperature,
+                    "chat_template_kwargs": template_kwargs(thinking)}
+            resp = _http_json(f"{base}/chat/completions", body, api_key=api_key, timeout_s=timeout_s)
+            n_out = int((resp.get("usage") or {}).get("completion_tokens") or 0)
+            completion_tokens += n_out
+            meta = resp.get("meta_info") or resp.get("choices", [{}])[0].get("meta_info") or {}
+            if meta.get("spec_accept_length") is not None:
+                per_response.append(float(meta["spec_accept_length"]))
+            elif meta.get("spec_verify_ct"):
+                per_response.append(n_out / float(meta["spec_verify_ct"]))
+            history.append({"role": "assistant", "content": resp["choices"][0]["message"].get("content") or ""})
+    out = {"base_url": base_url, "model": model, "thinking": thinking, "temperature": temperature,
+           "max_tokens": max_tokens, "completion_tokens": completion_tokens, "per_response": per_response}
+    if per_response:
+        return {**out, "tau": sum(per_response) / len(per_response), "source": "meta_info", "num_responses": len(per_response)}
+    if metrics_url:
+        after = parse_prometheus(_http_json(metrics_url, timeout_s=timeout_s))
+        drafts = after.get(VLLM_DRAFTS, 0.0) - before.get(VLLM_DRAFTS, 0.0)
+        accepted = after.get(VLLM_ACCEPTED, 0.0) - before.get(VLLM_ACCEPTED, 0.0)
+        if drafts > 0:
+            n = sum(len(r["turns"]) for r in prompts)
+            return {**out, "tau": 1.0 + accepted / drafts, "source": "metrics", "num_responses": n,
+                    "drafts": drafts, "accepted_tokens": accepted}
+    raise EvalComparisonError(
+        f"{base_url}: the server reported no speculative acceptance (no meta_info.spec_accept_length in the "
+        f"responses{', no ' + VLLM_DRAFTS + ' increase at ' + metrics_url if metrics_url else '; pass metrics_url for vLLM'}); "
+        "is the drafter loaded (SGLang --speculative-algorithm DFLASH, vLLM speculative_config)?"
+    )
+
+def server_main(argv: Sequence[str]) -> dict:
+    """CLI: ``python -m dflash_pipeline.evaluate server --base-url URL --set NAME=PATH[:FORMAT] … --out X.json``."""
+    import argparse
+    import os
+
+    from .prompts import load_eval_prompts
+
+    p = argparse.ArgumentParser(prog="python -m dflash_pipeline.evaluate server",
+                                description="τ as reported by a running SGLang/vLLM server with the drafter loaded.")
+    p.add_argument("--base-url", required=True, help="OpenAI-compatible base URL, e.g. http://host:30000/v1")
+    p.add_argument("--metrics-url", help="Prometheus endpoint (vLLM: http://host:8000/metrics) when responses carry no meta_info")
+    p.add_argument("--model")
+    p.add_argument("--api-key-env", help="environment variable holding the API key")
+    p.add_argument("--set", action="append", required=True, help="NAME=PATH[:FORMAT] (formats as eval.sets.*.format)")
+    p.add_argument("--num-samples", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--thinking", default="disable")
+    p.add_argument("--out", required=True)
+    a = p.parse_args(list(argv))
+    record = {"schema_version": EVAL_SCHEMA_VERSION, "mode": "server",
+              "settings": {"thinking": a.thinking, "temperature": a.temperature, "max_new_tokens": a.max_tokens}, "sets": {}}
+    for item in a.set:
+        name, _, rest = item.partition("=")
+        path, _, fmt = rest.partition(":") if not Path(rest).exists() else (rest, "", "")
+        prompts = load_eval_prompts(path, fmt=fmt or "auto", num_samples=a.num_samples, seed=a.seed)
+        record["sets"][name] = server_acceptance(
+            a.base_url, prompts, model=a.model, max_tokens=a.max_tokens, temperature=a.temperature, thinking=a.thinking,
+            metrics_url=a.metrics_url, api_key=os.environ[a.api_key_env] if a.api_key_env else None,
+        )
+        print(f"[eval-server] {name}: tau={record['sets'][name]['tau']:.3f} ({record['sets'][name]['source']})", flush=True)
+    write_json(a.out, record, skip_if_identical=False)
+    return record
 
 
 def main(argv=None) -> None:
-    """CLI: ``python -m dflash_pipeline.evaluate --probe P --target T --eval-config JSON --out X [--drafter label=dir]…``."""
+    """CLI: ``python -m dflash_pipeline.evaluate --probe P --target T --eval-config JSON --out X [--drafter label=dir]…``
+    (``python -m dflash_pipeline.evaluate server …`` measures τ on a running server: :func:`server_main`)."""
     import argparse
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["server"]:
+        server_main(argv[1:])
+        return
 
     p = argparse.ArgumentParser(description="Measure DFlash acceptance length τ with a speculative loop.")
     p.add_argument("--probe", required=True)

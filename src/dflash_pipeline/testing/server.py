@@ -17,6 +17,12 @@ Two answer modes:
 Token ids are returned as vLLM does when the request body has ``return_token_ids: true``
 (``prompt_token_ids`` at the top level, ``choices[0].token_ids``).
 
+Speculative-decoding metrics (``spec_accept_length=τ``): every answer then carries SGLang-style
+``meta_info`` (``spec_accept_length``, ``spec_verify_ct`` = ⌈completion tokens / τ⌉) unless
+``spec_meta_info=False``, and ``/metrics`` exposes vLLM's counters ``vllm:spec_decode_num_drafts_total``
+(one per verify step) and ``vllm:spec_decode_num_accepted_tokens_total`` (completion tokens − verify
+steps), so ``evaluate.server_acceptance`` can be tested in both modes.
+
 Faults (a mutable :class:`Faults`, changeable while the server runs) apply to chat requests in order of
 arrival: first ``drop_first`` requests get their connection dropped, the next ``hang_first`` get no
 answer for ``hang_s`` seconds, the next ``fail_first`` get HTTP ``fail_status`` (with ``Retry-After`` if
@@ -38,6 +44,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import math
 import signal
 import sys
 import threading
@@ -83,6 +90,8 @@ class ServerStats:
     by_conversation: Counter = field(default_factory=Counter)
     requests: list = field(default_factory=list)  # request bodies (dicts), in arrival order
     unauthorized: int = 0
+    spec_drafts: int = 0  # verify steps (vLLM spec_decode_num_drafts), when spec_accept_length is set
+    spec_accepted_tokens: int = 0  # accepted draft tokens (vLLM spec_decode_num_accepted_tokens)
 
 
 def _first_user(messages: list[dict]) -> str:
@@ -168,6 +177,10 @@ class TestServer:
             older vLLM, ``reasoning`` as newer vLLM).
         api_key: if set, requests without ``Authorization: Bearer <api_key>`` get 401.
         port: TCP port (0 = a free one).
+        spec_accept_length: act like an engine with a drafter loaded that reports this acceptance
+            length (canned speculative metrics; see the module docstring). None = no such metrics.
+        spec_meta_info: with ``spec_accept_length``, also put ``meta_info`` in each answer (SGLang);
+            False = counters on ``/metrics`` only (vLLM).
     """
 
     __test__ = False  # not a pytest test class
@@ -182,7 +195,11 @@ class TestServer:
         reasoning_field: str = "reasoning_content",
         api_key: str | None = None,
         port: int = 0,
+        spec_accept_length: float | None = None,
+        spec_meta_info: bool = True,
     ):
+        self.spec_accept_length = spec_accept_length
+        self.spec_meta_info = spec_meta_info
         self.target_dir = target_dir
         self.model_name = model_name
         self.faults = faults or Faults()
@@ -323,6 +340,13 @@ class TestServer:
             f"test_server_models_requests_total {s.models_requests}",
         ]
         lines += [f'test_server_responses_total{{status="{k}"}} {v}' for k, v in sorted(s.statuses.items())]
+        if self.spec_accept_length is not None:
+            lines += [
+                "# TYPE vllm:spec_decode_num_drafts_total counter",
+                f'vllm:spec_decode_num_drafts_total{{model_name="{self.model_name}"}} {s.spec_drafts}',
+                "# TYPE vllm:spec_decode_num_accepted_tokens_total counter",
+                f'vllm:spec_decode_num_accepted_tokens_total{{model_name="{self.model_name}"}} {s.spec_accepted_tokens}',
+            ]
         return web.Response(text="\n".join(lines) + "\n")
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
@@ -409,6 +433,12 @@ class TestServer:
         if body.get("return_token_ids"):
             resp["prompt_token_ids"] = prompt_ids
             choice["token_ids"] = out_ids
+        if self.spec_accept_length is not None and out_ids:
+            verify = max(1, math.ceil(len(out_ids) / max(1.0, self.spec_accept_length)))
+            stats.spec_drafts += verify
+            stats.spec_accepted_tokens += len(out_ids) - verify
+            if self.spec_meta_info:
+                resp["meta_info"] = {"spec_accept_length": self.spec_accept_length, "spec_verify_ct": verify}
         stats.statuses[200] += 1
         stats.answered += 1
         return web.json_response(resp)

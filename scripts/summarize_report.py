@@ -1,0 +1,10 @@
+from dflash_pipeline import report
+from dflash_pipeline.workflow import log_to
+
+with log_to(snakemake.log[0], snakemake.threads):
+    if snakemake.rule == "summarize_probe":
+        report.probe_table(snakemake.input[0], snakemake.output[0])
+    elif snakemake.rule == "summarize_prompts":
+        report.prompts_table(snakemake.input[0], snakemake.output[0])
+    else:
+        report.generation_table(snakemake.input.shards, snakemake.output[0], benchmark_dir=snakemake.params.benchmark_dir)
