@@ -1,6 +1,9 @@
 # Small named helpers: paths of stage outputs, lists of targets, wildcard constraints.
 import json
+import os
 from pathlib import Path
+
+from snakemake.exceptions import WorkflowError
 
 R = config["results_dir"]
 RUN = config["run"]
@@ -42,6 +45,34 @@ def target_input():
     """What rules that read the target depend on: the demo dir, or the real target's config.json."""
     path = config["target"]["path"]
     return DEMO_TARGET if path == "demo" else str(Path(path) / "config.json")
+
+
+def check_config():
+    """Fail at planning time (`snakemake -n`) on settings that would otherwise fail hours later."""
+    problems = []
+    path = config["target"]["path"]
+    if path != "demo" and not (Path(path) / "config.json").is_file():
+        problems.append(f"target.path: {path}/config.json not found (a model directory, or `demo`)")
+    for name, src in with_repo_paths(config["datasets"]).items():
+        if not src["path"].startswith("hf:") and not Path(src["path"]).exists():
+            problems.append(f"datasets.{name}.path: {src['path']} not found")
+    for name, src in with_repo_paths(config["eval"]["sets"]).items():
+        if not Path(src["path"]).exists():
+            problems.append(f"eval.sets.{name}.path: {src['path']} not found")
+    eval_bs, trained_bs = config["eval"]["block_size"], config["drafter"]["block_size"]
+    if eval_bs is not None and eval_bs > trained_bs:
+        problems.append(f"eval.block_size: {eval_bs} exceeds drafter.block_size {trained_bs} (null = the trained one)")
+    gen = config["generation"]
+    if gen["backend"] == "openai" and not gen["endpoints"]:
+        problems.append("generation.endpoints: the openai backend needs at least one {base_url: ...}")
+    for ep in gen["endpoints"]:
+        if ep.get("api_key_env") and ep["api_key_env"] not in os.environ and gen["backend"] == "openai":
+            problems.append(f"generation.endpoints: environment variable {ep['api_key_env']} (api_key_env of {ep['base_url']}) is not set")
+    if problems:
+        raise WorkflowError("config problems:\n  - " + "\n  - ".join(problems))
+
+
+check_config()
 
 
 def target_dir_of_input(wildcards, input):

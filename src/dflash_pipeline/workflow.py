@@ -42,6 +42,11 @@ def log_to(path: Optional[str | os.PathLike], threads: Optional[int] = None) -> 
         with contextlib.redirect_stdout(fh), contextlib.redirect_stderr(fh):
             try:
                 yield
+            except BaseException:
+                import traceback
+
+                traceback.print_exc(file=fh)  # the log shows the failure, not an empty file
+                raise
             finally:
                 logging.getLogger().removeHandler(handler)
 

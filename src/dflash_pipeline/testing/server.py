@@ -108,18 +108,11 @@ def _fake_id(word: str) -> int:
 
 
 def split_think(text: str) -> tuple[str | None, str]:
-    """Split generated text into (reasoning, content) like a Qwen3 reasoning parser.
+    """Split generated text into (reasoning, content) like a Qwen3 reasoning parser (the pipeline's own
+    :func:`dflash_pipeline.completions.split_reasoning`)."""
+    from ..completions import split_reasoning
 
-    ``"<think>\\nR\\n</think>\\n\\nC"`` → ``("R", "C")``; text without ``</think>`` but starting with
-    ``<think>`` (cut off while thinking) → ``(rest, "")``; anything else → ``(None, text)``.
-    """
-    if "</think>" in text:
-        head, _, tail = text.partition("</think>")
-        return head.split("<think>")[-1].strip("\n"), tail.lstrip("\n")
-    stripped = text.lstrip("\n")
-    if stripped.startswith("<think>"):
-        return stripped[len("<think>"):].strip("\n"), ""
-    return None, text
+    return split_reasoning(text)
 
 
 class _TargetModel:
