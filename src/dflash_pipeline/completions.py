@@ -180,6 +180,17 @@ def build_record(prompt: dict, turns: Sequence[Turn], info: RunInfo, error: str 
     }
 
 
+def cut_at_eos(new: list[int], eos_ids) -> tuple[list[int], bool]:
+    """Generated token ids up to and including the first end-of-turn id (padding after it dropped).
+
+    Returns ``(ids, stopped)``; ``stopped`` is False when no eos id was generated (a length cut).
+    """
+    for i, t in enumerate(new):
+        if t in eos_ids:
+            return new[: i + 1], True
+    return new, False
+
+
 def split_reasoning(text: str) -> tuple[str | None, str]:
     """Split generated text into ``(reasoning, content)`` at ``<think>``/``</think>``.
 
@@ -446,11 +457,7 @@ class TransformersBackend:
         return new, time.monotonic() - t0
 
     def _turn(self, prompt_ids: list[int], new: list[int], latency: float) -> Turn:
-        stop = False
-        for i, t in enumerate(new):
-            if t in self.eos_ids:
-                new, stop = new[: i + 1], True
-                break
+        new, stop = cut_at_eos(new, self.eos_ids)
         body = new[:-1] if stop else new
         reasoning, content = split_reasoning(self.tok.decode(body, skip_special_tokens=True))
         reasoning = check_thinking(self.cfg["thinking"], reasoning, require_reasoning=False)

@@ -147,12 +147,9 @@ class _TargetModel:
                 eos_token_id=self.eos_ids,
                 pad_token_id=self.pad_id,
             )
-        new = out[0, len(ids):].tolist()
-        stop = False
-        for i, t in enumerate(new):
-            if t in self.eos_ids:
-                new, stop = new[: i + 1], True
-                break
+        from ..completions import cut_at_eos
+
+        new, stop = cut_at_eos(out[0, len(ids):].tolist(), self.eos_ids)
         body = new[:-1] if stop else new
         generated = self.tok.decode(body, skip_special_tokens=True)  # as SGLang/vLLM by default
         return generated, ("stop" if stop else "length"), ids, new
