@@ -116,6 +116,7 @@ class DraftContextCache:
         return 0 if self.keys[0] is None else int(self.keys[0].shape[-2])
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append new context K/V [b, kv_heads, C_new, head_dim] of ``layer``; return the full cached K/V."""
         if self.keys[layer] is not None:
             k = torch.cat([self.keys[layer], k], dim=-2)
             v = torch.cat([self.values[layer], v], dim=-2)

@@ -52,6 +52,8 @@ def load_token_shards(paths: Sequence[str | Path], *, min_loss_tokens: int = 2) 
 
 
 class TokenDataset(torch.utils.data.Dataset):
+    """Map-style dataset over ``(input_ids int32 [S], loss_mask uint8 [S])`` records (see :func:`collate`)."""
+
     def __init__(self, records):
         self.records = records
 
