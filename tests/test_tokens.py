@@ -12,6 +12,7 @@ from dflash_pipeline.errors import TokenizationError
 from dflash_pipeline.tokens import (
     conversation_sequences,
     mask_from_offsets,
+    span_token_ranges,
     supervised_length,
     tokenize_sequences,
     tokenize_shard,
@@ -176,6 +177,35 @@ def test_mask_from_offsets_straddling_is_zero():
     assert mask.tolist() == [0, 0, 1, 0, 0] and straddle == 1
     mask, straddle = mask_from_offsets(offsets, [(3, 12)])
     assert mask.tolist() == [0, 1, 1, 1, 0] and straddle == 0
+
+
+def test_span_token_ranges_match_per_token_reference(tok):
+    """The boundary-only mask equals the per-token reference on random texts and random spans, including
+    spans that cut words, multi-byte characters (byte-split tokens), special tokens and the text ends."""
+    import random
+
+    rng = random.Random(7)
+    pieces = ["The answer", " is", " 42", ".", " Let me think", "\n\n", "  ", "é", "数学", "🙂", "<|im_end|>",
+              "<|im_start|>", "assistant\n", "step by step", "0123", "\t", "x"]
+    backend = tok.backend_tokenizer
+    checked = straddled = 0
+    for _ in range(300):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 14)))
+        cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, 2 * rng.randint(1, 3))))
+        spans = [(cuts[i], cuts[i + 1]) for i in range(0, len(cuts) - 1, 2)]
+        enc = backend.encode(text, add_special_tokens=False)
+        want, want_straddling = mask_from_offsets(np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2), spans)
+        found = span_token_ranges(enc, spans, len(text))
+        assert found is not None, text
+        ranges, straddling = found
+        got = np.zeros(len(enc.ids), dtype=np.uint8)
+        for a, b in ranges:
+            got[a:b] = 1
+        assert got.tolist() == want.tolist(), (text, spans)
+        assert straddling == want_straddling, (text, spans)
+        checked += 1
+        straddled += straddling > 0
+    assert checked == 300 and straddled > 20  # the straddling branch was exercised
 
 
 def test_tokenize_shard_end_to_end(tmp_path, target_dir, tok):

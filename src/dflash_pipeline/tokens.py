@@ -28,13 +28,16 @@ thinking mode used for generation:
    gemma 3, the TRL training templates, ...) give one sequence per conversation; rewriting templates give
    one per turn (the SpecForge "expand reasoning conversations" layout). Rows split this way share the
    ``prompt_id`` and are written in turn order; ``stats["split_conversations"]`` counts them.
-4. Strings -> tokens: each sequence is tokenized once (batched, fast tokenizer, ``return_offsets_mapping``).
-   A token is supervised iff its character span ``[start, end)`` is non-empty and lies entirely inside a
-   supervised span. A token that straddles a span boundary (BPE merged prompt text with generated text)
-   is **0** - its text was partly never generated - and counted in ``stats["straddling_tokens"]``.
-   Zero-width tokens are 0. This needs offsets relative to the original string (fast tokenizers; ByteLevel
-   post-processors with ``trim_offsets`` shift a leading space out of a token's span, which can only turn
-   a straddling token into an inside one).
+4. Strings -> tokens: each sequence is tokenized once (batched, fast tokenizer, character offsets).
+   A token is supervised iff its character span ``[start, end)`` lies entirely inside a supervised span.
+   A token that straddles a span boundary (BPE merged prompt text with generated text) is **0** - its
+   text was partly never generated - and counted in ``stats["straddling_tokens"]``. Offsets are
+   non-decreasing, so only the tokens at the two span boundaries are looked up
+   (:func:`span_token_ranges`); a zero-width token between them is supervised, one outside is not
+   (:func:`mask_from_offsets`, the per-token reference, is used when a boundary maps to no token). This
+   needs offsets relative to the original string (fast tokenizers; ByteLevel post-processors with
+   ``trim_offsets`` shift a leading space out of a token's span, which can only turn a straddling token
+   into an inside one).
 
 Server token ids (``turns[k].prompt_token_ids`` / ``output_token_ids``) are the exact trained tokens when
 present. With ``tokens.use_server_token_ids`` a record whose selected turns all carry both lists becomes one
@@ -261,6 +264,49 @@ def mask_from_offsets(offsets: np.ndarray, spans: Sequence[tuple[int, int]]) -> 
     return mask, straddling
 
 
+def span_token_ranges(encoding, spans: Sequence[tuple[int, int]], n_chars: int) -> tuple[list[tuple[int, int]], int] | None:
+    """Token index ranges of supervised character spans, from the span boundaries only.
+
+    Equivalent to :func:`mask_from_offsets` for tokenizers whose token offsets are non-decreasing (every
+    fast tokenizer on text without added post-processor tokens), at two ``char_to_token`` lookups per
+    span instead of converting every token's offsets: a token is inside ``[s, e)`` iff it starts at or
+    after ``s`` and ends at or before ``e``; the token containing ``s`` (``e``) straddles when it starts
+    before ``s`` (``e``).
+
+    Args:
+        encoding: a ``tokenizers.Encoding`` of the sequence text (``add_special_tokens=False``).
+        spans: supervised character spans, sorted and non-overlapping.
+        n_chars: length of the sequence text in characters.
+
+    Returns:
+        ``([(first_token, end_token), ...], straddling_tokens)``, or None when a boundary character maps to
+        no token (a normalizer dropped it): callers then use :func:`mask_from_offsets`.
+    """
+    ranges: list[tuple[int, int]] = []
+    straddlers: set[int] = set()  # a token can straddle two spans (or both ends of one): count it once
+    n_tokens = len(encoding.ids)
+    for s, e in spans:
+        if e <= s:
+            continue
+        t = encoding.char_to_token(s)
+        if t is None:
+            return None
+        first = t
+        if encoding.token_to_chars(t)[0] < s:
+            straddlers.add(t)
+            first = t + 1
+        if e >= n_chars:
+            end = n_tokens
+        else:
+            end = encoding.char_to_token(e)
+            if end is None:
+                return None
+            if encoding.token_to_chars(end)[0] < e:
+                straddlers.add(end)
+        ranges.append((first, max(first, end)))
+    return ranges, len(straddlers)
+
+
 def tokenize_sequences(tokenizer, seqs: Sequence[TrainSequence]) -> list[tuple[np.ndarray, np.ndarray, int]]:
     """Tokenize sequences (one batched call) and build their masks.
 
@@ -279,14 +325,23 @@ def tokenize_sequences(tokenizer, seqs: Sequence[TrainSequence]) -> list[tuple[n
         )
     texts = [s.text for s in seqs]
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:  # the Rust tokenizer directly: same ids/offsets, no per-token Python objects
-        encs = backend.encode_batch(texts, add_special_tokens=False)
-        pairs = ((e.ids, e.offsets) for e in encs)
-    else:
-        enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-        pairs = zip(enc["input_ids"], enc["offset_mapping"])
     out = []
-    for seq, (ids, offs) in zip(seqs, pairs):
+    if backend is not None:  # the Rust tokenizer directly: masks from the span boundaries only
+        for seq, enc in zip(seqs, backend.encode_batch(texts, add_special_tokens=False)):
+            ids = np.asarray(enc.ids, dtype=np.int32)
+            found = span_token_ranges(enc, seq.spans, len(seq.text))
+            if found is None:
+                offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+                mask, straddling = mask_from_offsets(offsets, seq.spans)
+            else:
+                ranges, straddling = found
+                mask = np.zeros(len(ids), dtype=np.uint8)
+                for a, b in ranges:
+                    mask[a:b] = 1
+            out.append((ids, mask, straddling))
+        return out
+    enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+    for seq, ids, offs in zip(seqs, enc["input_ids"], enc["offset_mapping"]):
         offsets = np.asarray(offs, dtype=np.int64).reshape(-1, 2)
         mask, straddling = mask_from_offsets(offsets, seq.spans)
         out.append((np.asarray(ids, dtype=np.int32), mask, straddling))
