@@ -1,6 +1,7 @@
 """Prompt sharding throughput and peak memory: streaming `build_prompt_shards` vs a load-everything baseline.
 
 Usage: .venv/bin/python bench/bench_prompts.py [--records 200000] [--shard-size 4096] [--no-baseline]
+       [--languages en]
 
 Generates a synthetic .jsonl source (a mix of ShareGPT, OpenAI-messages and single-prompt records, ~1 KiB
 each, 5 % duplicates), then runs each method in a fresh subprocess and prints prompts/s and the child's
@@ -14,6 +15,15 @@ Measured on the 2-core dev machine (shard size 4096):
   (speed x1.52, peak RSS x0.13).
 Streaming memory is one shard of rows plus the dedup set of prompt ids (~100 B per kept prompt, the only
 part that grows with the source: 263 - 183 MiB for the extra 760k prompts).
+
+``--languages en`` draws the words from GSM8K questions (real English, so prompts are kept) and runs the
+streaming build without and with ``languages: [en]`` (py3langid on the first 500 characters of each
+prompt's user text). Measured on the 2-core dev machine while other jobs ran (load ~4; the figures above
+are from a quiet machine), 50 000 records (58 MiB), ``--no-baseline --languages en``: streaming 16,744
+prompts/s, with the filter 2,018 prompts/s (~0.44 ms a prompt, nearly all in py3langid's pure-Python byte
+walk; 47,553 kept either way), peak RSS 173 -> 247 MiB (the model). Unconfigured, the filter costs nothing
+measurable (before vs after this option, 6 interleaved runs of 30 000 records: median 18.1k vs 18.6k
+prompts/s).
 """
 
 from __future__ import annotations
@@ -29,9 +39,18 @@ import time
 from pathlib import Path
 
 
-def generate(path: Path, n: int, seed: int = 0) -> None:
+REPO = Path(__file__).resolve().parents[1]
+
+
+def english_words() -> list[str]:
+    """Distinct words of the bundled GSM8K train questions (sorted: the same list on every run)."""
+    with open(REPO / "data" / "gsm8k" / "train.jsonl", encoding="utf-8") as fh:
+        return sorted({w for line in fh for w in json.loads(line)["question"].split() if w.isalpha()})
+
+
+def generate(path: Path, n: int, seed: int = 0, words: list[str] | None = None) -> None:
     rng = random.Random(seed)
-    words = [f"w{i}" for i in range(5000)]
+    words = words or [f"w{i}" for i in range(5000)]
     with open(path, "w", encoding="utf-8") as fh:
         for i in range(n):
             j = i if rng.random() > 0.05 else rng.randrange(max(i, 1))  # ~5 % duplicates
@@ -46,10 +65,10 @@ def generate(path: Path, n: int, seed: int = 0) -> None:
             fh.write(json.dumps(rec) + "\n")
 
 
-def run_streaming(src: Path, out: Path, shard_size: int) -> int:
+def run_streaming(src: Path, out: Path, shard_size: int, languages: list[str] | None = None) -> int:
     from dflash_pipeline.prompts import build_prompt_shards
 
-    m = build_prompt_shards({"synth": {"path": str(src)}}, out, shard_size=shard_size, seed=0)
+    m = build_prompt_shards({"synth": {"path": str(src)}}, out, shard_size=shard_size, seed=0, languages=languages)
     return m["total_prompts"], len(m["datasets"]["synth"]["shards"])
 
 
@@ -73,9 +92,12 @@ def run_naive(src: Path, out: Path, shard_size: int) -> int:
     return len(rows), -(-len(rows) // shard_size)
 
 
-def child(mode: str, src: Path, out: Path, shard_size: int) -> None:
+def child(mode: str, src: Path, out: Path, shard_size: int, languages: list[str] | None) -> None:
     t0 = time.perf_counter()
-    kept, n_shards = (run_streaming if mode == "streaming" else run_naive)(src, out, shard_size)
+    if mode == "streaming+lang":
+        kept, n_shards = run_streaming(src, out, shard_size, languages)
+    else:
+        kept, n_shards = (run_streaming if mode == "streaming" else run_naive)(src, out, shard_size)
     dt = time.perf_counter() - t0
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     print(json.dumps({"mode": mode, "kept": kept, "shards": n_shards, "seconds": dt, "peak_rss_mib": rss_mib}))
@@ -86,27 +108,34 @@ def main() -> None:
     ap.add_argument("--records", type=int, default=200_000)
     ap.add_argument("--shard-size", type=int, default=4096)
     ap.add_argument("--no-baseline", action="store_true", help="skip the load-everything baseline")
+    ap.add_argument("--languages", help="comma-separated allow-list, e.g. en: English-word source, streaming "
+                    "without and with the language filter")
     ap.add_argument("--child", nargs=3, metavar=("MODE", "SRC", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         mode, src, out = args.child
-        child(mode, Path(src), Path(out), args.shard_size)
+        child(mode, Path(src), Path(out), args.shard_size, args.languages.split(",") if args.languages else None)
         return
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "synth.jsonl"
         t0 = time.perf_counter()
-        generate(src, args.records)
+        generate(src, args.records, words=english_words() if args.languages else None)
         size_mib = src.stat().st_size / 2**20
         print(f"source: {args.records} records, {size_mib:.0f} MiB jsonl (generated in {time.perf_counter() - t0:.1f} s)")
         results = {}
-        for mode in ("streaming",) if args.no_baseline else ("streaming", "naive"):
+        modes = ("streaming",) + (("streaming+lang",) if args.languages else ()) + (() if args.no_baseline else ("naive",))
+        for mode in modes:
             cmd = [sys.executable, __file__, "--shard-size", str(args.shard_size), "--child", mode, str(src),
-                   str(Path(tmp) / f"out-{mode}")]
+                   str(Path(tmp) / f"out-{mode}")] + (["--languages", args.languages] if args.languages else [])
             res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
             results[mode] = res
             rate = args.records / res["seconds"]
-            print(f"{mode:>9}: {rate:,.0f} prompts/s ({res['seconds']:.1f} s, {res['kept']} kept in {res['shards']} shards), "
+            print(f"{mode:>14}: {rate:,.0f} prompts/s ({res['seconds']:.1f} s, {res['kept']} kept in {res['shards']} shards), "
                   f"peak RSS {res['peak_rss_mib']:.0f} MiB")
+        if args.languages:
+            s, lang = results["streaming"], results["streaming+lang"]
+            print(f"language filter ({args.languages}): time x{lang['seconds'] / s['seconds']:.2f}, "
+                  f"{(lang['seconds'] - s['seconds']) / args.records * 1e6:.0f} µs per prompt")
         if args.no_baseline:
             return
         s, n = results["streaming"], results["naive"]

@@ -65,9 +65,20 @@ def check_config():
     gen = config["generation"]
     if gen["backend"] == "openai" and not gen["endpoints"]:
         problems.append("generation.endpoints: the openai backend needs at least one {base_url: ...}")
+    if gen["api"] == "completions" and gen["backend"] != "openai":
+        problems.append("generation.api: completions applies to the openai backend only (transformers renders locally anyway)")
+    if gen["api"] == "completions" and "chat_template_kwargs" in gen["extra_body"]:
+        problems.append("generation.extra_body.chat_template_kwargs: not applied with generation.api: completions (the prompt is rendered locally; generation.thinking sets the template kwargs)")
     for ep in gen["endpoints"]:
         if ep.get("api_key_env") and ep["api_key_env"] not in os.environ and gen["backend"] == "openai":
             problems.append(f"generation.endpoints: environment variable {ep['api_key_env']} (api_key_env of {ep['base_url']}) is not set")
+    if config["prompts"].get("languages") or any(
+        src.get("languages") is not None or src.get("min_language_confidence") is not None
+        for src in config["datasets"].values()
+    ):  # language codes (imports the prompts module only when a language filter is configured)
+        from dflash_pipeline.prompts import language_problems
+
+        problems.extend(language_problems(config["prompts"], config["datasets"]))
     if problems:
         raise WorkflowError("config problems:\n  - " + "\n  - ".join(problems))
 
@@ -97,6 +108,22 @@ def prompts_manifest():
 
 def prompt_shard():
     return f"{R}/prompts/{{dataset}}/{{shard}}.parquet"
+
+
+#: generation keys that change what is generated: the generate_completions rerun trigger (params). The
+#: others (endpoints, concurrency, timeouts, retries, breaker, batch_size) are operational: adding a server
+#: or raising a timeout must not regenerate finished shards, so the script reads them from the config.
+GENERATION_OUTPUT_KEYS = ("backend", "api", "model", "thinking", "temperature", "top_p", "top_k", "max_tokens",
+                          "seed", "extra_body")
+
+
+def generation_output_params():
+    """The output-affecting subset of ``config["generation"]`` (``api`` only when not the default ``chat``)."""
+    gen = config["generation"]
+    out = {k: gen[k] for k in GENERATION_OUTPUT_KEYS if k in gen}
+    if out.get("api") == "chat":
+        del out["api"]
+    return out
 
 
 def completion_shard():

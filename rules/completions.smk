@@ -8,7 +8,7 @@ rule generate_completions:
         stats=completion_stats(),
     params:
         target=target_dir_of_input,
-        generation=config["generation"],
+        generation=generation_output_params(),  # rerun trigger; the script takes the whole section
         chat_template=config["target"]["chat_template"],
         trust_remote_code=config["target"]["trust_remote_code"],
         dtype=config["target"]["dtype"],

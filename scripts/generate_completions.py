@@ -4,7 +4,7 @@ from dflash_pipeline.workflow import claim_gpus, log_to
 with log_to(snakemake.log[0], snakemake.threads), claim_gpus(snakemake.resources.gpu):
     p = snakemake.params
     generate_shard(
-        snakemake.input.prompts, snakemake.output.shard, target_dir=p.target, gen_cfg=p.generation,
+        snakemake.input.prompts, snakemake.output.shard, target_dir=p.target, gen_cfg=snakemake.config["generation"],
         chat_template=p.chat_template, trust_remote_code=p.trust_remote_code, dtype=p.dtype,
         stats_path=snakemake.output.stats,
     )

@@ -117,6 +117,19 @@ def test_generation_change_regenerates_all_completions(built):
     assert jobs.get("generate_completions") == 3 and jobs.get("tokenize_completions") == 3
 
 
+def test_operational_generation_change_regenerates_nothing(built):
+    """Adding a server, raising timeouts, retries or the batch size changes how shards are generated, not
+    what: finished completions stay (params trigger on the output-affecting keys only)."""
+    work, cfg = built
+    changed = dict(cfg, generation={
+        **cfg["generation"], "request_timeout_s": 1234, "max_retries": 2, "batch_size": 3,
+        "endpoints": [{"base_url": "http://127.0.0.1:9/v1", "max_concurrency": 8}],
+    })
+    path = work / "gen_operational.yaml"
+    path.write_text(yaml.safe_dump(changed))
+    assert planned_jobs(snakemake(work, "-n", configfile=path)) == {}
+
+
 def test_failed_shard_reruns_only_that_shard(built):
     """A run where one generation job died (keep-going) has neither that completion nor its token shard,
     and no checkpoint or eval: the rerun does only that shard, its tokens, train and eval; the other

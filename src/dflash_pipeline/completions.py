@@ -15,6 +15,13 @@ Backends (``generation.backend``), behind one interface (:class:`Backend`):
   least-outstanding-requests balancing under a per-endpoint concurrency cap, retries with exponential
   backoff and jitter, endpoints taken out after repeated failures and re-probed (``GET /models``), and a
   circuit breaker (see the ``generation.*`` keys in the config schema for every knob).
+  ``generation.api: completions`` (default ``chat``) is the raw mode for servers without a chat endpoint:
+  the same fleet, but each turn's history is rendered here with the target's own template
+  (:func:`chat.render`, the thinking mapping above) and sent to ``POST /completions`` as **token ids**
+  (the render tokenized with ``add_special_tokens=False``, exactly what the transformers backend and the
+  tokens stage use). A string prompt would be tokenized by vLLM/SGLang with special tokens added, so
+  templates that write their own BOS would get it twice. Reasoning is split from ``<think>…</think>`` in
+  the returned text (a generation prompt that already opens ``<think>`` counts as its start).
 
 **Record.** ``messages`` holds the system/user messages as given and each generated assistant message
 with ``content`` (the answer; special tokens skipped, as servers decode) and ``reasoning_content`` (the
@@ -138,10 +145,13 @@ class RunInfo:
 
 
 def sampling_params(gen_cfg: dict) -> dict:
-    """The sampling parameters recorded in every record (``extra_body`` only when non-empty)."""
+    """The sampling parameters recorded in every record (``extra_body`` only when non-empty, ``api`` only
+    when not ``chat``)."""
     out = {k: gen_cfg.get(k) for k in ("temperature", "top_p", "top_k", "max_tokens", "seed")}
     if gen_cfg.get("extra_body"):
         out["extra_body"] = gen_cfg["extra_body"]
+    if gen_cfg.get("api", "chat") != "chat":  # only when set, so chat-mode records and resume files stay as they were
+        out["api"] = gen_cfg["api"]
     return out
 
 
@@ -335,6 +345,13 @@ def _fingerprint(backend: str, gen_cfg: dict, target_dir: str | Path | None, cha
         tdir = Path(target_dir).resolve()
         files = sorted(p for p in tdir.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors", ".jinja", ".bin"))
         fp["target"] = [[p.name, p.stat().st_size, int(p.stat().st_mtime)] for p in files]
+        fp["target_dir"] = str(tdir)
+        if chat_template is not None:
+            fp["chat_template"] = hashlib.sha256(Path(chat_template).read_bytes()).hexdigest()
+    elif gen_cfg.get("api", "chat") == "completions" and target_dir is not None:  # prompts rendered here
+        tdir = Path(target_dir).resolve()
+        files = sorted(p for p in tdir.iterdir() if p.is_file() and p.suffix in (".json", ".jinja", ".model", ".txt", ".tiktoken"))
+        fp["tokenizer"] = [[p.name, p.stat().st_size, int(p.stat().st_mtime)] for p in files]
         fp["target_dir"] = str(tdir)
         if chat_template is not None:
             fp["chat_template"] = hashlib.sha256(Path(chat_template).read_bytes()).hexdigest()
@@ -694,6 +711,28 @@ def _describe(exc: BaseException) -> str:
     return f"HTTP {status}: {msg}" if status is not None else f"{type(exc).__name__}: {msg}"
 
 
+def _first_choice(data: Any) -> dict:
+    """``choices[0]`` of a response's JSON. Raises ValueError (malformed: retried) when there is none."""
+    choices = data.get("choices") if isinstance(data, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise ValueError("response has no choices")
+    return choices[0]
+
+
+def _response_facts(data: dict, choice: dict) -> dict:
+    """``prompt_tokens``, ``completion_tokens`` (``usage``) and ``prompt_token_ids``, ``output_token_ids``
+    (as vLLM returns them with ``return_token_ids``: top level or choice, choice; None when absent) of a
+    response's JSON, as :class:`Turn` keywords."""
+    usage = data.get("usage") or {}
+    prompt_ids = data.get("prompt_token_ids") or choice.get("prompt_token_ids")
+    out_ids = choice.get("token_ids") or choice.get("output_token_ids")
+    return {
+        "prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens"),
+        "prompt_token_ids": list(prompt_ids) if prompt_ids is not None else None,
+        "output_token_ids": list(out_ids) if out_ids is not None else None,
+    }
+
+
 def _aiohttp_client(max_concurrency: int, timeout_s: float):
     """openai's aiohttp transport (about 2x the requests/s of the default one, feasibility.md §8) with
     a connection pool sized to the endpoint's concurrency; None (= the default transport) if missing."""
@@ -714,14 +753,37 @@ def _aiohttp_client(max_concurrency: int, timeout_s: float):
 class OpenAIBackend:
     """Generation against OpenAI-compatible servers (``generation.backend: openai``).
 
+    With ``generation.api: completions`` the target's tokenizer (``target_dir``, ``chat_template``,
+    ``trust_remote_code`` as ``target.*``) is loaded once here and renders every request.
+
     Raises:
-        ConfigError: no endpoints, or ``api_key_env`` names an unset variable.
+        ConfigError: no endpoints, ``api_key_env`` names an unset variable, or completions mode without
+            ``target_dir`` or with ``extra_body.chat_template_kwargs``.
     """
 
-    def __init__(self, gen_cfg: dict):
+    def __init__(self, gen_cfg: dict, *, target_dir=None, chat_template=None, trust_remote_code=False):
         if not gen_cfg.get("endpoints"):
             raise ConfigError("generation.endpoints is empty; list at least one {base_url: http://host:port/v1}")
         self.cfg = gen_cfg
+        self.api = gen_cfg.get("api", "chat")
+        self.tok = None
+        self._opens_think = False
+        if self.api == "completions":
+            if target_dir is None:
+                raise ConfigError(
+                    "generation.api=completions renders prompts locally and needs the target's tokenizer "
+                    "and chat template (target.path)"
+                )
+            if "chat_template_kwargs" in (gen_cfg.get("extra_body") or {}):
+                raise ConfigError(
+                    "generation.extra_body.chat_template_kwargs is not applied with generation.api=completions "
+                    "(the prompt is rendered locally; generation.thinking sets the template kwargs)"
+                )
+            self.tok = load_tokenizer(target_dir, chat_template=chat_template, trust_remote_code=trust_remote_code)
+            # Templates that open <think> in the generation prompt (DeepSeek-R1, Qwen3 thinking-2507) make
+            # the completion start inside the reasoning; known once per template and mode.
+            probe = render(self.tok, [{"role": "user", "content": "x"}], thinking=gen_cfg["thinking"], add_generation_prompt=True)
+            self._opens_think = probe.rstrip().endswith("<think>")
         self.model = gen_cfg.get("model") or ""
         self._keys = []
         for i, ep in enumerate(gen_cfg["endpoints"]):
@@ -757,12 +819,15 @@ class OpenAIBackend:
             "model": self.model, "messages": history, "max_tokens": cfg["max_tokens"],
             "temperature": cfg["temperature"], "top_p": cfg["top_p"],
         }
+        if self.api == "completions":  # token ids of the local render (no second BOS; see the module doc)
+            del kw["messages"]
+            kw["prompt"] = render(self.tok, history, thinking=cfg["thinking"], add_generation_prompt=True, tokenize=True)
         if cfg.get("seed") is not None:
             kw["seed"] = cfg["seed"]
         extra = dict(cfg.get("extra_body") or {})
         if cfg.get("top_k") is not None:
             extra.setdefault("top_k", cfg["top_k"])
-        tk = template_kwargs(cfg["thinking"])
+        tk = template_kwargs(cfg["thinking"]) if self.api == "chat" else {}
         if tk:
             extra["chat_template_kwargs"] = {**(extra.get("chat_template_kwargs") or {}), **tk}
         if extra:
@@ -777,37 +842,60 @@ class OpenAIBackend:
             d = max(d, min(retry_after, cap))
         return d
 
-    def _parse(self, resp, latency: float, ep: _Endpoint) -> Turn:
-        """Turn from a response. Raises RowError (wrong thinking) or ValueError (malformed: retried)."""
-        if not resp.choices:
-            raise ValueError("response has no choices")
-        choice = resp.choices[0]
-        msg = choice.message
-        extra_msg = msg.model_extra or {}
-        content = msg.content or ""
-        reasoning = extra_msg.get("reasoning_content")
+    def _parse(self, resp: dict, latency: float, ep: _Endpoint) -> Turn:
+        """Turn from a response's JSON. Raises RowError (wrong thinking) or ValueError (malformed: retried)."""
+        choice = _first_choice(resp)
+        msg = choice.get("message")
+        if not isinstance(msg, dict):
+            raise ValueError("choice has no message")
+        content = msg.get("content") or ""
+        if not isinstance(content, str):
+            raise ValueError("message content is not a string")
+        reasoning = msg.get("reasoning_content")
         if reasoning is None:
-            reasoning = extra_msg.get("reasoning")
+            reasoning = msg.get("reasoning")
         if reasoning is None and "</think>" in content:
             reasoning, content = split_reasoning(content)
         reasoning = check_thinking(self.cfg["thinking"], reasoning, require_reasoning=True)
-        extra_resp = resp.model_extra or {}
-        extra_choice = choice.model_extra or {}
-        prompt_ids = extra_resp.get("prompt_token_ids") or extra_choice.get("prompt_token_ids")
-        out_ids = extra_choice.get("token_ids") or extra_choice.get("output_token_ids")
-        usage = resp.usage
         return Turn(
-            content=content, reasoning_content=reasoning, finish_reason=choice.finish_reason or "stop",
-            prompt_tokens=getattr(usage, "prompt_tokens", None), completion_tokens=getattr(usage, "completion_tokens", None),
-            prompt_token_ids=list(prompt_ids) if prompt_ids is not None else None,
-            output_token_ids=list(out_ids) if out_ids is not None else None,
-            latency_s=round(latency, 6), endpoint=ep.url,
+            content=content, reasoning_content=reasoning, finish_reason=choice.get("finish_reason") or "stop",
+            latency_s=round(latency, 6), endpoint=ep.url, **_response_facts(resp, choice),
+        )
+
+    def _parse_text(self, resp, latency: float, ep: _Endpoint) -> Turn:
+        """Turn from a ``/completions`` response (``generation.api: completions``): the reasoning is split
+        here from ``<think>…</think>`` in ``choices[0].text``. Raises RowError (wrong thinking) or
+        ValueError (malformed: retried)."""
+        choice = _first_choice(resp)
+        text = choice.get("text")
+        if not isinstance(text, str):
+            raise ValueError("completion choice has no text")
+        if self._opens_think and not text.lstrip().startswith("<think>"):
+            text = "<think>\n" + text  # the generation prompt opened the reasoning
+        reasoning, content = split_reasoning(text)
+        if self.cfg["thinking"] == "save" and reasoning is None:
+            raise RowError(
+                "generation.thinking=save but the completion has no <think>…</think> reasoning (with "
+                "generation.api=completions it is split from the text); the target did not think under its "
+                "template with enable_thinking=true"
+            )
+        reasoning = check_thinking(self.cfg["thinking"], reasoning, require_reasoning=False)
+        return Turn(
+            content=content, reasoning_content=reasoning, finish_reason=choice.get("finish_reason") or "stop",
+            latency_s=round(latency, 6), endpoint=ep.url, **_response_facts(resp, choice),
         )
 
     async def _complete(self, fleet: _Fleet, history: list[dict]) -> Turn:
         import openai
 
         kw = self._request_kwargs(history)
+        # Sent with the client's generic post (its documented way to call any endpoint: same auth, headers,
+        # transport and APIStatusError/APIConnectionError mapping) and the JSON parsed here: the typed
+        # ``create`` spends about half of a request's client CPU transforming the parameters and building
+        # pydantic models of the answer (bench/bench_completions.py), which caps the requests/s on few cores.
+        body = {k: v for k, v in kw.items() if k != "extra_body"}
+        body.update(kw.get("extra_body") or {})  # merged over the body, as the SDK does with extra_body
+        path = "/completions" if self.api == "completions" else "/chat/completions"
         timeout = float(self.cfg["request_timeout_s"])
         attempt = 0
         while True:
@@ -816,7 +904,7 @@ class OpenAIBackend:
             t0 = time.monotonic()
             retry_after = None
             try:
-                resp = await asyncio.wait_for(ep.client.chat.completions.create(**kw), timeout)
+                resp = json.loads(await asyncio.wait_for(ep.client.post(path, cast_to=bytes, body=body), timeout))
             except openai.APIStatusError as exc:
                 fleet.release(ep)
                 status = exc.status_code
@@ -844,8 +932,9 @@ class OpenAIBackend:
             else:
                 fleet.release(ep)
                 try:
-                    turn = self._parse(resp, time.monotonic() - t0, ep)
-                except (ValueError, AttributeError, TypeError) as exc:
+                    parse = self._parse_text if self.api == "completions" else self._parse
+                    turn = parse(resp, time.monotonic() - t0, ep)
+                except (ValueError, AttributeError, TypeError, LookupError) as exc:
                     err = f"malformed response: {exc}"
                     fleet.failure(ep, err)
                 else:
@@ -921,13 +1010,15 @@ class OpenAIBackend:
 def make_backend(gen_cfg: dict, *, target_dir=None, chat_template=None, trust_remote_code=False, dtype="auto") -> Backend:
     """The backend named by ``gen_cfg["backend"]``. Raises ConfigError for an unknown one."""
     if gen_cfg["backend"] == "transformers":
+        if gen_cfg.get("api", "chat") != "chat":
+            raise ConfigError("generation.api: completions applies to the openai backend only (transformers renders locally anyway)")
         if target_dir is None:
             raise ConfigError("generation.backend=transformers needs the target directory (target.path)")
         return TransformersBackend(
             target_dir, gen_cfg, chat_template=chat_template, trust_remote_code=trust_remote_code, dtype=dtype
         )
     if gen_cfg["backend"] == "openai":
-        return OpenAIBackend(gen_cfg)
+        return OpenAIBackend(gen_cfg, target_dir=target_dir, chat_template=chat_template, trust_remote_code=trust_remote_code)
     raise ConfigError(f"generation.backend: unknown backend {gen_cfg['backend']!r}; use transformers or openai")
 
 
@@ -950,9 +1041,11 @@ def generate_shard(
     Args:
         prompt_shard: Parquet file with ``contracts.PROMPT_SCHEMA``.
         out_path: completion shard to write (``contracts.COMPLETION_SCHEMA``, atomic).
-        target_dir: the target (weights for the transformers backend; unused by openai).
+        target_dir: the target (weights for the transformers backend; tokenizer and template for openai
+            with ``api: completions``; else unused by openai).
         gen_cfg: validated ``config["generation"]`` (all defaults filled).
-        chat_template, trust_remote_code, dtype: as ``target.*`` (transformers backend).
+        chat_template, trust_remote_code, dtype: as ``target.*`` (transformers backend; the first two also
+            for ``api: completions``).
         progress_path: resume file (default ``<out_path>.progress.jsonl``), removed once the shard is written.
         errors_path: error sidecar (default ``<out_path>.errors.jsonl``), rewritten each run; removed when
             a run ends with no errors.

@@ -49,7 +49,8 @@ def validate_config(config: Mapping[str, Any]) -> dict:
     """Validate ``config`` against the schema and return a deep copy with every default filled in.
 
     Raises:
-        ConfigError: naming the offending key path and the schema's complaint.
+        ConfigError: naming the offending key path and the schema's complaint, or (by key) a language code
+            the language filter does not know (:func:`dflash_pipeline.prompts.language_problems`).
     """
     schema = load_schema()
     cfg = copy.deepcopy(dict(config))
@@ -59,6 +60,15 @@ def validate_config(config: Mapping[str, Any]) -> dict:
         err = errors[0]
         where = ".".join(str(p) for p in err.absolute_path) or "<top level>"
         raise ConfigError(f"config key `{where}`: {err.message} (schema: {SCHEMA_PATH})")
+    if cfg["prompts"].get("languages") or any(
+        src.get("languages") is not None or src.get("min_language_confidence") is not None
+        for src in cfg["datasets"].values()
+    ):  # language codes the schema's pattern lets through (imported only when a language filter is set)
+        from .prompts import language_problems
+
+        problems = language_problems(cfg["prompts"], cfg["datasets"])
+        if problems:
+            raise ConfigError("; ".join(problems))
     return cfg
 
 

@@ -1,7 +1,8 @@
 """A local OpenAI-compatible chat server for tests, benchmarks and end-to-end runs, with fault injection.
 
-It stands in for SGLang/vLLM (DESIGN.md §4): ``GET /v1/models``, ``POST /v1/chat/completions`` and
-``GET /metrics`` (Prometheus-style counters), on 127.0.0.1.
+It stands in for SGLang/vLLM (DESIGN.md §4): ``GET /v1/models``, ``POST /v1/chat/completions``,
+``POST /v1/completions`` (raw prompts: a string, or token ids as ``generation.api: completions`` sends)
+and ``GET /metrics`` (Prometheus-style counters), on 127.0.0.1.
 
 Two answer modes:
 
@@ -15,7 +16,16 @@ Two answer modes:
   like SGLang's ``--reasoning-parser qwen3``.
 
 Token ids are returned as vLLM does when the request body has ``return_token_ids: true``
-(``prompt_token_ids`` at the top level, ``choices[0].token_ids``).
+(``prompt_token_ids`` at the top level, ``choices[0].token_ids``; on ``/v1/completions`` both in
+``choices[0]``).
+
+``/v1/completions`` answers ``choices[0].text`` in the OpenAI completions format. A token-id prompt is
+decoded with the target's tokenizer (target mode) or ``tokenizer_dir``'s (canned mode; without one the
+ids stand for themselves); a string prompt is tokenized with special tokens added, as vLLM/SGLang do.
+Target mode continues the prompt greedily; canned mode answers ``"Completion <sha8> of a <n>-word
+prompt."``, and with ``reasoning=True`` puts a ``<think>…</think>`` block before it unless the prompt
+already ends with a closed one (the template's "thinking disabled" generation prompt); a prompt that
+ends with an open ``<think>`` gets only the rest of the block, as a model would write it.
 
 Speculative-decoding metrics (``spec_accept_length=τ``): every answer then carries SGLang-style
 ``meta_info`` (``spec_accept_length``, ``spec_verify_ct`` = ⌈completion tokens / τ⌉) unless
@@ -23,14 +33,15 @@ Speculative-decoding metrics (``spec_accept_length=τ``): every answer then carr
 (one per verify step) and ``vllm:spec_decode_num_accepted_tokens_total`` (completion tokens − verify
 steps), so ``evaluate.server_acceptance`` can be tested in both modes.
 
-Faults (a mutable :class:`Faults`, changeable while the server runs) apply to chat requests in order of
-arrival: first ``drop_first`` requests get their connection dropped, the next ``hang_first`` get no
-answer for ``hang_s`` seconds, the next ``fail_first`` get HTTP ``fail_status`` (with ``Retry-After`` if
-set); after ``die_after`` chat requests every request (models included) is dropped, like a crashed
-server. Marker strings in the last user message force a 400 (``bad_request_marker``), an answer that
-carries reasoning although thinking was disabled (``wrong_content_marker``), or a malformed 200 body
-(``malformed_marker``). Every request is counted (:class:`ServerStats`) per first user message and per
-exact conversation, so tests can assert that nothing was sent twice.
+Faults (a mutable :class:`Faults`, changeable while the server runs) apply to generation requests (chat
+and completions, counted together) in order of arrival: first ``drop_first`` requests get their
+connection dropped, the next ``hang_first`` get no answer for ``hang_s`` seconds, the next ``fail_first``
+get HTTP ``fail_status`` (with ``Retry-After`` if set); after ``die_after`` such requests every request
+(models included) is dropped, like a crashed server. Marker strings in the last user message (anywhere in
+a completions prompt) force a 400 (``bad_request_marker``), an answer that carries reasoning although
+thinking was disabled (``wrong_content_marker``), or a malformed 200 body (``malformed_marker``). Every
+request is counted (:class:`ServerStats`) per first user message and per exact conversation (a
+completions prompt: its text for both), so tests can assert that nothing was sent twice.
 
 Use :func:`start_test_server` (a context manager; the server runs in a background thread) or the CLI::
 
@@ -45,6 +56,7 @@ import contextlib
 import hashlib
 import json
 import math
+import re
 import signal
 import sys
 import threading
@@ -62,7 +74,8 @@ DEFAULT_MODEL_NAME = "test-model"
 
 @dataclass
 class Faults:
-    """Fault plan of a :class:`TestServer` (counts are numbers of chat requests, in arrival order)."""
+    """Fault plan of a :class:`TestServer` (counts are numbers of chat + completions requests, in arrival
+    order)."""
 
     drop_first: int = 0
     hang_first: int = 0
@@ -80,9 +93,12 @@ class Faults:
 @dataclass
 class ServerStats:
     """What the server saw. ``by_prompt`` is keyed by the first user message of the request,
-    ``by_conversation`` by the canonical JSON of the messages sent (role + content)."""
+    ``by_conversation`` by the canonical JSON of the messages sent (role + content); for completions
+    requests both by the prompt text. ``chat_requests`` counts chat and completions requests,
+    ``completions_requests`` the latter alone."""
 
     chat_requests: int = 0
+    completions_requests: int = 0
     models_requests: int = 0
     answered: int = 0
     statuses: Counter = field(default_factory=Counter)
@@ -138,6 +154,10 @@ class _TargetModel:
         msgs = [{k: v for k, v in m.items() if v is not None} for m in messages]
         text = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **template_kwargs)
         ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        return self.complete(ids, max_tokens)
+
+    def complete(self, ids: list[int], max_tokens: int):
+        """Greedy continuation of prompt ``ids``: ``(text, finish_reason, ids, output ids)``."""
         with self.torch.inference_mode():
             out = self.model.generate(
                 self.torch.tensor([ids]),
@@ -162,7 +182,9 @@ class TestServer:
         target_dir: serve the tiny target at this path (greedy); None = canned answers.
         model_name: id listed by ``/v1/models`` and echoed in answers.
         faults: the fault plan (mutable while running; see :class:`Faults`).
-        reasoning: canned mode only: act like a thinking model behind a reasoning parser.
+        reasoning: canned mode only: act like a thinking model behind a reasoning parser (on
+            ``/v1/completions``: write a ``<think>`` block into the text).
+        tokenizer_dir: canned mode: decode token-id prompts of ``/v1/completions`` with this tokenizer.
         reasoning_field: response field that carries reasoning (``reasoning_content`` as SGLang and
             older vLLM, ``reasoning`` as newer vLLM).
         api_key: if set, requests without ``Authorization: Bearer <api_key>`` get 401.
@@ -183,6 +205,7 @@ class TestServer:
         faults: Faults | None = None,
         reasoning: bool = False,
         reasoning_field: str = "reasoning_content",
+        tokenizer_dir: str | Path | None = None,
         api_key: str | None = None,
         port: int = 0,
         spec_accept_length: float | None = None,
@@ -195,6 +218,8 @@ class TestServer:
         self.faults = faults or Faults()
         self.reasoning = reasoning
         self.reasoning_field = reasoning_field
+        self.tokenizer_dir = tokenizer_dir
+        self._tok = None
         self.api_key = api_key
         self.port = port
         self.stats = ServerStats()
@@ -215,6 +240,7 @@ class TestServer:
         app = web.Application()
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/health", self._health)
         return app
@@ -224,6 +250,12 @@ class TestServer:
         if self.target_dir is not None and self._target is None:
             self._target = _TargetModel(self.target_dir)
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="test-server-gen")
+        if self._target is not None:
+            self._tok = self._target.tok
+        elif self.tokenizer_dir is not None and self._tok is None:
+            from ..chat import load_tokenizer
+
+            self._tok = load_tokenizer(self.tokenizer_dir)
         self._stopping = asyncio.Event()
         self._runner = web.AppRunner(self._make_app(), handle_signals=False, access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
@@ -339,26 +371,9 @@ class TestServer:
             ]
         return web.Response(text="\n".join(lines) + "\n")
 
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
-        if self._dead():
-            return self._drop(request)
+    async def _inject_faults(self, request: web.Request, n: int) -> web.StreamResponse | None:
+        """The fault plan's answer to generation request number ``n`` (None: answer normally)."""
         stats, f = self.stats, self.faults
-        stats.chat_requests += 1
-        n = stats.chat_requests
-        denied = self._check_auth(request)
-        if denied is not None:
-            stats.statuses[401] += 1
-            return denied
-        try:
-            body = await request.json()
-            messages = list(body["messages"])
-        except (ValueError, KeyError, TypeError):
-            stats.statuses[400] += 1
-            return web.json_response({"error": {"message": "body must be JSON with `messages`"}}, status=400)
-        stats.requests.append(body)
-        stats.by_prompt[_first_user(messages)] += 1
-        stats.by_conversation[_conversation_key(messages)] += 1
-
         if n <= f.drop_first:
             stats.statuses["dropped"] += 1
             return self._drop(request)
@@ -378,17 +393,62 @@ class TestServer:
         if f.delay_s > 0:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), f.delay_s)
+        return None
 
-        last_user = next((m.get("content") or "" for m in reversed(messages) if m.get("role") == "user"), "")
-        if f.bad_request_marker and f.bad_request_marker in last_user:
+    def _marker_response(self, text: str) -> web.Response | None:
+        """A 400 or a malformed 200 forced by a marker in ``text`` (None: no such marker)."""
+        stats, f = self.stats, self.faults
+        if f.bad_request_marker and f.bad_request_marker in text:
             stats.statuses[400] += 1
             return web.json_response(
                 {"error": {"message": "injected bad request: prompt is too long", "type": "invalid_request_error"}},
                 status=400,
             )
-        if f.malformed_marker and f.malformed_marker in last_user:
+        if f.malformed_marker and f.malformed_marker in text:
             stats.statuses["malformed"] += 1
             return web.Response(status=200, text='{"choices": [', content_type="application/json")
+        return None
+
+    def _finish(self, resp: dict, out_ids: list[int]) -> web.Response:
+        """Add speculative metrics (when configured), count the answer and send it."""
+        stats = self.stats
+        if self.spec_accept_length is not None and out_ids:
+            verify = max(1, math.ceil(len(out_ids) / max(1.0, self.spec_accept_length)))
+            stats.spec_drafts += verify
+            stats.spec_accepted_tokens += len(out_ids) - verify
+            if self.spec_meta_info:
+                resp["meta_info"] = {"spec_accept_length": self.spec_accept_length, "spec_verify_ct": verify}
+        stats.statuses[200] += 1
+        stats.answered += 1
+        return web.json_response(resp)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        if self._dead():
+            return self._drop(request)
+        stats, f = self.stats, self.faults
+        stats.chat_requests += 1
+        n = stats.chat_requests
+        denied = self._check_auth(request)
+        if denied is not None:
+            stats.statuses[401] += 1
+            return denied
+        try:
+            body = await request.json()
+            messages = list(body["messages"])
+        except (ValueError, KeyError, TypeError):
+            stats.statuses[400] += 1
+            return web.json_response({"error": {"message": "body must be JSON with `messages`"}}, status=400)
+        stats.requests.append(body)
+        stats.by_prompt[_first_user(messages)] += 1
+        stats.by_conversation[_conversation_key(messages)] += 1
+        faulted = await self._inject_faults(request, n)
+        if faulted is not None:
+            return faulted
+
+        last_user = next((m.get("content") or "" for m in reversed(messages) if m.get("role") == "user"), "")
+        marked = self._marker_response(last_user)
+        if marked is not None:
+            return marked
 
         kwargs = dict(body.get("chat_template_kwargs") or {})
         max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 256)
@@ -423,15 +483,7 @@ class TestServer:
         if body.get("return_token_ids"):
             resp["prompt_token_ids"] = prompt_ids
             choice["token_ids"] = out_ids
-        if self.spec_accept_length is not None and out_ids:
-            verify = max(1, math.ceil(len(out_ids) / max(1.0, self.spec_accept_length)))
-            stats.spec_drafts += verify
-            stats.spec_accepted_tokens += len(out_ids) - verify
-            if self.spec_meta_info:
-                resp["meta_info"] = {"spec_accept_length": self.spec_accept_length, "spec_verify_ct": verify}
-        stats.statuses[200] += 1
-        stats.answered += 1
-        return web.json_response(resp)
+        return self._finish(resp, out_ids)
 
     def _canned(self, messages: list[dict], kwargs: dict, max_tokens: int):
         n_user = sum(1 for m in messages if m.get("role") == "user")
@@ -446,6 +498,91 @@ class TestServer:
         prompt_words = " ".join(f"{m.get('role')}: {m.get('content') or ''}" for m in messages).split()
         out_ids = [_fake_id(w) for w in words] + ([2] if finish == "stop" else [])
         return reasoning, " ".join(words), finish, [_fake_id(w) for w in prompt_words], out_ids
+
+    def _prompt_of(self, prompt: Any) -> tuple[str, list[int]]:
+        """``(text, token ids)`` of a completions ``prompt``: a string (tokenized with special tokens, as
+        vLLM/SGLang do) or a list of token ids (decoded verbatim). Raises ValueError on anything else."""
+        if isinstance(prompt, str):
+            if self._tok is not None:
+                return prompt, list(self._tok(prompt, add_special_tokens=True)["input_ids"])
+            return prompt, [_fake_id(w) for w in prompt.split()]
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if self._tok is not None:
+                return self._tok.decode(prompt, skip_special_tokens=False), list(prompt)
+            return " ".join(str(t) for t in prompt), list(prompt)
+        raise ValueError("`prompt` must be a string or a non-empty list of token ids (one prompt per request)")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        if self._dead():
+            return self._drop(request)
+        stats, f = self.stats, self.faults
+        stats.chat_requests += 1
+        stats.completions_requests += 1
+        n = stats.chat_requests
+        denied = self._check_auth(request)
+        if denied is not None:
+            stats.statuses[401] += 1
+            return denied
+        try:
+            body = await request.json()
+            text, prompt_ids = self._prompt_of(body["prompt"])
+        except (ValueError, KeyError, TypeError) as exc:
+            stats.statuses[400] += 1
+            return web.json_response({"error": {"message": f"body must be JSON with `prompt`: {exc}"}}, status=400)
+        stats.requests.append(body)
+        stats.by_prompt[text] += 1
+        stats.by_conversation[text] += 1
+        faulted = await self._inject_faults(request, n)
+        if faulted is not None:
+            return faulted
+        marked = self._marker_response(text)
+        if marked is not None:
+            return marked
+
+        max_tokens = int(body.get("max_tokens") or 16)  # the OpenAI completions default
+        wrong = bool(f.wrong_content_marker and f.wrong_content_marker in text)
+        if self._target is not None:
+            generated, finish, prompt_ids, out_ids = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self._target.complete, prompt_ids, max_tokens
+            )
+            if wrong:
+                generated = "<think>\nunexpected reasoning\n</think>\n\n" + generated
+        else:
+            generated, finish, out_ids = self._canned_text(text, max_tokens, wrong)
+        choice: dict[str, Any] = {"index": 0, "text": generated, "finish_reason": finish, "logprobs": None}
+        if body.get("return_token_ids"):  # vLLM puts both in the choice for completions
+            choice["prompt_token_ids"] = prompt_ids
+            choice["token_ids"] = out_ids
+        resp: dict[str, Any] = {
+            "id": f"cmpl-{n}",
+            "object": "text_completion",
+            "created": 0,
+            "model": body.get("model") or self.model_name,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": len(out_ids),
+                "total_tokens": len(prompt_ids) + len(out_ids),
+            },
+        }
+        return self._finish(resp, out_ids)
+
+    def _canned_text(self, prompt: str, max_tokens: int, wrong: bool) -> tuple[str, str, list[int]]:
+        """Canned continuation of a raw prompt: ``(text, finish_reason, output ids)``; one "token" per
+        whitespace-separated piece (whitespace kept, so a cut inside the think block looks like one)."""
+        digest = hashlib.sha256(prompt.encode("utf-8")).hexdigest()[:8]
+        answer = f"Completion {digest} of a {len(prompt.split())}-word prompt."
+        tail = prompt.rstrip()
+        think = ""
+        if wrong or (self.reasoning and not tail.endswith("</think>")):
+            thought = "unexpected reasoning" if wrong else f"Let me think about prompt {digest}."
+            think = f"{thought}\n</think>\n\n" if tail.endswith("<think>") else f"<think>\n{thought}\n</think>\n\n"
+        pieces = re.findall(r"\S+\s*", think + answer)
+        finish = "stop"
+        if len(pieces) > max_tokens:
+            pieces, finish = pieces[:max_tokens], "length"
+        out_ids = [_fake_id(p.strip()) for p in pieces] + ([2] if finish == "stop" else [])
+        return "".join(pieces), finish, out_ids
 
 
 @contextlib.contextmanager
