@@ -36,6 +36,7 @@ Usage::
     python bench/bench_completions.py                                   # grid 1x64,2x128,4x256 at 1 s
     python bench/bench_completions.py --grid 2x32 --delay-s 1           # one point
     python bench/bench_completions.py --grid 4x256@4 --ceiling-requests 0
+    python bench/bench_completions.py --grid 4x256 --waves 20 --clients pipeline --client-processes 2
 """
 
 from __future__ import annotations
@@ -63,8 +64,13 @@ from dflash_pipeline.completions import generate_shard  # noqa: E402
 
 
 def cpu_s() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+    """CPU seconds of this process and of its reaped children (the pipeline's client processes, which
+    ``generate_shard`` joins before returning)."""
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        r = resource.getrusage(who)
+        total += r.ru_utime + r.ru_stime
+    return total
 
 
 def proc_cpu_s(pid: int) -> float:
@@ -119,8 +125,9 @@ def prompt_shard(path: Path, n: int, tag: str) -> list[list[dict]]:
     return convs
 
 
-def gen_cfg(urls: list[str], conc: int, timeout_s: float) -> dict:
+def gen_cfg(urls: list[str], conc: int, timeout_s: float, client_processes: int = 1) -> dict:
     return {
+        "client_processes": client_processes,
         "backend": "openai", "model": "test-model", "thinking": "none", "temperature": 0.0, "top_p": 1.0,
         "top_k": None, "max_tokens": 64, "seed": 0, "batch_size": 1, "request_timeout_s": timeout_s,
         "max_retries": 0, "retry_backoff_s": 0.1, "retry_backoff_max_s": 1.0, "endpoint_max_failures": 1000,
@@ -129,11 +136,11 @@ def gen_cfg(urls: list[str], conc: int, timeout_s: float) -> dict:
     }
 
 
-def run_pipeline(urls, conc, n, tmp: Path, tag: str, timeout_s: float) -> dict:
+def run_pipeline(urls, conc, n, tmp: Path, tag: str, timeout_s: float, procs: int = 1) -> dict:
     src, out = tmp / f"{tag}-prompts.parquet", tmp / f"{tag}-out.parquet"
     prompt_shard(src, n, tag)
     c0, t0 = cpu_s(), time.perf_counter()
-    stats = generate_shard(src, out, target_dir=None, gen_cfg=gen_cfg(urls, conc, timeout_s))
+    stats = generate_shard(src, out, target_dir=None, gen_cfg=gen_cfg(urls, conc, timeout_s, procs))
     wall, cpu = time.perf_counter() - t0, cpu_s() - c0
     # Workers take prompts in shard order, so request i is in wave i // (N*C); latency_s is the client's
     # time from sending the request to its parsed answer.
@@ -193,8 +200,8 @@ def child(args) -> int:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         if args.child == "pipeline":
-            run_pipeline(urls, args.conc, warm, tmp, "warm", args.timeout_s)
-            r = run_pipeline(urls, args.conc, args.requests, tmp, "run", args.timeout_s)
+            run_pipeline(urls, args.conc, warm, tmp, "warm", args.timeout_s, args.client_processes)
+            r = run_pipeline(urls, args.conc, args.requests, tmp, "run", args.timeout_s, args.client_processes)
         else:
             run_naive(urls, args.conc, warm, "warm", args.timeout_s)
             r = run_naive(urls, args.conc, args.requests, "run", args.timeout_s)
@@ -207,7 +214,8 @@ def measure(kind: str, servers, conc: int, n: int, delay_s: float, args) -> dict
     """One measurement in a child process (killed after its wall-clock limit); adds the servers' CPU."""
     urls = [u for _, u in servers]
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--urls", ",".join(urls),
-           "--conc", str(conc), "--requests", str(n), "--timeout-s", str(args.timeout_s)]
+           "--conc", str(conc), "--requests", str(n), "--timeout-s", str(args.timeout_s),
+           "--client-processes", str(args.client_processes)]
     ideal = len(urls) * conc / delay_s if delay_s > 0 else None
     limit = args.measure_timeout_s or (60 + 3 * (n / ideal if ideal else n / 100))
     srv0 = sum(proc_cpu_s(p.pid) for p, _ in servers)
@@ -264,6 +272,9 @@ def main(argv=None) -> int:
                          "is repeated at the shortest delay * 2**k whose ideal is at most half that")
     ap.add_argument("--no-fallback", action="store_true", help="do not repeat CPU-bound points at a longer delay")
     ap.add_argument("--clients", default="pipeline,naive", help="which clients to measure")
+    ap.add_argument("--client-processes", type=int, default=1,
+                    help="pipeline: generation.client_processes (client processes for the one shard; their CPU is "
+                         "counted in the client CPU)")
     ap.add_argument("--timeout-s", type=float, default=120.0, help="per-request timeout")
     ap.add_argument("--measure-timeout-s", type=float, default=0.0,
                     help="wall-clock limit per measurement (default 60 s + 3x its ideal duration)")
@@ -279,7 +290,8 @@ def main(argv=None) -> int:
         args.grid = f"{args.endpoints}x{args.concurrency}" if args.endpoints and args.concurrency else "1x64,2x128,4x256"
     grid = parse_grid(args.grid, args.delay_s)
     kinds = [k for k in args.clients.split(",") if k]
-    print(f"{os.cpu_count()} CPUs, load {load()} (1/5/15 min); per-request timeout {args.timeout_s:g} s")
+    print(f"{os.cpu_count()} CPUs, load {load()} (1/5/15 min); per-request timeout {args.timeout_s:g} s; "
+          f"pipeline client processes {args.client_processes}")
 
     ceiling = None
     with tempfile.TemporaryDirectory() as d:

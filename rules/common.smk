@@ -65,6 +65,8 @@ def check_config():
     gen = config["generation"]
     if gen["backend"] == "openai" and not gen["endpoints"]:
         problems.append("generation.endpoints: the openai backend needs at least one {base_url: ...}")
+    if gen["client_processes"] > 1 and gen["backend"] != "openai":
+        problems.append("generation.client_processes: applies to the openai backend only (transformers generates in-process); leave it at 1")
     if gen["api"] == "completions" and gen["backend"] != "openai":
         problems.append("generation.api: completions applies to the openai backend only (transformers renders locally anyway)")
     if gen["api"] == "completions" and "chat_template_kwargs" in gen["extra_body"]:
@@ -111,7 +113,7 @@ def prompt_shard():
 
 
 #: generation keys that change what is generated: the generate_completions rerun trigger (params). The
-#: others (endpoints, concurrency, timeouts, retries, breaker, batch_size) are operational: adding a server
+#: others (endpoints, concurrency, client_processes, timeouts, retries, breaker, batch_size) are operational: adding a server
 #: or raising a timeout must not regenerate finished shards, so the script reads them from the config.
 GENERATION_OUTPUT_KEYS = ("backend", "api", "model", "thinking", "temperature", "top_p", "top_k", "max_tokens",
                           "seed", "extra_body")
@@ -123,7 +125,7 @@ def generation_output_params():
     out = {k: gen[k] for k in GENERATION_OUTPUT_KEYS if k in gen}
     if out.get("api") == "chat":
         del out["api"]
-    return out
+    return canonical(out)
 
 
 def completion_shard():
@@ -223,6 +225,19 @@ def final_targets():
 
 def as_json(obj):
     return json.dumps(obj, sort_keys=True)
+
+
+def canonical(obj, keep_order=False):
+    """``obj`` with the keys of every mapping sorted, recursively. Snakemake's params rerun trigger compares
+    ``repr``s, so without this the key order of a YAML file (or of a config written by a script) would
+    rerun jobs. ``keep_order`` keeps the top level in config order where it means something
+    (``datasets``: the first source wins a duplicate; ``eval.sets``: the order of the eval table)."""
+    if isinstance(obj, dict):
+        items = obj.items() if keep_order else sorted(obj.items(), key=lambda kv: str(kv[0]))
+        return {k: canonical(v) for k, v in items}
+    if isinstance(obj, (list, tuple)):
+        return [canonical(v) for v in obj]
+    return obj
 
 
 def gpus(rule):

@@ -16,7 +16,7 @@ rule generate_completions:
         f"logs/generate_completions/{{dataset}}/{{shard}}.log",
     benchmark:
         f"benchmarks/generate_completions/{{dataset}}/{{shard}}.tsv"
-    threads: workflow.cores if config["generation"]["backend"] == "transformers" else 1
+    threads: workflow.cores if config["generation"]["backend"] == "transformers" else config["generation"]["client_processes"]
     resources:
         gpu=gpus("generate_completions"),
     conda:

@@ -5,7 +5,7 @@ rule build_demo_target:
     output:
         directory(DEMO_TARGET),
     params:
-        demo=config["target"]["demo"],
+        demo=canonical(config["target"]["demo"]),
     log:
         "logs/build_demo_target.log",
     benchmark:

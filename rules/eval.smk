@@ -35,7 +35,7 @@ rule evaluate_acceptance:
         ),
     params:
         target=target_dir_of_input,
-        eval={**config["eval"], "sets": with_repo_paths(config["eval"]["sets"])},
+        eval={**canonical(config["eval"]), "sets": canonical(with_repo_paths(config["eval"]["sets"]), keep_order=True)},
         baseline_labels=lambda wc: list(baseline_runs(wc.run)),
         thinking=config["generation"]["thinking"],
         chat_template=config["target"]["chat_template"],

@@ -11,8 +11,8 @@ checkpoint shard_prompts:
     output:
         manifest=prompts_manifest(),
     params:
-        datasets=with_repo_paths(config["datasets"]),
-        prompts=config["prompts"],
+        datasets=canonical(with_repo_paths(config["datasets"]), keep_order=True),
+        prompts=canonical(config["prompts"]),
         out_dir=prompts_dir_of_output,
         target=prompt_filter_target_dir,
         trust_remote_code=config["target"]["trust_remote_code"],

@@ -7,7 +7,7 @@ rule tokenize_completions:
         token_shard(),
     params:
         target=target_dir_of_input,
-        tokens=config["tokens"],
+        tokens=canonical(config["tokens"]),
         chat_template=config["target"]["chat_template"],
         trust_remote_code=config["target"]["trust_remote_code"],
         # a change of the tokenization code reruns this rule (and never generate_completions)

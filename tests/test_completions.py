@@ -443,6 +443,19 @@ def test_api_key_from_env_never_written(tmp_path, monkeypatch, capfd, caplog):
         generate_shard(tmp_path / "p.parquet", tmp_path / "c2.parquet", target_dir=None, gen_cfg=cfg)
 
 
+def test_rejected_api_key_stops_the_job_at_once(tmp_path, monkeypatch):
+    """A 401 is not an outage: no retries, no re-probing until the breaker; the error names the variable."""
+    monkeypatch.setenv("DFLASH_TEST_API_KEY", "sk-wrong-key")
+    write_prompts(tmp_path / "p.parquet", single_turn(4))
+    with start_test_server(api_key="sk-right-key") as srv:
+        eps = [{"base_url": srv.base_url, "api_key_env": "DFLASH_TEST_API_KEY"}]
+        cfg = gen_cfg(backend="openai", endpoints=eps, **FAST)
+        with pytest.raises(ConfigError, match=r"rejected the key in \$DFLASH_TEST_API_KEY") as info:
+            generate_shard(tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=None, gen_cfg=cfg)
+        assert srv.stats.unauthorized == 1 and srv.stats.answered == 0  # the start-up probe only
+    assert "sk-wrong-key" not in str(info.value) and not (tmp_path / "c.parquet").exists()
+
+
 def test_credentials_in_base_url_are_redacted():
     from dflash_pipeline.completions import redact_url
 

@@ -130,6 +130,28 @@ def test_operational_generation_change_regenerates_nothing(built):
     assert planned_jobs(snakemake(work, "-n", configfile=path)) == {}
 
 
+def test_config_key_order_reruns_nothing(built):
+    """The same config with every mapping's keys in reverse order (as a script or another YAML writer may
+    emit it) plans nothing; only the order of `datasets` (first source wins a duplicate) and `eval.sets`
+    (table order) is meaningful and kept."""
+    work, cfg = built
+
+    def reverse(obj, keep=False):
+        if isinstance(obj, dict):
+            items = list(obj.items()) if keep else list(reversed(list(obj.items())))
+            return {k: reverse(v) for k, v in items}
+        return [reverse(v) for v in obj] if isinstance(obj, list) else obj
+
+    flipped = reverse({k: v for k, v in cfg.items() if k not in ("datasets", "eval")})
+    flipped["datasets"] = reverse(cfg["datasets"], keep=True)
+    flipped["eval"] = {**reverse({k: v for k, v in cfg["eval"].items() if k != "sets"}),
+                       "sets": reverse(cfg["eval"]["sets"], keep=True)}
+    path = work / "reordered.yaml"
+    path.write_text(yaml.safe_dump(flipped, sort_keys=False))
+    assert path.read_text() != (work / "config.yaml").read_text()
+    assert planned_jobs(snakemake(work, "-n", configfile=path)) == {}
+
+
 def test_failed_shard_reruns_only_that_shard(built):
     """A run where one generation job died (keep-going) has neither that completion nor its token shard,
     and no checkpoint or eval: the rerun does only that shard, its tokens, train and eval; the other

@@ -216,6 +216,11 @@ def test_build_wrong_type_names_file_line_field_and_strict_false_counts(tmp_path
     src.write_text('{"prompt": "ok"}\n{"conversations": [{"from": "human", "value": 5}]}\nnot json\n')
     with pytest.raises(DataError, match=r"s\.jsonl: line 2: field `conversations\[0\]\.value`.*strict: false"):
         build_prompt_shards({"s": {"path": str(src)}}, tmp_path / "out", shard_size=4, seed=0)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"prompt": "a\tb"}\n')  # a raw tab inside a JSON string
+    with pytest.raises(DataError, match=r"bad\.jsonl: line 2: invalid JSON \(Invalid control character at column \d+\); "
+                                        r"fix it or set `datasets\.logs\.strict: false`"):
+        build_prompt_shards({"logs": {"path": str(bad)}}, tmp_path / "out2", shard_size=4, seed=0)
     m = build_prompt_shards({"s": {"path": str(src), "strict": False}}, tmp_path / "out", shard_size=4, seed=0)
     ds = m["datasets"]["s"]
     assert ds["kept"] == 1 and ds["read"] == 3

@@ -216,8 +216,16 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
     return None, text
 
 
-def check_thinking(thinking: str, reasoning: str | None, *, require_reasoning: bool) -> str | None:
-    """Normalize ``reasoning`` for a thinking mode.
+#: Why a thinking=disable answer can still carry reasoning, by where the prompt was rendered.
+DISABLE_HINT_SERVER = "the server's chat template ignores chat_template_kwargs (check the served template)"
+DISABLE_HINT_LOCAL = ("the target thought although its template was rendered here with enable_thinking=false; "
+                      "use a template that honours it (target.chat_template) or generation.thinking=none")
+
+
+def check_thinking(thinking: str, reasoning: str | None, *, require_reasoning: bool,
+                   disable_hint: str = DISABLE_HINT_SERVER) -> str | None:
+    """Normalize ``reasoning`` for a thinking mode (``disable_hint``: the cause named when a ``disable``
+    answer carries reasoning).
 
     Raises:
         RowError: ``disable`` but the answer carries reasoning; ``save`` with ``require_reasoning`` but
@@ -226,8 +234,8 @@ def check_thinking(thinking: str, reasoning: str | None, *, require_reasoning: b
     if thinking == "disable":
         if reasoning is not None and reasoning.strip():
             raise RowError(
-                "answer carries reasoning although generation.thinking=disable sent enable_thinking=false; "
-                "the server's chat template ignores chat_template_kwargs (check the served template)"
+                f"answer carries reasoning although generation.thinking=disable sent enable_thinking=false; "
+                f"{disable_hint}"
             )
         return None
     if thinking == "save" and require_reasoning and reasoning is None:
@@ -477,7 +485,8 @@ class TransformersBackend:
         new, stop = cut_at_eos(new, self.eos_ids)
         body = new[:-1] if stop else new
         reasoning, content = split_reasoning(self.tok.decode(body, skip_special_tokens=True))
-        reasoning = check_thinking(self.cfg["thinking"], reasoning, require_reasoning=False)
+        reasoning = check_thinking(self.cfg["thinking"], reasoning, require_reasoning=False,
+                                   disable_hint=DISABLE_HINT_LOCAL)
         return Turn(
             content=content, reasoning_content=reasoning, finish_reason="stop" if stop else "length",
             prompt_tokens=len(prompt_ids), completion_tokens=len(new), prompt_token_ids=list(prompt_ids),
@@ -556,6 +565,19 @@ class _Endpoint:
     failures: int = 0
     taken_out: int = 0
     reprobe_task: Any = None
+    key_env: str | None = None  # name of the API-key variable (for error messages; never the key)
+
+
+#: HTTP statuses that mean the API key is wrong or lacks access: no retry can fix them, the job stops.
+AUTH_STATUS = (401, 403)
+
+
+def _auth_error(ep: _Endpoint, exc: BaseException) -> ConfigError:
+    """The error for an endpoint that rejected the API key (names the variable, never the key)."""
+    where = (f"the key in ${ep.key_env} (its api_key_env)" if ep.key_env
+             else "no API key (set api_key_env on this endpoint)")
+    return ConfigError(f"endpoint {ep.url} rejected {where}: {_describe(exc)}; fix the key or the endpoint's "
+                       f"api_key_env in generation.endpoints - retrying cannot help")
 
 
 class _Fleet:
@@ -567,7 +589,7 @@ class _Fleet:
     def __init__(self, endpoints: list[_Endpoint], gen_cfg: dict):
         self.eps = endpoints
         self.cfg = gen_cfg
-        self.tripped: GenerationError | None = None
+        self.tripped: GenerationError | ConfigError | None = None
         self._waiters: list[asyncio.Future] = []
 
     def _wake(self, n: int | None = None) -> None:
@@ -650,6 +672,10 @@ class _Fleet:
             try:
                 await self.probe(ep)
             except Exception as exc:  # any failure keeps it out
+                if getattr(exc, "status_code", None) in AUTH_STATUS:
+                    self.tripped = _auth_error(ep, exc)  # stops the job like the breaker
+                    self._wake()
+                    return
                 ep.consecutive_failures += 1
                 ep.last_error = f"re-probe: {_describe(exc)}"
                 self._check_breaker()
@@ -665,6 +691,9 @@ class _Fleet:
         """Probe every endpoint; returns the model ids of the first (in config order) that answered.
         Endpoints that do not answer start taken out. Waits for one to answer or the breaker."""
         results = await asyncio.gather(*(self.probe(ep) for ep in self.eps), return_exceptions=True)
+        for ep, res in zip(self.eps, results):
+            if getattr(res, "status_code", None) in AUTH_STATUS:
+                raise _auth_error(ep, res)
         ids = None
         for ep, res in zip(self.eps, results):
             if isinstance(res, BaseException):
@@ -785,6 +814,8 @@ class OpenAIBackend:
             probe = render(self.tok, [{"role": "user", "content": "x"}], thinking=gen_cfg["thinking"], add_generation_prompt=True)
             self._opens_think = probe.rstrip().endswith("<think>")
         self.model = gen_cfg.get("model") or ""
+        # what a client process needs to build its own copy (keys come from its inherited environment)
+        self._init_kw = {"target_dir": target_dir, "chat_template": chat_template, "trust_remote_code": trust_remote_code}
         self._keys = []
         for i, ep in enumerate(gen_cfg["endpoints"]):
             env = ep.get("api_key_env")
@@ -810,7 +841,8 @@ class OpenAIBackend:
                 base_url=ep_cfg["base_url"], api_key=key, max_retries=0,
                 timeout=float(self.cfg["request_timeout_s"]), http_client=http_client,
             )
-            eps.append(_Endpoint(url=redact_url(ep_cfg["base_url"]), client=client, max_concurrency=cap))
+            eps.append(_Endpoint(url=redact_url(ep_cfg["base_url"]), client=client, max_concurrency=cap,
+                                 key_env=ep_cfg.get("api_key_env")))
         return _Fleet(eps, self.cfg)
 
     def _request_kwargs(self, history: list[dict]) -> dict:
@@ -879,7 +911,8 @@ class OpenAIBackend:
                 "generation.api=completions it is split from the text); the target did not think under its "
                 "template with enable_thinking=true"
             )
-        reasoning = check_thinking(self.cfg["thinking"], reasoning, require_reasoning=False)
+        reasoning = check_thinking(self.cfg["thinking"], reasoning, require_reasoning=False,
+                                   disable_hint=DISABLE_HINT_LOCAL)
         return Turn(
             content=content, reasoning_content=reasoning, finish_reason=choice.get("finish_reason") or "stop",
             latency_s=round(latency, 6), endpoint=ep.url, **_response_facts(resp, choice),
@@ -909,6 +942,8 @@ class OpenAIBackend:
                 fleet.release(ep)
                 status = exc.status_code
                 err = _describe(exc)
+                if status in AUTH_STATUS:
+                    raise _auth_error(ep, exc) from None
                 if status not in RETRYABLE_STATUS and status < 500:
                     fleet.success(ep)  # the server is alive and answered; the request is at fault
                     raise RowError(f"{err} (not retried: client error) from {ep.url}") from None
@@ -1000,7 +1035,350 @@ class OpenAIBackend:
     def run(self, prompts: Sequence[dict], on_done: OnDone, info: RunInfo) -> dict:
         if not prompts:
             return {"requests": 0, "attempts": 0, "retries": 0}
+        procs = self._client_processes(len(prompts))
+        if procs > 1:
+            return _run_client_processes(self, prompts, on_done, info, procs)
         return asyncio.run(self._run(prompts, on_done, info))
+
+    # -- several client processes (generation.client_processes > 1) --------------------------------
+
+    def _client_processes(self, n_prompts: int) -> int:
+        """Client processes for ``n_prompts``: ``generation.client_processes``, at most one per prompt and
+        at most the smallest per-endpoint cap (every process keeps a slot on every endpoint, so each one's
+        fleet, take-out and breaker see the whole fleet)."""
+        want = int(self.cfg.get("client_processes", 1) or 1)
+        if want <= 1:
+            return 1
+        cap = min(int(ep.get("max_concurrency", 64)) for ep in self.cfg["endpoints"])
+        n = min(want, n_prompts, cap)
+        if n < want:
+            log.info("generation.client_processes=%d: using %d (prompts left: %d, smallest endpoint max_concurrency: %d)",
+                     want, n, n_prompts, cap)
+        return n
+
+    async def _discover(self) -> None:
+        """Set ``self.model`` to the first model id of the first endpoint that answers (as :meth:`_run`)."""
+        fleet = self._make_fleet()
+        try:
+            ids = await fleet.start()
+        finally:
+            await fleet.close()
+        if not ids:
+            raise GenerationError(f"{fleet.eps[0].url}/models lists no model; set generation.model")
+        self.model = ids[0]
+
+    async def _serve(self, tasks, emit: OnDone, info: RunInfo, stop) -> dict | None:
+        """One client process's loop: conversations from the shared ``tasks`` queue (batches of prompts,
+        ``None`` = no more) through this process's fleet, each finished record to ``emit``. Returns the
+        fleet's stats, or None when the parent's ``stop`` event ended it early."""
+        import threading
+
+        loop = asyncio.get_running_loop()
+        main = asyncio.current_task()
+        fleet = self._make_fleet()
+        n = sum(ep.max_concurrency for ep in fleet.eps)
+        local: asyncio.Queue = asyncio.Queue()  # prompts taken from ``tasks``, not yet started
+        want = threading.Event()  # set by the loop: fetch the next batch
+        state = {"fetching": True, "low": 0}
+
+        def fetcher() -> None:  # blocking gets off the event loop; a daemon, so a stop never waits on it
+            while True:
+                want.wait()
+                want.clear()
+                batch = tasks.get()
+                loop.call_soon_threadsafe(deliver, batch)
+                if batch is None:
+                    return
+
+        def refill() -> None:
+            if not state["fetching"] and local.qsize() <= state["low"]:
+                state["fetching"] = True
+                want.set()
+
+        def deliver(batch) -> None:
+            state["fetching"] = False
+            if batch is None:
+                state["fetching"] = True  # no more fetches
+                for _ in range(n):
+                    local.put_nowait(None)
+                return
+            state["low"] = len(batch)
+            for p in batch:
+                local.put_nowait(p)
+            refill()
+
+        def watch_stop() -> None:  # polls: waiting on a multiprocessing.Event blocks its setter once a waiter died
+            while not stop.value:
+                time.sleep(0.1)
+            try:
+                loop.call_soon_threadsafe(main.cancel)
+            except RuntimeError:  # the loop has already finished
+                pass
+
+        async def worker() -> None:
+            while True:
+                prompt = await local.get()
+                if prompt is None:
+                    return
+                refill()
+                emit(await self._conversation(fleet, prompt, info))
+
+        threading.Thread(target=watch_stop, daemon=True, name="stop-watch").start()
+        tasks_ = []
+        try:
+            await fleet.start()
+            want.set()
+            threading.Thread(target=fetcher, daemon=True, name="prompt-fetch").start()
+            tasks_ = [asyncio.ensure_future(worker()) for _ in range(n)]
+            await asyncio.gather(*tasks_)
+        except asyncio.CancelledError:
+            if stop.value:
+                return None
+            raise
+        finally:
+            for t in tasks_:
+                t.cancel()
+            await asyncio.gather(*tasks_, return_exceptions=True)
+            await fleet.close()
+        return _fleet_stats(self.stats, fleet)
+
+
+# ------------------------------------------------------------------------------------------------
+# several client processes for one shard (generation.client_processes > 1)
+#
+# The openai client costs about 0.7-1 ms of CPU per request, so one event loop fills one core at about
+# 1,000-1,400 requests/s. With client_processes = P the parent starts P "spawn" processes, each with its
+# own event loop and fleet (every endpoint's max_concurrency split between them, the shares summing to
+# the cap); they take batches of prompts from one shared queue (dynamic: a long conversation does not
+# hold up a static part) and send each finished record back. The parent stays the only writer: it
+# calls ``on_done`` per record (progress file, error sidecar, bar), so a killed job re-sends at most
+# its in-flight conversations. Each process has its own take-out/re-probe state and circuit breaker.
+
+#: Prompts per task-queue item (fewer queue round trips; small enough to keep the split dynamic).
+_TASK_BATCH = 8
+#: Seconds a stopping client process gets to hand back what it finished before it is terminated.
+_STOP_GRACE_S = 10.0
+
+
+def _fleet_stats(counts: Counter, fleet: _Fleet) -> dict:
+    return {
+        "requests": counts["attempts"] - counts["retries"],
+        "attempts": counts["attempts"],
+        "retries": counts["retries"],
+        "rate_limited": counts["rate_limited"],
+        "endpoints": {
+            ep.url: {"attempts": ep.attempts, "failures": ep.failures, "taken_out": ep.taken_out} for ep in fleet.eps
+        },
+    }
+
+
+def _split_caps(gen_cfg: dict, n: int) -> list[dict]:
+    """``n`` copies of ``gen_cfg`` whose endpoints' ``max_concurrency`` add up to the original caps (the
+    remainders spread round-robin over the processes); each copy has ``client_processes: 1``."""
+    out = [{**gen_cfg, "client_processes": 1, "endpoints": []} for _ in range(n)]
+    turn = 0
+    for ep in gen_cfg["endpoints"]:
+        cap = int(ep.get("max_concurrency", 64))
+        base, extra = divmod(cap, n)
+        for k in range(n):
+            share = base + (1 if (k - turn) % n < extra else 0)
+            out[k]["endpoints"].append({**ep, "max_concurrency": share})
+        turn = (turn + extra) % n
+    return out
+
+
+class _ForwardLog(logging.Handler):
+    """A client process's log records, sent to the parent (which logs them under its own handlers)."""
+
+    def __init__(self, results, wid: int):
+        super().__init__()
+        self.results, self.wid = results, wid
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            msg = record.getMessage()
+            if record.exc_info:
+                msg += "\n" + logging.Formatter().formatException(record.exc_info)
+            self.results.put(("log", self.wid, record.name, record.levelno, msg))
+        except Exception:  # logging must never take the client down
+            pass
+
+
+def _die_with_parent(ppid: int) -> None:
+    """End this process as soon as its parent is gone (a kill -9 of the job must not leave clients
+    sending requests): PR_SET_PDEATHSIG on Linux, and a watchdog thread polling ``os.getppid()``."""
+    import signal
+    import threading
+
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        except Exception:  # the watchdog still covers it
+            pass
+    if os.getppid() != ppid:  # the parent died before the prctl
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != ppid:
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+def _client_process(wid: int, ppid: int, gen_cfg: dict, init_kw: dict, info: RunInfo, tasks, results, stop,
+                    log_level: int) -> None:
+    """Entry point of client process ``wid`` (spawned by :func:`_run_client_processes`)."""
+    _die_with_parent(ppid)
+    root = logging.getLogger()
+    root.handlers[:] = [_ForwardLog(results, wid)]
+    root.setLevel(log_level)
+    try:
+        backend = OpenAIBackend(gen_cfg, **init_kw)  # API keys from the inherited environment, as in the parent
+        out: list[dict] = []
+        loop_ref: list = []
+
+        def flush() -> None:
+            results.put(("recs", list(out)))
+            out.clear()
+
+        def emit(record: dict) -> None:  # one message per loop iteration, however many finished in it
+            if not out:
+                loop_ref[0].call_soon(flush)
+            out.append(record)
+
+        async def main() -> dict | None:
+            loop_ref.append(asyncio.get_running_loop())
+            return await backend._serve(tasks, emit, info, stop)
+
+        stats = asyncio.run(main())
+        if out:
+            flush()
+        results.put(("done", wid, stats))
+    except GenerationError as exc:
+        results.put(("error", wid, str(exc)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails the job
+        log.error("client process %d failed", wid, exc_info=True)
+        results.put(("error", wid, f"client process {wid} failed: {type(exc).__name__}: {exc}"))
+
+
+class _BareMain:
+    """While starting "spawn" children, hide the ``__main__`` module: a child re-imports the parent's
+    main script unless it is guarded by ``if __name__ == "__main__"``, and Snakemake's ``script:`` files
+    are not (the child would run the job again). The children need nothing from it."""
+
+    def __enter__(self):
+        import types
+
+        self.saved = sys.modules.get("__main__")
+        sys.modules["__main__"] = types.ModuleType("__main__")
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            sys.modules["__main__"] = self.saved
+
+
+def _run_client_processes(backend: OpenAIBackend, prompts: Sequence[dict], on_done: OnDone, info: RunInfo, n: int) -> dict:
+    """:meth:`OpenAIBackend.run` over ``n`` client processes (see the comment above)."""
+    import multiprocessing
+    import queue as queue_mod
+
+    if not backend.model:  # once here, so every process sends and records the same model
+        asyncio.run(backend._discover())
+    info.model = backend.model
+    cfg = {**backend.cfg, "model": backend.model}
+    ctx = multiprocessing.get_context("spawn")  # not fork: the parent may hold threads
+    tasks, results = ctx.Queue(), ctx.Queue()
+    stop = ctx.RawValue("b", 0)  # set by the parent: end in-flight conversations and hand back what finished
+    k = max(1, min(_TASK_BATCH, len(prompts) // (4 * n)))
+    for i in range(0, len(prompts), k):
+        tasks.put(list(prompts[i:i + k]))
+    for _ in range(n):
+        tasks.put(None)
+    level = logging.getLogger(__name__).getEffectiveLevel()
+    procs = [
+        ctx.Process(
+            target=_client_process, name=f"dflash-client-{i}", daemon=True,
+            args=(i, os.getpid(), c, backend._init_kw, info, tasks, results, stop, level),
+        )
+        for i, c in enumerate(_split_caps(cfg, n))
+    ]
+    finished: dict[int, dict | None] = {}
+    error: str | None = None
+    exited_at: dict[int, float] = {}
+    stop_deadline = None
+    try:
+        with _BareMain():
+            for p in procs:
+                p.start()
+        next_check = time.monotonic() + 0.5
+        while True:
+            try:
+                msg = results.get(timeout=0.2)
+            except queue_mod.Empty:
+                msg = None
+            if msg is not None:
+                kind = msg[0]
+                if kind == "recs":
+                    for rec in msg[1]:
+                        on_done(rec)
+                elif kind == "log":
+                    _, wid, name, levelno, text = msg
+                    logging.getLogger(name).log(levelno, "[client process %d] %s", wid, text)
+                elif kind == "done":
+                    finished[msg[1]] = msg[2]
+                elif kind == "error":
+                    finished[msg[1]] = None
+                    if error is None:
+                        error = msg[2]
+            now = time.monotonic()
+            if msg is None or now >= next_check:
+                next_check = now + 0.5
+                for i, p in enumerate(procs):
+                    if i in finished or p.exitcode is None:
+                        continue
+                    # its last messages may still be in the pipe: a crash only after a grace period
+                    if now - exited_at.setdefault(i, now) > 1.0:
+                        finished[i] = None
+                        if error is None:
+                            error = (f"client process {i} exited with code {p.exitcode} before finishing "
+                                     f"(see the log above)")
+            if error is not None and stop_deadline is None:
+                stop.value = 1  # the others end their in-flight conversations and hand back what finished
+                stop_deadline = now + _STOP_GRACE_S
+            if len(finished) == n:
+                break
+            if stop_deadline is not None and now > stop_deadline:
+                break
+    finally:
+        stop.value = 1
+        deadline = time.monotonic() + 5.0
+        for p in procs:
+            if p.pid is not None:
+                p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5.0)
+        tasks.cancel_join_thread()
+        tasks.close()
+        results.close()
+    if error is not None:
+        raise GenerationError(error)
+    total: dict = {"requests": 0, "attempts": 0, "retries": 0, "rate_limited": 0,
+                   "endpoints": {redact_url(e["base_url"]): {"attempts": 0, "failures": 0, "taken_out": 0}
+                                 for e in backend.cfg["endpoints"]}}
+    for part in finished.values():
+        for key in ("requests", "attempts", "retries", "rate_limited"):
+            total[key] += part[key]
+        for url, e in part["endpoints"].items():
+            for key in ("attempts", "failures", "taken_out"):
+                total["endpoints"][url][key] += e[key]
+    total["client_processes"] = n
+    return total
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1010,6 +1388,8 @@ class OpenAIBackend:
 def make_backend(gen_cfg: dict, *, target_dir=None, chat_template=None, trust_remote_code=False, dtype="auto") -> Backend:
     """The backend named by ``gen_cfg["backend"]``. Raises ConfigError for an unknown one."""
     if gen_cfg["backend"] == "transformers":
+        if int(gen_cfg.get("client_processes", 1) or 1) > 1:
+            raise ConfigError("generation.client_processes applies to the openai backend only (transformers generates in-process)")
         if gen_cfg.get("api", "chat") != "chat":
             raise ConfigError("generation.api: completions applies to the openai backend only (transformers renders locally anyway)")
         if target_dir is None:

@@ -272,6 +272,7 @@ def read_records(
     max_examples: int = 5,
     split: str | None = None,
     subset: str | None = None,
+    source: str | None = None,
 ) -> Iterator[tuple[Locator, dict]]:
     """Stream ``(locator, record)`` pairs from a source file or directory (see :func:`list_source_files`),
     or from a Hugging Face Hub dataset id ``hf:owner/name`` (``split``, default ``train``; ``subset`` = the
@@ -284,6 +285,7 @@ def read_records(
     at a time plus a 1 MiB read buffer.
 
     Args:
+        source: the source's name in ``datasets``, for the config key named in errors.
         strict: True raises on the first malformed record; False skips it and counts it in ``counts``
             under ``malformed_json``, ``invalid_utf8``, ``not_an_object`` or ``empty_file``.
         counts: receives skip counts (only with ``strict=False``).
@@ -297,6 +299,7 @@ def read_records(
     if isinstance(path, str) and path.startswith(HF_PREFIX):
         yield from _read_hf_dataset(path[len(HF_PREFIX):], split=split, subset=subset)
         return
+    strict_key = f"`datasets.{source}.strict: false`" if source else "`strict: false` on the source"
     root = Path(path)
     files = list_source_files(root, split)
     for f in files:
@@ -308,7 +311,7 @@ def read_records(
             for item in reader(f, shown):
                 if isinstance(item, _Skip):
                     if strict:
-                        raise DataError(f"{item}; fix it or set `strict: false` on the source to skip and count it")
+                        raise DataError(f"{item}; fix it or set {strict_key} to skip and count it")
                     skips += 1
                     _count_skip(item, counts, examples, max_examples)
                     continue
@@ -318,7 +321,7 @@ def read_records(
                 raise _Skip("empty_file", f"{shown}: empty file (no records)")
         except _Skip as skip:
             if strict:
-                raise DataError(f"{skip}; remove the file or set `strict: false` on the source") from None
+                raise DataError(f"{skip}; remove the file or set {strict_key}") from None
             _count_skip(skip, counts, examples, max_examples)
         except (OSError, EOFError, gzip.BadGzipFile, pa.ArrowException) as exc:
             raise DataError(f"{shown}: cannot read ({type(exc).__name__}: {exc})") from None
@@ -380,7 +383,7 @@ def _read_jsonl(path: Path, shown: str):
             try:
                 rec = json.loads(text)
             except json.JSONDecodeError as exc:
-                yield _Skip("malformed_json", f"{loc}: invalid JSON ({exc.msg} at column {exc.colno})")
+                yield _Skip("malformed_json", f"{loc}: invalid JSON ({exc.msg.removesuffix(' at')} at column {exc.colno})")
                 continue
             if not isinstance(rec, dict):
                 yield _Skip("not_an_object", f"{loc}: expected a JSON object, got {type(rec).__name__}")
@@ -1020,7 +1023,7 @@ def build_prompt_shards(
             rows.clear()
 
         for loc, rec in read_records(str(cfg["path"]) if hub else root, strict=cfg["strict"], counts=skipped,
-                                     examples=examples, split=cfg["split"], subset=cfg["subset"]):
+                                     examples=examples, split=cfg["split"], subset=cfg["subset"], source=name):
             read += 1
             try:
                 messages, used_fmt = _normalize(rec, fmt, cfg["mapping"])
