@@ -328,7 +328,7 @@ def main(argv=None) -> int:
         hdr = f"{'N x C':>8s} {'delay':>5s} {'ideal':>6s} {'limit':>5s} {'req':>6s} |"
         sub = "  req/s %ideal steady CPU/1k"
         print()
-        print(hdr + "".join(f" {k + ':':<28s} |" for k in kinds) + (" pipeline/naive |" if len(kinds) == 2 else "")
+        print(hdr + "".join(f" {k + ':':<28s} |" for k in kinds) + (" gain vs naive  |" if len(kinds) == 2 else "")
               + " server CPU/1k")
         print(" " * len(hdr) + "".join(f" {sub} |" for _ in kinds) + ("  req/s CPU/req |" if len(kinds) == 2 else "")
               + " " + "/".join(kinds))
@@ -352,7 +352,8 @@ def main(argv=None) -> int:
             srv = [f"{1000 * r['server_cpu'] / r['requests']:.2f}" if "timeout" not in r else "-" for r in res.values()]
             print(row + " " + "/".join(srv) + f"   (load {load()})", flush=True)
     print("\nreq/s: requests / wall (ramp-up and drain included); %ideal: of N*C/delay; steady: N*C / mean client "
-          "latency after the first two waves, % of ideal; CPU/1k: client CPU s per 1,000 requests.")
+          "latency after the first two waves, % of ideal; CPU/1k: client CPU s per 1,000 requests; gain vs naive: "
+          "requests/s pipeline / naive and CPU per request naive / pipeline (above 1 = the pipeline is better).")
     if ceiling:
         print(f"limit: 'CPU' = ideal above {args.cpu_bound_fraction:g} x the pipeline's zero-latency ceiling "
               f"({ceiling:.0f} req/s, where its event loop fills one core): the client's core, shared with the servers "
