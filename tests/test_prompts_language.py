@@ -132,7 +132,7 @@ def test_per_source_override(tmp_path):
     assert ds["french"]["dropped"] == {"duplicate": 4, "language": 3}  # the English ones were kept in `inherits`
     assert ds["french"]["config"]["languages"] == ["fr"] and ds["french"]["config"]["min_language_confidence"] == 0.5
     assert user_texts(out, "anything") == ["What is 3 + 3?", *GERMAN]  # below 0.5 and German: kept, no filter
-    assert "dropped_languages" not in ds["anything"] and "languages" not in ds["anything"]["config"]
+    assert "dropped_languages" not in ds["anything"] and ds["anything"]["config"]["languages"] == "any"
 
     # a source's own min_language_confidence overrides the global one
     cfg = {"short": {"path": third, "languages": ["en", "de"], "min_language_confidence": 0.0}}

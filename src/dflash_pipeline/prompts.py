@@ -1090,6 +1090,8 @@ def build_prompt_shards(
         if lang_filter is not None:
             ds_out[name]["config"].update(languages=sorted(lang_filter[0]), min_language_confidence=lang_filter[1])
             ds_out[name]["dropped_languages"] = dict(sorted(dropped_langs.items()))
+        elif cfg.get("languages") == ANY_LANGUAGE:  # filter configured for the stage, switched off here
+            ds_out[name]["config"]["languages"] = ANY_LANGUAGE
         log.info("%s: read %d, kept %d in %d shards, dropped %s", name, ds_out[name]["read"], kept,
                  len(shard_list), dict(dropped))
 

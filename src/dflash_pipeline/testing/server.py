@@ -1,4 +1,4 @@
-"""A local OpenAI-compatible chat server for tests, benchmarks and end-to-end runs, with fault injection.
+"""A local OpenAI-compatible server (chat and raw completions) for tests, benchmarks and end-to-end runs, with fault injection.
 
 It stands in for SGLang/vLLM (DESIGN.md §4): ``GET /v1/models``, ``POST /v1/chat/completions``,
 ``POST /v1/completions`` (raw prompts: a string, or token ids as ``generation.api: completions`` sends)
