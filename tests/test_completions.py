@@ -322,17 +322,23 @@ def test_progress_from_other_settings_is_discarded(tmp_path):
         assert stats["resumed"] == 0 and srv.stats.answered == 6
 
 
+#: Runs generate_shard and SIGKILLs itself after ``kill_after`` progress appends; an optional 5th argument
+#: names a file that receives the pids of its child processes first (client processes).
 KILL_SCRIPT = textwrap.dedent(
     """
-    import json, os, signal, sys
+    import json, multiprocessing, os, signal, sys
     from dflash_pipeline import completions
     prompt_shard, out, cfg_json, kill_after = sys.argv[1:5]
+    pid_file = sys.argv[5] if len(sys.argv) > 5 else None
     append = completions.ProgressLog.append
     count = [0]
     def append_then_die(self, record):
         append(self, record)
         count[0] += 1
         if count[0] == int(kill_after):
+            if pid_file:
+                with open(pid_file, "w") as fh:
+                    json.dump([p.pid for p in multiprocessing.active_children()], fh)
             os.kill(os.getpid(), signal.SIGKILL)
     completions.ProgressLog.append = append_then_die
     completions.generate_shard(prompt_shard, out, target_dir=None, gen_cfg=json.loads(cfg_json))

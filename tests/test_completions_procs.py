@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import pytest
 from dflash_pipeline.completions import PROGRESS_SUFFIX, ProgressLog, _fingerprint, _split_caps, generate_shard, make_backend
 from dflash_pipeline.errors import ConfigError, GenerationError
 from dflash_pipeline.testing.server import Faults, start_test_server
-from test_completions import gen_cfg, openai_cfg, read_records, single_turn, write_prompts, MULTI
+from test_completions import KILL_SCRIPT, gen_cfg, openai_cfg, read_records, single_turn, write_prompts, MULTI
 from test_completions_raw import raw_cfg
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -116,27 +115,6 @@ def test_raw_completions_mode_with_two_processes(tmp_path, demo_target):
     recs = read_records(tmp_path / "c.parquet")
     assert [r["prompt_id"] for r in recs] == [p["prompt_id"] for p in prompts]
     assert all(r["status"] == "ok" for r in recs) and stats["client_processes"] == 2
-
-
-KILL_SCRIPT = textwrap.dedent(
-    """
-    import json, multiprocessing, os, signal, sys
-    from dflash_pipeline import completions
-    prompt_shard, out, cfg_json, kill_after, pid_file = sys.argv[1:6]
-    append = completions.ProgressLog.append
-    count = [0]
-    def append_then_die(self, record):
-        append(self, record)
-        count[0] += 1
-        if count[0] == int(kill_after):
-            pids = [p.pid for p in multiprocessing.active_children()]
-            with open(pid_file, "w") as fh:
-                json.dump(pids, fh)
-            os.kill(os.getpid(), signal.SIGKILL)
-    completions.ProgressLog.append = append_then_die
-    completions.generate_shard(prompt_shard, out, target_dir=None, gen_cfg=json.loads(cfg_json))
-    """
-)
 
 
 def _alive(pid: int) -> bool:

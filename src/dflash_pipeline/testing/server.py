@@ -468,18 +468,7 @@ class TestServer:
         if reasoning is not None:
             message[self.reasoning_field] = reasoning
         choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
-        resp: dict[str, Any] = {
-            "id": f"chatcmpl-{n}",
-            "object": "chat.completion",
-            "created": 0,
-            "model": body.get("model") or self.model_name,
-            "choices": [choice],
-            "usage": {
-                "prompt_tokens": len(prompt_ids),
-                "completion_tokens": len(out_ids),
-                "total_tokens": len(prompt_ids) + len(out_ids),
-            },
-        }
+        resp = self._envelope("chatcmpl", "chat.completion", n, body, choice, prompt_ids, out_ids)
         if body.get("return_token_ids"):
             resp["prompt_token_ids"] = prompt_ids
             choice["token_ids"] = out_ids
@@ -553,9 +542,15 @@ class TestServer:
         if body.get("return_token_ids"):  # vLLM puts both in the choice for completions
             choice["prompt_token_ids"] = prompt_ids
             choice["token_ids"] = out_ids
-        resp: dict[str, Any] = {
-            "id": f"cmpl-{n}",
-            "object": "text_completion",
+        resp = self._envelope("cmpl", "text_completion", n, body, choice, prompt_ids, out_ids)
+        return self._finish(resp, out_ids)
+
+    def _envelope(self, id_prefix: str, obj: str, n: int, body: dict, choice: dict, prompt_ids: list[int],
+                  out_ids: list[int]) -> dict[str, Any]:
+        """The OpenAI response around one choice (``id``, ``object``, ``model``, ``usage`` in tokens)."""
+        return {
+            "id": f"{id_prefix}-{n}",
+            "object": obj,
             "created": 0,
             "model": body.get("model") or self.model_name,
             "choices": [choice],
@@ -565,7 +560,6 @@ class TestServer:
                 "total_tokens": len(prompt_ids) + len(out_ids),
             },
         }
-        return self._finish(resp, out_ids)
 
     def _canned_text(self, prompt: str, max_tokens: int, wrong: bool) -> tuple[str, str, list[int]]:
         """Canned continuation of a raw prompt: ``(text, finish_reason, output ids)``; one "token" per
