@@ -145,11 +145,17 @@ def test_kill_9_of_job_leaves_no_client_processes(tmp_path):
         while any(_alive(p) for p in pids):
             assert time.monotonic() < deadline, f"client processes still alive: {[p for p in pids if _alive(p)]}"
             time.sleep(0.05)
-        seen = sum(srv.stats.by_prompt.values())
-        assert seen < n  # stopped mid-shard, not finished by orphans
+        seen = dict(srv.stats.by_prompt)
+        assert sum(seen.values()) < n  # stopped mid-shard, not finished by orphans
+        progress = (tmp_path / ("c.parquet" + PROGRESS_SUFFIX)).read_text().splitlines()[1:]
+        logged = {next(p["messages"][0]["content"] for p in prompts if p["prompt_id"] == json.loads(line)["prompt_id"])
+                  for line in progress}
+        assert len(logged) >= kill_after
         generate_shard(tmp_path / "p.parquet", out, target_dir=None, gen_cfg=cfg)
         counts = srv.stats.by_prompt
     assert sorted(counts) == sorted(p["messages"][0]["content"] for p in prompts)
     assert all(v <= 2 for v in counts.values())
-    assert sum(v > 1 for v in counts.values()) <= conc  # at most the requests in flight at the kill
+    assert all(counts[c] == 1 for c in logged)  # nothing the progress file holds is sent again
+    # re-sent: only requests in flight at the kill or answered but still in the results pipe
+    assert {c for c, v in counts.items() if v > 1} <= set(seen) - logged
     assert [r["prompt_id"] for r in read_records(out)] == [p["prompt_id"] for p in prompts]

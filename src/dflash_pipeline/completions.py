@@ -43,7 +43,8 @@ the template's default and keeps whatever reasoning comes back.
 **Resume.** Every finished conversation (ok or truncated) is appended as one JSON line, flushed, to the
 progress file (default ``<out>.progress.jsonl``; its first line is a header with the generation settings,
 and a file written under other settings is discarded). A rerun sends only prompts not in it, so a killed
-job re-sends at most its in-flight conversations. The shard is written atomically in prompt-shard order
+job re-sends at most its in-flight conversations (with ``client_processes > 1``, also those a client
+process had finished but the parent had not yet written: at most one event-loop turn's worth each). The shard is written atomically in prompt-shard order
 with each prompt exactly once, then the progress file is removed.
 
 **Errors.** A conversation that fails after retries (other 4xx, retries exhausted, reasoning in disable
@@ -1151,8 +1152,8 @@ class OpenAIBackend:
 # own event loop and fleet (every endpoint's max_concurrency split between them, the shares summing to
 # the cap); they take batches of prompts from one shared queue (dynamic: a long conversation does not
 # hold up a static part) and send each finished record back. The parent stays the only writer: it
-# calls ``on_done`` per record (progress file, error sidecar, bar), so a killed job re-sends at most
-# its in-flight conversations. Each process has its own take-out/re-probe state and circuit breaker.
+# calls ``on_done`` per record (progress file, error sidecar, bar), so a killed job re-sends its
+# in-flight conversations plus those still in the results pipe, never one the progress file holds. Each process has its own take-out/re-probe state and circuit breaker.
 
 #: Prompts per task-queue item (fewer queue round trips; small enough to keep the split dynamic).
 _TASK_BATCH = 8
