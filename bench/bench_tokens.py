@@ -7,6 +7,9 @@ and produce the same masks:
   compiled template called directly - the same sandboxed Jinja template ``apply_chat_template`` uses,
   without its per-call overhead -, one batched offset-mapping tokenizer call per 256 sequences, each
   conversation tokenized once when the template is prefix-stable).
+* ``server ids`` ([3]): the same single-turn records carrying the prompt/output token ids a server returns
+  (vLLM ``return_token_ids``, or the ids ``generation.api: completions`` sends), tokenized with
+  ``tokens.use_server_token_ids``: no template render and no BPE encode at all.
 * ``naive``: per record and assistant turn, ``apply_chat_template(..., tokenize=True)`` of the
   generation-prompt render and of the render with the turn, mask = token-prefix difference (the usual
   "re-render and re-encode every prefix" approach).
@@ -128,13 +131,28 @@ CHATML_PREFIX_STABLE = (
 )
 
 
-def measure(tok, records: list[dict], max_length: int) -> dict:
+def server_id_records(tok, records: list[dict]) -> list[dict]:
+    """``records`` (single turn) with ``turns[0].prompt_token_ids``/``output_token_ids`` filled the way a
+    server fills them: the generation-prompt render encoded, and the reply's ids plus the end-of-turn id."""
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    out = []
+    for rec in records:
+        msgs = chat.template_messages(rec["messages"])
+        p = tok.apply_chat_template(msgs[:-1], tokenize=True, return_dict=False, add_generation_prompt=True,
+                                    **chat.template_kwargs(rec["thinking"]))
+        o = tok.encode(msgs[-1]["content"], add_special_tokens=False) + [eot]
+        out.append({**rec, "turns": [{"finish_reason": "stop", "prompt_token_ids": p, "output_token_ids": o}]})
+    return out
+
+
+def measure(tok, records: list[dict], max_length: int, use_server_token_ids: bool = False) -> dict:
     """Both paths over the same records (after a warm-up); returns seconds and token counts."""
+    kw = {"max_length": max_length, "use_server_token_ids": use_server_token_ids}
     naive(tok, records[:50], max_length)  # warm-up (template compile)
-    list(tokenize_records(tok, records[:50], max_length=max_length))
+    list(tokenize_records(tok, records[:50], **kw))
     t = time.perf_counter()
     stats: dict = {}
-    out = list(tokenize_records(tok, records, max_length=max_length, stats=stats))
+    out = list(tokenize_records(tok, records, stats=stats, **kw))
     fast_s = time.perf_counter() - t
     t = time.perf_counter()
     naive_tokens, naive_loss = naive(tok, records, max_length)
@@ -212,6 +230,14 @@ def main(argv=None) -> int:
     mm = measure(tok, mrecs, args.max_length)
     report(mm, len(mrecs))
     tok.chat_template = default_template
+
+    single = [r for r in records if len(r["turns"]) == 1]
+    with_ids = server_id_records(tok, single)
+    print(f"[3] the single-turn records of [1] carrying server token ids (tokens.use_server_token_ids): "
+          f"{len(with_ids)} conversations")
+    ms = measure(tok, with_ids, args.max_length, use_server_token_ids=True)
+    assert ms["stats"]["server_ids_used"] == len(with_ids), ms["stats"]
+    report(ms, len(with_ids))
 
     if args.peak_records:
         with tempfile.TemporaryDirectory() as tdir:
