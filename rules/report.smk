@@ -49,6 +49,20 @@ rule summarize_generation:
         "../scripts/summarize_report.py"
 
 
+rule summarize_tokens:
+    """Sequences, supervised tokens, truncation and drops per reason per dataset, from the token shards."""
+    input:
+        shards=all_token_shards,
+    output:
+        report(f"{R}/report/tokens.tsv", caption="../report/tokens.rst", category="2. Data"),
+    log:
+        "logs/summarize_tokens.log",
+    conda:
+        "../envs/data.yaml"
+    script:
+        "../scripts/summarize_report.py"
+
+
 rule plot_training:
     """Training loss and EAL proxy vs step of the drafter and its baselines (their train_log.jsonl)."""
     input:

@@ -6,5 +6,7 @@ with log_to(snakemake.log[0], snakemake.threads):
         report.probe_table(snakemake.input[0], snakemake.output[0])
     elif snakemake.rule == "summarize_prompts":
         report.prompts_table(snakemake.input[0], snakemake.output[0])
+    elif snakemake.rule == "summarize_tokens":
+        report.tokens_table(snakemake.input.shards, snakemake.output[0])
     else:
         report.generation_table(snakemake.input.shards, snakemake.output[0], benchmark_dir=snakemake.params.benchmark_dir)

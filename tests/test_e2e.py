@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
@@ -90,6 +91,12 @@ def test_full_build_outputs(built):
     gen = (work / "results/report/generation.tsv").read_text().splitlines()
     assert gen[0].startswith("dataset\tshards\tconversations\tok\ttruncated\terror") and gen[-1].startswith("all\t3\t16\t")
     assert "gsm8k\t12\t12\t" in (work / "results/report/prompts.tsv").read_text()
+    header, *rows = (work / "results/report/tokens.tsv").read_text().splitlines()
+    tok_all = dict(zip(header.split("\t"), rows[-1].split("\t")))
+    token_shards = sorted((work / "results/tokens").glob("*/*.parquet"))
+    assert tok_all["dataset"] == "all" and tok_all["shards"] == "3" and tok_all["records_in"] == "16"
+    assert int(tok_all["num_loss_tokens"]) == sum(
+        sum(sum(m) for m in pq.read_table(f, columns=["loss_mask"]).column("loss_mask").to_pylist()) for f in token_shards)
 
 
 def test_rerun_does_nothing(built):
@@ -192,7 +199,7 @@ def test_report_builds_with_eval_numbers(built):
     html = (work / "report.html").read_text(encoding="utf-8")
     files = report_files(html)
     expected = {"acceptance.tsv", "acceptance.json", "acceptance.png", "tau_vs_step.png", "train_curves.png",
-                "probe.tsv", "prompts.tsv", "generation.tsv"}
+                "probe.tsv", "prompts.tsv", "generation.tsv", "tokens.tsv"}
     assert expected <= set(files), sorted(files)
     ev = json.loads((work / "results/eval/e2e/acceptance.json").read_text())
     table = files["acceptance.tsv"].decode()

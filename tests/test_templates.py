@@ -274,3 +274,23 @@ def test_gpt_oss_reads_reasoning_as_thinking(base_bpe_json):
     msgs = [{"role": "user", "content": "hi"},
             {"role": "assistant", "content": "hello", "reasoning_content": "R-E-A-S-O-N"}]
     assert "R-E-A-S-O-N" in chat.render(tok, msgs, thinking="save", add_generation_prompt=False)
+
+
+CHECK_CASES = [(name, mode) for name in TEMPLATES for mode in ("disable", "save")]
+
+
+@pytest.mark.parametrize("name,mode", CHECK_CASES, ids=[f"{n}-{t}" for n, t in CHECK_CASES])
+def test_check_template_before_generation_agrees_with_the_invariant(base_bpe_json, name, mode):
+    """The completions job's pre-flight check rejects exactly the combinations the tokens stage rejects,
+    so an unsupported template fails before any generation."""
+    from dflash_pipeline.errors import ConfigError
+    from dflash_pipeline.tokens import check_template
+
+    tok = make_tokenizer(base_bpe_json, name)
+    if _expected_failure(name, mode) is not None:
+        with pytest.raises(ConfigError, match=r"generation.thinking=.*Nothing was generated.*use_server_token_ids"):
+            check_template(tok, mode, template_name=name)
+    else:
+        warnings = check_template(tok, mode, template_name=name)
+        _, _, _, eots, _ = _family(name)
+        assert bool(warnings) == (not eots), warnings  # only a template without an end-of-turn marker warns

@@ -247,7 +247,8 @@ def test_truncation_that_removes_all_loss_tokens_drops(tmp_path, target_dir):
     src = write_completions(tmp_path / "c.parquet", recs)
     stats = tokenize_shard(src, tmp_path / "t.parquet", target_dir=target_dir,
                            tokens_cfg={"max_length": 16, "last_turn_only": False})
-    assert stats["records_out"] == 0 and stats["dropped"]["no_loss_tokens"] == 1
+    assert stats["records_out"] == 0 and stats["dropped"]["truncated_no_loss"] == 1
+    assert stats["dropped"]["no_loss_tokens"] == 0 and stats["turns_supervised"] == 0
 
 
 def test_last_turn_only_and_non_strict(tmp_path, target_dir, tok):
@@ -298,3 +299,75 @@ def test_generation_cut_at_max_tokens_has_no_supervised_end_of_turn(tok):
     (seq,) = conversation_sequences(tok, msgs, thinking="disable", finish_reasons=["length"])
     (ids, mask, _), = tokenize_sequences(tok, [seq])
     assert masked_texts(tok, ids, mask) == ["The answer is"]
+
+
+def _ids(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_template_think_block_the_target_never_generated_is_zero(tmp_path, target_dir, tok):
+    """thinking=none: the template renders an empty think block before a turn without reasoning; the
+    output ids show the target went straight to its answer, so the block is scaffolding (0)."""
+    answer = "The answer is 42."
+    msgs = conv([("What is six times seven?", answer), ("Hello there", "Six.")])
+    rec = completion("p0", msgs, thinking="none")
+    for t, a in zip(rec["turns"], [answer, "Six."]):
+        t["output_token_ids"] = _ids(tok, a) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    counts: dict = {}
+    seqs = conversation_sequences(tok, msgs, thinking="none", counts=counts,
+                                  generated=[tok.decode(t["output_token_ids"]) for t in rec["turns"]])
+    last = seqs[-1]
+    assert "<think>\n\n</think>\n\nSix." in last.text  # rendered, but not generated
+    assert counts["scaffolding_excluded"] == 2  # each turn, rendered in its own generation context
+    for seq, want in zip(seqs, [answer, "Six."]):
+        (ids, mask, _), = tokenize_sequences(tok, [seq])
+        assert masked_texts(tok, ids, mask) == [f"{want}<|im_end|>"]
+    # without output ids the render is all there is: the block stays supervised, as before
+    (no_ids,) = conversation_sequences(tok, msgs[:2], thinking="none")
+    (ids, mask, _), = tokenize_sequences(tok, [no_ids])
+    assert masked_texts(tok, ids, mask) == [f"<think>\n\n</think>\n\n{answer}<|im_end|>"]
+    # through the shard entry point: the stats carry the count
+    src = write_completions(tmp_path / "c.parquet", [rec])
+    stats = tokenize_shard(src, tmp_path / "t.parquet", target_dir=target_dir,
+                           tokens_cfg={"max_length": 512, "last_turn_only": True})
+    assert stats["scaffolding_excluded"] == 1 and stats["render_differs_from_output_ids"] == 0
+    row = pq.read_table(tmp_path / "t.parquet").to_pylist()[0]
+    assert masked_texts(tok, row["input_ids"], row["loss_mask"]) == ["Six.<|im_end|>"]
+
+
+def test_generated_think_block_stays_supervised(tok):
+    """The target did generate the think block (output ids start with it): nothing moves."""
+    msgs = conv([("What is six times seven?", "The answer is 42.")], reasoning=["Six sevens."])
+    gen = "<think>\nSix sevens.\n</think>\n\nThe answer is 42.<|im_end|>"
+    counts: dict = {}
+    (seq,) = conversation_sequences(tok, msgs, thinking="save", generated=[gen], counts=counts)
+    (ids, mask, _), = tokenize_sequences(tok, [seq])
+    assert masked_texts(tok, ids, mask) == [gen]
+    assert counts.get("scaffolding_excluded", 0) == 0 and counts.get("render_differs_from_output_ids", 0) == 0
+    # the template normalizes the reasoning's whitespace: counted, the render's mask kept
+    (seq,) = conversation_sequences(tok, msgs, thinking="save", counts=counts,
+                                    generated=["<think>\nSix sevens.\n\n\n</think>\n\nThe answer is 42.<|im_end|>"])
+    (ids, mask, _), = tokenize_sequences(tok, [seq])
+    assert masked_texts(tok, ids, mask) == [gen] and counts["render_differs_from_output_ids"] == 1
+
+
+def test_preflight_rejects_before_generation_and_warns_on_foreign_template(tmp_path, target_dir):
+    from dflash_pipeline.completions import preflight_template
+    from dflash_pipeline.errors import ConfigError
+
+    gen = {"thinking": "disable"}
+    rewriting = tmp_path / "r1_style.jinja"
+    rewriting.write_text(REWRITING)
+    with pytest.raises(ConfigError, match=r"r1_style.jinja with generation.thinking='disable'.*does not start with"):
+        preflight_template(target_dir, gen_cfg=gen, tokens_cfg={}, chat_template=rewriting)
+    # server token ids need no render: the check is skipped
+    assert preflight_template(target_dir, gen_cfg=gen, tokens_cfg={"use_server_token_ids": True},
+                              chat_template=rewriting) == []
+    assert preflight_template(target_dir, gen_cfg=gen, tokens_cfg={}) == []  # its own template: fine
+    # a Llama template on a ChatML tokenizer: <|eot_id|> is plain text here, so no stop token is supervised
+    llama = tmp_path / "llama.jinja"
+    llama.write_text("{%- for m in messages %}{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + m.content"
+                     " + '<|eot_id|>' }}{%- endfor %}{%- if add_generation_prompt %}"
+                     "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+    (warning,) = preflight_template(target_dir, gen_cfg=gen, tokens_cfg={}, chat_template=llama)
+    assert "<|eot_id|>'" in warning and "not with a special token" in warning

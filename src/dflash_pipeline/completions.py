@@ -1403,6 +1403,36 @@ def make_backend(gen_cfg: dict, *, target_dir=None, chat_template=None, trust_re
     raise ConfigError(f"generation.backend: unknown backend {gen_cfg['backend']!r}; use transformers or openai")
 
 
+def preflight_template(
+    target_dir: str | Path,
+    *,
+    gen_cfg: dict,
+    tokens_cfg: dict,
+    chat_template: str | Path | None = None,
+    trust_remote_code: bool = False,
+) -> list[str]:
+    """Before a completions job generates anything: :func:`dflash_pipeline.tokens.check_template` on the
+    target's tokenizer and template in ``gen_cfg["thinking"]`` (skipped, with a warning, when
+    ``tokens_cfg["use_server_token_ids"]`` is set: those records need no render). Warnings are logged and
+    returned.
+
+    Raises:
+        ConfigError: the tokens stage could not mask conversations of this template in this mode.
+    """
+    from . import tokens
+
+    if tokens_cfg.get("use_server_token_ids"):
+        log.warning("tokens.use_server_token_ids is set: the chat-template check is skipped; records without "
+                    "server token ids will still need the render path")
+        return []
+    tok = load_tokenizer(target_dir, chat_template=chat_template, trust_remote_code=trust_remote_code)
+    name = f"chat template {chat_template}" if chat_template else f"chat template of {target_dir}"
+    warnings = tokens.check_template(tok, gen_cfg["thinking"], template_name=name)
+    for w in warnings:
+        log.warning("%s", w)
+    return warnings
+
+
 def generate_shard(
     prompt_shard: str | Path,
     out_path: str | Path,

@@ -1,7 +1,8 @@
 """Tables for the Snakemake HTML report (``snakemake --report report.html``; rules/report.smk).
 
 Each function turns one stage's record into a TSV the report shows as a table: the config probe, the
-prompts manifest (kept / dropped per reason), generation stats (ok / truncated / error, tokens, tokens/s).
+prompts manifest (kept / dropped per reason), generation stats (ok / truncated / error, tokens, tokens/s),
+token shards (sequences, supervised tokens, truncation and drops per reason).
 The eval tables are written by :mod:`dflash_pipeline.evaluate`.
 """
 
@@ -13,7 +14,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
-from .shards import read_json, read_parquet
+from .shards import read_json, read_parquet, read_shard_metadata
 
 
 def _write_tsv(path: str | Path, columns: Sequence[str], rows: Iterable[dict]) -> None:
@@ -155,4 +156,40 @@ def generation_table(
         from .shards import write_json
 
         write_json(out_json, {"datasets": rows}, skip_if_identical=False)
+    return rows
+
+
+#: Summed per dataset from each token shard's ``counts`` (tokens.tokenize_shard), in this order.
+TOKEN_COUNTS = (
+    "records_in", "records_out", "turns_supervised", "num_tokens", "num_loss_tokens", "truncated",
+    "split_conversations", "server_ids_used", "scaffolding_excluded", "render_differs_from_output_ids",
+    "straddling_tokens",
+)
+
+
+def tokens_table(token_shards: Sequence[str | Path], out_tsv: str | Path) -> list[dict]:
+    """Per dataset (and ``all``) from the token shards' metadata: completion records in, sequences out,
+    turns supervised, tokens, supervised tokens and their fraction, truncated sequences, and every drop
+    reason with its count (``dropped_<reason>``, see ``tokens.DROP_REASONS``)."""
+    per: dict[str, Counter] = {}
+    for path in token_shards:
+        path = Path(path)
+        counts = read_shard_metadata(path).get("counts") or {}
+        c = per.setdefault(path.parent.name, Counter())
+        c["shards"] += 1
+        for key in TOKEN_COUNTS:
+            c[key] += counts.get(key) or 0
+        for reason, n in (counts.get("dropped") or {}).items():
+            c[f"dropped_{reason}"] += n
+    reasons = sorted({k for c in per.values() for k in c if k.startswith("dropped_")})
+
+    def row(name: str, c: Counter) -> dict:
+        frac = c["num_loss_tokens"] / c["num_tokens"] if c["num_tokens"] else None
+        return {"dataset": name, "shards": c["shards"], **{k: c[k] for k in TOKEN_COUNTS},
+                "loss_fraction": None if frac is None else round(frac, 4), **{r: c[r] for r in reasons}}
+
+    rows = [row(name, c) for name, c in per.items()]
+    if per:
+        rows.append(row("all", sum(per.values(), Counter())))
+    _write_tsv(out_tsv, ("dataset", "shards", *TOKEN_COUNTS, "loss_fraction", *reasons), rows)
     return rows

@@ -49,6 +49,7 @@ checked against the render path on a real server.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
@@ -59,11 +60,13 @@ import pyarrow.parquet as pq
 
 from . import chat
 from .contracts import TOKEN_SCHEMA, TOKEN_SCHEMA_VERSION, sha256_text
-from .errors import TokenizationError
+from .errors import ConfigError, TokenizationError
 from . import shards
 
+log = logging.getLogger(__name__)
+
 #: Drop reasons counted in the shard metadata and the returned stats.
-DROP_REASONS = ("status_error", "no_assistant_turn", "no_loss_tokens", "tokenization_error")
+DROP_REASONS = ("status_error", "no_assistant_turn", "no_loss_tokens", "truncated_no_loss", "tokenization_error")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -134,6 +137,8 @@ def conversation_sequences(
     prompt_id: str = "?",
     specials: Sequence[str] | None = None,
     finish_reasons: Sequence[str | None] | None = None,
+    generated: Sequence[str | None] | None = None,
+    counts: dict | None = None,
 ) -> list[TrainSequence]:
     """Training sequences and supervised character spans for one conversation (see module docstring).
 
@@ -146,6 +151,15 @@ def conversation_sequences(
         specials: special-token strings (default: :func:`special_token_strings`).
         finish_reasons: per assistant turn; a turn with ``"length"`` (cut at max_tokens) gets no supervised
             end-of-turn token, since the target never emitted one.
+        generated: per assistant turn, the text of the ids the target produced (``output_token_ids``
+            decoded with special tokens; None when unknown). When the rendered turn ends with that text
+            (end-of-turn and whitespace aside) but the template put non-whitespace text before it - e.g.
+            the empty ``<think>\n\n</think>\n\n`` Qwen3 renders for a turn without reasoning, which a
+            target that emitted no think block never generated - that leading text is scaffolding: 0.
+        counts: optional dict; ``scaffolding_excluded`` (turns where that happened) and
+            ``render_differs_from_output_ids`` (turns whose render does not end with the generated text,
+            e.g. a template that normalizes whitespace; their mask is left as the render gives it) are
+            incremented.
 
     Returns:
         Sequences in turn order (empty if there is no assistant turn).
@@ -203,7 +217,21 @@ def conversation_sequences(
                 f"prompt_id={prompt_id} turn={k}: the template drops this turn's reasoning_content, which the "
                 f"target generated (thinking={thinking!r}); use a template that renders it or thinking=disable"
             )
-        turn_render[k] = (q, len(p), len(p) + sup)
+        start = len(p)
+        g = generated[k] if generated is not None and k < len(generated) else None
+        if g is not None:
+            core = g[: supervised_length(g, specials, include_eot=False)].strip()
+            body = text[: supervised_length(text, specials, include_eot=False)]
+            if core and body.endswith(core):
+                lead = body[: len(body) - len(core)]
+                if lead.strip():  # template text before everything the target generated
+                    g_ws = g[: len(g) - len(g.lstrip())]  # whitespace the target did generate first
+                    start += len(lead) - (len(g_ws) if g_ws and lead.endswith(g_ws) else 0)
+                    if counts is not None:
+                        counts["scaffolding_excluded"] = counts.get("scaffolding_excluded", 0) + 1
+            elif core and counts is not None:
+                counts["render_differs_from_output_ids"] = counts.get("render_differs_from_output_ids", 0) + 1
+        turn_render[k] = (q, start, len(p) + sup)
 
     pending = sorted(turn_render)
     seqs: list[TrainSequence] = []
@@ -223,6 +251,57 @@ def conversation_sequences(
         seqs.append(seq)
     seqs.reverse()
     return seqs
+
+
+#: Synthetic conversation for :func:`check_template` (system, two user turns, two assistant turns).
+_CHECK_TURNS = [("What is 6 times 7?", "Let me think: 6 * 7 = 42.", "The answer is 42."),
+                ("And in words?", "Spell it out.", "Forty-two.")]
+
+
+def check_template(tokenizer, thinking: str, *, template_name: str = "the target's chat template") -> list[str]:
+    """Check, before anything is generated, that the tokens stage can mask conversations of this template
+    in this thinking mode (single- and multi-turn, with a system turn, reasoning present for ``save``).
+
+    The completions job runs it first, so a template/thinking combination the render path rejects
+    (DeepSeek-R1's ``<think>`` generation prompt, an always-thinking template with ``disable``, reasoning
+    a template drops with ``save``, ...) fails in seconds instead of after hours of generation.
+
+    Returns:
+        Warnings (strings), e.g. when a rendered assistant turn does not end with a special token of the
+        tokenizer (the template's end-of-turn text is not one token: wrong template for this tokenizer,
+        or a template without an end-of-turn marker such as GLM's), so the drafter never learns the stop.
+
+    Raises:
+        ConfigError: the render path cannot derive exact masks (the message carries the render error and
+            names ``target.chat_template``, ``generation.thinking`` and ``tokens.use_server_token_ids``).
+    """
+    specials = special_token_strings(tokenizer)
+    warnings: list[str] = []
+    for multi in (False, True):
+        msgs: list[dict] = [{"role": "system", "content": "You are terse."}] if multi else []
+        for user, reasoning, answer in _CHECK_TURNS[: 2 if multi else 1]:
+            msgs.append({"role": "user", "content": user})
+            msgs.append({"role": "assistant", "content": answer,
+                         "reasoning_content": reasoning if thinking == "save" else None})
+        try:
+            seqs = conversation_sequences(tokenizer, msgs, thinking=thinking, prompt_id="(check)", specials=specials)
+        except TokenizationError as exc:
+            raise ConfigError(
+                f"{template_name} with generation.thinking={thinking!r}: the tokens stage cannot derive exact "
+                f"loss masks ({'multi' if multi else 'single'}-turn check: {exc}). Nothing was generated. Use "
+                f"a training variant of the template (`target.chat_template`), another `generation.thinking`, "
+                f"or `tokens.use_server_token_ids: true` with a server that returns token ids (vLLM: "
+                f"`generation.extra_body: {{return_token_ids: true}}`)"
+            ) from None
+        if not multi:
+            (seq,) = seqs
+            s, e = seq.spans[-1]
+            if not any(seq.text.endswith(t, s, e) for t in specials):
+                warnings.append(
+                    f"{template_name}: a rendered assistant turn ends with {seq.text[max(s, e - 20):e]!r}, not with "
+                    f"a special token of this tokenizer, so no end-of-turn token is supervised (is "
+                    f"`target.chat_template` meant for this tokenizer?)")
+    return warnings
 
 
 # --------------------------------------------------------------------------------------------------
@@ -378,6 +457,18 @@ def tokenizer_hash(tokenizer) -> str:
     return sha256_text(json.dumps(sorted(tokenizer.get_vocab().items())))
 
 
+def generated_texts(tokenizer, turns: Sequence[Mapping[str, Any] | None]) -> list[str | None] | None:
+    """Per turn, the text of ``output_token_ids`` (special tokens kept, no space clean-up), or None per turn
+    without ids; None when no turn has them (:func:`conversation_sequences` ``generated``)."""
+    if not any((t or {}).get("output_token_ids") for t in turns):
+        return None
+    return [
+        tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if (ids := (t or {}).get("output_token_ids")) else None
+        for t in turns
+    ]
+
+
 def _new_stats() -> dict:
     return {
         "records_in": 0,
@@ -390,7 +481,8 @@ def _new_stats() -> dict:
         "num_loss_tokens": 0,
         "straddling_tokens": 0,
         "server_ids_used": 0,
-        "server_ids_mismatch": 0,
+        "scaffolding_excluded": 0,
+        "render_differs_from_output_ids": 0,
         "dropped": {r: 0 for r in DROP_REASONS},
     }
 
@@ -440,17 +532,21 @@ def tokenize_records(
             if isinstance(s, TrainSequence):
                 ids, mask, straddling = next(toks)
                 stats["straddling_tokens"] += straddling
-                turn = max(s.turns)
+                turn, n_turns = max(s.turns), len(s.turns)
             else:
                 (ids, mask), turn = s
+                n_turns = 1
             truncated = len(ids) > max_length
+            cut_loss = False
             if truncated:
+                cut_loss = bool(mask[max_length:].any())
                 ids, mask = ids[:max_length], mask[:max_length]
             n_loss = int(mask.sum())
-            if n_loss == 0:
-                stats["dropped"]["no_loss_tokens"] += 1
+            if n_loss == 0:  # never a supervised token, or the max_length cut removed them all
+                stats["dropped"]["truncated_no_loss" if cut_loss else "no_loss_tokens"] += 1
                 continue
             stats["records_out"] += 1
+            stats["turns_supervised"] += n_turns
             stats["truncated"] += int(truncated)
             stats["num_tokens"] += len(ids)
             stats["num_loss_tokens"] += n_loss
@@ -480,7 +576,6 @@ def tokenize_records(
                 stats["conversations_kept"] += 1
                 stats["server_ids_used"] += 1
                 stats["split_conversations"] += int(len(exact) > 1)
-                stats["turns_supervised"] += len(exact)
                 pending.extend((pid, (e, first + j)) for j, e in enumerate(exact))
                 if len(pending) >= batch_size:
                     yield from flush()
@@ -490,6 +585,7 @@ def tokenize_records(
                 tokenizer, rec["messages"], thinking=thinking, last_turn_only=last_turn_only,
                 prompt_id=pid, specials=specials,
                 finish_reasons=[(t or {}).get("finish_reason") for t in turns],
+                generated=generated_texts(tokenizer, turns), counts=stats,
             )
         except TokenizationError:
             if strict:
@@ -501,7 +597,6 @@ def tokenize_records(
             continue
         stats["conversations_kept"] += 1
         stats["split_conversations"] += int(len(seqs) > 1)
-        stats["turns_supervised"] += sum(len(s.turns) for s in seqs)
         pending.extend((pid, s) for s in seqs)
         if len(pending) >= batch_size:
             yield from flush()
@@ -589,6 +684,11 @@ def tokenize_shard(
             "counts": stats,
         }
         writer.close(metadata)
+    dropped = {r: n for r, n in stats["dropped"].items() if n}
+    log.info("%s: %d completion records -> %d sequences (%d turns supervised, %d tokens, %d supervised, %d truncated "
+             "at max_length %d); dropped %s; scaffolding excluded in %d turns", out_path, stats["records_in"],
+             stats["records_out"], stats["turns_supervised"], stats["num_tokens"], stats["num_loss_tokens"],
+             stats["truncated"], max_length, dropped or "none", stats["scaffolding_excluded"])
     return stats
 
 
