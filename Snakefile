@@ -1,5 +1,6 @@
 # dflash-pipeline: target LLM + prompt datasets + endpoints -> trained, servable DFlash drafter.
 # Stages and contracts: DESIGN.md; run: `snakemake --profile local` (plan first with `-n`).
+from snakemake.exceptions import WorkflowError
 from snakemake.utils import min_version, validate
 
 min_version("9.0")
@@ -8,7 +9,12 @@ min_version("9.0")
 configfile: "config/config.yaml"
 
 
-validate(config, "config/schema.yaml")
+# every schema problem on one line each (Snakemake's validate prints the whole schema and the first only)
+from dflash_pipeline.config import schema_problems
+
+if schema_problems(config):
+    raise WorkflowError("config problems:\n  - " + "\n  - ".join(schema_problems(config)))
+validate(config, "config/schema.yaml")  # fills the defaults
 
 
 include: "rules/common.smk"

@@ -53,6 +53,11 @@ def check_config():
     path = config["target"]["path"]
     if path != "demo" and not (Path(path) / "config.json").is_file():
         problems.append(f"target.path: {path}/config.json not found (a model directory, or `demo`)")
+    template = config["target"]["chat_template"]
+    if template is not None and not Path(template).is_file():
+        problems.append(f"target.chat_template: {template} not found (a .jinja file, or null for the tokenizer's own)")
+    if not config["datasets"]:
+        problems.append("datasets: no prompt source configured (see config/config.yaml for the shape)")
     for name, src in with_repo_paths(config["datasets"]).items():
         if not src["path"].startswith("hf:") and not Path(src["path"]).exists():
             problems.append(f"datasets.{name}.path: {src['path']} not found")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import difflib
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -45,6 +46,41 @@ def load_schema() -> dict:
         return yaml.safe_load(fh)
 
 
+def _describe(err: jsonschema.ValidationError) -> str:
+    """One line for one schema error: the dotted key path and what is wrong, with a close-match hint for
+    an unknown key."""
+    where = ".".join(str(p) for p in err.absolute_path)
+    if err.validator == "additionalProperties" and isinstance(err.instance, dict):
+        known = sorted((err.schema.get("properties") or {}))
+        lines = []
+        for key in sorted(set(err.instance) - set(known), key=str):
+            near = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"did you mean `{near[0]}`?" if near else f"known keys: {', '.join(known)}"
+            lines.append(f"`{where + '.' if where else ''}{key}`: unknown key ({hint})")
+        return "; ".join(lines)
+    if err.validator == "required":
+        return f"`{where or '<top level>'}`: {err.message}"
+    value = repr(err.instance)
+    value = value if len(value) <= 60 else value[:57] + "..."
+    msg = err.message if len(err.message) <= 200 else err.message[:197] + "..."
+    expect = {"type": "type", "enum": "one of", "minimum": ">=", "maximum": "<=", "exclusiveMinimum": ">",
+              "exclusiveMaximum": "<", "pattern": "a match of", "minLength": "length >="}.get(str(err.validator))
+    if expect is not None:
+        msg = f"{value} is not valid: expected {expect} {err.validator_value!r}"
+    return f"`{where or '<top level>'}`: {msg}"
+
+
+def schema_problems(config: Mapping[str, Any]) -> list[str]:
+    """Every schema violation of ``config`` as one short line each (dotted key path first), sorted by key path.
+
+    The Snakefile calls this before Snakemake's ``validate`` (which prints the whole schema and only its
+    first error), so a typo reads ``token: unknown key (did you mean tokens?)`` (key paths in backticks).
+    """
+    cfg = copy.deepcopy(dict(config))
+    validator = _with_defaults(jsonschema.Draft202012Validator)(load_schema())
+    return sorted({line for e in validator.iter_errors(cfg) for line in _describe(e).split("; ")})
+
+
 def validate_config(config: Mapping[str, Any]) -> dict:
     """Validate ``config`` against the schema and return a deep copy with every default filled in.
 
@@ -52,14 +88,11 @@ def validate_config(config: Mapping[str, Any]) -> dict:
         ConfigError: naming the offending key path and the schema's complaint, or (by key) a language code
             the language filter does not know (:func:`dflash_pipeline.prompts.language_problems`).
     """
-    schema = load_schema()
+    problems = schema_problems(config)
+    if problems:
+        raise ConfigError(f"config problems (schema: {SCHEMA_PATH}): " + "; ".join(problems))
     cfg = copy.deepcopy(dict(config))
-    validator = _with_defaults(jsonschema.Draft202012Validator)(schema)
-    errors = sorted(validator.iter_errors(cfg), key=lambda e: list(e.absolute_path))
-    if errors:
-        err = errors[0]
-        where = ".".join(str(p) for p in err.absolute_path) or "<top level>"
-        raise ConfigError(f"config key `{where}`: {err.message} (schema: {SCHEMA_PATH})")
+    _with_defaults(jsonschema.Draft202012Validator)(load_schema()).validate(cfg)  # fills the defaults
     if cfg["prompts"].get("languages") or any(
         src.get("languages") is not None or src.get("min_language_confidence") is not None
         for src in cfg["datasets"].values()

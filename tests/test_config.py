@@ -1,0 +1,50 @@
+"""Config errors: every schema problem on one line with its key path (and a close-match hint for a typo),
+both from the library (validate_config) and from `snakemake -n` (the Snakefile), plus plan-time checks."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from dflash_pipeline.config import schema_problems, validate_config
+from dflash_pipeline.errors import ConfigError
+from mini_workflow import snakemake
+
+
+def test_schema_problems_lists_every_error_with_its_key():
+    problems = schema_problems({
+        "token": {"max_length": 100},
+        "datasets": {"d": {"path": "x.jsonl", "max_prompt": 3}},
+        "generation": {"temperature": "hot", "thinking": "maybe"},
+        "tokens": {"max_length": -5},
+    })
+    assert problems == [
+        "`datasets.d.max_prompt`: unknown key (did you mean `max_prompts`?)",
+        "`generation.temperature`: 'hot' is not valid: expected type 'number'",
+        "`generation.thinking`: 'maybe' is not valid: expected one of ['none', 'save', 'disable']",
+        "`token`: unknown key (did you mean `tokens`?)",
+        "`tokens.max_length`: -5 is not valid: expected >= 8",
+    ]
+    assert schema_problems({}) == []
+    with pytest.raises(ConfigError, match=r"`token`: unknown key.*`tokens.max_length`: -5"):
+        validate_config({"token": {}, "tokens": {"max_length": -5}})
+
+
+def test_snakemake_plan_reports_config_problems_in_a_few_lines(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"token": {"max_length": 100}, "generation": {"max_tokens": "many"}}))
+    proc = snakemake(tmp_path, "-n", configfile=bad)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "`token`: unknown key (did you mean `tokens`?)" in out
+    assert "`generation.max_tokens`: 'many' is not valid: expected type 'integer'" in out
+    assert len(out.splitlines()) < 40, out  # not the whole schema
+
+    missing = tmp_path / "missing.yaml"
+    missing.write_text(yaml.safe_dump({"target": {"path": "demo", "chat_template": str(tmp_path / "nope.jinja")},
+                                       "datasets": {}}))
+    proc = snakemake(tmp_path, "-n", "--replace-workflow-config", configfile=missing)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert f"target.chat_template: {tmp_path / 'nope.jinja'} not found" in out
+    assert "datasets: no prompt source configured" in out
