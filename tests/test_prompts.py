@@ -228,6 +228,120 @@ def test_build_wrong_type_names_file_line_field_and_strict_false_counts(tmp_path
     assert ["line 2" in ds["skipped_examples"][0], "line 3" in ds["skipped_examples"][1]] == [True, True]
 
 
+def test_unterminated_jsonl_line_is_reported_as_unterminated_with_its_column(tmp_path):
+    """The line terminator is not part of the JSON text: an unclosed string reads as unterminated, not as
+    a control character (the newline) inside the string."""
+    path = tmp_path / "u.jsonl"
+    path.write_bytes(b'{"prompt": "a"}\r\n{"prompt": "abc\n{"prompt": "b"}\r\n')
+    with pytest.raises(DataError, match=r"u\.jsonl: line 2: invalid JSON "
+                                        r"\(Unterminated string starting at column 12\)"):
+        list(read_records(path))
+    assert [r for _, r in read_records(path, strict=False)] == [{"prompt": "a"}, {"prompt": "b"}]  # CRLF lines read
+
+
+@pytest.mark.parametrize(
+    "rec, fmt, pattern",
+    [
+        ({"input": "3 1 2", "output": "1 2 3"}, "alpaca",
+         r"field `instruction` is missing \(the record has fields \['input', 'output'\]\)"),
+        ({"messages": [{"role": "user", "text": "hi"}]}, "auto",
+         r"field `messages\[0\]\.content` is missing \(the message has fields \['role', 'text'\]\)"),
+        ({"conversations": [{"value": "hi"}]}, "auto", r"field `conversations\[0\]\.from` is missing"),
+        ({"dialog": []}, "sharegpt", r"field `conversations` is missing \(the record has fields \['dialog'\]\)"),
+        ({"questions": ["a"]}, "mt_bench", r"field `turns` is missing"),
+    ],
+)
+def test_missing_field_is_named_missing_not_a_type_error(rec, fmt, pattern):
+    with pytest.raises(DataError, match=pattern) as exc:
+        normalize_record(rec, fmt=fmt)
+    assert "NoneType" not in str(exc.value)
+
+
+def test_build_missing_field_names_file_line_and_field(tmp_path):
+    src = write_jsonl(tmp_path / "a.jsonl", [{"instruction": "Sort", "input": "3 1 2"}, {"input": "x"}])
+    with pytest.raises(DataError, match=r"a\.jsonl: line 2: field `instruction` is missing \(the record has fields "
+                                        r"\['input'\]\).*`datasets\.al\.mapping`"):
+        build_prompt_shards({"al": {"path": str(src), "format": "alpaca"}}, tmp_path / "out", shard_size=4, seed=0)
+    (tmp_path / "e.jsonl").write_text(json.dumps({"answer": "#### 1"}) + "\n")
+    with pytest.raises(DataError, match=r"e\.jsonl: line 1: field `question` is missing"):
+        load_eval_prompts(tmp_path / "e.jsonl", fmt="gsm8k", num_samples=1, seed=0)
+
+
+def test_source_without_prompt_field_fails_in_strict_mode_naming_fields_and_fix(tmp_path, caplog):
+    """A source none of whose records has a recognised prompt field (wrong field name, mapping typo) is a
+    config error in strict mode, not 0 kept prompts next to a good source; with strict: false a warning."""
+    good = write_jsonl(tmp_path / "good.jsonl", [q(i) for i in range(3)])
+    query = write_jsonl(tmp_path / "my" / "query.jsonl", [{"query": f"Q{i}?", "id": i} for i in range(10)])
+    out = tmp_path / "out"
+    with pytest.raises(DataError) as exc:
+        build_prompt_shards({"g": {"path": str(good)}, "q": {"path": str(query)}}, out, shard_size=4, seed=0)
+    msg = str(exc.value)
+    for part in ("datasets.q", str(query), "query.jsonl: line 1", "['id', 'query']", "`datasets.q.mapping`",
+                 "`datasets.q.format`", "`datasets.q.strict: false`", "10 records"):
+        assert part in msg, (part, msg)
+    assert not (out / "manifest.json").exists()
+    with pytest.raises(DataError, match=r"datasets\.q2.*mapping \{'prompt': 'qeury'\}.*\['id', 'query'\]"):
+        build_prompt_shards({"g": {"path": str(good)}, "q2": {"path": str(query), "mapping": {"prompt": "qeury"}}},
+                            out, shard_size=4, seed=0)
+    # strict: false counts and warns
+    caplog.set_level("WARNING", logger="dflash_pipeline.prompts")
+    m = build_prompt_shards({"g": {"path": str(good)}, "q": {"path": str(query), "strict": False}}, out,
+                            shard_size=4, seed=0)
+    assert m["datasets"]["q"]["kept"] == 0 and m["datasets"]["q"]["dropped"] == {"no_prompt_field": 10}
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(w.startswith("datasets.q (") and "no_prompt_field" in w and "['id', 'query']" in w
+               for w in warnings), warnings
+    assert not any(w.startswith("q: kept no prompt") for w in warnings)  # one warning, not two
+    # the mapping fixes it
+    m = build_prompt_shards({"g": {"path": str(good)}, "q": {"path": str(query), "mapping": {"prompt": "query"}}},
+                            out, shard_size=4, seed=0)
+    assert m["datasets"]["q"]["kept"] == 10
+
+
+def test_source_keeping_nothing_for_other_reasons_warns_with_drop_counts(tmp_path, caplog):
+    good = write_jsonl(tmp_path / "good.jsonl", [q(i) for i in range(3)])
+    dup = write_jsonl(tmp_path / "dup.jsonl", [q(1), q(2)])
+    blank = write_jsonl(tmp_path / "blank.jsonl", [{"prompt": " "}, {"text": "x"}])  # not *all* no_prompt_field
+    caplog.set_level("WARNING", logger="dflash_pipeline.prompts")
+    m = build_prompt_shards({"g": {"path": str(good)}, "d": {"path": str(dup)}, "b": {"path": str(blank)}},
+                            tmp_path / "out", shard_size=4, seed=0)
+    assert (m["datasets"]["d"]["kept"], m["datasets"]["b"]["kept"], m["datasets"]["g"]["kept"]) == (0, 0, 3)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(w.startswith("d: kept no prompt") and "'duplicate': 2" in w for w in warnings), warnings
+    assert any(w.startswith("b: kept no prompt") and "'empty': 1" in w and "'no_prompt_field': 1" in w
+               for w in warnings), warnings
+    assert not any(w.startswith("g:") for w in warnings)
+
+
+def test_policy_drops_leave_bounded_examples_with_their_location(tmp_path):
+    """Records dropped by the prompt policy can be found: the first few per reason are in skipped_examples,
+    with file and line, and they do not crowd out the examples of malformed records."""
+    asst = {"conversations": [{"from": "gpt", "value": "hi"}, {"from": "human", "value": "x"}]}
+    recs = [asst] * 7 + [
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "r"}]},
+        {"text": "no known field"},
+        {"prompt": "  "},
+        q(0),
+    ]
+    src = write_jsonl(tmp_path / "s.jsonl", recs)
+    with open(src, "a", encoding="utf-8") as fh:
+        fh.write("not json\n")  # line 13
+    m = build_prompt_shards({"s": {"path": str(src), "strict": False}}, tmp_path / "out", shard_size=4, seed=0)
+    ds = m["datasets"]["s"]
+    assert ds["kept"] == 1 and ds["dropped"] == {"starts_with_assistant": 7, "multimodal": 1, "unsupported_role": 1,
+                                                 "no_prompt_field": 1, "empty": 1, "malformed_json": 1}
+    ex = ds["skipped_examples"]
+    assert [e for e in ex if "starts_with_assistant" in e] == [
+        f"{src}: line {i}: starts_with_assistant: `conversations[0]` is an assistant turn before any user turn"
+        for i in range(1, 6)]  # 5 of 7
+    for line, reason in ((8, "multimodal"), (9, "unsupported_role"), (10, "no_prompt_field"), (11, "empty")):
+        assert [e for e in ex if f": {reason}: " in e] and [e for e in ex if f": {reason}: " in e][0].startswith(
+            f"{src}: line {line}: {reason}: "), (reason, ex)
+    assert ex[-1].startswith(f"{src}: line 13: invalid JSON")
+    assert len(ex) == 10
+
+
 # ---------------------------------------------------------------------------------------------- sharding
 
 
@@ -319,21 +433,50 @@ def test_append_and_new_source_keep_existing_full_shards_untouched(tmp_path):
     assert m2["datasets"]["new"]["kept"] == 80
 
 
-def test_stale_shards_removed_when_source_shrinks_or_leaves(tmp_path):
-    src = write_jsonl(tmp_path / "g.jsonl", [q(i) for i in range(10)])
-    other = write_jsonl(tmp_path / "h.jsonl", [q(100)])
+def test_stale_shards_stay_on_disk_unlisted_and_come_back_untouched(tmp_path, caplog):
+    """Shards of a source that shrinks or leaves the config are never deleted (their completions cost hours):
+    they stay on disk, out of the manifest's shard list (what downstream reads), recorded as inactive; when
+    the source grows back or returns, the identical shards keep their bytes and mtime."""
+    src = write_jsonl(tmp_path / "g.jsonl", [q(i) for i in range(12)])
+    other = write_jsonl(tmp_path / "h.jsonl", [q(100 + i) for i in range(4)])
     out = tmp_path / "out"
-    build_prompt_shards({"g": {"path": str(src)}, "h": {"path": str(other)}}, out, shard_size=3, seed=0)
-    assert (out / "g" / "00003.parquet").exists() and (out / "h" / "00000.parquet").exists()
-    build_prompt_shards({"g": {"path": str(src), "max_prompts": 5}}, out, shard_size=3, seed=0)
-    assert sorted(p.name for p in (out / "g").iterdir()) == ["00000.parquet", "00001.parquet"]
-    assert not (out / "h" / "00000.parquet").exists()
+    both = {"g": {"path": str(src)}, "h": {"path": str(other)}}
+    build_prompt_shards(both, out, shard_size=3, seed=0)
+    set_old_mtimes(out)
+    before = shard_state(out)
+    assert len(before) == 4 + 2
+
+    caplog.set_level("INFO", logger="dflash_pipeline.prompts")
+    m = build_prompt_shards({"g": {"path": str(src), "max_prompts": 6}}, out, shard_size=3, seed=0)
+    assert shard_state(out) == before  # nothing deleted, nothing rewritten
+    assert list_shards(out / "manifest.json") == [("g", "00000"), ("g", "00001")]
+    assert m["datasets"]["g"]["inactive_shards"] == ["00002", "00003"]
+    assert m["inactive_datasets"] == {"h": ["00000", "00001"]}
+    info = " ".join(r.getMessage() for r in caplog.records)
+    assert "no longer in the mix; left on disk so their completions stay valid if they come back" in info
+    assert "h: shards ['00000', '00001']" in info and "g: shards ['00002', '00003']" in info
+
+    m = build_prompt_shards(both, out, shard_size=3, seed=0)  # grows back, h comes back
+    assert shard_state(out) == before  # same bytes, same mtimes: their completions stay valid
+    assert m["datasets"]["g"]["inactive_shards"] == [] and m["inactive_datasets"] == {}
+    assert len(list_shards(out / "manifest.json")) == 6
+
     # inside the workflow the previous manifest is gone (Snakemake deletes a job's outputs before it runs):
-    # the shards of a source that left the config are found on disk
-    build_prompt_shards({"g": {"path": str(src)}, "h": {"path": str(other)}}, out, shard_size=3, seed=0)
+    # a source that left the config is found on disk
     (out / "manifest.json").unlink()
+    m = build_prompt_shards({"g": {"path": str(src)}}, out, shard_size=3, seed=0)
+    assert m["inactive_datasets"] == {"h": ["00000", "00001"]} and shard_state(out) == before
+
+
+def test_failed_prompts_run_deletes_no_shard(tmp_path):
+    src = write_jsonl(tmp_path / "g.jsonl", [q(i) for i in range(6)])
+    empty = write_jsonl(tmp_path / "e.jsonl", [{"prompt": ""}])
+    out = tmp_path / "out"
     build_prompt_shards({"g": {"path": str(src)}}, out, shard_size=3, seed=0)
-    assert not (out / "h" / "00000.parquet").exists()
+    before = shard_state(out)
+    with pytest.raises(DataError, match="no prompt kept"):
+        build_prompt_shards({"e": {"path": str(empty)}}, out, shard_size=3, seed=0)
+    assert shard_state(out) == before
 
 
 def test_nothing_kept_is_an_error(tmp_path):

@@ -27,6 +27,9 @@ Shard ``i`` of a source holds its kept records ``[i * shard_size, (i + 1) * shar
 records leaves every full shard byte-identical, only the last partial shard grows. A shard file whose
 *content* (rows and ``dflash`` metadata) equals what would be written is not touched, so its mtime stays
 and downstream Snakemake jobs stay valid — even across pyarrow upgrades that change the file bytes.
+Shards are never deleted: those of a source that shrank (beyond its new shard count) or left the config stay
+on disk, unlisted in the manifest's ``shards`` (all that downstream reads) and recorded as inactive, so when
+the source grows back or returns, identical shards are not rewritten and their completions stay valid.
 
 **Language filter** (off unless ``prompts.languages`` or a source's ``languages`` is set): the first
 :data:`LANGUAGE_SAMPLE_CHARS` characters of the prompt's user turns joined by newlines (system turns are
@@ -40,7 +43,11 @@ Drop reasons counted per source in the manifest: ``malformed_json``, ``invalid_u
 :class:`DataError`), ``empty``, ``starts_with_assistant``, ``multimodal``, ``unsupported_role``,
 ``no_prompt_field``, ``sampled_out``, ``duplicate``, ``language`` (top language not allowed),
 ``low_language_confidence`` (allowed, but below ``min_language_confidence``), ``too_long``; with a
-language filter, ``dropped_languages`` breaks both language reasons down by detected language.
+language filter, ``dropped_languages`` breaks both language reasons down by detected language. For every
+reason from ``malformed_json`` to ``no_prompt_field`` (bad or rejected records), the manifest's
+``skipped_examples`` lists the first :data:`MAX_EXAMPLES` records (file, line/record/row, why). A ``strict``
+source none of whose records has a prompt field (``no_prompt_field`` for every record: a wrong field name or
+``mapping``) is an error; a source that keeps no prompt is logged as a warning.
 """
 
 from __future__ import annotations
@@ -109,6 +116,10 @@ _SURROGATES = re.compile("[\udc80-\udcff]")
 _READ_CHUNK = 1 << 20  # bytes per read of a JSON array
 #: ``path`` prefix of a Hugging Face Hub dataset id (read through the optional `datasets` library).
 HF_PREFIX = "hf:"
+#: Examples per drop reason kept in the manifest's ``skipped_examples`` (malformed and rejected records).
+MAX_EXAMPLES = 5
+#: Stands for an absent field in type checks (an absent field is reported as missing, not as null).
+_MISSING = object()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -144,6 +155,20 @@ class RejectedRecord(DataError):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+
+
+class MissingField(DataError):
+    """A field the record's format needs is absent (the message names the field and the fields present)."""
+
+
+def _type_error(where: str, value: Any, expected: str, container: Mapping[str, Any] | None = None,
+                what: str = "record") -> DataError:
+    """The error for field ``where`` holding ``value`` instead of ``expected``: :class:`MissingField`
+    when ``value`` is :data:`_MISSING` (listing the fields ``container``, a ``what``, does have)."""
+    if value is _MISSING:
+        have = f" (the {what} has fields {sorted(map(str, container))[:20]})" if container is not None else ""
+        return MissingField(f"field `{where}` is missing{have}; expected {expected}")
+    return DataError(f"field `{where}`: expected {expected}, got {'null' if value is None else type(value).__name__}")
 
 
 class _Skip(Exception):
@@ -269,7 +294,7 @@ def read_records(
     strict: bool = True,
     counts: MutableMapping[str, int] | None = None,
     examples: list[str] | None = None,
-    max_examples: int = 5,
+    max_examples: int = MAX_EXAMPLES,
     split: str | None = None,
     subset: str | None = None,
     source: str | None = None,
@@ -289,7 +314,7 @@ def read_records(
         strict: True raises on the first malformed record; False skips it and counts it in ``counts``
             under ``malformed_json``, ``invalid_utf8``, ``not_an_object`` or ``empty_file``.
         counts: receives skip counts (only with ``strict=False``).
-        examples: receives the first ``max_examples`` skip messages.
+        examples: receives the first ``max_examples`` skip messages of each reason (appended, in file order).
 
     Raises:
         DataError: naming file, line/record and what is wrong: invalid JSON, invalid UTF-8, a record that
@@ -300,6 +325,7 @@ def read_records(
         yield from _read_hf_dataset(path[len(HF_PREFIX):], split=split, subset=subset)
         return
     strict_key = f"`datasets.{source}.strict: false`" if source else "`strict: false` on the source"
+    shown_per_reason: collections.Counter = collections.Counter()
     root = Path(path)
     files = list_source_files(root, split)
     for f in files:
@@ -313,7 +339,7 @@ def read_records(
                     if strict:
                         raise DataError(f"{item}; fix it or set {strict_key} to skip and count it")
                     skips += 1
-                    _count_skip(item, counts, examples, max_examples)
+                    _count_skip(item, counts, examples, max_examples, shown_per_reason)
                     continue
                 n += 1
                 yield item
@@ -322,7 +348,7 @@ def read_records(
         except _Skip as skip:
             if strict:
                 raise DataError(f"{skip}; remove the file or set {strict_key}") from None
-            _count_skip(skip, counts, examples, max_examples)
+            _count_skip(skip, counts, examples, max_examples, shown_per_reason)
         except (OSError, EOFError, gzip.BadGzipFile, pa.ArrowException) as exc:
             raise DataError(f"{shown}: cannot read ({type(exc).__name__}: {exc})") from None
 
@@ -358,10 +384,11 @@ def _read_hf_dataset(dataset_id: str, *, split: str | None, subset: str | None):
         yield Locator(shown, index, None, "row"), dict(row)
 
 
-def _count_skip(skip: _Skip, counts, examples, max_examples) -> None:
+def _count_skip(skip: _Skip, counts, examples, max_examples, shown_per_reason: collections.Counter) -> None:
     if counts is not None:
         counts[skip.reason] = counts.get(skip.reason, 0) + 1
-    if examples is not None and len(examples) < max_examples:
+    if examples is not None and shown_per_reason[skip.reason] < max_examples:
+        shown_per_reason[skip.reason] += 1
         examples.append(str(skip))
     log.warning("skipped %s", skip)
 
@@ -372,6 +399,7 @@ def _read_jsonl(path: Path, shown: str):
         for lineno, raw in enumerate(fh, start=1):
             if not raw.strip():
                 continue
+            raw = raw.rstrip(b"\r\n")  # the terminator is not JSON text (an open string would report it)
             try:
                 text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError as exc:
@@ -585,21 +613,22 @@ def _text_content(value: Any, where: str) -> str:
         return "".join(parts)
     if isinstance(value, dict):
         raise RejectedRecord("multimodal", f"`{where}` is an object ({sorted(value)[:5]}), not text")
-    raise DataError(f"field `{where}`: expected a string, got {type(value).__name__}")
+    raise _type_error(where, value, "a string")
 
 
-def _chat_messages(turns: Any, list_field: str, role_key: str, content_key: str, role_map) -> list[dict]:
+def _chat_messages(turns: Any, list_field: str, role_key: str, content_key: str, role_map,
+                   record: Mapping[str, Any]) -> list[dict]:
     if not isinstance(turns, list):
-        raise DataError(f"field `{list_field}`: expected a list of messages, got {type(turns).__name__}")
+        raise _type_error(list_field, turns, "a list of messages", record)
     out: list[dict] = []
     seen_user = False
     for i, msg in enumerate(turns):
         where = f"{list_field}[{i}]"
         if not isinstance(msg, dict):
             raise DataError(f"field `{where}`: expected an object with `{role_key}`/`{content_key}`, got {type(msg).__name__}")
-        raw_role = msg.get(role_key)
+        raw_role = msg.get(role_key, _MISSING)
         if not isinstance(raw_role, str):
-            raise DataError(f"field `{where}.{role_key}`: expected a role string, got {type(raw_role).__name__}")
+            raise _type_error(f"{where}.{role_key}", raw_role, "a role string", msg, "message")
         role = role_map.get(raw_role, ROLE_ALIASES.get(raw_role.lower()))
         if role is None:
             raise RejectedRecord("unsupported_role", f"`{where}.{role_key}` is {raw_role!r} (tool/function turns "
@@ -608,7 +637,9 @@ def _chat_messages(turns: Any, list_field: str, role_key: str, content_key: str,
             if not seen_user:
                 raise RejectedRecord("starts_with_assistant", f"`{where}` is an assistant turn before any user turn")
             continue  # regenerated by the target
-        content = _text_content(msg.get(content_key), f"{where}.{content_key}")
+        if content_key not in msg:
+            raise _type_error(f"{where}.{content_key}", _MISSING, "a string", msg, "message")
+        content = _text_content(msg[content_key], f"{where}.{content_key}")
         if role == "system" and not content.strip():
             continue  # an empty system slot carries nothing the user wrote
         seen_user = seen_user or role == "user"
@@ -640,7 +671,8 @@ def normalize_record(
         RejectedRecord: policy drops, with ``.reason``: ``empty`` (no user turn, or a blank user turn),
             ``starts_with_assistant``, ``multimodal`` (a non-text content part, an image field),
             ``unsupported_role`` (tool/function/unknown roles), ``no_prompt_field``.
-        DataError: a field has the wrong type (message names the field, e.g. ``conversations[2].value``).
+        DataError: a field has the wrong type (message names the field, e.g. ``conversations[2].value``);
+            :class:`MissingField` when a field the format needs is absent (names it and the fields present).
     """
     return _normalize(record, fmt, mapping)[0]
 
@@ -659,28 +691,29 @@ def _normalize(record: Mapping[str, Any], fmt: str, mapping: Mapping[str, Any] |
 
     if fmt == "sharegpt":
         name = _field(mapping, "conversations")
-        conv = record.get(name)
+        conv = record.get(name, _MISSING)
         role_key, content_key = _field(mapping, "from"), _field(mapping, "value")
         if isinstance(conv, list) and conv and isinstance(conv[0], dict) and role_key not in conv[0] and "role" in conv[0]:
             role_key, content_key = "role", "content"
-        messages = _chat_messages(conv, name, role_key, content_key, role_map)
+        messages = _chat_messages(conv, name, role_key, content_key, role_map, record)
     elif fmt == "openai" or (fmt == "prompt" and isinstance(record.get(_field(mapping, "prompt")), list)):
         name = _field(mapping, "messages") if fmt == "openai" else _field(mapping, "prompt")
-        messages = _chat_messages(record.get(name), name, _field(mapping, "role"), _field(mapping, "content"), role_map)
+        messages = _chat_messages(record.get(name, _MISSING), name, _field(mapping, "role"), _field(mapping, "content"),
+                                  role_map, record)
     elif fmt == "mt_bench":
         name = _field(mapping, "turns")
-        turns = record.get(name)
+        turns = record.get(name, _MISSING)
         if not isinstance(turns, list):
-            raise DataError(f"field `{name}`: expected a list of user strings, got {type(turns).__name__}")
+            raise _type_error(name, turns, "a list of user strings", record)
         messages = [{"role": "user", "content": _text_content(t, f"{name}[{i}]")} for i, t in enumerate(turns)]
     elif fmt == "alpaca":
         iname, xname = _field(mapping, "instruction"), _field(mapping, "input")
-        instruction = record.get(iname)
+        instruction = record.get(iname, _MISSING)
         if not isinstance(instruction, str):
-            raise DataError(f"field `{iname}`: expected a string, got {type(instruction).__name__}")
+            raise _type_error(iname, instruction, "a string", record)
         extra = record.get(xname)
         if extra is not None and not isinstance(extra, str):
-            raise DataError(f"field `{xname}`: expected a string, got {type(extra).__name__}")
+            raise _type_error(xname, extra, "a string")
         text = instruction + (ALPACA_INPUT_SEPARATOR + extra if extra and extra.strip() else "")
         messages = [{"role": "user", "content": text}]
     else:  # prompt
@@ -696,7 +729,7 @@ def _normalize(record: Mapping[str, Any], fmt: str, mapping: Mapping[str, Any] |
     system = record.get(sname)
     if system is not None and fmt in ("alpaca", "prompt", "mt_bench", "sharegpt", "openai"):
         if not isinstance(system, str):
-            raise DataError(f"field `{sname}`: expected a string, got {type(system).__name__}")
+            raise _type_error(sname, system, "a string")
         if system.strip() and not any(m["role"] == "system" for m in messages):
             messages.insert(0, {"role": "system", "content": system})
 
@@ -881,15 +914,15 @@ def _write_shard(path: Path, rows: list[dict], meta: dict) -> bool:
     return shards.write_parquet(path, table, metadata=meta)
 
 
-def _remove_stale(ds_dir: Path, keep: int) -> list[str]:
-    removed = []
-    if ds_dir.is_dir():
-        for f in sorted(ds_dir.iterdir()):
-            m = _SHARD_RE.match(f.name)
-            if m and int(m.group(1)) >= keep:
-                f.unlink()
-                removed.append(f.name)
-    return removed
+def _inactive_shards(ds_dir: Path, active: int) -> list[str]:
+    """Names (``00003``) of the shard files in ``ds_dir`` numbered ``active`` or above: shards no longer in
+    the mix. They are never deleted: their completions stay valid if the shards come back unchanged."""
+    if not ds_dir.is_dir():
+        return []
+    return sorted(m.group(1) for f in ds_dir.iterdir() if (m := _SHARD_RE.match(f.name)) and int(m.group(1)) >= active)
+
+
+_LEFT_ON_DISK = "no longer in the mix; left on disk so their completions stay valid if they come back"
 
 
 def _source_ref(root: Path, loc: Locator, rel_cache: dict[str, str]) -> dict:
@@ -947,18 +980,23 @@ def build_prompt_shards(
         The manifest (also written, key-sorted JSON): ``{schema_version, seed, shard_size,
         max_prompt_tokens, languages, min_language_confidence, language_detector, total_prompts,
         datasets: {name: {config, read, kept, dropped: {reason: n}, skipped_examples, stopped_at_max_prompts,
-        shards: [{name, path, rows, first_prompt_id, last_prompt_id}]}}}``; shard ``path`` is relative to
-        ``out_dir``. A source with a language filter also has ``config.languages``,
+        shards: [{name, path, rows, first_prompt_id, last_prompt_id}], inactive_shards: [name]}},
+        inactive_datasets: {name: [shard name]}}``; shard ``path`` is relative to ``out_dir``.
+        ``skipped_examples`` holds up to :data:`MAX_EXAMPLES` located messages per drop reason (malformed
+        and rejected records, in file order). ``inactive_shards`` are shard files of the source beyond its
+        current shard count, ``inactive_datasets`` the shard files of sources no longer in ``datasets``:
+        on disk, not in any ``shards`` list. A source with a language filter also has ``config.languages``,
         ``config.min_language_confidence`` and ``dropped_languages: {detected language: n}``;
         ``language_detector`` is ``"py3langid <version>"`` when any source used it, else None.
 
-    Side effects: shard files whose content is unchanged are not rewritten (mtime kept); shard files of a
-    source beyond its new shard count, and shards of sources that left the config (per the previous
-    manifest), are deleted.
+    Side effects: shard files whose content is unchanged are not rewritten (mtime kept); no shard file is
+    ever deleted (inactive ones are listed, logged at INFO). A source that keeps no prompt is logged as a
+    WARNING with its drop counts.
 
     Raises:
-        DataError: malformed input in a ``strict`` source (names file, line/record and field), or no
-            prompt kept at all.
+        DataError: malformed input in a ``strict`` source (names file, line/record and field), a ``strict``
+            source none of whose records has a prompt field (names the source, its file, the first record's
+            fields and the fix), or no prompt kept at all.
         ConfigError: bad ``shard_size``/``fraction``/``format``, ``max_prompt_tokens`` without tokenizer,
             bad language settings (every problem, by config key: :func:`language_problems`), or a language
             filter without py3langid installed — all raised before any source is read.
@@ -985,7 +1023,6 @@ def build_prompt_shards(
         lang_filters[name] = (frozenset(allowed), float(min_language_confidence if own_conf is None else own_conf))
     out = Path(out_dir)
     manifest_file = Path(manifest_path) if manifest_path is not None else out / "manifest.json"
-    previous = shards.read_json(manifest_file) if manifest_file.is_file() else {}
 
     seen: set[str] = set()
     ds_out: dict[str, dict] = {}
@@ -1005,6 +1042,8 @@ def build_prompt_shards(
         skipped: dict[str, int] = {}  # malformed records the reader skipped (strict: false)
         rel_cache: dict[str, str] = {}
         examples: list[str] = []
+        shown_per_reason: collections.Counter = collections.Counter()  # examples of build-time drops
+        first_no_field: tuple[Locator, list[str]] | None = None
         read = kept = 0
         stopped = False
         rows: list[dict] = []
@@ -1032,15 +1071,23 @@ def build_prompt_shards(
                 metadata.encode("utf-8")
             except RejectedRecord as rej:
                 dropped[rej.reason] += 1
+                if rej.reason == "no_prompt_field" and first_no_field is None:
+                    first_no_field = (loc, sorted(map(str, rec))[:20])
+                if shown_per_reason[rej.reason] < MAX_EXAMPLES:
+                    shown_per_reason[rej.reason] += 1
+                    examples.append(f"{loc}: {rej}")
                 continue
             except (DataError, UnicodeEncodeError) as exc:
                 reason = "invalid_utf8" if isinstance(exc, UnicodeEncodeError) else "wrong_type"
                 msg = f"{loc}: {exc if reason == 'wrong_type' else 'text is not valid Unicode (lone surrogate)'}"
                 if cfg["strict"]:
-                    raise DataError(f"{msg}; fix the record or set `datasets.{name}.strict: false`") from None
+                    fix = (f"name the field with `datasets.{name}.mapping` or `format` (or fix the record)"
+                           if isinstance(exc, MissingField) else "fix the record")
+                    raise DataError(f"{msg}; {fix}, or set `datasets.{name}.strict: false`") from None
                 dropped[reason] += 1
                 log.warning("skipped %s", msg)
-                if len(examples) < 5:
+                if shown_per_reason[reason] < MAX_EXAMPLES:
+                    shown_per_reason[reason] += 1
                     examples.append(msg)
                 continue
             if fraction < 1.0 and keep_score(seed, pid) >= fraction:
@@ -1072,10 +1119,26 @@ def build_prompt_shards(
                 break
         if rows:
             flush()
+        no_field = first_no_field is not None and dropped["no_prompt_field"] == read  # no record has a prompt field
+        if no_field:
+            loc, fields = first_no_field
+            looked_for = "prompt/question/problem" if fmt == "prompt" else \
+                "conversations/messages/turns/instruction/prompt/question/problem"
+            msg = (f"datasets.{name} ({cfg['path']}): none of the {read} records read has a prompt field ({looked_for}"
+                   + (f", after mapping {dict(cfg['mapping'])}" if cfg["mapping"] else "")
+                   + f"); the first ({loc}) has fields {fields}")
+            if cfg["strict"]:
+                raise DataError(f"{msg}. Name the prompt field with `datasets.{name}.mapping` (e.g. `mapping: "
+                                f"{{prompt: <field>}}`) or set `datasets.{name}.format` ({', '.join(FORMATS)}), or set "
+                                f"`datasets.{name}.strict: false` to count them as no_prompt_field and go on")
+            log.warning("%s; all dropped as no_prompt_field (strict: false)", msg)
         dropped.update(skipped)
-        removed = _remove_stale(ds_dir, len(shard_list))
-        if removed:
-            log.info("%s: removed stale shards %s", name, removed)
+        if kept == 0 and not no_field:
+            log.warning("%s: kept no prompt (read %d, dropped %s)", name,
+                        read + sum(n for r, n in skipped.items() if r != "empty_file"), dict(sorted(dropped.items())))
+        inactive = _inactive_shards(ds_dir, len(shard_list))
+        if inactive:
+            log.info("%s: shards %s %s", name, inactive, _LEFT_ON_DISK)
         total += kept
         ds_out[name] = {
             "config": {k: cfg[k] for k in ("path", "format", "max_prompts", "fraction", "strict", "mapping")
@@ -1086,6 +1149,7 @@ def build_prompt_shards(
             "skipped_examples": examples,
             "stopped_at_max_prompts": stopped,
             "shards": shard_list,
+            "inactive_shards": inactive,
         }
         if lang_filter is not None:
             ds_out[name]["config"].update(languages=sorted(lang_filter[0]), min_language_confidence=lang_filter[1])
@@ -1095,13 +1159,13 @@ def build_prompt_shards(
         log.info("%s: read %d, kept %d in %d shards, dropped %s", name, ds_out[name]["read"], kept,
                  len(shard_list), dict(dropped))
 
-    # shards of sources that left the config: named by the previous manifest, or found on disk (inside the
-    # workflow Snakemake deletes the checkpoint's manifest before the job runs, so it is often absent)
-    old_names = set(previous.get("datasets") or {})
-    if out.is_dir():
-        old_names |= {d.name for d in out.iterdir() if d.is_dir() and any(_SHARD_RE.match(f.name) for f in d.iterdir())}
-    for old_name in sorted(old_names - set(ds_out)):
-        _remove_stale(out / old_name, 0)
+    # shards of sources that left the config, found on disk (inside the workflow Snakemake deletes the
+    # checkpoint's manifest before the job runs, so the previous one is often absent)
+    inactive_datasets = {}
+    for d in sorted(out.iterdir()) if out.is_dir() else []:
+        if d.is_dir() and d.name not in ds_out and (left := _inactive_shards(d, 0)):
+            inactive_datasets[d.name] = left
+            log.info("%s: shards %s %s", d.name, left, _LEFT_ON_DISK)
     if total == 0:
         summary = {n: d["dropped"] for n, d in ds_out.items()}
         raise DataError(f"no prompt kept from any source (drops per source: {summary}); check `datasets` in the config")
@@ -1117,6 +1181,7 @@ def build_prompt_shards(
         "language_detector": _language_detector() if identifier is not None else None,
         "total_prompts": total,
         "datasets": ds_out,
+        "inactive_datasets": inactive_datasets,
     }
     shards.write_json(manifest_file, manifest)
     return manifest
@@ -1207,14 +1272,14 @@ def load_eval_prompts(path: str | os.PathLike, *, fmt: str = "auto", num_samples
         system = None
         try:
             if kind == "gsm8k":
-                q = rec.get("question")
+                q = rec.get("question", _MISSING)
                 if not isinstance(q, str):
-                    raise DataError(f"field `question`: expected a string, got {type(q).__name__}")
+                    raise _type_error("question", q, "a string", rec)
                 turns = [q + GSM8K_SUFFIX]
             elif kind == "humaneval":
-                p = rec.get("prompt")
+                p = rec.get("prompt", _MISSING)
                 if not isinstance(p, str):
-                    raise DataError(f"field `prompt`: expected a string, got {type(p).__name__}")
+                    raise _type_error("prompt", p, "a string", rec)
                 turns = [HUMANEVAL_TEMPLATE.format(prompt=p)]
             else:
                 messages = normalize_record(rec, fmt=kind)
