@@ -10,11 +10,12 @@ configfile: "config/config.yaml"
 
 
 # every schema problem on one line each (Snakemake's validate prints the whole schema and the first only)
-from dflash_pipeline.config import schema_problems
+from dflash_pipeline.config import normalize_numbers, schema_problems
 
 if schema_problems(config):
     raise WorkflowError("config problems:\n  - " + "\n  - ".join(schema_problems(config)))
 validate(config, "config/schema.yaml")  # fills the defaults
+normalize_numbers(config)  # `temperature: 0` and `0.0` are one setting (params compare reprs)
 
 
 include: "rules/common.smk"

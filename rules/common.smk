@@ -53,6 +53,13 @@ def check_config():
     path = config["target"]["path"]
     if path != "demo" and not (Path(path) / "config.json").is_file():
         problems.append(f"target.path: {path}/config.json not found (a model directory, or `demo`)")
+    elif path != "demo":
+        from dflash_pipeline.probe import tokenizer_files_missing
+
+        why = tokenizer_files_missing(Path(path))
+        if why:
+            problems.append(f"target.path: {why}; the tokens stage (and generation.api: completions) need the "
+                            f"target's tokenizer (weights are needed only by the transformers backend)")
     template = config["target"]["chat_template"]
     if template is not None and not Path(template).is_file():
         problems.append(f"target.chat_template: {template} not found (a .jinja file, or null for the tokenizer's own)")

@@ -41,7 +41,7 @@ rule evaluate_acceptance:
         chat_template=config["target"]["chat_template"],
         trust_remote_code=config["target"]["trust_remote_code"],
     log:
-        f"logs/evaluate_acceptance/{{run}}.log",
+        f"{R}/logs/evaluate_acceptance/{{run}}.log",
     threads: workflow.cores
     resources:
         gpu=gpus("evaluate_acceptance"),

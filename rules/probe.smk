@@ -10,7 +10,7 @@ rule probe_target:
         trust_remote_code=config["target"]["trust_remote_code"],
         chat_template=config["target"]["chat_template"],
     log:
-        "logs/probe_target.log",
+        f"{R}/logs/probe_target.log",
     conda:
         "../envs/probe.yaml"
     script:

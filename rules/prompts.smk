@@ -18,7 +18,7 @@ checkpoint shard_prompts:
         trust_remote_code=config["target"]["trust_remote_code"],
         chat_template=config["target"]["chat_template"],
     log:
-        "logs/shard_prompts.log",
+        f"{R}/logs/shard_prompts.log",
     conda:
         "../envs/data.yaml"
     script:

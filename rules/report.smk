@@ -11,7 +11,7 @@ rule summarize_probe:
     output:
         report(f"{R}/report/probe.tsv", caption="../report/probe.rst", category="1. Target"),
     log:
-        "logs/summarize_probe.log",
+        f"{R}/logs/summarize_probe.log",
     conda:
         "../envs/data.yaml"
     script:
@@ -25,7 +25,7 @@ rule summarize_prompts:
     output:
         report(f"{R}/report/prompts.tsv", caption="../report/prompts.rst", category="2. Data"),
     log:
-        "logs/summarize_prompts.log",
+        f"{R}/logs/summarize_prompts.log",
     conda:
         "../envs/data.yaml"
     script:
@@ -40,9 +40,9 @@ rule summarize_generation:
     output:
         report(f"{R}/report/generation.tsv", caption="../report/generation.rst", category="2. Data"),
     params:
-        benchmark_dir="benchmarks/generate_completions",
+        benchmark_dir=f"{R}/benchmarks/generate_completions",
     log:
-        "logs/summarize_generation.log",
+        f"{R}/logs/summarize_generation.log",
     conda:
         "../envs/data.yaml"
     script:
@@ -56,7 +56,7 @@ rule summarize_tokens:
     output:
         report(f"{R}/report/tokens.tsv", caption="../report/tokens.rst", category="2. Data"),
     log:
-        "logs/summarize_tokens.log",
+        f"{R}/logs/summarize_tokens.log",
     conda:
         "../envs/data.yaml"
     script:
@@ -77,7 +77,7 @@ rule plot_training:
     params:
         baseline_labels=lambda wc: list(baseline_runs(wc.run)),
     log:
-        f"logs/plot_training/{{run}}.log",
+        f"{R}/logs/plot_training/{{run}}.log",
     conda:
         "../envs/torch.yaml"
     script:

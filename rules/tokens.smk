@@ -13,7 +13,7 @@ rule tokenize_completions:
         # a change of the tokenization code reruns this rule (and never generate_completions)
         code=tokenization_code(),
     log:
-        f"logs/tokenize_completions/{{dataset}}/{{shard}}.log",
+        f"{R}/logs/tokenize_completions/{{dataset}}/{{shard}}.log",
     conda:
         "../envs/tokens.yaml"
     script:

@@ -17,9 +17,9 @@ rule train_drafter:
         launch=" ".join(accelerate_launch_args()),
         baseline=lambda wc: baseline_train_flags(wc.run),
     log:
-        f"logs/train_drafter/{{run}}.log",
+        f"{R}/logs/train_drafter/{{run}}.log",
     benchmark:
-        f"benchmarks/train_drafter/{{run}}.tsv"
+        f"{R}/benchmarks/train_drafter/{{run}}.tsv"
     threads: workflow.cores
     resources:
         gpu=gpus("train_drafter"),

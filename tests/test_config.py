@@ -48,3 +48,18 @@ def test_snakemake_plan_reports_config_problems_in_a_few_lines(tmp_path):
     assert proc.returncode != 0
     assert f"target.chat_template: {tmp_path / 'nope.jinja'} not found" in out
     assert "datasets: no prompt source configured" in out
+
+
+def test_snakemake_plan_rejects_a_target_without_tokenizer_files(tmp_path):
+    """A model directory with config.json and a template but no vocabulary (as the shared model configs):
+    the tokens stage could never run, so the plan fails naming what is missing."""
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text('{"model_type": "qwen3"}')
+    (target / "chat_template.jinja").write_text("{{ messages }}")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"target": {"path": str(target)}}))
+    proc = snakemake(tmp_path, "-n", configfile=cfg)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert f"target.path: no tokenizer files (tokenizer.json" in out and "need the target's tokenizer" in out

@@ -159,6 +159,17 @@ def test_config_key_order_reruns_nothing(built):
     assert planned_jobs(snakemake(work, "-n", configfile=path)) == {}
 
 
+def test_numbers_written_as_ints_or_floats_rerun_nothing(built):
+    """`temperature: 0` is `0.0`, `top_p: 1` is `1.0`, `epochs: 1.0` is `1`: no job reruns."""
+    work, cfg = built
+    text = yaml.safe_dump({**cfg, "generation": {**cfg["generation"], "temperature": 0, "top_p": 1},
+                           "train": {**cfg["train"], "epochs": float(cfg["train"]["epochs"])}})
+    assert "temperature: 0\n" in text and "top_p: 1\n" in text
+    path = work / "numbers.yaml"
+    path.write_text(text)
+    assert planned_jobs(snakemake(work, "-n", configfile=path)) == {}
+
+
 def test_failed_shard_reruns_only_that_shard(built):
     """A run where one generation job died (keep-going) has neither that completion nor its token shard,
     and no checkpoint or eval: the rerun does only that shard, its tokens, train and eval; the other

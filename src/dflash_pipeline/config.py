@@ -81,6 +81,40 @@ def schema_problems(config: Mapping[str, Any]) -> list[str]:
     return sorted({line for e in validator.iter_errors(cfg) for line in _describe(e).split("; ")})
 
 
+def _is_number_schema(sub: Mapping[str, Any]) -> bool:
+    t = sub.get("type")
+    return t == "number" or (isinstance(t, list) and "number" in t and "integer" not in t)
+
+
+def normalize_numbers(config: dict, schema: Mapping[str, Any] | None = None) -> dict:
+    """Write every ``number`` field the way its schema default is written, in place: ``temperature: 0``
+    becomes ``0.0`` (default ``0.0``), ``epochs: 6.0`` becomes ``6`` (default ``6``); without a default,
+    ints become floats. Snakemake's params trigger compares ``repr``s, so otherwise ``0`` and ``0.0``
+    would regenerate every shard. Returns ``config``."""
+    schema = load_schema() if schema is None else schema
+
+    def walk(node: Any, sch: Mapping[str, Any]) -> None:
+        if not isinstance(node, dict):
+            return
+        props = sch.get("properties") or {}
+        extra = sch.get("additionalProperties")
+        for key, value in node.items():
+            sub = props.get(key, extra if isinstance(extra, dict) else None)
+            if not isinstance(sub, dict):
+                continue
+            if _is_number_schema(sub) and isinstance(value, (int, float)) and not isinstance(value, bool):
+                default = sub.get("default")
+                if isinstance(default, int) and not isinstance(default, bool) and float(value).is_integer():
+                    node[key] = int(value)
+                elif not isinstance(default, int) or isinstance(default, bool):
+                    node[key] = float(value)
+            else:
+                walk(value, sub)
+
+    walk(config, schema)
+    return config
+
+
 def validate_config(config: Mapping[str, Any]) -> dict:
     """Validate ``config`` against the schema and return a deep copy with every default filled in.
 
@@ -93,6 +127,7 @@ def validate_config(config: Mapping[str, Any]) -> dict:
         raise ConfigError(f"config problems (schema: {SCHEMA_PATH}): " + "; ".join(problems))
     cfg = copy.deepcopy(dict(config))
     _with_defaults(jsonschema.Draft202012Validator)(load_schema()).validate(cfg)  # fills the defaults
+    normalize_numbers(cfg)
     if cfg["prompts"].get("languages") or any(
         src.get("languages") is not None or src.get("min_language_confidence") is not None
         for src in cfg["datasets"].values()

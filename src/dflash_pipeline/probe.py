@@ -414,7 +414,7 @@ def _tokenizer_auto_map(target_dir: Path) -> Any:
         return None
 
 
-def _tokenizer_files_missing(target_dir: Path) -> str | None:
+def tokenizer_files_missing(target_dir: Path) -> str | None:
     """None when the directory holds a loadable tokenizer's files, else why not (for the record)."""
     if any((target_dir / f).is_file() for f in TOKENIZER_FILES) or any(target_dir.glob("*.tiktoken")):
         return None
@@ -701,7 +701,7 @@ def probe_target(
     if rows != cfg["vocab_size"]:
         warnings.append(f"embedding has {rows} rows but config vocab_size is {cfg['vocab_size']}")
 
-    missing = _tokenizer_files_missing(target_dir)
+    missing = tokenizer_files_missing(target_dir)
     if missing is None:
         tok = _probe_tokenizer(target_dir, trust_remote_code=trust_remote_code, chat_template=chat_template,
                                config=auto_cfg)
