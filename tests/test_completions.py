@@ -228,7 +228,8 @@ def test_400_not_retried_error_row_then_rerun_retries_only_failures(tmp_path):
         assert srv.stats.by_prompt["too long [[400]]"] == 1  # not retried
         assert not out.exists()
         (err,) = [json.loads(x) for x in errors.read_text().splitlines()]
-        assert err["prompt_id"] == prompts[4]["prompt_id"] and "HTTP 400" in err["error"]
+        assert err["prompt_id"] == prompts[4]["prompt_id"] and "HTTP 400: injected bad request: prompt is too long" in err["error"]
+        assert "Error code" not in err["error"]  # the server's message once, not openai's wrapper
         # rerun accepting error rows: only the failed prompt is sent again
         cfg = openai_cfg(srv.base_url, max_error_fraction=0.5)
         stats = generate_shard(tmp_path / "p.parquet", out, target_dir=None, gen_cfg=cfg)

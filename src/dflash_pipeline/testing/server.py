@@ -1,8 +1,9 @@
 """A local OpenAI-compatible server (chat and raw completions) for tests, benchmarks and end-to-end runs, with fault injection.
 
 It stands in for SGLang/vLLM (DESIGN.md §4): ``GET /v1/models``, ``POST /v1/chat/completions``,
-``POST /v1/completions`` (raw prompts: a string, or token ids as ``generation.api: completions`` sends)
-and ``GET /metrics`` (Prometheus-style counters), on 127.0.0.1.
+``POST /v1/completions`` (raw prompts: a string, or token ids as ``generation.api: completions`` sends),
+``GET /health``, ``GET /metrics`` (Prometheus-style counters) and ``GET /stats`` (everything
+:class:`ServerStats` counts, per-prompt request counts included, as JSON), on 127.0.0.1 by default.
 
 Two answer modes:
 
@@ -34,18 +35,24 @@ Speculative-decoding metrics (``spec_accept_length=τ``): every answer then carr
 steps), so ``evaluate.server_acceptance`` can be tested in both modes.
 
 Faults (a mutable :class:`Faults`, changeable while the server runs) apply to generation requests (chat
-and completions, counted together) in order of arrival: first ``drop_first`` requests get their
-connection dropped, the next ``hang_first`` get no answer for ``hang_s`` seconds, the next ``fail_first``
-get HTTP ``fail_status`` (with ``Retry-After`` if set); after ``die_after`` such requests every request
-(models included) is dropped, like a crashed server. Marker strings in the last user message (anywhere in
-a completions prompt) force a 400 (``bad_request_marker``), an answer that carries reasoning although
-thinking was disabled (``wrong_content_marker``), or a malformed 200 body (``malformed_marker``). Every
-request is counted (:class:`ServerStats`) per first user message and per exact conversation (a
-completions prompt: its text for both), so tests can assert that nothing was sent twice.
+and completions, counted together and numbered 1, 2, … in order of arrival): first ``drop_first``
+requests get their connection dropped, the next ``hang_first`` get no answer for ``hang_s`` seconds (then
+a dropped connection), the next ``fail_first`` get HTTP ``fail_status`` (with ``Retry-After`` if set);
+after that, request numbers that are multiples of ``drop_every`` / ``hang_every`` / ``fail_every`` get
+the same faults (checked in that order), and every other request is answered after ``delay_s`` seconds.
+After ``die_after`` such requests every request (``/v1/models`` and ``/health`` included; not
+``/metrics`` and ``/stats``) is dropped, like a crashed server. Marker strings in the last user message
+(anywhere in a completions prompt) force a 400 (``bad_request_marker``), an answer that carries reasoning
+although thinking was disabled (``wrong_content_marker``), or a malformed 200 body
+(``malformed_marker``). Every request is counted (:class:`ServerStats`) per first user message and per
+exact conversation (a completions prompt: its text for both), so tests can assert that nothing was sent
+twice; ``GET /stats`` returns the same counts to other processes.
 
-Use :func:`start_test_server` (a context manager; the server runs in a background thread) or the CLI::
+Use :func:`start_test_server` (a context manager; the server runs in a background thread) or the CLI
+(``--help`` lists a flag for every field of :class:`Faults`)::
 
     python -m dflash_pipeline.testing.server --port 0 --target resources/demo-target --port-file p.txt
+    python -m dflash_pipeline.testing.server --port 31001 --fail-every 5 --delay-s 0.5 --die-after 300
 """
 
 from __future__ import annotations
@@ -75,7 +82,9 @@ DEFAULT_MODEL_NAME = "test-model"
 @dataclass
 class Faults:
     """Fault plan of a :class:`TestServer` (counts are numbers of chat + completions requests, in arrival
-    order)."""
+    order; times in seconds). ``*_first`` take consecutive requests from the start (drops, then hangs,
+    then failures); ``*_every = N`` (0 = off) takes every later request whose number is a multiple of N
+    (drop before hang before fail)."""
 
     drop_first: int = 0
     hang_first: int = 0
@@ -83,6 +92,9 @@ class Faults:
     fail_first: int = 0
     fail_status: int = 503
     retry_after_s: float | None = None
+    drop_every: int = 0
+    hang_every: int = 0
+    fail_every: int = 0
     delay_s: float = 0.0
     die_after: int | None = None
     bad_request_marker: str = "[[400]]"
@@ -189,6 +201,7 @@ class TestServer:
             older vLLM, ``reasoning`` as newer vLLM).
         api_key: if set, requests without ``Authorization: Bearer <api_key>`` get 401.
         port: TCP port (0 = a free one).
+        host: address to bind (``0.0.0.0`` = every interface; :attr:`base_url` then names 127.0.0.1).
         spec_accept_length: act like an engine with a drafter loaded that reports this acceptance
             length (canned speculative metrics; see the module docstring). None = no such metrics.
         spec_meta_info: with ``spec_accept_length``, also put ``meta_info`` in each answer (SGLang);
@@ -208,6 +221,7 @@ class TestServer:
         tokenizer_dir: str | Path | None = None,
         api_key: str | None = None,
         port: int = 0,
+        host: str = "127.0.0.1",
         spec_accept_length: float | None = None,
         spec_meta_info: bool = True,
     ):
@@ -222,6 +236,7 @@ class TestServer:
         self._tok = None
         self.api_key = api_key
         self.port = port
+        self.host = host
         self.stats = ServerStats()
         self._target: _TargetModel | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -233,8 +248,10 @@ class TestServer:
     # -- lifecycle ------------------------------------------------------------------------------
     @property
     def base_url(self) -> str:
-        """``http://127.0.0.1:<port>/v1`` (what a client passes as ``base_url``)."""
-        return f"http://127.0.0.1:{self.port}/v1"
+        """``http://<host>:<port>/v1`` (what a client passes as ``base_url``; 127.0.0.1 when bound to
+        every interface)."""
+        host = "127.0.0.1" if self.host in ("", "0.0.0.0", "::") else self.host
+        return f"http://[{host}]:{self.port}/v1" if ":" in host else f"http://{host}:{self.port}/v1"
 
     def _make_app(self) -> web.Application:
         app = web.Application()
@@ -242,6 +259,7 @@ class TestServer:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/stats", self._stats)
         app.router.add_get("/health", self._health)
         return app
 
@@ -259,7 +277,7 @@ class TestServer:
         self._stopping = asyncio.Event()
         self._runner = web.AppRunner(self._make_app(), handle_signals=False, access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
+        site = web.TCPSite(self._runner, self.host or None, self.port)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # the bound port when 0 was asked
 
@@ -361,7 +379,8 @@ class TestServer:
             f"test_server_answered_total {s.answered}",
             f"test_server_models_requests_total {s.models_requests}",
         ]
-        lines += [f'test_server_responses_total{{status="{k}"}} {v}' for k, v in sorted(s.statuses.items())]
+        by_status = sorted(s.statuses.items(), key=lambda kv: str(kv[0]))  # ints and "dropped"/"hung"/…
+        lines += [f'test_server_responses_total{{status="{k}"}} {v}' for k, v in by_status]
         if self.spec_accept_length is not None:
             lines += [
                 "# TYPE vllm:spec_decode_num_drafts_total counter",
@@ -371,18 +390,56 @@ class TestServer:
             ]
         return web.Response(text="\n".join(lines) + "\n")
 
+    def stats_json(self) -> dict[str, Any]:
+        """What ``GET /stats`` answers: every :class:`ServerStats` counter (statuses keyed by their string),
+        ``by_prompt`` and ``by_conversation`` as ``{key: requests}`` in first-arrival order, and ``dead``
+        (``die_after`` reached). Request bodies are left out."""
+        s = self.stats
+        return {
+            "model": self.model_name,
+            "chat_requests": s.chat_requests,
+            "completions_requests": s.completions_requests,
+            "models_requests": s.models_requests,
+            "answered": s.answered,
+            "unauthorized": s.unauthorized,
+            "dead": self._dead(),
+            "statuses": {str(k): v for k, v in s.statuses.items()},
+            "spec_drafts": s.spec_drafts,
+            "spec_accepted_tokens": s.spec_accepted_tokens,
+            "by_prompt": dict(s.by_prompt),
+            "by_conversation": dict(s.by_conversation),
+        }
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        return web.json_response(self.stats_json(), dumps=lambda o: json.dumps(o, ensure_ascii=False))
+
+    def _fault_of(self, n: int) -> str | None:
+        """``"drop"``, ``"hang"``, ``"fail"`` or None: what the fault plan does to generation request ``n``."""
+        f = self.faults
+        if n <= f.drop_first:
+            return "drop"
+        if n <= f.drop_first + f.hang_first:
+            return "hang"
+        if n <= f.drop_first + f.hang_first + f.fail_first:
+            return "fail"
+        for kind, every in (("drop", f.drop_every), ("hang", f.hang_every), ("fail", f.fail_every)):
+            if every > 0 and n % every == 0:
+                return kind
+        return None
+
     async def _inject_faults(self, request: web.Request, n: int) -> web.StreamResponse | None:
         """The fault plan's answer to generation request number ``n`` (None: answer normally)."""
         stats, f = self.stats, self.faults
-        if n <= f.drop_first:
+        fault = self._fault_of(n)
+        if fault == "drop":
             stats.statuses["dropped"] += 1
             return self._drop(request)
-        if n <= f.drop_first + f.hang_first:
+        if fault == "hang":
             stats.statuses["hung"] += 1
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), f.hang_s)
             return self._drop(request)
-        if n <= f.drop_first + f.hang_first + f.fail_first:
+        if fault == "fail":
             stats.statuses[f.fail_status] += 1
             headers = {"Retry-After": f"{f.retry_after_s:g}"} if f.retry_after_s is not None else None
             return web.json_response(
@@ -589,28 +646,191 @@ def start_test_server(**kwargs) -> Iterator[TestServer]:
         server.stop()
 
 
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a count >= 0, got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
+
+
+def _status(text: str) -> int:
+    value = int(text)
+    if not 100 <= value <= 599:
+        raise argparse.ArgumentTypeError(f"must be an HTTP status 100-599, got {text}")
+    return value
+
+
+def _accept_length(text: str) -> float:
+    value = float(text)
+    if not (value >= 1 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be an acceptance length >= 1, got {text}")
+    return value
+
+
+_CLI_EPILOG = """\
+Generation requests (POST /v1/chat/completions and /v1/completions, counted together) are numbered
+1, 2, ... in arrival order. The *-first faults take consecutive requests from the start, in the order
+drops, hangs, failures (e.g. --drop-first 1 --fail-first 2: request 1 is dropped, 2 and 3 fail); the
+*-every faults then take every request whose number is a multiple of N (drop before hang before fail);
+every other request is answered after --delay-s. Once --die-after requests have arrived, the server
+acts crashed: every later request (/v1/models and /health included) has its connection dropped and is
+not counted; /metrics and /stats keep answering. The process keeps running until SIGINT/SIGTERM.
+
+Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions, GET /health,
+GET /metrics (Prometheus text: totals per status), GET /stats (JSON: the totals plus by_prompt =
+{first user message (completions: the prompt text): requests received} and by_conversation =
+{canonical JSON of the messages: requests received}).
+
+On start it prints "READY <base_url>" (e.g. READY http://127.0.0.1:31001/v1) on stdout and the active
+fault plan on stderr.
+
+example: a server that fails every 5th request with 429 (Retry-After: 2) and answers the rest after 0.5 s
+  python -m dflash_pipeline.testing.server --port 31001 --fail-every 5 --fail-status 429 \\
+      --retry-after-s 2 --delay-s 0.5
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m dflash_pipeline.testing.server",
+        description=__doc__.split("\n")[0],
+        epilog=_CLI_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    d = Faults()
+    srv = ap.add_argument_group("server")
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="address to bind (default: %(default)s; 0.0.0.0 = every interface, the printed "
+                          "base_url then names 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=0, help="TCP port (default: 0 = a free one; read it from "
+                                                         "the READY line or --port-file)")
+    srv.add_argument("--port-file", default=None, metavar="FILE",
+                     help="write the bound port to FILE (atomically) once listening")
+    srv.add_argument("--api-key-env", default=None, metavar="VAR",
+                     help="require 'Authorization: Bearer <key>' with the key held by environment variable "
+                          "VAR; other requests get 401 (default: no key)")
+
+    ans = ap.add_argument_group("answers")
+    ans.add_argument("--target", default=None, metavar="DIR",
+                     help="serve the causal LM at DIR (e.g. resources/demo-target) with its chat template, "
+                          "greedy, one request at a time (needs torch and transformers; meant for tiny "
+                          "models). Default: canned answers ('Answer <turn> to: <last user message>', one "
+                          "token per word)")
+    ans.add_argument("--tokenizer", default=None, metavar="DIR",
+                     help="canned mode: decode token-id prompts of /v1/completions (and tokenize string "
+                          "prompts) with the tokenizer at DIR (default: ids stand for themselves)")
+    ans.add_argument("--model-name", default=DEFAULT_MODEL_NAME,
+                     help="model id listed by /v1/models and echoed in answers to requests without "
+                          "'model' (default: %(default)s)")
+    ans.add_argument("--reasoning", action="store_true",
+                     help="canned mode: act like a thinking model behind a reasoning parser: chat answers "
+                          "carry reasoning unless the request sends chat_template_kwargs.enable_thinking="
+                          "false; completions text starts with a <think> block unless the prompt ends "
+                          "with </think>")
+    ans.add_argument("--reasoning-field", default="reasoning_content", choices=["reasoning_content", "reasoning"],
+                     help="response field that carries reasoning (default: %(default)s as SGLang and older "
+                          "vLLM; 'reasoning' as newer vLLM)")
+    ans.add_argument("--spec-accept-length", type=_accept_length, default=None, metavar="TAU",
+                     help="act like an engine with a drafter of acceptance length TAU (>= 1): answers carry "
+                          "SGLang meta_info.spec_accept_length/spec_verify_ct and /metrics vLLM's "
+                          "spec_decode counters (default: none)")
+    ans.add_argument("--no-spec-meta-info", action="store_true",
+                     help="with --spec-accept-length: leave meta_info out of answers (vLLM: /metrics only)")
+
+    flt = ap.add_argument_group("faults (generation requests only; see the numbering below)")
+    flt.add_argument("--delay-s", type=_seconds, default=d.delay_s, metavar="S",
+                     help="answer every non-faulted chat or completions request after S seconds "
+                          "(default: %(default)s)")
+    flt.add_argument("--drop-first", type=_count, default=d.drop_first, metavar="N",
+                     help="drop the connection of the first N requests without an answer (default: %(default)s)")
+    flt.add_argument("--hang-first", type=_count, default=d.hang_first, metavar="N",
+                     help="the N requests after the drops get no answer for --hang-s seconds, then a dropped "
+                          "connection (a client timeout shorter than --hang-s sees a timeout; default: %(default)s)")
+    flt.add_argument("--fail-first", type=_count, default=d.fail_first, metavar="N",
+                     help="the N requests after the drops and hangs get HTTP --fail-status (default: %(default)s)")
+    flt.add_argument("--drop-every", type=_count, default=d.drop_every, metavar="N",
+                     help="drop the connection of every request whose number is a multiple of N "
+                          "(default: %(default)s = off)")
+    flt.add_argument("--hang-every", type=_count, default=d.hang_every, metavar="N",
+                     help="hang every request whose number is a multiple of N, as --hang-first does "
+                          "(default: %(default)s = off)")
+    flt.add_argument("--fail-every", type=_count, default=d.fail_every, metavar="N",
+                     help="answer every request whose number is a multiple of N with HTTP --fail-status, "
+                          "i.e. a failure rate of 1/N (default: %(default)s = off)")
+    flt.add_argument("--hang-s", type=_seconds, default=d.hang_s, metavar="S",
+                     help="how long a hung request waits before its connection is dropped (seconds; "
+                          "default: %(default)s)")
+    flt.add_argument("--fail-status", type=_status, default=d.fail_status, metavar="CODE",
+                     help="HTTP status of --fail-first/--fail-every failures, e.g. 500, 503, or 429 for rate "
+                          "limiting (default: %(default)s); the body is an OpenAI error object")
+    flt.add_argument("--retry-after-s", type=_seconds, default=d.retry_after_s, metavar="S",
+                     help="send 'Retry-After: S' (seconds) with --fail-first/--fail-every failures "
+                          "(default: no header)")
+    flt.add_argument("--die-after", type=_count, default=d.die_after, metavar="N",
+                     help="after N requests, act crashed: drop every later connection, /v1/models and /health "
+                          "included (/metrics and /stats keep answering; default: never)")
+    flt.add_argument("--bad-request-marker", default=d.bad_request_marker, metavar="TEXT",
+                     help="a request whose last user message (completions: prompt) contains TEXT gets HTTP 400 "
+                          "'prompt is too long' (default: %(default)s; '' = off)")
+    flt.add_argument("--wrong-content-marker", default=d.wrong_content_marker, metavar="TEXT",
+                     help="a request whose last user message (completions: prompt) contains TEXT gets an answer "
+                          "that carries reasoning even though thinking was disabled (default: %(default)s; "
+                          "'' = off)")
+    flt.add_argument("--malformed-marker", default=d.malformed_marker, metavar="TEXT",
+                     help="a request whose last user message (completions: prompt) contains TEXT gets HTTP 200 "
+                          "with a truncated, unparsable JSON body (default: %(default)s; '' = off)")
+    return ap
+
+
+def faults_summary(faults: Faults) -> str:
+    """The fields of ``faults`` that differ from the defaults, as ``name=value`` (``none`` if all do not)."""
+    default = Faults()
+    changed = [f"{k}={v!r}" for k, v in vars(faults).items() if getattr(default, k) != v]
+    return " ".join(changed) or "none"
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI: serve until SIGINT/SIGTERM. Prints ``READY <base_url>`` on stdout once listening."""
-    ap = argparse.ArgumentParser(prog="python -m dflash_pipeline.testing.server", description=__doc__.split("\n")[0])
-    ap.add_argument("--port", type=int, default=0, help="TCP port on 127.0.0.1 (0 = a free one)")
-    ap.add_argument("--target", default=None, help="target directory to serve (default: canned answers)")
-    ap.add_argument("--model-name", default=DEFAULT_MODEL_NAME)
-    ap.add_argument("--reasoning", action="store_true", help="canned mode: answer with reasoning_content")
-    ap.add_argument("--delay-s", type=float, default=0.0, help="answer every chat request after this delay")
-    ap.add_argument("--api-key-env", default=None, help="require the key held by this environment variable")
-    ap.add_argument("--port-file", default=None, help="write the bound port to this file once listening")
-    args = ap.parse_args(argv)
+    args = _parser().parse_args(argv)
 
     import os
 
     api_key = os.environ[args.api_key_env] if args.api_key_env else None
+    faults = Faults(
+        drop_first=args.drop_first,
+        hang_first=args.hang_first,
+        hang_s=args.hang_s,
+        fail_first=args.fail_first,
+        fail_status=args.fail_status,
+        retry_after_s=args.retry_after_s,
+        drop_every=args.drop_every,
+        hang_every=args.hang_every,
+        fail_every=args.fail_every,
+        delay_s=args.delay_s,
+        die_after=args.die_after,
+        bad_request_marker=args.bad_request_marker,
+        wrong_content_marker=args.wrong_content_marker,
+        malformed_marker=args.malformed_marker,
+    )
     server = TestServer(
         target_dir=args.target,
         model_name=args.model_name,
-        faults=Faults(delay_s=args.delay_s),
+        faults=faults,
         reasoning=args.reasoning,
+        reasoning_field=args.reasoning_field,
+        tokenizer_dir=args.tokenizer,
         api_key=api_key,
         port=args.port,
+        host=args.host,
+        spec_accept_length=args.spec_accept_length,
+        spec_meta_info=not args.no_spec_meta_info,
     )
 
     async def serve() -> None:
@@ -620,6 +840,9 @@ def main(argv: list[str] | None = None) -> int:
             tmp.write_text(f"{server.port}\n")
             tmp.replace(args.port_file)
         print(f"READY {server.base_url}", flush=True)
+        print(f"test server {server.base_url}: model {server.model_name!r}, "
+              f"{'target ' + str(args.target) if args.target else 'canned answers'}, "
+              f"faults: {faults_summary(faults)}", file=sys.stderr, flush=True)
         done = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
