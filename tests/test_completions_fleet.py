@@ -143,6 +143,19 @@ def test_describe_names_the_cause_without_credentials():
                               "(cause: ClientConnectorError: Cannot connect to host http://127.0.0.1:9/v1)")
     assert _describe(ValueError("plain")) == "ValueError: plain"
 
+    class APIStatusError(Exception):  # openai's: "Error code: 500 - {body}", the error object as .body
+        status_code = 500
+
+        def __init__(self, body):
+            super().__init__(f"Error code: 500 - {body}")
+            self.body = body
+
+    server = APIStatusError({"message": "\nTraceback (most recent call last):\n  File x\nKeyError: "
+                                        "'http://user:secret@host/v1'" + "x" * 400})
+    assert _describe(server) == "HTTP 500: Traceback (most recent call last):"  # one line, the server's
+    leaky = APIStatusError({"message": "bad http://user:secret@host/v1 " + "y" * 400})
+    assert "secret" not in _describe(leaky) and len(_describe(leaky)) < 320
+
 
 def test_refused_connection_says_cannot_connect(tmp_path, caplog):
     write_prompts(tmp_path / "p.parquet", single_turn(2))

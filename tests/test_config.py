@@ -26,6 +26,8 @@ def test_schema_problems_lists_every_error_with_its_key():
         "`tokens.max_length`: -5 is not valid: expected >= 8",
     ]
     assert schema_problems({}) == []
+    (leak,) = schema_problems({"generation": {"endpoints": {"base_url": "http://user:sk-secret@host/v1"}}})
+    assert "sk-secret" not in leak and "http://host/v1" in leak  # a URL's credentials never reach a message
     with pytest.raises(ConfigError, match=r"`token`: unknown key.*`tokens.max_length`: -5"):
         validate_config({"token": {}, "tokens": {"max_length": -5}})
 

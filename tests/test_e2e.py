@@ -137,6 +137,21 @@ def test_operational_generation_change_regenerates_nothing(built):
     assert planned_jobs(snakemake(work, "-n", configfile=path)) == {}
 
 
+def test_newer_scripts_rerun_nothing(built):
+    """A `git pull` that touches the rule scripts (newer mtime, as checkout gives) reruns nothing: the
+    profiles leave Snakemake's `code` trigger off, which would regenerate every completion shard."""
+    work, _ = built
+    scripts = sorted((REPO / "scripts").glob("*.py"))
+    saved = {p: (p.stat().st_atime_ns, p.stat().st_mtime_ns) for p in scripts}
+    try:
+        for p in scripts:
+            os.utime(p)  # now: newer than every output of the built workdir
+        assert planned_jobs(snakemake(work, "-n")) == {}
+    finally:
+        for p, times in saved.items():
+            os.utime(p, ns=times)
+
+
 def test_config_key_order_reruns_nothing(built):
     """The same config with every mapping's keys in reverse order (as a script or another YAML writer may
     emit it) plans nothing; only the order of `datasets` (first source wins a duplicate) and `eval.sets`

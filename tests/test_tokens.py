@@ -371,3 +371,15 @@ def test_preflight_rejects_before_generation_and_warns_on_foreign_template(tmp_p
                      "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
     (warning,) = preflight_template(target_dir, gen_cfg=gen, tokens_cfg={}, chat_template=llama)
     assert "<|eot_id|>'" in warning and "not with a special token" in warning
+
+
+def test_check_template_only_warns_when_the_template_rejects_system_turns(tok):
+    """gemma-2 style: `raise_exception('System role not supported')` - a warning, not a failed job."""
+    from dflash_pipeline.tokens import check_template
+
+    tok2 = tok.__class__.from_pretrained(tok.name_or_path)
+    tok2.chat_template = (
+        "{%- if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}{%- endif %}"
+        + QWEN3_STYLE)
+    (warning,) = check_template(tok2, "disable", template_name="gemma2-style")
+    assert "system turn cannot be masked" in warning and "System role not supported" in warning

@@ -922,11 +922,14 @@ class _Fleet:
 _CREDENTIALS_IN_URL = re.compile(r"(?<=://)[^/@\s]+@")
 
 
-def _first_line(exc: BaseException) -> str:
-    """The first line of ``exc``'s message (300 characters at most, ``user:pass@`` removed from any URL
-    in it), or its type name when it has none."""
+def _first_line(exc: BaseException | str) -> str:
+    """The first line of ``exc``'s message (or of a server's message string; 300 characters at most,
+    ``user:pass@`` removed from any URL in it), or its type name when it has none."""
     text = str(exc)
-    msg = text.splitlines()[0][:300] if text.strip() else type(exc).__name__
+    if text.strip():
+        msg = next(line for line in text.splitlines() if line.strip())[:300]
+    else:
+        msg = type(exc).__name__ if isinstance(exc, BaseException) else "(empty message)"
     return _CREDENTIALS_IN_URL.sub("", msg)
 
 
@@ -964,7 +967,8 @@ def _describe(exc: BaseException) -> str:
     if status is not None:  # openai's text is "Error code: 400 - {body}": say the server's message once
         body = getattr(exc, "body", None)
         server_msg = body.get("message") if isinstance(body, dict) else None
-        msg = str(server_msg) if isinstance(server_msg, str) and server_msg else re.sub(r"^Error code: \d+ - ", "", msg)
+        msg = _first_line(server_msg) if isinstance(server_msg, str) and server_msg.strip() else re.sub(
+            r"^Error code: \d+ - ", "", msg)
     out = f"HTTP {status}: {msg}" if status is not None else f"{type(exc).__name__}: {msg}"
     cause = _root_cause(exc)
     if cause is not None:
@@ -1682,7 +1686,7 @@ def preflight_template(
     chat_template: str | Path | None = None,
     trust_remote_code: bool = False,
 ) -> list[str]:
-    """Before a completions job generates anything: :func:`dflash_pipeline.tokens.check_template` on the
+    """Before a completions job generates anything: :func:`dflash_pipeline.spans.check_template` on the
     target's tokenizer and template in ``gen_cfg["thinking"]`` (skipped, with a warning, when
     ``tokens_cfg["use_server_token_ids"]`` is set: those records need no render). Warnings are logged and
     returned.
@@ -1690,7 +1694,7 @@ def preflight_template(
     Raises:
         ConfigError: the tokens stage could not mask conversations of this template in this mode.
     """
-    from . import tokens
+    from . import spans  # the string level only: no numpy/pyarrow in this rule's env
 
     if tokens_cfg.get("use_server_token_ids"):
         log.warning("tokens.use_server_token_ids is set: the chat-template check is skipped; records without "
@@ -1698,7 +1702,7 @@ def preflight_template(
         return []
     tok = load_tokenizer(target_dir, chat_template=chat_template, trust_remote_code=trust_remote_code)
     name = f"chat template {chat_template}" if chat_template else f"chat template of {target_dir}"
-    warnings = tokens.check_template(tok, gen_cfg["thinking"], template_name=name)
+    warnings = spans.check_template(tok, gen_cfg["thinking"], template_name=name)
     for w in warnings:
         log.warning("%s", w)
     return warnings

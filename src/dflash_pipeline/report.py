@@ -122,8 +122,12 @@ def generation_table(
         shard_stats = read_json(stats_file) if stats_file.is_file() else {}
         secs = shard_stats.get("wall_s")  # the last run's seconds: its tokens, not the resumed ones
         run_tokens = (shard_stats.get("run") or {}).get("completion_tokens")
-        d["run_tokens"] = d.get("run_tokens", 0) + (run_tokens if run_tokens is not None else sum(
-            (t.get("completion_tokens") or 0) for rec in table.select(["turns"]).to_pylist() for t in rec["turns"] or []))
+        if run_tokens is None:  # a stats file from before the `run` block: its top level was that run's
+            run_tokens = shard_stats.get("completion_tokens")
+        if run_tokens is None:  # no stats file: the shard's tokens (the Snakemake benchmark's run)
+            run_tokens = sum((t.get("completion_tokens") or 0)
+                             for rec in table.select(["turns"]).to_pylist() for t in rec["turns"] or [])
+        d["run_tokens"] = d.get("run_tokens", 0) + run_tokens
         d["retries"] = d.get("retries", 0) + (shard_stats.get("retries") or 0)
         if secs is None and benchmark_dir:
             secs = _benchmark_seconds(Path(benchmark_dir) / dataset / f"{path.stem}.tsv")

@@ -182,7 +182,7 @@ if __name__ == "__main__":
 
 
 #: Modules whose code decides the bytes of a token shard (rules/tokens.smk reruns when they change).
-TOKENIZATION_MODULES = ("dflash_pipeline.tokens", "dflash_pipeline.chat", "dflash_pipeline.contracts", "dflash_pipeline.shards")
+TOKENIZATION_MODULES = ("dflash_pipeline.tokens", "dflash_pipeline.spans", "dflash_pipeline.chat", "dflash_pipeline.contracts", "dflash_pipeline.shards")
 
 
 def code_fingerprint(modules=TOKENIZATION_MODULES) -> str:

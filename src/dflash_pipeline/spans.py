@@ -1,0 +1,256 @@
+"""String level of the tokens stage: supervised character spans from render differences.
+
+The method (prefix diffs of generation-prompt and turn renders, end-of-turn rules, splitting templates
+that rewrite earlier turns, scaffolding the target never generated) is described in the docstring of
+:mod:`dflash_pipeline.tokens`, which turns these spans into token masks. This module needs no numpy or
+pyarrow, so the completions job can run :func:`check_template` before generating (its conda env).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from . import chat
+from .errors import ConfigError, TokenizationError
+
+
+# --------------------------------------------------------------------------------------------------
+# String level: supervised character spans from render differences
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainSequence:
+    """One training sequence before tokenization.
+
+    Attributes:
+        text: the rendered string (a prefix-closed render of the conversation up to its last turn).
+        spans: supervised character spans ``[(start, end), ...]``, sorted, non-overlapping.
+        turns: assistant-turn indices (0-based among assistant turns) supervised in this sequence.
+    """
+
+    text: str
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    turns: list[int] = field(default_factory=list)
+
+
+def special_token_strings(tokenizer) -> tuple[str, ...]:
+    """Contents of the tokenizer's *special* added tokens (end-of-turn candidates), longest first."""
+    out = set()
+    for tok in getattr(tokenizer, "added_tokens_decoder", {}).values():
+        if getattr(tok, "special", False) and tok.content:
+            out.add(str(tok.content))
+    for name in ("eos_token", "bos_token", "pad_token"):
+        val = getattr(tokenizer, name, None)
+        if isinstance(val, str) and val:
+            out.add(val)
+    return tuple(sorted(out, key=lambda s: (-len(s), s)))
+
+
+def supervised_length(suffix: str, specials: Sequence[str], *, include_eot: bool = True) -> int:
+    """Length of the supervised head of ``suffix`` (= render after the generation prompt).
+
+    Trailing whitespace is template scaffolding; if what remains ends with a run of special tokens
+    (optionally separated by whitespace), only the first of that run is kept: it is the stop token the
+    target emitted, later ones are template text (e.g. a trailing ``<|endoftext|>``). With
+    ``include_eot=False`` (generation cut at max_tokens: the target never emitted a stop token) the whole
+    run is excluded.
+    """
+    end = len(suffix.rstrip())
+    first_special_end = None
+    while end > 0:
+        hit = next((s for s in specials if suffix.endswith(s, 0, end)), None)
+        if hit is None:
+            break
+        first_special_end = end
+        end = len(suffix[: end - len(hit)].rstrip())
+    if first_special_end is None or not include_eot:
+        return end
+    return first_special_end
+
+
+#: Completion messages -> template messages (one definition, shared with generation: chat.py).
+render_messages = chat.template_messages
+
+
+def conversation_sequences(
+    tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    thinking: str,
+    last_turn_only: bool = False,
+    prompt_id: str = "?",
+    specials: Sequence[str] | None = None,
+    finish_reasons: Sequence[str | None] | None = None,
+    generated: Sequence[str | None] | None = None,
+    counts: dict | None = None,
+) -> list[TrainSequence]:
+    """Training sequences and supervised character spans for one conversation (see module docstring).
+
+    Args:
+        tokenizer: HF tokenizer carrying the target's chat template.
+        messages: the completed conversation (``role``, ``content``, optional ``reasoning_content``).
+        thinking: ``none|save|disable``, the mode used for generation.
+        last_turn_only: supervise only the last assistant turn.
+        prompt_id: used in error messages.
+        specials: special-token strings (default: :func:`special_token_strings`).
+        finish_reasons: per assistant turn; a turn with ``"length"`` (cut at max_tokens) gets no supervised
+            end-of-turn token, since the target never emitted one.
+        generated: per assistant turn, the text of the ids the target produced (``output_token_ids``
+            decoded with special tokens; None when unknown). When the rendered turn ends with that text
+            (end-of-turn and whitespace aside) but the template put non-whitespace text before it - e.g.
+            the empty ``<think>\n\n</think>\n\n`` Qwen3 renders for a turn without reasoning, which a
+            target that emitted no think block never generated - that leading text is scaffolding: 0.
+        counts: optional dict; ``scaffolding_excluded`` (turns where that happened) and
+            ``render_differs_from_output_ids`` (turns whose render does not end with the generated text,
+            e.g. a template that normalizes whitespace; their mask is left as the render gives it) are
+            incremented.
+
+    Returns:
+        Sequences in turn order (empty if there is no assistant turn).
+
+    Raises:
+        TokenizationError: the generation-prompt render is not a prefix of the render with the turn, or
+            the template drops the turn's content or reasoning (message names prompt_id and turn).
+    """
+    specials = special_token_strings(tokenizer) if specials is None else specials
+    msgs = render_messages(messages)
+    a_idx = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+    if not a_idx:
+        return []
+    selected = list(range(len(a_idx)))[-1:] if last_turn_only else list(range(len(a_idx)))
+
+    turn_render: dict[int, tuple[str, int, int]] = {}  # k -> (Q, span_start, span_end)
+    try:
+        ps = chat.render_many(tokenizer, [msgs[: a_idx[k]] for k in selected], thinking=thinking, add_generation_prompt=True)
+        qs = chat.render_many(tokenizer, [msgs[: a_idx[k] + 1] for k in selected], thinking=thinking, add_generation_prompt=False)
+    except Exception:  # jinja raise_exception, missing keys, ...: find the turn that fails, for the message
+        for k in selected:
+            for sub, gen in ((msgs[: a_idx[k]], True), (msgs[: a_idx[k] + 1], False)):
+                try:
+                    chat.render(tokenizer, sub, thinking=thinking, add_generation_prompt=gen)
+                except Exception as exc:
+                    raise TokenizationError(
+                        f"prompt_id={prompt_id} turn={k}: chat template failed to render: {exc}"
+                    ) from exc
+        raise
+    for k, p, q in zip(selected, ps, qs):
+        i = a_idx[k]
+        if not q.startswith(p):
+            n = next((j for j, (a, b) in enumerate(zip(p, q)) if a != b), min(len(p), len(q)))
+            raise TokenizationError(
+                f"prompt_id={prompt_id} turn={k}: the render with the assistant turn does not start with the "
+                f"generation-prompt render (they differ at char {n}: prompt {p[n:n + 40]!r} vs "
+                f"conversation {q[n:n + 40]!r}); the template rewrites the turn it generates, so the loss "
+                f"mask cannot be derived exactly. Use a training variant of the template "
+                f"(`target.chat_template`) or server token ids."
+            )
+        suffix = q[len(p):]
+        cut = bool(finish_reasons) and k < len(finish_reasons) and finish_reasons[k] == "length"
+        sup = supervised_length(suffix, specials, include_eot=not cut)
+        text = suffix[:sup]
+        m = msgs[i]
+        content = m["content"].strip()
+        if content and content not in text:
+            raise TokenizationError(
+                f"prompt_id={prompt_id} turn={k}: the template does not render the assistant content "
+                f"verbatim after the generation prompt (rendered {text[:80]!r}); cannot mask it exactly"
+            )
+        rc = m.get("reasoning_content")
+        if rc and rc.strip() not in text:
+            raise TokenizationError(
+                f"prompt_id={prompt_id} turn={k}: the template drops this turn's reasoning_content, which the "
+                f"target generated (thinking={thinking!r}); use a template that renders it or thinking=disable"
+            )
+        start = len(p)
+        g = generated[k] if generated is not None and k < len(generated) else None
+        if g is not None:
+            core = g[: supervised_length(g, specials, include_eot=False)].strip()
+            body = text[: supervised_length(text, specials, include_eot=False)]
+            if core and body.endswith(core):
+                lead = body[: len(body) - len(core)]
+                if lead.strip():  # template text before everything the target generated
+                    g_ws = g[: len(g) - len(g.lstrip())]  # whitespace the target did generate first
+                    start += len(lead) - (len(g_ws) if g_ws and lead.endswith(g_ws) else 0)
+                    if counts is not None:
+                        counts["scaffolding_excluded"] = counts.get("scaffolding_excluded", 0) + 1
+            elif core and counts is not None:
+                counts["render_differs_from_output_ids"] = counts.get("render_differs_from_output_ids", 0) + 1
+        turn_render[k] = (q, start, len(p) + sup)
+
+    pending = sorted(turn_render)
+    seqs: list[TrainSequence] = []
+    while pending:
+        j = pending[-1]
+        q_j = turn_render[j][0]
+        seq = TrainSequence(text=q_j)
+        keep = []
+        for k in pending:
+            q_k, s, e = turn_render[k]
+            if k == j or q_j.startswith(q_k[:e]):
+                seq.spans.append((s, e))
+                seq.turns.append(k)
+            else:
+                keep.append(k)
+        pending = keep
+        seqs.append(seq)
+    seqs.reverse()
+    return seqs
+
+
+#: Synthetic conversation for :func:`check_template` (system, two user turns, two assistant turns).
+_CHECK_TURNS = [("What is 6 times 7?", "Let me think: 6 * 7 = 42.", "The answer is 42."),
+                ("And in words?", "Spell it out.", "Forty-two.")]
+
+
+def check_template(tokenizer, thinking: str, *, template_name: str = "the target's chat template") -> list[str]:
+    """Check, before anything is generated, that the tokens stage can mask conversations of this template
+    in this thinking mode (single- and multi-turn, reasoning present for ``save``; a system turn is tried
+    too, and a template that rejects it only warns).
+
+    The completions job runs it first, so a template/thinking combination the render path rejects
+    (DeepSeek-R1's ``<think>`` generation prompt, an always-thinking template with ``disable``, reasoning
+    a template drops with ``save``, ...) fails in seconds instead of after hours of generation.
+
+    Returns:
+        Warnings (strings), e.g. when a rendered assistant turn does not end with a special token of the
+        tokenizer (the template's end-of-turn text is not one token: wrong template for this tokenizer,
+        or a template without an end-of-turn marker such as GLM's), so the drafter never learns the stop.
+
+    Raises:
+        ConfigError: the render path cannot derive exact masks (the message carries the render error and
+            names ``target.chat_template``, ``generation.thinking`` and ``tokens.use_server_token_ids``).
+    """
+    specials = special_token_strings(tokenizer)
+    warnings: list[str] = []
+    # (label, system turn, user turns); a template that rejects system turns (gemma-2) only warns
+    for label, system, n in (("single-turn", False, 1), ("multi-turn", False, 2), ("system-turn", True, 1)):
+        msgs: list[dict] = [{"role": "system", "content": "You are terse."}] if system else []
+        for user, reasoning, answer in _CHECK_TURNS[:n]:
+            msgs.append({"role": "user", "content": user})
+            msgs.append({"role": "assistant", "content": answer,
+                         "reasoning_content": reasoning if thinking == "save" else None})
+        try:
+            seqs = conversation_sequences(tokenizer, msgs, thinking=thinking, prompt_id="(check)", specials=specials)
+        except TokenizationError as exc:
+            if system:
+                warnings.append(f"{template_name}: a conversation with a system turn cannot be masked ({exc}); "
+                                f"prompts with a system message will fail in the tokens stage")
+                continue
+            raise ConfigError(
+                f"{template_name} with generation.thinking={thinking!r}: the tokens stage cannot derive exact "
+                f"loss masks ({label} check: {exc}). Nothing was generated. Use "
+                f"a training variant of the template (`target.chat_template`), another `generation.thinking`, "
+                f"or `tokens.use_server_token_ids: true` with a server that returns token ids (vLLM: "
+                f"`generation.extra_body: {{return_token_ids: true}}`)"
+            ) from None
+        if label == "single-turn":
+            (seq,) = seqs
+            s, e = seq.spans[-1]
+            if not any(seq.text.endswith(t, s, e) for t in specials):
+                warnings.append(
+                    f"{template_name}: a rendered assistant turn ends with {seq.text[max(s, e - 20):e]!r}, not with "
+                    f"a special token of this tokenizer, so no end-of-turn token is supervised (is "
+                    f"`target.chat_template` meant for this tokenizer?)")
+    return warnings
