@@ -91,7 +91,7 @@ from .contracts import (
     PROMPT_ROLES,
     canonical_json,
 )
-from .errors import ConfigError, DataError, GenerationError
+from .errors import ConfigError, DataError, GenerationError, strip_url_credentials
 
 log = logging.getLogger(__name__)
 
@@ -919,9 +919,6 @@ class _Fleet:
                 pass
 
 
-_CREDENTIALS_IN_URL = re.compile(r"(?<=://)[^/@\s]+@")
-
-
 def _first_line(exc: BaseException | str) -> str:
     """The first line of ``exc``'s message (or of a server's message string; 300 characters at most,
     ``user:pass@`` removed from any URL in it), or its type name when it has none."""
@@ -930,7 +927,7 @@ def _first_line(exc: BaseException | str) -> str:
         msg = next(line for line in text.splitlines() if line.strip())[:300]
     else:
         msg = type(exc).__name__ if isinstance(exc, BaseException) else "(empty message)"
-    return _CREDENTIALS_IN_URL.sub("", msg)
+    return strip_url_credentials(msg)
 
 
 def _root_cause(exc: BaseException) -> BaseException | None:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import copy
 import difflib
-import re
 from pathlib import Path
 from typing import Any, Mapping
 
 import jsonschema
 import yaml
 
-from .errors import ConfigError
+from .errors import ConfigError, strip_url_credentials
 
 SCHEMA_PATH = Path(__file__).parent / "schemas" / "config.schema.yaml"
 
@@ -61,7 +60,7 @@ def _describe(err: jsonschema.ValidationError) -> str:
         return "; ".join(lines)
     if err.validator == "required":
         return f"`{where or '<top level>'}`: {err.message}"
-    value = re.sub(r"(?<=://)[^/@\s'\"]+@", "", repr(err.instance))  # no user:password@ of a URL in a message
+    value = strip_url_credentials(repr(err.instance))
     value = value if len(value) <= 60 else value[:57] + "..."
     msg = err.message if len(err.message) <= 200 else err.message[:197] + "..."
     expect = {"type": "type", "enum": "one of", "minimum": ">=", "maximum": "<=", "exclusiveMinimum": ">",

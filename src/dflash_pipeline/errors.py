@@ -1,5 +1,16 @@
 """Exception types. Every message names the file, record and field involved, and the fix."""
 
+import re
+
+#: The ``user:password@`` part of a URL (up to the host), as it may appear in any message text.
+_CREDENTIALS_IN_URL = re.compile(r"(?<=://)[^/@\s'\"]+@")
+
+
+def strip_url_credentials(text: str) -> str:
+    """``text`` with the ``user:password@`` of every URL in it removed: safe for messages, logs and
+    outputs (secrets never leave the environment)."""
+    return _CREDENTIALS_IN_URL.sub("", text)
+
 
 class PipelineError(Exception):
     """Base class for all errors raised by dflash-pipeline."""
