@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from .errors import DataError
-from .shards import write_json
+from .shards import replace_dir, write_json
 
 DEMO_SCHEMA_VERSION = 1
 
@@ -405,7 +405,7 @@ def build_demo_target(
             for p in tmp.iterdir():
                 os.chmod(p, 0o644)  # save_pretrained writes safetensors 0600
             os.chmod(tmp, 0o755)
-            _replace_dir(tmp, out_dir)
+            replace_dir(tmp, out_dir)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -414,16 +414,6 @@ def build_demo_target(
     finally:
         torch.use_deterministic_algorithms(prev_det)
 
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Rename ``src`` to ``dst``; an existing ``dst`` is moved aside first and removed afterwards."""
-    old = None
-    if dst.exists():
-        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-        os.replace(dst, old)
-    os.replace(src, dst)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def greedy_answer(target_dir: str | os.PathLike, question: str, *, max_new_tokens: int = 96) -> str:

@@ -27,7 +27,7 @@ import torch
 from . import model as M
 from .contracts import EVAL_SCHEMA_VERSION
 from .errors import PipelineError
-from .shards import write_json
+from .shards import write_json, write_tsv
 
 
 class EvalComparisonError(PipelineError):
@@ -439,15 +439,9 @@ def eval_table_rows(record: dict) -> list[dict]:
 
 def write_eval_table(record: dict, path: str | Path) -> None:
     """TSV of :func:`eval_table_rows` (the report shows it as a table)."""
-    _write_tsv(path, TABLE_COLUMNS, eval_table_rows(record))
+    write_tsv(path, TABLE_COLUMNS, eval_table_rows(record))
 
 
-def _write_tsv(path: str | Path, columns: Sequence[str], rows: Sequence[dict]) -> None:
-    lines = ["\t".join(columns)] + ["\t".join(str(r.get(c, "")) for c in columns) for r in rows]
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(str(path) + ".tmp")
-    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    tmp.replace(path)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -12,21 +12,11 @@ import csv
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
-from .shards import read_json, read_parquet, read_shard_metadata
+from .shards import read_json, read_parquet, read_shard_metadata, write_tsv
 
 
-def _write_tsv(path: str | Path, columns: Sequence[str], rows: Iterable[dict]) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(columns), delimiter="\t", extrasaction="ignore", lineterminator="\n")
-        w.writeheader()
-        for r in rows:
-            w.writerow({c: ("" if r.get(c) is None else r.get(c)) for c in columns})
-    tmp.replace(path)
 
 
 def _flatten(obj, prefix: str = "") -> list[tuple[str, str]]:
@@ -47,7 +37,7 @@ def _flatten(obj, prefix: str = "") -> list[tuple[str, str]]:
 def probe_table(probe_json: str | Path, out_tsv: str | Path) -> list[tuple[str, str]]:
     """The config probe record as ``key  value`` rows (nested keys dotted)."""
     rows = _flatten(read_json(probe_json))
-    _write_tsv(out_tsv, ("key", "value"), ({"key": k, "value": v} for k, v in rows))
+    write_tsv(out_tsv, ("key", "value"), ({"key": k, "value": v} for k, v in rows))
     return rows
 
 
@@ -64,7 +54,7 @@ def prompts_table(manifest_json: str | Path, out_tsv: str | Path) -> list[dict]:
             "stopped_at_max_prompts": ds.get("stopped_at_max_prompts"),
         })
     cols = ["dataset", "read", "kept", "shards", "dropped_total", *(f"dropped_{r}" for r in reasons), "stopped_at_max_prompts"]
-    _write_tsv(out_tsv, cols, rows)
+    write_tsv(out_tsv, cols, rows)
     return rows
 
 
@@ -159,7 +149,7 @@ def generation_table(
     rows = [row(name, [d]) for name, d in per.items()]
     if per:
         rows.append(row("all", list(per.values())))
-    _write_tsv(out_tsv, GENERATION_COLUMNS, rows)
+    write_tsv(out_tsv, GENERATION_COLUMNS, rows)
     if out_json is not None:
         from .shards import write_json
 
@@ -199,5 +189,5 @@ def tokens_table(token_shards: Sequence[str | Path], out_tsv: str | Path) -> lis
     rows = [row(name, c) for name, c in per.items()]
     if per:
         rows.append(row("all", sum(per.values(), Counter())))
-    _write_tsv(out_tsv, ("dataset", "shards", *TOKEN_COUNTS, "loss_fraction", *reasons), rows)
+    write_tsv(out_tsv, ("dataset", "shards", *TOKEN_COUNTS, "loss_fraction", *reasons), rows)
     return rows

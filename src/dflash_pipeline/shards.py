@@ -7,12 +7,14 @@ skipped, which keeps the file's mtime and so keeps downstream Snakemake jobs val
 
 from __future__ import annotations
 
+import csv
 import io
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -44,6 +46,36 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, skip_if_identica
             os.unlink(tmp)
         raise
     return True
+
+
+def replace_dir(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Move the finished directory ``src`` to ``dst`` atomically: a reader sees the old ``dst`` or the new
+    one, never a half-written one. An existing ``dst`` is renamed aside first and removed afterwards.
+
+    ``src`` and ``dst`` must be on one filesystem (``os.replace``); ``src`` is typically ``dst`` + ``.tmp``.
+    """
+    src, dst = Path(src), Path(dst)
+    old = None
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dst, old)
+    os.replace(src, dst)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def write_tsv(path: str | os.PathLike, columns: Sequence[str], rows: Iterable[Mapping[str, Any]]) -> None:
+    """Write ``rows`` as a tab-separated table with a header of ``columns`` (atomic; ``None`` and missing
+    values are empty cells; keys not in ``columns`` are ignored)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    buf = io.StringIO(newline="")
+    w = csv.DictWriter(buf, fieldnames=list(columns), delimiter="\t", extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({c: ("" if r.get(c) is None else r.get(c)) for c in columns})
+    atomic_write_bytes(path, buf.getvalue().encode("utf-8"), skip_if_identical=False)
 
 
 def write_json(path: str | os.PathLike, obj: Any, *, skip_if_identical: bool = True) -> bool:

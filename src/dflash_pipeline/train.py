@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
 import sys
 import time
@@ -27,7 +26,7 @@ import numpy as np
 import torch
 
 from . import model as M
-from .shards import read_parquet, write_json
+from .shards import read_parquet, replace_dir, write_json
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -268,8 +267,7 @@ def train(
         tmp = out_dir / "final.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         M.save_drafter(accelerator.unwrap_model(drafter), tmp, extra={"train_steps": total_steps, "zero_target_features": zero_target_features})
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        replace_dir(tmp, final)
         write_json(out_dir / "train_summary.json", summary)
     save_state(accelerator, state_dir, step)
     accelerator.wait_for_everyone()
@@ -314,8 +312,7 @@ def export_step(drafter, out_dir: Path, step: int, zero_target_features: bool = 
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     M.save_drafter(drafter, tmp, extra={"train_steps": step, "zero_target_features": zero_target_features})
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    replace_dir(tmp, final)
     return final
 
 
@@ -340,8 +337,7 @@ def save_state(accelerator, state_dir: Path, step: int) -> None:
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (tmp / "step.json").write_text(json.dumps({"step": step}))
-        shutil.rmtree(state_dir, ignore_errors=True)
-        os.replace(tmp, state_dir)
+        replace_dir(tmp, state_dir)
     accelerator.wait_for_everyone()
 
 
