@@ -9,11 +9,13 @@ min_version("9.0")
 configfile: "config/config.yaml"
 
 
-# every schema problem on one line each (Snakemake's validate prints the whole schema and the first only)
-from dflash_pipeline.config import normalize_numbers, schema_problems
+# every problem on one line each: the schema's (Snakemake's validate prints the whole schema and the first
+# only), then the cross-field checks that would otherwise fail hours later (dflash_pipeline.config.problems)
+from dflash_pipeline.config import normalize_numbers, problems
 
-if schema_problems(config):
-    raise WorkflowError("config problems:\n  - " + "\n  - ".join(schema_problems(config)))
+config_problems = problems(config, base_dir=workflow.basedir)
+if config_problems:
+    raise WorkflowError("config problems:\n  - " + "\n  - ".join(config_problems))
 validate(config, "config/schema.yaml")  # fills the defaults
 normalize_numbers(config)  # `temperature: 0` and `0.0` are one setting (params compare reprs)
 

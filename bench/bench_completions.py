@@ -61,6 +61,7 @@ sys.path.insert(0, str(REPO / "src"))
 
 from dflash_pipeline import contracts, shards  # noqa: E402
 from dflash_pipeline.completions import generate_shard  # noqa: E402
+from dflash_pipeline.config import validate_config  # noqa: E402
 
 
 def cpu_s() -> float:
@@ -126,14 +127,14 @@ def prompt_shard(path: Path, n: int, tag: str) -> list[list[dict]]:
 
 
 def gen_cfg(urls: list[str], conc: int, timeout_s: float, client_processes: int = 1) -> dict:
-    return {
+    return validate_config({"generation": {
         "client_processes": client_processes,
         "backend": "openai", "model": "test-model", "thinking": "none", "temperature": 0.0, "top_p": 1.0,
         "top_k": None, "max_tokens": 64, "seed": 0, "batch_size": 1, "request_timeout_s": timeout_s,
         "max_retries": 0, "retry_backoff_s": 0.1, "retry_backoff_max_s": 1.0, "endpoint_max_failures": 1000,
         "endpoint_reprobe_s": 1.0, "circuit_breaker_failures": 1000, "max_error_fraction": 1.0, "extra_body": {},
         "endpoints": [{"base_url": u, "max_concurrency": conc} for u in urls],
-    }
+    }})["generation"]
 
 
 def run_pipeline(urls, conc, n, tmp: Path, tag: str, timeout_s: float, procs: int = 1) -> dict:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
+import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import jsonschema
 import yaml
@@ -122,22 +124,21 @@ def validate_config(config: Mapping[str, Any]) -> dict:
         ConfigError: naming the offending key path and the schema's complaint, or (by key) a language code
             the language filter does not know (:func:`dflash_pipeline.prompts.language_problems`).
     """
-    problems = schema_problems(config)
-    if problems:
-        raise ConfigError(f"config problems (schema: {SCHEMA_PATH}): " + "; ".join(problems))
+    found = schema_problems(config)
+    if found:
+        raise ConfigError(f"config problems (schema: {SCHEMA_PATH}): " + "; ".join(found))
+    cfg = _filled(config)
+    found = language_block_problems(cfg)  # language codes the schema's pattern lets through
+    if found:
+        raise ConfigError("; ".join(found))
+    return cfg
+
+
+def _filled(config: Mapping[str, Any]) -> dict:
+    """A deep copy of a schema-valid ``config`` with every default filled and numbers normalized."""
     cfg = copy.deepcopy(dict(config))
     _with_defaults(jsonschema.Draft202012Validator)(load_schema()).validate(cfg)  # fills the defaults
-    normalize_numbers(cfg)
-    if cfg["prompts"].get("languages") or any(
-        src.get("languages") is not None or src.get("min_language_confidence") is not None
-        for src in cfg["datasets"].values()
-    ):  # language codes the schema's pattern lets through (imported only when a language filter is set)
-        from .prompts import language_problems
-
-        problems = language_problems(cfg["prompts"], cfg["datasets"])
-        if problems:
-            raise ConfigError("; ".join(problems))
-    return cfg
+    return normalize_numbers(cfg)
 
 
 def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> dict:
@@ -160,3 +161,155 @@ def deep_merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict:
         else:
             out[key] = copy.deepcopy(value)
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# cross-field checks: one place for the plan (Snakefile) and the library
+
+
+@functools.lru_cache(maxsize=1)
+def _schema() -> dict:
+    return load_schema()
+
+
+def _schema_node(path: Sequence[str]) -> Mapping[str, Any]:
+    node: Mapping[str, Any] = _schema()
+    for key in path:
+        node = node["additionalProperties"] if key == "*" else node["properties"][key]
+    return node
+
+
+def schema_default(*path: str) -> Any:
+    """The schema's default of the key at ``path`` (``schema_default("generation", "api")`` -> ``"chat"``;
+    ``"*"`` steps into ``additionalProperties``, e.g. ``("datasets", "*", "format")``), for code that
+    compares a value with its default. A copy (mutating it changes nothing).
+
+    Raises:
+        KeyError: no such key, or it has no default.
+    """
+    return copy.deepcopy(_schema_node(path)["default"])
+
+
+def schema_defaults(*path: str) -> dict:
+    """``{key: default}`` of every key with a default in the object at ``path`` (as :func:`schema_default`),
+    for library entry points that accept a partial section (tests, notebooks): they fill it from the
+    schema rather than re-stating a default."""
+    props = _schema_node(path).get("properties") or {}
+    return {k: copy.deepcopy(v["default"]) for k, v in props.items() if "default" in v}
+
+
+def generation_problems(gen: Mapping[str, Any], *, target_dir: Any, backend: str | None = None,
+                        environ: Mapping[str, str] | None = None) -> list[str]:
+    """Cross-field problems of a validated ``generation`` section, one line each (empty: none).
+
+    Args:
+        gen: validated ``config["generation"]``.
+        target_dir: the target directory (``target.path``; None when a library caller has none).
+        backend: the backend to check for (default ``gen["backend"]``).
+        environ: where ``api_key_env`` variables are looked up (default ``os.environ``).
+    """
+    environ = os.environ if environ is None else environ
+    backend = gen["backend"] if backend is None else backend
+    out = []
+    if backend == "transformers":
+        if gen["client_processes"] > 1:
+            out.append("generation.client_processes: applies to the openai backend only (transformers generates "
+                       "in-process); leave it at 1")
+        if gen["api"] == "completions":
+            out.append("generation.api: completions applies to the openai backend only (transformers renders "
+                       "locally anyway)")
+        if target_dir is None:
+            out.append("generation.backend: transformers needs the target directory (target.path)")
+        return out
+    if not gen["endpoints"]:
+        out.append("generation.endpoints: the openai backend needs at least one {base_url: http://host:port/v1}")
+    if gen["api"] == "completions":
+        if target_dir is None:
+            out.append("generation.api: completions renders prompts locally and needs the target's tokenizer and "
+                       "chat template (target.path)")
+        if "chat_template_kwargs" in gen["extra_body"]:
+            out.append("generation.extra_body.chat_template_kwargs: not applied with generation.api: completions "
+                       "(the prompt is rendered locally; generation.thinking sets the template kwargs)")
+    for i, ep in enumerate(gen["endpoints"]):
+        env = ep.get("api_key_env")
+        if env and env not in environ:
+            out.append(f"generation.endpoints[{i}].api_key_env: ${env} (the key of "
+                       f"{strip_url_credentials(ep['base_url'])}) is not set; export it (the key itself never goes "
+                       f"into the config)")
+    return out
+
+
+def language_block_problems(cfg: Mapping[str, Any]) -> list[str]:
+    """Problems of the language block (``prompts.languages``, ``prompts.min_language_confidence`` and the
+    per-source ``languages``/``min_language_confidence``) of a validated config: codes the language filter
+    does not know, confidences out of range. Imports the prompts stage only when a filter is configured."""
+    if not cfg["prompts"].get("languages") and not any(
+        src.get("languages") is not None or src.get("min_language_confidence") is not None
+        for src in cfg["datasets"].values()
+    ):
+        return []
+    from .prompts import language_problems
+
+    return language_problems(cfg["prompts"], cfg["datasets"])
+
+
+def resolve_path(path: str, base_dir: str | Path | None) -> str:
+    """A relative ``path`` missing from the working directory but present under ``base_dir`` (the
+    workflow's own directory: bundled data under ``data/``) resolves there, so ``snakemake -d elsewhere``
+    works; any other path is returned as given."""
+    p = Path(path)
+    if base_dir is None or p.is_absolute() or p.exists():
+        return str(path)
+    shipped = Path(base_dir) / p
+    return str(shipped) if shipped.exists() else str(path)
+
+
+def cross_field_problems(cfg: Mapping[str, Any], *, base_dir: str | Path | None = None) -> list[str]:
+    """Problems of a validated config that no single key shows, one line each: files that must exist (the
+    target and its tokenizer, the chat template, local dataset and eval set paths, resolved against
+    ``base_dir`` like the workflow does), no dataset, an eval block size above the trained one,
+    :func:`generation_problems` and :func:`language_block_problems`."""
+    out = []
+    path = cfg["target"]["path"]
+    if path != "demo" and not (Path(path) / "config.json").is_file():
+        out.append(f"target.path: {path}/config.json not found (a model directory, or `demo`)")
+    elif path != "demo":
+        from .probe import tokenizer_files_missing
+
+        why = tokenizer_files_missing(Path(path))
+        if why:
+            out.append(f"target.path: {why}; the tokens stage (and generation.api: completions) need the "
+                       f"target's tokenizer (weights are needed only by the transformers backend)")
+    template = cfg["target"]["chat_template"]
+    if template is not None and not Path(template).is_file():
+        out.append(f"target.chat_template: {template} not found (a .jinja file, or null for the tokenizer's own)")
+    if not cfg["datasets"]:
+        out.append("datasets: no prompt source configured (see config/config.yaml for the shape)")
+    for name, src in cfg["datasets"].items():
+        src_path = resolve_path(src["path"], base_dir)
+        if not src_path.startswith("hf:") and not Path(src_path).exists():
+            out.append(f"datasets.{name}.path: {src_path} not found")
+    for name, src in cfg["eval"]["sets"].items():
+        src_path = resolve_path(src["path"], base_dir)
+        if not Path(src_path).exists():
+            out.append(f"eval.sets.{name}.path: {src_path} not found")
+    eval_bs, trained_bs = cfg["eval"]["block_size"], cfg["drafter"]["block_size"]
+    if eval_bs is not None and eval_bs > trained_bs:
+        out.append(f"eval.block_size: {eval_bs} exceeds drafter.block_size {trained_bs} (null = the trained one)")
+    out += generation_problems(cfg["generation"], target_dir=path)
+    out += language_block_problems(cfg)
+    return out
+
+
+def problems(config: Mapping[str, Any], *, base_dir: str | Path | None = None) -> list[str]:
+    """Every problem of ``config`` (as loaded, defaults not filled), one line each; empty when none.
+
+    The schema's problems (:func:`schema_problems`) first; only when there are none, the
+    :func:`cross_field_problems` of the validated config (they need the defaults). The Snakefile calls
+    this before Snakemake's ``validate``, so ``snakemake -n`` fails in seconds on settings that would
+    otherwise fail hours later.
+    """
+    found = schema_problems(config)
+    if found:
+        return found
+    return cross_field_problems(_filled(config), base_dir=base_dir)

@@ -124,8 +124,8 @@ class _Fleet:
     def __init__(self, endpoints: list[_Endpoint], gen_cfg: dict, model: str | None = None):
         self.eps = endpoints
         self.cfg = gen_cfg
-        self.configured = bool(gen_cfg.get("model"))
-        self.model = gen_cfg.get("model") or model or None
+        self.configured = bool(gen_cfg["model"])
+        self.model = gen_cfg["model"] or model or None
         self.tripped: GenerationError | ConfigError | None = None
         self._waiters: list[asyncio.Future] = []
         self._outage_task: asyncio.Task | None = None

@@ -13,6 +13,7 @@ from typing import Protocol, Sequence
 
 from .. import shards
 from ..chat import load_tokenizer, template_kwargs
+from ..config import generation_problems
 from ..contracts import COMPLETION_SCHEMA, COMPLETION_SCHEMA_VERSION, canonical_json
 from ..errors import ConfigError, GenerationError
 from .openai_backend import OpenAIBackend, _quiet_http_logs
@@ -44,12 +45,9 @@ class Backend(Protocol):
 def make_backend(gen_cfg: dict, *, target_dir=None, chat_template=None, trust_remote_code=False, dtype="auto") -> Backend:
     """The backend named by ``gen_cfg["backend"]``. Raises ConfigError for an unknown one."""
     if gen_cfg["backend"] == "transformers":
-        if int(gen_cfg.get("client_processes", 1) or 1) > 1:
-            raise ConfigError("generation.client_processes applies to the openai backend only (transformers generates in-process)")
-        if gen_cfg.get("api", "chat") != "chat":
-            raise ConfigError("generation.api: completions applies to the openai backend only (transformers renders locally anyway)")
-        if target_dir is None:
-            raise ConfigError("generation.backend=transformers needs the target directory (target.path)")
+        problems = generation_problems(gen_cfg, target_dir=target_dir)
+        if problems:
+            raise ConfigError("; ".join(problems))
         return TransformersBackend(
             target_dir, gen_cfg, chat_template=chat_template, trust_remote_code=trust_remote_code, dtype=dtype
         )
@@ -262,7 +260,7 @@ def _final_records(prompts: Sequence[dict], done: dict, failed: dict, gen_cfg: d
     if missing:  # a backend bug, never silently dropped
         raise GenerationError(f"{paths.out}: backend returned no record for {len(missing)} prompts (first: {missing[0]})")
     n_err = len(failed)
-    if n_err > gen_cfg.get("max_error_fraction", 0.0) * len(prompts):
+    if n_err > gen_cfg["max_error_fraction"] * len(prompts):
         first = next(iter(failed.values()))
         raise GenerationError(
             f"{paths.out}: {n_err} of {len(prompts)} conversations failed (first: prompt {first['prompt_id']}: "

@@ -22,6 +22,7 @@ from collections import Counter
 from typing import Any, Sequence
 
 from ..chat import load_tokenizer, render, template_kwargs
+from ..config import generation_problems
 from ..errors import ConfigError
 from . import retry
 from .describe import _describe
@@ -115,44 +116,24 @@ class OpenAIBackend:
 
     def __init__(self, gen_cfg: dict, *, target_dir=None, chat_template=None, trust_remote_code=False,
                  resolved_model: str | None = None):
-        if not gen_cfg.get("endpoints"):
-            raise ConfigError("generation.endpoints is empty; list at least one {base_url: http://host:port/v1}")
+        problems = generation_problems(gen_cfg, target_dir=target_dir, backend="openai")
+        if problems:
+            raise ConfigError("; ".join(problems))
         self.cfg = gen_cfg
-        self.api = gen_cfg.get("api", "chat")
+        self.api = gen_cfg["api"]
         self.tok = None
         self._opens_think = False
         if self.api == "completions":
-            if target_dir is None:
-                raise ConfigError(
-                    "generation.api=completions renders prompts locally and needs the target's tokenizer "
-                    "and chat template (target.path)"
-                )
-            if "chat_template_kwargs" in (gen_cfg.get("extra_body") or {}):
-                raise ConfigError(
-                    "generation.extra_body.chat_template_kwargs is not applied with generation.api=completions "
-                    "(the prompt is rendered locally; generation.thinking sets the template kwargs)"
-                )
             self.tok = load_tokenizer(target_dir, chat_template=chat_template, trust_remote_code=trust_remote_code)
             # Templates that open <think> in the generation prompt (DeepSeek-R1, Qwen3 thinking-2507) make
             # the completion start inside the reasoning; known once per template and mode.
             probe = render(self.tok, [{"role": "user", "content": "x"}], thinking=gen_cfg["thinking"], add_generation_prompt=True)
             self._opens_think = probe.rstrip().endswith("<think>")
-        self.model = gen_cfg.get("model") or resolved_model or ""
+        self.model = gen_cfg["model"] or resolved_model or ""
         self._probed = False  # whether resolve_model/_discover checked the fleet's /models in this process
         # what a client process needs to build its own copy (keys come from its inherited environment)
         self._init_kw = {"target_dir": target_dir, "chat_template": chat_template, "trust_remote_code": trust_remote_code}
-        self._keys = []
-        for i, ep in enumerate(gen_cfg["endpoints"]):
-            env = ep.get("api_key_env")
-            if env:
-                if env not in os.environ:
-                    raise ConfigError(
-                        f"generation.endpoints[{i}].api_key_env names ${env}, which is not set; export it "
-                        f"(the key itself never goes into the config)"
-                    )
-                self._keys.append(os.environ[env])
-            else:
-                self._keys.append("EMPTY")
+        self._keys = [os.environ[ep["api_key_env"]] if ep["api_key_env"] else "EMPTY" for ep in gen_cfg["endpoints"]]
         self.stats: Counter = Counter()
 
     def _make_fleet(self) -> _Fleet:
@@ -160,14 +141,14 @@ class OpenAIBackend:
 
         eps = []
         for ep_cfg, key in zip(self.cfg["endpoints"], self._keys):
-            cap = int(ep_cfg.get("max_concurrency", 64))
+            cap = int(ep_cfg["max_concurrency"])
             http_client = _aiohttp_client(cap, float(self.cfg["request_timeout_s"]))
             client = openai.AsyncOpenAI(
                 base_url=ep_cfg["base_url"], api_key=key, max_retries=0,
                 timeout=float(self.cfg["request_timeout_s"]), http_client=http_client,
             )
             eps.append(_Endpoint(url=redact_url(ep_cfg["base_url"]), client=client, max_concurrency=cap,
-                                 key_env=ep_cfg.get("api_key_env")))
+                                 key_env=ep_cfg["api_key_env"]))
         return _Fleet(eps, self.cfg, model=self.model or None)
 
     def _request_kwargs(self, history: list[dict]) -> dict:
@@ -179,10 +160,10 @@ class OpenAIBackend:
         if self.api == "completions":  # token ids of the local render (no second BOS; see the module doc)
             del kw["messages"]
             kw["prompt"] = render(self.tok, history, thinking=cfg["thinking"], add_generation_prompt=True, tokenize=True)
-        if cfg.get("seed") is not None:
+        if cfg["seed"] is not None:
             kw["seed"] = cfg["seed"]
-        extra = dict(cfg.get("extra_body") or {})
-        if cfg.get("top_k") is not None:
+        extra = dict(cfg["extra_body"])
+        if cfg["top_k"] is not None:
             extra.setdefault("top_k", cfg["top_k"])
         tk = template_kwargs(cfg["thinking"]) if self.api == "chat" else {}
         if tk:
@@ -368,10 +349,10 @@ class OpenAIBackend:
         """Client processes for ``n_prompts``: ``generation.client_processes``, at most one per prompt and
         at most the smallest per-endpoint cap (every process keeps a slot on every endpoint, so each one's
         fleet, take-out and breaker see the whole fleet)."""
-        want = int(self.cfg.get("client_processes", 1) or 1)
+        want = int(self.cfg["client_processes"])
         if want <= 1:
             return 1
-        cap = min(int(ep.get("max_concurrency", 64)) for ep in self.cfg["endpoints"])
+        cap = min(int(ep["max_concurrency"]) for ep in self.cfg["endpoints"])
         n = min(want, n_prompts, cap)
         if n < want:
             log.info("generation.client_processes=%d: using %d (prompts left: %d, smallest endpoint max_concurrency: %d)",

@@ -10,6 +10,7 @@ from typing import Callable, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 from .. import shards
+from ..config import schema_default
 from ..contracts import PROMPT_ROLES
 from ..errors import DataError
 
@@ -69,10 +70,10 @@ class RunInfo:
 def sampling_params(gen_cfg: dict) -> dict:
     """The sampling parameters recorded in every record (``extra_body`` only when non-empty, ``api`` only
     when not ``chat``)."""
-    out = {k: gen_cfg.get(k) for k in ("temperature", "top_p", "top_k", "max_tokens", "seed")}
-    if gen_cfg.get("extra_body"):
+    out = {k: gen_cfg[k] for k in ("temperature", "top_p", "top_k", "max_tokens", "seed")}
+    if gen_cfg["extra_body"]:
         out["extra_body"] = gen_cfg["extra_body"]
-    if gen_cfg.get("api", "chat") != "chat":  # only when set, so chat-mode records and resume files stay as they were
+    if gen_cfg["api"] != schema_default("generation", "api"):  # so chat-mode records and resume files stay as they were
         out["api"] = gen_cfg["api"]
     return out
 

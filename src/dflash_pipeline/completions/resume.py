@@ -127,11 +127,11 @@ def _fingerprint(backend: str, gen_cfg: dict, target_dir: str | Path | None, cha
         "backend": backend,
         "thinking": gen_cfg["thinking"],
         "sampling": sampling_params(gen_cfg),
-        "model": gen_cfg.get("model"),
+        "model": gen_cfg["model"],
     }
     if backend == "transformers":
         key, suffixes = "target", TARGET_SUFFIXES
-    elif gen_cfg.get("api", "chat") == "completions" and target_dir is not None:  # prompts rendered here
+    elif gen_cfg["api"] == "completions" and target_dir is not None:  # prompts rendered here
         key, suffixes = "tokenizer", TOKENIZER_SUFFIXES
     else:
         return fp

@@ -43,7 +43,7 @@ def _split_caps(gen_cfg: dict, n: int) -> list[dict]:
     out = [{**gen_cfg, "client_processes": 1, "endpoints": []} for _ in range(n)]
     turn = 0
     for ep in gen_cfg["endpoints"]:
-        cap = int(ep.get("max_concurrency", 64))
+        cap = int(ep["max_concurrency"])
         base, extra = divmod(cap, n)
         for k in range(n):
             share = base + (1 if (k - turn) % n < extra else 0)

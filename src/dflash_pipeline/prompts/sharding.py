@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .. import shards
+from ..config import schema_defaults
 from ..contracts import PROMPT_SCHEMA, PROMPT_SCHEMA_VERSION, prompt_id
 from ..errors import ConfigError, DataError
 from .language import ANY_LANGUAGE, _language_detector, _language_identifier, _source_languages, language_problems, language_sample
@@ -193,9 +194,9 @@ def _language_filters(datasets: Mapping[str, Mapping[str, Any]], languages: Sequ
 
 
 def _source_config(name: str, raw_cfg: Mapping[str, Any]) -> dict:
-    """``datasets.<name>`` with the optional keys filled; raises ConfigError for a bad fraction or format."""
-    cfg = {"format": "auto", "max_prompts": None, "fraction": 1.0, "strict": True, "mapping": {},
-           "split": None, "subset": None}
+    """``datasets.<name>`` with the keys it leaves out (or sets to null) taken from the schema's defaults;
+    raises ConfigError for a bad fraction or format."""
+    cfg = schema_defaults("datasets", "*")
     cfg.update({k: v for k, v in raw_cfg.items() if v is not None or k == "max_prompts"})
     fraction = float(cfg["fraction"])
     if not 0.0 < fraction <= 1.0:
@@ -451,7 +452,8 @@ def shard_prompts(
     Raises:
         ConfigError: ``max_prompt_tokens`` set but no ``target_dir``; see :func:`build_prompt_shards`.
     """
-    max_tokens = prompts_cfg.get("max_prompt_tokens")
+    prompts_cfg = {**schema_defaults("prompts"), **prompts_cfg}  # a partial section (tests) takes the defaults
+    max_tokens = prompts_cfg["max_prompt_tokens"]
     tokenizer = None
     if max_tokens is not None:
         if target_dir is None:
@@ -459,10 +461,9 @@ def shard_prompts(
         from ..chat import load_tokenizer
 
         tokenizer = load_tokenizer(target_dir, trust_remote_code=trust_remote_code, chat_template=chat_template)
-    min_conf = prompts_cfg.get("min_language_confidence")
     return build_prompt_shards(datasets, out_dir, shard_size=prompts_cfg["shard_size"], seed=prompts_cfg["seed"],
-                               tokenizer=tokenizer, max_prompt_tokens=max_tokens, languages=prompts_cfg.get("languages"),
-                               min_language_confidence=0.0 if min_conf is None else min_conf)
+                               tokenizer=tokenizer, max_prompt_tokens=max_tokens, languages=prompts_cfg["languages"],
+                               min_language_confidence=prompts_cfg["min_language_confidence"])
 
 
 def shard_paths(manifest: Mapping[str, Any], out_dir: str | os.PathLike) -> dict[str, list[str]]:
