@@ -13,9 +13,9 @@ rule generate_completions:
         trust_remote_code=config["target"]["trust_remote_code"],
         dtype=config["target"]["dtype"],
     log:
-        f"{R}/logs/generate_completions/{{dataset}}/{{shard}}.log",
+        log_file("generate_completions", "{dataset}", "{shard}"),
     benchmark:
-        f"{R}/benchmarks/generate_completions/{{dataset}}/{{shard}}.tsv"
+        benchmark_file("generate_completions", "{dataset}", "{shard}")
     threads: workflow.cores if config["generation"]["backend"] == "transformers" else config["generation"]["client_processes"]
     resources:
         gpu=gpus("generate_completions"),

@@ -10,7 +10,7 @@ rule probe_target:
         trust_remote_code=config["target"]["trust_remote_code"],
         chat_template=config["target"]["chat_template"],
     log:
-        f"{R}/logs/probe_target.log",
+        log_file("probe_target"),
     conda:
         "../envs/probe.yaml"
     script:

@@ -18,7 +18,9 @@ checkpoint shard_prompts:
         trust_remote_code=config["target"]["trust_remote_code"],
         chat_template=config["target"]["chat_template"],
     log:
-        f"{R}/logs/shard_prompts.log",
+        log_file("shard_prompts"),
+    benchmark:
+        benchmark_file("shard_prompts")
     conda:
         "../envs/data.yaml"
     script:

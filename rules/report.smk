@@ -9,13 +9,13 @@ rule summarize_probe:
     input:
         probe_json(),
     output:
-        report(f"{R}/report/probe.tsv", caption="../report/probe.rst", category="1. Target"),
+        report(report_table("probe"), caption="../report/probe.rst", category="1. Target"),
     log:
-        f"{R}/logs/summarize_probe.log",
+        log_file("summarize_probe"),
     conda:
         "../envs/data.yaml"
     script:
-        "../scripts/summarize_report.py"
+        "../scripts/summarize_probe.py"
 
 
 rule summarize_prompts:
@@ -23,61 +23,61 @@ rule summarize_prompts:
     input:
         prompts_manifest(),
     output:
-        report(f"{R}/report/prompts.tsv", caption="../report/prompts.rst", category="2. Data"),
+        report(report_table("prompts"), caption="../report/prompts.rst", category="2. Data"),
     log:
-        f"{R}/logs/summarize_prompts.log",
+        log_file("summarize_prompts"),
     conda:
         "../envs/data.yaml"
     script:
-        "../scripts/summarize_report.py"
+        "../scripts/summarize_prompts.py"
 
 
 rule summarize_generation:
     """ok / truncated / error and token throughput per dataset, from the completion shards."""
     input:
-        shards=all_completion_shards,
-        stats=all_completion_stats,
+        shards=get_completion_shards,
+        stats=get_completion_stats,
     output:
-        report(f"{R}/report/generation.tsv", caption="../report/generation.rst", category="2. Data"),
+        report(report_table("generation"), caption="../report/generation.rst", category="2. Data"),
     params:
-        benchmark_dir=f"{R}/benchmarks/generate_completions",
+        benchmark_dir=f"{RESULTS}/benchmarks/generate_completions",
     log:
-        f"{R}/logs/summarize_generation.log",
+        log_file("summarize_generation"),
     conda:
         "../envs/data.yaml"
     script:
-        "../scripts/summarize_report.py"
+        "../scripts/summarize_generation.py"
 
 
 rule summarize_tokens:
     """Sequences, supervised tokens, truncation and drops per reason per dataset, from the token shards."""
     input:
-        shards=all_token_shards,
+        shards=get_token_shards,
     output:
-        report(f"{R}/report/tokens.tsv", caption="../report/tokens.rst", category="2. Data"),
+        report(report_table("tokens"), caption="../report/tokens.rst", category="2. Data"),
     log:
-        f"{R}/logs/summarize_tokens.log",
+        log_file("summarize_tokens"),
     conda:
         "../envs/data.yaml"
     script:
-        "../scripts/summarize_report.py"
+        "../scripts/summarize_tokens.py"
 
 
 rule plot_training:
     """Training loss and EAL proxy vs step of the drafter and its baselines (their train_log.jsonl)."""
     input:
-        unpack(baseline_checkpoints),
-        drafter=f"{R}/checkpoints/{{run}}/final",
+        unpack(get_baseline_checkpoints),
+        drafter=final_checkpoint(),
     output:
         report(
-            f"{R}/eval/{{run}}/train_curves.png",
+            f"{eval_dir()}/train_curves.png",
             caption="../report/train_curves.rst",
             category="3. Training",
         ),
     params:
-        baseline_labels=lambda wc: list(baseline_runs(wc.run)),
+        baseline_labels=baseline_labels_of,
     log:
-        f"{R}/logs/plot_training/{{run}}.log",
+        log_file("plot_training", "{run}"),
     conda:
         "../envs/torch.yaml"
     script:

@@ -13,7 +13,9 @@ rule tokenize_completions:
         # a change of the tokenization code reruns this rule (and never generate_completions)
         code=tokenization_code(),
     log:
-        f"{R}/logs/tokenize_completions/{{dataset}}/{{shard}}.log",
+        log_file("tokenize_completions", "{dataset}", "{shard}"),
+    benchmark:
+        benchmark_file("tokenize_completions", "{dataset}", "{shard}")
     conda:
         "../envs/tokens.yaml"
     script:

@@ -6,20 +6,20 @@ rule train_drafter:
     input:
         probe=probe_json(),
         target=target_input(),
-        tokens=all_token_shards,
+        tokens=get_token_shards,
     output:
-        directory(f"{R}/checkpoints/{{run}}/final"),
+        directory(final_checkpoint()),
     params:
         target=target_dir_of_input,
-        run_dir=lambda wc: checkpoint_dir(wc.run),
+        run_dir=run_dir_of,
         train=as_json(config["train"]),
         arch=as_json({k: config["drafter"][k] for k in ("layer_types", "sliding_window")}),
         launch=" ".join(accelerate_launch_args()),
-        baseline=lambda wc: baseline_train_flags(wc.run),
+        baseline=baseline_flags_of,
     log:
-        f"{R}/logs/train_drafter/{{run}}.log",
+        log_file("train_drafter", "{run}"),
     benchmark:
-        f"{R}/benchmarks/train_drafter/{{run}}.tsv"
+        benchmark_file("train_drafter", "{run}")
     threads: workflow.cores
     resources:
         gpu=gpus("train_drafter"),

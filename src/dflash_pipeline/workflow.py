@@ -55,6 +55,10 @@ def log_to(path: Optional[str | os.PathLike], threads: Optional[int] = None) -> 
 # Snakemake counts a `gpu` resource but never says *which* devices a job gets. SLURM (`--gpus=N`) and the
 # ssh profile (cluster/ssh_submit.py) export CUDA_VISIBLE_DEVICES per job; for local runs `claim_gpus`
 # picks free devices with host-local lock files, so two concurrent GPU jobs never share one.
+# One way for every GPU rule: its `resources.gpu` (from `job_gpus`) is claimed with `claim_gpus` — by
+# the script rules (generate_completions, evaluate_acceptance) as a context manager, by the one shell
+# rule (train_drafter: `accelerate launch` needs the devices before it starts) through this module's
+# command line, `python -m dflash_pipeline.workflow gpus N -- CMD`, which is the same function.
 
 #: Rules that run models on GPUs when the run is a GPU run (see `job_gpus`).
 GPU_RULES = ("train_drafter", "evaluate_acceptance", "generate_completions")
@@ -177,18 +181,80 @@ def run_with_gpus(argv: Optional[list[str]] = None) -> int:
         return subprocess.call(argv[3:])
 
 
-if __name__ == "__main__":
-    sys.exit(run_with_gpus())
+# --- rerun policy -------------------------------------------------------------------------------------
+# Snakemake's params trigger compares the repr of every `params` value with the one recorded when the
+# output was made, so what a param holds (and how it is written) decides what reruns. The rules draw
+# those values from here, so the policy has unit tests (tests/test_workflow.py) besides the e2e runs.
+
+#: generation keys that change what is generated: the generate_completions rerun trigger (params). The
+#: others (endpoints, concurrency, client_processes, timeouts, retries, breaker, batch_size) are
+#: operational: adding a server or raising a timeout must not regenerate finished shards, so the script
+#: reads them from the config.
+GENERATION_OUTPUT_KEYS = ("backend", "api", "model", "thinking", "temperature", "top_p", "top_k", "max_tokens",
+                          "seed", "extra_body")
+
+#: Baseline drafters (config `eval.baselines`) train as run `<run>.<baseline>` with these train.py flags.
+BASELINE_TRAIN_FLAGS = {"zero_features": "--zero-target-features"}
+
+
+def canonical(obj, keep_order: bool = False):
+    """``obj`` with the keys of every mapping sorted, recursively. Snakemake's params rerun trigger compares
+    ``repr``s, so without this the key order of a YAML file (or of a config written by a script) would
+    rerun jobs. ``keep_order`` keeps the top level in config order where it means something
+    (``datasets``: the first source wins a duplicate; ``eval.sets``: the order of the eval table)."""
+    if isinstance(obj, dict):
+        items = obj.items() if keep_order else sorted(obj.items(), key=lambda kv: str(kv[0]))
+        return {k: canonical(v) for k, v in items}
+    if isinstance(obj, (list, tuple)):
+        return [canonical(v) for v in obj]
+    return obj
+
+
+def as_json(obj) -> str:
+    """``obj`` as JSON with sorted keys (a param handed to a shell command as one argument)."""
+    import json
+
+    return json.dumps(obj, sort_keys=True)
+
+
+def generation_output_params(gen: dict) -> dict:
+    """The output-affecting subset of a validated ``generation`` section (:data:`GENERATION_OUTPUT_KEYS`;
+    ``api`` only when not its default, so configs from before the key existed rerun nothing),
+    canonical."""
+    from .config import schema_default
+
+    out = {k: gen[k] for k in GENERATION_OUTPUT_KEYS if k in gen}
+    if out.get("api") == schema_default("generation", "api"):
+        del out["api"]
+    return canonical(out)
+
+
+def baseline_runs(run: str, baselines) -> dict[str, str]:
+    """Label -> run name of each baseline drafter of ``run``: ``{"zero_features": "demo.zero_features"}``."""
+    return {b: f"{run}.{b}" for b in baselines}
+
+
+def baseline_train_flags(run: str) -> str:
+    """Extra train.py flags for a baseline run name (``demo.zero_features``), "" for a regular run."""
+    base, _, suffix = run.rpartition(".")
+    return BASELINE_TRAIN_FLAGS.get(suffix, "") if base else ""
+
 
 
 #: Modules whose code decides the bytes of a token shard (rules/tokens.smk reruns when they change).
 TOKENIZATION_MODULES = ("dflash_pipeline.tokens", "dflash_pipeline.spans", "dflash_pipeline.chat", "dflash_pipeline.contracts", "dflash_pipeline.shards")
 
 
+#: A module's fingerprinted part ends before this line (contracts.py: the typed JSON records after it
+#: decide no token shard's bytes); a module without it counts whole.
+FINGERPRINT_END = b"\n# --- end of the token-shard contract"
+
+
 def code_fingerprint(modules=TOKENIZATION_MODULES) -> str:
     """sha256 (first 16 hex) over the source files of ``modules`` as they would be imported (located with
-    ``importlib.util.find_spec``, not imported). Used as a rule ``param`` so that a code change reruns the
-    rule (Snakemake's ``code`` trigger only sees the rule's script, not the library it calls)."""
+    ``importlib.util.find_spec``, not imported), each up to :data:`FINGERPRINT_END`. Used as a rule
+    ``param`` so that a code change reruns the rule (Snakemake's ``code`` trigger only sees the rule's
+    script, not the library it calls)."""
     import hashlib
     import importlib.util
 
@@ -197,5 +263,10 @@ def code_fingerprint(modules=TOKENIZATION_MODULES) -> str:
         spec = importlib.util.find_spec(name)
         if spec is None or not spec.origin:
             raise ImportError(f"cannot locate module {name}; is dflash_pipeline installed (pip install -e .)?")
-        h.update(name.encode() + b"\0" + Path(spec.origin).read_bytes() + b"\0")
+        source = Path(spec.origin).read_bytes().split(FINGERPRINT_END, 1)[0]
+        h.update(name.encode() + b"\0" + source + b"\0")
     return h.hexdigest()[:16]
+
+
+if __name__ == "__main__":
+    sys.exit(run_with_gpus())

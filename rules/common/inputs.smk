@@ -1,0 +1,26 @@
+# Input functions (`get_*`, as the snakemake-workflows name them): called per job with its wildcards;
+# those below the prompts checkpoint read its manifest, so the DAG is re-evaluated after it ran.
+
+
+def get_shard_list(wildcards):
+    """(dataset, shard) pairs written by the prompts checkpoint."""
+    from dflash_pipeline.prompts import list_shards
+
+    return list_shards(checkpoints.shard_prompts.get().output.manifest)
+
+
+def get_token_shards(wildcards):
+    return [token_shard(d, s) for d, s in get_shard_list(wildcards)]
+
+
+def get_completion_shards(wildcards):
+    return [completion_shard(d, s) for d, s in get_shard_list(wildcards)]
+
+
+def get_completion_stats(wildcards):
+    return [completion_stats(d, s) for d, s in get_shard_list(wildcards)]
+
+
+def get_baseline_checkpoints(wildcards):
+    """Final checkpoints of the baselines of `wildcards.run`, keyed by label (eval and plot input)."""
+    return {b: final_checkpoint(r) for b, r in baseline_runs(wildcards.run).items()}

@@ -1,0 +1,61 @@
+# Params: what a job takes from the config. Snakemake reruns a job when one of its params' repr changes,
+# so every value here is canonical (sorted keys) and carries only what changes the output; the policy is
+# in dflash_pipeline.workflow (tests/test_workflow.py pins it).
+from dflash_pipeline import workflow as wf
+from dflash_pipeline.workflow import as_json, canonical
+
+
+def generation_output_params():
+    """The output-affecting subset of `generation` (the generate_completions rerun trigger)."""
+    return wf.generation_output_params(config["generation"])
+
+
+def tokenization_code():
+    """Fingerprint of the code that writes token shards (a `params` of tokenize_completions)."""
+    return wf.code_fingerprint()
+
+
+def baseline_runs(run=RUN_NAME):
+    """Label -> run name of each configured baseline drafter, e.g. {"zero_features": "demo.zero_features"}."""
+    return wf.baseline_runs(run, config["eval"]["baselines"])
+
+
+def gpus(rule):
+    """The `gpu` resource of one job of `rule` (0 on CPU runs; see dflash_pipeline.workflow.job_gpus)."""
+    return wf.job_gpus(config, rule)
+
+
+def accelerate_launch_args():
+    return wf.accelerate_launch_args(config["train"]["num_processes"], config["train"]["mixed_precision"])
+
+
+def target_dir_of_input(wildcards, input):
+    """`params.target` derived from the rule's `target` input (the demo dir, or the dir of config.json),
+    so the path travels with the input (Snakemake lint: no hard-coded input prefixes in params)."""
+    path = Path(input.target)
+    return str(path.parent) if path.name == "config.json" else str(path)
+
+
+def prompts_dir_of_output(wildcards, output):
+    """Directory of the prompt shards: the one holding the manifest."""
+    return str(Path(output.manifest).parent)
+
+
+def prompt_filter_target_dir(wildcards, input):
+    """`params.target` of the prompts checkpoint: the target dir when it is an input, else None."""
+    return target_dir_of_input(wildcards, input) if input.target else None
+
+
+def run_dir_of(wildcards):
+    """`params.run_dir` of train_drafter: the run's checkpoint directory (final/, state/, step_*/)."""
+    return checkpoint_dir(wildcards.run)
+
+
+def baseline_flags_of(wildcards):
+    """`params.baseline` of train_drafter: the extra train.py flags of a baseline run, "" otherwise."""
+    return wf.baseline_train_flags(wildcards.run)
+
+
+def baseline_labels_of(wildcards):
+    """`params.baseline_labels`: the labels of the baselines evaluated beside `wildcards.run`."""
+    return list(baseline_runs(wildcards.run))

@@ -1,0 +1,109 @@
+# Pattern builders: the path (with wildcards) of each stage's outputs, and the inputs that are fixed at
+# parse time (no wildcards). Input functions are in inputs.smk.
+from pathlib import Path
+
+
+def repo_path(path):
+    """A relative path that is missing from the working directory but ships with the workflow
+    (bundled data under data/) resolves against the repo, so `snakemake -d elsewhere` works."""
+    from dflash_pipeline.config import resolve_path
+
+    return resolve_path(path, workflow.basedir)
+
+
+def with_repo_paths(sources):
+    """Copy of a `datasets` / `eval.sets` mapping with each `path` resolved by :func:`repo_path`."""
+    return {name: {**src, "path": repo_path(src["path"])} for name, src in sources.items()}
+
+
+def demo_corpus():
+    return [repo_path(p) for p in ("data/gsm8k/train.jsonl", "data/sharegpt/sharegpt.json")]
+
+
+def target_dir():
+    """The target model directory (the demo target is built by the workflow)."""
+    path = config["target"]["path"]
+    return DEMO_TARGET if path == "demo" else path
+
+
+def target_input():
+    """What rules that read the target depend on: the demo dir, or the real target's config.json."""
+    path = config["target"]["path"]
+    return DEMO_TARGET if path == "demo" else str(Path(path) / "config.json")
+
+
+def dataset_inputs():
+    """Local prompt source files/dirs (Hugging Face `hf:` ids are not files: their config is a param)."""
+    return [d["path"] for d in with_repo_paths(config["datasets"]).values() if not d["path"].startswith("hf:")]
+
+
+def prompt_filter_target():
+    """The prompts checkpoint reads the target tokenizer only for `prompts.max_prompt_tokens`; only then
+    is the target an input (so a new target does not re-shard, and thus regenerate, anything otherwise)."""
+    return target_input() if config["prompts"]["max_prompt_tokens"] is not None else []
+
+
+def probe_json():
+    return f"{RESULTS}/probe/target.json"
+
+
+def prompts_manifest():
+    return f"{RESULTS}/prompts/manifest.json"
+
+
+def prompt_shard():
+    return f"{RESULTS}/prompts/{{dataset}}/{{shard}}.parquet"
+
+
+def completion_shard(dataset="{dataset}", shard="{shard}"):
+    return f"{RESULTS}/completions/{dataset}/{shard}.parquet"
+
+
+def completion_stats(dataset="{dataset}", shard="{shard}"):
+    """Per-shard generation stats JSON, next to the completion shard."""
+    return f"{RESULTS}/completions/{dataset}/{shard}.stats.json"
+
+
+def token_shard(dataset="{dataset}", shard="{shard}"):
+    return f"{RESULTS}/tokens/{dataset}/{shard}.parquet"
+
+
+def checkpoint_dir(run=RUN_NAME):
+    return f"{RESULTS}/checkpoints/{run}"
+
+
+def final_checkpoint(run="{run}"):
+    return f"{checkpoint_dir(run)}/final"
+
+
+def eval_dir(run="{run}"):
+    return f"{RESULTS}/eval/{run}"
+
+
+def eval_json(run=RUN_NAME):
+    return f"{eval_dir(run)}/acceptance.json"
+
+
+def report_table(name):
+    """A table of the HTML report (`probe`, `prompts`, `generation`, `tokens`)."""
+    return f"{RESULTS}/report/{name}.tsv"
+
+
+def log_file(rule, *wildcards):
+    """The `log:` of a job of `rule`, mirroring its output path: `logs/<rule>/<wildcards...>.log`."""
+    return f"{RESULTS}/logs/{'/'.join([rule, *wildcards])}.log"
+
+
+def benchmark_file(rule, *wildcards):
+    """The `benchmark:` TSV of a job of `rule` (laid out as :func:`log_file`)."""
+    return f"{RESULTS}/benchmarks/{'/'.join([rule, *wildcards])}.tsv"
+
+
+def report_targets(run=RUN_NAME):
+    """Outputs that exist for the HTML report (`snakemake --report`): tables and plots."""
+    return [*(report_table(t) for t in ("probe", "prompts", "generation", "tokens")),
+            f"{eval_dir(run)}/tau_vs_step.png", f"{eval_dir(run)}/train_curves.png"]
+
+
+def final_targets():
+    return [final_checkpoint(RUN_NAME), eval_json(), *report_targets()]
