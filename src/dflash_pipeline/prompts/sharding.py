@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from .. import shards
 from ..config import schema_defaults
-from ..contracts import PROMPT_SCHEMA, PROMPT_SCHEMA_VERSION, prompt_id
+from ..contracts import MANIFEST_SCHEMA_VERSION, PROMPT_SCHEMA, PROMPT_SCHEMA_VERSION, prompt_id
 from ..errors import ConfigError, DataError
 from .language import ANY_LANGUAGE, _language_detector, _language_identifier, _source_languages, language_problems, language_sample
 from .normalize import FORMATS, MissingField, RejectedRecord, _normalize, record_metadata
@@ -31,7 +31,6 @@ from .readers import HF_PREFIX, MAX_EXAMPLES, Locator, read_records
 
 log = logging.getLogger(__package__)  # one logger for the whole prompts stage
 
-MANIFEST_SCHEMA_VERSION = 1
 _SHARD_RE = re.compile(r"^(\d{5})\.parquet$")
 
 

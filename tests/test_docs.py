@@ -1,0 +1,30 @@
+"""The design doc and README cite only files the repo has (a newcomer follows them to the code)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+#: Paths the docs name that are outputs of a run or files of a target directory, not repo files.
+NOT_REPO_FILES = re.compile(r"^(results/|resources/|config\.json$|\.venv|.*\{)")
+
+
+def cited_paths(text: str) -> set[str]:
+    """Backticked paths with a directory part or a reference doc (`reference/dflash.md`, `rules/x.smk`)."""
+    found = set()
+    for m in re.finditer(r"`([A-Za-z0-9_.{}/-]+\.(?:py|smk|yaml|md|json|rst|sh))`", text):
+        path = m.group(1)
+        if "/" in path and not NOT_REPO_FILES.match(path):
+            found.add(path)
+    return found
+
+
+def test_design_doc_and_readme_cite_existing_files():
+    missing = []
+    for doc in (REPO / "docs" / "DESIGN.md", REPO / "README.md"):
+        for path in sorted(cited_paths(doc.read_text(encoding="utf-8"))):
+            candidates = [REPO / path, doc.parent / path, REPO / "docs" / path, REPO / "src" / "dflash_pipeline" / path]
+            if not any(c.exists() for c in candidates):
+                missing.append(f"{doc.relative_to(REPO)}: {path}")
+    assert not missing, missing
