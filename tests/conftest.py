@@ -1,12 +1,18 @@
-"""Session-scoped fixtures shared by the test suite.
+"""Fixtures and helpers shared by tests/unit/ and tests/e2e/.
 
 ``demo_target`` builds the tiny Qwen3 demo target once per session (few training steps, so it is fast but
 its continuations are only loosely structured); tests that need a well-trained target build their own.
+:func:`tiny_target_and_drafter` builds a random tiny target with a DFlash drafter on it (model and eval
+tests); :func:`snakemake` runs the repo's workflow in a working directory with the local profile and
+:func:`planned_jobs` reads a dry run's job counts (e2e tests).
 """
 
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +22,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO = REPO_ROOT
+#: Cores the e2e tests give Snakemake (the local profile uses the machine's; the suite is sized for 2).
+SNAKEMAKE_CORES = 2
 GSM8K_TRAIN = REPO_ROOT / "data" / "gsm8k" / "train.jsonl"
 SHAREGPT = REPO_ROOT / "data" / "sharegpt" / "sharegpt.json"
 #: Steps of the session demo target: enough for the loss to fall clearly, cheap on 2 cores.
@@ -62,3 +71,55 @@ def vllm_python() -> str:
         if os.environ.get("DFLASH_CI_SERVICES") == "1":
             pytest.fail(str(exc))
         pytest.skip(str(exc))
+
+
+def tiny_target_and_drafter(*, num_hidden_layers: int, num_draft_layers: int, target_layer_ids: list[int],
+                            block_size: int = 4):
+    """``(target, drafter)``: a random Qwen3 target (vocab 96, hidden 32, 4 heads / 2 KV heads of dim 8,
+    float32, eval mode, frozen) and an untrained DFlash drafter on it (mask token 95), seeded with
+    ``torch.manual_seed(0)`` so every call gives the same weights."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dflash_pipeline import model as M
+
+    torch.manual_seed(0)
+    tcfg = Qwen3Config(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=num_hidden_layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    target = Qwen3ForCausalLM(tcfg).eval().requires_grad_(False)
+    dcfg = M.drafter_config_from_target(tcfg, block_size=block_size, num_draft_layers=num_draft_layers,
+                                        target_layer_ids=target_layer_ids, mask_token_id=95)
+    return target, M.DFlashDrafter(dcfg).eval()
+
+
+def snakemake(workdir: Path, *args: str, configfile: Path | None = None, timeout: int = 900,
+              env: dict | None = None, snakefile: Path | None = None, profile: Path | None = None,
+              ) -> subprocess.CompletedProcess:
+    """Run snakemake on the repo's Snakefile (or ``snakefile``) in ``workdir`` with the local profile (or
+    ``profile``) on :data:`SNAKEMAKE_CORES` cores; ``args`` (targets, flags) come before
+    ``--configfile``, which takes several values. Returns the finished process."""
+    cmd = [sys.executable, "-m", "snakemake", *args, "-s", str(snakefile or REPO / "Snakefile"), "-d", str(workdir),
+           "--profile", str(profile or REPO / "profiles" / "local"), "--cores", str(SNAKEMAKE_CORES),
+           "--configfile", str(configfile or workdir / "config.yaml")]
+    base = dict(os.environ if env is None else env)
+    base["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{base.get('PATH', '')}"
+    return subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=timeout, env=base)
+
+
+def planned_jobs(proc: subprocess.CompletedProcess) -> dict[str, int]:
+    """Job counts per rule from a dry run's "Job stats" table ({} when there is nothing to do)."""
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    if "Nothing to be done" in out:
+        return {}
+    table = out.split("Job stats:", 1)[1]
+    counts = {}
+    for line in table.splitlines()[3:]:
+        m = re.match(r"^(\w+)\s+(\d+)$", line.strip())
+        if not m:
+            break
+        counts[m.group(1)] = int(m.group(2))
+    return counts

@@ -8,23 +8,7 @@ from pathlib import Path
 
 import yaml
 
-import os
-import subprocess
-import sys
-
-from test_e2e import REPO, planned_jobs  # noqa: F401  (re-exported)
-
-
-def snakemake(workdir: Path, *args: str, configfile: Path | None = None, timeout: int = 900,
-              env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run snakemake (local profile) in ``workdir``; ``args`` (targets, flags) come before ``--configfile``,
-    which takes several values."""
-    cmd = [sys.executable, "-m", "snakemake", *args, "-s", str(REPO / "Snakefile"), "-d", str(workdir),
-           "--profile", str(REPO / "profiles" / "local"), "--configfile", str(configfile or workdir / "config.yaml")]
-    base = dict(os.environ if env is None else env)
-    base["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{base.get('PATH', '')}"
-    return subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=timeout, env=base)
-
+from conftest import REPO, planned_jobs, snakemake  # noqa: F401  (re-exported)
 
 
 def token_targets(workdir: Path, configfile: Path | None = None) -> list[str]:

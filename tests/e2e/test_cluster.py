@@ -19,16 +19,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STATE = Path(os.environ.get("DFLASH_CI_STATE", "/tmp/dflash-ci-services"))
 EXPECTED = os.environ.get("DFLASH_CI_SERVICES") == "1"
 RUN_TIMEOUT_S = 300
 
 pytestmark = pytest.mark.e2e
 
-#: The end-to-end test's reduced config (tests/e2e_config.yaml) under its own run name, one shard per
+#: The end-to-end test's reduced config (tests/e2e/e2e_config.yaml) under its own run name, one shard per
 #: dataset, on a demo target built once for both tests (the build is the local e2e test's business).
-E2E_CONFIG = yaml.safe_load((REPO / "tests" / "e2e_config.yaml").read_text())
+E2E_CONFIG = yaml.safe_load((REPO / "tests" / "e2e" / "e2e_config.yaml").read_text())
 REDUCED_CONFIG = {
     **E2E_CONFIG,
     "run": "cluster",

@@ -1,4 +1,4 @@
-"""End to end: real Snakemake on the reduced config (tests/e2e_config.yaml) in a temp working directory.
+"""End to end: real Snakemake on the reduced config (tests/e2e/e2e_config.yaml) in a temp working directory.
 
 One full build, then the rebuild semantics users rely on (DESIGN.md §3), each asserted on the job
 counts of `snakemake -n`.
@@ -9,50 +9,21 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO, planned_jobs, snakemake  # noqa: F401  (shared helpers)
+
 pytestmark = pytest.mark.e2e
-
-
-def snakemake(workdir: Path, *args: str, configfile: Path | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
-    """Run snakemake on the repo's Snakefile in ``workdir`` with the local profile; returns the process."""
-    cmd = [
-        sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(workdir),
-        "--profile", str(REPO / "profiles" / "local"), "--configfile", str(configfile or workdir / "config.yaml"),
-        *args,
-    ]
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    return subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def planned_jobs(proc: subprocess.CompletedProcess) -> dict[str, int]:
-    """Job counts per rule from a dry run's "Job stats" table ({} when there is nothing to do)."""
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = proc.stdout + proc.stderr
-    if "Nothing to be done" in out:
-        return {}
-    table = out.split("Job stats:", 1)[1]
-    counts = {}
-    for line in table.splitlines()[3:]:
-        m = re.match(r"^(\w+)\s+(\d+)$", line.strip())
-        if not m:
-            break
-        counts[m.group(1)] = int(m.group(2))
-    return counts
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """The reduced workflow, built once for this module."""
     work = tmp_path_factory.mktemp("e2e")
-    cfg = yaml.safe_load((REPO / "tests" / "e2e_config.yaml").read_text())
+    cfg = yaml.safe_load((REPO / "tests" / "e2e" / "e2e_config.yaml").read_text())
     (work / "config.yaml").write_text(yaml.safe_dump(cfg))
     proc = snakemake(work)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_e2e import planned_jobs, snakemake
+from conftest import planned_jobs, snakemake
 
 pytestmark = pytest.mark.e2e
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MANIFEST = "results/prompts/manifest.json"
 
 
@@ -54,7 +54,7 @@ def test_append_and_new_source_regenerate_only_new_or_changed_shards(tmp_path, d
     work = tmp_path
     target = work / "target"  # a copy: its config.json is edited below
     shutil.copytree(demo_target, target)
-    cfg = yaml.safe_load((REPO / "tests" / "e2e_config.yaml").read_text())
+    cfg = yaml.safe_load((REPO / "tests" / "e2e" / "e2e_config.yaml").read_text())
     cfg["target"] = {"path": str(target)}
     cfg["drafter"] = {"block_size": 4, "num_draft_layers": 1, "num_target_features": 2}
     cfg["generation"] = {"backend": "transformers", "max_tokens": 4, "batch_size": 8}

@@ -19,7 +19,7 @@ from dflash_pipeline.config import validate_config
 from dflash_pipeline.errors import ConfigError, GenerationError
 from dflash_pipeline.testing.server import Faults, start_test_server
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 #: Fast retry/probe timings so fault tests take well under a second of waiting.
 FAST = {

@@ -20,7 +20,7 @@ from dflash_pipeline.testing.server import Faults, start_test_server
 from test_completions import KILL_SCRIPT, gen_cfg, openai_cfg, read_records, single_turn, write_prompts, MULTI
 from test_completions_raw import raw_cfg
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_split_caps_sums_to_each_cap():

@@ -19,7 +19,7 @@ from dflash_pipeline.errors import ConfigError
 from dflash_pipeline.testing.server import Faults, start_test_server
 from test_completions import FAST, MULTI, gen_cfg, read_records, single_turn, write_prompts
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def raw_cfg(*urls, concurrency=4, **overrides) -> dict:

@@ -8,7 +8,7 @@ import yaml
 
 from dflash_pipeline.config import schema_problems, validate_config
 from dflash_pipeline.errors import ConfigError
-from mini_workflow import snakemake
+from conftest import snakemake
 
 
 def test_schema_problems_lists_every_error_with_its_key():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 #: Paths the docs name that are outputs of a run or files of a target directory, not repo files.
 NOT_REPO_FILES = re.compile(r"^(results/|resources/|config\.json$|\.venv|.*\{)")
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PKG = "dflash_pipeline"
 PKG_DIR = REPO / "src" / PKG
 

@@ -8,10 +8,9 @@ import math
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from conftest import tiny_target_and_drafter
 
 from dflash_pipeline import evaluate as E
-from dflash_pipeline import model as M
 from dflash_pipeline.contracts import prompt_id
 
 B = 4
@@ -19,14 +18,7 @@ B = 4
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.manual_seed(0)
-    tcfg = Qwen3Config(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=False,
-    )
-    target = Qwen3ForCausalLM(tcfg).eval().requires_grad_(False)
-    dcfg = M.drafter_config_from_target(tcfg, block_size=B, num_draft_layers=1, target_layer_ids=[0, 2], mask_token_id=95)
-    return target, M.DFlashDrafter(dcfg).eval()
+    return tiny_target_and_drafter(num_hidden_layers=4, num_draft_layers=1, target_layer_ids=[0, 2], block_size=B)
 
 
 # --- τ arithmetic on hand-made step sequences --------------------------------------------------------

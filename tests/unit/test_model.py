@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from conftest import tiny_target_and_drafter
 
 from dflash_pipeline import model as M
 from dflash_pipeline.evaluate import acceptance_stats, speculative_generate
@@ -15,15 +15,7 @@ B = 4
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.manual_seed(0)
-    tcfg = Qwen3Config(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=False,
-    )
-    target = Qwen3ForCausalLM(tcfg).eval().requires_grad_(False)
-    dcfg = M.drafter_config_from_target(tcfg, block_size=B, num_draft_layers=2, target_layer_ids=[1, 3], mask_token_id=95)
-    drafter = M.DFlashDrafter(dcfg).eval()
-    return target, drafter
+    return tiny_target_and_drafter(num_hidden_layers=6, num_draft_layers=2, target_layer_ids=[1, 3], block_size=B)
 
 
 def test_block_mask_context_strictly_before_anchor_by_position():

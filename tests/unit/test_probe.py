@@ -632,7 +632,7 @@ def _sentencepiece_dir(target: Path) -> Path:
     return target
 
 
-REPO_DATA = Path(__file__).resolve().parents[1] / "data"
+REPO_DATA = Path(__file__).resolve().parents[2] / "data"
 
 
 def test_sentencepiece_tokenizer(tmp_path):

@@ -25,7 +25,7 @@ from dflash_pipeline.prompts import (
 )
 from dflash_pipeline.shards import read_shard_metadata
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "data"
 
 

@@ -24,7 +24,7 @@ from dflash_pipeline.prompts import (
 
 pytest.importorskip("py3langid")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "data"
 
 ENGLISH = [

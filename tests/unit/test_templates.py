@@ -25,7 +25,7 @@ from dflash_pipeline import chat
 from dflash_pipeline.errors import TokenizationError
 from dflash_pipeline.tokens import conversation_sequences, tokenize_sequences
 
-_REPO = Path(__file__).resolve().parents[1]
+_REPO = Path(__file__).resolve().parents[2]
 # same resolution order as conftest.models_dir(): $DFLASH_MODELS_DIR, tests/data/models, ../shared/data/models
 MODELS_DIR = next(
     (Path(c) for c in (os.environ.get("DFLASH_MODELS_DIR"), _REPO / "tests" / "data" / "models",

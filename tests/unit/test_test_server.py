@@ -21,7 +21,7 @@ import pytest
 
 from dflash_pipeline.testing.server import Faults, TestServer, _parser, faults_summary
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 60.0
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1, whatever http_proxy says
 
