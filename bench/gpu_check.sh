@@ -4,7 +4,7 @@
 # embedding/head cost, plus the CPU-vs-GPU agreement of the mask paths. Prints tokens/s, memory and MFU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pytest -q tests/test_model.py -k "flex or alignment or matches_inference"
+python -m pytest -q tests/unit/test_model.py -k "flex or alignment or matches_inference"
 python bench/bench_train.py --device cuda --bf16 --backend flex --hidden 4096 --target-layers 8 --draft-layers 5 \
     --vocab 151936 --block-size 16 --num-anchors 512 --batch 1 --seq 3072 --steps 5
 python bench/bench_train.py --device cuda --bf16 --backend sdpa --hidden 4096 --target-layers 8 --draft-layers 5 \

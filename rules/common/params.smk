@@ -1,6 +1,6 @@
 # Params: what a job takes from the config. Snakemake reruns a job when one of its params' repr changes,
 # so every value here is canonical (sorted keys) and carries only what changes the output; the policy is
-# in dflash_pipeline.workflow (tests/test_workflow.py pins it).
+# in dflash_pipeline.workflow (tests/unit/test_workflow.py pins it).
 from dflash_pipeline import workflow as wf
 from dflash_pipeline.workflow import as_json, canonical
 

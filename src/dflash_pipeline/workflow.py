@@ -184,7 +184,7 @@ def run_with_gpus(argv: Optional[list[str]] = None) -> int:
 # --- rerun policy -------------------------------------------------------------------------------------
 # Snakemake's params trigger compares the repr of every `params` value with the one recorded when the
 # output was made, so what a param holds (and how it is written) decides what reruns. The rules draw
-# those values from here, so the policy has unit tests (tests/test_workflow.py) besides the e2e runs.
+# those values from here, so the policy has unit tests (tests/unit/test_workflow.py) besides the e2e runs.
 
 #: generation keys that change what is generated: the generate_completions rerun trigger (params). The
 #: others (endpoints, concurrency, client_processes, timeouts, retries, breaker, batch_size) are
