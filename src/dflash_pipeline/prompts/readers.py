@@ -276,6 +276,13 @@ def _count_skip(skip: _Skip, counts, examples, max_examples, shown_per_reason: c
     log.warning("skipped %s", skip)
 
 
+def _object(loc: Locator, rec):
+    """``(loc, rec)`` when the parsed record is a JSON object, else the ``not_an_object`` skip."""
+    if not isinstance(rec, dict):
+        return _Skip("not_an_object", f"{loc}: expected a JSON object, got {type(rec).__name__}")
+    return loc, rec
+
+
 def _read_jsonl(path: Path, shown: str):
     with _open_binary(path) as fh:
         index = 0
@@ -296,10 +303,7 @@ def _read_jsonl(path: Path, shown: str):
             except json.JSONDecodeError as exc:
                 yield _Skip("malformed_json", f"{loc}: invalid JSON ({exc.msg.removesuffix(' at')} at column {exc.colno})")
                 continue
-            if not isinstance(rec, dict):
-                yield _Skip("not_an_object", f"{loc}: expected a JSON object, got {type(rec).__name__}")
-                continue
-            yield loc, rec
+            yield _object(loc, rec)
 
 
 class _ArrayScanner:
@@ -414,10 +418,7 @@ def _read_json_array(path: Path, shown: str):
             if _SURROGATES.search(raw_text):
                 yield _Skip("invalid_utf8", f"{loc}: invalid UTF-8 bytes")
                 continue
-            if not isinstance(rec, dict):
-                yield _Skip("not_an_object", f"{loc}: expected a JSON object, got {type(rec).__name__}")
-                continue
-            yield loc, rec
+            yield _object(loc, rec)
         scan.expect_end()
 
 
