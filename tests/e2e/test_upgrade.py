@@ -20,11 +20,19 @@ pytestmark = pytest.mark.e2e
 PREVIOUS_MAIN = os.environ.get("DFLASH_PREVIOUS_MAIN", "9f2a889")
 
 
-def e2e_config() -> dict:
-    """The e2e config with absolute data paths into this repo, so both trees resolve the same params."""
+def upgrade_config() -> dict:
+    """The e2e config, smaller (every stage and a baseline run, a few seconds each). Data paths stay
+    relative: the workdir links ``data/`` to this repo's, so both trees resolve them the same."""
     cfg = yaml.safe_load((REPO / "tests" / "e2e" / "e2e_config.yaml").read_text())
-    for src in [*cfg["datasets"].values(), *cfg["eval"]["sets"].values()]:
-        src["path"] = str(REPO / src["path"])
+    cfg["run"] = "upgrade"
+    cfg["target"]["demo"]["train_steps"] = 10
+    cfg["datasets"]["gsm8k"]["max_prompts"] = 4
+    cfg["datasets"]["mt_bench"]["max_prompts"] = 2
+    cfg["prompts"]["shard_size"] = 4
+    cfg["generation"]["max_tokens"] = 8
+    cfg["eval"]["max_new_tokens"] = 4
+    for s in cfg["eval"]["sets"].values():
+        s["num_samples"] = 1
     return cfg
 
 
@@ -39,7 +47,8 @@ def previous_main_workdir(tmp_path_factory):
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
         tar.extractall(old, filter="data")
     work = tmp_path_factory.mktemp("upgrade-work")
-    (work / "config.yaml").write_text(yaml.safe_dump(e2e_config()))
+    (work / "data").symlink_to(REPO / "data")  # relative data paths: the same params under both trees
+    (work / "config.yaml").write_text(yaml.safe_dump(upgrade_config()))
     env = {**os.environ, "PYTHONPATH": str(old / "src")}
     proc = snakemake(work, snakefile=old / "Snakefile", profile=old / "profiles" / "local", env=env, timeout=1800)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
