@@ -211,25 +211,25 @@ def generation_problems(gen: Mapping[str, Any], *, target_dir: Any, backend: str
     environ = os.environ if environ is None else environ
     backend = gen["backend"] if backend is None else backend
     out = []
-    if backend == "transformers":
-        if gen["client_processes"] > 1:
-            out.append("generation.client_processes: applies to the openai backend only (transformers generates "
-                       "in-process); leave it at 1")
-        if gen["api"] == "completions":
+    if backend == "openai" and not gen["endpoints"]:
+        out.append("generation.endpoints: the openai backend needs at least one {base_url: http://host:port/v1}")
+    if backend != "openai" and gen["client_processes"] > 1:
+        out.append("generation.client_processes: applies to the openai backend only (transformers generates "
+                   "in-process); leave it at 1")
+    if gen["api"] == "completions":
+        if backend != "openai":
             out.append("generation.api: completions applies to the openai backend only (transformers renders "
                        "locally anyway)")
-        if target_dir is None:
-            out.append("generation.backend: transformers needs the target directory (target.path)")
-        return out
-    if not gen["endpoints"]:
-        out.append("generation.endpoints: the openai backend needs at least one {base_url: http://host:port/v1}")
-    if gen["api"] == "completions":
-        if target_dir is None:
+        elif target_dir is None:
             out.append("generation.api: completions renders prompts locally and needs the target's tokenizer and "
                        "chat template (target.path)")
         if "chat_template_kwargs" in gen["extra_body"]:
             out.append("generation.extra_body.chat_template_kwargs: not applied with generation.api: completions "
                        "(the prompt is rendered locally; generation.thinking sets the template kwargs)")
+    if backend != "openai":
+        if target_dir is None:
+            out.append("generation.backend: transformers needs the target directory (target.path)")
+        return out
     for i, ep in enumerate(gen["endpoints"]):
         env = ep.get("api_key_env")
         if env and env not in environ:
