@@ -21,15 +21,13 @@ PREVIOUS_MAIN = os.environ.get("DFLASH_PREVIOUS_MAIN", "9f2a889")
 
 
 def upgrade_config() -> dict:
-    """The e2e config, smaller (every stage and a baseline run, a few seconds each). Data paths stay
+    """The e2e config with fewer prompts and eval samples (every stage and a baseline run). Data paths stay
     relative: the workdir links ``data/`` to this repo's, so both trees resolve them the same."""
     cfg = yaml.safe_load((REPO / "tests" / "e2e" / "e2e_config.yaml").read_text())
     cfg["run"] = "upgrade"
-    cfg["target"]["demo"]["train_steps"] = 10
     cfg["datasets"]["gsm8k"]["max_prompts"] = 4
     cfg["datasets"]["mt_bench"]["max_prompts"] = 2
     cfg["prompts"]["shard_size"] = 4
-    cfg["generation"]["max_tokens"] = 8
     cfg["eval"]["max_new_tokens"] = 4
     for s in cfg["eval"]["sets"].values():
         s["num_samples"] = 1
