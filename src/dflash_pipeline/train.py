@@ -243,8 +243,12 @@ def make_accelerator(cfg: dict):
     """The run's ``Accelerator``: CPU when ``train.device`` is ``cpu`` or no CUDA device is visible, with
     ``train.mixed_precision`` (bf16 autocast works on CPU too, which is how the tests exercise it)."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
     cpu = cfg["device"] == "cpu" or not torch.cuda.is_available()
+    state = AcceleratorState._shared_state
+    if state and state.get("_mixed_precision") != cfg["mixed_precision"] and state.get("num_processes", 1) == 1:
+        AcceleratorState._reset_state()  # an earlier in-process run (tests, the zoo table) used another precision
     return Accelerator(cpu=cpu, mixed_precision=cfg["mixed_precision"])
 
 
