@@ -375,7 +375,7 @@ def run_stages(models_dir: Path, family: str, work: Path, corpus_file: Path, eva
     family's template), training fp32 and bf16 (bf16 target + ``mixed_precision: bf16`` through
     Accelerate, on CPU; both export ``final/``), eval τ of the bf16-trained drafter."""
     from .. import contracts, shards
-    from ..completions import generate_shard
+    from ..completions import generate_shard, preflight_template
     from ..evaluate import evaluate
     from ..probe import probe_target
     from ..tokens import tokenize_shard
@@ -395,6 +395,7 @@ def run_stages(models_dir: Path, family: str, work: Path, corpus_file: Path, eva
         state["probe"] = probe_target(twin, block_size=4, num_draft_layers=1, target_layer_ids=[1, n - 2])
 
     def completions():
+        preflight_template(twin, gen_cfg=cfg["generation"], tokens_cfg=cfg["tokens"])  # as the rule does
         recs = [{"prompt_id": contracts.prompt_id(m), "dataset": "zoo", "messages": m, "metadata": "{}"}
                 for m in STAGE_PROMPTS]
         shards.write_parquet(work / "prompts.parquet", shards.table_from_records(recs, contracts.PROMPT_SCHEMA))
