@@ -825,6 +825,8 @@ def main(argv=None) -> None:
     p.add_argument("--drafter", action="append", default=[], help="label=checkpoint_dir (label=untrained for a random init)")
     p.add_argument("--out", required=True)
     p.add_argument("--plot")
+    p.add_argument("--target-dtype", default="auto", help="target.dtype (auto: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--trust-remote-code", action="store_true", help="target.trust_remote_code")
     a = p.parse_args(argv)
     drafters = {}
     for item in a.drafter:
@@ -833,6 +835,7 @@ def main(argv=None) -> None:
     evaluate(
         target_dir=a.target, probe=json.loads(Path(a.probe).read_text()), drafters=drafters,
         eval_cfg=json.loads(a.eval_config), thinking=a.thinking, out_json=a.out, plot_png=a.plot,
+        target_dtype=a.target_dtype, trust_remote_code=a.trust_remote_code,
     )
 
 
