@@ -423,6 +423,27 @@ def _probe_loader(target_dir: Path, trust_remote_code: bool, *, strict: bool, wa
         return {"class": None, "config_class": None, "error": str(exc)}
 
 
+def _check_drafter_config(target_dir: Path, trust_remote_code: bool, block_size: int, num_draft_layers: int,
+                          ids: Sequence[int], mask_token_id: int | None) -> None:
+    """Build the drafter config train will build from this target's config (no weights), so a target the
+    drafter cannot be sized from fails here with the reason, not at training step 1.
+
+    Raises:
+        ProbeError: naming the target and transformers' / the drafter's complaint.
+    """
+    from .model import drafter_config_from_target
+    from .target import load_target_config, text_config
+
+    try:
+        drafter_config_from_target(
+            text_config(load_target_config(target_dir, trust_remote_code=trust_remote_code)),
+            block_size=block_size, num_draft_layers=num_draft_layers, target_layer_ids=list(ids),
+            mask_token_id=mask_token_id if mask_token_id is not None else 0)
+    except Exception as exc:  # noqa: BLE001 - any failure here would otherwise surface at training step 1
+        raise ProbeError(f"{target_dir}: the drafter cannot be sized from this target's config: "
+                         f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}") from exc
+
+
 def _embedding_rows(target_dir: Path, vocab_size: int) -> tuple[int, str]:
     """Rows of the input embedding: from the safetensors header when weights are present (reads only
     the header, never tensor data), else ``vocab_size``."""
@@ -794,6 +815,8 @@ def probe_target(
         mid, mid_src = resolve_mask_token_id(explicit=mask_token_id, tokenizer=tok, embedding_rows=rows)
     else:
         mid, mid_src = None, f"unresolved: {tok['missing_reason']}; set `drafter.mask_token_id` or add the tokenizer"
+    if cfg["target_loader"]["error"] is None:
+        _check_drafter_config(target_dir, trust_remote_code, block_size, num_draft_layers, ids, mid)
 
     record = {
         "schema_version": PROBE_SCHEMA_VERSION,
