@@ -21,7 +21,7 @@ from dflash_pipeline.workflow import accelerate_launch_args
 
 CFG = {
     "num_processes": 1, "epochs": 1, "batch_size": 4, "learning_rate": 2e-3, "warmup_ratio": 0.1,
-    "weight_decay": 0.0, "max_grad_norm": 1.0, "num_anchors": 8, "loss_gamma": None, "mixed_precision": "no", "device": "auto",
+    "weight_decay": 0.0, "max_grad_norm": 1.0, "num_anchors": 8, "loss_gamma": None, "mixed_precision": "no",
     "seed": 0, "save_every_steps": 2, "log_every_steps": 1, "trace_batches": True,
 }
 
@@ -211,9 +211,9 @@ def test_loss_is_normalised_by_the_global_weight_sum_across_ranks(tmp_path):
 def test_bf16_target_trains_under_accelerate_bf16_on_cpu(setup, tmp_path):
     """The GPU recipe on a CPU box (train.device: cpu): bf16 target, mixed_precision bf16, the real loop."""
     root, probe = setup
-    cfg = dict(CFG, mixed_precision="bf16", device="cpu", save_every_steps=1000, trace_batches=False)
+    cfg = dict(CFG, mixed_precision="bf16", save_every_steps=1000, trace_batches=False)
     summary = train(token_shards=[root / "tokens.parquet"], probe=probe, target_dir=root / "target", out_dir=tmp_path,
-                    cfg=cfg, target_dtype="bfloat16")
+                    cfg=cfg, target_dtype="bfloat16", device="cpu")
     assert summary["target_dtype"] == "bfloat16" and summary["train_config"]["mixed_precision"] == "bf16"
     log = [json.loads(l) for l in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert len(log) == summary["steps"] and all(np.isfinite(r["loss"]) for r in log)

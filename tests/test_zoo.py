@@ -133,7 +133,7 @@ def test_family_invariants(family, dtype, twin):
     assert max(res.accept_lengths) == B and min(res.accept_lengths) < B  # full and partial acceptances
 
     # 3. one real training step: target in this dtype, Accelerate autocast bf16 (or none for fp32)
-    acc = make_accelerator({"device": "cpu", "mixed_precision": "bf16" if dtype == "bf16" else "no"})
+    acc = make_accelerator("bf16" if dtype == "bf16" else "no", "cpu")
     train_drafter = build_drafter(target, probe).train()
     opt = torch.optim.AdamW(train_drafter.parameters(), lr=1e-3)
     train_drafter, opt = acc.prepare(train_drafter, opt)

@@ -412,9 +412,10 @@ def run_stages(models_dir: Path, family: str, work: Path, corpus_file: Path, eva
 
     def train_with(dtype: str, mp: str):
         def run():
-            tcfg = dict(cfg["train"], mixed_precision=mp)
+            tcfg = {k: v for k, v in cfg["train"].items() if k != "device"}  # as the rule passes it
             train(token_shards=[work / "tokens.parquet"], probe=state["probe"], target_dir=twin,
-                  out_dir=work / f"train_{dtype}", cfg=tcfg, target_dtype=dtype)
+                  out_dir=work / f"train_{dtype}", cfg=dict(tcfg, mixed_precision=mp), target_dtype=dtype,
+                  device=cfg["train"]["device"])
         return run
 
     def eval_():
