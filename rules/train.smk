@@ -12,7 +12,7 @@ rule train_drafter:
     params:
         target=target_dir_of_input,
         run_dir=run_dir_of,
-        train=as_json(config["train"]),
+        train=as_json({k: v for k, v in config["train"].items() if k != "device"}),  # where, not what: --device
         arch=as_json({k: config["drafter"][k] for k in ("layer_types", "sliding_window")}),
         launch=" ".join(accelerate_launch_args()),
         baseline=baseline_flags_of,
@@ -29,4 +29,6 @@ rule train_drafter:
         "OMP_NUM_THREADS={threads} python -m dflash_pipeline.workflow gpus {resources.gpu} -- "
         "python -m accelerate.commands.launch {params.launch} "
         "-m dflash_pipeline.train --probe {input.probe:q} --target {params.target:q} "
+        f"--target-dtype {config['target']['dtype']} --device {config['train']['device']} "
+        f"{'--trust-remote-code ' if config['target']['trust_remote_code'] else ''}"
         "--out-dir {params.run_dir:q} --train-config {params.train:q} {params.baseline} --drafter-arch {params.arch:q} {input.tokens:q} > {log:q} 2>&1"

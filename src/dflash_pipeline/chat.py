@@ -12,7 +12,7 @@ alike (reference/dflash.md §4.8.5: a train/serve template mismatch is the #1 ca
 * :func:`render` / :func:`render_many` — the target's own template, rendered exactly as
   ``apply_chat_template(tokenize=False)`` renders it (same sandboxed, cached, compiled Jinja template from
   transformers, same variables: the special-token strings, ``add_generation_prompt``, the kwargs above),
-  without its per-call overhead. ``tests/test_templates.py`` checks the equality on every real template.
+  without its per-call overhead. ``tests/unit/test_templates.py`` checks the equality on every real template.
 """
 
 from __future__ import annotations
@@ -66,7 +66,12 @@ def load_tokenizer(target_dir: str | Path, *, chat_template: str | Path | None =
     """
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=trust_remote_code)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=trust_remote_code)
+    except AttributeError:  # a config.json transformers cannot read (e.g. remote-code kimi_k2): tokenizer files decide
+        from transformers import PretrainedConfig
+
+        tok = AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=trust_remote_code, config=PretrainedConfig())
     if chat_template is not None:
         tok.chat_template = Path(chat_template).read_text(encoding="utf-8")
     if not getattr(tok, "chat_template", None):

@@ -30,6 +30,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from .contracts import CHECKPOINT_FORMAT_VERSION
+from .target import lm_head_logits, module_dtype
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -65,21 +66,23 @@ def drafter_config_from_target(
     if layer_types and "sliding_attention" in layer_types and not sliding_window:
         raise ValueError("drafter.layer_types has sliding_attention layers: set drafter.sliding_window (tokens)")
     t = target_config
-    head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
-    rope = dict(getattr(t, "rope_parameters", None) or {})
+    head_dim = _target_attr(t, "head_dim") or t.hidden_size // t.num_attention_heads
+    rope = dict(_target_attr(t, "rope_parameters") or {})
+    if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type (gemma): the plain one
+        rope = dict(next((v for v in rope.values() if v.get("rope_type", "default") == "default"), next(iter(rope.values()))))
     rope.setdefault("rope_type", "default")
-    rope.setdefault("rope_theta", getattr(t, "rope_theta", 1_000_000.0))
+    rope.setdefault("rope_theta", _target_attr(t, "rope_theta", 1_000_000.0))
     cfg = Qwen3Config(
         vocab_size=t.vocab_size,
         hidden_size=t.hidden_size,
-        intermediate_size=getattr(t, "intermediate_size", 4 * t.hidden_size),
+        intermediate_size=_target_attr(t, "intermediate_size", 4 * t.hidden_size),
         num_hidden_layers=num_draft_layers,
         num_attention_heads=t.num_attention_heads,
-        num_key_value_heads=getattr(t, "num_key_value_heads", t.num_attention_heads),
+        num_key_value_heads=_target_attr(t, "num_key_value_heads", t.num_attention_heads),
         head_dim=head_dim,
         hidden_act="silu",
         max_position_embeddings=t.max_position_embeddings,
-        rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6),
+        rms_norm_eps=_target_attr(t, "rms_norm_eps", 1e-6),
         rope_parameters=rope,
         attention_bias=False,
         tie_word_embeddings=False,
@@ -92,6 +95,16 @@ def drafter_config_from_target(
     cfg.num_target_layers = int(t.num_hidden_layers)
     cfg.dflash_config = {"mask_token_id": int(mask_token_id), "target_layer_ids": [int(i) for i in target_layer_ids]}
     return cfg
+
+
+def _target_attr(config, name: str, default=None):
+    """``config.name`` (``default`` when missing/None); a per-layer attribute of a heterogeneous config
+    (gemma-4's ``head_dim``) is read from its serialized global value."""
+    try:
+        value = getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError
+        value = config.to_dict().get(name)
+    return default if value is None else value
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -291,6 +304,8 @@ class DFlashDrafter(nn.Module):
 
         The block sees every cached context position (< ``start``) and itself, bidirectionally.
         ``new_context`` covers positions ``cache.length .. start-1`` and is appended to ``cache``.
+        Dtypes (dflash_pipeline.target): inputs are cast to the drafter's dtype, the output meets
+        ``lm_head`` in the head's dtype; logits come back in the head's dtype.
         """
         bs = block_size or self.block_size
         b = bonus_token.shape[0]
@@ -302,14 +317,15 @@ class DFlashDrafter(nn.Module):
         if ctx_pos.shape[1] and int(ctx_pos[0, -1]) != start - 1:
             raise ValueError(f"context covers positions up to {int(ctx_pos[0, -1])}, block starts at {start}")
         blk_pos = torch.arange(start, start + bs, device=dev).expand(b, -1)
-        emb = embed_tokens(block).to(new_context.dtype)
+        dt = module_dtype(self)
+        emb, new_context = embed_tokens(block).to(dt), new_context.to(dt)
         mask = None
         if self.sliding_window is not None:  # full layers see everything; sliding layers need a mask
             full = torch.ones((b, 1, bs, start + bs), dtype=torch.bool, device=dev)
             sliding = build_inference_sliding_mask(start, bs, self.sliding_window, device=dev).expand(b, -1, -1, -1)
             mask = {"full_attention": full, "sliding_attention": sliding}
         hidden = self(emb, new_context, ctx_pos, blk_pos, attn_mask=mask, cache=cache)
-        return lm_head(hidden)
+        return lm_head(hidden.to(lm_head.weight.dtype))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -491,12 +507,19 @@ def decayed_cross_entropy(
     labels: torch.Tensor,  # long [b, Q]
     weights: torch.Tensor,  # float [b, Q]
     chunk_tokens: int = 4096,
+    normalizer: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict]:
     """Weighted CE Σ w·CE / Σ w over slots with w > 0, computed in chunks of ``chunk_tokens`` slots
     under activation checkpointing so memory never holds [N·B, V] logits at once (dflash.md §4.5, §4.7).
 
+    ``normalizer`` (float scalar) replaces the local Σ w as the divisor: :func:`loss_normalizer` makes
+    data-parallel ranks average to the global Σ w·CE / Σ w. Logits are computed in the LM head's dtype
+    and upcast to float32 for the cross-entropy (:func:`dflash_pipeline.target.lm_head_logits`), so a
+    bf16 head works with or without autocast.
+
     Returns ``(loss, stats)``; ``stats`` holds per-slot correct/total counts (for accuracy and the EAL
-    proxy). With no supervised slot the loss is ``0 * hidden.sum()`` so every rank still runs backward.
+    proxy) and ``weight_sum`` (local Σ w). With no supervised slot the loss is ``0 * hidden.sum()`` so
+    every rank still runs backward.
     """
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
@@ -504,11 +527,11 @@ def decayed_cross_entropy(
     sel = (w > 0).nonzero(as_tuple=True)[0]
     total_w = w[sel].sum()
     if sel.numel() == 0:
-        return hidden.sum() * 0.0, {"num_slots": 0}
+        return hidden.sum() * 0.0, {"num_slots": 0, "weight_sum": 0.0}
     hs, ys, ws = h[sel], y[sel], w[sel]
 
     def chunk_loss(hc, yc, wc):
-        logits = F.linear(hc, lm_head_weight).float()
+        logits = lm_head_logits(hc, lm_head_weight)
         ce = F.cross_entropy(logits, yc, reduction="none")
         return (ce * wc).sum(), (logits.argmax(-1) == yc)
 
@@ -520,7 +543,23 @@ def decayed_cross_entropy(
         )
         loss = loss + part
         correct.append(ok)
-    return loss / total_w, {"num_slots": int(sel.numel()), "correct": torch.cat(correct), "index": sel}
+    denom = total_w if normalizer is None else normalizer.to(loss.device, torch.float32).clamp(min=1e-12)
+    return loss / denom, {"num_slots": int(sel.numel()), "correct": torch.cat(correct), "index": sel,
+                          "weight_sum": float(total_w)}
+
+
+def loss_normalizer(local_weight_sum: torch.Tensor, world_size: int, all_reduce_sum=None) -> torch.Tensor:
+    """Divisor for :func:`decayed_cross_entropy` on one of ``world_size`` data-parallel ranks.
+
+    DDP averages gradients over ranks, so rank r's loss Σ_r w·CE / (Σ_all w / world_size) averages to
+    the global Σ_all w·CE / Σ_all w: every supervised slot weighs the same whichever rank holds it (a
+    rank with few supervised tokens no longer weighs as much as a full one). ``all_reduce_sum`` sums a
+    float32 scalar over ranks (``accelerator.reduce(t, "sum")``); None = one process.
+    """
+    total = local_weight_sum.detach().to(torch.float32).reshape(())
+    if all_reduce_sum is not None and world_size > 1:
+        total = all_reduce_sum(total.clone())
+    return total / max(1, world_size)
 
 
 def slot_accuracy(stats: dict, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -575,7 +614,8 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, *, dtype: torch.dt
 
 
 def load_drafter(ckpt_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DFlashDrafter:
-    """Load a drafter written by :func:`save_drafter` (or any unprefixed DFlash checkpoint)."""
+    """Load a drafter written by :func:`save_drafter` (or any unprefixed DFlash checkpoint) in ``dtype``
+    (eval passes the target's, :func:`dflash_pipeline.target.drafter_dtype`)."""
     from safetensors.torch import load_file
 
     ckpt = Path(ckpt_dir)
