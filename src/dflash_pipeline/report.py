@@ -161,7 +161,7 @@ def generation_table(
 TOKEN_COUNTS = (
     "records_in", "records_out", "turns_supervised", "num_tokens", "num_loss_tokens", "truncated",
     "split_conversations", "server_ids_used", "scaffolding_excluded", "render_differs_from_output_ids",
-    "straddling_tokens",
+    "output_ids_spliced", "control_text_kept", "straddling_tokens",
 )
 
 
