@@ -227,7 +227,7 @@ def report_targets(run=RUN):
     """Outputs that exist for the HTML report (`snakemake --report`): tables and plots."""
     return [
         f"{R}/report/probe.tsv", f"{R}/report/prompts.tsv", f"{R}/report/generation.tsv", f"{R}/report/tokens.tsv",
-        f"{R}/eval/{run}/tau_vs_step.png", f"{R}/eval/{run}/train_curves.png",
+        f"{R}/eval/{run}/tau_vs_step.png", f"{R}/eval/{run}/train_curves.png", f"{R}/report/summary.html",
     ]
 
 

@@ -4,6 +4,18 @@
 report: "../report/workflow.rst"
 
 
+def run_outputs(run=RUN):
+    """(what, path) of the outputs a user looks for after a run (report summary and end-of-run message)."""
+    return [
+        ("drafter checkpoint (servable)", f"{checkpoint_dir(run)}/final"),
+        ("τ table", f"{R}/eval/{run}/acceptance.tsv"),
+        ("eval record", eval_json(run)),
+        ("data tables", f"{R}/report/"),
+        ("logs per job", f"{R}/logs/"),
+        ("HTML report", "snakemake --report report.html  (after the run)"),
+    ]
+
+
 rule summarize_probe:
     """The config probe record as a key/value table."""
     input:
@@ -82,3 +94,27 @@ rule plot_training:
         "../envs/torch.yaml"
     script:
         "../scripts/plot_training.py"
+
+
+rule summarize_run:
+    """The τ table, the eval record's summary and every data count as HTML tables (the report's landing page
+    embeds them: report/workflow.rst)."""
+    input:
+        probe=f"{R}/report/probe.tsv",
+        prompts=f"{R}/report/prompts.tsv",
+        generation=f"{R}/report/generation.tsv",
+        tokens=f"{R}/report/tokens.tsv",
+        tau=f"{R}/eval/{RUN}/acceptance.tsv",
+        eval=eval_json(),
+    output:
+        report(f"{R}/report/summary.html", caption="../report/summary.rst", category="0. Summary",
+               labels={"what": "run summary (tables)"}),
+    params:
+        run=RUN,
+        outputs=run_outputs(),
+    log:
+        f"{R}/logs/summarize_run.log",
+    conda:
+        "../envs/data.yaml"
+    script:
+        "../scripts/summarize_report.py"

@@ -6,6 +6,13 @@ with log_to(snakemake.log[0], snakemake.threads):
         report.probe_table(snakemake.input[0], snakemake.output[0])
     elif snakemake.rule == "summarize_prompts":
         report.prompts_table(snakemake.input[0], snakemake.output[0])
+    elif snakemake.rule == "summarize_run":
+        i = snakemake.input
+        report.summary_html(
+            snakemake.output[0], run=snakemake.params.run, tau_tsv=i.tau, eval_json=i.eval, probe_tsv=i.probe,
+            prompts_tsv=i.prompts, generation_tsv=i.generation, tokens_tsv=i.tokens,
+            outputs=[tuple(o) for o in snakemake.params.outputs],
+        )
     elif snakemake.rule == "summarize_tokens":
         report.tokens_table(snakemake.input.shards, snakemake.output[0])
     else:

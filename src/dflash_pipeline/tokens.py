@@ -69,6 +69,7 @@ from . import chat
 from .contracts import TOKEN_SCHEMA, TOKEN_SCHEMA_VERSION, sha256_text
 from .errors import TokenizationError
 from . import shards
+from .workflow import console
 from .spans import (  # noqa: F401 (the string level; re-exported)
     TrainSequence,
     check_template,
@@ -565,7 +566,7 @@ def tokenize_shard(
         }
         writer.close(metadata)
     dropped = {r: n for r, n in stats["dropped"].items() if n}
-    log.info("%s: %d completion records -> %d sequences (%d turns supervised, %d tokens, %d supervised, %d truncated "
+    console("%s: %d completion records -> %d sequences (%d turns supervised, %d tokens, %d supervised, %d truncated "
              "at max_length %d); dropped %s; scaffolding excluded in %d turns", out_path, stats["records_in"],
              stats["records_out"], stats["turns_supervised"], stats["num_tokens"], stats["num_loss_tokens"],
              stats["truncated"], max_length, dropped or "none", stats["scaffolding_excluded"])
