@@ -190,7 +190,7 @@ def test_base_url_without_v1_is_a_config_error(tmp_path):
 
 
 def test_warning_while_no_endpoint_is_available(tmp_path, caplog, monkeypatch):
-    monkeypatch.setattr(completions, "OUTAGE_LOG_S", 0.05)
+    monkeypatch.setattr(completions.fleet, "OUTAGE_LOG_S", 0.05)
     write_prompts(tmp_path / "p.parquet", single_turn(2))
     cfg = openai_cfg(dead_url(), dead_url(), circuit_breaker_failures=12, endpoint_reprobe_s=0.03,
                      retry_backoff_max_s=0.06)

@@ -1,0 +1,63 @@
+"""One-line descriptions of request failures, for logs, take-out lines, error rows and the breaker
+message (credentials in URLs removed)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+from ..errors import strip_url_credentials
+
+
+def _first_line(exc: BaseException | str) -> str:
+    """The first line of ``exc``'s message (or of a server's message string; 300 characters at most,
+    ``user:pass@`` removed from any URL in it), or its type name when it has none."""
+    text = str(exc)
+    if text.strip():
+        msg = next(line for line in text.splitlines() if line.strip())[:300]
+    else:
+        msg = type(exc).__name__ if isinstance(exc, BaseException) else "(empty message)"
+    return strip_url_credentials(msg)
+
+
+def _root_cause(exc: BaseException) -> BaseException | None:
+    """The first exception in ``exc``'s cause chain (``__cause__``, else an unsuppressed ``__context__``)
+    whose message differs from ``exc``'s: the deepest of those sharing that message (the most specific
+    type). None when the chain adds nothing."""
+    top = _first_line(exc)
+    found = None
+    seen = {id(exc)}
+    cur = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        msg = _first_line(cur)
+        if found is None:
+            if msg != top:
+                found = cur
+        elif msg == _first_line(found):
+            found = cur  # a deeper exception with the same message names the more specific type
+        else:
+            break
+        cur = cur.__cause__ or (None if cur.__suppress_context__ else cur.__context__)
+    return found
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for logs, take-out lines, error rows and the breaker message: ``HTTP <status>: <message>``
+    or ``<Type>: <message>``, plus ``(cause: <Type>: <message>)`` from the exception's cause chain. The
+    cause matters: openai's aiohttp transport reports a refused connection as ``APITimeoutError: Request
+    timed out.``, whose cause says ``Cannot connect to host ...``. Credentials in URLs are removed."""
+    if isinstance(exc, asyncio.TimeoutError):
+        return "timeout"
+    status = getattr(exc, "status_code", None)
+    msg = _first_line(exc)
+    if status is not None:  # openai's text is "Error code: 400 - {body}": say the server's message once
+        body = getattr(exc, "body", None)
+        server_msg = body.get("message") if isinstance(body, dict) else None
+        msg = _first_line(server_msg) if isinstance(server_msg, str) and server_msg.strip() else re.sub(
+            r"^Error code: \d+ - ", "", msg)
+    out = f"HTTP {status}: {msg}" if status is not None else f"{type(exc).__name__}: {msg}"
+    cause = _root_cause(exc)
+    if cause is not None:
+        out += f" (cause: {type(cause).__name__}: {_first_line(cause)})"
+    return out

@@ -1,0 +1,290 @@
+"""The ``generate_completions`` rule's entry: :func:`generate_shard` (resume, generate what is left, write
+the shard and its stats), :func:`make_backend` and the pre-generation chat-template check."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, Sequence
+
+from .. import shards
+from ..chat import load_tokenizer, template_kwargs
+from ..contracts import COMPLETION_SCHEMA, COMPLETION_SCHEMA_VERSION, canonical_json
+from ..errors import ConfigError, GenerationError
+from .openai_backend import OpenAIBackend, _quiet_http_logs
+from .records import OnDone, RunInfo, read_prompts, sampling_params
+from .resume import ERRORS_SUFFIX, PROGRESS_SUFFIX, ProgressLog, _drop_other_model, _fingerprint
+from .stats import _Progress, shard_stats
+from .transformers_backend import TransformersBackend
+
+log = logging.getLogger(__package__)  # one logger for the whole completions stage
+
+
+class Backend(Protocol):
+    """A generation backend: answers every user turn of each prompt and reports each conversation."""
+
+    #: model name recorded in every record
+    model: str
+
+    def resolve_model(self) -> str:
+        """The model name this backend sends and records (may ask the servers). Optional: without it
+        :func:`generate_shard` uses ``model``."""
+        ...
+
+    def run(self, prompts: Sequence[dict], on_done: OnDone, info: RunInfo) -> dict:
+        """Generate all ``prompts``; call ``on_done(record)`` once per conversation as it finishes
+        (status ok/truncated/error). Returns backend stats (JSON-able). Raises GenerationError to stop."""
+        ...
+
+
+def make_backend(gen_cfg: dict, *, target_dir=None, chat_template=None, trust_remote_code=False, dtype="auto") -> Backend:
+    """The backend named by ``gen_cfg["backend"]``. Raises ConfigError for an unknown one."""
+    if gen_cfg["backend"] == "transformers":
+        if int(gen_cfg.get("client_processes", 1) or 1) > 1:
+            raise ConfigError("generation.client_processes applies to the openai backend only (transformers generates in-process)")
+        if gen_cfg.get("api", "chat") != "chat":
+            raise ConfigError("generation.api: completions applies to the openai backend only (transformers renders locally anyway)")
+        if target_dir is None:
+            raise ConfigError("generation.backend=transformers needs the target directory (target.path)")
+        return TransformersBackend(
+            target_dir, gen_cfg, chat_template=chat_template, trust_remote_code=trust_remote_code, dtype=dtype
+        )
+    if gen_cfg["backend"] == "openai":
+        return OpenAIBackend(gen_cfg, target_dir=target_dir, chat_template=chat_template, trust_remote_code=trust_remote_code)
+    raise ConfigError(f"generation.backend: unknown backend {gen_cfg['backend']!r}; use transformers or openai")
+
+
+def preflight_template(
+    target_dir: str | Path,
+    *,
+    gen_cfg: dict,
+    tokens_cfg: dict,
+    chat_template: str | Path | None = None,
+    trust_remote_code: bool = False,
+) -> list[str]:
+    """Before a completions job generates anything: :func:`dflash_pipeline.spans.check_template` on the
+    target's tokenizer and template in ``gen_cfg["thinking"]`` (skipped, with a warning, when
+    ``tokens_cfg["use_server_token_ids"]`` is set: those records need no render). Warnings are logged and
+    returned.
+
+    Raises:
+        ConfigError: the tokens stage could not mask conversations of this template in this mode.
+    """
+    from .. import spans  # the string level only: no numpy/pyarrow in this rule's env
+
+    if tokens_cfg.get("use_server_token_ids"):
+        log.warning("tokens.use_server_token_ids is set: the chat-template check is skipped; records without "
+                    "server token ids will still need the render path")
+        return []
+    tok = load_tokenizer(target_dir, chat_template=chat_template, trust_remote_code=trust_remote_code)
+    name = f"chat template {chat_template}" if chat_template else f"chat template of {target_dir}"
+    warnings = spans.check_template(tok, gen_cfg["thinking"], template_name=name)
+    for w in warnings:
+        log.warning("%s", w)
+    return warnings
+
+
+def generate_shard(
+    prompt_shard: str | Path,
+    out_path: str | Path,
+    *,
+    target_dir: str | Path | None,
+    gen_cfg: dict,
+    chat_template: str | Path | None = None,
+    trust_remote_code: bool = False,
+    progress_path: str | Path | None = None,
+    errors_path: str | Path | None = None,
+    stats_path: str | Path | None = None,
+    dtype: str = "auto",
+    backend: Backend | None = None,
+) -> dict:
+    """Generate the completion shard for one prompt shard (the ``generate_completions`` rule's entry).
+
+    Args:
+        prompt_shard: Parquet file with ``contracts.PROMPT_SCHEMA``.
+        out_path: completion shard to write (``contracts.COMPLETION_SCHEMA``, atomic).
+        target_dir: the target (weights for the transformers backend; tokenizer and template for openai
+            with ``api: completions``; else unused by openai).
+        gen_cfg: validated ``config["generation"]`` (all defaults filled).
+        chat_template, trust_remote_code, dtype: as ``target.*`` (transformers backend; the first two also
+            for ``api: completions``).
+        progress_path: resume file (default ``<out_path>.progress.jsonl``), removed once the shard is written.
+        errors_path: error sidecar (default ``<out_path>.errors.jsonl``), rewritten each run; removed when
+            a run ends with no errors.
+        stats_path: if given, the run's stats are written there as JSON.
+        backend: an already built backend (tests, benchmarks); default from ``gen_cfg["backend"]``.
+
+    Returns:
+        stats (also written to ``stats_path``). Whole shard, from its final records (resumed ones
+        included): ``prompts, ok, truncated, error, turns, prompt_tokens, completion_tokens`` (turns =
+        assistant turns in the records, error rows' partial turns included). This run only: ``resumed``
+        (conversations taken from the progress file), ``generated`` (conversations sent), ``wall_s``
+        (seconds of this call), ``conversations_per_s, requests_per_s, output_tokens_per_s``, the
+        backend's ``requests, attempts, retries`` (and for openai ``rate_limited``, per-endpoint
+        ``endpoints``, ``client_processes``), and ``run``: ``{generated, turns, prompt_tokens,
+        completion_tokens, wall_s, conversations_per_s, requests_per_s, output_tokens_per_s}`` with turns
+        and tokens of the conversations generated in this run (the rates divide these by ``wall_s``).
+
+    Raises:
+        GenerationError: the circuit breaker opened, or more than ``max_error_fraction`` of the shard
+            failed (the shard is not written; finished conversations stay in the progress file).
+        DataError: malformed prompt shard. ConfigError: bad generation settings.
+    """
+    t_start = time.monotonic()
+    paths = _Paths.of(out_path, progress_path, errors_path)
+    prompts = read_prompts(prompt_shard)
+    template_kwargs(gen_cfg["thinking"])  # validates the mode
+    progress = ProgressLog(paths.progress, _fingerprint(gen_cfg["backend"], gen_cfg, target_dir, chat_template))
+    done = _resumable(progress, prompts)
+    pending = [p for p in prompts if p["prompt_id"] not in done]
+    model_name = next(iter(done.values())).get("model") if done else None
+    if pending:
+        if backend is None:
+            backend = make_backend(gen_cfg, target_dir=target_dir, chat_template=chat_template,
+                                   trust_remote_code=trust_remote_code, dtype=dtype)
+        if done:  # resumed records must come from the model this run sends (generation.model unset: /models)
+            model_name = _resumed_model(backend, done, paths, len(prompts))
+            pending = [p for p in prompts if p["prompt_id"] not in done]
+    resumed = len(done)
+    if resumed:
+        log.info("%s: resuming, %d of %d conversations already finished", paths.out, resumed, len(prompts))
+    failed: dict[str, dict] = {}
+    backend_stats: dict = {}
+    if pending:
+        model_name, backend_stats = _generate(backend, pending, gen_cfg, progress, paths,
+                                              _Sink(done, failed, len(prompts)))
+    records = _final_records(prompts, done, failed, gen_cfg, paths)
+    _write_shard(paths.out, records, gen_cfg, model_name, prompt_shard)
+    paths.progress.unlink(missing_ok=True)
+    if not failed:
+        paths.errors.unlink(missing_ok=True)
+    stats = shard_stats(paths.out, backend=gen_cfg["backend"], model=model_name, records=records,
+                        generated_ids={p["prompt_id"] for p in pending}, resumed=resumed,
+                        wall_s=time.monotonic() - t_start, backend_stats=backend_stats)
+    if stats_path is not None:
+        shards.write_json(stats_path, stats, skip_if_identical=False)
+    return stats
+
+
+@dataclass(frozen=True)
+class _Paths:
+    """The files of one shard job: the shard, its progress file and its error sidecar."""
+
+    out: Path
+    progress: Path
+    errors: Path
+
+    @classmethod
+    def of(cls, out_path, progress_path, errors_path) -> "_Paths":
+        out = Path(out_path)
+        return cls(out, Path(progress_path) if progress_path else Path(str(out) + PROGRESS_SUFFIX),
+                   Path(errors_path) if errors_path else Path(str(out) + ERRORS_SUFFIX))
+
+
+def _resumable(progress: ProgressLog, prompts: Sequence[dict]) -> dict[str, dict]:
+    """Finished (ok/truncated) records of this shard's prompts in the progress file, by prompt_id."""
+    wanted = {p["prompt_id"] for p in prompts}
+    return {pid: r for pid, r in progress.load().items() if pid in wanted and r.get("status") in ("ok", "truncated")}
+
+
+def _stopped(exc: GenerationError, paths: _Paths, done: dict, n_prompts: int) -> GenerationError:
+    """``exc`` with the shard named and what a rerun keeps (``done``: the finished records so far)."""
+    kept = (f"{len(done)} of {n_prompts} conversations are finished and kept in {paths.progress}; rerunning "
+            f"sends only the rest" if done else f"none of the {n_prompts} conversations is finished yet")
+    return GenerationError(f"{paths.out}: {str(exc).rstrip('.')}. {kept}")
+
+
+def _resumed_model(backend: Backend, done: dict, paths: _Paths, n_prompts: int) -> str | None:
+    """The model this run sends (may ask the servers); drops from ``done`` the records of another model.
+    Raises GenerationError (:func:`_stopped`) when the breaker opened before any endpoint answered."""
+    resolve = getattr(backend, "resolve_model", None)
+    try:
+        with _quiet_http_logs():
+            model_name = resolve() if resolve is not None else backend.model
+    except GenerationError as exc:
+        raise _stopped(exc, paths, done, n_prompts) from None
+    if model_name:
+        _drop_other_model(done, model_name, paths.progress)
+    return model_name
+
+
+class _Sink:
+    """Where each finished conversation goes: ok/truncated into ``done`` and the progress file, errors
+    into ``failed`` and the error sidecar; every one to the progress bar. Opened by :func:`_generate`."""
+
+    def __init__(self, done: dict, failed: dict, n_prompts: int):
+        self.done, self.failed, self.n_prompts = done, failed, n_prompts
+        self.progress = self.err_fh = self.bar = None
+
+    def __call__(self, record: dict) -> None:
+        if record["status"] == "error":
+            self.failed[record["prompt_id"]] = record
+            self.err_fh.write(json.dumps({
+                "prompt_id": record["prompt_id"], "dataset": record["dataset"], "error": record["error"],
+                "turns_done": len(record["turns"]), "model": record["model"],
+            }, ensure_ascii=False) + "\n")
+            self.err_fh.flush()
+        else:
+            self.done[record["prompt_id"]] = record
+            self.progress.append(record)
+        self.bar.update(record)
+
+
+def _generate(backend: Backend, pending: Sequence[dict], gen_cfg: dict, progress: ProgressLog, paths: _Paths,
+              sink: _Sink) -> tuple[str, dict]:
+    """Run ``backend`` on ``pending``, every record into ``sink``. Returns ``(model, backend stats)``."""
+    info = RunInfo(model=backend.model, sampling=canonical_json(sampling_params(gen_cfg)), thinking=gen_cfg["thinking"])
+    progress.open(sink.done.values())
+    paths.errors.parent.mkdir(parents=True, exist_ok=True)
+    sink.progress = progress
+    sink.err_fh = open(paths.errors, "w", encoding="utf-8")
+    sink.bar = _Progress(sink.n_prompts, len(sink.done), paths.out.name, resumed_records=sink.done.values())
+    try:
+        with _quiet_http_logs():
+            backend_stats = backend.run(pending, sink, info)
+    except GenerationError as exc:
+        raise _stopped(exc, paths, sink.done, sink.n_prompts) from None
+    finally:
+        sink.bar.close()
+        progress.close()
+        sink.err_fh.close()
+    return info.model, backend_stats
+
+
+def _final_records(prompts: Sequence[dict], done: dict, failed: dict, gen_cfg: dict, paths: _Paths) -> list[dict]:
+    """The shard's records in prompt-shard order. Raises GenerationError when a prompt has no record (a
+    backend bug) or more than ``max_error_fraction`` of the shard failed."""
+    missing = [p["prompt_id"] for p in prompts if p["prompt_id"] not in done and p["prompt_id"] not in failed]
+    if missing:  # a backend bug, never silently dropped
+        raise GenerationError(f"{paths.out}: backend returned no record for {len(missing)} prompts (first: {missing[0]})")
+    n_err = len(failed)
+    if n_err > gen_cfg.get("max_error_fraction", 0.0) * len(prompts):
+        first = next(iter(failed.values()))
+        raise GenerationError(
+            f"{paths.out}: {n_err} of {len(prompts)} conversations failed (first: prompt {first['prompt_id']}: "
+            f"{first['error']}); all are listed in {paths.errors}. The {len(done)} finished ones are kept in "
+            f"{paths.progress}, so a rerun retries only the failed ones. To accept failures as status=error "
+            f"rows instead, raise generation.max_error_fraction"
+        )
+    return [done.get(p["prompt_id"]) or failed[p["prompt_id"]] for p in prompts]
+
+
+def _write_shard(out_path: Path, records: list[dict], gen_cfg: dict, model_name: str | None, prompt_shard) -> None:
+    """The completion shard (atomic), with its metadata."""
+    counts = Counter(r["status"] for r in records)
+    meta = {
+        "schema_version": COMPLETION_SCHEMA_VERSION,
+        "stage": "completions",
+        "backend": gen_cfg["backend"],
+        "model": model_name,
+        "sampling": sampling_params(gen_cfg),
+        "thinking": gen_cfg["thinking"],
+        "prompt_shard": Path(prompt_shard).name,
+        "num_records": len(records),
+        "status_counts": {k: counts.get(k, 0) for k in ("ok", "truncated", "error")},
+    }
+    shards.write_parquet(out_path, shards.table_from_records(records, COMPLETION_SCHEMA), metadata=meta)

@@ -1,0 +1,390 @@
+"""The openai backend (``generation.backend: openai``): ``AsyncOpenAI`` clients against the fleet of
+OpenAI-compatible servers (SGLang, vLLM), ``POST /chat/completions`` (``generation.api: chat``) or
+``POST /completions`` with token ids of the local render (``api: completions``).
+
+One request is :meth:`OpenAIBackend._complete`: acquire an endpoint, one attempt
+(:meth:`OpenAIBackend._attempt`), release it, then act on the :class:`retry.Failure` (see
+:mod:`.retry`). A conversation is its user turns answered in order against the regenerated history
+(:meth:`OpenAIBackend._conversation`); :meth:`OpenAIBackend.run` runs them on one event loop, or on
+several client processes (:mod:`.workers`) with ``generation.client_processes > 1``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import random
+import time
+from collections import Counter
+from typing import Any, Sequence
+
+from ..chat import load_tokenizer, render, template_kwargs
+from ..errors import ConfigError
+from . import retry
+from .describe import _describe
+from .fleet import _auth_error, _Endpoint, _Fleet
+from .records import DISABLE_HINT_LOCAL, OnDone, RowError, RunInfo, Turn, build_record, check_thinking, redact_url, split_reasoning
+from .stats import fleet_stats
+
+log = logging.getLogger(__package__)  # one logger for the whole completions stage
+
+
+def _first_choice(data: Any) -> dict:
+    """``choices[0]`` of a response's JSON. Raises ValueError (malformed: retried) when there is none."""
+    choices = data.get("choices") if isinstance(data, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise ValueError("response has no choices")
+    return choices[0]
+
+
+def _response_facts(data: dict, choice: dict) -> dict:
+    """``prompt_tokens``, ``completion_tokens`` (``usage``) and ``prompt_token_ids``, ``output_token_ids``
+    (as vLLM returns them with ``return_token_ids``: top level or choice, choice; None when absent) of a
+    response's JSON, as :class:`Turn` keywords."""
+    usage = data.get("usage") or {}
+    prompt_ids = data.get("prompt_token_ids") or choice.get("prompt_token_ids")
+    out_ids = choice.get("token_ids") or choice.get("output_token_ids")
+    return {
+        "prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens"),
+        "prompt_token_ids": list(prompt_ids) if prompt_ids is not None else None,
+        "output_token_ids": list(out_ids) if out_ids is not None else None,
+    }
+
+
+#: Loggers of the HTTP stack under the openai client; at INFO, httpx logs one line per request.
+HTTP_LOGGERS = ("httpx", "httpx2", "httpcore", "httpcore2", "openai", "aiohttp")
+
+
+def _raise_http_log_levels() -> dict[str, int]:
+    """Set the :data:`HTTP_LOGGERS` to WARNING (``HTTP Request: POST ... "HTTP/1.1 200 OK"`` per request
+    would flood the job log); a logger already stricter keeps its level, this module's own logger is
+    untouched. Returns the levels changed (name: previous level)."""
+    saved = {}
+    for name in HTTP_LOGGERS:
+        lg = logging.getLogger(name)
+        if lg.getEffectiveLevel() < logging.WARNING:
+            saved[name] = lg.level
+            lg.setLevel(logging.WARNING)
+    return saved
+
+
+@contextlib.contextmanager
+def _quiet_http_logs():
+    """:func:`_raise_http_log_levels` for the duration of a ``with`` block (the levels restored on exit)."""
+    saved = _raise_http_log_levels()
+    try:
+        yield
+    finally:
+        for name, level in saved.items():
+            logging.getLogger(name).setLevel(level)
+
+
+def _aiohttp_client(max_concurrency: int, timeout_s: float):
+    """openai's aiohttp transport (about 2x the requests/s of the default one, feasibility.md §8) with
+    a connection pool sized to the endpoint's concurrency; None (= the default transport) if missing."""
+    import openai
+
+    try:
+        import httpx2
+    except ImportError:
+        return None
+    limits = httpx2.Limits(max_connections=max_concurrency + 8, max_keepalive_connections=max_concurrency + 8)
+    try:
+        return openai.DefaultAioHttpClient(limits=limits, timeout=timeout_s)
+    except RuntimeError:  # the aiohttp extra is not installed
+        log.info("aiohttp not installed: using the openai client's default transport (slower)")
+        return None
+
+
+class OpenAIBackend:
+    """Generation against OpenAI-compatible servers (``generation.backend: openai``).
+
+    With ``generation.api: completions`` the target's tokenizer (``target_dir``, ``chat_template``,
+    ``trust_remote_code`` as ``target.*``) is loaded once here and renders every request.
+
+    ``resolved_model``: the model a parent process settled from ``GET /models`` (``generation.model``
+    unset), so that its client processes send and check that one.
+
+    Raises:
+        ConfigError: no endpoints, ``api_key_env`` names an unset variable, or completions mode without
+            ``target_dir`` or with ``extra_body.chat_template_kwargs``.
+    """
+
+    def __init__(self, gen_cfg: dict, *, target_dir=None, chat_template=None, trust_remote_code=False,
+                 resolved_model: str | None = None):
+        if not gen_cfg.get("endpoints"):
+            raise ConfigError("generation.endpoints is empty; list at least one {base_url: http://host:port/v1}")
+        self.cfg = gen_cfg
+        self.api = gen_cfg.get("api", "chat")
+        self.tok = None
+        self._opens_think = False
+        if self.api == "completions":
+            if target_dir is None:
+                raise ConfigError(
+                    "generation.api=completions renders prompts locally and needs the target's tokenizer "
+                    "and chat template (target.path)"
+                )
+            if "chat_template_kwargs" in (gen_cfg.get("extra_body") or {}):
+                raise ConfigError(
+                    "generation.extra_body.chat_template_kwargs is not applied with generation.api=completions "
+                    "(the prompt is rendered locally; generation.thinking sets the template kwargs)"
+                )
+            self.tok = load_tokenizer(target_dir, chat_template=chat_template, trust_remote_code=trust_remote_code)
+            # Templates that open <think> in the generation prompt (DeepSeek-R1, Qwen3 thinking-2507) make
+            # the completion start inside the reasoning; known once per template and mode.
+            probe = render(self.tok, [{"role": "user", "content": "x"}], thinking=gen_cfg["thinking"], add_generation_prompt=True)
+            self._opens_think = probe.rstrip().endswith("<think>")
+        self.model = gen_cfg.get("model") or resolved_model or ""
+        self._probed = False  # whether resolve_model/_discover checked the fleet's /models in this process
+        # what a client process needs to build its own copy (keys come from its inherited environment)
+        self._init_kw = {"target_dir": target_dir, "chat_template": chat_template, "trust_remote_code": trust_remote_code}
+        self._keys = []
+        for i, ep in enumerate(gen_cfg["endpoints"]):
+            env = ep.get("api_key_env")
+            if env:
+                if env not in os.environ:
+                    raise ConfigError(
+                        f"generation.endpoints[{i}].api_key_env names ${env}, which is not set; export it "
+                        f"(the key itself never goes into the config)"
+                    )
+                self._keys.append(os.environ[env])
+            else:
+                self._keys.append("EMPTY")
+        self.stats: Counter = Counter()
+
+    def _make_fleet(self) -> _Fleet:
+        import openai
+
+        eps = []
+        for ep_cfg, key in zip(self.cfg["endpoints"], self._keys):
+            cap = int(ep_cfg.get("max_concurrency", 64))
+            http_client = _aiohttp_client(cap, float(self.cfg["request_timeout_s"]))
+            client = openai.AsyncOpenAI(
+                base_url=ep_cfg["base_url"], api_key=key, max_retries=0,
+                timeout=float(self.cfg["request_timeout_s"]), http_client=http_client,
+            )
+            eps.append(_Endpoint(url=redact_url(ep_cfg["base_url"]), client=client, max_concurrency=cap,
+                                 key_env=ep_cfg.get("api_key_env")))
+        return _Fleet(eps, self.cfg, model=self.model or None)
+
+    def _request_kwargs(self, history: list[dict]) -> dict:
+        cfg = self.cfg
+        kw: dict[str, Any] = {
+            "model": self.model, "messages": history, "max_tokens": cfg["max_tokens"],
+            "temperature": cfg["temperature"], "top_p": cfg["top_p"],
+        }
+        if self.api == "completions":  # token ids of the local render (no second BOS; see the module doc)
+            del kw["messages"]
+            kw["prompt"] = render(self.tok, history, thinking=cfg["thinking"], add_generation_prompt=True, tokenize=True)
+        if cfg.get("seed") is not None:
+            kw["seed"] = cfg["seed"]
+        extra = dict(cfg.get("extra_body") or {})
+        if cfg.get("top_k") is not None:
+            extra.setdefault("top_k", cfg["top_k"])
+        tk = template_kwargs(cfg["thinking"]) if self.api == "chat" else {}
+        if tk:
+            extra["chat_template_kwargs"] = {**(extra.get("chat_template_kwargs") or {}), **tk}
+        if extra:
+            kw["extra_body"] = extra
+        return kw
+
+    def _parse(self, resp: dict, latency: float, ep: _Endpoint) -> Turn:
+        """Turn from a response's JSON. Raises RowError (wrong thinking) or ValueError (malformed: retried)."""
+        choice = _first_choice(resp)
+        msg = choice.get("message")
+        if not isinstance(msg, dict):
+            raise ValueError("choice has no message")
+        content = msg.get("content") or ""
+        if not isinstance(content, str):
+            raise ValueError("message content is not a string")
+        reasoning = msg.get("reasoning_content")
+        if reasoning is None:
+            reasoning = msg.get("reasoning")
+        if reasoning is None and "</think>" in content:
+            reasoning, content = split_reasoning(content)
+        reasoning = check_thinking(self.cfg["thinking"], reasoning, require_reasoning=True)
+        return Turn(
+            content=content, reasoning_content=reasoning, finish_reason=choice.get("finish_reason") or "stop",
+            latency_s=round(latency, 6), endpoint=ep.url, **_response_facts(resp, choice),
+        )
+
+    def _parse_text(self, resp, latency: float, ep: _Endpoint) -> Turn:
+        """Turn from a ``/completions`` response (``generation.api: completions``): the reasoning is split
+        here from ``<think>…</think>`` in ``choices[0].text``. Raises RowError (wrong thinking) or
+        ValueError (malformed: retried)."""
+        choice = _first_choice(resp)
+        text = choice.get("text")
+        if not isinstance(text, str):
+            raise ValueError("completion choice has no text")
+        if self._opens_think and not text.lstrip().startswith("<think>"):
+            text = "<think>\n" + text  # the generation prompt opened the reasoning
+        reasoning, content = split_reasoning(text)
+        if self.cfg["thinking"] == "save" and reasoning is None:
+            raise RowError(
+                "generation.thinking=save but the completion has no <think>…</think> reasoning (with "
+                "generation.api=completions it is split from the text); the target did not think under its "
+                "template with enable_thinking=true"
+            )
+        reasoning = check_thinking(self.cfg["thinking"], reasoning, require_reasoning=False,
+                                   disable_hint=DISABLE_HINT_LOCAL)
+        return Turn(
+            content=content, reasoning_content=reasoning, finish_reason=choice.get("finish_reason") or "stop",
+            latency_s=round(latency, 6), endpoint=ep.url, **_response_facts(resp, choice),
+        )
+
+    def _request(self, history: list[dict]) -> tuple[str, dict]:
+        """``(path, body)`` of the request answering ``history``'s last user turn.
+
+        Sent with the client's generic post (its documented way to call any endpoint: same auth, headers,
+        transport and APIStatusError/APIConnectionError mapping) and the JSON parsed here: the typed
+        ``create`` spends about half of a request's client CPU transforming the parameters and building
+        pydantic models of the answer (bench/bench_completions.py), which caps the requests/s on few cores.
+        """
+        kw = self._request_kwargs(history)
+        body = {k: v for k, v in kw.items() if k != "extra_body"}
+        body.update(kw.get("extra_body") or {})  # merged over the body, as the SDK does with extra_body
+        return ("/completions" if self.api == "completions" else "/chat/completions"), body
+
+    async def _attempt(self, ep: _Endpoint, path: str, body: dict) -> tuple[Turn | None, retry.Failure | None]:
+        """One attempt on ``ep``: ``(turn, None)``, or ``(None, failure)`` for an HTTP error, a connection
+        error or timeout, or a malformed answer. Raises RowError (wrong thinking: not retried)."""
+        import openai
+
+        t0 = time.monotonic()
+        try:
+            raw = await asyncio.wait_for(ep.client.post(path, cast_to=bytes, body=body),
+                                         float(self.cfg["request_timeout_s"]))
+            resp = json.loads(raw)
+        except openai.APIStatusError as exc:
+            header = exc.response.headers.get("retry-after") if exc.response is not None else None
+            return None, retry.status_failure(exc.status_code, _describe(exc), header, exc)
+        except (openai.APIConnectionError, asyncio.TimeoutError) as exc:
+            return None, retry.Failure(_describe(exc))
+        except (ValueError, openai.APIResponseValidationError) as exc:  # unparseable body
+            return None, retry.Failure(f"malformed response: {_describe(exc)}")
+        parse = self._parse_text if self.api == "completions" else self._parse
+        try:
+            return parse(resp, time.monotonic() - t0, ep), None
+        except (ValueError, AttributeError, TypeError, LookupError) as exc:
+            return None, retry.Failure(f"malformed response: {exc}")
+
+    async def _complete(self, fleet: _Fleet, history: list[dict]) -> Turn:
+        """The assistant turn answering ``history``, retried per :mod:`.retry` on the fleet's least busy
+        endpoint. Raises RowError (client error, retries exhausted, wrong thinking) or ConfigError (the
+        key was rejected)."""
+        path, body = self._request(history)
+        attempt = 0
+        while True:
+            ep = await fleet.acquire()
+            self.stats["attempts"] += 1
+            try:
+                turn, failure = await self._attempt(ep, path, body)
+            finally:
+                fleet.release(ep)
+            if failure is None:
+                fleet.success(ep)
+                return turn
+            if failure.kind == retry.AUTH:
+                raise _auth_error(ep, failure.exc)
+            if failure.kind == retry.CLIENT:
+                fleet.success(ep)  # the server is alive and answered; the request is at fault
+                raise RowError(f"{failure.error} (not retried: client error) from {ep.url}")
+            if failure.kind == retry.RATE_LIMITED:
+                self.stats["rate_limited"] += 1  # backpressure: the endpoint stays in
+            else:
+                fleet.failure(ep, failure.error)
+            attempt += 1
+            if attempt > self.cfg["max_retries"]:
+                raise RowError(f"gave up after {attempt} attempts; last: {failure.error} from {ep.url}")
+            self.stats["retries"] += 1
+            await asyncio.sleep(retry.retry_delay(
+                attempt, base_s=float(self.cfg["retry_backoff_s"]), max_s=float(self.cfg["retry_backoff_max_s"]),
+                retry_after=failure.retry_after, jitter=random.random(),
+            ))
+
+    async def _conversation(self, fleet: _Fleet, prompt: dict, info: RunInfo) -> dict:
+        history: list[dict] = []
+        turns: list[Turn] = []
+        for m in prompt["messages"]:
+            history.append({"role": m["role"], "content": m["content"]})
+            if m["role"] != "user":
+                continue
+            try:
+                turn = await self._complete(fleet, list(history))
+            except RowError as exc:
+                return build_record(prompt, turns, info, error=f"turn {len(turns) + 1}: {exc}")
+            turns.append(turn)
+            history.append(turn.history_message())
+        return build_record(prompt, turns, info)
+
+    async def _run(self, prompts: Sequence[dict], on_done: OnDone, info: RunInfo) -> dict:
+        fleet = self._make_fleet()
+        try:
+            self.model = await fleet.start()
+            info.model = self.model
+            queue = list(reversed(prompts))
+
+            async def worker() -> None:
+                while queue:
+                    prompt = queue.pop()
+                    on_done(await self._conversation(fleet, prompt, info))
+
+            n = min(len(prompts), sum(ep.max_concurrency for ep in fleet.eps))
+            tasks = [asyncio.ensure_future(worker()) for _ in range(n)]
+            try:
+                await asyncio.gather(*tasks)
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            await fleet.close()
+        return fleet_stats(self.stats, fleet.eps)
+
+    def resolve_model(self) -> str:
+        """The model id sent and recorded: ``generation.model``, else settled from the endpoints'
+        ``GET /models`` (one probe round, waiting for an endpoint like :meth:`run` does). Raises what
+        :meth:`_Fleet.start` raises."""
+        if not self.model:
+            asyncio.run(self._discover())
+        return self.model
+
+    def run(self, prompts: Sequence[dict], on_done: OnDone, info: RunInfo) -> dict:
+        if not prompts:
+            return {"requests": 0, "attempts": 0, "retries": 0}
+        procs = self._client_processes(len(prompts))
+        if procs > 1:
+            from .workers import run_client_processes
+
+            return run_client_processes(self, prompts, on_done, info, procs)
+        return asyncio.run(self._run(prompts, on_done, info))
+
+    # -- several client processes (generation.client_processes > 1) --------------------------------
+
+    def _client_processes(self, n_prompts: int) -> int:
+        """Client processes for ``n_prompts``: ``generation.client_processes``, at most one per prompt and
+        at most the smallest per-endpoint cap (every process keeps a slot on every endpoint, so each one's
+        fleet, take-out and breaker see the whole fleet)."""
+        want = int(self.cfg.get("client_processes", 1) or 1)
+        if want <= 1:
+            return 1
+        cap = min(int(ep.get("max_concurrency", 64)) for ep in self.cfg["endpoints"])
+        n = min(want, n_prompts, cap)
+        if n < want:
+            log.info("generation.client_processes=%d: using %d (prompts left: %d, smallest endpoint max_concurrency: %d)",
+                     want, n, n_prompts, cap)
+        return n
+
+    async def _discover(self) -> None:
+        """Probe the fleet once and set ``self.model`` to the model it settles (as :meth:`_run`; raises what
+        :meth:`_Fleet.start` raises)."""
+        fleet = self._make_fleet()
+        try:
+            self.model = await fleet.start()
+        finally:
+            await fleet.close()
+        self._probed = True
+

@@ -1,0 +1,204 @@
+"""Completion records: the generated :class:`Turn`, the record built from a prompt and its turns, the
+thinking-mode checks, and the prompt-shard reader (``contracts.PROMPT_SCHEMA`` in,
+``contracts.COMPLETION_SCHEMA`` rows out). Pure functions: no I/O except :func:`read_prompts`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+from urllib.parse import urlsplit, urlunsplit
+
+from .. import shards
+from ..contracts import PROMPT_ROLES
+from ..errors import DataError
+
+#: Called once per finished conversation with its record (status ok/truncated/error).
+OnDone = Callable[[dict], None]
+
+
+
+
+@dataclass
+class Turn:
+    """One generated assistant turn (fields as in ``contracts.TURN_TYPE`` plus the two texts)."""
+
+    content: str
+    reasoning_content: str | None
+    finish_reason: str
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    prompt_token_ids: list[int] | None = None
+    output_token_ids: list[int] | None = None
+    latency_s: float | None = None
+    endpoint: str | None = None
+
+    def facts(self) -> dict:
+        """The ``turns[i]`` entry of the record."""
+        return {
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "prompt_token_ids": self.prompt_token_ids,
+            "output_token_ids": self.output_token_ids,
+            "latency_s": self.latency_s,
+            "endpoint": self.endpoint,
+        }
+
+    def history_message(self) -> dict:
+        """The assistant message appended to the history for the next user turn."""
+        msg = {"role": "assistant", "content": self.content}
+        if self.reasoning_content is not None:
+            msg["reasoning_content"] = self.reasoning_content
+        return msg
+
+
+class RowError(Exception):
+    """A conversation failed in a way retrying now will not fix; it becomes an error row."""
+
+
+@dataclass
+class RunInfo:
+    """What every record of a run shares."""
+
+    model: str
+    sampling: str  # canonical JSON
+    thinking: str
+
+
+def sampling_params(gen_cfg: dict) -> dict:
+    """The sampling parameters recorded in every record (``extra_body`` only when non-empty, ``api`` only
+    when not ``chat``)."""
+    out = {k: gen_cfg.get(k) for k in ("temperature", "top_p", "top_k", "max_tokens", "seed")}
+    if gen_cfg.get("extra_body"):
+        out["extra_body"] = gen_cfg["extra_body"]
+    if gen_cfg.get("api", "chat") != "chat":  # only when set, so chat-mode records and resume files stay as they were
+        out["api"] = gen_cfg["api"]
+    return out
+
+
+def build_record(prompt: dict, turns: Sequence[Turn], info: RunInfo, error: str | None = None) -> dict:
+    """Completion record (``COMPLETION_SCHEMA`` as a dict) from a prompt and its generated turns.
+
+    With ``error`` set, the record holds the turns generated before the failure and ``status: error``.
+    """
+    messages: list[dict] = []
+    it = iter(turns)
+    n_done = 0
+    for m in prompt["messages"]:
+        messages.append({"role": m["role"], "content": m["content"], "reasoning_content": None})
+        if m["role"] == "user":
+            t = next(it, None)
+            if t is None:
+                break
+            messages.append({"role": "assistant", "content": t.content, "reasoning_content": t.reasoning_content})
+            n_done += 1
+    if error is not None:
+        status = "error"
+    elif any(t.finish_reason == "length" for t in turns):
+        status = "truncated"
+    else:
+        status = "ok"
+    return {
+        "prompt_id": prompt["prompt_id"],
+        "dataset": prompt["dataset"],
+        "messages": messages,
+        "turns": [t.facts() for t in turns[:n_done]],
+        "model": info.model,
+        "sampling": info.sampling,
+        "thinking": info.thinking,
+        "status": status,
+        "error": error,
+    }
+
+
+def cut_at_eos(new: list[int], eos_ids) -> tuple[list[int], bool]:
+    """Generated token ids up to and including the first end-of-turn id (padding after it dropped).
+
+    Returns ``(ids, stopped)``; ``stopped`` is False when no eos id was generated (a length cut).
+    """
+    for i, t in enumerate(new):
+        if t in eos_ids:
+            return new[: i + 1], True
+    return new, False
+
+
+def split_reasoning(text: str) -> tuple[str | None, str]:
+    """Split generated text into ``(reasoning, content)`` at ``<think>``/``</think>``.
+
+    ``"<think>\\nR\\n</think>\\n\\nC"`` → ``("R", "C")``; cut off while thinking (``<think>`` without
+    ``</think>``) → ``(rest, "")``; no markers → ``(None, text)``.
+    """
+    if "</think>" in text:
+        head, _, tail = text.partition("</think>")
+        return head.split("<think>")[-1].strip("\n"), tail.lstrip("\n")
+    stripped = text.lstrip("\n")
+    if stripped.startswith("<think>"):
+        return stripped[len("<think>"):].strip("\n"), ""
+    return None, text
+
+
+#: Why a thinking=disable answer can still carry reasoning, by where the prompt was rendered.
+DISABLE_HINT_SERVER = "the server's chat template ignores chat_template_kwargs (check the served template)"
+DISABLE_HINT_LOCAL = ("the target thought although its template was rendered here with enable_thinking=false; "
+                      "use a template that honours it (target.chat_template) or generation.thinking=none")
+
+
+def check_thinking(thinking: str, reasoning: str | None, *, require_reasoning: bool,
+                   disable_hint: str = DISABLE_HINT_SERVER) -> str | None:
+    """Normalize ``reasoning`` for a thinking mode (``disable_hint``: the cause named when a ``disable``
+    answer carries reasoning).
+
+    Raises:
+        RowError: ``disable`` but the answer carries reasoning; ``save`` with ``require_reasoning`` but
+            none came back (the message names the server flag to set).
+    """
+    if thinking == "disable":
+        if reasoning is not None and reasoning.strip():
+            raise RowError(
+                f"answer carries reasoning although generation.thinking=disable sent enable_thinking=false; "
+                f"{disable_hint}"
+            )
+        return None
+    if thinking == "save" and require_reasoning and reasoning is None:
+        raise RowError(
+            "generation.thinking=save but the answer has no reasoning_content; start the server with a "
+            "reasoning parser (SGLang/vLLM: --reasoning-parser qwen3, or the one for your model)"
+        )
+    return reasoning
+
+
+def read_prompts(path: str | Path) -> list[dict]:
+    """Read a prompt shard into ``[{prompt_id, dataset, messages}]`` in shard order.
+
+    Raises:
+        DataError: a record without a user turn, with a role other than system/user, or a duplicate
+            ``prompt_id`` (names the file and prompt_id).
+    """
+    rows = shards.read_parquet(path).select(["prompt_id", "dataset", "messages"]).to_pylist()
+    seen: set[str] = set()
+    for r in rows:
+        pid = r["prompt_id"]
+        if pid in seen:
+            raise DataError(f"{path}: prompt_id {pid} appears twice; rebuild the prompt shards (they dedup)")
+        seen.add(pid)
+        roles = [m["role"] for m in r["messages"]]
+        bad = [x for x in roles if x not in PROMPT_ROLES]
+        if bad or "user" not in roles:
+            raise DataError(
+                f"{path}: prompt {pid}: field `messages` must hold system/user turns with at least one user "
+                f"turn (got roles {roles}); rebuild the prompt shards"
+            )
+    return rows
+
+
+def redact_url(url: str) -> str:
+    """``url`` without ``user:password@`` (safe to record and log)."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+

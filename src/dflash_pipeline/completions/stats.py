@@ -1,0 +1,144 @@
+"""Stats of a completions job: the live progress bar, the backends' request counts (merged over client
+processes) and the stats JSON of a shard (``generate_completions``' ``stats`` output, read by
+``report.py``)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from ..contracts import COMPLETION_SCHEMA_VERSION
+
+#: The per-endpoint counters of a fleet (summed over client processes).
+ENDPOINT_COUNTERS = ("attempts", "failures", "taken_out")
+#: The request counters of the openai backend (summed over client processes).
+REQUEST_COUNTERS = ("requests", "attempts", "retries", "rate_limited")
+
+
+class _Progress:
+    """Live bar (stderr) with ok/truncated/error counts, requests/s and output tokens/s."""
+
+    def __init__(self, total: int, initial: int, desc: str, resumed_records: Iterable[dict] = ()):
+        """``initial`` conversations are already finished (``resumed_records``: their records, counted in
+        ok/truncated; the rates count this run's only)."""
+        from tqdm import tqdm
+
+        tty = sys.stderr.isatty()
+        self.bar = tqdm(
+            total=total, initial=initial, desc=desc, file=sys.stderr, mininterval=0.5 if tty else 30.0,
+            dynamic_ncols=True, unit="conv", leave=True,
+        )
+        self.counts: Counter = Counter(r["status"] for r in resumed_records)
+        self.t0 = time.monotonic()
+        self.turns = 0
+        self.out_tokens = 0
+        if self.counts:
+            self._postfix()
+
+    def _postfix(self) -> None:
+        dt = max(time.monotonic() - self.t0, 1e-9)
+        c = self.counts
+        self.bar.set_postfix_str(
+            f"ok={c['ok']} trunc={c['truncated']} err={c['error']} "
+            f"{self.turns / dt:.1f} req/s {self.out_tokens / dt:.0f} tok/s",
+            refresh=False,
+        )
+
+    def update(self, record: dict) -> None:
+        self.counts[record["status"]] += 1
+        self.turns += len(record["turns"])
+        self.out_tokens += sum(t.get("completion_tokens") or 0 for t in record["turns"])
+        self._postfix()
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+
+def fleet_stats(counts: Counter, endpoints: Sequence) -> dict:
+    """The openai backend's stats: ``requests`` (conversation turns sent: attempts less retries),
+    ``attempts``, ``retries``, ``rate_limited`` (429 answers) from ``counts``, and per endpoint (base URL
+    without credentials) its ``attempts, failures, taken_out``."""
+    return {
+        "requests": counts["attempts"] - counts["retries"],
+        "attempts": counts["attempts"],
+        "retries": counts["retries"],
+        "rate_limited": counts["rate_limited"],
+        "endpoints": {ep.url: {key: getattr(ep, key) for key in ENDPOINT_COUNTERS} for ep in endpoints},
+    }
+
+
+def merge_fleet_stats(parts: Iterable[dict], urls: Sequence[str]) -> dict:
+    """The sum of several client processes' :func:`fleet_stats` (``urls``: every endpoint, in config
+    order, so one that no process reached still shows zeros)."""
+    total: dict = {key: 0 for key in REQUEST_COUNTERS}
+    total["endpoints"] = {url: {key: 0 for key in ENDPOINT_COUNTERS} for url in urls}
+    for part in parts:
+        for key in REQUEST_COUNTERS:
+            total[key] += part[key]
+        for url, counters in part["endpoints"].items():
+            for key in ENDPOINT_COUNTERS:
+                total["endpoints"][url][key] += counters[key]
+    return total
+
+
+def _tokens(turns: list[dict], key: str) -> int:
+    return sum(t.get(key) or 0 for t in turns)
+
+
+def shard_stats(out_path: Path, *, backend: str, model: str | None, records: Sequence[dict],
+                generated_ids: set[str], resumed: int, wall_s: float, backend_stats: dict) -> dict:
+    """The stats JSON of one completion shard (see :func:`dflash_pipeline.completions.generate_shard`).
+
+    Args:
+        records: the shard's final records (resumed ones included), in shard order.
+        generated_ids: prompt_ids of the conversations sent in this run.
+        resumed: conversations taken from the progress file.
+        wall_s: seconds of this run (the rates divide this run's counts by it).
+        backend_stats: the backend's counters (``requests, attempts, retries``, ...), merged last.
+    """
+    counts = Counter(r["status"] for r in records)
+    all_turns = [t for r in records for t in r["turns"]]
+    gen_turns = [t for r in records if r["prompt_id"] in generated_ids for t in r["turns"]]
+
+    def rate(n: int) -> float | None:
+        return round(n / wall_s, 3) if wall_s > 0 else None
+
+    run = {  # this call only
+        "generated": len(generated_ids),
+        "turns": len(gen_turns),
+        "prompt_tokens": _tokens(gen_turns, "prompt_tokens"),
+        "completion_tokens": _tokens(gen_turns, "completion_tokens"),
+        "wall_s": round(wall_s, 3),
+        "conversations_per_s": rate(len(generated_ids)),
+        "requests_per_s": rate(len(gen_turns)),
+        "output_tokens_per_s": rate(_tokens(gen_turns, "completion_tokens")),
+    }
+    return {
+        "schema_version": COMPLETION_SCHEMA_VERSION,
+        "shard": str(out_path),
+        "backend": backend,
+        "model": model,
+        # the whole shard (its final records, resumed ones included)
+        "prompts": len(records),
+        "ok": counts.get("ok", 0),
+        "truncated": counts.get("truncated", 0),
+        "error": counts.get("error", 0),
+        "turns": len(all_turns),
+        "prompt_tokens": _tokens(all_turns, "prompt_tokens"),
+        "completion_tokens": _tokens(all_turns, "completion_tokens"),
+        # this run (as before: report.py reads wall_s and retries)
+        "resumed": resumed,
+        "generated": len(generated_ids),
+        "wall_s": run["wall_s"],
+        "conversations_per_s": run["conversations_per_s"],
+        "requests_per_s": run["requests_per_s"],
+        "output_tokens_per_s": run["output_tokens_per_s"],
+        "run": run,
+        "requests": 0, "attempts": 0, "retries": 0,
+        **backend_stats,
+    }

@@ -1,0 +1,169 @@
+"""The transformers backend (``generation.backend: transformers``): the target generates in-process.
+
+Each conversation's history is rendered with :func:`chat.render` (the thinking mapping the tokens stage
+uses), conversations are sorted by prompt length into left-padded batches of ``generation.batch_size``,
+and decoding is greedy when ``temperature == 0``, else sampled (seeded per batch). Multi-turn prompts go
+round by round: a conversation whose next user turn is left re-enters the next round with its grown
+history. The model-loading lines of :meth:`TransformersBackend.__init__` are the target's dtype policy
+(to be shared with training and eval once ``dflash_pipeline.target`` exists).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..chat import load_tokenizer, render
+from ..errors import ConfigError
+from .records import DISABLE_HINT_LOCAL, OnDone, RowError, RunInfo, Turn, build_record, check_thinking, cut_at_eos
+from .records import split_reasoning
+
+
+@dataclass
+class _Conversation:
+    """One prompt being answered turn by turn: the history so far and the token ids of its next request."""
+
+    prompt: dict
+    pos: int = 0  # next message of prompt["messages"] to add
+    history: list = field(default_factory=list)
+    turns: list = field(default_factory=list)
+    ids: list = field(default_factory=list)
+
+    def advance(self) -> bool:
+        """Add messages up to the next user turn; False when no user turn is left."""
+        msgs = self.prompt["messages"]
+        while self.pos < len(msgs):
+            m = msgs[self.pos]
+            self.pos += 1
+            self.history.append({"role": m["role"], "content": m["content"]})
+            if m["role"] == "user":
+                return True
+        return False
+
+
+class TransformersBackend:
+    """In-process batched generation with the target (``generation.backend: transformers``).
+
+    Args:
+        target_dir: target directory (config, weights, tokenizer).
+        gen_cfg: validated ``config["generation"]``.
+        chat_template: optional .jinja overriding the tokenizer's template.
+        trust_remote_code: allow the target's own code.
+        dtype: ``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32``, ``bfloat16`` or ``float16``.
+    """
+
+    def __init__(self, target_dir, gen_cfg: dict, *, chat_template=None, trust_remote_code=False, dtype="auto"):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.cfg = gen_cfg
+        self.tok = load_tokenizer(target_dir, chat_template=chat_template, trust_remote_code=trust_remote_code)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        if dtype == "auto":
+            dt = torch.bfloat16 if device == "cuda" else torch.float32
+        else:
+            dt = getattr(torch, dtype)
+        self.device = device
+        self.lm = AutoModelForCausalLM.from_pretrained(
+            str(target_dir), dtype=dt, trust_remote_code=trust_remote_code
+        ).to(device).eval()
+        eos = self.lm.generation_config.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        if self.tok.eos_token_id is not None and self.tok.eos_token_id not in eos:
+            eos.append(self.tok.eos_token_id)
+        if not eos:
+            raise ConfigError(f"{target_dir}: no eos token in generation_config.json or the tokenizer; set one")
+        self.eos_ids = eos
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else eos[0]
+        self.model = Path(target_dir).resolve().name
+        self._batches = 0
+
+    def _generate(self, prompts_ids: list[list[int]]) -> tuple[list[list[int]], float]:
+        torch, cfg = self.torch, self.cfg
+        width = max(len(p) for p in prompts_ids)
+        ids = torch.full((len(prompts_ids), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts_ids):  # left padding
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        kw: dict[str, Any] = dict(
+            max_new_tokens=cfg["max_tokens"], eos_token_id=self.eos_ids, pad_token_id=self.pad_id
+        )
+        if cfg["temperature"] > 0:
+            kw.update(do_sample=True, temperature=cfg["temperature"], top_p=cfg["top_p"], top_k=cfg["top_k"] or 0)
+            if cfg["seed"] is not None:
+                torch.manual_seed(cfg["seed"] + self._batches)
+        else:
+            kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        self._batches += 1
+        t0 = time.monotonic()
+        with torch.inference_mode():
+            out = self.lm.generate(ids.to(self.device), attention_mask=mask.to(self.device), **kw)
+        new = out[:, width:].tolist()
+        return new, time.monotonic() - t0
+
+    def _turn(self, prompt_ids: list[int], new: list[int], latency: float) -> Turn:
+        new, stop = cut_at_eos(new, self.eos_ids)
+        body = new[:-1] if stop else new
+        reasoning, content = split_reasoning(self.tok.decode(body, skip_special_tokens=True))
+        reasoning = check_thinking(self.cfg["thinking"], reasoning, require_reasoning=False,
+                                   disable_hint=DISABLE_HINT_LOCAL)
+        return Turn(
+            content=content, reasoning_content=reasoning, finish_reason="stop" if stop else "length",
+            prompt_tokens=len(prompt_ids), completion_tokens=len(new), prompt_token_ids=list(prompt_ids),
+            output_token_ids=list(new), latency_s=round(latency, 6), endpoint="transformers",
+        )
+
+    def resolve_model(self) -> str:
+        """The target directory's name (recorded as ``model``)."""
+        return self.model
+
+    def _prepare(self, c: _Conversation) -> None:
+        """Render ``c``'s history (generation prompt added) into the token ids of its next request."""
+        c.ids = render(self.tok, c.history, thinking=self.cfg["thinking"], add_generation_prompt=True, tokenize=True)
+
+    def _round(self, active: list[_Conversation], on_done: OnDone, info: RunInfo) -> list[_Conversation]:
+        """Answer the next user turn of every conversation in ``active`` (batches of ``batch_size``,
+        longest first); finished or failed conversations go to ``on_done``. Returns those with a user turn
+        left (their next request prepared)."""
+        bs = self.cfg["batch_size"]
+        active.sort(key=lambda c: -len(c.ids))
+        still: list[_Conversation] = []
+        for b in range(0, len(active), bs):
+            batch = active[b:b + bs]
+            outs, dt = self._generate([c.ids for c in batch])
+            self._requests += len(batch)
+            for c, new in zip(batch, outs):
+                try:
+                    turn = self._turn(c.ids, new, dt)
+                except RowError as exc:
+                    on_done(build_record(c.prompt, c.turns, info, error=f"turn {len(c.turns) + 1}: {exc}"))
+                    continue
+                c.turns.append(turn)
+                c.history.append(turn.history_message())
+                if c.advance():
+                    self._prepare(c)
+                    still.append(c)
+                else:
+                    on_done(build_record(c.prompt, c.turns, info))
+        return still
+
+    def run(self, prompts: Sequence[dict], on_done: OnDone, info: RunInfo) -> dict:
+        """Generate every prompt in chunks of ``4 * batch_size`` conversations (each chunk round by round
+        until its conversations are done). Returns ``{requests, attempts, retries}`` (no retries here)."""
+        convs = [_Conversation(p) for p in prompts]
+        for c in convs:
+            c.advance()
+            self._prepare(c)
+        # Longest first: similar lengths share a batch, and an out-of-memory shows up in the first batch.
+        convs.sort(key=lambda c: -len(c.ids))
+        chunk = self.cfg["batch_size"] * 4
+        self._requests = 0
+        for start in range(0, len(convs), chunk):
+            active = convs[start:start + chunk]
+            while active:
+                active = self._round(active, on_done, info)
+        return {"requests": self._requests, "attempts": self._requests, "retries": 0}
