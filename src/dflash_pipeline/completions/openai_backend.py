@@ -26,7 +26,7 @@ from ..errors import ConfigError
 from . import retry
 from .describe import _describe
 from .fleet import _auth_error, _Endpoint, _Fleet
-from .records import DISABLE_HINT_LOCAL, OnDone, RowError, RunInfo, Turn, build_record, check_thinking, redact_url, split_reasoning
+from .records import DISABLE_HINT_LOCAL, OnDone, RowError, RunInfo, Turn, build_record, check_thinking, redact_url, take_reasoning
 from .stats import fleet_stats
 
 log = logging.getLogger(__package__)  # one logger for the whole completions stage
@@ -203,8 +203,9 @@ class OpenAIBackend:
         reasoning = msg.get("reasoning_content")
         if reasoning is None:
             reasoning = msg.get("reasoning")
-        if reasoning is None and "</think>" in content:
-            reasoning, content = split_reasoning(content)
+        # no reasoning field: only a think block at the very start of the content (server without a
+        # reasoning parser); never a `</think>` later in the answer, never with thinking=disable
+        reasoning, content = take_reasoning(content, self.cfg["thinking"], field=reasoning)
         reasoning = check_thinking(self.cfg["thinking"], reasoning, require_reasoning=True)
         return Turn(
             content=content, reasoning_content=reasoning, finish_reason=choice.get("finish_reason") or "stop",
@@ -219,9 +220,8 @@ class OpenAIBackend:
         text = choice.get("text")
         if not isinstance(text, str):
             raise ValueError("completion choice has no text")
-        if self._opens_think and not text.lstrip().startswith("<think>"):
-            text = "<think>\n" + text  # the generation prompt opened the reasoning
-        reasoning, content = split_reasoning(text)
+        # the generation prompt may have opened the reasoning (then it ends at the first </think>)
+        reasoning, content = take_reasoning(text, self.cfg["thinking"], opened=self._opens_think)
         if self.cfg["thinking"] == "save" and reasoning is None:
             raise RowError(
                 "generation.thinking=save but the completion has no <think>…</think> reasoning (with "

@@ -123,19 +123,45 @@ def cut_at_eos(new: list[int], eos_ids) -> tuple[list[int], bool]:
     return new, False
 
 
-def split_reasoning(text: str) -> tuple[str | None, str]:
-    """Split generated text into ``(reasoning, content)`` at ``<think>``/``</think>``.
+def split_reasoning(text: str, *, opened: bool = False) -> tuple[str | None, str]:
+    """Split generated text into ``(reasoning, content)`` where reasoning is: a think block at the very
+    start of the text, or (``opened``: the generation prompt ended with ``<think>``) the text up to the
+    first ``</think>``. A ``</think>`` later in an answer is answer text (an answer that explains chat
+    templates), never the end of reasoning.
 
     ``"<think>\\nR\\n</think>\\n\\nC"`` → ``("R", "C")``; cut off while thinking (``<think>`` without
-    ``</think>``) → ``(rest, "")``; no markers → ``(None, text)``.
+    ``</think>``) → ``(rest, "")``; no leading ``<think>`` and not ``opened`` → ``(None, text)``, whatever
+    follows. Callers with ``generation.thinking=disable`` use :func:`take_reasoning` (never split).
     """
-    if "</think>" in text:
-        head, _, tail = text.partition("</think>")
-        return head.split("<think>")[-1].strip("\n"), tail.lstrip("\n")
-    stripped = text.lstrip("\n")
-    if stripped.startswith("<think>"):
-        return stripped[len("<think>"):].strip("\n"), ""
-    return None, text
+    body = text.lstrip()
+    if body.startswith("<think>"):
+        body = body[len("<think>"):]
+    elif not opened:
+        return None, text
+    head, sep, tail = body.partition("</think>")
+    if not sep:
+        return body.strip("\n"), ""
+    return head.strip("\n"), tail.lstrip("\n")
+
+
+def take_reasoning(text: str, thinking: str, *, field: str | None = None, opened: bool = False) -> tuple[str | None, str]:
+    """``(reasoning, content)`` of one generated answer, reasoning taken only where it is:
+
+    * ``field``: the server's own reasoning field (vLLM ``message.reasoning``, SGLang and older vLLM
+      ``reasoning_content``): used as it is, the content is never split;
+    * ``thinking == "disable"``: never split. A non-empty think block at the very start is returned as
+      reasoning only so :func:`check_thinking` rejects the row (the template ignored enable_thinking=false);
+      otherwise the content is the text verbatim, ``</think>`` and all;
+    * else :func:`split_reasoning` (a think block at the very start, or one the generation prompt opened).
+    """
+    if field is not None:
+        return field, text
+    if thinking == "disable":
+        reasoning, content = split_reasoning(text)
+        if reasoning is not None and reasoning.strip():
+            return reasoning, content
+        return None, text
+    return split_reasoning(text, opened=opened)
 
 
 #: Why a thinking=disable answer can still carry reasoning, by where the prompt was rendered.

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 from ..chat import load_tokenizer, render
 from ..errors import ConfigError
 from .records import DISABLE_HINT_LOCAL, OnDone, RowError, RunInfo, Turn, build_record, check_thinking, cut_at_eos
-from .records import split_reasoning
+from .records import take_reasoning
 
 
 @dataclass
@@ -80,6 +80,10 @@ class TransformersBackend:
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else eos[0]
         self.model = Path(target_dir).resolve().name
         self._batches = 0
+        # a template that opens <think> in its generation prompt (DeepSeek-R1, Qwen3 thinking-2507) makes the
+        # output start inside the reasoning
+        probe = render(self.tok, [{"role": "user", "content": "x"}], thinking=gen_cfg["thinking"], add_generation_prompt=True)
+        self._opens_think = probe.rstrip().endswith("<think>")
 
     def _generate(self, prompts_ids: list[list[int]]) -> tuple[list[list[int]], float]:
         torch, cfg = self.torch, self.cfg
@@ -108,7 +112,8 @@ class TransformersBackend:
     def _turn(self, prompt_ids: list[int], new: list[int], latency: float) -> Turn:
         new, stop = cut_at_eos(new, self.eos_ids)
         body = new[:-1] if stop else new
-        reasoning, content = split_reasoning(self.tok.decode(body, skip_special_tokens=True))
+        reasoning, content = take_reasoning(self.tok.decode(body, skip_special_tokens=True), self.cfg["thinking"],
+                                            opened=self._opens_think)
         reasoning = check_thinking(self.cfg["thinking"], reasoning, require_reasoning=False,
                                    disable_hint=DISABLE_HINT_LOCAL)
         return Turn(
