@@ -112,6 +112,18 @@ def build_record(prompt: dict, turns: Sequence[Turn], info: RunInfo, error: str 
     }
 
 
+#: Examples kept per skip reason in a shard's stats (``skipped_examples``).
+MAX_SKIPPED_EXAMPLES = 3
+
+
+def skipped_record(prompt: dict, reason: str, **example) -> dict:
+    """The marker a backend reports (``on_done``) for a conversation it skipped without generating it
+    (``reason``, e.g. ``too_long``; ``example``: why, e.g. ``prompt_tokens``, ``limit``). It never goes into
+    the shard: :func:`dflash_pipeline.completions.generate_shard` counts it in the stats with an example."""
+    return {"prompt_id": prompt["prompt_id"], "dataset": prompt["dataset"], "status": "skipped", "turns": [],
+            "reason": reason, "example": {"prompt_id": prompt["prompt_id"], **example}}
+
+
 def cut_at_eos(new: list[int], eos_ids) -> tuple[list[int], bool]:
     """Generated token ids up to and including the first end-of-turn id (padding after it dropped).
 
