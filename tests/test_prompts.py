@@ -162,7 +162,7 @@ def test_read_json_array_parquet_arrow_gz_zst_and_directory(tmp_path):
 
 
 def test_json_array_streams_records_larger_than_read_chunk(tmp_path, monkeypatch):
-    monkeypatch.setattr(prompts, "_READ_CHUNK", 7)
+    monkeypatch.setattr(prompts.readers, "_READ_CHUNK", 7)
     recs = [{"prompt": "x" * 50, "i": i, "nested": {"a": [1, 2, {"b": "]"}]}} for i in range(20)]
     (tmp_path / "a.json").write_text(json.dumps(recs, indent=2), encoding="utf-8")
     assert [r for _, r in read_records(tmp_path / "a.json")] == recs

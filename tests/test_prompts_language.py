@@ -157,7 +157,7 @@ def test_same_config_gives_byte_identical_shards(tmp_path, monkeypatch):
            "gsm8k": {"path": str(DATA / "gsm8k" / "train.jsonl"), "max_prompts": 300}}
     kwargs = dict(shard_size=16, seed=0, languages=["en"], min_language_confidence=0.3)
     m1 = build_prompt_shards(cfg, tmp_path / "a", **kwargs)
-    monkeypatch.setattr(prompts, "_LANGUAGE_IDENTIFIER", None)  # a freshly loaded model decides the same
+    monkeypatch.setattr(prompts.language, "_LANGUAGE_IDENTIFIER", None)  # a freshly loaded model decides the same
     m2 = build_prompt_shards(cfg, tmp_path / "b", **kwargs)
     files = lambda d: {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*.parquet"))}
     assert files(tmp_path / "a") == files(tmp_path / "b") and len(files(tmp_path / "a")) > 5
@@ -189,7 +189,7 @@ def test_unknown_language_code_names_the_key(tmp_path):
 
 def test_missing_py3langid_is_a_config_error_naming_key_and_install(tmp_path, monkeypatch):
     src = str(mixed_source(tmp_path))
-    monkeypatch.setattr(prompts, "_LANGUAGE_IDENTIFIER", None)
+    monkeypatch.setattr(prompts.language, "_LANGUAGE_IDENTIFIER", None)
     for mod in ("py3langid", "py3langid.langid"):
         monkeypatch.setitem(sys.modules, mod, None)  # `import py3langid` now fails
     with pytest.raises(ConfigError, match=r"datasets\.m\.languages needs the `py3langid` package.*dflash-pipeline\[lang\]"):

@@ -1,0 +1,479 @@
+"""Sharding: every prompt source through normalization and the keep decisions (fraction, dedup, language,
+length) into stable shards ``{out}/{dataset}/{NNNNN}.parquet`` and the manifest (see the package
+docstring for why shard contents only depend on the records before them).
+
+:func:`build_prompt_shards` reads the sources in config order; each source is one :func:`_shard_source`
+call: records are admitted one by one (:func:`_admit`), written by a :class:`_ShardWriter`, and counted
+in a :class:`_SourceTally` that becomes the source's manifest entry (:func:`_source_entry`).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .. import shards
+from ..contracts import PROMPT_SCHEMA, PROMPT_SCHEMA_VERSION, prompt_id
+from ..errors import ConfigError, DataError
+from .language import ANY_LANGUAGE, _language_detector, _language_identifier, _source_languages, language_problems, language_sample
+from .normalize import FORMATS, MissingField, RejectedRecord, _normalize, record_metadata
+from .readers import HF_PREFIX, MAX_EXAMPLES, Locator, read_records
+
+log = logging.getLogger(__package__)  # one logger for the whole prompts stage
+
+MANIFEST_SCHEMA_VERSION = 1
+_SHARD_RE = re.compile(r"^(\d{5})\.parquet$")
+
+
+def keep_score(seed: int, pid: str) -> float:
+    """Uniform number in [0, 1) for the per-record ``fraction`` decision: sha256 of ``"{seed}:{pid}"``."""
+    digest = hashlib.sha256(f"{seed}:{pid}".encode("ascii")).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def _count_tokens(tokenizer, messages: Sequence[dict]) -> int:
+    total = 0
+    for m in messages:
+        try:
+            ids = tokenizer.encode(m["content"], add_special_tokens=False)
+        except TypeError:
+            ids = tokenizer.encode(m["content"])
+        total += len(ids)
+    return total
+
+
+def shard_name(index: int) -> str:
+    """File stem of shard ``index`` (``00000``)."""
+    return f"{index:05d}"
+
+
+def _write_shard(path: Path, rows: list[dict], meta: dict) -> bool:
+    """Write a shard unless an existing file already holds the same rows and metadata (mtime kept)."""
+    table = shards.table_from_records(rows, PROMPT_SCHEMA)
+    if path.is_file():
+        try:
+            old = pq.read_table(path)
+            if old.schema.remove_metadata().equals(PROMPT_SCHEMA) and old.equals(table) \
+                    and shards.read_shard_metadata(path) == meta:
+                return False
+        except pa.ArrowException:
+            pass  # unreadable: rewrite
+    return shards.write_parquet(path, table, metadata=meta)
+
+
+def _inactive_shards(ds_dir: Path, active: int) -> list[str]:
+    """Names (``00003``) of the shard files in ``ds_dir`` numbered ``active`` or above: shards no longer in
+    the mix. They are never deleted: their completions stay valid if the shards come back unchanged."""
+    if not ds_dir.is_dir():
+        return []
+    return sorted(m.group(1) for f in ds_dir.iterdir() if (m := _SHARD_RE.match(f.name)) and int(m.group(1)) >= active)
+
+
+_LEFT_ON_DISK = "no longer in the mix; left on disk so their completions stay valid if they come back"
+
+
+def _source_ref(root: Path, loc: Locator, rel_cache: dict[str, str]) -> dict:
+    rel = rel_cache.get(loc.file)
+    if rel is None:
+        if loc.file.startswith(HF_PREFIX) or root.is_file():
+            rel = ""
+        else:
+            try:
+                rel = Path(loc.file).relative_to(root).as_posix()
+            except ValueError:  # a DatasetDict split's files
+                rel = Path(loc.file).as_posix()
+        rel_cache[loc.file] = rel
+    ref: dict[str, Any] = {"file": rel}
+    if loc.kind == "line":
+        ref["line"] = loc.line
+    else:
+        ref[loc.kind] = loc.index
+    return ref
+
+
+
+
+@dataclass
+class _SourceTally:
+    """Running totals of one source while it is read: what its manifest entry reports."""
+
+    read: int = 0  # records the reader yielded (malformed ones it skipped are in ``skipped``)
+    kept: int = 0
+    stopped: bool = False  # reading stopped at max_prompts
+    dropped: collections.Counter = field(default_factory=collections.Counter)
+    skipped: dict[str, int] = field(default_factory=dict)  # malformed records the reader skipped (strict: false)
+    examples: list[str] = field(default_factory=list)
+    shown_per_reason: collections.Counter = field(default_factory=collections.Counter)  # examples of build-time drops
+    first_no_field: tuple[Locator, list[str]] | None = None
+    dropped_langs: collections.Counter = field(default_factory=collections.Counter)
+
+    def drop(self, reason: str, example: str | None = None) -> None:
+        """Count a dropped record; keep ``example`` among the first :data:`MAX_EXAMPLES` of its reason."""
+        self.dropped[reason] += 1
+        if example is not None and self.shown_per_reason[reason] < MAX_EXAMPLES:
+            self.shown_per_reason[reason] += 1
+            self.examples.append(example)
+
+    @property
+    def read_total(self) -> int:
+        """Records read, the malformed ones the reader skipped included (an empty file is no record)."""
+        return self.read + sum(n for r, n in self.skipped.items() if r != "empty_file")
+
+
+@dataclass
+class _ShardWriter:
+    """Writes a source's kept rows into shards of ``shard_size`` (``{out}/{name}/{NNNNN}.parquet``)."""
+
+    out: Path
+    name: str
+    shard_size: int
+    rows: list[dict] = field(default_factory=list)
+    shard_list: list[dict] = field(default_factory=list)  # the manifest's ``shards`` entries
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        if len(self.rows) == self.shard_size:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the rows held (if any) as the next shard."""
+        if not self.rows:
+            return
+        rows, name = self.rows, self.name
+        sname = shard_name(len(self.shard_list))
+        meta = {"schema_version": PROMPT_SCHEMA_VERSION, "dataset": name, "shard": sname}
+        _write_shard(self.out / name / f"{sname}.parquet", rows, meta)
+        self.shard_list.append({"name": sname, "path": f"{name}/{sname}.parquet", "rows": len(rows),
+                                "first_prompt_id": rows[0]["prompt_id"], "last_prompt_id": rows[-1]["prompt_id"]})
+        self.rows = []
+
+
+@dataclass
+class _Filters:
+    """What every source shares: the seed of ``fraction``, the length limit, the language identifier and
+    the prompt ids kept so far (dedup across sources: the first source in config order wins)."""
+
+    seed: int
+    tokenizer: Any = None
+    max_prompt_tokens: int | None = None
+    identifier: Any = None
+    seen: set[str] = field(default_factory=set)
+
+
+def _language_filters(datasets: Mapping[str, Mapping[str, Any]], languages: Sequence[str] | None,
+                      min_language_confidence: float) -> tuple[dict[str, tuple[frozenset, float] | None], Any]:
+    """Each source's ``(allowed languages, min confidence)`` (None: no filter) and the py3langid
+    identifier (None when no source filters). Raises ConfigError (see :func:`build_prompt_shards`)."""
+    problems = language_problems({"languages": languages, "min_language_confidence": min_language_confidence}, datasets)
+    if problems:
+        raise ConfigError("language filter: " + "; ".join(problems))
+    lang_filters: dict[str, tuple[frozenset, float] | None] = {}
+    identifier = None
+    for name, raw_cfg in datasets.items():
+        allowed, lang_key = _source_languages(languages, name, raw_cfg)
+        if allowed is None:
+            lang_filters[name] = None
+            continue
+        identifier = identifier or _language_identifier(lang_key)
+        missing = sorted(set(allowed) - set(identifier.labels))
+        if missing:  # a py3langid whose model differs from LANGUAGE_CODES
+            raise ConfigError(f"{lang_key}: the installed py3langid model does not know {missing}")
+        own_conf = raw_cfg.get("min_language_confidence")
+        lang_filters[name] = (frozenset(allowed), float(min_language_confidence if own_conf is None else own_conf))
+    return lang_filters, identifier
+
+
+def _source_config(name: str, raw_cfg: Mapping[str, Any]) -> dict:
+    """``datasets.<name>`` with the optional keys filled; raises ConfigError for a bad fraction or format."""
+    cfg = {"format": "auto", "max_prompts": None, "fraction": 1.0, "strict": True, "mapping": {},
+           "split": None, "subset": None}
+    cfg.update({k: v for k, v in raw_cfg.items() if v is not None or k == "max_prompts"})
+    fraction = float(cfg["fraction"])
+    if not 0.0 < fraction <= 1.0:
+        raise ConfigError(f"datasets.{name}.fraction must be in (0, 1], got {fraction}")
+    if cfg["format"] not in FORMATS:
+        raise ConfigError(f"datasets.{name}.format: unknown format {cfg['format']!r}; use one of {FORMATS}")
+    return cfg
+
+
+def _normalized(rec: dict, loc: Locator, name: str, cfg: dict, root: Path, rel_cache: dict,
+                tally: _SourceTally) -> tuple[list[dict], str, str] | None:
+    """``(messages, prompt_id, metadata)`` of a raw record, or None when it is dropped (counted in
+    ``tally``). Raises DataError for a bad record in a ``strict`` source."""
+    try:
+        messages, used_fmt = _normalize(rec, cfg["format"], cfg["mapping"])
+        pid = prompt_id(messages)
+        metadata = record_metadata(rec, used_fmt, cfg["mapping"], _source_ref(root, loc, rel_cache))
+        metadata.encode("utf-8")
+    except RejectedRecord as rej:
+        if rej.reason == "no_prompt_field" and tally.first_no_field is None:
+            tally.first_no_field = (loc, sorted(map(str, rec))[:20])
+        tally.drop(rej.reason, f"{loc}: {rej}")
+        return None
+    except (DataError, UnicodeEncodeError) as exc:
+        reason = "invalid_utf8" if isinstance(exc, UnicodeEncodeError) else "wrong_type"
+        msg = f"{loc}: {exc if reason == 'wrong_type' else 'text is not valid Unicode (lone surrogate)'}"
+        if cfg["strict"]:
+            fix = (f"name the field with `datasets.{name}.mapping` or `format` (or fix the record)"
+                   if isinstance(exc, MissingField) else "fix the record")
+            raise DataError(f"{msg}; {fix}, or set `datasets.{name}.strict: false`") from None
+        log.warning("skipped %s", msg)
+        tally.drop(reason, msg)
+        return None
+    return messages, pid, metadata
+
+
+def _drop_reason(messages: list[dict], pid: str, fraction: float, lang_filter: tuple[frozenset, float] | None,
+                 filters: _Filters, tally: _SourceTally) -> str | None:
+    """Why a normalized prompt is not kept (``sampled_out``, ``duplicate``, ``language``,
+    ``low_language_confidence``, ``too_long``, checked in that order), or None to keep it."""
+    if fraction < 1.0 and keep_score(filters.seed, pid) >= fraction:
+        return "sampled_out"
+    if pid in filters.seen:
+        return "duplicate"
+    if lang_filter is not None:
+        lang, prob = filters.identifier.classify(language_sample(messages))
+        if lang not in lang_filter[0] or prob < lang_filter[1]:
+            tally.dropped_langs[lang] += 1
+            return "language" if lang not in lang_filter[0] else "low_language_confidence"
+    if filters.max_prompt_tokens is not None and _count_tokens(filters.tokenizer, messages) > filters.max_prompt_tokens:
+        return "too_long"
+    return None
+
+
+def _check_prompt_field(name: str, cfg: dict, tally: _SourceTally) -> bool:
+    """Whether no record of the source has a prompt field (every record ``no_prompt_field``): an error
+    in a ``strict`` source (DataError naming the fix), else a warning."""
+    if tally.first_no_field is None or tally.dropped["no_prompt_field"] != tally.read:
+        return False
+    loc, fields = tally.first_no_field
+    looked_for = "prompt/question/problem" if cfg["format"] == "prompt" else \
+        "conversations/messages/turns/instruction/prompt/question/problem"
+    msg = (f"datasets.{name} ({cfg['path']}): none of the {tally.read} records read has a prompt field ({looked_for}"
+           + (f", after mapping {dict(cfg['mapping'])}" if cfg["mapping"] else "")
+           + f"); the first ({loc}) has fields {fields}")
+    if cfg["strict"]:
+        raise DataError(f"{msg}. Name the prompt field with `datasets.{name}.mapping` (e.g. `mapping: "
+                        f"{{prompt: <field>}}`) or set `datasets.{name}.format` ({', '.join(FORMATS)}), or set "
+                        f"`datasets.{name}.strict: false` to count them as no_prompt_field and go on")
+    log.warning("%s; all dropped as no_prompt_field (strict: false)", msg)
+    return True
+
+
+def _source_entry(name: str, cfg: dict, tally: _SourceTally, writer: _ShardWriter,
+                  lang_filter: tuple[frozenset, float] | None) -> dict:
+    """The source's manifest entry (``datasets.<name>``; see :func:`build_prompt_shards`)."""
+    inactive = _inactive_shards(writer.out / name, len(writer.shard_list))
+    if inactive:
+        log.info("%s: shards %s %s", name, inactive, _LEFT_ON_DISK)
+    entry = {
+        "config": {k: cfg[k] for k in ("path", "format", "max_prompts", "fraction", "strict", "mapping")
+                   + tuple(k for k in ("split", "subset") if cfg[k] is not None)},
+        "read": tally.read_total,  # incl. skipped malformed
+        "kept": tally.kept,
+        "dropped": dict(sorted(tally.dropped.items())),
+        "skipped_examples": tally.examples,
+        "stopped_at_max_prompts": tally.stopped,
+        "shards": writer.shard_list,
+        "inactive_shards": inactive,
+    }
+    if lang_filter is not None:
+        entry["config"].update(languages=sorted(lang_filter[0]), min_language_confidence=lang_filter[1])
+        entry["dropped_languages"] = dict(sorted(tally.dropped_langs.items()))
+    elif cfg.get("languages") == ANY_LANGUAGE:  # filter configured for the stage, switched off here
+        entry["config"]["languages"] = ANY_LANGUAGE
+    log.info("%s: read %d, kept %d in %d shards, dropped %s", name, entry["read"], tally.kept,
+             len(writer.shard_list), dict(tally.dropped))
+    return entry
+
+
+def _shard_source(name: str, raw_cfg: Mapping[str, Any], out: Path, shard_size: int, filters: _Filters,
+                  lang_filter: tuple[frozenset, float] | None) -> dict:
+    """Read, filter and shard one source; returns its manifest entry."""
+    cfg = _source_config(name, raw_cfg)
+    fraction, cap = float(cfg["fraction"]), cfg["max_prompts"]
+    hub = str(cfg["path"]).startswith(HF_PREFIX)
+    root = Path(cfg["path"])
+    tally = _SourceTally()
+    writer = _ShardWriter(out, name, shard_size)
+    rel_cache: dict[str, str] = {}
+    for loc, rec in read_records(str(cfg["path"]) if hub else root, strict=cfg["strict"], counts=tally.skipped,
+                                 examples=tally.examples, split=cfg["split"], subset=cfg["subset"], source=name):
+        tally.read += 1
+        normalized = _normalized(rec, loc, name, cfg, root, rel_cache, tally)
+        if normalized is None:
+            continue
+        messages, pid, metadata = normalized
+        reason = _drop_reason(messages, pid, fraction, lang_filter, filters, tally)
+        if reason is not None:
+            tally.drop(reason)
+            continue
+        filters.seen.add(pid)
+        writer.add({"prompt_id": pid, "dataset": name, "messages": messages, "metadata": metadata})
+        tally.kept += 1
+        if cap is not None and tally.kept >= cap:
+            tally.stopped = True
+            break
+    writer.flush()
+    no_field = _check_prompt_field(name, cfg, tally)
+    tally.dropped.update(tally.skipped)
+    if tally.kept == 0 and not no_field:
+        log.warning("%s: kept no prompt (read %d, dropped %s)", name, tally.read_total, dict(sorted(tally.dropped.items())))
+    return _source_entry(name, cfg, tally, writer, lang_filter)
+
+
+def _inactive_datasets(out: Path, active: Mapping[str, Any]) -> dict[str, list[str]]:
+    """Shards of sources that left the config, found on disk (inside the workflow Snakemake deletes the
+    checkpoint's manifest before the job runs, so the previous one is often absent)."""
+    inactive = {}
+    for d in sorted(out.iterdir()) if out.is_dir() else []:
+        if d.is_dir() and d.name not in active and (left := _inactive_shards(d, 0)):
+            inactive[d.name] = left
+            log.info("%s: shards %s %s", d.name, left, _LEFT_ON_DISK)
+    return inactive
+
+
+def build_prompt_shards(
+    datasets: Mapping[str, Mapping[str, Any]],
+    out_dir: str | os.PathLike,
+    *,
+    shard_size: int,
+    seed: int,
+    tokenizer=None,
+    max_prompt_tokens: int | None = None,
+    languages: Sequence[str] | None = None,
+    min_language_confidence: float = 0.0,
+    manifest_path: str | os.PathLike | None = None,
+) -> dict:
+    """Normalize, filter, dedup and shard every prompt source; write shards and the manifest.
+
+    Args:
+        datasets: validated ``config["datasets"]``: name -> ``{path, format, max_prompts, fraction, strict,
+            mapping, languages, min_language_confidence}`` (missing optional keys take the schema defaults).
+            Processed in mapping order. A source's ``languages`` (a list, or ``"any"`` for no filter) and
+            ``min_language_confidence`` override the two arguments below when not None.
+        out_dir: shards go to ``{out_dir}/{name}/{NNNNN}.parquet`` (schema :data:`contracts.PROMPT_SCHEMA`,
+            ``dflash`` metadata ``{schema_version, dataset, shard}``).
+        shard_size: prompts per shard (the last shard of a source may be smaller).
+        seed: seed of the per-record ``fraction`` decision (see module docstring).
+        tokenizer: object with ``encode(text, add_special_tokens=False)``; needed when ``max_prompt_tokens``
+            is set. Length = sum of the message contents' token counts (no chat template scaffolding).
+        max_prompt_tokens: drop prompts longer than this (counted as ``too_long``).
+        languages: language allow-list (py3langid codes, :data:`LANGUAGE_CODES`) for every source; None =
+            no language filter. See the module docstring for what is classified.
+        min_language_confidence: with a language filter, also drop prompts whose top language has a lower
+            probability than this (counted as ``low_language_confidence``).
+        manifest_path: default ``{out_dir}/manifest.json``.
+
+    Returns:
+        The manifest (also written, key-sorted JSON): ``{schema_version, seed, shard_size,
+        max_prompt_tokens, languages, min_language_confidence, language_detector, total_prompts,
+        datasets: {name: {config, read, kept, dropped: {reason: n}, skipped_examples, stopped_at_max_prompts,
+        shards: [{name, path, rows, first_prompt_id, last_prompt_id}], inactive_shards: [name]}},
+        inactive_datasets: {name: [shard name]}}``; shard ``path`` is relative to ``out_dir``.
+        ``skipped_examples`` holds up to :data:`MAX_EXAMPLES` located messages per drop reason (malformed
+        and rejected records, in file order). ``inactive_shards`` are shard files of the source beyond its
+        current shard count, ``inactive_datasets`` the shard files of sources no longer in ``datasets``:
+        on disk, not in any ``shards`` list. A source with a language filter also has ``config.languages``,
+        ``config.min_language_confidence`` and ``dropped_languages: {detected language: n}``;
+        ``language_detector`` is ``"py3langid <version>"`` when any source used it, else None.
+
+    Side effects: shard files whose content is unchanged are not rewritten (mtime kept); no shard file is
+    ever deleted (inactive ones are listed, logged at INFO). A source that keeps no prompt is logged as a
+    WARNING with its drop counts.
+
+    Raises:
+        DataError: malformed input in a ``strict`` source (names file, line/record and field), a ``strict``
+            source none of whose records has a prompt field (names the source, its file, the first record's
+            fields and the fix), or no prompt kept at all.
+        ConfigError: bad ``shard_size``/``fraction``/``format``, ``max_prompt_tokens`` without tokenizer,
+            bad language settings (every problem, by config key: :func:`language_problems`), or a language
+            filter without py3langid installed — all raised before any source is read.
+    """
+    if shard_size < 1:
+        raise ConfigError(f"prompts.shard_size must be >= 1, got {shard_size}")
+    if max_prompt_tokens is not None and tokenizer is None:
+        raise ConfigError("prompts.max_prompt_tokens is set but no tokenizer was given (the probe's target tokenizer)")
+    lang_filters, identifier = _language_filters(datasets, languages, min_language_confidence)
+    out = Path(out_dir)
+    manifest_file = Path(manifest_path) if manifest_path is not None else out / "manifest.json"
+    filters = _Filters(seed=seed, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens, identifier=identifier)
+    ds_out = {name: _shard_source(name, raw_cfg, out, shard_size, filters, lang_filters[name])
+              for name, raw_cfg in datasets.items()}
+    inactive_datasets = _inactive_datasets(out, ds_out)
+    total = sum(d["kept"] for d in ds_out.values())
+    if total == 0:
+        summary = {n: d["dropped"] for n, d in ds_out.items()}
+        raise DataError(f"no prompt kept from any source (drops per source: {summary}); check `datasets` in the config")
+    manifest = {
+        "schema_version": MANIFEST_SCHEMA_VERSION,
+        "prompt_schema_version": PROMPT_SCHEMA_VERSION,
+        "seed": seed,
+        "shard_size": shard_size,
+        "max_prompt_tokens": max_prompt_tokens,
+        "tokenizer": getattr(tokenizer, "name_or_path", None) if tokenizer is not None else None,
+        "languages": list(languages) if languages else None,
+        "min_language_confidence": min_language_confidence,
+        "language_detector": _language_detector() if identifier is not None else None,
+        "total_prompts": total,
+        "datasets": ds_out,
+        "inactive_datasets": inactive_datasets,
+    }
+    shards.write_json(manifest_file, manifest)
+    return manifest
+
+
+def shard_prompts(
+    datasets: Mapping[str, Mapping[str, Any]],
+    out_dir: str | os.PathLike,
+    prompts_cfg: Mapping[str, Any],
+    *,
+    target_dir: str | os.PathLike | None = None,
+    trust_remote_code: bool = False,
+    chat_template: str | os.PathLike | None = None,
+) -> dict:
+    """The ``shard_prompts`` rule: :func:`build_prompt_shards` with the validated ``prompts`` config section.
+
+    The target tokenizer is loaded (from ``target_dir``, :func:`chat.load_tokenizer`) only when
+    ``prompts.max_prompt_tokens`` is set — the rule depends on the target only then, so the common case
+    does not re-shard when the target changes. ``prompts.languages`` / ``prompts.min_language_confidence``
+    are the default language filter of every source (py3langid is imported only when one applies).
+
+    Raises:
+        ConfigError: ``max_prompt_tokens`` set but no ``target_dir``; see :func:`build_prompt_shards`.
+    """
+    max_tokens = prompts_cfg.get("max_prompt_tokens")
+    tokenizer = None
+    if max_tokens is not None:
+        if target_dir is None:
+            raise ConfigError("prompts.max_prompt_tokens is set but no target directory was given for its tokenizer")
+        from ..chat import load_tokenizer
+
+        tokenizer = load_tokenizer(target_dir, trust_remote_code=trust_remote_code, chat_template=chat_template)
+    min_conf = prompts_cfg.get("min_language_confidence")
+    return build_prompt_shards(datasets, out_dir, shard_size=prompts_cfg["shard_size"], seed=prompts_cfg["seed"],
+                               tokenizer=tokenizer, max_prompt_tokens=max_tokens, languages=prompts_cfg.get("languages"),
+                               min_language_confidence=0.0 if min_conf is None else min_conf)
+
+
+def shard_paths(manifest: Mapping[str, Any], out_dir: str | os.PathLike) -> dict[str, list[str]]:
+    """Shard file paths per dataset (``{out_dir}/{name}/{NNNNN}.parquet``) in manifest order."""
+    return {name: [str(Path(out_dir) / s["path"]) for s in ds["shards"]] for name, ds in manifest["datasets"].items()}
+
+
+def list_shards(manifest_path: str | os.PathLike) -> list[tuple[str, str]]:
+    """``(dataset, shard)`` pairs of a written manifest, e.g. ``[("gsm8k", "00000"), ...]`` — what the
+    Snakefile expands downstream rules over after the checkpoint."""
+    manifest = shards.read_json(manifest_path)
+    return [(name, s["name"]) for name, ds in manifest["datasets"].items() for s in ds["shards"]]
+
+
