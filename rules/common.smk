@@ -60,6 +60,13 @@ def check_config():
         if why:
             problems.append(f"target.path: {why}; the tokens stage (and generation.api: completions) need the "
                             f"target's tokenizer (weights are needed only by the transformers backend)")
+    if path != "demo" and config["generation"]["backend"] == "transformers" and (Path(path) / "config.json").is_file():
+        weights = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
+        if not any(any(Path(path).glob(g)) for g in weights):
+            problems.append(f"target.path: no weights (*.safetensors, pytorch_model*.bin) in {path}, but "
+                            f"generation.backend: transformers generates with them in-process (and training runs "
+                            f"the target online); point target.path at the full model directory, or generate "
+                            f"with generation.backend: openai against a server")
     template = config["target"]["chat_template"]
     if template is not None and not Path(template).is_file():
         problems.append(f"target.chat_template: {template} not found (a .jinja file, or null for the tokenizer's own)")
@@ -166,9 +173,11 @@ def dataset_inputs():
 
 
 def prompt_filter_target():
-    """The prompts checkpoint reads the target tokenizer only for `prompts.max_prompt_tokens`; only then
-    is the target an input (so a new target does not re-shard, and thus regenerate, anything otherwise)."""
-    return target_input() if config["prompts"]["max_prompt_tokens"] is not None else []
+    """The prompts checkpoint reads the target tokenizer only for `prompts.max_prompt_tokens` and
+    `prompts.special_token_text: drop`; only then is the target an input (a new target re-runs the
+    checkpoint, which rewrites only shards whose bytes change, so only those completions regenerate)."""
+    needs = config["prompts"]["max_prompt_tokens"] is not None or config["prompts"]["special_token_text"] == "drop"
+    return target_input() if needs else []
 
 
 def prompt_filter_target_dir(wildcards, input):
