@@ -206,6 +206,12 @@ def generate_shard(
                         generated_ids={p["prompt_id"] for p in pending}, resumed=resumed,
                         wall_s=time.monotonic() - t_start, backend_stats=backend_stats)
     stats.update(skip_info)
+    from ..workflow import console
+
+    console("%s: %d ok, %d truncated, %d error, %d skipped as too_long; %d turns, %d completion tokens; this run "
+            "%d generated, %d resumed in %.1f s", paths.out, stats["ok"], stats["truncated"], stats["error"],
+            skip_info["skipped"]["too_long"], stats["turns"], stats["completion_tokens"], stats["generated"],
+            stats["resumed"], stats["wall_s"])
     if stats_path is not None:
         shards.write_json(stats_path, stats, skip_if_identical=False)
     return stats

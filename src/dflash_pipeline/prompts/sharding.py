@@ -311,8 +311,10 @@ def _source_entry(name: str, cfg: dict, tally: _SourceTally, writer: _ShardWrite
         entry["dropped_languages"] = dict(sorted(tally.dropped_langs.items()))
     elif cfg.get("languages") == ANY_LANGUAGE:  # filter configured for the stage, switched off here
         entry["config"]["languages"] = ANY_LANGUAGE
-    log.info("%s: read %d, kept %d in %d shards, dropped %s", name, entry["read"], tally.kept,
-             len(writer.shard_list), dict(tally.dropped))
+    from ..workflow import console
+
+    console("%s: read %d, kept %d in %d shards, dropped %s", name, entry["read"], tally.kept,
+            len(writer.shard_list), dict(sorted(tally.dropped.items())) or "none")
     return entry
 
 
