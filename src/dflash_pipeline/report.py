@@ -238,10 +238,12 @@ def read_tsv(path: str | Path) -> tuple[list[str], list[dict]]:
         return list(reader.fieldnames or []), rows
 
 
-def html_table(columns: Sequence[str], rows: Sequence[dict], *, title: str, table_id: str, note: str = "") -> str:
+def html_table(columns: Sequence[str], rows: Sequence[dict], *, title: str, table_id: str, note: str = "",
+               relabel: bool = True) -> str:
     """One ``<section>`` with a heading and a table (``<table id=table_id>``), headers from :func:`label`
-    (the raw column name in the ``title`` attribute), every value escaped."""
-    head = "".join(f'<th title="{html.escape(c)}">{html.escape(label(c))}</th>' for c in columns)
+    (``relabel=False``: the column names as they are, e.g. eval set names; the raw name is always in the
+    ``title`` attribute), every value escaped."""
+    head = "".join(f'<th title="{html.escape(c)}">{html.escape(label(c) if relabel else c)}</th>' for c in columns)
     body = "".join(
         "<tr>" + "".join(f"<td>{html.escape('' if r.get(c) is None else str(r.get(c)))}</td>" for c in columns) + "</tr>"
         for r in rows
@@ -315,7 +317,7 @@ def summary_html(
     if tau_tsv and Path(tau_tsv).is_file():
         cols, rows = read_tsv(tau_tsv)
         pcols, prows = tau_pivot(rows)
-        parts.append(html_table(pcols, prows, title="τ per drafter and eval set", table_id="tau",
+        parts.append(html_table(pcols, prows, title="τ per drafter and eval set", table_id="tau", relabel=False,
                                 note="τ: mean accepted drafts + 1 per verify step (max = block size)."))
         parts.append(html_table(cols, rows, title="Evaluation table", table_id="eval-table"))
     if eval_json and Path(eval_json).is_file():
