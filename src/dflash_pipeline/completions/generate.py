@@ -16,7 +16,7 @@ from ..chat import load_tokenizer, template_kwargs
 from ..contracts import COMPLETION_SCHEMA, COMPLETION_SCHEMA_VERSION, canonical_json
 from ..errors import ConfigError, GenerationError
 from .openai_backend import OpenAIBackend, _quiet_http_logs
-from .records import MAX_SKIPPED_EXAMPLES, OnDone, RunInfo, read_prompts, sampling_params
+from .records import MAX_SKIPPED_EXAMPLES, OnDone, RunInfo, context_limit, read_prompts, sampling_params
 from .resume import ERRORS_SUFFIX, PROGRESS_SUFFIX, ProgressLog, _drop_other_model, _fingerprint
 from .stats import _Progress, shard_stats
 from .transformers_backend import TransformersBackend
@@ -86,22 +86,6 @@ def preflight_template(
     for w in warnings:
         log.warning("%s", w)
     return warnings
-
-
-def context_limit(target_dir: str | Path | None) -> int | None:
-    """``max_position_embeddings`` of the target's text model from ``<target_dir>/config.json`` (top level or
-    ``text_config`` / ``language_config`` / ``llm_config`` of multimodal configs); None when unknown."""
-    if target_dir is None:
-        return None
-    path = Path(target_dir) / "config.json"
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    for node in (cfg, *(cfg.get(k) for k in ("text_config", "language_config", "llm_config"))):
-        if isinstance(node, dict) and isinstance(node.get("max_position_embeddings"), int):
-            return node["max_position_embeddings"]
-    return None
 
 
 def too_long_prompts(prompts: Sequence[dict], tok, gen_cfg: dict, limit: int) -> dict[str, dict]:

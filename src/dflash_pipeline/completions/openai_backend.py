@@ -26,7 +26,7 @@ from ..errors import ConfigError
 from . import retry
 from .describe import _describe
 from .fleet import _auth_error, _Endpoint, _Fleet
-from .records import DISABLE_HINT_LOCAL, OnDone, RowError, RunInfo, Turn, build_record, check_thinking, redact_url, take_reasoning
+from .records import DISABLE_HINT_LOCAL, OnDone, RowError, RunInfo, Turn, build_record, check_thinking, context_limit, redact_url, skipped_record, take_reasoning
 from .stats import fleet_stats
 
 log = logging.getLogger(__package__)  # one logger for the whole completions stage
@@ -137,6 +137,8 @@ class OpenAIBackend:
             # the completion start inside the reasoning; known once per template and mode.
             probe = render(self.tok, [{"role": "user", "content": "x"}], thinking=gen_cfg["thinking"], add_generation_prompt=True)
             self._opens_think = probe.rstrip().endswith("<think>")
+        # raw mode renders each turn here, so a turn that outgrows the target's context is skipped, not sent
+        self.context_limit = context_limit(target_dir) if self.api == "completions" else None
         self.model = gen_cfg.get("model") or resolved_model or ""
         self._probed = False  # whether resolve_model/_discover checked the fleet's /models in this process
         # what a client process needs to build its own copy (keys come from its inherited environment)
@@ -312,6 +314,11 @@ class OpenAIBackend:
             history.append({"role": m["role"], "content": m["content"]})
             if m["role"] != "user":
                 continue
+            if self.context_limit:
+                n = len(render(self.tok, history, thinking=self.cfg["thinking"], add_generation_prompt=True, tokenize=True))
+                if n + self.cfg["max_tokens"] > self.context_limit:
+                    return skipped_record(prompt, "too_long", turn=len(turns), prompt_tokens=n,
+                                          max_tokens=self.cfg["max_tokens"], max_position_embeddings=self.context_limit)
             try:
                 turn = await self._complete(fleet, list(history))
             except RowError as exc:

@@ -4,6 +4,8 @@ thinking-mode checks, and the prompt-shard reader (``contracts.PROMPT_SCHEMA`` i
 
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -110,6 +112,22 @@ def build_record(prompt: dict, turns: Sequence[Turn], info: RunInfo, error: str 
         "status": status,
         "error": error,
     }
+
+
+def context_limit(target_dir: str | Path | None) -> int | None:
+    """``max_position_embeddings`` of the target's text model from ``<target_dir>/config.json`` (top level or
+    ``text_config`` / ``language_config`` / ``llm_config`` of multimodal configs); None when unknown."""
+    if target_dir is None:
+        return None
+    path = Path(target_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    for node in (cfg, *(cfg.get(k) for k in ("text_config", "language_config", "llm_config"))):
+        if isinstance(node, dict) and isinstance(node.get("max_position_embeddings"), int):
+            return node["max_position_embeddings"]
+    return None
 
 
 #: Examples kept per skip reason in a shard's stats (``skipped_examples``).
