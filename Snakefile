@@ -35,3 +35,13 @@ rule all:
     input:
         final_targets(),
     default_target: True
+
+
+onsuccess:
+    # end a run with the τ table and where the outputs are (Snakemake's own last line is "N of N steps done")
+    import sys
+    from dflash_pipeline.report import console_summary
+
+    text = console_summary(f"{eval_dir(RUN_NAME)}/acceptance.tsv", run_outputs())
+    if text:
+        print(text, file=sys.stderr, flush=True)

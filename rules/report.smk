@@ -82,3 +82,27 @@ rule plot_training:
         "../envs/torch.yaml"
     script:
         "../scripts/plot_training.py"
+
+
+rule summarize_run:
+    """The τ table, the eval record's summary and every data count as HTML tables (the report's landing page
+    embeds them: report/workflow.rst)."""
+    input:
+        probe=report_table("probe"),
+        prompts=report_table("prompts"),
+        generation=report_table("generation"),
+        tokens=report_table("tokens"),
+        tau=f"{eval_dir(RUN_NAME)}/acceptance.tsv",
+        eval=eval_json(),
+    output:
+        report(f"{RESULTS}/report/summary.html", caption="../report/summary.rst", category="0. Summary",
+               labels={"what": "run summary (tables)"}),
+    params:
+        run=RUN_NAME,
+        outputs=run_outputs(),
+    log:
+        log_file("summarize_run"),
+    conda:
+        "../envs/data.yaml"
+    script:
+        "../scripts/summarize_run.py"

@@ -31,4 +31,5 @@ rule train_drafter:
         "-m dflash_pipeline.train --probe {input.probe:q} --target {params.target:q} "
         f"--target-dtype {config['target']['dtype']} --device {config['train']['device']} "
         f"{'--trust-remote-code ' if config['target']['trust_remote_code'] else ''}"
-        "--out-dir {params.run_dir:q} --train-config {params.train:q} {params.baseline} --drafter-arch {params.arch:q} {input.tokens:q} > {log:q} 2>&1"
+        "--out-dir {params.run_dir:q} --train-config {params.train:q} {params.baseline} --drafter-arch {params.arch:q} {input.tokens:q} "
+        "2>&1 | python -m dflash_pipeline.workflow tee {log:q}"  # the log, and [train] lines on the console

@@ -123,3 +123,29 @@ def planned_jobs(proc: subprocess.CompletedProcess) -> dict[str, int]:
             break
         counts[m.group(1)] = int(m.group(2))
     return counts
+#: Headless Chromium flags for the report screenshot test: no sandbox (root in CI), no GPU, no network
+#: side channels; each call gets its own fresh profile directory.
+CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync")
+
+
+@pytest.fixture(scope="session")
+def chromium(tmp_path_factory):
+    """``run(url, *args, timeout=...)`` -> CompletedProcess of headless Chromium (``.ci/run`` installs Debian's
+    ``chromium``). In CI (``DFLASH_CI_SERVICES=1``) a missing browser fails the test; locally it skips."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        msg = "headless Chromium not found: `apt-get install -y --no-install-recommends chromium`"
+        if os.environ.get("DFLASH_CI_SERVICES") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)
+
+    def run(url: str, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+        profile = tmp_path_factory.mktemp("chromium-profile")
+        return subprocess.run([exe, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args, url],
+                              capture_output=True, text=True, timeout=timeout)
+
+    return run

@@ -38,9 +38,11 @@ def dataset_inputs():
 
 
 def prompt_filter_target():
-    """The prompts checkpoint reads the target tokenizer only for `prompts.max_prompt_tokens`; only then
-    is the target an input (so a new target does not re-shard, and thus regenerate, anything otherwise)."""
-    return target_input() if config["prompts"]["max_prompt_tokens"] is not None else []
+    """The prompts checkpoint reads the target tokenizer only for `prompts.max_prompt_tokens` and
+    `prompts.special_token_text: drop`; only then is the target an input (a new target re-runs the
+    checkpoint, which rewrites only shards whose bytes change, so only those completions regenerate)."""
+    needs = config["prompts"]["max_prompt_tokens"] is not None or config["prompts"]["special_token_text"] == "drop"
+    return target_input() if needs else []
 
 
 def probe_json():
@@ -102,8 +104,20 @@ def benchmark_file(rule, *wildcards):
 def report_targets(run=RUN_NAME):
     """Outputs that exist for the HTML report (`snakemake --report`): tables and plots."""
     return [*(report_table(t) for t in ("probe", "prompts", "generation", "tokens")),
-            f"{eval_dir(run)}/tau_vs_step.png", f"{eval_dir(run)}/train_curves.png"]
+            f"{eval_dir(run)}/tau_vs_step.png", f"{eval_dir(run)}/train_curves.png", f"{RESULTS}/report/summary.html"]
 
 
 def final_targets():
     return [final_checkpoint(RUN_NAME), eval_json(), *report_targets()]
+
+
+def run_outputs(run=RUN_NAME):
+    """(what, path) of the outputs a user looks for after a run (report summary and end-of-run message)."""
+    return [
+        ("drafter checkpoint (servable)", final_checkpoint(run)),
+        ("τ table", f"{eval_dir(run)}/acceptance.tsv"),
+        ("eval record", eval_json(run)),
+        ("data tables", f"{RESULTS}/report/"),
+        ("logs per job", f"{RESULTS}/logs/"),
+        ("HTML report", "snakemake --report report.html  (after the run)"),
+    ]

@@ -47,13 +47,20 @@ def template_kwargs(thinking: str) -> dict[str, Any]:
 def template_messages(messages: Iterable[Mapping[str, Any]]) -> list[dict]:
     """Messages as the chat template sees them: ``{role, content}`` (``None`` content -> ``""``), plus
     ``thinking`` and ``reasoning_content`` on assistant turns whose reasoning is non-empty (gpt-oss
-    templates read ``thinking``, Qwen3-style ones ``reasoning_content``). Other keys are dropped."""
+    templates read ``thinking``, Qwen3-style ones ``reasoning_content``). Other keys are dropped.
+
+    An assistant turn without reasoning whose content contains ``</think>`` (an answer that explains chat
+    templates) gets ``reasoning_content: ""``: Qwen3/3.5/3.6 and GLM templates otherwise take everything
+    before that ``</think>`` for reasoning and drop it from the answer; with an empty string they render
+    the turn exactly as one without reasoning, content verbatim."""
     out = []
     for m in messages:
         msg = {"role": m["role"], "content": m.get("content") or ""}
         rc = m.get("reasoning_content")
         if m["role"] == "assistant" and isinstance(rc, str) and rc.strip():
             msg = {"thinking": rc, **msg, "reasoning_content": rc}  # the key order transformers uses
+        elif m["role"] == "assistant" and "</think>" in msg["content"]:
+            msg["reasoning_content"] = ""
         out.append(msg)
     return out
 

@@ -280,6 +280,13 @@ def cross_field_problems(cfg: Mapping[str, Any], *, base_dir: str | Path | None 
         if why:
             out.append(f"target.path: {why}; the tokens stage (and generation.api: completions) need the "
                        f"target's tokenizer (weights are needed only by the transformers backend)")
+    if path != "demo" and cfg["generation"]["backend"] == "transformers" and (Path(path) / "config.json").is_file():
+        weights = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
+        if not any(any(Path(path).glob(g)) for g in weights):
+            out.append(f"target.path: no weights (*.safetensors, pytorch_model*.bin) in {path}, but "
+                       f"generation.backend: transformers generates with them in-process (and training runs "
+                       f"the target online); point target.path at the full model directory, or generate "
+                       f"with generation.backend: openai against a server")
     template = cfg["target"]["chat_template"]
     if template is not None and not Path(template).is_file():
         out.append(f"target.chat_template: {template} not found (a .jinja file, or null for the tokenizer's own)")

@@ -4,11 +4,16 @@ Each function turns one stage's record into a TSV the report shows as a table: t
 prompts manifest (kept / dropped per reason), generation stats (ok / truncated / error, tokens, tokens/s),
 token shards (sequences, supervised tokens, truncation and drops per reason).
 The eval tables are written by :mod:`dflash_pipeline.evaluate`.
+
+:func:`summary_html` renders the τ table, the eval record's summary and every data count as HTML tables
+with readable labels (``results/report/summary.html``); ``report/workflow.rst`` embeds it in the report's
+landing page, so nothing an ML engineer looks for first is a download-only link.
 """
 
 from __future__ import annotations
 
 import csv
+import html
 import json
 from collections import Counter
 from pathlib import Path
@@ -161,7 +166,7 @@ def generation_table(
 TOKEN_COUNTS = (
     "records_in", "records_out", "turns_supervised", "num_tokens", "num_loss_tokens", "truncated",
     "split_conversations", "server_ids_used", "scaffolding_excluded", "render_differs_from_output_ids",
-    "straddling_tokens",
+    "output_ids_spliced", "control_text_kept", "straddling_tokens",
 )
 
 
@@ -191,3 +196,165 @@ def tokens_table(token_shards: Sequence[str | Path], out_tsv: str | Path) -> lis
         rows.append(row("all", sum(per.values(), Counter())))
     write_tsv(out_tsv, ("dataset", "shards", *TOKEN_COUNTS, "loss_fraction", *reasons), rows)
     return rows
+
+
+# --------------------------------------------------------------------------------------------------
+# HTML tables for the report's landing page
+# --------------------------------------------------------------------------------------------------
+
+#: Column name -> readable label (other names: underscores become spaces, ``dropped_x`` -> "dropped: x").
+LABELS = {
+    "tau": "τ", "tau_over_untrained": "τ / untrained τ", "tokens_per_target_forward": "tokens per target forward",
+    "accept_pos1": "accepted ≥1 draft", "num_responses": "responses", "num_steps": "verify steps",
+    "max_new_tokens": "max new tokens", "train_steps": "training steps", "zero_target_features": "features zeroed",
+    "read": "records read", "kept": "prompts kept", "dropped_total": "dropped (all reasons)",
+    "stopped_at_max_prompts": "stopped at max_prompts", "ok": "ok", "truncated": "truncated",
+    "assistant_turns": "assistant turns", "mean_completion_tokens": "mean completion tokens",
+    "request_seconds": "request seconds", "tokens_per_request_s": "tokens/s per request",
+    "job_seconds": "job seconds", "tokens_per_job_s": "tokens/s per job",
+    "records_in": "completion records in", "records_out": "sequences out", "turns_supervised": "turns supervised",
+    "num_tokens": "tokens", "num_loss_tokens": "supervised tokens", "loss_fraction": "supervised fraction",
+    "split_conversations": "conversations split per turn", "server_ids_used": "rows from server ids",
+    "scaffolding_excluded": "template scaffolding excluded", "render_differs_from_output_ids": "render ≠ output ids",
+    "output_ids_spliced": "turns from output ids", "control_text_kept": "special-token text kept as text",
+    "straddling_tokens": "boundary-straddling tokens", "key": "setting", "value": "value",
+}
+
+
+def label(column: str) -> str:
+    """Readable label of a table column (:data:`LABELS`)."""
+    if column in LABELS:
+        return LABELS[column]
+    if column.startswith("dropped_"):
+        return "dropped: " + column[len("dropped_"):].replace("_", " ")
+    return column.replace("_", " ")
+
+
+def read_tsv(path: str | Path) -> tuple[list[str], list[dict]]:
+    """``(columns, rows)`` of a TSV written by :func:`shards.write_tsv` (values as strings)."""
+    with open(path, encoding="utf-8", newline="") as fh:
+        reader = csv.DictReader(fh, delimiter="\t")
+        rows = list(reader)
+        return list(reader.fieldnames or []), rows
+
+
+def html_table(columns: Sequence[str], rows: Sequence[dict], *, title: str, table_id: str, note: str = "",
+               relabel: bool = True) -> str:
+    """One ``<section>`` with a heading and a table (``<table id=table_id>``), headers from :func:`label`
+    (``relabel=False``: the column names as they are, e.g. eval set names; the raw name is always in the
+    ``title`` attribute), every value escaped."""
+    head = "".join(f'<th title="{html.escape(c)}">{html.escape(label(c) if relabel else c)}</th>' for c in columns)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape('' if r.get(c) is None else str(r.get(c)))}</td>" for c in columns) + "</tr>"
+        for r in rows
+    ) or f'<tr><td colspan="{max(1, len(columns))}">(no rows)</td></tr>'
+    note_html = f"<p>{html.escape(note)}</p>" if note else ""
+    return (f'<section class="dflash-summary"><h3>{html.escape(title)}</h3>{note_html}'
+            f'<table id="{html.escape(table_id)}" class="dflash-table"><thead><tr>{head}</tr></thead>'
+            f"<tbody>{body}</tbody></table></section>")
+
+
+#: Look of the summary tables (the report's own stylesheet leaves tables bare).
+SUMMARY_STYLE = (
+    "<style>.dflash-summary{margin:1.2em 0}.dflash-summary h3{font-size:1.05em;margin:.4em 0}"
+    ".dflash-table{border-collapse:collapse;font-size:.85em}.dflash-table th,.dflash-table td{border:1px solid "
+    "#ccc;padding:2px 6px;text-align:right}.dflash-table th{background:#eef2f5}"
+    ".dflash-table td:first-child,.dflash-table th:first-child{text-align:left}</style>"
+)
+
+
+def eval_summary_rows(record: dict) -> list[dict]:
+    """The eval record in a few rows: its settings, then per eval set the prompts drawn and the training
+    prompts excluded, then per drafter its checkpoint and training steps."""
+    rows = [{"key": f"settings.{k}", "value": v} for k, v in (record.get("settings") or {}).items()]
+    for name, info in (record.get("sets") or {}).items():
+        for k, v in (info or {}).items() if isinstance(info, dict) else []:
+            if not isinstance(v, (dict, list)):
+                rows.append({"key": f"set {name}: {k.replace('_', ' ')}", "value": v})
+    for lbl, entry in (record.get("drafters") or {}).items():
+        rows.append({"key": f"drafter {lbl}: checkpoint", "value": entry.get("checkpoint") or "(random init)"})
+        rows.append({"key": f"drafter {lbl}: training steps", "value": entry.get("train_steps")})
+    return rows
+
+
+def tau_pivot(rows: Sequence[dict]) -> tuple[list[str], list[dict]]:
+    """acceptance.tsv rows -> one row per drafter, one τ column per eval set."""
+    sets: list[str] = []
+    per: dict[str, dict] = {}
+    for r in rows:
+        if r["set"] not in sets:
+            sets.append(r["set"])
+        per.setdefault(r["drafter"], {"drafter": r["drafter"]})[r["set"]] = r["tau"]
+    return ["drafter", *sets], list(per.values())
+
+
+def summary_html(
+    out_html: str | Path,
+    *,
+    run: str,
+    tau_tsv: str | Path | None = None,
+    eval_json: str | Path | None = None,
+    probe_tsv: str | Path | None = None,
+    prompts_tsv: str | Path | None = None,
+    generation_tsv: str | Path | None = None,
+    tokens_tsv: str | Path | None = None,
+    outputs: Sequence[tuple[str, str]] = (),
+) -> str:
+    """Write the run summary (an HTML fragment: tables only, for embedding in the report's landing page).
+
+    Args:
+        out_html: the fragment to write (atomically).
+        run: run name (heading).
+        tau_tsv: ``eval/<run>/acceptance.tsv`` (:func:`dflash_pipeline.evaluate.write_eval_table`): a
+            drafter × set τ table and the full table.
+        eval_json: the eval record: settings, eval sets (prompts drawn / excluded), drafters.
+        probe_tsv, prompts_tsv, generation_tsv, tokens_tsv: the stage tables of this module.
+        outputs: ``(what, path)`` rows of a "where the outputs are" table.
+
+    Inputs given as None (or missing files) are left out. Returns the fragment.
+    """
+    parts = [SUMMARY_STYLE, f'<div id="dflash-run-summary"><h2>Run {html.escape(run)}: results</h2>']
+    if tau_tsv and Path(tau_tsv).is_file():
+        cols, rows = read_tsv(tau_tsv)
+        pcols, prows = tau_pivot(rows)
+        parts.append(html_table(pcols, prows, title="τ per drafter and eval set", table_id="tau", relabel=False,
+                                note="τ: mean accepted drafts + 1 per verify step (max = block size)."))
+        parts.append(html_table(cols, rows, title="Evaluation table", table_id="eval-table"))
+    if eval_json and Path(eval_json).is_file():
+        parts.append(html_table(["key", "value"], eval_summary_rows(read_json(eval_json)),
+                                title="Evaluation record", table_id="eval-record"))
+    for path, title, tid in ((prompts_tsv, "Prompts: kept and dropped per dataset", "prompts"),
+                             (generation_tsv, "Generation per dataset", "generation"),
+                             (tokens_tsv, "Token shards per dataset", "tokens"),
+                             (probe_tsv, "Target probe", "probe")):
+        if path and Path(path).is_file():
+            cols, rows = read_tsv(path)
+            parts.append(html_table(cols, rows, title=title, table_id=tid))
+    if outputs:
+        parts.append(html_table(["what", "path"], [{"what": w, "path": p} for w, p in outputs],
+                                title="Where the outputs are", table_id="outputs"))
+    parts.append("</div>")
+    text = "\n".join(parts) + "\n"
+    from .shards import atomic_write_bytes
+
+    atomic_write_bytes(out_html, text.encode("utf-8"))
+    return text
+
+
+def console_summary(tau_tsv: str | Path, outputs: Sequence[tuple[str, str]] = ()) -> str:
+    """Plain-text end-of-run summary: the drafter × set τ table and where the outputs are (the Snakefile's
+    ``onsuccess`` handler prints it). Empty string when the eval table does not exist."""
+    lines = []
+    if Path(tau_tsv).is_file():
+        _, rows = read_tsv(tau_tsv)
+        cols, prows = tau_pivot(rows)
+        widths = [max(len(label(c) if c == "drafter" else c), *(len(str(r.get(c, ""))) for r in prows)) for c in cols]
+        lines.append("τ per drafter and eval set (" + str(tau_tsv) + "):")
+        lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+        for r in prows:
+            lines.append("  " + "  ".join(str(r.get(c, "")).ljust(w) for c, w in zip(cols, widths)))
+    if outputs:
+        lines.append("outputs:")
+        width = max(len(w) for w, _ in outputs)
+        lines += [f"  {w.ljust(width)}  {p}" for w, p in outputs]
+    return "\n".join(lines)

@@ -8,6 +8,7 @@ pyarrow, so the completions job can run :func:`check_template` before generating
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -33,6 +34,11 @@ class TrainSequence:
     text: str
     spans: list[tuple[int, int]] = field(default_factory=list)
     turns: list[int] = field(default_factory=list)
+    #: ``[(start, end, ids), ...]`` sorted, non-overlapping, each inside a span: text the target generated
+    #: that the tokens stage must not re-tokenize like template text. ``ids`` = the target's output ids of
+    #: exactly ``text[start:end]``; None = encode that text as ordinary text (special-token strings in it
+    #: stay plain characters, :func:`dflash_pipeline.tokens.tokenize_sequences`).
+    verbatim: list[tuple[int, int, tuple[int, ...] | None]] = field(default_factory=list)
 
 
 def special_token_strings(tokenizer) -> tuple[str, ...]:
@@ -46,6 +52,31 @@ def special_token_strings(tokenizer) -> tuple[str, ...]:
         if isinstance(val, str) and val:
             out.add(val)
     return tuple(sorted(out, key=lambda s: (-len(s), s)))
+
+
+#: A non-special added token is control text too when it looks like markup (``<think>``, ``<tool_call>``,
+#: ``[TOOL_CALLS]``); added tokens that are words or whitespace runs are ordinary text.
+_MARKUP_TOKEN = re.compile(r"^[<\[].*[>\]]$", re.S)
+
+
+def control_token_strings(tokenizer) -> tuple[str, ...]:
+    """Strings the tokenizer turns into a control id when it meets them in text, longest first: every
+    *special* added token (plus eos/bos/pad) and every non-special added token that looks like markup
+    (``<think>``, ``</think>``, ``<tool_call>``; no whitespace inside). Text the target generated or a user
+    wrote that contains one of them is data, never control: the tokens stage encodes such answer text
+    without parsing them, the prompts stage counts and drops prompts whose user/system text holds one."""
+    out = set(special_token_strings(tokenizer))
+    for tok in getattr(tokenizer, "added_tokens_decoder", {}).values():
+        c = str(getattr(tok, "content", "") or "")
+        if c and not any(ch.isspace() for ch in c) and _MARKUP_TOKEN.match(c):
+            out.add(c)
+    return tuple(sorted(out, key=lambda s: (-len(s), s)))
+
+
+def find_control_strings(text: str, strings: Sequence[str]) -> list[str]:
+    """The control-token strings (:func:`control_token_strings`) that occur in ``text``, in ``strings``
+    order."""
+    return [s for s in strings if s in text] if text else []
 
 
 def supervised_length(suffix: str, specials: Sequence[str], *, include_eot: bool = True) -> int:
@@ -85,6 +116,8 @@ def conversation_sequences(
     finish_reasons: Sequence[str | None] | None = None,
     generated: Sequence[str | None] | None = None,
     counts: dict | None = None,
+    generated_ids: Sequence[Sequence[int] | None] | None = None,
+    control_strings: Sequence[str] | None = None,
 ) -> list[TrainSequence]:
     """Training sequences and supervised character spans for one conversation (see module docstring).
 
@@ -105,7 +138,15 @@ def conversation_sequences(
         counts: optional dict; ``scaffolding_excluded`` (turns where that happened) and
             ``render_differs_from_output_ids`` (turns whose render does not end with the generated text,
             e.g. a template that normalizes whitespace; their mask is left as the render gives it) are
-            incremented.
+            incremented, and ``output_ids_spliced`` / ``control_text_kept`` (see below).
+        generated_ids: per assistant turn, the target's ``output_token_ids`` (None when unknown). When
+            their text (``generated[k]``) is exactly the turn's supervised text, the sequence carries them
+            as a ``verbatim`` entry: the supervised tokens are then the ids the target generated, not a
+            re-tokenization (``output_ids_spliced``).
+        control_strings: strings that would become control ids if tokenized as template text (default:
+            :func:`control_token_strings`). Otherwise, a turn's content or reasoning that contains one is a
+            ``verbatim`` entry without ids: encoded as ordinary text, so an answer quoting ``<|im_end|>``
+            is never trained as a mid-answer end of turn (``control_text_kept``).
 
     Returns:
         Sequences in turn order (empty if there is no assistant turn).
@@ -115,13 +156,14 @@ def conversation_sequences(
             the template drops the turn's content or reasoning (message names prompt_id and turn).
     """
     specials = special_token_strings(tokenizer) if specials is None else specials
+    controls = control_token_strings(tokenizer) if control_strings is None else control_strings
     msgs = render_messages(messages)
     a_idx = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
     if not a_idx:
         return []
     selected = list(range(len(a_idx)))[-1:] if last_turn_only else list(range(len(a_idx)))
 
-    turn_render: dict[int, tuple[str, int, int]] = {}  # k -> (Q, span_start, span_end)
+    turn_render: dict[int, tuple[str, int, int, list]] = {}  # k -> (Q, span_start, span_end, verbatim)
     try:
         ps = chat.render_many(tokenizer, [msgs[: a_idx[k]] for k in selected], thinking=thinking, add_generation_prompt=True)
         qs = chat.render_many(tokenizer, [msgs[: a_idx[k] + 1] for k in selected], thinking=thinking, add_generation_prompt=False)
@@ -177,7 +219,28 @@ def conversation_sequences(
                         counts["scaffolding_excluded"] = counts.get("scaffolding_excluded", 0) + 1
             elif core and counts is not None:
                 counts["render_differs_from_output_ids"] = counts.get("render_differs_from_output_ids", 0) + 1
-        turn_render[k] = (q, start, len(p) + sup)
+        end = len(p) + sup
+        verbatim: list = []
+        ids = generated_ids[k] if generated_ids is not None and k < len(generated_ids) else None
+        if ids and g is not None and q[start:end] == g:  # the render is exactly what the target generated
+            verbatim.append((start, end, tuple(int(t) for t in ids)))
+            if counts is not None:
+                counts["output_ids_spliced"] = counts.get("output_ids_spliced", 0) + 1
+        else:
+            # content (the last occurrence: it ends the turn) and reasoning before it, when they hold text
+            # the tokenizer would parse as control tokens
+            hi = end
+            for piece in (content, (rc or "").strip()):
+                pos = q.rfind(piece, start, hi) if piece else -1
+                if pos < 0:
+                    continue
+                if find_control_strings(piece, controls):
+                    verbatim.append((pos, pos + len(piece), None))
+                hi = pos
+            verbatim.sort()
+            if verbatim and counts is not None:
+                counts["control_text_kept"] = counts.get("control_text_kept", 0) + 1
+        turn_render[k] = (q, start, end, verbatim)
 
     pending = sorted(turn_render)
     seqs: list[TrainSequence] = []
@@ -187,10 +250,11 @@ def conversation_sequences(
         seq = TrainSequence(text=q_j)
         keep = []
         for k in pending:
-            q_k, s, e = turn_render[k]
+            q_k, s, e, verbatim = turn_render[k]
             if k == j or q_j.startswith(q_k[:e]):
                 seq.spans.append((s, e))
                 seq.turns.append(k)
+                seq.verbatim.extend(verbatim)
             else:
                 keep.append(k)
         pending = keep

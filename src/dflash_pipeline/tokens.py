@@ -39,6 +39,14 @@ thinking mode used for generation:
    ``trim_offsets`` shift a leading space out of a token's span, which can only turn a straddling token
    into an inside one).
 
+5. **Text is data.** Supervised tokens are what the target generated. When a turn's ``output_token_ids``
+   decode to exactly its supervised text, those ids are the supervised tokens (``output_ids_spliced``).
+   Otherwise a content or reasoning that contains a control-token string (``<|im_end|>``, ``<think>``,
+   tool markers; :func:`~dflash_pipeline.spans.control_token_strings`) is encoded without parsing added
+   tokens (:func:`plain_text_tokenizer`): the target wrote those characters as text (it would have stopped
+   at a real ``<|im_end|>``), so they are never trained as a mid-answer end of turn
+   (``control_text_kept``). The template text around keeps the usual tokenization.
+
 Server token ids (``turns[k].prompt_token_ids`` / ``output_token_ids``) are the exact trained tokens when
 present. With ``tokens.use_server_token_ids`` a record whose selected turns all carry both lists becomes one
 row per turn, ``prompt_token_ids + output_token_ids`` with 1 on the output ids (:func:`server_ids_sequence`);
@@ -61,9 +69,11 @@ from . import chat
 from .contracts import TOKEN_SCHEMA, TOKEN_SCHEMA_VERSION, sha256_text
 from .errors import TokenizationError
 from . import shards
+from .workflow import console
 from .spans import (  # noqa: F401 (the string level; re-exported)
     TrainSequence,
     check_template,
+    control_token_strings,
     conversation_sequences,
     render_messages,
     special_token_strings,
@@ -160,8 +170,97 @@ def span_token_ranges(encoding, spans: Sequence[tuple[int, int]], n_chars: int) 
     return ranges, len(straddlers)
 
 
+def plain_text_tokenizer(tokenizer):
+    """The target's Rust tokenizer without its added-token vocabulary, so special-token strings in text
+    are encoded as the ordinary characters they are (``<|im_end|>`` -> ``<``, ``|``, ``im``, ...), and with
+    no prefix space prepended (the text it encodes continues a sequence). Cached on the tokenizer.
+
+    This is what "the answer's text encoded without parsing special tokens" means for the tokens stage;
+    unlike ``split_special_tokens=True`` it also leaves non-special added tokens (Qwen3's ``<think>``) as
+    text. Returns None for a tokenizer without ``backend_tokenizer``.
+    """
+    cached = getattr(tokenizer, "_dflash_plain_backend", None)
+    if cached is not None:
+        return cached
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    from tokenizers import Tokenizer
+
+    spec = json.loads(backend.to_str())
+    spec["added_tokens"] = []
+
+    def no_prepend(node):  # Metaspace pre-tokenizers / Prepend normalizers add "▁" at a text's start
+        if isinstance(node, dict):
+            if node.get("type") == "Metaspace":
+                node["prepend_scheme"] = "never"
+                node.pop("add_prefix_space", None)
+            for key in ("normalizers", "pretokenizers"):
+                if isinstance(node.get(key), list):
+                    node[key] = [n for n in node[key] if not (isinstance(n, dict) and n.get("type") == "Prepend")]
+                    for n in node[key]:
+                        no_prepend(n)
+        return node
+
+    if isinstance(spec.get("normalizer"), dict) and spec["normalizer"].get("type") == "Prepend":
+        spec["normalizer"] = None
+    no_prepend(spec.get("normalizer"))
+    no_prepend(spec.get("pre_tokenizer"))
+    plain = Tokenizer.from_str(json.dumps(spec))
+    try:
+        tokenizer._dflash_plain_backend = plain
+    except AttributeError:
+        pass
+    return plain
+
+
+def _segmented(tokenizer, seq: TrainSequence) -> tuple[np.ndarray, np.ndarray, int]:
+    """Tokenize a sequence with ``verbatim`` entries piece by piece: template text as the target's tokenizer
+    encodes it (special tokens parsed), each verbatim range as its output ids or as plain text
+    (:func:`plain_text_tokenizer`), supervised in full. Returns ``(input_ids, loss_mask, straddling)``."""
+    backend = tokenizer.backend_tokenizer
+    plain = plain_text_tokenizer(tokenizer)
+    ids_parts: list[np.ndarray] = []
+    mask_parts: list[np.ndarray] = []
+    straddling = 0
+    cur = 0
+
+    def template_piece(a: int, b: int):
+        nonlocal straddling
+        if b <= a:
+            return
+        piece = seq.text[a:b]
+        enc = backend.encode(piece, add_special_tokens=False)
+        spans = [(max(s, a) - a, min(e, b) - a) for s, e in seq.spans if s < b and e > a]
+        found = span_token_ranges(enc, spans, len(piece))
+        if found is None:
+            mask, n = mask_from_offsets(np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2), spans)
+        else:
+            ranges, n = found
+            mask = np.zeros(len(enc.ids), dtype=np.uint8)
+            for x, y in ranges:
+                mask[x:y] = 1
+        straddling += n
+        ids_parts.append(np.asarray(enc.ids, dtype=np.int32))
+        mask_parts.append(mask)
+
+    for a, b, ids in seq.verbatim:
+        template_piece(cur, a)
+        if ids is None:
+            ids = plain.encode(seq.text[a:b], add_special_tokens=False).ids
+        ids_parts.append(np.asarray(ids, dtype=np.int32))
+        mask_parts.append(np.ones(len(ids), dtype=np.uint8))
+        cur = b
+    template_piece(cur, len(seq.text))
+    return np.concatenate(ids_parts), np.concatenate(mask_parts), straddling
+
+
 def tokenize_sequences(tokenizer, seqs: Sequence[TrainSequence]) -> list[tuple[np.ndarray, np.ndarray, int]]:
     """Tokenize sequences (one batched call) and build their masks.
+
+    A sequence with ``verbatim`` entries (output ids to splice in, or generated text that holds
+    special-token strings) is tokenized piece by piece (:func:`_segmented`): the target's output ids, or the
+    text encoded without parsing special tokens, with loss 1; the template text around as usual.
 
     Returns:
         Per sequence ``(input_ids int32 [n], loss_mask uint8 [n], straddling_tokens)``.
@@ -176,8 +275,12 @@ def tokenize_sequences(tokenizer, seqs: Sequence[TrainSequence]) -> list[tuple[n
             "the target tokenizer is not a fast tokenizer (no offset mapping); install `tokenizers` and use a "
             "tokenizer.json"
         )
-    texts = [s.text for s in seqs]
     backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and any(s.verbatim for s in seqs):
+        simple = [s for s in seqs if not s.verbatim]
+        done = iter(tokenize_sequences(tokenizer, simple))
+        return [_segmented(tokenizer, s) if s.verbatim else next(done) for s in seqs]
+    texts = [s.text for s in seqs]
     out = []
     if backend is not None:  # the Rust tokenizer directly: masks from the span boundaries only
         for seq, enc in zip(seqs, backend.encode_batch(texts, add_special_tokens=False)):
@@ -257,6 +360,8 @@ def _new_stats() -> dict:
         "server_ids_used": 0,
         "scaffolding_excluded": 0,
         "render_differs_from_output_ids": 0,
+        "output_ids_spliced": 0,
+        "control_text_kept": 0,
         "dropped": {r: 0 for r in DROP_REASONS},
     }
 
@@ -296,6 +401,7 @@ def tokenize_records(
     for key, value in _new_stats().items():
         stats.setdefault(key, value)
     specials = special_token_strings(tokenizer)
+    controls = control_token_strings(tokenizer)
     # (prompt_id, sequence to tokenize | ((input_ids, loss_mask), turn) from server ids)
     pending: list[tuple[str, Any]] = []
 
@@ -360,6 +466,7 @@ def tokenize_records(
                 prompt_id=pid, specials=specials,
                 finish_reasons=[(t or {}).get("finish_reason") for t in turns],
                 generated=generated_texts(tokenizer, turns), counts=stats,
+                generated_ids=[(t or {}).get("output_token_ids") for t in turns], control_strings=controls,
             )
         except TokenizationError:
             if strict:
@@ -459,7 +566,7 @@ def tokenize_shard(
         }
         writer.close(metadata)
     dropped = {r: n for r, n in stats["dropped"].items() if n}
-    log.info("%s: %d completion records -> %d sequences (%d turns supervised, %d tokens, %d supervised, %d truncated "
+    console("%s: %d completion records -> %d sequences (%d turns supervised, %d tokens, %d supervised, %d truncated "
              "at max_length %d); dropped %s; scaffolding excluded in %d turns", out_path, stats["records_in"],
              stats["records_out"], stats["turns_supervised"], stats["num_tokens"], stats["num_loss_tokens"],
              stats["truncated"], max_length, dropped or "none", stats["scaffolding_excluded"])

@@ -23,10 +23,62 @@ def accelerate_launch_args(num_processes: int, mixed_precision: str = "no") -> l
     return args
 
 
+#: Records of this logger reach the console (the stderr Snakemake shows) as well as the job's log file:
+#: one-line progress of long jobs and each job's summary (:func:`console`).
+CONSOLE_LOGGER = "dflash_pipeline.console"
+
+#: Output lines with these prefixes (printed by training and eval) are echoed to the console too.
+CONSOLE_PREFIXES = ("[train]", "[eval]", "[eval-server]")
+
+
+def console(msg: str, *args) -> None:
+    """Log one line for the console and the job log (inside :func:`log_to`: both; elsewhere: logging)."""
+    logging.getLogger(CONSOLE_LOGGER).info(msg, *args)
+
+
+def job_label(log_path: str | os.PathLike) -> str:
+    """``results/logs/tokenize_completions/gsm8k/00000.log`` -> ``tokenize_completions gsm8k/00000``."""
+    parts = Path(log_path).with_suffix("").parts
+    if "logs" in parts:
+        parts = parts[len(parts) - parts[::-1].index("logs"):]
+    return " ".join(filter(None, [parts[0] if parts else "", "/".join(parts[1:])]))
+
+
+class _ConsoleTee:
+    """A text stream writing everything to the log file and echoing lines with :data:`CONSOLE_PREFIXES` to
+    the console, prefixed with the job label."""
+
+    def __init__(self, fh, term, label: str):
+        self.fh, self.term, self.label, self.buf = fh, term, label, ""
+
+    def write(self, s: str) -> int:
+        self.fh.write(s)
+        self.buf += s
+        *lines, self.buf = self.buf.replace("\r", "\n").split("\n")  # tqdm redraws with \r
+        for line in lines:
+            if line.startswith(CONSOLE_PREFIXES):
+                self.term.write(f"[{self.label}] {line}\n")
+                self.term.flush()
+        return len(s)
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def __getattr__(self, name):  # fileno, encoding, ... of the log file
+        return getattr(self.fh, name)
+
+
 @contextlib.contextmanager
 def log_to(path: Optional[str | os.PathLike], threads: Optional[int] = None) -> Iterator[None]:
     """Send stdout/stderr and the ``logging`` root to ``path`` (a Snakemake ``log:`` file) for a block,
-    and cap torch's intra-op threads at ``threads`` (the rule's ``threads``)."""
+    and cap torch's intra-op threads at ``threads`` (the rule's ``threads``).
+
+    What a user needs to see while it works still reaches the console (the stderr of the job, which
+    Snakemake shows): :func:`console` records and printed lines starting with :data:`CONSOLE_PREFIXES`,
+    as ``[<rule> <wildcards>] <line>``."""
     if threads:
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         if "torch" in sys.modules:
@@ -35,11 +87,17 @@ def log_to(path: Optional[str | os.PathLike], threads: Optional[int] = None) -> 
         yield
         return
     Path(path).parent.mkdir(parents=True, exist_ok=True)
+    term = sys.stderr
+    label = job_label(path)
     with open(path, "w", encoding="utf-8", buffering=1) as fh:
         handler = logging.StreamHandler(fh)
+        to_console = logging.StreamHandler(term)
+        to_console.setFormatter(logging.Formatter(f"[{label}] %(message)s"))
         logging.getLogger().addHandler(handler)
         logging.getLogger().setLevel(logging.INFO)
-        with contextlib.redirect_stdout(fh), contextlib.redirect_stderr(fh):
+        logging.getLogger(CONSOLE_LOGGER).addHandler(to_console)
+        tee = _ConsoleTee(fh, term, label)
+        with contextlib.redirect_stdout(tee), contextlib.redirect_stderr(tee):
             try:
                 yield
             except BaseException:
@@ -49,6 +107,21 @@ def log_to(path: Optional[str | os.PathLike], threads: Optional[int] = None) -> 
                 raise
             finally:
                 logging.getLogger().removeHandler(handler)
+                logging.getLogger(CONSOLE_LOGGER).removeHandler(to_console)
+
+
+def tee_log(argv: list[str], stdin=None, term=None) -> int:
+    """``CMD 2>&1 | python -m dflash_pipeline.workflow tee LOG``: copy a shell rule's output to its log file
+    and echo the :data:`CONSOLE_PREFIXES` lines (``[train] step ...``) to the console. Returns 0 (the
+    pipeline's status is the command's: Snakemake runs shell rules with ``pipefail``)."""
+    stdin = sys.stdin if stdin is None else stdin
+    term = sys.stderr if term is None else term
+    Path(argv[0]).parent.mkdir(parents=True, exist_ok=True)
+    with open(argv[0], "w", encoding="utf-8", buffering=1) as fh:
+        tee = _ConsoleTee(fh, term, job_label(argv[0]))
+        for line in stdin:
+            tee.write(line)
+    return 0
 
 
 # --- GPUs -------------------------------------------------------------------------------------------
@@ -174,6 +247,8 @@ def run_with_gpus(argv: Optional[list[str]] = None) -> int:
     import subprocess
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) == 2 and argv[0] == "tee":
+        return tee_log(argv[1:])
     if len(argv) < 4 or argv[0] != "gpus" or argv[2] != "--":
         print("usage: python -m dflash_pipeline.workflow gpus N -- CMD [ARGS...]", file=sys.stderr)
         return 2

@@ -206,3 +206,51 @@ def test_report_builds_with_eval_numbers(built):
             assert f"{label}\t{set_name}\t{round(s['tau'], 3)}\t" in table
     assert "4. Evaluation" in html and "Per-position acceptance per eval set" in html  # categories, captions
     assert b"drafter.target_layer_ids" in files["probe.tsv"]
+
+
+def test_report_shows_tables_inline(built, chromium, tmp_path):
+    """Issue #18: the report's landing page (headless Chromium, the DOM after its scripts ran) shows the τ
+    table and every data count as HTML tables with readable labels; the screenshot is not blank."""
+    import html as html_lib
+
+    work, _ = built
+    report = work / "report.html"
+    if not report.is_file():
+        proc = snakemake(work, "--report", str(report))
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    proc = chromium(report.as_uri(), "--virtual-time-budget=10000", "--dump-dom")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    dom = proc.stdout
+
+    def table(table_id: str) -> list[list[str]]:
+        m = re.search(rf'<table id="{table_id}"[^>]*>(.*?)</table>', dom, re.S)
+        assert m, f"no inline table {table_id!r} in the rendered report"
+        return [[html_lib.unescape(re.sub(r"<[^>]+>", "", c)).strip()
+                 for c in re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", row, re.S)]
+                for row in re.findall(r"<tr>(.*?)</tr>", m.group(1), re.S)]
+
+    ev = json.loads((work / "results/eval/e2e/acceptance.json").read_text())
+    tau = table("tau")
+    assert tau[0] == ["drafter", *ev["drafters"]["trained"]["sets"]]
+    by_drafter = {r[0]: r[1:] for r in tau[1:]}
+    assert set(by_drafter) == set(ev["drafters"])
+    for lbl, entry in ev["drafters"].items():
+        assert by_drafter[lbl] == [str(round(s["tau"], 3)) for s in entry["sets"].values()]
+    prompts = table("prompts")
+    assert prompts[0][:3] == ["dataset", "records read", "prompts kept"]
+    assert ["gsm8k", "12", "12"] == next(r for r in prompts if r[0] == "gsm8k")[:3]
+    tokens = table("tokens")
+    assert "supervised tokens" in tokens[0] and tokens[-1][0] == "all"
+    tok_tsv = (work / "results/report/tokens.tsv").read_text().splitlines()
+    assert tokens[-1] == tok_tsv[-1].split("\t")  # the same numbers as the table file
+    assert table("generation")[-1][:3] == ["all", "3", "16"]
+    assert any(r[0] == "drafter.block_size" and r[1] == "4" for r in table("probe"))
+    assert any(r[0] == "settings.block_size" for r in table("eval-record"))
+    shot = tmp_path / "report.png"
+    proc = chromium(report.as_uri(), "--virtual-time-budget=10000", "--window-size=1400,2400", f"--screenshot={shot}")
+    assert proc.returncode == 0 and shot.is_file(), proc.stderr[-2000:]
+    from PIL import Image
+
+    img = Image.open(shot).convert("L")
+    lo, hi = img.getextrema()
+    assert hi - lo > 100 and len(set(img.getdata())) > 8, "blank screenshot"

@@ -58,7 +58,8 @@ def test_append_and_new_source_regenerate_only_new_or_changed_shards(tmp_path, d
     cfg["target"] = {"path": str(target)}
     cfg["drafter"] = {"block_size": 4, "num_draft_layers": 1, "num_target_features": 2}
     cfg["generation"] = {"backend": "transformers", "max_tokens": 4, "batch_size": 8}
-    cfg["prompts"] = {"shard_size": 8}
+    # `keep`: no special-token check, so the checkpoint ignores the target until max_prompt_tokens is set
+    cfg["prompts"] = {"shard_size": 8, "special_token_text": "keep"}
     write_prompts(work / "alpha.jsonl", 0, 20)  # 20 prompts -> shards of 8, 8, 4
     cfg["datasets"] = {"alpha": {"path": "alpha.jsonl"}}
     (work / "config.yaml").write_text(yaml.safe_dump(cfg))
@@ -106,7 +107,8 @@ def test_append_and_new_source_regenerate_only_new_or_changed_shards(tmp_path, d
         assert after_completions[shard] == before_completions[shard]
     assert dry(work, MANIFEST, *targets) == {}
 
-    # max_prompt_tokens: without it the checkpoint ignores the target; with it, it depends on it.
+    # max_prompt_tokens: without it (and special_token_text: keep) the checkpoint ignores the target; with it,
+    # it depends on it.
     # (Snakemake reruns on a newer input only when its content changed too, so the target is edited.)
     def edit_target(note: int) -> None:
         target_cfg = target / "config.json"

@@ -488,3 +488,63 @@ def test_server_cli_serves_models_and_stops_on_sigterm():
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# over-long conversations (issue #18)
+
+
+def _too_long_prompts(tok, limit: int) -> list[list[dict]]:
+    words = " ".join(f"number {i}" for i in range(limit))  # well over `limit` tokens
+    assert len(tok(words, add_special_tokens=False)["input_ids"]) > limit
+    return [[{"role": "user", "content": "Hi there"}], [{"role": "user", "content": words}],
+            [{"role": "user", "content": "What is 2 plus 3?"}]]
+
+
+def test_over_long_prompt_is_skipped_with_an_example_rest_completes(tmp_path, demo_target):
+    """A prompt longer than the target's context (max_position_embeddings) is skipped and counted with an
+    example in the stats and the shard metadata, in the transformers backend and in chat mode (never sent
+    to the server); every other conversation of the shard completes."""
+    from dflash_pipeline.completions import context_limit
+
+    tok = chat.load_tokenizer(demo_target)
+    limit = context_limit(demo_target)
+    assert isinstance(limit, int)
+    prompts = write_prompts(tmp_path / "p.parquet", _too_long_prompts(tok, limit))
+    long_id = prompts[1]["prompt_id"]
+    stats = generate_shard(tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=demo_target,
+                           gen_cfg=gen_cfg(max_tokens=4, batch_size=4), stats_path=tmp_path / "s.json")
+    recs = read_records(tmp_path / "c.parquet")
+    assert [r["prompt_id"] for r in recs] == [prompts[0]["prompt_id"], prompts[2]["prompt_id"]]
+    assert all(r["status"] in ("ok", "truncated") for r in recs)
+    assert stats["skipped"] == {"too_long": 1}
+    (ex,) = stats["skipped_examples"]["too_long"]
+    assert ex["prompt_id"] == long_id and ex["prompt_tokens"] > limit and ex["max_position_embeddings"] == limit
+    assert json.loads((tmp_path / "s.json").read_text())["skipped"] == {"too_long": 1}
+    assert shards.read_shard_metadata(tmp_path / "c.parquet")["skipped"] == {"too_long": 1}
+    with start_test_server() as srv:
+        stats = generate_shard(tmp_path / "p.parquet", tmp_path / "o.parquet", target_dir=demo_target,
+                               gen_cfg=openai_cfg(srv.base_url, max_tokens=4))
+        assert srv.stats.chat_requests == 2  # the over-long prompt was never sent
+    assert stats["skipped"] == {"too_long": 1} and len(read_records(tmp_path / "o.parquet")) == 2
+
+
+def test_later_turn_outgrowing_the_context_is_skipped_in_the_transformers_backend(tmp_path, demo_target):
+    """Multi-turn: the first turn fits, the grown history of the second does not: the transformers backend
+    skips that conversation (never calls generate() with it) and the others complete."""
+    from dflash_pipeline.completions import TransformersBackend
+
+    cfg = gen_cfg(max_tokens=4, batch_size=2)
+    backend = TransformersBackend(demo_target, cfg)
+    convs = [[{"role": "user", "content": "Hi"}, {"role": "user", "content": "And what is six times four?"}],
+             [{"role": "user", "content": "Hi there"}], [{"role": "user", "content": "Hi you"}]]
+    write_prompts(tmp_path / "p.parquet", convs)
+    tok = chat.load_tokenizer(demo_target)
+    firsts = [len(chat.render(tok, c[:1], thinking="disable", add_generation_prompt=True, tokenize=True)) for c in convs]
+    # every first turn fits; the second turn of convs[0] (its history, answer and 7 more words) cannot
+    backend.context_limit = max(firsts) + 4
+    stats = generate_shard(tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=None, gen_cfg=cfg,
+                           backend=backend)
+    recs = read_records(tmp_path / "c.parquet")
+    assert stats["skipped"]["too_long"] == 1 and stats["skipped_examples"]["too_long"][0]["turn"] == 1
+    assert len(recs) == 2 and all(r["status"] in ("ok", "truncated") for r in recs)

@@ -139,6 +139,10 @@ def test_describe_names_the_cause_without_credentials():
     mapped.__cause__ = connector
     top = APITimeoutError("Request timed out.")
     top.__cause__ = mapped
+    # a refused connection says so first (issue #18), the client's label after it
+    assert _describe(top) == ("connection refused: Cannot connect to host http://127.0.0.1:9/v1 "
+                              "(reported as APITimeoutError: Request timed out.)")
+    connector.__cause__ = OSError(113, "No route to host")  # not refused: the chain as it is
     assert _describe(top) == ("APITimeoutError: Request timed out. "
                               "(cause: ClientConnectorError: Cannot connect to host http://127.0.0.1:9/v1)")
     assert _describe(ValueError("plain")) == "ValueError: plain"
@@ -167,7 +171,9 @@ def test_refused_connection_says_cannot_connect(tmp_path, caplog):
     msg = str(info.value)
     port = url.rsplit(":", 1)[1].split("/")[0]
     # aiohttp transport: "Cannot connect to host 127.0.0.1:<port>"; httpx transport: "All connection attempts failed"
-    cause = re.compile(rf"\(cause: \w+: (Cannot connect to host 127\.0\.0\.1:{port}|All connection attempts failed)")
+    # issue #18: the refusal comes first, the client's "APITimeoutError: Request timed out." after it
+    cause = re.compile(rf"connection refused: (Cannot connect to host 127\.0\.0\.1:{port}|All connection attempts "
+                       rf"failed).* \(reported as \w+: ")
     assert cause.search(msg), msg
     assert ".." not in msg.replace("...", "")  # no "timed out.." before the next sentence
     taken_out = [r.getMessage() for r in caplog.records if "does not answer" in r.getMessage()]

@@ -255,3 +255,26 @@ def test_plan_time_check_names_generation_api(tmp_path):
     assert proc.returncode != 0, out
     assert "generation.api: completions applies to the openai backend only" in out
     assert "generation.extra_body.chat_template_kwargs" in out
+
+
+def test_raw_turn_outgrowing_the_context_is_skipped_not_sent(tmp_path, demo_target):
+    """Issue #18, raw mode: each turn is rendered here, so a later turn whose prompt + max_tokens exceeds
+    the target's context is skipped (counted with an example), never sent; the other conversations complete."""
+    from dflash_pipeline.completions import OpenAIBackend
+
+    convs = [[{"role": "user", "content": "Hi"}, {"role": "user", "content": "And what is six times four?"}],
+             [{"role": "user", "content": "Hi there"}]]
+    write_prompts(tmp_path / "p.parquet", convs)
+    tok = chat.load_tokenizer(demo_target)
+    firsts = [len(chat.render(tok, c[:1], thinking="disable", add_generation_prompt=True, tokenize=True)) for c in convs]
+    with start_test_server(tokenizer_dir=demo_target) as srv:
+        cfg = raw_cfg(srv.base_url, max_tokens=4)
+        backend = OpenAIBackend(cfg, target_dir=demo_target)
+        assert backend.context_limit == json.loads((demo_target / "config.json").read_text())["max_position_embeddings"]
+        backend.context_limit = max(firsts) + 4  # every first turn fits; the second turn of convs[0] cannot
+        stats = generate_shard(tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=demo_target, gen_cfg=cfg,
+                               backend=backend)
+        assert srv.stats.completions_requests == 2  # two first turns; the over-long second turn never sent
+    (rec,) = read_records(tmp_path / "c.parquet")
+    assert rec["status"] == "ok" and stats["skipped"] == {"too_long": 1}
+    assert stats["skipped_examples"]["too_long"][0]["turn"] == 1

@@ -65,3 +65,22 @@ def test_snakemake_plan_rejects_a_target_without_tokenizer_files(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert f"target.path: no tokenizer files (tokenizer.json" in out and "need the target's tokenizer" in out
+
+
+def test_snakemake_plan_rejects_a_transformers_target_without_weights(tmp_path):
+    """Issue #18: `generation.backend: transformers` with a target directory that has config and tokenizer
+    but no weights fails at plan time (not at runtime); the openai backend does not need them to generate."""
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text('{"model_type": "qwen3"}')
+    (target / "tokenizer.json").write_text("{}")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"target": {"path": str(target)}, "generation": {"backend": "transformers"}}))
+    out = (lambda p: p.stdout + p.stderr)(proc := snakemake(tmp_path, "-n", configfile=cfg))
+    assert proc.returncode != 0 and f"target.path: no weights (*.safetensors, pytorch_model*.bin) in {target}" in out
+    server = tmp_path / "s.yaml"
+    server.write_text(yaml.safe_dump({"target": {"path": str(target)}, "generation": {
+        "backend": "openai", "endpoints": [{"base_url": "http://127.0.0.1:9/v1"}]}}))
+    assert "no weights" not in (lambda p: p.stdout + p.stderr)(snakemake(tmp_path, "-n", configfile=server))
+    (target / "model.safetensors").write_bytes(b"")
+    assert "no weights" not in (lambda p: p.stdout + p.stderr)(snakemake(tmp_path, "-n", configfile=cfg))

@@ -294,3 +294,98 @@ def test_check_template_before_generation_agrees_with_the_invariant(base_bpe_jso
         warnings = check_template(tok, mode, template_name=name)
         _, _, _, eots, _ = _family(name)
         assert bool(warnings) == (not eots), warnings  # only a template without an end-of-turn marker warns
+
+
+# --------------------------------------------------------------------------------------------------
+# Text is data (issue #18): special-token strings in an answer are ordinary text in its supervised span
+# --------------------------------------------------------------------------------------------------
+
+#: (template, mode) -> why an answer quoting every control string cannot be masked (fails closed).
+CONTROL_TEXT_FAILURES = {
+    ("DeepSeek-V3.1/chat_template.jinja", "disable"): (
+        "the template keeps only what follows the first '</think>' of an assistant content, reasoning or not: "
+        "the answer is not rendered verbatim"),
+}
+
+
+def control_answer(tok, k: int) -> str:
+    """An answer quoting every control-token string of ``tok`` (special tokens, think markers)."""
+    from dflash_pipeline.spans import control_token_strings
+
+    quoted = " ".join(f"`{s}`" for s in sorted(control_token_strings(tok)))
+    return f"{CONTENT[k]} Tags: {quoted} - and the tag <think></think> does nothing."
+
+
+def _added_ids(tok) -> set[int]:
+    return {int(i) for i in tok.added_tokens_decoder}
+
+
+CONTROL_CASES = [(name, mode) for name in TEMPLATES for mode in ("disable", "save")
+                 if _expected_failure(name, mode) is None]
+
+
+@pytest.mark.parametrize("name,mode", CONTROL_CASES, ids=[f"{n}-{t}" for n, t in CONTROL_CASES])
+def test_special_token_strings_in_answers_stay_text(base_bpe_json, name, mode):
+    """Every control string quoted in an answer (and in its reasoning) is encoded as ordinary text: the
+    supervised run holds exactly the added-token ids the same conversation with a plain answer holds (the
+    template's own markers, the end of turn), it decodes to the answer verbatim, and every turn is
+    supervised exactly once."""
+    tok = make_tokenizer(base_bpe_json, name)
+    plain = conversation(True, mode)
+    quoted = [dict(m) for m in plain]
+    k = 0
+    for m in quoted:
+        if m["role"] == "assistant":
+            m["content"] = control_answer(tok, k)
+            if m.get("reasoning_content"):
+                m["reasoning_content"] = REASONING[k] + " (quoting <|im_end|> and </think>)"
+            k += 1
+    reason = CONTROL_TEXT_FAILURES.get((name, mode))
+    if reason is not None:
+        with pytest.raises(TokenizationError, match=r"prompt_id=p1 turn="):
+            conversation_sequences(tok, quoted, thinking=mode, prompt_id="p1")
+        return
+    added = _added_ids(tok)
+    counts: dict = {}
+    got = conversation_sequences(tok, quoted, thinking=mode, prompt_id="p1", counts=counts)
+    ref = conversation_sequences(tok, plain, thinking=mode, prompt_id="p1")
+    assert sorted(k for s in got for k in s.turns) == [0, 1]
+    assert counts.get("control_text_kept") == 2
+    ref_runs = [r for seq, (ids, mask, _) in zip(ref, tokenize_sequences(tok, ref)) for r in masked_runs(ids, mask)]
+    got_runs = []
+    for seq, (ids, mask, _) in zip(got, tokenize_sequences(tok, got)):
+        assert len(ids) == len(mask) and ids.dtype == np.int32 and mask.dtype == np.uint8
+        got_runs += masked_runs(ids, mask)
+        # the unsupervised part of the sequence is still the template's own tokenization (what the target saw)
+        assert tok.decode(ids.tolist(), skip_special_tokens=False) == seq.text
+    assert len(got_runs) == len(ref_runs) == 2
+    a_msgs = [m for m in quoted if m["role"] == "assistant"]
+    for k, (g, r) in enumerate(zip(got_runs, ref_runs)):
+        assert [t for t in g if t in added] == [t for t in r if t in added], (k, tok.convert_ids_to_tokens(g))
+        decoded = tok.decode(g, skip_special_tokens=False)
+        assert a_msgs[k]["content"] in decoded, (k, decoded)
+        if mode == "save":
+            assert a_msgs[k]["reasoning_content"] in decoded
+
+
+def test_output_ids_are_the_supervised_tokens(base_bpe_json):
+    """When the target's output ids are known and their text is the rendered turn, the supervised tokens
+    are those ids (a tokenization the re-encoding would not produce), the prompt part is unchanged."""
+    name = "Qwen2.5-7B-Instruct/chat_template.jinja"
+    tok = make_tokenizer(base_bpe_json, name)
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is 42."}]
+    text_ids = [tok.convert_tokens_to_ids(c) for c in tok.convert_ids_to_tokens(
+        tok("The answer is 42.", add_special_tokens=False)["input_ids"])]
+    # one id per character: certainly not what BPE re-encoding gives
+    chars = [i for ch in "The answer is 42." for i in tok(ch, add_special_tokens=False)["input_ids"]]
+    assert chars != text_ids
+    out_ids = chars + [tok.convert_tokens_to_ids("<|im_end|>")]
+    gen = tok.decode(out_ids, skip_special_tokens=False)
+    counts: dict = {}
+    (seq,) = conversation_sequences(tok, msgs, thinking="disable", generated=[gen], generated_ids=[out_ids],
+                                    counts=counts)
+    assert counts["output_ids_spliced"] == 1
+    ((ids, mask, _),) = tokenize_sequences(tok, [seq])
+    assert masked_runs(ids, mask) == [out_ids]
+    prompt = chat.render(tok, msgs[:1], thinking="disable", add_generation_prompt=True, tokenize=True)
+    assert ids[: len(prompt)].tolist() == prompt

@@ -383,3 +383,19 @@ def test_check_template_only_warns_when_the_template_rejects_system_turns(tok):
         + QWEN3_STYLE)
     (warning,) = check_template(tok2, "disable", template_name="gemma2-style")
     assert "system turn cannot be masked" in warning and "System role not supported" in warning
+
+
+def test_answer_quoting_special_tokens_is_text_in_the_token_shard(tmp_path, target_dir, tok):
+    """Issue #18: an answer quoting `<|im_end|>` and `</think>` (no output ids): its supervised span holds
+    one end-of-turn id (the real stop) and no think-marker id; the answer is kept verbatim."""
+    answer = "Write <|im_end|> to stop; the tag <think></think> does nothing."
+    recs = [completion("p0", conv([("Explain chat templates.", answer)]))]
+    out = tmp_path / "t.parquet"
+    stats = tokenize_shard(write_completions(tmp_path / "c.parquet", recs), out, target_dir=target_dir,
+                           tokens_cfg={"max_length": 512, "last_turn_only": False})
+    (row,) = pq.read_table(out).to_pylist()
+    eot, think_ids = tok.convert_tokens_to_ids("<|im_end|>"), set(tok.convert_tokens_to_ids(["<think>", "</think>"]))
+    sup = [t for t, m in zip(row["input_ids"], row["loss_mask"]) if m]
+    assert sup.count(eot) == 1 and sup[-1] == eot and not think_ids & set(sup)
+    assert masked_texts(tok, row["input_ids"], row["loss_mask"]) == [answer + "<|im_end|>"]
+    assert stats["control_text_kept"] == 1 and stats["records_out"] == 1

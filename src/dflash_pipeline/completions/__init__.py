@@ -83,7 +83,7 @@ to the HTTP client; records, sidecars, stats and logs carry base URLs with any `
 
 from .describe import _describe, _first_line, _root_cause
 from .fleet import OUTAGE_LOG_S, _auth_error, _Endpoint, _Fleet, _model_list, _not_found_error, _settle_model
-from .generate import Backend, generate_shard, make_backend, preflight_template
+from .generate import Backend, context_limit, generate_shard, make_backend, preflight_template, too_long_prompts
 from .openai_backend import (
     HTTP_LOGGERS,
     OpenAIBackend,
@@ -107,6 +107,7 @@ from .records import (
     redact_url,
     sampling_params,
     split_reasoning,
+    take_reasoning,
 )
 from .resume import ERRORS_SUFFIX, PROGRESS_SUFFIX, ProgressLog, _drop_other_model, _fingerprint
 from .retry import AUTH_STATUS, RETRYABLE_STATUS, parse_retry_after, retry_delay, should_retry
@@ -121,5 +122,5 @@ __all__ = [
     "OUTAGE_LOG_S", "OnDone", "OpenAIBackend", "PROGRESS_SUFFIX", "ProgressLog", "RETRYABLE_STATUS", "RowError",
     "RunInfo", "TransformersBackend", "Turn", "build_record", "check_thinking", "cut_at_eos", "generate_shard",
     "make_backend", "parse_retry_after", "preflight_template", "read_prompts", "redact_url", "retry_delay",
-    "run_client_processes", "sampling_params", "should_retry", "split_reasoning",
+    "run_client_processes", "sampling_params", "should_retry", "split_reasoning", "take_reasoning", "context_limit", "too_long_prompts",
 ]

@@ -42,13 +42,34 @@ def _root_cause(exc: BaseException) -> BaseException | None:
     return found
 
 
+def _refused(exc: BaseException) -> bool:
+    """Whether ``exc``'s cause chain holds a refused connection (``ConnectionRefusedError`` / errno
+    ECONNREFUSED: nothing listens at the endpoint's host and port)."""
+    import errno
+
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, ConnectionRefusedError) or getattr(cur, "errno", None) == errno.ECONNREFUSED:
+            return True
+        cur = cur.__cause__ or (None if cur.__suppress_context__ else cur.__context__)
+    return False
+
+
 def _describe(exc: BaseException) -> str:
     """One line for logs, take-out lines, error rows and the breaker message: ``HTTP <status>: <message>``
     or ``<Type>: <message>``, plus ``(cause: <Type>: <message>)`` from the exception's cause chain. The
     cause matters: openai's aiohttp transport reports a refused connection as ``APITimeoutError: Request
-    timed out.``, whose cause says ``Cannot connect to host ...``. Credentials in URLs are removed."""
+    timed out.``, whose cause says ``Cannot connect to host ...``: a refused connection is therefore
+    described cause first, ``connection refused: <cause> (reported as APITimeoutError: ...)``. Credentials in
+    URLs are removed."""
     if isinstance(exc, asyncio.TimeoutError):
         return "timeout"
+    if _refused(exc):
+        cause = _root_cause(exc)
+        where = _first_line(cause) if cause is not None else _first_line(exc)
+        return f"connection refused: {where} (reported as {type(exc).__name__}: {_first_line(exc)})"
     status = getattr(exc, "status_code", None)
     msg = _first_line(exc)
     if status is not None:  # openai's text is "Error code: 400 - {body}": say the server's message once

@@ -17,7 +17,7 @@ from ..config import generation_problems
 from ..contracts import COMPLETION_SCHEMA, COMPLETION_SCHEMA_VERSION, canonical_json
 from ..errors import ConfigError, GenerationError
 from .openai_backend import OpenAIBackend, _quiet_http_logs
-from .records import OnDone, RunInfo, read_prompts, sampling_params
+from .records import MAX_SKIPPED_EXAMPLES, OnDone, RunInfo, context_limit, read_prompts, sampling_params
 from .resume import ERRORS_SUFFIX, PROGRESS_SUFFIX, ProgressLog, _drop_other_model, _fingerprint
 from .stats import _Progress, shard_stats, stats_file_record
 from .transformers_backend import TransformersBackend
@@ -86,6 +86,23 @@ def preflight_template(
     return warnings
 
 
+def too_long_prompts(prompts: Sequence[dict], tok, gen_cfg: dict, limit: int) -> dict[str, dict]:
+    """Prompts that cannot fit the target's context: the render of all their system/user messages with
+    the generation prompt (a lower bound of the last turn's prompt: answers only add) plus
+    ``generation.max_tokens`` exceeds ``limit`` (``max_position_embeddings``). Returns ``{prompt_id:
+    example}`` (``prompt_tokens``, ``max_tokens``, ``max_position_embeddings``)."""
+    from ..chat import render
+
+    out = {}
+    for p in prompts:
+        msgs = [{"role": m["role"], "content": m["content"]} for m in p["messages"]]
+        n = len(render(tok, msgs, thinking=gen_cfg["thinking"], add_generation_prompt=True, tokenize=True))
+        if n + gen_cfg["max_tokens"] > limit:
+            out[p["prompt_id"]] = {"prompt_id": p["prompt_id"], "prompt_tokens": n, "max_tokens": gen_cfg["max_tokens"],
+                                   "max_position_embeddings": limit}
+    return out
+
+
 def generate_shard(
     prompt_shard: str | Path,
     out_path: str | Path,
@@ -140,6 +157,10 @@ def generate_shard(
     progress = ProgressLog(paths.progress, _fingerprint(gen_cfg["backend"], gen_cfg, target_dir, chat_template))
     done = _resumable(progress, prompts)
     pending = [p for p in prompts if p["prompt_id"] not in done]
+    skipped = _skip_too_long(pending, target_dir, gen_cfg, chat_template, trust_remote_code, paths)
+    if skipped:
+        prompts = [p for p in prompts if p["prompt_id"] not in skipped]
+        pending = [p for p in pending if p["prompt_id"] not in skipped]
     model_name = next(iter(done.values())).get("model") if done else None
     if pending:
         if backend is None:
@@ -154,19 +175,59 @@ def generate_shard(
     failed: dict[str, dict] = {}
     backend_stats: dict = {}
     if pending:
-        model_name, backend_stats = _generate(backend, pending, gen_cfg, progress, paths,
-                                              _Sink(done, failed, len(prompts)))
+        sink = _Sink(done, failed, len(prompts), skipped)
+        model_name, backend_stats = _generate(backend, pending, gen_cfg, progress, paths, sink)
+        if len(skipped) > len(sink.skipped_before):  # the backend skipped some (a later turn outgrew the context)
+            prompts = [p for p in prompts if p["prompt_id"] not in skipped]
     records = _final_records(prompts, done, failed, gen_cfg, paths)
-    _write_shard(paths.out, records, gen_cfg, model_name, prompt_shard)
+    skip_info = _skip_summary(skipped)
+    _write_shard(paths.out, records, gen_cfg, model_name, prompt_shard, skip_info)
     paths.progress.unlink(missing_ok=True)
     if not failed:
         paths.errors.unlink(missing_ok=True)
     stats = shard_stats(paths.out, backend=gen_cfg["backend"], model=model_name, records=records,
                         generated_ids={p["prompt_id"] for p in pending}, resumed=resumed,
                         wall_s=time.monotonic() - t_start, backend_stats=backend_stats)
+    stats.update(skip_info)
+    from ..workflow import console
+
+    console("%s: %d ok, %d truncated, %d error, %d skipped as too_long; %d turns, %d completion tokens; this run "
+            "%d generated, %d resumed in %.1f s", paths.out, stats["ok"], stats["truncated"], stats["error"],
+            skip_info["skipped"]["too_long"], stats["turns"], stats["completion_tokens"], stats["generated"],
+            stats["resumed"], stats["wall_s"])
     if stats_path is not None:
         shards.write_json(stats_path, stats_file_record(stats), skip_if_identical=False)
     return stats
+
+
+def _skip_too_long(pending, target_dir, gen_cfg, chat_template, trust_remote_code, paths) -> dict[str, dict]:
+    """Prompts of ``pending`` that cannot fit the target's context (:func:`too_long_prompts`), logged; {}
+    when the target's config or tokenizer is not available (then only the backend's own check applies)."""
+    limit = context_limit(target_dir)
+    if not pending or limit is None:
+        return {}
+    try:
+        tok = load_tokenizer(target_dir, chat_template=chat_template, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, ConfigError) as exc:
+        log.warning("%s: no target tokenizer to check prompt lengths against max_position_embeddings=%d (%s)",
+                    paths.out, limit, exc)
+        return {}
+    found = too_long_prompts(pending, tok, gen_cfg, limit)
+    if found:
+        first = next(iter(found.values()))
+        log.warning("%s: %d prompts skipped as too_long: their prompt plus generation.max_tokens=%d exceeds the "
+                    "target's max_position_embeddings=%d (first: prompt %s, %d prompt tokens); drop them earlier "
+                    "with prompts.max_prompt_tokens", paths.out, len(found), gen_cfg["max_tokens"], limit,
+                    first["prompt_id"], first["prompt_tokens"])
+    return found
+
+
+def _skip_summary(skipped: dict[str, dict]) -> dict:
+    """``{"skipped": {reason: n}, "skipped_examples": {reason: [example, ...]}}`` (examples bounded by
+    ``MAX_SKIPPED_EXAMPLES``) for the shard's stats and metadata; all skips so far are ``too_long``."""
+    examples = list(skipped.values())
+    return {"skipped": {"too_long": len(examples)},
+            "skipped_examples": {"too_long": examples[:MAX_SKIPPED_EXAMPLES]}}
 
 
 @dataclass(frozen=True)
@@ -215,11 +276,18 @@ class _Sink:
     """Where each finished conversation goes: ok/truncated into ``done`` and the progress file, errors
     into ``failed`` and the error sidecar; every one to the progress bar. Opened by :func:`_generate`."""
 
-    def __init__(self, done: dict, failed: dict, n_prompts: int):
+    def __init__(self, done: dict, failed: dict, n_prompts: int, skipped: dict | None = None):
         self.done, self.failed, self.n_prompts = done, failed, n_prompts
+        self.skipped = {} if skipped is None else skipped  # prompt_id -> example (updated in place)
+        self.skipped_before = dict(self.skipped)
         self.progress = self.err_fh = self.bar = None
 
     def __call__(self, record: dict) -> None:
+        if record["status"] == "skipped":  # never generated (completions.records.skipped_record)
+            self.skipped[record["prompt_id"]] = record["example"]
+            log.warning("prompt %s skipped (%s): %s", record["prompt_id"], record["reason"], record["example"])
+            self.bar.update({"status": "skipped", "turns": []})
+            return
         if record["status"] == "error":
             self.failed[record["prompt_id"]] = record
             self.err_fh.write(json.dumps({
@@ -272,7 +340,8 @@ def _final_records(prompts: Sequence[dict], done: dict, failed: dict, gen_cfg: d
     return [done.get(p["prompt_id"]) or failed[p["prompt_id"]] for p in prompts]
 
 
-def _write_shard(out_path: Path, records: list[dict], gen_cfg: dict, model_name: str | None, prompt_shard) -> None:
+def _write_shard(out_path: Path, records: list[dict], gen_cfg: dict, model_name: str | None, prompt_shard,
+                 skip_info: dict | None = None) -> None:
     """The completion shard (atomic), with its metadata."""
     counts = Counter(r["status"] for r in records)
     meta = {
@@ -285,5 +354,6 @@ def _write_shard(out_path: Path, records: list[dict], gen_cfg: dict, model_name:
         "prompt_shard": Path(prompt_shard).name,
         "num_records": len(records),
         "status_counts": {k: counts.get(k, 0) for k in ("ok", "truncated", "error")},
+        **(skip_info if skip_info and any(skip_info["skipped"].values()) else {}),
     }
     shards.write_parquet(out_path, shards.table_from_records(records, COMPLETION_SCHEMA), metadata=meta)

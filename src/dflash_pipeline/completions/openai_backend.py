@@ -27,7 +27,7 @@ from ..errors import ConfigError
 from . import retry
 from .describe import _describe
 from .fleet import _auth_error, _Endpoint, _Fleet
-from .records import DISABLE_HINT_LOCAL, OnDone, RowError, RunInfo, Turn, build_record, check_thinking, redact_url, split_reasoning
+from .records import DISABLE_HINT_LOCAL, OnDone, RowError, RunInfo, Turn, build_record, check_thinking, context_limit, redact_url, skipped_record, take_reasoning
 from .stats import fleet_stats
 
 log = logging.getLogger(__package__)  # one logger for the whole completions stage
@@ -129,6 +129,8 @@ class OpenAIBackend:
             # the completion start inside the reasoning; known once per template and mode.
             probe = render(self.tok, [{"role": "user", "content": "x"}], thinking=gen_cfg["thinking"], add_generation_prompt=True)
             self._opens_think = probe.rstrip().endswith("<think>")
+        # raw mode renders each turn here, so a turn that outgrows the target's context is skipped, not sent
+        self.context_limit = context_limit(target_dir) if self.api == "completions" else None
         self.model = gen_cfg["model"] or resolved_model or ""
         self._probed = False  # whether resolve_model/_discover checked the fleet's /models in this process
         # what a client process needs to build its own copy (keys come from its inherited environment)
@@ -184,8 +186,9 @@ class OpenAIBackend:
         reasoning = msg.get("reasoning_content")
         if reasoning is None:
             reasoning = msg.get("reasoning")
-        if reasoning is None and "</think>" in content:
-            reasoning, content = split_reasoning(content)
+        # no reasoning field: only a think block at the very start of the content (server without a
+        # reasoning parser); never a `</think>` later in the answer, never with thinking=disable
+        reasoning, content = take_reasoning(content, self.cfg["thinking"], field=reasoning)
         reasoning = check_thinking(self.cfg["thinking"], reasoning, require_reasoning=True)
         return Turn(
             content=content, reasoning_content=reasoning, finish_reason=choice.get("finish_reason") or "stop",
@@ -200,9 +203,8 @@ class OpenAIBackend:
         text = choice.get("text")
         if not isinstance(text, str):
             raise ValueError("completion choice has no text")
-        if self._opens_think and not text.lstrip().startswith("<think>"):
-            text = "<think>\n" + text  # the generation prompt opened the reasoning
-        reasoning, content = split_reasoning(text)
+        # the generation prompt may have opened the reasoning (then it ends at the first </think>)
+        reasoning, content = take_reasoning(text, self.cfg["thinking"], opened=self._opens_think)
         if self.cfg["thinking"] == "save" and reasoning is None:
             raise RowError(
                 "generation.thinking=save but the completion has no <think>…</think> reasoning (with "
@@ -293,6 +295,11 @@ class OpenAIBackend:
             history.append({"role": m["role"], "content": m["content"]})
             if m["role"] != "user":
                 continue
+            if self.context_limit:
+                n = len(render(self.tok, history, thinking=self.cfg["thinking"], add_generation_prompt=True, tokenize=True))
+                if n + self.cfg["max_tokens"] > self.context_limit:
+                    return skipped_record(prompt, "too_long", turn=len(turns), prompt_tokens=n,
+                                          max_tokens=self.cfg["max_tokens"], max_position_embeddings=self.context_limit)
             try:
                 turn = await self._complete(fleet, list(history))
             except RowError as exc:

@@ -4,6 +4,8 @@ thinking-mode checks, and the prompt-shard reader (``contracts.PROMPT_SCHEMA`` i
 
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -113,6 +115,34 @@ def build_record(prompt: dict, turns: Sequence[Turn], info: RunInfo, error: str 
     }
 
 
+def context_limit(target_dir: str | Path | None) -> int | None:
+    """``max_position_embeddings`` of the target's text model from ``<target_dir>/config.json`` (top level or
+    ``text_config`` / ``language_config`` / ``llm_config`` of multimodal configs); None when unknown."""
+    if target_dir is None:
+        return None
+    path = Path(target_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    for node in (cfg, *(cfg.get(k) for k in ("text_config", "language_config", "llm_config"))):
+        if isinstance(node, dict) and isinstance(node.get("max_position_embeddings"), int):
+            return node["max_position_embeddings"]
+    return None
+
+
+#: Examples kept per skip reason in a shard's stats (``skipped_examples``).
+MAX_SKIPPED_EXAMPLES = 3
+
+
+def skipped_record(prompt: dict, reason: str, **example) -> dict:
+    """The marker a backend reports (``on_done``) for a conversation it skipped without generating it
+    (``reason``, e.g. ``too_long``; ``example``: why, e.g. ``prompt_tokens``, ``limit``). It never goes into
+    the shard: :func:`dflash_pipeline.completions.generate_shard` counts it in the stats with an example."""
+    return {"prompt_id": prompt["prompt_id"], "dataset": prompt["dataset"], "status": "skipped", "turns": [],
+            "reason": reason, "example": {"prompt_id": prompt["prompt_id"], **example}}
+
+
 def cut_at_eos(new: list[int], eos_ids) -> tuple[list[int], bool]:
     """Generated token ids up to and including the first end-of-turn id (padding after it dropped).
 
@@ -124,19 +154,45 @@ def cut_at_eos(new: list[int], eos_ids) -> tuple[list[int], bool]:
     return new, False
 
 
-def split_reasoning(text: str) -> tuple[str | None, str]:
-    """Split generated text into ``(reasoning, content)`` at ``<think>``/``</think>``.
+def split_reasoning(text: str, *, opened: bool = False) -> tuple[str | None, str]:
+    """Split generated text into ``(reasoning, content)`` where reasoning is: a think block at the very
+    start of the text, or (``opened``: the generation prompt ended with ``<think>``) the text up to the
+    first ``</think>``. A ``</think>`` later in an answer is answer text (an answer that explains chat
+    templates), never the end of reasoning.
 
     ``"<think>\\nR\\n</think>\\n\\nC"`` → ``("R", "C")``; cut off while thinking (``<think>`` without
-    ``</think>``) → ``(rest, "")``; no markers → ``(None, text)``.
+    ``</think>``) → ``(rest, "")``; no leading ``<think>`` and not ``opened`` → ``(None, text)``, whatever
+    follows. Callers with ``generation.thinking=disable`` use :func:`take_reasoning` (never split).
     """
-    if "</think>" in text:
-        head, _, tail = text.partition("</think>")
-        return head.split("<think>")[-1].strip("\n"), tail.lstrip("\n")
-    stripped = text.lstrip("\n")
-    if stripped.startswith("<think>"):
-        return stripped[len("<think>"):].strip("\n"), ""
-    return None, text
+    body = text.lstrip()
+    if body.startswith("<think>"):
+        body = body[len("<think>"):]
+    elif not opened:
+        return None, text
+    head, sep, tail = body.partition("</think>")
+    if not sep:
+        return body.strip("\n"), ""
+    return head.strip("\n"), tail.lstrip("\n")
+
+
+def take_reasoning(text: str, thinking: str, *, field: str | None = None, opened: bool = False) -> tuple[str | None, str]:
+    """``(reasoning, content)`` of one generated answer, reasoning taken only where it is:
+
+    * ``field``: the server's own reasoning field (vLLM ``message.reasoning``, SGLang and older vLLM
+      ``reasoning_content``): used as it is, the content is never split;
+    * ``thinking == "disable"``: never split. A non-empty think block at the very start is returned as
+      reasoning only so :func:`check_thinking` rejects the row (the template ignored enable_thinking=false);
+      otherwise the content is the text verbatim, ``</think>`` and all;
+    * else :func:`split_reasoning` (a think block at the very start, or one the generation prompt opened).
+    """
+    if field is not None:
+        return field, text
+    if thinking == "disable":
+        reasoning, content = split_reasoning(text)
+        if reasoning is not None and reasoning.strip():
+            return reasoning, content
+        return None, text
+    return split_reasoning(text, opened=opened)
 
 
 #: Why a thinking=disable answer can still carry reasoning, by where the prompt was rendered.

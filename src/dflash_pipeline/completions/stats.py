@@ -47,12 +47,32 @@ class _Progress:
             refresh=False,
         )
 
+    #: A console line (dflash_pipeline.workflow.console) at most this often, and at every tenth of the shard.
+    CONSOLE_EVERY_S = 60.0
+
     def update(self, record: dict) -> None:
         self.counts[record["status"]] += 1
         self.turns += len(record["turns"])
         self.out_tokens += sum(t.get("completion_tokens") or 0 for t in record["turns"])
         self._postfix()
         self.bar.update(1)
+        self._console()
+
+    def _console(self) -> None:
+        """One progress line for the console (the bar itself only goes to the job's log)."""
+        from ..workflow import console
+
+        n, total = self.bar.n, self.bar.total or 0
+        now = time.monotonic()
+        tenth = total and n * 10 // total != getattr(self, "_last_tenth", 0)
+        if not tenth and now - getattr(self, "_last_console", self.t0) < self.CONSOLE_EVERY_S:
+            return
+        self._last_tenth, self._last_console = (n * 10 // total if total else 0), now
+        dt = max(now - self.t0, 1e-9)
+        c = self.counts
+        console("%s: %d/%d conversations (ok %d, truncated %d, error %d%s), %.1f req/s, %.0f tok/s",
+                self.bar.desc, n, total, c["ok"], c["truncated"], c["error"],
+                f", skipped {c['skipped']}" if c["skipped"] else "", self.turns / dt, self.out_tokens / dt)
 
     def close(self) -> None:
         self.bar.close()

@@ -17,8 +17,9 @@ from typing import Any, Sequence
 
 from ..chat import load_tokenizer, render
 from ..errors import ConfigError
-from .records import DISABLE_HINT_LOCAL, OnDone, RowError, RunInfo, Turn, build_record, check_thinking, cut_at_eos
-from .records import split_reasoning
+from .records import (DISABLE_HINT_LOCAL, OnDone, RowError, RunInfo, Turn, build_record, check_thinking, cut_at_eos,
+                      skipped_record)
+from .records import take_reasoning
 
 
 @dataclass
@@ -75,6 +76,13 @@ class TransformersBackend:
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else eos[0]
         self.model = Path(target_dir).resolve().name
         self._batches = 0
+        # a turn whose prompt + generation.max_tokens exceeds this is skipped, never sent to generate()
+        text_cfg = self.lm.config.get_text_config() if hasattr(self.lm.config, "get_text_config") else self.lm.config
+        self.context_limit = getattr(text_cfg, "max_position_embeddings", None)
+        # a template that opens <think> in its generation prompt (DeepSeek-R1, Qwen3 thinking-2507) makes the
+        # output start inside the reasoning
+        probe = render(self.tok, [{"role": "user", "content": "x"}], thinking=gen_cfg["thinking"], add_generation_prompt=True)
+        self._opens_think = probe.rstrip().endswith("<think>")
 
     def _generate(self, prompts_ids: list[list[int]]) -> tuple[list[list[int]], float]:
         torch, cfg = self.torch, self.cfg
@@ -103,7 +111,8 @@ class TransformersBackend:
     def _turn(self, prompt_ids: list[int], new: list[int], latency: float) -> Turn:
         new, stop = cut_at_eos(new, self.eos_ids)
         body = new[:-1] if stop else new
-        reasoning, content = split_reasoning(self.tok.decode(body, skip_special_tokens=True))
+        reasoning, content = take_reasoning(self.tok.decode(body, skip_special_tokens=True), self.cfg["thinking"],
+                                            opened=self._opens_think)
         reasoning = check_thinking(self.cfg["thinking"], reasoning, require_reasoning=False,
                                    disable_hint=DISABLE_HINT_LOCAL)
         return Turn(
@@ -125,6 +134,16 @@ class TransformersBackend:
         longest first); finished or failed conversations go to ``on_done``. Returns those with a user turn
         left (their next request prepared)."""
         bs = self.cfg["batch_size"]
+        limit = self.context_limit
+        if limit:  # a later turn can outgrow the context (earlier answers): skip that conversation
+            fits = []
+            for c in active:
+                if len(c.ids) + self.cfg["max_tokens"] > limit:
+                    on_done(skipped_record(c.prompt, "too_long", turn=len(c.turns), prompt_tokens=len(c.ids),
+                                           max_tokens=self.cfg["max_tokens"], max_position_embeddings=limit))
+                else:
+                    fits.append(c)
+            active = fits
         active.sort(key=lambda c: -len(c.ids))
         still: list[_Conversation] = []
         for b in range(0, len(active), bs):

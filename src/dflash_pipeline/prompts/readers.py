@@ -217,10 +217,11 @@ def read_records(
         reader = {".jsonl": _read_jsonl, ".json": _read_json_array, ".parquet": _read_parquet, ".arrow": _read_arrow}[kind]
         n = skips = 0
         try:
-            for item in reader(f, shown):
+            items = reader(f, shown)
+            for item in items:
                 if isinstance(item, _Skip):
-                    if strict:
-                        raise DataError(f"{item}; fix it or set {strict_key} to skip and count it")
+                    if strict:  # every malformed record of the file in one error, not one per rerun
+                        raise DataError(_all_malformed(item, items, strict_key)) from None
                     skips += 1
                     _count_skip(item, counts, examples, max_examples, shown_per_reason)
                     continue
@@ -234,6 +235,30 @@ def read_records(
             _count_skip(skip, counts, examples, max_examples, shown_per_reason)
         except (OSError, EOFError, gzip.BadGzipFile, pa.ArrowException) as exc:
             raise DataError(f"{shown}: cannot read ({type(exc).__name__}: {exc})") from None
+
+
+#: Malformed records listed in one strict-mode error (the rest are counted).
+MAX_LISTED_MALFORMED = 20
+
+
+def _all_malformed(first: "_Skip", rest, strict_key: str) -> str:
+    """The strict-mode error for a file: ``first`` and every further malformed record of the file (read on,
+    records skipped; the first :data:`MAX_LISTED_MALFORMED` listed, the others counted)."""
+    found = [str(first)]
+    total = 1
+    try:
+        for item in rest:
+            if isinstance(item, _Skip):
+                total += 1
+                if len(found) < MAX_LISTED_MALFORMED:
+                    found.append(str(item))
+    except DataError as exc:  # a JSON array cannot be read past a syntax error
+        found.append(str(exc))
+    if total == 1:
+        return f"{first}; fix it or set {strict_key} to skip and count it"
+    more = f"\n  ... and {total - len(found)} more" if total > len(found) else ""
+    head = f"{total} malformed records" + (f" (first {len(found)} listed)" if more else "")
+    return f"{head}; fix them or set {strict_key} to skip and count them:\n  " + "\n  ".join(found) + more
 
 
 def _read_hf_dataset(dataset_id: str, *, split: str | None, subset: str | None):

@@ -27,6 +27,7 @@ from .. import shards
 from ..config import schema_defaults
 from ..contracts import MANIFEST_SCHEMA_VERSION, PROMPT_SCHEMA, PROMPT_SCHEMA_VERSION, prompt_id
 from ..errors import ConfigError, DataError
+from ..spans import control_token_strings, find_control_strings
 from .language import ANY_LANGUAGE, _language_detector, _language_identifier, _source_languages, language_problems, language_sample
 from .normalize import FORMATS, MissingField, RejectedRecord, _normalize, record_metadata
 from .readers import HF_PREFIX, MAX_EXAMPLES, Locator, read_records
@@ -86,8 +87,10 @@ _LEFT_ON_DISK = "no longer in the mix; left on disk so their completions stay va
 def _source_ref(root: Path, loc: Locator, rel_cache: dict[str, str]) -> dict:
     rel = rel_cache.get(loc.file)
     if rel is None:
-        if loc.file.startswith(HF_PREFIX) or root.is_file():
+        if loc.file.startswith(HF_PREFIX):
             rel = ""
+        elif root.is_file():  # a single-file source: its file name (the manifest's config.path has the path)
+            rel = Path(loc.file).name
         else:
             try:
                 rel = Path(loc.file).relative_to(root).as_posix()
@@ -117,6 +120,7 @@ class _SourceTally:
     shown_per_reason: collections.Counter = field(default_factory=collections.Counter)  # examples of build-time drops
     first_no_field: tuple[Locator, list[str]] | None = None
     dropped_langs: collections.Counter = field(default_factory=collections.Counter)
+    special_kept: int = 0  # prompts with special-token text kept (prompts.special_token_text: keep)
 
     def drop(self, reason: str, example: str | None = None) -> None:
         """Count a dropped record; keep ``example`` among the first :data:`MAX_EXAMPLES` of its reason."""
@@ -168,7 +172,9 @@ class _Filters:
     tokenizer: Any = None
     max_prompt_tokens: int | None = None
     identifier: Any = None
-    seen: set[str] = field(default_factory=set)
+    seen: dict[str, str] = field(default_factory=dict)  # prompt_id -> the source that kept it
+    control_strings: Sequence[str] = ()  # special-token strings of the target tokenizer (special_token_text)
+    special_token_text: str | None = None  # drop | keep | None (no check)
 
 
 def _language_filters(datasets: Mapping[str, Mapping[str, Any]], languages: Sequence[str] | None,
@@ -235,20 +241,32 @@ def _normalized(rec: dict, loc: Locator, name: str, cfg: dict, root: Path, rel_c
 
 
 def _drop_reason(messages: list[dict], pid: str, fraction: float, lang_filter: tuple[frozenset, float] | None,
-                 filters: _Filters, tally: _SourceTally) -> str | None:
-    """Why a normalized prompt is not kept (``sampled_out``, ``duplicate``, ``language``,
-    ``low_language_confidence``, ``too_long``, checked in that order), or None to keep it."""
+                 filters: _Filters, tally: _SourceTally) -> tuple[str, str] | None:
+    """Why a normalized prompt is not kept (``sampled_out``, ``duplicate``, ``special_token_text``,
+    ``language``, ``low_language_confidence``, ``too_long``, checked in that order) and a detail for its
+    example, or None to keep it."""
     if fraction < 1.0 and keep_score(filters.seed, pid) >= fraction:
-        return "sampled_out"
+        return "sampled_out", f"fraction {fraction}"
     if pid in filters.seen:
-        return "duplicate"
+        return "duplicate", f"same messages as a prompt kept from source {filters.seen[pid]}"
+    if filters.special_token_text is not None and filters.control_strings:
+        found = sorted({t for m in messages for t in find_control_strings(m["content"], filters.control_strings)})
+        if found:
+            role = next(m["role"] for m in messages if find_control_strings(m["content"], found))
+            if filters.special_token_text == "drop":
+                return "special_token_text", (f"{role} text contains {found}, which the target's tokenizer (and the "
+                                              f"engines' chat rendering) would read as control tokens")
+            tally.special_kept += 1
     if lang_filter is not None:
         lang, prob = filters.identifier.classify(language_sample(messages))
         if lang not in lang_filter[0] or prob < lang_filter[1]:
             tally.dropped_langs[lang] += 1
-            return "language" if lang not in lang_filter[0] else "low_language_confidence"
-    if filters.max_prompt_tokens is not None and _count_tokens(filters.tokenizer, messages) > filters.max_prompt_tokens:
-        return "too_long"
+            reason = "language" if lang not in lang_filter[0] else "low_language_confidence"
+            return reason, f"detected {lang} (p={prob:.2f})"
+    if filters.max_prompt_tokens is not None:
+        n = _count_tokens(filters.tokenizer, messages)
+        if n > filters.max_prompt_tokens:
+            return "too_long", f"{n} tokens > prompts.max_prompt_tokens={filters.max_prompt_tokens}"
     return None
 
 
@@ -288,13 +306,17 @@ def _source_entry(name: str, cfg: dict, tally: _SourceTally, writer: _ShardWrite
         "shards": writer.shard_list,
         "inactive_shards": inactive,
     }
+    if tally.special_kept:
+        entry["kept_with_special_token_text"] = tally.special_kept
     if lang_filter is not None:
         entry["config"].update(languages=sorted(lang_filter[0]), min_language_confidence=lang_filter[1])
         entry["dropped_languages"] = dict(sorted(tally.dropped_langs.items()))
     elif cfg.get("languages") == ANY_LANGUAGE:  # filter configured for the stage, switched off here
         entry["config"]["languages"] = ANY_LANGUAGE
-    log.info("%s: read %d, kept %d in %d shards, dropped %s", name, entry["read"], tally.kept,
-             len(writer.shard_list), dict(tally.dropped))
+    from ..workflow import console
+
+    console("%s: read %d, kept %d in %d shards, dropped %s", name, entry["read"], tally.kept,
+            len(writer.shard_list), dict(sorted(tally.dropped.items())) or "none")
     return entry
 
 
@@ -315,11 +337,11 @@ def _shard_source(name: str, raw_cfg: Mapping[str, Any], out: Path, shard_size: 
         if normalized is None:
             continue
         messages, pid, metadata = normalized
-        reason = _drop_reason(messages, pid, fraction, lang_filter, filters, tally)
-        if reason is not None:
-            tally.drop(reason)
+        why = _drop_reason(messages, pid, fraction, lang_filter, filters, tally)
+        if why is not None:
+            tally.drop(why[0], f"{loc}: prompt {pid}: {why[1]}")
             continue
-        filters.seen.add(pid)
+        filters.seen[pid] = name
         writer.add({"prompt_id": pid, "dataset": name, "messages": messages, "metadata": metadata})
         tally.kept += 1
         if cap is not None and tally.kept >= cap:
@@ -355,6 +377,7 @@ def build_prompt_shards(
     languages: Sequence[str] | None = None,
     min_language_confidence: float = 0.0,
     manifest_path: str | os.PathLike | None = None,
+    special_token_text: str | None = None,
 ) -> dict:
     """Normalize, filter, dedup and shard every prompt source; write shards and the manifest.
 
@@ -375,6 +398,12 @@ def build_prompt_shards(
         min_language_confidence: with a language filter, also drop prompts whose top language has a lower
             probability than this (counted as ``low_language_confidence``).
         manifest_path: default ``{out_dir}/manifest.json``.
+        special_token_text: ``prompts.special_token_text`` (needs ``tokenizer``): ``drop`` counts and drops
+            prompts whose system/user text contains a special-token string of the target tokenizer
+            (:func:`dflash_pipeline.spans.control_token_strings`: ``<|im_end|>``, ``<think>``, tool markers;
+            the engines would parse them as control tokens, breaking the conversation's structure) as
+            ``special_token_text``; ``keep`` keeps them and counts ``kept_with_special_token_text``; None =
+            no check.
 
     Returns:
         The manifest (also written, key-sorted JSON): ``{schema_version, seed, shard_size,
@@ -408,7 +437,13 @@ def build_prompt_shards(
     lang_filters, identifier = _language_filters(datasets, languages, min_language_confidence)
     out = Path(out_dir)
     manifest_file = Path(manifest_path) if manifest_path is not None else out / "manifest.json"
-    filters = _Filters(seed=seed, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens, identifier=identifier)
+    if special_token_text not in (None, "drop", "keep"):
+        raise ConfigError(f"prompts.special_token_text: {special_token_text!r}; use drop or keep")
+    if special_token_text is not None and tokenizer is None:
+        raise ConfigError("prompts.special_token_text needs the target tokenizer (none was given)")
+    filters = _Filters(seed=seed, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens, identifier=identifier,
+                       control_strings=control_token_strings(tokenizer) if special_token_text else (),
+                       special_token_text=special_token_text)
     ds_out = {name: _shard_source(name, raw_cfg, out, shard_size, filters, lang_filters[name])
               for name, raw_cfg in datasets.items()}
     inactive_datasets = _inactive_datasets(out, ds_out)
@@ -422,6 +457,7 @@ def build_prompt_shards(
         "seed": seed,
         "shard_size": shard_size,
         "max_prompt_tokens": max_prompt_tokens,
+        **({"special_token_text": special_token_text} if special_token_text is not None else {}),
         "tokenizer": getattr(tokenizer, "name_or_path", None) if tokenizer is not None else None,
         "languages": list(languages) if languages else None,
         "min_language_confidence": min_language_confidence,
@@ -446,8 +482,9 @@ def shard_prompts(
     """The ``shard_prompts`` rule: :func:`build_prompt_shards` with the validated ``prompts`` config section.
 
     The target tokenizer is loaded (from ``target_dir``, :func:`chat.load_tokenizer`) only when
-    ``prompts.max_prompt_tokens`` is set — the rule depends on the target only then, so the common case
-    does not re-shard when the target changes. ``prompts.languages`` / ``prompts.min_language_confidence``
+    ``prompts.max_prompt_tokens`` is set or ``prompts.special_token_text`` is ``drop`` (the default) — the
+    rule depends on the target only then. A new target then re-runs the checkpoint, which rewrites only
+    the shards whose bytes change (prompts holding the new tokenizer's special-token strings). ``prompts.languages`` / ``prompts.min_language_confidence``
     are the default language filter of every source (py3langid is imported only when one applies).
 
     Raises:
@@ -455,16 +492,20 @@ def shard_prompts(
     """
     prompts_cfg = {**schema_defaults("prompts"), **prompts_cfg}  # a partial section (tests) takes the defaults
     max_tokens = prompts_cfg["max_prompt_tokens"]
+    # `keep` needs no tokenizer (nothing is checked), so the target is then no input of the checkpoint
+    special = "drop" if prompts_cfg["special_token_text"] == "drop" else None
     tokenizer = None
-    if max_tokens is not None:
+    if max_tokens is not None or special is not None:
         if target_dir is None:
-            raise ConfigError("prompts.max_prompt_tokens is set but no target directory was given for its tokenizer")
+            raise ConfigError("prompts.max_prompt_tokens / prompts.special_token_text: drop need the target's "
+                              "tokenizer, but no target directory was given")
         from ..chat import load_tokenizer
 
         tokenizer = load_tokenizer(target_dir, trust_remote_code=trust_remote_code, chat_template=chat_template)
     return build_prompt_shards(datasets, out_dir, shard_size=prompts_cfg["shard_size"], seed=prompts_cfg["seed"],
                                tokenizer=tokenizer, max_prompt_tokens=max_tokens, languages=prompts_cfg["languages"],
-                               min_language_confidence=prompts_cfg["min_language_confidence"])
+                               min_language_confidence=prompts_cfg["min_language_confidence"],
+                               special_token_text=special)
 
 
 def shard_paths(manifest: Mapping[str, Any], out_dir: str | os.PathLike) -> dict[str, list[str]]:
