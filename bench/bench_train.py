@@ -18,7 +18,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_pipeline import model as M
-from dflash_pipeline.train import training_step
+from dflash_pipeline.train import StepContext, training_step
 
 
 def main() -> None:
@@ -66,10 +66,12 @@ def main() -> None:
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
 
+    ctx = StepContext(drafter=drafter, target=target, probe=probe, num_anchors=cfg["num_anchors"], block_size=a.block_size,
+                      gamma=gamma, generator=g, backend=backend)
+
     def step():
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.bf16):
-            loss, _ = training_step(drafter, target, target.model.embed_tokens, target.lm_head, batch, probe, cfg,
-                                    a.block_size, gamma, g, False, backend)
+            loss, _ = training_step(ctx, batch)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

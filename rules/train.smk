@@ -29,4 +29,5 @@ rule train_drafter:
         "OMP_NUM_THREADS={threads} python -m dflash_pipeline.workflow gpus {resources.gpu} -- "
         "python -m accelerate.commands.launch {params.launch} "
         "-m dflash_pipeline.train --probe {input.probe:q} --target {params.target:q} "
+        "--target-dtype {config[target][dtype]} " + ("--trust-remote-code " if config["target"]["trust_remote_code"] else "") +
         "--out-dir {params.run_dir:q} --train-config {params.train:q} {params.baseline} --drafter-arch {params.arch:q} {input.tokens:q} > {log:q} 2>&1"

@@ -11,8 +11,8 @@ import pytest
 from dflash_pipeline.workflow import claim_gpus, job_gpus, run_with_gpus
 
 
-def cfg(mixed_precision="bf16", num_processes=4, backend="transformers"):
-    return {"train": {"mixed_precision": mixed_precision, "num_processes": num_processes},
+def cfg(mixed_precision="bf16", num_processes=4, backend="transformers", device="auto"):
+    return {"train": {"mixed_precision": mixed_precision, "num_processes": num_processes, "device": device},
             "generation": {"backend": backend}}
 
 
@@ -24,6 +24,8 @@ def test_job_gpus_per_rule():
     assert job_gpus(cfg(), "tokenize_completions") == 0
     assert all(job_gpus(cfg(mixed_precision="no"), r) == 0
                for r in ("train_drafter", "evaluate_acceptance", "generate_completions"))
+    # bf16 on a CPU box: train.device cpu claims no GPU for any rule
+    assert all(job_gpus(cfg(device="cpu"), r) == 0 for r in ("train_drafter", "evaluate_acceptance", "generate_completions"))
 
 
 @pytest.fixture

@@ -276,7 +276,7 @@ def test_sliding_layers_need_a_window(tiny):
 def test_batch_without_supervised_token_gives_every_parameter_a_gradient(tiny):
     """With no anchor candidate the step still runs forward/backward through every drafter parameter,
     so DDP's gradient all-reduce never waits on a rank that skipped (no hang)."""
-    from dflash_pipeline.train import training_step
+    from dflash_pipeline.train import StepContext, training_step
 
     target, drafter = tiny
     drafter = M.DFlashDrafter(drafter.config).train()
@@ -284,8 +284,9 @@ def test_batch_without_supervised_token_gives_every_parameter_a_gradient(tiny):
              "attention_mask": torch.ones(2, 12, dtype=torch.long)}
     batch["loss_mask"][0, 3] = 1  # a lone supervised token: still no (p, p+1) pair
     probe = {"drafter": {"target_layer_ids": drafter.target_layer_ids, "mask_token_id": 95}}
-    loss, stats = training_step(drafter, target, target.model.embed_tokens, target.lm_head, batch, probe,
-                                {"num_anchors": 4}, B, 4.0, torch.Generator().manual_seed(0))
+    ctx = StepContext(drafter=drafter, target=target, probe=probe, num_anchors=4, block_size=B, gamma=4.0,
+                      generator=torch.Generator().manual_seed(0))
+    loss, stats = training_step(ctx, batch)
     loss.backward()
     assert stats["num_slots"] == 0 and float(loss) == 0.0
     assert all(p.grad is not None for p in drafter.parameters())

@@ -66,7 +66,12 @@ def load_tokenizer(target_dir: str | Path, *, chat_template: str | Path | None =
     """
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=trust_remote_code)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=trust_remote_code)
+    except AttributeError:  # a config.json transformers cannot read (e.g. remote-code kimi_k2): tokenizer files decide
+        from transformers import PretrainedConfig
+
+        tok = AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=trust_remote_code, config=PretrainedConfig())
     if chat_template is not None:
         tok.chat_template = Path(chat_template).read_text(encoding="utf-8")
     if not getattr(tok, "chat_template", None):

@@ -61,11 +61,69 @@ def _cache_kw(target, cache) -> dict:
     return {"cache": cache} if "cache" in params else {"past_key_values": cache}
 
 
-def _crop(cache, length: int) -> None:
-    """Crop a DynamicCache to ``length`` tokens (newer transformers take a negative count to remove)."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
+class TargetCache:
+    """The target's cache in the verify loop, with one rollback policy for every cache type transformers
+    ships (dflash.md §2.5: after a verify step only the bonus token and the accepted drafts stay).
+
+    The cache is ``DynamicCache(config=target.config)``, so each layer gets its own type (full attention,
+    sliding window, linear attention / recurrent state), with ``activate_past_recording`` so sliding and
+    conv states keep what a rollback needs. After the prefill, :attr:`policy` is
+
+    * ``crop``: every layer can be cut back (full and sliding attention: ``cache.is_croppable``) — the
+      rejected tokens are cropped;
+    * ``recompute``: some layer holds a recurrent state that cannot be cut back (linear attention of
+      Qwen3.5/3.6 and Qwen3-Next): those layers are snapshotted before each verify forward; on a
+      rejection they are restored, the croppable layers cropped to the same point, and the target re-runs
+      the accepted tokens (one extra forward of a+1 tokens per rejecting step).
+
+    Either way the cache afterwards equals the cache of a target that only ever saw the accepted tokens.
+    """
+
+    def __init__(self, target):
+        from transformers import DynamicCache
+
+        self.target = target
+        try:
+            self.cache = DynamicCache(config=target.config)
+        except (TypeError, ValueError, AttributeError):  # older transformers: layers appear lazily
+            self.cache = DynamicCache()
+        if hasattr(self.cache, "activate_past_recording"):
+            self.cache.activate_past_recording()
+        self.policy: Optional[str] = None
+        self._snapshot: Optional[dict] = None
+        self.recomputes = 0
+
+    def forward(self, ids: torch.Tensor, layer_ids: Sequence[int]):
+        """Target forward of ``ids`` [1, n] on the cache → ``(features [1, n, K·H], output)``."""
+        from .train import target_features
+
+        if self.policy == "recompute":
+            import copy
+
+            self._snapshot = {i: copy.deepcopy(layer) for i, layer in enumerate(self.cache.layers)
+                              if not getattr(layer, "is_croppable", False)}
+        feats, out = target_features(self.target, ids, None, layer_ids, use_cache=True, **_cache_kw(self.target, self.cache))
+        if self.policy is None:  # after the prefill every layer type is known
+            self.policy = "crop" if getattr(self.cache, "is_croppable", True) else "recompute"
+        return feats, out
+
+    def keep(self, ids: torch.Tensor, n_keep: int, layer_ids: Sequence[int]) -> None:
+        """After verifying ``ids`` [1, n], keep only its first ``n_keep`` tokens in the cache."""
+        n_drop = ids.shape[1] - n_keep
+        if self.policy == "crop" or n_drop == 0:
+            self.cache.crop(-n_drop)  # crop(0) restricts sliding/conv states back to their window
+            return
+        for i, layer in enumerate(self.cache.layers):
+            if i in self._snapshot:
+                self.cache.layers[i] = self._snapshot[i]
+            else:
+                layer.crop(-ids.shape[1])
+        self._snapshot = None
+        self.recomputes += 1
+        from .train import target_features
+
+        target_features(self.target, ids[:, :n_keep], None, layer_ids, use_cache=True, **_cache_kw(self.target, self.cache))
+        self.cache.crop(0)  # back to the minimal sliding/conv states, as after a crop
 
 
 @torch.no_grad()
@@ -85,27 +143,27 @@ def speculative_generate(
 
     ``block_size`` ≤ the drafter's trained block size. ``zero_target_features`` feeds the drafter zeros
     instead of the target's features (for the baseline trained that way; the target still verifies).
+    The target cache follows :class:`TargetCache` (any cache type); the drafter runs in its own dtype
+    (eval loads it in the target's, :func:`dflash_pipeline.target.drafter_dtype`).
     Returns a :class:`SpecResult`.
 
     Raises:
         ValueError: ``block_size`` larger than the drafter's, or an empty prompt.
     """
-    from transformers import DynamicCache
-
-    from .train import target_features
+    from .target import input_embeddings, lm_head
 
     if block_size > drafter.block_size or block_size < 2:
         raise ValueError(f"block_size {block_size} must be in [2, trained block size {drafter.block_size}]")
     if not prompt_ids:
         raise ValueError("empty prompt")
     dev = next(target.parameters()).device
-    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    embed, head = input_embeddings(target), lm_head(target)
     layer_ids = drafter.target_layer_ids
     stops = set(int(t) for t in stop_token_ids)
 
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=dev)
-    cache = DynamicCache()
-    feats, out = target_features(target, ids, None, layer_ids, use_cache=True, **_cache_kw(target, cache))
+    tcache = TargetCache(target)
+    feats, out = tcache.forward(ids, layer_ids)
     bonus = _sample(out.logits[:, -1], temperature, generator)  # [1]
     result = SpecResult(output_ids=[int(bonus)])
     start = ids.shape[1]  # position of the bonus token
@@ -113,12 +171,11 @@ def speculative_generate(
     if zero_target_features:
         pending = torch.zeros_like(pending)
     dcache = M.DraftContextCache(len(drafter.layers))
-    dtype = next(drafter.parameters()).dtype
     while int(bonus) not in stops and len(result.output_ids) < max_new_tokens:
-        logits = drafter.draft_block(embed, lm_head, bonus, pending.to(dtype), start, dcache, block_size)
+        logits = drafter.draft_block(embed, head, bonus, pending, start, dcache, block_size)
         draft = logits[:, 1:].argmax(dim=-1)  # [1, B-1], greedy
         verify = torch.cat([bonus.view(1, 1), draft], dim=1)  # [1, B]
-        feats, out = target_features(target, verify, None, layer_ids, use_cache=True, **_cache_kw(target, cache))
+        feats, out = tcache.forward(verify, layer_ids)
         result.target_forwards += 1
         tgt = _sample(out.logits[0], temperature, generator)  # [B]: target's token after each slot
         a = 0
@@ -134,10 +191,10 @@ def speculative_generate(
         if zero_target_features:
             pending = torch.zeros_like(pending)
         start += a + 1
-        _crop(cache, start)
-        bonus = tgt[a : a + 1]
-        if result.output_ids[-1] in stops:
+        if int(result.output_ids[-1]) in stops or len(result.output_ids) >= max_new_tokens:
             break
+        tcache.keep(verify, a + 1, layer_ids)
+        bonus = tgt[a : a + 1]
     return result
 
 
@@ -265,6 +322,129 @@ def run_eval_set(
     return stats
 
 
+@dataclass
+class EvalSession:
+    """The loaded target and everything a run of the speculative loop needs (see :func:`open_session`)."""
+
+    target: Any
+    tokenizer: Any
+    probe: dict
+    eval_cfg: dict
+    device: str
+    sets: dict[str, list[dict]]
+    set_info: dict[str, dict]
+    settings: dict
+    loop: dict
+
+
+def open_session(*, target_dir, probe: dict, eval_cfg: dict, thinking: str, chat_template=None,
+                 trust_remote_code: bool = False, target_dtype: str = "auto",
+                 exclude_prompt_ids: Iterable[str] = ()) -> EvalSession:
+    """Load the target (:func:`dflash_pipeline.target.load_target`), its tokenizer and the eval sets."""
+    from .chat import load_tokenizer
+    from .target import load_target, module_dtype
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    target = load_target(target_dir, dtype=target_dtype, device=dev, trust_remote_code=trust_remote_code)
+    tok = load_tokenizer(target_dir, chat_template=chat_template, trust_remote_code=trust_remote_code)
+    stops = list(probe.get("tokenizer", {}).get("eos_token_ids") or [tok.eos_token_id])
+    trained_bs = probe["drafter"]["block_size"]
+    bs = eval_cfg.get("block_size") or trained_bs
+    temperature = float(eval_cfg["temperature"])
+    sets, set_info = load_eval_sets(eval_cfg, exclude_prompt_ids)
+    settings = {
+        "block_size": bs, "trained_block_size": trained_bs, "max_new_tokens": eval_cfg["max_new_tokens"],
+        "temperature": temperature, "draft_sampling": "greedy", "thinking": thinking, "seed": eval_cfg["seed"],
+        "device": dev, "backend": "transformers", "batch_size": 1,
+        "dtype": str(module_dtype(target)).replace("torch.", ""),
+    }
+    loop = dict(block_size=bs, max_new_tokens=eval_cfg["max_new_tokens"], temperature=temperature,
+                seed=eval_cfg["seed"], thinking=thinking, stop_token_ids=stops)
+    return EvalSession(target, tok, probe, eval_cfg, dev, sets, set_info, settings, loop)
+
+
+def load_eval_drafter(session: EvalSession, label: str, ckpt: Optional[str | Path]) -> tuple[M.DFlashDrafter, dict]:
+    """A drafter checkpoint (None: an untrained random init, the floor) in the target's dtype, and its
+    :func:`checkpoint_info`.
+
+    Raises:
+        ValueError: ``eval.block_size`` exceeds the drafter's trained block size.
+    """
+    from .target import drafter_dtype
+    from .train import build_drafter
+
+    dt = drafter_dtype(session.target)
+    if ckpt is None:
+        drafter, info = build_drafter(session.target, session.probe, seed=session.eval_cfg["seed"]), {
+            "train_steps": 0, "zero_target_features": False}
+    else:
+        drafter, info = M.load_drafter(ckpt, dtype=dt, device=session.device), checkpoint_info(ckpt)
+    bs = session.loop["block_size"]
+    if bs > drafter.block_size:
+        raise ValueError(f"eval.block_size {bs} exceeds drafter {label}'s trained block size {drafter.block_size}")
+    return drafter.to(device=session.device, dtype=dt).eval(), info
+
+
+def run_drafters(session: EvalSession, drafters: dict[str, Optional[str | Path]], *, target_dir=None) -> dict:
+    """The eval record (schema ``EVAL_SCHEMA_VERSION``): τ of every drafter on every eval set, plus
+    ``tau_over_untrained`` when an ``untrained`` floor is among them."""
+    probe, sets = session.probe, session.sets
+    record: dict = {
+        "schema_version": EVAL_SCHEMA_VERSION,
+        "target": {"path": str(target_dir), "model_type": probe.get("model_type"), "architectures": probe.get("architectures")},
+        "settings": session.settings,
+        "sets": session.set_info,
+        "drafters": {},
+    }
+    for label, ckpt in drafters.items():
+        drafter, info = load_eval_drafter(session, label, ckpt)
+        entry = {"checkpoint": str(ckpt) if ckpt else None, "train_steps": info["train_steps"],
+                 "zero_target_features": info["zero_target_features"], "sets": {}}
+        for set_name, prompts in sets.items():
+            stats = run_eval_set(session.target, session.tokenizer, drafter, prompts,
+                                 zero_target_features=info["zero_target_features"], **session.loop)
+            entry["sets"][set_name] = stats
+            print(f"[eval] {label:>14} {set_name:>10}: tau={stats['tau']:.3f} over {stats['num_responses']} responses "
+                  f"({stats['seconds']:.1f} s)", flush=True)
+        record["drafters"][label] = entry
+    record["tau"] = {label: {s: e["sets"][s]["tau"] for s in sets} for label, e in record["drafters"].items()}
+    if "untrained" in record["drafters"]:
+        floor = record["tau"]["untrained"]
+        record["tau_over_untrained"] = {
+            label: {s: taus[s] / max(1e-9, floor[s]) for s in sets} for label, taus in record["tau"].items() if label != "untrained"
+        }
+        if "trained" in record["tau_over_untrained"]:
+            record["trained_over_untrained"] = record["tau_over_untrained"]["trained"]
+    return record
+
+
+def run_checkpoint_series(session: EvalSession, checkpoint_series: dict[int, str | Path]) -> dict:
+    """τ of each checkpoint (step → dir) on the first ``eval.checkpoint_samples`` prompts of every set."""
+    n = int(session.eval_cfg.get("checkpoint_samples", 8))
+    subsets = {name: prompts[:n] for name, prompts in session.sets.items()} if n > 0 else {}
+    series = {"schema_version": EVAL_SCHEMA_VERSION, "settings": session.settings,
+              "num_prompts": {s: len(p) for s, p in subsets.items()}, "points": []}
+    for step, ckpt in (sorted(checkpoint_series.items()) if subsets else []):
+        drafter, info = load_eval_drafter(session, f"step {step}", ckpt)
+        point = {"step": int(step), "checkpoint": str(ckpt), "sets": {}}
+        for set_name, prompts in subsets.items():
+            st = run_eval_set(session.target, session.tokenizer, drafter, prompts,
+                              zero_target_features=info["zero_target_features"], **session.loop)
+            point["sets"][set_name] = {k: st[k] for k in ("tau", "num_responses", "num_steps", "tokens_per_target_forward")}
+        series["points"].append(point)
+        print(f"[eval] step {step:>6}: " + " ".join(f"{s}={v['tau']:.2f}" for s, v in point["sets"].items()), flush=True)
+    return series
+
+
+def write_eval_outputs(record: dict, out_json: str | Path, *, plot_png=None, table_tsv=None) -> None:
+    """Write the eval record JSON (atomic), and the PNG plot / TSV table when asked."""
+    write_json(out_json, record, skip_if_identical=False)
+    if plot_png is not None:
+        plot_acceptance(record, plot_png)
+    if table_tsv is not None:
+        write_eval_table(record, table_tsv)
+
+
 def evaluate(
     *,
     target_dir: str | Path,
@@ -292,79 +472,16 @@ def evaluate(
     ``checkpoint_series`` (step → checkpoint, e.g. :func:`step_checkpoints` plus ``final``): τ of each on
     the first ``eval.checkpoint_samples`` prompts of every set, written to ``series_json`` and plotted to
     ``series_png`` (with the train-time EAL proxy from ``train_log`` when given).
+    Running: :func:`open_session`, :func:`run_drafters`, :func:`run_checkpoint_series`; writing:
+    :func:`write_eval_outputs`, :func:`plot_tau_vs_step`.
     """
-    from .chat import load_tokenizer
-    from .train import build_drafter, load_target
-
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    target = load_target(target_dir, dtype=target_dtype, device=dev)
-    tok = load_tokenizer(target_dir, chat_template=chat_template, trust_remote_code=trust_remote_code)
-    stops = list(probe.get("tokenizer", {}).get("eos_token_ids") or [tok.eos_token_id])
-    trained_bs = probe["drafter"]["block_size"]
-    bs = eval_cfg.get("block_size") or trained_bs
-    temperature = float(eval_cfg["temperature"])
-    sets, set_info = load_eval_sets(eval_cfg, exclude_prompt_ids)
-    settings = {
-        "block_size": bs, "trained_block_size": trained_bs, "max_new_tokens": eval_cfg["max_new_tokens"],
-        "temperature": temperature, "draft_sampling": "greedy", "thinking": thinking, "seed": eval_cfg["seed"],
-        "device": dev, "backend": "transformers", "batch_size": 1,
-    }
-    loop = dict(block_size=bs, max_new_tokens=eval_cfg["max_new_tokens"], temperature=temperature,
-                seed=eval_cfg["seed"], thinking=thinking, stop_token_ids=stops)
-    record: dict = {
-        "schema_version": EVAL_SCHEMA_VERSION,
-        "target": {"path": str(target_dir), "model_type": probe.get("model_type"), "architectures": probe.get("architectures")},
-        "settings": settings,
-        "sets": set_info,
-        "drafters": {},
-    }
-
-    def load(label, ckpt):
-        if ckpt is None:
-            drafter, info = build_drafter(target, probe, seed=eval_cfg["seed"]), {"train_steps": 0, "zero_target_features": False}
-        else:
-            drafter, info = M.load_drafter(ckpt, device=dev), checkpoint_info(ckpt)
-        if bs > drafter.block_size:
-            raise ValueError(f"eval.block_size {bs} exceeds drafter {label}'s trained block size {drafter.block_size}")
-        return drafter.to(dev).eval(), info
-
-    for label, ckpt in drafters.items():
-        drafter, info = load(label, ckpt)
-        entry = {"checkpoint": str(ckpt) if ckpt else None, "train_steps": info["train_steps"],
-                 "zero_target_features": info["zero_target_features"], "sets": {}}
-        for set_name, prompts in sets.items():
-            stats = run_eval_set(target, tok, drafter, prompts, zero_target_features=info["zero_target_features"], **loop)
-            entry["sets"][set_name] = stats
-            print(f"[eval] {label:>14} {set_name:>10}: tau={stats['tau']:.3f} over {stats['num_responses']} responses "
-                  f"({stats['seconds']:.1f} s)", flush=True)
-        record["drafters"][label] = entry
-    record["tau"] = {label: {s: e["sets"][s]["tau"] for s in sets} for label, e in record["drafters"].items()}
-    if "untrained" in record["drafters"]:
-        floor = record["tau"]["untrained"]
-        record["tau_over_untrained"] = {
-            label: {s: taus[s] / max(1e-9, floor[s]) for s in sets} for label, taus in record["tau"].items() if label != "untrained"
-        }
-        if "trained" in record["tau_over_untrained"]:
-            record["trained_over_untrained"] = record["tau_over_untrained"]["trained"]
-    write_json(out_json, record, skip_if_identical=False)
-    if plot_png is not None:
-        plot_acceptance(record, plot_png)
-    if table_tsv is not None:
-        write_eval_table(record, table_tsv)
-
+    session = open_session(target_dir=target_dir, probe=probe, eval_cfg=eval_cfg, thinking=thinking,
+                           chat_template=chat_template, trust_remote_code=trust_remote_code,
+                           target_dtype=target_dtype, exclude_prompt_ids=exclude_prompt_ids)
+    record = run_drafters(session, drafters, target_dir=target_dir)
+    write_eval_outputs(record, out_json, plot_png=plot_png, table_tsv=table_tsv)
     if checkpoint_series is not None and series_json is not None:
-        n = int(eval_cfg.get("checkpoint_samples", 8))
-        subsets = {name: prompts[:n] for name, prompts in sets.items()} if n > 0 else {}
-        series = {"schema_version": EVAL_SCHEMA_VERSION, "settings": settings,
-                  "num_prompts": {s: len(p) for s, p in subsets.items()}, "points": []}
-        for step, ckpt in (sorted(checkpoint_series.items()) if subsets else []):
-            drafter, info = load(f"step {step}", ckpt)
-            point = {"step": int(step), "checkpoint": str(ckpt), "sets": {}}
-            for set_name, prompts in subsets.items():
-                st = run_eval_set(target, tok, drafter, prompts, zero_target_features=info["zero_target_features"], **loop)
-                point["sets"][set_name] = {k: st[k] for k in ("tau", "num_responses", "num_steps", "tokens_per_target_forward")}
-            series["points"].append(point)
-            print(f"[eval] step {step:>6}: " + " ".join(f"{s}={v['tau']:.2f}" for s, v in point["sets"].items()), flush=True)
+        series = run_checkpoint_series(session, checkpoint_series)
         write_json(series_json, series, skip_if_identical=False)
         if series_png is not None:
             plot_tau_vs_step(series, series_png, train_log=train_log)

@@ -30,6 +30,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from .contracts import CHECKPOINT_FORMAT_VERSION
+from .target import lm_head_logits, module_dtype
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -291,6 +292,8 @@ class DFlashDrafter(nn.Module):
 
         The block sees every cached context position (< ``start``) and itself, bidirectionally.
         ``new_context`` covers positions ``cache.length .. start-1`` and is appended to ``cache``.
+        Dtypes (dflash_pipeline.target): inputs are cast to the drafter's dtype, the output meets
+        ``lm_head`` in the head's dtype; logits come back in the head's dtype.
         """
         bs = block_size or self.block_size
         b = bonus_token.shape[0]
@@ -302,14 +305,15 @@ class DFlashDrafter(nn.Module):
         if ctx_pos.shape[1] and int(ctx_pos[0, -1]) != start - 1:
             raise ValueError(f"context covers positions up to {int(ctx_pos[0, -1])}, block starts at {start}")
         blk_pos = torch.arange(start, start + bs, device=dev).expand(b, -1)
-        emb = embed_tokens(block).to(new_context.dtype)
+        dt = module_dtype(self)
+        emb, new_context = embed_tokens(block).to(dt), new_context.to(dt)
         mask = None
         if self.sliding_window is not None:  # full layers see everything; sliding layers need a mask
             full = torch.ones((b, 1, bs, start + bs), dtype=torch.bool, device=dev)
             sliding = build_inference_sliding_mask(start, bs, self.sliding_window, device=dev).expand(b, -1, -1, -1)
             mask = {"full_attention": full, "sliding_attention": sliding}
         hidden = self(emb, new_context, ctx_pos, blk_pos, attn_mask=mask, cache=cache)
-        return lm_head(hidden)
+        return lm_head(hidden.to(lm_head.weight.dtype))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -491,12 +495,19 @@ def decayed_cross_entropy(
     labels: torch.Tensor,  # long [b, Q]
     weights: torch.Tensor,  # float [b, Q]
     chunk_tokens: int = 4096,
+    normalizer: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict]:
     """Weighted CE Σ w·CE / Σ w over slots with w > 0, computed in chunks of ``chunk_tokens`` slots
     under activation checkpointing so memory never holds [N·B, V] logits at once (dflash.md §4.5, §4.7).
 
+    ``normalizer`` (float scalar) replaces the local Σ w as the divisor: :func:`loss_normalizer` makes
+    data-parallel ranks average to the global Σ w·CE / Σ w. Logits are computed in the LM head's dtype
+    and upcast to float32 for the cross-entropy (:func:`dflash_pipeline.target.lm_head_logits`), so a
+    bf16 head works with or without autocast.
+
     Returns ``(loss, stats)``; ``stats`` holds per-slot correct/total counts (for accuracy and the EAL
-    proxy). With no supervised slot the loss is ``0 * hidden.sum()`` so every rank still runs backward.
+    proxy) and ``weight_sum`` (local Σ w). With no supervised slot the loss is ``0 * hidden.sum()`` so
+    every rank still runs backward.
     """
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
@@ -504,11 +515,11 @@ def decayed_cross_entropy(
     sel = (w > 0).nonzero(as_tuple=True)[0]
     total_w = w[sel].sum()
     if sel.numel() == 0:
-        return hidden.sum() * 0.0, {"num_slots": 0}
+        return hidden.sum() * 0.0, {"num_slots": 0, "weight_sum": 0.0}
     hs, ys, ws = h[sel], y[sel], w[sel]
 
     def chunk_loss(hc, yc, wc):
-        logits = F.linear(hc, lm_head_weight).float()
+        logits = lm_head_logits(hc, lm_head_weight)
         ce = F.cross_entropy(logits, yc, reduction="none")
         return (ce * wc).sum(), (logits.argmax(-1) == yc)
 
@@ -520,7 +531,23 @@ def decayed_cross_entropy(
         )
         loss = loss + part
         correct.append(ok)
-    return loss / total_w, {"num_slots": int(sel.numel()), "correct": torch.cat(correct), "index": sel}
+    denom = total_w if normalizer is None else normalizer.to(loss.device, torch.float32).clamp(min=1e-12)
+    return loss / denom, {"num_slots": int(sel.numel()), "correct": torch.cat(correct), "index": sel,
+                          "weight_sum": float(total_w)}
+
+
+def loss_normalizer(local_weight_sum: torch.Tensor, world_size: int, all_reduce_sum=None) -> torch.Tensor:
+    """Divisor for :func:`decayed_cross_entropy` on one of ``world_size`` data-parallel ranks.
+
+    DDP averages gradients over ranks, so rank r's loss Σ_r w·CE / (Σ_all w / world_size) averages to
+    the global Σ_all w·CE / Σ_all w: every supervised slot weighs the same whichever rank holds it (a
+    rank with few supervised tokens no longer weighs as much as a full one). ``all_reduce_sum`` sums a
+    float32 scalar over ranks (``accelerator.reduce(t, "sum")``); None = one process.
+    """
+    total = local_weight_sum.detach().to(torch.float32).reshape(())
+    if all_reduce_sum is not None and world_size > 1:
+        total = all_reduce_sum(total.clone())
+    return total / max(1, world_size)
 
 
 def slot_accuracy(stats: dict, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -575,7 +602,8 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, *, dtype: torch.dt
 
 
 def load_drafter(ckpt_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DFlashDrafter:
-    """Load a drafter written by :func:`save_drafter` (or any unprefixed DFlash checkpoint)."""
+    """Load a drafter written by :func:`save_drafter` (or any unprefixed DFlash checkpoint) in ``dtype``
+    (eval passes the target's, :func:`dflash_pipeline.target.drafter_dtype`)."""
     from safetensors.torch import load_file
 
     ckpt = Path(ckpt_dir)

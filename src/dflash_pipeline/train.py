@@ -20,12 +20,14 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
 from . import model as M
+from . import target as T
 from .shards import read_parquet, replace_dir, write_json
 
 
@@ -80,6 +82,8 @@ def collate(batch, pad_id: int = 0) -> dict[str, torch.Tensor]:
 # Target features
 # ---------------------------------------------------------------------------------------------------
 
+load_target = T.load_target  # one loader for every family (dflash_pipeline.target); re-exported here
+
 
 def target_features(target, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], layer_ids: Sequence[int], **kw):
     """Run the frozen target and concatenate the outputs of decoder layers ``layer_ids``.
@@ -87,34 +91,16 @@ def target_features(target, input_ids: torch.Tensor, attention_mask: Optional[to
     Uses :func:`dflash_pipeline.probe.hf_hidden_state_index` (the one canonical→HF conversion: id+1).
     Returns ``(features [b, S, K·H] in the target dtype, model output)``.
     """
-    from .probe import hf_hidden_state_index
-
-    out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, **kw)
-    feats = torch.cat([out.hidden_states[hf_hidden_state_index(l)] for l in layer_ids], dim=-1)
-    return feats, out
-
-
-def load_target(target_dir: str | Path, *, dtype: str = "auto", device: str | torch.device = "cpu"):
-    """Load the frozen target (eval mode, ``requires_grad=False``). ``auto`` = fp32 on CPU, bf16 on GPU."""
-    from transformers import AutoModelForCausalLM
-
-    dev = torch.device(device)
-    if dtype == "auto":
-        torch_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    else:
-        torch_dtype = getattr(torch, dtype)
-    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch_dtype)
-    target.to(dev).eval()
-    target.requires_grad_(False)
-    return target
+    out = T.hidden_states_of(target, input_ids, attention_mask, **kw)
+    return T.select_layers(out.hidden_states, layer_ids), out
 
 
 def build_drafter(target, probe: dict, *, seed: int = 0, layer_types=None, sliding_window=None) -> M.DFlashDrafter:
-    """Random-init drafter sized from the target config and the probe's drafter decisions
+    """Random-init float32 drafter sized from the target config and the probe's drafter decisions
     (``layer_types``/``sliding_window``: optional sliding-window draft layers, config ``drafter.*``)."""
     d = probe["drafter"]
     cfg = M.drafter_config_from_target(
-        target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config,
+        T.text_config(target.config),
         block_size=d["block_size"],
         num_draft_layers=d["num_draft_layers"],
         target_layer_ids=d["target_layer_ids"],
@@ -127,8 +113,139 @@ def build_drafter(target, probe: dict, *, seed: int = 0, layer_types=None, slidi
 
 
 # ---------------------------------------------------------------------------------------------------
+# One training step
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepContext:
+    """What :func:`training_step` needs besides the batch (built once per run by :func:`train`).
+
+    ``reduce_sum`` sums a scalar over data-parallel ranks (None = one process) for the global loss
+    normalisation (:func:`dflash_pipeline.model.loss_normalizer`).
+    """
+
+    drafter: Any
+    target: Any
+    probe: dict
+    num_anchors: int
+    block_size: int
+    gamma: Optional[float]
+    generator: torch.Generator
+    zero_target_features: bool = False
+    backend: str = "sdpa"
+    world_size: int = 1
+    reduce_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    embed: Any = field(default=None)
+    lm_head: Any = field(default=None)
+
+    def __post_init__(self):
+        self.embed = self.embed if self.embed is not None else T.input_embeddings(self.target)
+        self.lm_head = self.lm_head if self.lm_head is not None else T.lm_head(self.target)
+
+
+def training_step(ctx: StepContext, batch: dict) -> tuple[torch.Tensor, dict]:
+    """One forward pass: target features → anchors → blocks → drafter → decayed CE (dflash.md §4).
+
+    ``batch``: ``input_ids`` long [b, S], ``loss_mask`` uint8 [b, S], ``attention_mask`` long [b, S].
+    Dtypes (dflash_pipeline.target): the target runs in its dtype, the drafter in its parameter dtype
+    (inputs cast; Accelerate's autocast, when on, covers the drafter forward), the LM head in its dtype,
+    the CE in float32. The loss is divided by the global weight sum over ranks / world size.
+
+    Returns ``(loss scalar float32, stats)`` (see :func:`dflash_pipeline.model.decayed_cross_entropy`).
+    """
+    ids, lmask, am = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
+    d = ctx.probe["drafter"]
+    with torch.no_grad():
+        if ctx.zero_target_features:  # the ablation never looks at the target: skip its forward pass
+            k_h = len(d["target_layer_ids"]) * ctx.embed.weight.shape[1]
+            feats = torch.zeros(*ids.shape, k_h, dtype=ctx.embed.weight.dtype, device=ids.device)  # [b, S, K·H]
+        else:
+            feats, _ = target_features(ctx.target, ids, am, d["target_layer_ids"])  # [b, S, K·H]
+    anchors = M.sample_anchors(lmask.cpu(), ctx.num_anchors, generator=ctx.generator)
+    anchors = M.AnchorBatch(anchors.anchors.to(ids.device), anchors.keep.to(ids.device))
+    block_ids, block_pos, labels, weights = M.block_inputs_and_labels(
+        ids, lmask, anchors, ctx.block_size, d["mask_token_id"], ctx.gamma)
+    core = getattr(ctx.drafter, "module", ctx.drafter)
+    mask = M.build_training_masks(core, anchors.anchors, ids.shape[1], ctx.backend)
+    b, s = ids.shape
+    ctx_pos = torch.arange(s, device=ids.device).expand(b, -1)
+    with torch.no_grad():
+        noise = ctx.embed(block_ids)
+    noise, feats = T.to_drafter_dtype(ctx.drafter, noise, feats)
+    hidden = ctx.drafter(noise, feats, ctx_pos, block_pos, attn_mask=mask)
+    norm = M.loss_normalizer(weights.sum(), ctx.world_size, ctx.reduce_sum)
+    return M.decayed_cross_entropy(hidden, ctx.lm_head.weight, labels, weights, normalizer=norm)
+
+
+# ---------------------------------------------------------------------------------------------------
 # Training loop
 # ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Window:
+    """Running totals between two log lines."""
+
+    block_size: int
+    loss: float = 0.0
+    n: int = 0
+    tokens: int = 0
+    correct: torch.Tensor = None
+    total: torch.Tensor = None
+    t0: float = field(default_factory=time.time)
+
+    def __post_init__(self):
+        self.correct = torch.zeros(self.block_size)
+        self.total = torch.zeros(self.block_size)
+
+    def add(self, loss: float, stats: dict, tokens: int) -> None:
+        c, t = M.slot_accuracy(stats, self.block_size)
+        self.loss += loss
+        self.n += 1
+        self.correct += c
+        self.total += t
+        self.tokens += tokens
+
+
+def _log_window(accelerator, w: _Window, *, step: int, total_steps: int, epoch: int, lr: float, log_path: Path) -> None:
+    """Reduce the window's slot counts over ranks and append one ``train_log.jsonl`` record (main rank)."""
+    totals = accelerator.reduce(torch.stack([w.correct, w.total]).to(accelerator.device), "sum").cpu()
+    acc = (totals[0] / totals[1].clamp(min=1)).tolist()
+    elapsed = time.time() - w.t0
+    rec = {
+        "step": step, "epoch": epoch, "loss": w.loss / w.n, "lr": lr, "slot_acc": acc,
+        "eal": M.expected_acceptance_length(acc),
+        "tokens_per_s": w.tokens * accelerator.num_processes / max(1e-9, elapsed), "elapsed_s": elapsed,
+    }
+    if accelerator.is_main_process:
+        with open(log_path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(rec) + "\n")
+        print(f"[train] step {step}/{total_steps} loss {rec['loss']:.4f} eal {rec['eal']:.2f} acc1 {acc[1]:.3f}", flush=True)
+
+
+def _resume(accelerator, out_dir: Path, total_steps: int) -> int:
+    """Load ``state/`` when present and return its step; on a fresh start clear the old log and exports."""
+    state_dir = out_dir / "state"
+    step = 0
+    if (state_dir / "step.json").is_file():
+        accelerator.load_state(str(state_dir))
+        step = json.loads((state_dir / "step.json").read_text())["step"]
+        accelerator.print(f"[train] resumed from {state_dir} at step {step}/{total_steps}")
+    if accelerator.is_main_process and step == 0:
+        (out_dir / "train_log.jsonl").unlink(missing_ok=True)
+        for old in out_dir.glob(f"{STEP_EXPORT_PREFIX}*"):  # intermediate exports of an earlier run
+            shutil.rmtree(old, ignore_errors=True)
+    return step
+
+
+def make_accelerator(cfg: dict):
+    """The run's ``Accelerator``: CPU when ``train.device`` is ``cpu`` or no CUDA device is visible, with
+    ``train.mixed_precision`` (bf16 autocast works on CPU too, which is how the tests exercise it)."""
+    from accelerate import Accelerator
+
+    cpu = cfg["device"] == "cpu" or not torch.cuda.is_available()
+    return Accelerator(cpu=cpu, mixed_precision=cfg["mixed_precision"])
 
 
 def train(
@@ -139,11 +256,15 @@ def train(
     out_dir: str | Path,
     cfg: dict,
     target_dtype: str = "auto",
+    trust_remote_code: bool = False,
     zero_target_features: bool = False,
     drafter_arch: Optional[dict] = None,
 ) -> dict:
     """Train the drafter; see the module docstring for outputs. ``cfg`` is the validated ``train`` config.
 
+    ``target_dtype`` / ``trust_remote_code``: ``target.dtype`` / ``target.trust_remote_code``
+    (:func:`dflash_pipeline.target.load_target`; ``auto`` = bf16 on CUDA, fp32 on CPU). The drafter keeps
+    float32 master weights; ``train.mixed_precision`` sets Accelerate's autocast.
     ``drafter_arch`` holds the optional ``layer_types``/``sliding_window`` (config ``drafter.*``).
     ``zero_target_features`` trains the ablation baseline whose fused features are all zero (what the
     target features buy). Returns the summary dict (also written to ``train_summary.json``).
@@ -151,25 +272,21 @@ def train(
     Raises:
         ValueError: no token record has an anchor candidate.
     """
-    from accelerate import Accelerator
     from accelerate.utils import set_seed
 
     out_dir = Path(out_dir)
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.get("mixed_precision", "no"))
+    accelerator = make_accelerator(cfg)
     set_seed(cfg["seed"])
-    is_main = accelerator.is_main_process
     out_dir.mkdir(parents=True, exist_ok=True)
 
     records = load_token_shards(token_shards)
     if not records:
         raise ValueError(f"no token record with ≥2 supervised tokens in {len(token_shards)} shard(s)")
-    target = load_target(target_dir, dtype=target_dtype, device=accelerator.device)
-    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    target = T.load_target(target_dir, dtype=target_dtype, device=accelerator.device, trust_remote_code=trust_remote_code)
     arch = drafter_arch or {}
     drafter = build_drafter(target, probe, seed=cfg["seed"], layer_types=arch.get("layer_types"), sliding_window=arch.get("sliding_window"))
-    backend = cfg.get("attention_backend", "auto")
-    if backend == "auto":
-        backend = "flex" if accelerator.device.type == "cuda" else "sdpa"
+    backend = cfg["attention_backend"] if cfg.get("attention_backend", "auto") != "auto" else (
+        "flex" if accelerator.device.type == "cuda" else "sdpa")
     block_size = drafter.block_size
     gamma = cfg.get("loss_gamma") or M.loss_decay_gamma(block_size)
     n_trainable = M.count_parameters(drafter)
@@ -187,118 +304,69 @@ def train(
     )
     drafter, optimizer, loader = accelerator.prepare(drafter, optimizer, loader)
     accelerator.register_for_checkpointing(scheduler)
-
-    state_dir = out_dir / "state"
-    step = 0
-    if (state_dir / "step.json").is_file():
-        accelerator.load_state(str(state_dir))
-        step = json.loads((state_dir / "step.json").read_text())["step"]
-        accelerator.print(f"[train] resumed from {state_dir} at step {step}/{total_steps}")
-    log_path = out_dir / "train_log.jsonl"
-    if is_main and step == 0 and log_path.exists():
-        log_path.unlink()
-    if is_main and step == 0:
-        for old in out_dir.glob(f"{STEP_EXPORT_PREFIX}*"):  # intermediate exports of an earlier run
-            shutil.rmtree(old, ignore_errors=True)
+    step = _resume(accelerator, out_dir, total_steps)
     accelerator.print(
         f"[train] records={len(records)} processes={nproc} device={accelerator.device} steps={total_steps} "
-        f"trainable_params={n_trainable} block_size={block_size} gamma={gamma} target_layer_ids={probe['drafter']['target_layer_ids']}"
+        f"trainable_params={n_trainable} block_size={block_size} gamma={gamma} target_layer_ids={probe['drafter']['target_layer_ids']} "
+        f"target_dtype={T.module_dtype(target)} mixed_precision={cfg['mixed_precision']}"
     )
-
-    gen = torch.Generator(device="cpu").manual_seed(cfg["seed"] * 1000 + accelerator.process_index)
-    t0 = time.time()
-    window = {"loss": 0.0, "n": 0, "correct": torch.zeros(block_size), "total": torch.zeros(block_size), "tokens": 0}
+    ctx = StepContext(
+        drafter=drafter, target=target, probe=probe, num_anchors=cfg["num_anchors"], block_size=block_size, gamma=gamma,
+        generator=torch.Generator(device="cpu").manual_seed(cfg["seed"] * 1000 + accelerator.process_index),
+        zero_target_features=zero_target_features, backend=backend, world_size=nproc,
+        reduce_sum=lambda t: accelerator.reduce(t.to(accelerator.device), "sum"),
+    )
+    window = _Window(block_size)
     drafter.train()
-    done = step >= total_steps
-    while not done:
+    while step < total_steps:
         epoch = step // steps_per_epoch
         loader.set_epoch(epoch)
         skip = step - epoch * steps_per_epoch
-        batches = accelerator.skip_first_batches(loader, skip) if skip else loader
-        for batch in batches:
+        for batch in (accelerator.skip_first_batches(loader, skip) if skip else loader):
             if cfg.get("trace_batches"):
                 trace_batch(out_dir, accelerator.process_index, step, batch)
-            loss, stats = training_step(
-                drafter, target, embed, lm_head, batch, probe, cfg, block_size, gamma, gen, zero_target_features, backend
-            )
+            loss, stats = training_step(ctx, batch)
             accelerator.backward(loss)
             accelerator.clip_grad_norm_(drafter.parameters(), cfg["max_grad_norm"])
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            c, t = M.slot_accuracy(stats, block_size)
-            window["loss"] += float(loss.detach())
-            window["n"] += 1
-            window["correct"] += c
-            window["total"] += t
-            window["tokens"] += int(batch["attention_mask"].sum())
+            # the rank losses average to the global loss (loss_normalizer), so log their mean
+            window.add(float(accelerator.reduce(loss.detach(), "mean")), stats, int(batch["attention_mask"].sum()))
             if step % cfg["log_every_steps"] == 0 or step == total_steps:
-                totals = accelerator.reduce(torch.stack([window["correct"], window["total"]]).to(accelerator.device), "sum").cpu()
-                acc = (totals[0] / totals[1].clamp(min=1)).tolist()
-                rec = {
-                    "step": step, "epoch": epoch, "loss": window["loss"] / window["n"], "lr": scheduler.get_last_lr()[0],
-                    "slot_acc": acc, "eal": M.expected_acceptance_length(acc),
-                    "tokens_per_s": window["tokens"] * nproc / max(1e-9, time.time() - t0), "elapsed_s": time.time() - t0,
-                }
-                if is_main:
-                    with open(log_path, "a", encoding="utf-8") as fh:
-                        fh.write(json.dumps(rec) + "\n")
-                    print(f"[train] step {step}/{total_steps} loss {rec['loss']:.4f} eal {rec['eal']:.2f} acc1 {acc[1]:.3f}", flush=True)
-                window = {"loss": 0.0, "n": 0, "correct": torch.zeros(block_size), "total": torch.zeros(block_size), "tokens": 0}
-                t0 = time.time()
+                _log_window(accelerator, window, step=step, total_steps=total_steps, epoch=epoch,
+                            lr=scheduler.get_last_lr()[0], log_path=out_dir / "train_log.jsonl")
+                window = _Window(block_size)
             if step % cfg["save_every_steps"] == 0 and step < total_steps:
-                save_state(accelerator, state_dir, step)
-                if is_main:
+                save_state(accelerator, out_dir / "state", step)
+                if accelerator.is_main_process:
                     export_step(accelerator.unwrap_model(drafter), out_dir, step, zero_target_features)
             if step >= total_steps:
-                done = True
                 break
-
-    accelerator.wait_for_everyone()
-    summary = {
+    return _finish(accelerator, drafter, out_dir, step, {
         "steps": total_steps, "records": len(records), "num_processes": nproc, "trainable_params": n_trainable,
         "block_size": block_size, "loss_gamma": gamma, "zero_target_features": zero_target_features,
         "attention_backend": backend, "layer_types": accelerator.unwrap_model(drafter).layer_types,
-        "train_config": cfg,
-    }
-    if is_main:
+        "target_dtype": str(T.module_dtype(target)).replace("torch.", ""), "train_config": cfg,
+    })
+
+
+def _finish(accelerator, drafter, out_dir: Path, step: int, summary: dict) -> dict:
+    """Export ``final/`` (atomic), write ``train_summary.json``, save the last state; returns ``summary``."""
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
         final = out_dir / "final"
         tmp = out_dir / "final.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        M.save_drafter(accelerator.unwrap_model(drafter), tmp, extra={"train_steps": total_steps, "zero_target_features": zero_target_features})
+        M.save_drafter(accelerator.unwrap_model(drafter), tmp,
+                       extra={"train_steps": summary["steps"], "zero_target_features": summary["zero_target_features"]})
         replace_dir(tmp, final)
         write_json(out_dir / "train_summary.json", summary)
-    save_state(accelerator, state_dir, step)
+    save_state(accelerator, out_dir / "state", step)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return summary
-
-
-def training_step(drafter, target, embed, lm_head, batch, probe, cfg, block_size, gamma, gen, zero_target_features=False, backend="sdpa"):
-    """One forward pass: target features → anchors → blocks → drafter → decayed CE (dflash.md §4).
-
-    Returns ``(loss scalar, stats)``.
-    """
-    ids, lmask, am = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
-    d = probe["drafter"]
-    with torch.no_grad():
-        if zero_target_features:  # the ablation never looks at the target: skip its forward pass
-            k_h = len(d["target_layer_ids"]) * embed.weight.shape[1]
-            feats = torch.zeros(*ids.shape, k_h, dtype=embed.weight.dtype, device=ids.device)  # [b, S, K·H]
-        else:
-            feats, _ = target_features(target, ids, am, d["target_layer_ids"])  # [b, S, K·H]
-    anchors = M.sample_anchors(lmask.cpu(), cfg["num_anchors"], generator=gen)
-    anchors = M.AnchorBatch(anchors.anchors.to(ids.device), anchors.keep.to(ids.device))
-    block_ids, block_pos, labels, weights = M.block_inputs_and_labels(ids, lmask, anchors, block_size, d["mask_token_id"], gamma)
-    core = drafter.module if hasattr(drafter, "module") else drafter
-    mask = M.build_training_masks(core, anchors.anchors, ids.shape[1], backend)
-    b, s = ids.shape
-    ctx_pos = torch.arange(s, device=ids.device).expand(b, -1)
-    with torch.no_grad():
-        noise = embed(block_ids)
-    hidden = drafter(noise.to(feats.dtype), feats, ctx_pos, block_pos, attn_mask=mask)
-    return M.decayed_cross_entropy(hidden, lm_head.weight, labels, weights)
 
 
 #: Intermediate drafter exports live in ``<out_dir>/step_<N>/`` (N zero-padded to 6 digits).
@@ -348,7 +416,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--target", required=True, help="target model directory")
     p.add_argument("--out-dir", required=True, help="run directory (final/, state/, logs)")
     p.add_argument("--train-config", required=True, help="JSON of the validated `train` config")
-    p.add_argument("--target-dtype", default="auto")
+    p.add_argument("--target-dtype", default="auto", choices=T.DTYPE_CHOICES, help="target.dtype")
+    p.add_argument("--trust-remote-code", action="store_true", help="target.trust_remote_code")
     p.add_argument("--zero-target-features", action="store_true")
     p.add_argument("--drafter-arch", default="{}", help="JSON with optional layer_types / sliding_window")
     p.add_argument("token_shards", nargs="+")
@@ -356,7 +425,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     probe = json.loads(Path(a.probe).read_text(encoding="utf-8"))
     train(
         token_shards=a.token_shards, probe=probe, target_dir=a.target, out_dir=a.out_dir,
-        cfg=json.loads(a.train_config), target_dtype=a.target_dtype, zero_target_features=a.zero_target_features,
+        cfg=json.loads(a.train_config), target_dtype=a.target_dtype, trust_remote_code=a.trust_remote_code,
+        zero_target_features=a.zero_target_features,
         drafter_arch=json.loads(a.drafter_arch),
     )
 

@@ -189,11 +189,11 @@ def job_gpus(config: dict, rule: str) -> int:
     """GPUs one job of ``rule`` asks for (the rule's ``gpu`` resource; SLURM maps it to ``--gpus=N``).
 
     A run is a GPU run when ``train.mixed_precision`` is not ``"no"`` (bf16/fp16 are GPU settings; CPU
-    runs use fp32). Then training takes ``train.num_processes`` GPUs (one per accelerate process), eval one,
+    runs use fp32), unless ``train.device: cpu`` (bf16 on a CPU box: no GPU claimed). Then training takes ``train.num_processes`` GPUs (one per accelerate process), eval one,
     and in-process generation (``generation.backend: transformers``) one; server-backed generation none.
     Override per rule with ``--set-resources RULE:gpu=N`` (or ``set-resources`` in a profile).
     """
-    if config["train"]["mixed_precision"] == "no" or rule not in GPU_RULES:
+    if config["train"]["mixed_precision"] == "no" or config["train"]["device"] == "cpu" or rule not in GPU_RULES:
         return 0
     if rule == "train_drafter":
         return int(config["train"]["num_processes"])

@@ -1,0 +1,388 @@
+"""A zoo of tiny twins: one random-weight model per real ``config.json`` under the model metadata corpus
+(``../shared/data/models/<family>/``), small enough to build, train and evaluate in seconds on a CPU.
+
+A twin keeps what makes its family distinct and shrinks the rest (:func:`shrink_config`): the config
+class and ``model_type`` (``auto_map`` and ``architectures`` too), nested ``text_config`` with its vision
+tower (Kimi-K2.5, Qwen3-VL, Qwen3.5, gemma-4), MLA and MoE routing fields (DeepSeek-V3, Kimi-K2, MiniMax-M2),
+the layer-type pattern (hybrid linear/full attention of Qwen3.5/Qwen3-Next, sliding windows of gemma and
+gpt-oss — the window shrinks to :data:`SLIDING_WINDOW` tokens so eval sequences cross it), tied vs untied
+embeddings, partial rotary, rope scaling. Quantization configs are dropped (the twin is dense bf16/fp32).
+
+Each twin gets a tokenizer that renders the family's real chat template (:func:`family_template`): the
+demo byte-level BPE (:func:`dflash_pipeline.demo.train_tokenizer`) plus the special tokens the template
+writes, with the family's bos/eos. ``config.vocab_size`` leaves free rows past the tokenizer (mask token).
+
+Built deterministically from ``(family, seed)``; :func:`build_twin` is called once per test session
+(``tests/test_zoo.py``). ``python -m dflash_pipeline.testing.zoo --table`` runs every stage on every twin
+and prints the family × stage table (ok / refused with the reason).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+#: Width of every twin's decoder (heads × head_dim = 4 × 16).
+HIDDEN = 64
+#: Sliding window of twins with sliding layers (tokens): short, so eval prompts cross it.
+SLIDING_WINDOW = 8
+#: Factor applied to the twin's LM head so greedy logits have margins (random init is ~uniform).
+HEAD_SCALE = 8.0
+
+#: Families whose own directory has no chat template: the corpus directory whose template they use.
+TEMPLATE_FROM = {
+    "DeepSeek-V3": "DeepSeek-V3.1",
+    "Kimi-K2.5": "Kimi-K2-Thinking",
+    "Meta-Llama-3.1-8B": "Llama-3.1-8B-Instruct",
+    "MiniMax-M2.7": "MiniMax-M2",
+    "Qwen2.5-7B": "Qwen2.5-7B-Instruct",
+    "Qwen3-Next-80B-A3B-Thinking": "Qwen3-30B-A3B",
+    "Qwen3-VL-32B-Instruct": "Qwen3-VL-2B-Instruct",
+    "gemma-4-26B-A4B": "gemma-3-4b-it",  # gemma-4's own template is not in the corpus
+}
+#: Special tokens a chat template writes (Qwen/ChatML, Llama-3, DeepSeek, Kimi, gpt-oss, gemma, MiniMax).
+_SPECIAL_RE = re.compile(r"<\|[^<>|'\" ]{1,40}\|>|<｜[^<>｜'\" ]{1,40}｜>|<(?:start|end)_of_turn>|\]~!?b\[|\[e~\[")
+#: bos/eos per template family (first marker found in the template wins), when no tokenizer_config says.
+_BOS_EOS = (
+    ("<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
+    ("<|start_header_id|>", "<|begin_of_text|>", "<|eot_id|>"),
+    ("<|return|>", "<|startoftext|>", "<|return|>"),
+    ("<start_of_turn>", "<bos>", "<end_of_turn>"),
+    ("[e~[", "]~!b[", "[e~["),
+    ("<|im_middle|>", "[BOS]", "<|im_end|>"),
+    ("<|im_start|>", None, "<|im_end|>"),
+)
+THINK_TOKENS = ("<think>", "</think>")
+
+
+def families(models_dir: str | Path) -> list[str]:
+    """Names of the corpus directories with a ``config.json`` (sorted): the families the zoo covers."""
+    return sorted(p.parent.name for p in Path(models_dir).glob("*/config.json"))
+
+
+def family_template(models_dir: str | Path, family: str) -> Path:
+    """The chat template file a family's twin renders (its own, else :data:`TEMPLATE_FROM`).
+
+    Raises:
+        FileNotFoundError: no template for the family (names the directories looked in).
+    """
+    root = Path(models_dir)
+    for d in (family, TEMPLATE_FROM.get(family)):
+        if d is None:
+            continue
+        for name in ("chat_template.jinja", "chat_template.current.jinja"):
+            if (root / d / name).is_file():
+                return root / d / name
+    raise FileNotFoundError(f"no chat template for {family} in {root / family} or TEMPLATE_FROM")
+
+
+# ---------------------------------------------------------------------------------------------------
+# config shrinking
+# ---------------------------------------------------------------------------------------------------
+
+
+def _shrunk_layer_types(types: list[str]) -> list[str]:
+    """Smallest prefix of ``types`` that repeats the family's pattern with every layer type in it,
+    at least 4 layers (the target_layer_ids formula's minimum)."""
+    kinds = set(types)
+    n = next((i + 1 for i in range(len(types)) if set(types[: i + 1]) == kinds), len(types))
+    n = max(n, 2)
+    out = (types[:n] * (4 // n + 1))[: max(4, n)]
+    return out
+
+
+def _scale_sections(sections: list[int], total: int) -> list[int]:
+    """Scale mrope sections to sum to ``total`` (each ≥ 0), remainder on the first."""
+    s = sum(sections) or 1
+    out = [int(x * total // s) for x in sections]
+    out[0] += total - sum(out)
+    return out
+
+
+def shrink_text(t: dict) -> dict:
+    """Shrink a decoder config dict in place of its sizes, keeping its structure (see module docstring)."""
+    t = dict(t)
+    t.pop("quantization_config", None)
+    heads = t.get("num_attention_heads") or 4
+    mha = t.get("num_key_value_heads") in (None, heads)
+    t.update(hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=4 if mha else 2)
+    if "head_dim" in t or "kv_lora_rank" not in t:
+        t["head_dim"] = 16
+    for k, v in (("intermediate_size", 96), ("moe_intermediate_size", 32), ("shared_expert_intermediate_size", 32),
+                 ("global_head_dim", 32), ("num_global_key_value_heads", 1)):
+        if t.get(k):
+            t[k] = v
+    if t.get("shared_intermediate_size"):
+        t["shared_intermediate_size"] = 32
+    for k in ("n_routed_experts", "num_experts", "num_local_experts"):
+        if isinstance(t.get(k), int) and t[k] > 1:
+            t[k] = 4
+    for k in ("num_experts_per_tok", "top_k_experts", "experts_per_token"):
+        if isinstance(t.get(k), int):
+            t[k] = min(t[k], 2)
+    if "n_group" in t:
+        t["n_group"], t["topk_group"] = 1, 1
+    if t.get("first_k_dense_replace"):
+        t["first_k_dense_replace"] = 1
+    if "kv_lora_rank" in t:  # MLA
+        t.update(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16)
+        if t.get("q_lora_rank"):
+            t["q_lora_rank"] = 24
+        t.pop("head_dim", None)
+    for k, v in (("linear_num_key_heads", 2), ("linear_num_value_heads", 4), ("linear_key_head_dim", 8),
+                 ("linear_value_head_dim", 8)):
+        if k in t:
+            t[k] = v
+    if t.get("rotary_dim"):  # MiniMax partial rotary: keep the fraction of head_dim
+        t["rotary_dim"] = max(2, int(16 * t["rotary_dim"] / max(1, t.get("head_dim_orig", 128))) // 2 * 2)
+    if t.get("sliding_window"):
+        t["sliding_window"] = SLIDING_WINDOW
+    for k in ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_modules", "mtp_transformer_layers"):
+        if k in t:
+            t[k] = 0
+    t.pop("use_mtp", None)
+    if isinstance(t.get("mlp_only_layers"), list):
+        t["mlp_only_layers"] = []
+    n = 4
+    if isinstance(t.get("layer_types"), list) and t["layer_types"]:
+        t["layer_types"] = _shrunk_layer_types(t["layer_types"])
+        n = len(t["layer_types"])
+    elif isinstance(t.get("attn_type_list"), list):
+        t["attn_type_list"] = _shrunk_layer_types([str(x) for x in t["attn_type_list"]])
+        t["attn_type_list"] = [int(x) for x in t["attn_type_list"]]
+        n = len(t["attn_type_list"])
+    elif isinstance(t.get("full_attention_interval"), int):
+        n = max(4, t["full_attention_interval"])
+    t["num_hidden_layers"] = n
+    if "max_window_layers" in t:
+        t["max_window_layers"] = n
+    rp = t.get("rope_parameters") or t.get("rope_scaling")
+    if isinstance(rp, dict) and rp.get("mrope_section"):
+        frac = rp.get("partial_rotary_factor") or t.get("partial_rotary_factor") or 1.0
+        rp = dict(rp, mrope_section=_scale_sections(rp["mrope_section"], int(16 * frac) // 2))
+        t["rope_parameters" if t.get("rope_parameters") else "rope_scaling"] = rp
+    return t
+
+
+_VISION_SIZES = {
+    "depth": 1, "num_hidden_layers": 1, "vt_num_hidden_layers": 1, "hidden_size": 32, "vt_hidden_size": 32,
+    "mm_hidden_size": 32, "intermediate_size": 64, "vt_intermediate_size": 64, "num_heads": 2,
+    "num_attention_heads": 2, "vt_num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
+    "global_head_dim": 16, "out_hidden_size": HIDDEN, "text_hidden_size": HIDDEN,
+}
+
+
+def shrink_vision(v: dict) -> dict:
+    """Shrink a vision/audio tower config to one tiny layer (its projector maps to the twin's width)."""
+    v = dict(v)
+    for k, size in _VISION_SIZES.items():
+        if isinstance(v.get(k), int):
+            v[k] = size
+    if isinstance(v.get("deepstack_visual_indexes"), list):
+        v["deepstack_visual_indexes"] = [0] if v["deepstack_visual_indexes"] else []
+    return v
+
+
+def shrink_config(raw: dict, vocab_size: int, *, bos_id: Optional[int], eos_id: int, pad_id: Optional[int]) -> dict:
+    """The twin's ``config.json`` dict from the real one (structure kept, sizes shrunk, vocab replaced)."""
+    raw = copy.deepcopy(raw)
+    raw.pop("quantization_config", None)
+    ids = {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id}
+    nested = isinstance(raw.get("text_config"), dict)
+    for key in list(raw):
+        if isinstance(raw[key], dict) and any(h in key for h in ("vision", "audio")):
+            raw[key] = shrink_vision(raw[key])
+    if nested:
+        t = raw["text_config"]
+        t["head_dim_orig"] = t.get("head_dim") or 128
+        raw["text_config"] = shrink_text(t)
+        raw["text_config"].pop("head_dim_orig", None)
+        raw["text_config"].update(vocab_size=vocab_size, **ids)
+        if "vocab_size_per_layer_input" in raw["text_config"]:
+            raw["text_config"]["vocab_size_per_layer_input"] = vocab_size
+        for k in ("image_token_id", "video_token_id", "audio_token_id", "vision_start_token_id", "vision_end_token_id",
+                  "boi_token_id", "eoi_token_id", "boa_token_id", "eoa_token_id", "eoa_token_index",
+                  "media_placeholder_token_id", "image_token_index"):
+            if isinstance(raw.get(k), int):
+                raw[k] = vocab_size - 1  # never produced by the text tokenizer
+        raw.update({k: v for k, v in ids.items() if k in raw})
+    else:
+        raw["head_dim_orig"] = raw.get("head_dim") or 128
+        raw = shrink_text(raw)
+        raw.pop("head_dim_orig", None)
+        raw.update(vocab_size=vocab_size, **ids)
+    return raw
+
+
+# ---------------------------------------------------------------------------------------------------
+# tokenizer
+# ---------------------------------------------------------------------------------------------------
+
+_BASE_TOKENIZER: dict = {}
+
+
+def base_tokenizer(corpus_file: str | Path, *, vocab_size: int = 384, max_texts: int = 600):
+    """The demo byte-level BPE trained on the first ``max_texts`` texts of ``corpus_file`` (cached)."""
+    from ..demo import load_corpus, train_tokenizer
+
+    key = (str(corpus_file), vocab_size, max_texts)
+    if key not in _BASE_TOKENIZER:
+        convs = load_corpus([corpus_file])[: max_texts // 2]
+        _BASE_TOKENIZER[key] = train_tokenizer([m["content"] for c in convs for m in c], vocab_size=vocab_size)
+    return copy.deepcopy(_BASE_TOKENIZER[key])
+
+
+def family_tokenizer(template_text: str, corpus_file: str | Path, tokenizer_config: Optional[dict] = None):
+    """Demo BPE + the template's special tokens, the family's bos/eos and its chat template."""
+    from tokenizers import AddedToken
+
+    tok = base_tokenizer(corpus_file)
+    tc = tokenizer_config or {}
+
+    def content(v):
+        return v.get("content") if isinstance(v, dict) else v
+
+    bos, eos = None, None
+    for marker, b, e in _BOS_EOS:
+        if marker in template_text:
+            bos, eos = b, e
+            break
+    bos = content(tc.get("bos_token")) or bos
+    eos = eos or content(tc.get("eos_token"))
+    if eos is None:
+        raise ValueError("cannot tell the template's end-of-turn token; add its marker to zoo._BOS_EOS")
+    specials = sorted(set(_SPECIAL_RE.findall(template_text)) | {t for t in (bos, eos) if t} - set(THINK_TOKENS))
+    tok.add_special_tokens({"additional_special_tokens": [AddedToken(s, special=True, normalized=False) for s in specials]},
+                           replace_extra_special_tokens=False)
+    think = [t for t in THINK_TOKENS if t in template_text and t not in tok.get_vocab()]
+    if think:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in think])
+    tok.eos_token = eos
+    tok.bos_token = bos
+    tok.chat_template = template_text
+    return tok
+
+
+# ---------------------------------------------------------------------------------------------------
+# build
+# ---------------------------------------------------------------------------------------------------
+
+
+def build_twin(models_dir: str | Path, family: str, out_dir: str | Path, *, corpus_file: str | Path,
+               seed: int = 0) -> Path:
+    """Write the tiny twin of ``family`` into ``out_dir`` (config.json as the family writes it, shrunk;
+    model.safetensors; tokenizer files with the family's chat template; generation_config.json).
+
+    Deterministic in ``(family, seed)``. Returns ``out_dir``.
+
+    Raises:
+        FileNotFoundError: no config.json / chat template for the family.
+        dflash_pipeline.target.TargetLoadError: transformers has no class for the family.
+    """
+    import torch
+    from transformers import GenerationConfig
+
+    from ..demo import padded_vocab_size
+    from ..shards import replace_dir
+    from ..target import causal_lm_class, load_target_config
+
+    src = Path(models_dir) / family
+    raw = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    template = family_template(models_dir, family).read_text(encoding="utf-8")
+    tc_path = src / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text(encoding="utf-8")) if tc_path.is_file() else None
+    tok = family_tokenizer(template, corpus_file, tc)
+    rows = padded_vocab_size(len(tok))
+    eos_id = tok.convert_tokens_to_ids(tok.eos_token)
+    pad_id = tok.convert_tokens_to_ids("<|endoftext|>")
+    cfg_dict = shrink_config(raw, rows, bos_id=tok.bos_token_id, eos_id=eos_id, pad_id=pad_id)
+
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    (tmp / "config.json").write_text(json.dumps(cfg_dict, indent=2) + "\n", encoding="utf-8")
+    config = load_target_config(tmp)
+    cls = causal_lm_class(config)
+    torch.manual_seed(seed)
+    model = cls._from_config(config, dtype=torch.float32) if hasattr(cls, "_from_config") else cls(config)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(HEAD_SCALE)
+    model.save_pretrained(tmp)
+    # keep the family's own config.json (model_type, auto_map, nesting) rather than transformers' rewrite
+    (tmp / "config.json").write_text(json.dumps(cfg_dict, indent=2) + "\n", encoding="utf-8")
+    tok.save_pretrained(tmp)
+    stops = [eos_id] + [tok.convert_tokens_to_ids(t) for t in ("<|end|>", "<|call|>", "<|eom_id|>") if t in template]
+    GenerationConfig(eos_token_id=stops, pad_token_id=pad_id, bos_token_id=tok.bos_token_id, do_sample=False).save_pretrained(tmp)
+    (tmp / "twin.json").write_text(json.dumps({"family": family, "seed": seed, "class": cls.__name__,
+                                               "template_from": family_template(models_dir, family).parent.name}) + "\n")
+    replace_dir(tmp, out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# family × stage table
+# ---------------------------------------------------------------------------------------------------
+
+STAGES = ("build", "probe", "completions", "tokens", "train_fp32", "train_bf16", "eval")
+
+
+def _reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
+
+
+def run_stages(models_dir: Path, family: str, work: Path, corpus_file: Path,
+               log: Callable[[str], None] = lambda m: None) -> dict[str, str]:
+    """Every stage on one twin, in-process, each ``ok`` or ``refused: <reason>`` (later stages are
+    ``skipped`` once one is refused). Stages: twin build, probe, completions (transformers backend), tokens
+    (the family's template), training fp32 and bf16 (bf16 target + ``mixed_precision: bf16``), export, eval τ."""
+    from . import zoo_stages
+
+    return zoo_stages.run_all(models_dir, family, work, corpus_file, log=log)
+
+
+def main(argv=None) -> int:
+    """CLI: ``python -m dflash_pipeline.testing.zoo --table [--models DIR] [--family NAME]…``."""
+    import tempfile
+
+    ap = argparse.ArgumentParser(prog="python -m dflash_pipeline.testing.zoo", description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default=os.environ.get("DFLASH_MODELS_DIR", "../shared/data/models"))
+    ap.add_argument("--corpus", default="data/gsm8k/train.jsonl")
+    ap.add_argument("--family", action="append", help="only these families (default: all with a config.json)")
+    ap.add_argument("--table", action="store_true", help="run every stage and print the family × stage table")
+    ap.add_argument("--out", help="build the twins into this directory (default: a temp dir)")
+    a = ap.parse_args(argv)
+    models = Path(a.models)
+    fams = a.family or families(models)
+    root = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="dflash-zoo-"))
+    rows = {}
+    for fam in fams:
+        t0 = time.time()
+        if a.table:
+            rows[fam] = run_stages(models, fam, root / fam, Path(a.corpus))
+        else:
+            try:
+                build_twin(models, fam, root / fam / "target", corpus_file=a.corpus)
+                rows[fam] = {"build": "ok"}
+            except Exception as exc:  # noqa: BLE001 - reported in the table
+                rows[fam] = {"build": f"refused: {_reason(exc)}"}
+        print(f"[zoo] {fam}: {time.time() - t0:.1f} s", file=sys.stderr, flush=True)
+    stages = STAGES if a.table else ("build",)
+    print("| family | " + " | ".join(stages) + " |")
+    print("|---" * (len(stages) + 1) + "|")
+    for fam, r in rows.items():
+        print(f"| {fam} | " + " | ".join(r.get(s, "skipped") for s in stages) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
