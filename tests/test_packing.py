@@ -145,7 +145,7 @@ def test_target_packing_check(tiny):
 
         def forward(self, input_ids, attention_mask=None, output_hidden_states=True, **kw):
             h = self.emb(input_ids).cumsum(1)
-            return type("Out", (), {"hidden_states": (h, h, h, h, h)})()
+            return type("Out", (), {"hidden_states": (h,) * 7})()
 
     with pytest.raises(ValueError, match="train.packing: false"):
         P.check_target_isolates_records(Leaky(), [1, 3])

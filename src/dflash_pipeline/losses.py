@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from . import model as M
+from .target import lm_head_logits
 
 #: The objectives ``train.loss`` accepts.
 LOSSES = ("ce_decay", "dpace", "kl")
@@ -91,7 +92,7 @@ def slot_cross_entropy(
     y = labels.reshape(-1)[index]
 
     def chunk(hc, yc):
-        logits = F.linear(hc, lm_head_weight.to(hc.dtype)).float()
+        logits = lm_head_logits(hc, lm_head_weight)
         return F.cross_entropy(logits, yc, reduction="none"), logits.argmax(-1) == yc
 
     ces, oks = [], []
@@ -132,10 +133,12 @@ def dpace(
     block_size: int,
     *,
     alpha: float = 0.5,
+    num_sequences: Optional[int] = None,
     chunk_tokens: int = 4096,
 ) -> LossOutput:
-    """D-PACE: Σ_k w_k·m_k·CE_k with w from :func:`dpace_weights`, normaliser = number of sequences b
-    (not weight-normalised; dflash.md §4.6, SpecForge ``--loss-type dpace``).
+    """D-PACE: Σ_k w_k·m_k·CE_k with w from :func:`dpace_weights`, normaliser = number of sequences
+    (not weight-normalised; dflash.md §4.6, SpecForge ``--loss-type dpace``). ``num_sequences`` defaults to
+    the rows b; packed rows pass their record count, so packing does not change the loss scale.
 
     The position decay is not applied: ``weights > 0`` only marks the valid slots m_k (pass the
     weights of :func:`dflash_pipeline.model.block_inputs_and_labels`, decayed or not).
@@ -150,7 +153,7 @@ def dpace(
     valid = weights > 0
     index = valid.reshape(-1).nonzero(as_tuple=True)[0]
     ce, correct = slot_cross_entropy(hidden, lm_head_weight, labels, index, chunk_tokens)
-    norm = hidden.new_tensor(float(b), dtype=torch.float32)
+    norm = hidden.new_tensor(float(b if num_sequences is None else num_sequences), dtype=torch.float32)
     if index.numel() == 0:
         return LossOutput(total=hidden.sum() * 0.0, normalizer=norm, stats={"num_slots": 0})
     full = torch.zeros(b * q_len, dtype=torch.float32, device=hidden.device)
@@ -219,9 +222,9 @@ def kl(
     t = float(temperature)
 
     def chunk(hc, tc, yc, wc):
-        student = F.linear(hc, lm_head_weight.to(hc.dtype)).float()
+        student = lm_head_logits(hc, lm_head_weight)
         with torch.no_grad():
-            teacher = F.linear(tc.to(lm_head_weight.dtype), lm_head_weight).float()
+            teacher = lm_head_logits(tc, lm_head_weight)
         log_p_t = F.log_softmax(teacher / t, dim=-1)
         log_p_s = F.log_softmax(student / t, dim=-1)
         kl_k = (log_p_t.exp() * (log_p_t - log_p_s)).sum(-1) * (t * t)
@@ -252,9 +255,11 @@ def compute_loss(
     temperature: float = 1.0,
     ce_weight: float = 0.0,
     dpace_alpha: float = 0.5,
+    num_sequences: Optional[int] = None,
     chunk_tokens: int = 4096,
 ) -> LossOutput:
-    """Dispatch on ``train.loss`` (one of :data:`LOSSES`). ``teacher_hidden`` is required for ``kl``.
+    """Dispatch on ``train.loss`` (one of :data:`LOSSES`). ``teacher_hidden`` is required for ``kl``;
+    ``num_sequences`` is D-PACE's normaliser (default: the rows of ``labels``).
 
     Raises:
         ValueError: unknown name, or ``kl`` without ``teacher_hidden``.
@@ -262,7 +267,8 @@ def compute_loss(
     if name == "ce_decay":
         return ce_decay(hidden, lm_head_weight, labels, weights, chunk_tokens=chunk_tokens)
     if name == "dpace":
-        return dpace(hidden, lm_head_weight, labels, weights, block_size, alpha=dpace_alpha, chunk_tokens=chunk_tokens)
+        return dpace(hidden, lm_head_weight, labels, weights, block_size, alpha=dpace_alpha, num_sequences=num_sequences,
+                     chunk_tokens=chunk_tokens)
     if name == "kl":
         if teacher_hidden is None:
             raise ValueError("train.loss: kl needs the target's last hidden state (teacher_hidden)")
