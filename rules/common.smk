@@ -257,9 +257,3 @@ def gpus(rule):
     from dflash_pipeline.workflow import job_gpus
 
     return job_gpus(config, rule)
-
-
-def accelerate_launch_args():
-    from dflash_pipeline.workflow import accelerate_launch_args as args
-
-    return args(config["train"]["num_processes"], config["train"]["mixed_precision"])

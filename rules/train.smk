@@ -1,6 +1,15 @@
+def srun_prefix():
+    """`srun --ntasks-per-node=1 ` when the run spans several machines (one launcher per node), else ''."""
+    n = config["train"]["num_machines"]
+    return "srun --ntasks-per-node=1 --kill-on-bad-exit=1 " if n is not None and n > 1 else ""
+
+
 rule train_drafter:
     """Train the DFlash drafter with `accelerate launch` (target frozen, online features).
 
+    `workflow launch` resolves the machine count / rank / main address on the machine that runs it
+    (train.num_machines, $DFLASH_MACHINE_RANK, or the SLURM allocation); with train.num_machines > 1 the
+    rule starts one launcher per node with `srun --ntasks-per-node=1`.
     Resumes from results/checkpoints/{run}/state/ after a kill; writes final/ atomically.
     """
     input:
@@ -14,7 +23,7 @@ rule train_drafter:
         run_dir=lambda wc: checkpoint_dir(wc.run),
         train=as_json(config["train"]),
         arch=as_json({k: config["drafter"][k] for k in ("layer_types", "sliding_window")}),
-        launch=" ".join(accelerate_launch_args()),
+        srun=srun_prefix(),
         baseline=lambda wc: baseline_train_flags(wc.run),
     log:
         f"{R}/logs/train_drafter/{{run}}.log",
@@ -24,10 +33,10 @@ rule train_drafter:
     resources:
         gpu=gpus("train_drafter"),
     conda:
-        "../envs/torch.yaml"
+        "../envs/train.yaml"
     shell:
         "OMP_NUM_THREADS={threads} python -m dflash_pipeline.workflow gpus {resources.gpu} -- "
-        "python -m accelerate.commands.launch {params.launch} "
+        "{params.srun}python -m dflash_pipeline.workflow launch {params.train:q} -- "
         "-m dflash_pipeline.train --probe {input.probe:q} --target {params.target:q} "
         "--target-dtype {config[target][dtype]} " + ("--trust-remote-code " if config["target"]["trust_remote_code"] else "") +
         "--out-dir {params.run_dir:q} --train-config {params.train:q} {params.baseline} --drafter-arch {params.arch:q} {input.tokens:q} > {log:q} 2>&1"

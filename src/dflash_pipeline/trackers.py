@@ -97,7 +97,19 @@ def scalars(record: Mapping, prefix: str) -> dict[str, float]:
 def progress_bar(total: int, initial: int, disable: bool):
     """tqdm bar over optimizer steps (rate and ETA; starts at ``initial`` on resume), on stderr so the
     ``[train]`` lines on stdout stay parseable. ``disable`` on non-main ranks."""
-    from tqdm.auto import tqdm
-
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # the bar is optional (the [train] lines carry the ETA)
+        return _NoBar()
     return tqdm(total=total, initial=initial, disable=disable, desc="train", unit="step", dynamic_ncols=True,
                 file=sys.stderr, mininterval=1.0)
+
+
+class _NoBar:
+    """Stand-in for a disabled tqdm bar."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
