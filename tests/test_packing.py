@@ -67,9 +67,16 @@ def test_anchors_and_labels_never_cross_a_record():
     cand = P.anchor_candidates(lm, seg)
     assert cand[0].tolist() == [True, True, True, False, True, True, True, True, False, False]
     g = torch.Generator().manual_seed(0)
-    for _ in range(5):
-        ab = P.sample_packed_anchors(lm, seg, 8, generator=g)
-        assert cand[0, ab.anchors[0][ab.keep[0]]].all()
+    draws = set()
+    for _ in range(8):
+        ab = P.sample_packed_anchors(lm, seg, 2, generator=g)  # up to 2 per record
+        kept = ab.anchors[0][ab.keep[0]]
+        assert cand[0, kept].all() and kept.tolist() == sorted(kept.tolist()) and len(kept) == 4
+        assert (seg[0, kept] == 0).sum() == 2 and (seg[0, kept] == 1).sum() == 2
+        draws.add(tuple(kept.tolist()))
+    assert len(draws) > 1  # redrawn each call
+    every = P.sample_packed_anchors(lm, seg, 64, generator=g)
+    assert every.anchors[0][every.keep[0]].tolist() == cand[0].nonzero().flatten().tolist()
     ab = M.AnchorBatch(torch.tensor([[2, 4]]), torch.tensor([[True, True]]))
     pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 0]])
     blk = P.packed_block_inputs_and_labels(torch.arange(10).view(1, -1), lm, pos, seg, ab, B, 99, None)

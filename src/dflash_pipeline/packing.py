@@ -132,24 +132,31 @@ def anchor_candidates(loss_mask: torch.Tensor, segment_ids: torch.Tensor) -> tor
 def sample_packed_anchors(
     loss_mask: torch.Tensor, segment_ids: torch.Tensor, num_anchors: int, generator: Optional[torch.Generator] = None
 ) -> M.AnchorBatch:
-    """Random anchors among :func:`anchor_candidates`, as :func:`dflash_pipeline.model.sample_anchors`
-    draws them (N = min(num_anchors, max #candidates), sorted, ``keep`` False fill-ins).
+    """Up to ``num_anchors`` random anchors *per record* among :func:`anchor_candidates`, redrawn every
+    call (dflash.md §4.2): a packed record gets the blocks it would get alone in a padded row, so packing
+    changes the step time, not the training signal. Per row N = max kept; anchors sorted by position,
+    ``keep`` False fill-ins (anchor 0) after them, as :func:`dflash_pipeline.model.sample_anchors`.
 
-    ``num_anchors`` is per row; a packed row shares it among its records (what a padded row of the same
-    tokens would get, so the number of supervised blocks per step does not change with packing).
-    Returns AnchorBatch ``anchors`` long [b, N], ``keep`` bool [b, N].
+    Returns AnchorBatch ``anchors`` long [b, N], ``keep`` bool [b, N] (N ≥ 1).
     """
     cand = anchor_candidates(loss_mask, segment_ids)
     b, s = cand.shape
-    counts = cand.sum(dim=1)
-    n = int(max(1, min(num_anchors, int(counts.max().item()) if b else 1)))
-    scores = torch.rand((b, s), generator=generator).to(cand.device)
-    scores = torch.where(cand, scores, torch.full_like(scores, 2.0))
-    idx = scores.argsort(dim=1)[:, :n]
-    keep = torch.arange(n, device=cand.device).unsqueeze(0) < counts.unsqueeze(1)
-    idx = torch.where(keep, idx, torch.zeros_like(idx))
-    order = torch.where(keep, idx, torch.full_like(idx, s + 1)).argsort(dim=1)
-    return M.AnchorBatch(anchors=idx.gather(1, order), keep=keep.gather(1, order))
+    dev = cand.device
+    scores = torch.rand((b, s), generator=generator, dtype=torch.float64).to(dev)
+    key = torch.where(cand, segment_ids.double() * 2.0 + scores, torch.full_like(scores, float("inf")))
+    order = key.argsort(dim=1)  # candidates grouped by record, random inside each
+    seg_sorted, cand_sorted = segment_ids.gather(1, order), cand.gather(1, order)
+    idx = torch.arange(s, device=dev).expand(b, -1)
+    starts = cand_sorted & torch.cat([torch.ones_like(seg_sorted[:, :1], dtype=torch.bool),
+                                      seg_sorted[:, 1:] != seg_sorted[:, :-1]], dim=1)
+    first = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    chosen = cand_sorted & (idx - first < num_anchors)  # rank inside the record < num_anchors
+    counts = chosen.sum(dim=1)
+    n = int(max(1, int(counts.max().item()) if b else 1))
+    by_pos = torch.where(chosen, order, order + s + 1).argsort(dim=1)[:, :n]  # chosen ones by position
+    anchors = order.gather(1, by_pos)
+    keep = torch.arange(n, device=dev).unsqueeze(0) < counts.unsqueeze(1)
+    return M.AnchorBatch(anchors=torch.where(keep, anchors, torch.zeros_like(anchors)), keep=keep)
 
 
 @dataclass
