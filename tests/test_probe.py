@@ -218,9 +218,11 @@ def test_missing_tokenizer_is_an_error_by_default(real_models_dir):
                      strict=False)
 
 
-@pytest.mark.parametrize("ids, match", [([1, 9, 61], r"\[61\] out of range.*0\.\.60"),
-                                        ([1, 9, 9], r"duplicated ids \[9\].*0\.\.60"),
-                                        ([-1, 3], r"out of range.*0\.\.60")])
+@pytest.mark.parametrize("ids, match", [([1, 9, 61], r"\[61\] out of range.*0\.\.59"),
+                                        ([1, 9, 9], r"duplicated ids \[9\].*0\.\.59"),
+                                        ([-1, 3], r"out of range.*0\.\.59"),
+                                        ([17, 1, 9], r"not in ascending order; use \[1, 9, 17\].*layer order"),
+                                        ([1, 60], r"60 is the last decoder layer.*after the final norm")])
 def test_bad_layer_ids(ids, match, real_models_dir):
     with pytest.raises(ConfigError, match=match):
         probe_target(real_models_dir / "DeepSeek-V3", block_size=16, num_draft_layers=5, target_layer_ids=ids,
@@ -229,9 +231,9 @@ def test_bad_layer_ids(ids, match, real_models_dir):
 
 def test_explicit_layer_ids_and_k_decoupled_from_draft_layers(real_models_dir):
     rec = probe_target(real_models_dir / "DeepSeek-V3", block_size=8, num_draft_layers=2,
-                       target_layer_ids=[0, 30, 60], strict=False)
+                       target_layer_ids=[0, 30, 59], strict=False)
     d = rec["drafter"]
-    assert d["target_layer_ids"] == [0, 30, 60] and d["hf_hidden_state_indices"] == [1, 31, 61]
+    assert d["target_layer_ids"] == [0, 30, 59] and d["hf_hidden_state_indices"] == [1, 31, 60]
     assert d["num_target_features"] == 3 and d["target_layer_ids_source"].startswith("explicit")
     rec = probe_target(real_models_dir / "Qwen3.5-35B-A3B", block_size=16, num_draft_layers=8,
                        num_target_features=5, strict=False)
@@ -335,7 +337,7 @@ def test_cli_prints_summary_and_json(demo_target, capsys):
     assert rec["drafter"]["target_layer_ids"] == [1, 5]
     assert "mask token" in cap.err and "qwen3" in cap.err
     assert main([str(demo_target), "--target-layer-ids", "1,8"]) == 2
-    assert "0..7" in capsys.readouterr().err
+    assert "0..6" in capsys.readouterr().err
 
 
 def test_probe_never_reads_weights(demo_target, tmp_path):

@@ -475,20 +475,15 @@ class TransformersBackend:
 
     def __init__(self, target_dir, gen_cfg: dict, *, chat_template=None, trust_remote_code=False, dtype="auto"):
         import torch
-        from transformers import AutoModelForCausalLM
+
+        from .target import load_target
 
         self.torch = torch
         self.cfg = gen_cfg
         self.tok = load_tokenizer(target_dir, chat_template=chat_template, trust_remote_code=trust_remote_code)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        if dtype == "auto":
-            dt = torch.bfloat16 if device == "cuda" else torch.float32
-        else:
-            dt = getattr(torch, dtype)
         self.device = device
-        self.lm = AutoModelForCausalLM.from_pretrained(
-            str(target_dir), dtype=dt, trust_remote_code=trust_remote_code
-        ).to(device).eval()
+        self.lm = load_target(target_dir, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
         eos = self.lm.generation_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         if self.tok.eos_token_id is not None and self.tok.eos_token_id not in eos:

@@ -104,24 +104,43 @@ def hf_hidden_state_index(layer_id: int) -> int:
 
 
 def validate_target_layer_ids(ids: Sequence[int], num_layers: int) -> list[int]:
-    """Check user-given canonical layer ids: integers in ``[0, num_layers - 1]``, no duplicates.
+    """Check user-given canonical layer ids: integers in ``[0, num_layers - 2]``, distinct, ascending.
+
+    Why each rule: vLLM and SGLang capture the listed layers and concatenate them in *layer order*, so an
+    unsorted list would feed the served drafter a permuted ``fc`` input (τ collapses while our own eval,
+    which concatenates in list order, looks fine); the last layer ``num_layers - 1`` is refused because
+    HF's ``hidden_states[num_layers]`` is taken after the final norm while the engines feed the raw layer
+    output, so training and serving would see different features.
 
     Raises:
-        ConfigError: naming ``drafter.target_layer_ids``, the offending ids and the valid range.
+        ConfigError: naming ``drafter.target_layer_ids``, the offending ids, the valid range and the reason.
     """
     ids = list(ids)
+    last = num_layers - 1
     if not ids:
         raise ConfigError("drafter.target_layer_ids is empty; give at least one layer id or leave it null")
-    bad = [i for i in ids if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i <= num_layers - 1]
+    bad = [i for i in ids if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i <= last]
     if bad:
         raise ConfigError(
-            f"drafter.target_layer_ids {ids}: {bad} out of range; valid ids are 0..{num_layers - 1} "
-            f"(0-based decoder layers of a {num_layers}-layer target)"
+            f"drafter.target_layer_ids {ids}: {bad} out of range; valid ids are 0..{last - 1} "
+            f"(0-based decoder layers of a {num_layers}-layer target, the last one excluded)"
+        )
+    if last in ids:
+        raise ConfigError(
+            f"drafter.target_layer_ids {ids}: {last} is the last decoder layer; valid ids are 0..{last - 1}. "
+            f"HF's hidden_states[{num_layers}] is after the final norm while vLLM/SGLang feed the drafter the raw "
+            "layer output, so the drafter would be trained on other features than it is served with"
         )
     dups = sorted({i for i in ids if ids.count(i) > 1})
     if dups:
         raise ConfigError(
-            f"drafter.target_layer_ids {ids}: duplicated ids {dups}; give distinct ids in 0..{num_layers - 1}"
+            f"drafter.target_layer_ids {ids}: duplicated ids {dups}; give distinct ids in 0..{last - 1}"
+        )
+    if ids != sorted(ids):
+        raise ConfigError(
+            f"drafter.target_layer_ids {ids}: not in ascending order; use {sorted(ids)}. vLLM and SGLang "
+            "concatenate the captured layers in layer order, so another order permutes the served drafter's "
+            "fc input (τ collapses silently)"
         )
     return ids
 
@@ -371,6 +390,22 @@ def _probe_config(target_dir: Path, trust_remote_code: bool) -> tuple[dict, list
     if auto_cfg is None and auto_err:
         warnings.append(f"AutoConfig could not load config.json, read the raw JSON instead ({auto_err[:160]})")
     return record, warnings, auto_cfg
+
+
+def _probe_loader(target_dir: Path, trust_remote_code: bool, *, strict: bool, warnings: list[str]) -> dict:
+    """How train/eval/completions will load the target (:func:`dflash_pipeline.target.check_loadable`,
+    no weights read): ``{class, config_class, error}``. A target that cannot load is refused here, at plan
+    time, with the reason (strict), or recorded with a warning (CLI)."""
+    from .target import TargetLoadError, check_loadable
+
+    try:
+        info = check_loadable(target_dir, trust_remote_code=trust_remote_code)
+        return {"class": info["class"], "config_class": info["config_class"], "error": None}
+    except TargetLoadError as exc:
+        if strict:
+            raise
+        warnings.append(f"the target cannot be loaded as a causal LM: {exc}")
+        return {"class": None, "config_class": None, "error": str(exc)}
 
 
 def _embedding_rows(target_dir: Path, vocab_size: int) -> tuple[int, str]:
@@ -696,6 +731,7 @@ def probe_target(
         raise ConfigError(f"drafter.num_draft_layers must be >= 1, got {num_draft_layers}")
 
     cfg, warnings, auto_cfg = _probe_config(target_dir, trust_remote_code)
+    cfg["target_loader"] = _probe_loader(target_dir, trust_remote_code, strict=strict, warnings=warnings)
     rows, rows_src = _embedding_rows(target_dir, cfg["vocab_size"])
     cfg["embedding_rows"], cfg["embedding_rows_source"] = rows, rows_src
     if rows != cfg["vocab_size"]:

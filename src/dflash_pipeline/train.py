@@ -330,7 +330,12 @@ def make_accelerator(cfg: dict, *, out_dir: Optional[Path] = None, log_with: Opt
     ``train.mixed_precision`` (bf16 autocast works on CPU too, which is how the tests exercise it);
     FSDP2 when ``train.fsdp`` (:func:`dflash_pipeline.fsdp.make_accelerator`); trackers ``log_with``
     writing under ``<out_dir>/trackers``."""
+    from accelerate.state import AcceleratorState
+
     cpu = cfg["device"] == "cpu" or not torch.cuda.is_available()
+    state = AcceleratorState._shared_state
+    if state and state.get("_mixed_precision") != cfg["mixed_precision"] and state.get("num_processes", 1) == 1:
+        AcceleratorState._reset_state()  # an earlier in-process run (tests, the zoo table) used another precision
     plugin = None
     if cfg.get("fsdp"):
         plugin = FS.fsdp_plugin(reshard_after_forward=cfg["fsdp_reshard_after_forward"], mixed_precision=cfg["mixed_precision"])

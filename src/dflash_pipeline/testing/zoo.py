@@ -182,9 +182,12 @@ _VISION_SIZES = {
 def shrink_vision(v: dict) -> dict:
     """Shrink a vision/audio tower config to one tiny layer (its projector maps to the twin's width)."""
     v = dict(v)
+    v.pop("_attn_implementation", None)  # e.g. flash_attention_2: not on a CPU box
     for k, size in _VISION_SIZES.items():
         if isinstance(v.get(k), int):
             v[k] = size
+    if any(k.startswith("vt_") for k in v):  # Kimi-K2.5 names: its config class reads the plain names
+        v.update(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_hidden_layers=1)
     if isinstance(v.get("deepstack_visual_indexes"), list):
         v["deepstack_visual_indexes"] = [0] if v["deepstack_visual_indexes"] else []
     return v
@@ -340,14 +343,101 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
 
 
-def run_stages(models_dir: Path, family: str, work: Path, corpus_file: Path,
-               log: Callable[[str], None] = lambda m: None) -> dict[str, str]:
-    """Every stage on one twin, in-process, each ``ok`` or ``refused: <reason>`` (later stages are
-    ``skipped`` once one is refused). Stages: twin build, probe, completions (transformers backend), tokens
-    (the family's template), training fp32 and bf16 (bf16 target + ``mixed_precision: bf16``), export, eval τ."""
-    from . import zoo_stages
+#: Prompts of the completions stage (two single-turn, one multi-turn conversation).
+STAGE_PROMPTS = (
+    [{"role": "user", "content": "Natalia sold 48 clips in April and half as many in May. How many in all?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 6 times 7?"}],
+    [{"role": "user", "content": "Name a prime number."}, {"role": "user", "content": "And a larger one?"}],
+)
 
-    return zoo_stages.run_all(models_dir, family, work, corpus_file, log=log)
+
+def stage_config(twin: Path, eval_set: Path) -> dict:
+    """The validated pipeline config the stages run under (tiny sizes; bf16 training on CPU via
+    ``train.device: cpu``)."""
+    from ..config import validate_config
+
+    return validate_config({
+        "target": {"path": str(twin)},
+        "drafter": {"block_size": 4, "num_draft_layers": 1},
+        "generation": {"backend": "transformers", "max_tokens": 16, "batch_size": 3},
+        "tokens": {"max_length": 512},
+        "train": {"epochs": 2, "batch_size": 2, "num_anchors": 4, "log_every_steps": 1, "save_every_steps": 1000,
+                  "device": "cpu"},
+        "eval": {"max_new_tokens": 12, "checkpoint_samples": 0, "exclude_training_prompts": False,
+                 "sets": {"gsm8k": {"path": str(eval_set), "num_samples": 1}}},
+    })
+
+
+def run_stages(models_dir: Path, family: str, work: Path, corpus_file: Path, eval_set: Path,
+               log: Callable[[str], None] = lambda m: None) -> dict[str, str]:
+    """Every stage on one twin, in-process; each ``ok`` or ``refused: <reason>`` (the stages after a
+    refused one are ``skipped``): twin build, probe, completions (transformers backend), tokens (the
+    family's template), training fp32 and bf16 (bf16 target + ``mixed_precision: bf16`` through
+    Accelerate, on CPU; both export ``final/``), eval τ of the bf16-trained drafter."""
+    from .. import contracts, shards
+    from ..completions import generate_shard
+    from ..evaluate import evaluate
+    from ..probe import probe_target
+    from ..tokens import tokenize_shard
+    from ..train import train
+
+    twin = work / "target"
+    cfg: dict = {}
+    state: dict[str, Any] = {}
+
+    def build():
+        build_twin(models_dir, family, twin, corpus_file=corpus_file)
+        cfg.update(stage_config(twin, eval_set))
+
+    def probe():
+        n = json.loads((twin / "config.json").read_text())
+        n = (n.get("text_config") or n)["num_hidden_layers"]
+        state["probe"] = probe_target(twin, block_size=4, num_draft_layers=1, target_layer_ids=[1, n - 2])
+
+    def completions():
+        recs = [{"prompt_id": contracts.prompt_id(m), "dataset": "zoo", "messages": m, "metadata": "{}"}
+                for m in STAGE_PROMPTS]
+        shards.write_parquet(work / "prompts.parquet", shards.table_from_records(recs, contracts.PROMPT_SCHEMA))
+        st = generate_shard(work / "prompts.parquet", work / "completions.parquet", target_dir=twin,
+                            gen_cfg=cfg["generation"])
+        if st.get("error"):
+            raise RuntimeError(f"{st['error']} completion record(s) in error")
+
+    def tokens():
+        st = tokenize_shard(work / "completions.parquet", work / "tokens.parquet", target_dir=twin,
+                            tokens_cfg=cfg["tokens"])
+        if not st["records_out"]:
+            raise RuntimeError(f"no token rows: dropped {st['dropped']}")
+
+    def train_with(dtype: str, mp: str):
+        def run():
+            tcfg = dict(cfg["train"], mixed_precision=mp)
+            train(token_shards=[work / "tokens.parquet"], probe=state["probe"], target_dir=twin,
+                  out_dir=work / f"train_{dtype}", cfg=tcfg, target_dtype=dtype)
+        return run
+
+    def eval_():
+        rec = evaluate(target_dir=twin, probe=state["probe"], eval_cfg=cfg["eval"], thinking=cfg["generation"]["thinking"],
+                       drafters={"trained": work / "train_bfloat16" / "final"}, out_json=work / "eval.json",
+                       target_dtype="bfloat16")
+        tau = rec["tau"]["trained"]["gsm8k"]
+        if not 1.0 <= tau <= 4.0:
+            raise RuntimeError(f"τ {tau} outside [1, block_size]")
+
+    stages = {"build": build, "probe": probe, "completions": completions, "tokens": tokens,
+              "train_fp32": train_with("float32", "no"), "train_bf16": train_with("bfloat16", "bf16"), "eval": eval_}
+    out: dict[str, str] = {}
+    for name, fn in stages.items():
+        t0 = time.time()
+        try:
+            fn()
+            out[name] = "ok"
+        except Exception as exc:  # noqa: BLE001 - the table reports the reason
+            out[name] = f"refused: {_reason(exc)}"
+            log(f"{family} {name}: {out[name]}")
+            break
+        log(f"{family} {name}: ok ({time.time() - t0:.1f} s)")
+    return out
 
 
 def main(argv=None) -> int:
@@ -357,6 +447,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dflash_pipeline.testing.zoo", description=__doc__.split("\n")[0])
     ap.add_argument("--models", default=os.environ.get("DFLASH_MODELS_DIR", "../shared/data/models"))
     ap.add_argument("--corpus", default="data/gsm8k/train.jsonl")
+    ap.add_argument("--eval-set", default="data/gsm8k/test.jsonl")
     ap.add_argument("--family", action="append", help="only these families (default: all with a config.json)")
     ap.add_argument("--table", action="store_true", help="run every stage and print the family × stage table")
     ap.add_argument("--out", help="build the twins into this directory (default: a temp dir)")
@@ -368,7 +459,8 @@ def main(argv=None) -> int:
     for fam in fams:
         t0 = time.time()
         if a.table:
-            rows[fam] = run_stages(models, fam, root / fam, Path(a.corpus))
+            rows[fam] = run_stages(models, fam, root / fam, Path(a.corpus).resolve(), Path(a.eval_set).resolve(),
+                                   log=lambda m: print(f"[zoo] {m}", file=sys.stderr, flush=True))
         else:
             try:
                 build_twin(models, fam, root / fam / "target", corpus_file=a.corpus)
