@@ -184,7 +184,7 @@ def step_objective(ctx: StepContext, batch: dict) -> L.LossOutput:
 
     ``batch``: ``input_ids`` long [b, S], ``loss_mask`` uint8 [b, S], ``attention_mask`` long [b, S];
     packed rows (:func:`dflash_pipeline.packing.collate_packed`) add ``position_ids``/``segment_ids`` and
-    anchors, labels and attention then stay inside each record. Precomputed ``target_features``
+    anchors, labels and attention then stay inside each record. Precomputed ``features``
     [b, S, K·H] (and ``target_last_hidden`` [b, S, H] for ``kl``) replace the target forward (feature shards).
     Dtypes (dflash_pipeline.target): the target runs in its dtype, the drafter in its parameter dtype
     (inputs cast; Accelerate's autocast, when on, covers the drafter forward), the LM head in its dtype,
@@ -198,8 +198,8 @@ def step_objective(ctx: StepContext, batch: dict) -> L.LossOutput:
     teacher_needed = ctx.loss == "kl"
     last = batch.get("target_last_hidden")
     with torch.no_grad():
-        if "target_features" in batch:  # feature shards: the target never runs here
-            feats = batch["target_features"]
+        if "features" in batch:  # feature shards (train.target_features: shards): the target never runs here
+            feats = batch["features"]
         elif ctx.zero_target_features and not teacher_needed:  # the ablation never looks at the target
             k_h = len(d["target_layer_ids"]) * ctx.embed.weight.shape[1]
             feats = torch.zeros(*ids.shape, k_h, dtype=ctx.embed.weight.dtype, device=ids.device)  # [b, S, K·H]
