@@ -98,20 +98,26 @@ def block_acceptance(accept: torch.Tensor, valid: torch.Tensor) -> AcceptanceCou
 
 
 def deterministic_anchors(loss_mask: torch.Tensor, segment_ids: torch.Tensor, num_anchors: int) -> M.AnchorBatch:
-    """Up to ``num_anchors`` anchors per row, evenly spaced over its candidates (same rule as training,
-    :func:`dflash_pipeline.packing.anchor_candidates`), the same every time. Shapes as ``sample_anchors``."""
+    """Up to ``num_anchors`` anchors per record, evenly spaced over its candidates (the training rule,
+    :func:`dflash_pipeline.packing.anchor_candidates`), the same every time; a packed row gets what its
+    records would get alone. Shapes as ``sample_anchors``: ``anchors`` long [b, N], ``keep`` bool [b, N]."""
     cand = P.anchor_candidates(loss_mask, segment_ids)
+    rows = []
+    for c, seg in zip(cand, segment_ids):
+        picked = []
+        for sid in torch.unique(seg[c]).tolist():
+            r = (c & (seg == sid)).nonzero(as_tuple=True)[0]
+            if len(r) > num_anchors:
+                r = r[torch.linspace(0, len(r) - 1, num_anchors, device=r.device).round().long()]
+            picked.append(r)
+        rows.append(torch.cat(picked).sort().values if picked else cand.new_zeros(0, dtype=torch.long))
     b = cand.shape[0]
-    rows = [c.nonzero(as_tuple=True)[0] for c in cand]
-    n = max(1, min(num_anchors, max((len(r) for r in rows), default=1)))
+    n = max(1, max((len(r) for r in rows), default=1))
     anchors = torch.zeros((b, n), dtype=torch.long, device=cand.device)
     keep = torch.zeros((b, n), dtype=torch.bool, device=cand.device)
     for i, r in enumerate(rows):
-        if len(r) == 0:
-            continue
-        take = r if len(r) <= n else r[torch.linspace(0, len(r) - 1, n, device=r.device).round().long()]
-        anchors[i, : len(take)] = take
-        keep[i, : len(take)] = True
+        anchors[i, : len(r)] = r
+        keep[i, : len(r)] = True
     return M.AnchorBatch(anchors, keep)
 
 
