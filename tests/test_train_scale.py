@@ -79,8 +79,8 @@ def test_accumulation_is_normalised_globally(setup, tmp_path, loss):
 
 def test_packed_training_validates_and_writes_tensorboard(setup, tmp_path):
     root, probe = setup
-    s = _run(root, probe, tmp_path, loss="dpace", packing=True, pack_max_tokens=80, epochs=3, validation_fraction=0.25,
-             validation_every_steps=2, trackers=["tensorboard"])
+    s = _run(root, probe, tmp_path, loss="dpace", packing=True, pack_max_tokens=80, batch_size=1, epochs=5, learning_rate=1e-2,
+             validation_fraction=0.25, validation_every_steps=10, trackers=["tensorboard"])
     assert s["packing"] and s["rows"] < s["records"] and s["heldout_records"] > 0
     val = _log(tmp_path / "val_log.jsonl")
     assert val and val[-1]["step"] == s["steps"]
