@@ -257,3 +257,10 @@ def gpus(rule):
     from dflash_pipeline.workflow import job_gpus
 
     return job_gpus(config, rule)
+
+
+def srun_prefix():
+    """`srun --ntasks-per-node=1 …` before the launcher when the run spans several machines (one
+    `workflow launch` per node resolves its rank there), else ''."""
+    n = config["train"]["num_machines"]
+    return "srun --ntasks-per-node=1 --kill-on-bad-exit=1 " if n is not None and n > 1 else ""

@@ -1,9 +1,3 @@
-def srun_prefix():
-    """`srun --ntasks-per-node=1 ` when the run spans several machines (one launcher per node), else ''."""
-    n = config["train"]["num_machines"]
-    return "srun --ntasks-per-node=1 --kill-on-bad-exit=1 " if n is not None and n > 1 else ""
-
-
 rule train_drafter:
     """Train the DFlash drafter with `accelerate launch` (target frozen, online features).
 
@@ -24,6 +18,7 @@ rule train_drafter:
         train=as_json(config["train"]),
         arch=as_json({k: config["drafter"][k] for k in ("layer_types", "sliding_window")}),
         srun=srun_prefix(),
+        target_dtype=config["target"]["dtype"],
         baseline=lambda wc: baseline_train_flags(wc.run),
     log:
         f"{R}/logs/train_drafter/{{run}}.log",
@@ -38,5 +33,5 @@ rule train_drafter:
         "OMP_NUM_THREADS={threads} python -m dflash_pipeline.workflow gpus {resources.gpu} -- "
         "{params.srun}python -m dflash_pipeline.workflow launch {params.train:q} -- "
         "-m dflash_pipeline.train --probe {input.probe:q} --target {params.target:q} "
-        "--target-dtype {config[target][dtype]} " + ("--trust-remote-code " if config["target"]["trust_remote_code"] else "") +
+        "--target-dtype {params.target_dtype} " + ("--trust-remote-code " if config["target"]["trust_remote_code"] else "") +
         "--out-dir {params.run_dir:q} --train-config {params.train:q} {params.baseline} --drafter-arch {params.arch:q} {input.tokens:q} > {log:q} 2>&1"
