@@ -15,10 +15,9 @@ rule train_drafter:
     params:
         target=target_dir_of_input,
         run_dir=lambda wc: checkpoint_dir(wc.run),
-        train=as_json(config["train"]),
+        train=as_json({k: v for k, v in config["train"].items() if k != "device"}),  # where, not what: --device
         arch=as_json({k: config["drafter"][k] for k in ("layer_types", "sliding_window")}),
         srun=srun_prefix(),
-        target_dtype=config["target"]["dtype"],
         baseline=lambda wc: baseline_train_flags(wc.run),
     log:
         f"{R}/logs/train_drafter/{{run}}.log",
@@ -33,5 +32,6 @@ rule train_drafter:
         "OMP_NUM_THREADS={threads} python -m dflash_pipeline.workflow gpus {resources.gpu} -- "
         "{params.srun}python -m dflash_pipeline.workflow launch {params.train:q} -- "
         "-m dflash_pipeline.train --probe {input.probe:q} --target {params.target:q} "
-        "--target-dtype {params.target_dtype} " + ("--trust-remote-code " if config["target"]["trust_remote_code"] else "") +
+        f"--target-dtype {config['target']['dtype']} --device {config['train']['device']} "
+        f"{'--trust-remote-code ' if config['target']['trust_remote_code'] else ''}"
         "--out-dir {params.run_dir:q} --train-config {params.train:q} {params.baseline} --drafter-arch {params.arch:q} {input.tokens:q} > {log:q} 2>&1"

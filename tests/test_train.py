@@ -21,7 +21,7 @@ from dflash_pipeline.workflow import accelerate_launch_args
 
 CFG = {
     "num_processes": 1, "epochs": 1, "batch_size": 4, "learning_rate": 2e-3, "warmup_ratio": 0.1,
-    "weight_decay": 0.0, "max_grad_norm": 1.0, "num_anchors": 8, "loss_gamma": None, "mixed_precision": "no", "device": "auto",
+    "weight_decay": 0.0, "max_grad_norm": 1.0, "num_anchors": 8, "loss_gamma": None, "mixed_precision": "no",
     "seed": 0, "save_every_steps": 2, "log_every_steps": 1, "trace_batches": True, "validation_fraction": 0.0,
 }
 
@@ -152,3 +152,69 @@ def test_two_ranks_follow_the_one_process_loss_curve(setup, tmp_path):
     for first, last in curves.values():
         assert last < 0.7 * first  # both runs learn
     assert abs(curves["one"][1] - curves["two"][1]) < 0.25 * curves["one"][1]  # and end at a similar loss
+
+
+RANK_SCRIPT = r'''
+import json, os, sys
+import torch, torch.distributed as dist
+from dflash_pipeline import model as M
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+lin = torch.nn.Linear(8, 8, bias=False)
+head = torch.randn(11, 8)
+ddp = torch.nn.parallel.DistributedDataParallel(lin)
+g = torch.Generator().manual_seed(100 + rank)
+x, y = torch.randn(1, 12, 8, generator=g), torch.randint(0, 11, (1, 12), generator=g)
+w = torch.zeros(1, 12)
+w[0, : (1 if rank == 0 else 12)] = 1.0  # rank 0: one supervised slot, rank 1: twelve
+out = {}
+for mode in ("global", "per_rank"):
+    ddp.zero_grad()
+    norm = M.loss_normalizer(w.sum(), world, lambda t: (dist.all_reduce(t), t)[1]) if mode == "global" else None
+    loss, _ = M.decayed_cross_entropy(ddp(x), head, y, w, normalizer=norm)
+    loss.backward()  # DDP averages the gradients over the ranks
+    out[mode] = lin.weight.grad.flatten().tolist()
+    out[mode + "_loss"] = float(loss)
+json.dump({"x": x.tolist(), "y": y.tolist(), "w": w.tolist(), **out}, open(sys.argv[1] + f".{rank}", "w"))
+'''
+
+
+def test_loss_is_normalised_by_the_global_weight_sum_across_ranks(tmp_path):
+    """Two gloo ranks under DDP: rank 0 holds 1 supervised slot, rank 1 twelve. With the global
+    normaliser the DDP gradient equals the gradient of Σw·CE / Σw over all 13 slots pooled in one process
+    (every slot weighs the same); the old per-rank normalisation gives rank 0's lone slot 12× the weight."""
+    script = tmp_path / "ranks.py"
+    script.write_text(RANK_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
+           str(script), str(tmp_path / "out")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = [json.loads((tmp_path / f"out.{i}").read_text()) for i in range(2)]
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8, bias=False)
+    head = torch.randn(11, 8)
+    x = torch.cat([torch.tensor(r[i]["x"]) for i in range(2)], dim=1)
+    y = torch.cat([torch.tensor(r[i]["y"]) for i in range(2)], dim=1)
+    w = torch.cat([torch.tensor(r[i]["w"]) for i in range(2)], dim=1)
+    loss, _ = M.decayed_cross_entropy(lin(x), head, y, w)
+    loss.backward()
+    pooled = lin.weight.grad.flatten()
+    for i in range(2):
+        assert torch.allclose(torch.tensor(r[i]["global"]), pooled, atol=1e-5)
+    assert not torch.allclose(torch.tensor(r[0]["per_rank"]), pooled, atol=1e-3)  # the bug this fixes
+    # the logged loss (mean of the rank losses) is the pooled loss
+    assert abs((r[0]["global_loss"] + r[1]["global_loss"]) / 2 - float(loss.detach())) < 1e-5
+
+
+def test_bf16_target_trains_under_accelerate_bf16_on_cpu(setup, tmp_path):
+    """The GPU recipe on a CPU box (train.device: cpu): bf16 target, mixed_precision bf16, the real loop."""
+    root, probe = setup
+    cfg = dict(CFG, mixed_precision="bf16", save_every_steps=1000, trace_batches=False)
+    summary = train(token_shards=[root / "tokens.parquet"], probe=probe, target_dir=root / "target", out_dir=tmp_path,
+                    cfg=cfg, target_dtype="bfloat16", device="cpu")
+    assert summary["target_dtype"] == "bfloat16" and summary["train_config"]["mixed_precision"] == "bf16"
+    log = [json.loads(l) for l in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert len(log) == summary["steps"] and all(np.isfinite(r["loss"]) for r in log)
+    assert M.load_drafter(tmp_path / "final").fc.weight.dtype == torch.float32  # master weights were fp32

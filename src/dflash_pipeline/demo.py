@@ -301,7 +301,6 @@ def build_demo_target(
         DataError: unreadable corpus (see :func:`load_corpus`).
     """
     import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
     log = log or (lambda msg: None)
     t0 = time.perf_counter()
@@ -314,105 +313,124 @@ def build_demo_target(
     torch.use_deterministic_algorithms(True)
     try:
         convs = load_corpus(corpus_files)
-        texts = [m["content"] for c in convs for m in c]
-        tokenizer = train_tokenizer(texts, vocab_size=vocab_size)
+        tokenizer = train_tokenizer([m["content"] for c in convs for m in c], vocab_size=vocab_size)
         n_tok = len(tokenizer)
-        rows = padded_vocab_size(n_tok)
-        log(f"demo target: {len(convs)} conversations, len(tokenizer)={n_tok}, vocab_size={rows}")
-
-        heads = max(1, hidden_size // 32)
-        cfg = Qwen3Config(
-            vocab_size=rows,
-            hidden_size=hidden_size,
-            intermediate_size=3 * hidden_size,
-            num_hidden_layers=num_hidden_layers,
-            num_attention_heads=heads,
-            num_key_value_heads=max(1, heads // 2),
-            head_dim=hidden_size // heads,
-            max_position_embeddings=MODEL_MAX_LENGTH,
-            tie_word_embeddings=True,
-            rope_theta=10000.0,
-            bos_token_id=None,
-            eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
-            pad_token_id=tokenizer.pad_token_id,
-        )
+        log(f"demo target: {len(convs)} conversations, len(tokenizer)={n_tok}, vocab_size={padded_vocab_size(n_tok)}")
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(cfg)
-        model.train()
+        from transformers import Qwen3ForCausalLM
 
+        model = Qwen3ForCausalLM(_demo_config(tokenizer, hidden_size, num_hidden_layers))
         examples = [encode_conversation(tokenizer, c) for c in convs]
         examples = [e for e in examples if sum(e[1]) > 0]
-        rng = random.Random(seed)
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
-        warm = max(1, train_steps // 20)
-
-        def lr_at(step: int) -> float:
-            if step < warm:
-                return lr * (step + 1) / warm
-            frac = (step - warm) / max(1, train_steps - warm)
-            return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-
-        losses: list[float] = []
-        t_train = time.perf_counter()
-        for step, batch in enumerate(_batches(examples, batch_size, train_steps, rng)):
-            input_ids, attn, labels = _collate(batch, tokenizer.pad_token_id)
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step)
-            out = model(input_ids=input_ids, attention_mask=attn, labels=labels)
-            opt.zero_grad(set_to_none=True)
-            out.loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            losses.append(out.loss.item())
-            if step % 50 == 0 or step == train_steps - 1:
-                log(f"  step {step:4d}/{train_steps}  loss {losses[-1]:.3f}  {time.perf_counter() - t_train:.1f}s")
-        train_s = time.perf_counter() - t_train
-        model.eval()
-
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-        try:
-            model.save_pretrained(tmp, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
-            gen = GenerationConfig(
-                eos_token_id=[tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(ENDOFTEXT)],
-                pad_token_id=tokenizer.pad_token_id,
-                do_sample=False,
-            )
-            gen.save_pretrained(tmp)
-            tail = losses[-20:]
-            facts = {
-                "schema_version": DEMO_SCHEMA_VERSION,
-                "seed": seed,
-                "train_steps": train_steps,
-                "batch_size": batch_size,
-                "lr": lr,
-                "max_seq_len": MAX_SEQ_LEN,
-                "num_conversations": len(examples),
-                "corpus_files": [str(f) for f in corpus_files],
-                "final_loss": round(sum(tail) / len(tail), 4) if tail else None,
-                "first_loss": round(losses[0], 4) if losses else None,
-                "train_seconds": round(train_s, 2),
-                "seconds": round(time.perf_counter() - t0, 2),
-                "len_tokenizer": n_tok,
-                "vocab_size": rows,
-                "hidden_size": hidden_size,
-                "num_hidden_layers": num_hidden_layers,
-                "num_parameters": sum(p.numel() for p in model.parameters()),
-                "torch_threads": torch.get_num_threads(),
-            }
-            write_json(tmp / "demo_target.json", facts)
-            for p in tmp.iterdir():
-                os.chmod(p, 0o644)  # save_pretrained writes safetensors 0600
-            os.chmod(tmp, 0o755)
-            replace_dir(tmp, out_dir)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        losses, train_s = _train_demo(model, tokenizer, examples, seed=seed, train_steps=train_steps,
+                                      batch_size=batch_size, lr=lr, log=log)
+        tail = losses[-20:]
+        facts = {
+            "schema_version": DEMO_SCHEMA_VERSION,
+            "seed": seed,
+            "train_steps": train_steps,
+            "batch_size": batch_size,
+            "lr": lr,
+            "max_seq_len": MAX_SEQ_LEN,
+            "num_conversations": len(examples),
+            "corpus_files": [str(f) for f in corpus_files],
+            "final_loss": round(sum(tail) / len(tail), 4) if tail else None,
+            "first_loss": round(losses[0], 4) if losses else None,
+            "train_seconds": round(train_s, 2),
+            "seconds": None,  # set when written
+            "len_tokenizer": n_tok,
+            "vocab_size": model.config.vocab_size,
+            "hidden_size": hidden_size,
+            "num_hidden_layers": num_hidden_layers,
+            "num_parameters": sum(p.numel() for p in model.parameters()),
+            "torch_threads": torch.get_num_threads(),
+        }
+        _write_demo(out_dir, model, tokenizer, facts, t0)
         log(f"demo target written to {out_dir} in {facts['seconds']:.1f}s (final loss {facts['final_loss']})")
         return out_dir
     finally:
         torch.use_deterministic_algorithms(prev_det)
+
+
+def _demo_config(tokenizer, hidden_size: int, num_hidden_layers: int):
+    """The demo's ``Qwen3Config``: head_dim 32, GQA 2:1, tied embeddings, padded vocab (module docstring)."""
+    from transformers import Qwen3Config
+
+    heads = max(1, hidden_size // 32)
+    return Qwen3Config(
+        vocab_size=padded_vocab_size(len(tokenizer)),
+        hidden_size=hidden_size,
+        intermediate_size=3 * hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=hidden_size // heads,
+        max_position_embeddings=MODEL_MAX_LENGTH,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def _train_demo(model, tokenizer, examples, *, seed: int, train_steps: int, batch_size: int, lr: float, log):
+    """AdamW (5% warmup, cosine to 10%) on the assistant tokens; returns ``(losses, seconds)``; model in eval mode."""
+    import torch
+
+    model.train()
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    warm = max(1, train_steps // 20)
+
+    def lr_at(step: int) -> float:
+        if step < warm:
+            return lr * (step + 1) / warm
+        frac = (step - warm) / max(1, train_steps - warm)
+        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+    losses: list[float] = []
+    t_train = time.perf_counter()
+    for step, batch in enumerate(_batches(examples, batch_size, train_steps, rng)):
+        input_ids, attn, labels = _collate(batch, tokenizer.pad_token_id)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        out = model(input_ids=input_ids, attention_mask=attn, labels=labels)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(out.loss.item())
+        if step % 50 == 0 or step == train_steps - 1:
+            log(f"  step {step:4d}/{train_steps}  loss {losses[-1]:.3f}  {time.perf_counter() - t_train:.1f}s")
+    model.eval()
+    return losses, time.perf_counter() - t_train
+
+
+def _write_demo(out_dir: Path, model, tokenizer, facts: dict, t0: float) -> None:
+    """Write model, tokenizer, generation config and ``demo_target.json`` via a sibling temp dir + rename."""
+    from transformers import GenerationConfig
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        gen = GenerationConfig(
+            eos_token_id=[tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(ENDOFTEXT)],
+            pad_token_id=tokenizer.pad_token_id,
+            do_sample=False,
+        )
+        gen.save_pretrained(tmp)
+        facts["seconds"] = round(time.perf_counter() - t0, 2)
+        write_json(tmp / "demo_target.json", facts)
+        for p in tmp.iterdir():
+            os.chmod(p, 0o644)  # save_pretrained writes safetensors 0600
+        os.chmod(tmp, 0o755)
+        replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 

@@ -37,11 +37,13 @@ class EvalComparisonError(PipelineError):
 @dataclass
 class SpecResult:
     """One response: ``output_ids`` (generated tokens, prompt excluded, eos kept), ``accept_lengths``
-    (a+1 per verify step), ``target_forwards`` (verify forwards, prefill excluded)."""
+    (a+1 per verify step), ``target_forwards`` (verify forwards, prefill excluded; the re-runs of the
+    ``recompute`` cache policy not counted), ``cache_policy`` (:class:`TargetCache`)."""
 
     output_ids: list[int]
     accept_lengths: list[int] = field(default_factory=list)
     target_forwards: int = 0
+    cache_policy: str = ""  # TargetCache.policy: crop | recompute
 
 
 def _sample(logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator]) -> torch.Tensor:
@@ -165,7 +167,7 @@ def speculative_generate(
     tcache = TargetCache(target)
     feats, out = tcache.forward(ids, layer_ids)
     bonus = _sample(out.logits[:, -1], temperature, generator)  # [1]
-    result = SpecResult(output_ids=[int(bonus)])
+    result = SpecResult(output_ids=[int(bonus)], cache_policy=tcache.policy)
     start = ids.shape[1]  # position of the bonus token
     pending = feats  # target features not yet in the draft cache, positions cache.length .. start-1
     if zero_target_features:
@@ -823,6 +825,8 @@ def main(argv=None) -> None:
     p.add_argument("--drafter", action="append", default=[], help="label=checkpoint_dir (label=untrained for a random init)")
     p.add_argument("--out", required=True)
     p.add_argument("--plot")
+    p.add_argument("--target-dtype", default="auto", help="target.dtype (auto: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--trust-remote-code", action="store_true", help="target.trust_remote_code")
     a = p.parse_args(argv)
     drafters = {}
     for item in a.drafter:
@@ -831,6 +835,7 @@ def main(argv=None) -> None:
     evaluate(
         target_dir=a.target, probe=json.loads(Path(a.probe).read_text()), drafters=drafters,
         eval_cfg=json.loads(a.eval_config), thinking=a.thinking, out_json=a.out, plot_png=a.plot,
+        target_dtype=a.target_dtype, trust_remote_code=a.trust_remote_code,
     )
 
 

@@ -66,21 +66,23 @@ def drafter_config_from_target(
     if layer_types and "sliding_attention" in layer_types and not sliding_window:
         raise ValueError("drafter.layer_types has sliding_attention layers: set drafter.sliding_window (tokens)")
     t = target_config
-    head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
-    rope = dict(getattr(t, "rope_parameters", None) or {})
+    head_dim = _target_attr(t, "head_dim") or t.hidden_size // t.num_attention_heads
+    rope = dict(_target_attr(t, "rope_parameters") or {})
+    if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type (gemma): the plain one
+        rope = dict(next((v for v in rope.values() if v.get("rope_type", "default") == "default"), next(iter(rope.values()))))
     rope.setdefault("rope_type", "default")
-    rope.setdefault("rope_theta", getattr(t, "rope_theta", 1_000_000.0))
+    rope.setdefault("rope_theta", _target_attr(t, "rope_theta", 1_000_000.0))
     cfg = Qwen3Config(
         vocab_size=t.vocab_size,
         hidden_size=t.hidden_size,
-        intermediate_size=getattr(t, "intermediate_size", 4 * t.hidden_size),
+        intermediate_size=_target_attr(t, "intermediate_size", 4 * t.hidden_size),
         num_hidden_layers=num_draft_layers,
         num_attention_heads=t.num_attention_heads,
-        num_key_value_heads=getattr(t, "num_key_value_heads", t.num_attention_heads),
+        num_key_value_heads=_target_attr(t, "num_key_value_heads", t.num_attention_heads),
         head_dim=head_dim,
         hidden_act="silu",
         max_position_embeddings=t.max_position_embeddings,
-        rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6),
+        rms_norm_eps=_target_attr(t, "rms_norm_eps", 1e-6),
         rope_parameters=rope,
         attention_bias=False,
         tie_word_embeddings=False,
@@ -93,6 +95,16 @@ def drafter_config_from_target(
     cfg.num_target_layers = int(t.num_hidden_layers)
     cfg.dflash_config = {"mask_token_id": int(mask_token_id), "target_layer_ids": [int(i) for i in target_layer_ids]}
     return cfg
+
+
+def _target_attr(config, name: str, default=None):
+    """``config.name`` (``default`` when missing/None); a per-layer attribute of a heterogeneous config
+    (gemma-4's ``head_dim``) is read from its serialized global value."""
+    try:
+        value = getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError
+        value = config.to_dict().get(name)
+    return default if value is None else value
 
 
 # ---------------------------------------------------------------------------------------------------

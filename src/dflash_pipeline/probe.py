@@ -236,10 +236,8 @@ def _derive_layer_types(text: Mapping[str, Any], n_layers: int, auto_text: Any) 
     return None, None
 
 
-def _probe_config(target_dir: Path, trust_remote_code: bool) -> tuple[dict, list[str], Any]:
-    """The config part of the record, warnings, and the ``AutoConfig`` object (None when it could not
-    load). Raises ProbeError on a missing/unusable config."""
-    path = target_dir / "config.json"
+def _read_config_json(path: Path) -> dict:
+    """``config.json`` as a dict; ProbeError (naming the file and the fix) when missing or not an object."""
     if not path.is_file():
         raise ProbeError(f"{path}: not found; `target.path` must be a model directory with config.json")
     try:
@@ -248,6 +246,94 @@ def _probe_config(target_dir: Path, trust_remote_code: bool) -> tuple[dict, list
         raise ProbeError(f"{path}: not readable JSON ({exc}); fix or replace the file") from None
     if not isinstance(raw, dict):
         raise ProbeError(f"{path}: top level is {type(raw).__name__}, expected a JSON object")
+    return raw
+
+
+def _attention_facts(text: Mapping[str, Any], pick, hidden: Any, heads: Any, kv_heads: Any) -> tuple[dict, Any, Any]:
+    """``(attention record, head_dim, head_dim source)``: MLA (kv_lora_rank), else MHA/GQA, plus the
+    sliding-window / bias / output-gate / partial-rotary fields the config states."""
+    kv_lora = text.get("kv_lora_rank")
+    if kv_lora is not None:
+        nope, rope_d = text.get("qk_nope_head_dim"), text.get("qk_rope_head_dim")
+        attention = {
+            "kind": "MLA",
+            "kv_lora_rank": kv_lora,
+            "q_lora_rank": text.get("q_lora_rank"),
+            "qk_nope_head_dim": nope,
+            "qk_rope_head_dim": rope_d,
+            "v_head_dim": text.get("v_head_dim"),
+        }
+        head_dim = (nope or 0) + (rope_d or 0) or None
+        head_dim_src = "qk_nope_head_dim + qk_rope_head_dim (MLA query/key head dim)"
+    else:
+        attention = {"kind": "MHA" if kv_heads == heads else "GQA"}
+        head_dim, head_dim_src = pick("head_dim")
+        if head_dim is None and hidden and heads:
+            head_dim, head_dim_src = hidden // heads, "hidden_size // num_attention_heads"
+    for key in ("sliding_window", "attention_bias", "attn_output_gate", "partial_rotary_factor"):
+        if text.get(key) is not None:
+            attention[key] = text[key]
+    return attention, head_dim, head_dim_src
+
+
+def _moe_facts(text: Mapping[str, Any]) -> dict | None:
+    """Normalized MoE fields (expert count, top-k, shared experts …), None for a dense model."""
+    ek, n_exp = _first_key(text, EXPERT_COUNT_KEYS)
+    tk, topk = _first_key(text, EXPERTS_PER_TOKEN_KEYS)
+    if not (isinstance(n_exp, int) and n_exp > 1):
+        return None
+    moe = {
+        "num_experts": n_exp,
+        "num_experts_source": ek,
+        "num_experts_per_tok": topk,
+        "num_experts_per_tok_source": tk,
+        "num_shared_experts": text.get("n_shared_experts"),
+        "moe_intermediate_size": text.get("moe_intermediate_size"),
+        "first_k_dense_replace": text.get("first_k_dense_replace"),
+    }
+    if text.get("shared_expert_intermediate_size"):
+        moe["shared_expert_intermediate_size"] = text["shared_expert_intermediate_size"]
+    return moe
+
+
+def _rope_facts(text: Mapping[str, Any]) -> dict:
+    """``{theta, type, scaling, parameters}``; theta per layer type when the config has one per type (Gemma)."""
+    rope_params = text.get("rope_parameters")
+    rope_scaling = text.get("rope_scaling")
+    theta = text.get("rope_theta")
+    rope_type = None
+    if isinstance(rope_params, Mapping):
+        if theta is None and "rope_theta" in rope_params:
+            theta = rope_params["rope_theta"]
+        elif theta is None and all(isinstance(v, Mapping) for v in rope_params.values()):
+            theta = {k: v.get("rope_theta") for k, v in rope_params.items()}  # per layer type (Gemma)
+        rope_type = rope_params.get("rope_type") if isinstance(rope_params.get("rope_type"), str) else None
+    if isinstance(rope_scaling, Mapping):
+        rope_type = rope_scaling.get("rope_type") or rope_scaling.get("type") or rope_type
+    return {"theta": theta, "type": rope_type or "default", "scaling": rope_scaling, "parameters": rope_params}
+
+
+def _tie_facts(raw: Mapping[str, Any], text_path: str, text: Mapping[str, Any], auto_cfg: Any) -> tuple[Any, Any]:
+    """``(tie_word_embeddings, source)`` from the text config, the top level, else AutoConfig's default."""
+    for where, d in ((text_path, text), ("", raw)):
+        if d.get("tie_word_embeddings") is not None:
+            return bool(d["tie_word_embeddings"]), (f"{where}.tie_word_embeddings" if where else "tie_word_embeddings")
+    if auto_cfg is not None:
+        return bool(getattr(auto_cfg, "tie_word_embeddings", False)), "AutoConfig default"
+    return None, None
+
+
+def _eos_list(v: Any) -> list[int]:
+    if v is None:
+        return []
+    return [int(x) for x in (v if isinstance(v, list) else [v])]
+
+
+def _probe_config(target_dir: Path, trust_remote_code: bool) -> tuple[dict, list[str], Any]:
+    """The config part of the record, warnings, and the ``AutoConfig`` object (None when it could not
+    load). Raises ProbeError on a missing/unusable config."""
+    path = target_dir / "config.json"
+    raw = _read_config_json(path)
     warnings: list[str] = []
     text_path, text = _find_text_config(raw)
     auto_cfg, auto_err = _try_autoconfig(target_dir, trust_remote_code)
@@ -275,82 +361,11 @@ def _probe_config(target_dir: Path, trust_remote_code: bool) -> tuple[dict, list
     kv_heads, kv_src = pick("num_key_value_heads")
     if kv_heads is None and heads is not None:
         kv_heads, kv_src = heads, "default (= num_attention_heads)"
-
-    # attention
-    kv_lora = text.get("kv_lora_rank")
-    if kv_lora is not None:
-        nope, rope_d = text.get("qk_nope_head_dim"), text.get("qk_rope_head_dim")
-        attention = {
-            "kind": "MLA",
-            "kv_lora_rank": kv_lora,
-            "q_lora_rank": text.get("q_lora_rank"),
-            "qk_nope_head_dim": nope,
-            "qk_rope_head_dim": rope_d,
-            "v_head_dim": text.get("v_head_dim"),
-        }
-        head_dim = (nope or 0) + (rope_d or 0) or None
-        head_dim_src = "qk_nope_head_dim + qk_rope_head_dim (MLA query/key head dim)"
-    else:
-        kind = "MHA" if kv_heads == heads else "GQA"
-        attention = {"kind": kind}
-        head_dim, head_dim_src = pick("head_dim")
-        if head_dim is None and hidden and heads:
-            head_dim, head_dim_src = hidden // heads, "hidden_size // num_attention_heads"
-    for key in ("sliding_window", "attention_bias", "attn_output_gate", "partial_rotary_factor"):
-        if text.get(key) is not None:
-            attention[key] = text[key]
-
-    # MoE
-    ek, n_exp = _first_key(text, EXPERT_COUNT_KEYS)
-    tk, topk = _first_key(text, EXPERTS_PER_TOKEN_KEYS)
-    moe = None
-    if isinstance(n_exp, int) and n_exp > 1:
-        moe = {
-            "num_experts": n_exp,
-            "num_experts_source": ek,
-            "num_experts_per_tok": topk,
-            "num_experts_per_tok_source": tk,
-            "num_shared_experts": text.get("n_shared_experts"),
-            "moe_intermediate_size": text.get("moe_intermediate_size"),
-            "first_k_dense_replace": text.get("first_k_dense_replace"),
-        }
-        if text.get("shared_expert_intermediate_size"):
-            moe["shared_expert_intermediate_size"] = text["shared_expert_intermediate_size"]
-
+    attention, head_dim, head_dim_src = _attention_facts(text, pick, hidden, heads, kv_heads)
     layer_types, lt_src = _derive_layer_types(text, int(n_layers or 0), auto_text)
     if layer_types is not None and n_layers is not None and len(layer_types) != n_layers:
         warnings.append(f"layer types list has {len(layer_types)} entries for {n_layers} layers")
-
-    # rope
-    rope_params = text.get("rope_parameters")
-    rope_scaling = text.get("rope_scaling")
-    theta = text.get("rope_theta")
-    rope_type = None
-    if isinstance(rope_params, Mapping):
-        if theta is None and "rope_theta" in rope_params:
-            theta = rope_params["rope_theta"]
-        elif theta is None and all(isinstance(v, Mapping) for v in rope_params.values()):
-            theta = {k: v.get("rope_theta") for k, v in rope_params.items()}  # per layer type (Gemma)
-        rope_type = rope_params.get("rope_type") if isinstance(rope_params.get("rope_type"), str) else None
-    if isinstance(rope_scaling, Mapping):
-        rope_type = rope_scaling.get("rope_type") or rope_scaling.get("type") or rope_type
-    rope = {"theta": theta, "type": rope_type or "default", "scaling": rope_scaling, "parameters": rope_params}
-
-    tie, tie_src = None, None
-    for where, d in ((text_path, text), ("", raw)):
-        if d.get("tie_word_embeddings") is not None:
-            tie, tie_src = bool(d["tie_word_embeddings"]), (f"{where}.tie_word_embeddings" if where else "tie_word_embeddings")
-            break
-    if tie is None and auto_cfg is not None:
-        tie, tie_src = bool(getattr(auto_cfg, "tie_word_embeddings", False)), "AutoConfig default"
-    dtype = _first(text, ("dtype", "torch_dtype")) or _first(raw, ("dtype", "torch_dtype"))
-
-    def eos_list(v: Any) -> list[int]:
-        if v is None:
-            return []
-        return [int(x) for x in (v if isinstance(v, list) else [v])]
-
-    cfg_eos = eos_list(text.get("eos_token_id")) or eos_list(raw.get("eos_token_id"))
+    tie, tie_src = _tie_facts(raw, text_path, text, auto_cfg)
     if not isinstance(n_layers, int) or not isinstance(hidden, int):
         raise ProbeError(f"{path}: hidden_size / num_hidden_layers are not integers at {text_path or 'top level'}")
 
@@ -375,16 +390,16 @@ def _probe_config(target_dir: Path, trust_remote_code: bool) -> tuple[dict, list
         "head_dim": head_dim,
         "head_dim_source": head_dim_src,
         "attention": attention,
-        "moe": moe,
+        "moe": _moe_facts(text),
         "layer_types": layer_types,
         "layer_types_source": lt_src,
         "layer_type_counts": ({t: layer_types.count(t) for t in sorted(set(layer_types))} if layer_types else None),
         "max_position_embeddings": pick("max_position_embeddings")[0],
-        "rope": rope,
+        "rope": _rope_facts(text),
         "tie_word_embeddings": tie,
         "tie_word_embeddings_source": tie_src,
-        "dtype": dtype,
-        "config_eos_token_ids": cfg_eos,
+        "dtype": _first(text, ("dtype", "torch_dtype")) or _first(raw, ("dtype", "torch_dtype")),
+        "config_eos_token_ids": _eos_list(text.get("eos_token_id")) or _eos_list(raw.get("eos_token_id")),
         "auto_map": sorted(raw.get("auto_map", {})) if isinstance(raw.get("auto_map"), Mapping) else None,
     }
     if auto_cfg is None and auto_err:
@@ -406,6 +421,27 @@ def _probe_loader(target_dir: Path, trust_remote_code: bool, *, strict: bool, wa
             raise
         warnings.append(f"the target cannot be loaded as a causal LM: {exc}")
         return {"class": None, "config_class": None, "error": str(exc)}
+
+
+def _check_drafter_config(target_dir: Path, trust_remote_code: bool, block_size: int, num_draft_layers: int,
+                          ids: Sequence[int], mask_token_id: int | None) -> None:
+    """Build the drafter config train will build from this target's config (no weights), so a target the
+    drafter cannot be sized from fails here with the reason, not at training step 1.
+
+    Raises:
+        ProbeError: naming the target and transformers' / the drafter's complaint.
+    """
+    from .model import drafter_config_from_target
+    from .target import load_target_config, text_config
+
+    try:
+        drafter_config_from_target(
+            text_config(load_target_config(target_dir, trust_remote_code=trust_remote_code)),
+            block_size=block_size, num_draft_layers=num_draft_layers, target_layer_ids=list(ids),
+            mask_token_id=mask_token_id if mask_token_id is not None else 0)
+    except Exception as exc:  # noqa: BLE001 - any failure here would otherwise surface at training step 1
+        raise ProbeError(f"{target_dir}: the drafter cannot be sized from this target's config: "
+                         f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}") from exc
 
 
 def _embedding_rows(target_dir: Path, vocab_size: int) -> tuple[int, str]:
@@ -779,6 +815,8 @@ def probe_target(
         mid, mid_src = resolve_mask_token_id(explicit=mask_token_id, tokenizer=tok, embedding_rows=rows)
     else:
         mid, mid_src = None, f"unresolved: {tok['missing_reason']}; set `drafter.mask_token_id` or add the tokenizer"
+    if cfg["target_loader"]["error"] is None:
+        _check_drafter_config(target_dir, trust_remote_code, block_size, num_draft_layers, ids, mid)
 
     record = {
         "schema_version": PROBE_SCHEMA_VERSION,

@@ -325,24 +325,21 @@ def _resume(accelerator, out_dir: Path, total_steps: int) -> int:
     return step
 
 
-def make_accelerator(cfg: dict, *, out_dir: Optional[Path] = None, log_with: Optional[list] = None):
-    """The run's ``Accelerator``: CPU when ``train.device`` is ``cpu`` or no CUDA device is visible, with
-    ``train.mixed_precision`` (bf16 autocast works on CPU too, which is how the tests exercise it);
-    FSDP2 when ``train.fsdp`` (:func:`dflash_pipeline.fsdp.make_accelerator`); trackers ``log_with``
-    writing under ``<out_dir>/trackers``."""
+def make_accelerator(mixed_precision: str, device: str = "auto", *, fsdp: bool = False, fsdp_reshard_after_forward: bool = True,
+                     out_dir: Optional[Path] = None, log_with: Optional[list] = None):
+    """The run's ``Accelerator``: CPU when ``device`` (``train.device``) is ``cpu`` or no CUDA device is
+    visible, with ``mixed_precision`` (``train.mixed_precision``; bf16 autocast works on CPU too, which is
+    how the tests exercise it); FSDP2 when ``fsdp`` (``train.fsdp``, :func:`dflash_pipeline.fsdp.make_accelerator`);
+    trackers ``log_with`` writing under ``<out_dir>/trackers``."""
     from accelerate.state import AcceleratorState
 
-    cpu = cfg["device"] == "cpu" or not torch.cuda.is_available()
+    cpu = device == "cpu" or not torch.cuda.is_available()
     state = AcceleratorState._shared_state
-    if state and state.get("_mixed_precision") != cfg["mixed_precision"] and state.get("num_processes", 1) == 1:
+    if state and state.get("_mixed_precision") != mixed_precision and state.get("num_processes", 1) == 1:
         AcceleratorState._reset_state()  # an earlier in-process run (tests, the zoo table) used another precision
-    plugin = None
-    if cfg.get("fsdp"):
-        plugin = FS.fsdp_plugin(reshard_after_forward=cfg["fsdp_reshard_after_forward"], mixed_precision=cfg["mixed_precision"])
-    kw = {}
-    if log_with:
-        kw = {"log_with": log_with, "project_dir": str(Path(out_dir) / "trackers")}
-    return FS.make_accelerator(cpu=cpu, mixed_precision=cfg["mixed_precision"], plugin=plugin, **kw)
+    plugin = FS.fsdp_plugin(reshard_after_forward=fsdp_reshard_after_forward, mixed_precision=mixed_precision) if fsdp else None
+    kw = {"log_with": log_with, "project_dir": str(Path(out_dir) / "trackers")} if log_with else {}
+    return FS.make_accelerator(cpu=cpu, mixed_precision=mixed_precision, plugin=plugin, **kw)
 
 
 def _export_module(accelerator, drafter):
@@ -434,13 +431,16 @@ def train(
     trust_remote_code: bool = False,
     zero_target_features: bool = False,
     drafter_arch: Optional[dict] = None,
+    device: str = "auto",
 ) -> dict:
     """Train the drafter; see the module docstring for outputs. ``cfg`` is the validated ``train`` config
     (missing keys take the schema defaults, :func:`with_schema_defaults`).
 
     ``target_dtype`` / ``trust_remote_code``: ``target.dtype`` / ``target.trust_remote_code``
     (:func:`dflash_pipeline.target.load_target`; ``auto`` = bf16 on CUDA, fp32 on CPU). The drafter keeps
-    float32 master weights; ``train.mixed_precision`` sets Accelerate's autocast.
+    float32 master weights; ``train.mixed_precision`` sets Accelerate's autocast. ``device``:
+    ``train.device`` (``cpu``: CPU ranks whatever GPUs are visible; not part of ``cfg``, which is the
+    rule's rerun fingerprint).
     ``drafter_arch`` holds the optional ``layer_types``/``sliding_window`` (config ``drafter.*``).
     ``zero_target_features`` trains the ablation baseline whose fused features are all zero (what the
     target features buy). Returns the summary dict (also written to ``train_summary.json``).
@@ -459,7 +459,8 @@ def train(
     cfg = with_schema_defaults(cfg)
     out_dir = Path(out_dir)
     log_with, tracker_notes = TR.resolve_trackers(cfg["trackers"])
-    accelerator = make_accelerator(cfg, out_dir=out_dir, log_with=log_with)
+    accelerator = make_accelerator(cfg["mixed_precision"], device, fsdp=cfg["fsdp"],
+                                   fsdp_reshard_after_forward=cfg["fsdp_reshard_after_forward"], out_dir=out_dir, log_with=log_with)
     set_seed(cfg["seed"])
     out_dir.mkdir(parents=True, exist_ok=True)
     for note in tracker_notes:
@@ -654,6 +655,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--train-config", required=True, help="JSON of the validated `train` config")
     p.add_argument("--target-dtype", default="auto", choices=T.DTYPE_CHOICES, help="target.dtype")
     p.add_argument("--trust-remote-code", action="store_true", help="target.trust_remote_code")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu"), help="train.device")
     p.add_argument("--zero-target-features", action="store_true")
     p.add_argument("--drafter-arch", default="{}", help="JSON with optional layer_types / sliding_window")
     p.add_argument("token_shards", nargs="+")
@@ -663,7 +665,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         token_shards=a.token_shards, probe=probe, target_dir=a.target, out_dir=a.out_dir,
         cfg=json.loads(a.train_config), target_dtype=a.target_dtype, trust_remote_code=a.trust_remote_code,
         zero_target_features=a.zero_target_features,
-        drafter_arch=json.loads(a.drafter_arch),
+        drafter_arch=json.loads(a.drafter_arch), device=a.device,
     )
 
 

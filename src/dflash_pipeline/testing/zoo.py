@@ -351,9 +351,9 @@ STAGE_PROMPTS = (
 )
 
 
-def stage_config(twin: Path, eval_set: Path) -> dict:
-    """The validated pipeline config the stages run under (tiny sizes; bf16 training on CPU via
-    ``train.device: cpu``)."""
+def stage_config(twin: Path, eval_set: Path, device: str = "cpu") -> dict:
+    """The validated pipeline config the stages run under (tiny sizes; ``device`` = ``train.device``:
+    ``cpu`` runs the bf16 training on CPU, ``auto`` on a GPU when one is visible)."""
     from ..config import validate_config
 
     return validate_config({
@@ -362,20 +362,20 @@ def stage_config(twin: Path, eval_set: Path) -> dict:
         "generation": {"backend": "transformers", "max_tokens": 16, "batch_size": 3},
         "tokens": {"max_length": 512},
         "train": {"epochs": 2, "batch_size": 2, "num_anchors": 4, "log_every_steps": 1, "save_every_steps": 1000,
-                  "device": "cpu"},
+                  "device": device},
         "eval": {"max_new_tokens": 12, "checkpoint_samples": 0, "exclude_training_prompts": False,
                  "sets": {"gsm8k": {"path": str(eval_set), "num_samples": 1}}},
     })
 
 
 def run_stages(models_dir: Path, family: str, work: Path, corpus_file: Path, eval_set: Path,
-               log: Callable[[str], None] = lambda m: None) -> dict[str, str]:
+               log: Callable[[str], None] = lambda m: None, device: str = "cpu") -> dict[str, str]:
     """Every stage on one twin, in-process; each ``ok`` or ``refused: <reason>`` (the stages after a
     refused one are ``skipped``): twin build, probe, completions (transformers backend), tokens (the
     family's template), training fp32 and bf16 (bf16 target + ``mixed_precision: bf16`` through
     Accelerate, on CPU; both export ``final/``), eval τ of the bf16-trained drafter."""
     from .. import contracts, shards
-    from ..completions import generate_shard
+    from ..completions import generate_shard, preflight_template
     from ..evaluate import evaluate
     from ..probe import probe_target
     from ..tokens import tokenize_shard
@@ -387,7 +387,7 @@ def run_stages(models_dir: Path, family: str, work: Path, corpus_file: Path, eva
 
     def build():
         build_twin(models_dir, family, twin, corpus_file=corpus_file)
-        cfg.update(stage_config(twin, eval_set))
+        cfg.update(stage_config(twin, eval_set, device))
 
     def probe():
         n = json.loads((twin / "config.json").read_text())
@@ -395,6 +395,7 @@ def run_stages(models_dir: Path, family: str, work: Path, corpus_file: Path, eva
         state["probe"] = probe_target(twin, block_size=4, num_draft_layers=1, target_layer_ids=[1, n - 2])
 
     def completions():
+        preflight_template(twin, gen_cfg=cfg["generation"], tokens_cfg=cfg["tokens"])  # as the rule does
         recs = [{"prompt_id": contracts.prompt_id(m), "dataset": "zoo", "messages": m, "metadata": "{}"}
                 for m in STAGE_PROMPTS]
         shards.write_parquet(work / "prompts.parquet", shards.table_from_records(recs, contracts.PROMPT_SCHEMA))
@@ -411,9 +412,10 @@ def run_stages(models_dir: Path, family: str, work: Path, corpus_file: Path, eva
 
     def train_with(dtype: str, mp: str):
         def run():
-            tcfg = dict(cfg["train"], mixed_precision=mp)
+            tcfg = {k: v for k, v in cfg["train"].items() if k != "device"}  # as the rule passes it
             train(token_shards=[work / "tokens.parquet"], probe=state["probe"], target_dir=twin,
-                  out_dir=work / f"train_{dtype}", cfg=tcfg, target_dtype=dtype)
+                  out_dir=work / f"train_{dtype}", cfg=dict(tcfg, mixed_precision=mp), target_dtype=dtype,
+                  device=cfg["train"]["device"])
         return run
 
     def eval_():
@@ -448,6 +450,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=os.environ.get("DFLASH_MODELS_DIR", "../shared/data/models"))
     ap.add_argument("--corpus", default="data/gsm8k/train.jsonl")
     ap.add_argument("--eval-set", default="data/gsm8k/test.jsonl")
+    ap.add_argument("--device", choices=("cpu", "auto"), default="cpu", help="train.device of the stages (auto: GPU if any)")
     ap.add_argument("--family", action="append", help="only these families (default: all with a config.json)")
     ap.add_argument("--table", action="store_true", help="run every stage and print the family × stage table")
     ap.add_argument("--out", help="build the twins into this directory (default: a temp dir)")
@@ -460,7 +463,7 @@ def main(argv=None) -> int:
         t0 = time.time()
         if a.table:
             rows[fam] = run_stages(models, fam, root / fam, Path(a.corpus).resolve(), Path(a.eval_set).resolve(),
-                                   log=lambda m: print(f"[zoo] {m}", file=sys.stderr, flush=True))
+                                   log=lambda m: print(f"[zoo] {m}", file=sys.stderr, flush=True), device=a.device)
         else:
             try:
                 build_twin(models, fam, root / fam / "target", corpus_file=a.corpus)
