@@ -6,11 +6,19 @@ measured in the same run: the target forward alone (the floor any online trainer
 
     python bench/bench_train.py                       # tiny demo-sized target on CPU
     python bench/bench_train.py --hidden 4096 --target-layers 36 --draft-layers 5 --device cuda --bf16
+
+Sequence packing on real token shards (the demo's after `snakemake --profile local`): one pass over the
+same records padded (batch_size records per step) and packed (batch_size rows of up to the longest
+record's tokens, dflash_pipeline.packing; the same anchors per record), tokens/s of each and the ratio:
+
+    python bench/bench_train.py --tokens results/tokens/*/*.parquet --target resources/demo-target \
+        --probe results/probe/target.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import resource
 import time
 
@@ -35,7 +43,13 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--backend", default="auto", choices=["auto", "sdpa", "flex"])
+    p.add_argument("--tokens", nargs="+", help="token shards: run the packing comparison on them")
+    p.add_argument("--target", help="target directory (with --tokens)")
+    p.add_argument("--probe", help="probe JSON (with --tokens)")
+    p.add_argument("--records", type=int, default=192, help="records of the packing comparison (with --tokens)")
     a = p.parse_args()
+    if a.tokens:
+        return packing_main(a)
     dev = torch.device(a.device)
     heads = max(1, a.hidden // 128) if a.hidden >= 1024 else max(1, a.hidden // 32)
     tcfg = Qwen3Config(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=3 * a.hidden, num_hidden_layers=a.target_layers,
@@ -103,6 +117,57 @@ def main() -> None:
     if dev.type == "cuda":
         print(f"peak GPU memory: {torch.cuda.max_memory_allocated()/2**30:.2f} GiB;  MFU vs 989 TFLOP/s bf16 dense (H100/H200): {flops/dt/989e12*100:.1f}%")
     print(f"peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss/1024:.0f} MiB")
+
+
+def packing_main(a) -> None:
+    """Padded vs packed training steps over the same records; prints tokens/s of each and the ratio."""
+    import random
+
+    from dflash_pipeline import packing as P
+    from dflash_pipeline import target as T
+    from dflash_pipeline.train import build_drafter, collate, load_token_shards
+
+    dev = torch.device(a.device)
+    records = load_token_shards(a.tokens)
+    random.Random(0).shuffle(records)
+    records = records[: a.records]
+    probe = json.loads(open(a.probe, encoding="utf-8").read())
+    target = T.load_target(a.target, device=dev)
+    drafter = build_drafter(target, probe).to(dev)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
+    bs = probe["drafter"]["block_size"]
+    backend = a.backend if a.backend != "auto" else ("flex" if dev.type == "cuda" else "sdpa")
+    ctx = StepContext(drafter=drafter, target=target, probe=probe, num_anchors=a.num_anchors, block_size=bs,
+                      gamma=M.loss_decay_gamma(bs), generator=torch.Generator().manual_seed(0), backend=backend)
+    padded = [collate(records[i : i + a.batch]) for i in range(0, len(records), a.batch)]
+    rows = P.PackedDataset(records, max(len(r[0]) for r in records))
+    items = [rows[i] for i in range(len(rows))]
+    packed = [P.collate_packed(items[i : i + a.batch]) for i in range(0, len(items), a.batch)]
+    P.check_target_isolates_records(target, probe["drafter"]["target_layer_ids"])
+    tokens = sum(len(r[0]) for r in records)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def one_pass(batches) -> float:
+        t = time.perf_counter()
+        for batch in batches:
+            batch = {k: v.to(dev) for k, v in batch.items()}
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.bf16):
+                loss, _ = training_step(ctx, batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        sync()
+        return time.perf_counter() - t
+
+    one_pass(padded[:1]), one_pass(packed[:1])  # warm-up
+    t_pad, t_pack = one_pass(padded), one_pass(packed)
+    cells_pad = sum(int(b["input_ids"].numel()) for b in padded)
+    cells_pack = sum(int(b["input_ids"].numel()) for b in packed)
+    print(f"records={len(records)} tokens={tokens} batch={a.batch} num_anchors={a.num_anchors} device={dev} backend={backend}")
+    print(f"padded : {len(padded)} steps, {t_pad:.1f} s, {tokens / t_pad:,.0f} tokens/s, padding {1 - tokens / cells_pad:.0%}")
+    print(f"packed : {len(packed)} steps, {t_pack:.1f} s, {tokens / t_pack:,.0f} tokens/s, padding {1 - tokens / cells_pack:.0%} "
+          f"({len(records) / len(rows):.1f} records/row)")
+    print(f"packed / padded tokens/s = {t_pad / t_pack:.2f}x")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 rule train_drafter:
     """Train the DFlash drafter with `accelerate launch` (target frozen, online features).
 
+    `workflow launch` resolves the machine count / rank / main address on the machine that runs it
+    (train.num_machines, $DFLASH_MACHINE_RANK, or the SLURM allocation); with train.num_machines > 1 the
+    rule starts one launcher per node with `srun --ntasks-per-node=1`.
     Resumes from results/checkpoints/{run}/state/ after a kill; writes final/ atomically.
     """
     input:
@@ -14,7 +17,7 @@ rule train_drafter:
         run_dir=run_dir_of,
         train=as_json({k: v for k, v in config["train"].items() if k != "device"}),  # where, not what: --device
         arch=as_json({k: config["drafter"][k] for k in ("layer_types", "sliding_window")}),
-        launch=" ".join(accelerate_launch_args()),
+        srun=srun_prefix(),
         baseline=baseline_flags_of,
     log:
         log_file("train_drafter", "{run}"),
@@ -24,10 +27,10 @@ rule train_drafter:
     resources:
         gpu=gpus("train_drafter"),
     conda:
-        "../envs/torch.yaml"
+        "../envs/train.yaml"
     shell:
         "OMP_NUM_THREADS={threads} python -m dflash_pipeline.workflow gpus {resources.gpu} -- "
-        "python -m accelerate.commands.launch {params.launch} "
+        "{params.srun}python -m dflash_pipeline.workflow launch {params.train:q} -- "
         "-m dflash_pipeline.train --probe {input.probe:q} --target {params.target:q} "
         f"--target-dtype {config['target']['dtype']} --device {config['train']['device']} "
         f"{'--trust-remote-code ' if config['target']['trust_remote_code'] else ''}"

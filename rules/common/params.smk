@@ -25,8 +25,11 @@ def gpus(rule):
     return wf.job_gpus(config, rule)
 
 
-def accelerate_launch_args():
-    return wf.accelerate_launch_args(config["train"]["num_processes"], config["train"]["mixed_precision"])
+def srun_prefix():
+    """`srun --ntasks-per-node=1 …` before the launcher when the run spans several machines (one
+    `workflow launch` per node resolves its rank there), else ''."""
+    n = config["train"]["num_machines"]
+    return "srun --ntasks-per-node=1 --kill-on-bad-exit=1 " if n is not None and n > 1 else ""
 
 
 def target_dir_of_input(wildcards, input):

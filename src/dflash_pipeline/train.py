@@ -5,15 +5,24 @@ or N CPU ranks over gloo; see :func:`dflash_pipeline.workflow.accelerate_launch_
 block mask, same-position labels, decayed CE), §4.7 (AdamW, warmup + cosine, clipping, fp32 master
 weights under bf16 autocast), §5.3 (online target features).
 
+Objectives (``train.loss``): ``ce_decay``, ``dpace``, ``kl`` (:mod:`dflash_pipeline.losses`), normalised
+globally over ranks and gradient-accumulation micro-steps. Optional sequence packing
+(:mod:`dflash_pipeline.packing`), FSDP2 (:mod:`dflash_pipeline.fsdp`), multi-node launch
+(:func:`dflash_pipeline.workflow.launch_topology`), held-out validation τ (:mod:`dflash_pipeline.validation`),
+trackers (:mod:`dflash_pipeline.trackers`).
+
 Outputs under ``out_dir``: ``final/`` (servable checkpoint, written atomically), ``state/`` (Accelerate
 state for resume; a killed run restarts at its last saved step), ``train_log.jsonl`` (one JSON per
-logged step), ``train_summary.json`` and ``step_<N>/`` (an intermediate servable export at every state save,
-``save_every_steps``; the eval stage charts τ across them).
+logged step), ``val_log.jsonl`` (one JSON per held-out validation: per-block τ, per-position acceptance),
+``val_tau.png`` (validation τ vs step), ``trackers/`` (TensorBoard event files), ``train_summary.json`` and
+``step_<N>/`` (an intermediate servable export at every state save, ``save_every_steps``; the eval stage
+charts τ across them).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import shutil
@@ -26,8 +35,13 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 
+from . import fsdp as FS
+from . import losses as L
 from . import model as M
+from . import packing as P
 from . import target as T
+from . import trackers as TR
+from . import validation as V
 from .shards import read_parquet, replace_dir, write_json
 
 
@@ -41,15 +55,31 @@ def load_token_shards(paths: Sequence[str | Path], *, min_loss_tokens: int = 2) 
 
     Records with fewer than ``min_loss_tokens`` supervised tokens cannot yield an anchor and are skipped.
     """
-    out = []
+    return load_token_records(paths, min_loss_tokens=min_loss_tokens)[0]
+
+
+def load_token_records(paths: Sequence[str | Path], *, min_loss_tokens: int = 2) -> tuple[list, list[str]]:
+    """:func:`load_token_shards` plus each kept record's ``prompt_id`` (for the held-out split)."""
+    out, pids = [], []
     for p in paths:
         table = read_parquet(p)
         ids = table.column("input_ids").to_pylist()
         masks = table.column("loss_mask").to_pylist()
-        for i, m in zip(ids, masks):
+        prompt_ids = table.column("prompt_id").to_pylist() if "prompt_id" in table.column_names else [f"{p}:{i}" for i in range(len(ids))]
+        for i, m, pid in zip(ids, masks, prompt_ids):
             if sum(m) >= min_loss_tokens:
                 out.append((np.asarray(i, dtype=np.int32), np.asarray(m, dtype=np.uint8)))
-    return out
+                pids.append(str(pid))
+    return out, pids
+
+
+def with_schema_defaults(cfg: dict) -> dict:
+    """``cfg`` (the ``train`` section) with every key it lacks taken from the config schema's defaults
+    (callers such as tests and benches pass partial dicts; the schema stays the one place for defaults)."""
+    from .config import load_schema
+
+    props = load_schema()["properties"]["train"]["properties"]
+    return {**{k: v["default"] for k, v in props.items() if "default" in v}, **cfg}
 
 
 class TokenDataset(torch.utils.data.Dataset):
@@ -122,7 +152,8 @@ class StepContext:
     """What :func:`training_step` needs besides the batch (built once per run by :func:`train`).
 
     ``reduce_sum`` sums a scalar over data-parallel ranks (None = one process) for the global loss
-    normalisation (:func:`dflash_pipeline.model.loss_normalizer`).
+    normalisation (:func:`dflash_pipeline.model.loss_normalizer`). ``loss``/``kl_*``/``dpace_alpha``:
+    the objective (``train.loss``, :func:`dflash_pipeline.losses.compute_loss`).
     """
 
     drafter: Any
@@ -138,44 +169,87 @@ class StepContext:
     reduce_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
     embed: Any = field(default=None)
     lm_head: Any = field(default=None)
+    loss: str = "ce_decay"  # train.loss (dflash_pipeline.losses)
+    kl_temperature: float = 1.0
+    kl_ce_weight: float = 0.0
+    dpace_alpha: float = 0.5
 
     def __post_init__(self):
         self.embed = self.embed if self.embed is not None else T.input_embeddings(self.target)
         self.lm_head = self.lm_head if self.lm_head is not None else T.lm_head(self.target)
 
 
-def training_step(ctx: StepContext, batch: dict) -> tuple[torch.Tensor, dict]:
-    """One forward pass: target features → anchors → blocks → drafter → decayed CE (dflash.md §4).
+def step_objective(ctx: StepContext, batch: dict) -> L.LossOutput:
+    """One forward pass: target features → anchors → blocks → drafter → ``ctx.loss`` (dflash.md §4).
 
-    ``batch``: ``input_ids`` long [b, S], ``loss_mask`` uint8 [b, S], ``attention_mask`` long [b, S].
+    ``batch``: ``input_ids`` long [b, S], ``loss_mask`` uint8 [b, S], ``attention_mask`` long [b, S];
+    packed rows (:func:`dflash_pipeline.packing.collate_packed`) add ``position_ids``/``segment_ids`` and
+    anchors, labels and attention then stay inside each record. Precomputed ``features``
+    [b, S, K·H] (and ``target_last_hidden`` [b, S, H] for ``kl``) replace the target forward (feature shards).
     Dtypes (dflash_pipeline.target): the target runs in its dtype, the drafter in its parameter dtype
     (inputs cast; Accelerate's autocast, when on, covers the drafter forward), the LM head in its dtype,
-    the CE in float32. The loss is divided by the global weight sum over ranks / world size.
+    the loss in float32.
 
-    Returns ``(loss scalar float32, stats)`` (see :func:`dflash_pipeline.model.decayed_cross_entropy`).
+    Returns the unnormalised :class:`dflash_pipeline.losses.LossOutput` (the caller normalises globally).
     """
     ids, lmask, am = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
+    packed = "segment_ids" in batch
     d = ctx.probe["drafter"]
+    teacher_needed = ctx.loss == "kl"
+    last = batch.get("target_last_hidden")
     with torch.no_grad():
-        if ctx.zero_target_features:  # the ablation never looks at the target: skip its forward pass
+        if "features" in batch:  # feature shards (train.target_features: shards): the target never runs here
+            feats = batch["features"]
+        elif ctx.zero_target_features and not teacher_needed:  # the ablation never looks at the target
             k_h = len(d["target_layer_ids"]) * ctx.embed.weight.shape[1]
             feats = torch.zeros(*ids.shape, k_h, dtype=ctx.embed.weight.dtype, device=ids.device)  # [b, S, K·H]
         else:
-            feats, _ = target_features(ctx.target, ids, am, d["target_layer_ids"])  # [b, S, K·H]
-    anchors = M.sample_anchors(lmask.cpu(), ctx.num_anchors, generator=ctx.generator)
-    anchors = M.AnchorBatch(anchors.anchors.to(ids.device), anchors.keep.to(ids.device))
-    block_ids, block_pos, labels, weights = M.block_inputs_and_labels(
-        ids, lmask, anchors, ctx.block_size, d["mask_token_id"], ctx.gamma)
+            if packed:
+                feats, out = P.packed_target_features(ctx.target, ids, batch["position_ids"], d["target_layer_ids"])
+            else:
+                feats, out = target_features(ctx.target, ids, am, d["target_layer_ids"])  # [b, S, K·H]
+            last = out.hidden_states[-1] if teacher_needed else None  # final-normed: lm_head's input
+            if ctx.zero_target_features:
+                feats = torch.zeros_like(feats)
+    if teacher_needed and last is None:
+        raise ValueError("train.loss: kl needs the target's last hidden state (target_last_hidden in feature shards)")
     core = getattr(ctx.drafter, "module", ctx.drafter)
-    mask = M.build_training_masks(core, anchors.anchors, ids.shape[1], ctx.backend)
     b, s = ids.shape
-    ctx_pos = torch.arange(s, device=ids.device).expand(b, -1)
+    if packed:
+        pos, seg = batch["position_ids"], batch["segment_ids"]
+        anchors = P.sample_packed_anchors(lmask.cpu(), seg.cpu(), ctx.num_anchors, generator=ctx.generator)
+        anchors = M.AnchorBatch(anchors.anchors.to(ids.device), anchors.keep.to(ids.device))
+        blk = P.packed_block_inputs_and_labels(ids, lmask, pos, seg, anchors, ctx.block_size, d["mask_token_id"], ctx.gamma)
+        block_ids, block_pos, rows, labels, weights = blk.ids, blk.pos, blk.rows, blk.labels, blk.weights
+        mask = P.build_packed_training_masks(core, anchors.anchors, seg, ctx.backend)
+        ctx_pos = pos
+        num_sequences = int(batch["num_records"].sum())
+    else:
+        anchors = M.sample_anchors(lmask.cpu(), ctx.num_anchors, generator=ctx.generator)
+        anchors = M.AnchorBatch(anchors.anchors.to(ids.device), anchors.keep.to(ids.device))
+        block_ids, block_pos, labels, weights = M.block_inputs_and_labels(
+            ids, lmask, anchors, ctx.block_size, d["mask_token_id"], ctx.gamma)
+        rows = block_pos
+        mask = M.build_training_masks(core, anchors.anchors, s, ctx.backend)
+        ctx_pos = torch.arange(s, device=ids.device).expand(b, -1)
+        num_sequences = b
     with torch.no_grad():
         noise = ctx.embed(block_ids)
     noise, feats = T.to_drafter_dtype(ctx.drafter, noise, feats)
     hidden = ctx.drafter(noise, feats, ctx_pos, block_pos, attn_mask=mask)
-    norm = M.loss_normalizer(weights.sum(), ctx.world_size, ctx.reduce_sum)
-    return M.decayed_cross_entropy(hidden, ctx.lm_head.weight, labels, weights, normalizer=norm)
+    teacher = L.teacher_slot_hidden(last, rows) if teacher_needed else None
+    return L.compute_loss(ctx.loss, hidden, ctx.lm_head.weight, labels, weights, ctx.block_size, teacher_hidden=teacher,
+                          temperature=ctx.kl_temperature, ce_weight=ctx.kl_ce_weight, dpace_alpha=ctx.dpace_alpha,
+                          num_sequences=num_sequences)
+
+
+def training_step(ctx: StepContext, batch: dict) -> tuple[torch.Tensor, dict]:
+    """:func:`step_objective` normalised for one micro-step: its total divided by the global normaliser
+    over ranks / world size (:func:`dflash_pipeline.model.loss_normalizer`), so DDP's gradient average is
+    the global Σ terms / Σ normaliser. Returns ``(loss scalar float32, stats)``."""
+    out = step_objective(ctx, batch)
+    norm = M.loss_normalizer(out.normalizer, ctx.world_size, ctx.reduce_sum)
+    return out.total / norm.to(out.total.device).clamp(min=1e-12), out.stats
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -185,7 +259,7 @@ def training_step(ctx: StepContext, batch: dict) -> tuple[torch.Tensor, dict]:
 
 @dataclass
 class _Window:
-    """Running totals between two log lines."""
+    """Running totals between two log lines (loss per optimizer step; slot counts and tokens per micro-step)."""
 
     block_size: int
     loss: float = 0.0
@@ -199,33 +273,43 @@ class _Window:
         self.correct = torch.zeros(self.block_size)
         self.total = torch.zeros(self.block_size)
 
-    def add(self, loss: float, stats: dict, tokens: int) -> None:
+    def add(self, loss: Optional[float], stats: dict, tokens: int) -> None:
+        """One micro-step's stats and tokens; ``loss`` (the optimizer step's global loss) when not None."""
         c, t = M.slot_accuracy(stats, self.block_size)
-        self.loss += loss
-        self.n += 1
+        if loss is not None:
+            self.loss += loss
+            self.n += 1
         self.correct += c
         self.total += t
         self.tokens += tokens
 
 
-def _log_window(accelerator, w: _Window, *, step: int, total_steps: int, epoch: int, lr: float, log_path: Path) -> None:
-    """Reduce the window's slot counts over ranks and append one ``train_log.jsonl`` record (main rank)."""
+def _log_window(accelerator, w: _Window, *, step: int, total_steps: int, epoch: int, lr: float, log_path: Path,
+                run_t0: float, start_step: int) -> dict:
+    """Reduce the window's slot counts over ranks, append one ``train_log.jsonl`` record and log it to the
+    trackers (main rank); the ``[train]`` line carries the ETA. Returns the record."""
     totals = accelerator.reduce(torch.stack([w.correct, w.total]).to(accelerator.device), "sum").cpu()
+    tokens = int(accelerator.reduce(torch.tensor(float(w.tokens), device=accelerator.device), "sum"))
     acc = (totals[0] / totals[1].clamp(min=1)).tolist()
     elapsed = time.time() - w.t0
+    per_step = (time.time() - run_t0) / max(1, step - start_step)
     rec = {
-        "step": step, "epoch": epoch, "loss": w.loss / w.n, "lr": lr, "slot_acc": acc,
+        "step": step, "epoch": epoch, "loss": w.loss / max(1, w.n), "lr": lr, "slot_acc": acc,
         "eal": M.expected_acceptance_length(acc),
-        "tokens_per_s": w.tokens * accelerator.num_processes / max(1e-9, elapsed), "elapsed_s": elapsed,
+        "tokens_per_s": tokens / max(1e-9, elapsed), "elapsed_s": elapsed, "eta_s": per_step * (total_steps - step),
     }
     if accelerator.is_main_process:
         with open(log_path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(rec) + "\n")
-        print(f"[train] step {step}/{total_steps} loss {rec['loss']:.4f} eal {rec['eal']:.2f} acc1 {acc[1]:.3f}", flush=True)
+        eta = time.strftime("%H:%M:%S", time.gmtime(rec["eta_s"]))
+        print(f"[train] step {step}/{total_steps} loss {rec['loss']:.4f} eal {rec['eal']:.2f} acc1 {acc[1]:.3f} "
+              f"tok/s {rec['tokens_per_s']:.0f} eta {eta}", flush=True)
+    accelerator.log(TR.scalars(rec, "train"), step=step)
+    return rec
 
 
 def _resume(accelerator, out_dir: Path, total_steps: int) -> int:
-    """Load ``state/`` when present and return its step; on a fresh start clear the old log and exports."""
+    """Load ``state/`` when present and return its step; on a fresh start clear the old logs and exports."""
     state_dir = out_dir / "state"
     step = 0
     if (state_dir / "step.json").is_file():
@@ -234,23 +318,106 @@ def _resume(accelerator, out_dir: Path, total_steps: int) -> int:
         accelerator.print(f"[train] resumed from {state_dir} at step {step}/{total_steps}")
     if accelerator.is_main_process and step == 0:
         (out_dir / "train_log.jsonl").unlink(missing_ok=True)
+        (out_dir / "val_log.jsonl").unlink(missing_ok=True)
+        shutil.rmtree(out_dir / "trackers", ignore_errors=True)
         for old in out_dir.glob(f"{STEP_EXPORT_PREFIX}*"):  # intermediate exports of an earlier run
             shutil.rmtree(old, ignore_errors=True)
     return step
 
 
-def make_accelerator(mixed_precision: str, device: str = "auto"):
+def make_accelerator(mixed_precision: str, device: str = "auto", *, fsdp: bool = False, fsdp_reshard_after_forward: bool = True,
+                     out_dir: Optional[Path] = None, log_with: Optional[list] = None):
     """The run's ``Accelerator``: CPU when ``device`` (``train.device``) is ``cpu`` or no CUDA device is
     visible, with ``mixed_precision`` (``train.mixed_precision``; bf16 autocast works on CPU too, which is
-    how the tests exercise it)."""
-    from accelerate import Accelerator
+    how the tests exercise it); FSDP2 when ``fsdp`` (``train.fsdp``, :func:`dflash_pipeline.fsdp.make_accelerator`);
+    trackers ``log_with`` writing under ``<out_dir>/trackers``."""
     from accelerate.state import AcceleratorState
 
     cpu = device == "cpu" or not torch.cuda.is_available()
     state = AcceleratorState._shared_state
     if state and state.get("_mixed_precision") != mixed_precision and state.get("num_processes", 1) == 1:
         AcceleratorState._reset_state()  # an earlier in-process run (tests, the zoo table) used another precision
-    return Accelerator(cpu=cpu, mixed_precision=mixed_precision)
+    plugin = FS.fsdp_plugin(reshard_after_forward=fsdp_reshard_after_forward, mixed_precision=mixed_precision) if fsdp else None
+    kw = {"log_with": log_with, "project_dir": str(Path(out_dir) / "trackers")} if log_with else {}
+    return FS.make_accelerator(cpu=cpu, mixed_precision=mixed_precision, plugin=plugin, **kw)
+
+
+def _export_module(accelerator, drafter):
+    """The drafter to export, on the main process (None elsewhere): the unwrapped module, or under FSDP
+    the gathered full copy (collective: every rank calls this)."""
+    if accelerator.is_fsdp2:
+        return FS.full_drafter(accelerator, drafter)
+    return accelerator.unwrap_model(drafter) if accelerator.is_main_process else None
+
+
+def _heldout_batches(records, cfg: dict, rank: int, world: int) -> tuple[list[dict], list[bool]]:
+    """This rank's held-out batches and whether each one counts: every rank runs the same number of
+    forwards (FSDP gathers weights collectively), the surplus ones repeat a batch and are not counted."""
+    if not records:
+        return [], []
+    bs = cfg["batch_size"]
+    if cfg["packing"]:
+        rows = P.PackedDataset(records, cfg["pack_max_tokens"] or max(len(r[0]) for r in records))
+        items = [rows[i] for i in range(len(rows))]
+        batches = [P.collate_packed(items[i : i + bs]) for i in range(0, len(items), bs)]
+    else:
+        batches = [collate(records[i : i + bs]) for i in range(0, len(records), bs)]
+    mine = batches[rank::world]
+    n = math.ceil(len(batches) / world)
+    return mine + [batches[0]] * (n - len(mine)), [True] * len(mine) + [False] * (n - len(mine))
+
+
+def _validate(accelerator, ctx: StepContext, batches, counted, cfg: dict, step: int, out_dir: Path) -> Optional[dict]:
+    """Held-out per-block acceptance (dflash_pipeline.validation) at ``step``: appended to ``val_log.jsonl``,
+    logged to the trackers and printed (main rank)."""
+    if not batches:
+        return None
+    d = ctx.probe["drafter"]
+    total = V.AcceptanceCounts.zeros(ctx.block_size)
+    core = getattr(ctx.drafter, "module", ctx.drafter)
+    core.eval()
+    try:
+        for batch, count in zip(batches, counted):
+            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            c = V.batch_acceptance(ctx.drafter, ctx.target, ctx.embed, ctx.lm_head, batch, target_layer_ids=d["target_layer_ids"],
+                                   mask_token_id=d["mask_token_id"], num_anchors=cfg["validation_num_anchors"], backend=ctx.backend)
+            if count:
+                total = total + c
+    finally:
+        core.train()
+    summary = V.AcceptanceCounts.from_tensor(accelerator.reduce(total.as_tensor().to(accelerator.device), "sum")).summary()
+    rec = {"step": step, **summary}
+    if accelerator.is_main_process:
+        with open(out_dir / "val_log.jsonl", "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(rec) + "\n")
+        pp = " ".join(f"{x:.2f}" for x in summary["per_position_acceptance"])
+        print(f"[val] step {step} tau {summary['tau']:.3f} (marginal proxy {summary['tau_marginal']:.3f}) "
+              f"blocks {summary['num_blocks']} per-position {pp}", flush=True)
+    accelerator.log(TR.scalars(summary, "val"), step=step)
+    return rec
+
+
+def plot_validation(val_log: Path, path: Path) -> None:
+    """PNG of held-out τ (per block, and the marginal proxy) vs step from ``val_log.jsonl``."""
+    recs = [json.loads(x) for x in val_log.read_text(encoding="utf-8").splitlines() if x.strip()] if val_log.is_file() else []
+    if not recs:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([r["step"] for r in recs], [r["tau"] for r in recs], marker="o", label="held-out τ (per-block simulator)")
+    ax.plot([r["step"] for r in recs], [r["tau_marginal"] for r in recs], ls="--", label="product of marginal accuracies")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("τ (accepted tokens / block)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
 
 
 def train(
@@ -266,7 +433,8 @@ def train(
     drafter_arch: Optional[dict] = None,
     device: str = "auto",
 ) -> dict:
-    """Train the drafter; see the module docstring for outputs. ``cfg`` is the validated ``train`` config.
+    """Train the drafter; see the module docstring for outputs. ``cfg`` is the validated ``train`` config
+    (missing keys take the schema defaults, :func:`with_schema_defaults`).
 
     ``target_dtype`` / ``trust_remote_code``: ``target.dtype`` / ``target.trust_remote_code``
     (:func:`dflash_pipeline.target.load_target`; ``auto`` = bf16 on CUDA, fp32 on CPU). The drafter keeps
@@ -277,20 +445,38 @@ def train(
     ``zero_target_features`` trains the ablation baseline whose fused features are all zero (what the
     target features buy). Returns the summary dict (also written to ``train_summary.json``).
 
+    Gradients: each micro-step backpropagates its unnormalised objective; after
+    ``gradient_accumulation_steps`` micro-steps the gradients are multiplied by world_size / Σ normaliser
+    (summed over ranks and micro-steps; DDP/FSDP average over ranks), so the update is that of the global
+    Σ terms / Σ normaliser whatever the split across ranks and micro-steps.
+
     Raises:
-        ValueError: no token record has an anchor candidate.
+        ValueError: no token record has an anchor candidate; ``train.packing`` with a target that does
+            not keep packed records apart.
     """
     from accelerate.utils import set_seed
 
+    cfg = with_schema_defaults(cfg)
     out_dir = Path(out_dir)
-    accelerator = make_accelerator(cfg["mixed_precision"], device)
+    log_with, tracker_notes = TR.resolve_trackers(cfg["trackers"])
+    accelerator = make_accelerator(cfg["mixed_precision"], device, fsdp=cfg["fsdp"],
+                                   fsdp_reshard_after_forward=cfg["fsdp_reshard_after_forward"], out_dir=out_dir, log_with=log_with)
     set_seed(cfg["seed"])
     out_dir.mkdir(parents=True, exist_ok=True)
+    for note in tracker_notes:
+        accelerator.print(f"[train] {note}")
 
-    records = load_token_shards(token_shards)
+    records, prompt_ids = load_token_records(token_shards)
     if not records:
         raise ValueError(f"no token record with ≥2 supervised tokens in {len(token_shards)} shard(s)")
+    held = V.heldout_mask(prompt_ids, cfg["validation_fraction"], seed=cfg["seed"], max_records=cfg["validation_max_records"])
+    heldout = [r for r, h in zip(records, held) if h]
+    records = [r for r, h in zip(records, held) if not h] or records  # never train on nothing
+    if len(heldout) and len(records) == len(held):  # everything held out: no validation
+        heldout = []
     target = T.load_target(target_dir, dtype=target_dtype, device=accelerator.device, trust_remote_code=trust_remote_code)
+    if cfg["packing"]:
+        P.check_target_isolates_records(target, probe["drafter"]["target_layer_ids"])
     arch = drafter_arch or {}
     drafter = build_drafter(target, probe, seed=cfg["seed"], layer_types=arch.get("layer_types"), sliding_window=arch.get("sliding_window"))
     backend = cfg["attention_backend"] if cfg.get("attention_backend", "auto") != "auto" else (
@@ -299,22 +485,31 @@ def train(
     gamma = cfg.get("loss_gamma") or M.loss_decay_gamma(block_size)
     n_trainable = M.count_parameters(drafter)
 
-    bs, nproc = cfg["batch_size"], accelerator.num_processes
-    steps_per_epoch = math.ceil(len(records) / (bs * nproc))
+    bs, nproc, accum = cfg["batch_size"], accelerator.num_processes, cfg["gradient_accumulation_steps"]
+    if cfg["packing"]:
+        dataset = P.PackedDataset(records, cfg["pack_max_tokens"] or max(len(r[0]) for r in records))
+        collate_fn = P.collate_packed
+    else:
+        dataset, collate_fn = TokenDataset(records), collate
+    micro_per_epoch = math.ceil(len(dataset) / (bs * nproc))  # per rank (Accelerate shards evenly)
+    steps_per_epoch = math.ceil(micro_per_epoch / accum)
     total_steps = max(1, math.ceil(cfg["epochs"] * steps_per_epoch))
     warmup = int(cfg["warmup_ratio"] * total_steps)
 
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg["learning_rate"], weight_decay=cfg["weight_decay"], betas=(0.9, 0.999), eps=1e-8)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: M.cosine_with_warmup(s, total_steps, warmup))
     loader = torch.utils.data.DataLoader(
-        TokenDataset(records), batch_size=bs, shuffle=True, collate_fn=collate, drop_last=False,
+        dataset, batch_size=bs, shuffle=True, collate_fn=collate_fn, drop_last=False,
         generator=torch.Generator().manual_seed(cfg["seed"]),
     )
     drafter, optimizer, loader = accelerator.prepare(drafter, optimizer, loader)
     accelerator.register_for_checkpointing(scheduler)
     step = _resume(accelerator, out_dir, total_steps)
+    if log_with:
+        accelerator.init_trackers(cfg["tracker_project"], config=TR.flat_hparams({**cfg, "zero_target_features": zero_target_features}))
     accelerator.print(
-        f"[train] records={len(records)} processes={nproc} device={accelerator.device} steps={total_steps} "
+        f"[train] records={len(records)} rows={len(dataset)} heldout={len(heldout)} processes={nproc} device={accelerator.device} "
+        f"steps={total_steps} accumulation={accum} loss={cfg['loss']} packing={cfg['packing']} fsdp={accelerator.is_fsdp2} "
         f"trainable_params={n_trainable} block_size={block_size} gamma={gamma} target_layer_ids={probe['drafter']['target_layer_ids']} "
         f"target_dtype={T.module_dtype(target)} mixed_precision={cfg['mixed_precision']}"
     )
@@ -323,39 +518,73 @@ def train(
         generator=torch.Generator(device="cpu").manual_seed(cfg["seed"] * 1000 + accelerator.process_index),
         zero_target_features=zero_target_features, backend=backend, world_size=nproc,
         reduce_sum=lambda t: accelerator.reduce(t.to(accelerator.device), "sum"),
+        loss=cfg["loss"], kl_temperature=cfg["kl_temperature"], kl_ce_weight=cfg["kl_ce_weight"], dpace_alpha=cfg["dpace_alpha"],
     )
+    val_batches, val_counted = _heldout_batches(heldout, cfg, accelerator.process_index, nproc)
     window = _Window(block_size)
+    run_t0, start_step = time.time(), step
+    bar = TR.progress_bar(total_steps, step, disable=not (accelerator.is_main_process and sys.stderr.isatty()))
     drafter.train()
     while step < total_steps:
         epoch = step // steps_per_epoch
         loader.set_epoch(epoch)
-        skip = step - epoch * steps_per_epoch
-        for batch in (accelerator.skip_first_batches(loader, skip) if skip else loader):
-            if cfg.get("trace_batches"):
-                trace_batch(out_dir, accelerator.process_index, step, batch)
-            loss, stats = training_step(ctx, batch)
-            accelerator.backward(loss)
+        skip = (step - epoch * steps_per_epoch) * accum
+        batches = iter(accelerator.skip_first_batches(loader, skip) if skip else loader)
+        left = micro_per_epoch - skip
+        while left > 0 and step < total_steps:
+            n_micro = min(accum, left)
+            norm = torch.zeros((), dtype=torch.float32, device=accelerator.device)
+            total = torch.zeros((), dtype=torch.float32, device=accelerator.device)
+            for j in range(n_micro):
+                batch = next(batches, None)
+                if batch is None:  # the loader ran short of micro_per_epoch (uneven shards): end the epoch
+                    left = n_micro = j
+                    break
+                if cfg.get("trace_batches"):
+                    trace_batch(out_dir, accelerator.process_index, step, batch)
+                out = step_objective(ctx, batch)
+                sync = contextlib.nullcontext() if j == n_micro - 1 else accelerator.no_sync(drafter)
+                with sync:
+                    accelerator.backward(out.total)
+                norm += out.normalizer.to(norm.device)
+                total += out.total.detach().to(total.device)
+                window.add(None, out.stats, int(batch["attention_mask"].sum()))
+            if n_micro == 0:
+                break
+            left -= n_micro
+            sums = accelerator.reduce(torch.stack([norm, total]), "sum")  # global Σ normaliser, Σ terms
+            scale = nproc / float(sums[0].clamp(min=1e-12))
+            for prm in drafter.parameters():
+                if prm.grad is not None:
+                    prm.grad.mul_(scale)
             accelerator.clip_grad_norm_(drafter.parameters(), cfg["max_grad_norm"])
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            # the rank losses average to the global loss (loss_normalizer), so log their mean
-            window.add(float(accelerator.reduce(loss.detach(), "mean")), stats, int(batch["attention_mask"].sum()))
+            bar.update(1)
+            window.loss += float(sums[1] / sums[0].clamp(min=1e-12))
+            window.n += 1
             if step % cfg["log_every_steps"] == 0 or step == total_steps:
                 _log_window(accelerator, window, step=step, total_steps=total_steps, epoch=epoch,
-                            lr=scheduler.get_last_lr()[0], log_path=out_dir / "train_log.jsonl")
+                            lr=scheduler.get_last_lr()[0], log_path=out_dir / "train_log.jsonl", run_t0=run_t0, start_step=start_step)
                 window = _Window(block_size)
+            if val_batches and (step % cfg["validation_every_steps"] == 0 or step == total_steps):
+                _validate(accelerator, ctx, val_batches, val_counted, cfg, step, out_dir)
             if step % cfg["save_every_steps"] == 0 and step < total_steps:
                 save_state(accelerator, out_dir / "state", step)
+                module = _export_module(accelerator, drafter)
                 if accelerator.is_main_process:
-                    export_step(accelerator.unwrap_model(drafter), out_dir, step, zero_target_features)
-            if step >= total_steps:
-                break
+                    export_step(module, out_dir, step, zero_target_features)
+    bar.close()
+    if accelerator.is_main_process:
+        plot_validation(out_dir / "val_log.jsonl", out_dir / "val_tau.png")
     return _finish(accelerator, drafter, out_dir, step, {
-        "steps": total_steps, "records": len(records), "num_processes": nproc, "trainable_params": n_trainable,
+        "steps": total_steps, "records": len(records), "heldout_records": len(heldout), "rows": len(dataset),
+        "num_processes": nproc, "trainable_params": n_trainable,
         "block_size": block_size, "loss_gamma": gamma, "zero_target_features": zero_target_features,
-        "attention_backend": backend, "layer_types": accelerator.unwrap_model(drafter).layer_types,
+        "attention_backend": backend, "layer_types": list(getattr(drafter, "module", drafter).layer_types),
+        "loss": cfg["loss"], "packing": cfg["packing"], "fsdp": accelerator.is_fsdp2, "trackers": log_with,
         "target_dtype": str(T.module_dtype(target)).replace("torch.", ""), "train_config": cfg,
     })
 
@@ -363,12 +592,12 @@ def train(
 def _finish(accelerator, drafter, out_dir: Path, step: int, summary: dict) -> dict:
     """Export ``final/`` (atomic), write ``train_summary.json``, save the last state; returns ``summary``."""
     accelerator.wait_for_everyone()
+    module = _export_module(accelerator, drafter)
     if accelerator.is_main_process:
         final = out_dir / "final"
         tmp = out_dir / "final.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        M.save_drafter(accelerator.unwrap_model(drafter), tmp,
-                       extra={"train_steps": summary["steps"], "zero_target_features": summary["zero_target_features"]})
+        M.save_drafter(module, tmp, extra={"train_steps": summary["steps"], "zero_target_features": summary["zero_target_features"]})
         replace_dir(tmp, final)
         write_json(out_dir / "train_summary.json", summary)
     save_state(accelerator, out_dir / "state", step)

@@ -6,19 +6,46 @@ import contextlib
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
 
-def accelerate_launch_args(num_processes: int, mixed_precision: str = "no") -> list[str]:
+def accelerate_launch_args(
+    num_processes: int,
+    mixed_precision: str = "no",
+    *,
+    num_machines: int = 1,
+    machine_rank: int = 0,
+    main_process_ip: Optional[str] = None,
+    main_process_port: Optional[int] = None,
+) -> list[str]:
     """Arguments for ``accelerate launch`` (reference/feasibility.md §3).
 
-    One process: a plain single-process launch (GPU if present, else CPU). Several: ``--multi_gpu``,
-    which on a CPU-only machine gives real gloo ranks because the training script builds
-    ``Accelerator(cpu=not torch.cuda.is_available())`` (plain ``--cpu`` would silently run ONE process).
+    ``num_processes`` is per machine (``train.num_processes``: the GPUs of one node); accelerate gets the
+    total ``num_processes · num_machines``. One process in all: a plain single-process launch (GPU if
+    present, else CPU). Several: ``--multi_gpu``, which on a CPU-only machine gives real gloo ranks because
+    the training script builds ``Accelerator(cpu=not torch.cuda.is_available())`` (plain ``--cpu`` would
+    silently run ONE process). Several machines add ``--machine_rank``/``--main_process_ip``/
+    ``--main_process_port`` (static rendezvous, torchrun ``--nnodes``); see :func:`launch_topology`.
+
+    Raises:
+        ValueError: several machines without a main process address, or a rank outside [0, num_machines).
     """
-    args = ["--num_machines", "1", "--num_processes", str(num_processes), "--mixed_precision", mixed_precision, "--dynamo_backend", "no"]
-    if num_processes > 1:
+    total = int(num_processes) * int(num_machines)
+    args = ["--num_machines", str(num_machines), "--num_processes", str(total), "--mixed_precision", mixed_precision,
+            "--dynamo_backend", "no"]
+    if num_machines > 1:
+        if not main_process_ip:
+            raise ValueError("multi-node training needs the main machine's address (train.main_process_ip, "
+                             "$DFLASH_MAIN_PROCESS_IP, or a SLURM allocation)")
+        if not 0 <= machine_rank < num_machines:
+            raise ValueError(f"machine rank {machine_rank} is outside 0..{num_machines - 1}")
+        args += ["--machine_rank", str(machine_rank), "--main_process_ip", str(main_process_ip),
+                 "--main_process_port", str(main_process_port or 29500)]
+    elif main_process_port:
+        args += ["--main_process_port", str(main_process_port)]
+    if total > 1:
         args = ["--multi_gpu"] + args
     return args
 
@@ -69,6 +96,102 @@ class _ConsoleTee:
 
     def __getattr__(self, name):  # fileno, encoding, ... of the log file
         return getattr(self.fh, name)
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a SLURM hostlist (``SLURM_JOB_NODELIST``): ``gpu[03-05,9],cpu1`` → ``gpu03``
+    (what ``scontrol show hostnames … | head -n1`` prints; no scontrol call, so it is a pure function).
+
+    Raises:
+        ValueError: an empty or malformed list.
+    """
+    import re
+
+    m = re.match(r"\s*([^,\[\s]+)(?:\[([^\]]+)\])?([^,]*)", nodelist or "")
+    if not m or not m.group(1):
+        raise ValueError(f"cannot read a host from SLURM nodelist {nodelist!r}")
+    prefix, ranges, suffix = m.group(1), m.group(2), m.group(3) or ""
+    if not ranges:
+        return prefix + suffix
+    first = ranges.split(",")[0].split("-")[0]
+    return f"{prefix}{first}{suffix}"
+
+
+@dataclass(frozen=True)
+class LaunchTopology:
+    """Where this launcher sits: ``num_machines`` nodes × ``processes_per_machine``; this one is
+    ``machine_rank``; rank 0 listens on ``main_process_ip:main_process_port``."""
+
+    num_machines: int
+    machine_rank: int
+    processes_per_machine: int
+    main_process_ip: Optional[str]
+    main_process_port: Optional[int]
+    source: str  # "config", "env" or "slurm": where the machine count and rank came from
+
+    def launch_args(self, mixed_precision: str = "no") -> list[str]:
+        """:func:`accelerate_launch_args` for this topology."""
+        return accelerate_launch_args(self.processes_per_machine, mixed_precision, num_machines=self.num_machines,
+                                      machine_rank=self.machine_rank, main_process_ip=self.main_process_ip,
+                                      main_process_port=self.main_process_port)
+
+
+def launch_topology(train_cfg: dict, env: Optional[dict] = None) -> LaunchTopology:
+    """Resolve the multi-node layout on the machine that runs the launcher (pure: reads only ``env``).
+
+    Machine count: ``train.num_machines``; null = the SLURM allocation's node count
+    (``SLURM_JOB_NUM_NODES``/``SLURM_NNODES``) inside one, else 1. Rank: ``$DFLASH_MACHINE_RANK``, else
+    ``SLURM_NODEID`` inside an allocation (one launcher per node: ``srun --ntasks-per-node=1``), else 0
+    on a single machine. Main address: ``train.main_process_ip``, else ``$DFLASH_MAIN_PROCESS_IP``, else the
+    allocation's first host; port ``train.main_process_port`` (``$DFLASH_MAIN_PROCESS_PORT`` overrides).
+
+    Raises:
+        ValueError: several machines and no rank or no main address, naming what to set; a SLURM
+            allocation with a different node count than ``train.num_machines``.
+    """
+    env = dict(os.environ if env is None else env)
+    slurm_nodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
+    in_slurm = bool(env.get("SLURM_JOB_ID")) and bool(slurm_nodes)
+    configured = train_cfg.get("num_machines")
+    source = "config"
+    if configured is None:
+        num_machines, source = (int(slurm_nodes), "slurm") if in_slurm else (1, "config")
+    else:
+        num_machines = int(configured)
+        if in_slurm and num_machines > 1 and int(slurm_nodes) != num_machines:
+            raise ValueError(f"train.num_machines is {num_machines} but the SLURM allocation has {slurm_nodes} node(s) "
+                             f"(SLURM_JOB_ID {env.get('SLURM_JOB_ID')}); set it to null to follow the allocation")
+    rank = 0
+    if num_machines > 1:
+        if env.get("DFLASH_MACHINE_RANK") not in (None, ""):
+            rank, source = int(env["DFLASH_MACHINE_RANK"]), "env"
+        elif in_slurm and env.get("SLURM_NODEID") not in (None, ""):
+            rank, source = int(env["SLURM_NODEID"]), "slurm"
+        else:
+            raise ValueError(f"train.num_machines is {num_machines}: set DFLASH_MACHINE_RANK on each machine "
+                             f"(0 on the main one) or run inside a SLURM allocation (srun --ntasks-per-node=1)")
+    ip = train_cfg.get("main_process_ip") or env.get("DFLASH_MAIN_PROCESS_IP")
+    if not ip and num_machines > 1 and in_slurm:
+        ip = first_slurm_host(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "")
+    port = env.get("DFLASH_MAIN_PROCESS_PORT") or train_cfg.get("main_process_port")
+    return LaunchTopology(num_machines=num_machines, machine_rank=rank,
+                          processes_per_machine=int(train_cfg.get("num_processes", 1)),
+                          main_process_ip=ip, main_process_port=int(port) if port else None, source=source)
+
+
+def run_accelerate(argv: list[str]) -> int:
+    """``python -m dflash_pipeline.workflow launch TRAIN_JSON -- ARGS…``: resolve :func:`launch_topology`
+    here (on this machine, at run time) and run ``accelerate launch <topology args> ARGS…``."""
+    import json
+    import subprocess
+
+    if len(argv) < 3 or argv[1] != "--":
+        print("usage: python -m dflash_pipeline.workflow launch TRAIN_CONFIG_JSON -- ARGS...", file=sys.stderr)
+        return 2
+    cfg = json.loads(argv[0])
+    topo = launch_topology(cfg)
+    args = topo.launch_args(cfg.get("mixed_precision", "no"))
+    print(f"[launch] machines={topo.num_machines} rank={topo.machine_rank} ({topo.source}) main={topo.main_process_ip}:"
+          f"{topo.main_process_port} processes/machine={topo.processes_per_machine}", file=sys.stderr, flush=True)
+    return subprocess.call([sys.executable, "-m", "accelerate.commands.launch", *args, *argv[2:]])
 
 
 @contextlib.contextmanager
@@ -249,6 +372,8 @@ def run_with_gpus(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) == 2 and argv[0] == "tee":
         return tee_log(argv[1:])
+    if argv[:1] == ["launch"]:
+        return run_accelerate(argv[1:])
     if len(argv) < 4 or argv[0] != "gpus" or argv[2] != "--":
         print("usage: python -m dflash_pipeline.workflow gpus N -- CMD [ARGS...]", file=sys.stderr)
         return 2

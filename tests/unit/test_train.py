@@ -22,7 +22,7 @@ from dflash_pipeline.workflow import accelerate_launch_args
 CFG = {
     "num_processes": 1, "epochs": 1, "batch_size": 4, "learning_rate": 2e-3, "warmup_ratio": 0.1,
     "weight_decay": 0.0, "max_grad_norm": 1.0, "num_anchors": 8, "loss_gamma": None, "mixed_precision": "no",
-    "seed": 0, "save_every_steps": 2, "log_every_steps": 1, "trace_batches": True,
+    "seed": 0, "save_every_steps": 2, "log_every_steps": 1, "trace_batches": True, "validation_fraction": 0.0,
 }
 
 
