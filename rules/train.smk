@@ -1,5 +1,5 @@
 rule train_drafter:
-    """Train the DFlash drafter with `accelerate launch` (target frozen, online features).
+    """Train the DFlash drafter with `accelerate launch` (target frozen; its features online or from feature shards).
 
     Resumes from results/checkpoints/{run}/state/ after a kill; writes final/ atomically.
     """
@@ -7,6 +7,7 @@ rule train_drafter:
         probe=probe_json(),
         target=target_input(),
         tokens=all_token_shards,
+        features=train_feature_shards,
     output:
         directory(f"{R}/checkpoints/{{run}}/final"),
     params:
@@ -16,6 +17,7 @@ rule train_drafter:
         arch=as_json({k: config["drafter"][k] for k in ("layer_types", "sliding_window")}),
         launch=" ".join(accelerate_launch_args()),
         baseline=lambda wc: baseline_train_flags(wc.run),
+        features=train_feature_flags,
     log:
         f"{R}/logs/train_drafter/{{run}}.log",
     benchmark:
@@ -29,4 +31,4 @@ rule train_drafter:
         "OMP_NUM_THREADS={threads} python -m dflash_pipeline.workflow gpus {resources.gpu} -- "
         "python -m accelerate.commands.launch {params.launch} "
         "-m dflash_pipeline.train --probe {input.probe:q} --target {params.target:q} "
-        "--out-dir {params.run_dir:q} --train-config {params.train:q} {params.baseline} --drafter-arch {params.arch:q} {input.tokens:q} > {log:q} 2>&1"
+        "--out-dir {params.run_dir:q} --train-config {params.train:q} {params.baseline} {params.features} --drafter-arch {params.arch:q} {input.tokens:q} > {log:q} 2>&1"

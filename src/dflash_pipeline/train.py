@@ -141,9 +141,11 @@ def train(
     target_dtype: str = "auto",
     zero_target_features: bool = False,
     drafter_arch: Optional[dict] = None,
+    feature_shards: Sequence[str | Path] = (),
 ) -> dict:
     """Train the drafter; see the module docstring for outputs. ``cfg`` is the validated ``train`` config.
 
+    ``feature_shards`` (one per token shard, same order) are read when ``cfg["target_features"]`` is ``shards``.
     ``drafter_arch`` holds the optional ``layer_types``/``sliding_window`` (config ``drafter.*``).
     ``zero_target_features`` trains the ablation baseline whose fused features are all zero (what the
     target features buy). Returns the summary dict (also written to ``train_summary.json``).
@@ -160,13 +162,24 @@ def train(
     is_main = accelerator.is_main_process
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    records = load_token_shards(token_shards)
-    if not records:
-        raise ValueError(f"no token record with ≥2 supervised tokens in {len(token_shards)} shard(s)")
-    target = load_target(target_dir, dtype=target_dtype, device=accelerator.device)
-    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    # --- target-features source (branch `features`, see train_data.py): memory-mapped records; with
+    # train.target_features: shards the target is never instantiated (embedding + LM head only) -------------
+    from . import train_data
+
+    data = train_data.open_training_data(
+        cfg, token_shards, feature_shards, target_dir=target_dir, out_dir=out_dir, probe=probe, device=accelerator.device,
+        target_dtype=target_dtype, is_local_main=accelerator.is_local_main_process, barrier=accelerator.wait_for_everyone,
+    )
+    records = data.dataset
+    if data.from_shards:
+        target, embed, lm_head = None, data.embed, data.lm_head
+    else:
+        target = load_target(target_dir, dtype=target_dtype, device=accelerator.device)
+        embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     arch = drafter_arch or {}
-    drafter = build_drafter(target, probe, seed=cfg["seed"], layer_types=arch.get("layer_types"), sliding_window=arch.get("sliding_window"))
+    drafter = build_drafter(target if target is not None else train_data.ConfigOnly(data.target_config), probe,
+                            seed=cfg["seed"], layer_types=arch.get("layer_types"), sliding_window=arch.get("sliding_window"))
+    # --- end target-features source ---------------------------------------------------------------------------
     backend = cfg.get("attention_backend", "auto")
     if backend == "auto":
         backend = "flex" if accelerator.device.type == "cuda" else "sdpa"
@@ -182,7 +195,7 @@ def train(
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg["learning_rate"], weight_decay=cfg["weight_decay"], betas=(0.9, 0.999), eps=1e-8)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: M.cosine_with_warmup(s, total_steps, warmup))
     loader = torch.utils.data.DataLoader(
-        TokenDataset(records), batch_size=bs, shuffle=True, collate_fn=collate, drop_last=False,
+        records, batch_size=bs, shuffle=True, collate_fn=data.collate, drop_last=False,  # features hook
         generator=torch.Generator().manual_seed(cfg["seed"]),
     )
     drafter, optimizer, loader = accelerator.prepare(drafter, optimizer, loader)
@@ -286,6 +299,8 @@ def training_step(drafter, target, embed, lm_head, batch, probe, cfg, block_size
         if zero_target_features:  # the ablation never looks at the target: skip its forward pass
             k_h = len(d["target_layer_ids"]) * embed.weight.shape[1]
             feats = torch.zeros(*ids.shape, k_h, dtype=embed.weight.dtype, device=ids.device)  # [b, S, K·H]
+        elif "features" in batch:  # feature shards (train.target_features: shards; features hook)
+            feats = batch["features"].to(embed.weight.dtype)  # [b, S, K·H]
         else:
             feats, _ = target_features(target, ids, am, d["target_layer_ids"])  # [b, S, K·H]
     anchors = M.sample_anchors(lmask.cpu(), cfg["num_anchors"], generator=gen)
@@ -351,13 +366,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--target-dtype", default="auto")
     p.add_argument("--zero-target-features", action="store_true")
     p.add_argument("--drafter-arch", default="{}", help="JSON with optional layer_types / sliding_window")
+    p.add_argument("--feature-shard", dest="feature_shards", action="append", default=[],
+                   help="a feature shard (repeat, one per token shard, same order; train.target_features: shards)")
     p.add_argument("token_shards", nargs="+")
     a = p.parse_args(argv)
     probe = json.loads(Path(a.probe).read_text(encoding="utf-8"))
     train(
         token_shards=a.token_shards, probe=probe, target_dir=a.target, out_dir=a.out_dir,
         cfg=json.loads(a.train_config), target_dtype=a.target_dtype, zero_target_features=a.zero_target_features,
-        drafter_arch=json.loads(a.drafter_arch),
+        drafter_arch=json.loads(a.drafter_arch), feature_shards=a.feature_shards,
     )
 
 
