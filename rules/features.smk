@@ -28,6 +28,12 @@ def train_feature_flags(wildcards, input):
     return " ".join(f"--feature-shard {shlex.quote(f)}" for f in input.features)
 
 
+def train_params():
+    """`config["train"]` for the train rule's params, without `target_features` when it is `online` (the
+    key's default: runs trained before the key existed keep their params, so they are not retrained)."""
+    return {k: v for k, v in config["train"].items() if not (k == "target_features" and v == "online")}
+
+
 def features_python():
     """Interpreter that runs the extraction: the vLLM environment's for backend vllm (fails at plan time
     when there is none), else the job's own `python`."""

@@ -240,3 +240,31 @@ def test_online_token_index_equals_token_shards(setup, tmp_path):
     for k, (i, m) in enumerate(rows):
         got_i, got_m = data.dataset[k]
         assert got_i.tolist() == i and got_m.tolist() == m
+
+
+@pytest.mark.parametrize("name", ["kimi-k2.6.yaml", "qwen3.6-27b.yaml"])
+def test_example_recipes_validate(name):
+    import yaml
+
+    from dflash_pipeline.config import schema_problems
+
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "config" / "examples" / name).read_text())
+    assert schema_problems(cfg) == []
+    assert cfg["train"]["target_features"] == "shards" and cfg["features"]["backend"] == "vllm"
+    assert cfg["train"]["num_processes"] == 8 and cfg["generation"]["thinking"] == "save"
+
+
+def test_plan_states_bytes_and_fails_when_disk_short(tmp_path):
+    from dflash_pipeline.features.plan import plan_features
+
+    (tmp_path / "tokens" / "d").mkdir(parents=True)
+    token_shard(tmp_path / "tokens" / "d" / "00000.parquet", 10, 0)
+    n = int(read_token_arrays(tmp_path / "tokens" / "d" / "00000.parquet")[2].sum())
+    plan = plan_features(num_layers=5, hidden_size=7168, dtype="bfloat16", last_hidden=False, results_dir=tmp_path,
+                         shards=[("d", "00000"), ("d", "00001")], max_length=100, prompt_counts={("d", "00000"): 10, ("d", "00001"): 10})
+    assert plan.bytes_per_token == 71_685 and plan.tokens_kind == "estimated" and plan.tokens == 2 * n
+    assert "71,685 B/token" in plan.describe() and plan.shortfall(0.0) is None
+    assert "only" in plan.shortfall(1.0)  # asking for the whole filesystem free cannot be met
+    plan = plan_features(num_layers=5, hidden_size=7168, dtype="bfloat16", last_hidden=False, results_dir=tmp_path,
+                         shards=None, max_length=100)
+    assert plan.tokens is None and plan.shortfall(1.0) is None and "after the prompts checkpoint" in plan.describe()

@@ -26,7 +26,8 @@ opens the file; :class:`FeatureShard` maps it instead of reading it.
 
 Writes are resumable and atomic (:class:`FeatureShardWriter`): the whole file is allocated up front in a
 hidden ``.<name>.partial`` next to the destination (``posix_fallocate``: a full disk fails before any
-compute), records are written in order and committed to ``.<name>.progress`` after an ``msync``; a rerun
+compute), records are written in order (``pwrite``) and committed to ``.<name>.progress`` after an
+``fsync``; a rerun
 with the same header continues after the last committed record; the finished file is renamed into place.
 
 Only numpy at import time (torch inside the functions that take tensors), so the module loads in the vLLM
@@ -214,19 +215,29 @@ class FeatureShardWriter:
                 os.pwrite(fd, header, 0)
             finally:
                 os.close(fd)
-        self._fh = open(self.partial, "r+b")
-        self._mm = mmap.mmap(self._fh.fileno(), size)
-        hdr, base = _parse_header(self._mm, self.partial)
-        self._arr = _views(self._mm, hdr, base)  # writable views (the mapping is read-write)
+        hdr = json.loads(header[8:])
+        self._pos = {k: len(header) + v["data_offsets"][0] for k, v in hdr.items() if k != "__metadata__"}
+        self._fd = os.open(self.partial, os.O_RDWR)
+        self._ids = input_ids
         self._offsets = np.zeros(layout.num_records + 1, dtype=np.int64)
         np.cumsum(np.asarray(layout.lengths, dtype=np.int64), out=self._offsets[1:])
         if fresh:
-            self._arr["offsets"][:] = self._offsets
-            self._arr["input_ids"][:] = input_ids
-            self._arr["loss_mask"][:] = loss_mask
             cs = np.concatenate([[0], np.cumsum(loss_mask, dtype=np.int64)])
-            self._arr["num_loss_tokens"][:] = cs[self._offsets[1:]] - cs[self._offsets[:-1]]
+            self._put("offsets", 0, self._offsets)
+            self._put("input_ids", 0, np.asarray(input_ids, dtype=np.int32))
+            self._put("loss_mask", 0, np.asarray(loss_mask, dtype=np.uint8))
+            self._put("num_loss_tokens", 0, (cs[self._offsets[1:]] - cs[self._offsets[:-1]]).astype(np.int32))
             self.commit(0)
+
+    def _put(self, name: str, row: int, values: np.ndarray) -> None:
+        """``pwrite`` rows of tensor ``name`` starting at ``row`` (no mapping: the writer's memory stays flat)."""
+        values = np.ascontiguousarray(values)
+        row_bytes = values.nbytes // len(values) if len(values) else 0
+        data = memoryview(values).cast("B")
+        pos = self._pos[name] + row * row_bytes
+        while len(data):
+            n = os.pwrite(self._fd, data, pos)
+            data, pos = data[n:], pos + n
 
     def _resume_point(self, header: bytes, size: int) -> int:
         try:
@@ -242,7 +253,7 @@ class FeatureShardWriter:
 
     def record_tokens(self, r: int) -> np.ndarray:
         """Input ids int32 [T] of record ``r`` (a view into the file)."""
-        return self._arr["input_ids"][self._offsets[r] : self._offsets[r + 1]]
+        return self._ids[self._offsets[r] : self._offsets[r + 1]]
 
     def write(self, r: int, features, last_hidden=None) -> None:
         """Store record ``r``: ``features`` [T, K*H] and (when the layout has it) ``last_hidden`` [T, H],
@@ -251,24 +262,26 @@ class FeatureShardWriter:
         kh = self.layout.num_layers * self.layout.hidden_size
         if tuple(features.shape) != (b - a, kh):
             raise FeatureShardError(f"{self.path}: record {r}: features {tuple(features.shape)}, expected {(b - a, kh)}")
+        if b == a:
+            return
         vals, scale = _to_storage(features, self.layout.dtype)
-        self._arr["features"][a:b] = vals
+        self._put("features", a, vals)
         if scale is not None:
-            self._arr["feature_scale"][a:b] = scale
+            self._put("feature_scale", a, scale)
         if self.layout.last_hidden:
             if last_hidden is None or tuple(last_hidden.shape) != (b - a, self.layout.hidden_size):
                 got = None if last_hidden is None else tuple(last_hidden.shape)
                 raise FeatureShardError(f"{self.path}: record {r}: last_hidden {got}, expected {(b - a, self.layout.hidden_size)}")
             vals, scale = _to_storage(last_hidden, self.layout.dtype)
-            self._arr["last_hidden"][a:b] = vals
+            self._put("last_hidden", a, vals)
             if scale is not None:
-                self._arr["last_hidden_scale"][a:b] = scale
+                self._put("last_hidden_scale", a, scale)
 
     def commit(self, records_done: int) -> None:
-        """Make records ``[0, records_done)`` durable: msync the mapping, then record the count atomically."""
+        """Make records ``[0, records_done)`` durable: fsync the file, then record the count atomically."""
         from ..shards import atomic_write_bytes
 
-        self._mm.flush()
+        os.fsync(self._fd)
         atomic_write_bytes(self.progress, json.dumps({"records_done": records_done, "header_sha256": self._header_sha}).encode(),
                            skip_if_identical=False)
         self.next_record = records_done
@@ -277,21 +290,18 @@ class FeatureShardWriter:
         """Check every record was written, fsync, rename the file into place, drop the progress file."""
         if self.next_record != self.layout.num_records:
             raise FeatureShardError(f"{self.path}: finish() after {self.next_record} of {self.layout.num_records} records")
-        self._mm.flush()
-        self._arr.clear()
-        self._mm.close()
-        os.fsync(self._fh.fileno())
-        self._fh.close()
+        os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = -1
         os.replace(self.partial, self.path)
         self.progress.unlink(missing_ok=True)
         return self.path
 
     def close(self) -> None:
-        """Release the mapping (the partial file and its progress stay for a resume)."""
-        if not self._mm.closed:
-            self._arr.clear()
-            self._mm.close()
-            self._fh.close()
+        """Close the file (the partial file and its progress stay for a resume)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 class FeatureShard:
