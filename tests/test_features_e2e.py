@@ -30,6 +30,7 @@ def built(tmp_path_factory, demo_target, vllm_python):
     work = tmp_path_factory.mktemp("features-e2e")
     cfg = mini_config(demo_target, generation={"backend": "transformers", "max_tokens": 32, "batch_size": 8},
                       max_prompts=8, shard_size=8)
+    cfg["tokens"] = {"max_length": 512}  # room for the answers after the demo tokenizer's long prompts
     cfg["train"] = {"epochs": 3, "batch_size": 2, "num_anchors": 8, "log_every_steps": 1, "save_every_steps": 1000}
     cfg["eval"] = {"max_new_tokens": 16, "checkpoint_samples": 0, "exclude_training_prompts": False,
                    "sets": {"gsm8k": {"path": str(REPO / "data/gsm8k/train.jsonl"), "num_samples": 4}}}

@@ -168,7 +168,7 @@ def train(
 
     data = train_data.open_training_data(
         cfg, token_shards, feature_shards, target_dir=target_dir, out_dir=out_dir, probe=probe, device=accelerator.device,
-        target_dtype=target_dtype, is_local_main=accelerator.is_local_main_process, barrier=accelerator.wait_for_everyone,
+        target_dtype=target_dtype, is_main=accelerator.is_main_process, barrier=accelerator.wait_for_everyone,
     )
     records = data.dataset
     if data.from_shards:

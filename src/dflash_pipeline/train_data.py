@@ -156,13 +156,13 @@ def open_training_data(
     probe: dict,
     device,
     target_dtype: str = "auto",
-    is_local_main: bool = True,
+    is_main: bool = True,
     barrier: Callable[[], None] = lambda: None,
     min_loss_tokens: int = 2,
 ) -> TrainingData:
     """The dataset, collate function and (``shards``) embedding / LM head for ``cfg["target_features"]``.
 
-    ``online``: the local main process writes missing token indexes under ``<out_dir>/token_index/``, then
+    ``online``: the main process writes missing token indexes under ``<out_dir>/token_index/``, then
     ``barrier()``. ``shards``: ``feature_shards[i]`` belongs to ``token_shards[i]`` and is checked against it;
     its ``target_layer_ids`` and ``hidden_size`` must equal the probe's.
 
@@ -176,7 +176,7 @@ def open_training_data(
             raise FeatureShardError(f"train.target_features: shards needs one feature shard per token shard; got "
                                     f"{len(feature_shards)} feature and {len(token_shards)} token shards")
         want = list(probe["drafter"]["target_layer_ids"])
-        if is_local_main:
+        if is_main:
             for f, t in zip(feature_shards, token_shards):
                 fs = FeatureShard(f)
                 if fs.metadata.get("target_layer_ids") != want or fs.metadata.get("hidden_size") != probe["hidden_size"]:
@@ -198,7 +198,7 @@ def open_training_data(
     else:
         cache = Path(out_dir) / "token_index"
         paths = [token_index_path(t, cache) for t in token_shards]
-        if is_local_main:
+        if is_main:
             for t, p in zip(token_shards, paths):
                 if not p.is_file():
                     build_token_index(t, p)
