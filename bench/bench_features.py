@@ -11,7 +11,7 @@
    start) on the same token shard and tiny target; engine start-up is excluded (``extract_seconds``).
 
     python bench/bench_features.py                  # both parts (vLLM part skipped without a vLLM venv)
-    python bench/bench_features.py --skip-vllm --base-records 200
+    python bench/bench_features.py --skip-vllm --base-records 200 --seq 256
 """
 
 from __future__ import annotations
@@ -43,36 +43,45 @@ def make_target(root: Path, hidden: int) -> Path:
     return root / "target"
 
 
-def make_shards(root: Path, records: int, seq: int, hidden: int, layers=(1, 2), per_shard: int = 2000) -> tuple[list, list]:
+def make_shards(root: Path, records: int, seq: int, hidden: int, layers=(1, 2), per_shard: int = 10000) -> tuple[list, list]:
     """Token shards + matching feature shards with random features (what extraction would write)."""
     import torch
 
     from dflash_pipeline.contracts import FEATURE_SCHEMA_VERSION, TOKEN_SCHEMA
     from dflash_pipeline.features.extract import read_token_arrays
     from dflash_pipeline.features.format import FeatureLayout, FeatureShardWriter, sha256_file
-    from dflash_pipeline.shards import table_from_records, write_parquet
+    from dflash_pipeline.shards import write_parquet
+
+    import pyarrow as pa
 
     rng = np.random.default_rng(0)
     toks, feats = [], []
     for s in range(0, records, per_shard):
         n = min(per_shard, records - s)
-        recs = []
-        for i in range(n):
-            k = int(rng.integers(seq // 2, seq))
-            ids = rng.integers(0, 500, k).astype(np.int32)
-            mask = np.r_[np.zeros(k // 2, np.uint8), np.ones(k - k // 2, np.uint8)]
-            recs.append({"prompt_id": f"{s + i}", "input_ids": ids, "loss_mask": mask, "num_tokens": k,
-                         "num_loss_tokens": int(mask.sum()), "truncated": False, "turn": 0})
+        lengths = rng.integers(seq // 2, seq, n)
+        off = np.r_[0, np.cumsum(lengths)].astype(np.int32)
+        flat_ids = rng.integers(0, 500, int(off[-1])).astype(np.int32)
+        pos = np.arange(int(off[-1])) - np.repeat(off[:-1], lengths)
+        flat_mask = (pos >= np.repeat(lengths // 2, lengths)).astype(np.uint8)
+        nl = (lengths - lengths // 2).astype(np.int32)
+        table = pa.table({
+            "prompt_id": pa.array([f"{s + i}" for i in range(n)]),
+            "input_ids": pa.ListArray.from_arrays(pa.array(off), pa.array(flat_ids)),
+            "loss_mask": pa.ListArray.from_arrays(pa.array(off), pa.array(flat_mask)),
+            "num_tokens": pa.array(lengths.astype(np.int32)), "num_loss_tokens": pa.array(nl),
+            "truncated": pa.array(np.zeros(n, bool)), "turn": pa.array(np.zeros(n, np.int32)),
+        }).cast(TOKEN_SCHEMA)
         tp = root / f"tokens-{s:07d}.parquet"
-        write_parquet(tp, table_from_records(recs, TOKEN_SCHEMA))
+        write_parquet(tp, table)
         ids, mask, lengths = read_token_arrays(tp)
         meta = {"schema_version": FEATURE_SCHEMA_VERSION, "token_shard": tp.name, "token_shard_sha256": sha256_file(tp),
                 "target_layer_ids": list(layers), "hidden_size": hidden, "dtype": "bfloat16"}
         fp = root / f"features-{s:07d}.safetensors"
         w = FeatureShardWriter(fp, FeatureLayout(lengths, len(layers), hidden, "bfloat16", False, meta), ids, mask)
         g = torch.Generator().manual_seed(s)
+        noise = torch.randn(seq, len(layers) * hidden, generator=g)  # rows reused: the bytes, not their values, matter
         for r, t in enumerate(lengths):
-            w.write(r, torch.randn(int(t), len(layers) * hidden, generator=g))
+            w.write(r, noise[: int(t)])
         w.commit(len(lengths))
         w.finish()
         toks.append(str(tp))
@@ -181,9 +190,9 @@ def main() -> None:
         child(sys.argv[2], json.loads(Path(sys.argv[3]).read_text()))
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base-records", type=int, default=200)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--base-records", type=int, default=2000)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--hidden", type=int, default=8, help="target hidden size of the RSS part (K=2 layers)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--extract-records", type=int, default=64)
     p.add_argument("--skip-vllm", action="store_true")

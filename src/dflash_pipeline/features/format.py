@@ -304,6 +304,9 @@ class FeatureShardWriter:
             self._fd = -1
 
 
+_DROP_MARGIN = 256 * 1024
+
+
 class FeatureShard:
     """Read-only, memory-mapped view of a feature shard (or of a token index with no ``features``).
 
@@ -344,7 +347,11 @@ class FeatureShard:
         row = arr.strides[0]
         start = self._base + self._header[name]["data_offsets"][0] + a * row
         end = self._base + self._header[name]["data_offsets"][0] + b * row
+        # the kernel maps pages around a fault too ("fault-around", 64 KiB by default), so drop a margin
+        # on both sides: pages of neighbouring records are simply faulted in again from the page cache
+        start = max(0, start - _DROP_MARGIN)
         start -= start % self._page
+        end = min(len(self._mm), end + _DROP_MARGIN)
         if end > start:
             try:
                 self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
