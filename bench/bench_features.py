@@ -6,7 +6,7 @@
      is never loaded), and a full pass of the DataLoader over every record (features included);
    - baseline, same run: the old ``train.load_token_shards`` (every record as Python/numpy objects), the
      token loading a rank paid before this stage.
-   Peak RSS (``ru_maxrss``) per size and the 100x / 1x ratio of each.
+   Peak RSS (``VmHWM``) per size and the 100x / 1x ratio of each.
 2. Extraction tokens/s of the ``hf`` backend (in-process) and the ``vllm`` backend (the vLLM venv, one engine
    start) on the same token shard and tiny target; engine start-up is excluded (``extract_seconds``).
 
@@ -89,6 +89,15 @@ def make_shards(root: Path, records: int, seq: int, hidden: int, layers=(1, 2), 
     return toks, feats
 
 
+def peak_rss_mib() -> float:
+    """This process's peak resident set (``VmHWM``, MiB). Not ``ru_maxrss``: Linux carries that across
+    ``execve``, so a child would report its parent's peak."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def child(mode: str, spec: dict) -> None:
     """One measurement in this (fresh) process; prints a JSON line with peak RSS in MiB."""
     out = {"mode": mode}
@@ -113,7 +122,7 @@ def child(mode: str, spec: dict) -> None:
         s = train(token_shards=spec["tokens"], feature_shards=spec["features"], probe=spec["probe"], target_dir=spec["target"],
                   out_dir=spec["out"], cfg=spec["cfg"])
         out["records"] = s["records"]
-    out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out["peak_rss_mib"] = peak_rss_mib()
     print("RESULT " + json.dumps(out), flush=True)
 
 

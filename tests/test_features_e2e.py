@@ -13,7 +13,7 @@ import pytest
 
 from mini_workflow import REPO, mini_config, planned_jobs, snakemake, write_config
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]  # a demo target, two runs and one vLLM engine
 
 
 def _tau(work: Path, run: str) -> dict:
