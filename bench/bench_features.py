@@ -31,13 +31,13 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 
 
-def make_target(root: Path, hidden: int) -> Path:
+def make_target(root: Path, hidden: int, head_dim: int | None = None) -> Path:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=4096,
+                      num_attention_heads=hidden // (head_dim or hidden // 4), num_key_value_heads=2, head_dim=head_dim or hidden // 4, max_position_embeddings=4096,
                       tie_word_embeddings=True)
     Qwen3ForCausalLM(cfg).save_pretrained(root / "target")
     return root / "target"
@@ -170,22 +170,22 @@ def bench_extract(root: Path, records: int, seq: int, skip_vllm: bool) -> None:
     from dflash_pipeline.features.extract import extract_shard
     from dflash_pipeline.vllm_env import find_vllm_python
 
-    target = make_target(root / "ex", 64)
-    toks, _ = make_shards(root / "ex", records, seq, 64, per_shard=records)
+    target = make_target(root / "ex", 128, head_dim=32)  # vLLM's CPU attention wants head_dim >= 32
+    toks, _ = make_shards(root / "ex", records, seq, 128, per_shard=records)
     tok = toks[0]
     cfg = {"backend": "hf", "dtype": "bfloat16", "last_hidden": False, "chunk_tokens": 32768}
-    res = {"hf": extract_shard(tok, root / "ex/hf.safetensors", target_dir=target, target_layer_ids=[1, 2], hidden_size=64,
+    res = {"hf": extract_shard(tok, root / "ex/hf.safetensors", target_dir=target, target_layer_ids=[1, 2], hidden_size=128,
                                num_hidden_layers=4, backend="hf")}
     py = find_vllm_python()
     if not skip_vllm and py:
         probe = root / "ex/probe.json"
-        probe.write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 4, "drafter": {"target_layer_ids": [1, 2]}}))
+        probe.write_text(json.dumps({"hidden_size": 128, "num_hidden_layers": 4, "drafter": {"target_layer_ids": [1, 2]}}))
         stats = root / "ex/vllm.json"
         env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
         subprocess.run([py, "-m", "dflash_pipeline.features", "extract", "--probe", str(probe), "--target", str(target),
                         "--token-shard", tok, "--out", str(root / "ex/vllm.safetensors"), "--stats", str(stats),
                         "--features-config", json.dumps(dict(cfg, backend="vllm"))], check=True, env=env,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                       stdout=open(root / "ex/vllm.log", "w"), stderr=subprocess.STDOUT)
         res["vllm"] = json.loads(stats.read_text())
     print(f"\nextraction on {res['hf']['tokens']} tokens ({records} records), tiny target, CPU:")
     for k, v in res.items():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mini_workflow import REPO, mini_config, planned_jobs, snakemake, write_config
+from mini_workflow import REPO, planned_jobs, snakemake, write_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]  # a demo target, two runs and one vLLM engine
 
@@ -26,13 +26,15 @@ def _losses(work: Path, run: str) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory, demo_target, vllm_python):
+def built(tmp_path_factory, vllm_python):
+    """The reduced e2e config (its demo target, built by the workflow) on 8 GSM8K prompts in one shard."""
+    import yaml
+
     work = tmp_path_factory.mktemp("features-e2e")
-    cfg = mini_config(demo_target, generation={"backend": "transformers", "max_tokens": 32, "batch_size": 8},
-                      max_prompts=8, shard_size=8)
-    cfg["tokens"] = {"max_length": 512}  # room for the answers after the demo tokenizer's long prompts
-    cfg["train"] = {"epochs": 3, "batch_size": 2, "num_anchors": 8, "log_every_steps": 1, "save_every_steps": 1000}
-    cfg["eval"] = {"max_new_tokens": 16, "checkpoint_samples": 0, "exclude_training_prompts": False,
+    cfg = yaml.safe_load((REPO / "tests" / "e2e_config.yaml").read_text())
+    cfg["datasets"] = {"gsm8k": {"path": str(REPO / "data/gsm8k/train.jsonl"), "max_prompts": 8}}
+    cfg["train"] = {**cfg["train"], "epochs": 3, "batch_size": 2, "save_every_steps": 1000}
+    cfg["eval"] = {"max_new_tokens": 12, "checkpoint_samples": 0, "exclude_training_prompts": False,
                    "sets": {"gsm8k": {"path": str(REPO / "data/gsm8k/train.jsonl"), "num_samples": 4}}}
     online = dict(cfg, run="online")
     shards = dict(cfg, run="shards", train={**cfg["train"], "target_features": "shards"},
@@ -85,7 +87,9 @@ def test_hf_and_vllm_features_agree(built, tmp_path):
     v = FeatureShard(vllm_path)
     assert v.metadata["backend"] == "vllm"
     v.check_tokens(token)
-    hf = extract_shard(token, tmp_path / "hf.safetensors", target_dir=probe["target_dir"],
+    target_dir = Path(probe["target_dir"])
+    target_dir = target_dir if target_dir.is_absolute() else work / target_dir  # the demo target: workdir-relative
+    hf = extract_shard(token, tmp_path / "hf.safetensors", target_dir=target_dir,
                        target_layer_ids=probe["drafter"]["target_layer_ids"], hidden_size=probe["hidden_size"],
                        num_hidden_layers=probe["num_hidden_layers"], backend="hf")
     h = FeatureShard(tmp_path / "hf.safetensors")
