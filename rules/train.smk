@@ -1,5 +1,5 @@
 rule train_drafter:
-    """Train the DFlash drafter with `accelerate launch` (target frozen, online features).
+    """Train the DFlash drafter with `accelerate launch` (target frozen; its features online or from feature shards).
 
     `workflow launch` resolves the machine count / rank / main address on the machine that runs it
     (train.num_machines, $DFLASH_MACHINE_RANK, or the SLURM allocation); with train.num_machines > 1 the
@@ -10,15 +10,18 @@ rule train_drafter:
         probe=probe_json(),
         target=target_input(),
         tokens=get_token_shards,
+        features=train_feature_shards,
     output:
         directory(final_checkpoint()),
     params:
         target=target_dir_of_input,
         run_dir=run_dir_of,
-        train=as_json({k: v for k, v in config["train"].items() if k != "device"}),  # where, not what: --device
+        train=as_json(train_params()),
         arch=as_json({k: config["drafter"][k] for k in ("layer_types", "sliding_window")}),
         srun=srun_prefix(),
-        baseline=baseline_flags_of,
+        # + `--feature-shard F` per feature shard with train.target_features: shards (rules/features.smk); in
+        # one param and the online default left out of `train`, so an online run's params are unchanged
+        baseline=lambda wc, input: " ".join(filter(None, [baseline_flags_of(wc), train_feature_flags(wc, input)])),
     log:
         log_file("train_drafter", "{run}"),
     benchmark:

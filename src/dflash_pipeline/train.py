@@ -41,6 +41,7 @@ from . import model as M
 from . import packing as P
 from . import target as T
 from . import trackers as TR
+from . import train_data
 from . import validation as V
 from .shards import read_parquet, replace_dir, write_json
 
@@ -51,26 +52,19 @@ from .shards import read_parquet, replace_dir, write_json
 
 
 def load_token_shards(paths: Sequence[str | Path], *, min_loss_tokens: int = 2) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Read token shards into ``(input_ids int32 [S], loss_mask uint8 [S])`` pairs, in path order.
+    """Read token shards eagerly into ``(input_ids int32 [S], loss_mask uint8 [S])`` pairs, in path order.
 
-    Records with fewer than ``min_loss_tokens`` supervised tokens cannot yield an anchor and are skipped.
+    Not the trainer's path (it memory-maps them: :mod:`dflash_pipeline.train_data`, resident memory flat as
+    the dataset grows); kept as the baseline of ``bench/bench_features.py`` / ``bench/bench_train.py`` and for
+    small in-memory uses. Records with fewer than ``min_loss_tokens`` supervised tokens are skipped.
     """
-    return load_token_records(paths, min_loss_tokens=min_loss_tokens)[0]
-
-
-def load_token_records(paths: Sequence[str | Path], *, min_loss_tokens: int = 2) -> tuple[list, list[str]]:
-    """:func:`load_token_shards` plus each kept record's ``prompt_id`` (for the held-out split)."""
-    out, pids = [], []
+    out = []
     for p in paths:
         table = read_parquet(p)
-        ids = table.column("input_ids").to_pylist()
-        masks = table.column("loss_mask").to_pylist()
-        prompt_ids = table.column("prompt_id").to_pylist() if "prompt_id" in table.column_names else [f"{p}:{i}" for i in range(len(ids))]
-        for i, m, pid in zip(ids, masks, prompt_ids):
+        for i, m in zip(table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist()):
             if sum(m) >= min_loss_tokens:
                 out.append((np.asarray(i, dtype=np.int32), np.asarray(m, dtype=np.uint8)))
-                pids.append(str(pid))
-    return out, pids
+    return out
 
 
 def with_schema_defaults(cfg: dict) -> dict:
@@ -80,19 +74,6 @@ def with_schema_defaults(cfg: dict) -> dict:
 
     props = load_schema()["properties"]["train"]["properties"]
     return {**{k: v["default"] for k, v in props.items() if "default" in v}, **cfg}
-
-
-class TokenDataset(torch.utils.data.Dataset):
-    """Map-style dataset over ``(input_ids int32 [S], loss_mask uint8 [S])`` records (see :func:`collate`)."""
-
-    def __init__(self, records):
-        self.records = records
-
-    def __len__(self):
-        return len(self.records)
-
-    def __getitem__(self, i):
-        return self.records[i]
 
 
 def collate(batch, pad_id: int = 0) -> dict[str, torch.Tensor]:
@@ -360,8 +341,8 @@ def _heldout_batches(records, cfg: dict, rank: int, world: int) -> tuple[list[di
         rows = P.PackedDataset(records, cfg["pack_max_tokens"] or max(len(r[0]) for r in records))
         items = [rows[i] for i in range(len(rows))]
         batches = [P.collate_packed(items[i : i + bs]) for i in range(0, len(items), bs)]
-    else:
-        batches = [collate(records[i : i + bs]) for i in range(0, len(records), bs)]
+    else:  # train_data.collate: records from feature shards carry their features
+        batches = [train_data.collate(records[i : i + bs]) for i in range(0, len(records), bs)]
     mine = batches[rank::world]
     n = math.ceil(len(batches) / world)
     return mine + [batches[0]] * (n - len(mine)), [True] * len(mine) + [False] * (n - len(mine))
@@ -380,6 +361,7 @@ def _validate(accelerator, ctx: StepContext, batches, counted, cfg: dict, step: 
         for batch, count in zip(batches, counted):
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             c = V.batch_acceptance(ctx.drafter, ctx.target, ctx.embed, ctx.lm_head, batch, target_layer_ids=d["target_layer_ids"],
+                                   features=batch.get("features"),
                                    mask_token_id=d["mask_token_id"], num_anchors=cfg["validation_num_anchors"], backend=ctx.backend)
             if count:
                 total = total + c
@@ -432,6 +414,7 @@ def train(
     zero_target_features: bool = False,
     drafter_arch: Optional[dict] = None,
     device: str = "auto",
+    feature_shards: Sequence[str | Path] = (),
 ) -> dict:
     """Train the drafter; see the module docstring for outputs. ``cfg`` is the validated ``train`` config
     (missing keys take the schema defaults, :func:`with_schema_defaults`).
@@ -440,7 +423,9 @@ def train(
     (:func:`dflash_pipeline.target.load_target`; ``auto`` = bf16 on CUDA, fp32 on CPU). The drafter keeps
     float32 master weights; ``train.mixed_precision`` sets Accelerate's autocast. ``device``:
     ``train.device`` (``cpu``: CPU ranks whatever GPUs are visible; not part of ``cfg``, which is the
-    rule's rerun fingerprint).
+    rule's rerun fingerprint). ``feature_shards`` (one per token shard, same order) are read when
+    ``cfg["target_features"]`` is ``shards``: the target is then never instantiated (embedding and LM head
+    only, :mod:`dflash_pipeline.train_data`).
     ``drafter_arch`` holds the optional ``layer_types``/``sliding_window`` (config ``drafter.*``).
     ``zero_target_features`` trains the ablation baseline whose fused features are all zero (what the
     target features buy). Returns the summary dict (also written to ``train_summary.json``).
@@ -466,19 +451,33 @@ def train(
     for note in tracker_notes:
         accelerator.print(f"[train] {note}")
 
-    records, prompt_ids = load_token_records(token_shards)
-    if not records:
-        raise ValueError(f"no token record with ≥2 supervised tokens in {len(token_shards)} shard(s)")
-    held = V.heldout_mask(prompt_ids, cfg["validation_fraction"], seed=cfg["seed"], max_records=cfg["validation_max_records"])
-    heldout = [r for r, h in zip(records, held) if h]
-    records = [r for r, h in zip(records, held) if not h] or records  # never train on nothing
-    if len(heldout) and len(records) == len(held):  # everything held out: no validation
-        heldout = []
-    target = T.load_target(target_dir, dtype=target_dtype, device=accelerator.device, trust_remote_code=trust_remote_code)
+    # Token records memory-mapped (dflash_pipeline.train_data); with train.target_features: shards the features
+    # come from the feature shards and the target is never instantiated (embedding + LM head only).
+    data = train_data.open_training_data(
+        cfg, token_shards, feature_shards, target_dir=target_dir, out_dir=out_dir, probe=probe, device=accelerator.device,
+        target_dtype=target_dtype, is_main=accelerator.is_main_process, barrier=accelerator.wait_for_everyone,
+    )
+    if data.from_shards and cfg["packing"]:
+        raise ValueError("train.packing is not supported with train.target_features: shards yet (packed rows would "
+                         "need their records' features concatenated); set train.packing: false")
+    held = V.heldout_mask(train_data.record_prompt_ids(token_shards, data.dataset), cfg["validation_fraction"],
+                          seed=cfg["seed"], max_records=cfg["validation_max_records"])
+    held_idx = [i for i, h in enumerate(held) if h]
+    train_idx = [i for i, h in enumerate(held) if not h]
+    if not train_idx:  # everything held out: train on all of it, no validation
+        train_idx, held_idx = list(range(len(held))), []
+    records = torch.utils.data.Subset(data.dataset, train_idx)
+    heldout = [data.dataset[i] for i in held_idx]
+    if data.from_shards:
+        target, embed, lm_head = None, data.embed, data.lm_head
+    else:
+        target = T.load_target(target_dir, dtype=target_dtype, device=accelerator.device, trust_remote_code=trust_remote_code)
+        embed = lm_head = None  # StepContext takes them from the target
     if cfg["packing"]:
         P.check_target_isolates_records(target, probe["drafter"]["target_layer_ids"])
     arch = drafter_arch or {}
-    drafter = build_drafter(target, probe, seed=cfg["seed"], layer_types=arch.get("layer_types"), sliding_window=arch.get("sliding_window"))
+    drafter = build_drafter(target if target is not None else train_data.ConfigOnly(data.target_config), probe,
+                            seed=cfg["seed"], layer_types=arch.get("layer_types"), sliding_window=arch.get("sliding_window"))
     backend = cfg["attention_backend"] if cfg.get("attention_backend", "auto") != "auto" else (
         "flex" if accelerator.device.type == "cuda" else "sdpa")
     block_size = drafter.block_size
@@ -490,7 +489,7 @@ def train(
         dataset = P.PackedDataset(records, cfg["pack_max_tokens"] or max(len(r[0]) for r in records))
         collate_fn = P.collate_packed
     else:
-        dataset, collate_fn = TokenDataset(records), collate
+        dataset, collate_fn = records, data.collate
     micro_per_epoch = math.ceil(len(dataset) / (bs * nproc))  # per rank (Accelerate shards evenly)
     steps_per_epoch = math.ceil(micro_per_epoch / accum)
     total_steps = max(1, math.ceil(cfg["epochs"] * steps_per_epoch))
@@ -511,13 +510,13 @@ def train(
         f"[train] records={len(records)} rows={len(dataset)} heldout={len(heldout)} processes={nproc} device={accelerator.device} "
         f"steps={total_steps} accumulation={accum} loss={cfg['loss']} packing={cfg['packing']} fsdp={accelerator.is_fsdp2} "
         f"trainable_params={n_trainable} block_size={block_size} gamma={gamma} target_layer_ids={probe['drafter']['target_layer_ids']} "
-        f"target_dtype={T.module_dtype(target)} mixed_precision={cfg['mixed_precision']}"
+        f"target_dtype={T.module_dtype(target if target is not None else lm_head)} mixed_precision={cfg['mixed_precision']}"
     )
     ctx = StepContext(
         drafter=drafter, target=target, probe=probe, num_anchors=cfg["num_anchors"], block_size=block_size, gamma=gamma,
         generator=torch.Generator(device="cpu").manual_seed(cfg["seed"] * 1000 + accelerator.process_index),
         zero_target_features=zero_target_features, backend=backend, world_size=nproc,
-        reduce_sum=lambda t: accelerator.reduce(t.to(accelerator.device), "sum"),
+        reduce_sum=lambda t: accelerator.reduce(t.to(accelerator.device), "sum"), embed=embed, lm_head=lm_head,
         loss=cfg["loss"], kl_temperature=cfg["kl_temperature"], kl_ce_weight=cfg["kl_ce_weight"], dpace_alpha=cfg["dpace_alpha"],
     )
     val_batches, val_counted = _heldout_batches(heldout, cfg, accelerator.process_index, nproc)
@@ -585,7 +584,7 @@ def train(
         "block_size": block_size, "loss_gamma": gamma, "zero_target_features": zero_target_features,
         "attention_backend": backend, "layer_types": list(getattr(drafter, "module", drafter).layer_types),
         "loss": cfg["loss"], "packing": cfg["packing"], "fsdp": accelerator.is_fsdp2, "trackers": log_with,
-        "target_dtype": str(T.module_dtype(target)).replace("torch.", ""), "train_config": cfg,
+        "target_dtype": str(T.module_dtype(target if target is not None else lm_head)).replace("torch.", ""), "train_config": cfg,
     })
 
 
@@ -658,6 +657,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--device", default="auto", choices=("auto", "cpu"), help="train.device")
     p.add_argument("--zero-target-features", action="store_true")
     p.add_argument("--drafter-arch", default="{}", help="JSON with optional layer_types / sliding_window")
+    p.add_argument("--feature-shard", dest="feature_shards", action="append", default=[],
+                   help="a feature shard (repeat, one per token shard, same order; train.target_features: shards)")
     p.add_argument("token_shards", nargs="+")
     a = p.parse_args(argv)
     probe = json.loads(Path(a.probe).read_text(encoding="utf-8"))
@@ -665,7 +666,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         token_shards=a.token_shards, probe=probe, target_dir=a.target, out_dir=a.out_dir,
         cfg=json.loads(a.train_config), target_dtype=a.target_dtype, trust_remote_code=a.trust_remote_code,
         zero_target_features=a.zero_target_features,
-        drafter_arch=json.loads(a.drafter_arch), device=a.device,
+        drafter_arch=json.loads(a.drafter_arch), device=a.device, feature_shards=a.feature_shards,
     )
 
 

@@ -1,0 +1,20 @@
+"""The features stage: target features for training, extracted once, stored in feature shards.
+
+``extract_features`` (rules/features.smk) writes one feature shard per token shard with a backend:
+``vllm`` (the serving engine's ``extract_hidden_states`` method: targets larger than one GPU, e.g. Kimi K2.6
+with TP8) or ``hf`` (transformers, ``device_map`` across the job's GPUs; the CPU default). With
+``train.target_features: shards`` the trainer reads them memory-mapped and never loads the target
+(only its embedding and LM head, :mod:`.weights`).
+
+Modules: :mod:`.format` (file format, writer, reader), :mod:`.extract` (one shard, resumable),
+:mod:`.hf_backend`, :mod:`.vllm_backend` + :mod:`.vllm_connector` (engine side), :mod:`.plan` (disk
+arithmetic at plan time), :mod:`.weights` (embedding / LM head from the target's safetensors).
+CLI: ``python -m dflash_pipeline.features extract ...`` (what the rule runs, in the backend's environment).
+
+This package imports only numpy at the top (torch, transformers, vllm inside the functions that need them),
+so it loads in the vLLM venv, in the training env and in Snakemake's planning process.
+"""
+
+from .format import FeatureLayout, FeatureShard, FeatureShardError, FeatureShardWriter, bytes_per_token
+
+__all__ = ["FeatureLayout", "FeatureShard", "FeatureShardError", "FeatureShardWriter", "bytes_per_token"]

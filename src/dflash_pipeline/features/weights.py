@@ -1,0 +1,105 @@
+"""The target's embedding and LM head, read from its safetensors files without instantiating the target.
+
+With ``train.target_features: shards`` the drafter still needs the target's input embedding (noise tokens
+are embedded with it) and LM head (draft logits; dflash.md §4.3 shares both). A 1T-parameter MoE cannot be
+loaded for that, so :func:`load_embed_and_head` finds the two tensors' keys in the checkpoint index
+(``model.embed_tokens.weight``, ``model.language_model.embed_tokens.weight``, ``language_model.model...``,
+``lm_head.weight``, ``language_model.lm_head.weight``, ...) and reads just those bytes (safetensors maps the
+file). A target with tied embeddings (``tie_word_embeddings``, or no LM-head tensor) uses the embedding for both.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+#: Suffixes of input-embedding keys, in preference order.
+EMBED_SUFFIXES = ("embed_tokens.weight", "tok_embeddings.weight", "word_embeddings.weight", "wte.weight")
+#: LM-head keys (suffix match), in preference order.
+HEAD_SUFFIXES = ("lm_head.weight", "output.weight", "embed_out.weight")
+#: Key fragments of non-text towers and multi-token-prediction heads, never the text model's tensors.
+_SKIP = ("vision", "visual", "audio", "image", "mtp", "speech", "talker", "draft")
+
+
+def weight_map(target_dir: str | Path) -> dict[str, str]:
+    """Tensor name → file name of a target checkpoint (``model.safetensors.index.json``, else the headers
+    of every ``*.safetensors`` file in the directory).
+
+    Raises:
+        FileNotFoundError: no safetensors weights in ``target_dir``.
+    """
+    d = Path(target_dir)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        return dict(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        with safe_open(str(f), "np") as fh:
+            out.update({k: f.name for k in fh.keys()})
+    if not out:
+        raise FileNotFoundError(f"{d}: no model.safetensors.index.json and no *.safetensors file; train.target_features: "
+                                "shards reads the embedding and LM head from the target's safetensors weights")
+    return out
+
+
+def _pick(keys, suffixes) -> Optional[str]:
+    cands = [k for k in keys if not any(s in k.lower() for s in _SKIP)]
+    for suf in suffixes:
+        hits = sorted((k for k in cands if k == suf or k.endswith("." + suf)), key=lambda k: (k.count("."), k))
+        if hits:
+            return hits[0]
+    return None
+
+
+def find_embed_and_head_keys(target_dir: str | Path, tie_word_embeddings: Optional[bool] = None) -> tuple[str, Optional[str]]:
+    """``(embedding key, LM-head key or None when tied)`` of the target's checkpoint.
+
+    ``tie_word_embeddings`` (the probe's value) forces the tied answer; None = tied when there is no head tensor.
+
+    Raises:
+        KeyError: no embedding tensor found (the message lists the suffixes tried).
+    """
+    wmap = weight_map(target_dir)
+    emb = _pick(wmap, EMBED_SUFFIXES)
+    if emb is None:
+        raise KeyError(f"{target_dir}: no input-embedding tensor (looked for keys ending in {', '.join(EMBED_SUFFIXES)})")
+    head = None if tie_word_embeddings else _pick(wmap, HEAD_SUFFIXES)
+    return emb, head
+
+
+def load_embed_and_head(target_dir: str | Path, *, tie_word_embeddings: Optional[bool] = None, dtype=None, device="cpu"):
+    """``(embed nn.Embedding [V, H], lm_head nn.Linear H→V without bias)``, frozen, from the target's weights.
+
+    ``dtype``: torch dtype to cast to (None keeps the checkpoint's). Tied targets share one tensor.
+
+    Raises:
+        KeyError: no embedding tensor; ValueError: a quantized (integer / fp8) embedding or head, or the two
+        shapes disagree.
+    """
+    import torch
+    from safetensors import safe_open
+
+    emb_key, head_key = find_embed_and_head_keys(target_dir, tie_word_embeddings)
+    wmap = weight_map(target_dir)
+
+    def get(key):
+        with safe_open(str(Path(target_dir) / wmap[key]), "pt") as fh:
+            t = fh.get_tensor(key)
+        if not t.is_floating_point() or t.element_size() < 2:
+            raise ValueError(f"{target_dir}: tensor {key} is {t.dtype}; a quantized embedding/LM head cannot be used "
+                             "as is (dequantize those two tensors, or use train.target_features: online)")
+        return t.to(dtype=dtype or t.dtype, device=device)
+
+    w = get(emb_key)
+    embed = torch.nn.Embedding(w.shape[0], w.shape[1], _weight=w, _freeze=True, device=device, dtype=w.dtype)
+    head_w = get(head_key) if head_key else embed.weight
+    if head_w.shape[1] != w.shape[1]:
+        raise ValueError(f"{target_dir}: {head_key} {tuple(head_w.shape)} and {emb_key} {tuple(w.shape)} disagree on hidden size")
+    lm_head = torch.nn.Linear(head_w.shape[1], head_w.shape[0], bias=False, device="meta")
+    lm_head.weight = head_w if isinstance(head_w, torch.nn.Parameter) else torch.nn.Parameter(head_w, requires_grad=False)
+    embed.requires_grad_(False)
+    lm_head.requires_grad_(False)
+    return embed, lm_head
