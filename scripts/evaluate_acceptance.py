@@ -16,4 +16,5 @@ with log_to(snakemake.log[0], snakemake.threads), claim_gpus(snakemake.resources
         exclude_prompt_ids=training_prompt_ids(inp.manifest) if p.eval["exclude_training_prompts"] else (),
         checkpoint_series=series, series_json=out.series, series_png=out.series_plot,
         train_log=final.parent / "train_log.jsonl",
+        engine_record=read_json(inp.engine[0]) if len(inp.engine) else None,  # eval.engine (evaluate_engine)
     )

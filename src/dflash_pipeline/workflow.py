@@ -57,7 +57,7 @@ def log_to(path: Optional[str | os.PathLike], threads: Optional[int] = None) -> 
 # picks free devices with host-local lock files, so two concurrent GPU jobs never share one.
 
 #: Rules that run models on GPUs when the run is a GPU run (see `job_gpus`).
-GPU_RULES = ("train_drafter", "evaluate_acceptance", "generate_completions")
+GPU_RULES = ("train_drafter", "evaluate_acceptance", "generate_completions", "evaluate_engine")
 
 
 def job_gpus(config: dict, rule: str) -> int:
