@@ -249,10 +249,12 @@ def serve_commands(drafter_dir: str | Path, target: str | Path, block_size: int,
     return {"vllm": vllm, "sglang": sglang}
 
 
-def write_serve_md(drafter_dir: str | Path, *, target: Optional[str | Path] = None) -> Path:
+def write_serve_md(drafter_dir: str | Path, *, target: Optional[str | Path] = None,
+                   served_dir: Optional[str | Path] = None) -> Path:
     """Write ``<drafter_dir>/serve.md``: how to serve this export with vLLM and SGLang, block size and
     target layers read from its ``config.json`` (atomic). ``target``: the target's path or hub id as the
-    user passes it to the engine (default: a ``<target>`` placeholder).
+    user passes it to the engine (default: a ``<target>`` placeholder). ``served_dir``: the drafter's path
+    in the commands when ``drafter_dir`` is a temp dir renamed into place afterwards (default: its own).
 
     Returns the path written. Raises ``FileNotFoundError`` when the export has no ``config.json``.
     """
@@ -262,7 +264,7 @@ def write_serve_md(drafter_dir: str | Path, *, target: Optional[str | Path] = No
     cfg = json.loads((d / "config.json").read_text(encoding="utf-8"))
     bs = int(cfg["block_size"])
     tgt = str(target) if target is not None else "<target>"
-    cmds = serve_commands(d.resolve(), tgt, bs)
+    cmds = serve_commands(Path(served_dir or d).resolve(), tgt, bs)
     layers = (cfg.get("dflash_config") or {}).get("target_layer_ids")
     text = f"""# Serving this DFlash drafter
 
@@ -285,6 +287,11 @@ SGLang (`--speculative-num-draft-tokens` = block size; add a non-causal draft at
 Acceptance as the engine reports it (vLLM `/metrics`: τ = 1 + Δ`vllm:spec_decode_num_accepted_tokens_total`
 / Δ`vllm:spec_decode_num_drafts_total`): `python -m dflash_pipeline.evaluate_engine --base-url
 http://127.0.0.1:8000/v1 --set NAME=PATH --out engine.json`.
+"""
+    if (cfg.get("dflash_pipeline") or {}).get("zero_target_features"):
+        text += """
+Note: this drafter was trained with the target features zeroed (a baseline); the engines feed it the real
+features, so served acceptance says nothing about it.
 """
     if int(cfg.get("num_hidden_layers") or 1) > 1:
         text += """

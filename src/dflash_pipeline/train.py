@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from . import model as M
+from .engine import write_serve_md
 from .shards import read_parquet, replace_dir, write_json
 
 
@@ -267,6 +268,7 @@ def train(
         tmp = out_dir / "final.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         M.save_drafter(accelerator.unwrap_model(drafter), tmp, extra={"train_steps": total_steps, "zero_target_features": zero_target_features})
+        write_serve_md(tmp, target=Path(target_dir).resolve(), served_dir=final)  # launch lines (engine.py)
         replace_dir(tmp, final)
         write_json(out_dir / "train_summary.json", summary)
     save_state(accelerator, state_dir, step)
@@ -312,6 +314,7 @@ def export_step(drafter, out_dir: Path, step: int, zero_target_features: bool = 
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     M.save_drafter(drafter, tmp, extra={"train_steps": step, "zero_target_features": zero_target_features})
+    write_serve_md(tmp, served_dir=final)  # launch lines (engine.py)
     replace_dir(tmp, final)
     return final
 
