@@ -16,9 +16,6 @@ One engine at a time: the completions server stops before the workflow's eval st
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -62,7 +59,7 @@ def test_completions_from_vllm_thinking_off_and_on(tmp_path, demo_target, comple
     _write_prompts(tmp_path / "p.parquet", CONVERSATIONS)
     base = {"max_tokens": 8, "request_timeout_s": 120.0}
     generate_shard(tmp_path / "p.parquet", tmp_path / "hf.parquet", target_dir=demo_target,
-                   gen_cfg=validate_config({"generation": {**base, "batch_size": 2}})["generation"])
+                   gen_cfg=validate_config({"generation": {**base, "batch_size": 1}})["generation"])
     tok = chat.load_tokenizer(demo_target)
     records = {}
     for thinking in ("disable", "save"):
@@ -92,12 +89,11 @@ def test_completions_from_vllm_thinking_off_and_on(tmp_path, demo_target, comple
     assert off_prompt.endswith("<think>\n\n</think>\n\n")
 
 
-def _snakemake(work: Path, *args: str, timeout: int = 1200) -> subprocess.CompletedProcess:
-    """Snakemake on the repo's Snakefile in ``work`` with the local profile; fails the test on an error."""
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(work),
-           "--profile", str(REPO / "profiles" / "local"), "--configfile", str(work / "config.yaml"), *args]
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    proc = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=timeout, env=env)
+def _snakemake(work: Path, *args: str, timeout: int = 1200):
+    """Snakemake (local profile) in ``work`` with ``args`` (targets, flags); fails the test on an error."""
+    from mini_workflow import snakemake
+
+    proc = snakemake(work, *args, timeout=timeout)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-8000:]
     return proc
 
@@ -115,7 +111,9 @@ def built_with_vllm(completions_server, demo_target, tmp_path_factory):
     cfg["eval"] = {**cfg["eval"], "baselines": [], "engine": "vllm", "engine_args": ENGINE_ARGS,
                    "engine_start_timeout_s": 600}
     (work / "config.yaml").write_text(yaml.safe_dump(cfg))
-    _snakemake(work, "--until", "tokenize_completions")
+    from mini_workflow import token_targets
+
+    _snakemake(work, *token_targets(work))  # completions and tokens (`--until` does not see past the prompts checkpoint)
     completions_server.stop()  # one engine at a time: the eval starts its own
     _snakemake(work)
     return work, cfg
