@@ -1,18 +1,3 @@
-# --- engine τ (eval.engine): the drafter served by a real engine, beside the loop's τ ---------------------
-
-
-def engine_record_input(wildcards):
-    """The engine record `evaluate_acceptance` puts beside the loop's τ ([] when `eval.engine` is none)."""
-    return [] if config["eval"]["engine"] == "none" else [f"{R}/eval/{wildcards.run}/engine.json"]
-
-
-def loop_eval_params():
-    """`eval` config as the loop sees it: the `engine*` keys only reach it through engine.json, so changing
-    how the engine runs reruns evaluate_engine, not the loop."""
-    ev = {k: v for k, v in config["eval"].items() if not k.startswith("engine")}
-    return {**canonical(ev), "sets": canonical(with_repo_paths(config["eval"]["sets"]), keep_order=True)}
-
-
 rule evaluate_acceptance:
     """τ with a real speculative loop on held-out prompts: the trained drafter beside its baselines
     (config `eval.baselines`) and an untrained floor; τ across the intermediate step_<N>/ exports."""
@@ -22,7 +7,8 @@ rule evaluate_acceptance:
         target=target_input(),
         manifest=prompts_manifest(),
         drafter=f"{R}/checkpoints/{{run}}/final",
-        engine=engine_record_input,
+        # engine τ beside the loop's (eval.engine; evaluate_engine below), none when eval.engine is none
+        engine=lambda wc: [] if config["eval"]["engine"] == "none" else [f"{R}/eval/{wc.run}/engine.json"],
     output:
         acceptance=report(
             f"{R}/eval/{{run}}/acceptance.json",
@@ -51,7 +37,11 @@ rule evaluate_acceptance:
         ),
     params:
         target=target_dir_of_input,
-        eval=loop_eval_params(),
+        # the engine* keys reach the loop only through engine.json: changing them reruns evaluate_engine only
+        eval={
+            **canonical({k: v for k, v in config["eval"].items() if not k.startswith("engine")}),
+            "sets": canonical(with_repo_paths(config["eval"]["sets"]), keep_order=True),
+        },
         baseline_labels=lambda wc: list(baseline_runs(wc.run)),
         thinking=config["generation"]["thinking"],
         chat_template=config["target"]["chat_template"],
@@ -74,7 +64,6 @@ rule evaluate_engine:
     """τ and per-position acceptance as vLLM reports them (/metrics deltas) with the trained drafter
     loaded, on the same held-out prompts as evaluate_acceptance (config `eval.engine`)."""
     input:
-        probe=probe_json(),
         target=target_input(),
         manifest=prompts_manifest(),
         drafter=f"{R}/checkpoints/{{run}}/final",
