@@ -283,7 +283,6 @@ def evaluate(
     series_json: Optional[str | Path] = None,
     series_png: Optional[str | Path] = None,
     train_log: Optional[str | Path] = None,
-    engine_record: Optional[dict] = None,
 ) -> dict:
     """Run the speculative loop for every drafter (label → checkpoint dir, or None for an untrained
     random-init drafter as a floor) on every eval set; write the eval record JSON (+ a PNG plot, a TSV
@@ -293,8 +292,6 @@ def evaluate(
     ``checkpoint_series`` (step → checkpoint, e.g. :func:`step_checkpoints` plus ``final``): τ of each on
     the first ``eval.checkpoint_samples`` prompts of every set, written to ``series_json`` and plotted to
     ``series_png`` (with the train-time EAL proxy from ``train_log`` when given).
-    ``engine_record``: engine τ of the trained drafter (``evaluate_engine.evaluate_engine``), put beside
-    the loop's (``evaluate_engine.attach_engine_tau``).
     """
     from .chat import load_tokenizer
     from .train import build_drafter, load_target
@@ -349,10 +346,6 @@ def evaluate(
         }
         if "trained" in record["tau_over_untrained"]:
             record["trained_over_untrained"] = record["tau_over_untrained"]["trained"]
-    if engine_record is not None:  # engine τ beside ours (evaluate_engine.attach_engine_tau)
-        from .evaluate_engine import attach_engine_tau
-
-        attach_engine_tau(record, engine_record)
     write_json(out_json, record, skip_if_identical=False)
     if plot_png is not None:
         plot_acceptance(record, plot_png)

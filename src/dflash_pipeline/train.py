@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 from . import model as M
-from .engine import write_serve_md
 from .shards import read_parquet, replace_dir, write_json
 
 
@@ -268,8 +267,8 @@ def train(
         tmp = out_dir / "final.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         M.save_drafter(accelerator.unwrap_model(drafter), tmp, extra={"train_steps": total_steps, "zero_target_features": zero_target_features})
-        write_serve_md(tmp, target=Path(target_dir).resolve(), served_dir=final)  # launch lines (engine.py)
         replace_dir(tmp, final)
+        _write_serve_md(final, target=Path(target_dir).resolve())
         write_json(out_dir / "train_summary.json", summary)
     save_state(accelerator, state_dir, step)
     accelerator.wait_for_everyone()
@@ -314,9 +313,16 @@ def export_step(drafter, out_dir: Path, step: int, zero_target_features: bool = 
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     M.save_drafter(drafter, tmp, extra={"train_steps": step, "zero_target_features": zero_target_features})
-    write_serve_md(tmp, served_dir=final)  # launch lines (engine.py)
     replace_dir(tmp, final)
+    _write_serve_md(final)
     return final
+
+
+def _write_serve_md(export_dir: Path, target=None) -> None:
+    """``<export>/serve.md``: the vLLM and SGLang launch lines of this export (``engine.write_serve_md``)."""
+    from .engine import write_serve_md
+
+    write_serve_md(export_dir, target=target)
 
 
 def trace_batch(out_dir: Path, rank: int, step: int, batch: dict) -> None:
