@@ -5,10 +5,10 @@ rule evaluate_acceptance:
         unpack(baseline_checkpoints),
         probe=probe_json(),
         target=target_input(),
-        manifest=prompts_manifest(),
-        drafter=f"{R}/checkpoints/{{run}}/final",
         # engine τ beside the loop's (eval.engine; evaluate_engine below), none when eval.engine is none
         engine=lambda wc: [] if config["eval"]["engine"] == "none" else [f"{R}/eval/{wc.run}/engine.json"],
+        manifest=prompts_manifest(),
+        drafter=f"{R}/checkpoints/{{run}}/final",
     output:
         acceptance=report(
             f"{R}/eval/{{run}}/acceptance.json",
