@@ -5,6 +5,8 @@ rule evaluate_acceptance:
         unpack(get_baseline_checkpoints),
         probe=probe_json(),
         target=target_input(),
+        # engine τ beside the loop's (eval.engine; evaluate_engine below), none when eval.engine is none
+        engine=get_engine_record,
         manifest=prompts_manifest(),
         drafter=final_checkpoint(),
     output:
@@ -35,7 +37,11 @@ rule evaluate_acceptance:
         ),
     params:
         target=target_dir_of_input,
-        eval={**canonical(config["eval"]), "sets": canonical(with_repo_paths(config["eval"]["sets"]), keep_order=True)},
+        # the engine* keys reach the loop only through engine.json: changing them reruns evaluate_engine only
+        eval={
+            **canonical({k: v for k, v in config["eval"].items() if not k.startswith("engine")}),
+            "sets": canonical(with_repo_paths(config["eval"]["sets"]), keep_order=True),
+        },
         baseline_labels=baseline_labels_of,
         thinking=config["generation"]["thinking"],
         chat_template=config["target"]["chat_template"],
@@ -51,3 +57,34 @@ rule evaluate_acceptance:
         "../envs/torch.yaml"
     script:
         "../scripts/evaluate_acceptance.py"
+
+
+# --- engine τ ------------------------------------------------------------------------------------------
+
+
+rule evaluate_engine:
+    """τ and per-position acceptance as vLLM reports them (/metrics deltas) with the trained drafter
+    loaded, on the same held-out prompts as evaluate_acceptance (config `eval.engine`)."""
+    input:
+        target=target_input(),
+        manifest=prompts_manifest(),
+        drafter=final_checkpoint(),
+    output:
+        engine=f"{eval_dir()}/engine.json",
+    params:
+        target=target_dir_of_input,
+        eval={**canonical(config["eval"]), "sets": canonical(with_repo_paths(config["eval"]["sets"]), keep_order=True)},
+        thinking=config["generation"]["thinking"],
+        chat_template=config["target"]["chat_template"],
+    log:
+        job=log_file("evaluate_engine", "{run}"),
+        engine=f"{RESULTS}/logs/evaluate_engine/{{run}}.vllm.log",
+    benchmark:
+        benchmark_file("evaluate_engine", "{run}")
+    threads: workflow.cores
+    resources:
+        gpu=gpus("evaluate_engine"),
+    conda:
+        "../envs/torch.yaml"
+    script:
+        "../scripts/evaluate_engine.py"

@@ -1,7 +1,8 @@
 from pathlib import Path
 
-from dflash_pipeline.evaluate import checkpoint_info, evaluate, step_checkpoints, training_prompt_ids
-from dflash_pipeline.shards import read_json
+from dflash_pipeline.evaluate import checkpoint_info, evaluate, step_checkpoints, training_prompt_ids, write_eval_table
+from dflash_pipeline.evaluate_engine import attach_engine_tau
+from dflash_pipeline.shards import read_json, write_json
 from dflash_pipeline.workflow import claim_gpus, log_to
 
 with log_to(snakemake.log[0], snakemake.threads), claim_gpus(snakemake.resources.gpu):
@@ -9,7 +10,7 @@ with log_to(snakemake.log[0], snakemake.threads), claim_gpus(snakemake.resources
     final = Path(inp.drafter)
     drafters = {"trained": str(final), **{b: getattr(inp, b) for b in p.baseline_labels}, "untrained": None}
     series = {**step_checkpoints(final.parent), checkpoint_info(final)["train_steps"]: final}
-    evaluate(
+    record = evaluate(
         target_dir=p.target, probe=read_json(inp.probe), drafters=drafters, eval_cfg=p.eval, thinking=p.thinking,
         out_json=out.acceptance, plot_png=out.plot, table_tsv=out.table, chat_template=p.chat_template,
         trust_remote_code=p.trust_remote_code, target_dtype=snakemake.config["target"]["dtype"],
@@ -17,3 +18,7 @@ with log_to(snakemake.log[0], snakemake.threads), claim_gpus(snakemake.resources
         checkpoint_series=series, series_json=out.series, series_png=out.series_plot,
         train_log=final.parent / "train_log.jsonl",
     )
+    if len(inp.engine):  # eval.engine: the engine's τ beside the loop's in the record and the table
+        attach_engine_tau(record, read_json(inp.engine[0]))
+        write_json(out.acceptance, record, skip_if_identical=False)
+        write_eval_table(record, out.table)

@@ -24,3 +24,8 @@ def get_completion_stats(wildcards):
 def get_baseline_checkpoints(wildcards):
     """Final checkpoints of the baselines of `wildcards.run`, keyed by label (eval and plot input)."""
     return {b: final_checkpoint(r) for b, r in baseline_runs(wildcards.run).items()}
+
+
+def get_engine_record(wildcards):
+    """evaluate_acceptance's engine τ input (eval.engine): `engine.json` of the run, none when eval.engine is none."""
+    return [] if config["eval"]["engine"] == "none" else [f"{eval_dir(wildcards.run)}/engine.json"]

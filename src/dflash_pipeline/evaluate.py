@@ -8,7 +8,7 @@ is the mean over responses. The draft is always greedy; the target samples at ``
 Beyond the loop: :func:`evaluate` (every drafter on every eval set → the eval record JSON, a table, plots,
 and τ across the intermediate ``step_<N>/`` exports), :func:`merge_eval_records` (side-by-side comparison
 that refuses records produced under different thinking modes), :func:`plot_training` (loss and EAL proxy
-vs step from ``train_log.jsonl``) and :func:`server_acceptance` (τ reported by a running SGLang/vLLM).
+vs step from ``train_log.jsonl``) and engine τ (:mod:`dflash_pipeline.evaluate_engine`: τ reported by a running SGLang/vLLM).
 
 Response = one generated assistant turn: a multi-turn conversation (MT-Bench) contributes one response
 per turn, each generated against the history of the drafter's own earlier answers.
@@ -20,7 +20,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 import torch
 
@@ -532,6 +532,7 @@ TABLE_COLUMNS = (
     "drafter", "set", "tau", "tau_over_untrained", "tokens_per_target_forward", "accept_pos1", "num_responses",
     "num_steps", "thinking", "temperature", "block_size", "max_new_tokens", "train_steps", "zero_target_features",
     "checkpoint",
+    "tau_pooled", "engine_tau", "engine_agrees",  # engine τ (evaluate_engine): pooled over steps, both sides
 )
 
 
@@ -552,8 +553,16 @@ def eval_table_rows(record: dict) -> list[dict]:
                 "block_size": st["block_size"], "max_new_tokens": st["max_new_tokens"],
                 "train_steps": entry.get("train_steps", ""), "zero_target_features": entry.get("zero_target_features", ""),
                 "checkpoint": entry.get("checkpoint") or "(random init)",
+                **_engine_columns(s),
             })
     return rows
+
+
+def _engine_columns(s: dict) -> dict:
+    """``tau_pooled`` (mean a+1 over verify steps), ``engine_tau`` and ``engine_agrees`` of one set's stats."""
+    eng = s.get("engine") or {}
+    return {"tau_pooled": round(s.get("tokens_per_step", 0.0), 3), "engine_tau": round(eng["tau"], 3) if eng else "",
+            "engine_agrees": {True: "yes", False: "NO", None: "?"}[eng.get("agrees")] if eng else ""}
 
 
 def write_eval_table(record: dict, path: str | Path) -> None:
@@ -665,147 +674,6 @@ def plot_training(train_logs: Mapping[str, str | Path], path: str | Path) -> Non
     _save(fig, path)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Server mode: τ reported by a running SGLang / vLLM with the drafter loaded
-# ---------------------------------------------------------------------------------------------------
-
-#: vLLM Prometheus counters: mean acceptance length = 1 + accepted / drafts (one draft per verify step).
-VLLM_DRAFTS = "vllm:spec_decode_num_drafts_total"
-VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
-
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    """``name{labels} value`` lines → name → value summed over label sets (comments skipped)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        name_part, _, value = line.rpartition(" ")
-        name = name_part.split("{", 1)[0]
-        try:
-            out[name] = out.get(name, 0.0) + float(value)
-        except ValueError:
-            continue
-    return out
-
-
-def _http_json(url: str, body: Optional[dict] = None, *, api_key: Optional[str] = None, timeout_s: float = 600) -> Any:
-    import urllib.request
-
-    headers = {"Content-Type": "application/json"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
-    data = json.dumps(body).encode("utf-8") if body is not None else None
-    req = urllib.request.Request(url, data=data, headers=headers, method="POST" if body is not None else "GET")
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-        raw = resp.read().decode("utf-8")
-    return json.loads(raw) if body is not None or raw.lstrip().startswith(("{", "[")) else raw
-
-
-def server_acceptance(
-    base_url: str,
-    prompts: Sequence[dict],
-    *,
-    model: Optional[str] = None,
-    max_tokens: int = 256,
-    temperature: float = 0.0,
-    thinking: str = "disable",
-    metrics_url: Optional[str] = None,
-    api_key: Optional[str] = None,
-    timeout_s: float = 600,
-) -> dict:
-    """τ as the serving engine reports it, for train/serve agreement checks (dflash.md §7.1, server mode).
-
-    Sends every turn of ``prompts`` (``load_eval_prompts`` records; later turns carry the server's earlier
-    answers) to ``{base_url}/chat/completions``, one request at a time. Per response it reads SGLang's
-    ``meta_info.spec_accept_length`` (or ``completion_tokens / meta_info.spec_verify_ct``); τ is then the
-    mean over responses, as in the transformers loop. When responses carry no meta_info and
-    ``metrics_url`` is given (vLLM ``/metrics``), τ is pooled from the counter deltas:
-    ``1 + Δaccepted / Δdrafts``. Other traffic on the server during the run skews the pooled figure.
-
-    Returns ``{tau, source (meta_info|metrics), num_responses, per_response, completion_tokens, base_url,
-    model, thinking, temperature, max_tokens}``.
-
-    Raises:
-        EvalComparisonError: the server reported no acceptance (no meta_info, no usable metrics).
-    """
-    from .chat import template_kwargs
-
-    base = base_url.rstrip("/")
-    if model is None:
-        model = _http_json(f"{base}/models", api_key=api_key, timeout_s=timeout_s)["data"][0]["id"]
-    before = parse_prometheus(_http_json(metrics_url, timeout_s=timeout_s)) if metrics_url else {}
-    per_response, completion_tokens = [], 0
-    for rec in prompts:
-        history: list[dict] = [{"role": "system", "content": rec["system"]}] if rec.get("system") else []
-        for turn in rec["turns"]:
-            history.append({"role": "user", "content": turn})
-            body = {"model": model, "messages": history, "max_tokens": max_tokens, "temperature": temperature,
-                    "chat_template_kwargs": template_kwargs(thinking)}
-            resp = _http_json(f"{base}/chat/completions", body, api_key=api_key, timeout_s=timeout_s)
-            n_out = int((resp.get("usage") or {}).get("completion_tokens") or 0)
-            completion_tokens += n_out
-            meta = resp.get("meta_info") or resp.get("choices", [{}])[0].get("meta_info") or {}
-            if meta.get("spec_accept_length") is not None:
-                per_response.append(float(meta["spec_accept_length"]))
-            elif meta.get("spec_verify_ct"):
-                per_response.append(n_out / float(meta["spec_verify_ct"]))
-            history.append({"role": "assistant", "content": resp["choices"][0]["message"].get("content") or ""})
-    out = {"base_url": base_url, "model": model, "thinking": thinking, "temperature": temperature,
-           "max_tokens": max_tokens, "completion_tokens": completion_tokens, "per_response": per_response}
-    if per_response:
-        return {**out, "tau": sum(per_response) / len(per_response), "source": "meta_info", "num_responses": len(per_response)}
-    if metrics_url:
-        after = parse_prometheus(_http_json(metrics_url, timeout_s=timeout_s))
-        drafts = after.get(VLLM_DRAFTS, 0.0) - before.get(VLLM_DRAFTS, 0.0)
-        accepted = after.get(VLLM_ACCEPTED, 0.0) - before.get(VLLM_ACCEPTED, 0.0)
-        if drafts > 0:
-            n = sum(len(r["turns"]) for r in prompts)
-            return {**out, "tau": 1.0 + accepted / drafts, "source": "metrics", "num_responses": n,
-                    "drafts": drafts, "accepted_tokens": accepted}
-    raise EvalComparisonError(
-        f"{base_url}: the server reported no speculative acceptance (no meta_info.spec_accept_length in the "
-        f"responses{', no ' + VLLM_DRAFTS + ' increase at ' + metrics_url if metrics_url else '; pass metrics_url for vLLM'}); "
-        "is the drafter loaded (SGLang --speculative-algorithm DFLASH, vLLM speculative_config)?"
-    )
-
-def server_main(argv: Sequence[str]) -> dict:
-    """CLI: ``python -m dflash_pipeline.evaluate server --base-url URL --set NAME=PATH[:FORMAT] … --out X.json``."""
-    import argparse
-    import os
-
-    from .prompts import load_eval_prompts
-
-    p = argparse.ArgumentParser(prog="python -m dflash_pipeline.evaluate server",
-                                description="τ as reported by a running SGLang/vLLM server with the drafter loaded.")
-    p.add_argument("--base-url", required=True, help="OpenAI-compatible base URL, e.g. http://host:30000/v1")
-    p.add_argument("--metrics-url", help="Prometheus endpoint (vLLM: http://host:8000/metrics) when responses carry no meta_info")
-    p.add_argument("--model")
-    p.add_argument("--api-key-env", help="environment variable holding the API key")
-    p.add_argument("--set", action="append", required=True, help="NAME=PATH[:FORMAT] (formats as eval.sets.*.format)")
-    p.add_argument("--num-samples", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--thinking", default="disable")
-    p.add_argument("--out", required=True)
-    a = p.parse_args(list(argv))
-    record = {"schema_version": EVAL_SCHEMA_VERSION, "mode": "server",
-              "settings": {"thinking": a.thinking, "temperature": a.temperature, "max_new_tokens": a.max_tokens}, "sets": {}}
-    for item in a.set:
-        name, _, rest = item.partition("=")
-        path, _, fmt = rest.partition(":") if not Path(rest).exists() else (rest, "", "")
-        prompts = load_eval_prompts(path, fmt=fmt or "auto", num_samples=a.num_samples, seed=a.seed)
-        record["sets"][name] = server_acceptance(
-            a.base_url, prompts, model=a.model, max_tokens=a.max_tokens, temperature=a.temperature, thinking=a.thinking,
-            metrics_url=a.metrics_url, api_key=os.environ[a.api_key_env] if a.api_key_env else None,
-        )
-        print(f"[eval-server] {name}: tau={record['sets'][name]['tau']:.3f} ({record['sets'][name]['source']})", flush=True)
-    write_json(a.out, record, skip_if_identical=False)
-    return record
-
-
 def main(argv=None) -> None:
     """CLI: ``python -m dflash_pipeline.evaluate --probe P --target T --eval-config JSON --out X [--drafter label=dir]…``
     (``python -m dflash_pipeline.evaluate server …`` measures τ on a running server: :func:`server_main`)."""
@@ -813,7 +681,9 @@ def main(argv=None) -> None:
     import sys
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["server"]:
+    if argv[:1] == ["server"]:  # moved to evaluate_engine (engine τ)
+        from .evaluate_engine import main as server_main
+
         server_main(argv[1:])
         return
 

@@ -598,6 +598,7 @@ def _finish(accelerator, drafter, out_dir: Path, step: int, summary: dict) -> di
         shutil.rmtree(tmp, ignore_errors=True)
         M.save_drafter(module, tmp, extra={"train_steps": summary["steps"], "zero_target_features": summary["zero_target_features"]})
         replace_dir(tmp, final)
+        _write_serve_md(final, target=Path(target_dir).resolve())
         write_json(out_dir / "train_summary.json", summary)
     save_state(accelerator, out_dir / "state", step)
     accelerator.wait_for_everyone()
@@ -617,7 +618,15 @@ def export_step(drafter, out_dir: Path, step: int, zero_target_features: bool = 
     shutil.rmtree(tmp, ignore_errors=True)
     M.save_drafter(drafter, tmp, extra={"train_steps": step, "zero_target_features": zero_target_features})
     replace_dir(tmp, final)
+    _write_serve_md(final)
     return final
+
+
+def _write_serve_md(export_dir: Path, target=None) -> None:
+    """``<export>/serve.md``: the vLLM and SGLang launch lines of this export (``engine.write_serve_md``)."""
+    from .engine import write_serve_md
+
+    write_serve_md(export_dir, target=target)
 
 
 def trace_batch(out_dir: Path, rank: int, step: int, batch: dict) -> None:

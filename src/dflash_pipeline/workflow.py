@@ -257,7 +257,7 @@ def tee_log(argv: list[str], stdin=None, term=None) -> int:
 # command line, `python -m dflash_pipeline.workflow gpus N -- CMD`, which is the same function.
 
 #: Rules that run models on GPUs when the run is a GPU run (see `job_gpus`).
-GPU_RULES = ("train_drafter", "evaluate_acceptance", "generate_completions")
+GPU_RULES = ("train_drafter", "evaluate_acceptance", "generate_completions", "evaluate_engine")
 
 
 def job_gpus(config: dict, rule: str) -> int:

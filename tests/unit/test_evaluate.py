@@ -204,24 +204,3 @@ def test_report_tables(tmp_path):
     assert text[0].startswith("dataset\tread\tkept\tshards\tdropped_total\tdropped_duplicate\tdropped_empty")
     (tmp_path / "probe.json").write_text(json.dumps({"drafter": {"block_size": 8, "target_layer_ids": [1, 3]}, "x": None}))
     assert ("drafter.target_layer_ids", "1, 3") in report.probe_table(tmp_path / "probe.json", tmp_path / "probe.tsv")
-
-
-# --- server mode -------------------------------------------------------------------------------------
-
-
-def test_server_acceptance_from_meta_info_and_from_metrics():
-    from dflash_pipeline.testing.server import start_test_server
-
-    prompts = [{"prompt_id": "a", "turns": ["one two three four five six seven", "again"], "system": None}]
-    with start_test_server(spec_accept_length=3.5) as srv:
-        r = E.server_acceptance(srv.base_url, prompts, max_tokens=64)
-        assert r["source"] == "meta_info" and r["tau"] == 3.5 and r["num_responses"] == 2
-        second = srv.stats.requests[1]["messages"]
-        assert second[1]["role"] == "assistant" and second[1]["content"].startswith("Answer 1 to:")  # multi-turn
-    with start_test_server(spec_accept_length=3.0, spec_meta_info=False) as srv:
-        metrics = srv.base_url.removesuffix("/v1") + "/metrics"
-        r = E.server_acceptance(srv.base_url, prompts, max_tokens=64, metrics_url=metrics)
-        assert r["source"] == "metrics" and 2.5 <= r["tau"] <= 3.0 and r["drafts"] > 0
-    with start_test_server() as srv:  # no drafter loaded: a clear error, not τ = 0
-        with pytest.raises(E.EvalComparisonError, match="no speculative acceptance"):
-            E.server_acceptance(srv.base_url, prompts, max_tokens=8)

@@ -1,0 +1,11 @@
+from dflash_pipeline.evaluate import training_prompt_ids
+from dflash_pipeline.evaluate_engine import evaluate_engine
+from dflash_pipeline.workflow import claim_gpus, log_to
+
+with log_to(snakemake.log.job, snakemake.threads), claim_gpus(snakemake.resources.gpu):
+    p, inp = snakemake.params, snakemake.input
+    evaluate_engine(
+        target_dir=p.target, drafter_dir=inp.drafter, eval_cfg=p.eval, thinking=p.thinking,
+        out_json=snakemake.output.engine, log_path=snakemake.log.engine, chat_template=p.chat_template,
+        exclude_prompt_ids=training_prompt_ids(inp.manifest) if p.eval["exclude_training_prompts"] else (),
+    )
