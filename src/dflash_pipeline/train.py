@@ -578,7 +578,7 @@ def train(
     bar.close()
     if accelerator.is_main_process:
         plot_validation(out_dir / "val_log.jsonl", out_dir / "val_tau.png")
-    return _finish(accelerator, drafter, out_dir, step, {
+    return _finish(accelerator, drafter, out_dir, step, target_dir, {
         "steps": total_steps, "records": len(records), "heldout_records": len(heldout), "rows": len(dataset),
         "num_processes": nproc, "trainable_params": n_trainable,
         "block_size": block_size, "loss_gamma": gamma, "zero_target_features": zero_target_features,
@@ -588,8 +588,8 @@ def train(
     })
 
 
-def _finish(accelerator, drafter, out_dir: Path, step: int, summary: dict) -> dict:
-    """Export ``final/`` (atomic), write ``train_summary.json``, save the last state; returns ``summary``."""
+def _finish(accelerator, drafter, out_dir: Path, step: int, target_dir, summary: dict) -> dict:
+    """Export ``final/`` (atomic, with its ``serve.md`` naming ``target_dir``), write ``train_summary.json``, save the last state; returns ``summary``."""
     accelerator.wait_for_everyone()
     module = _export_module(accelerator, drafter)
     if accelerator.is_main_process:
@@ -597,8 +597,8 @@ def _finish(accelerator, drafter, out_dir: Path, step: int, summary: dict) -> di
         tmp = out_dir / "final.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         M.save_drafter(module, tmp, extra={"train_steps": summary["steps"], "zero_target_features": summary["zero_target_features"]})
+        _write_serve_md(tmp, target=Path(target_dir).resolve(), served_dir=final)
         replace_dir(tmp, final)
-        _write_serve_md(final, target=Path(target_dir).resolve())
         write_json(out_dir / "train_summary.json", summary)
     save_state(accelerator, out_dir / "state", step)
     accelerator.wait_for_everyone()
@@ -617,16 +617,17 @@ def export_step(drafter, out_dir: Path, step: int, zero_target_features: bool = 
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     M.save_drafter(drafter, tmp, extra={"train_steps": step, "zero_target_features": zero_target_features})
+    _write_serve_md(tmp, served_dir=final)
     replace_dir(tmp, final)
-    _write_serve_md(final)
     return final
 
 
-def _write_serve_md(export_dir: Path, target=None) -> None:
-    """``<export>/serve.md``: the vLLM and SGLang launch lines of this export (``engine.write_serve_md``)."""
+def _write_serve_md(export_dir: Path, target=None, served_dir=None) -> None:
+    """``<export>/serve.md``: the vLLM and SGLang launch lines of this export (``engine.write_serve_md``);
+    ``served_dir``: where ``export_dir`` (a temp dir) is renamed to."""
     from .engine import write_serve_md
 
-    write_serve_md(export_dir, target=target)
+    write_serve_md(export_dir, target=target, served_dir=served_dir)
 
 
 def trace_batch(out_dir: Path, rank: int, step: int, batch: dict) -> None:
