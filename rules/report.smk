@@ -4,18 +4,6 @@
 report: "../report/workflow.rst"
 
 
-def run_outputs(run=RUN):
-    """(what, path) of the outputs a user looks for after a run (report summary and end-of-run message)."""
-    return [
-        ("drafter checkpoint (servable)", f"{checkpoint_dir(run)}/final"),
-        ("τ table", f"{R}/eval/{run}/acceptance.tsv"),
-        ("eval record", eval_json(run)),
-        ("data tables", f"{R}/report/"),
-        ("logs per job", f"{R}/logs/"),
-        ("HTML report", "snakemake --report report.html  (after the run)"),
-    ]
-
-
 rule summarize_probe:
     """The config probe record as a key/value table."""
     input:
