@@ -543,8 +543,8 @@ def test_later_turn_outgrowing_the_context_is_skipped_in_the_transformers_backen
     firsts = [len(chat.render(tok, c[:1], thinking="disable", add_generation_prompt=True, tokenize=True)) for c in convs]
     # every first turn fits; the second turn of convs[0] (its history, answer and 7 more words) cannot
     backend.context_limit = max(firsts) + 4
-    stats = generate_shard(tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=None, gen_cfg=cfg,
-                           backend=backend)
+    stats = generate_shard(tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=demo_target, gen_cfg=cfg,
+                           backend=backend)  # the shard-level check (the real context) skips nothing here
     recs = read_records(tmp_path / "c.parquet")
     assert stats["skipped"]["too_long"] == 1 and stats["skipped_examples"]["too_long"][0]["turn"] == 1
     assert len(recs) == 2 and all(r["status"] in ("ok", "truncated") for r in recs)

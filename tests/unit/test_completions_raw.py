@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 def raw_cfg(*urls, concurrency=4, **overrides) -> dict:
     eps = [{"base_url": u, "max_concurrency": concurrency} for u in urls]
-    return gen_cfg(backend="openai", api="completions", endpoints=eps, **{**FAST, **overrides})
+    # max_tokens within the demo target's context (1024): a longer budget would skip every prompt as too_long
+    return gen_cfg(backend="openai", api="completions", endpoints=eps, **{**FAST, "max_tokens": 64, **overrides})
 
 
 def histories(rec: dict) -> list[list[dict]]:
@@ -276,5 +277,5 @@ def test_raw_turn_outgrowing_the_context_is_skipped_not_sent(tmp_path, demo_targ
                                backend=backend)
         assert srv.stats.completions_requests == 2  # two first turns; the over-long second turn never sent
     (rec,) = read_records(tmp_path / "c.parquet")
-    assert rec["status"] == "ok" and stats["skipped"] == {"too_long": 1}
+    assert rec["status"] in ("ok", "truncated") and stats["skipped"] == {"too_long": 1}
     assert stats["skipped_examples"]["too_long"][0]["turn"] == 1

@@ -32,6 +32,8 @@ def test_error_record_keeps_turns_before_the_failure():
 def test_history_message_carries_reasoning_only_when_present():
     assert Turn("A", None, "stop").history_message() == {"role": "assistant", "content": "A"}
     assert Turn("A", "R", "stop").history_message() == {"role": "assistant", "content": "A", "reasoning_content": "R"}
+    # an answer quoting </think> is resent with empty reasoning, so the server's template keeps it whole
+    assert Turn("x </think> y", None, "stop").history_message()["reasoning_content"] == ""
 
 
 def test_split_reasoning_and_cut_at_eos():

@@ -157,10 +157,6 @@ def generate_shard(
     progress = ProgressLog(paths.progress, _fingerprint(gen_cfg["backend"], gen_cfg, target_dir, chat_template))
     done = _resumable(progress, prompts)
     pending = [p for p in prompts if p["prompt_id"] not in done]
-    skipped = _skip_too_long(pending, target_dir, gen_cfg, chat_template, trust_remote_code, paths)
-    if skipped:
-        prompts = [p for p in prompts if p["prompt_id"] not in skipped]
-        pending = [p for p in pending if p["prompt_id"] not in skipped]
     model_name = next(iter(done.values())).get("model") if done else None
     if pending:
         if backend is None:
@@ -169,6 +165,11 @@ def generate_shard(
         if done:  # resumed records must come from the model this run sends (generation.model unset: /models)
             model_name = _resumed_model(backend, done, paths, len(prompts))
             pending = [p for p in prompts if p["prompt_id"] not in done]
+    # conversations that cannot fit the target's context are skipped and counted, never sent
+    skipped = _skip_too_long(pending, target_dir, gen_cfg, chat_template, trust_remote_code, paths)
+    if skipped:
+        prompts = [p for p in prompts if p["prompt_id"] not in skipped]
+        pending = [p for p in pending if p["prompt_id"] not in skipped]
     resumed = len(done)
     if resumed:
         log.info("%s: resuming, %d of %d conversations already finished", paths.out, resumed, len(prompts))

@@ -49,10 +49,15 @@ class Turn:
         }
 
     def history_message(self) -> dict:
-        """The assistant message appended to the history for the next user turn."""
+        """The assistant message appended to the history for the next user turn. An answer without
+        reasoning that contains ``</think>`` carries ``reasoning_content: ""``, so the template renders it
+        verbatim instead of splitting it there (as :func:`dflash_pipeline.chat.template_messages` does for
+        the local renders and the tokens stage)."""
         msg = {"role": "assistant", "content": self.content}
         if self.reasoning_content is not None:
             msg["reasoning_content"] = self.reasoning_content
+        elif "</think>" in self.content:
+            msg["reasoning_content"] = ""
         return msg
 
 
