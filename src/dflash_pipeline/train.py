@@ -502,6 +502,8 @@ def train(
         generator=torch.Generator().manual_seed(cfg["seed"]),
     )
     drafter, optimizer, loader = accelerator.prepare(drafter, optimizer, loader)
+    if len(loader) != micro_per_epoch:  # the micro-step loop syncs gradients on the last one of each step
+        raise RuntimeError(f"per-rank loader has {len(loader)} batches, expected {micro_per_epoch}")
     accelerator.register_for_checkpointing(scheduler)
     step = _resume(accelerator, out_dir, total_steps)
     if log_with:
@@ -535,10 +537,7 @@ def train(
             norm = torch.zeros((), dtype=torch.float32, device=accelerator.device)
             total = torch.zeros((), dtype=torch.float32, device=accelerator.device)
             for j in range(n_micro):
-                batch = next(batches, None)
-                if batch is None:  # the loader ran short of micro_per_epoch (uneven shards): end the epoch
-                    left = n_micro = j
-                    break
+                batch = next(batches)
                 if cfg.get("trace_batches"):
                     trace_batch(out_dir, accelerator.process_index, step, batch)
                 out = step_objective(ctx, batch)
@@ -548,8 +547,6 @@ def train(
                 norm += out.normalizer.to(norm.device)
                 total += out.total.detach().to(total.device)
                 window.add(None, out.stats, int(batch["attention_mask"].sum()))
-            if n_micro == 0:
-                break
             left -= n_micro
             sums = accelerator.reduce(torch.stack([norm, total]), "sum")  # global Σ normaliser, Σ terms
             scale = nproc / float(sums[0].clamp(min=1e-12))
