@@ -358,7 +358,9 @@ def test_build_shards_manifest_and_record_contents(tmp_path):
     assert rows[1]["messages"] == [{"role": "user", "content": "What is 1 + 1?"}]
     assert rows[1]["prompt_id"] == prompt_id(rows[1]["messages"])
     meta = json.loads(rows[1]["metadata"])
-    assert meta == {"answer": "#### 2", "_source": {"file": "g.jsonl", "line": 2}}  # a single-file source too
+    # a single-file source: "" (its manifest entry names the file; filling the name in would rewrite every
+    # existing shard and so regenerate its completions)
+    assert meta == {"answer": "#### 2", "_source": {"file": "", "line": 2}}
     assert read_shard_metadata(out / "g" / "00001.parquet") == {"schema_version": 1, "dataset": "g", "shard": "00001"}
 
 

@@ -87,10 +87,10 @@ _LEFT_ON_DISK = "no longer in the mix; left on disk so their completions stay va
 def _source_ref(root: Path, loc: Locator, rel_cache: dict[str, str]) -> dict:
     rel = rel_cache.get(loc.file)
     if rel is None:
-        if loc.file.startswith(HF_PREFIX):
+        if loc.file.startswith(HF_PREFIX) or root.is_file():
+            # a single-file source: "" (the manifest's config.path names the file). Filling in its name would
+            # change the bytes of every existing prompt shard, and so regenerate all their completions.
             rel = ""
-        elif root.is_file():  # a single-file source: its file name (the manifest's config.path has the path)
-            rel = Path(loc.file).name
         else:
             try:
                 rel = Path(loc.file).relative_to(root).as_posix()
