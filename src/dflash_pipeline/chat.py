@@ -17,10 +17,38 @@ alike (reference/dflash.md §4.8.5: a train/serve template mismatch is the #1 ca
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from .errors import ConfigError
+
+#: Files that carry a tokenizer's vocabulary (``tokenizer_config.json`` alone does not: transformers then
+#: builds an empty tokenizer). A ``tokenizer_config.json`` with ``auto_map`` (remote code) also counts.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model")
+
+
+def _tokenizer_auto_map(target_dir: Path) -> Any:
+    """``auto_map["AutoTokenizer"]`` of tokenizer_config.json (remote tokenizer code), else None."""
+    try:
+        tc = json.loads((target_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+        return (tc.get("auto_map") or {}).get("AutoTokenizer") if isinstance(tc, dict) else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def tokenizer_files_missing(target_dir: Path) -> str | None:
+    """None when the directory holds a loadable tokenizer's files, else why not (for the record)."""
+    if any((target_dir / f).is_file() for f in TOKENIZER_FILES) or any(target_dir.glob("*.tiktoken")):
+        return None
+    tc = target_dir / "tokenizer_config.json"
+    if tc.is_file():
+        if _tokenizer_auto_map(target_dir):
+            return None
+        return (f"tokenizer_config.json without a vocabulary file ({', '.join(TOKENIZER_FILES)}, *.tiktoken) "
+                f"in {target_dir}")
+    return f"no tokenizer files ({', '.join(TOKENIZER_FILES)}, *.tiktoken) in {target_dir}"
 
 #: thinking mode -> extra kwargs passed to the chat template (``chat_template_kwargs`` on servers).
 THINKING_TEMPLATE_KWARGS: dict[str, dict[str, Any]] = {

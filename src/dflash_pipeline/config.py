@@ -274,7 +274,7 @@ def cross_field_problems(cfg: Mapping[str, Any], *, base_dir: str | Path | None 
     if path != "demo" and not (Path(path) / "config.json").is_file():
         out.append(f"target.path: {path}/config.json not found (a model directory, or `demo`)")
     elif path != "demo":
-        from .probe import tokenizer_files_missing
+        from .chat import tokenizer_files_missing
 
         why = tokenizer_files_missing(Path(path))
         if why:

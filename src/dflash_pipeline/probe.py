@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from .contracts import PROBE_SCHEMA_VERSION
+from .chat import TOKENIZER_FILES, _tokenizer_auto_map, tokenizer_files_missing  # noqa: F401  (re-exported)
+from .layer_ids import build_target_layer_ids, hf_hidden_state_index, validate_target_layer_ids  # noqa: F401
 from .errors import ConfigError, ProbeError
 from .shards import write_json
 
@@ -50,99 +52,8 @@ EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "mo
 EXPERTS_PER_TOKEN_KEYS = ("num_experts_per_tok", "experts_per_token", "top_k_experts", "moe_topk",
                           "moe_k", "num_selected_experts")
 THINK_MARKERS = ("<think>", "</think>")
-#: Files that carry a tokenizer's vocabulary (``tokenizer_config.json`` alone does not: transformers then
-#: builds an empty tokenizer). A ``tokenizer_config.json`` with ``auto_map`` (remote code) also counts.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "vocab.txt",
-                   "spiece.model", "sentencepiece.bpe.model")
 #: conda env of the probe rule (named in "install X" errors).
 PROBE_ENV_FILE = "envs/probe.yaml"
-
-
-# --------------------------------------------------------------------------------------------------
-# layer ids
-
-
-def build_target_layer_ids(num_layers: int, k: int) -> list[int]:
-    """Reference choice of ``k`` target layers out of ``num_layers`` (reference/dflash.md §3.1).
-
-    ``k == 1`` → ``[num_layers // 2]``; ``k >= 2`` → ``round(1 + i * (num_layers - 4) / (k - 1))`` for
-    ``i = 0..k-1`` (Python ``round``, i.e. banker's rounding), evenly spaced from layer 1 to layer
-    ``num_layers - 3``. Example: ``(36, 5) → [1, 9, 17, 25, 33]``.
-
-    Raises:
-        ConfigError: ``num_layers < 4`` (the formula needs it, as SGLang), ``k < 1``, or ``k`` so large
-            that ids repeat (names ``drafter.num_target_features`` / ``drafter.target_layer_ids``).
-    """
-    if k < 1:
-        raise ConfigError(f"drafter.num_target_features must be >= 1, got {k}")
-    if num_layers < 4:
-        raise ConfigError(
-            f"target has {num_layers} decoder layers; the target_layer_ids formula needs >= 4. "
-            "Set `drafter.target_layer_ids` explicitly"
-        )
-    if k == 1:
-        return [num_layers // 2]
-    ids = [int(round(1 + i * (num_layers - 4) / (k - 1))) for i in range(k)]
-    if len(set(ids)) != len(ids):
-        raise ConfigError(
-            f"{k} target features from {num_layers} layers give repeated ids {ids}; lower "
-            "`drafter.num_target_features` or set `drafter.target_layer_ids` explicitly"
-        )
-    return ids
-
-
-def hf_hidden_state_index(layer_id: int) -> int:
-    """HF ``output_hidden_states`` index holding the output of canonical target layer ``layer_id``.
-
-    Index 0 of ``outputs.hidden_states`` is the embedding output, index ``l + 1`` the output of decoder
-    layer ``l`` (raw residual stream; the last entry is final-normed, which the formula never picks).
-    This is the only conversion between the two conventions in the package.
-    """
-    if layer_id < 0:
-        raise ValueError(f"layer id must be >= 0, got {layer_id}")
-    return layer_id + 1
-
-
-def validate_target_layer_ids(ids: Sequence[int], num_layers: int) -> list[int]:
-    """Check user-given canonical layer ids: integers in ``[0, num_layers - 2]``, distinct, ascending.
-
-    Why each rule: vLLM and SGLang capture the listed layers and concatenate them in *layer order*, so an
-    unsorted list would feed the served drafter a permuted ``fc`` input (τ collapses while our own eval,
-    which concatenates in list order, looks fine); the last layer ``num_layers - 1`` is refused because
-    HF's ``hidden_states[num_layers]`` is taken after the final norm while the engines feed the raw layer
-    output, so training and serving would see different features.
-
-    Raises:
-        ConfigError: naming ``drafter.target_layer_ids``, the offending ids, the valid range and the reason.
-    """
-    ids = list(ids)
-    last = num_layers - 1
-    if not ids:
-        raise ConfigError("drafter.target_layer_ids is empty; give at least one layer id or leave it null")
-    bad = [i for i in ids if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i <= last]
-    if bad:
-        raise ConfigError(
-            f"drafter.target_layer_ids {ids}: {bad} out of range; valid ids are 0..{last - 1} "
-            f"(0-based decoder layers of a {num_layers}-layer target, the last one excluded)"
-        )
-    if last in ids:
-        raise ConfigError(
-            f"drafter.target_layer_ids {ids}: {last} is the last decoder layer; valid ids are 0..{last - 1}. "
-            f"HF's hidden_states[{num_layers}] is after the final norm while vLLM/SGLang feed the drafter the raw "
-            "layer output, so the drafter would be trained on other features than it is served with"
-        )
-    dups = sorted({i for i in ids if ids.count(i) > 1})
-    if dups:
-        raise ConfigError(
-            f"drafter.target_layer_ids {ids}: duplicated ids {dups}; give distinct ids in 0..{last - 1}"
-        )
-    if ids != sorted(ids):
-        raise ConfigError(
-            f"drafter.target_layer_ids {ids}: not in ascending order; use {sorted(ids)}. vLLM and SGLang "
-            "concatenate the captured layers in layer order, so another order permutes the served drafter's "
-            "fc input (τ collapses silently)"
-        )
-    return ids
 
 
 # --------------------------------------------------------------------------------------------------
@@ -474,28 +385,6 @@ def _embedding_rows(target_dir: Path, vocab_size: int) -> tuple[int, str]:
 
 # --------------------------------------------------------------------------------------------------
 # tokenizer
-
-
-def _tokenizer_auto_map(target_dir: Path) -> Any:
-    """``auto_map["AutoTokenizer"]`` of tokenizer_config.json (remote tokenizer code), else None."""
-    try:
-        tc = json.loads((target_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
-        return (tc.get("auto_map") or {}).get("AutoTokenizer") if isinstance(tc, dict) else None
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def tokenizer_files_missing(target_dir: Path) -> str | None:
-    """None when the directory holds a loadable tokenizer's files, else why not (for the record)."""
-    if any((target_dir / f).is_file() for f in TOKENIZER_FILES) or any(target_dir.glob("*.tiktoken")):
-        return None
-    tc = target_dir / "tokenizer_config.json"
-    if tc.is_file():
-        if _tokenizer_auto_map(target_dir):
-            return None
-        return (f"tokenizer_config.json without a vocabulary file ({', '.join(TOKENIZER_FILES)}, *.tiktoken) "
-                f"in {target_dir}")
-    return f"no tokenizer files ({', '.join(TOKENIZER_FILES)}, *.tiktoken) in {target_dir}"
 
 
 def _tokenizer_error(target_dir: Path, exc: Exception, trust_remote_code: bool) -> ProbeError:

@@ -261,6 +261,6 @@ def hidden_states_of(target, input_ids: torch.Tensor, attention_mask: Optional[t
 
 def select_layers(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
     """Concatenate the outputs of canonical layers ``layer_ids`` (HF index id + 1) → [b, S, K·H]."""
-    from .probe import hf_hidden_state_index
+    from .layer_ids import hf_hidden_state_index
 
     return torch.cat([hidden_states[hf_hidden_state_index(i)] for i in layer_ids], dim=-1)

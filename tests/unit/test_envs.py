@@ -23,6 +23,11 @@ REPO = Path(__file__).resolve().parents[2]
 PKG = "dflash_pipeline"
 PKG_DIR = REPO / "src" / PKG
 
+#: Modules that run only under the vLLM environment's interpreter (dflash_pipeline.vllm_env: the vllm
+#: features backend and its connector, imported lazily when ``features.backend: vllm``), never under the
+#: rule's conda env, so what they import is not the env's business.
+ENGINE_SIDE_MODULES = {f"{PKG}.features.vllm_backend", f"{PKG}.features.vllm_connector"}
+
 #: conda-forge names that differ from the import's distribution name.
 CONDA_ALIASES = {"pytorch": "torch"}
 
@@ -134,7 +139,7 @@ def reached_imports(entry_files: list[Path], entry_modules: list[str]) -> tuple[
     add(set(entry_modules))
     while todo:
         name = todo.pop()
-        if name in seen:
+        if name in seen or name in ENGINE_SIDE_MODULES:
             continue
         seen.add(name)
         f = package_module_file(name)

@@ -25,7 +25,7 @@ class HFExtractor:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from ..probe import hf_hidden_state_index
+        from ..layer_ids import hf_hidden_state_index
 
         cuda = gpus > 0 and torch.cuda.is_available()
         dtype = (torch.bfloat16 if cuda else torch.float32) if target_dtype == "auto" else getattr(torch, target_dtype)

@@ -36,7 +36,7 @@ class VLLMExtractor:
                  options: dict | None = None, scratch_dir: Path | None = None, **_ignored):
         import torch
 
-        from ..probe import hf_hidden_state_index
+        from ..layer_ids import hf_hidden_state_index
 
         options = dict(options or {})
         cuda = gpus > 0 and torch.cuda.is_available()
