@@ -24,7 +24,9 @@ def train_feature_shards(wildcards):
 
 def train_feature_flags(wildcards, input):
     """`--feature-shard F` per feature shard (train.py), "" online."""
-    return " ".join(f"--feature-shard {shlex.quote(f)}" for f in input.features)
+    files = input.features
+    files = [files] if isinstance(files, str) else list(files)  # one input file comes as a plain str
+    return " ".join(f"--feature-shard {shlex.quote(str(f))}" for f in files)
 
 
 def train_params():

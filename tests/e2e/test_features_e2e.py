@@ -13,7 +13,7 @@ import pytest
 
 from mini_workflow import REPO, planned_jobs, snakemake, write_config
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]  # a demo target, two runs and one vLLM engine
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3000)]  # a demo target, two runs and one vLLM engine
 
 
 def _tau(work: Path, run: str) -> dict:
@@ -40,10 +40,10 @@ def built(tmp_path_factory, vllm_python):
     shards = dict(cfg, run="shards", train={**cfg["train"], "target_features": "shards"},
                   features={"backend": "vllm", "keep": True, "vllm": {"python": vllm_python}})
     c_on, c_sh = write_config(work, online, "online.yaml"), write_config(work, shards, "shards.yaml")
-    proc = snakemake(work, "results/eval/online/acceptance.json", configfile=c_on)
+    proc = snakemake(work, "results/eval/online/acceptance.json", configfile=c_on, timeout=2400)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     plan = snakemake(work, "-n", "results/eval/shards/acceptance.json", configfile=c_sh)
-    proc = snakemake(work, "results/eval/shards/acceptance.json", configfile=c_sh)
+    proc = snakemake(work, "results/eval/shards/acceptance.json", configfile=c_sh, timeout=2400)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return work, plan, c_sh
 
