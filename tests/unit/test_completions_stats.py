@@ -43,17 +43,3 @@ def test_fleet_stats_merge_over_client_processes():
                                   "u2": {"attempts": 2, "failures": 0, "taken_out": 0},
                                   "u3": {"attempts": 0, "failures": 0, "taken_out": 0}}
 
-
-def test_stats_file_holds_each_figure_once_and_reads_back_in_both_versions():
-    from dflash_pipeline.completions.stats import read_stats, stats_file_record
-    from dflash_pipeline.contracts import COMPLETION_STATS_VERSION, CompletionStats
-
-    full = shard_stats(Path("c.parquet"), backend="transformers", model="m", records=[rec("a", "ok", 4)],
-                       generated_ids={"a"}, resumed=0, wall_s=2.0, backend_stats={})
-    written = stats_file_record(full)
-    assert written["stats_version"] == COMPLETION_STATS_VERSION == 2
-    assert written["run"] == {"turns": 1, "prompt_tokens": 10, "completion_tokens": 4}  # no second wall_s, rates
-    assert written["wall_s"] == 2.0 and written["requests_per_s"] == 0.5
-    assert CompletionStats.__required_keys__ <= set(written)
-    assert read_stats(written) == {**full, "stats_version": 2}
-    assert read_stats(full) == full  # a version-1 file (figures twice) reads the same

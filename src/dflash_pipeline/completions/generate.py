@@ -19,7 +19,7 @@ from ..errors import ConfigError, GenerationError
 from .openai_backend import OpenAIBackend, _quiet_http_logs
 from .records import MAX_SKIPPED_EXAMPLES, OnDone, RunInfo, context_limit, read_prompts, sampling_params
 from .resume import ERRORS_SUFFIX, PROGRESS_SUFFIX, ProgressLog, _drop_other_model, _fingerprint
-from .stats import _Progress, shard_stats, stats_file_record
+from .stats import _Progress, shard_stats
 from .transformers_backend import TransformersBackend
 
 log = logging.getLogger(__package__)  # one logger for the whole completions stage
@@ -130,8 +130,7 @@ def generate_shard(
         progress_path: resume file (default ``<out_path>.progress.jsonl``), removed once the shard is written.
         errors_path: error sidecar (default ``<out_path>.errors.jsonl``), rewritten each run; removed when
             a run ends with no errors.
-        stats_path: if given, the run's stats are written there as JSON (``contracts.CompletionStats``:
-            each figure once, see :func:`stats.stats_file_record`; :func:`stats.read_stats` reads any version).
+        stats_path: if given, the run's stats are written there as JSON (``contracts.CompletionStats``).
         backend: an already built backend (tests, benchmarks); default from ``gen_cfg["backend"]``.
 
     Returns:
@@ -197,7 +196,7 @@ def generate_shard(
             skip_info["skipped"]["too_long"], stats["turns"], stats["completion_tokens"], stats["generated"],
             stats["resumed"], stats["wall_s"])
     if stats_path is not None:
-        shards.write_json(stats_path, stats_file_record(stats), skip_if_identical=False)
+        shards.write_json(stats_path, stats, skip_if_identical=False)
     return stats
 
 

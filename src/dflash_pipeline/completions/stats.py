@@ -10,7 +10,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from ..contracts import COMPLETION_SCHEMA_VERSION, COMPLETION_STATS_VERSION, CompletionStats
+from ..contracts import COMPLETION_SCHEMA_VERSION
 
 #: The per-endpoint counters of a fleet (summed over client processes).
 ENDPOINT_COUNTERS = ("attempts", "failures", "taken_out")
@@ -163,24 +163,3 @@ def shard_stats(out_path: Path, *, backend: str, model: str | None, records: Seq
         **backend_stats,
     }
 
-
-#: Figures of this run that a version-1 stats file held both at the top level and in ``run``.
-_RUN_DUPLICATES = ("generated", "wall_s", "conversations_per_s", "requests_per_s", "output_tokens_per_s")
-
-
-def stats_file_record(stats: dict) -> CompletionStats:
-    """The stats JSON as written (``contracts.CompletionStats``, version ``COMPLETION_STATS_VERSION``):
-    :func:`shard_stats` with each figure once (this run's ``generated``, ``wall_s`` and rates at the top
-    level only; ``run`` keeps this run's turn and token counts, which differ from the whole shard's)."""
-    run = {k: v for k, v in stats["run"].items() if k not in _RUN_DUPLICATES}
-    return {"stats_version": COMPLETION_STATS_VERSION, **stats, "run": run}
-
-
-def read_stats(record: dict) -> dict:
-    """A stats file's record (any version) in the shape :func:`shard_stats` returns: ``run`` complete
-    (its ``generated``, ``wall_s`` and rates taken from the top level for version 2)."""
-    run = dict(record.get("run") or {})
-    for key in _RUN_DUPLICATES:
-        if key in record:
-            run.setdefault(key, record[key])
-    return {**record, "run": run}
