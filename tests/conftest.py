@@ -149,3 +149,39 @@ def chromium(tmp_path_factory):
                               capture_output=True, text=True, timeout=timeout)
 
     return run
+
+
+def counting_train_setup(root: Path, *, min_len: int, max_position_embeddings: int, unsupervised_record: int | None = None):
+    """A tiny saved Qwen3 target (vocab 80, 4 layers; LM head scaled ×40 so its logits have a trained model's
+    scale) and one token shard of 24 learnable records (each token the previous + 1, the second half
+    supervised; ``unsupervised_record`` gets no supervised token) under ``root``, plus the probe's drafter
+    block. Returns ``(root, probe)``."""
+    import json
+
+    import numpy as np
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dflash_pipeline.contracts import TOKEN_SCHEMA
+    from dflash_pipeline.shards import table_from_records, write_parquet
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=80, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=max_position_embeddings)
+    target = Qwen3ForCausalLM(cfg)
+    with torch.no_grad():  # a trained model's head has logits of a useful scale; random init's are ~uniform
+        target.lm_head.weight.mul_(40.0)
+    target.save_pretrained(root / "target")
+    rng = np.random.default_rng(0)
+    recs = []
+    for i in range(24):
+        n = int(rng.integers(min_len, 40))
+        start = int(rng.integers(0, 78))
+        ids = [(start + j) % 78 for j in range(n)]  # learnable: each token is the previous one + 1
+        mask = [0] * n if i == unsupervised_record else [0] * (n // 2) + [1] * (n - n // 2)
+        recs.append({"prompt_id": f"p{i}", "input_ids": ids, "loss_mask": mask, "num_tokens": n,
+                     "num_loss_tokens": sum(mask), "truncated": False})
+    write_parquet(root / "tokens.parquet", table_from_records(recs, TOKEN_SCHEMA))
+    probe = {"drafter": {"block_size": 4, "num_draft_layers": 1, "target_layer_ids": [1, 2], "mask_token_id": 79}}
+    (root / "probe.json").write_text(json.dumps(probe))
+    return root, probe

@@ -406,10 +406,14 @@ def build_block_mask(
 
 
 def build_flex_block_mask(
-    anchors: torch.Tensor, seq_len: int, block_size: int, *, sliding_window: Optional[int] = None
+    anchors: torch.Tensor, seq_len: int, block_size: int, *, sliding_window: Optional[int] = None,
+    segment_ids: Optional[torch.Tensor] = None,
 ):
     """The same predicate as :func:`build_block_mask` as a FlexAttention ``BlockMask`` (no dense
-    [b, Q, S+Q] tensor; dflash.md §4.4). The block index is clamped before the anchor gather."""
+    [b, Q, S+Q] tensor; dflash.md §4.4). The block index is clamped before the anchor gather.
+
+    ``segment_ids`` long [b, S] (packed rows, :mod:`dflash_pipeline.packing`): context key j is visible
+    only when it lies in the anchor's record as well."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     b, n = anchors.shape
@@ -419,6 +423,8 @@ def build_flex_block_mask(
         blk = torch.clamp(q // block_size, max=n - 1)
         anchor = anchors[bi, blk]
         in_ctx = (kv < seq_len) & (kv < anchor)
+        if segment_ids is not None:
+            in_ctx = in_ctx & (segment_ids[bi, torch.clamp(kv, max=seq_len - 1)] == segment_ids[bi, anchor])
         kv_blk = torch.clamp(kv - seq_len, min=0) // block_size
         in_own = (kv >= seq_len) & (kv_blk == blk)
         if sliding_window is not None:

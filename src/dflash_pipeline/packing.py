@@ -213,27 +213,10 @@ def build_packed_block_mask(
 def build_packed_flex_block_mask(
     anchors: torch.Tensor, segment_ids: torch.Tensor, block_size: int, *, sliding_window: Optional[int] = None
 ):
-    """:func:`build_packed_block_mask`'s predicate as a FlexAttention ``BlockMask`` (no dense tensor)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    b, n = anchors.shape
-    s = segment_ids.shape[1]
-    q_len = n * block_size
-
-    def mask_mod(bi, hi, q, kv):
-        blk = torch.clamp(q // block_size, max=n - 1)
-        anchor = anchors[bi, blk]
-        kv_c = torch.clamp(kv, max=s - 1)
-        in_ctx = (kv < s) & (kv < anchor) & (segment_ids[bi, kv_c] == segment_ids[bi, anchor])
-        kv_blk = torch.clamp(kv - s, min=0) // block_size
-        in_own = (kv >= s) & (kv_blk == blk)
-        if sliding_window is not None:
-            q_off = q % block_size
-            in_ctx = in_ctx & (anchor + q_off - kv < sliding_window)
-            in_own = in_own & ((kv - s) % block_size <= q_off)
-        return in_ctx | in_own
-
-    return create_block_mask(mask_mod, B=b, H=None, Q_LEN=q_len, KV_LEN=s + q_len, device=anchors.device)
+    """:func:`build_packed_block_mask`'s predicate as a FlexAttention ``BlockMask`` (no dense tensor):
+    :func:`dflash_pipeline.model.build_flex_block_mask` with the record test."""
+    return M.build_flex_block_mask(anchors, segment_ids.shape[1], block_size, sliding_window=sliding_window,
+                                   segment_ids=segment_ids)
 
 
 def build_packed_training_masks(drafter, anchors: torch.Tensor, segment_ids: torch.Tensor, backend: str = "sdpa"):

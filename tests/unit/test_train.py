@@ -10,12 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import counting_train_setup
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_pipeline import model as M
-from dflash_pipeline.contracts import TOKEN_SCHEMA
-from dflash_pipeline.shards import table_from_records, write_parquet
 from dflash_pipeline.train import train
 from dflash_pipeline.workflow import accelerate_launch_args
 
@@ -28,29 +26,7 @@ CFG = {
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train")
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=80, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
-    target = Qwen3ForCausalLM(cfg)
-    with torch.no_grad():  # a trained model's head has logits of a useful scale; random init's are ~uniform
-        target.lm_head.weight.mul_(40.0)
-    target.save_pretrained(root / "target")
-    rng = np.random.default_rng(0)
-    recs = []
-    for i in range(24):
-        n = int(rng.integers(20, 40))
-        start = int(rng.integers(0, 78))
-        ids = [(start + j) % 78 for j in range(n)]  # learnable: each token is the previous one + 1
-        mask = [0] * (n // 2) + [1] * (n - n // 2)
-        if i == 5:
-            mask = [0] * n  # no supervised token: skipped by the loader
-        recs.append({"prompt_id": f"p{i}", "input_ids": ids, "loss_mask": mask, "num_tokens": n,
-                     "num_loss_tokens": sum(mask), "truncated": False})
-    write_parquet(root / "tokens.parquet", table_from_records(recs, TOKEN_SCHEMA))
-    probe = {"drafter": {"block_size": 4, "num_draft_layers": 1, "target_layer_ids": [1, 2], "mask_token_id": 79}}
-    (root / "probe.json").write_text(json.dumps(probe))
-    return root, probe
+    return counting_train_setup(tmp_path_factory.mktemp("train"), min_len=20, max_position_embeddings=128, unsupervised_record=5)
 
 
 def test_single_process_train_exports_and_logs(setup, tmp_path):
