@@ -33,7 +33,7 @@ def built(tmp_path_factory, vllm_python):
     work = tmp_path_factory.mktemp("features-e2e")
     cfg = yaml.safe_load((REPO / "tests" / "e2e" / "e2e_config.yaml").read_text())
     cfg["datasets"] = {"gsm8k": {"path": str(REPO / "data/gsm8k/train.jsonl"), "max_prompts": 8}}
-    cfg["train"] = {**cfg["train"], "epochs": 3, "batch_size": 2, "save_every_steps": 1000}
+    cfg["train"] = {**cfg["train"], "epochs": 25, "batch_size": 2, "learning_rate": 2.0e-3, "save_every_steps": 1000}
     cfg["eval"] = {"max_new_tokens": 12, "checkpoint_samples": 0, "exclude_training_prompts": False,
                    "sets": {"gsm8k": {"path": str(REPO / "data/gsm8k/train.jsonl"), "num_samples": 4}}}
     online = dict(cfg, run="online")
