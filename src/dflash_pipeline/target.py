@@ -209,8 +209,11 @@ def check_loadable(target_dir: str | Path, *, trust_remote_code: bool = False) -
 
 
 def load_target(target_dir: str | Path, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-                trust_remote_code: bool = False, frozen: bool = True):
+                trust_remote_code: bool = False, frozen: bool = True, device_map: Optional[str] = None):
     """Load the target (eval mode; ``frozen``: ``requires_grad=False``) in :func:`resolve_dtype` ``dtype``.
+
+    ``device_map`` (e.g. ``"auto"``): spread the layers over the visible GPUs (accelerate's big-model
+    loading) instead of moving the whole model to ``device``; ``device`` then only picks the dtype.
 
     Raises:
         TargetLoadError: the config or class cannot be resolved (see :func:`check_loadable`).
@@ -219,8 +222,12 @@ def load_target(target_dir: str | Path, *, dtype: str | torch.dtype = "auto", de
     cfg = load_target_config(target_dir, trust_remote_code=trust_remote_code)
     cls = causal_lm_class(cfg, trust_remote_code=trust_remote_code)
     kw: dict[str, Any] = {"trust_remote_code": trust_remote_code} if trust_remote_code else {}
+    if device_map is not None:
+        kw["device_map"] = device_map
     model = cls.from_pretrained(str(target_dir), config=cfg, dtype=resolve_dtype(dtype, dev), **kw)
-    model.to(dev).eval()
+    if device_map is None:
+        model.to(dev)
+    model.eval()
     if frozen:
         model.requires_grad_(False)
     return model

@@ -139,13 +139,6 @@ class ConfigOnly:
         self.config = config
 
 
-def _resolve_dtype(target_dtype: str, device) -> torch.dtype:
-    """The target dtype policy of ``train.load_target``: ``auto`` = float32 on CPU, bfloat16 on CUDA."""
-    if target_dtype == "auto":
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    return getattr(torch, target_dtype)
-
-
 def open_training_data(
     cfg: dict,
     token_shards: Sequence[str | Path],
@@ -190,10 +183,11 @@ def open_training_data(
         from transformers import AutoConfig
 
         from .features.weights import load_embed_and_head
+        from .target import resolve_dtype
 
         config = AutoConfig.from_pretrained(str(target_dir), trust_remote_code=bool(probe.get("trust_remote_code")))
         embed, lm_head = load_embed_and_head(target_dir, tie_word_embeddings=probe.get("tie_word_embeddings"),
-                                             dtype=_resolve_dtype(target_dtype, device), device=device)
+                                             dtype=resolve_dtype(target_dtype, device), device=device)
         data = TrainingData(ds, collate, True, embed, lm_head, config)
     else:
         cache = Path(out_dir) / "token_index"

@@ -23,15 +23,14 @@ class HFExtractor:
     def __init__(self, target_dir, layer_ids: Sequence[int], *, num_hidden_layers: int, last_hidden: bool = False,
                  gpus: int = 0, target_dtype: str = "auto", trust_remote_code: bool = False, **_ignored):
         import torch
-        from transformers import AutoModelForCausalLM
 
         from ..layer_ids import hf_hidden_state_index
+        from ..target import load_target
 
         cuda = gpus > 0 and torch.cuda.is_available()
-        dtype = (torch.bfloat16 if cuda else torch.float32) if target_dtype == "auto" else getattr(torch, target_dtype)
-        kw = {"device_map": "auto"} if cuda else {}
-        self.model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype, trust_remote_code=trust_remote_code, **kw)
-        self.model.eval().requires_grad_(False)
+        # the one target loader (nested text_config families, dtype policy); layers spread over the job's GPUs
+        self.model = load_target(target_dir, dtype=target_dtype, device="cuda" if cuda else "cpu",
+                                 trust_remote_code=trust_remote_code, device_map="auto" if cuda else None)
         self.device = next(self.model.parameters()).device
         self.index = [hf_hidden_state_index(l) for l in layer_ids]
         self._last = None

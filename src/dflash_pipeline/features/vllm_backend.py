@@ -54,7 +54,9 @@ class VLLMExtractor:
         connector = ({"kv_connector": "ExampleHiddenStatesConnector"} if cuda else
                      {"kv_connector": "CPUHiddenStatesConnector",
                       "kv_connector_module_path": "dflash_pipeline.features.vllm_connector"})
-        dtype = ("bfloat16" if cuda else "float32") if target_dtype == "auto" else target_dtype
+        from ..target import resolve_dtype
+
+        dtype = str(resolve_dtype(target_dtype, "cuda" if cuda else "cpu")).removeprefix("torch.")
         max_model_len = int(max_len) + 8
         args = dict(
             model=str(target_dir), dtype=dtype, trust_remote_code=trust_remote_code, skip_tokenizer_init=True,
