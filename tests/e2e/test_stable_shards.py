@@ -41,12 +41,12 @@ def state(work: Path, pattern: str) -> dict[str, tuple[bytes, int]]:
 
 
 def run(work: Path, *targets: str, config: str = "config.yaml") -> None:
-    proc = snakemake(work, "--", *targets, configfile=work / config)  # `--`: targets, not more configfiles
+    proc = snakemake(work, *targets, configfile=work / config)  # targets go before --configfile (the helper puts it last)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
 
 
 def dry(work: Path, *targets: str, config: str = "config.yaml") -> dict[str, int]:
-    jobs = planned_jobs(snakemake(work, "-n", "--", *targets, configfile=work / config))
+    jobs = planned_jobs(snakemake(work, "-n", *targets, configfile=work / config))
     return {rule: n for rule, n in jobs.items() if rule != "total"}
 
 
@@ -90,7 +90,7 @@ def test_append_and_new_source_regenerate_only_new_or_changed_shards(tmp_path, d
     assert targets == [f"results/completions/alpha/0000{i}.parquet" for i in range(4)] + [
         "results/completions/beta/00000.parquet"]
     # the dry run plans exactly the changed shard (alpha/00002) and the new ones (alpha/00003, beta/00000)
-    proc = snakemake(work, "-n", "--", *targets, configfile=work / "config.yaml")
+    proc = snakemake(work, "-n", *targets, configfile=work / "config.yaml")
     assert planned_jobs(proc) == {"generate_completions": 3, "total": 3}
     planned = {line.split("output:", 1)[1].split(",")[0].strip() for line in (proc.stdout + proc.stderr).splitlines()
                if line.strip().startswith("output:")}

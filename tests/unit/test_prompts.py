@@ -632,7 +632,7 @@ def test_shard_prompts_max_prompt_tokens_uses_target_tokenizer(tmp_path):
     assert m["max_prompt_tokens"] == 10 and m["tokenizer"] == str(target)
     with pytest.raises(ConfigError, match="no target directory"):
         prompts.shard_prompts({"g": {"path": str(src)}}, tmp_path / "o2", cfg)
-    m = prompts.shard_prompts({"g": {"path": str(src)}}, tmp_path / "o3", {**cfg, "max_prompt_tokens": None})
+    m = prompts.shard_prompts({"g": {"path": str(src)}}, tmp_path / "o3", {**cfg, "max_prompt_tokens": None, "special_token_text": "keep"})
     assert m["datasets"]["g"]["kept"] == 21 and m["tokenizer"] is None  # no filter: no tokenizer loaded
 
 

@@ -203,5 +203,6 @@ def test_missing_py3langid_is_a_config_error_naming_key_and_install(tmp_path, mo
 def test_shard_prompts_takes_the_prompts_section(tmp_path):
     src = str(mixed_source(tmp_path))
     m = prompts.shard_prompts({"m": {"path": src}}, tmp_path / "o", {"shard_size": 8, "seed": 0, "languages": ["zh"],
-                                                                     "min_language_confidence": 0.0})
+                                                                     "min_language_confidence": 0.0,
+                                                                     "special_token_text": "keep"})
     assert m["datasets"]["m"]["kept"] == 2 and user_texts(tmp_path / "o", "m") == CHINESE
