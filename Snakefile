@@ -1,5 +1,5 @@
 # dflash-pipeline: target LLM + prompt datasets + endpoints -> trained, servable DFlash drafter.
-# Stages and contracts: DESIGN.md; run: `snakemake --profile local` (plan first with `-n`).
+# Stages and contracts: docs/DESIGN.md; run: `snakemake --profile local` (plan first with `-n`).
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import min_version, validate
 

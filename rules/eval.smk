@@ -46,6 +46,7 @@ rule evaluate_acceptance:
         thinking=config["generation"]["thinking"],
         chat_template=config["target"]["chat_template"],
         trust_remote_code=config["target"]["trust_remote_code"],
+        target_dtype=config["target"]["dtype"],
     log:
         log_file("evaluate_acceptance", "{run}"),
     benchmark:
@@ -76,6 +77,7 @@ rule evaluate_engine:
         eval={**canonical(config["eval"]), "sets": canonical(with_repo_paths(config["eval"]["sets"]), keep_order=True)},
         thinking=config["generation"]["thinking"],
         chat_template=config["target"]["chat_template"],
+        trust_remote_code=config["target"]["trust_remote_code"],
     log:
         job=log_file("evaluate_engine", "{run}"),
         engine=f"{RESULTS}/logs/evaluate_engine/{{run}}.vllm.log",

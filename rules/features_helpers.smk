@@ -1,4 +1,5 @@
 # Helpers of the features stage (rules/features.smk includes this file; kept out of common.smk).
+import json
 import shlex
 import sys
 
@@ -13,7 +14,7 @@ def feature_shard():
 
 
 def all_feature_shards(wildcards):
-    """Feature shards of every token shard (same order as all_token_shards)."""
+    """Feature shards of every token shard (same order as get_token_shards)."""
     return [f"{RESULTS}/features/{d}/{s}.safetensors" for d, s in get_shard_list(wildcards)]
 
 

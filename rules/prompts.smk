@@ -3,7 +3,8 @@ checkpoint shard_prompts:
 
     Only the manifest is a declared output: shard files are rewritten only when their bytes change,
     so unchanged shards keep their mtime and their completions stay valid. The target is an input only
-    when `prompts.max_prompt_tokens` filters by its tokenizer (see `prompt_filter_target`).
+    when its tokenizer is needed: `prompts.max_prompt_tokens`, or `prompts.special_token_text: drop` (the
+    default; see `prompt_filter_target`).
     """
     input:
         datasets=dataset_inputs(),

@@ -305,6 +305,27 @@ def cross_field_problems(cfg: Mapping[str, Any], *, base_dir: str | Path | None 
         out.append(f"eval.block_size: {eval_bs} exceeds drafter.block_size {trained_bs} (null = the trained one)")
     out += generation_problems(cfg["generation"], target_dir=path)
     out += language_block_problems(cfg)
+    out += training_problems(cfg)
+    return out
+
+
+def training_problems(cfg: Mapping[str, Any]) -> list[str]:
+    """Combinations of the train / features / eval settings that cannot run, found before anything does."""
+    out = []
+    train, ev = cfg["train"], cfg["eval"]
+    if train["target_features"] == "shards" and train["loss"] == "kl":
+        out.append("train.loss: kl needs the target's final-normed last hidden state, which feature shards do not "
+                   "carry yet (features.last_hidden stores the pre-norm layer output); use train.loss: ce_decay or "
+                   "dpace with train.target_features: shards, or kl with target_features: online")
+    if train["target_features"] == "shards" and train["packing"]:
+        out.append("train.packing is not supported with train.target_features: shards yet; set train.packing: false")
+    if ev["engine"] == "vllm" and not ev["engine_base_url"]:
+        from .vllm_env import find_vllm_python
+
+        py = find_vllm_python()
+        if py is None or not Path(py).exists():
+            out.append("eval.engine: vllm starts vLLM from its own environment, and there is none "
+                       "(.venv-vllm/bin/python or $DFLASH_VLLM_PYTHON; README Install), or give eval.engine_base_url")
     return out
 
 

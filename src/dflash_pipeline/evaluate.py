@@ -265,7 +265,12 @@ def load_eval_sets(eval_cfg: dict, exclude_prompt_ids: Iterable[str] = ()) -> tu
 
     Returns ``(sets, info)``: name → records, and name → ``{path, format, num_samples, available,
     excluded_training_prompts, num_prompts, num_turns}``.
+
+    Raises:
+        ConfigError: a set left with no prompt (every one of them was also a training prompt), which would
+            otherwise report τ = 0.
     """
+    from .errors import ConfigError
     from .prompts import load_eval_prompts
 
     exclude = set(exclude_prompt_ids)
@@ -275,6 +280,10 @@ def load_eval_sets(eval_cfg: dict, exclude_prompt_ids: Iterable[str] = ()) -> tu
         every = load_eval_prompts(s["path"], fmt=fmt, num_samples=10**9, seed=eval_cfg["seed"])  # seeded shuffle
         held_out = [r for r in every if r["prompt_id"] not in exclude]
         chosen = held_out[: s["num_samples"]]
+        if not chosen:
+            raise ConfigError(
+                f"eval.sets.{name}: no prompt left in {s['path']} ({len(every)} prompts, all of them also training "
+                f"prompts); train on fewer of them (datasets.<name>.max_prompts) or set eval.exclude_training_prompts: false")
         sets[name] = chosen
         info[name] = {
             "path": str(s["path"]), "format": fmt, "num_samples": s["num_samples"], "available": len(every),

@@ -4,8 +4,8 @@ Each conversation's history is rendered with :func:`chat.render` (the thinking m
 uses), conversations are sorted by prompt length into left-padded batches of ``generation.batch_size``,
 and decoding is greedy when ``temperature == 0``, else sampled (seeded per batch). Multi-turn prompts go
 round by round: a conversation whose next user turn is left re-enters the next round with its grown
-history. The model-loading lines of :meth:`TransformersBackend.__init__` are the target's dtype policy
-(to be shared with training and eval once ``dflash_pipeline.target`` exists).
+history. The target is loaded by :func:`dflash_pipeline.target.load_target` (one loader and dtype policy for
+generation, training and eval).
 """
 
 from __future__ import annotations

@@ -187,7 +187,7 @@ class FeatureShardWriter:
     ``input_ids`` / ``loss_mask`` are the token shard's flat arrays and ``lengths`` its per-record token
     counts; they are written at open. :attr:`next_record` is where extraction continues (0 for a fresh file,
     the committed count after a killed run whose partial file has the same header). Call :meth:`write` for
-    records in order (or several records with :meth:`write_many`), :meth:`commit` to make them survive a
+    records in order, :meth:`commit` to make them survive a
     kill, :meth:`finish` to verify and rename the file into place.
 
     Raises:

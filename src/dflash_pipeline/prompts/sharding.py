@@ -3,7 +3,7 @@ length) into stable shards ``{out}/{dataset}/{NNNNN}.parquet`` and the manifest 
 docstring for why shard contents only depend on the records before them).
 
 :func:`build_prompt_shards` reads the sources in config order; each source is one :func:`_shard_source`
-call: records are admitted one by one (:func:`_admit`), written by a :class:`_ShardWriter`, and counted
+call: records are normalized (:func:`_normalized`) and kept or dropped (:func:`_drop_reason`) one by one, written by a :class:`_ShardWriter`, and counted
 in a :class:`_SourceTally` that becomes the source's manifest entry (:func:`_source_entry`).
 :func:`build_prompt_shards` runs to ~90 lines only because its docstring is the manifest's contract (its
 body is ~30).
