@@ -64,14 +64,20 @@ rule summarize_tokens:
 
 
 rule plot_training:
-    """Training loss and EAL proxy vs step of the drafter and its baselines (their train_log.jsonl)."""
+    """Training loss and EAL proxy vs step of the drafter and its baselines (their train_log.jsonl), and the
+    drafter's held-out validation τ (its val_log.jsonl)."""
     input:
         unpack(get_baseline_checkpoints),
         drafter=final_checkpoint(),
     output:
-        report(
+        curves=report(
             f"{eval_dir()}/train_curves.png",
             caption="../report/train_curves.rst",
+            category="3. Training",
+        ),
+        validation=report(
+            f"{eval_dir()}/val_tau.png",
+            caption="../report/val_tau.rst",
             category="3. Training",
         ),
     params:

@@ -104,7 +104,8 @@ def benchmark_file(rule, *wildcards):
 def report_targets(run=RUN_NAME):
     """Outputs that exist for the HTML report (`snakemake --report`): tables and plots."""
     return [*(report_table(t) for t in ("probe", "prompts", "generation", "tokens")),
-            f"{eval_dir(run)}/tau_vs_step.png", f"{eval_dir(run)}/train_curves.png", f"{RESULTS}/report/summary.html"]
+            f"{eval_dir(run)}/tau_vs_step.png", f"{eval_dir(run)}/train_curves.png", f"{eval_dir(run)}/val_tau.png",
+            f"{RESULTS}/report/summary.html"]
 
 
 def final_targets():

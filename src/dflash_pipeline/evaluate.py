@@ -659,6 +659,31 @@ def plot_tau_vs_step(series: dict, path: str | Path, *, train_log: Optional[str 
     _save(fig, path)
 
 
+def plot_validation(val_log: str | Path, path: str | Path, *, placeholder: bool = False) -> None:
+    """PNG of held-out τ vs optimizer step from the trainer's ``val_log.jsonl``: the per-block simulator
+    (:mod:`dflash_pipeline.validation`) and the product of marginal slot accuracies beside it.
+
+    Without records nothing is written, unless ``placeholder`` (the report's figure): then a figure saying
+    that the run had no held-out validation (``train.validation_fraction: 0``)."""
+    val_log, path = Path(val_log), Path(path)
+    recs = [json.loads(x) for x in val_log.read_text(encoding="utf-8").splitlines() if x.strip()] if val_log.is_file() else []
+    if not recs and not placeholder:
+        return
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    if recs:
+        ax.plot([r["step"] for r in recs], [r["tau"] for r in recs], marker="o", label="held-out τ (per-block simulator)")
+        ax.plot([r["step"] for r in recs], [r["tau_marginal"] for r in recs], ls="--", label="product of marginal accuracies")
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no held-out validation in this run\n(train.validation_fraction: 0)", ha="center", va="center",
+                transform=ax.transAxes)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("τ (accepted tokens / block)")
+    fig.tight_layout()
+    _save(fig, path)
+
+
 def plot_training(train_logs: Mapping[str, str | Path], path: str | Path) -> None:
     """PNG: training loss and EAL proxy vs step, one line per run (label → ``train_log.jsonl``)."""
     plt = _pyplot()

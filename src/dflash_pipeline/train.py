@@ -379,29 +379,6 @@ def _validate(accelerator, ctx: StepContext, batches, counted, cfg: dict, step: 
     return rec
 
 
-def plot_validation(val_log: Path, path: Path) -> None:
-    """PNG of held-out τ (per block, and the marginal proxy) vs step from ``val_log.jsonl``."""
-    recs = [json.loads(x) for x in val_log.read_text(encoding="utf-8").splitlines() if x.strip()] if val_log.is_file() else []
-    if not recs:
-        return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in recs], [r["tau"] for r in recs], marker="o", label="held-out τ (per-block simulator)")
-    ax.plot([r["step"] for r in recs], [r["tau_marginal"] for r in recs], ls="--", label="product of marginal accuracies")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("τ (accepted tokens / block)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
-
-
 def train(
     *,
     token_shards: Sequence[str | Path],
@@ -574,6 +551,8 @@ def train(
                     export_step(module, out_dir, step, zero_target_features)
     bar.close()
     if accelerator.is_main_process:
+        from .evaluate import plot_validation
+
         plot_validation(out_dir / "val_log.jsonl", out_dir / "val_tau.png")
     return _finish(accelerator, drafter, out_dir, step, target_dir, {
         "steps": total_steps, "records": len(records), "heldout_records": len(heldout), "rows": len(dataset),

@@ -53,7 +53,7 @@ def test_full_build_outputs(built):
     assert ev["drafters"]["zero_features"]["checkpoint"].endswith("checkpoints/e2e.zero_features/final")
     assert ev["sets"]["mt_bench"]["excluded_training_prompts"] == 4  # the 4 MT-Bench prompts trained on
     assert ev["settings"]["thinking"] == "disable" and ev["settings"]["block_size"] == 4
-    for name in ("acceptance.png", "tau_vs_step.png", "train_curves.png"):
+    for name in ("acceptance.png", "tau_vs_step.png", "train_curves.png", "val_tau.png"):
         assert (work / "results/eval/e2e" / name).stat().st_size > 1000, name
     series = json.loads((work / "results/eval/e2e/tau_vs_step.json").read_text())
     assert [p["step"] for p in series["points"]] == [2, 3]  # step_000002/ export + final (3 steps)
@@ -195,7 +195,7 @@ def test_report_builds_with_eval_numbers(built):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     html = (work / "report.html").read_text(encoding="utf-8")
     files = report_files(html)
-    expected = {"acceptance.tsv", "acceptance.json", "acceptance.png", "tau_vs_step.png", "train_curves.png",
+    expected = {"acceptance.tsv", "acceptance.json", "acceptance.png", "tau_vs_step.png", "train_curves.png", "val_tau.png",
                 "probe.tsv", "prompts.tsv", "generation.tsv", "tokens.tsv"}
     assert expected <= set(files), sorted(files)
     ev = json.loads((work / "results/eval/e2e/acceptance.json").read_text())
