@@ -440,12 +440,18 @@ def build_training_masks(drafter: "DFlashDrafter", anchors: torch.Tensor, seq_le
     """Masks for every layer type the drafter has: one mask, or ``{layer_type: mask}`` when it mixes
     full and sliding layers. ``backend``: ``sdpa`` (dense bool) or ``flex`` (BlockMask)."""
     build = build_flex_block_mask if backend == "flex" else build_block_mask
+    return masks_per_layer_type(drafter, lambda **kw: build(anchors, seq_len, drafter.block_size, **kw))
+
+
+def masks_per_layer_type(drafter: "DFlashDrafter", build):
+    """``build()`` for full-attention layers and ``build(sliding_window=W)`` for sliding ones: one mask when
+    the drafter has one layer type, else ``{layer_type: mask}``."""
     types = set(drafter.layer_types)
     masks = {}
     if "full_attention" in types:
-        masks["full_attention"] = build(anchors, seq_len, drafter.block_size)
+        masks["full_attention"] = build()
     if "sliding_attention" in types:
-        masks["sliding_attention"] = build(anchors, seq_len, drafter.block_size, sliding_window=drafter.sliding_window)
+        masks["sliding_attention"] = build(sliding_window=drafter.sliding_window)
     return next(iter(masks.values())) if len(masks) == 1 else masks
 
 

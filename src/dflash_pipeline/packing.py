@@ -222,13 +222,7 @@ def build_packed_flex_block_mask(
 def build_packed_training_masks(drafter, anchors: torch.Tensor, segment_ids: torch.Tensor, backend: str = "sdpa"):
     """Masks per layer type, as :func:`dflash_pipeline.model.build_training_masks` (one mask or a dict)."""
     build = build_packed_flex_block_mask if backend == "flex" else build_packed_block_mask
-    types = set(drafter.layer_types)
-    masks = {}
-    if "full_attention" in types:
-        masks["full_attention"] = build(anchors, segment_ids, drafter.block_size)
-    if "sliding_attention" in types:
-        masks["sliding_attention"] = build(anchors, segment_ids, drafter.block_size, sliding_window=drafter.sliding_window)
-    return next(iter(masks.values())) if len(masks) == 1 else masks
+    return M.masks_per_layer_type(drafter, lambda **kw: build(anchors, segment_ids, drafter.block_size, **kw))
 
 
 # ---------------------------------------------------------------------------------------------------
