@@ -1,10 +1,18 @@
-"""Upgrading never regenerates completions: a results directory built by the previous main with the reduced
-e2e config keeps every completion shard under this code. The previous main's tree comes from git
-(`git archive`, no checkout is touched) and builds with its own Snakefile, profile and package.
+"""Upgrading never regenerates completions, and a release that changes no output reruns nothing.
 
-What an upgrade may rerun is the cheap part, and only where its inputs changed: the prompts checkpoint
-(new `prompts` keys; it rewrites only shards whose bytes change, and none do here), tokenization (the
-tokenization code changed), training and eval (new `train`/`eval` keys). README "Upgrading" lists it."""
+Two results directories are built with the reduced e2e config by earlier mains, each from git (`git archive`,
+no checkout is touched) with its own Snakefile, profile and package:
+
+- :data:`LAST_MAIN`, the main this code was branched from: this code plans *nothing* there (`snakemake -n`).
+  A refactor keeps every rule's shell text, params and env files, and the token-shard revision
+  (``contracts.TOKENIZATION_REVISION``), so no job is out of date.
+- :data:`PREVIOUS_MAIN`, an older main from before the features/engine/trainer keys: every completion shard
+  and prompt shard is kept byte- and mtime-identical. What may rerun there is the cheap part, and only where
+  its inputs changed: the prompts checkpoint (new `prompts` keys; it rewrites only shards whose bytes change,
+  and none do here), tokenization, training and eval (new `train`/`eval` keys). README "Upgrading" lists it.
+
+When a release does change an output on purpose, move :data:`LAST_MAIN` to the main it is branched from only
+after saying in :data:`LAST_MAIN_RERUNS` which rules rerun and why."""
 
 from __future__ import annotations
 
@@ -20,8 +28,12 @@ from conftest import REPO, planned_jobs, snakemake
 
 pytestmark = pytest.mark.e2e
 
-#: The main this code was branched from (override: $DFLASH_PREVIOUS_MAIN, a commit or ref).
+#: An older main, from before the features/engine/trainer keys (override: $DFLASH_PREVIOUS_MAIN).
 PREVIOUS_MAIN = os.environ.get("DFLASH_PREVIOUS_MAIN", "77e52f4")
+#: The main this code was branched from (override: $DFLASH_LAST_MAIN, a commit or ref).
+LAST_MAIN = os.environ.get("DFLASH_LAST_MAIN", "5f1ed51")
+#: Rules this code reruns in a results directory of LAST_MAIN, with the reason ({} for a pure refactor).
+LAST_MAIN_RERUNS: dict[str, str] = {}
 
 
 def upgrade_config() -> dict:
@@ -38,28 +50,37 @@ def upgrade_config() -> dict:
     return cfg
 
 
-@pytest.fixture(scope="module")
-def previous_main_workdir(tmp_path_factory):
-    """A workdir fully built by the previous main (its Snakefile, profile and src on PYTHONPATH)."""
+def built_by(ref: str, tmp_path_factory):
+    """A workdir fully built by the main at ``ref`` (its Snakefile, profile and src on PYTHONPATH)."""
     def archive_of(ref):
         return subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", ref], capture_output=True, timeout=120)
 
-    archive = archive_of(PREVIOUS_MAIN)
+    archive = archive_of(ref)
     if archive.returncode != 0:  # a shallow clone: deepen it from its origin, then try again
         subprocess.run(["git", "-C", str(REPO), "fetch", "--quiet", "--unshallow"], capture_output=True, timeout=300)
-        archive = archive_of(PREVIOUS_MAIN)
-    assert archive.returncode == 0, (f"previous main {PREVIOUS_MAIN} is not in this clone (fetch it, or set "
-                                     f"DFLASH_PREVIOUS_MAIN): {archive.stderr.decode()[-500:]}")
-    old = tmp_path_factory.mktemp("previous-main")
+        archive = archive_of(ref)
+    assert archive.returncode == 0, (f"earlier main {ref} is not in this clone (fetch it, or set "
+                                     f"DFLASH_PREVIOUS_MAIN / DFLASH_LAST_MAIN): {archive.stderr.decode()[-500:]}")
+    old = tmp_path_factory.mktemp(f"main-{ref}")
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
         tar.extractall(old, filter="data")
-    work = tmp_path_factory.mktemp("upgrade-work")
+    work = tmp_path_factory.mktemp(f"upgrade-from-{ref}")
     (work / "data").symlink_to(REPO / "data")  # relative data paths: the same params under both trees
     (work / "config.yaml").write_text(yaml.safe_dump(upgrade_config()))
     env = {**os.environ, "PYTHONPATH": str(old / "src")}
     proc = snakemake(work, snakefile=old / "Snakefile", profile=old / "profiles" / "local", env=env, timeout=1800)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return work
+
+
+@pytest.fixture(scope="module")
+def previous_main_workdir(tmp_path_factory):
+    return built_by(PREVIOUS_MAIN, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def last_main_workdir(tmp_path_factory):
+    return built_by(LAST_MAIN, tmp_path_factory)
 
 
 def _snapshot(paths):
@@ -82,3 +103,21 @@ def test_upgrade_never_regenerates_completions(previous_main_workdir):
     plan = planned_jobs(snakemake(work, "-n"))
     assert "generate_completions" not in plan and "shard_prompts" not in plan, plan
     assert _snapshot(completions) == before
+
+
+def test_last_main_workdir_plans_nothing(last_main_workdir):
+    """The done-when of a refactor: an existing results directory of the last main is up to date under this
+    code (every rule: probe, prompts checkpoint, completions, tokens, train, baselines, eval, report)."""
+    work = last_main_workdir
+    outputs = sorted(p for p in (work / "results").rglob("*") if p.is_file())
+    assert any(p.suffix == ".safetensors" for p in outputs) and any(p.name == "acceptance.json" for p in outputs)
+    before = {str(p): p.stat().st_mtime_ns for p in outputs}
+
+    proc = snakemake(work, "-n")
+    plan = planned_jobs(proc)
+    assert set(plan) == set(LAST_MAIN_RERUNS), (plan, (proc.stdout + proc.stderr)[-4000:])
+    if not LAST_MAIN_RERUNS:  # and a real run agrees with the plan: it touches no file
+        proc = snakemake(work)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        assert "Nothing to be done" in proc.stdout + proc.stderr
+        assert {str(p): p.stat().st_mtime_ns for p in outputs} == before
