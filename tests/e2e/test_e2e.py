@@ -75,12 +75,16 @@ def test_rerun_does_nothing(built):
     assert planned_jobs(snakemake(work, "-n")) == {}
 
 
+def plan_with(work, name: str, cfg: dict) -> dict[str, int]:
+    """The dry-run plan of ``work`` under ``cfg`` (written to ``work/<name>.yaml``): job counts per rule."""
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return planned_jobs(snakemake(work, "-n", configfile=path))
+
+
 def test_tokenization_change_never_regenerates_completions(built):
     work, cfg = built
-    changed = dict(cfg, tokens={**cfg["tokens"], "max_length": 150})
-    path = work / "tokens_changed.yaml"
-    path.write_text(yaml.safe_dump(changed))
-    jobs = planned_jobs(snakemake(work, "-n", configfile=path))
+    jobs = plan_with(work, "tokens_changed", dict(cfg, tokens={**cfg["tokens"], "max_length": 150}))
     assert jobs.get("tokenize_completions") == 3  # gsm8k 12 prompts -> 2 shards of 8, mt_bench 4 -> 1
     assert "generate_completions" not in jobs and "shard_prompts" not in jobs
     assert jobs.get("train_drafter") == 2 and jobs.get("evaluate_acceptance") == 1  # drafter + zero_features baseline
@@ -88,10 +92,7 @@ def test_tokenization_change_never_regenerates_completions(built):
 
 def test_generation_change_regenerates_all_completions(built):
     work, cfg = built
-    changed = dict(cfg, generation={**cfg["generation"], "max_tokens": 13})
-    path = work / "gen_changed.yaml"
-    path.write_text(yaml.safe_dump(changed))
-    jobs = planned_jobs(snakemake(work, "-n", configfile=path))
+    jobs = plan_with(work, "gen_changed", dict(cfg, generation={**cfg["generation"], "max_tokens": 13}))
     assert jobs.get("generate_completions") == 3 and jobs.get("tokenize_completions") == 3
 
 
@@ -103,9 +104,7 @@ def test_operational_generation_change_regenerates_nothing(built):
         **cfg["generation"], "request_timeout_s": 1234, "max_retries": 2, "batch_size": 3,
         "endpoints": [{"base_url": "http://127.0.0.1:9/v1", "max_concurrency": 8}],
     })
-    path = work / "gen_operational.yaml"
-    path.write_text(yaml.safe_dump(changed))
-    assert planned_jobs(snakemake(work, "-n", configfile=path)) == {}
+    assert plan_with(work, "gen_operational", changed) == {}
 
 
 def test_newer_scripts_rerun_nothing(built):
