@@ -441,6 +441,14 @@ def baseline_train_flags(run: str) -> str:
 
 
 
+#: Revision of the token-shard bytes: the ``code`` param of rules/tokens.smk (a new value re-tokenizes every
+#: workdir, then retrains and re-evaluates). ``"10a26998a0e76dbe"`` is the :func:`code_fingerprint` of the
+#: sources that wrote the token shards of every existing workdir. Bump it (any new value) whenever a change
+#: alters the bytes of a token shard; a change that keeps them (a refactor, a docstring) keeps it, so no
+#: workdir reruns. ``tests/unit/test_tokenization_golden.py`` guards it: it tokenizes fixed conversations
+#: with several chat templates and fails when their token shards differ from the golden made at this value.
+TOKENIZATION_REVISION = "10a26998a0e76dbe"
+
 #: Modules whose code decides the bytes of a token shard (rules/tokens.smk reruns when they change).
 TOKENIZATION_MODULES = ("dflash_pipeline.tokens", "dflash_pipeline.spans", "dflash_pipeline.chat", "dflash_pipeline.contracts", "dflash_pipeline.shards")
 
