@@ -37,7 +37,7 @@ class TrainSequence:
     #: ``[(start, end, ids), ...]`` sorted, non-overlapping, each inside a span: text the target generated
     #: that the tokens stage must not re-tokenize like template text. ``ids`` = the target's output ids of
     #: exactly ``text[start:end]``; None = encode that text as ordinary text (special-token strings in it
-    #: stay plain characters, :func:`dflash_pipeline.tokens.tokenize_sequences`).
+    #: stay plain characters, :func:`dflash_pipeline.loss_masks.tokenize_sequences`).
     verbatim: list[tuple[int, int, tuple[int, ...] | None]] = field(default_factory=list)
 
 
