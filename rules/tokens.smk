@@ -10,7 +10,7 @@ rule tokenize_completions:
         tokens=canonical(config["tokens"]),
         chat_template=config["target"]["chat_template"],
         trust_remote_code=config["target"]["trust_remote_code"],
-        # a change of the tokenization code reruns this rule (and never generate_completions)
+        # a new revision of the token-shard bytes (workflow.TOKENIZATION_REVISION) reruns this rule, never generate_completions
         code=tokenization_code(),
     log:
         log_file("tokenize_completions", "{dataset}", "{shard}"),

@@ -11,8 +11,9 @@ def generation_output_params():
 
 
 def tokenization_code():
-    """Fingerprint of the code that writes token shards (a `params` of tokenize_completions)."""
-    return wf.code_fingerprint()
+    """Revision of the token-shard bytes (a `params` of tokenize_completions; see
+    dflash_pipeline.workflow.TOKENIZATION_REVISION)."""
+    return wf.TOKENIZATION_REVISION
 
 
 def baseline_runs(run=RUN_NAME):

@@ -115,9 +115,9 @@ def sha256_text(text: str) -> str:
     """Hex sha256 of a UTF-8 string (used for template and tokenizer hashes)."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
-# --- end of the token-shard contract: tokenize_completions' `code` param fingerprints this file only up
-# to the line above (dflash_pipeline.workflow.code_fingerprint), so the record shapes below, which no
-# token shard depends on, can change without re-tokenizing (and re-training) every workdir.
+# --- end of the token-shard contract: what is above decides the bytes of a token shard (a change there
+# that alters them bumps dflash_pipeline.workflow.TOKENIZATION_REVISION, which re-tokenizes and retrains
+# every workdir); the record shapes below decide none.
 #
 # The JSON records the stages write, typed (TypedDict: what readers may index), each with its version.
 # Writers set ``schema_version``; a reader that needs a newer shape checks it.

@@ -37,7 +37,7 @@ class TrainSequence:
     #: ``[(start, end, ids), ...]`` sorted, non-overlapping, each inside a span: text the target generated
     #: that the tokens stage must not re-tokenize like template text. ``ids`` = the target's output ids of
     #: exactly ``text[start:end]``; None = encode that text as ordinary text (special-token strings in it
-    #: stay plain characters, :func:`dflash_pipeline.tokens.tokenize_sequences`).
+    #: stay plain characters, :func:`dflash_pipeline.loss_masks.tokenize_sequences`).
     verbatim: list[tuple[int, int, tuple[int, ...] | None]] = field(default_factory=list)
 
 
@@ -162,8 +162,36 @@ def conversation_sequences(
     if not a_idx:
         return []
     selected = list(range(len(a_idx)))[-1:] if last_turn_only else list(range(len(a_idx)))
+    prompts, renders = _render_turns(tokenizer, msgs, a_idx, selected, thinking=thinking, prompt_id=prompt_id)
+    turn_spans = {
+        k: _turn_span(p, q, msgs[a_idx[k]], k, thinking=thinking, prompt_id=prompt_id, specials=specials,
+                      controls=controls, cut=_at(finish_reasons, k) == "length", generated=_at(generated, k),
+                      generated_ids=_at(generated_ids, k), counts=counts)
+        for k, p, q in zip(selected, prompts, renders)
+    }
+    return _fewest_sequences(turn_spans)
 
-    turn_render: dict[int, tuple[str, int, int, list]] = {}  # k -> (Q, span_start, span_end, verbatim)
+
+def _at(per_turn: Sequence | None, k: int):
+    """``per_turn[k]``, or None when the list is None or shorter."""
+    return per_turn[k] if per_turn is not None and k < len(per_turn) else None
+
+
+def _count(counts: dict | None, key: str) -> None:
+    """Increment ``counts[key]`` (from 0) when a counts dict is given."""
+    if counts is not None:
+        counts[key] = counts.get(key, 0) + 1
+
+
+def _render_turns(tokenizer, msgs: list[dict], a_idx: list[int], selected: list[int], *, thinking: str,
+                  prompt_id: str) -> tuple[list[str], list[str]]:
+    """Per selected assistant turn ``k`` (message ``a_idx[k]``): the generation-prompt render ``P`` of the
+    messages before it and the render ``Q`` with it (both batched, :func:`chat.render_many`).
+
+    Raises:
+        TokenizationError: the template fails on one of them (jinja ``raise_exception``, a missing key);
+            the message names prompt_id and the first turn that fails, rendered alone.
+    """
     try:
         ps = chat.render_many(tokenizer, [msgs[: a_idx[k]] for k in selected], thinking=thinking, add_generation_prompt=True)
         qs = chat.render_many(tokenizer, [msgs[: a_idx[k] + 1] for k in selected], thinking=thinking, add_generation_prompt=False)
@@ -177,80 +205,127 @@ def conversation_sequences(
                         f"prompt_id={prompt_id} turn={k}: chat template failed to render: {exc}"
                     ) from exc
         raise
-    for k, p, q in zip(selected, ps, qs):
-        i = a_idx[k]
-        if not q.startswith(p):
-            n = next((j for j, (a, b) in enumerate(zip(p, q)) if a != b), min(len(p), len(q)))
-            raise TokenizationError(
-                f"prompt_id={prompt_id} turn={k}: the render with the assistant turn does not start with the "
-                f"generation-prompt render (they differ at char {n}: prompt {p[n:n + 40]!r} vs "
-                f"conversation {q[n:n + 40]!r}); the template rewrites the turn it generates, so the loss "
-                f"mask cannot be derived exactly. Use a training variant of the template "
-                f"(`target.chat_template`) or server token ids."
-            )
-        suffix = q[len(p):]
-        cut = bool(finish_reasons) and k < len(finish_reasons) and finish_reasons[k] == "length"
-        sup = supervised_length(suffix, specials, include_eot=not cut)
-        text = suffix[:sup]
-        m = msgs[i]
-        content = m["content"].strip()
-        if content and content not in text:
-            raise TokenizationError(
-                f"prompt_id={prompt_id} turn={k}: the template does not render the assistant content "
-                f"verbatim after the generation prompt (rendered {text[:80]!r}); cannot mask it exactly"
-            )
-        rc = m.get("reasoning_content")
-        if rc and rc.strip() not in text:
-            raise TokenizationError(
-                f"prompt_id={prompt_id} turn={k}: the template drops this turn's reasoning_content, which the "
-                f"target generated (thinking={thinking!r}); use a template that renders it or thinking=disable"
-            )
-        start = len(p)
-        g = generated[k] if generated is not None and k < len(generated) else None
-        if g is not None:
-            core = g[: supervised_length(g, specials, include_eot=False)].strip()
-            body = text[: supervised_length(text, specials, include_eot=False)]
-            if core and body.endswith(core):
-                lead = body[: len(body) - len(core)]
-                if lead.strip():  # template text before everything the target generated
-                    g_ws = g[: len(g) - len(g.lstrip())]  # whitespace the target did generate first
-                    start += len(lead) - (len(g_ws) if g_ws and lead.endswith(g_ws) else 0)
-                    if counts is not None:
-                        counts["scaffolding_excluded"] = counts.get("scaffolding_excluded", 0) + 1
-            elif core and counts is not None:
-                counts["render_differs_from_output_ids"] = counts.get("render_differs_from_output_ids", 0) + 1
-        end = len(p) + sup
-        verbatim: list = []
-        ids = generated_ids[k] if generated_ids is not None and k < len(generated_ids) else None
-        if ids and g is not None and q[start:end] == g:  # the render is exactly what the target generated
-            verbatim.append((start, end, tuple(int(t) for t in ids)))
-            if counts is not None:
-                counts["output_ids_spliced"] = counts.get("output_ids_spliced", 0) + 1
-        else:
-            # content (the last occurrence: it ends the turn) and reasoning before it, when they hold text
-            # the tokenizer would parse as control tokens
-            hi = end
-            for piece in (content, (rc or "").strip()):
-                pos = q.rfind(piece, start, hi) if piece else -1
-                if pos < 0:
-                    continue
-                if find_control_strings(piece, controls):
-                    verbatim.append((pos, pos + len(piece), None))
-                hi = pos
-            verbatim.sort()
-            if verbatim and counts is not None:
-                counts["control_text_kept"] = counts.get("control_text_kept", 0) + 1
-        turn_render[k] = (q, start, end, verbatim)
+    return ps, qs
 
-    pending = sorted(turn_render)
+
+def _turn_span(p: str, q: str, message: Mapping[str, Any], k: int, *, thinking: str, prompt_id: str,
+               specials: Sequence[str], controls: Sequence[str], cut: bool, generated: str | None,
+               generated_ids: Sequence[int] | None, counts: dict | None) -> tuple[str, int, int, list]:
+    """``(Q, span_start, span_end, verbatim)`` of assistant turn ``k`` from its generation-prompt render ``p``
+    and its render ``q`` (steps 1-2 and 5 of the :mod:`dflash_pipeline.tokens` method); ``message`` is the
+    turn as the template saw it, ``cut``: generation stopped at max_tokens (no end-of-turn supervised).
+
+    Raises:
+        TokenizationError: ``q`` does not start with ``p``, or the supervised text lacks the turn's content
+            or reasoning.
+    """
+    _check_prefix(p, q, prompt_id=prompt_id, k=k)
+    suffix = q[len(p):]
+    sup = supervised_length(suffix, specials, include_eot=not cut)
+    text = suffix[:sup]
+    content = message["content"].strip()
+    rc = message.get("reasoning_content")
+    _check_rendered(text, content, rc, prompt_id=prompt_id, k=k, thinking=thinking)
+    start = len(p)
+    if generated is not None:
+        start += _scaffolding_length(text, generated, specials, counts)
+    end = len(p) + sup
+    verbatim = _verbatim_ranges(q, start, end, content=content, reasoning=rc, generated=generated,
+                                generated_ids=generated_ids, controls=controls, counts=counts)
+    return q, start, end, verbatim
+
+
+def _check_prefix(p: str, q: str, *, prompt_id: str, k: int) -> None:
+    """Fail closed when the render with turn ``k`` does not start with its generation-prompt render.
+
+    Raises:
+        TokenizationError: names prompt_id, the turn and the first differing character.
+    """
+    if not q.startswith(p):
+        n = next((j for j, (a, b) in enumerate(zip(p, q)) if a != b), min(len(p), len(q)))
+        raise TokenizationError(
+            f"prompt_id={prompt_id} turn={k}: the render with the assistant turn does not start with the "
+            f"generation-prompt render (they differ at char {n}: prompt {p[n:n + 40]!r} vs "
+            f"conversation {q[n:n + 40]!r}); the template rewrites the turn it generates, so the loss "
+            f"mask cannot be derived exactly. Use a training variant of the template "
+            f"(`target.chat_template`) or server token ids."
+        )
+
+
+def _check_rendered(text: str, content: str, reasoning: str | None, *, prompt_id: str, k: int, thinking: str) -> None:
+    """Fail closed when the supervised ``text`` of turn ``k`` lacks its (stripped) content or reasoning.
+
+    Raises:
+        TokenizationError: the template drops or rewrites what the target generated (names prompt_id, turn).
+    """
+    if content and content not in text:
+        raise TokenizationError(
+            f"prompt_id={prompt_id} turn={k}: the template does not render the assistant content "
+            f"verbatim after the generation prompt (rendered {text[:80]!r}); cannot mask it exactly"
+        )
+    if reasoning and reasoning.strip() not in text:
+        raise TokenizationError(
+            f"prompt_id={prompt_id} turn={k}: the template drops this turn's reasoning_content, which the "
+            f"target generated (thinking={thinking!r}); use a template that renders it or thinking=disable"
+        )
+
+
+def _scaffolding_length(text: str, generated: str, specials: Sequence[str], counts: dict | None) -> int:
+    """Characters at the head of the supervised ``text`` that the template wrote before everything the
+    target ``generated`` (Qwen3's empty think block): 0 unless ``text`` ends with the generated text (end of
+    turn and whitespace aside) after non-whitespace template text. Counts ``scaffolding_excluded``, or
+    ``render_differs_from_output_ids`` when the render does not end with the generated text."""
+    core = generated[: supervised_length(generated, specials, include_eot=False)].strip()
+    body = text[: supervised_length(text, specials, include_eot=False)]
+    if core and body.endswith(core):
+        lead = body[: len(body) - len(core)]
+        if lead.strip():  # template text before everything the target generated
+            g_ws = generated[: len(generated) - len(generated.lstrip())]  # whitespace the target did generate first
+            _count(counts, "scaffolding_excluded")
+            return len(lead) - (len(g_ws) if g_ws and lead.endswith(g_ws) else 0)
+    elif core:
+        _count(counts, "render_differs_from_output_ids")
+    return 0
+
+
+def _verbatim_ranges(q: str, start: int, end: int, *, content: str, reasoning: str | None, generated: str | None,
+                     generated_ids: Sequence[int] | None, controls: Sequence[str], counts: dict | None) -> list:
+    """:attr:`TrainSequence.verbatim` entries of one turn supervised on ``q[start:end]``: the target's output
+    ids when their text is exactly that span (``output_ids_spliced``); else the content (its last
+    occurrence: it ends the turn) and the reasoning before it, each when it holds a control-token string,
+    to be encoded as plain text (``control_text_kept``)."""
+    verbatim: list = []
+    if generated_ids and generated is not None and q[start:end] == generated:
+        verbatim.append((start, end, tuple(int(t) for t in generated_ids)))
+        _count(counts, "output_ids_spliced")
+        return verbatim
+    hi = end
+    for piece in (content, (reasoning or "").strip()):
+        pos = q.rfind(piece, start, hi) if piece else -1
+        if pos < 0:
+            continue
+        if find_control_strings(piece, controls):
+            verbatim.append((pos, pos + len(piece), None))
+        hi = pos
+    verbatim.sort()
+    if verbatim:
+        _count(counts, "control_text_kept")
+    return verbatim
+
+
+def _fewest_sequences(turn_spans: dict[int, tuple[str, int, int, list]]) -> list[TrainSequence]:
+    """The fewest sequences that supervise each turn once, in a context it was generated in (step 3 of the
+    :mod:`dflash_pipeline.tokens` method): greedy from the last pending turn ``j``, whose render ``Q_j``
+    supervises every pending turn ``k`` with ``Q_j.startswith(Q_k[:end_k])``. Returned in turn order."""
+    pending = sorted(turn_spans)
     seqs: list[TrainSequence] = []
     while pending:
         j = pending[-1]
-        q_j = turn_render[j][0]
+        q_j = turn_spans[j][0]
         seq = TrainSequence(text=q_j)
         keep = []
         for k in pending:
-            q_k, s, e, verbatim = turn_render[k]
+            q_k, s, e, verbatim = turn_spans[k]
             if k == j or q_j.startswith(q_k[:e]):
                 seq.spans.append((s, e))
                 seq.turns.append(k)

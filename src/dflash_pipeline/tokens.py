@@ -52,6 +52,10 @@ present. With ``tokens.use_server_token_ids`` a record whose selected turns all 
 row per turn, ``prompt_token_ids + output_token_ids`` with 1 on the output ids (:func:`server_ids_sequence`);
 records without ids fall back to the render path. Off by default until the ids of each backend are
 checked against the render path on a real server.
+
+Layers: :mod:`dflash_pipeline.spans` (strings: steps 1-3 and the verbatim ranges of step 5),
+:mod:`dflash_pipeline.loss_masks` (tokens: steps 4-5, server ids), this module (records and shards:
+drops, truncation, counts, the Parquet file); the names of both are re-exported here.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -70,6 +74,13 @@ from .contracts import TOKEN_SCHEMA, TOKEN_SCHEMA_VERSION, sha256_text
 from .errors import TokenizationError
 from . import shards
 from .workflow import console
+from .loss_masks import (  # noqa: F401 (the token level; re-exported)
+    mask_from_offsets,
+    plain_text_tokenizer,
+    server_ids_sequence,
+    span_token_ranges,
+    tokenize_sequences,
+)
 from .spans import (  # noqa: F401 (the string level; re-exported)
     TrainSequence,
     check_template,
@@ -85,240 +96,6 @@ log = logging.getLogger(__name__)
 
 #: Drop reasons counted in the shard metadata and the returned stats.
 DROP_REASONS = ("status_error", "no_assistant_turn", "no_loss_tokens", "truncated_no_loss", "tokenization_error")
-
-
-
-# --------------------------------------------------------------------------------------------------
-# Token level
-# --------------------------------------------------------------------------------------------------
-
-
-def mask_from_offsets(offsets: np.ndarray, spans: Sequence[tuple[int, int]]) -> tuple[np.ndarray, int]:
-    """Loss mask from token character offsets.
-
-    Args:
-        offsets: int array [num_tokens, 2] of ``(start, end)`` character offsets into the sequence text.
-        spans: supervised character spans, sorted and non-overlapping.
-
-    Returns:
-        ``(mask, straddling)``: uint8 [num_tokens] (1 iff the token's non-empty span lies inside a
-        supervised span) and the number of tokens that overlap a span without lying inside it.
-    """
-    n = len(offsets)
-    mask = np.zeros(n, dtype=np.uint8)
-    if n == 0 or not spans:
-        return mask, 0
-    starts = offsets[:, 0]
-    ends = offsets[:, 1]
-    sp = np.asarray(spans, dtype=np.int64)
-    idx = np.searchsorted(sp[:, 0], starts, side="right") - 1
-    valid = idx >= 0
-    idx_c = np.clip(idx, 0, None)
-    s_end = sp[idx_c, 1]
-    nonempty = ends > starts
-    inside = valid & nonempty & (ends <= s_end) & (starts < s_end)
-    mask[inside] = 1
-    # overlap without inclusion: token starts before a span and ends after its start, or starts inside
-    # a span and ends after its end
-    nxt = np.clip(idx + 1, 0, len(sp) - 1)
-    over_next = (idx + 1 < len(sp)) & (ends > sp[nxt, 0]) & nonempty
-    over_cur = valid & nonempty & (starts < s_end) & (ends > s_end)
-    straddling = int(np.count_nonzero((over_next | over_cur) & ~inside))
-    return mask, straddling
-
-
-def span_token_ranges(encoding, spans: Sequence[tuple[int, int]], n_chars: int) -> tuple[list[tuple[int, int]], int] | None:
-    """Token index ranges of supervised character spans, from the span boundaries only.
-
-    Equivalent to :func:`mask_from_offsets` for tokenizers whose token offsets are non-decreasing (every
-    fast tokenizer on text without added post-processor tokens), at two ``char_to_token`` lookups per
-    span instead of converting every token's offsets: a token is inside ``[s, e)`` iff it starts at or
-    after ``s`` and ends at or before ``e``; the token containing ``s`` (``e``) straddles when it starts
-    before ``s`` (``e``).
-
-    Args:
-        encoding: a ``tokenizers.Encoding`` of the sequence text (``add_special_tokens=False``).
-        spans: supervised character spans, sorted and non-overlapping.
-        n_chars: length of the sequence text in characters.
-
-    Returns:
-        ``([(first_token, end_token), ...], straddling_tokens)``, or None when a boundary character maps to
-        no token (a normalizer dropped it): callers then use :func:`mask_from_offsets`.
-    """
-    ranges: list[tuple[int, int]] = []
-    straddlers: set[int] = set()  # a token can straddle two spans (or both ends of one): count it once
-    n_tokens = len(encoding.ids)
-    for s, e in spans:
-        if e <= s:
-            continue
-        t = encoding.char_to_token(s)
-        if t is None:
-            return None
-        first = t
-        if encoding.token_to_chars(t)[0] < s:
-            straddlers.add(t)
-            first = t + 1
-        if e >= n_chars:
-            end = n_tokens
-        else:
-            end = encoding.char_to_token(e)
-            if end is None:
-                return None
-            if encoding.token_to_chars(end)[0] < e:
-                straddlers.add(end)
-        ranges.append((first, max(first, end)))
-    return ranges, len(straddlers)
-
-
-def plain_text_tokenizer(tokenizer):
-    """The target's Rust tokenizer without its added-token vocabulary, so special-token strings in text
-    are encoded as the ordinary characters they are (``<|im_end|>`` -> ``<``, ``|``, ``im``, ...), and with
-    no prefix space prepended (the text it encodes continues a sequence). Cached on the tokenizer.
-
-    This is what "the answer's text encoded without parsing special tokens" means for the tokens stage;
-    unlike ``split_special_tokens=True`` it also leaves non-special added tokens (Qwen3's ``<think>``) as
-    text. Returns None for a tokenizer without ``backend_tokenizer``.
-    """
-    cached = getattr(tokenizer, "_dflash_plain_backend", None)
-    if cached is not None:
-        return cached
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return None
-    from tokenizers import Tokenizer
-
-    spec = json.loads(backend.to_str())
-    spec["added_tokens"] = []
-
-    def no_prepend(node):  # Metaspace pre-tokenizers / Prepend normalizers add "▁" at a text's start
-        if isinstance(node, dict):
-            if node.get("type") == "Metaspace":
-                node["prepend_scheme"] = "never"
-                node.pop("add_prefix_space", None)
-            for key in ("normalizers", "pretokenizers"):
-                if isinstance(node.get(key), list):
-                    node[key] = [n for n in node[key] if not (isinstance(n, dict) and n.get("type") == "Prepend")]
-                    for n in node[key]:
-                        no_prepend(n)
-        return node
-
-    if isinstance(spec.get("normalizer"), dict) and spec["normalizer"].get("type") == "Prepend":
-        spec["normalizer"] = None
-    no_prepend(spec.get("normalizer"))
-    no_prepend(spec.get("pre_tokenizer"))
-    plain = Tokenizer.from_str(json.dumps(spec))
-    try:
-        tokenizer._dflash_plain_backend = plain
-    except AttributeError:
-        pass
-    return plain
-
-
-def _segmented(tokenizer, seq: TrainSequence) -> tuple[np.ndarray, np.ndarray, int]:
-    """Tokenize a sequence with ``verbatim`` entries piece by piece: template text as the target's tokenizer
-    encodes it (special tokens parsed), each verbatim range as its output ids or as plain text
-    (:func:`plain_text_tokenizer`), supervised in full. Returns ``(input_ids, loss_mask, straddling)``."""
-    backend = tokenizer.backend_tokenizer
-    plain = plain_text_tokenizer(tokenizer)
-    ids_parts: list[np.ndarray] = []
-    mask_parts: list[np.ndarray] = []
-    straddling = 0
-    cur = 0
-
-    def template_piece(a: int, b: int):
-        nonlocal straddling
-        if b <= a:
-            return
-        piece = seq.text[a:b]
-        enc = backend.encode(piece, add_special_tokens=False)
-        spans = [(max(s, a) - a, min(e, b) - a) for s, e in seq.spans if s < b and e > a]
-        found = span_token_ranges(enc, spans, len(piece))
-        if found is None:
-            mask, n = mask_from_offsets(np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2), spans)
-        else:
-            ranges, n = found
-            mask = np.zeros(len(enc.ids), dtype=np.uint8)
-            for x, y in ranges:
-                mask[x:y] = 1
-        straddling += n
-        ids_parts.append(np.asarray(enc.ids, dtype=np.int32))
-        mask_parts.append(mask)
-
-    for a, b, ids in seq.verbatim:
-        template_piece(cur, a)
-        if ids is None:
-            ids = plain.encode(seq.text[a:b], add_special_tokens=False).ids
-        ids_parts.append(np.asarray(ids, dtype=np.int32))
-        mask_parts.append(np.ones(len(ids), dtype=np.uint8))
-        cur = b
-    template_piece(cur, len(seq.text))
-    return np.concatenate(ids_parts), np.concatenate(mask_parts), straddling
-
-
-def tokenize_sequences(tokenizer, seqs: Sequence[TrainSequence]) -> list[tuple[np.ndarray, np.ndarray, int]]:
-    """Tokenize sequences (one batched call) and build their masks.
-
-    A sequence with ``verbatim`` entries (output ids to splice in, or generated text that holds
-    special-token strings) is tokenized piece by piece (:func:`_segmented`): the target's output ids, or the
-    text encoded without parsing special tokens, with loss 1; the template text around as usual.
-
-    Returns:
-        Per sequence ``(input_ids int32 [n], loss_mask uint8 [n], straddling_tokens)``.
-
-    Raises:
-        TokenizationError: the tokenizer is not a fast tokenizer (no offset mapping).
-    """
-    if not seqs:
-        return []
-    if not getattr(tokenizer, "is_fast", False):
-        raise TokenizationError(
-            "the target tokenizer is not a fast tokenizer (no offset mapping); install `tokenizers` and use a "
-            "tokenizer.json"
-        )
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and any(s.verbatim for s in seqs):
-        simple = [s for s in seqs if not s.verbatim]
-        done = iter(tokenize_sequences(tokenizer, simple))
-        return [_segmented(tokenizer, s) if s.verbatim else next(done) for s in seqs]
-    texts = [s.text for s in seqs]
-    out = []
-    if backend is not None:  # the Rust tokenizer directly: masks from the span boundaries only
-        for seq, enc in zip(seqs, backend.encode_batch(texts, add_special_tokens=False)):
-            ids = np.asarray(enc.ids, dtype=np.int32)
-            found = span_token_ranges(enc, seq.spans, len(seq.text))
-            if found is None:
-                offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
-                mask, straddling = mask_from_offsets(offsets, seq.spans)
-            else:
-                ranges, straddling = found
-                mask = np.zeros(len(ids), dtype=np.uint8)
-                for a, b in ranges:
-                    mask[a:b] = 1
-            out.append((ids, mask, straddling))
-        return out
-    enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-    for seq, ids, offs in zip(seqs, enc["input_ids"], enc["offset_mapping"]):
-        offsets = np.asarray(offs, dtype=np.int64).reshape(-1, 2)
-        mask, straddling = mask_from_offsets(offsets, seq.spans)
-        out.append((np.asarray(ids, dtype=np.int32), mask, straddling))
-    return out
-
-
-def server_ids_sequence(turn: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray] | None:
-    """Exact sequence from server token ids for one turn: ``prompt_token_ids + output_token_ids``.
-
-    Returns ``(input_ids int32 [n], loss_mask uint8 [n])`` with 1 on the output ids, or None when either
-    list is missing. These are exactly the tokens the target saw and produced, so no template is
-    involved (works for templates the render path rejects, e.g. DeepSeek-R1). The end-of-turn token is
-    supervised when the server included it in the output ids (vLLM does on ``finish_reason == "stop"``).
-    """
-    p, o = turn.get("prompt_token_ids"), turn.get("output_token_ids")
-    if not p or not o:
-        return None
-    ids = np.asarray(list(p) + list(o), dtype=np.int32)
-    mask = np.zeros(len(ids), dtype=np.uint8)
-    mask[len(p):] = 1
-    return ids, mask
 
 
 # --------------------------------------------------------------------------------------------------
@@ -404,84 +181,115 @@ def tokenize_records(
     controls = control_token_strings(tokenizer)
     # (prompt_id, sequence to tokenize | ((input_ids, loss_mask), turn) from server ids)
     pending: list[tuple[str, Any]] = []
-
-    def flush():
-        seqs = [s for _, s in pending if isinstance(s, TrainSequence)]
-        toks = iter(tokenize_sequences(tokenizer, seqs))
-        for pid, s in pending:
-            if isinstance(s, TrainSequence):
-                ids, mask, straddling = next(toks)
-                stats["straddling_tokens"] += straddling
-                turn, n_turns = max(s.turns), len(s.turns)
-            else:
-                (ids, mask), turn = s
-                n_turns = 1
-            truncated = len(ids) > max_length
-            cut_loss = False
-            if truncated:
-                cut_loss = bool(mask[max_length:].any())
-                ids, mask = ids[:max_length], mask[:max_length]
-            n_loss = int(mask.sum())
-            if n_loss == 0:  # never a supervised token, or the max_length cut removed them all
-                stats["dropped"]["truncated_no_loss" if cut_loss else "no_loss_tokens"] += 1
-                continue
-            stats["records_out"] += 1
-            stats["turns_supervised"] += n_turns
-            stats["truncated"] += int(truncated)
-            stats["num_tokens"] += len(ids)
-            stats["num_loss_tokens"] += n_loss
-            yield {
-                "prompt_id": pid,
-                "turn": turn,
-                "input_ids": ids,
-                "loss_mask": mask,
-                "num_tokens": len(ids),
-                "num_loss_tokens": n_loss,
-                "truncated": truncated,
-            }
-        pending.clear()
-
     for rec in records:
         stats["records_in"] += 1
         pid = rec["prompt_id"]
         if rec.get("status") == "error":
             stats["dropped"]["status_error"] += 1
             continue
-        thinking = rec.get("thinking") or "none"
-        turns = rec.get("turns") or []
-        if use_server_token_ids and turns:
-            first = len(turns) - 1 if last_turn_only else 0
-            exact = [server_ids_sequence(t) for t in turns[first:]]
-            if all(e is not None for e in exact):
-                stats["conversations_kept"] += 1
-                stats["server_ids_used"] += 1
-                stats["split_conversations"] += int(len(exact) > 1)
-                pending.extend((pid, (e, first + j)) for j, e in enumerate(exact))
-                if len(pending) >= batch_size:
-                    yield from flush()
+        units = _server_id_units(rec, last_turn_only) if use_server_token_ids else None
+        if units is not None:
+            stats["server_ids_used"] += 1
+        else:
+            units = _rendered_sequences(tokenizer, rec, last_turn_only=last_turn_only, strict=strict,
+                                        specials=specials, controls=controls, stats=stats)
+            if not units:  # dropped, and counted
                 continue
-        try:
-            seqs = conversation_sequences(
-                tokenizer, rec["messages"], thinking=thinking, last_turn_only=last_turn_only,
-                prompt_id=pid, specials=specials,
-                finish_reasons=[(t or {}).get("finish_reason") for t in turns],
-                generated=generated_texts(tokenizer, turns), counts=stats,
-                generated_ids=[(t or {}).get("output_token_ids") for t in turns], control_strings=controls,
-            )
-        except TokenizationError:
-            if strict:
-                raise
-            stats["dropped"]["tokenization_error"] += 1
-            continue
-        if not seqs:
-            stats["dropped"]["no_assistant_turn"] += 1
-            continue
         stats["conversations_kept"] += 1
-        stats["split_conversations"] += int(len(seqs) > 1)
-        pending.extend((pid, s) for s in seqs)
+        stats["split_conversations"] += int(len(units) > 1)
+        pending.extend((pid, u) for u in units)
         if len(pending) >= batch_size:
-            yield from flush()
-    yield from flush()
+            yield from _flush(tokenizer, pending, max_length=max_length, stats=stats)
+    yield from _flush(tokenizer, pending, max_length=max_length, stats=stats)
+
+
+def _server_id_units(rec: Mapping[str, Any], last_turn_only: bool) -> list[tuple[tuple[np.ndarray, np.ndarray], int]] | None:
+    """``[((input_ids, loss_mask), turn), ...]`` from the server token ids of every selected turn
+    (:func:`server_ids_sequence`), or None when the record has no turns or one lacks its ids."""
+    turns = rec.get("turns") or []
+    if not turns:
+        return None
+    first = len(turns) - 1 if last_turn_only else 0
+    exact = [server_ids_sequence(t) for t in turns[first:]]
+    if not all(e is not None for e in exact):
+        return None
+    return [(e, first + j) for j, e in enumerate(exact)]
+
+
+def _rendered_sequences(tokenizer, rec: Mapping[str, Any], *, last_turn_only: bool, strict: bool,
+                        specials: Sequence[str], controls: Sequence[str], stats: dict) -> list[TrainSequence]:
+    """The record's training sequences from the chat-template render (:func:`conversation_sequences`);
+    ``[]`` when it is dropped (``tokenization_error`` without ``strict``, ``no_assistant_turn``: counted).
+
+    Raises:
+        TokenizationError: the conversation cannot be masked exactly and ``strict`` is set.
+    """
+    turns = rec.get("turns") or []
+    try:
+        seqs = conversation_sequences(
+            tokenizer, rec["messages"], thinking=rec.get("thinking") or "none", last_turn_only=last_turn_only,
+            prompt_id=rec["prompt_id"], specials=specials,
+            finish_reasons=[(t or {}).get("finish_reason") for t in turns],
+            generated=generated_texts(tokenizer, turns), counts=stats,
+            generated_ids=[(t or {}).get("output_token_ids") for t in turns], control_strings=controls,
+        )
+    except TokenizationError:
+        if strict:
+            raise
+        stats["dropped"]["tokenization_error"] += 1
+        return []
+    if not seqs:
+        stats["dropped"]["no_assistant_turn"] += 1
+    return seqs
+
+
+def _flush(tokenizer, pending: list[tuple[str, Any]], *, max_length: int, stats: dict) -> Iterator[dict]:
+    """Tokenize the pending sequences in one batched call and yield their rows in order (:func:`_token_row`);
+    ``pending`` is empty afterwards."""
+    seqs = [s for _, s in pending if isinstance(s, TrainSequence)]
+    toks = iter(tokenize_sequences(tokenizer, seqs))
+    for pid, s in pending:
+        if isinstance(s, TrainSequence):
+            ids, mask, straddling = next(toks)
+            stats["straddling_tokens"] += straddling
+            turn, n_turns = max(s.turns), len(s.turns)
+        else:
+            (ids, mask), turn = s
+            n_turns = 1
+        row = _token_row(pid, turn, ids, mask, n_turns=n_turns, max_length=max_length, stats=stats)
+        if row is not None:
+            yield row
+    pending.clear()
+
+
+def _token_row(pid: str, turn: int, ids: np.ndarray, mask: np.ndarray, *, n_turns: int, max_length: int,
+               stats: dict) -> dict | None:
+    """The token record of one sequence (int32 ``ids`` / uint8 ``mask`` [n]) cut at ``max_length``, counted
+    in ``stats``; None, counted as a drop, when no supervised token is left (``no_loss_tokens``, or
+    ``truncated_no_loss`` when the cut removed them all)."""
+    truncated = len(ids) > max_length
+    cut_loss = False
+    if truncated:
+        cut_loss = bool(mask[max_length:].any())
+        ids, mask = ids[:max_length], mask[:max_length]
+    n_loss = int(mask.sum())
+    if n_loss == 0:  # never a supervised token, or the max_length cut removed them all
+        stats["dropped"]["truncated_no_loss" if cut_loss else "no_loss_tokens"] += 1
+        return None
+    stats["records_out"] += 1
+    stats["turns_supervised"] += n_turns
+    stats["truncated"] += int(truncated)
+    stats["num_tokens"] += len(ids)
+    stats["num_loss_tokens"] += n_loss
+    return {
+        "prompt_id": pid,
+        "turn": turn,
+        "input_ids": ids,
+        "loss_mask": mask,
+        "num_tokens": len(ids),
+        "num_loss_tokens": n_loss,
+        "truncated": truncated,
+    }
 
 
 def tokenize_shard(
@@ -525,26 +333,53 @@ def tokenize_shard(
     max_length = int(tokens_cfg["max_length"])
     stats = _new_stats()
     thinking_modes: set[str] = set()
-
-    def records() -> Iterator[dict]:
-        pf = pq.ParquetFile(str(completion_shard))
-        cols = [c for c in ("prompt_id", "messages", "turns", "thinking", "status") if c in pf.schema_arrow.names]
-        for batch in pf.iter_batches(batch_size=512, columns=cols):
-            for rec in batch.to_pylist():
-                if rec.get("thinking"):
-                    thinking_modes.add(rec["thinking"])
-                yield rec
-
     last_turn_only = bool(tokens_cfg.get("last_turn_only", False))
     rows = tokenize_records(
-        tokenizer, records(), max_length=max_length, last_turn_only=last_turn_only,
-        strict=bool(tokens_cfg.get("strict", True)),
-        use_server_token_ids=bool(tokens_cfg.get("use_server_token_ids", False)),
-        stats=stats,
+        tokenizer, _completion_records(completion_shard, thinking_modes), max_length=max_length,
+        last_turn_only=last_turn_only, strict=bool(tokens_cfg.get("strict", True)),
+        use_server_token_ids=bool(tokens_cfg.get("use_server_token_ids", False)), stats=stats,
     )
-    # Streaming: one row group per `row_group_size` rows, so memory is bounded by one group (plus the
-    # reader's batch), whatever the shard size. Row-group boundaries depend only on the input, so a rerun
-    # writes identical bytes (and leaves an identical existing file untouched).
+    _write_token_shard(out_path, rows, row_group_size=row_group_size, metadata=lambda: {  # once the rows are done
+        "schema_version": TOKEN_SCHEMA_VERSION,
+        "tokenizer_sha256": tokenizer_hash(tokenizer),
+        "chat_template_sha256": sha256_text(tokenizer.chat_template or ""),
+        "thinking": sorted(thinking_modes),
+        "max_length": max_length,
+        "last_turn_only": last_turn_only,
+        "row_group_size": row_group_size,
+        "counts": stats,
+    })
+    _log_summary(out_path, stats, max_length)
+    return stats
+
+
+def _log_summary(out_path: str | Path, stats: dict, max_length: int) -> None:
+    """One console line for the job: records in, sequences out, tokens, truncation, drops by reason."""
+    dropped = {r: n for r, n in stats["dropped"].items() if n}
+    console("%s: %d completion records -> %d sequences (%d turns supervised, %d tokens, %d supervised, %d truncated "
+             "at max_length %d); dropped %s; scaffolding excluded in %d turns", out_path, stats["records_in"],
+             stats["records_out"], stats["turns_supervised"], stats["num_tokens"], stats["num_loss_tokens"],
+             stats["truncated"], max_length, dropped or "none", stats["scaffolding_excluded"])
+
+
+def _completion_records(completion_shard: str | Path, thinking_modes: set[str]) -> Iterator[dict]:
+    """The records of a completion shard, read in batches of 512 (only the columns tokenization reads);
+    adds each record's thinking mode to ``thinking_modes``."""
+    pf = pq.ParquetFile(str(completion_shard))
+    cols = [c for c in ("prompt_id", "messages", "turns", "thinking", "status") if c in pf.schema_arrow.names]
+    for batch in pf.iter_batches(batch_size=512, columns=cols):
+        for rec in batch.to_pylist():
+            if rec.get("thinking"):
+                thinking_modes.add(rec["thinking"])
+            yield rec
+
+
+def _write_token_shard(out_path: str | Path, rows: Iterable[dict], *, row_group_size: int,
+                       metadata: Callable[[], dict]) -> None:
+    """Stream token rows into a token shard, one row group per ``row_group_size`` rows (memory bounded by one
+    group plus the reader's batch, whatever the shard size), with ``metadata()`` (called once the rows are
+    written) in the footer. Row-group boundaries depend only on the input, so a rerun writes identical
+    bytes (and leaves an identical existing file untouched); the file is renamed into place at the end."""
     with shards.ParquetStreamWriter(out_path, TOKEN_SCHEMA) as writer:
         group: list[dict] = []
         for r in rows:
@@ -554,23 +389,7 @@ def tokenize_shard(
                 group.clear()
         if group or writer.rows == 0:
             writer.write_batch(_token_batch(group))
-        metadata = {
-            "schema_version": TOKEN_SCHEMA_VERSION,
-            "tokenizer_sha256": tokenizer_hash(tokenizer),
-            "chat_template_sha256": sha256_text(tokenizer.chat_template or ""),
-            "thinking": sorted(thinking_modes),
-            "max_length": max_length,
-            "last_turn_only": last_turn_only,
-            "row_group_size": row_group_size,
-            "counts": stats,
-        }
-        writer.close(metadata)
-    dropped = {r: n for r, n in stats["dropped"].items() if n}
-    console("%s: %d completion records -> %d sequences (%d turns supervised, %d tokens, %d supervised, %d truncated "
-             "at max_length %d); dropped %s; scaffolding excluded in %d turns", out_path, stats["records_in"],
-             stats["records_out"], stats["turns_supervised"], stats["num_tokens"], stats["num_loss_tokens"],
-             stats["truncated"], max_length, dropped or "none", stats["scaffolding_excluded"])
-    return stats
+        writer.close(metadata())
 
 
 def _token_batch(rows: Sequence[dict]) -> pa.RecordBatch:

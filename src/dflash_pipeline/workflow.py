@@ -441,31 +441,15 @@ def baseline_train_flags(run: str) -> str:
 
 
 
-#: Modules whose code decides the bytes of a token shard (rules/tokens.smk reruns when they change).
-TOKENIZATION_MODULES = ("dflash_pipeline.tokens", "dflash_pipeline.spans", "dflash_pipeline.chat", "dflash_pipeline.contracts", "dflash_pipeline.shards")
-
-
-#: A module's fingerprinted part ends before this line (contracts.py: the typed JSON records after it
-#: decide no token shard's bytes); a module without it counts whole.
-FINGERPRINT_END = b"\n# --- end of the token-shard contract"
-
-
-def code_fingerprint(modules=TOKENIZATION_MODULES) -> str:
-    """sha256 (first 16 hex) over the source files of ``modules`` as they would be imported (located with
-    ``importlib.util.find_spec``, not imported), each up to :data:`FINGERPRINT_END`. Used as a rule
-    ``param`` so that a code change reruns the rule (Snakemake's ``code`` trigger only sees the rule's
-    script, not the library it calls)."""
-    import hashlib
-    import importlib.util
-
-    h = hashlib.sha256()
-    for name in modules:
-        spec = importlib.util.find_spec(name)
-        if spec is None or not spec.origin:
-            raise ImportError(f"cannot locate module {name}; is dflash_pipeline installed (pip install -e .)?")
-        source = Path(spec.origin).read_bytes().split(FINGERPRINT_END, 1)[0]
-        h.update(name.encode() + b"\0" + source + b"\0")
-    return h.hexdigest()[:16]
+#: Revision of the token-shard bytes, the ``code`` param of rules/tokens.smk: a new value re-tokenizes every
+#: workdir (and so retrains and re-evaluates), never regenerates completions. ``"10a26998a0e76dbe"`` is the
+#: code fingerprint (sha256 of the sources of tokens.py, spans.py, chat.py, shards.py and contracts.py's
+#: token-shard part) that wrote the token shards of every existing workdir. Bump it (to any new value)
+#: whenever a change alters the bytes of a token shard; a change that keeps them (a refactor, a docstring,
+#: a new helper) keeps it, so no workdir reruns. ``tests/unit/test_tokenization_golden.py`` guards it: it
+#: tokenizes fixed conversations with several chat templates and fails when their token shards differ
+#: from the golden made at this revision (it says how to regenerate).
+TOKENIZATION_REVISION = "10a26998a0e76dbe"
 
 
 if __name__ == "__main__":

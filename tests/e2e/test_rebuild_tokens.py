@@ -1,4 +1,5 @@
-"""Tokenization code or settings change -> token shards rerun, completions never (DESIGN.md §3, issue #6).
+"""A new tokenization revision or settings change -> token shards rerun, completions never (DESIGN.md §3,
+issue #6); an edit of the tokenization code that keeps the revision reruns nothing (issue #13).
 
 Real Snakemake on a tiny workdir built up to the token shards (transformers backend on the session demo
 target); every assertion is on the job counts of `snakemake -n`.
@@ -34,24 +35,49 @@ def test_nothing_to_do(built):
     assert planned_jobs(snakemake(work, "-n", *targets)) == {}
 
 
-@pytest.mark.parametrize("module", ["tokens.py", "chat.py"])
-def test_tokenization_code_change_retokenizes_only(built, tmp_path, module):
-    """The same package with one tokenization module edited (a copy first on PYTHONPATH): both token
-    shards are planned again, no completion is."""
-    work, _, targets = built
+def _plan_with_edited_package(work, targets, tmp_path, edit) -> dict[str, int]:
+    """`snakemake -n` job counts with a copy of the package first on PYTHONPATH, ``edit(pkg_dir)`` applied."""
     pkg = tmp_path / "src" / "dflash_pipeline"
     shutil.copytree(REPO / "src" / "dflash_pipeline", pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    with open(pkg / module, "a", encoding="utf-8") as fh:
-        fh.write("\n# an edit of the tokenization code\n")
+    edit(pkg)
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = str(tmp_path / "src") + (os.pathsep + old if old else "")
     try:
-        jobs = planned_jobs(snakemake(work, "-n", *targets))
+        return planned_jobs(snakemake(work, "-n", *targets))
     finally:
         if old is None:
             del os.environ["PYTHONPATH"]
         else:
             os.environ["PYTHONPATH"] = old
+
+
+@pytest.mark.parametrize("module", ["tokens.py", "chat.py"])
+def test_tokenization_code_edit_keeping_the_revision_reruns_nothing(built, tmp_path, module):
+    """An edit of a tokenization module that keeps ``workflow.TOKENIZATION_REVISION`` (a refactor: the
+    golden test, tests/unit/test_tokenization_golden.py, proves the shard bytes stay) plans nothing."""
+    work, _, targets = built
+
+    def edit(pkg):
+        with open(pkg / module, "a", encoding="utf-8") as fh:
+            fh.write("\n# an edit of the tokenization code\n")
+
+    assert _plan_with_edited_package(work, targets, tmp_path, edit) == {}
+
+
+def test_tokenization_revision_bump_retokenizes_only(built, tmp_path):
+    """A new ``TOKENIZATION_REVISION`` (the token-shard bytes changed): both token shards are planned again,
+    no completion is."""
+    work, _, targets = built
+
+    def edit(pkg):
+        from dflash_pipeline.workflow import TOKENIZATION_REVISION
+
+        text = (pkg / "workflow.py").read_text(encoding="utf-8")
+        line = f'TOKENIZATION_REVISION = "{TOKENIZATION_REVISION}"'
+        assert line in text
+        (pkg / "workflow.py").write_text(text.replace(line, 'TOKENIZATION_REVISION = "bumped"'), encoding="utf-8")
+
+    jobs = _plan_with_edited_package(work, targets, tmp_path, edit)
     assert jobs.get("tokenize_completions") == 2, jobs
     assert "generate_completions" not in jobs and "shard_prompts" not in jobs and "probe_target" not in jobs
 
