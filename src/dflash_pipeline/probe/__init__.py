@@ -93,16 +93,14 @@ def probe_target(target_dir: str | os.PathLike, *, block_size: int, num_draft_la
     cfg, warnings, auto_cfg = _probe_config(target_dir, trust_remote_code)
     cfg["target_loader"] = _probe_loader(target_dir, trust_remote_code, strict=strict, warnings=warnings)
     cfg.update(_embedding_facts(target_dir, cfg["vocab_size"], warnings))
-    rows = cfg["embedding_rows"]
     tok = _tokenizer_facts(target_dir, trust_remote_code=trust_remote_code, chat_template=chat_template,
                            config=auto_cfg, strict=strict, warnings=warnings)
-    _preflight_tokenizer(target_dir, tok, rows, strict=strict, warnings=warnings)
+    _preflight_tokenizer(target_dir, tok, cfg["embedding_rows"], strict=strict, warnings=warnings)
     gen_eos = _generation_eos(target_dir)
 
     ids, ids_src = _choose_target_layer_ids(cfg["num_hidden_layers"], num_draft_layers=num_draft_layers,
-                                            num_target_features=num_target_features,
-                                            target_layer_ids=target_layer_ids)
-    mid, mid_src = _choose_mask_token_id(mask_token_id, tok, rows)
+                                            num_target_features=num_target_features, target_layer_ids=target_layer_ids)
+    mid, mid_src = _choose_mask_token_id(mask_token_id, tok, cfg["embedding_rows"])
     if cfg["target_loader"]["error"] is None:
         _check_drafter_config(target_dir, trust_remote_code, block_size, num_draft_layers, ids, mid)
 
