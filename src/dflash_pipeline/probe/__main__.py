@@ -1,0 +1,5 @@
+"""``python -m dflash_pipeline.probe DIR``: the ``dflash-probe`` CLI (:func:`dflash_pipeline.probe.main`)."""
+
+from . import main
+
+raise SystemExit(main())
