@@ -122,7 +122,7 @@ def sha256_text(text: str) -> str:
 # The JSON records the stages write, typed (TypedDict: what readers may index), each with its version.
 # Writers set ``schema_version``; a reader that needs a newer shape checks it.
 
-from typing import Any, Literal, Mapping, TypedDict  # noqa: E402
+from typing import Literal, Mapping, TypedDict  # noqa: E402
 
 # Keys only some records carry are declared in a ``total=False`` base class (``NotRequired`` is 3.11+).
 

@@ -138,9 +138,8 @@ def generate_shard(prompt_shard: str | Path, out_path: str | Path, *, target_dir
     template_kwargs(gen_cfg["thinking"])  # validates the mode
     progress = ProgressLog(paths.progress, _fingerprint(gen_cfg["backend"], gen_cfg, target_dir, chat_template))
     done = _resumable(progress, prompts)
-    backend, model_name = _backend_and_model(backend, done, prompts, paths, gen_cfg, target_dir=target_dir,
-                                             chat_template=chat_template, trust_remote_code=trust_remote_code,
-                                             dtype=dtype)
+    backend, model_name = _backend_and_model(backend, done, prompts, paths, gen_cfg, target_dir=target_dir, dtype=dtype,
+                                             chat_template=chat_template, trust_remote_code=trust_remote_code)
     pending = [p for p in prompts if p["prompt_id"] not in done]
     # conversations that cannot fit the target's context are skipped and counted, never sent
     skipped = _skip_too_long(pending, target_dir, gen_cfg, chat_template, trust_remote_code, paths)
@@ -148,8 +147,7 @@ def generate_shard(prompt_shard: str | Path, out_path: str | Path, *, target_dir
     resumed = len(done)
     if resumed:
         log.info("%s: resuming, %d of %d conversations already finished", paths.out, resumed, len(prompts))
-    failed: dict[str, dict] = {}
-    backend_stats: dict = {}
+    failed, backend_stats = {}, {}  # prompt_id -> error record; the backend's counters of this run
     if pending:
         model_name, backend_stats = _generate(backend, pending, gen_cfg, progress, paths,
                                               _Sink(done, failed, len(prompts), skipped))
@@ -169,7 +167,7 @@ def generate_shard(prompt_shard: str | Path, out_path: str | Path, *, target_dir
     return stats
 
 
-def _backend_and_model(backend: Backend | None, done: dict, prompts: Sequence[dict], paths: "_Paths", gen_cfg: dict,
+def _backend_and_model(backend: Backend | None, done: dict, prompts: Sequence[dict], paths: _Paths, gen_cfg: dict,
                        **backend_kw) -> tuple[Backend | None, str | None]:
     """The backend that generates what ``done`` lacks (built by :func:`make_backend` with ``backend_kw``
     unless given; none is built when nothing is left) and the shard's model name so far: the one this
@@ -190,7 +188,7 @@ def _without(prompts: Sequence[dict], skipped: dict[str, dict]) -> list[dict]:
     return [p for p in prompts if p["prompt_id"] not in skipped]
 
 
-def _console_summary(paths: "_Paths", stats: dict) -> None:
+def _console_summary(paths: _Paths, stats: dict) -> None:
     """The job's one console line (:func:`dflash_pipeline.workflow.console`): the shard's counts, this run's."""
     from ..workflow import console
 
