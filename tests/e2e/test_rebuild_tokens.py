@@ -96,4 +96,4 @@ def test_completion_stats_written_next_to_shards(built):
     for shard in ("00000", "00001"):
         stats = json.loads((work / f"results/completions/gsm8k/{shard}.stats.json").read_text())
         assert stats["backend"] == "transformers" and stats["prompts"] == stats["ok"] + stats["truncated"]
-        assert stats["completion_tokens"] > 0 and stats["requests_per_s"] > 0
+        assert stats["completion_tokens"] > 0 and stats["run"]["requests_per_s"] > 0

@@ -84,7 +84,7 @@ def test_transformers_multi_turn_greedy_and_truncation(tmp_path, demo_target):
     stats = generate_shard(tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=demo_target, gen_cfg=cfg)
     recs = read_records(tmp_path / "c.parquet")
     assert [r["prompt_id"] for r in recs] == [p["prompt_id"] for p in prompts]
-    assert stats["prompts"] == 3 and stats["turns"] == 4 and stats["generated"] == 3
+    assert stats["prompts"] == 3 and stats["turns"] == 4 and stats["run"]["generated"] == 3
     assert not (tmp_path / ("c.parquet" + PROGRESS_SUFFIX)).exists()
 
     tok = chat.load_tokenizer(demo_target)
@@ -162,7 +162,7 @@ def test_openai_success_multi_turn_records(tmp_path):
     assert turn2["messages"][2]["content"] == "Answer 1 to: What is 2 plus 3?"
     assert turn2["top_k"] == 20 and turn2["seed"] == 5 and turn2["temperature"] == 0.7
     assert turn2["chat_template_kwargs"] == chat.template_kwargs("disable") == {"enable_thinking": False, "thinking": False}
-    assert stats["turns"] == 4 and stats["retries"] == 0
+    assert stats["turns"] == 4 and stats["run"]["retries"] == 0
     assert json.loads((tmp_path / "c.stats.json").read_text())["ok"] == 3
     meta = shards.read_shard_metadata(tmp_path / "c.parquet")
     assert meta["schema_version"] == contracts.COMPLETION_SCHEMA_VERSION and meta["model"] == "test-model"
@@ -202,7 +202,7 @@ def test_transient_faults_are_retried(tmp_path, faults):
         injected = faults.fail_first + faults.drop_first + faults.hang_first
         assert srv.stats.chat_requests == n + injected
         assert srv.stats.answered == n
-    assert stats["ok"] == n and stats["retries"] == injected
+    assert stats["ok"] == n and stats["run"]["retries"] == injected
     assert all(r["status"] == "ok" for r in read_records(tmp_path / "c.parquet"))
 
 
@@ -239,7 +239,7 @@ def test_400_not_retried_error_row_then_rerun_retries_only_failures(tmp_path):
     assert [r["prompt_id"] for r in recs] == [p["prompt_id"] for p in prompts]
     assert [r["status"] for r in recs] == ["ok"] * 4 + ["error"]
     assert "HTTP 400" in recs[4]["error"] and "turn 1" in recs[4]["error"]
-    assert stats["resumed"] == 4 and stats["generated"] == 1
+    assert stats["run"]["resumed"] == 4 and stats["run"]["generated"] == 1
     assert errors.exists() and not Path(str(out) + PROGRESS_SUFFIX).exists()
 
 
@@ -255,7 +255,7 @@ def test_two_endpoints_one_dead_from_start(tmp_path):
         stats = generate_shard(tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=None, gen_cfg=cfg)
         assert srv.stats.answered == n
     assert stats["ok"] == n
-    dead = [v for k, v in stats["endpoints"].items() if k != srv.base_url][0]
+    dead = [v for k, v in stats["run"]["endpoints"].items() if k != srv.base_url][0]
     assert dead["taken_out"] >= 1 and dead["attempts"] == 0
 
 
@@ -270,7 +270,7 @@ def test_endpoint_dies_mid_shard_no_rows_lost_or_duplicated(tmp_path):
     recs = read_records(tmp_path / "c.parquet")
     assert [r["prompt_id"] for r in recs] == [p["prompt_id"] for p in prompts]
     assert all(r["status"] == "ok" for r in recs)
-    assert stats["endpoints"][b.base_url]["taken_out"] >= 1
+    assert stats["run"]["endpoints"][b.base_url]["taken_out"] >= 1
 
 
 def test_circuit_breaker_stops_when_every_endpoint_fails(tmp_path):
@@ -307,7 +307,7 @@ def test_resume_after_server_death_sends_only_unfinished(tmp_path):
     assert not finished & {by_content[c] for c in sent}
     recs = read_records(out)
     assert [r["prompt_id"] for r in recs] == [p["prompt_id"] for p in prompts]
-    assert stats["resumed"] == 5 and stats["generated"] == 7 and not progress.exists()
+    assert stats["run"]["resumed"] == 5 and stats["run"]["generated"] == 7 and not progress.exists()
 
 
 def test_progress_from_other_settings_is_discarded(tmp_path):
@@ -320,7 +320,7 @@ def test_progress_from_other_settings_is_discarded(tmp_path):
         header = {"header": {"other": "settings"}}
         progress.write_text("\n".join(json.dumps(x) for x in [header, *recs]) + "\n")
         stats = generate_shard(tmp_path / "p.parquet", out, target_dir=None, gen_cfg=openai_cfg(srv.base_url))
-        assert stats["resumed"] == 0 and srv.stats.answered == 6
+        assert stats["run"]["resumed"] == 0 and srv.stats.answered == 6
 
 
 #: Runs generate_shard and SIGKILLs itself after ``kill_after`` progress appends; an optional 5th argument

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_pipeline import completions
+from dflash_pipeline import completions, contracts
 from dflash_pipeline.completions import PROGRESS_SUFFIX, ProgressLog, _describe, _fingerprint, _settle_model, generate_shard
 from dflash_pipeline.errors import ConfigError, GenerationError
 from dflash_pipeline.testing.server import Faults, TestServer, start_test_server
@@ -112,7 +112,7 @@ def test_resume_after_the_fleet_changed_model_redoes_the_shard(tmp_path, caplog)
         stats = generate_shard(tmp_path / "p.parquet", out, target_dir=None, gen_cfg=openai_cfg(b.base_url, model=None))
         assert b.stats.answered == n  # the 3 model-a conversations were redone
     assert {r["model"] for r in read_records(out)} == {"model-b"}
-    assert stats["resumed"] == 0 and stats["generated"] == n and stats["model"] == "model-b"
+    assert stats["run"]["resumed"] == 0 and stats["run"]["generated"] == n and stats["model"] == "model-b"
     assert "written under other generation settings (model 'model-a'; this run sends 'model-b'); starting over" in caplog.text
     # the progress header itself is unchanged (a configured model's resume files are as before)
     assert json.loads(header)["header"] == _fingerprint("openai", cfg, None, None)
@@ -249,14 +249,16 @@ def test_stats_after_resume_cover_the_whole_shard_and_this_run(tmp_path, capfd):
     assert stats["completion_tokens"] == sum(t["completion_tokens"] for t in turns) > 0
     assert stats["prompt_tokens"] == sum(t["prompt_tokens"] for t in turns) > 0
     # this run
-    assert stats["resumed"] == 4 and stats["generated"] == 4 and stats["retries"] == 0
     run = stats["run"]
+    assert run["resumed"] == 4 and run["retries"] == 0
     assert run["generated"] == 4 and run["turns"] == len(new_turns) == 4
     assert run["completion_tokens"] == sum(t["completion_tokens"] for t in new_turns) < stats["completion_tokens"]
     assert run["prompt_tokens"] == sum(t["prompt_tokens"] for t in new_turns)
-    assert run["wall_s"] == stats["wall_s"] > 0
-    assert run["requests_per_s"] == stats["requests_per_s"] == pytest.approx(4 / run["wall_s"], rel=0.01)
-    assert run["output_tokens_per_s"] == stats["output_tokens_per_s"]
+    assert run["wall_s"] > 0 and run["requests_per_s"] == pytest.approx(4 / run["wall_s"], rel=0.01)
+    assert run["output_tokens_per_s"] == pytest.approx(run["completion_tokens"] / run["wall_s"], rel=0.01)
+    # one copy of this run's figures: in `run`, none at the top level (stats version 2)
+    assert stats["stats_version"] == contracts.COMPLETION_STATS_VERSION == 2
+    assert not set(stats) & set(contracts.STATS_V1_RUN_KEYS)
     # the bar counts the resumed conversations too
     err = capfd.readouterr().err
     assert re.search(r"8/8 .*ok=8 trunc=0 err=0", err), err[-500:]
@@ -269,10 +271,10 @@ def test_stats_when_every_conversation_was_resumed(tmp_path):
     stats = generate_shard(tmp_path / "p.parquet", out, target_dir=None, gen_cfg=cfg,
                            stats_path=tmp_path / "c.stats.json")
     assert read_records(out) == full
-    assert stats["ok"] == stats["resumed"] == 5 and stats["generated"] == 0
+    assert stats["ok"] == stats["run"]["resumed"] == 5 and stats["run"]["generated"] == 0
     assert stats["turns"] == 5 and stats["completion_tokens"] == sum(r["turns"][0]["completion_tokens"] for r in full) > 0
     assert stats["run"]["turns"] == stats["run"]["completion_tokens"] == 0
-    assert stats["retries"] == 0 and stats["requests"] == 0
+    assert stats["run"]["retries"] == 0 and stats["run"]["requests"] == 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -313,6 +315,6 @@ def test_generation_table_counts_a_resumed_run_own_tokens_per_second(tmp_path):
         progress.close()
         stats_path = out.with_name("00000.stats.json")
         stats = generate_shard(tmp_path / "p.parquet", out, target_dir=None, gen_cfg=cfg, stats_path=stats_path)
-    assert stats["resumed"] == 4 and stats["run"]["completion_tokens"] < stats["completion_tokens"]
+    assert stats["run"]["resumed"] == 4 and stats["run"]["completion_tokens"] < stats["completion_tokens"]
     (row, _all) = report.generation_table([out], tmp_path / "g.tsv")
-    assert row["tokens_per_job_s"] == round(stats["run"]["completion_tokens"] / stats["wall_s"], 1)
+    assert row["tokens_per_job_s"] == round(stats["run"]["completion_tokens"] / stats["run"]["wall_s"], 1)

@@ -50,8 +50,8 @@ def test_two_processes_two_endpoints_each_prompt_once_in_order(tmp_path):
     assert [r["prompt_id"] for r in recs] == [p["prompt_id"] for p in prompts]
     assert all(r["status"] == "ok" and r["model"] == "test-model" for r in recs)
     assert all(v == 1 for v in sent.values()) and sum(sent.values()) == n + 4  # MULTI has 4 user turns
-    assert stats["client_processes"] == 2 and stats["attempts"] == stats["requests"] == n + 4
-    assert sum(e["attempts"] for e in stats["endpoints"].values()) == n + 4
+    assert stats["run"]["client_processes"] == 2 and stats["run"]["attempts"] == stats["run"]["requests"] == n + 4
+    assert sum(e["attempts"] for e in stats["run"]["endpoints"].values()) == n + 4
     assert recs[-3]["messages"][4]["content"] == "Answer 2 to: And times 4?"  # multi-turn history per process
 
 
@@ -66,7 +66,7 @@ def test_endpoint_dies_mid_shard_with_two_processes(tmp_path):
     recs = read_records(tmp_path / "c.parquet")
     assert [r["prompt_id"] for r in recs] == [p["prompt_id"] for p in prompts]
     assert all(r["status"] == "ok" for r in recs)
-    assert stats["endpoints"][b.base_url]["taken_out"] >= 1
+    assert stats["run"]["endpoints"][b.base_url]["taken_out"] >= 1
 
 
 def test_breaker_with_two_processes_keeps_progress(tmp_path):
@@ -102,7 +102,7 @@ def test_resume_with_two_processes_sends_only_unfinished(tmp_path):
         stats = generate_shard(tmp_path / "p.parquet", out, target_dir=None, gen_cfg=cfg)
         sent = srv2.stats.by_prompt
     assert sorted(sent) == sorted(f"question {i}" for i in range(10, n)) and all(v == 1 for v in sent.values())
-    assert stats["resumed"] == 10 and stats["generated"] == n - 10 and not progress.exists()
+    assert stats["run"]["resumed"] == 10 and stats["run"]["generated"] == n - 10 and not progress.exists()
     assert [r["prompt_id"] for r in read_records(out)] == [p["prompt_id"] for p in prompts]
 
 
@@ -114,7 +114,7 @@ def test_raw_completions_mode_with_two_processes(tmp_path, demo_target):
         assert srv.stats.completions_requests == srv.stats.chat_requests == 12
     recs = read_records(tmp_path / "c.parquet")
     assert [r["prompt_id"] for r in recs] == [p["prompt_id"] for p in prompts]
-    assert all(r["status"] == "ok" for r in recs) and stats["client_processes"] == 2
+    assert all(r["status"] == "ok" for r in recs) and stats["run"]["client_processes"] == 2
 
 
 def _alive(pid: int) -> bool:

@@ -189,7 +189,7 @@ def test_raw_transient_faults_are_retried(tmp_path, demo_target, faults):
         injected = faults.fail_first + faults.drop_first
         assert srv.stats.completions_requests == n + injected and srv.stats.answered == n
         assert len(srv.stats.by_prompt) == n and sum(srv.stats.by_prompt.values()) == n + injected
-    assert stats["ok"] == n and stats["retries"] == injected
+    assert stats["ok"] == n and stats["run"]["retries"] == injected
     assert all(r["status"] == "ok" for r in read_records(tmp_path / "c.parquet"))
 
 
@@ -218,13 +218,13 @@ def test_api_is_part_of_the_resume_fingerprint(tmp_path, demo_target):
         log.open(recs)
         log.close()
         stats = generate_shard(tmp_path / "p.parquet", out, target_dir=demo_target, gen_cfg=cfg)
-        assert stats["resumed"] == 0 and srv.stats.completions_requests == 6
+        assert stats["run"]["resumed"] == 0 and srv.stats.completions_requests == 6
         # ... and one written under the same settings is resumed
         log = ProgressLog(progress, _fingerprint("openai", cfg, demo_target, None))
         log.open(recs)
         log.close()
         stats = generate_shard(tmp_path / "p.parquet", out, target_dir=demo_target, gen_cfg=cfg)
-        assert stats["resumed"] == 3 and srv.stats.completions_requests == 6
+        assert stats["run"]["resumed"] == 3 and srv.stats.completions_requests == 6
 
 
 def test_raw_config_errors(tmp_path, demo_target):

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_pipeline.completions.stats import fleet_stats, merge_fleet_stats, shard_stats
+from dflash_pipeline.contracts import STATS_V1_RUN_KEYS
 
 
 @dataclass
@@ -28,9 +29,11 @@ def test_shard_stats_whole_shard_and_this_run():
                     resumed=1, wall_s=2.0, backend_stats={"requests": 2, "attempts": 3, "retries": 1})
     assert (s["prompts"], s["ok"], s["truncated"], s["error"], s["turns"]) == (3, 1, 1, 1, 3)
     assert (s["prompt_tokens"], s["completion_tokens"]) == (30, 15)
-    assert s["run"] == {"generated": 2, "turns": 2, "prompt_tokens": 20, "completion_tokens": 10, "wall_s": 2.0,
-                        "conversations_per_s": 1.0, "requests_per_s": 1.0, "output_tokens_per_s": 5.0}
-    assert (s["resumed"], s["generated"], s["attempts"], s["retries"]) == (1, 2, 3, 1)
+    assert s["run"] == {"resumed": 1, "generated": 2, "turns": 2, "prompt_tokens": 20, "completion_tokens": 10,
+                        "wall_s": 2.0, "conversations_per_s": 1.0, "requests_per_s": 1.0, "output_tokens_per_s": 5.0,
+                        "requests": 2, "attempts": 3, "retries": 1}
+    # this run's figures once, in `run` (stats version 2): the top level is the whole shard's
+    assert s["stats_version"] == 2 and not set(s) & set(STATS_V1_RUN_KEYS)
 
 
 def test_fleet_stats_merge_over_client_processes():

@@ -103,20 +103,10 @@ def too_long_prompts(prompts: Sequence[dict], tok, gen_cfg: dict, limit: int) ->
     return out
 
 
-def generate_shard(
-    prompt_shard: str | Path,
-    out_path: str | Path,
-    *,
-    target_dir: str | Path | None,
-    gen_cfg: dict,
-    chat_template: str | Path | None = None,
-    trust_remote_code: bool = False,
-    progress_path: str | Path | None = None,
-    errors_path: str | Path | None = None,
-    stats_path: str | Path | None = None,
-    dtype: str = "auto",
-    backend: Backend | None = None,
-) -> dict:
+def generate_shard(prompt_shard: str | Path, out_path: str | Path, *, target_dir: str | Path | None, gen_cfg: dict,
+                   chat_template: str | Path | None = None, trust_remote_code: bool = False,
+                   progress_path: str | Path | None = None, errors_path: str | Path | None = None,
+                   stats_path: str | Path | None = None, dtype: str = "auto", backend: Backend | None = None) -> dict:
     """Generate the completion shard for one prompt shard (the ``generate_completions`` rule's entry).
 
     Args:
@@ -130,19 +120,12 @@ def generate_shard(
         progress_path: resume file (default ``<out_path>.progress.jsonl``), removed once the shard is written.
         errors_path: error sidecar (default ``<out_path>.errors.jsonl``), rewritten each run; removed when
             a run ends with no errors.
-        stats_path: if given, the run's stats are written there as JSON (``contracts.CompletionStats``).
+        stats_path: if given, the stats are written there as JSON.
         backend: an already built backend (tests, benchmarks); default from ``gen_cfg["backend"]``.
 
     Returns:
-        stats (also written to ``stats_path``). Whole shard, from its final records (resumed ones
-        included): ``prompts, ok, truncated, error, turns, prompt_tokens, completion_tokens`` (turns =
-        assistant turns in the records, error rows' partial turns included). This run only: ``resumed``
-        (conversations taken from the progress file), ``generated`` (conversations sent), ``wall_s``
-        (seconds of this call), ``conversations_per_s, requests_per_s, output_tokens_per_s``, the
-        backend's ``requests, attempts, retries`` (and for openai ``rate_limited``, per-endpoint
-        ``endpoints``, ``client_processes``), and ``run``: ``{generated, turns, prompt_tokens,
-        completion_tokens, wall_s, conversations_per_s, requests_per_s, output_tokens_per_s}`` with turns
-        and tokens of the conversations generated in this run (the rates divide these by ``wall_s``).
+        The stats (:func:`stats.shard_stats`, :class:`contracts.CompletionStats`): the whole shard's counts
+        at the top level, this run's (resumed, generated, seconds, rates, request counters) in ``run``.
 
     Raises:
         GenerationError: the circuit breaker opened, or more than ``max_error_fraction`` of the shard
@@ -155,30 +138,20 @@ def generate_shard(
     template_kwargs(gen_cfg["thinking"])  # validates the mode
     progress = ProgressLog(paths.progress, _fingerprint(gen_cfg["backend"], gen_cfg, target_dir, chat_template))
     done = _resumable(progress, prompts)
+    backend, model_name = _backend_and_model(backend, done, prompts, paths, gen_cfg, target_dir=target_dir, dtype=dtype,
+                                             chat_template=chat_template, trust_remote_code=trust_remote_code)
     pending = [p for p in prompts if p["prompt_id"] not in done]
-    model_name = next(iter(done.values())).get("model") if done else None
-    if pending:
-        if backend is None:
-            backend = make_backend(gen_cfg, target_dir=target_dir, chat_template=chat_template,
-                                   trust_remote_code=trust_remote_code, dtype=dtype)
-        if done:  # resumed records must come from the model this run sends (generation.model unset: /models)
-            model_name = _resumed_model(backend, done, paths, len(prompts))
-            pending = [p for p in prompts if p["prompt_id"] not in done]
     # conversations that cannot fit the target's context are skipped and counted, never sent
     skipped = _skip_too_long(pending, target_dir, gen_cfg, chat_template, trust_remote_code, paths)
-    if skipped:
-        prompts = [p for p in prompts if p["prompt_id"] not in skipped]
-        pending = [p for p in pending if p["prompt_id"] not in skipped]
+    prompts, pending = _without(prompts, skipped), _without(pending, skipped)
     resumed = len(done)
     if resumed:
         log.info("%s: resuming, %d of %d conversations already finished", paths.out, resumed, len(prompts))
-    failed: dict[str, dict] = {}
-    backend_stats: dict = {}
+    failed, backend_stats = {}, {}  # prompt_id -> error record; the backend's counters of this run
     if pending:
-        sink = _Sink(done, failed, len(prompts), skipped)
-        model_name, backend_stats = _generate(backend, pending, gen_cfg, progress, paths, sink)
-        if len(skipped) > len(sink.skipped_before):  # the backend skipped some (a later turn outgrew the context)
-            prompts = [p for p in prompts if p["prompt_id"] not in skipped]
+        model_name, backend_stats = _generate(backend, pending, gen_cfg, progress, paths,
+                                              _Sink(done, failed, len(prompts), skipped))
+        prompts = _without(prompts, skipped)  # the backend may have skipped more (a later turn outgrew the context)
     records = _final_records(prompts, done, failed, gen_cfg, paths)
     skip_info = _skip_summary(skipped)
     _write_shard(paths.out, records, gen_cfg, model_name, prompt_shard, skip_info)
@@ -187,17 +160,43 @@ def generate_shard(
         paths.errors.unlink(missing_ok=True)
     stats = shard_stats(paths.out, backend=gen_cfg["backend"], model=model_name, records=records,
                         generated_ids={p["prompt_id"] for p in pending}, resumed=resumed,
-                        wall_s=time.monotonic() - t_start, backend_stats=backend_stats)
-    stats.update(skip_info)
-    from ..workflow import console
-
-    console("%s: %d ok, %d truncated, %d error, %d skipped as too_long; %d turns, %d completion tokens; this run "
-            "%d generated, %d resumed in %.1f s", paths.out, stats["ok"], stats["truncated"], stats["error"],
-            skip_info["skipped"]["too_long"], stats["turns"], stats["completion_tokens"], stats["generated"],
-            stats["resumed"], stats["wall_s"])
+                        wall_s=time.monotonic() - t_start, backend_stats=backend_stats, skip_info=skip_info)
+    _console_summary(paths, stats)
     if stats_path is not None:
         shards.write_json(stats_path, stats, skip_if_identical=False)
     return stats
+
+
+def _backend_and_model(backend: Backend | None, done: dict, prompts: Sequence[dict], paths: _Paths, gen_cfg: dict,
+                       **backend_kw) -> tuple[Backend | None, str | None]:
+    """The backend that generates what ``done`` lacks (built by :func:`make_backend` with ``backend_kw``
+    unless given; none is built when nothing is left) and the shard's model name so far: the one this
+    run sends when records were resumed (:func:`_resumed_model`, which drops from ``done`` the records
+    of another model), else that of the resumed records (None when there are none)."""
+    model_name = next(iter(done.values())).get("model") if done else None
+    if all(p["prompt_id"] in done for p in prompts):
+        return backend, model_name
+    if backend is None:
+        backend = make_backend(gen_cfg, **backend_kw)
+    if done:  # resumed records must come from the model this run sends (generation.model unset: /models)
+        model_name = _resumed_model(backend, done, paths, len(prompts))
+    return backend, model_name
+
+
+def _without(prompts: Sequence[dict], skipped: dict[str, dict]) -> list[dict]:
+    """``prompts`` less those in ``skipped`` (by prompt_id), in order."""
+    return [p for p in prompts if p["prompt_id"] not in skipped]
+
+
+def _console_summary(paths: _Paths, stats: dict) -> None:
+    """The job's one console line (:func:`dflash_pipeline.workflow.console`): the shard's counts, this run's."""
+    from ..workflow import console
+
+    run = stats["run"]
+    console("%s: %d ok, %d truncated, %d error, %d skipped as too_long; %d turns, %d completion tokens; this run "
+            "%d generated, %d resumed in %.1f s", paths.out, stats["ok"], stats["truncated"], stats["error"],
+            stats["skipped"]["too_long"], stats["turns"], stats["completion_tokens"], run["generated"],
+            run["resumed"], run["wall_s"])
 
 
 def _skip_too_long(pending, target_dir, gen_cfg, chat_template, trust_remote_code, paths) -> dict[str, dict]:
@@ -279,7 +278,6 @@ class _Sink:
     def __init__(self, done: dict, failed: dict, n_prompts: int, skipped: dict | None = None):
         self.done, self.failed, self.n_prompts = done, failed, n_prompts
         self.skipped = {} if skipped is None else skipped  # prompt_id -> example (updated in place)
-        self.skipped_before = dict(self.skipped)
         self.progress = self.err_fh = self.bar = None
 
     def __call__(self, record: dict) -> None:

@@ -1,6 +1,6 @@
 """Stats of a completions job: the live progress bar, the backends' request counts (merged over client
 processes) and the stats JSON of a shard (``generate_completions``' ``stats`` output, read by
-``report.py``)."""
+``report.py`` through :func:`dflash_pipeline.contracts.run_stats`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from ..contracts import COMPLETION_SCHEMA_VERSION
+from ..contracts import COMPLETION_SCHEMA_VERSION, COMPLETION_STATS_VERSION, CompletionStats, RunStats
 
 #: The per-endpoint counters of a fleet (summed over client processes).
 ENDPOINT_COUNTERS = ("attempts", "failures", "taken_out")
@@ -111,15 +111,20 @@ def _tokens(turns: list[dict], key: str) -> int:
 
 
 def shard_stats(out_path: Path, *, backend: str, model: str | None, records: Sequence[dict],
-                generated_ids: set[str], resumed: int, wall_s: float, backend_stats: dict) -> dict:
-    """The stats JSON of one completion shard (see :func:`dflash_pipeline.completions.generate_shard`).
+                generated_ids: set[str], resumed: int, wall_s: float, backend_stats: dict,
+                skip_info: dict | None = None) -> CompletionStats:
+    """The stats JSON of one completion shard (:class:`contracts.CompletionStats`, version
+    :data:`contracts.COMPLETION_STATS_VERSION`; see :func:`dflash_pipeline.completions.generate_shard`):
+    the whole shard's counts at the top level, this run's in ``run``.
 
     Args:
         records: the shard's final records (resumed ones included), in shard order.
         generated_ids: prompt_ids of the conversations sent in this run.
         resumed: conversations taken from the progress file.
         wall_s: seconds of this run (the rates divide this run's counts by it).
-        backend_stats: the backend's counters (``requests, attempts, retries``, ...), merged last.
+        backend_stats: the backend's counters of this run (``requests, attempts, retries``, for openai
+            ``rate_limited``, ``endpoints``, ``client_processes``), merged last into ``run``.
+        skip_info: ``skipped`` and ``skipped_examples`` of the shard (generate.py's ``_skip_summary``).
     """
     counts = Counter(r["status"] for r in records)
     all_turns = [t for r in records for t in r["turns"]]
@@ -128,7 +133,8 @@ def shard_stats(out_path: Path, *, backend: str, model: str | None, records: Seq
     def rate(n: int) -> float | None:
         return round(n / wall_s, 3) if wall_s > 0 else None
 
-    run = {  # this call only
+    run: RunStats = {  # this call only
+        "resumed": resumed,
         "generated": len(generated_ids),
         "turns": len(gen_turns),
         "prompt_tokens": _tokens(gen_turns, "prompt_tokens"),
@@ -137,8 +143,11 @@ def shard_stats(out_path: Path, *, backend: str, model: str | None, records: Seq
         "conversations_per_s": rate(len(generated_ids)),
         "requests_per_s": rate(len(gen_turns)),
         "output_tokens_per_s": rate(_tokens(gen_turns, "completion_tokens")),
+        "requests": 0, "attempts": 0, "retries": 0,
+        **backend_stats,
     }
     return {
+        "stats_version": COMPLETION_STATS_VERSION,
         "schema_version": COMPLETION_SCHEMA_VERSION,
         "shard": str(out_path),
         "backend": backend,
@@ -151,15 +160,6 @@ def shard_stats(out_path: Path, *, backend: str, model: str | None, records: Seq
         "turns": len(all_turns),
         "prompt_tokens": _tokens(all_turns, "prompt_tokens"),
         "completion_tokens": _tokens(all_turns, "completion_tokens"),
-        # this run (as before: report.py reads wall_s and retries)
-        "resumed": resumed,
-        "generated": len(generated_ids),
-        "wall_s": run["wall_s"],
-        "conversations_per_s": run["conversations_per_s"],
-        "requests_per_s": run["requests_per_s"],
-        "output_tokens_per_s": run["output_tokens_per_s"],
+        **(skip_info or {}),
         "run": run,
-        "requests": 0, "attempts": 0, "retries": 0,
-        **backend_stats,
     }
-

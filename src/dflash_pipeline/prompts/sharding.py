@@ -4,9 +4,9 @@ docstring for why shard contents only depend on the records before them).
 
 :func:`build_prompt_shards` reads the sources in config order; each source is one :func:`_shard_source`
 call: records are normalized (:func:`_normalized`) and kept or dropped (:func:`_drop_reason`) one by one, written by a :class:`_ShardWriter`, and counted
-in a :class:`_SourceTally` that becomes the source's manifest entry (:func:`_source_entry`).
-:func:`build_prompt_shards` runs to ~90 lines only because its docstring is the manifest's contract (its
-body is ~30).
+in a :class:`_SourceTally` that becomes the source's manifest entry (:func:`_source_entry`). Before any
+source is read :func:`_checked_filters` checks the options; after the last, :func:`_manifest` assembles
+the manifest (:class:`dflash_pipeline.contracts.PromptManifest`).
 """
 
 from __future__ import annotations
@@ -366,19 +366,61 @@ def _inactive_datasets(out: Path, active: Mapping[str, Any]) -> dict[str, list[s
     return inactive
 
 
-def build_prompt_shards(
-    datasets: Mapping[str, Mapping[str, Any]],
-    out_dir: str | os.PathLike,
-    *,
-    shard_size: int,
-    seed: int,
-    tokenizer=None,
-    max_prompt_tokens: int | None = None,
-    languages: Sequence[str] | None = None,
-    min_language_confidence: float = 0.0,
-    manifest_path: str | os.PathLike | None = None,
-    special_token_text: str | None = None,
-) -> dict:
+def _checked_filters(datasets: Mapping[str, Mapping[str, Any]], *, shard_size: int, seed: int, tokenizer,
+                     max_prompt_tokens: int | None, languages: Sequence[str] | None, min_language_confidence: float,
+                     special_token_text: str | None) -> tuple[_Filters, dict[str, tuple[frozenset, float] | None]]:
+    """The options of :func:`build_prompt_shards` checked before any source is read: the shared
+    :class:`_Filters` and each source's language filter (:func:`_language_filters`).
+
+    Raises:
+        ConfigError: ``shard_size`` < 1, ``max_prompt_tokens`` without tokenizer, bad language settings
+            (every problem, by config key: :func:`language_problems`), a language filter without py3langid
+            installed, a ``special_token_text`` other than drop/keep/None or without tokenizer (in that order).
+    """
+    if shard_size < 1:
+        raise ConfigError(f"prompts.shard_size must be >= 1, got {shard_size}")
+    if max_prompt_tokens is not None and tokenizer is None:
+        raise ConfigError("prompts.max_prompt_tokens is set but no tokenizer was given (the probe's target tokenizer)")
+    lang_filters, identifier = _language_filters(datasets, languages, min_language_confidence)
+    if special_token_text not in (None, "drop", "keep"):
+        raise ConfigError(f"prompts.special_token_text: {special_token_text!r}; use drop or keep")
+    if special_token_text is not None and tokenizer is None:
+        raise ConfigError("prompts.special_token_text needs the target tokenizer (none was given)")
+    filters = _Filters(seed=seed, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens, identifier=identifier,
+                       control_strings=control_token_strings(tokenizer) if special_token_text else (),
+                       special_token_text=special_token_text)
+    return filters, lang_filters
+
+
+def _manifest(filters: _Filters, ds_out: dict[str, dict], inactive_datasets: dict[str, list[str]], *,
+              shard_size: int, languages: Sequence[str] | None, min_language_confidence: float) -> dict:
+    """The manifest (:class:`contracts.PromptManifest`) of the sources' entries ``ds_out``. Raises
+    DataError when no source kept a prompt."""
+    total = sum(d["kept"] for d in ds_out.values())
+    if total == 0:
+        summary = {n: d["dropped"] for n, d in ds_out.items()}
+        raise DataError(f"no prompt kept from any source (drops per source: {summary}); check `datasets` in the config")
+    return {
+        "schema_version": MANIFEST_SCHEMA_VERSION,
+        "prompt_schema_version": PROMPT_SCHEMA_VERSION,
+        "seed": filters.seed,
+        "shard_size": shard_size,
+        "max_prompt_tokens": filters.max_prompt_tokens,
+        **({"special_token_text": filters.special_token_text} if filters.special_token_text is not None else {}),
+        "tokenizer": getattr(filters.tokenizer, "name_or_path", None) if filters.tokenizer is not None else None,
+        "languages": list(languages) if languages else None,
+        "min_language_confidence": min_language_confidence,
+        "language_detector": _language_detector() if filters.identifier is not None else None,
+        "total_prompts": total,
+        "datasets": ds_out,
+        "inactive_datasets": inactive_datasets,
+    }
+
+
+def build_prompt_shards(datasets: Mapping[str, Mapping[str, Any]], out_dir: str | os.PathLike, *, shard_size: int,
+                        seed: int, tokenizer=None, max_prompt_tokens: int | None = None,
+                        languages: Sequence[str] | None = None, min_language_confidence: float = 0.0,
+                        manifest_path: str | os.PathLike | None = None, special_token_text: str | None = None) -> dict:
     """Normalize, filter, dedup and shard every prompt source; write shards and the manifest.
 
     Args:
@@ -406,17 +448,8 @@ def build_prompt_shards(
             no check.
 
     Returns:
-        The manifest (also written, key-sorted JSON): ``{schema_version, seed, shard_size,
-        max_prompt_tokens, languages, min_language_confidence, language_detector, total_prompts,
-        datasets: {name: {config, read, kept, dropped: {reason: n}, skipped_examples, stopped_at_max_prompts,
-        shards: [{name, path, rows, first_prompt_id, last_prompt_id}], inactive_shards: [name]}},
-        inactive_datasets: {name: [shard name]}}``; shard ``path`` is relative to ``out_dir``.
-        ``skipped_examples`` holds up to :data:`MAX_EXAMPLES` located messages per drop reason (malformed
-        and rejected records, in file order). ``inactive_shards`` are shard files of the source beyond its
-        current shard count, ``inactive_datasets`` the shard files of sources no longer in ``datasets``:
-        on disk, not in any ``shards`` list. A source with a language filter also has ``config.languages``,
-        ``config.min_language_confidence`` and ``dropped_languages: {detected language: n}``;
-        ``language_detector`` is ``"py3langid <version>"`` when any source used it, else None.
+        The manifest, also written as key-sorted JSON: :class:`contracts.PromptManifest` (its docstring
+        says what each entry holds); shard ``path`` is relative to ``out_dir``.
 
     Side effects: shard files whose content is unchanged are not rewritten (mtime kept); no shard file is
     ever deleted (inactive ones are listed, logged at INFO). A source that keeps no prompt is logged as a
@@ -426,46 +459,18 @@ def build_prompt_shards(
         DataError: malformed input in a ``strict`` source (names file, line/record and field), a ``strict``
             source none of whose records has a prompt field (names the source, its file, the first record's
             fields and the fix), or no prompt kept at all.
-        ConfigError: bad ``shard_size``/``fraction``/``format``, ``max_prompt_tokens`` without tokenizer,
-            bad language settings (every problem, by config key: :func:`language_problems`), or a language
-            filter without py3langid installed — all raised before any source is read.
+        ConfigError: a bad option (:func:`_checked_filters`), ``fraction`` or ``format``; all but the last
+            two raised before any source is read.
     """
-    if shard_size < 1:
-        raise ConfigError(f"prompts.shard_size must be >= 1, got {shard_size}")
-    if max_prompt_tokens is not None and tokenizer is None:
-        raise ConfigError("prompts.max_prompt_tokens is set but no tokenizer was given (the probe's target tokenizer)")
-    lang_filters, identifier = _language_filters(datasets, languages, min_language_confidence)
+    filters, lang_filters = _checked_filters(
+        datasets, shard_size=shard_size, seed=seed, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens,
+        languages=languages, min_language_confidence=min_language_confidence, special_token_text=special_token_text)
     out = Path(out_dir)
     manifest_file = Path(manifest_path) if manifest_path is not None else out / "manifest.json"
-    if special_token_text not in (None, "drop", "keep"):
-        raise ConfigError(f"prompts.special_token_text: {special_token_text!r}; use drop or keep")
-    if special_token_text is not None and tokenizer is None:
-        raise ConfigError("prompts.special_token_text needs the target tokenizer (none was given)")
-    filters = _Filters(seed=seed, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens, identifier=identifier,
-                       control_strings=control_token_strings(tokenizer) if special_token_text else (),
-                       special_token_text=special_token_text)
     ds_out = {name: _shard_source(name, raw_cfg, out, shard_size, filters, lang_filters[name])
               for name, raw_cfg in datasets.items()}
-    inactive_datasets = _inactive_datasets(out, ds_out)
-    total = sum(d["kept"] for d in ds_out.values())
-    if total == 0:
-        summary = {n: d["dropped"] for n, d in ds_out.items()}
-        raise DataError(f"no prompt kept from any source (drops per source: {summary}); check `datasets` in the config")
-    manifest = {
-        "schema_version": MANIFEST_SCHEMA_VERSION,
-        "prompt_schema_version": PROMPT_SCHEMA_VERSION,
-        "seed": seed,
-        "shard_size": shard_size,
-        "max_prompt_tokens": max_prompt_tokens,
-        **({"special_token_text": special_token_text} if special_token_text is not None else {}),
-        "tokenizer": getattr(tokenizer, "name_or_path", None) if tokenizer is not None else None,
-        "languages": list(languages) if languages else None,
-        "min_language_confidence": min_language_confidence,
-        "language_detector": _language_detector() if identifier is not None else None,
-        "total_prompts": total,
-        "datasets": ds_out,
-        "inactive_datasets": inactive_datasets,
-    }
+    manifest = _manifest(filters, ds_out, _inactive_datasets(out, ds_out), shard_size=shard_size,
+                         languages=languages, min_language_confidence=min_language_confidence)
     shards.write_json(manifest_file, manifest)
     return manifest
 
