@@ -243,11 +243,10 @@ def _open_data(accelerator, cfg: dict, probe: dict, token_shards, feature_shards
         train_idx, held_idx = list(range(len(held))), []
     records = torch.utils.data.Subset(data.dataset, train_idx)
     heldout = [data.dataset[i] for i in held_idx]
-    if data.from_shards:
-        run_data = RunData(records, heldout, data.collate, None, data.embed, data.lm_head, data.target_config)
-    else:  # StepContext takes the embedding and LM head from the target
+    target = None
+    if not data.from_shards:  # StepContext takes the embedding and LM head from the target
         target = T.load_target(target_dir, dtype=target_dtype, device=accelerator.device, trust_remote_code=trust_remote_code)
-        run_data = RunData(records, heldout, data.collate, target)
+    run_data = RunData(records, heldout, data, target)
     if cfg["packing"]:
         P.check_target_isolates_records(run_data.target, probe["drafter"]["target_layer_ids"])
     return run_data
@@ -263,7 +262,7 @@ def _prepare_run(accelerator, cfg: dict, out_dir: Path, data: RunData, probe: di
     Raises:
         RuntimeError: the prepared per-rank loader has another length than the schedule assumes.
     """
-    drafter = build_drafter(data.target if data.target is not None else train_data.ConfigOnly(data.target_config), probe,
+    drafter = build_drafter(data.target if data.target is not None else train_data.ConfigOnly(data.source.target_config), probe,
                             seed=cfg["seed"], layer_types=arch.get("layer_types"), sliding_window=arch.get("sliding_window"))
     backend = cfg["attention_backend"] if cfg.get("attention_backend", "auto") != "auto" else (
         "flex" if accelerator.device.type == "cuda" else "sdpa")
@@ -275,7 +274,7 @@ def _prepare_run(accelerator, cfg: dict, out_dir: Path, data: RunData, probe: di
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg["learning_rate"], weight_decay=cfg["weight_decay"], betas=(0.9, 0.999), eps=1e-8)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: M.cosine_with_warmup(s, sch.total_steps, sch.warmup))
     loader = torch.utils.data.DataLoader(
-        dataset, batch_size=cfg["batch_size"], shuffle=True, collate_fn=P.collate_packed if cfg["packing"] else data.collate,
+        dataset, batch_size=cfg["batch_size"], shuffle=True, collate_fn=P.collate_packed if cfg["packing"] else data.source.collate,
         drop_last=False, generator=torch.Generator().manual_seed(cfg["seed"]),
     )
     drafter, optimizer, loader = accelerator.prepare(drafter, optimizer, loader)
@@ -286,7 +285,7 @@ def _prepare_run(accelerator, cfg: dict, out_dir: Path, data: RunData, probe: di
         drafter=drafter, target=data.target, probe=probe, num_anchors=cfg["num_anchors"], block_size=block_size, gamma=gamma,
         generator=torch.Generator(device="cpu").manual_seed(cfg["seed"] * 1000 + accelerator.process_index),
         zero_target_features=zero_target_features, backend=backend, world_size=accelerator.num_processes,
-        reduce_sum=lambda t: accelerator.reduce(t.to(accelerator.device), "sum"), embed=data.embed, lm_head=data.lm_head,
+        reduce_sum=lambda t: accelerator.reduce(t.to(accelerator.device), "sum"), embed=data.source.embed, lm_head=data.source.lm_head,
         loss=cfg["loss"], kl_temperature=cfg["kl_temperature"], kl_ce_weight=cfg["kl_ce_weight"], dpace_alpha=cfg["dpace_alpha"],
     )
     val_batches, val_counted = _heldout_batches(data.heldout, cfg, accelerator.process_index, accelerator.num_processes)

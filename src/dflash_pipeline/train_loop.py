@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -24,6 +24,7 @@ from . import target as T
 from . import trackers as TR
 from . import validation as V
 from .train_checkpoint import export_module, export_step, save_state
+from .train_data import TrainingData
 from .train_step import StepContext, step_objective
 
 
@@ -34,23 +35,21 @@ from .train_step import StepContext, step_objective
 
 @dataclass
 class RunData:
-    """What a run trains and validates on (opened by :func:`dflash_pipeline.train.train`): ``records`` (the training split of the
-    token records, a ``Subset``), ``heldout`` (the held-out records, a list), their ``collate`` function,
-    and the frozen ``target``, or with feature shards (``target`` None) its ``embed`` / ``lm_head`` and
-    ``target_config``."""
+    """What a run trains and validates on (opened by :func:`dflash_pipeline.train.train`): ``records`` (the
+    training split of ``source.dataset``, a ``Subset``), ``heldout`` (the held-out records, a list),
+    ``source`` (the :class:`dflash_pipeline.train_data.TrainingData` they come from: their collate function
+    and, with feature shards, the embedding / LM head / target config) and the frozen ``target`` (None with
+    feature shards)."""
 
     records: Any
     heldout: list
-    collate: Callable
+    source: TrainingData
     target: Any = None
-    embed: Any = None
-    lm_head: Any = None
-    target_config: Any = None
 
     @property
     def target_dtype(self) -> torch.dtype:
-        """The dtype the target (or its LM head) runs in."""
-        return T.module_dtype(self.target if self.target is not None else self.lm_head)
+        """The dtype the target (or, with feature shards, its LM head) runs in."""
+        return T.module_dtype(self.target if self.target is not None else self.source.lm_head)
 
 
 @dataclass
