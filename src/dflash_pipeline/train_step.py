@@ -74,6 +74,9 @@ def step_objective(ctx: StepContext, batch: dict) -> L.LossOutput:
     the loss in float32.
 
     Returns the unnormalised :class:`dflash_pipeline.losses.LossOutput` (the caller normalises globally).
+
+    Raises:
+        ValueError: ``kl`` without the target's last hidden state (:func:`_batch_features`).
     """
     ids, lmask = batch["input_ids"], batch["loss_mask"]
     packed = "segment_ids" in batch
