@@ -1,8 +1,11 @@
 """The DFlash drafter: Qwen3-style layers with KV injection of fused target features.
 
 Read top to bottom like a Hugging Face ``modeling_*.py``:
-config helpers -> attention with KV injection -> decoder layer -> drafter -> training masks/anchors/loss
--> export/load in the format SGLang and vLLM serve.
+config helpers -> attention with KV injection -> decoder layer -> drafter -> export/load in the format
+SGLang and vLLM serve. The training side lives beside it and is re-exported here (``M.sample_anchors``,
+``M.build_block_mask``, … keep working): :mod:`dflash_pipeline.blocks` (anchors, block inputs and
+same-position labels, decayed CE, its normaliser, slot accuracy, LR schedule) and
+:mod:`dflash_pipeline.masks` (training and inference attention masks).
 
 Method source: ``reference/dflash.md`` (DFlash, arXiv 2602.06036; SpecForge as the public reference):
 §2 architecture, §2.5 inference loop, §3 target layers, §4 training objective, §8 checkpoint format.
@@ -13,8 +16,6 @@ S sequence length, N anchors per sequence, V vocabulary.
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -29,8 +30,26 @@ from transformers.models.qwen3.modeling_qwen3 import (
     apply_rotary_pos_emb,
 )
 
+from .blocks import (  # noqa: F401 - re-exported: the training side, imported as M.* across the package
+    AnchorBatch,
+    block_inputs_and_labels,
+    cosine_with_warmup,
+    decayed_cross_entropy,
+    expected_acceptance_length,
+    loss_decay_gamma,
+    loss_normalizer,
+    sample_anchors,
+    slot_accuracy,
+)
 from .contracts import CHECKPOINT_FORMAT_VERSION
-from .target import lm_head_logits, module_dtype
+from .masks import (  # noqa: F401 - re-exported, as above
+    build_block_mask,
+    build_flex_block_mask,
+    build_inference_sliding_mask,
+    build_training_masks,
+    masks_per_layer_type,
+)
+from .target import module_dtype
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -329,272 +348,6 @@ class DFlashDrafter(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Training: anchors, block mask, decayed loss (dflash.md §4)
-# ---------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class AnchorBatch:
-    """Sampled anchors for a batch. ``anchors`` long [b, N] (sorted per row), ``keep`` bool [b, N]."""
-
-    anchors: torch.Tensor
-    keep: torch.Tensor
-
-
-def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: Optional[torch.Generator] = None) -> AnchorBatch:
-    """Draw up to ``num_anchors`` random anchors per sequence, redrawn every step (dflash.md §4.2).
-
-    Candidates are positions p ≤ S−2 with ``loss_mask[p] == 1`` and ``loss_mask[p+1] == 1`` (SpecForge
-    HEAD rule: the anchor is a generated token and the first label is supervised). N = min(num_anchors,
-    max #candidates over the batch); rows with fewer candidates get ``keep = False`` fill-ins.
-
-    Args:
-        loss_mask: [b, S] 0/1 (any integer or bool dtype).
-    Returns:
-        AnchorBatch with ``anchors`` long [b, N] sorted ascending, ``keep`` bool [b, N]; N ≥ 1.
-    """
-    lm = loss_mask.bool()
-    b, s = lm.shape
-    cand = torch.zeros_like(lm)
-    cand[:, :-1] = lm[:, :-1] & lm[:, 1:]
-    counts = cand.sum(dim=1)
-    n = int(max(1, min(num_anchors, int(counts.max().item()) if b else 1)))
-    scores = torch.rand((b, s), generator=generator, device=loss_mask.device)
-    scores = torch.where(cand, scores, torch.full_like(scores, 2.0))  # non-candidates sort last
-    idx = scores.argsort(dim=1)[:, :n]  # [b, N] random candidates first
-    keep = torch.arange(n, device=loss_mask.device).unsqueeze(0) < counts.unsqueeze(1)
-    idx = torch.where(keep, idx, torch.zeros_like(idx))
-    # sort kept anchors by position; fill-ins (anchor 0, keep False) go after them
-    order_key = torch.where(keep, idx, torch.full_like(idx, s + 1))
-    order = order_key.argsort(dim=1)
-    return AnchorBatch(anchors=idx.gather(1, order), keep=keep.gather(1, order))
-
-
-def build_block_mask(
-    anchors: torch.Tensor, seq_len: int, block_size: int, *, sliding_window: Optional[int] = None
-) -> torch.Tensor:
-    """Dense training attention mask (dflash.md §4.4), True = attend.
-
-    KV layout is [context (S) ‖ block_0 (B) ‖ … ‖ block_{N−1} (B)]; queries are the N·B block slots.
-    Query slot q of block n = q // B may see context key j iff j < anchors[n] (strictly before the
-    anchor, by *position*, so overlapping anchors never leak), and every key of its own block
-    (bidirectional). It never sees other blocks. Every row has ≥ 1 visible key (its own anchor).
-
-    ``sliding_window`` (sliding-attention layers, dflash.md §2.3, SpecForge semantics): the context is
-    further limited to keys with ``query_position − j < sliding_window``, and inside the block a slot
-    sees only slots at or before it (causal).
-
-    Args:
-        anchors: long [b, N].
-    Returns:
-        bool [b, 1, N·B, S + N·B].
-    """
-    b, n = anchors.shape
-    dev = anchors.device
-    q_block = torch.arange(n * block_size, device=dev) // block_size  # [Q]
-    q_off = torch.arange(n * block_size, device=dev) % block_size  # [Q]
-    q_anchor = anchors[:, q_block]  # [b, Q]
-    j = torch.arange(seq_len, device=dev).view(1, 1, -1)
-    ctx = j < q_anchor.unsqueeze(-1)  # [b, Q, S]
-    own = (q_block.view(-1, 1) == q_block.view(1, -1))  # [Q, N·B]
-    if sliding_window is not None:
-        q_pos = (q_anchor + q_off).unsqueeze(-1)  # [b, Q, 1]
-        ctx = ctx & (q_pos - j < sliding_window)
-        own = own & (q_off.view(1, -1) <= q_off.view(-1, 1))
-    own = own.unsqueeze(0).expand(b, -1, -1)
-    return torch.cat([ctx, own], dim=-1).unsqueeze(1)
-
-
-def build_flex_block_mask(
-    anchors: torch.Tensor, seq_len: int, block_size: int, *, sliding_window: Optional[int] = None,
-    segment_ids: Optional[torch.Tensor] = None,
-):
-    """The same predicate as :func:`build_block_mask` as a FlexAttention ``BlockMask`` (no dense
-    [b, Q, S+Q] tensor; dflash.md §4.4). The block index is clamped before the anchor gather.
-
-    ``segment_ids`` long [b, S] (packed rows, :mod:`dflash_pipeline.packing`): context key j is visible
-    only when it lies in the anchor's record as well."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    b, n = anchors.shape
-    q_len = n * block_size
-
-    def mask_mod(bi, hi, q, kv):
-        blk = torch.clamp(q // block_size, max=n - 1)
-        anchor = anchors[bi, blk]
-        in_ctx = (kv < seq_len) & (kv < anchor)
-        if segment_ids is not None:
-            in_ctx = in_ctx & (segment_ids[bi, torch.clamp(kv, max=seq_len - 1)] == segment_ids[bi, anchor])
-        kv_blk = torch.clamp(kv - seq_len, min=0) // block_size
-        in_own = (kv >= seq_len) & (kv_blk == blk)
-        if sliding_window is not None:
-            q_off = q % block_size
-            in_ctx = in_ctx & (anchor + q_off - kv < sliding_window)
-            in_own = in_own & ((kv - seq_len) % block_size <= q_off)
-        return in_ctx | in_own
-
-    return create_block_mask(mask_mod, B=b, H=None, Q_LEN=q_len, KV_LEN=seq_len + q_len, device=anchors.device)
-
-
-def build_training_masks(drafter: "DFlashDrafter", anchors: torch.Tensor, seq_len: int, backend: str = "sdpa"):
-    """Masks for every layer type the drafter has: one mask, or ``{layer_type: mask}`` when it mixes
-    full and sliding layers. ``backend``: ``sdpa`` (dense bool) or ``flex`` (BlockMask)."""
-    build = build_flex_block_mask if backend == "flex" else build_block_mask
-    return masks_per_layer_type(drafter, lambda **kw: build(anchors, seq_len, drafter.block_size, **kw))
-
-
-def masks_per_layer_type(drafter: "DFlashDrafter", build):
-    """``build()`` for full-attention layers and ``build(sliding_window=W)`` for sliding ones: one mask when
-    the drafter has one layer type, else ``{layer_type: mask}``."""
-    types = set(drafter.layer_types)
-    masks = {}
-    if "full_attention" in types:
-        masks["full_attention"] = build()
-    if "sliding_attention" in types:
-        masks["sliding_attention"] = build(sliding_window=drafter.sliding_window)
-    return next(iter(masks.values())) if len(masks) == 1 else masks
-
-
-def build_inference_sliding_mask(start: int, block_size: int, sliding_window: int, device=None) -> torch.Tensor:
-    """Inference mask of a sliding layer: block slot k (position start+k) sees context j with
-    start+k−j < window, and block slots ≤ k. bool [1, 1, B, start + B]."""
-    k = torch.arange(block_size, device=device).view(-1, 1)
-    j = torch.arange(start, device=device).view(1, -1)
-    ctx = (start + k) - j < sliding_window
-    own = torch.arange(block_size, device=device).view(1, -1) <= k
-    return torch.cat([ctx, own], dim=-1).view(1, 1, block_size, start + block_size)
-
-
-def loss_decay_gamma(block_size: int) -> float:
-    """γ of the position decay: 7 for B=16, 5 for B=10, 4 for B=8 (dflash.md §4.5, [P6] App. A.1);
-    other sizes interpolate linearly between those points (and clamp at ≥ 1)."""
-    table = {8: 4.0, 10: 5.0, 16: 7.0}
-    if block_size in table:
-        return table[block_size]
-    if block_size < 10:
-        return max(1.0, 4.0 + (block_size - 8) * 0.5)
-    return 5.0 + (block_size - 10) * (2.0 / 6.0)
-
-
-def block_inputs_and_labels(
-    input_ids: torch.Tensor,
-    loss_mask: torch.Tensor,
-    anchors: AnchorBatch,
-    block_size: int,
-    mask_token_id: int,
-    gamma: Optional[float],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Block tokens, positions, same-position labels and loss weights (dflash.md §4.3, §4.5).
-
-    Slot k of the block anchored at p holds ``input_ids[p]`` (k = 0) or MASK, sits at position p+k, and
-    is trained to predict ``input_ids[p+k]`` (same-position labels; slot 0 carries no loss).
-    Weight = keep · [p+k < S] · [k ≥ 1] · loss_mask[p+k] · exp(−(k−1)/γ) (γ None → uniform).
-
-    Returns:
-        block_ids long [b, N·B], block_pos long [b, N·B], labels long [b, N·B], weights float [b, N·B].
-    """
-    b, s = input_ids.shape
-    a, keep = anchors.anchors, anchors.keep
-    n = a.shape[1]
-    k = torch.arange(block_size, device=input_ids.device)
-    pos = a.unsqueeze(-1) + k.view(1, 1, -1)  # [b, N, B]
-    in_range = pos < s
-    pos_c = pos.clamp(max=s - 1)
-    labels = input_ids.gather(1, pos_c.view(b, -1)).view(b, n, block_size)
-    lmask = loss_mask.gather(1, pos_c.view(b, -1)).view(b, n, block_size).bool()
-    block_ids = torch.full_like(labels, mask_token_id)
-    block_ids[:, :, 0] = input_ids.gather(1, a)
-    decay = torch.ones(block_size, device=input_ids.device, dtype=torch.float32)
-    if gamma is not None:
-        decay = torch.exp(-(k.float() - 1.0) / gamma)
-    decay[0] = 0.0
-    valid = keep.unsqueeze(-1) & in_range & lmask & (k.view(1, 1, -1) >= 1)
-    weights = valid.float() * decay.view(1, 1, -1)
-    return block_ids.view(b, -1), pos.view(b, -1), labels.view(b, -1), weights.view(b, -1)
-
-
-def decayed_cross_entropy(
-    hidden: torch.Tensor,  # [b, Q, H] drafter output
-    lm_head_weight: torch.Tensor,  # [V, H] frozen target LM head
-    labels: torch.Tensor,  # long [b, Q]
-    weights: torch.Tensor,  # float [b, Q]
-    chunk_tokens: int = 4096,
-    normalizer: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, dict]:
-    """Weighted CE Σ w·CE / Σ w over slots with w > 0, computed in chunks of ``chunk_tokens`` slots
-    under activation checkpointing so memory never holds [N·B, V] logits at once (dflash.md §4.5, §4.7).
-
-    ``normalizer`` (float scalar) replaces the local Σ w as the divisor: :func:`loss_normalizer` makes
-    data-parallel ranks average to the global Σ w·CE / Σ w. Logits are computed in the LM head's dtype
-    and upcast to float32 for the cross-entropy (:func:`dflash_pipeline.target.lm_head_logits`), so a
-    bf16 head works with or without autocast.
-
-    Returns ``(loss, stats)``; ``stats`` holds per-slot correct/total counts (for accuracy and the EAL
-    proxy) and ``weight_sum`` (local Σ w). With no supervised slot the loss is ``0 * hidden.sum()`` so
-    every rank still runs backward.
-    """
-    h = hidden.reshape(-1, hidden.shape[-1])
-    y = labels.reshape(-1)
-    w = weights.reshape(-1)
-    sel = (w > 0).nonzero(as_tuple=True)[0]
-    total_w = w[sel].sum()
-    if sel.numel() == 0:
-        return hidden.sum() * 0.0, {"num_slots": 0, "weight_sum": 0.0}
-    hs, ys, ws = h[sel], y[sel], w[sel]
-
-    def chunk_loss(hc, yc, wc):
-        logits = lm_head_logits(hc, lm_head_weight)
-        ce = F.cross_entropy(logits, yc, reduction="none")
-        return (ce * wc).sum(), (logits.argmax(-1) == yc)
-
-    loss = hidden.new_zeros((), dtype=torch.float32)
-    correct = []
-    for i in range(0, hs.shape[0], chunk_tokens):
-        part, ok = torch.utils.checkpoint.checkpoint(
-            chunk_loss, hs[i : i + chunk_tokens], ys[i : i + chunk_tokens], ws[i : i + chunk_tokens], use_reentrant=False
-        )
-        loss = loss + part
-        correct.append(ok)
-    denom = total_w if normalizer is None else normalizer.to(loss.device, torch.float32).clamp(min=1e-12)
-    return loss / denom, {"num_slots": int(sel.numel()), "correct": torch.cat(correct), "index": sel,
-                          "weight_sum": float(total_w)}
-
-
-def loss_normalizer(local_weight_sum: torch.Tensor, world_size: int, all_reduce_sum=None) -> torch.Tensor:
-    """Divisor for :func:`decayed_cross_entropy` on one of ``world_size`` data-parallel ranks.
-
-    DDP averages gradients over ranks, so rank r's loss Σ_r w·CE / (Σ_all w / world_size) averages to
-    the global Σ_all w·CE / Σ_all w: every supervised slot weighs the same whichever rank holds it (a
-    rank with few supervised tokens no longer weighs as much as a full one). ``all_reduce_sum`` sums a
-    float32 scalar over ranks (``accelerator.reduce(t, "sum")``); None = one process.
-    """
-    total = local_weight_sum.detach().to(torch.float32).reshape(())
-    if all_reduce_sum is not None and world_size > 1:
-        total = all_reduce_sum(total.clone())
-    return total / max(1, world_size)
-
-
-def slot_accuracy(stats: dict, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-slot (k = 0..B−1) correct and total counts from :func:`decayed_cross_entropy` stats."""
-    correct = torch.zeros(block_size, dtype=torch.long)
-    total = torch.zeros(block_size, dtype=torch.long)
-    if stats.get("num_slots", 0):
-        slot = (stats["index"] % block_size).cpu()
-        correct.index_add_(0, slot, stats["correct"].long().cpu())
-        total.index_add_(0, slot, torch.ones_like(slot))
-    return correct, total
-
-
-def expected_acceptance_length(slot_acc: list[float]) -> float:
-    """EAL proxy τ ≈ 1 + Σ_k Π_{i≤k} acc_i over slots 1..B−1 (dflash.md §4.5, speculators metrics)."""
-    tau, prod = 1.0, 1.0
-    for acc in slot_acc[1:]:
-        prod *= acc
-        tau += prod
-    return tau
-
-
-# ---------------------------------------------------------------------------------------------------
 # Checkpoint export / load (dflash.md §8)
 # ---------------------------------------------------------------------------------------------------
 
@@ -649,11 +402,3 @@ def load_drafter(ckpt_dir: str | Path, *, dtype: torch.dtype = torch.float32, de
 def count_parameters(module: nn.Module, trainable_only: bool = True) -> int:
     """Number of (trainable) parameters."""
     return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
-
-
-def cosine_with_warmup(step: int, total: int, warmup: int) -> float:
-    """LR multiplier: linear warmup over ``warmup`` steps, cosine to 0 at ``total`` (dflash.md §4.7)."""
-    if step < warmup:
-        return (step + 1) / max(1, warmup)
-    progress = (step - warmup) / max(1, total - warmup)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
