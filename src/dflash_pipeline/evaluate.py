@@ -1,14 +1,17 @@
-"""Acceptance evaluation: a real speculative-decoding loop (target verifies the drafter's blocks).
+"""Acceptance evaluation: τ of every drafter on every eval set, with a real speculative-decoding loop.
 
-Loop: reference/dflash.md §2.5 (z-lab ``dflash_generate``). Metrics: §7.1 — per verify step the
-accepted drafts plus the bonus token (a+1); a response's τ is the mean over its steps; the reported τ
-is the mean over responses. The draft is always greedy; the target samples at ``temperature``
-(greedy when 0), so the output distribution is the target's.
+Running (this module): :func:`evaluate` opens an :class:`EvalSession` (the target, its tokenizer and the
+held-out eval sets, :func:`load_eval_sets`), answers every prompt of every set with each drafter
+(:func:`run_eval_set`, one response per user turn) and aggregates the a+1 values per set
+(:func:`acceptance_stats`, reference/dflash.md §7.1: a response's τ is the mean over its verify steps; the
+reported τ is the mean over responses), then τ across the intermediate ``step_<N>/`` exports
+(:func:`run_checkpoint_series`).
 
-Beyond the loop: :func:`evaluate` (every drafter on every eval set → the eval record JSON, a table, plots,
-and τ across the intermediate ``step_<N>/`` exports), :func:`merge_eval_records` (side-by-side comparison
-that refuses records produced under different thinking modes), :func:`plot_training` (loss and EAL proxy
-vs step from ``train_log.jsonl``) and engine τ (:mod:`dflash_pipeline.evaluate_engine`: τ reported by a running SGLang/vLLM).
+The loop itself (draft + verify, the target's cache policy): :mod:`dflash_pipeline.speculative`. Writing
+the record JSON, the τ table and the plots, and comparing records (:func:`merge_eval_records` refuses
+records produced under different thinking modes): :mod:`dflash_pipeline.eval_outputs`. Engine τ (τ
+reported by a running SGLang/vLLM): :mod:`dflash_pipeline.evaluate_engine`. The names of both modules are
+importable from here too.
 
 Response = one generated assistant turn: a multi-turn conversation (MT-Bench) contributes one response
 per turn, each generated against the history of the drafter's own earlier answers.
@@ -18,186 +21,40 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
 from . import model as M
 from .contracts import EVAL_SCHEMA_VERSION
-from .errors import PipelineError
-from .shards import write_json, write_tsv
+from .eval_outputs import (
+    TABLE_COLUMNS,
+    EvalComparisonError,
+    check_comparable,
+    eval_table_rows,
+    merge_eval_records,
+    plot_acceptance,
+    plot_tau_vs_step,
+    plot_training,
+    plot_validation,
+    read_train_log,
+    write_eval_outputs,
+    write_eval_table,
+)
+from .shards import write_json
+from .speculative import SpecResult, TargetCache, speculative_generate
 
-
-class EvalComparisonError(PipelineError):
-    """Eval records that must not be compared (e.g. produced under different thinking modes)."""
-
-
-@dataclass
-class SpecResult:
-    """One response: ``output_ids`` (generated tokens, prompt excluded, eos kept), ``accept_lengths``
-    (a+1 per verify step), ``target_forwards`` (verify forwards, prefill excluded; the re-runs of the
-    ``recompute`` cache policy not counted), ``cache_policy`` (:class:`TargetCache`)."""
-
-    output_ids: list[int]
-    accept_lengths: list[int] = field(default_factory=list)
-    target_forwards: int = 0
-    cache_policy: str = ""  # TargetCache.policy: crop | recompute
-
-
-def _sample(logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator]) -> torch.Tensor:
-    """logits [..., V] → token ids [...] (argmax when temperature < 1e-5)."""
-    if temperature < 1e-5:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
-
-
-def _cache_kw(target, cache) -> dict:
-    """transformers ≥5.24 names the KV cache argument ``cache`` (``past_key_values`` is deprecated)."""
-    import inspect
-
-    params = inspect.signature(target.forward).parameters
-    return {"cache": cache} if "cache" in params else {"past_key_values": cache}
-
-
-class TargetCache:
-    """The target's cache in the verify loop, with one rollback policy for every cache type transformers
-    ships (dflash.md §2.5: after a verify step only the bonus token and the accepted drafts stay).
-
-    The cache is ``DynamicCache(config=target.config)``, so each layer gets its own type (full attention,
-    sliding window, linear attention / recurrent state), with ``activate_past_recording`` so sliding and
-    conv states keep what a rollback needs. After the prefill, :attr:`policy` is
-
-    * ``crop``: every layer can be cut back (full and sliding attention: ``cache.is_croppable``) — the
-      rejected tokens are cropped;
-    * ``recompute``: some layer holds a recurrent state that cannot be cut back (linear attention of
-      Qwen3.5/3.6 and Qwen3-Next): those layers are snapshotted before each verify forward; on a
-      rejection they are restored, the croppable layers cropped to the same point, and the target re-runs
-      the accepted tokens (one extra forward of a+1 tokens per rejecting step).
-
-    Either way the cache afterwards equals the cache of a target that only ever saw the accepted tokens.
-    """
-
-    def __init__(self, target):
-        from transformers import DynamicCache
-
-        self.target = target
-        try:
-            self.cache = DynamicCache(config=target.config)
-        except (TypeError, ValueError, AttributeError):  # older transformers: layers appear lazily
-            self.cache = DynamicCache()
-        if hasattr(self.cache, "activate_past_recording"):
-            self.cache.activate_past_recording()
-        self.policy: Optional[str] = None
-        self._snapshot: Optional[dict] = None
-        self.recomputes = 0
-
-    def forward(self, ids: torch.Tensor, layer_ids: Sequence[int]):
-        """Target forward of ``ids`` [1, n] on the cache → ``(features [1, n, K·H], output)``."""
-        from .train import target_features
-
-        if self.policy == "recompute":
-            import copy
-
-            self._snapshot = {i: copy.deepcopy(layer) for i, layer in enumerate(self.cache.layers)
-                              if not getattr(layer, "is_croppable", False)}
-        feats, out = target_features(self.target, ids, None, layer_ids, use_cache=True, **_cache_kw(self.target, self.cache))
-        if self.policy is None:  # after the prefill every layer type is known
-            self.policy = "crop" if getattr(self.cache, "is_croppable", True) else "recompute"
-        return feats, out
-
-    def keep(self, ids: torch.Tensor, n_keep: int, layer_ids: Sequence[int]) -> None:
-        """After verifying ``ids`` [1, n], keep only its first ``n_keep`` tokens in the cache."""
-        n_drop = ids.shape[1] - n_keep
-        if self.policy == "crop" or n_drop == 0:
-            self.cache.crop(-n_drop)  # crop(0) restricts sliding/conv states back to their window
-            return
-        for i, layer in enumerate(self.cache.layers):
-            if i in self._snapshot:
-                self.cache.layers[i] = self._snapshot[i]
-            else:
-                layer.crop(-ids.shape[1])
-        self._snapshot = None
-        self.recomputes += 1
-        from .train import target_features
-
-        target_features(self.target, ids[:, :n_keep], None, layer_ids, use_cache=True, **_cache_kw(self.target, self.cache))
-        self.cache.crop(0)  # back to the minimal sliding/conv states, as after a crop
-
-
-@torch.no_grad()
-def speculative_generate(
-    target,
-    drafter: M.DFlashDrafter,
-    prompt_ids: Sequence[int],
-    *,
-    block_size: int,
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    stop_token_ids: Sequence[int] = (),
-    generator: Optional[torch.Generator] = None,
-    zero_target_features: bool = False,
-) -> SpecResult:
-    """Generate up to ``max_new_tokens`` tokens for one prompt with DFlash speculative decoding (batch 1).
-
-    ``block_size`` ≤ the drafter's trained block size. ``zero_target_features`` feeds the drafter zeros
-    instead of the target's features (for the baseline trained that way; the target still verifies).
-    The target cache follows :class:`TargetCache` (any cache type); the drafter runs in its own dtype
-    (eval loads it in the target's, :func:`dflash_pipeline.target.drafter_dtype`).
-    Returns a :class:`SpecResult`.
-
-    Raises:
-        ValueError: ``block_size`` larger than the drafter's, or an empty prompt.
-    """
-    from .target import input_embeddings, lm_head
-
-    if block_size > drafter.block_size or block_size < 2:
-        raise ValueError(f"block_size {block_size} must be in [2, trained block size {drafter.block_size}]")
-    if not prompt_ids:
-        raise ValueError("empty prompt")
-    dev = next(target.parameters()).device
-    embed, head = input_embeddings(target), lm_head(target)
-    layer_ids = drafter.target_layer_ids
-    stops = set(int(t) for t in stop_token_ids)
-
-    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=dev)
-    tcache = TargetCache(target)
-    feats, out = tcache.forward(ids, layer_ids)
-    bonus = _sample(out.logits[:, -1], temperature, generator)  # [1]
-    result = SpecResult(output_ids=[int(bonus)], cache_policy=tcache.policy)
-    start = ids.shape[1]  # position of the bonus token
-    pending = feats  # target features not yet in the draft cache, positions cache.length .. start-1
-    if zero_target_features:
-        pending = torch.zeros_like(pending)
-    dcache = M.DraftContextCache(len(drafter.layers))
-    while int(bonus) not in stops and len(result.output_ids) < max_new_tokens:
-        logits = drafter.draft_block(embed, head, bonus, pending, start, dcache, block_size)
-        draft = logits[:, 1:].argmax(dim=-1)  # [1, B-1], greedy
-        verify = torch.cat([bonus.view(1, 1), draft], dim=1)  # [1, B]
-        feats, out = tcache.forward(verify, layer_ids)
-        result.target_forwards += 1
-        tgt = _sample(out.logits[0], temperature, generator)  # [B]: target's token after each slot
-        a = 0
-        while a < block_size - 1 and int(draft[0, a]) == int(tgt[a]):
-            a += 1
-        new = draft[0, :a].tolist() + [int(tgt[a])]
-        result.accept_lengths.append(a + 1)
-        for t in new:
-            result.output_ids.append(int(t))
-            if int(t) in stops or len(result.output_ids) >= max_new_tokens:
-                break
-        pending = feats[:, : a + 1]  # features of slots 0..a (positions start..start+a)
-        if zero_target_features:
-            pending = torch.zeros_like(pending)
-        start += a + 1
-        if int(result.output_ids[-1]) in stops or len(result.output_ids) >= max_new_tokens:
-            break
-        tcache.keep(verify, a + 1, layer_ids)
-        bonus = tgt[a : a + 1]
-    return result
+#: This module's names and those re-exported from :mod:`.speculative` and :mod:`.eval_outputs` (scripts,
+#: tests and other modules import them from here).
+__all__ = [
+    "EvalComparisonError", "EvalSession", "SpecResult", "TABLE_COLUMNS", "TargetCache", "acceptance_stats",
+    "check_comparable", "checkpoint_info", "eval_table_rows", "evaluate", "load_eval_drafter", "load_eval_sets",
+    "main", "merge_eval_records", "open_session", "plot_acceptance", "plot_tau_vs_step", "plot_training",
+    "plot_validation", "read_train_log", "run_checkpoint_series", "run_drafters", "run_eval_set",
+    "speculative_generate", "step_checkpoints", "training_prompt_ids", "write_eval_outputs", "write_eval_table",
+]
 
 
 def acceptance_stats(accept_lengths_per_response: Sequence[Sequence[int]], block_size: int) -> dict:
@@ -447,15 +304,6 @@ def run_checkpoint_series(session: EvalSession, checkpoint_series: dict[int, str
     return series
 
 
-def write_eval_outputs(record: dict, out_json: str | Path, *, plot_png=None, table_tsv=None) -> None:
-    """Write the eval record JSON (atomic), and the PNG plot / TSV table when asked."""
-    write_json(out_json, record, skip_if_identical=False)
-    if plot_png is not None:
-        plot_acceptance(record, plot_png)
-    if table_tsv is not None:
-        write_eval_table(record, table_tsv)
-
-
 def evaluate(
     *,
     target_dir: str | Path,
@@ -483,7 +331,7 @@ def evaluate(
     ``checkpoint_series`` (step → checkpoint, e.g. :func:`step_checkpoints` plus ``final``): τ of each on
     the first ``eval.checkpoint_samples`` prompts of every set, written to ``series_json`` and plotted to
     ``series_png`` (with the train-time EAL proxy from ``train_log`` when given).
-    Running: :func:`open_session`, :func:`run_drafters`, :func:`run_checkpoint_series`; writing:
+    Running: :func:`open_session`, :func:`run_drafters`, :func:`run_checkpoint_series`; writing (:mod:`.eval_outputs`):
     :func:`write_eval_outputs`, :func:`plot_tau_vs_step`.
     """
     session = open_session(target_dir=target_dir, probe=probe, eval_cfg=eval_cfg, thinking=thinking,
@@ -497,215 +345,6 @@ def evaluate(
         if series_png is not None:
             plot_tau_vs_step(series, series_png, train_log=train_log)
     return record
-
-
-# ---------------------------------------------------------------------------------------------------
-# Comparing records
-# ---------------------------------------------------------------------------------------------------
-
-
-def check_comparable(records: Mapping[str, dict]) -> str:
-    """Return the common thinking mode of eval records (name → record).
-
-    Raises:
-        EvalComparisonError: the records were produced under different thinking modes (τ with and without
-            thinking measure different text; comparing them is meaningless), or one does not say.
-    """
-    modes = {name: (r.get("settings") or {}).get("thinking") for name, r in records.items()}
-    missing = [n for n, m in modes.items() if m is None]
-    if missing:
-        raise EvalComparisonError(f"eval record(s) {missing} do not record `settings.thinking`; re-run the eval stage")
-    if len(set(modes.values())) > 1:
-        detail = ", ".join(f"{n}: thinking={m}" for n, m in modes.items())
-        raise EvalComparisonError(
-            f"refusing to compare eval records produced under different thinking modes ({detail}); "
-            "evaluate every drafter with the same `generation.thinking`"
-        )
-    return next(iter(modes.values())) if modes else "none"
-
-
-def merge_eval_records(records: Mapping[str, dict]) -> dict:
-    """Side-by-side record of several eval records (name → record): drafters become ``<name>/<label>``,
-    each keeping the settings it was measured under. Refuses mixed thinking modes (:func:`check_comparable`).
-    """
-    thinking = check_comparable(records)
-    merged: dict = {"schema_version": EVAL_SCHEMA_VERSION, "thinking": thinking, "drafters": {}, "settings": {}}
-    for name, rec in records.items():
-        merged["settings"][name] = rec["settings"]
-        for label, entry in rec["drafters"].items():
-            merged["drafters"][f"{name}/{label}"] = {**entry, "settings": rec["settings"]}
-    return merged
-
-
-TABLE_COLUMNS = (
-    "drafter", "set", "tau", "tau_over_untrained", "tokens_per_target_forward", "accept_pos1", "num_responses",
-    "num_steps", "thinking", "temperature", "block_size", "max_new_tokens", "train_steps", "zero_target_features",
-    "checkpoint",
-    "tau_pooled", "engine_tau", "engine_agrees",  # engine τ (evaluate_engine): pooled over steps, both sides
-)
-
-
-def eval_table_rows(record: dict) -> list[dict]:
-    """One row per (drafter, set) with τ and the settings that produced it (:data:`TABLE_COLUMNS`)."""
-    rows = []
-    ratios = record.get("tau_over_untrained") or {}
-    for label, entry in record["drafters"].items():
-        st = entry.get("settings") or record["settings"]
-        for set_name, s in entry["sets"].items():
-            pos = s.get("per_position_acceptance") or []
-            rows.append({
-                "drafter": label, "set": set_name, "tau": round(s["tau"], 3),
-                "tau_over_untrained": round(ratios[label][set_name], 2) if label in ratios else "",
-                "tokens_per_target_forward": round(s.get("tokens_per_target_forward", 0.0), 3),
-                "accept_pos1": round(pos[0], 3) if pos else "", "num_responses": s["num_responses"],
-                "num_steps": s["num_steps"], "thinking": st["thinking"], "temperature": st["temperature"],
-                "block_size": st["block_size"], "max_new_tokens": st["max_new_tokens"],
-                "train_steps": entry.get("train_steps", ""), "zero_target_features": entry.get("zero_target_features", ""),
-                "checkpoint": entry.get("checkpoint") or "(random init)",
-                **_engine_columns(s),
-            })
-    return rows
-
-
-def _engine_columns(s: dict) -> dict:
-    """``tau_pooled`` (mean a+1 over verify steps), ``engine_tau`` and ``engine_agrees`` of one set's stats."""
-    eng = s.get("engine") or {}
-    return {"tau_pooled": round(s.get("tokens_per_step", 0.0), 3), "engine_tau": round(eng["tau"], 3) if eng else "",
-            "engine_agrees": {True: "yes", False: "NO", None: "?"}[eng.get("agrees")] if eng else ""}
-
-
-def write_eval_table(record: dict, path: str | Path) -> None:
-    """TSV of :func:`eval_table_rows` (the report shows it as a table)."""
-    write_tsv(path, TABLE_COLUMNS, eval_table_rows(record))
-
-
-
-
-# ---------------------------------------------------------------------------------------------------
-# Plots
-# ---------------------------------------------------------------------------------------------------
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: str | Path) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path)
-    _pyplot().close(fig)
-
-
-def plot_acceptance(record: dict, path: str | Path) -> None:
-    """PNG: per-position acceptance (k = 1..B−1), one panel per eval set, one line per drafter, τ in the legend."""
-    plt = _pyplot()
-    set_names = list(next(iter(record["drafters"].values()))["sets"]) if record["drafters"] else []
-    n = max(1, len(set_names))
-    fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.8), dpi=110, squeeze=False)
-    for ax, set_name in zip(axes[0], set_names or [None]):
-        for label, entry in record["drafters"].items():
-            s = entry["sets"].get(set_name)
-            if s is None:
-                continue
-            ks = list(range(1, len(s["per_position_acceptance"]) + 1))
-            ax.plot(ks, s["per_position_acceptance"], marker="o", label=f"{label} (τ={s['tau']:.2f})")
-        ax.set_title(set_name or "")
-        ax.set_xlabel("draft position k")
-        ax.set_ylim(0, 1.02)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    axes[0][0].set_ylabel("P(accepted ≥ k)")
-    st = record["settings"]
-    fig.suptitle(f"DFlash acceptance — block {st['block_size']}, T={st['temperature']}, thinking={st['thinking']}", fontsize=10)
-    _save(fig, path)
-
-
-def read_train_log(path: str | Path) -> list[dict]:
-    """Records of a ``train_log.jsonl`` (empty when the file does not exist)."""
-    p = Path(path)
-    if not p.is_file():
-        return []
-    return [json.loads(line) for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
-def plot_tau_vs_step(series: dict, path: str | Path, *, train_log: Optional[str | Path] = None) -> None:
-    """PNG: τ per eval set across the intermediate checkpoints; the train-time EAL proxy (dashed) beside it."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    pts = series["points"]
-    set_names = list(pts[0]["sets"]) if pts else []
-    for set_name in set_names:
-        ax.plot([p["step"] for p in pts], [p["sets"][set_name]["tau"] for p in pts], marker="o",
-                label=f"τ {set_name} (n={series['num_prompts'].get(set_name, '?')})")
-    log = read_train_log(train_log) if train_log else []
-    if log:
-        ax.plot([r["step"] for r in log], [r["eal"] for r in log], ls="--", color="gray", label="train EAL proxy")
-    if not pts and not log:
-        ax.text(0.5, 0.5, "no intermediate checkpoints", ha="center", va="center", transform=ax.transAxes)
-    st = series["settings"]
-    ax.set_xlabel("training step")
-    ax.set_ylabel("acceptance length τ")
-    ax.set_ylim(bottom=0.9)
-    ax.set_title(f"τ across checkpoints — block {st['block_size']}, T={st['temperature']}, thinking={st['thinking']}", fontsize=10)
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    _save(fig, path)
-
-
-def plot_validation(val_log: str | Path, path: str | Path, *, placeholder: bool = False) -> None:
-    """PNG of held-out τ vs optimizer step from the trainer's ``val_log.jsonl``: the per-block simulator
-    (:mod:`dflash_pipeline.validation`) and the product of marginal slot accuracies beside it.
-
-    Without records nothing is written, unless ``placeholder`` (the report's figure): then a figure saying
-    that the run had no held-out validation (``train.validation_fraction: 0``)."""
-    val_log, path = Path(val_log), Path(path)
-    recs = [json.loads(x) for x in val_log.read_text(encoding="utf-8").splitlines() if x.strip()] if val_log.is_file() else []
-    if not recs and not placeholder:
-        return
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    if recs:
-        ax.plot([r["step"] for r in recs], [r["tau"] for r in recs], marker="o", label="held-out τ (per-block simulator)")
-        ax.plot([r["step"] for r in recs], [r["tau_marginal"] for r in recs], ls="--", label="product of marginal accuracies")
-        ax.legend(fontsize=8)
-    else:
-        ax.text(0.5, 0.5, "no held-out validation in this run\n(train.validation_fraction: 0)", ha="center", va="center",
-                transform=ax.transAxes)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("τ (accepted tokens / block)")
-    fig.tight_layout()
-    _save(fig, path)
-
-
-def plot_training(train_logs: Mapping[str, str | Path], path: str | Path) -> None:
-    """PNG: training loss and EAL proxy vs step, one line per run (label → ``train_log.jsonl``)."""
-    plt = _pyplot()
-    fig, (ax_loss, ax_eal) = plt.subplots(1, 2, figsize=(10, 3.8), dpi=110)
-    for label, log_path in train_logs.items():
-        log = read_train_log(log_path)
-        if not log:
-            continue
-        steps = [r["step"] for r in log]
-        ax_loss.plot(steps, [r["loss"] for r in log], label=label)
-        ax_eal.plot(steps, [r["eal"] for r in log], label=label)
-    ax_loss.set_xlabel("step")
-    ax_loss.set_ylabel("decayed CE loss")
-    ax_loss.set_yscale("log")
-    ax_eal.set_xlabel("step")
-    ax_eal.set_ylabel("EAL proxy (from slot accuracy)")
-    for ax in (ax_loss, ax_eal):
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-    fig.suptitle("Training curves (train_log.jsonl)", fontsize=10)
-    _save(fig, path)
 
 
 def main(argv=None) -> None:

@@ -31,6 +31,7 @@ import json
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
@@ -213,32 +214,15 @@ def server_acceptance(
     if model is None:
         model = _http_json(f"{base}/models", api_key=api_key, timeout_s=timeout_s)["data"][0]["id"]
     before = spec_counters(_http_json(metrics_url, timeout_s=timeout_s)) if metrics_url else None
-    kwargs = template_kwargs(thinking)
-
-    def conversation(rec: dict) -> list[tuple[int, Optional[float]]]:
-        history: list[dict] = [{"role": "system", "content": rec["system"]}] if rec.get("system") else []
-        out = []
-        for turn in rec["turns"]:
-            history.append({"role": "user", "content": turn})
-            body = {"model": model, "messages": list(history), "max_tokens": max_tokens, "temperature": temperature,
-                    "chat_template_kwargs": kwargs}
-            if seed is not None:
-                body["seed"] = seed
-            resp = _http_json(f"{base}/chat/completions", body, api_key=api_key, timeout_s=timeout_s)
-            n_out = int((resp.get("usage") or {}).get("completion_tokens") or 0)
-            meta = resp.get("meta_info") or resp.get("choices", [{}])[0].get("meta_info") or {}
-            if meta.get("spec_accept_length") is not None:
-                out.append((n_out, float(meta["spec_accept_length"])))
-            elif meta.get("spec_verify_ct"):
-                out.append((n_out, n_out / float(meta["spec_verify_ct"])))
-            else:
-                out.append((n_out, None))
-            history.append({"role": "assistant", "content": resp["choices"][0]["message"].get("content") or ""})
-        return out
+    request = {"model": model, "max_tokens": max_tokens, "temperature": temperature,
+               "chat_template_kwargs": template_kwargs(thinking)}
+    if seed is not None:
+        request["seed"] = seed
+    send = partial(_send_conversation, base, request=request, api_key=api_key, timeout_s=timeout_s)
 
     t0 = time.time()
     with ThreadPoolExecutor(max_workers=max(1, int(max_concurrency))) as pool:
-        results = [r for conv in pool.map(conversation, prompts) for r in conv]
+        results = [r for conv in pool.map(send, prompts) for r in conv]
     seconds = time.time() - t0
     per_response = [t for _, t in results if t is not None]
     out = {"base_url": base_url, "model": model, "thinking": thinking, "temperature": temperature,
@@ -246,18 +230,60 @@ def server_acceptance(
            "num_responses": len(results), "seconds": seconds}
     if per_response:
         return {**out, "tau": sum(per_response) / len(per_response), "source": "meta_info"}
-    if metrics_url:
-        delta = counters_delta(before, spec_counters(_http_json(metrics_url, timeout_s=timeout_s)))
-        if delta["drafts"] > 0:
-            if block_size is None:
-                return {**out, "tau": 1.0 + delta["accepted"] / delta["drafts"], "source": "metrics",
-                        "drafts": delta["drafts"], "accepted_tokens": delta["accepted"]}
-            return {**out, **engine_acceptance_stats(delta, block_size), "source": "metrics", "drafts": delta["drafts"]}
-    raise EngineComparisonError(
+    pooled = _metrics_acceptance(before, metrics_url, block_size, timeout_s) if metrics_url else None
+    if pooled is not None:
+        return {**out, **pooled}
+    raise _no_acceptance(base_url, metrics_url)
+
+
+def _no_acceptance(base_url: str, metrics_url: Optional[str]) -> EngineComparisonError:
+    """The error for a server that reported no speculative acceptance (is the drafter loaded?)."""
+    return EngineComparisonError(
         f"{base_url}: the server reported no speculative acceptance (no meta_info.spec_accept_length in the "
         f"responses{', no ' + VLLM_DRAFTS + ' increase at ' + metrics_url if metrics_url else '; pass metrics_url for vLLM'}); "
         "is the drafter loaded (SGLang --speculative-algorithm DFLASH, vLLM speculative_config)?"
     )
+
+
+def _send_conversation(base: str, rec: dict, *, request: dict, api_key: Optional[str],
+                       timeout_s: float) -> list[tuple[int, Optional[float]]]:
+    """Every user turn of the eval record ``rec`` to ``{base}/chat/completions``, one after another, each
+    carrying the engine's earlier answers; ``request`` holds the other body fields (model, max_tokens, …).
+    Returns per response ``(completion tokens, a+1 mean or None)`` (:func:`_response_acceptance`)."""
+    history: list[dict] = [{"role": "system", "content": rec["system"]}] if rec.get("system") else []
+    out = []
+    for turn in rec["turns"]:
+        history.append({"role": "user", "content": turn})
+        body = {"model": request["model"], "messages": list(history), **request}  # the fields in the usual order
+        resp = _http_json(f"{base}/chat/completions", body, api_key=api_key, timeout_s=timeout_s)
+        out.append(_response_acceptance(resp))
+        history.append({"role": "assistant", "content": resp["choices"][0]["message"].get("content") or ""})
+    return out
+
+
+def _response_acceptance(resp: dict) -> tuple[int, Optional[float]]:
+    """``(completion tokens, a+1 mean)`` of one chat response: SGLang's ``meta_info.spec_accept_length``, or
+    ``completion_tokens / meta_info.spec_verify_ct``; None when the response carries neither (vLLM)."""
+    n_out = int((resp.get("usage") or {}).get("completion_tokens") or 0)
+    meta = resp.get("meta_info") or resp.get("choices", [{}])[0].get("meta_info") or {}
+    if meta.get("spec_accept_length") is not None:
+        return n_out, float(meta["spec_accept_length"])
+    if meta.get("spec_verify_ct"):
+        return n_out, n_out / float(meta["spec_verify_ct"])
+    return n_out, None
+
+
+def _metrics_acceptance(before: dict, metrics_url: str, block_size: Optional[int], timeout_s: float) -> Optional[dict]:
+    """Pooled acceptance from the counter deltas since ``before`` (:func:`spec_counters` of ``metrics_url``):
+    :func:`engine_acceptance_stats` with ``source`` and ``drafts`` (only ``tau`` and ``accepted_tokens``
+    without ``block_size``); None when the engine counted no verify step."""
+    delta = counters_delta(before, spec_counters(_http_json(metrics_url, timeout_s=timeout_s)))
+    if delta["drafts"] <= 0:
+        return None
+    if block_size is None:
+        return {"tau": 1.0 + delta["accepted"] / delta["drafts"], "source": "metrics",
+                "drafts": delta["drafts"], "accepted_tokens": delta["accepted"]}
+    return {**engine_acceptance_stats(delta, block_size), "source": "metrics", "drafts": delta["drafts"]}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -291,7 +317,6 @@ def evaluate_engine(
     """
     import os
 
-    from .engine import VLLMServer
     from .evaluate import checkpoint_info, load_eval_sets
 
     info = checkpoint_info(drafter_dir)
@@ -306,38 +331,58 @@ def evaluate_engine(
                      "temperature": float(eval_cfg["temperature"]), "thinking": thinking, "seed": eval_cfg["seed"]},
         "sets": set_info, "engine": {"name": eval_cfg["engine"], "num_draft_layers": num_layers}, "results": {},
     }
-    server = None
-    if eval_cfg.get("engine_base_url"):
-        base_url = eval_cfg["engine_base_url"]
-        metrics_url = eval_cfg.get("engine_metrics_url") or default_metrics_url(base_url)
-        record["engine"].update(started=False)
-    else:
-        server = VLLMServer(target_dir, drafter=drafter_dir, block_size=bs, extra_args=eval_cfg["engine_args"],
-                            chat_template=chat_template, log_path=log_path)
-        server.start(timeout_s=float(eval_cfg["engine_start_timeout_s"]))
-        base_url, metrics_url = server.base_url, server.metrics_url
-        record["engine"].update(started=True, start_seconds=round(server.started_s or 0.0, 1),
-                                args=list(eval_cfg["engine_args"]))
-        print(f"[eval-engine] vLLM ready at {base_url} after {server.started_s:.0f} s (log: {log_path})", flush=True)
+    server, base_url, metrics_url = _open_engine(record["engine"], eval_cfg, target_dir=target_dir, drafter_dir=drafter_dir,
+                                                 block_size=bs, chat_template=chat_template, log_path=log_path)
     try:
         record["engine"]["version"] = _engine_version(base_url, api_key)
         record["engine"].update(base_url=base_url, metrics_url=metrics_url)
         for name, prompts in sets.items():
-            st = server_acceptance(
-                base_url, prompts, model=eval_cfg.get("engine_model"), max_tokens=eval_cfg["max_new_tokens"],
-                temperature=float(eval_cfg["temperature"]), thinking=thinking, metrics_url=metrics_url,
-                api_key=api_key, block_size=bs, max_concurrency=eval_cfg["engine_max_concurrency"],
-                seed=eval_cfg["seed"],
-            )
-            record["results"][name] = st
-            print(f"[eval-engine] {name:>10}: engine tau={st['tau']:.3f} ({st['source']}, "
-                  f"{st.get('num_steps', '?')} steps, {st['num_responses']} responses, {st['seconds']:.1f} s)", flush=True)
+            record["results"][name] = _engine_set_acceptance(name, prompts, base_url, metrics_url, eval_cfg,
+                                                             thinking=thinking, api_key=api_key, block_size=bs)
     finally:
         if server is not None:
             server.stop()
     record["engine"]["exact"] = _served_exactly(record["engine"], num_layers)
     write_json(out_json, record, skip_if_identical=False)
     return record
+
+
+def _open_engine(engine: dict, eval_cfg: dict, *, target_dir, drafter_dir, block_size: int, chat_template,
+                 log_path) -> tuple[Any, str, str]:
+    """``(server, base_url, metrics_url)``: the running server of ``eval.engine_base_url`` (server None), or
+    vLLM started here with the target and the drafter (:class:`dflash_pipeline.engine.VLLMServer`, its
+    output in ``log_path``). Records ``started`` (and the start time and args) in the ``engine`` dict.
+
+    Raises:
+        dflash_pipeline.engine.EngineError / VLLMNotFound: the engine could not be started.
+    """
+    from .engine import VLLMServer
+
+    if eval_cfg.get("engine_base_url"):
+        base_url = eval_cfg["engine_base_url"]
+        engine.update(started=False)
+        return None, base_url, eval_cfg.get("engine_metrics_url") or default_metrics_url(base_url)
+    server = VLLMServer(target_dir, drafter=drafter_dir, block_size=block_size, extra_args=eval_cfg["engine_args"],
+                        chat_template=chat_template, log_path=log_path)
+    server.start(timeout_s=float(eval_cfg["engine_start_timeout_s"]))
+    engine.update(started=True, start_seconds=round(server.started_s or 0.0, 1), args=list(eval_cfg["engine_args"]))
+    print(f"[eval-engine] vLLM ready at {server.base_url} after {server.started_s:.0f} s (log: {log_path})", flush=True)
+    return server, server.base_url, server.metrics_url
+
+
+def _engine_set_acceptance(name: str, prompts: Sequence[dict], base_url: str, metrics_url: str, eval_cfg: dict, *,
+                           thinking: str, api_key: Optional[str], block_size: int) -> dict:
+    """:func:`server_acceptance` of one eval set with the eval settings (the loop's ``max_new_tokens``,
+    temperature, seed, thinking mode), printed as one line."""
+    st = server_acceptance(
+        base_url, prompts, model=eval_cfg.get("engine_model"), max_tokens=eval_cfg["max_new_tokens"],
+        temperature=float(eval_cfg["temperature"]), thinking=thinking, metrics_url=metrics_url,
+        api_key=api_key, block_size=block_size, max_concurrency=eval_cfg["engine_max_concurrency"],
+        seed=eval_cfg["seed"],
+    )
+    print(f"[eval-engine] {name:>10}: engine tau={st['tau']:.3f} ({st['source']}, "
+          f"{st.get('num_steps', '?')} steps, {st['num_responses']} responses, {st['seconds']:.1f} s)", flush=True)
+    return st
 
 
 def _engine_version(base_url: str, api_key: Optional[str]) -> Optional[str]:

@@ -3,7 +3,7 @@
 Each function turns one stage's record into a TSV the report shows as a table: the config probe, the
 prompts manifest (kept / dropped per reason), generation stats (ok / truncated / error, tokens, tokens/s),
 token shards (sequences, supervised tokens, truncation and drops per reason).
-The eval tables are written by :mod:`dflash_pipeline.evaluate`.
+The eval tables are written by :mod:`dflash_pipeline.eval_outputs`.
 
 :func:`summary_html` renders the τ table, the eval record's summary and every data count as HTML tables
 with readable labels (``results/report/summary.html``); ``report/workflow.rst`` embeds it in the report's
@@ -100,67 +100,83 @@ def generation_table(
     per: dict[str, dict] = {}
     for path in completion_shards:
         path = Path(path)
-        table = read_parquet(path)
         dataset = path.parent.name
         d = per.setdefault(dataset, {"dataset": dataset, "shards": 0, "status": Counter(), "turns": 0, "prompt_tokens": 0,
                                      "completion_tokens": 0, "latency": 0.0, "job_s": 0.0, "job_s_known": True,
                                      "thinking": set(), "model": set()})
-        d["shards"] += 1
-        for rec in table.select(["status", "turns", "thinking", "model"]).to_pylist():
-            d["status"][rec["status"]] += 1
-            d["thinking"].add(rec["thinking"])
-            d["model"].add(rec["model"])
-            for t in rec["turns"] or []:
-                d["turns"] += 1
-                d["prompt_tokens"] += t.get("prompt_tokens") or 0
-                d["completion_tokens"] += t.get("completion_tokens") or 0
-                d["latency"] += t.get("latency_s") or 0.0
-        stats_file = path.with_name(f"{path.stem}.stats.json")  # written by generate_shard(stats_path=...)
-        # the last run's figures, from a stats file of any version (a workdir keeps old ones): {} if none
-        run = run_stats(read_json(stats_file)) if stats_file.is_file() else {}
-        secs = run.get("wall_s")  # the last run's seconds: its tokens, not the resumed ones
-        run_tokens = run.get("completion_tokens")
-        if run_tokens is None:  # no stats file: the shard's tokens (the Snakemake benchmark's run)
-            run_tokens = sum((t.get("completion_tokens") or 0)
-                             for rec in table.select(["turns"]).to_pylist() for t in rec["turns"] or [])
-        d["run_tokens"] = d.get("run_tokens", 0) + run_tokens
-        d["retries"] = d.get("retries", 0) + (run.get("retries") or 0)
-        if secs is None and benchmark_dir:
-            secs = _benchmark_seconds(Path(benchmark_dir) / dataset / f"{path.stem}.tsv")
-        if secs is None:
-            d["job_s_known"] = False
-        else:
-            d["job_s"] += secs
-
-    def row(name: str, ds: list[dict]) -> dict:
-        status = sum((d["status"] for d in ds), Counter())
-        comp = sum(d["completion_tokens"] for d in ds)
-        lat = sum(d["latency"] for d in ds)
-        job_known = all(d["job_s_known"] for d in ds)
-        job = sum(d["job_s"] for d in ds)
-        turns = sum(d["turns"] for d in ds)
-        return {
-            "dataset": name, "shards": sum(d["shards"] for d in ds), "conversations": sum(status.values()),
-            "ok": status.get("ok", 0), "truncated": status.get("truncated", 0), "error": status.get("error", 0),
-            "assistant_turns": turns, "prompt_tokens": sum(d["prompt_tokens"] for d in ds), "completion_tokens": comp,
-            "mean_completion_tokens": round(comp / turns, 1) if turns else None,
-            "request_seconds": round(lat, 2), "tokens_per_request_s": round(comp / lat, 1) if lat > 0 else None,
-            "job_seconds": round(job, 2) if job_known else None,
-            "tokens_per_job_s": round(sum(d["run_tokens"] for d in ds) / job, 1) if job_known and job > 0 else None,
-            "retries": sum(d.get("retries", 0) for d in ds),
-            "thinking": ",".join(sorted({x for d in ds for x in d["thinking"] if x})),
-            "model": ",".join(sorted({x for d in ds for x in d["model"] if x})),
-        }
-
-    rows = [row(name, [d]) for name, d in per.items()]
+        _add_generation_shard(d, path, benchmark_dir)
+    rows = [_generation_row(name, [d]) for name, d in per.items()]
     if per:
-        rows.append(row("all", list(per.values())))
+        rows.append(_generation_row("all", list(per.values())))
     write_tsv(out_tsv, GENERATION_COLUMNS, rows)
     if out_json is not None:
         from .shards import write_json
 
         write_json(out_json, {"datasets": rows}, skip_if_identical=False)
     return rows
+
+
+def _add_generation_shard(d: dict, path: Path, benchmark_dir: Optional[str | Path]) -> None:
+    """Add one completion shard to its dataset's counts ``d`` (in place): record statuses, turns, tokens and
+    request latency from the shard; its last run's tokens, wall seconds and retries from
+    :func:`_last_run_of_shard`."""
+    table = read_parquet(path)
+    d["shards"] += 1
+    for rec in table.select(["status", "turns", "thinking", "model"]).to_pylist():
+        d["status"][rec["status"]] += 1
+        d["thinking"].add(rec["thinking"])
+        d["model"].add(rec["model"])
+        for t in rec["turns"] or []:
+            d["turns"] += 1
+            d["prompt_tokens"] += t.get("prompt_tokens") or 0
+            d["completion_tokens"] += t.get("completion_tokens") or 0
+            d["latency"] += t.get("latency_s") or 0.0
+    run_tokens, retries, secs = _last_run_of_shard(path, table, benchmark_dir)
+    d["run_tokens"] = d.get("run_tokens", 0) + run_tokens
+    d["retries"] = d.get("retries", 0) + retries
+    if secs is None:
+        d["job_s_known"] = False
+    else:
+        d["job_s"] += secs
+
+
+def _last_run_of_shard(path: Path, table, benchmark_dir: Optional[str | Path]) -> tuple[int, int, Optional[float]]:
+    """``(completion tokens, retries, wall seconds or None)`` of the run that last wrote the completion shard
+    ``path`` (its pyarrow ``table``): from ``<shard>.stats.json`` (written by ``generate_shard(stats_path=...)``),
+    else the shard's own tokens and the Snakemake benchmark ``benchmark_dir/<dataset>/<shard>.tsv``."""
+    stats_file = path.with_name(f"{path.stem}.stats.json")
+    # the last run's figures, from a stats file of any version (a workdir keeps old ones): {} if none
+    run = run_stats(read_json(stats_file)) if stats_file.is_file() else {}
+    secs = run.get("wall_s")  # the last run's seconds: its tokens, not the resumed ones
+    run_tokens = run.get("completion_tokens")
+    if run_tokens is None:  # no stats file: the shard's tokens (the Snakemake benchmark's run)
+        run_tokens = sum((t.get("completion_tokens") or 0)
+                         for rec in table.select(["turns"]).to_pylist() for t in rec["turns"] or [])
+    if secs is None and benchmark_dir:
+        secs = _benchmark_seconds(Path(benchmark_dir) / path.parent.name / f"{path.stem}.tsv")
+    return run_tokens, run.get("retries") or 0, secs
+
+
+def _generation_row(name: str, ds: list[dict]) -> dict:
+    """One :data:`GENERATION_COLUMNS` row summed over the per-dataset counts ``ds`` (one dataset, or all)."""
+    status = sum((d["status"] for d in ds), Counter())
+    comp = sum(d["completion_tokens"] for d in ds)
+    lat = sum(d["latency"] for d in ds)
+    job_known = all(d["job_s_known"] for d in ds)
+    job = sum(d["job_s"] for d in ds)
+    turns = sum(d["turns"] for d in ds)
+    return {
+        "dataset": name, "shards": sum(d["shards"] for d in ds), "conversations": sum(status.values()),
+        "ok": status.get("ok", 0), "truncated": status.get("truncated", 0), "error": status.get("error", 0),
+        "assistant_turns": turns, "prompt_tokens": sum(d["prompt_tokens"] for d in ds), "completion_tokens": comp,
+        "mean_completion_tokens": round(comp / turns, 1) if turns else None,
+        "request_seconds": round(lat, 2), "tokens_per_request_s": round(comp / lat, 1) if lat > 0 else None,
+        "job_seconds": round(job, 2) if job_known else None,
+        "tokens_per_job_s": round(sum(d["run_tokens"] for d in ds) / job, 1) if job_known and job > 0 else None,
+        "retries": sum(d.get("retries", 0) for d in ds),
+        "thinking": ",".join(sorted({x for d in ds for x in d["thinking"] if x})),
+        "model": ",".join(sorted({x for d in ds for x in d["model"] if x})),
+    }
 
 
 #: Summed per dataset from each token shard's ``counts`` (tokens.tokenize_shard), in this order.
@@ -306,7 +322,7 @@ def summary_html(
     Args:
         out_html: the fragment to write (atomically).
         run: run name (heading).
-        tau_tsv: ``eval/<run>/acceptance.tsv`` (:func:`dflash_pipeline.evaluate.write_eval_table`): a
+        tau_tsv: ``eval/<run>/acceptance.tsv`` (:func:`dflash_pipeline.eval_outputs.write_eval_table`): a
             drafter × set τ table and the full table.
         eval_json: the eval record: settings, eval sets (prompts drawn / excluded), drafters.
         probe_tsv, prompts_tsv, generation_tsv, tokens_tsv: the stage tables of this module.
