@@ -26,7 +26,7 @@ rule extract_features:
         benchmark_file("extract_features", "{dataset}", "{shard}")
     threads: workflow.cores
     resources:
-        gpu=FEATURES["gpus"],
+        gpu=gpus("extract_features"),
     conda:
         "../envs/torch.yaml"
     shell:

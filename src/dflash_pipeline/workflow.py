@@ -251,13 +251,17 @@ def tee_log(argv: list[str], stdin=None, term=None) -> int:
 # Snakemake counts a `gpu` resource but never says *which* devices a job gets. SLURM (`--gpus=N`) and the
 # ssh profile (cluster/ssh_submit.py) export CUDA_VISIBLE_DEVICES per job; for local runs `claim_gpus`
 # picks free devices with host-local lock files, so two concurrent GPU jobs never share one.
-# One way for every GPU rule: its `resources.gpu` (from `job_gpus`) is claimed with `claim_gpus` — by
-# the script rules (generate_completions, evaluate_acceptance) as a context manager, by the one shell
-# rule (train_drafter: `accelerate launch` needs the devices before it starts) through this module's
-# command line, `python -m dflash_pipeline.workflow gpus N -- CMD`, which is the same function.
+# One way for every GPU rule: `job_gpus` decides its `resources.gpu`, and `claim_gpus` claims them. The
+# script rules (generate_completions, evaluate_acceptance, evaluate_engine) call it as a context manager;
+# the shell rules (train_drafter, extract_features: `accelerate launch` and the vLLM environment's python
+# need the devices before they start) call the same function through this module's command line,
+# `python -m dflash_pipeline.workflow gpus N -- CMD`. Two call sites, one function: a script rule cannot
+# wrap its own interpreter, and a shell rule has no Python to open a context in.
 
 #: Rules that run models on GPUs when the run is a GPU run (see `job_gpus`).
 GPU_RULES = ("train_drafter", "evaluate_acceptance", "generate_completions", "evaluate_engine")
+#: Rules whose GPUs are set by a config key whatever the run's precision (``features.gpus``: 0 = CPU).
+CONFIGURED_GPU_RULES = {"extract_features": ("features", "gpus")}
 
 
 def job_gpus(config: dict, rule: str) -> int:
@@ -266,8 +270,12 @@ def job_gpus(config: dict, rule: str) -> int:
     A run is a GPU run when ``train.mixed_precision`` is not ``"no"`` (bf16/fp16 are GPU settings; CPU
     runs use fp32), unless ``train.device: cpu`` (bf16 on a CPU box: no GPU claimed). Then training takes ``train.num_processes`` GPUs (one per accelerate process), eval one,
     and in-process generation (``generation.backend: transformers``) one; server-backed generation none.
+    ``extract_features`` takes ``features.gpus`` (:data:`CONFIGURED_GPU_RULES`).
     Override per rule with ``--set-resources RULE:gpu=N`` (or ``set-resources`` in a profile).
     """
+    if rule in CONFIGURED_GPU_RULES:
+        section, key = CONFIGURED_GPU_RULES[rule]
+        return int(config[section][key])
     if config["train"]["mixed_precision"] == "no" or config["train"]["device"] == "cpu" or rule not in GPU_RULES:
         return 0
     if rule == "train_drafter":

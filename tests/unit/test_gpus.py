@@ -26,6 +26,9 @@ def test_job_gpus_per_rule():
                for r in ("train_drafter", "evaluate_acceptance", "generate_completions"))
     # bf16 on a CPU box: train.device cpu claims no GPU for any rule
     assert all(job_gpus(cfg(device="cpu"), r) == 0 for r in ("train_drafter", "evaluate_acceptance", "generate_completions"))
+    # feature extraction takes features.gpus (0 = CPU), whatever the run's precision
+    for mp, n in (("no", 2), ("bf16", 8), ("bf16", 0)):
+        assert job_gpus({**cfg(mixed_precision=mp), "features": {"gpus": n}}, "extract_features") == n
 
 
 @pytest.fixture
