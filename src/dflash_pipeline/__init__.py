@@ -1,7 +1,8 @@
 """dflash-pipeline: build a servable DFlash drafter from a target LLM, prompt datasets and endpoints.
 
-Stages (one module each, data flows one way):
-``demo`` (tiny target) -> ``probe`` -> ``prompts`` -> ``completions`` -> ``tokens`` -> ``train`` -> ``evaluate``.
+Stages (a module or package each, data flows one way; README "Layout" maps them to rules, contracts, tests):
+``demo`` (tiny target) -> ``probe`` -> ``prompts`` -> ``completions`` -> ``tokens`` -> [``features``] ->
+``train`` -> ``evaluate`` (+ ``evaluate_engine``) -> ``report``.
 The drafter itself lives in :mod:`dflash_pipeline.model`; record schemas in :mod:`dflash_pipeline.contracts`;
 atomic shard I/O in :mod:`dflash_pipeline.shards`.
 """

@@ -319,13 +319,18 @@ def training_problems(cfg: Mapping[str, Any]) -> list[str]:
                    "dpace with train.target_features: shards, or kl with target_features: online")
     if train["target_features"] == "shards" and train["packing"]:
         out.append("train.packing is not supported with train.target_features: shards yet; set train.packing: false")
-    if ev["engine"] == "vllm" and not ev["engine_base_url"]:
-        from .vllm_env import find_vllm_python
+    from .vllm_env import VLLMNotFound, require_vllm_python
 
-        py = find_vllm_python()
-        if py is None or not Path(py).exists():
-            out.append("eval.engine: vllm starts vLLM from its own environment, and there is none "
-                       "(.venv-vllm/bin/python or $DFLASH_VLLM_PYTHON; README Install), or give eval.engine_base_url")
+    needs_vllm = []  # (setting, its vLLM python, what else fixes it)
+    if ev["engine"] == "vllm" and not ev["engine_base_url"]:
+        needs_vllm.append(("eval.engine: vllm", None, "; or give eval.engine_base_url"))
+    if train["target_features"] == "shards" and cfg["features"]["backend"] == "vllm":
+        needs_vllm.append(("features.backend: vllm", cfg["features"]["vllm"]["python"], "; or features.backend: hf"))
+    for setting, python, alternative in needs_vllm:
+        try:
+            require_vllm_python(python)
+        except VLLMNotFound as exc:
+            out.append(f"{setting} runs vLLM from its own environment: {exc}{alternative}")
     return out
 
 

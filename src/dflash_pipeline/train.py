@@ -1,4 +1,5 @@
-"""Train a DFlash drafter with HF Accelerate, target frozen and run online for its features.
+"""Train a DFlash drafter with HF Accelerate from a frozen target's features: the target run online
+(``train.target_features: online``), or its feature shards read from disk (``shards``, the features stage).
 
 Launched by the ``train_drafter`` rule as ``accelerate launch … -m dflash_pipeline.train …`` (1..N GPUs,
 or N CPU ranks over gloo; see :func:`dflash_pipeline.workflow.accelerate_launch_args`). Method: reference/dflash.md §4 (anchors,

@@ -3,8 +3,8 @@
 
 :class:`StepContext` holds what a step needs besides the batch; :func:`step_objective` is the forward pass
 (unnormalised), :func:`training_step` the normalised loss of one micro-step. The loop that drives them
-(accumulation, optimizer, logging, checkpoints) is :mod:`dflash_pipeline.train`, which re-exports these
-names; packed rows: :mod:`dflash_pipeline.packing`; objectives: :mod:`dflash_pipeline.losses`.
+(accumulation, optimizer, logging, checkpoints) is :mod:`dflash_pipeline.train_loop`, started by
+:func:`dflash_pipeline.train.train`, which re-exports these names; packed rows: :mod:`dflash_pipeline.packing`; objectives: :mod:`dflash_pipeline.losses`.
 """
 
 from __future__ import annotations

@@ -374,7 +374,9 @@ def claim_gpus(n: int, *, pool: Optional[list[str]] = None, lock_dir: Optional[s
 
 
 def run_with_gpus(argv: Optional[list[str]] = None) -> int:
-    """``python -m dflash_pipeline.workflow gpus N -- CMD …``: run CMD holding N GPUs (see `claim_gpus`)."""
+    """``python -m dflash_pipeline.workflow gpus N -- CMD …``: run CMD holding N GPUs (see `claim_gpus`);
+    also ``launch TRAIN_CONFIG_JSON -- ARGS`` (:func:`run_accelerate`) and ``tee LOG`` (:func:`tee_log`).
+    Returns CMD's exit status, 2 with a usage line for anything else."""
     import subprocess
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -383,7 +385,9 @@ def run_with_gpus(argv: Optional[list[str]] = None) -> int:
     if argv[:1] == ["launch"]:
         return run_accelerate(argv[1:])
     if len(argv) < 4 or argv[0] != "gpus" or argv[2] != "--":
-        print("usage: python -m dflash_pipeline.workflow gpus N -- CMD [ARGS...]", file=sys.stderr)
+        print("usage: python -m dflash_pipeline.workflow gpus N -- CMD [ARGS...]\n"
+              "       python -m dflash_pipeline.workflow launch TRAIN_CONFIG_JSON -- ARGS...\n"
+              "       python -m dflash_pipeline.workflow tee LOG", file=sys.stderr)
         return 2
     with claim_gpus(int(argv[1])):
         return subprocess.call(argv[3:])
@@ -453,8 +457,10 @@ def baseline_train_flags(run: str) -> str:
 #: workdir (and so retrains and re-evaluates), never regenerates completions. ``"10a26998a0e76dbe"`` is the
 #: code fingerprint (sha256 of the sources of tokens.py, spans.py, chat.py, shards.py and contracts.py's
 #: token-shard part) that wrote the token shards of every existing workdir. Bump it (to any new value)
-#: whenever a change alters the bytes of a token shard; a change that keeps them (a refactor, a docstring,
-#: a new helper) keeps it, so no workdir reruns. ``tests/unit/test_tokenization_golden.py`` guards it: it
+#: whenever a change alters the bytes of a token shard (in those modules or in loss_masks.py, split out of
+#: tokens.py since); a change that keeps them (a refactor, a docstring, a new helper) keeps it, so no
+#: workdir reruns. A tokenizers/transformers upgrade that alone changes the bytes is not a bump: existing
+#: workdirs keep the shards they have (as before), and the golden is regenerated. ``tests/unit/test_tokenization_golden.py`` guards it: it
 #: tokenizes fixed conversations with several chat templates and fails when their token shards differ
 #: from the golden made at this revision (it says how to regenerate).
 TOKENIZATION_REVISION = "10a26998a0e76dbe"

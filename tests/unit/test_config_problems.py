@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import yaml
@@ -47,3 +48,17 @@ def test_schema_defaults_are_read_not_restated():
     d = schema_defaults("datasets", "*")
     d["mapping"]["x"] = "y"  # a copy
     assert schema_defaults("datasets", "*")["mapping"] == {}
+
+
+def test_every_missing_vllm_environment_named_at_once(monkeypatch, tmp_path):
+    """eval.engine: vllm and features.backend: vllm without a vLLM environment: both in one plan-time list."""
+    monkeypatch.setenv("DFLASH_VLLM_PYTHON", str(tmp_path / "no-vllm" / "python"))
+    cfg = {"train": {"target_features": "shards"}, "features": {"backend": "vllm"}, "eval": {"engine": "vllm"}}
+    found = [p for p in problems(cfg, base_dir=REPO) if "vLLM" in p]
+    assert [p.split(":")[0] for p in found] == ["eval.engine", "features.backend"], found
+    assert all(str(tmp_path / "no-vllm" / "python") in p for p in found)
+    assert found[0].endswith("or give eval.engine_base_url") and found[1].endswith("or features.backend: hf")
+    # a configured environment that exists: no problem (features.vllm.python wins over $DFLASH_VLLM_PYTHON)
+    cfg["features"]["vllm"] = {"python": sys.executable}
+    cfg["eval"]["engine_base_url"] = "http://127.0.0.1:9/v1"
+    assert [p for p in problems(cfg, base_dir=REPO) if "vLLM" in p] == []

@@ -1,5 +1,5 @@
 """Sequence packing (packing.py): rows of several records where anchors, labels and attention never cross
-a record, proven by the train/inference logit equality of tests/test_model.py on packed batches."""
+a record, proven by the train/inference logit equality of tests/unit/test_model.py on packed batches."""
 
 import numpy as np
 import pytest

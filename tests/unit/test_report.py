@@ -1,5 +1,5 @@
 """Report tables (report.py): the run summary's HTML tables and the end-of-run console summary (issue #18).
-The rendered report itself is checked with headless Chromium in tests/test_e2e.py."""
+The rendered report itself is checked with headless Chromium in tests/e2e/test_e2e.py."""
 
 from __future__ import annotations
 

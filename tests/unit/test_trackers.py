@@ -1,5 +1,5 @@
 """Trackers (trackers.py) and FSDP sizing/config (fsdp.py): pure parts. The trainer runs with both in
-tests/test_train_scale.py."""
+tests/unit/test_train_scale.py."""
 
 import pytest
 

@@ -1,5 +1,5 @@
 """Rerun policy of the Snakemake layer (dflash_pipeline.workflow): what a rule's params hold decides what
-reruns, so these pin it without running Snakemake (tests/test_e2e.py checks the same on real runs)."""
+reruns, so these pin it without running Snakemake (tests/e2e/test_e2e.py checks the same on real runs)."""
 
 from __future__ import annotations
 
