@@ -204,7 +204,12 @@ def main(argv: list[str] | None = None) -> int:
 
 async def _serve(server: TestServer, args: argparse.Namespace) -> None:
     """Start ``server``, write ``--port-file`` (atomically), print READY (stdout) and the plan (stderr),
-    then serve until SIGINT/SIGTERM."""
+    then serve until SIGINT/SIGTERM. The signal handlers are installed before the server is announced: a
+    SIGTERM sent as soon as READY (or the port file) appears stops it cleanly (exit 0), never kills it."""
+    done = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, done.set)
     await server.start_async()
     if args.port_file:
         tmp = Path(args.port_file + ".tmp")
@@ -214,9 +219,5 @@ async def _serve(server: TestServer, args: argparse.Namespace) -> None:
     print(f"test server {server.base_url}: model {server.model_name!r}, "
           f"{'target ' + str(args.target) if args.target else 'canned answers'}, "
           f"faults: {faults_summary(server.faults)}", file=sys.stderr, flush=True)
-    done = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, done.set)
     await done.wait()
     await server.stop_async()
