@@ -23,6 +23,7 @@ Facts of the result that other stages rely on:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -31,7 +32,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from .errors import DataError
 from .shards import replace_dir, write_json
@@ -300,11 +301,30 @@ def build_demo_target(
     Raises:
         DataError: unreadable corpus (see :func:`load_corpus`).
     """
-    import torch
-
     log = log or (lambda msg: None)
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
+    with _seeded_deterministic_torch(seed, num_threads):
+        convs = load_corpus(corpus_files)
+        tokenizer, model = _init_tokenizer_and_model(convs, seed=seed, vocab_size=vocab_size, hidden_size=hidden_size,
+                                                     num_hidden_layers=num_hidden_layers, log=log)
+        examples = _training_examples(tokenizer, convs)
+        losses, train_s = _train_demo(model, tokenizer, examples, seed=seed, train_steps=train_steps,
+                                      batch_size=batch_size, lr=lr, log=log)
+        facts = _build_facts(model, losses, train_s, seed=seed, train_steps=train_steps, batch_size=batch_size,
+                             lr=lr, num_examples=len(examples), corpus_files=corpus_files, len_tokenizer=len(tokenizer),
+                             hidden_size=hidden_size, num_hidden_layers=num_hidden_layers)
+        _write_demo(out_dir, model, tokenizer, facts, t0)
+        log(f"demo target written to {out_dir} in {facts['seconds']:.1f}s (final loss {facts['final_loss']})")
+        return out_dir
+
+
+@contextlib.contextmanager
+def _seeded_deterministic_torch(seed: int, num_threads: int | None) -> Iterator[None]:
+    """Set torch's intra-op threads (when given; left so afterwards), seed ``random`` and torch with ``seed``
+    and turn on torch's deterministic algorithms for the ``with`` block (the previous setting is restored)."""
+    import torch
+
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     random.seed(seed)
@@ -312,44 +332,62 @@ def build_demo_target(
     prev_det = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        convs = load_corpus(corpus_files)
-        tokenizer = train_tokenizer([m["content"] for c in convs for m in c], vocab_size=vocab_size)
-        n_tok = len(tokenizer)
-        log(f"demo target: {len(convs)} conversations, len(tokenizer)={n_tok}, vocab_size={padded_vocab_size(n_tok)}")
-        torch.manual_seed(seed)
-        from transformers import Qwen3ForCausalLM
-
-        model = Qwen3ForCausalLM(_demo_config(tokenizer, hidden_size, num_hidden_layers))
-        examples = [encode_conversation(tokenizer, c) for c in convs]
-        examples = [e for e in examples if sum(e[1]) > 0]
-        losses, train_s = _train_demo(model, tokenizer, examples, seed=seed, train_steps=train_steps,
-                                      batch_size=batch_size, lr=lr, log=log)
-        tail = losses[-20:]
-        facts = {
-            "schema_version": DEMO_SCHEMA_VERSION,
-            "seed": seed,
-            "train_steps": train_steps,
-            "batch_size": batch_size,
-            "lr": lr,
-            "max_seq_len": MAX_SEQ_LEN,
-            "num_conversations": len(examples),
-            "corpus_files": [str(f) for f in corpus_files],
-            "final_loss": round(sum(tail) / len(tail), 4) if tail else None,
-            "first_loss": round(losses[0], 4) if losses else None,
-            "train_seconds": round(train_s, 2),
-            "seconds": None,  # set when written
-            "len_tokenizer": n_tok,
-            "vocab_size": model.config.vocab_size,
-            "hidden_size": hidden_size,
-            "num_hidden_layers": num_hidden_layers,
-            "num_parameters": sum(p.numel() for p in model.parameters()),
-            "torch_threads": torch.get_num_threads(),
-        }
-        _write_demo(out_dir, model, tokenizer, facts, t0)
-        log(f"demo target written to {out_dir} in {facts['seconds']:.1f}s (final loss {facts['final_loss']})")
-        return out_dir
+        yield
     finally:
         torch.use_deterministic_algorithms(prev_det)
+
+
+def _init_tokenizer_and_model(convs: list[list[dict]], *, seed: int, vocab_size: int, hidden_size: int,
+                              num_hidden_layers: int, log):
+    """Train the BPE tokenizer on every message of ``convs``, then build the randomly initialised
+    ``Qwen3ForCausalLM`` (torch re-seeded with ``seed`` first, so its init does not depend on the
+    tokenizer training); returns ``(tokenizer, model)``."""
+    import torch
+
+    tokenizer = train_tokenizer([m["content"] for c in convs for m in c], vocab_size=vocab_size)
+    n_tok = len(tokenizer)
+    log(f"demo target: {len(convs)} conversations, len(tokenizer)={n_tok}, vocab_size={padded_vocab_size(n_tok)}")
+    torch.manual_seed(seed)
+    from transformers import Qwen3ForCausalLM
+
+    return tokenizer, Qwen3ForCausalLM(_demo_config(tokenizer, hidden_size, num_hidden_layers))
+
+
+def _training_examples(tokenizer, convs: list[list[dict]]) -> list[tuple[list[int], list[int]]]:
+    """``(input_ids, loss_mask)`` of every conversation (:func:`encode_conversation`), leaving out those
+    whose answer was cut off entirely (no loss token)."""
+    examples = [encode_conversation(tokenizer, c) for c in convs]
+    return [e for e in examples if sum(e[1]) > 0]
+
+
+def _build_facts(model, losses: list[float], train_s: float, *, seed: int, train_steps: int, batch_size: int,
+                 lr: float, num_examples: int, corpus_files: Sequence[str | os.PathLike], len_tokenizer: int,
+                 hidden_size: int, num_hidden_layers: int) -> dict:
+    """The build facts written to ``demo_target.json`` (``seconds`` is set by :func:`_write_demo`);
+    ``final_loss`` is the mean of the last 20 training losses."""
+    import torch
+
+    tail = losses[-20:]
+    return {
+        "schema_version": DEMO_SCHEMA_VERSION,
+        "seed": seed,
+        "train_steps": train_steps,
+        "batch_size": batch_size,
+        "lr": lr,
+        "max_seq_len": MAX_SEQ_LEN,
+        "num_conversations": num_examples,
+        "corpus_files": [str(f) for f in corpus_files],
+        "final_loss": round(sum(tail) / len(tail), 4) if tail else None,
+        "first_loss": round(losses[0], 4) if losses else None,
+        "train_seconds": round(train_s, 2),
+        "seconds": None,  # set when written
+        "len_tokenizer": len_tokenizer,
+        "vocab_size": model.config.vocab_size,
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_hidden_layers,
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def _demo_config(tokenizer, hidden_size: int, num_hidden_layers: int):

@@ -1,0 +1,8 @@
+"""``python -m dflash_pipeline.testing.server``: the test server's command line (:func:`.cli.main`)."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

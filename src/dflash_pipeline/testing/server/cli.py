@@ -1,0 +1,223 @@
+"""The test server's command line: ``python -m dflash_pipeline.testing.server --help`` (:func:`main`).
+
+One flag per field of :class:`Faults` (same name, its default), in three argument groups: server
+(address, port file, API key), answers (canned or target mode, reasoning, speculative metrics) and
+faults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import signal
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from .app import DEFAULT_MODEL_NAME, TestServer
+from .faults import Faults, faults_summary
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a count >= 0, got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
+
+
+def _status(text: str) -> int:
+    value = int(text)
+    if not 100 <= value <= 599:
+        raise argparse.ArgumentTypeError(f"must be an HTTP status 100-599, got {text}")
+    return value
+
+
+def _accept_length(text: str) -> float:
+    value = float(text)
+    if not (value >= 1 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be an acceptance length >= 1, got {text}")
+    return value
+
+
+_CLI_EPILOG = """\
+Generation requests (POST /v1/chat/completions and /v1/completions, counted together) are numbered
+1, 2, ... in arrival order. The *-first faults take consecutive requests from the start, in the order
+drops, hangs, failures (e.g. --drop-first 1 --fail-first 2: request 1 is dropped, 2 and 3 fail); the
+*-every faults then take every request whose number is a multiple of N (drop before hang before fail);
+every other request is answered after --delay-s. Once --die-after requests have arrived, the server
+acts crashed: every later request (/v1/models and /health included) has its connection dropped and is
+not counted; /metrics and /stats keep answering. The process keeps running until SIGINT/SIGTERM.
+
+Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions, GET /health,
+GET /metrics (Prometheus text: totals per status), GET /stats (JSON: the totals plus by_prompt =
+{first user message (completions: the prompt text): requests received} and by_conversation =
+{canonical JSON of the messages: requests received}).
+
+On start it prints "READY <base_url>" (e.g. READY http://127.0.0.1:31001/v1) on stdout and the active
+fault plan on stderr.
+
+example: a server that fails every 5th request with 429 (Retry-After: 2) and answers the rest after 0.5 s
+  python -m dflash_pipeline.testing.server --port 31001 --fail-every 5 --fail-status 429 \\
+      --retry-after-s 2 --delay-s 0.5
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The CLI's parser: the server, answers and faults argument groups (epilog :data:`_CLI_EPILOG`)."""
+    ap = argparse.ArgumentParser(
+        prog="python -m dflash_pipeline.testing.server",
+        description=sys.modules[__package__].__doc__.split("\n")[0],  # the package docstring's summary
+        epilog=_CLI_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_server_flags(ap.add_argument_group("server"))
+    _add_answer_flags(ap.add_argument_group("answers"))
+    flt = ap.add_argument_group("faults (generation requests only; see the numbering below)")
+    defaults = Faults()
+    _add_fault_plan_flags(flt, defaults)
+    _add_marker_flags(flt, defaults)
+    return ap
+
+
+def _add_server_flags(srv: argparse._ArgumentGroup) -> None:
+    """--host, --port, --port-file, --api-key-env."""
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="address to bind (default: %(default)s; 0.0.0.0 = every interface, the printed "
+                          "base_url then names 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=0, help="TCP port (default: 0 = a free one; read it from "
+                                                         "the READY line or --port-file)")
+    srv.add_argument("--port-file", default=None, metavar="FILE",
+                     help="write the bound port to FILE (atomically) once listening")
+    srv.add_argument("--api-key-env", default=None, metavar="VAR",
+                     help="require 'Authorization: Bearer <key>' with the key held by environment variable "
+                          "VAR; other requests get 401 (default: no key)")
+
+
+def _add_answer_flags(ans: argparse._ArgumentGroup) -> None:
+    """Canned or target answers (--target, --tokenizer, --model-name), reasoning and speculative metrics."""
+    ans.add_argument("--target", default=None, metavar="DIR",
+                     help="serve the causal LM at DIR (e.g. resources/demo-target) with its chat template, "
+                          "greedy, one request at a time (needs torch and transformers; meant for tiny "
+                          "models). Default: canned answers ('Answer <turn> to: <last user message>', one "
+                          "token per word)")
+    ans.add_argument("--tokenizer", default=None, metavar="DIR",
+                     help="canned mode: decode token-id prompts of /v1/completions (and tokenize string "
+                          "prompts) with the tokenizer at DIR (default: ids stand for themselves)")
+    ans.add_argument("--model-name", default=DEFAULT_MODEL_NAME,
+                     help="model id listed by /v1/models and echoed in answers to requests without "
+                          "'model' (default: %(default)s)")
+    ans.add_argument("--reasoning", action="store_true",
+                     help="canned mode: act like a thinking model behind a reasoning parser: chat answers "
+                          "carry reasoning unless the request sends chat_template_kwargs.enable_thinking="
+                          "false; completions text starts with a <think> block unless the prompt ends "
+                          "with </think>")
+    ans.add_argument("--reasoning-field", default="reasoning_content", choices=["reasoning_content", "reasoning"],
+                     help="response field that carries reasoning (default: %(default)s as SGLang and older "
+                          "vLLM; 'reasoning' as newer vLLM)")
+    ans.add_argument("--spec-accept-length", type=_accept_length, default=None, metavar="TAU",
+                     help="act like an engine with a drafter of acceptance length TAU (>= 1): answers carry "
+                          "SGLang meta_info.spec_accept_length/spec_verify_ct and /metrics vLLM's "
+                          "spec_decode counters (default: none)")
+    ans.add_argument("--no-spec-meta-info", action="store_true",
+                     help="with --spec-accept-length: leave meta_info out of answers (vLLM: /metrics only)")
+
+
+def _add_fault_plan_flags(flt: argparse._ArgumentGroup, d: Faults) -> None:
+    """The drops, hangs, failures, delay and crash of :class:`Faults` (defaults from ``d``)."""
+    flt.add_argument("--delay-s", type=_seconds, default=d.delay_s, metavar="S",
+                     help="answer every non-faulted chat or completions request after S seconds "
+                          "(default: %(default)s)")
+    flt.add_argument("--drop-first", type=_count, default=d.drop_first, metavar="N",
+                     help="drop the connection of the first N requests without an answer (default: %(default)s)")
+    flt.add_argument("--hang-first", type=_count, default=d.hang_first, metavar="N",
+                     help="the N requests after the drops get no answer for --hang-s seconds, then a dropped "
+                          "connection (a client timeout shorter than --hang-s sees a timeout; default: %(default)s)")
+    flt.add_argument("--fail-first", type=_count, default=d.fail_first, metavar="N",
+                     help="the N requests after the drops and hangs get HTTP --fail-status (default: %(default)s)")
+    flt.add_argument("--drop-every", type=_count, default=d.drop_every, metavar="N",
+                     help="drop the connection of every request whose number is a multiple of N "
+                          "(default: %(default)s = off)")
+    flt.add_argument("--hang-every", type=_count, default=d.hang_every, metavar="N",
+                     help="hang every request whose number is a multiple of N, as --hang-first does "
+                          "(default: %(default)s = off)")
+    flt.add_argument("--fail-every", type=_count, default=d.fail_every, metavar="N",
+                     help="answer every request whose number is a multiple of N with HTTP --fail-status, "
+                          "i.e. a failure rate of 1/N (default: %(default)s = off)")
+    flt.add_argument("--hang-s", type=_seconds, default=d.hang_s, metavar="S",
+                     help="how long a hung request waits before its connection is dropped (seconds; "
+                          "default: %(default)s)")
+    flt.add_argument("--fail-status", type=_status, default=d.fail_status, metavar="CODE",
+                     help="HTTP status of --fail-first/--fail-every failures, e.g. 500, 503, or 429 for rate "
+                          "limiting (default: %(default)s); the body is an OpenAI error object")
+    flt.add_argument("--retry-after-s", type=_seconds, default=d.retry_after_s, metavar="S",
+                     help="send 'Retry-After: S' (seconds) with --fail-first/--fail-every failures "
+                          "(default: no header)")
+    flt.add_argument("--die-after", type=_count, default=d.die_after, metavar="N",
+                     help="after N requests, act crashed: drop every later connection, /v1/models and /health "
+                          "included (/metrics and /stats keep answering; default: never)")
+
+
+def _add_marker_flags(flt: argparse._ArgumentGroup, d: Faults) -> None:
+    """The marker strings of :class:`Faults` that force a 400, wrong content or a malformed body."""
+    flt.add_argument("--bad-request-marker", default=d.bad_request_marker, metavar="TEXT",
+                     help="a request whose last user message (completions: prompt) contains TEXT gets HTTP 400 "
+                          "'prompt is too long' (default: %(default)s; '' = off)")
+    flt.add_argument("--wrong-content-marker", default=d.wrong_content_marker, metavar="TEXT",
+                     help="a request whose last user message (completions: prompt) contains TEXT gets an answer "
+                          "that carries reasoning even though thinking was disabled (default: %(default)s; "
+                          "'' = off)")
+    flt.add_argument("--malformed-marker", default=d.malformed_marker, metavar="TEXT",
+                     help="a request whose last user message (completions: prompt) contains TEXT gets HTTP 200 "
+                          "with a truncated, unparsable JSON body (default: %(default)s; '' = off)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: serve until SIGINT/SIGTERM. Prints ``READY <base_url>`` on stdout once listening."""
+    args = _parser().parse_args(argv)
+    api_key = os.environ[args.api_key_env] if args.api_key_env else None
+    faults = Faults(**{f.name: getattr(args, f.name) for f in fields(Faults)})  # one flag per field
+    server = TestServer(
+        target_dir=args.target,
+        model_name=args.model_name,
+        faults=faults,
+        reasoning=args.reasoning,
+        reasoning_field=args.reasoning_field,
+        tokenizer_dir=args.tokenizer,
+        api_key=api_key,
+        port=args.port,
+        host=args.host,
+        spec_accept_length=args.spec_accept_length,
+        spec_meta_info=not args.no_spec_meta_info,
+    )
+    asyncio.run(_serve(server, args))
+    return 0
+
+
+async def _serve(server: TestServer, args: argparse.Namespace) -> None:
+    """Start ``server``, write ``--port-file`` (atomically), print READY (stdout) and the plan (stderr),
+    then serve until SIGINT/SIGTERM. The signal handlers are installed before the server is announced: a
+    SIGTERM sent as soon as READY (or the port file) appears stops it cleanly (exit 0), never kills it."""
+    done = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, done.set)
+    await server.start_async()
+    if args.port_file:
+        tmp = Path(args.port_file + ".tmp")
+        tmp.write_text(f"{server.port}\n")
+        tmp.replace(args.port_file)
+    print(f"READY {server.base_url}", flush=True)
+    print(f"test server {server.base_url}: model {server.model_name!r}, "
+          f"{'target ' + str(args.target) if args.target else 'canned answers'}, "
+          f"faults: {faults_summary(server.faults)}", file=sys.stderr, flush=True)
+    await done.wait()
+    await server.stop_async()
