@@ -39,16 +39,14 @@ def train_params():
 
 
 def features_python():
-    """Interpreter that runs the extraction: the vLLM environment's for backend vllm (fails at plan time
-    when there is none), else the job's own `python`."""
+    """Interpreter that runs the extraction: the vLLM environment's for backend vllm, else the job's own
+    `python`. A missing vLLM environment is reported before this runs, with every other config problem
+    (dflash_pipeline.config.training_problems)."""
     if FEATURES["backend"] != "vllm":
         return "python"
-    from dflash_pipeline.vllm_env import VLLMNotFound, require_vllm_python
+    from dflash_pipeline.vllm_env import require_vllm_python
 
-    try:
-        return require_vllm_python(FEATURES["vllm"]["python"])
-    except VLLMNotFound as exc:
-        raise WorkflowError(f"features.backend: vllm: {exc}")
+    return require_vllm_python(FEATURES["vllm"]["python"])
 
 
 def features_job_config():

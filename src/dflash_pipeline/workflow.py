@@ -260,8 +260,6 @@ def tee_log(argv: list[str], stdin=None, term=None) -> int:
 
 #: Rules that run models on GPUs when the run is a GPU run (see `job_gpus`).
 GPU_RULES = ("train_drafter", "evaluate_acceptance", "generate_completions", "evaluate_engine")
-#: Rules whose GPUs are set by a config key whatever the run's precision (``features.gpus``: 0 = CPU).
-CONFIGURED_GPU_RULES = {"extract_features": ("features", "gpus")}
 
 
 def job_gpus(config: dict, rule: str) -> int:
@@ -270,12 +268,11 @@ def job_gpus(config: dict, rule: str) -> int:
     A run is a GPU run when ``train.mixed_precision`` is not ``"no"`` (bf16/fp16 are GPU settings; CPU
     runs use fp32), unless ``train.device: cpu`` (bf16 on a CPU box: no GPU claimed). Then training takes ``train.num_processes`` GPUs (one per accelerate process), eval one,
     and in-process generation (``generation.backend: transformers``) one; server-backed generation none.
-    ``extract_features`` takes ``features.gpus`` (:data:`CONFIGURED_GPU_RULES`).
+    ``extract_features`` takes ``features.gpus`` whatever the run's precision (0 = CPU).
     Override per rule with ``--set-resources RULE:gpu=N`` (or ``set-resources`` in a profile).
     """
-    if rule in CONFIGURED_GPU_RULES:
-        section, key = CONFIGURED_GPU_RULES[rule]
-        return int(config[section][key])
+    if rule == "extract_features":
+        return int(config["features"]["gpus"])
     if config["train"]["mixed_precision"] == "no" or config["train"]["device"] == "cpu" or rule not in GPU_RULES:
         return 0
     if rule == "train_drafter":
