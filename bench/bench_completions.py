@@ -59,9 +59,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from dflash_pipeline import contracts, shards  # noqa: E402
+from dflash_pipeline.core import contracts
+
+from dflash_pipeline.core import shards  # noqa: E402
 from dflash_pipeline.completions import generate_shard  # noqa: E402
-from dflash_pipeline.config import validate_config  # noqa: E402
+from dflash_pipeline.core.config import validate_config  # noqa: E402
 
 
 def cpu_s() -> float:

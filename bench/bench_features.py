@@ -47,10 +47,10 @@ def make_shards(root: Path, records: int, seq: int, hidden: int, layers=(1, 2), 
     """Token shards + matching feature shards with random features (what extraction would write)."""
     import torch
 
-    from dflash_pipeline.contracts import FEATURE_SCHEMA_VERSION, TOKEN_SCHEMA
+    from dflash_pipeline.core.contracts import FEATURE_SCHEMA_VERSION, TOKEN_SCHEMA
     from dflash_pipeline.features.extract import read_token_arrays
     from dflash_pipeline.features.format import FeatureLayout, FeatureShardWriter, sha256_file
-    from dflash_pipeline.shards import write_parquet
+    from dflash_pipeline.core.shards import write_parquet
 
     import pyarrow as pa
 
@@ -102,14 +102,14 @@ def child(mode: str, spec: dict) -> None:
     """One measurement in this (fresh) process; prints a JSON line with peak RSS in MiB."""
     out = {"mode": mode}
     if mode == "baseline":
-        from dflash_pipeline.train import load_token_shards
+        from dflash_pipeline.train.run import load_token_shards
 
         recs = load_token_shards(spec["tokens"])
         out["records"] = len(recs)
     elif mode == "scan":
         import torch
 
-        from dflash_pipeline.train_data import MappedRecords, collate
+        from dflash_pipeline.train.data import MappedRecords, collate
 
         ds = MappedRecords(spec["features"], features=True)
         n = 0
@@ -117,7 +117,7 @@ def child(mode: str, spec: dict) -> None:
             n += int(batch["attention_mask"].sum())
         out["tokens_read"] = n
     else:
-        from dflash_pipeline.train import train
+        from dflash_pipeline.train.run import train
 
         s = train(token_shards=spec["tokens"], feature_shards=spec["features"], probe=spec["probe"], target_dir=spec["target"],
                   out_dir=spec["out"], cfg=spec["cfg"])
@@ -168,7 +168,7 @@ def bench_rss(root: Path, base_records: int, seq: int, hidden: int, steps: int) 
 
 def bench_extract(root: Path, records: int, seq: int, skip_vllm: bool) -> None:
     from dflash_pipeline.features.extract import extract_shard
-    from dflash_pipeline.vllm_env import find_vllm_python
+    from dflash_pipeline.core.vllm_env import find_vllm_python
 
     target = make_target(root / "ex", 128, head_dim=32)  # vLLM's CPU attention wants head_dim >= 32
     toks, _ = make_shards(root / "ex", records, seq, 128, per_shard=records)

@@ -73,8 +73,8 @@ def run_streaming(src: Path, out: Path, shard_size: int, languages: list[str] | 
 
 
 def run_naive(src: Path, out: Path, shard_size: int) -> int:
-    from dflash_pipeline import shards
-    from dflash_pipeline.contracts import PROMPT_SCHEMA, prompt_id
+    from dflash_pipeline.core import shards
+    from dflash_pipeline.core.contracts import PROMPT_SCHEMA, prompt_id
     from dflash_pipeline.prompts import normalize_record
 
     records = [json.loads(line) for line in open(src, encoding="utf-8")]

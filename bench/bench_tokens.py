@@ -3,7 +3,7 @@
 Both paths run in this process on one core (Rust thread pools pinned to 1 thread) over the same records
 and produce the same masks:
 
-* ``tokens``: :func:`dflash_pipeline.tokens.tokenize_records` (string-level render diffs with the
+* ``tokens``: :func:`dflash_pipeline.tokens.shard.tokenize_records` (string-level render diffs with the
   compiled template called directly - the same sandboxed Jinja template ``apply_chat_template`` uses,
   without its per-call overhead -, one batched offset-mapping tokenizer call per 256 sequences, each
   conversation tokenized once when the template is prefix-stable).
@@ -41,9 +41,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from dflash_pipeline import chat, demo, shards  # noqa: E402
-from dflash_pipeline.contracts import COMPLETION_SCHEMA  # noqa: E402
-from dflash_pipeline.tokens import tokenize_records, tokenize_shard  # noqa: E402
+from dflash_pipeline import demo
+
+from dflash_pipeline.target import chat
+
+from dflash_pipeline.core import shards  # noqa: E402
+from dflash_pipeline.core.contracts import COMPLETION_SCHEMA  # noqa: E402
+from dflash_pipeline.tokens.shard import tokenize_records, tokenize_shard  # noqa: E402
 
 
 def load_conversations(n: int | None, seed: int = 0) -> list[list[dict]]:
@@ -114,7 +118,7 @@ def peak_memory(tokenizer_dir: Path, n: int, thinking: str) -> dict:
         del recs
         code = (
             "import json,resource,sys,time; sys.path.insert(0, %r)\n"
-            "from dflash_pipeline.tokens import tokenize_shard\n"
+            "from dflash_pipeline.tokens.shard import tokenize_shard\n"
             "t=time.perf_counter(); s=tokenize_shard(%r, %r, target_dir=%r, tokens_cfg={'max_length':3072,'last_turn_only':False})\n"
             "print(json.dumps({'seconds': time.perf_counter()-t, 'records_out': s['records_out'], 'num_tokens': s['num_tokens'],"
             " 'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss/1024}))"
@@ -175,7 +179,7 @@ def report(m: dict, n_records: int) -> None:
 def breakdown(tok, records: list[dict], naive_s: float) -> None:
     """Where the pipeline's time goes: the two renders per turn and one encode per sequence are work the
     naive path does too, so ``naive_s / (render + encode)`` bounds any render-diff implementation."""
-    from dflash_pipeline.tokens import conversation_sequences
+    from dflash_pipeline.tokens.shard import conversation_sequences
 
     convs = [chat.template_messages(r["messages"]) for r in records]
     ps, qs = [], []

@@ -9,7 +9,7 @@ measured in the same run: the target forward alone (the floor any online trainer
 
 Sequence packing on real token shards (the demo's after `snakemake --profile local`): one pass over the
 same records padded (batch_size records per step) and packed (batch_size rows of up to the longest
-record's tokens, dflash_pipeline.packing; the same anchors per record), tokens/s of each and the ratio:
+record's tokens, dflash_pipeline.train.packing; the same anchors per record), tokens/s of each and the ratio:
 
     python bench/bench_train.py --tokens results/tokens/*/*.parquet --target resources/demo-target \
         --probe results/probe/target.json
@@ -25,8 +25,8 @@ import time
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dflash_pipeline import model as M
-from dflash_pipeline.train import StepContext, training_step
+from dflash_pipeline.drafter import model as M
+from dflash_pipeline.train.run import StepContext, training_step
 
 
 def main() -> None:
@@ -126,9 +126,9 @@ def packing_main(a) -> None:
     """Padded vs packed training steps over the same records; prints tokens/s of each and the ratio."""
     import random
 
-    from dflash_pipeline import packing as P
-    from dflash_pipeline import target as T
-    from dflash_pipeline.train import build_drafter, collate, load_token_shards
+    from dflash_pipeline.train import packing as P
+    from dflash_pipeline.target import loading as T
+    from dflash_pipeline.train.run import build_drafter, collate, load_token_shards
 
     dev = torch.device(a.device)
     records = load_token_shards(a.tokens)

@@ -4,13 +4,13 @@
 # embedding/head cost, plus the CPU-vs-GPU agreement of the mask paths. Prints tokens/s, memory and MFU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pytest -q tests/unit/test_model.py -k "flex or alignment or matches_inference"
+python -m pytest -q tests/unit/drafter/test_model.py -k "flex or alignment or matches_inference"
 python bench/bench_train.py --device cuda --bf16 --backend flex --hidden 4096 --target-layers 8 --draft-layers 5 \
     --vocab 151936 --block-size 16 --num-anchors 512 --batch 1 --seq 3072 --steps 5
 python bench/bench_train.py --device cuda --bf16 --backend sdpa --hidden 4096 --target-layers 8 --draft-layers 5 \
     --vocab 151936 --block-size 16 --num-anchors 128 --batch 1 --seq 1024 --steps 5
 # bf16 training (bf16 target + accelerate bf16 autocast + FlexAttention) and bf16 eval (drafter in the target's
 # dtype, speculative loop on CUDA) of real-architecture twins: the story's hybrid linear-attention MoE family,
-# the sliding-window + sinks family and the nested kimi_k25 family (tests/unit/test_zoo.py covers the CPU side).
+# the sliding-window + sinks family and the nested kimi_k25 family (tests/unit/testing/test_zoo.py covers the CPU side).
 python -m dflash_pipeline.testing.zoo --table --device auto --models "${DFLASH_MODELS_DIR:-../shared/data/models}" \
     --family Qwen3.5-35B-A3B --family gpt-oss-20b --family Kimi-K2.5

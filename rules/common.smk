@@ -3,7 +3,7 @@
 #   common/paths.smk   pattern builders: where each stage writes (`{RESULTS}/<stage>/...`)
 #   common/inputs.smk  input functions `get_*(wildcards)`: evaluated per job, after the prompts checkpoint
 #   common/params.smk  params: what a job reads from the config, and so what reruns it (the rerun policy
-#                      itself lives in dflash_pipeline.workflow, with unit tests)
+#                      itself lives in dflash_pipeline.workflow.policy, with unit tests)
 RESULTS = config["results_dir"]
 RUN_NAME = config["run"]
 DEMO_TARGET = "resources/demo-target"

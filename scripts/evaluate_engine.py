@@ -1,6 +1,6 @@
-from dflash_pipeline.evaluate import training_prompt_ids
-from dflash_pipeline.evaluate_engine import evaluate_engine
-from dflash_pipeline.workflow import claim_gpus, log_to
+from dflash_pipeline.evaluate.acceptance import training_prompt_ids
+from dflash_pipeline.evaluate.engine_acceptance import evaluate_engine
+from dflash_pipeline.workflow.policy import claim_gpus, log_to
 
 with log_to(snakemake.log.job, snakemake.threads), claim_gpus(snakemake.resources.gpu):
     p, inp = snakemake.params, snakemake.input

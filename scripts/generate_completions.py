@@ -1,5 +1,5 @@
 from dflash_pipeline.completions import generate_shard, preflight_template
-from dflash_pipeline.workflow import claim_gpus, log_to
+from dflash_pipeline.workflow.policy import claim_gpus, log_to
 
 with log_to(snakemake.log[0], snakemake.threads), claim_gpus(snakemake.resources.gpu):
     p = snakemake.params

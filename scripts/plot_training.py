@@ -1,7 +1,7 @@
 from pathlib import Path
 
-from dflash_pipeline.evaluate import plot_training, plot_validation
-from dflash_pipeline.workflow import log_to
+from dflash_pipeline.evaluate.acceptance import plot_training, plot_validation
+from dflash_pipeline.workflow.policy import log_to
 
 with log_to(snakemake.log[0], snakemake.threads):
     runs = {"trained": snakemake.input.drafter, **{b: getattr(snakemake.input, b) for b in snakemake.params.baseline_labels}}

@@ -1,5 +1,5 @@
 from dflash_pipeline.probe import probe_target, write_probe
-from dflash_pipeline.workflow import log_to
+from dflash_pipeline.workflow.policy import log_to
 
 with log_to(snakemake.log[0]):
     p = snakemake.params

@@ -1,5 +1,5 @@
 from dflash_pipeline import report
-from dflash_pipeline.workflow import log_to
+from dflash_pipeline.workflow.policy import log_to
 
 with log_to(snakemake.log[0], snakemake.threads):
     report.generation_table(snakemake.input.shards, snakemake.output[0], benchmark_dir=snakemake.params.benchmark_dir)

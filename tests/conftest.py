@@ -63,7 +63,7 @@ def real_models_dir() -> Path:
 def vllm_python() -> str:
     """Interpreter of the vLLM environment (``.ci/run`` builds ``.venv-vllm``). In CI
     (``DFLASH_CI_SERVICES=1``) a missing engine fails the test; locally it skips and says how to install."""
-    from dflash_pipeline.vllm_env import VLLMNotFound, require_vllm_python
+    from dflash_pipeline.core.vllm_env import VLLMNotFound, require_vllm_python
 
     try:
         return require_vllm_python()
@@ -81,7 +81,7 @@ def tiny_target_and_drafter(*, num_hidden_layers: int, num_draft_layers: int, ta
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from dflash_pipeline import model as M
+    from dflash_pipeline.drafter import model as M
 
     torch.manual_seed(0)
     tcfg = Qwen3Config(
@@ -162,8 +162,8 @@ def counting_train_setup(root: Path, *, min_len: int, max_position_embeddings: i
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from dflash_pipeline.contracts import TOKEN_SCHEMA
-    from dflash_pipeline.shards import table_from_records, write_parquet
+    from dflash_pipeline.core.contracts import TOKEN_SCHEMA
+    from dflash_pipeline.core.shards import table_from_records, write_parquet
 
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=80, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,

@@ -1,8 +1,8 @@
 # Params: what a job takes from the config. Snakemake reruns a job when one of its params' repr changes,
 # so every value here is canonical (sorted keys) and carries only what changes the output; the policy is
-# in dflash_pipeline.workflow (tests/unit/test_workflow.py pins it).
-from dflash_pipeline import workflow as wf
-from dflash_pipeline.workflow import as_json, canonical
+# in dflash_pipeline.workflow.policy (tests/unit/test_workflow.py pins it).
+from dflash_pipeline.workflow import policy as wf
+from dflash_pipeline.workflow.policy import as_json, canonical
 
 
 def generation_output_params():
@@ -12,7 +12,7 @@ def generation_output_params():
 
 def tokenization_code():
     """Revision of the token-shard bytes (a `params` of tokenize_completions; see
-    dflash_pipeline.workflow.TOKENIZATION_REVISION)."""
+    dflash_pipeline.workflow.policy.TOKENIZATION_REVISION)."""
     return wf.TOKENIZATION_REVISION
 
 
@@ -22,7 +22,7 @@ def baseline_runs(run=RUN_NAME):
 
 
 def gpus(rule):
-    """The `gpu` resource of one job of `rule` (0 on CPU runs; see dflash_pipeline.workflow.job_gpus)."""
+    """The `gpu` resource of one job of `rule` (0 on CPU runs; see dflash_pipeline.workflow.policy.job_gpus)."""
     return wf.job_gpus(config, rule)
 
 

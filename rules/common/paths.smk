@@ -6,7 +6,7 @@ from pathlib import Path
 def repo_path(path):
     """A relative path that is missing from the working directory but ships with the workflow
     (bundled data under data/) resolves against the repo, so `snakemake -d elsewhere` works."""
-    from dflash_pipeline.config import resolve_path
+    from dflash_pipeline.core.config import resolve_path
 
     return resolve_path(path, workflow.basedir)
 

@@ -3,8 +3,8 @@
 Stages (a module or package each, data flows one way; README "Layout" maps them to rules, contracts, tests):
 ``demo`` (tiny target) -> ``probe`` -> ``prompts`` -> ``completions`` -> ``tokens`` -> [``features``] ->
 ``train`` -> ``evaluate`` (+ ``evaluate_engine``) -> ``report``.
-The drafter itself lives in :mod:`dflash_pipeline.model`; record schemas in :mod:`dflash_pipeline.contracts`;
-atomic shard I/O in :mod:`dflash_pipeline.shards`.
+The drafter itself lives in :mod:`dflash_pipeline.drafter.model`; record schemas in :mod:`dflash_pipeline.core.contracts`;
+atomic shard I/O in :mod:`dflash_pipeline.core.shards`.
 """
 
 __version__ = "0.1.0"

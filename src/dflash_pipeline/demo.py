@@ -34,8 +34,8 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
-from .errors import DataError
-from .shards import replace_dir, write_json
+from dflash_pipeline.core.errors import DataError
+from dflash_pipeline.core.shards import replace_dir, write_json
 
 DEMO_SCHEMA_VERSION = 1
 
@@ -56,7 +56,7 @@ MAX_SEQ_LEN = 256  # training sequence length and the tokenizer's model_max_leng
 MODEL_MAX_LENGTH = 1024
 
 #: Qwen3's chat template without the tool-calling branches; same output for system/user/assistant
-#: messages, ``reasoning_content``, multi-turn and ``enable_thinking`` (checked in tests/unit/test_demo.py).
+#: messages, ``reasoning_content``, multi-turn and ``enable_thinking`` (checked in tests/unit/demo/test_demo.py).
 CHAT_TEMPLATE = """\
 {%- if messages[0].role == 'system' %}
     {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}

@@ -43,7 +43,7 @@ def make_drafter(target_dir: Path, out: Path, num_layers: int, seed: int) -> Pat
     """Random-init drafter for ``target_dir`` with randomised norm weights, exported fp32 to ``out``."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from dflash_pipeline import model as M
+    from dflash_pipeline.drafter import model as M
 
     tcfg = AutoConfig.from_pretrained(target_dir)
     tok = AutoTokenizer.from_pretrained(target_dir)
@@ -99,7 +99,7 @@ def load_capture(caps: dict, name: str) -> tuple[dict, list[dict]]:
 
 @pytest.fixture(scope="session")
 def target_model(vllm_captures):
-    from dflash_pipeline.train import load_target
+    from dflash_pipeline.train.run import load_target
 
     return load_target(vllm_captures["target"], dtype="float32", device="cpu")
 
@@ -115,7 +115,7 @@ def replay(drafter, target, steps: list[dict], *, mistake: str | None = None) ->
     ``k_norm_layer0`` (every layer's context keys normalised with layer 0's k_norm); ``none`` takes that
     whole-context path with no error (so a control's miss is the mistake's, not the path's).
     """
-    from dflash_pipeline import model as M
+    from dflash_pipeline.drafter import model as M
 
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     out = []
@@ -185,7 +185,7 @@ def max_diff(pairs) -> float:
 
 @pytest.mark.parametrize("name", ["one_layer", "two_layer_patched"])
 def test_draft_logits_match_vllm(vllm_captures, target_model, name):
-    from dflash_pipeline import model as M
+    from dflash_pipeline.drafter import model as M
 
     meta, steps = load_capture(vllm_captures, name)
     assert len(steps) >= 10 and len({s["prompt"] for s in steps}) == 3, meta
@@ -207,7 +207,7 @@ def test_draft_logits_match_vllm(vllm_captures, target_model, name):
 def test_parity_catches_a_deliberate_mistake(vllm_captures, target_model, mistake):
     """Negative controls: each mistake moves the logits far beyond the parity tolerance (on the same
     captured steps that pass without it)."""
-    from dflash_pipeline import model as M
+    from dflash_pipeline.drafter import model as M
 
     _, steps = load_capture(vllm_captures, "one_layer")
     drafter = M.load_drafter(vllm_captures["drafters"]["one_layer"], dtype=torch.float32)
@@ -220,7 +220,7 @@ def test_parity_catches_a_deliberate_mistake(vllm_captures, target_model, mistak
 def test_parity_catches_the_cpu_k_norm_bug(vllm_captures, target_model):
     """With two draft layers, normalising every layer's context keys with layer 0's k_norm (what the CPU
     kernel does unpatched) misses vLLM's patched logits by far more than the tolerance."""
-    from dflash_pipeline import model as M
+    from dflash_pipeline.drafter import model as M
 
     _, steps = load_capture(vllm_captures, "two_layer_patched")
     drafter = M.load_drafter(vllm_captures["drafters"]["two_layer_patched"], dtype=torch.float32)

@@ -54,7 +54,7 @@ def _plan_with_edited_package(work, targets, tmp_path, edit) -> dict[str, int]:
 @pytest.mark.parametrize("module", ["tokens.py", "chat.py"])
 def test_tokenization_code_edit_keeping_the_revision_reruns_nothing(built, tmp_path, module):
     """An edit of a tokenization module that keeps ``workflow.TOKENIZATION_REVISION`` (a refactor: the
-    golden test, tests/unit/test_tokenization_golden.py, proves the shard bytes stay) plans nothing."""
+    golden test, tests/unit/tokens/test_tokenization_golden.py, proves the shard bytes stay) plans nothing."""
     work, _, targets = built
 
     def edit(pkg):
@@ -70,7 +70,7 @@ def test_tokenization_revision_bump_retokenizes_only(built, tmp_path):
     work, _, targets = built
 
     def edit(pkg):
-        from dflash_pipeline.workflow import TOKENIZATION_REVISION
+        from dflash_pipeline.workflow.policy import TOKENIZATION_REVISION
 
         text = (pkg / "workflow.py").read_text(encoding="utf-8")
         line = f'TOKENIZATION_REVISION = "{TOKENIZATION_REVISION}"'

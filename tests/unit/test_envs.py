@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 PKG = "dflash_pipeline"
 PKG_DIR = REPO / "src" / PKG
 
-#: Modules that run only under the vLLM environment's interpreter (dflash_pipeline.vllm_env: the vllm
+#: Modules that run only under the vLLM environment's interpreter (dflash_pipeline.core.vllm_env: the vllm
 #: features backend and its connector, imported lazily when ``features.backend: vllm``), never under the
 #: rule's conda env, so what they import is not the env's business.
 ENGINE_SIDE_MODULES = {f"{PKG}.features.vllm_backend", f"{PKG}.features.vllm_connector"}
@@ -187,12 +187,12 @@ def rules(tmp_path_factory) -> list[dict]:
 
 
 def test_imports_are_found_through_the_package(rules):
-    """Guards the analysis itself: the training rule reaches torch through dflash_pipeline.train."""
+    """Guards the analysis itself: the training rule reaches torch through dflash_pipeline.train.run."""
     train = next(r for r in rules if r["name"] == "train_drafter")
     external, modules = reached_imports([], shell_modules(train["shell"]))
     assert {"torch", "accelerate", "safetensors"} <= external
-    assert {"dflash_pipeline.train", "dflash_pipeline.model"} <= modules
-    assert imports_of(PKG_DIR / "train.py", "dflash_pipeline.train") >= {"torch"}
+    assert {"dflash_pipeline.train.run", "dflash_pipeline.drafter.model"} <= modules
+    assert imports_of(PKG_DIR / "train.py", "dflash_pipeline.train.run") >= {"torch"}
 
 
 def test_every_rule_with_code_has_an_env(rules):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import re
 
-from ..errors import strip_url_credentials
+from dflash_pipeline.core.errors import strip_url_credentials
 
 
 def _first_line(exc: BaseException | str) -> str:

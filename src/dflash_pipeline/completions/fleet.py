@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..errors import ConfigError, GenerationError
+from dflash_pipeline.core.errors import ConfigError, GenerationError
 from .describe import _describe
 from .retry import AUTH_STATUS
 

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Sequence
 
-from .. import shards
-from ..chat import load_tokenizer, template_kwargs
-from ..config import generation_problems
-from ..contracts import COMPLETION_SCHEMA, COMPLETION_SCHEMA_VERSION, canonical_json
-from ..errors import ConfigError, GenerationError
+from dflash_pipeline.core import shards
+from dflash_pipeline.target.chat import load_tokenizer, template_kwargs
+from dflash_pipeline.core.config import generation_problems
+from dflash_pipeline.core.contracts import COMPLETION_SCHEMA, COMPLETION_SCHEMA_VERSION, canonical_json
+from dflash_pipeline.core.errors import ConfigError, GenerationError
 from .openai_backend import OpenAIBackend, _quiet_http_logs
 from .records import MAX_SKIPPED_EXAMPLES, OnDone, RunInfo, context_limit, read_prompts, sampling_params
 from .resume import ERRORS_SUFFIX, PROGRESS_SUFFIX, ProgressLog, _drop_other_model, _fingerprint
@@ -64,7 +64,7 @@ def preflight_template(
     chat_template: str | Path | None = None,
     trust_remote_code: bool = False,
 ) -> list[str]:
-    """Before a completions job generates anything: :func:`dflash_pipeline.spans.check_template` on the
+    """Before a completions job generates anything: :func:`dflash_pipeline.target.spans.check_template` on the
     target's tokenizer and template in ``gen_cfg["thinking"]`` (skipped, with a warning, when
     ``tokens_cfg["use_server_token_ids"]`` is set: those records need no render). Warnings are logged and
     returned.
@@ -72,7 +72,7 @@ def preflight_template(
     Raises:
         ConfigError: the tokens stage could not mask conversations of this template in this mode.
     """
-    from .. import spans  # the string level only: no numpy/pyarrow in this rule's env
+    from dflash_pipeline.target import spans  # the string level only: no numpy/pyarrow in this rule's env
 
     if tokens_cfg.get("use_server_token_ids"):
         log.warning("tokens.use_server_token_ids is set: the chat-template check is skipped; records without "
@@ -91,7 +91,7 @@ def too_long_prompts(prompts: Sequence[dict], tok, gen_cfg: dict, limit: int) ->
     the generation prompt (a lower bound of the last turn's prompt: answers only add) plus
     ``generation.max_tokens`` exceeds ``limit`` (``max_position_embeddings``). Returns ``{prompt_id:
     example}`` (``prompt_tokens``, ``max_tokens``, ``max_position_embeddings``)."""
-    from ..chat import render
+    from dflash_pipeline.target.chat import render
 
     out = {}
     for p in prompts:
@@ -189,8 +189,8 @@ def _without(prompts: Sequence[dict], skipped: dict[str, dict]) -> list[dict]:
 
 
 def _console_summary(paths: _Paths, stats: dict) -> None:
-    """The job's one console line (:func:`dflash_pipeline.workflow.console`): the shard's counts, this run's."""
-    from ..workflow import console
+    """The job's one console line (:func:`dflash_pipeline.workflow.policy.console`): the shard's counts, this run's."""
+    from dflash_pipeline.core.console import console
 
     run = stats["run"]
     console("%s: %d ok, %d truncated, %d error, %d skipped as too_long; %d turns, %d completion tokens; this run "

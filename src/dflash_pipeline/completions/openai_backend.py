@@ -21,9 +21,9 @@ import time
 from collections import Counter
 from typing import Any, Sequence
 
-from ..chat import load_tokenizer, render, template_kwargs
-from ..config import generation_problems
-from ..errors import ConfigError
+from dflash_pipeline.target.chat import load_tokenizer, render, template_kwargs
+from dflash_pipeline.core.config import generation_problems
+from dflash_pipeline.core.errors import ConfigError
 from . import retry
 from .describe import _describe
 from .fleet import _auth_error, _Endpoint, _Fleet

@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Callable, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
-from .. import shards
-from ..config import schema_default
-from ..contracts import PROMPT_ROLES
-from ..errors import DataError
+from dflash_pipeline.core import shards
+from dflash_pipeline.core.config import schema_default
+from dflash_pipeline.core.contracts import PROMPT_ROLES
+from dflash_pipeline.core.errors import DataError
 
 #: Called once per finished conversation with its record (status ok/truncated/error).
 OnDone = Callable[[dict], None]
@@ -51,7 +51,7 @@ class Turn:
     def history_message(self) -> dict:
         """The assistant message appended to the history for the next user turn. An answer without
         reasoning that contains ``</think>`` carries ``reasoning_content: ""``, so the template renders it
-        verbatim instead of splitting it there (as :func:`dflash_pipeline.chat.template_messages` does for
+        verbatim instead of splitting it there (as :func:`dflash_pipeline.target.chat.template_messages` does for
         the local renders and the tokens stage)."""
         msg = {"role": "assistant", "content": self.content}
         if self.reasoning_content is not None:

@@ -16,8 +16,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from .. import shards
-from ..contracts import COMPLETION_SCHEMA_VERSION
+from dflash_pipeline.core import shards
+from dflash_pipeline.core.contracts import COMPLETION_SCHEMA_VERSION
 from .records import sampling_params
 
 log = logging.getLogger(__package__)  # one logger for the whole completions stage

@@ -1,6 +1,6 @@
 """Stats of a completions job: the live progress bar, the backends' request counts (merged over client
 processes) and the stats JSON of a shard (``generate_completions``' ``stats`` output, read by
-``report.py`` through :func:`dflash_pipeline.contracts.run_stats`)."""
+``report.py`` through :func:`dflash_pipeline.core.contracts.run_stats`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from ..contracts import COMPLETION_SCHEMA_VERSION, COMPLETION_STATS_VERSION, CompletionStats, RunStats
+from dflash_pipeline.core.contracts import COMPLETION_SCHEMA_VERSION, COMPLETION_STATS_VERSION, CompletionStats, RunStats
 
 #: The per-endpoint counters of a fleet (summed over client processes).
 ENDPOINT_COUNTERS = ("attempts", "failures", "taken_out")
@@ -47,7 +47,7 @@ class _Progress:
             refresh=False,
         )
 
-    #: A console line (dflash_pipeline.workflow.console) at most this often, and at every tenth of the shard.
+    #: A console line (dflash_pipeline.workflow.policy.console) at most this often, and at every tenth of the shard.
     CONSOLE_EVERY_S = 60.0
 
     def update(self, record: dict) -> None:
@@ -60,7 +60,7 @@ class _Progress:
 
     def _console(self) -> None:
         """One progress line for the console (the bar itself only goes to the job's log)."""
-        from ..workflow import console
+        from dflash_pipeline.core.console import console
 
         n, total = self.bar.n, self.bar.total or 0
         now = time.monotonic()

@@ -4,7 +4,7 @@ Each conversation's history is rendered with :func:`chat.render` (the thinking m
 uses), conversations are sorted by prompt length into left-padded batches of ``generation.batch_size``,
 and decoding is greedy when ``temperature == 0``, else sampled (seeded per batch). Multi-turn prompts go
 round by round: a conversation whose next user turn is left re-enters the next round with its grown
-history. The target is loaded by :func:`dflash_pipeline.target.load_target` (one loader and dtype policy for
+history. The target is loaded by :func:`dflash_pipeline.target.loading.load_target` (one loader and dtype policy for
 generation, training and eval).
 """
 
@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..chat import load_tokenizer, render
-from ..errors import ConfigError
+from dflash_pipeline.target.chat import load_tokenizer, render
+from dflash_pipeline.core.errors import ConfigError
 from .records import (DISABLE_HINT_LOCAL, OnDone, RowError, RunInfo, Turn, build_record, check_thinking, cut_at_eos,
                       skipped_record)
 from .records import take_reasoning
@@ -58,7 +58,7 @@ class TransformersBackend:
     def __init__(self, target_dir, gen_cfg: dict, *, chat_template=None, trust_remote_code=False, dtype="auto"):
         import torch
 
-        from ..target import load_target
+        from dflash_pipeline.target.loading import load_target
 
         self.torch = torch
         self.cfg = gen_cfg

@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Sequence
 
-from ..errors import ConfigError, GenerationError
+from dflash_pipeline.core.errors import ConfigError, GenerationError
 from .openai_backend import OpenAIBackend, _raise_http_log_levels
 from .records import OnDone, RunInfo, redact_url
 from .stats import fleet_stats, merge_fleet_stats

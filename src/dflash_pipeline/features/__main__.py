@@ -38,7 +38,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         target_dtype=a.target_dtype, trust_remote_code=a.trust_remote_code, vllm_options=cfg.get("vllm"),
     )
     if a.stats:
-        from ..shards import write_json
+        from dflash_pipeline.core.shards import write_json
 
         write_json(a.stats, stats, skip_if_identical=False)
     return 0

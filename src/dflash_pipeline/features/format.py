@@ -47,7 +47,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from ..contracts import FEATURE_SCHEMA_VERSION, canonical_json
+from dflash_pipeline.core.contracts import FEATURE_SCHEMA_VERSION, canonical_json
 
 #: Storage dtypes of ``features.dtype`` → (safetensors dtype, bytes per value).
 STORAGE_DTYPES = {"bfloat16": ("BF16", 2), "float8_e4m3": ("F8_E4M3", 1)}
@@ -279,7 +279,7 @@ class FeatureShardWriter:
 
     def commit(self, records_done: int) -> None:
         """Make records ``[0, records_done)`` durable: fsync the file, then record the count atomically."""
-        from ..shards import atomic_write_bytes
+        from dflash_pipeline.core.shards import atomic_write_bytes
 
         os.fsync(self._fd)
         atomic_write_bytes(self.progress, json.dumps({"records_done": records_done, "header_sha256": self._header_sha}).encode(),

@@ -24,8 +24,8 @@ class HFExtractor:
                  gpus: int = 0, target_dtype: str = "auto", trust_remote_code: bool = False, **_ignored):
         import torch
 
-        from ..layer_ids import hf_hidden_state_index
-        from ..target import load_target
+        from dflash_pipeline.target.layer_ids import hf_hidden_state_index
+        from dflash_pipeline.target.loading import load_target
 
         cuda = gpus > 0 and torch.cuda.is_available()
         # the one target loader (nested text_config families, dtype policy); layers spread over the job's GPUs

@@ -8,7 +8,7 @@ GPUs that is vLLM's own ``ExampleHiddenStatesConnector``; on CPU our
 :class:`~.vllm_connector.CPUHiddenStatesConnector` (no pinned memory). Tensor parallel size = the job's GPUs,
 expert parallel on request (``features.vllm.expert_parallel``), prefix caching off (a cached prefix is never
 recomputed, so its hidden states would be missing), one output token per request, prompts as token ids
-(no tokenizer in the engine). Runs in the vLLM environment (:func:`dflash_pipeline.vllm_env.require_vllm_python`).
+(no tokenizer in the engine). Runs in the vLLM environment (:func:`dflash_pipeline.core.vllm_env.require_vllm_python`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class VLLMExtractor:
                  options: dict | None = None, scratch_dir: Path | None = None, **_ignored):
         import torch
 
-        from ..layer_ids import hf_hidden_state_index
+        from dflash_pipeline.target.layer_ids import hf_hidden_state_index
 
         options = dict(options or {})
         cuda = gpus > 0 and torch.cuda.is_available()
@@ -54,7 +54,7 @@ class VLLMExtractor:
         connector = ({"kv_connector": "ExampleHiddenStatesConnector"} if cuda else
                      {"kv_connector": "CPUHiddenStatesConnector",
                       "kv_connector_module_path": "dflash_pipeline.features.vllm_connector"})
-        from ..target import resolve_dtype
+        from dflash_pipeline.target.loading import resolve_dtype
 
         dtype = str(resolve_dtype(target_dtype, "cuda" if cuda else "cpu")).removeprefix("torch.")
         max_model_len = int(max_len) + 8

@@ -33,11 +33,11 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from ..chat import TOKENIZER_FILES, _tokenizer_auto_map, tokenizer_files_missing  # noqa: F401  (re-exported)
-from ..contracts import PROBE_SCHEMA_VERSION
-from ..errors import ConfigError, ProbeError
-from ..layer_ids import build_target_layer_ids, hf_hidden_state_index, validate_target_layer_ids  # noqa: F401
-from ..shards import write_json  # noqa: F401  (re-exported)
+from dflash_pipeline.target.chat import TOKENIZER_FILES, _tokenizer_auto_map, tokenizer_files_missing  # noqa: F401  (re-exported)
+from dflash_pipeline.core.contracts import PROBE_SCHEMA_VERSION
+from dflash_pipeline.core.errors import ConfigError, ProbeError
+from dflash_pipeline.target.layer_ids import build_target_layer_ids, hf_hidden_state_index, validate_target_layer_ids  # noqa: F401
+from dflash_pipeline.core.shards import write_json  # noqa: F401  (re-exported)
 from .checks import _check_drafter_config, _preflight_tokenizer, _probe_loader
 # the helpers below are re-exported under the names the single-module probe had
 from .config import (  # noqa: F401

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ..errors import ConfigError, ProbeError
+from dflash_pipeline.core.errors import ConfigError, ProbeError
 
 
 def _preflight_tokenizer(target_dir: Path, tok: Mapping[str, Any], embedding_rows: int, *, strict: bool,
@@ -32,10 +32,10 @@ def _preflight_tokenizer(target_dir: Path, tok: Mapping[str, Any], embedding_row
 
 
 def _probe_loader(target_dir: Path, trust_remote_code: bool, *, strict: bool, warnings: list[str]) -> dict:
-    """How train/eval/completions will load the target (:func:`dflash_pipeline.target.check_loadable`,
+    """How train/eval/completions will load the target (:func:`dflash_pipeline.target.loading.check_loadable`,
     no weights read): ``{class, config_class, error}``. A target that cannot load is refused here, at plan
     time, with the reason (strict), or recorded with a warning (CLI)."""
-    from ..target import TargetLoadError, check_loadable
+    from dflash_pipeline.target.loading import TargetLoadError, check_loadable
 
     try:
         info = check_loadable(target_dir, trust_remote_code=trust_remote_code)
@@ -55,8 +55,8 @@ def _check_drafter_config(target_dir: Path, trust_remote_code: bool, block_size:
     Raises:
         ProbeError: naming the target and transformers' / the drafter's complaint.
     """
-    from ..model import drafter_config_from_target
-    from ..target import load_target_config, text_config
+    from dflash_pipeline.drafter.model import drafter_config_from_target
+    from dflash_pipeline.target.loading import load_target_config, text_config
 
     try:
         drafter_config_from_target(

@@ -16,7 +16,7 @@ import struct
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from ..errors import ProbeError
+from dflash_pipeline.core.errors import ProbeError
 
 #: Keys under which multimodal / wrapper configs keep the language model's config, in search order.
 TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config", "thinker_config", "language_model",

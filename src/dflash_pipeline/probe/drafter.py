@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from ..errors import ConfigError, ProbeError
-from ..layer_ids import build_target_layer_ids, hf_hidden_state_index, validate_target_layer_ids
+from dflash_pipeline.core.errors import ConfigError, ProbeError
+from dflash_pipeline.target.layer_ids import build_target_layer_ids, hf_hidden_state_index, validate_target_layer_ids
 
 
 def _check_drafter_sizes(block_size: int, num_draft_layers: int) -> None:

@@ -8,10 +8,10 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..errors import ProbeError
-from ..shards import write_json
+from dflash_pipeline.core.errors import ProbeError
+from dflash_pipeline.core.shards import write_json
 
-SCHEMA_PATH = Path(__file__).parent.parent / "schemas" / "probe.schema.json"
+SCHEMA_PATH = Path(__file__).parent.parent / "core" / "schemas" / "probe.schema.json"
 
 
 def write_probe(record: Mapping[str, Any], path: str | os.PathLike) -> bool:

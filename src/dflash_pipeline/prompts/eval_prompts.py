@@ -8,8 +8,8 @@ import os
 import random
 from typing import Any, Mapping
 
-from ..contracts import prompt_id
-from ..errors import ConfigError, DataError
+from dflash_pipeline.core.contracts import prompt_id
+from dflash_pipeline.core.errors import ConfigError, DataError
 from .normalize import _MISSING, FORMATS, RejectedRecord, _type_error, normalize_record
 from .readers import read_records
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from ..errors import ConfigError
+from dflash_pipeline.core.errors import ConfigError
 
 
 #: Characters of a prompt's user text that the language filter classifies (see :func:`language_sample`).

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
-from ..errors import ConfigError, DataError
+from dflash_pipeline.core.errors import ConfigError, DataError
 
 #: Record formats understood by :func:`normalize_record` (``auto`` detects per record).
 FORMATS = ("auto", "sharegpt", "openai", "alpaca", "prompt", "mt_bench")

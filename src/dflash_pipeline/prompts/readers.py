@@ -20,7 +20,7 @@ from typing import Any, BinaryIO, Iterator, MutableMapping
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..errors import ConfigError, DataError
+from dflash_pipeline.core.errors import ConfigError, DataError
 
 log = logging.getLogger(__package__)  # one logger for the whole prompts stage
 

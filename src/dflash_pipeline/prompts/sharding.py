@@ -6,7 +6,7 @@ docstring for why shard contents only depend on the records before them).
 call: records are normalized (:func:`_normalized`) and kept or dropped (:func:`_drop_reason`) one by one, written by a :class:`_ShardWriter`, and counted
 in a :class:`_SourceTally` that becomes the source's manifest entry (:func:`_source_entry`). Before any
 source is read :func:`_checked_filters` checks the options; after the last, :func:`_manifest` assembles
-the manifest (:class:`dflash_pipeline.contracts.PromptManifest`).
+the manifest (:class:`dflash_pipeline.core.contracts.PromptManifest`).
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from typing import Any, Mapping, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .. import shards
-from ..config import schema_defaults
-from ..contracts import MANIFEST_SCHEMA_VERSION, PROMPT_SCHEMA, PROMPT_SCHEMA_VERSION, prompt_id
-from ..errors import ConfigError, DataError
-from ..spans import control_token_strings, find_control_strings
+from dflash_pipeline.core import shards
+from dflash_pipeline.core.config import schema_defaults
+from dflash_pipeline.core.contracts import MANIFEST_SCHEMA_VERSION, PROMPT_SCHEMA, PROMPT_SCHEMA_VERSION, prompt_id
+from dflash_pipeline.core.errors import ConfigError, DataError
+from dflash_pipeline.target.spans import control_token_strings, find_control_strings
 from .language import ANY_LANGUAGE, _language_detector, _language_identifier, _source_languages, language_problems, language_sample
 from .normalize import FORMATS, MissingField, RejectedRecord, _normalize, record_metadata
 from .readers import HF_PREFIX, MAX_EXAMPLES, Locator, read_records
@@ -313,7 +313,7 @@ def _source_entry(name: str, cfg: dict, tally: _SourceTally, writer: _ShardWrite
         entry["dropped_languages"] = dict(sorted(tally.dropped_langs.items()))
     elif cfg.get("languages") == ANY_LANGUAGE:  # filter configured for the stage, switched off here
         entry["config"]["languages"] = ANY_LANGUAGE
-    from ..workflow import console
+    from dflash_pipeline.core.console import console
 
     console("%s: read %d, kept %d in %d shards, dropped %s", name, entry["read"], tally.kept,
             len(writer.shard_list), dict(sorted(tally.dropped.items())) or "none")
@@ -442,7 +442,7 @@ def build_prompt_shards(datasets: Mapping[str, Mapping[str, Any]], out_dir: str 
         manifest_path: default ``{out_dir}/manifest.json``.
         special_token_text: ``prompts.special_token_text`` (needs ``tokenizer``): ``drop`` counts and drops
             prompts whose system/user text contains a special-token string of the target tokenizer
-            (:func:`dflash_pipeline.spans.control_token_strings`: ``<|im_end|>``, ``<think>``, tool markers;
+            (:func:`dflash_pipeline.target.spans.control_token_strings`: ``<|im_end|>``, ``<think>``, tool markers;
             the engines would parse them as control tokens, breaking the conversation's structure) as
             ``special_token_text``; ``keep`` keeps them and counts ``kept_with_special_token_text``; None =
             no check.
@@ -504,7 +504,7 @@ def shard_prompts(
         if target_dir is None:
             raise ConfigError("prompts.max_prompt_tokens / prompts.special_token_text: drop need the target's "
                               "tokenizer, but no target directory was given")
-        from ..chat import load_tokenizer
+        from dflash_pipeline.target.chat import load_tokenizer
 
         tokenizer = load_tokenizer(target_dir, trust_remote_code=trust_remote_code, chat_template=chat_template)
     return build_prompt_shards(datasets, out_dir, shard_size=prompts_cfg["shard_size"], seed=prompts_cfg["seed"],

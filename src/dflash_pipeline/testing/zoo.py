@@ -13,7 +13,7 @@ demo byte-level BPE (:func:`dflash_pipeline.demo.train_tokenizer`) plus the spec
 writes, with the family's bos/eos. ``config.vocab_size`` leaves free rows past the tokenizer (mask token).
 
 Built deterministically from ``(family, seed)``; :func:`build_twin` is called once per test session
-(``tests/unit/test_zoo.py``). ``python -m dflash_pipeline.testing.zoo --table`` runs every stage on every twin
+(``tests/unit/testing/test_zoo.py``). ``python -m dflash_pipeline.testing.zoo --table`` runs every stage on every twin
 and prints the family × stage table (ok / refused with the reason).
 """
 
@@ -287,14 +287,14 @@ def build_twin(models_dir: str | Path, family: str, out_dir: str | Path, *, corp
 
     Raises:
         FileNotFoundError: no config.json / chat template for the family.
-        dflash_pipeline.target.TargetLoadError: transformers has no class for the family.
+        dflash_pipeline.target.loading.TargetLoadError: transformers has no class for the family.
     """
     import torch
     from transformers import GenerationConfig
 
     from ..demo import padded_vocab_size
-    from ..shards import replace_dir
-    from ..target import causal_lm_class, load_target_config
+    from dflash_pipeline.core.shards import replace_dir
+    from dflash_pipeline.target.loading import causal_lm_class, load_target_config
 
     src = Path(models_dir) / family
     raw = json.loads((src / "config.json").read_text(encoding="utf-8"))
@@ -354,7 +354,7 @@ STAGE_PROMPTS = (
 def stage_config(twin: Path, eval_set: Path, device: str = "cpu") -> dict:
     """The validated pipeline config the stages run under (tiny sizes; ``device`` = ``train.device``:
     ``cpu`` runs the bf16 training on CPU, ``auto`` on a GPU when one is visible)."""
-    from ..config import validate_config
+    from dflash_pipeline.core.config import validate_config
 
     return validate_config({
         "target": {"path": str(twin)},
@@ -374,12 +374,13 @@ def run_stages(models_dir: Path, family: str, work: Path, corpus_file: Path, eva
     refused one are ``skipped``): twin build, probe, completions (transformers backend), tokens (the
     family's template), training fp32 and bf16 (bf16 target + ``mixed_precision: bf16`` through
     Accelerate, on CPU; both export ``final/``), eval τ of the bf16-trained drafter."""
-    from .. import contracts, shards
+    from dflash_pipeline.core import contracts
+    from dflash_pipeline.core import shards
     from ..completions import generate_shard, preflight_template
-    from ..evaluate import evaluate
+    from dflash_pipeline.evaluate.acceptance import evaluate
     from ..probe import probe_target
-    from ..tokens import tokenize_shard
-    from ..train import train
+    from dflash_pipeline.tokens.shard import tokenize_shard
+    from dflash_pipeline.train.run import train
 
     twin = work / "target"
     cfg: dict = {}

@@ -38,7 +38,7 @@ class TargetModel:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from ...chat import load_tokenizer
+        from dflash_pipeline.target.chat import load_tokenizer
 
         self.torch = torch
         self.tok = load_tokenizer(target_dir)

@@ -106,7 +106,7 @@ class TestServer:
         if self._target is not None:
             self._tok = self._target.tok
         elif self.tokenizer_dir is not None and self._tok is None:
-            from ...chat import load_tokenizer
+            from dflash_pipeline.target.chat import load_tokenizer
 
             self._tok = load_tokenizer(self.tokenizer_dir)
         self._stopping = asyncio.Event()

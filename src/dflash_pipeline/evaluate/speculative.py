@@ -1,0 +1,205 @@
+"""The speculative-decoding loop of the eval stage: the drafter drafts a block, the target verifies it.
+
+Loop: reference/dflash.md §2.5 (z-lab ``dflash_generate``), batch 1. The draft is always greedy; the target
+samples at ``temperature`` (greedy when 0), so the output distribution is the target's. Per verify step the
+loop records a+1 (the accepted drafts plus the bonus token; §7.1); :class:`TargetCache` keeps the target's
+cache equal to that of a target that only ever saw the accepted tokens, for every cache type transformers
+ships. τ over responses and eval sets: :mod:`dflash_pipeline.evaluate.acceptance`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from dflash_pipeline.drafter import model as M
+
+
+@dataclass
+class SpecResult:
+    """One response: ``output_ids`` (generated tokens, prompt excluded, eos kept), ``accept_lengths``
+    (a+1 per verify step), ``target_forwards`` (verify forwards, prefill excluded; the re-runs of the
+    ``recompute`` cache policy not counted), ``cache_policy`` (:class:`TargetCache`)."""
+
+    output_ids: list[int]
+    accept_lengths: list[int] = field(default_factory=list)
+    target_forwards: int = 0
+    cache_policy: str = ""  # TargetCache.policy: crop | recompute
+
+
+def _sample(logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """logits [..., V] → token ids [...] (argmax when temperature < 1e-5)."""
+    if temperature < 1e-5:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def _cache_kw(target, cache) -> dict:
+    """transformers ≥5.24 names the KV cache argument ``cache`` (``past_key_values`` is deprecated)."""
+    import inspect
+
+    params = inspect.signature(target.forward).parameters
+    return {"cache": cache} if "cache" in params else {"past_key_values": cache}
+
+
+class TargetCache:
+    """The target's cache in the verify loop, with one rollback policy for every cache type transformers
+    ships (dflash.md §2.5: after a verify step only the bonus token and the accepted drafts stay).
+
+    The cache is ``DynamicCache(config=target.config)``, so each layer gets its own type (full attention,
+    sliding window, linear attention / recurrent state), with ``activate_past_recording`` so sliding and
+    conv states keep what a rollback needs. After the prefill, :attr:`policy` is
+
+    * ``crop``: every layer can be cut back (full and sliding attention: ``cache.is_croppable``) — the
+      rejected tokens are cropped;
+    * ``recompute``: some layer holds a recurrent state that cannot be cut back (linear attention of
+      Qwen3.5/3.6 and Qwen3-Next): those layers are snapshotted before each verify forward; on a
+      rejection they are restored, the croppable layers cropped to the same point, and the target re-runs
+      the accepted tokens (one extra forward of a+1 tokens per rejecting step).
+
+    Either way the cache afterwards equals the cache of a target that only ever saw the accepted tokens.
+    """
+
+    def __init__(self, target):
+        from transformers import DynamicCache
+
+        self.target = target
+        try:
+            self.cache = DynamicCache(config=target.config)
+        except (TypeError, ValueError, AttributeError):  # older transformers: layers appear lazily
+            self.cache = DynamicCache()
+        if hasattr(self.cache, "activate_past_recording"):
+            self.cache.activate_past_recording()
+        self.policy: Optional[str] = None
+        self._snapshot: Optional[dict] = None
+        self.recomputes = 0
+
+    def forward(self, ids: torch.Tensor, layer_ids: Sequence[int]):
+        """Target forward of ``ids`` [1, n] on the cache → ``(features [1, n, K·H], output)``."""
+        from dflash_pipeline.target.hidden import target_features
+
+        if self.policy == "recompute":
+            import copy
+
+            self._snapshot = {i: copy.deepcopy(layer) for i, layer in enumerate(self.cache.layers)
+                              if not getattr(layer, "is_croppable", False)}
+        feats, out = target_features(self.target, ids, None, layer_ids, use_cache=True, **_cache_kw(self.target, self.cache))
+        if self.policy is None:  # after the prefill every layer type is known
+            self.policy = "crop" if getattr(self.cache, "is_croppable", True) else "recompute"
+        return feats, out
+
+    def keep(self, ids: torch.Tensor, n_keep: int, layer_ids: Sequence[int]) -> None:
+        """After verifying ``ids`` [1, n], keep only its first ``n_keep`` tokens in the cache."""
+        n_drop = ids.shape[1] - n_keep
+        if self.policy == "crop" or n_drop == 0:
+            self.cache.crop(-n_drop)  # crop(0) restricts sliding/conv states back to their window
+            return
+        for i, layer in enumerate(self.cache.layers):
+            if i in self._snapshot:
+                self.cache.layers[i] = self._snapshot[i]
+            else:
+                layer.crop(-ids.shape[1])
+        self._snapshot = None
+        self.recomputes += 1
+        from dflash_pipeline.target.hidden import target_features
+
+        target_features(self.target, ids[:, :n_keep], None, layer_ids, use_cache=True, **_cache_kw(self.target, self.cache))
+        self.cache.crop(0)  # back to the minimal sliding/conv states, as after a crop
+
+
+def _check_loop_args(drafter: M.DFlashDrafter, prompt_ids: Sequence[int], block_size: int) -> None:
+    """Raises ValueError: ``block_size`` outside [2, the drafter's trained block size], or an empty prompt."""
+    if block_size > drafter.block_size or block_size < 2:
+        raise ValueError(f"block_size {block_size} must be in [2, trained block size {drafter.block_size}]")
+    if not prompt_ids:
+        raise ValueError("empty prompt")
+
+
+def _drafter_features(feats: torch.Tensor, zero_target_features: bool) -> torch.Tensor:
+    """Target features [1, n, K·H] as the drafter sees them: zeros for a drafter trained without them."""
+    return torch.zeros_like(feats) if zero_target_features else feats
+
+
+def _accepted_drafts(draft: torch.Tensor, tgt: torch.Tensor, block_size: int) -> int:
+    """a: how many leading drafts ``draft`` [1, B-1] equal the target's tokens ``tgt`` [B] (acceptance is a
+    prefix, dflash.md §2.5)."""
+    a = 0
+    while a < block_size - 1 and int(draft[0, a]) == int(tgt[a]):
+        a += 1
+    return a
+
+
+def _finished(output_ids: list[int], stops: set[int], max_new_tokens: int) -> bool:
+    """The response ends: its last token is a stop token, or it has ``max_new_tokens`` tokens."""
+    return int(output_ids[-1]) in stops or len(output_ids) >= max_new_tokens
+
+
+def _append_until_stop(output_ids: list[int], new: Sequence[int], stops: set[int], max_new_tokens: int) -> None:
+    """Append the accepted tokens ``new`` to ``output_ids`` up to and including a stop token or the limit."""
+    for t in new:
+        output_ids.append(int(t))
+        if _finished(output_ids, stops, max_new_tokens):
+            break
+
+
+@torch.no_grad()
+def speculative_generate(
+    target,
+    drafter: M.DFlashDrafter,
+    prompt_ids: Sequence[int],
+    *,
+    block_size: int,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    stop_token_ids: Sequence[int] = (),
+    generator: Optional[torch.Generator] = None,
+    zero_target_features: bool = False,
+) -> SpecResult:
+    """Generate up to ``max_new_tokens`` tokens for one prompt with DFlash speculative decoding (batch 1).
+
+    ``block_size`` ≤ the drafter's trained block size. ``zero_target_features`` feeds the drafter zeros
+    instead of the target's features (for the baseline trained that way; the target still verifies).
+    The target cache follows :class:`TargetCache` (any cache type); the drafter runs in its own dtype
+    (eval loads it in the target's, :func:`dflash_pipeline.target.loading.drafter_dtype`).
+    Returns a :class:`SpecResult`.
+
+    Raises:
+        ValueError: ``block_size`` larger than the drafter's, or an empty prompt.
+    """
+    from dflash_pipeline.target.loading import input_embeddings, lm_head
+
+    _check_loop_args(drafter, prompt_ids, block_size)
+    dev = next(target.parameters()).device
+    embed, head = input_embeddings(target), lm_head(target)
+    layer_ids = drafter.target_layer_ids
+    stops = set(int(t) for t in stop_token_ids)
+
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=dev)
+    tcache = TargetCache(target)
+    feats, out = tcache.forward(ids, layer_ids)
+    bonus = _sample(out.logits[:, -1], temperature, generator)  # [1]
+    result = SpecResult(output_ids=[int(bonus)], cache_policy=tcache.policy)
+    start = ids.shape[1]  # position of the bonus token
+    pending = _drafter_features(feats, zero_target_features)  # not yet in the draft cache: cache.length .. start-1
+    dcache = M.DraftContextCache(len(drafter.layers))
+    while int(bonus) not in stops and len(result.output_ids) < max_new_tokens:
+        logits = drafter.draft_block(embed, head, bonus, pending, start, dcache, block_size)
+        draft = logits[:, 1:].argmax(dim=-1)  # [1, B-1], greedy
+        verify = torch.cat([bonus.view(1, 1), draft], dim=1)  # [1, B]
+        feats, out = tcache.forward(verify, layer_ids)
+        result.target_forwards += 1
+        tgt = _sample(out.logits[0], temperature, generator)  # [B]: target's token after each slot
+        a = _accepted_drafts(draft, tgt, block_size)
+        result.accept_lengths.append(a + 1)
+        _append_until_stop(result.output_ids, draft[0, :a].tolist() + [int(tgt[a])], stops, max_new_tokens)
+        pending = _drafter_features(feats[:, : a + 1], zero_target_features)  # slots 0..a (start..start+a)
+        start += a + 1
+        if _finished(result.output_ids, stops, max_new_tokens):
+            break
+        tcache.keep(verify, a + 1, layer_ids)
+        bonus = tgt[a : a + 1]
+    return result

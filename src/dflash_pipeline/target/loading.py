@@ -1,0 +1,273 @@
+"""The frozen target, loaded the same way for every family: train, eval and the transformers completions
+backend all call :func:`load_target`.
+
+Three policies live here and nowhere else:
+
+* **dtype** (:func:`resolve_dtype`): ``auto`` → float32 on CPU, bfloat16 on CUDA; ``float32``,
+  ``bfloat16``, ``float16`` as named. The drafter keeps float32 master weights in training and computes
+  in its parameter dtype (inputs cast to it, :func:`to_drafter_dtype`); the drafter output meets the
+  target's LM head in the head's dtype (:func:`lm_head_logits`), and the loss is float32 cross-entropy
+  on those logits. In eval the drafter is loaded in the target's dtype (:func:`drafter_dtype`).
+* **model class** (:func:`causal_lm_class`): the class named by ``config.architectures`` when transformers
+  ships it (``Qwen3_5ForConditionalGeneration``, ``Gemma4ForConditionalGeneration`` …, so checkpoints load
+  with their own key layout), else ``AutoModelForCausalLM``, else ``AutoModelForImageTextToText`` for
+  nested ``text_config`` targets (``kimi_k25``, Qwen3-VL), with ``trust_remote_code`` honoured
+  (``auto_map`` code first when allowed). A config whose ``model_type`` transformers does not know (remote
+  code absent or not allowed, e.g. ``kimi_k2``) but whose ``architectures`` names a class transformers
+  ships (``DeepseekV3ForCausalLM``) is read with that class's config (what vLLM and SGLang do too).
+* **accessors**: :func:`input_embeddings`, :func:`lm_head`, :func:`num_decoder_layers` and
+  :func:`hidden_states_of` hide where each family keeps them (``model.language_model`` …).
+
+:func:`check_loadable` runs the class and config resolution without weights, so the probe refuses a
+family that cannot load at plan time, with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from dflash_pipeline.core.errors import ProbeError
+
+#: ``target.dtype`` / ``--target-dtype`` values.
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
+
+class TargetLoadError(ProbeError):
+    """The target cannot be loaded as a causal LM (the message says why and what to set)."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# dtype policy
+# ---------------------------------------------------------------------------------------------------
+
+
+def resolve_dtype(spec: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """The target dtype for ``spec`` on ``device``: ``auto`` → float32 on CPU, bfloat16 on CUDA.
+
+    Raises:
+        ValueError: unknown ``spec`` (names the valid choices).
+    """
+    if isinstance(spec, torch.dtype):
+        return spec
+    if spec == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if spec not in DTYPE_CHOICES:
+        raise ValueError(f"target dtype {spec!r}: use one of {', '.join(DTYPE_CHOICES)}")
+    return getattr(torch, spec)
+
+
+def module_dtype(module: torch.nn.Module) -> torch.dtype:
+    """dtype of the first floating-point parameter of ``module`` (float32 when it has none)."""
+    for p in module.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def drafter_dtype(target: torch.nn.Module) -> torch.dtype:
+    """dtype the drafter runs in at inference beside ``target``: the target's own (bf16 beside bf16)."""
+    return module_dtype(target)
+
+
+def to_drafter_dtype(drafter: torch.nn.Module, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Cast drafter inputs (target embeddings, target features) to the drafter's parameter dtype.
+
+    Under Accelerate's autocast the matmuls then run in the autocast dtype anyway; without autocast a
+    bf16 target's features meet fp32 master weights in fp32 instead of failing on mixed dtypes.
+    """
+    core = getattr(drafter, "module", drafter)
+    dt = module_dtype(core)
+    return tuple(t.to(dt) for t in tensors)
+
+
+def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Logits [..., V] float32 of drafter output ``hidden`` [..., H] through the target LM head
+    ``weight`` [V, H]: the matmul runs in the head's dtype (bf16 head → bf16 matmul, as the serving
+    engines do), the result is upcast for the softmax/cross-entropy."""
+    return torch.nn.functional.linear(hidden.to(weight.dtype), weight).float()
+
+
+# ---------------------------------------------------------------------------------------------------
+# config and class resolution
+# ---------------------------------------------------------------------------------------------------
+
+
+def _raw_config(target_dir: Path) -> dict:
+    path = target_dir / "config.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise TargetLoadError(f"{path}: cannot read the target config ({exc})") from None
+
+
+def _native_class(name: Optional[str]):
+    import transformers
+
+    if not name:
+        return None
+    cls = getattr(transformers, name, None)
+    if cls is None:  # e.g. "KimiK25ForConditionalGeneration" ships as "Kimi_K25ForConditionalGeneration"
+        low = name.replace("_", "").lower()
+        for attr in dir(transformers):
+            if attr.replace("_", "").lower() == low and attr[0].isupper():
+                cls = getattr(transformers, attr)
+                break
+    return cls if cls is not None and hasattr(cls, "from_pretrained") and hasattr(cls, "config_class") else None
+
+
+def load_target_config(target_dir: str | Path, *, trust_remote_code: bool = False):
+    """The target's ``PretrainedConfig``: ``AutoConfig`` (offline), else the config class of the natively
+    shipped class ``config.architectures`` names (for unknown/remote ``model_type`` such as ``kimi_k2``).
+
+    Raises:
+        TargetLoadError: neither works (the message carries AutoConfig's reason).
+    """
+    from transformers import AutoConfig
+
+    from transformers import CONFIG_MAPPING
+
+    target_dir = Path(target_dir)
+    raw = _raw_config(target_dir)
+    reason = f"model_type {raw.get('model_type')!r} is not one transformers ships"
+    if trust_remote_code or raw.get("model_type") in CONFIG_MAPPING:  # never AutoConfig's interactive remote-code prompt
+        try:
+            return AutoConfig.from_pretrained(str(target_dir), trust_remote_code=trust_remote_code, local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 - fall back to the native architecture, else report why
+            reason = " ".join(str(exc).split())[:300]
+    for arch in raw.get("architectures") or []:
+        cls = _native_class(arch)
+        if cls is not None:
+            fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map", "architectures")}
+            cfg = cls.config_class(**fields)
+            cfg.architectures = [cls.__name__]
+            return cfg
+    hint = "" if trust_remote_code else " (if the model ships its own code, review it and set `target.trust_remote_code: true`)"
+    raise TargetLoadError(
+        f"{target_dir}/config.json: transformers cannot load model_type {raw.get('model_type')!r} and no class in "
+        f"`architectures` {raw.get('architectures')} ships with transformers: {reason}{hint}"
+    )
+
+
+def causal_lm_class(config, *, trust_remote_code: bool = False):
+    """The class that loads ``config`` as a causal LM with logits over the vocabulary (see module docstring).
+
+    Raises:
+        TargetLoadError: no such class (names the model type and what was tried).
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    auto_map = getattr(config, "auto_map", None) or {}
+    if trust_remote_code and "AutoModelForCausalLM" in auto_map:
+        return AutoModelForCausalLM
+    for arch in getattr(config, "architectures", None) or []:
+        cls = _native_class(arch)
+        if cls is not None and isinstance(config, cls.config_class):
+            return cls
+    mt = getattr(config, "model_type", None)
+    if mt in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return AutoModelForCausalLM
+    if mt in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return AutoModelForImageTextToText
+    raise TargetLoadError(
+        f"model_type {mt!r} (architectures {getattr(config, 'architectures', None)}) has no causal-LM class in "
+        "transformers (AutoModelForCausalLM, AutoModelForImageTextToText, the named architecture)"
+        + ("" if trust_remote_code else "; if it ships its own modeling code, set `target.trust_remote_code: true`")
+    )
+
+
+def text_config(config):
+    """The decoder's config (``text_config`` of a multimodal target, else ``config`` itself)."""
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if get is not None else config
+
+
+def check_loadable(target_dir: str | Path, *, trust_remote_code: bool = False) -> dict:
+    """Resolve the config and model class without reading weights (plan/probe time).
+
+    Returns ``{"class": name, "config_class": name, "num_hidden_layers": L}``.
+
+    Raises:
+        TargetLoadError: the family cannot be loaded (the reason is in the message).
+    """
+    cfg = load_target_config(target_dir, trust_remote_code=trust_remote_code)
+    cls = causal_lm_class(cfg, trust_remote_code=trust_remote_code)
+    return {"class": cls.__name__, "config_class": type(cfg).__name__,
+            "num_hidden_layers": int(text_config(cfg).num_hidden_layers)}
+
+
+# ---------------------------------------------------------------------------------------------------
+# loading
+# ---------------------------------------------------------------------------------------------------
+
+
+def load_target(target_dir: str | Path, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
+                trust_remote_code: bool = False, frozen: bool = True, device_map: Optional[str] = None):
+    """Load the target (eval mode; ``frozen``: ``requires_grad=False``) in :func:`resolve_dtype` ``dtype``.
+
+    ``device_map`` (e.g. ``"auto"``): spread the layers over the visible GPUs (accelerate's big-model
+    loading) instead of moving the whole model to ``device``; ``device`` then only picks the dtype.
+
+    Raises:
+        TargetLoadError: the config or class cannot be resolved (see :func:`check_loadable`).
+    """
+    dev = torch.device(device)
+    cfg = load_target_config(target_dir, trust_remote_code=trust_remote_code)
+    cls = causal_lm_class(cfg, trust_remote_code=trust_remote_code)
+    kw: dict[str, Any] = {"trust_remote_code": trust_remote_code} if trust_remote_code else {}
+    if device_map is not None:
+        kw["device_map"] = device_map
+    model = cls.from_pretrained(str(target_dir), config=cfg, dtype=resolve_dtype(dtype, dev), **kw)
+    if device_map is None:
+        model.to(dev)
+    model.eval()
+    if frozen:
+        model.requires_grad_(False)
+    return model
+
+
+def input_embeddings(target) -> torch.nn.Module:
+    """The target's token embedding module (token ids → [b, S, H]; Gemma's scaling included)."""
+    return target.get_input_embeddings()
+
+
+def lm_head(target) -> torch.nn.Module:
+    """The target's LM head (``weight`` [V, H])."""
+    head = target.get_output_embeddings()
+    if head is None:
+        raise TargetLoadError(f"{type(target).__name__} has no output embeddings (LM head)")
+    return head
+
+
+def num_decoder_layers(target) -> int:
+    """Number of decoder layers L (HF ``hidden_states`` has L + 1 entries)."""
+    return int(text_config(target.config).num_hidden_layers)
+
+
+def hidden_states_of(target, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, **kw):
+    """Forward the target with ``output_hidden_states``; returns the model output, whose
+    ``hidden_states`` is the (L + 1)-tuple of [b, S, H] (index 0 the embeddings, index L after the final
+    norm) and ``logits`` [b, S, V]."""
+    out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, **kw)
+    hs = out.hidden_states
+    if hs is None or len(hs) != num_decoder_layers(target) + 1:
+        n = None if hs is None else len(hs)
+        raise TargetLoadError(
+            f"{type(target).__name__} returned {n} hidden states for {num_decoder_layers(target)} decoder layers "
+            "(expected L + 1)"
+        )
+    return out
+
+
+def select_layers(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
+    """Concatenate the outputs of canonical layers ``layer_ids`` (HF index id + 1) → [b, S, K·H]."""
+    from dflash_pipeline.target.layer_ids import hf_hidden_state_index
+
+    return torch.cat([hidden_states[hf_hidden_state_index(i)] for i in layer_ids], dim=-1)

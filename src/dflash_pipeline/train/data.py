@@ -1,0 +1,218 @@
+"""Training data for the drafter: memory-mapped token records and target features from feature shards.
+
+Two sources of target features (config ``train.target_features``):
+
+- ``online``: the trainer runs the frozen target on each batch (today's colocated path). Token records come
+  from a *token index*: each token shard's flat ``input_ids`` / ``loss_mask`` + offsets, converted once into
+  an uncompressed safetensors file under ``<run>/token_index/`` (same layout as a feature shard without
+  ``features``; :mod:`dflash_pipeline.features.format`) and memory-mapped. No Python list per record.
+- ``shards``: token ids, loss masks and features all come from the feature shards (checked against their
+  token shards: record count, lengths, sha256); the target is never instantiated, only its embedding and LM
+  head are read (:mod:`dflash_pipeline.features.weights`).
+
+Either way the dataset holds only open mappings and a small per-record index (``int64`` shard / record ids
+of the records with ≥ ``min_loss_tokens`` supervised tokens); a rank reads only the records of its own
+batches (Accelerate shards the batch sampler), and pages it read are dropped again, so resident memory does
+not grow with the dataset.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from dflash_pipeline.features.format import FeatureLayout, FeatureShard, FeatureShardError, FeatureShardWriter
+
+
+def token_index_path(token_shard: str | Path, cache_dir: str | Path) -> Path:
+    """Where the token index of ``token_shard`` lives: keyed by its path, size and mtime (a rebuilt token
+    shard gets a new index)."""
+    import hashlib
+
+    st = os.stat(token_shard)
+    key = hashlib.sha256(f"{Path(token_shard).resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return Path(cache_dir) / f"{Path(token_shard).parent.name}-{Path(token_shard).stem}-{key}.safetensors"
+
+
+def build_token_index(token_shard: str | Path, out: str | Path) -> Path:
+    """Write the token index of one token shard (flat ids / mask / offsets; atomic). Returns ``out``."""
+    from dflash_pipeline.core.contracts import FEATURE_SCHEMA_VERSION
+    from dflash_pipeline.features.extract import read_token_arrays
+
+    ids, mask, lengths = read_token_arrays(token_shard)
+    meta = {"schema_version": FEATURE_SCHEMA_VERSION, "token_shard": Path(token_shard).name, "kind": "token_index",
+            "num_records": int(len(lengths)), "num_tokens": int(lengths.sum())}
+    w = FeatureShardWriter(out, FeatureLayout(lengths, 0, 0, "bfloat16", False, meta), ids, mask)
+    w.commit(len(lengths))
+    return w.finish()
+
+
+class MappedRecords(torch.utils.data.Dataset):
+    """Records of several mapped shards (token indexes or feature shards), filtered by supervised tokens.
+
+    ``__getitem__`` returns ``(input_ids int32 [S], loss_mask uint8 [S])``, or with ``features=True``
+    ``(input_ids, loss_mask, features bfloat16 [S, K*H])``.
+    """
+
+    def __init__(self, paths: Sequence[str | Path], *, features: bool = False, min_loss_tokens: int = 2):
+        self.paths = [str(p) for p in paths]
+        self.features = features
+        self._shards: Optional[list[FeatureShard]] = None
+        sel_s, sel_r = [], []
+        self.num_tokens = 0
+        for s, shard in enumerate(self._open()):
+            keep = np.nonzero(shard.num_loss_tokens >= min_loss_tokens)[0]
+            sel_s.append(np.full(len(keep), s, dtype=np.int32))
+            sel_r.append(keep.astype(np.int64))
+            self.num_tokens += int(shard.offsets[-1])
+            if features and not shard.has_features:
+                raise FeatureShardError(f"{shard.path}: no features tensor")
+        self.shard_of = np.concatenate(sel_s) if sel_s else np.zeros(0, np.int32)
+        self.record_of = np.concatenate(sel_r) if sel_r else np.zeros(0, np.int64)
+
+    def _open(self) -> list[FeatureShard]:
+        if self._shards is None:
+            self._shards = [FeatureShard(p) for p in self.paths]
+        return self._shards
+
+    def __len__(self) -> int:
+        return len(self.record_of)
+
+    def __getitem__(self, i: int):
+        shard = self._open()[int(self.shard_of[i])]
+        r = int(self.record_of[i])
+        ids, mask = shard.tokens(r)
+        if not self.features:
+            return ids, mask
+        return ids, mask, shard.features(r)
+
+    def __getstate__(self):  # DataLoader workers reopen the mappings
+        d = dict(self.__dict__)
+        d["_shards"] = None
+        return d
+
+
+def collate(batch, pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-pad records to ``input_ids`` long / ``loss_mask`` uint8 / ``attention_mask`` long [b, S_max],
+    plus ``features`` [b, S_max, K*H] (bfloat16, zero padding) when the records carry them."""
+    s = max(len(x[0]) for x in batch)
+    b = len(batch)
+    ids = torch.full((b, s), pad_id, dtype=torch.long)
+    lm = torch.zeros((b, s), dtype=torch.uint8)
+    am = torch.zeros((b, s), dtype=torch.long)
+    feats = torch.zeros((b, s, batch[0][2].shape[-1]), dtype=batch[0][2].dtype) if len(batch[0]) > 2 else None
+    for r, rec in enumerate(batch):
+        n = len(rec[0])
+        ids[r, :n] = torch.from_numpy(rec[0].astype(np.int64))
+        lm[r, :n] = torch.from_numpy(rec[1])
+        am[r, :n] = 1
+        if feats is not None:
+            feats[r, :n] = rec[2]
+    out = {"input_ids": ids, "loss_mask": lm, "attention_mask": am}
+    if feats is not None:
+        out["features"] = feats
+    return out
+
+
+@dataclass
+class TrainingData:
+    """What the trainer gets from :func:`open_training_data`."""
+
+    dataset: MappedRecords
+    collate: Callable
+    from_shards: bool
+    #: ``shards`` only: the frozen embedding / LM head and the target's (text) config; None when online.
+    embed: Any = None
+    lm_head: Any = None
+    target_config: Any = None
+
+
+class ConfigOnly:
+    """Stands in for the target where only ``.config`` is read (``train.build_drafter``)."""
+
+    def __init__(self, config):
+        self.config = config
+
+
+def open_training_data(
+    cfg: dict,
+    token_shards: Sequence[str | Path],
+    feature_shards: Sequence[str | Path],
+    *,
+    target_dir: str | Path,
+    out_dir: str | Path,
+    probe: dict,
+    device,
+    target_dtype: str = "auto",
+    is_main: bool = True,
+    barrier: Callable[[], None] = lambda: None,
+    min_loss_tokens: int = 2,
+) -> TrainingData:
+    """The dataset, collate function and (``shards``) embedding / LM head for ``cfg["target_features"]``.
+
+    ``online``: the main process writes missing token indexes under ``<out_dir>/token_index/``, then
+    ``barrier()``. ``shards``: ``feature_shards[i]`` belongs to ``token_shards[i]`` and is checked against it;
+    its ``target_layer_ids`` and ``hidden_size`` must equal the probe's.
+
+    Raises:
+        FeatureShardError: feature / token shard mismatch (names both files), or other layer ids than the probe's.
+        ValueError: no record with ``min_loss_tokens`` supervised tokens.
+    """
+    mode = cfg.get("target_features")  # a partial config (tests, direct calls) is the online path
+    if mode == "shards":
+        if len(feature_shards) != len(token_shards):
+            raise FeatureShardError(f"train.target_features: shards needs one feature shard per token shard; got "
+                                    f"{len(feature_shards)} feature and {len(token_shards)} token shards")
+        want = list(probe["drafter"]["target_layer_ids"])
+        if is_main:
+            for f, t in zip(feature_shards, token_shards):
+                fs = FeatureShard(f)
+                if fs.metadata.get("target_layer_ids") != want or fs.metadata.get("hidden_size") != probe["hidden_size"]:
+                    raise FeatureShardError(
+                        f"{f}: target_layer_ids {fs.metadata.get('target_layer_ids')} / hidden_size {fs.metadata.get('hidden_size')}, "
+                        f"the probe says {want} / {probe['hidden_size']}; rebuild the feature shards")
+                fs.check_tokens(t)
+                fs.close()
+        barrier()
+        ds = MappedRecords(feature_shards, features=True, min_loss_tokens=min_loss_tokens)
+        from transformers import AutoConfig
+
+        from dflash_pipeline.features.weights import load_embed_and_head
+        from dflash_pipeline.target.loading import resolve_dtype
+
+        config = AutoConfig.from_pretrained(str(target_dir), trust_remote_code=bool(probe.get("trust_remote_code")))
+        embed, lm_head = load_embed_and_head(target_dir, tie_word_embeddings=probe.get("tie_word_embeddings"),
+                                             dtype=resolve_dtype(target_dtype, device), device=device)
+        data = TrainingData(ds, collate, True, embed, lm_head, config)
+    else:
+        cache = Path(out_dir) / "token_index"
+        paths = [token_index_path(t, cache) for t in token_shards]
+        if is_main:
+            for t, p in zip(token_shards, paths):
+                if not p.is_file():
+                    build_token_index(t, p)
+        barrier()
+        data = TrainingData(MappedRecords(paths, min_loss_tokens=min_loss_tokens), collate, False)
+    if len(data.dataset) == 0:
+        raise ValueError(f"no token record with ≥{min_loss_tokens} supervised tokens in {len(token_shards)} shard(s)")
+    return data
+
+
+def record_prompt_ids(token_shards: Sequence[str | Path], dataset: MappedRecords) -> list[str]:
+    """``prompt_id`` of every record of ``dataset`` (its order), for the held-out split
+    (:func:`dflash_pipeline.train.heldout.heldout_mask`). Reads only the ``prompt_id`` column of each token
+    shard (``token_shards[s]`` is the shard behind ``dataset``'s shard ``s``, a token index or a feature
+    shard checked against it); a shard without the column gives ``<path>:<row>``."""
+    import pyarrow.parquet as pq
+
+    per_shard = []
+    for p in token_shards:
+        names = pq.read_schema(p).names
+        per_shard.append(pq.read_table(p, columns=["prompt_id"]).column("prompt_id").to_pylist() if "prompt_id" in names else None)
+    return [str(per_shard[s][r]) if per_shard[s] is not None else f"{token_shards[s]}:{r}"
+            for s, r in zip(dataset.shard_of.tolist(), dataset.record_of.tolist())]

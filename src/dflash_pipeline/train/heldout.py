@@ -1,0 +1,212 @@
+"""Held-out validation during training: expected acceptance per block, not marginal slot accuracy.
+
+Speculative decoding accepts a block's draft up to its first miss, so a block's accepted length is
+1 (the target's bonus token) + Σ_k Π_{i≤k} a_i, the cumulative product of per-slot acceptance *inside
+the block* (speculators counts accepted length per block, anchors.md §F SP#1032; SpecForge's
+``simulated_acc_len``, NeMo Automodel#2959; users asked for it because accuracy alone misleads: z-lab#41,
+accuracy 0.99 with acceptance 0.12). The product of *marginal* slot accuracies
+(:func:`dflash_pipeline.drafter.model.expected_acceptance_length`) is the same only when misses are independent
+across slots, and is logged beside it for comparison.
+
+Validation runs the training forward (teacher-forced target features, the real block structure of
+dflash.md §4.3–4.4) on records never trained on (:func:`heldout_mask`), with deterministic anchors, and
+greedy acceptance a_k = [argmax drafter logits == label] (what greedy verification accepts).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+
+from dflash_pipeline.drafter import model as M
+from dflash_pipeline.train import packing as P
+
+
+@dataclass
+class AcceptanceCounts:
+    """Additive counts (sum them over batches and ranks). All float64 CPU tensors.
+
+    ``blocks`` scalar: blocks simulated. ``chain`` [B−1]: Σ over blocks of Π_{i≤k} a_i·m_i for slots
+    k = 1..B−1. ``correct``/``valid`` [B−1]: marginal per-slot hits and supervised slots.
+    """
+
+    blocks: torch.Tensor
+    chain: torch.Tensor
+    correct: torch.Tensor
+    valid: torch.Tensor
+
+    @classmethod
+    def zeros(cls, block_size: int) -> "AcceptanceCounts":
+        z = torch.zeros(block_size - 1, dtype=torch.float64)
+        return cls(torch.zeros((), dtype=torch.float64), z.clone(), z.clone(), z.clone())
+
+    def __add__(self, other: "AcceptanceCounts") -> "AcceptanceCounts":
+        return AcceptanceCounts(self.blocks + other.blocks, self.chain + other.chain, self.correct + other.correct,
+                                self.valid + other.valid)
+
+    def as_tensor(self) -> torch.Tensor:
+        """Flat float64 [1 + 3(B−1)] (for one all-reduce)."""
+        return torch.cat([self.blocks.view(1), self.chain, self.correct, self.valid])
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> "AcceptanceCounts":
+        t = t.detach().double().cpu()
+        k = (t.numel() - 1) // 3
+        return cls(t[0], t[1 : 1 + k], t[1 + k : 1 + 2 * k], t[1 + 2 * k :])
+
+    def summary(self) -> dict:
+        """``tau`` (mean accepted length per block, bonus token included, in [1, B]),
+        ``per_position_acceptance`` [B−1] (fraction of blocks whose slot k is accepted, chain included),
+        ``slot_acc`` [B−1] (marginal accuracy), ``tau_marginal`` (the product-of-marginals proxy),
+        ``num_blocks``."""
+        n = max(1.0, float(self.blocks))
+        per_pos = (self.chain / n).tolist()
+        acc = (self.correct / self.valid.clamp(min=1)).tolist()
+        return {
+            "tau": 1.0 + sum(per_pos),
+            "per_position_acceptance": per_pos,
+            "slot_acc": acc,
+            "tau_marginal": M.expected_acceptance_length([0.0] + acc),
+            "num_blocks": int(self.blocks),
+        }
+
+
+def block_acceptance(accept: torch.Tensor, valid: torch.Tensor) -> AcceptanceCounts:
+    """Per-block acceptance simulator: chain_k = Π_{i≤k} a_i·m_i inside each block.
+
+    A slot that is not supervised (past the record's end, outside the response) ends the block's chain:
+    generation cannot accept a token past the response.
+
+    Args:
+        accept: [n_blocks, B−1] bool or float in [0, 1] (a_k for slots k = 1..B−1; probabilities give the
+            expected count).
+        valid: bool [n_blocks, B−1] (m_k).
+    Returns:
+        :class:`AcceptanceCounts` over these blocks.
+    """
+    a = accept.double() * valid.double()
+    chain = torch.cumprod(a, dim=-1)
+    return AcceptanceCounts(
+        blocks=torch.tensor(float(a.shape[0]), dtype=torch.float64),
+        chain=chain.sum(0).cpu(),
+        correct=a.sum(0).cpu(),
+        valid=valid.double().sum(0).cpu(),
+    )
+
+
+def deterministic_anchors(loss_mask: torch.Tensor, segment_ids: torch.Tensor, num_anchors: int) -> M.AnchorBatch:
+    """Up to ``num_anchors`` anchors per record, evenly spaced over its candidates (the training rule,
+    :func:`dflash_pipeline.train.packing.anchor_candidates`), the same every time; a packed row gets what its
+    records would get alone. Shapes as ``sample_anchors``: ``anchors`` long [b, N], ``keep`` bool [b, N]."""
+    cand = P.anchor_candidates(loss_mask, segment_ids)
+    rows = []
+    for c, seg in zip(cand, segment_ids):
+        picked = []
+        for sid in torch.unique(seg[c]).tolist():
+            r = (c & (seg == sid)).nonzero(as_tuple=True)[0]
+            if len(r) > num_anchors:
+                r = r[torch.linspace(0, len(r) - 1, num_anchors, device=r.device).round().long()]
+            picked.append(r)
+        rows.append(torch.cat(picked).sort().values if picked else cand.new_zeros(0, dtype=torch.long))
+    b = cand.shape[0]
+    n = max(1, max((len(r) for r in rows), default=1))
+    anchors = torch.zeros((b, n), dtype=torch.long, device=cand.device)
+    keep = torch.zeros((b, n), dtype=torch.bool, device=cand.device)
+    for i, r in enumerate(rows):
+        anchors[i, : len(r)] = r
+        keep[i, : len(r)] = True
+    return M.AnchorBatch(anchors, keep)
+
+
+@torch.no_grad()
+def batch_acceptance(drafter, target, embed, lm_head, batch: dict, *, target_layer_ids: Sequence[int],
+                     mask_token_id: int, num_anchors: int, backend: str = "sdpa", features=None) -> AcceptanceCounts:
+    """Teacher-forced acceptance of one (padded or packed) batch.
+
+    ``batch``: ``input_ids``/``loss_mask`` [b, S] and either ``attention_mask`` (padded) or
+    ``position_ids`` + ``segment_ids`` (packed, :func:`dflash_pipeline.train.packing.collate_packed`).
+    ``features``: precomputed target features [b, S, K·H] (feature shards) instead of running ``target``.
+    """
+    core = drafter.module if hasattr(drafter, "module") else drafter
+    ids, lmask = batch["input_ids"], batch["loss_mask"]
+    bsz = core.block_size
+    if "segment_ids" in batch:
+        pos, seg = batch["position_ids"], batch["segment_ids"]
+    else:
+        pos, seg = P.padded_segments(batch["attention_mask"])
+    if features is None:
+        if "segment_ids" in batch:
+            features, _ = P.packed_target_features(target, ids, pos, target_layer_ids)
+        else:
+            from dflash_pipeline.target.hidden import target_features
+
+            features, _ = target_features(target, ids, batch["attention_mask"], target_layer_ids)
+    anchors = deterministic_anchors(lmask, seg, num_anchors)
+    blk = P.packed_block_inputs_and_labels(ids, lmask, pos, seg, anchors, bsz, mask_token_id, None)
+    mask = P.build_packed_training_masks(core, anchors.anchors, seg, backend)
+    hidden = drafter(embed(blk.ids).to(features.dtype), features, pos, blk.pos, attn_mask=mask)
+    b = ids.shape[0]
+    n = anchors.anchors.shape[1]
+    hits = torch.zeros(b * n * bsz, dtype=torch.bool, device=ids.device)
+    for i in range(0, hidden.shape[1], 4096):  # chunks of slots: never [Q, V] logits at once
+        h = hidden[:, i : i + 4096]
+        hits.view(b, -1)[:, i : i + 4096] = lm_head(h.to(lm_head.weight.dtype)).argmax(-1) == blk.labels[:, i : i + 4096]
+    valid = (blk.weights > 0).view(b * n, bsz)[:, 1:]
+    keep = anchors.keep.reshape(-1)
+    return block_acceptance(hits.view(b * n, bsz)[:, 1:][keep], valid[keep])
+
+
+def heldout_acceptance(drafter, target, embed, lm_head, batches: Iterable[dict], *, target_layer_ids: Sequence[int],
+                       mask_token_id: int, num_anchors: int, backend: str = "sdpa",
+                       reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> dict:
+    """:func:`batch_acceptance` summed over ``batches`` (this rank's share of the held-out rows), then
+    summed over ranks with ``reduce`` (e.g. ``lambda t: accelerator.reduce(t, "sum")``), summarised
+    (:meth:`AcceptanceCounts.summary`). Puts the drafter in eval mode and back."""
+    core = drafter.module if hasattr(drafter, "module") else drafter
+    was_training = core.training
+    drafter.eval()
+    total = AcceptanceCounts.zeros(core.block_size)
+    try:
+        for batch in batches:
+            total = total + batch_acceptance(drafter, target, embed, lm_head, batch, target_layer_ids=target_layer_ids,
+                                             mask_token_id=mask_token_id, num_anchors=num_anchors, backend=backend)
+    finally:
+        drafter.train(was_training)
+    if reduce is not None:
+        dev = next(core.parameters()).device
+        total = AcceptanceCounts.from_tensor(reduce(total.as_tensor().to(dev)))
+    return total.summary()
+
+
+def heldout_mask(prompt_ids: Sequence[str], fraction: float, *, seed: int = 0, max_records: Optional[int] = None) -> list[bool]:
+    """Which records are held out: whole prompts (every row of a prompt_id goes the same way, so turns of
+    one conversation never straddle the split), chosen by sha1(seed, prompt_id) < fraction — stable when
+    shards are reordered or added. ``max_records`` caps the held-out rows (whole prompts, lowest hashes first; the others train).
+
+    Raises:
+        ValueError: ``fraction`` outside [0, 1).
+    """
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"train.validation.fraction must be in [0, 1), got {fraction}")
+
+    def u(pid: str) -> float:
+        return int(hashlib.sha1(f"{seed}\0{pid}".encode()).hexdigest()[:12], 16) / float(16**12)
+
+    scores = [u(p) for p in prompt_ids]
+    out = [s < fraction for s in scores]
+    if max_records is not None and sum(out) > max_records:
+        rows: dict[str, int] = {}
+        for p, o in zip(prompt_ids, out):
+            if o:
+                rows[p] = rows.get(p, 0) + 1
+        kept, n = set(), 0
+        for p in sorted(rows, key=u):  # whole prompts, lowest hash first
+            if n + rows[p] > max_records:
+                break
+            kept.add(p)
+            n += rows[p]
+        out = [p in kept for p in prompt_ids]
+    return out

@@ -1,0 +1,393 @@
+"""Train a DFlash drafter with HF Accelerate from a frozen target's features: the target run online
+(``train.target_features: online``), or its feature shards read from disk (``shards``, the features stage).
+
+Launched by the ``train_drafter`` rule as ``accelerate launch … -m dflash_pipeline.train …`` (1..N GPUs,
+or N CPU ranks over gloo; see :func:`dflash_pipeline.workflow.policy.accelerate_launch_args`). Method: reference/dflash.md §4 (anchors,
+block mask, same-position labels, decayed CE), §4.7 (AdamW, warmup + cosine, clipping, fp32 master
+weights under bf16 autocast), §5.3 (online target features).
+
+:func:`train` reads top to bottom as the run's steps: start Accelerate → open the data (token records,
+held-out split, the target or its embedding + LM head) → build the drafter, optimizer, scheduler and
+loader and ``accelerator.prepare`` them into a :class:`dflash_pipeline.train.loop.TrainRun` → resume from
+``state/`` → the step loop (:func:`dflash_pipeline.train.loop.run_steps`) → export. One step's objective
+is :mod:`dflash_pipeline.train.step`; state and exports :mod:`dflash_pipeline.train.checkpoint` (the names
+tests, benches and other modules import from here are re-exported).
+
+Objectives (``train.loss``): ``ce_decay``, ``dpace``, ``kl`` (:mod:`dflash_pipeline.train.losses`), normalised
+globally over ranks and gradient-accumulation micro-steps. Optional sequence packing
+(:mod:`dflash_pipeline.train.packing`), FSDP2 (:mod:`dflash_pipeline.train.fsdp`), multi-node launch
+(:func:`dflash_pipeline.workflow.policy.launch_topology`), held-out validation τ (:mod:`dflash_pipeline.train.heldout`),
+trackers (:mod:`dflash_pipeline.train.trackers`).
+
+Outputs under ``out_dir``: ``final/`` (servable checkpoint, written atomically), ``state/`` (Accelerate
+state for resume; a killed run restarts at its last saved step), ``train_log.jsonl`` (one JSON per
+logged step), ``val_log.jsonl`` (one JSON per held-out validation: per-block τ, per-position acceptance),
+``val_tau.png`` (validation τ vs step), ``trackers/`` (TensorBoard event files), ``train_summary.json`` and
+``step_<N>/`` (an intermediate servable export at every state save, ``save_every_steps``; the eval stage
+charts τ across them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from dflash_pipeline.train import fsdp as FS
+from dflash_pipeline.drafter import model as M
+from dflash_pipeline.train import packing as P
+from dflash_pipeline.target import loading as T
+from dflash_pipeline.train import trackers as TR
+from dflash_pipeline.train import data as train_data
+from dflash_pipeline.train import heldout as V
+from dflash_pipeline.core.shards import read_parquet, write_json
+from dflash_pipeline.train.checkpoint import (  # noqa: F401 - STEP_EXPORT_PREFIX, export_step re-exported
+    STEP_EXPORT_PREFIX,
+    export_drafter,
+    export_module,
+    export_step,
+    resume_state,
+    save_state,
+)
+from dflash_pipeline.train.loop import RunData, Schedule, TrainRun, run_steps, trace_batch  # noqa: F401 - trace_batch re-exported
+from dflash_pipeline.train.step import StepContext, step_objective, target_features, training_step  # noqa: F401 - re-exported
+
+
+# ---------------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------------
+
+
+def load_token_shards(paths: Sequence[str | Path], *, min_loss_tokens: int = 2) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Read token shards eagerly into ``(input_ids int32 [S], loss_mask uint8 [S])`` pairs, in path order.
+
+    Not the trainer's path (it memory-maps them: :mod:`dflash_pipeline.train.data`, resident memory flat as
+    the dataset grows); kept as the baseline of ``bench/bench_features.py`` / ``bench/bench_train.py`` and for
+    small in-memory uses. Records with fewer than ``min_loss_tokens`` supervised tokens are skipped.
+    """
+    out = []
+    for p in paths:
+        table = read_parquet(p)
+        for i, m in zip(table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist()):
+            if sum(m) >= min_loss_tokens:
+                out.append((np.asarray(i, dtype=np.int32), np.asarray(m, dtype=np.uint8)))
+    return out
+
+
+def with_schema_defaults(cfg: dict) -> dict:
+    """``cfg`` (the ``train`` section) with every key it lacks taken from the config schema's defaults
+    (callers such as tests and benches pass partial dicts; the schema stays the one place for defaults)."""
+    from dflash_pipeline.core.config import load_schema
+
+    props = load_schema()["properties"]["train"]["properties"]
+    return {**{k: v["default"] for k, v in props.items() if "default" in v}, **cfg}
+
+
+def collate(batch, pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-pad a list of (input_ids, loss_mask) to ``input_ids``/``loss_mask``/``attention_mask`` [b, S_max]."""
+    s = max(len(ids) for ids, _ in batch)
+    ids = torch.full((len(batch), s), pad_id, dtype=torch.long)
+    lm = torch.zeros((len(batch), s), dtype=torch.uint8)
+    am = torch.zeros((len(batch), s), dtype=torch.long)
+    for r, (i, m) in enumerate(batch):
+        ids[r, : len(i)] = torch.from_numpy(i.astype(np.int64))
+        lm[r, : len(m)] = torch.from_numpy(m)
+        am[r, : len(i)] = 1
+    return {"input_ids": ids, "loss_mask": lm, "attention_mask": am}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Target and drafter
+# ---------------------------------------------------------------------------------------------------
+
+load_target = T.load_target  # one loader for every family (dflash_pipeline.target.loading); re-exported here
+
+
+def build_drafter(target, probe: dict, *, seed: int = 0, layer_types=None, sliding_window=None) -> M.DFlashDrafter:
+    """Random-init float32 drafter sized from the target config and the probe's drafter decisions
+    (``layer_types``/``sliding_window``: optional sliding-window draft layers, config ``drafter.*``)."""
+    d = probe["drafter"]
+    cfg = M.drafter_config_from_target(
+        T.text_config(target.config),
+        block_size=d["block_size"],
+        num_draft_layers=d["num_draft_layers"],
+        target_layer_ids=d["target_layer_ids"],
+        mask_token_id=d["mask_token_id"],
+        layer_types=layer_types,
+        sliding_window=sliding_window,
+    )
+    torch.manual_seed(seed)
+    return M.DFlashDrafter(cfg)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The run: train() and the steps it reads as
+# ---------------------------------------------------------------------------------------------------
+
+
+def train(
+    *,
+    token_shards: Sequence[str | Path],
+    probe: dict,
+    target_dir: str | Path,
+    out_dir: str | Path,
+    cfg: dict,
+    target_dtype: str = "auto",
+    trust_remote_code: bool = False,
+    zero_target_features: bool = False,
+    drafter_arch: Optional[dict] = None,
+    device: str = "auto",
+    feature_shards: Sequence[str | Path] = (),
+) -> dict:
+    """Train the drafter; see the module docstring for outputs. ``cfg`` is the validated ``train`` config
+    (missing keys take the schema defaults, :func:`with_schema_defaults`).
+
+    ``target_dtype`` / ``trust_remote_code``: ``target.dtype`` / ``target.trust_remote_code``
+    (:func:`dflash_pipeline.target.loading.load_target`; ``auto`` = bf16 on CUDA, fp32 on CPU). The drafter keeps
+    float32 master weights; ``train.mixed_precision`` sets Accelerate's autocast. ``device``:
+    ``train.device`` (``cpu``: CPU ranks whatever GPUs are visible; not part of ``cfg``, which is the
+    rule's rerun fingerprint). ``feature_shards`` (one per token shard, same order) are read when
+    ``cfg["target_features"]`` is ``shards``: the target is then never instantiated (embedding and LM head
+    only, :mod:`dflash_pipeline.train.data`).
+    ``drafter_arch`` holds the optional ``layer_types``/``sliding_window`` (config ``drafter.*``).
+    ``zero_target_features`` trains the ablation baseline whose fused features are all zero (what the
+    target features buy). Returns the summary dict (also written to ``train_summary.json``).
+
+    Gradients: each micro-step backpropagates its unnormalised objective; after
+    ``gradient_accumulation_steps`` micro-steps the gradients are multiplied by world_size / Σ normaliser
+    (summed over ranks and micro-steps; DDP/FSDP average over ranks), so the update is that of the global
+    Σ terms / Σ normaliser whatever the split across ranks and micro-steps.
+
+    Raises:
+        ValueError: no token record has an anchor candidate; ``train.packing`` with a target that does
+            not keep packed records apart.
+    """
+    cfg = with_schema_defaults(cfg)
+    out_dir = Path(out_dir)
+    accelerator, log_with = _start_run(cfg, out_dir, device)
+    data = _open_data(accelerator, cfg, probe, token_shards, feature_shards, target_dir=target_dir, out_dir=out_dir,
+                      target_dtype=target_dtype, trust_remote_code=trust_remote_code)
+    run = _prepare_run(accelerator, cfg, out_dir, data, probe, drafter_arch or {}, zero_target_features)
+    step = resume_state(accelerator, out_dir, run.schedule.total_steps)
+    if log_with:
+        accelerator.init_trackers(cfg["tracker_project"], config=TR.flat_hparams({**cfg, "zero_target_features": zero_target_features}))
+    accelerator.print(_describe(run))
+    step = run_steps(run, step)
+    if accelerator.is_main_process:
+        from dflash_pipeline.evaluate.outputs import plot_validation
+
+        plot_validation(out_dir / "val_log.jsonl", out_dir / "val_tau.png")
+    return _finish(run, step, target_dir, _summary(run, log_with))
+
+
+def make_accelerator(mixed_precision: str, device: str = "auto", *, fsdp: bool = False, fsdp_reshard_after_forward: bool = True,
+                     out_dir: Optional[Path] = None, log_with: Optional[list] = None):
+    """The run's ``Accelerator``: CPU when ``device`` (``train.device``) is ``cpu`` or no CUDA device is
+    visible, with ``mixed_precision`` (``train.mixed_precision``; bf16 autocast works on CPU too, which is
+    how the tests exercise it); FSDP2 when ``fsdp`` (``train.fsdp``, :func:`dflash_pipeline.train.fsdp.make_accelerator`);
+    trackers ``log_with`` writing under ``<out_dir>/trackers``."""
+    from accelerate.state import AcceleratorState
+
+    cpu = device == "cpu" or not torch.cuda.is_available()
+    state = AcceleratorState._shared_state
+    if state and state.get("_mixed_precision") != mixed_precision and state.get("num_processes", 1) == 1:
+        AcceleratorState._reset_state()  # an earlier in-process run (tests, the zoo table) used another precision
+    plugin = FS.fsdp_plugin(reshard_after_forward=fsdp_reshard_after_forward, mixed_precision=mixed_precision) if fsdp else None
+    kw = {"log_with": log_with, "project_dir": str(Path(out_dir) / "trackers")} if log_with else {}
+    return FS.make_accelerator(cpu=cpu, mixed_precision=mixed_precision, plugin=plugin, **kw)
+
+
+def _start_run(cfg: dict, out_dir: Path, device: str):
+    """The run's ``Accelerator`` (:func:`make_accelerator`) with the global seed set and ``out_dir``
+    created; returns it and the trackers it logs to (``train.trackers`` that are installed)."""
+    from accelerate.utils import set_seed
+
+    log_with, tracker_notes = TR.resolve_trackers(cfg["trackers"])
+    accelerator = make_accelerator(cfg["mixed_precision"], device, fsdp=cfg["fsdp"],
+                                   fsdp_reshard_after_forward=cfg["fsdp_reshard_after_forward"], out_dir=out_dir, log_with=log_with)
+    set_seed(cfg["seed"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for note in tracker_notes:
+        accelerator.print(f"[train] {note}")
+    return accelerator, log_with
+
+
+def _open_data(accelerator, cfg: dict, probe: dict, token_shards, feature_shards, *, target_dir, out_dir: Path,
+               target_dtype: str, trust_remote_code: bool) -> RunData:
+    """Token records memory-mapped (:mod:`dflash_pipeline.train.data`), split into training and held-out
+    records by prompt (:func:`dflash_pipeline.train.heldout.heldout_mask`; all held out = train on all, no
+    validation), and the target loaded; with ``train.target_features: shards`` the features come from the
+    feature shards and the target is never instantiated (embedding + LM head only).
+
+    Raises:
+        ValueError: ``train.packing`` with feature shards, or with a target that does not keep packed
+            records apart (:func:`dflash_pipeline.train.packing.check_target_isolates_records`).
+    """
+    data = train_data.open_training_data(
+        cfg, token_shards, feature_shards, target_dir=target_dir, out_dir=out_dir, probe=probe, device=accelerator.device,
+        target_dtype=target_dtype, is_main=accelerator.is_main_process, barrier=accelerator.wait_for_everyone,
+    )
+    if data.from_shards and cfg["packing"]:
+        raise ValueError("train.packing is not supported with train.target_features: shards yet (packed rows would "
+                         "need their records' features concatenated); set train.packing: false")
+    held = V.heldout_mask(train_data.record_prompt_ids(token_shards, data.dataset), cfg["validation_fraction"],
+                          seed=cfg["seed"], max_records=cfg["validation_max_records"])
+    held_idx = [i for i, h in enumerate(held) if h]
+    train_idx = [i for i, h in enumerate(held) if not h]
+    if not train_idx:  # everything held out: train on all of it, no validation
+        train_idx, held_idx = list(range(len(held))), []
+    records = torch.utils.data.Subset(data.dataset, train_idx)
+    heldout = [data.dataset[i] for i in held_idx]
+    target = None
+    if not data.from_shards:  # StepContext takes the embedding and LM head from the target
+        target = T.load_target(target_dir, dtype=target_dtype, device=accelerator.device, trust_remote_code=trust_remote_code)
+    run_data = RunData(records, heldout, data, target)
+    if cfg["packing"]:
+        P.check_target_isolates_records(run_data.target, probe["drafter"]["target_layer_ids"])
+    return run_data
+
+
+def _prepare_run(accelerator, cfg: dict, out_dir: Path, data: RunData, probe: dict, arch: dict,
+                 zero_target_features: bool) -> TrainRun:
+    """The drafter (seeded, sized by the probe and ``arch``: ``drafter.layer_types`` / ``sliding_window``),
+    its rows (packed or not) and schedule, AdamW, warmup + cosine (dflash.md §4.7) and the shuffled loader,
+    prepared by Accelerate (the scheduler registered for checkpointing), the :class:`StepContext` and this
+    rank's held-out batches.
+
+    Raises:
+        RuntimeError: the prepared per-rank loader has another length than the schedule assumes.
+    """
+    drafter = build_drafter(data.target if data.target is not None else train_data.ConfigOnly(data.source.target_config), probe,
+                            seed=cfg["seed"], layer_types=arch.get("layer_types"), sliding_window=arch.get("sliding_window"))
+    backend = cfg["attention_backend"] if cfg.get("attention_backend", "auto") != "auto" else (
+        "flex" if accelerator.device.type == "cuda" else "sdpa")
+    block_size = drafter.block_size
+    gamma = cfg.get("loss_gamma") or M.loss_decay_gamma(block_size)
+    n_trainable = M.count_parameters(drafter)
+    dataset = _rows(data.records, cfg)
+    sch = Schedule.of(len(dataset), cfg, accelerator.num_processes)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg["learning_rate"], weight_decay=cfg["weight_decay"], betas=(0.9, 0.999), eps=1e-8)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: M.cosine_with_warmup(s, sch.total_steps, sch.warmup))
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=cfg["batch_size"], shuffle=True, collate_fn=P.collate_packed if cfg["packing"] else data.source.collate,
+        drop_last=False, generator=torch.Generator().manual_seed(cfg["seed"]),
+    )
+    drafter, optimizer, loader = accelerator.prepare(drafter, optimizer, loader)
+    if len(loader) != sch.micro_per_epoch:  # the micro-step loop syncs gradients on the last one of each step
+        raise RuntimeError(f"per-rank loader has {len(loader)} batches, expected {sch.micro_per_epoch}")
+    accelerator.register_for_checkpointing(scheduler)
+    ctx = StepContext(
+        drafter=drafter, target=data.target, probe=probe, num_anchors=cfg["num_anchors"], block_size=block_size, gamma=gamma,
+        generator=torch.Generator(device="cpu").manual_seed(cfg["seed"] * 1000 + accelerator.process_index),
+        zero_target_features=zero_target_features, backend=backend, world_size=accelerator.num_processes,
+        reduce_sum=lambda t: accelerator.reduce(t.to(accelerator.device), "sum"), embed=data.source.embed, lm_head=data.source.lm_head,
+        loss=cfg["loss"], kl_temperature=cfg["kl_temperature"], kl_ce_weight=cfg["kl_ce_weight"], dpace_alpha=cfg["dpace_alpha"],
+    )
+    val_batches, val_counted = _heldout_batches(data.heldout, cfg, accelerator.process_index, accelerator.num_processes)
+    return TrainRun(accelerator=accelerator, cfg=cfg, out_dir=out_dir, data=data, schedule=sch, num_rows=len(dataset),
+                    n_trainable=n_trainable, drafter=drafter, optimizer=optimizer, scheduler=scheduler, loader=loader, ctx=ctx,
+                    val_batches=val_batches, val_counted=val_counted, zero_target_features=zero_target_features)
+
+
+def _rows(records, cfg: dict):
+    """The rows a loader batches: ``records`` themselves, or with ``train.packing`` the records packed into
+    rows of up to ``train.pack_max_tokens`` tokens (default: the longest record; :class:`dflash_pipeline.train.packing.PackedDataset`)."""
+    if not cfg["packing"]:
+        return records
+    return P.PackedDataset(records, cfg["pack_max_tokens"] or max(len(r[0]) for r in records))
+
+
+def _describe(run: TrainRun) -> str:
+    """The ``[train]`` line that opens a run's log: data, processes, schedule, objective, drafter size, dtypes."""
+    cfg, acc, ctx = run.cfg, run.accelerator, run.ctx
+    return (
+        f"[train] records={len(run.data.records)} rows={run.num_rows} heldout={len(run.data.heldout)} processes={acc.num_processes} "
+        f"device={acc.device} steps={run.schedule.total_steps} accumulation={run.schedule.accum} loss={cfg['loss']} "
+        f"packing={cfg['packing']} fsdp={acc.is_fsdp2} trainable_params={run.n_trainable} block_size={ctx.block_size} "
+        f"gamma={ctx.gamma} target_layer_ids={ctx.probe['drafter']['target_layer_ids']} "
+        f"target_dtype={run.data.target_dtype} mixed_precision={cfg['mixed_precision']}"
+    )
+
+def _heldout_batches(records, cfg: dict, rank: int, world: int) -> tuple[list[dict], list[bool]]:
+    """This rank's held-out batches and whether each one counts: every rank runs the same number of
+    forwards (FSDP gathers weights collectively), the surplus ones repeat a batch and are not counted."""
+    if not records:
+        return [], []
+    bs = cfg["batch_size"]
+    if cfg["packing"]:
+        rows = _rows(records, cfg)
+        items = [rows[i] for i in range(len(rows))]
+        batches = [P.collate_packed(items[i : i + bs]) for i in range(0, len(items), bs)]
+    else:  # train_data.collate: records from feature shards carry their features
+        batches = [train_data.collate(records[i : i + bs]) for i in range(0, len(records), bs)]
+    mine = batches[rank::world]
+    n = math.ceil(len(batches) / world)
+    return mine + [batches[0]] * (n - len(mine)), [True] * len(mine) + [False] * (n - len(mine))
+
+
+# ---------------------------------------------------------------------------------------------------
+# End of the run
+# ---------------------------------------------------------------------------------------------------
+
+
+def _summary(run: TrainRun, log_with) -> dict:
+    """``train_summary.json``: the run's size, schedule, objective, drafter and dtypes, and its ``train`` config."""
+    cfg, ctx, acc = run.cfg, run.ctx, run.accelerator
+    return {
+        "steps": run.schedule.total_steps, "records": len(run.data.records), "heldout_records": len(run.data.heldout),
+        "rows": run.num_rows, "num_processes": acc.num_processes, "trainable_params": run.n_trainable,
+        "block_size": ctx.block_size, "loss_gamma": ctx.gamma, "zero_target_features": run.zero_target_features,
+        "attention_backend": ctx.backend, "layer_types": list(getattr(run.drafter, "module", run.drafter).layer_types),
+        "loss": cfg["loss"], "packing": cfg["packing"], "fsdp": acc.is_fsdp2, "trackers": log_with,
+        "target_dtype": str(run.data.target_dtype).replace("torch.", ""), "train_config": cfg,
+    }
+
+
+def _finish(run: TrainRun, step: int, target_dir, summary: dict) -> dict:
+    """Export ``final/`` (atomic, with its ``serve.md`` naming ``target_dir``), write ``train_summary.json``, save the last state; returns ``summary``."""
+    accelerator, out_dir = run.accelerator, run.out_dir
+    accelerator.wait_for_everyone()
+    module = export_module(accelerator, run.drafter)
+    if accelerator.is_main_process:
+        export_drafter(module, out_dir / "final", target=Path(target_dir).resolve(),
+                       extra={"train_steps": summary["steps"], "zero_target_features": summary["zero_target_features"]})
+        write_json(out_dir / "train_summary.json", summary)
+    save_state(accelerator, out_dir / "state", step)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return summary
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """CLI used under ``accelerate launch -m dflash_pipeline.train``."""
+    p = argparse.ArgumentParser(description="Train a DFlash drafter (run under accelerate launch).")
+    p.add_argument("--probe", required=True, help="config probe JSON")
+    p.add_argument("--target", required=True, help="target model directory")
+    p.add_argument("--out-dir", required=True, help="run directory (final/, state/, logs)")
+    p.add_argument("--train-config", required=True, help="JSON of the validated `train` config")
+    p.add_argument("--target-dtype", default="auto", choices=T.DTYPE_CHOICES, help="target.dtype")
+    p.add_argument("--trust-remote-code", action="store_true", help="target.trust_remote_code")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu"), help="train.device")
+    p.add_argument("--zero-target-features", action="store_true")
+    p.add_argument("--drafter-arch", default="{}", help="JSON with optional layer_types / sliding_window")
+    p.add_argument("--feature-shard", dest="feature_shards", action="append", default=[],
+                   help="a feature shard (repeat, one per token shard, same order; train.target_features: shards)")
+    p.add_argument("token_shards", nargs="+")
+    a = p.parse_args(argv)
+    probe = json.loads(Path(a.probe).read_text(encoding="utf-8"))
+    train(
+        token_shards=a.token_shards, probe=probe, target_dir=a.target, out_dir=a.out_dir,
+        cfg=json.loads(a.train_config), target_dtype=a.target_dtype, trust_remote_code=a.trust_remote_code,
+        zero_target_features=a.zero_target_features,
+        drafter_arch=json.loads(a.drafter_arch), device=a.device, feature_shards=a.feature_shards,
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,146 @@
+"""One DFlash training step on a batch: target features -> anchors -> blocks -> drafter -> objective
+(reference/dflash.md §4, §5.3), normalised globally over ranks.
+
+:class:`StepContext` holds what a step needs besides the batch; :func:`step_objective` is the forward pass
+(unnormalised), :func:`training_step` the normalised loss of one micro-step. The loop that drives them
+(accumulation, optimizer, logging, checkpoints) is :mod:`dflash_pipeline.train.loop`, started by
+:func:`dflash_pipeline.train.run.train`, which re-exports these names; packed rows: :mod:`dflash_pipeline.train.packing`; objectives: :mod:`dflash_pipeline.train.losses`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from dflash_pipeline.train import losses as L
+from dflash_pipeline.drafter import model as M
+from dflash_pipeline.train import packing as P
+from dflash_pipeline.target import loading as T
+from dflash_pipeline.target.hidden import target_features
+
+
+@dataclass
+class StepContext:
+    """What :func:`training_step` needs besides the batch (built once per run by :func:`dflash_pipeline.train.run.train`).
+
+    ``reduce_sum`` sums a scalar over data-parallel ranks (None = one process) for the global loss
+    normalisation (:func:`dflash_pipeline.drafter.model.loss_normalizer`). ``loss``/``kl_*``/``dpace_alpha``:
+    the objective (``train.loss``, :func:`dflash_pipeline.train.losses.compute_loss`).
+    """
+
+    drafter: Any
+    target: Any
+    probe: dict
+    num_anchors: int
+    block_size: int
+    gamma: Optional[float]
+    generator: torch.Generator
+    zero_target_features: bool = False
+    backend: str = "sdpa"
+    world_size: int = 1
+    reduce_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    embed: Any = field(default=None)
+    lm_head: Any = field(default=None)
+    loss: str = "ce_decay"  # train.loss (dflash_pipeline.train.losses)
+    kl_temperature: float = 1.0
+    kl_ce_weight: float = 0.0
+    dpace_alpha: float = 0.5
+
+    def __post_init__(self):
+        self.embed = self.embed if self.embed is not None else T.input_embeddings(self.target)
+        self.lm_head = self.lm_head if self.lm_head is not None else T.lm_head(self.target)
+
+
+def step_objective(ctx: StepContext, batch: dict) -> L.LossOutput:
+    """One forward pass: target features → anchors → blocks → drafter → ``ctx.loss`` (dflash.md §4).
+
+    ``batch``: ``input_ids`` long [b, S], ``loss_mask`` uint8 [b, S], ``attention_mask`` long [b, S];
+    packed rows (:func:`dflash_pipeline.train.packing.collate_packed`) add ``position_ids``/``segment_ids`` and
+    anchors, labels and attention then stay inside each record. Precomputed ``features``
+    [b, S, K·H] (and ``target_last_hidden`` [b, S, H] for ``kl``) replace the target forward (feature shards).
+    Dtypes (dflash_pipeline.target.loading): the target runs in its dtype, the drafter in its parameter dtype
+    (inputs cast; Accelerate's autocast, when on, covers the drafter forward), the LM head in its dtype,
+    the loss in float32.
+
+    Returns the unnormalised :class:`dflash_pipeline.train.losses.LossOutput` (the caller normalises globally).
+
+    Raises:
+        ValueError: ``kl`` without the target's last hidden state (:func:`_batch_features`).
+    """
+    ids, lmask = batch["input_ids"], batch["loss_mask"]
+    packed = "segment_ids" in batch
+    d = ctx.probe["drafter"]
+    teacher_needed = ctx.loss == "kl"
+    feats, last = _batch_features(ctx, batch)
+    core = getattr(ctx.drafter, "module", ctx.drafter)
+    b, s = ids.shape
+    if packed:
+        pos, seg = batch["position_ids"], batch["segment_ids"]
+        anchors = P.sample_packed_anchors(lmask.cpu(), seg.cpu(), ctx.num_anchors, generator=ctx.generator)
+        anchors = M.AnchorBatch(anchors.anchors.to(ids.device), anchors.keep.to(ids.device))
+        blk = P.packed_block_inputs_and_labels(ids, lmask, pos, seg, anchors, ctx.block_size, d["mask_token_id"], ctx.gamma)
+        block_ids, block_pos, rows, labels, weights = blk.ids, blk.pos, blk.rows, blk.labels, blk.weights
+        mask = P.build_packed_training_masks(core, anchors.anchors, seg, ctx.backend)
+        ctx_pos = pos
+        num_sequences = int(batch["num_records"].sum())
+    else:
+        anchors = M.sample_anchors(lmask.cpu(), ctx.num_anchors, generator=ctx.generator)
+        anchors = M.AnchorBatch(anchors.anchors.to(ids.device), anchors.keep.to(ids.device))
+        block_ids, block_pos, labels, weights = M.block_inputs_and_labels(
+            ids, lmask, anchors, ctx.block_size, d["mask_token_id"], ctx.gamma)
+        rows = block_pos
+        mask = M.build_training_masks(core, anchors.anchors, s, ctx.backend)
+        ctx_pos = torch.arange(s, device=ids.device).expand(b, -1)
+        num_sequences = b
+    with torch.no_grad():
+        noise = ctx.embed(block_ids)
+    noise, feats = T.to_drafter_dtype(ctx.drafter, noise, feats)
+    hidden = ctx.drafter(noise, feats, ctx_pos, block_pos, attn_mask=mask)
+    teacher = L.teacher_slot_hidden(last, rows) if teacher_needed else None
+    return L.compute_loss(ctx.loss, hidden, ctx.lm_head.weight, labels, weights, ctx.block_size, teacher_hidden=teacher,
+                          temperature=ctx.kl_temperature, ce_weight=ctx.kl_ce_weight, dpace_alpha=ctx.dpace_alpha,
+                          num_sequences=num_sequences)
+
+
+def _batch_features(ctx: StepContext, batch: dict) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(features [b, S, K·H], target last hidden [b, S, H] or None)`` of ``batch``, without gradients:
+    the feature shards' when the batch carries them (``features``, ``target_last_hidden``), zeros for the
+    ablation (``zero_target_features``; the target runs only when ``kl`` needs its teacher), else the
+    target's forward (packed rows keep records apart, :func:`dflash_pipeline.train.packing.packed_target_features`).
+    The last hidden state (final-normed: the LM head's input) is kept for ``kl`` only.
+
+    Raises:
+        ValueError: ``kl`` without the target's last hidden state (feature shards written without it).
+    """
+    ids, am = batch["input_ids"], batch["attention_mask"]
+    d = ctx.probe["drafter"]
+    teacher_needed = ctx.loss == "kl"
+    last = batch.get("target_last_hidden")
+    with torch.no_grad():
+        if "features" in batch:  # feature shards (train.target_features: shards): the target never runs here
+            feats = batch["features"]
+        elif ctx.zero_target_features and not teacher_needed:  # the ablation never looks at the target
+            k_h = len(d["target_layer_ids"]) * ctx.embed.weight.shape[1]
+            feats = torch.zeros(*ids.shape, k_h, dtype=ctx.embed.weight.dtype, device=ids.device)  # [b, S, K·H]
+        else:
+            if "segment_ids" in batch:  # packed rows
+                feats, out = P.packed_target_features(ctx.target, ids, batch["position_ids"], d["target_layer_ids"])
+            else:
+                feats, out = target_features(ctx.target, ids, am, d["target_layer_ids"])  # [b, S, K·H]
+            last = out.hidden_states[-1] if teacher_needed else None  # final-normed: lm_head's input
+            if ctx.zero_target_features:
+                feats = torch.zeros_like(feats)
+    if teacher_needed and last is None:
+        raise ValueError("train.loss: kl needs the target's last hidden state (target_last_hidden in feature shards)")
+    return feats, last
+
+
+def training_step(ctx: StepContext, batch: dict) -> tuple[torch.Tensor, dict]:
+    """:func:`step_objective` normalised for one micro-step: its total divided by the global normaliser
+    over ranks / world size (:func:`dflash_pipeline.drafter.model.loss_normalizer`), so DDP's gradient average is
+    the global Σ terms / Σ normaliser. Returns ``(loss scalar float32, stats)``."""
+    out = step_objective(ctx, batch)
+    norm = M.loss_normalizer(out.normalizer, ctx.world_size, ctx.reduce_sum)
+    return out.total / norm.to(out.total.device).clamp(min=1e-12), out.stats

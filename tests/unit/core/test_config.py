@@ -1,0 +1,86 @@
+"""Config errors: every schema problem on one line with its key path (and a close-match hint for a typo),
+both from the library (validate_config) and from `snakemake -n` (the Snakefile), plus plan-time checks."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from dflash_pipeline.core.config import schema_problems, validate_config
+from dflash_pipeline.core.errors import ConfigError
+from conftest import snakemake
+
+
+def test_schema_problems_lists_every_error_with_its_key():
+    problems = schema_problems({
+        "token": {"max_length": 100},
+        "datasets": {"d": {"path": "x.jsonl", "max_prompt": 3}},
+        "generation": {"temperature": "hot", "thinking": "maybe"},
+        "tokens": {"max_length": -5},
+    })
+    assert problems == [
+        "`datasets.d.max_prompt`: unknown key (did you mean `max_prompts`?)",
+        "`generation.temperature`: 'hot' is not valid: expected type 'number'",
+        "`generation.thinking`: 'maybe' is not valid: expected one of ['none', 'save', 'disable']",
+        "`token`: unknown key (did you mean `tokens`?)",
+        "`tokens.max_length`: -5 is not valid: expected >= 8",
+    ]
+    assert schema_problems({}) == []
+    (leak,) = schema_problems({"generation": {"endpoints": {"base_url": "http://user:sk-secret@host/v1"}}})
+    assert "sk-secret" not in leak and "http://host/v1" in leak  # a URL's credentials never reach a message
+    with pytest.raises(ConfigError, match=r"`token`: unknown key.*`tokens.max_length`: -5"):
+        validate_config({"token": {}, "tokens": {"max_length": -5}})
+
+
+def test_snakemake_plan_reports_config_problems_in_a_few_lines(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"token": {"max_length": 100}, "generation": {"max_tokens": "many"}}))
+    proc = snakemake(tmp_path, "-n", configfile=bad)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "`token`: unknown key (did you mean `tokens`?)" in out
+    assert "`generation.max_tokens`: 'many' is not valid: expected type 'integer'" in out
+    assert len(out.splitlines()) < 40, out  # not the whole schema
+
+    missing = tmp_path / "missing.yaml"
+    missing.write_text(yaml.safe_dump({"target": {"path": "demo", "chat_template": str(tmp_path / "nope.jinja")},
+                                       "datasets": {}}))
+    proc = snakemake(tmp_path, "-n", "--replace-workflow-config", configfile=missing)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert f"target.chat_template: {tmp_path / 'nope.jinja'} not found" in out
+    assert "datasets: no prompt source configured" in out
+
+
+def test_snakemake_plan_rejects_a_target_without_tokenizer_files(tmp_path):
+    """A model directory with config.json and a template but no vocabulary (as the shared model configs):
+    the tokens stage could never run, so the plan fails naming what is missing."""
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text('{"model_type": "qwen3"}')
+    (target / "chat_template.jinja").write_text("{{ messages }}")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"target": {"path": str(target)}}))
+    proc = snakemake(tmp_path, "-n", configfile=cfg)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert f"target.path: no tokenizer files (tokenizer.json" in out and "need the target's tokenizer" in out
+
+
+def test_snakemake_plan_rejects_a_transformers_target_without_weights(tmp_path):
+    """Issue #18: `generation.backend: transformers` with a target directory that has config and tokenizer
+    but no weights fails at plan time (not at runtime); the openai backend does not need them to generate."""
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text('{"model_type": "qwen3"}')
+    (target / "tokenizer.json").write_text("{}")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"target": {"path": str(target)}, "generation": {"backend": "transformers"}}))
+    out = (lambda p: p.stdout + p.stderr)(proc := snakemake(tmp_path, "-n", configfile=cfg))
+    assert proc.returncode != 0 and f"target.path: no weights (*.safetensors, pytorch_model*.bin) in {target}" in out
+    server = tmp_path / "s.yaml"
+    server.write_text(yaml.safe_dump({"target": {"path": str(target)}, "generation": {
+        "backend": "openai", "endpoints": [{"base_url": "http://127.0.0.1:9/v1"}]}}))
+    assert "no weights" not in (lambda p: p.stdout + p.stderr)(snakemake(tmp_path, "-n", configfile=server))
+    (target / "model.safetensors").write_bytes(b"")
+    assert "no weights" not in (lambda p: p.stdout + p.stderr)(snakemake(tmp_path, "-n", configfile=cfg))
