@@ -233,9 +233,35 @@ def load_target(target_dir: str | Path, *, dtype: str | torch.dtype = "auto", de
     return model
 
 
+class BareEmbedding(torch.nn.Module):
+    """The bare lookup ``weight[ids]`` of an embedding module, whatever scaling its forward adds.
+
+    ``weight`` is the source module's own tensor (not a copy, not registered as a parameter here).
+    """
+
+    def __init__(self, source: torch.nn.Module):
+        super().__init__()
+        object.__setattr__(self, "source", source)  # not a submodule: the target owns it
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.source.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(input_ids, self.source.weight, getattr(self.source, "padding_idx", None))
+
+
 def input_embeddings(target) -> torch.nn.Module:
-    """The target's token embedding module (token ids → [b, S, H]; Gemma's scaling included)."""
-    return target.get_input_embeddings()
+    """The drafter's token embedding: the target's embedding table looked up *bare* (ids → [b, S, H]).
+
+    One convention on every path (online training, feature shards' ``features.weights``, the eval loop),
+    the one vLLM serves: its DFlash ``embed_input_ids`` is the shared ``embed_tokens`` module alone
+    (``vllm/model_executor/models/qwen3_dflash.py``, ``llm_base_proposer._maybe_share_embeddings``), and
+    vLLM's Gemma keeps the √H normaliser outside it (``gemma3.py`` ``embed_input_ids``). So Gemma's
+    ``Gemma3TextScaledWordEmbedding`` ×√H is *not* applied here; a plain ``nn.Embedding`` is returned as is.
+    """
+    emb = target.get_input_embeddings()
+    return emb if type(emb) is torch.nn.Embedding else BareEmbedding(emb)
 
 
 def lm_head(target) -> torch.nn.Module:
