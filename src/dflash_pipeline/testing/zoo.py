@@ -67,6 +67,40 @@ def families(models_dir: str | Path) -> list[str]:
     return sorted(p.parent.name for p in Path(models_dir).glob("*/config.json"))
 
 
+def all_families(models_dir: str | Path) -> list[str]:
+    """:func:`families` plus the twins built from transformers' config classes
+    (:data:`dflash_pipeline.testing.zoo_extra.EXTRA_FAMILIES`)."""
+    from dflash_pipeline.testing.zoo_extra import EXTRA_FAMILIES
+
+    return families(models_dir) + sorted(EXTRA_FAMILIES)
+
+
+def build_any_twin(models_dir: str | Path, family: str, out_dir: str | Path, *, corpus_file: str | Path,
+                   seed: int = 0) -> Path:
+    """:func:`build_twin` for a corpus family or an extra one (its source directory written next to
+    ``out_dir`` first, :func:`dflash_pipeline.testing.zoo_extra.extra_source_dir`)."""
+    from dflash_pipeline.testing.zoo_extra import EXTRA_FAMILIES, extra_source_dir
+
+    if family in EXTRA_FAMILIES:
+        src = extra_source_dir(models_dir, family, Path(out_dir).parent / f".{Path(out_dir).name}-source")
+        return build_twin(src, family, out_dir, corpus_file=corpus_file, seed=seed)
+    return build_twin(models_dir, family, out_dir, corpus_file=corpus_file, seed=seed)
+
+
+def extra_config_files(out: str | Path) -> list[Path]:
+    """``config.json`` files of the extra families (full size, as their config classes write them), for
+    checks that read configs only (the drafter-rotary parity)."""
+    from dflash_pipeline.testing.zoo_extra import EXTRA_FAMILIES, extra_config
+
+    files = []
+    for name in sorted(EXTRA_FAMILIES):
+        d = Path(out) / name
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "config.json").write_text(json.dumps(extra_config(name), indent=1) + "\n", encoding="utf-8")
+        files.append(d / "config.json")
+    return files
+
+
 def family_template(models_dir: str | Path, family: str) -> Path:
     """The chat template file a family's twin renders (its own, else :data:`TEMPLATE_FROM`).
 
@@ -387,7 +421,7 @@ def run_stages(models_dir: Path, family: str, work: Path, corpus_file: Path, eva
     state: dict[str, Any] = {}
 
     def build():
-        build_twin(models_dir, family, twin, corpus_file=corpus_file)
+        build_any_twin(models_dir, family, twin, corpus_file=corpus_file)
         cfg.update(stage_config(twin, eval_set, device))
 
     def probe():
@@ -457,7 +491,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="build the twins into this directory (default: a temp dir)")
     a = ap.parse_args(argv)
     models = Path(a.models)
-    fams = a.family or families(models)
+    fams = a.family or all_families(models)
     root = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="dflash-zoo-"))
     rows = {}
     for fam in fams:
@@ -467,7 +501,7 @@ def main(argv=None) -> int:
                                    log=lambda m: print(f"[zoo] {m}", file=sys.stderr, flush=True), device=a.device)
         else:
             try:
-                build_twin(models, fam, root / fam / "target", corpus_file=a.corpus)
+                build_any_twin(models, fam, root / fam / "target", corpus_file=a.corpus)
                 rows[fam] = {"build": "ok"}
             except Exception as exc:  # noqa: BLE001 - reported in the table
                 rows[fam] = {"build": f"refused: {_reason(exc)}"}
