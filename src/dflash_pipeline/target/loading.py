@@ -264,6 +264,12 @@ def input_embeddings(target) -> torch.nn.Module:
     return emb if type(emb) is torch.nn.Embedding else BareEmbedding(emb)
 
 
+def final_logit_softcap(config) -> Optional[float]:
+    """The target's ``final_logit_softcapping`` (its text config's; gemma-2/3/4: 30.0), or None."""
+    cap = getattr(text_config(config), "final_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
 def lm_head(target) -> torch.nn.Module:
     """The target's LM head (``weight`` [V, H])."""
     head = target.get_output_embeddings()
