@@ -106,19 +106,3 @@ def test_partial_rotary_families_rotate_what_vllm_rotates(parity):
     got = {n: parity["ropes"][n]["rotary_dim"] for n in want if n in parity["ropes"]}
     assert got == {n: v for n, v in want.items() if n in got} and got, got
     assert all(not {"mrope_section", "mrope_interleaved"} & set(r["case"]["rope_parameters"]) for r in parity["ropes"].values())
-
-
-def test_partial_rotary_drafter_differs_from_full_rotation():
-    """Unit-level: the drafter rotary leaves channels past rotary_dim untouched (HF's full-head rotation
-    did not), so training and vLLM's get_rope agree on what moves."""
-    from transformers import Qwen3Config
-
-    from dflash_pipeline.drafter.rope import DFlashRotaryEmbedding, apply_rope
-
-    cfg = Qwen3Config(head_dim=16, hidden_size=64, num_attention_heads=4,
-                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
-    rope = DFlashRotaryEmbedding(cfg)
-    x = torch.randn(1, 2, 3, 16)
-    cos, sin = rope(x, torch.tensor([[5, 50, 500]]))
-    y = apply_rope(x, cos, sin)
-    assert rope.rotary_dim == 4 and torch.equal(y[..., 4:], x[..., 4:]) and not torch.allclose(y[..., :4], x[..., :4])

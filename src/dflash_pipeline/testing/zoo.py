@@ -79,11 +79,11 @@ def build_any_twin(models_dir: str | Path, family: str, out_dir: str | Path, *, 
                    seed: int = 0) -> Path:
     """:func:`build_twin` for a corpus family or an extra one (its source directory written next to
     ``out_dir`` first, :func:`dflash_pipeline.testing.zoo_extra.extra_source_dir`)."""
-    from dflash_pipeline.testing.zoo_extra import EXTRA_FAMILIES, extra_source_dir
+    from dflash_pipeline.testing.zoo_extra import EXTRA_FAMILIES, TWIN_SEEDS, extra_source_dir
 
     if family in EXTRA_FAMILIES:
         src = extra_source_dir(models_dir, family, Path(out_dir).parent / f".{Path(out_dir).name}-source")
-        return build_twin(src, family, out_dir, corpus_file=corpus_file, seed=seed)
+        return build_twin(src, family, out_dir, corpus_file=corpus_file, seed=seed + TWIN_SEEDS.get(family, 0))
     return build_twin(models_dir, family, out_dir, corpus_file=corpus_file, seed=seed)
 
 

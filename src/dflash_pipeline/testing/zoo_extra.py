@@ -46,6 +46,11 @@ EXTRA_FAMILIES: dict[str, tuple[str, str, dict, str]] = {
 }
 
 
+#: Weight seed offsets of twins whose seed-0 random weights end every greedy completion at once (no
+#: supervised token to train on: a property of those random weights, not of the architecture).
+TWIN_SEEDS = {"LFM2-twin": 1, "SmolLM3-NoPE": 1}
+
+
 def extra_config(name: str) -> dict:
     """The ``config.json`` dict of extra family ``name``, as its transformers config class writes it (plus
     ``architectures``). Sizes are then shrunk by the zoo like any corpus config.
