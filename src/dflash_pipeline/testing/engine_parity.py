@@ -220,3 +220,31 @@ def compare(ours: list[torch.Tensor], theirs: dict) -> tuple[bool, str]:
 
 if __name__ == "__main__":  # pragma: no cover - the zoo table drives this module
     sys.exit("use python -m dflash_pipeline.testing.zoo --table")
+
+
+def engine_parity_column(families: dict[str, Path], work: Path, vllm_python: Optional[str]) -> dict[str, str]:
+    """The zoo table's ``engine_parity`` cell per family: ``families`` maps a family to its run directory
+    (``target/`` twin, ``train_float32/final`` the fp32-trained export). One vLLM process for all.
+    Cells: ``ok (max |Δlogit| …)``, ``failed: …``, ``skipped: …`` (no export / no vLLM environment)."""
+    if vllm_python is None:
+        return {f: "skipped: no vLLM environment (DFLASH_VLLM_PYTHON)" for f in families}
+    out, cases = {}, {}
+    for fam, run in families.items():
+        final = run / "train_float32" / "final"
+        if not (final / "config.json").is_file():
+            out[fam] = "skipped: no trained export"
+            continue
+        try:
+            cases[fam] = family_case(run / "target", work / fam, name=f"family-{fam}", drafter_dir=final)
+        except Exception as exc:  # noqa: BLE001 - reported in the table
+            out[fam] = f"failed: {type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
+    if cases:
+        res = run_vllm(vllm_python, work / "vllm", cases=[c["case"] for c in cases.values()], ropes=[])
+        for fam, c in cases.items():
+            meta = res[c["case"]["name"]]
+            if not meta["ok"]:
+                out[fam] = f"failed: {meta['error'][:160]}"
+                continue
+            ok, summary = compare(c["ours"], vllm_tensors(work / "vllm", c["case"]["name"]))
+            out[fam] = ("ok" if ok else "failed") + f" ({summary.split(',')[0]})"
+    return out

@@ -169,7 +169,10 @@ def shrink_text(t: dict) -> dict:
         t.update(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16)
         if t.get("q_lora_rank"):
             t["q_lora_rank"] = 24
-        t.pop("head_dim", None)
+        if "head_dim" in t and t.get("model_type") == "longcat_flash":  # its rotary reads head_dim: the rope part
+            t["head_dim"] = t["qk_rope_head_dim"]
+        else:
+            t.pop("head_dim", None)
     for k, v in (("linear_num_key_heads", 2), ("linear_num_value_heads", 4), ("linear_key_head_dim", 8),
                  ("linear_value_head_dim", 8)):
         if k in t:
@@ -489,6 +492,7 @@ def main(argv=None) -> int:
     ap.add_argument("--family", action="append", help="only these families (default: all with a config.json)")
     ap.add_argument("--table", action="store_true", help="run every stage and print the family × stage table")
     ap.add_argument("--out", help="build the twins into this directory (default: a temp dir)")
+    ap.add_argument("--no-engine", action="store_true", help="--table without the engine_parity column (vLLM)")
     a = ap.parse_args(argv)
     models = Path(a.models)
     fams = a.family or all_families(models)
@@ -507,6 +511,14 @@ def main(argv=None) -> int:
                 rows[fam] = {"build": f"refused: {_reason(exc)}"}
         print(f"[zoo] {fam}: {time.time() - t0:.1f} s", file=sys.stderr, flush=True)
     stages = STAGES if a.table else ("build",)
+    if a.table and not a.no_engine:  # one vLLM process for every family (dflash_pipeline.testing.engine_parity)
+        from dflash_pipeline.core.vllm_env import find_vllm_python
+        from dflash_pipeline.testing.engine_parity import engine_parity_column
+
+        col = engine_parity_column({f: root / f for f in rows}, root / "_engine_parity", find_vllm_python())
+        for fam, cell in col.items():
+            rows[fam]["engine_parity"] = cell if rows[fam].get("train_fp32") == "ok" else "skipped"
+        stages = STAGES + ("engine_parity",)
     print("| family | " + " | ".join(stages) + " |")
     print("|---" * (len(stages) + 1) + "|")
     for fam, r in rows.items():
