@@ -27,9 +27,9 @@ EXTRA_FAMILIES: dict[str, tuple[str, str, dict, str]] = {
                        "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_chunk_size": 16}, "Qwen3-8B"),
     "LFM2-twin": ("Lfm2Config", "Lfm2ForCausalLM",
                   {"num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv", "full_attention"],
-                   "conv_L_cache": 3}, "Qwen3-8B"),
+                   "conv_L_cache": 3, "tie_word_embeddings": False}, "Qwen3-8B"),
     "SmolLM3-NoPE": ("SmolLM3Config", "SmolLM3ForCausalLM",
-                     {"no_rope_layer_interval": 2, "use_sliding_window": False}, "Qwen3-8B"),
+                     {"no_rope_layer_interval": 2, "use_sliding_window": False, "tie_word_embeddings": False}, "Qwen3-8B"),
     "DeepSeek-V3.2-twin": ("DeepseekV32Config", "DeepseekV32ForCausalLM",
                            {"num_hidden_layers": 4, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_nope_head_dim": 8,
                             "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
@@ -42,13 +42,14 @@ EXTRA_FAMILIES: dict[str, tuple[str, str, dict, str]] = {
                             "ffn_hidden_size": 96, "expert_ffn_hidden_size": 32}, "DeepSeek-V3.1"),
     "Mistral3-twin": ("Mistral3Config", "Mistral3ForConditionalGeneration",
                       {"text_config": {"model_type": "mistral", "num_hidden_layers": 4, "sliding_window": None},
-                       "vision_config": {"model_type": "pixtral"}}, "Llama-3.1-8B-Instruct"),
+                       "vision_config": {"model_type": "pixtral"}, "tie_word_embeddings": False}, "Llama-3.1-8B-Instruct"),
 }
 
 
-#: Weight seed offsets of twins whose seed-0 random weights end every greedy completion at once (no
-#: supervised token to train on: a property of those random weights, not of the architecture).
-TWIN_SEEDS = {"LFM2-twin": 1, "SmolLM3-NoPE": 1}
+#: Weight seed offsets per extra twin (none needed today). The extras untie their embeddings: a tied twin's
+#: ×HEAD_SCALE head also scales its input embedding, and its greedy completions are then one whitespace
+#: token repeated (no supervised token to train on: a property of the random weights, not the architecture).
+TWIN_SEEDS: dict[str, int] = {}
 
 
 def extra_config(name: str) -> dict:
