@@ -60,9 +60,16 @@ def _check_drafter_config(target_dir: Path, trust_remote_code: bool, block_size:
 
     from dflash_pipeline.drafter.rope import DFlashRotaryEmbedding, servable_rope_problems
 
+    tc = text_config(load_target_config(target_dir, trust_remote_code=trust_remote_code))
+    depth = getattr(tc, "num_layers", None)
+    if isinstance(depth, int) and depth != tc.num_hidden_layers:  # LongCat-Flash: two attention sublayers a layer
+        raise ProbeError(f"{target_dir}: config num_hidden_layers {tc.num_hidden_layers} counts sublayers of "
+                         f"{depth} decoder layers (num_layers; {tc.model_type}'s double-attention layers); the target "
+                         "returns one hidden state per decoder layer, so canonical target_layer_ids cannot be "
+                         "placed: not supported")
     try:
         cfg = drafter_config_from_target(
-            text_config(load_target_config(target_dir, trust_remote_code=trust_remote_code)),
+            tc,
             block_size=block_size, num_draft_layers=num_draft_layers, target_layer_ids=list(ids),
             mask_token_id=mask_token_id if mask_token_id is not None else 0)
         problems = servable_rope_problems(cfg.rope_parameters, int(cfg.head_dim))

@@ -156,7 +156,8 @@ def _control(mistake: str, drafter, target, embed, head, feats, bonus) -> list[t
 
 
 def rope_case(name: str, drafter_config, work: Path, *, seed: int = 0) -> dict:
-    """Our rotated q/k [N, heads·head_dim] at :data:`ROPE_POSITIONS` and vLLM's inputs for the same."""
+    """Our rotated q/k [N, heads·head_dim] at :data:`ROPE_POSITIONS` (capped at the drafter's
+    ``max_position_embeddings`` − 1) and vLLM's inputs for the same."""
     from safetensors.torch import save_file
 
     from dflash_pipeline.drafter.rope import DFlashRotaryEmbedding, apply_rope
@@ -164,7 +165,8 @@ def rope_case(name: str, drafter_config, work: Path, *, seed: int = 0) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     hd, nh, nkv = int(drafter_config.head_dim), 2, 1
     g = torch.Generator().manual_seed(seed)
-    pos = torch.tensor(ROPE_POSITIONS)
+    top = int(drafter_config.max_position_embeddings) - 1  # vLLM's cos/sin cache ends there
+    pos = torch.tensor(sorted({min(p, top) for p in ROPE_POSITIONS}))
     q, k = torch.randn(len(pos), nh * hd, generator=g), torch.randn(len(pos), nkv * hd, generator=g)
     save_file({"positions": pos, "q": q, "k": k}, str(work / f"{name}.safetensors"))
     rope = DFlashRotaryEmbedding(drafter_config)
