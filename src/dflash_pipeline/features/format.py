@@ -167,11 +167,11 @@ def _storage_dtype(path: Path, header: dict, meta: dict) -> Optional[str]:
                                 f"({dtype}); the shard is damaged or was written by other code: rebuild it")
     if dtype != "bfloat16" and "features" in header:
         n, kh = header["features"]["shape"]
-        k = len(meta.get("target_layer_ids") or [])
         shape = header.get("feature_scale", {}).get("shape")
-        if shape not in ([n], [n, k]) or (shape == [n, k] and k * int(meta.get("hidden_size", 0)) != kh):
-            raise FeatureShardError(f"{path}: feature_scale shape {shape}, expected [{n}] or [{n}, {k}] "
-                                    f"(features [{n}, {kh}], {k} layers)")
+        per_layer = isinstance(shape, list) and len(shape) == 2 and shape[0] == n and shape[1] > 0 and kh % shape[1] == 0
+        if shape != [n] and not per_layer:
+            raise FeatureShardError(f"{path}: feature_scale shape {shape}, expected [{n}] (schema 1) or [{n}, K] "
+                                    f"with K dividing the features' {kh} values per token")
     return dtype
 
 
