@@ -21,7 +21,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from dflash_pipeline.testing import engine_parity as EP
 from dflash_pipeline.testing import zoo

@@ -24,8 +24,6 @@ and served with another accept near nothing). vLLM builds the drafter's rotary f
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
@@ -35,8 +33,8 @@ DROPPED_KEYS = ("mrope_section", "mrope_interleaved")
 SERVABLE_ROPE_TYPES = ("default", "yarn", "llama3", "linear")
 
 
-def drafter_rope_parameters(target_rope: Optional[dict], *, rope_theta: float, partial_rotary_factor=None,
-                            rotary_dim: Optional[int] = None, head_dim: Optional[int] = None) -> dict:
+def drafter_rope_parameters(target_rope: dict | None, *, rope_theta: float, partial_rotary_factor=None,
+                            rotary_dim: int | None = None, head_dim: int | None = None) -> dict:
     """The drafter's ``rope_parameters`` from the target's (its text config's ``rope_parameters``).
 
     ``target_rope``: a flat dict, or one per layer type (gemma: the ``default``-type entry is used).

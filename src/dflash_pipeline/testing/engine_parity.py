@@ -25,7 +25,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -61,7 +60,7 @@ def surrogate_target(out: Path, *, hidden_size: int, vocab_size: int, num_layers
     return out
 
 
-def family_case(twin: Path, work: Path, *, name: str, seed: int = 0, drafter_dir: Optional[Path] = None,
+def family_case(twin: Path, work: Path, *, name: str, seed: int = 0, drafter_dir: Path | None = None,
                 mistakes: tuple[str, ...] = ()) -> dict:
     """Export the family's drafter (or use ``drafter_dir``, e.g. a trained ``final/``), compute our logits
     and write vLLM's inputs. Returns ``{"case": spec entry, "ours": [logits [B, V]…], "controls": {mistake:
@@ -191,7 +190,7 @@ def run_vllm(vllm_python: str, out: Path, *, cases: list[dict], ropes: list[dict
     (out / "spec.json").write_text(json.dumps(spec, indent=1), encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # vLLM's env imports nothing of ours
     proc = subprocess.run([vllm_python, str(REPLAY_SCRIPT), str(out / "spec.json")], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+                          timeout=timeout, env=env, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{REPLAY_SCRIPT.name} exited {proc.returncode}: {(proc.stdout + proc.stderr)[-4000:]}")
     res = {}
@@ -224,7 +223,7 @@ if __name__ == "__main__":  # pragma: no cover - the zoo table drives this modul
     sys.exit("use python -m dflash_pipeline.testing.zoo --table")
 
 
-def engine_parity_column(families: dict[str, Path], work: Path, vllm_python: Optional[str]) -> dict[str, str]:
+def engine_parity_column(families: dict[str, Path], work: Path, vllm_python: str | None) -> dict[str, str]:
     """The zoo table's ``engine_parity`` cell per family: ``families`` maps a family to its run directory
     (``target/`` twin, ``train_float32/final`` the fp32-trained export). One vLLM process for all.
     Cells: ``ok (max |Δlogit| …)``, ``failed: …``, ``skipped: …`` (no export / no vLLM environment)."""

@@ -39,9 +39,9 @@ import traceback
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 
 class ContextKV:
@@ -51,7 +51,7 @@ class ContextKV:
         self.k = None
         self.v = None
 
-    def do_kv_cache_update(self, attn, key, value, kv_cache, slot_mapping):  # noqa: ARG002 - vLLM's signature
+    def do_kv_cache_update(self, attn, key, value, kv_cache, slot_mapping):
         self.k, self.v = key.clone(), value.clone()
 
 
@@ -107,7 +107,8 @@ def run_case(case: dict, default_target: str, out_dir: str) -> dict:
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
     from vllm.model_executor.models.registry import ModelRegistry
 
-    drafter_cfg = json.load(open(os.path.join(case["drafter"], "config.json")))
+    with open(os.path.join(case["drafter"], "config.json")) as fh:
+        drafter_cfg = json.load(fh)
     vc = _engine_config(case.get("target", default_target), case["drafter"], drafter_cfg["block_size"])
     inputs = load_file(case["inputs"])
     with set_current_vllm_config(vc):
@@ -162,7 +163,8 @@ def run_rope(case: dict, out_dir: str) -> dict:
 
 
 def main() -> None:
-    spec = json.load(open(sys.argv[1]))
+    with open(sys.argv[1]) as fh:
+        spec = json.load(fh)
     os.makedirs(spec["out"], exist_ok=True)
     jobs = [("rope", c) for c in spec.get("ropes", [])] + [("case", c) for c in spec.get("cases", [])]
     for kind, case in jobs:

@@ -12,7 +12,12 @@ import torch
 from transformers import Qwen3Config
 
 from dflash_pipeline.drafter import model as M
-from dflash_pipeline.drafter.rope import DFlashRotaryEmbedding, apply_rope, drafter_rope_parameters, servable_rope_problems
+from dflash_pipeline.drafter.rope import (
+    DFlashRotaryEmbedding,
+    apply_rope,
+    drafter_rope_parameters,
+    servable_rope_problems,
+)
 
 MODELS = Path(__file__).resolve().parents[4] / "shared" / "data" / "models"
 

@@ -13,7 +13,12 @@ import pytest
 import torch
 
 from dflash_pipeline.core.contracts import FEATURE_SCHEMA_VERSION
-from dflash_pipeline.features.format import FeatureLayout, FeatureShard, FeatureShardError, FeatureShardWriter
+from dflash_pipeline.features.format import (
+    FeatureLayout,
+    FeatureShard,
+    FeatureShardError,
+    FeatureShardWriter,
+)
 
 H, K = 64, 2
 
@@ -49,7 +54,7 @@ def test_fp8_quiet_layer_beside_an_outlier_layer_keeps_its_precision(tmp_path):
     flushed = float(((q == 0) & (quiet != 0)).float().mean())
     print(f"quiet layer: relative error {rel:.4f}, flushed {flushed:.4f}")
     assert rel < 0.04 and flushed == 0.0
-    assert float(((back[:, H:] - loud).norm() / loud.norm())) < 0.04
+    assert float((back[:, H:] - loud).norm() / loud.norm()) < 0.04
 
 
 def _reheader(path: Path, edit) -> None:

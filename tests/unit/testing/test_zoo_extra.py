@@ -7,8 +7,8 @@ and bf16, eval) or is refused at planning (the probe) with the reason, never a c
 from __future__ import annotations
 
 import pytest
-
 from conftest import GSM8K_TRAIN, REPO_ROOT
+
 from dflash_pipeline.testing import zoo
 from dflash_pipeline.testing.zoo_extra import EXTRA_FAMILIES, extra_config
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import tiny_target_and_drafter
 
 REPO = Path(__file__).resolve().parents[3]
@@ -28,7 +27,7 @@ def test_heldout_validation_on_bf16_shard_features_with_fp32_drafter():
     ids = torch.randint(0, 90, (2, 24), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.uint8), "attention_mask": torch.ones_like(ids)}
     feats, _ = target_features(target, ids, batch["attention_mask"], [1, 2])
-    kw = dict(target_layer_ids=[1, 2], mask_token_id=95, num_anchors=4)
+    kw = {"target_layer_ids": [1, 2], "mask_token_id": 95, "num_anchors": 4}
     counts = V.batch_acceptance(drafter, None, T.input_embeddings(target), T.lm_head(target), batch,
                                 features=feats.to(torch.bfloat16), **kw)
     ref = V.batch_acceptance(drafter, None, T.input_embeddings(target), T.lm_head(target), batch,
@@ -104,7 +103,7 @@ def test_kl_teacher_is_capped_like_the_target():
 
 
 def test_step_context_reads_the_targets_softcap():
-    from transformers import Gemma3TextConfig, Gemma3ForCausalLM
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     from dflash_pipeline.train.step import StepContext
 
