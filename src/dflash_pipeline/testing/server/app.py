@@ -15,7 +15,14 @@ from typing import Any, Iterator
 from aiohttp import web
 
 from . import sglang as sg
-from .answers import TargetModel, canned_chat, canned_text, last_user, prompt_of, split_think
+from .answers import (
+    TargetModel,
+    canned_chat,
+    canned_text,
+    last_user,
+    prompt_of,
+    split_think,
+)
 from .faults import Faults, drop, inject_faults, marker_response
 from .stats import ServerStats, conversation_key, first_user
 

@@ -32,18 +32,19 @@ from __future__ import annotations
 import json
 import math
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from aiohttp import web
 
 #: The request flags a streamed SGLang chat refuses, in the order SGLang checks them, with its messages.
 STREAM_REFUSALS = (
-    ("return_prompt_token_ids", "return_prompt_token_ids is not supported with streaming. Please set "
-                                "stream=false when using return_prompt_token_ids=true."),
-    ("return_token_ids", "return_token_ids is not supported with streaming on /v1/chat/completions. Please set "
-                         "stream=false when using return_token_ids=true."),
-    ("return_meta_info", "return_meta_info is not supported with streaming. Please set stream=false when using "
-                         "return_meta_info=true."),
+    ("return_prompt_token_ids", ("return_prompt_token_ids is not supported with streaming. Please set "
+                                 "stream=false when using return_prompt_token_ids=true.")),
+    ("return_token_ids", ("return_token_ids is not supported with streaming on /v1/chat/completions. Please set "
+                          "stream=false when using return_token_ids=true.")),
+    ("return_meta_info", ("return_meta_info is not supported with streaming. Please set stream=false when using "
+                          "return_meta_info=true.")),
 )
 
 
@@ -167,7 +168,7 @@ def chat_stream_events(rid: str, model: str, *, reasoning: str | None, content: 
         out.append(_stream_chunk(rid, model, obj, [], sglext=ext))
     if usage is not None:
         out.append(_stream_chunk(rid, model, obj, [], usage=usage))
-    return [f"data: {json.dumps(c)}\n\n".encode("utf-8") for c in out] + [b"data: [DONE]\n\n"]
+    return [f"data: {json.dumps(c)}\n\n".encode() for c in out] + [b"data: [DONE]\n\n"]
 
 
 def completion_stream_events(rid: str, model: str, *, text: str, finish: str, prompt_ids: Sequence[int],
@@ -187,7 +188,7 @@ def completion_stream_events(rid: str, model: str, *, text: str, finish: str, pr
         out.append(_stream_chunk(rid, model, "text_completion", [ch]))
     if usage is not None:
         out.append(_stream_chunk(rid, model, "text_completion", [], usage=usage))
-    return [f"data: {json.dumps(c)}\n\n".encode("utf-8") for c in out] + [b"data: [DONE]\n\n"]
+    return [f"data: {json.dumps(c)}\n\n".encode() for c in out] + [b"data: [DONE]\n\n"]
 
 
 async def send_events(request: web.Request, events: list[bytes]) -> web.StreamResponse:
