@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pyarrow.parquet as pq
 import pytest
+from test_completions import FAST, MULTI, gen_cfg, read_records, write_prompts
 
 from dflash_pipeline.completions import generate_shard
 from dflash_pipeline.core.errors import ConfigError
 from dflash_pipeline.target.chat import load_tokenizer, render
 from dflash_pipeline.testing.server import start_test_server
 from dflash_pipeline.tokens import tokenize_shard
-from test_completions import FAST, MULTI, gen_cfg, read_records, write_prompts
 
 # A Qwen3-style template: the generation prompt closes an empty think block when thinking is disabled;
 # earlier assistant turns are rendered without their reasoning.
@@ -37,7 +37,14 @@ ID_FIELDS = {
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
     """A tokenizer directory (tiny ByteLevel BPE, ChatML specials, ``<think>`` tags) with :data:`TEMPLATE`."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     corpus = ["Answer 1 to: What is 2 plus 3? Let me think about turn 2.", "Completion of a 9-word prompt.",
