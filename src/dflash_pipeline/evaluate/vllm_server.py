@@ -226,6 +226,26 @@ class VLLMServer:
         self.stop()
 
 
+def loop_dtype(target_dtype: str) -> str:
+    """The dtype our speculative loop runs the target in for ``target.dtype`` = ``target_dtype`` on this
+    machine (:func:`dflash_pipeline.target.loading.resolve_dtype`: ``auto`` → float32 on CPU, bfloat16 on
+    CUDA), as vLLM's ``--dtype`` value (``float32``, ``bfloat16``, ``float16``)."""
+    import torch
+
+    from dflash_pipeline.target.loading import resolve_dtype
+
+    return str(resolve_dtype(target_dtype, "cuda" if torch.cuda.is_available() else "cpu")).replace("torch.", "")
+
+
+def served_dtype_of_log(log_text: str) -> Optional[str]:
+    """The dtype vLLM says it serves in its start-up log (``… dtype=torch.bfloat16, …`` of the engine
+    config line; the last one, after any downcast), None when the log does not say."""
+    import re
+
+    found = re.findall(r"\bdtype=torch\.(\w+)", log_text)
+    return found[-1] if found else None
+
+
 # ---------------------------------------------------------------------------------------------------
 # Launch lines of an export (final/serve.md)
 # ---------------------------------------------------------------------------------------------------
