@@ -558,6 +558,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--thinking", default="disable")
     p.add_argument("--max-concurrency", type=int, default=1)
+    p.add_argument("--engine", choices=["vllm", "sglang"], default=None,
+                   help="sglang: ask for each answer's meta_info (return_meta_info) and pool its acceptance histograms")
     p.add_argument("--out", required=True)
     a = p.parse_args(list(argv) if argv is not None else None)
     record = {"schema_version": EVAL_SCHEMA_VERSION, "mode": "server",
@@ -570,7 +572,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         record["sets"][name] = server_acceptance(
             a.base_url, prompts, model=a.model, max_tokens=a.max_tokens, temperature=a.temperature, thinking=a.thinking,
             metrics_url=a.metrics_url, api_key=os.environ[a.api_key_env] if a.api_key_env else None,
-            block_size=a.block_size, max_concurrency=a.max_concurrency,
+            block_size=a.block_size, max_concurrency=a.max_concurrency, meta_info=a.engine == "sglang",
         )
         print(f"[eval-server] {name}: tau={record['sets'][name]['tau']:.3f} ({record['sets'][name]['source']})", flush=True)
     write_json(a.out, record, skip_if_identical=False)

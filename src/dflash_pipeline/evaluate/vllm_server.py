@@ -306,7 +306,12 @@ SGLang (`--speculative-num-draft-tokens` = block size; add a non-causal draft at
 
 Acceptance as the engine reports it (vLLM `/metrics`: τ = 1 + Δ`vllm:spec_decode_num_accepted_tokens_total`
 / Δ`vllm:spec_decode_num_drafts_total`): `python -m dflash_pipeline.evaluate.engine_acceptance --base-url
-http://127.0.0.1:8000/v1 --set NAME=PATH --out engine.json`.
+http://127.0.0.1:8000/v1 --set NAME=PATH --out engine.json`. SGLang reports it per answer (`meta_info`:
+`spec_verify_ct`, `spec_correct_drafts_histogram`): add `--engine sglang`.
+
+In the pipeline: with SGLang started by the line above, `eval: {{engine: sglang, engine_base_url:
+"http://<host>:8000/v1"}}` puts its τ and per-position acceptance beside our loop's (the pipeline cannot start
+SGLang itself); `eval: {{engine: vllm}}` starts vLLM in the eval job.
 """
     if (cfg.get("dflash_pipeline") or {}).get("zero_target_features"):
         text += """
