@@ -142,3 +142,29 @@ def test_an_sglang_that_ignores_return_token_ids_stops_the_run_at_its_first_answ
             generate_shard(tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=target_dir, gen_cfg=cfg)
         assert srv.stats.answered == 1  # nothing after the first answer
     assert not (tmp_path / "c.parquet").exists()
+
+
+def test_the_kimi_recipe_runs_on_an_sglang_fleet_with_thinking_saved(tmp_path, target_dir):
+    """config/examples/kimi-k2.6.yaml's generation and tokens sections, its fleet replaced by two SGLang-shaped
+    servers: the reasoning is kept and every turn is trained from the servers' ids."""
+    import yaml
+    from conftest import REPO_ROOT
+
+    from dflash_pipeline.core.config import validate_config
+
+    recipe = yaml.safe_load((REPO_ROOT / "config" / "examples" / "kimi-k2.6.yaml").read_text())
+    assert recipe["generation"]["thinking"] == "save" and recipe["tokens"]["use_server_token_ids"] is True
+    write_prompts(tmp_path / "p.parquet", MULTI)
+    model = recipe["generation"]["model"]
+    with start_test_server(flavor="sglang", tokenizer_dir=target_dir, reasoning=True, model_name=model) as a, \
+            start_test_server(flavor="sglang", tokenizer_dir=target_dir, reasoning=True, model_name=model) as b:
+        gen = {**recipe["generation"], **FAST,
+               "endpoints": [{"base_url": s.base_url, "max_concurrency": 2} for s in (a, b)]}
+        cfg = validate_config({"generation": gen})["generation"]
+        generate_shard(tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=target_dir, gen_cfg=cfg)
+        assert a.stats.answered + b.stats.answered == 4
+    records = read_records(tmp_path / "c.parquet")
+    assert all(m["reasoning_content"] for r in records for m in r["messages"] if m["role"] == "assistant")
+    tokens_cfg = validate_config({"tokens": {**recipe["tokens"], "max_length": 4096}})["tokens"]
+    stats = tokenize_shard(tmp_path / "c.parquet", tmp_path / "t.parquet", target_dir=target_dir, tokens_cfg=tokens_cfg)
+    assert stats["server_ids_used"] == 4 and stats["records_out"] == 4
