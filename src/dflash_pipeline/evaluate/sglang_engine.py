@@ -15,9 +15,12 @@ the SGLang-shaped test server (``dflash_pipeline.testing.server``, ``flavor="sgl
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional
 
-from dflash_pipeline.evaluate.engine_acceptance import EngineComparisonError, _http_json, engine_acceptance_stats
+from dflash_pipeline.evaluate.engine_acceptance import (
+    EngineComparisonError,
+    _http_json,
+    engine_acceptance_stats,
+)
 
 #: Why ``eval.engine: sglang`` needs ``eval.engine_base_url`` (the job's error; config.problems says it at plan time).
 SGLANG_NEEDS_URL = (
@@ -26,7 +29,7 @@ SGLANG_NEEDS_URL = (
     "(e.g. http://host:30000/v1); SGLang cannot be started here")
 
 
-def response_acceptance(resp: dict) -> tuple[int, Optional[float], Optional[list[int]]]:
+def response_acceptance(resp: dict) -> tuple[int, float | None, list[int] | None]:
     """``(completion tokens, a+1 mean, histogram)`` of one chat response: SGLang's
     ``meta_info.spec_accept_length`` (or ``completion_tokens / meta_info.spec_verify_ct``) and its
     ``spec_correct_drafts_histogram`` (older ``spec_accept_histogram``: verify steps per number of accepted
@@ -44,7 +47,7 @@ def response_acceptance(resp: dict) -> tuple[int, Optional[float], Optional[list
     return n_out, None, hist
 
 
-def histogram_acceptance_stats(histograms: Sequence[Sequence[int]], block_size: Optional[int], *,
+def histogram_acceptance_stats(histograms: Sequence[Sequence[int]], block_size: int | None, *,
                                base_url: str = "the server") -> dict:
     """Pooled acceptance from SGLang's per-response histograms, ``h[n]`` = verify steps that accepted exactly
     n drafts (SGLang ``tokenizer_manager``: ``spec_correct_drafts_histogram``): the figures of
@@ -72,14 +75,14 @@ def histogram_acceptance_stats(histograms: Sequence[Sequence[int]], block_size: 
     return engine_acceptance_stats(delta, bs)
 
 
-def sglang_server_facts(base_url: str, api_key: Optional[str]) -> dict:
+def sglang_server_facts(base_url: str, api_key: str | None) -> dict:
     """``version`` and ``dtype`` (its ``--dtype``; ``auto`` = the checkpoint's) of a running SGLang server from
     ``GET /get_server_info`` (newer: ``/server_info``); what it does not answer is None, with a note."""
     root = base_url.rstrip("/").removesuffix("/v1")
     for path in ("/server_info", "/get_server_info"):
         try:
             info = _http_json(root + path, api_key=api_key, timeout_s=10)
-        except Exception:  # noqa: BLE001 - informational only
+        except Exception:  # noqa: BLE001, S112 - informational only: try the other path
             continue
         if isinstance(info, dict):
             return {"version": info.get("version"), "dtype": info.get("dtype"),

@@ -185,6 +185,7 @@ def test_an_engine_in_another_dtype_than_the_loop_is_flagged():
         eng = {"settings": st, "sets": sets, "engine": {"name": "vllm", "dtype": "float32", "served_dtype": served},
                "results": {"gsm8k": {"tau": 2.0, "histogram": {"2": 10}, "num_steps": 10, "source": "metrics"}}}
         warnings = EE.attach_engine_tau(record, eng)
-        assert (warnings == ["the engine served bfloat16, our loop ran the target in float32: the two τ differ by "
-                             "precision as well (eval.engine_args --dtype)"]) == flagged
+        expected = ("the engine served bfloat16, our loop ran the target in float32: the two τ differ by "
+                    "precision as well (eval.engine_args --dtype)")
+        assert (warnings == [expected]) == flagged
         assert record["engine"]["served_dtype"] == served
