@@ -71,7 +71,8 @@ class SGLang:
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 if time.monotonic() > deadline:
                     self.stop()
-                    raise SystemExit(f"SGLang not ready after {timeout_s:.0f} s; end of {log}:\n{log.read_text()[-4000:]}")
+                    raise SystemExit(f"SGLang not ready after {timeout_s:.0f} s; end of {log}:\n"
+                                     f"{log.read_text()[-4000:]}")
                 time.sleep(1.0)
 
     def stop(self) -> None:
@@ -95,7 +96,8 @@ def completions_in_each_mode(base_url: str, target: Path, work: Path) -> None:
     from dflash_pipeline.tokens import tokenize_shard
 
     tok = load_tokenizer(target)
-    prompts = [{"prompt_id": contracts.prompt_id(m), "dataset": "t", "messages": m, "metadata": "{}"} for m in CONVERSATIONS]
+    prompts = [{"prompt_id": contracts.prompt_id(m), "dataset": "t", "messages": m, "metadata": "{}"}
+               for m in CONVERSATIONS]
     shards.write_parquet(work / "p.parquet", shards.table_from_records(prompts, contracts.PROMPT_SCHEMA))
     for thinking in ("disable", "save", "none"):
         # a target that does not think (the demo's) answers thinking=save without reasoning: those rows are
@@ -121,11 +123,12 @@ def completions_in_each_mode(base_url: str, target: Path, work: Path) -> None:
                     t = r["turns"][k]
                     mine = render(tok, history, thinking=thinking, add_generation_prompt=True, tokenize=True)
                     text = tok.decode(t["output_token_ids"], skip_special_tokens=True)
-                    check(t["prompt_token_ids"] == mine, f"thinking={thinking}: prompt ids = our render ({r['prompt_id'][:8]} turn {k})")
+                    where = f"thinking={thinking}, {r['prompt_id'][:8]} turn {k}"
+                    check(t["prompt_token_ids"] == mine, f"{where}: prompt ids = our render")
                     check(m["content"].strip() in text and (m["reasoning_content"] or "").strip() in text,
-                          f"thinking={thinking}: output ids decode to the answer kept ({r['prompt_id'][:8]} turn {k})")
-                    history.append({"role": "assistant", "content": m["content"],
-                                    **({"reasoning_content": m["reasoning_content"]} if m["reasoning_content"] else {})})
+                          f"{where}: output ids decode to the answer kept")
+                    reasoning = {"reasoning_content": m["reasoning_content"]} if m["reasoning_content"] else {}
+                    history.append({"role": "assistant", "content": m["content"], **reasoning})
                     k += 1
                 else:
                     history.append({"role": m["role"], "content": m["content"]})

@@ -46,7 +46,8 @@ def expects_shared_data(environ=os.environ) -> bool:
 def shared_data_problem(environ=os.environ, shared: Path = SHARED_DATA) -> str | None:
     """Why a run that :func:`expects_shared_data` cannot go on (None: it can, or it does not expect it):
     ``$DFLASH_MODELS_DIR`` names a missing directory, or ``../shared/data`` (``shared``, default
-    :data:`SHARED_DATA`) is not there. Without them the corpus tests skip or vanish and a green run would cover half the suite."""
+    :data:`SHARED_DATA`) is not there. Without them the corpus tests skip or vanish and a green run would
+    cover half the suite."""
     if not expects_shared_data(environ):
         return None
     named = environ.get("DFLASH_MODELS_DIR")

@@ -372,7 +372,8 @@ def engine_summary_lines(rows: Sequence[dict]) -> list[str]:
     lines = ["engine τ beside our loop's (pooled over verify steps, eval.engine):"]
     for r in served:
         verdict = ENGINE_VERDICTS.get(r.get("engine_agrees") or "?", r.get("engine_agrees"))
-        lines.append(f"  {r['drafter']} {r['set'].ljust(width)}  ours {r['tau_pooled']}  engine {r['engine_tau']}  {verdict}")
+        lines.append(f"  {r['drafter']} {r['set'].ljust(width)}  ours {r['tau_pooled']}  engine {r['engine_tau']}  "
+                     f"{verdict}")
     return lines
 
 

@@ -198,8 +198,9 @@ def server_acceptance(
     for SGLang's per-request ``meta_info`` (``return_meta_info: true``; SGLang puts it in each choice only
     when asked). When the responses carry SGLang's acceptance histograms
     (``meta_info.spec_correct_drafts_histogram``, older ``spec_accept_histogram``), the figures are pooled
-    over every verify step of the set (:func:`dflash_pipeline.evaluate.sglang_engine.histogram_acceptance_stats`: τ, per-position acceptance,
-    histogram, as vLLM's counters give them) and ``tau_mean_response`` is the mean of the responses'
+    over every verify step of the set
+    (:func:`dflash_pipeline.evaluate.sglang_engine.histogram_acceptance_stats`: τ, per-position
+    acceptance, histogram, as vLLM's counters give them) and ``tau_mean_response`` is the mean of the responses'
     ``spec_accept_length``. Else per response it reads ``meta_info.spec_accept_length`` (or
     ``completion_tokens / meta_info.spec_verify_ct``); τ is then the mean over responses, as the loop's
     headline τ. When responses carry no meta_info and
@@ -493,8 +494,8 @@ def attach_engine_tau(record: dict, engine_record: dict, *, label: str = "traine
             "fixed it for XPU); engine τ is lower than a CUDA vLLM's")
     served, ours = eng.get("served_dtype") or eng.get("dtype"), st.get("dtype")
     if served and ours and served not in (ours, "auto"):
-        warnings.append(f"the engine served {served}, our loop ran the target in {ours}: the two τ differ by precision "
-                        "as well (eval.engine_args --dtype)")
+        warnings.append(f"the engine served {served}, our loop ran the target in {ours}: the two τ differ by "
+                        "precision as well (eval.engine_args --dtype)")
     record["engine"] = {**{k: v for k, v in eng.items() if k != "metrics_url"}, "drafter": label,
                         "settings": est, "warnings": warnings}
     for w in warnings:

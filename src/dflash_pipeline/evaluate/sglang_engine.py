@@ -64,8 +64,9 @@ def histogram_acceptance_stats(histograms: Sequence[Sequence[int]], block_size: 
     bs = int(block_size or width)
     if width > bs:
         raise EngineComparisonError(
-            f"{base_url}: SGLang's spec_correct_drafts_histogram has {width} entries (0..{width - 1} accepted drafts), "
-            f"more than block size {bs} allows: the server runs another drafter (--speculative-num-draft-tokens {width})")
+            f"{base_url}: SGLang's spec_correct_drafts_histogram has {width} entries (0..{width - 1} accepted "
+            f"drafts), more than block size {bs} allows: the server runs another drafter "
+            f"(--speculative-num-draft-tokens {width})")
     total = [sum(h[n] for h in histograms if n < len(h)) for n in range(bs)]
     if sum(total) <= 0:
         raise EngineComparisonError(f"{base_url}: SGLang's meta_info histograms count no verify step")

@@ -43,7 +43,8 @@ def test_server_acceptance_pools_sglang_meta_info_histograms():
             EE.server_acceptance(srv.base_url, PROMPTS, max_tokens=64)  # SGLang answers meta_info only when asked
     assert r["source"] == "meta_info" and r["num_responses"] == 3 and set(r["histogram"]) == {"1", "2", "3", "4"}
     n = r["num_steps"]
-    assert n == sum(r["histogram"].values()) and r["completion_tokens"] == sum(int(k) * v for k, v in r["histogram"].items())
+    assert n == sum(r["histogram"].values())
+    assert r["completion_tokens"] == sum(int(k) * v for k, v in r["histogram"].items())
     assert r["tau"] == pytest.approx(r["completion_tokens"] / n)  # pooled over verify steps
     ge = [n] + [sum(v for k, v in r["histogram"].items() if int(k) > a) for a in range(1, 4)]
     assert r["per_position_acceptance"] == pytest.approx([g / n for g in ge[1:]])

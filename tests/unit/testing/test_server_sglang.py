@@ -41,7 +41,8 @@ def events(raw: bytes) -> list:
 def test_chat_ids_per_choice_and_in_sglext_and_meta_info():
     with start_test_server(flavor="sglang", reasoning=True, spec_accept_length=2.0, spec_block_size=4) as srv:
         base = {"model": "test-model", "messages": MESSAGES, "max_tokens": 64}
-        status, raw = post(srv.base_url, "/chat/completions", {**base, "return_token_ids": True, "return_meta_info": True})
+        status, raw = post(srv.base_url, "/chat/completions",
+                           {**base, "return_token_ids": True, "return_meta_info": True})
         assert status == 200
         resp = json.loads(raw)
         (choice,) = resp["choices"]
