@@ -5,10 +5,10 @@ tests/e2e/test_family_parity.py.)"""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import models_dir
 from transformers import Qwen3Config
 
 from dflash_pipeline.drafter import model as M
@@ -19,7 +19,7 @@ from dflash_pipeline.drafter.rope import (
     servable_rope_problems,
 )
 
-MODELS = Path(__file__).resolve().parents[4] / "shared" / "data" / "models"
+MODELS = models_dir()
 
 
 def _drafter_cfg(family: str):

@@ -7,7 +7,7 @@ and bf16, eval) or is refused at planning (the probe) with the reason, never a c
 from __future__ import annotations
 
 import pytest
-from conftest import GSM8K_TRAIN, REPO_ROOT
+from conftest import GSM8K_TRAIN, REPO_ROOT, models_dir
 
 from dflash_pipeline.testing import zoo
 from dflash_pipeline.testing.zoo_extra import EXTRA_FAMILIES, extra_config
@@ -31,4 +31,4 @@ def test_extra_configs_come_from_the_config_classes():
     for name, (cls_name, arch, _, _) in EXTRA_FAMILIES.items():
         raw = extra_config(name)
         assert raw["architectures"] == [arch] and raw["model_type"] == getattr(transformers, cls_name).model_type
-    assert zoo.all_families(REPO_ROOT.parent / "shared" / "data" / "models")[-len(EXTRA_FAMILIES):] == sorted(EXTRA_FAMILIES)
+    assert zoo.all_families(models_dir())[-len(EXTRA_FAMILIES):] == sorted(EXTRA_FAMILIES)

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_target_and_drafter
+from conftest import models_dir, tiny_target_and_drafter
 
-REPO = Path(__file__).resolve().parents[3]
-MODELS = REPO.parent / "shared" / "data" / "models"
+MODELS = models_dir()
 
 
 def test_heldout_validation_on_bf16_shard_features_with_fp32_drafter():
