@@ -28,6 +28,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 
@@ -208,3 +209,75 @@ class FeatureStream:
 
     def close(self) -> None:
         self.client.close()
+
+
+def stream_settings(stream: dict) -> dict:
+    """``stream`` (the job's stream settings: ``features.stream`` plus ``dtype``, ``last_hidden`` and the
+    ``fleet`` knobs) with every key it lacks from the config schema's defaults (tests and direct calls pass
+    partial dicts; the schema stays the one place for defaults)."""
+    from dflash_pipeline.core.config import load_schema
+
+    props = load_schema()["properties"]
+    feats = props["features"]["properties"]
+    out = {k: v["default"] for k, v in feats["stream"]["properties"].items() if "default" in v}
+    out.update(dtype=feats["dtype"]["default"], last_hidden=feats["last_hidden"]["default"])
+    gen = props["generation"]["properties"]
+    fleet = {k: gen[k]["default"] for k in ("request_timeout_s", "endpoint_max_failures", "endpoint_reprobe_s",
+                                             "retry_backoff_s", "retry_backoff_max_s", "circuit_breaker_failures")}
+    out = {**out, **stream}
+    out["fleet"] = {**fleet, **(stream.get("fleet") or {})}
+    ep_defaults = {k: v["default"] for k, v in feats["stream"]["properties"]["endpoints"]["items"]["properties"].items()
+                   if "default" in v}
+    out["endpoints"] = [{**ep_defaults, **e} for e in out.get("endpoints") or []]
+    return out
+
+
+def open_stream_data(cfg: dict, token_shards: Sequence[str | Path], stream: dict, *, target_dir, out_dir, probe: dict,
+                     device, target_dtype: str = "auto", is_main: bool = True, barrier=lambda: None,
+                     min_loss_tokens: int = 2):
+    """:class:`dflash_pipeline.train.data.TrainingData` for ``train.target_features: stream``: the token
+    records (token indexes, as online), the frozen embedding / LM head (as ``shards``) and a started
+    :class:`FeatureStream` (every server probed; the model they serve settled).
+
+    Endpoints: ``stream["endpoints"]``, else ``$DFLASH_STREAM_ENDPOINTS`` (set by the colocated launcher,
+    :mod:`dflash_pipeline.features.colocate`). The scratch directory (``scratch_dir``, where path-transport
+    servers write) must hold the window (:func:`window_bytes`).
+
+    Raises:
+        StreamError: no endpoint, or the breaker opened while probing. OSError (ENOSPC): scratch too small.
+    """
+    import json
+    import os
+
+    from dflash_pipeline.features import FeatureClient, StreamError, fleet_config
+    from dflash_pipeline.features.colocate import ENDPOINTS_ENV
+    from dflash_pipeline.train.data import (
+        TrainingData,
+        collate,
+        frozen_head,
+        token_records,
+    )
+
+    st = stream_settings(stream)
+    ds = token_records(token_shards, out_dir, is_main=is_main, barrier=barrier, min_loss_tokens=min_loss_tokens)
+    endpoints = st["endpoints"] or stream_settings({"endpoints": json.loads(os.environ.get(ENDPOINTS_ENV) or "[]")})["endpoints"]
+    if not endpoints:
+        raise StreamError("train.target_features: stream has no feature server: set features.stream.endpoints, or "
+                          f"run the trainer under the colocated launcher (${ENDPOINTS_ENV})")
+    k, h, last = len(probe["drafter"]["target_layer_ids"]), int(probe["hidden_size"]), bool(st["last_hidden"])
+    wire = (k + int(last)) * h * int(st["wire_bytes_per_value"])
+    longest = max((int(np.diff(s.offsets).max()) for s in ds._open() if len(s)), default=1)
+    longest = max(longest, int(cfg.get("pack_max_tokens") or 0) if cfg.get("packing") else 0)
+    window = window_bytes(st["prefetch_batches"], int(cfg["batch_size"]), longest, wire, st["max_inflight_bytes"])
+    free = None
+    if st.get("scratch_dir") and any(e["transport"] == "path" for e in endpoints):
+        free = check_scratch(st["scratch_dir"], window)
+    client = FeatureClient(endpoints, fleet_config(st["fleet"], None), num_layers=k, hidden_size=h, last_hidden=last,
+                           dtype=st["dtype"])
+    model = client.start()
+    print(f"[stream] {len(endpoints)} feature server(s) serving {model!r}; window {window:,} B "
+          f"({st['prefetch_batches']} batches x {cfg['batch_size']} x {longest} tokens x {wire:,} B, cap "
+          f"{st['max_inflight_bytes']:,} B)" + (f"; scratch free {free:,} B" if free is not None else ""), flush=True)
+    fs = FeatureStream(client, prefetch_batches=st["prefetch_batches"], max_inflight_bytes=st["max_inflight_bytes"],
+                       wire_bytes_per_token=wire, num_servers=len(endpoints))
+    return TrainingData(ds, collate, True, *frozen_head(target_dir, probe, target_dtype, device), stream=fs)
