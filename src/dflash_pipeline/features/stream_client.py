@@ -193,7 +193,12 @@ class FeatureClient:
         self.stats["requests"] += 1
         attempt = 0
         while True:
-            ep = await self.fleet.acquire()  # raises once the breaker is open
+            try:
+                ep = await self.fleet.acquire()  # raises once the breaker is open
+            except GenerationError as exc:
+                if isinstance(exc, StreamError):
+                    raise
+                raise StreamError(f"every feature server is gone: {exc}") from exc
             try:
                 out, failure = await self._attempt(ep, ids)
             finally:
