@@ -11,6 +11,7 @@ A server that dies before it is ready fails the job with its log tail.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -200,6 +201,39 @@ def start_servers(stream: dict, *, probe: dict, target: str, target_dtype: str =
     if per:
         os.environ["CUDA_VISIBLE_DEVICES"] = trainer_gpus
     return procs, eps
+
+
+def _arg(args: Sequence[str], name: str) -> str | None:
+    return args[args.index(name) + 1] if name in args and args.index(name) + 1 < len(args) else None
+
+
+@contextlib.contextmanager
+def colocated_servers(trainer_args: Sequence[str]):
+    """Around the trainer's launch (:func:`dflash_pipeline.workflow.policy.run_accelerate`): when its
+    arguments carry ``--stream-config`` without endpoints, start the servers (:func:`start_servers`; on
+    this machine, on the first of its GPUs), put their endpoints into ``$DFLASH_STREAM_ENDPOINTS`` for the
+    trainer, and stop them when the block exits. Anything else: nothing."""
+    raw = _arg(trainer_args, "--stream-config")
+    stream = json.loads(raw) if raw else None
+    if not stream or stream.get("endpoints"):
+        yield []
+        return
+    probe = json.loads(Path(_arg(trainer_args, "--probe")).read_text(encoding="utf-8"))
+    procs, eps = start_servers(stream, probe=probe, target=_arg(trainer_args, "--target"),
+                               target_dtype=_arg(trainer_args, "--target-dtype") or "auto",
+                               trust_remote_code="--trust-remote-code" in trainer_args)
+    print(f"[stream] colocated: {len(eps)} {stream.get('backend', 'hf')} feature server(s) x "
+          f"{stream.get('gpus_per_server') or 0} GPU(s) at {', '.join(e['base_url'] for e in eps)}", flush=True)
+    old = os.environ.get(ENDPOINTS_ENV)
+    os.environ[ENDPOINTS_ENV] = json.dumps(eps)
+    try:
+        yield eps
+    finally:
+        stop(procs)
+        if old is None:
+            os.environ.pop(ENDPOINTS_ENV, None)
+        else:
+            os.environ[ENDPOINTS_ENV] = old
 
 
 def run_colocated(a) -> int:

@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash_pipeline.features.plan import window_bytes
+
 
 def row_spans(batch: dict) -> list[list[tuple[int, int]]]:
     """Token spans ``[(start, end)]`` of the records in each row of a collated batch: one span per row
@@ -48,14 +50,6 @@ def row_spans(batch: dict) -> list[list[tuple[int, int]]]:
                 start = t
         out.append(spans)
     return out
-
-
-def window_bytes(prefetch_batches: int, batch_size: int, max_record_tokens: int, wire_bytes_per_token: int,
-                 max_inflight_bytes: int) -> int:
-    """Bytes the stream may hold at once: ``prefetch_batches`` full batches of the longest record at the wire
-    size, capped by ``max_inflight_bytes`` (but never below one batch, which is always requested)."""
-    one = batch_size * max_record_tokens * wire_bytes_per_token
-    return max(one, min(prefetch_batches * one, int(max_inflight_bytes)))
 
 
 def check_scratch(scratch_dir: str | Path, need: int) -> int:
