@@ -76,7 +76,8 @@ def stream_plan():
         servers = f"{st['servers']} colocated {st['backend']} server(s) x {st['gpus_per_server']} GPU(s)"
     print(f"[plan] stream: {servers}; {ranks} trainer rank(s); window {human(window)} per rank "
           f"({st['prefetch_batches']} batches x {tr['batch_size']} x {config['tokens']['max_length']} tokens x "
-          f"{wire:,} B) against {human(free)} free on the scratch filesystem ({scratch}); no feature shards",
+          f"{wire:,} B, cap {human(st['max_inflight_bytes'])}) against {human(free)} free on the scratch filesystem "
+          f"({scratch}); no feature shards",
           file=sys.stderr)
     if window * ranks > free:
         raise WorkflowError(f"features.stream: the window needs {human(window * ranks)} on the scratch filesystem "
