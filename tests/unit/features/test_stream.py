@@ -16,13 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_features import LAYERS, TRAIN_CFG, token_shard
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_pipeline.features import FeatureClient, StreamError, fleet_config
 from dflash_pipeline.features.extract import extract_shard
 from dflash_pipeline.features.hf_backend import HFExtractor
-
-from test_features import LAYERS, TRAIN_CFG, token_shard
 
 REPO = Path(__file__).resolve().parents[3]
 #: Fleet knobs small enough that a dead server is taken out, and the breaker opens, within a second.

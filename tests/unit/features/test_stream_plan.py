@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import yaml
-
 from conftest import REPO, planned_jobs, snakemake
 
 
