@@ -319,3 +319,16 @@ def test_hf_server_on_an_mla_twin(real_models_dir, tmp_path):
     h = HFExtractor(twin, layers, num_hidden_layers=n, last_hidden=True)
     (_, f, last), = list(h.run([0], [rec]))
     assert torch.equal(got.features, f.to(torch.bfloat16)) and torch.equal(got.last_hidden, last.to(torch.bfloat16))
+
+
+def test_stream_with_packing_and_heldout_matches_online(setup, server, tmp_path):
+    """Packed rows (each record's features computed alone by the server) and held-out validation work
+    with stream: the run ends where the online packed run ends (bf16 features vs fp32: not bit-equal)."""
+    extra = {"packing": True, "validation_fraction": 0.2, "validation_every_steps": 4}
+    online = _train(setup, tmp_path / "online", "online", **extra)
+    st = _train(setup, tmp_path / "stream", "stream", **extra,
+                stream={"endpoints": [{"base_url": server.url}], "fleet": FAST_FLEET})
+    assert st["steps"] == online["steps"] and st["heldout_records"] == online["heldout_records"] > 0
+    lo, ls = [r["loss"] for r in _log(tmp_path / "online")], [r["loss"] for r in _log(tmp_path / "stream")]
+    assert abs(lo[0] - ls[0]) <= 1e-2 * lo[0] and abs(lo[-1] - ls[-1]) <= 0.05 * lo[-1], (lo, ls)
+    assert (tmp_path / "stream" / "val_log.jsonl").is_file()
