@@ -19,7 +19,9 @@ so it loads in the vLLM venv, in the training env and in Snakemake's planning pr
 """
 
 from .format import FeatureLayout, FeatureShard, FeatureShardError, FeatureShardWriter, bytes_per_token
+from .colocate import ENDPOINTS_ENV, colocated_servers
+from .plan import window_bytes
 from .stream_client import FeatureClient, Features, StreamError, fleet_config
 
-__all__ = ["FeatureClient", "FeatureLayout", "FeatureShard", "FeatureShardError", "FeatureShardWriter", "Features",
-           "StreamError", "bytes_per_token", "fleet_config"]
+__all__ = ["ENDPOINTS_ENV", "FeatureClient", "FeatureLayout", "FeatureShard", "FeatureShardError", "FeatureShardWriter",
+           "Features", "StreamError", "bytes_per_token", "colocated_servers", "fleet_config", "window_bytes"]

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_pipeline.features.plan import window_bytes
+from dflash_pipeline.features import window_bytes
 
 
 def row_spans(batch: dict) -> list[list[tuple[int, int]]]:
@@ -243,8 +243,12 @@ def open_stream_data(cfg: dict, token_shards: Sequence[str | Path], stream: dict
     import json
     import os
 
-    from dflash_pipeline.features import FeatureClient, StreamError, fleet_config
-    from dflash_pipeline.features.colocate import ENDPOINTS_ENV
+    from dflash_pipeline.features import (
+        ENDPOINTS_ENV,
+        FeatureClient,
+        StreamError,
+        fleet_config,
+    )
     from dflash_pipeline.train.data import (
         TrainingData,
         collate,

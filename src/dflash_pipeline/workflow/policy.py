@@ -180,7 +180,7 @@ def run_accelerate(argv: list[str]) -> int:
     args = topo.launch_args(cfg.get("mixed_precision", "no"))
     print(f"[launch] machines={topo.num_machines} rank={topo.machine_rank} ({topo.source}) main={topo.main_process_ip}:"
           f"{topo.main_process_port} processes/machine={topo.processes_per_machine}", file=sys.stderr, flush=True)
-    from dflash_pipeline.features.colocate import colocated_servers
+    from dflash_pipeline.features import colocated_servers
 
     with colocated_servers(argv[2:]):  # train.target_features: stream without endpoints: servers beside the trainer
         return subprocess.call([sys.executable, "-m", "accelerate.commands.launch", *args, *argv[2:]])
