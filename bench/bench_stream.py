@@ -82,7 +82,7 @@ def start_servers(target: Path, root: Path, n: int, vllm: bool, hidden: int) -> 
     from dflash_pipeline.features.colocate import start_servers as start
 
     probe = {"drafter": {"target_layer_ids": LAYERS}, "num_hidden_layers": 4, "hidden_size": hidden}
-    stream = {"servers": n, "backend": "vllm" if vllm else "hf", "scratch_dir": str(root / "scratch"), "max_len": 4096,
+    stream = {"servers": n, "backend": "vllm" if vllm else "hf", "scratch_dir": str(root / "scratch"), "max_len": 1024,
               "vllm": {"python": os.environ.get("DFLASH_VLLM_PYTHON", str(REPO / ".venv-vllm/bin/python")), "engine_args": {}}}
     return start(stream, probe=probe, target=str(target), timeout_s=1800)
 

@@ -126,8 +126,11 @@ def vllm_server_cmd(python: str, *, target: str, probe: dict, stream: dict, scra
     kv = {**connector, "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": str(scratch)}}
     vopts = stream.get("vllm") or {}
     dtype = {"auto": "float32" if not gpus else "bfloat16"}.get(target_dtype, target_dtype)
+    raw = json.loads((Path(target) / "config.json").read_text(encoding="utf-8"))
+    limit = (raw.get("text_config") or raw).get("max_position_embeddings")
+    model_len = min(max_len + 8, int(limit)) if limit else max_len + 8  # a prompt + its one output token
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", dtype, "--max-model-len", str(max_len + 8), "--no-enable-prefix-caching",
+           "--dtype", dtype, "--max-model-len", str(model_len), "--no-enable-prefix-caching",
            "--no-enable-chunked-prefill", "--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
            "--tensor-parallel-size", str(max(1, gpus)), "--served-model-name", Path(target).name]
     if not gpus:
