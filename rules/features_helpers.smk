@@ -48,7 +48,10 @@ def stream_job_config(run):
     st.update(dtype=FEATURES["dtype"], last_hidden=FEATURES["last_hidden"], max_len=config["tokens"]["max_length"],
               fleet={k: config["generation"][k] for k in STREAM_FLEET_KEYS})
     if st["backend"] == "vllm" and not st["endpoints"]:
-        st["vllm"] = {"python": features_python(), **{k: FEATURES["vllm"][k] for k in ("expert_parallel", "engine_args")}}
+        from dflash_pipeline.core.vllm_env import require_vllm_python
+
+        st["vllm"] = {"python": require_vllm_python(FEATURES["vllm"]["python"]),
+                      **{k: FEATURES["vllm"][k] for k in ("expert_parallel", "engine_args")}}
     return st
 
 
