@@ -145,6 +145,7 @@ def _stream_guarded_step(run: TrainRun, batches, n_micro: int, step: int, window
     except StreamError as exc:
         run.optimizer.zero_grad(set_to_none=True)  # the partial accumulation of this step is dropped
         save_state(run.accelerator, run.out_dir / "state", step)
+        run.data.source.stream.close()
         run.accelerator.print(f"[stream] feature servers failed at step {step}; state saved at step {step} "
                               f"(rerun to resume): {exc}")
         raise

@@ -176,26 +176,17 @@ def train(
     accelerator, log_with = _start_run(cfg, out_dir, device)
     data = _open_data(accelerator, cfg, probe, token_shards, feature_shards, target_dir=target_dir, out_dir=out_dir,
                       target_dtype=target_dtype, trust_remote_code=trust_remote_code, stream=stream)
-    feature_stream = data.source.stream
-    try:
-        run = _prepare_run(accelerator, cfg, out_dir, data, probe, drafter_arch or {}, zero_target_features)
-        step = resume_state(accelerator, out_dir, run.schedule.total_steps)
-        if log_with:
-            accelerator.init_trackers(cfg["tracker_project"], config=TR.flat_hparams({**cfg, "zero_target_features": zero_target_features}))
-        accelerator.print(_describe(run))
-        step = run_steps(run, step)
-        if accelerator.is_main_process:
-            from dflash_pipeline.evaluate.outputs import plot_validation
+    run = _prepare_run(accelerator, cfg, out_dir, data, probe, drafter_arch or {}, zero_target_features)
+    step = resume_state(accelerator, out_dir, run.schedule.total_steps)
+    if log_with:
+        accelerator.init_trackers(cfg["tracker_project"], config=TR.flat_hparams({**cfg, "zero_target_features": zero_target_features}))
+    accelerator.print(_describe(run))
+    step = run_steps(run, step)
+    if accelerator.is_main_process:
+        from dflash_pipeline.evaluate.outputs import plot_validation
 
-            plot_validation(out_dir / "val_log.jsonl", out_dir / "val_tau.png")
-        summary = _summary(run, log_with)
-        if feature_stream is not None:  # supply and demand, peak scratch (train.target_features: stream)
-            accelerator.print(feature_stream.describe())
-            summary["stream"] = feature_stream.summary()
-    finally:
-        if feature_stream is not None:
-            feature_stream.close()
-    return _finish(run, step, target_dir, summary)
+        plot_validation(out_dir / "val_log.jsonl", out_dir / "val_tau.png")
+    return _finish(run, step, target_dir, _summary(run, log_with))
 
 
 def make_accelerator(mixed_precision: str, device: str = "auto", *, fsdp: bool = False, fsdp_reshard_after_forward: bool = True,
@@ -362,7 +353,20 @@ def _summary(run: TrainRun, log_with) -> dict:
         "attention_backend": ctx.backend, "layer_types": list(getattr(run.drafter, "module", run.drafter).layer_types),
         "loss": cfg["loss"], "packing": cfg["packing"], "fsdp": acc.is_fsdp2, "trackers": log_with,
         "target_dtype": str(run.data.target_dtype).replace("torch.", ""), "train_config": cfg,
+        **_stream_summary(run),
     }
+
+
+def _stream_summary(run: TrainRun) -> dict:
+    """``{"stream": supply and demand, peak scratch}`` of a ``target_features: stream`` run (printed as the
+    ``[stream]`` line; the client is closed here, the last thing that needs it), else ``{}``."""
+    stream = run.data.source.stream
+    if stream is None:
+        return {}
+    run.accelerator.print(stream.describe())
+    out = stream.summary()
+    stream.close()
+    return {"stream": out}
 
 
 def _finish(run: TrainRun, step: int, target_dir, summary: dict) -> dict:
