@@ -268,8 +268,8 @@ def job_gpus(config: dict, rule: str) -> int:
     if config["train"]["mixed_precision"] == "no" or config["train"]["device"] == "cpu" or rule not in GPU_RULES:
         return 0
     if rule == "train_drafter":  # + the colocated feature servers' GPUs (train.target_features: stream)
-        stream = config["features"].get("stream") or {}
-        colocated = config["train"]["target_features"] == "stream" and not stream.get("endpoints")
+        stream = (config.get("features") or {}).get("stream") or {}  # partial configs have none
+        colocated = config["train"].get("target_features") == "stream" and not stream.get("endpoints")
         return int(config["train"]["num_processes"]) + (
             int(stream.get("servers", 1)) * int(stream.get("gpus_per_server", 0)) if colocated else 0)
     if rule == "generate_completions" and config["generation"]["backend"] != "transformers":
