@@ -14,11 +14,26 @@ NUM = r"[\d,]+(?:\.\d+)?"
 
 
 def test_bench_stream_smoke():
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "bench_stream.py"), "--smoke"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900, check=False)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")])
+        ),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "bench_stream.py"), "--smoke"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    for pat in (rf"^shards\s+1x\s+{NUM}\s+-", rf"^stream\s+1x\s+{NUM}\s+\d+%\s+{NUM}\s+{NUM}$",
-                rf"^ratio stream/shards tokens/s at 1x: {NUM}$"):
+    for pat in (
+        rf"^shards\s+1x\s+{NUM}\s+-",
+        rf"^stream\s+1x\s+{NUM}\s+\d+%\s+{NUM}\s+{NUM}$",
+        rf"^ratio stream/shards tokens/s at 1x: {NUM}$",
+    ):
         assert re.search(pat, proc.stdout, re.MULTILINE), (pat, proc.stdout[-3000:])

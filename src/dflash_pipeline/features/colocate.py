@@ -26,26 +26,61 @@ from pathlib import Path
 ENDPOINTS_ENV = "DFLASH_STREAM_ENDPOINTS"
 
 
-def split_gpus(visible: str | None, servers: int, per_server: int) -> tuple[list[str], str]:
+def split_gpus(
+    visible: str | None, servers: int, per_server: int
+) -> tuple[list[str], str]:
     """``(each server's CUDA_VISIBLE_DEVICES, the trainer's)`` from the job's ``visible`` devices.
 
     Raises ValueError when the job has fewer GPUs than the servers need."""
     devs = [d for d in (visible or "").split(",") if d.strip()]
     need = servers * per_server
     if per_server and len(devs) < need:
-        raise ValueError(f"features.stream: {servers} servers x {per_server} GPUs need {need} GPUs, the job has "
-                         f"{len(devs)} (CUDA_VISIBLE_DEVICES={visible!r})")
-    per = [",".join(devs[i * per_server:(i + 1) * per_server]) for i in range(servers)] if per_server else [""] * servers
+        raise ValueError(
+            f"features.stream: {servers} servers x {per_server} GPUs need {need} GPUs, the job has "
+            f"{len(devs)} (CUDA_VISIBLE_DEVICES={visible!r})"
+        )
+    per = (
+        [",".join(devs[i * per_server : (i + 1) * per_server]) for i in range(servers)]
+        if per_server
+        else [""] * servers
+    )
     return per, ",".join(devs[need:]) if per_server else (visible or "")
 
 
-def hf_server_cmd(python: str, *, target: str, probe: dict, stream: dict, scratch: Path, url_file: Path,
-                  gpus: int, target_dtype: str, trust_remote_code: bool) -> list[str]:
+def hf_server_cmd(
+    python: str,
+    *,
+    target: str,
+    probe: dict,
+    stream: dict,
+    scratch: Path,
+    url_file: Path,
+    gpus: int,
+    target_dtype: str,
+    trust_remote_code: bool,
+) -> list[str]:
     """The command line of one hf feature server (:mod:`.server`)."""
     ids = ",".join(str(i) for i in probe["drafter"]["target_layer_ids"])
-    cmd = [python, "-m", "dflash_pipeline.features", "serve", "--target", target, "--layer-ids", ids,
-           "--num-hidden-layers", str(probe["num_hidden_layers"]), "--scratch-dir", str(scratch),
-           "--url-file", str(url_file), "--gpus", str(gpus), "--target-dtype", target_dtype]
+    cmd = [
+        python,
+        "-m",
+        "dflash_pipeline.features",
+        "serve",
+        "--target",
+        target,
+        "--layer-ids",
+        ids,
+        "--num-hidden-layers",
+        str(probe["num_hidden_layers"]),
+        "--scratch-dir",
+        str(scratch),
+        "--url-file",
+        str(url_file),
+        "--gpus",
+        str(gpus),
+        "--target-dtype",
+        target_dtype,
+    ]
     if stream.get("last_hidden"):
         cmd.append("--last-hidden")
     if trust_remote_code:
@@ -62,13 +97,19 @@ def _wait_ready(procs, url_files, logs, timeout_s: float) -> list[str]:
                 continue
             if p.poll() is not None:
                 tail = Path(logs[i]).read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"feature server {i} exited with {p.returncode} before it was ready; its log "
-                                   f"{logs[i]} ends:\n{tail}")
+                raise RuntimeError(
+                    f"feature server {i} exited with {p.returncode} before it was ready; its log "
+                    f"{logs[i]} ends:\n{tail}"
+                )
             if f.is_file():
                 urls[i] = f.read_text().strip()
         if time.monotonic() > deadline:
-            raise RuntimeError(f"feature servers not ready after {timeout_s:.0f} s (logs: {', '.join(map(str, logs))})")
-        time.sleep(0.2)  # polling the servers' readiness files (no event to wait on across processes)
+            raise RuntimeError(
+                f"feature servers not ready after {timeout_s:.0f} s (logs: {', '.join(map(str, logs))})"
+            )
+        time.sleep(
+            0.2
+        )  # polling the servers' readiness files (no event to wait on across processes)
     return urls  # type: ignore[return-value]
 
 
@@ -76,8 +117,10 @@ def _vllm_url_when_ready(url: str, proc, log: Path, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"vLLM feature server exited with {proc.returncode}; its log {log} ends:\n"
-                               f"{log.read_text(errors='replace')[-3000:]}")
+            raise RuntimeError(
+                f"vLLM feature server exited with {proc.returncode}; its log {log} ends:\n"
+                f"{log.read_text(errors='replace')[-3000:]}"
+            )
         try:
             with urllib.request.urlopen(url + "/models", timeout=5) as r:
                 if r.status == 200:
@@ -85,8 +128,12 @@ def _vllm_url_when_ready(url: str, proc, log: Path, timeout_s: float) -> None:
         except OSError:
             pass
         if time.monotonic() > deadline:
-            raise RuntimeError(f"vLLM feature server {url} not ready after {timeout_s:.0f} s (log {log})")
-        time.sleep(0.5)  # polling the server's readiness (GET /models) as vllm serve offers no other signal
+            raise RuntimeError(
+                f"vLLM feature server {url} not ready after {timeout_s:.0f} s (log {log})"
+            )
+        time.sleep(
+            0.5
+        )  # polling the server's readiness (GET /models) as vllm serve offers no other signal
 
 
 def stop(procs: Sequence[subprocess.Popen], grace_s: float = 20.0) -> None:
@@ -109,8 +156,19 @@ def stop(procs: Sequence[subprocess.Popen], grace_s: float = 20.0) -> None:
             p.wait()
 
 
-def vllm_server_cmd(python: str, *, target: str, probe: dict, stream: dict, scratch: Path, port: int, gpus: int,
-                    target_dtype: str, trust_remote_code: bool, max_len: int) -> list[str]:
+def vllm_server_cmd(
+    python: str,
+    *,
+    target: str,
+    probe: dict,
+    stream: dict,
+    scratch: Path,
+    port: int,
+    gpus: int,
+    target_dtype: str,
+    trust_remote_code: bool,
+    max_len: int,
+) -> list[str]:
     """``vllm serve`` with ``extract_hidden_states`` and the hidden-states connector (vLLM's on GPUs, our
     CPU-safe one on CPU), prefix caching and chunked prefill off, aux layers as :mod:`.vllm_backend`."""
     from dflash_pipeline.target.layer_ids import hf_hidden_state_index
@@ -118,21 +176,58 @@ def vllm_server_cmd(python: str, *, target: str, probe: dict, stream: dict, scra
     aux = [hf_hidden_state_index(l) for l in probe["drafter"]["target_layer_ids"]]
     if stream.get("last_hidden"):
         aux.append(int(probe["num_hidden_layers"]))
-    connector = ({"kv_connector": "ExampleHiddenStatesConnector"} if gpus else
-                 {"kv_connector": "CPUHiddenStatesConnector",
-                  "kv_connector_module_path": "dflash_pipeline.features.vllm_connector"})
-    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": aux}}}
-    kv = {**connector, "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": str(scratch)}}
+    connector = (
+        {"kv_connector": "ExampleHiddenStatesConnector"}
+        if gpus
+        else {
+            "kv_connector": "CPUHiddenStatesConnector",
+            "kv_connector_module_path": "dflash_pipeline.features.vllm_connector",
+        }
+    )
+    spec = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": aux}},
+    }
+    kv = {
+        **connector,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(scratch)},
+    }
     vopts = stream.get("vllm") or {}
-    dtype = {"auto": "float32" if not gpus else "bfloat16"}.get(target_dtype, target_dtype)
+    dtype = {"auto": "float32" if not gpus else "bfloat16"}.get(
+        target_dtype, target_dtype
+    )
     raw = json.loads((Path(target) / "config.json").read_text(encoding="utf-8"))
     limit = (raw.get("text_config") or raw).get("max_position_embeddings")
-    model_len = min(max_len + 8, int(limit)) if limit else max_len + 8  # a prompt + its one output token
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", dtype, "--max-model-len", str(model_len), "--no-enable-prefix-caching",
-           "--no-enable-chunked-prefill", "--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
-           "--tensor-parallel-size", str(max(1, gpus)), "--served-model-name", Path(target).name]
+    model_len = (
+        min(max_len + 8, int(limit)) if limit else max_len + 8
+    )  # a prompt + its one output token
+    cmd = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        target,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        str(model_len),
+        "--no-enable-prefix-caching",
+        "--no-enable-chunked-prefill",
+        "--speculative-config",
+        json.dumps(spec),
+        "--kv-transfer-config",
+        json.dumps(kv),
+        "--tensor-parallel-size",
+        str(max(1, gpus)),
+        "--served-model-name",
+        Path(target).name,
+    ]
     if not gpus:
         cmd.append("--enforce-eager")
     if vopts.get("expert_parallel"):
@@ -140,7 +235,10 @@ def vllm_server_cmd(python: str, *, target: str, probe: dict, stream: dict, scra
     if trust_remote_code:
         cmd.append("--trust-remote-code")
     for k, v in (vopts.get("engine_args") or {}).items():
-        cmd += [f"--{k.replace('_', '-')}", str(v) if not isinstance(v, (dict, list)) else json.dumps(v)]
+        cmd += [
+            f"--{k.replace('_', '-')}",
+            str(v) if not isinstance(v, (dict, list)) else json.dumps(v),
+        ]
     return cmd
 
 
@@ -152,8 +250,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_servers(stream: dict, *, probe: dict, target: str, target_dtype: str = "auto",
-                  trust_remote_code: bool = False, timeout_s: float = 1800.0) -> tuple[list, list[dict]]:
+def start_servers(
+    stream: dict,
+    *,
+    probe: dict,
+    target: str,
+    target_dtype: str = "auto",
+    trust_remote_code: bool = False,
+    timeout_s: float = 1800.0,
+) -> tuple[list, list[dict]]:
     """Start ``stream["servers"]`` feature servers of ``stream["backend"]`` on this machine and wait until
     each is ready; returns ``(processes, endpoints)`` (endpoints as ``features.stream.endpoints`` entries).
 
@@ -175,39 +280,78 @@ def start_servers(stream: dict, *, probe: dict, target: str, target_dtype: str =
                 env["CUDA_VISIBLE_DEVICES"] = per_env[i]
             if stream.get("backend") == "vllm":
                 port = _free_port()
-                cmd = vllm_server_cmd(stream["vllm"]["python"], target=target, probe=probe, stream=stream, scratch=d,
-                                      port=port, gpus=per, target_dtype=target_dtype,
-                                      trust_remote_code=trust_remote_code, max_len=int(stream["max_len"]))
+                cmd = vllm_server_cmd(
+                    stream["vllm"]["python"],
+                    target=target,
+                    probe=probe,
+                    stream=stream,
+                    scratch=d,
+                    port=port,
+                    gpus=per,
+                    target_dtype=target_dtype,
+                    trust_remote_code=trust_remote_code,
+                    max_len=int(stream["max_len"]),
+                )
                 env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
                 url, url_file = f"http://127.0.0.1:{port}/v1", None
             else:
                 url_file = scratch / f"server{i}.url"
                 url_file.unlink(missing_ok=True)
-                cmd = hf_server_cmd(sys.executable, target=target, probe=probe, stream=stream, scratch=d,
-                                    url_file=url_file, gpus=per, target_dtype=target_dtype,
-                                    trust_remote_code=trust_remote_code)
+                cmd = hf_server_cmd(
+                    sys.executable,
+                    target=target,
+                    probe=probe,
+                    stream=stream,
+                    scratch=d,
+                    url_file=url_file,
+                    gpus=per,
+                    target_dtype=target_dtype,
+                    trust_remote_code=trust_remote_code,
+                )
                 url = None
-            with open(log, "wb") as fh:  # the child keeps its own copy of the descriptor
-                procs.append(subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+            with open(
+                log, "wb"
+            ) as fh:  # the child keeps its own copy of the descriptor
+                procs.append(
+                    subprocess.Popen(
+                        cmd,
+                        stdout=fh,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                        start_new_session=True,
+                    )
+                )
             logs.append(log)
             endpoints.append({"base_url": url, "url_file": url_file})
         for i, (p, ep) in enumerate(zip(procs, endpoints)):
             if ep["url_file"] is None:
                 _vllm_url_when_ready(ep["base_url"], p, logs[i], timeout_s)
             else:
-                ep["base_url"] = _wait_ready([p], [ep["url_file"]], [logs[i]], timeout_s)[0]
+                ep["base_url"] = _wait_ready(
+                    [p], [ep["url_file"]], [logs[i]], timeout_s
+                )[0]
     except BaseException:
         stop(procs)
         raise
-    eps = [{"base_url": e["base_url"], "max_concurrency": int(stream.get("max_concurrency") or 4), "transport": "path"}
-           for e in endpoints]
+    eps = [
+        {
+            "base_url": e["base_url"],
+            "max_concurrency": int(stream.get("max_concurrency") or 4),
+            "transport": "path",
+        }
+        for e in endpoints
+    ]
     if per:
         os.environ["CUDA_VISIBLE_DEVICES"] = trainer_gpus
     return procs, eps
 
 
 def _arg(args: Sequence[str], name: str) -> str | None:
-    return args[args.index(name) + 1] if name in args and args.index(name) + 1 < len(args) else None
+    return (
+        args[args.index(name) + 1]
+        if name in args and args.index(name) + 1 < len(args)
+        else None
+    )
 
 
 @contextlib.contextmanager
@@ -222,11 +366,18 @@ def colocated_servers(trainer_args: Sequence[str]):
         yield []
         return
     probe = json.loads(Path(_arg(trainer_args, "--probe")).read_text(encoding="utf-8"))
-    procs, eps = start_servers(stream, probe=probe, target=_arg(trainer_args, "--target"),
-                               target_dtype=_arg(trainer_args, "--target-dtype") or "auto",
-                               trust_remote_code="--trust-remote-code" in trainer_args)
-    print(f"[stream] colocated: {len(eps)} {stream.get('backend', 'hf')} feature server(s) x "
-          f"{stream.get('gpus_per_server') or 0} GPU(s) at {', '.join(e['base_url'] for e in eps)}", flush=True)
+    procs, eps = start_servers(
+        stream,
+        probe=probe,
+        target=_arg(trainer_args, "--target"),
+        target_dtype=_arg(trainer_args, "--target-dtype") or "auto",
+        trust_remote_code="--trust-remote-code" in trainer_args,
+    )
+    print(
+        f"[stream] colocated: {len(eps)} {stream.get('backend', 'hf')} feature server(s) x "
+        f"{stream.get('gpus_per_server') or 0} GPU(s) at {', '.join(e['base_url'] for e in eps)}",
+        flush=True,
+    )
     old = os.environ.get(ENDPOINTS_ENV)
     os.environ[ENDPOINTS_ENV] = json.dumps(eps)
     try:
@@ -244,12 +395,24 @@ def run_colocated(a) -> int:
     returns the trainer's exit status."""
     stream = json.loads(a.stream_config)
     probe = json.loads(Path(a.probe).read_text(encoding="utf-8"))
-    procs, eps = start_servers(stream, probe=probe, target=a.target, target_dtype=a.target_dtype,
-                               trust_remote_code=a.trust_remote_code)
-    print(f"[stream] colocated: {len(eps)} {stream.get('backend', 'hf')} feature server(s) x "
-          f"{stream.get('gpus_per_server') or 0} GPU(s) at {', '.join(e['base_url'] for e in eps)}", flush=True)
+    procs, eps = start_servers(
+        stream,
+        probe=probe,
+        target=a.target,
+        target_dtype=a.target_dtype,
+        trust_remote_code=a.trust_remote_code,
+    )
+    print(
+        f"[stream] colocated: {len(eps)} {stream.get('backend', 'hf')} feature server(s) x "
+        f"{stream.get('gpus_per_server') or 0} GPU(s) at {', '.join(e['base_url'] for e in eps)}",
+        flush=True,
+    )
     try:
-        cmd = [c for c in a.cmd if c != "--"] if a.cmd and a.cmd[0] == "--" else list(a.cmd)
+        cmd = (
+            [c for c in a.cmd if c != "--"]
+            if a.cmd and a.cmd[0] == "--"
+            else list(a.cmd)
+        )
         return subprocess.call(cmd, env={**os.environ, ENDPOINTS_ENV: json.dumps(eps)})
     finally:
         stop(procs)

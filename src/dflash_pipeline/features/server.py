@@ -53,14 +53,22 @@ def parse_request(body: bytes, *, vocab_size: int, max_len: int) -> np.ndarray:
     prompt = req.get("prompt") if isinstance(req, dict) else None
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
         prompt = prompt[0]
-    if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if (
+        not isinstance(prompt, list)
+        or not prompt
+        or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
         raise BadRequest("prompt: expected a non-empty list of token ids (ints)")
     ids = np.asarray(prompt, dtype=np.int64)
     if ids.min() < 0 or ids.max() >= vocab_size:
-        raise BadRequest(f"prompt: token id {int(ids.max() if ids.max() >= vocab_size else ids.min())} outside the "
-                         f"vocabulary [0, {vocab_size})")
+        raise BadRequest(
+            f"prompt: token id {int(ids.max() if ids.max() >= vocab_size else ids.min())} outside the "
+            f"vocabulary [0, {vocab_size})"
+        )
     if len(ids) > max_len:
-        raise BadRequest(f"prompt: {len(ids)} tokens, more than this server's --max-len {max_len}")
+        raise BadRequest(
+            f"prompt: {len(ids)} tokens, more than this server's --max-len {max_len}"
+        )
     return ids
 
 
@@ -72,17 +80,36 @@ class FeatureServer:
     client deletes them.
     """
 
-    def __init__(self, target_dir, layer_ids: Sequence[int], *, num_hidden_layers: int, last_hidden: bool = False,
-                 gpus: int = 0, target_dtype: str = "auto", trust_remote_code: bool = False,
-                 scratch_dir: str | os.PathLike = "feature-scratch", model_name: str | None = None,
-                 max_len: int = 1 << 20):
+    def __init__(
+        self,
+        target_dir,
+        layer_ids: Sequence[int],
+        *,
+        num_hidden_layers: int,
+        last_hidden: bool = False,
+        gpus: int = 0,
+        target_dtype: str = "auto",
+        trust_remote_code: bool = False,
+        scratch_dir: str | os.PathLike = "feature-scratch",
+        model_name: str | None = None,
+        max_len: int = 1 << 20,
+    ):
         from .hf_backend import HFExtractor
 
-        self.extractor = HFExtractor(target_dir, layer_ids, num_hidden_layers=num_hidden_layers, last_hidden=last_hidden,
-                                     gpus=gpus, target_dtype=target_dtype, trust_remote_code=trust_remote_code)
+        self.extractor = HFExtractor(
+            target_dir,
+            layer_ids,
+            num_hidden_layers=num_hidden_layers,
+            last_hidden=last_hidden,
+            gpus=gpus,
+            target_dtype=target_dtype,
+            trust_remote_code=trust_remote_code,
+        )
         cfg = self.extractor.model.config
         cfg = getattr(cfg, "text_config", None) or cfg
-        self.vocab_size = int(self.extractor.model.get_input_embeddings().weight.shape[0])
+        self.vocab_size = int(
+            self.extractor.model.get_input_embeddings().weight.shape[0]
+        )
         self.hidden_size = int(cfg.hidden_size)
         self.k = len(layer_ids)
         self.last_hidden = last_hidden
@@ -122,9 +149,18 @@ class FeatureServer:
         """The ``/v1/completions`` answer for one record (its file written first)."""
         path = self.write(self.tensors(ids))
         return {
-            "id": f"cmpl-{path.stem}", "object": "text_completion", "created": int(time.time()), "model": self.model_name,
-            "choices": [{"index": 0, "text": "", "finish_reason": "length", "logprobs": None}],
-            "usage": {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)},
+            "id": f"cmpl-{path.stem}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [
+                {"index": 0, "text": "", "finish_reason": "length", "logprobs": None}
+            ],
+            "usage": {
+                "prompt_tokens": len(ids),
+                "completion_tokens": 0,
+                "total_tokens": len(ids),
+            },
             "kv_transfer_params": {"hidden_states_path": str(path)},
         }
 
@@ -142,10 +178,14 @@ def _handler(server: FeatureServer):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
-        def log_message(self, fmt, *args):  # one line per request would flood the job log
+        def log_message(
+            self, fmt, *args
+        ):  # one line per request would flood the job log
             pass
 
-        def _send(self, status: int, body: bytes, ctype: str = "application/json") -> None:
+        def _send(
+            self, status: int, body: bytes, ctype: str = "application/json"
+        ) -> None:
             self.send_response(status)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
@@ -153,13 +193,38 @@ def _handler(server: FeatureServer):
             self.wfile.write(body)
 
         def _error(self, status: int, msg: str) -> None:
-            self._send(status, json.dumps({"error": {"message": msg, "type": "invalid_request_error" if status == 400
-                                                     else "server_error", "code": status}}).encode())
+            self._send(
+                status,
+                json.dumps(
+                    {
+                        "error": {
+                            "message": msg,
+                            "type": "invalid_request_error"
+                            if status == 400
+                            else "server_error",
+                            "code": status,
+                        }
+                    }
+                ).encode(),
+            )
 
         def do_GET(self):
             if self.path.rstrip("/") in ("/v1/models", "/models"):
-                self._send(200, json.dumps({"object": "list", "data": [
-                    {"id": server.model_name, "object": "model", "owned_by": "dflash-pipeline"}]}).encode())
+                self._send(
+                    200,
+                    json.dumps(
+                        {
+                            "object": "list",
+                            "data": [
+                                {
+                                    "id": server.model_name,
+                                    "object": "model",
+                                    "owned_by": "dflash-pipeline",
+                                }
+                            ],
+                        }
+                    ).encode(),
+                )
             elif self.path.rstrip("/") in ("/health", "/v1/health"):
                 self._send(200, json.dumps({"status": "ok", **server.stats}).encode())
             else:
@@ -171,9 +236,13 @@ def _handler(server: FeatureServer):
             if route not in ("/completions", "/features"):
                 return self._error(404, f"no route POST {self.path}")
             try:
-                ids = parse_request(body, vocab_size=server.vocab_size, max_len=server.max_len)
+                ids = parse_request(
+                    body, vocab_size=server.vocab_size, max_len=server.max_len
+                )
                 if route == "/features":
-                    return self._send(200, server.feature_bytes(ids), "application/octet-stream")
+                    return self._send(
+                        200, server.feature_bytes(ids), "application/octet-stream"
+                    )
                 return self._send(200, json.dumps(server.completion(ids)).encode())
             except BadRequest as exc:
                 return self._error(400, str(exc))
@@ -183,7 +252,12 @@ def _handler(server: FeatureServer):
     return Handler
 
 
-def serve(server: FeatureServer, host: str = "127.0.0.1", port: int = 0, url_file: str | None = None) -> None:
+def serve(
+    server: FeatureServer,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    url_file: str | None = None,
+) -> None:
     """Serve until killed (SIGTERM/SIGINT); prints ``[features] serving http://host:port/v1`` when ready."""
     from dflash_pipeline.core.shards import atomic_write_bytes
 
@@ -192,8 +266,11 @@ def serve(server: FeatureServer, host: str = "127.0.0.1", port: int = 0, url_fil
     url = f"http://{host}:{httpd.server_address[1]}/v1"
     if url_file:
         atomic_write_bytes(url_file, url.encode(), skip_if_identical=False)
-    print(f"[features] serving {url} (model {server.model_name!r}, {server.k} layers x {server.hidden_size}"
-          f"{' + last hidden' if server.last_hidden else ''}, scratch {server.scratch})", flush=True)
+    print(
+        f"[features] serving {url} (model {server.model_name!r}, {server.k} layers x {server.hidden_size}"
+        f"{' + last hidden' if server.last_hidden else ''}, scratch {server.scratch})",
+        flush=True,
+    )
     try:
         httpd.serve_forever()
     finally:

@@ -64,7 +64,9 @@ def as_stored(x, dtype: str):
     raw = torch.from_numpy(vals)
     if scale is None:
         return raw.view(torch.bfloat16)
-    return raw.view(torch.float8_e4m3fn).to(torch.bfloat16) * torch.from_numpy(scale)[:, None].to(torch.bfloat16)
+    return raw.view(torch.float8_e4m3fn).to(torch.bfloat16) * torch.from_numpy(scale)[
+        :, None
+    ].to(torch.bfloat16)
 
 
 def read_scratch_file(path: str, on_size=None) -> tuple[dict, int]:
@@ -82,7 +84,9 @@ def read_scratch_file(path: str, on_size=None) -> tuple[dict, int]:
     try:
         if os.path.exists(lock):
             with open(lock) as lf:
-                fcntl.flock(lf, fcntl.LOCK_SH)  # sleeps until the writer releases LOCK_EX
+                fcntl.flock(
+                    lf, fcntl.LOCK_SH
+                )  # sleeps until the writer releases LOCK_EX
         size = os.path.getsize(path)
         if on_size:
             on_size(size)
@@ -100,8 +104,14 @@ def read_scratch_file(path: str, on_size=None) -> tuple[dict, int]:
 
 def fleet_config(gen_cfg: dict, model: str | None) -> dict:
     """The fleet's knobs (:class:`dflash_pipeline.completions._Fleet`) from the ``generation`` section."""
-    keys = ("request_timeout_s", "endpoint_max_failures", "endpoint_reprobe_s", "retry_backoff_s",
-            "retry_backoff_max_s", "circuit_breaker_failures")
+    keys = (
+        "request_timeout_s",
+        "endpoint_max_failures",
+        "endpoint_reprobe_s",
+        "retry_backoff_s",
+        "retry_backoff_max_s",
+        "circuit_breaker_failures",
+    )
     return {**{k: gen_cfg[k] for k in keys}, "model": model}
 
 
@@ -116,20 +126,45 @@ class FeatureClient:
     that do not match the record), ConfigError (a rejected key, a 404 ``/models``).
     """
 
-    def __init__(self, endpoints: Sequence[dict], fleet_cfg: dict, *, num_layers: int, hidden_size: int,
-                 last_hidden: bool = False, dtype: str = "bfloat16"):
+    def __init__(
+        self,
+        endpoints: Sequence[dict],
+        fleet_cfg: dict,
+        *,
+        num_layers: int,
+        hidden_size: int,
+        last_hidden: bool = False,
+        dtype: str = "bfloat16",
+    ):
         if not endpoints:
-            raise StreamError("features.stream: no feature server (set features.stream.endpoints, or servers > 0)")
+            raise StreamError(
+                "features.stream: no feature server (set features.stream.endpoints, or servers > 0)"
+            )
         self.endpoints = [dict(e) for e in endpoints]
         self.cfg = fleet_cfg
-        self.k, self.h, self.last_hidden, self.dtype = int(num_layers), int(hidden_size), bool(last_hidden), dtype
+        self.k, self.h, self.last_hidden, self.dtype = (
+            int(num_layers),
+            int(hidden_size),
+            bool(last_hidden),
+            dtype,
+        )
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="feature-client", daemon=True)
+        self._thread = threading.Thread(
+            target=self.loop.run_forever, name="feature-client", daemon=True
+        )
         self.fleet = None
         self._transport_of: dict[int, str] = {}
         self._lock = threading.Lock()
-        self.stats = {"requests": 0, "retries": 0, "tokens": 0, "wire_bytes": 0, "scratch_now": 0,
-                      "peak_scratch_bytes": 0, "first_request_t": None, "last_reply_t": None}
+        self.stats = {
+            "requests": 0,
+            "retries": 0,
+            "tokens": 0,
+            "wire_bytes": 0,
+            "scratch_now": 0,
+            "peak_scratch_bytes": 0,
+            "first_request_t": None,
+            "last_reply_t": None,
+        }
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
@@ -148,9 +183,19 @@ class FeatureClient:
 
         eps = []
         for e in self.endpoints:
-            client = openai.AsyncOpenAI(base_url=e["base_url"], api_key=e.get("api_key") or "EMPTY", max_retries=0,
-                                        timeout=float(self.cfg["request_timeout_s"]))
-            eps.append(_Endpoint(url=redact_url(e["base_url"]), client=client, max_concurrency=int(e["max_concurrency"])))
+            client = openai.AsyncOpenAI(
+                base_url=e["base_url"],
+                api_key=e.get("api_key") or "EMPTY",
+                max_retries=0,
+                timeout=float(self.cfg["request_timeout_s"]),
+            )
+            eps.append(
+                _Endpoint(
+                    url=redact_url(e["base_url"]),
+                    client=client,
+                    max_concurrency=int(e["max_concurrency"]),
+                )
+            )
             self._transport_of[id(eps[-1])] = e.get("transport", "path")
         self.fleet = _Fleet(eps, self.cfg, model=self.cfg.get("model"))
         return await self.fleet.start()
@@ -178,7 +223,9 @@ class FeatureClient:
 
     def submit(self, ids: np.ndarray) -> concurrent.futures.Future:
         """Request the features of one record (token ids int [T]); a Future of :class:`Features`."""
-        return asyncio.run_coroutine_threadsafe(self._fetch(np.asarray(ids, dtype=np.int64)), self.loop)
+        return asyncio.run_coroutine_threadsafe(
+            self._fetch(np.asarray(ids, dtype=np.int64)), self.loop
+        )
 
     def fetch_all(self, records: Sequence[np.ndarray]) -> list[Features]:
         """Features of several records (submitted together, returned in order)."""
@@ -212,15 +259,23 @@ class FeatureClient:
                 raise _auth_error(ep, failure.exc)
             if failure.kind == retry.CLIENT:
                 self.fleet.success(ep)
-                raise StreamError(f"feature server {ep.url} refused a record of {len(ids)} tokens: {failure.error} "
-                                  "(a client error is not retried)")
+                raise StreamError(
+                    f"feature server {ep.url} refused a record of {len(ids)} tokens: {failure.error} "
+                    "(a client error is not retried)"
+                )
             if failure.kind != retry.RATE_LIMITED:
                 self.fleet.failure(ep, failure.error)
             attempt += 1
             self.stats["retries"] += 1
-            await asyncio.sleep(retry.retry_delay(
-                min(attempt, 30), base_s=float(self.cfg["retry_backoff_s"]), max_s=float(self.cfg["retry_backoff_max_s"]),
-                retry_after=failure.retry_after, jitter=random.random()))
+            await asyncio.sleep(
+                retry.retry_delay(
+                    min(attempt, 30),
+                    base_s=float(self.cfg["retry_backoff_s"]),
+                    max_s=float(self.cfg["retry_backoff_max_s"]),
+                    retry_after=failure.retry_after,
+                    jitter=random.random(),
+                )
+            )
 
     async def _attempt(self, ep, ids: np.ndarray):
         """One request on ``ep``: ``(Features, None)`` or ``(None, retry.Failure)``."""
@@ -229,14 +284,27 @@ class FeatureClient:
         from dflash_pipeline.completions import _describe, retry
 
         transport = self._transport_of[id(ep)]
-        body = {"model": self.fleet.model, "prompt": ids.tolist(), "max_tokens": 1, "temperature": 0.0}
+        body = {
+            "model": self.fleet.model,
+            "prompt": ids.tolist(),
+            "max_tokens": 1,
+            "temperature": 0.0,
+        }
         path = "/features" if transport == "bytes" else "/completions"
         try:
-            raw = await asyncio.wait_for(ep.client.post(path, cast_to=bytes, body=body),
-                                         float(self.cfg["request_timeout_s"]))
+            raw = await asyncio.wait_for(
+                ep.client.post(path, cast_to=bytes, body=body),
+                float(self.cfg["request_timeout_s"]),
+            )
         except openai.APIStatusError as exc:
-            header = exc.response.headers.get("retry-after") if exc.response is not None else None
-            return None, retry.status_failure(exc.status_code, _describe(exc), header, exc)
+            header = (
+                exc.response.headers.get("retry-after")
+                if exc.response is not None
+                else None
+            )
+            return None, retry.status_failure(
+                exc.status_code, _describe(exc), header, exc
+            )
         except (openai.APIConnectionError, asyncio.TimeoutError) as exc:
             return None, retry.Failure(_describe(exc))
         try:
@@ -251,18 +319,26 @@ class FeatureClient:
         if transport == "bytes":
             data, scratch = load(raw), 0
         else:
-            path = (json.loads(raw).get("kv_transfer_params") or {}).get("hidden_states_path")
+            path = (json.loads(raw).get("kv_transfer_params") or {}).get(
+                "hidden_states_path"
+            )
             if not path:
-                raise ValueError("the answer has no kv_transfer_params.hidden_states_path (is the server started "
-                                 "with extract_hidden_states and a hidden-states connector?)")
+                raise ValueError(
+                    "the answer has no kv_transfer_params.hidden_states_path (is the server started "
+                    "with extract_hidden_states and a hidden-states connector?)"
+                )
             data, scratch = read_scratch_file(path, self._scratch_add)
         got = data["token_ids"].numpy().astype(np.int64)
         if not np.array_equal(got, ids):
-            raise ValueError(f"the server's token_ids ({len(got)}) differ from the record's ({len(ids)})")
+            raise ValueError(
+                f"the server's token_ids ({len(got)}) differ from the record's ({len(ids)})"
+            )
         hs = data["hidden_states"]
         want = (len(ids), self.k + (1 if self.last_hidden else 0), self.h)
         if tuple(hs.shape) != want:
-            raise ValueError(f"hidden_states {tuple(hs.shape)}, expected {want} (the server taps other layers)")
+            raise ValueError(
+                f"hidden_states {tuple(hs.shape)}, expected {want} (the server taps other layers)"
+            )
         feats = as_stored(hs[:, : self.k].reshape(len(ids), -1), self.dtype)
         last = as_stored(hs[:, self.k], self.dtype) if self.last_hidden else None
         nbytes = hs.numel() * hs.element_size()
@@ -273,9 +349,15 @@ class FeatureClient:
     def _scratch_add(self, n: int) -> None:
         with self._lock:  # decode threads run concurrently
             self.stats["scratch_now"] += n
-            self.stats["peak_scratch_bytes"] = max(self.stats["peak_scratch_bytes"], self.stats["scratch_now"])
+            self.stats["peak_scratch_bytes"] = max(
+                self.stats["peak_scratch_bytes"], self.stats["scratch_now"]
+            )
 
     def server_tokens_per_s(self) -> float | None:
         """Tokens received per second since the first request (None before any reply)."""
         t0, t1 = self.stats["first_request_t"], self.stats["last_reply_t"]
-        return self.stats["tokens"] / (t1 - t0) if t0 is not None and t1 is not None and t1 > t0 else None
+        return (
+            self.stats["tokens"] / (t1 - t0)
+            if t0 is not None and t1 is not None and t1 > t0
+            else None
+        )

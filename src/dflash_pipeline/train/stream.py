@@ -60,9 +60,12 @@ def check_scratch(scratch_dir: str | Path, need: int) -> int:
     p.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(p).free
     if free < need:
-        raise OSError(errno.ENOSPC, f"features.stream: the scratch directory {p} has {free:,} B free, the stream "
-                                    f"window needs {need:,} B (features.stream.prefetch_batches / max_inflight_bytes); "
-                                    "free space, lower them, or point features.stream.scratch_dir elsewhere")
+        raise OSError(
+            errno.ENOSPC,
+            f"features.stream: the scratch directory {p} has {free:,} B free, the stream "
+            f"window needs {need:,} B (features.stream.prefetch_batches / max_inflight_bytes); "
+            "free space, lower them, or point features.stream.scratch_dir elsewhere",
+        )
     return free
 
 
@@ -82,8 +85,15 @@ class FeatureStream:
     Counters since the last :meth:`window_stats`: seconds the step waited for features, tokens delivered.
     """
 
-    def __init__(self, client, *, prefetch_batches: int, max_inflight_bytes: int, wire_bytes_per_token: int,
-                 num_servers: int = 1):
+    def __init__(
+        self,
+        client,
+        *,
+        prefetch_batches: int,
+        max_inflight_bytes: int,
+        wire_bytes_per_token: int,
+        num_servers: int = 1,
+    ):
         self.client = client
         self.prefetch = max(1, int(prefetch_batches))
         self.max_bytes = int(max_inflight_bytes)
@@ -105,14 +115,24 @@ class FeatureStream:
 
     def _submit(self, p: _Pending) -> None:
         ids = p.batch["input_ids"].cpu().numpy()
-        p.futures = [self.client.submit(ids[r, s:e]) for r, row in enumerate(p.spans) for s, e in row]
+        p.futures = [
+            self.client.submit(ids[r, s:e])
+            for r, row in enumerate(p.spans)
+            for s, e in row
+        ]
         self.inflight += p.est
         self.peak_inflight = max(self.peak_inflight, self.inflight)
 
     def _assemble(self, p: _Pending, results: list) -> dict:
         ids = p.batch["input_ids"]
         b, s = ids.shape
-        feats = torch.zeros((b, s, results[0].features.shape[-1]), dtype=results[0].features.dtype) if results else None
+        feats = (
+            torch.zeros(
+                (b, s, results[0].features.shape[-1]), dtype=results[0].features.dtype
+            )
+            if results
+            else None
+        )
         it = iter(results)
         for r, row in enumerate(p.spans):
             for a, e in row:
@@ -170,11 +190,14 @@ class FeatureStream:
         servers, since the start), peak in-flight and scratch bytes."""
         now = time.perf_counter()
         wall = max(1e-9, now - self._t0)
-        rec = {"stream_wait_fraction": self.wait_s / wall, "trainer_tokens_per_s": self.tokens / wall,
-               "server_tokens_per_s": self.client.server_tokens_per_s(),
-               "stream_inflight_peak_bytes": self.peak_inflight,
-               "stream_peak_scratch_bytes": self.client.stats["peak_scratch_bytes"],
-               "stream_retries": self.client.stats["retries"]}
+        rec = {
+            "stream_wait_fraction": self.wait_s / wall,
+            "trainer_tokens_per_s": self.tokens / wall,
+            "server_tokens_per_s": self.client.server_tokens_per_s(),
+            "stream_inflight_peak_bytes": self.peak_inflight,
+            "stream_peak_scratch_bytes": self.client.stats["peak_scratch_bytes"],
+            "stream_retries": self.client.stats["retries"],
+        }
         self.wait_s, self.tokens, self._t0 = 0.0, 0, now
         return rec
 
@@ -183,23 +206,34 @@ class FeatureStream:
         servers needed so that supply meets the trainer's demand when it never waits."""
         wall = max(1e-9, time.perf_counter() - self._run_t0)
         busy = max(1e-9, wall - self.total_wait_s)
-        demand = self.total_tokens / busy  # tokens/s the trainer would consume if features were free
+        demand = (
+            self.total_tokens / busy
+        )  # tokens/s the trainer would consume if features were free
         supply = self.client.server_tokens_per_s()
         per_server = supply / self.num_servers if supply else None
         suggest = math.ceil(demand / per_server) if per_server else None
-        return {"wait_fraction": self.total_wait_s / wall, "trainer_tokens_per_s": self.total_tokens / wall,
-                "trainer_demand_tokens_per_s": demand, "server_tokens_per_s": supply, "servers": self.num_servers,
-                "suggested_servers_per_rank": suggest, "peak_inflight_bytes": self.peak_inflight,
-                "peak_scratch_bytes": self.client.stats["peak_scratch_bytes"], "retries": self.client.stats["retries"],
-                "requests": self.client.stats["requests"]}
+        return {
+            "wait_fraction": self.total_wait_s / wall,
+            "trainer_tokens_per_s": self.total_tokens / wall,
+            "trainer_demand_tokens_per_s": demand,
+            "server_tokens_per_s": supply,
+            "servers": self.num_servers,
+            "suggested_servers_per_rank": suggest,
+            "peak_inflight_bytes": self.peak_inflight,
+            "peak_scratch_bytes": self.client.stats["peak_scratch_bytes"],
+            "retries": self.client.stats["retries"],
+            "requests": self.client.stats["requests"],
+        }
 
     def describe(self) -> str:
         s = self.summary()
         sup = f"{s['server_tokens_per_s']:.0f}" if s["server_tokens_per_s"] else "?"
-        return (f"[stream] servers={s['servers']} server tokens/s {sup} trainer tokens/s {s['trainer_tokens_per_s']:.0f} "
-                f"(demand {s['trainer_demand_tokens_per_s']:.0f}) waiting {100 * s['wait_fraction']:.1f}% of the time; "
-                f"suggested servers per trainer rank: {s['suggested_servers_per_rank']}; peak in flight "
-                f"{s['peak_inflight_bytes']:,} B, peak scratch {s['peak_scratch_bytes']:,} B, retries {s['retries']}")
+        return (
+            f"[stream] servers={s['servers']} server tokens/s {sup} trainer tokens/s {s['trainer_tokens_per_s']:.0f} "
+            f"(demand {s['trainer_demand_tokens_per_s']:.0f}) waiting {100 * s['wait_fraction']:.1f}% of the time; "
+            f"suggested servers per trainer rank: {s['suggested_servers_per_rank']}; peak in flight "
+            f"{s['peak_inflight_bytes']:,} B, peak scratch {s['peak_scratch_bytes']:,} B, retries {s['retries']}"
+        )
 
     def close(self) -> None:
         self.client.close()
@@ -213,22 +247,53 @@ def stream_settings(stream: dict) -> dict:
 
     props = load_schema()["properties"]
     feats = props["features"]["properties"]
-    out = {k: v["default"] for k, v in feats["stream"]["properties"].items() if "default" in v}
-    out.update(dtype=feats["dtype"]["default"], last_hidden=feats["last_hidden"]["default"])
+    out = {
+        k: v["default"]
+        for k, v in feats["stream"]["properties"].items()
+        if "default" in v
+    }
+    out.update(
+        dtype=feats["dtype"]["default"], last_hidden=feats["last_hidden"]["default"]
+    )
     gen = props["generation"]["properties"]
-    fleet = {k: gen[k]["default"] for k in ("request_timeout_s", "endpoint_max_failures", "endpoint_reprobe_s",
-                                             "retry_backoff_s", "retry_backoff_max_s", "circuit_breaker_failures")}
+    fleet = {
+        k: gen[k]["default"]
+        for k in (
+            "request_timeout_s",
+            "endpoint_max_failures",
+            "endpoint_reprobe_s",
+            "retry_backoff_s",
+            "retry_backoff_max_s",
+            "circuit_breaker_failures",
+        )
+    }
     out = {**out, **stream}
     out["fleet"] = {**fleet, **(stream.get("fleet") or {})}
-    ep_defaults = {k: v["default"] for k, v in feats["stream"]["properties"]["endpoints"]["items"]["properties"].items()
-                   if "default" in v}
+    ep_defaults = {
+        k: v["default"]
+        for k, v in feats["stream"]["properties"]["endpoints"]["items"][
+            "properties"
+        ].items()
+        if "default" in v
+    }
     out["endpoints"] = [{**ep_defaults, **e} for e in out.get("endpoints") or []]
     return out
 
 
-def open_stream_data(cfg: dict, token_shards: Sequence[str | Path], stream: dict, *, target_dir, out_dir, probe: dict,
-                     device, target_dtype: str = "auto", is_main: bool = True, barrier=lambda: None,
-                     min_loss_tokens: int = 2):
+def open_stream_data(
+    cfg: dict,
+    token_shards: Sequence[str | Path],
+    stream: dict,
+    *,
+    target_dir,
+    out_dir,
+    probe: dict,
+    device,
+    target_dtype: str = "auto",
+    is_main: bool = True,
+    barrier=lambda: None,
+    min_loss_tokens: int = 2,
+):
     """:class:`dflash_pipeline.train.data.TrainingData` for ``train.target_features: stream``: the token
     records (token indexes, as online), the frozen embedding / LM head (as ``shards``) and a started
     :class:`FeatureStream` (every server probed; the model they serve settled).
@@ -257,25 +322,73 @@ def open_stream_data(cfg: dict, token_shards: Sequence[str | Path], stream: dict
     )
 
     st = stream_settings(stream)
-    ds = token_records(token_shards, out_dir, is_main=is_main, barrier=barrier, min_loss_tokens=min_loss_tokens)
-    endpoints = st["endpoints"] or stream_settings({"endpoints": json.loads(os.environ.get(ENDPOINTS_ENV) or "[]")})["endpoints"]
+    ds = token_records(
+        token_shards,
+        out_dir,
+        is_main=is_main,
+        barrier=barrier,
+        min_loss_tokens=min_loss_tokens,
+    )
+    endpoints = (
+        st["endpoints"]
+        or stream_settings(
+            {"endpoints": json.loads(os.environ.get(ENDPOINTS_ENV) or "[]")}
+        )["endpoints"]
+    )
     if not endpoints:
-        raise StreamError("train.target_features: stream has no feature server: set features.stream.endpoints, or "
-                          f"run the trainer under the colocated launcher (${ENDPOINTS_ENV})")
-    k, h, last = len(probe["drafter"]["target_layer_ids"]), int(probe["hidden_size"]), bool(st["last_hidden"])
+        raise StreamError(
+            "train.target_features: stream has no feature server: set features.stream.endpoints, or "
+            f"run the trainer under the colocated launcher (${ENDPOINTS_ENV})"
+        )
+    k, h, last = (
+        len(probe["drafter"]["target_layer_ids"]),
+        int(probe["hidden_size"]),
+        bool(st["last_hidden"]),
+    )
     wire = (k + int(last)) * h * int(st["wire_bytes_per_value"])
-    longest = max((int(np.diff(s.offsets).max()) for s in ds._open() if len(s)), default=1)
-    longest = max(longest, int(cfg.get("pack_max_tokens") or 0) if cfg.get("packing") else 0)
-    window = window_bytes(st["prefetch_batches"], int(cfg["batch_size"]), longest, wire, st["max_inflight_bytes"])
+    longest = max(
+        (int(np.diff(s.offsets).max()) for s in ds._open() if len(s)), default=1
+    )
+    longest = max(
+        longest, int(cfg.get("pack_max_tokens") or 0) if cfg.get("packing") else 0
+    )
+    window = window_bytes(
+        st["prefetch_batches"],
+        int(cfg["batch_size"]),
+        longest,
+        wire,
+        st["max_inflight_bytes"],
+    )
     free = None
     if st.get("scratch_dir") and any(e["transport"] == "path" for e in endpoints):
         free = check_scratch(st["scratch_dir"], window)
-    client = FeatureClient(endpoints, fleet_config(st["fleet"], None), num_layers=k, hidden_size=h, last_hidden=last,
-                           dtype=st["dtype"])
+    client = FeatureClient(
+        endpoints,
+        fleet_config(st["fleet"], None),
+        num_layers=k,
+        hidden_size=h,
+        last_hidden=last,
+        dtype=st["dtype"],
+    )
     model = client.start()
-    print(f"[stream] {len(endpoints)} feature server(s) serving {model!r}; window {window:,} B "
-          f"({st['prefetch_batches']} batches x {cfg['batch_size']} x {longest} tokens x {wire:,} B, cap "
-          f"{st['max_inflight_bytes']:,} B)" + (f"; scratch free {free:,} B" if free is not None else ""), flush=True)
-    fs = FeatureStream(client, prefetch_batches=st["prefetch_batches"], max_inflight_bytes=st["max_inflight_bytes"],
-                       wire_bytes_per_token=wire, num_servers=len(endpoints))
-    return TrainingData(ds, collate, True, *frozen_head(target_dir, probe, target_dtype, device), stream=fs)
+    print(
+        f"[stream] {len(endpoints)} feature server(s) serving {model!r}; window {window:,} B "
+        f"({st['prefetch_batches']} batches x {cfg['batch_size']} x {longest} tokens x {wire:,} B, cap "
+        f"{st['max_inflight_bytes']:,} B)"
+        + (f"; scratch free {free:,} B" if free is not None else ""),
+        flush=True,
+    )
+    fs = FeatureStream(
+        client,
+        prefetch_batches=st["prefetch_batches"],
+        max_inflight_bytes=st["max_inflight_bytes"],
+        wire_bytes_per_token=wire,
+        num_servers=len(endpoints),
+    )
+    return TrainingData(
+        ds,
+        collate,
+        True,
+        *frozen_head(target_dir, probe, target_dtype, device),
+        stream=fs,
+    )
