@@ -41,7 +41,7 @@ def train_params():
 def features_python():
     """Interpreter that runs the extraction: the vLLM environment's for backend vllm, else the job's own
     `python`. A missing vLLM environment is reported before this runs, with every other config problem
-    (dflash_pipeline.core.config.training_problems)."""
+    (dflash_pipeline.workflow.problems.training_problems)."""
     if FEATURES["backend"] != "vllm":
         return "python"
     from dflash_pipeline.core.vllm_env import require_vllm_python

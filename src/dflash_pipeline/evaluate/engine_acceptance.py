@@ -317,12 +317,13 @@ def evaluate_engine(
     """
     import os
 
-    from dflash_pipeline.evaluate.acceptance import checkpoint_info, load_eval_sets
+    from dflash_pipeline.drafter.block_size import resolve_block_size
+    from dflash_pipeline.drafter.config import DFlashConfig
+    from dflash_pipeline.evaluate.acceptance import load_eval_sets
 
-    info = checkpoint_info(drafter_dir)
-    bs = int(eval_cfg.get("block_size") or info["block_size"])
-    drafter_cfg = json.loads((Path(drafter_dir) / "config.json").read_text(encoding="utf-8"))
-    num_layers = int(drafter_cfg.get("num_hidden_layers") or 1)
+    drafter_cfg = DFlashConfig.from_checkpoint(drafter_dir)
+    bs = resolve_block_size(eval_cfg["block_size"], drafter_cfg.block_size)
+    num_layers = drafter_cfg.num_hidden_layers
     sets, set_info = load_eval_sets(eval_cfg, exclude_prompt_ids)
     api_key = os.environ[eval_cfg["engine_api_key_env"]] if eval_cfg.get("engine_api_key_env") else None
     record: dict = {
@@ -496,7 +497,7 @@ def compare_tau(loop_stats: dict, engine_stats: dict) -> dict:
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     """CLI: ``python -m dflash_pipeline.evaluate.engine_acceptance --base-url URL --set NAME=PATH[:FORMAT] … --out X.json``
-    (also ``python -m dflash_pipeline.evaluate.acceptance server …``)."""
+    (also ``dflash-eval server …``)."""
     import argparse
     import os
 

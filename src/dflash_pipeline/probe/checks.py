@@ -55,11 +55,11 @@ def _check_drafter_config(target_dir: Path, trust_remote_code: bool, block_size:
     Raises:
         ProbeError: naming the target and transformers' / the drafter's complaint.
     """
-    from dflash_pipeline.drafter.model import drafter_config_from_target
+    from dflash_pipeline.drafter.config import DFlashConfig
     from dflash_pipeline.target.loading import load_target_config, text_config
 
     try:
-        drafter_config_from_target(
+        DFlashConfig.from_target(
             text_config(load_target_config(target_dir, trust_remote_code=trust_remote_code)),
             block_size=block_size, num_draft_layers=num_draft_layers, target_layer_ids=list(ids),
             mask_token_id=mask_token_id if mask_token_id is not None else 0)

@@ -8,13 +8,14 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from dflash_pipeline.core.errors import ConfigError, ProbeError
+from dflash_pipeline.drafter.block_size import check_block_size
 from dflash_pipeline.target.layer_ids import build_target_layer_ids, hf_hidden_state_index, validate_target_layer_ids
 
 
 def _check_drafter_sizes(block_size: int, num_draft_layers: int) -> None:
-    """Raise ConfigError (naming the ``drafter.*`` key) for ``block_size < 2`` or ``num_draft_layers < 1``."""
-    if block_size < 2:
-        raise ConfigError(f"drafter.block_size must be >= 2, got {block_size}")
+    """Raise ConfigError (naming the ``drafter.*`` key) for ``block_size < 2``
+    (:func:`~dflash_pipeline.drafter.block_size.check_block_size`) or ``num_draft_layers < 1``."""
+    check_block_size(block_size, key="drafter.block_size")
     if num_draft_layers < 1:
         raise ConfigError(f"drafter.num_draft_layers must be >= 1, got {num_draft_layers}")
 

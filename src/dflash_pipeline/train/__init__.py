@@ -62,7 +62,6 @@ _OWNERS = {
     "load_token_shards": "run",
     "with_schema_defaults": "run",
     "load_target": "run",
-    "build_drafter": "run",
     "train": "run",
     "main": "run",
     "StepContext": "step",

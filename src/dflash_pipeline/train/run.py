@@ -47,6 +47,7 @@ from dflash_pipeline.train import trackers as TR
 from dflash_pipeline.train import data as train_data
 from dflash_pipeline.train import heldout as V
 from dflash_pipeline.core.shards import read_parquet, write_json
+from dflash_pipeline.drafter.model import build_drafter  # train.run.build_drafter: the name tests and benches use
 from dflash_pipeline.train.checkpoint import (  # noqa: F401 - STEP_EXPORT_PREFIX, export_step re-exported
     STEP_EXPORT_PREFIX,
     export_drafter,
@@ -103,27 +104,10 @@ def collate(batch, pad_id: int = 0) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Target and drafter
+# Target (the drafter is built by dflash_pipeline.drafter.model.build_drafter)
 # ---------------------------------------------------------------------------------------------------
 
 load_target = T.load_target  # one loader for every family (dflash_pipeline.target.loading); re-exported here
-
-
-def build_drafter(target, probe: dict, *, seed: int = 0, layer_types=None, sliding_window=None) -> M.DFlashDrafter:
-    """Random-init float32 drafter sized from the target config and the probe's drafter decisions
-    (``layer_types``/``sliding_window``: optional sliding-window draft layers, config ``drafter.*``)."""
-    d = probe["drafter"]
-    cfg = M.drafter_config_from_target(
-        T.text_config(target.config),
-        block_size=d["block_size"],
-        num_draft_layers=d["num_draft_layers"],
-        target_layer_ids=d["target_layer_ids"],
-        mask_token_id=d["mask_token_id"],
-        layer_types=layer_types,
-        sliding_window=sliding_window,
-    )
-    torch.manual_seed(seed)
-    return M.DFlashDrafter(cfg)
 
 
 # ---------------------------------------------------------------------------------------------------

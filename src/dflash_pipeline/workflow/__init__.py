@@ -1,4 +1,5 @@
-"""The Snakemake side: params policy (what reruns a job), GPUs, accelerate launch topology, job logs.
+"""The Snakemake side: params policy (what reruns a job), GPUs, accelerate launch topology, job logs, and the
+plan-time config problems of every stage (:mod:`.problems`).
 
 The public face: each name is loaded lazily from the module that owns it (listed in ``_OWNERS``), so
 importing the package costs nothing until a name is used."""
@@ -26,6 +27,10 @@ _OWNERS = {
     "baseline_runs": "policy",
     "baseline_train_flags": "policy",
     "TOKENIZATION_REVISION": "policy",
+    "problems": "problems",
+    "cross_field_problems": "problems",
+    "training_problems": "problems",
+    "language_block_problems": "problems",
 }
 
 __all__ = sorted(_OWNERS)
