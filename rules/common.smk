@@ -7,6 +7,8 @@
 RESULTS = config["results_dir"]
 RUN_NAME = config["run"]
 DEMO_TARGET = "resources/demo-target"
+FEATURES = config["features"]
+FEATURES_FROM_SHARDS = config["train"]["target_features"] == "shards"  # the features stage runs (train reads shards)
 
 
 wildcard_constraints:

@@ -12,7 +12,6 @@ several client processes (:mod:`.workers`) with ``generation.client_processes > 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -53,34 +52,6 @@ def _response_facts(data: dict, choice: dict) -> dict:
         "prompt_token_ids": list(prompt_ids) if prompt_ids is not None else None,
         "output_token_ids": list(out_ids) if out_ids is not None else None,
     }
-
-
-#: Loggers of the HTTP stack under the openai client; at INFO, httpx logs one line per request.
-HTTP_LOGGERS = ("httpx", "httpx2", "httpcore", "httpcore2", "openai", "aiohttp")
-
-
-def _raise_http_log_levels() -> dict[str, int]:
-    """Set the :data:`HTTP_LOGGERS` to WARNING (``HTTP Request: POST ... "HTTP/1.1 200 OK"`` per request
-    would flood the job log); a logger already stricter keeps its level, this module's own logger is
-    untouched. Returns the levels changed (name: previous level)."""
-    saved = {}
-    for name in HTTP_LOGGERS:
-        lg = logging.getLogger(name)
-        if lg.getEffectiveLevel() < logging.WARNING:
-            saved[name] = lg.level
-            lg.setLevel(logging.WARNING)
-    return saved
-
-
-@contextlib.contextmanager
-def _quiet_http_logs():
-    """:func:`_raise_http_log_levels` for the duration of a ``with`` block (the levels restored on exit)."""
-    saved = _raise_http_log_levels()
-    try:
-        yield
-    finally:
-        for name, level in saved.items():
-            logging.getLogger(name).setLevel(level)
 
 
 def _aiohttp_client(max_concurrency: int, timeout_s: float):

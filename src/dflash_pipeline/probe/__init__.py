@@ -44,10 +44,11 @@ from .config import (  # noqa: F401
     _ALIASES, _NON_TEXT_HINTS, EXPERT_COUNT_KEYS, EXPERTS_PER_TOKEN_KEYS, TEXT_CONFIG_KEYS, _attention_facts,
     _auto_text_config, _derive_layer_types, _embedding_facts, _embedding_rows, _eos_list, _find_text_config,
     _first, _first_key, _generation_eos, _moe_facts, _probe_config, _read_config_json, _rope_facts, _tie_facts,
-    _try_autoconfig,
+    _try_autoconfig, text_hidden_size,
 )
 from .drafter import (  # noqa: F401
-    _check_drafter_sizes, _choose_mask_token_id, _choose_target_layer_ids, _drafter_record, resolve_mask_token_id,
+    _check_drafter_sizes, _choose_mask_token_id, _choose_target_layer_ids, _drafter_record, target_feature_count,
+    resolve_mask_token_id,
 )
 from .record import SCHEMA_PATH, load_probe_schema, summary, validate_probe, write_probe  # noqa: F401
 from .tokenizer import (  # noqa: F401

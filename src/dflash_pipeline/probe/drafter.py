@@ -20,6 +20,16 @@ def _check_drafter_sizes(block_size: int, num_draft_layers: int) -> None:
         raise ConfigError(f"drafter.num_draft_layers must be >= 1, got {num_draft_layers}")
 
 
+def target_feature_count(drafter_cfg: Mapping[str, Any]) -> int:
+    """K, the number of target layers the drafter fuses, as the probe chooses it from the validated
+    ``drafter`` config section (:func:`_choose_target_layer_ids`): the length of ``target_layer_ids`` when
+    given, else ``num_target_features``, else ``num_draft_layers`` (reference/dflash.md §3.1)."""
+    if drafter_cfg["target_layer_ids"]:
+        return len(drafter_cfg["target_layer_ids"])
+    k = drafter_cfg["num_target_features"]
+    return int(k if k is not None else drafter_cfg["num_draft_layers"])
+
+
 def _choose_target_layer_ids(n_layers: int, *, num_draft_layers: int, num_target_features: int | None,
                              target_layer_ids: Sequence[int] | None) -> tuple[list[int], str]:
     """``(target_layer_ids, source)``: the explicit ids (validated) or the reference formula for

@@ -11,7 +11,7 @@ Two sources of target features (config ``train.target_features``):
   head are read (:mod:`dflash_pipeline.features.weights`).
 
 Either way the dataset holds only open mappings and a small per-record index (``int64`` shard / record ids
-of the records with ≥ ``min_loss_tokens`` supervised tokens); a rank reads only the records of its own
+of the records with ≥ :data:`MIN_LOSS_TOKENS` supervised tokens); a rank reads only the records of its own
 batches (Accelerate shards the batch sampler), and pages it read are dropped again, so resident memory does
 not grow with the dataset.
 """
@@ -26,7 +26,13 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 
+from dflash_pipeline.core.config import schema_defaults
 from dflash_pipeline.features.format import FeatureLayout, FeatureShard, FeatureShardError, FeatureShardWriter
+
+#: Supervised (loss-mask) tokens a record needs to be trained on: an anchor is a supervised position and its
+#: block's labels are the supervised tokens after it (reference/dflash.md §4.1), so a record with fewer has
+#: no anchor with anything to predict. The trainer's constant, not a config key (it never changes params).
+MIN_LOSS_TOKENS = 2
 
 
 def token_index_path(token_shard: str | Path, cache_dir: str | Path) -> Path:
@@ -59,7 +65,7 @@ class MappedRecords(torch.utils.data.Dataset):
     ``(input_ids, loss_mask, features bfloat16 [S, K*H])``.
     """
 
-    def __init__(self, paths: Sequence[str | Path], *, features: bool = False, min_loss_tokens: int = 2):
+    def __init__(self, paths: Sequence[str | Path], *, features: bool = False, min_loss_tokens: int = MIN_LOSS_TOKENS):
         self.paths = [str(p) for p in paths]
         self.features = features
         self._shards: Optional[list[FeatureShard]] = None
@@ -151,7 +157,7 @@ def open_training_data(
     target_dtype: str = "auto",
     is_main: bool = True,
     barrier: Callable[[], None] = lambda: None,
-    min_loss_tokens: int = 2,
+    min_loss_tokens: int = MIN_LOSS_TOKENS,
 ) -> TrainingData:
     """The dataset, collate function and (``shards``) embedding / LM head for ``cfg["target_features"]``.
 
@@ -163,7 +169,7 @@ def open_training_data(
         FeatureShardError: feature / token shard mismatch (names both files), or other layer ids than the probe's.
         ValueError: no record with ``min_loss_tokens`` supervised tokens.
     """
-    mode = cfg.get("target_features")  # a partial config (tests, direct calls) is the online path
+    mode = {**schema_defaults("train"), **cfg}["target_features"]  # a partial config (tests, direct calls)
     if mode == "shards":
         if len(feature_shards) != len(token_shards):
             raise FeatureShardError(f"train.target_features: shards needs one feature shard per token shard; got "

@@ -46,6 +46,7 @@ from dflash_pipeline.target import loading as T
 from dflash_pipeline.train import trackers as TR
 from dflash_pipeline.train import data as train_data
 from dflash_pipeline.train import heldout as V
+from dflash_pipeline.core.config import schema_defaults
 from dflash_pipeline.core.shards import read_parquet, write_json
 from dflash_pipeline.drafter.model import build_drafter  # train.run.build_drafter: the name tests and benches use
 from dflash_pipeline.train.checkpoint import (  # noqa: F401 - STEP_EXPORT_PREFIX, export_step re-exported
@@ -65,7 +66,7 @@ from dflash_pipeline.train.step import StepContext, step_objective, target_featu
 # ---------------------------------------------------------------------------------------------------
 
 
-def load_token_shards(paths: Sequence[str | Path], *, min_loss_tokens: int = 2) -> list[tuple[np.ndarray, np.ndarray]]:
+def load_token_shards(paths: Sequence[str | Path], *, min_loss_tokens: int = train_data.MIN_LOSS_TOKENS) -> list[tuple[np.ndarray, np.ndarray]]:
     """Read token shards eagerly into ``(input_ids int32 [S], loss_mask uint8 [S])`` pairs, in path order.
 
     Not the trainer's path (it memory-maps them: :mod:`dflash_pipeline.train.data`, resident memory flat as
@@ -84,10 +85,7 @@ def load_token_shards(paths: Sequence[str | Path], *, min_loss_tokens: int = 2) 
 def with_schema_defaults(cfg: dict) -> dict:
     """``cfg`` (the ``train`` section) with every key it lacks taken from the config schema's defaults
     (callers such as tests and benches pass partial dicts; the schema stays the one place for defaults)."""
-    from dflash_pipeline.core.config import load_schema
-
-    props = load_schema()["properties"]["train"]["properties"]
-    return {**{k: v["default"] for k, v in props.items() if "default" in v}, **cfg}
+    return {**schema_defaults("train"), **cfg}
 
 
 def collate(batch, pad_id: int = 0) -> dict[str, torch.Tensor]:
@@ -249,10 +247,10 @@ def _prepare_run(accelerator, cfg: dict, out_dir: Path, data: RunData, probe: di
     """
     drafter = build_drafter(data.target if data.target is not None else train_data.ConfigOnly(data.source.target_config), probe,
                             seed=cfg["seed"], layer_types=arch.get("layer_types"), sliding_window=arch.get("sliding_window"))
-    backend = cfg["attention_backend"] if cfg.get("attention_backend", "auto") != "auto" else (
+    backend = cfg["attention_backend"] if cfg["attention_backend"] != "auto" else (
         "flex" if accelerator.device.type == "cuda" else "sdpa")
     block_size = drafter.block_size
-    gamma = cfg.get("loss_gamma") or M.loss_decay_gamma(block_size)
+    gamma = cfg["loss_gamma"] or M.loss_decay_gamma(block_size)
     n_trainable = M.count_parameters(drafter)
     dataset = _rows(data.records, cfg)
     sch = Schedule.of(len(dataset), cfg, accelerator.num_processes)
