@@ -15,6 +15,18 @@ This package imports only numpy at the top (torch, transformers, vllm inside the
 so it loads in the vLLM venv, in the training env and in Snakemake's planning process.
 """
 
+import importlib
+
 from .format import FeatureLayout, FeatureShard, FeatureShardError, FeatureShardWriter, bytes_per_token
 
-__all__ = ["FeatureLayout", "FeatureShard", "FeatureShardError", "FeatureShardWriter", "bytes_per_token"]
+#: Names of the face loaded on first use from the module that owns them (their modules import more).
+_OWNERS = {"read_token_arrays": "extract", "load_embed_and_head": "weights"}
+
+__all__ = ["FeatureLayout", "FeatureShard", "FeatureShardError", "FeatureShardWriter", "bytes_per_token", *_OWNERS]
+
+
+def __getattr__(name):
+    owner = _OWNERS.get(name)
+    if owner is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{owner}"), name)

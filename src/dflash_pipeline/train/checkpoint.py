@@ -81,6 +81,6 @@ def export_drafter(drafter, final: Path, *, extra: dict, target: Optional[Path] 
 def _write_serve_md(export_dir: Path, target=None, served_dir=None) -> None:
     """``<export>/serve.md``: the vLLM and SGLang launch lines of this export (``engine.write_serve_md``);
     ``served_dir``: where ``export_dir`` (a temp dir) is renamed to."""
-    from dflash_pipeline.evaluate.vllm_server import write_serve_md
+    from dflash_pipeline.evaluate import write_serve_md
 
     write_serve_md(export_dir, target=target, served_dir=served_dir)

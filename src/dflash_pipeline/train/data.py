@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from dflash_pipeline.core.config import schema_defaults
-from dflash_pipeline.features.format import FeatureLayout, FeatureShard, FeatureShardError, FeatureShardWriter
+from dflash_pipeline.features import FeatureLayout, FeatureShard, FeatureShardError, FeatureShardWriter
 
 #: Supervised (loss-mask) tokens a record needs to be trained on: an anchor is a supervised position and its
 #: block's labels are the supervised tokens after it (reference/dflash.md §4.1), so a record with fewer has
@@ -48,7 +48,7 @@ def token_index_path(token_shard: str | Path, cache_dir: str | Path) -> Path:
 def build_token_index(token_shard: str | Path, out: str | Path) -> Path:
     """Write the token index of one token shard (flat ids / mask / offsets; atomic). Returns ``out``."""
     from dflash_pipeline.core.contracts import FEATURE_SCHEMA_VERSION
-    from dflash_pipeline.features.extract import read_token_arrays
+    from dflash_pipeline.features import read_token_arrays
 
     ids, mask, lengths = read_token_arrays(token_shard)
     meta = {"schema_version": FEATURE_SCHEMA_VERSION, "token_shard": Path(token_shard).name, "kind": "token_index",
@@ -188,7 +188,7 @@ def open_training_data(
         ds = MappedRecords(feature_shards, features=True, min_loss_tokens=min_loss_tokens)
         from transformers import AutoConfig
 
-        from dflash_pipeline.features.weights import load_embed_and_head
+        from dflash_pipeline.features import load_embed_and_head
         from dflash_pipeline.target.loading import resolve_dtype
 
         config = AutoConfig.from_pretrained(str(target_dir), trust_remote_code=bool(probe.get("trust_remote_code")))

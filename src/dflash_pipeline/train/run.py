@@ -162,7 +162,7 @@ def train(
     accelerator.print(_describe(run))
     step = run_steps(run, step)
     if accelerator.is_main_process:
-        from dflash_pipeline.evaluate.outputs import plot_validation
+        from dflash_pipeline.evaluate import plot_validation
 
         plot_validation(out_dir / "val_log.jsonl", out_dir / "val_tau.png")
     return _finish(run, step, target_dir, _summary(run, log_with))
