@@ -16,14 +16,13 @@ after saying in :data:`LAST_MAIN_RERUNS` which rules rerun and why."""
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import tarfile
-import io
 
 import pytest
 import yaml
-
 from conftest import REPO, planned_jobs, snakemake
 
 pytestmark = pytest.mark.e2e

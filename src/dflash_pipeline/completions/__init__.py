@@ -86,15 +86,15 @@ from .fleet import OUTAGE_LOG_S, _auth_error, _Endpoint, _Fleet, _model_list, _n
 from .generate import Backend, context_limit, generate_shard, make_backend, preflight_template, too_long_prompts
 from .openai_backend import OpenAIBackend, _aiohttp_client, _first_choice, _response_facts
 from .records import (
-    HTTP_LOGGERS,
-    _quiet_http_logs,
-    _raise_http_log_levels,
     DISABLE_HINT_LOCAL,
     DISABLE_HINT_SERVER,
+    HTTP_LOGGERS,
     OnDone,
     RowError,
     RunInfo,
     Turn,
+    _quiet_http_logs,
+    _raise_http_log_levels,
     build_record,
     check_thinking,
     cut_at_eos,

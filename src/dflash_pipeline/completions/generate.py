@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Protocol, Sequence
 
 from dflash_pipeline.core import shards
-from dflash_pipeline.target.chat import load_tokenizer, template_kwargs
 from dflash_pipeline.core.config import generation_problems
 from dflash_pipeline.core.contracts import COMPLETION_SCHEMA, COMPLETION_SCHEMA_VERSION, canonical_json
 from dflash_pipeline.core.errors import ConfigError, GenerationError
+from dflash_pipeline.target.chat import load_tokenizer, template_kwargs
+
 from .openai_backend import OpenAIBackend
 from .records import (
     MAX_SKIPPED_EXAMPLES,

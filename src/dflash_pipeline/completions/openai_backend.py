@@ -20,13 +20,26 @@ import time
 from collections import Counter
 from typing import Any, Sequence
 
-from dflash_pipeline.target.chat import load_tokenizer, render, template_kwargs
 from dflash_pipeline.core.config import generation_problems
 from dflash_pipeline.core.errors import ConfigError
+from dflash_pipeline.target.chat import load_tokenizer, render, template_kwargs
+
 from . import retry
 from .describe import _describe
 from .fleet import _auth_error, _Endpoint, _Fleet
-from .records import DISABLE_HINT_LOCAL, OnDone, RowError, RunInfo, Turn, build_record, check_thinking, context_limit, redact_url, skipped_record, take_reasoning
+from .records import (
+    DISABLE_HINT_LOCAL,
+    OnDone,
+    RowError,
+    RunInfo,
+    Turn,
+    build_record,
+    check_thinking,
+    context_limit,
+    redact_url,
+    skipped_record,
+    take_reasoning,
+)
 from .stats import fleet_stats
 
 log = logging.getLogger(__package__)  # one logger for the whole completions stage

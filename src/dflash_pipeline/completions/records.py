@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence

@@ -25,6 +25,7 @@ import time
 from typing import TYPE_CHECKING, Sequence
 
 from dflash_pipeline.core.errors import ConfigError, GenerationError
+
 from .records import OnDone, RunInfo, _raise_http_log_levels, redact_url
 from .stats import fleet_stats, merge_fleet_stats
 

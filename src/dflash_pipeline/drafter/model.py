@@ -28,6 +28,13 @@ from transformers.models.qwen3.modeling_qwen3 import (
     apply_rotary_pos_emb,
 )
 
+from dflash_pipeline.drafter.attention_masks import (  # noqa: F401 - re-exported, as above
+    build_block_mask,
+    build_flex_block_mask,
+    build_inference_sliding_mask,
+    build_training_masks,
+    masks_per_layer_type,
+)
 from dflash_pipeline.drafter.blocks import (  # noqa: F401 - re-exported: the training side, imported as M.* across the package
     AnchorBatch,
     block_inputs_and_labels,
@@ -40,15 +47,7 @@ from dflash_pipeline.drafter.blocks import (  # noqa: F401 - re-exported: the tr
     slot_accuracy,
 )
 from dflash_pipeline.drafter.config import DFlashConfig
-from dflash_pipeline.drafter.attention_masks import (  # noqa: F401 - re-exported, as above
-    build_block_mask,
-    build_flex_block_mask,
-    build_inference_sliding_mask,
-    build_training_masks,
-    masks_per_layer_type,
-)
 from dflash_pipeline.target.loading import module_dtype, text_config
-
 
 # ---------------------------------------------------------------------------------------------------
 # Config (the class and the checkpoint's config.json: dflash_pipeline.drafter.config)

@@ -27,9 +27,10 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
+from dflash_pipeline.core.contracts import EVAL_SCHEMA_VERSION
+from dflash_pipeline.core.shards import write_json
 from dflash_pipeline.drafter import model as M
 from dflash_pipeline.drafter.block_size import resolve_block_size
-from dflash_pipeline.core.contracts import EVAL_SCHEMA_VERSION
 from dflash_pipeline.evaluate.outputs import (
     TABLE_COLUMNS,
     EvalComparisonError,
@@ -44,7 +45,6 @@ from dflash_pipeline.evaluate.outputs import (
     write_eval_outputs,
     write_eval_table,
 )
-from dflash_pipeline.core.shards import write_json
 from dflash_pipeline.evaluate.speculative import SpecResult, TargetCache, speculative_generate
 
 #: This module's names and those re-exported from :mod:`.speculative` and :mod:`.eval_outputs` (scripts,

@@ -292,9 +292,10 @@ def build_twin(models_dir: str | Path, family: str, out_dir: str | Path, *, corp
     import torch
     from transformers import GenerationConfig
 
-    from ..demo import padded_vocab_size
     from dflash_pipeline.core.shards import replace_dir
     from dflash_pipeline.target.loading import causal_lm_class, load_target_config
+
+    from ..demo import padded_vocab_size
 
     src = Path(models_dir) / family
     raw = json.loads((src / "config.json").read_text(encoding="utf-8"))
@@ -374,13 +375,13 @@ def run_stages(models_dir: Path, family: str, work: Path, corpus_file: Path, eva
     refused one are ``skipped``): twin build, probe, completions (transformers backend), tokens (the
     family's template), training fp32 and bf16 (bf16 target + ``mixed_precision: bf16`` through
     Accelerate, on CPU; both export ``final/``), eval τ of the bf16-trained drafter."""
-    from dflash_pipeline.core import contracts
-    from dflash_pipeline.core import shards
-    from ..completions import generate_shard, preflight_template
+    from dflash_pipeline.core import contracts, shards
     from dflash_pipeline.evaluate.acceptance import evaluate
-    from ..probe import probe_target
     from dflash_pipeline.tokens.shard import tokenize_shard
     from dflash_pipeline.train.run import train
+
+    from ..completions import generate_shard, preflight_template
+    from ..probe import probe_target
 
     twin = work / "target"
     cfg: dict = {}

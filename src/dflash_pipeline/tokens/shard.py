@@ -69,19 +69,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_pipeline.target import chat
+from dflash_pipeline.core import shards
 from dflash_pipeline.core.config import schema_defaults
+from dflash_pipeline.core.console import console
 from dflash_pipeline.core.contracts import TOKEN_SCHEMA, TOKEN_SCHEMA_VERSION, sha256_text
 from dflash_pipeline.core.errors import TokenizationError
-from dflash_pipeline.core import shards
-from dflash_pipeline.core.console import console
-from dflash_pipeline.tokens.loss_masks import (  # noqa: F401 (the token level; re-exported)
-    mask_from_offsets,
-    plain_text_tokenizer,
-    server_ids_sequence,
-    span_token_ranges,
-    tokenize_sequences,
-)
+from dflash_pipeline.target import chat
 from dflash_pipeline.target.spans import (  # noqa: F401 (the string level; re-exported)
     TrainSequence,
     check_template,
@@ -91,7 +84,13 @@ from dflash_pipeline.target.spans import (  # noqa: F401 (the string level; re-e
     special_token_strings,
     supervised_length,
 )
-
+from dflash_pipeline.tokens.loss_masks import (  # noqa: F401 (the token level; re-exported)
+    mask_from_offsets,
+    plain_text_tokenizer,
+    server_ids_sequence,
+    span_token_ranges,
+    tokenize_sequences,
+)
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from dflash_pipeline.train import fsdp as FS
-from dflash_pipeline.drafter import model as M
 from dflash_pipeline.core.shards import replace_dir
+from dflash_pipeline.drafter import model as M
+from dflash_pipeline.train import fsdp as FS
 
 #: Intermediate drafter exports live in ``<out_dir>/step_<N>/`` (N zero-padded to 6 digits).
 STEP_EXPORT_PREFIX = "step_"

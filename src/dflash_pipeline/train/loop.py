@@ -21,12 +21,11 @@ import torch
 
 from dflash_pipeline.drafter import model as M
 from dflash_pipeline.target import loading as T
-from dflash_pipeline.train import trackers as TR
 from dflash_pipeline.train import heldout as V
+from dflash_pipeline.train import trackers as TR
 from dflash_pipeline.train.checkpoint import export_module, export_step, save_state
 from dflash_pipeline.train.data import TrainingData
 from dflash_pipeline.train.step import StepContext, step_objective
-
 
 # ---------------------------------------------------------------------------------------------------
 # The run's state

@@ -39,16 +39,16 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from dflash_pipeline.train import fsdp as FS
-from dflash_pipeline.drafter import model as M
-from dflash_pipeline.train import packing as P
-from dflash_pipeline.target import loading as T
-from dflash_pipeline.train import trackers as TR
-from dflash_pipeline.train import data as train_data
-from dflash_pipeline.train import heldout as V
 from dflash_pipeline.core.config import schema_defaults
 from dflash_pipeline.core.shards import read_parquet, write_json
+from dflash_pipeline.drafter import model as M
 from dflash_pipeline.drafter.model import build_drafter  # train.run.build_drafter: the name tests and benches use
+from dflash_pipeline.target import loading as T
+from dflash_pipeline.train import data as train_data
+from dflash_pipeline.train import fsdp as FS
+from dflash_pipeline.train import heldout as V
+from dflash_pipeline.train import packing as P
+from dflash_pipeline.train import trackers as TR
 from dflash_pipeline.train.checkpoint import (  # noqa: F401 - STEP_EXPORT_PREFIX, export_step re-exported
     STEP_EXPORT_PREFIX,
     export_drafter,
@@ -59,7 +59,6 @@ from dflash_pipeline.train.checkpoint import (  # noqa: F401 - STEP_EXPORT_PREFI
 )
 from dflash_pipeline.train.loop import RunData, Schedule, TrainRun, run_steps, trace_batch  # noqa: F401 - trace_batch re-exported
 from dflash_pipeline.train.step import StepContext, step_objective, target_features, training_step  # noqa: F401 - re-exported
-
 
 # ---------------------------------------------------------------------------------------------------
 # Data

@@ -161,7 +161,8 @@ def test_same_config_gives_byte_identical_shards(tmp_path, monkeypatch):
     m1 = build_prompt_shards(cfg, tmp_path / "a", **kwargs)
     monkeypatch.setattr(prompts.language, "_LANGUAGE_IDENTIFIER", None)  # a freshly loaded model decides the same
     m2 = build_prompt_shards(cfg, tmp_path / "b", **kwargs)
-    files = lambda d: {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*.parquet"))}
+    def files(d):
+        return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*.parquet"))}
     assert files(tmp_path / "a") == files(tmp_path / "b") and len(files(tmp_path / "a")) > 5
     assert m1 == m2
     assert m1["datasets"]["mixed"]["kept"] == 4 and m1["datasets"]["gsm8k"]["kept"] == 300
