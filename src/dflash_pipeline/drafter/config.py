@@ -17,13 +17,13 @@ Written beside them: ``eagle_aux_hidden_state_layer_ids`` (the engine layer ids,
 CheckpointMeta`, read back by :func:`checkpoint_meta`).
 """
 
-from __future__ import annotations
-
+# no `from __future__ import annotations`: @strict validates the fields against their (evaluated) types
 import json
 from pathlib import Path
 from typing import Optional
 
 from huggingface_hub.dataclasses import strict
+from huggingface_hub.errors import StrictDataclassError
 from transformers import Qwen3Config
 
 from dflash_pipeline.core.contracts import CHECKPOINT_FORMAT_VERSION, CheckpointMeta
@@ -158,8 +158,8 @@ class DFlashConfig(Qwen3Config):
         fields = {k: v for k, v in raw.items() if k != META_KEY}
         try:
             return cls(**fields)
-        except (TypeError, ValueError) as exc:  # strict dataclass validation of a field
-            raise ValueError(f"{path}: {exc}") from exc
+        except (StrictDataclassError, TypeError, ValueError) as exc:  # a field of the wrong type (@strict)
+            raise ValueError(f"{path}: {' '.join(str(exc).split())}") from exc
 
 
 def checkpoint_meta(ckpt_dir: str | Path) -> CheckpointMeta:
