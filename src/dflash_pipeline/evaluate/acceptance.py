@@ -358,7 +358,7 @@ def main(argv=None) -> None:
     ``python -m dflash_pipeline.evaluate``; :mod:`dflash_pipeline.evaluate.__main__` dispatches ``server``)."""
     import argparse
 
-    p = argparse.ArgumentParser(description="Measure DFlash acceptance length τ with a speculative loop.")
+    p = argparse.ArgumentParser(prog="dflash-eval", description="Measure DFlash acceptance length τ with a speculative loop.")
     p.add_argument("--probe", required=True)
     p.add_argument("--target", required=True)
     p.add_argument("--eval-config", required=True, help="JSON of the validated `eval` config")

@@ -503,7 +503,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
 
     from dflash_pipeline.prompts import load_eval_prompts
 
-    p = argparse.ArgumentParser(prog="python -m dflash_pipeline.evaluate.engine_acceptance",
+    p = argparse.ArgumentParser(prog="dflash-eval server",
                                 description="τ as reported by a running SGLang/vLLM server with the drafter loaded.")
     p.add_argument("--base-url", required=True, help="OpenAI-compatible base URL, e.g. http://host:30000/v1")
     p.add_argument("--metrics-url", help="Prometheus endpoint (vLLM: http://host:8000/metrics) when responses carry no meta_info")

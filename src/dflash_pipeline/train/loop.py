@@ -142,7 +142,7 @@ def _optimizer_step(run: TrainRun, batches, n_micro: int, step: int, window: "_W
     total = torch.zeros((), dtype=torch.float32, device=acc.device)
     for j in range(n_micro):
         batch = next(batches)
-        if run.cfg.get("trace_batches"):
+        if run.cfg["trace_batches"]:
             trace_batch(run.out_dir, acc.process_index, step, batch)
         out = step_objective(run.ctx, batch)
         sync = contextlib.nullcontext() if j == n_micro - 1 else acc.no_sync(drafter)
