@@ -15,7 +15,7 @@ This package imports only numpy at the top (torch, transformers, vllm inside the
 so it loads in the vLLM venv, in the training env and in Snakemake's planning process.
 """
 
-import importlib
+from dflash_pipeline.core.faces import lazy_face
 
 from .format import FeatureLayout, FeatureShard, FeatureShardError, FeatureShardWriter, bytes_per_token
 
@@ -24,9 +24,4 @@ _OWNERS = {"read_token_arrays": "extract", "load_embed_and_head": "weights"}
 
 __all__ = ["FeatureLayout", "FeatureShard", "FeatureShardError", "FeatureShardWriter", "bytes_per_token", *_OWNERS]
 
-
-def __getattr__(name):
-    owner = _OWNERS.get(name)
-    if owner is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{owner}"), name)
+__getattr__, __dir__ = lazy_face(__name__, _OWNERS, globals)
