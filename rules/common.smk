@@ -4,6 +4,7 @@
 #   common/inputs.smk  input functions `get_*(wildcards)`: evaluated per job, after the prompts checkpoint
 #   common/params.smk  params: what a job reads from the config, and so what reruns it (the rerun policy
 #                      itself lives in dflash_pipeline.workflow.policy, with unit tests)
+#   common/checks.smk  plan-time checks that read files (the features stage's disk check)
 RESULTS = config["results_dir"]
 RUN_NAME = config["run"]
 DEMO_TARGET = "resources/demo-target"
@@ -20,3 +21,4 @@ wildcard_constraints:
 include: "common/paths.smk"
 include: "common/inputs.smk"
 include: "common/params.smk"
+include: "common/checks.smk"
