@@ -10,8 +10,9 @@ configfile: "config/config.yaml"
 
 
 # every problem on one line each: the schema's (Snakemake's validate prints the whole schema and the first
-# only), then the cross-field checks that would otherwise fail hours later (dflash_pipeline.core.config.problems)
-from dflash_pipeline.core.config import normalize_numbers, problems
+# only), then the cross-field checks that would otherwise fail hours later (dflash_pipeline.workflow.problems)
+from dflash_pipeline.core.config import normalize_numbers
+from dflash_pipeline.workflow.problems import problems
 
 config_problems = problems(config, base_dir=workflow.basedir)
 if config_problems:

@@ -4,9 +4,13 @@
 #   common/inputs.smk  input functions `get_*(wildcards)`: evaluated per job, after the prompts checkpoint
 #   common/params.smk  params: what a job reads from the config, and so what reruns it (the rerun policy
 #                      itself lives in dflash_pipeline.workflow.policy, with unit tests)
+#   common/checks.smk  plan-time checks that read files (the features stage's disk check)
 RESULTS = config["results_dir"]
 RUN_NAME = config["run"]
 DEMO_TARGET = "resources/demo-target"
+FEATURES = config["features"]
+FEATURES_FROM_SHARDS = config["train"]["target_features"] == "shards"  # the features stage runs (train reads shards)
+FEATURES_STREAM = config["train"]["target_features"] == "stream"  # train streams features from servers
 
 
 wildcard_constraints:
@@ -18,3 +22,4 @@ wildcard_constraints:
 include: "common/paths.smk"
 include: "common/inputs.smk"
 include: "common/params.smk"
+include: "common/checks.smk"

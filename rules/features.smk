@@ -1,8 +1,7 @@
 # The features stage (train.target_features: shards): one feature shard per token shard, then training
-# reads them instead of running the target (README "Targets larger than one GPU").
-
-
-include: "features_helpers.smk"
+# reads them instead of running the target (README "Targets larger than one GPU"). Its paths, inputs and
+# params are in common/ (feature_shard, get_train_feature_shards, features_job_config, ...), its plan-time
+# check (the feature bytes the results filesystem must hold) in common/checks.smk, run below the rules.
 
 
 rule extract_features:
@@ -17,9 +16,9 @@ rule extract_features:
     params:
         target=target_dir_of_input,
         features=as_json(features_job_config()),
-        python=lambda wc: features_python(),
+        python=features_python_of,
         target_dtype=config["target"]["dtype"],
-        trust="--trust-remote-code" if config["target"]["trust_remote_code"] else "",
+        trust=trust_remote_code_flag(),
     log:
         log_file("extract_features", "{dataset}", "{shard}"),
     benchmark:
@@ -45,3 +44,13 @@ rule clean_features:
 
         shutil.rmtree(f"{RESULTS}/features", ignore_errors=True)
         Path(log[0]).write_text(f"removed {RESULTS}/features\n")
+
+
+# --- plan-time check (common/checks.smk) ---------------------------------------------------------
+
+
+if FEATURES_FROM_SHARDS:
+    features_python()  # no vLLM environment: fail at plan time, not in the job
+    check_feature_disk()
+if FEATURES_STREAM:
+    stream_plan()  # the window against the scratch disk, never the dataset

@@ -10,18 +10,20 @@ rule train_drafter:
         probe=probe_json(),
         target=target_input(),
         tokens=get_token_shards,
-        features=train_feature_shards,
+        features=get_train_feature_shards,
     output:
         directory(final_checkpoint()),
     params:
         target=target_dir_of_input,
         run_dir=run_dir_of,
         train=as_json(train_params()),
-        arch=as_json({k: config["drafter"][k] for k in ("layer_types", "sliding_window")}),
+        arch=as_json(train_arch()),
         srun=srun_prefix(),
         # + `--feature-shard F` per feature shard with train.target_features: shards (rules/features.smk); in
         # one param and the online default left out of `train`, so an online run's params are unchanged
-        baseline=lambda wc, input: " ".join(filter(None, [baseline_flags_of(wc), train_feature_flags(wc, input)])),
+        baseline=train_extra_flags,
+        target_dtype=config["target"]["dtype"],
+        trust=trust_remote_code_flag(),
     log:
         log_file("train_drafter", "{run}"),
     benchmark:
@@ -34,8 +36,9 @@ rule train_drafter:
     shell:
         "OMP_NUM_THREADS={threads} python -m dflash_pipeline.workflow gpus {resources.gpu} -- "
         "{params.srun}python -m dflash_pipeline.workflow launch {params.train:q} -- "
-        "-m dflash_pipeline.train --probe {input.probe:q} --target {params.target:q} "
-        f"--target-dtype {config['target']['dtype']} --device {config['train']['device']} "
-        f"{'--trust-remote-code ' if config['target']['trust_remote_code'] else ''}"
-        "--out-dir {params.run_dir:q} --train-config {params.train:q} {params.baseline} --drafter-arch {params.arch:q} {input.tokens:q} "
+        "--no_python dflash-train --probe {input.probe:q} --target {params.target:q} "
+        "--target-dtype {params.target_dtype} "
+        f"--device {config['train']['device']} "  # where, not what: not a param (see train_params)
+        "{params.trust} --out-dir {params.run_dir:q} --train-config {params.train:q} {params.baseline} "
+        "--drafter-arch {params.arch:q} {input.tokens:q} "
         "2>&1 | python -m dflash_pipeline.workflow tee {log:q}"  # the log, and [train] lines on the console

@@ -1,8 +1,14 @@
 from pathlib import Path
 
-from dflash_pipeline.evaluate.acceptance import checkpoint_info, evaluate, step_checkpoints, training_prompt_ids, write_eval_table
-from dflash_pipeline.evaluate.engine_acceptance import attach_engine_tau
 from dflash_pipeline.core.shards import read_json, write_json
+from dflash_pipeline.evaluate.acceptance import (
+    checkpoint_info,
+    evaluate,
+    step_checkpoints,
+    training_prompt_ids,
+    write_eval_table,
+)
+from dflash_pipeline.evaluate.engine_acceptance import attach_engine_tau
 from dflash_pipeline.workflow.policy import claim_gpus, log_to
 
 with log_to(snakemake.log[0], snakemake.threads), claim_gpus(snakemake.resources.gpu):

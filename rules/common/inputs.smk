@@ -21,6 +21,16 @@ def get_completion_stats(wildcards):
     return [completion_stats(d, s) for d, s in get_shard_list(wildcards)]
 
 
+def get_feature_shards(wildcards):
+    """Feature shards of every token shard (same order as get_token_shards)."""
+    return [f"{RESULTS}/features/{d}/{s}.safetensors" for d, s in get_shard_list(wildcards)]
+
+
+def get_train_feature_shards(wildcards):
+    """`train_drafter` input: the feature shards with train.target_features: shards, none online."""
+    return get_feature_shards(wildcards) if FEATURES_FROM_SHARDS else []
+
+
 def get_baseline_checkpoints(wildcards):
     """Final checkpoints of the baselines of `wildcards.run`, keyed by label (eval and plot input)."""
     return {b: final_checkpoint(r) for b, r in baseline_runs(wildcards.run).items()}

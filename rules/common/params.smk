@@ -1,6 +1,9 @@
 # Params: what a job takes from the config. Snakemake reruns a job when one of its params' repr changes,
 # so every value here is canonical (sorted keys) and carries only what changes the output; the policy is
 # in dflash_pipeline.workflow.policy (tests/unit/test_workflow.py pins it).
+import json
+import shlex
+
 from dflash_pipeline.workflow import policy as wf
 from dflash_pipeline.workflow.policy import as_json, canonical
 
@@ -63,3 +66,83 @@ def baseline_flags_of(wildcards):
 def baseline_labels_of(wildcards):
     """`params.baseline_labels`: the labels of the baselines evaluated beside `wildcards.run`."""
     return list(baseline_runs(wildcards.run))
+
+
+def train_params():
+    """`config["train"]` for the train rule's params, without `device` (where, not what: `--device`) and
+    without `target_features` when it is `online` (the key's default: runs trained before the key existed
+    keep their params, so they are not retrained)."""
+    return {k: v for k, v in config["train"].items()
+            if k != "device" and not (k == "target_features" and v == "online")}
+
+
+def train_arch():
+    """`params.arch` of train_drafter: the optional sliding-window draft layers (drafter.layer_types/sliding_window)."""
+    return {k: config["drafter"][k] for k in ("layer_types", "sliding_window")}
+
+
+def train_feature_flags(wildcards, input):
+    """`--feature-shard F` per feature shard (train.target_features: shards), `--stream-config JSON` with
+    target_features: stream (the launcher starts colocated servers from it: dflash_pipeline.features.colocate),
+    "" online."""
+    if FEATURES_STREAM:
+        return f"--stream-config {shlex.quote(json.dumps(stream_job_config(wildcards.run), sort_keys=True))}"
+    files = input.features
+    files = [files] if isinstance(files, str) else list(files)  # one input file comes as a plain str
+    return " ".join(f"--feature-shard {shlex.quote(str(f))}" for f in files)
+
+
+def train_extra_flags(wildcards, input):
+    """`params.baseline` of train_drafter: a baseline run's flags, then `--feature-shard F` per feature shard;
+    one param, and empty for an online run of the main drafter, so such a run's params are unchanged."""
+    return " ".join(filter(None, [baseline_flags_of(wildcards), train_feature_flags(wildcards, input)]))
+
+
+def trust_remote_code_flag():
+    """`--trust-remote-code` when target.trust_remote_code, else "" (the shell rules' flag)."""
+    return "--trust-remote-code" if config["target"]["trust_remote_code"] else ""
+
+
+def features_python():
+    """Interpreter that runs the extraction: the vLLM environment's for backend vllm, else the job's own
+    `python`. A missing vLLM environment is reported before this runs, with every other config problem
+    (dflash_pipeline.workflow.problems.training_problems)."""
+    if FEATURES["backend"] != "vllm":
+        return "python"
+    from dflash_pipeline.core.vllm_env import require_vllm_python
+
+    return require_vllm_python(FEATURES["vllm"]["python"])
+
+
+def features_python_of(wildcards):
+    """`params.python` of extract_features (:func:`features_python`), resolved when the job runs."""
+    return features_python()
+
+
+def features_job_config():
+    """The `features` settings the extraction job reads (a rerun trigger: operational keys keep/
+    min_free_fraction/vllm.python are left out)."""
+    cfg = {k: FEATURES[k] for k in ("backend", "dtype", "last_hidden", "chunk_tokens")}
+    cfg["vllm"] = {k: FEATURES["vllm"][k] for k in ("expert_parallel", "engine_args")}
+    return canonical(cfg)
+
+
+#: The generation.* fleet knobs the stream client reuses (dflash_pipeline.features.stream_client).
+STREAM_FLEET_KEYS = ("request_timeout_s", "endpoint_max_failures", "endpoint_reprobe_s", "retry_backoff_s",
+                     "retry_backoff_max_s", "circuit_breaker_failures")
+
+
+def stream_job_config(run):
+    """The stream settings the train job reads (train.target_features: stream): features.stream, the
+    features dtype / last_hidden, the generation fleet knobs, the scratch dir (default
+    <results>/stream_scratch/<run>), the longest record (tokens.max_length) and the vLLM environment."""
+    st = dict(FEATURES["stream"])
+    st["scratch_dir"] = st["scratch_dir"] or f"{RESULTS}/stream_scratch/{run}"
+    st.update(dtype=FEATURES["dtype"], last_hidden=FEATURES["last_hidden"], max_len=config["tokens"]["max_length"],
+              fleet={k: config["generation"][k] for k in STREAM_FLEET_KEYS})
+    if st["backend"] == "vllm" and not st["endpoints"]:
+        from dflash_pipeline.core.vllm_env import require_vllm_python
+
+        st["vllm"] = {"python": require_vllm_python(FEATURES["vllm"]["python"]),
+                      **{k: FEATURES["vllm"][k] for k in ("expert_parallel", "engine_args")}}
+    return st

@@ -70,6 +70,13 @@ def token_shard(dataset="{dataset}", shard="{shard}"):
     return f"{RESULTS}/tokens/{dataset}/{shard}.parquet"
 
 
+def feature_shard():
+    """Path of one feature shard (safetensors + offsets index; format in dflash_pipeline.features.format),
+    `temp()` unless features.keep."""
+    path = f"{RESULTS}/features/{{dataset}}/{{shard}}.safetensors"
+    return path if FEATURES["keep"] else temp(path)
+
+
 def checkpoint_dir(run=RUN_NAME):
     return f"{RESULTS}/checkpoints/{run}"
 

@@ -23,8 +23,6 @@ from dflash_pipeline.core.contracts import run_stats
 from dflash_pipeline.core.shards import read_json, read_parquet, read_shard_metadata, write_tsv
 
 
-
-
 def _flatten(obj, prefix: str = "") -> list[tuple[str, str]]:
     """Nested dict → ``(dotted.key, value)`` pairs; lists of scalars joined, other lists as JSON."""
     out = []

@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-
 from conftest import REPO, planned_jobs, snakemake  # noqa: F401  (re-exported)
 
 

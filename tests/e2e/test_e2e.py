@@ -13,7 +13,6 @@ import re
 import pyarrow.parquet as pq
 import pytest
 import yaml
-
 from conftest import REPO, planned_jobs, snakemake  # noqa: F401  (shared helpers)
 
 pytestmark = pytest.mark.e2e

@@ -26,14 +26,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash_pipeline.target import chat
-
-from dflash_pipeline.core import contracts
-
-from dflash_pipeline.core import shards
 from dflash_pipeline.completions import generate_shard
+from dflash_pipeline.core import contracts, shards
 from dflash_pipeline.core.config import validate_config
 from dflash_pipeline.evaluate.vllm_server import VLLMServer
+from dflash_pipeline.target import chat
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]

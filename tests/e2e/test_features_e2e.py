@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from mini_workflow import REPO, planned_jobs, snakemake, write_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3000)]  # a demo target, two runs and one vLLM engine

@@ -11,8 +11,7 @@ import os
 import shutil
 
 import pytest
-
-from mini_workflow import REPO, token_targets, mini_config, planned_jobs, snakemake, write_config
+from mini_workflow import REPO, mini_config, planned_jobs, snakemake, token_targets, write_config
 
 pytestmark = pytest.mark.e2e
 

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-
-from mini_workflow import REPO, token_targets, mini_config, snakemake, write_config
+from mini_workflow import REPO, mini_config, snakemake, token_targets, write_config
 
 pytestmark = pytest.mark.e2e
 

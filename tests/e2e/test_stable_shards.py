@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import planned_jobs, snakemake
 
 pytestmark = pytest.mark.e2e

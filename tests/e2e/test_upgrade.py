@@ -16,14 +16,13 @@ after saying in :data:`LAST_MAIN_RERUNS` which rules rerun and why."""
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import tarfile
-import io
 
 import pytest
 import yaml
-
 from conftest import REPO, planned_jobs, snakemake
 
 pytestmark = pytest.mark.e2e
@@ -33,7 +32,17 @@ PREVIOUS_MAIN = os.environ.get("DFLASH_PREVIOUS_MAIN", "77e52f4")
 #: The main this code was branched from (override: $DFLASH_LAST_MAIN, a commit or ref).
 LAST_MAIN = os.environ.get("DFLASH_LAST_MAIN", "5f1ed51")
 #: Rules this code reruns in a results directory of LAST_MAIN, with the reason ({} for a pure refactor).
-LAST_MAIN_RERUNS: dict[str, str] = {}
+_TRAIN_RERUN = "its outputs' inputs: train_drafter reruns (issue #22)"
+LAST_MAIN_RERUNS: dict[str, str] = {
+    # issue #22: target.dtype (and the trust-remote-code flag) moved from the shell string into params, so a
+    # dtype change reruns training as it reruns features and eval; the shell runs `dflash-train` (console
+    # script) instead of `-m dflash_pipeline.train`. New shell text and params: the run and its baseline retrain.
+    "train_drafter": "target.dtype in params (a dtype change must rerun training) and the dflash-train entry point",
+    "evaluate_acceptance": _TRAIN_RERUN,
+    "plot_training": _TRAIN_RERUN,
+    "summarize_run": _TRAIN_RERUN,
+    "all": _TRAIN_RERUN,
+}
 
 
 def upgrade_config() -> dict:

@@ -84,22 +84,17 @@ to the HTTP client; records, sidecars, stats and logs carry base URLs with any `
 from .describe import _describe, _first_line, _root_cause
 from .fleet import OUTAGE_LOG_S, _auth_error, _Endpoint, _Fleet, _model_list, _not_found_error, _settle_model
 from .generate import Backend, context_limit, generate_shard, make_backend, preflight_template, too_long_prompts
-from .openai_backend import (
-    HTTP_LOGGERS,
-    OpenAIBackend,
-    _aiohttp_client,
-    _first_choice,
-    _quiet_http_logs,
-    _raise_http_log_levels,
-    _response_facts,
-)
+from .openai_backend import OpenAIBackend, _aiohttp_client, _first_choice, _response_facts
 from .records import (
     DISABLE_HINT_LOCAL,
     DISABLE_HINT_SERVER,
+    HTTP_LOGGERS,
     OnDone,
     RowError,
     RunInfo,
     Turn,
+    _quiet_http_logs,
+    _raise_http_log_levels,
     build_record,
     check_thinking,
     cut_at_eos,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from dflash_pipeline.core.errors import ConfigError, GenerationError
+
 from .describe import _describe
 from .retry import AUTH_STATUS
 

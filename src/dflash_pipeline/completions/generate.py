@@ -12,12 +12,21 @@ from pathlib import Path
 from typing import Protocol, Sequence
 
 from dflash_pipeline.core import shards
-from dflash_pipeline.target.chat import load_tokenizer, template_kwargs
 from dflash_pipeline.core.config import generation_problems
 from dflash_pipeline.core.contracts import COMPLETION_SCHEMA, COMPLETION_SCHEMA_VERSION, canonical_json
 from dflash_pipeline.core.errors import ConfigError, GenerationError
-from .openai_backend import OpenAIBackend, _quiet_http_logs
-from .records import MAX_SKIPPED_EXAMPLES, OnDone, RunInfo, context_limit, read_prompts, sampling_params
+from dflash_pipeline.target.chat import load_tokenizer, template_kwargs
+
+from .openai_backend import OpenAIBackend
+from .records import (
+    MAX_SKIPPED_EXAMPLES,
+    OnDone,
+    RunInfo,
+    _quiet_http_logs,
+    context_limit,
+    read_prompts,
+    sampling_params,
+)
 from .resume import ERRORS_SUFFIX, PROGRESS_SUFFIX, ProgressLog, _drop_other_model, _fingerprint
 from .stats import _Progress, shard_stats
 from .transformers_backend import TransformersBackend

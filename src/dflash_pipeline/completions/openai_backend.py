@@ -12,7 +12,6 @@ several client processes (:mod:`.workers`) with ``generation.client_processes > 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -21,13 +20,26 @@ import time
 from collections import Counter
 from typing import Any, Sequence
 
-from dflash_pipeline.target.chat import load_tokenizer, render, template_kwargs
 from dflash_pipeline.core.config import generation_problems
 from dflash_pipeline.core.errors import ConfigError
+from dflash_pipeline.target.chat import load_tokenizer, render, template_kwargs
+
 from . import retry
 from .describe import _describe
 from .fleet import _auth_error, _Endpoint, _Fleet
-from .records import DISABLE_HINT_LOCAL, OnDone, RowError, RunInfo, Turn, build_record, check_thinking, context_limit, redact_url, skipped_record, take_reasoning
+from .records import (
+    DISABLE_HINT_LOCAL,
+    OnDone,
+    RowError,
+    RunInfo,
+    Turn,
+    build_record,
+    check_thinking,
+    context_limit,
+    redact_url,
+    skipped_record,
+    take_reasoning,
+)
 from .stats import fleet_stats
 
 log = logging.getLogger(__package__)  # one logger for the whole completions stage
@@ -94,34 +106,6 @@ def _ids_ignored_error(ep: _Endpoint, fields: str) -> ConfigError:
         f"(return_input_ids_in_sglext + return_output_ids_in_sglext); vLLM with return_token_ids (vllm-project/vllm "
         f"PR #22587). Upgrade the server, or drop the field from generation.extra_body (records then carry no "
         f"ids and the tokens stage renders the chat template)")
-
-
-#: Loggers of the HTTP stack under the openai client; at INFO, httpx logs one line per request.
-HTTP_LOGGERS = ("httpx", "httpx2", "httpcore", "httpcore2", "openai", "aiohttp")
-
-
-def _raise_http_log_levels() -> dict[str, int]:
-    """Set the :data:`HTTP_LOGGERS` to WARNING (``HTTP Request: POST ... "HTTP/1.1 200 OK"`` per request
-    would flood the job log); a logger already stricter keeps its level, this module's own logger is
-    untouched. Returns the levels changed (name: previous level)."""
-    saved = {}
-    for name in HTTP_LOGGERS:
-        lg = logging.getLogger(name)
-        if lg.getEffectiveLevel() < logging.WARNING:
-            saved[name] = lg.level
-            lg.setLevel(logging.WARNING)
-    return saved
-
-
-@contextlib.contextmanager
-def _quiet_http_logs():
-    """:func:`_raise_http_log_levels` for the duration of a ``with`` block (the levels restored on exit)."""
-    saved = _raise_http_log_levels()
-    try:
-        yield
-    finally:
-        for name, level in saved.items():
-            logging.getLogger(name).setLevel(level)
 
 
 def _aiohttp_client(max_concurrency: int, timeout_s: float):

@@ -4,8 +4,9 @@ thinking-mode checks, and the prompt-shard reader (``contracts.PROMPT_SCHEMA`` i
 
 from __future__ import annotations
 
+import contextlib
 import json
-
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -264,3 +265,30 @@ def redact_url(url: str) -> str:
         host = f"{host}:{parts.port}"
     return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
 
+
+#: Loggers of the HTTP stack under the openai client; at INFO, httpx logs one line per request.
+HTTP_LOGGERS = ("httpx", "httpx2", "httpcore", "httpcore2", "openai", "aiohttp")
+
+
+def _raise_http_log_levels() -> dict[str, int]:
+    """Set the :data:`HTTP_LOGGERS` to WARNING (``HTTP Request: POST ... "HTTP/1.1 200 OK"`` per request
+    would flood the job log); a logger already stricter keeps its level, this module's own logger is
+    untouched. Returns the levels changed (name: previous level)."""
+    saved = {}
+    for name in HTTP_LOGGERS:
+        lg = logging.getLogger(name)
+        if lg.getEffectiveLevel() < logging.WARNING:
+            saved[name] = lg.level
+            lg.setLevel(logging.WARNING)
+    return saved
+
+
+@contextlib.contextmanager
+def _quiet_http_logs():
+    """:func:`_raise_http_log_levels` for the duration of a ``with`` block (the levels restored on exit)."""
+    saved = _raise_http_log_levels()
+    try:
+        yield
+    finally:
+        for name, level in saved.items():
+            logging.getLogger(name).setLevel(level)

@@ -18,6 +18,7 @@ from typing import Any, Iterable, Sequence
 
 from dflash_pipeline.core import shards
 from dflash_pipeline.core.contracts import COMPLETION_SCHEMA_VERSION
+
 from .records import sampling_params
 
 log = logging.getLogger(__package__)  # one logger for the whole completions stage

@@ -10,7 +10,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from dflash_pipeline.core.contracts import COMPLETION_SCHEMA_VERSION, COMPLETION_STATS_VERSION, CompletionStats, RunStats
+from dflash_pipeline.core.contracts import (
+    COMPLETION_SCHEMA_VERSION,
+    COMPLETION_STATS_VERSION,
+    CompletionStats,
+    RunStats,
+)
 
 #: The per-endpoint counters of a fleet (summed over client processes).
 ENDPOINT_COUNTERS = ("attempts", "failures", "taken_out")

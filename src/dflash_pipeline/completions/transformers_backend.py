@@ -15,11 +15,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from dflash_pipeline.target.chat import load_tokenizer, render
 from dflash_pipeline.core.errors import ConfigError
-from .records import (DISABLE_HINT_LOCAL, OnDone, RowError, RunInfo, Turn, build_record, check_thinking, cut_at_eos,
-                      skipped_record)
-from .records import take_reasoning
+from dflash_pipeline.target.chat import load_tokenizer, render
+
+from .records import (
+    DISABLE_HINT_LOCAL,
+    OnDone,
+    RowError,
+    RunInfo,
+    Turn,
+    build_record,
+    check_thinking,
+    cut_at_eos,
+    skipped_record,
+    take_reasoning,
+)
 
 
 @dataclass

@@ -22,12 +22,15 @@ import queue as queue_mod
 import sys
 import threading
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from dflash_pipeline.core.errors import ConfigError, GenerationError
-from .openai_backend import OpenAIBackend, _raise_http_log_levels
-from .records import OnDone, RunInfo, redact_url
+
+from .records import OnDone, RunInfo, _raise_http_log_levels, redact_url
 from .stats import fleet_stats, merge_fleet_stats
+
+if TYPE_CHECKING:  # the backend imports this module to run its client processes
+    from .openai_backend import OpenAIBackend
 
 log = logging.getLogger(__package__)  # one logger for the whole completions stage
 
@@ -204,7 +207,8 @@ def _client_process(wid: int, ppid: int, gen_cfg: dict, init_kw: dict, info: Run
     root.setLevel(log_level)
     _raise_http_log_levels()  # for the life of this process (its log records travel through the results queue)
     try:
-        backend = OpenAIBackend(gen_cfg, **init_kw)  # API keys from the inherited environment, as in the parent
+        backend_cls = init_kw.pop("backend_cls")  # the parent's class (pickled by reference), not an import
+        backend = backend_cls(gen_cfg, **init_kw)  # API keys from the inherited environment, as in the parent
         out: list[dict] = []
         loop_ref: list = []
 
@@ -343,7 +347,7 @@ def run_client_processes(backend: OpenAIBackend, prompts: Sequence[dict], on_don
     if not backend._probed:  # once here: every process sends and records the same, checked model, and a
         asyncio.run(backend._discover())  # configuration error is raised here rather than in each process
     info.model = backend.model
-    init_kw = {**backend._init_kw, "resolved_model": backend.model}
+    init_kw = {**backend._init_kw, "resolved_model": backend.model, "backend_cls": type(backend)}
     ctx = multiprocessing.get_context("spawn")  # not fork: the parent may hold threads
     tasks, results = ctx.Queue(), ctx.Queue()
     stop = ctx.RawValue("b", 0)  # set by the parent: end in-flight conversations and hand back what finished

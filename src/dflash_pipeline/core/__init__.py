@@ -1,9 +1,7 @@
-"""The core every stage builds on: config and schemas, record contracts, atomic shard I/O, errors, the console, where vLLM lives. It imports no other package of dflash_pipeline.
+"""The core every stage builds on: config and schemas, record contracts, atomic shard I/O, errors, the console, where vLLM lives. It imports no other package of dflash_pipeline. Names load on first use
+(``_OWNERS``: :func:`dflash_pipeline.core.faces.lazy_face`)."""
 
-The public face: each name is loaded lazily from the module that owns it (listed in ``_OWNERS``), so
-importing the package costs nothing until a name is used."""
-
-import importlib
+from dflash_pipeline.core.faces import lazy_face
 
 _OWNERS = {
     "SCHEMA_PATH": "config",
@@ -11,16 +9,13 @@ _OWNERS = {
     "schema_problems": "config",
     "normalize_numbers": "config",
     "validate_config": "config",
+    "fill_defaults": "config",
     "load_config": "config",
     "deep_merge": "config",
     "schema_default": "config",
     "schema_defaults": "config",
     "generation_problems": "config",
-    "language_block_problems": "config",
     "resolve_path": "config",
-    "cross_field_problems": "config",
-    "training_problems": "config",
-    "problems": "config",
     "CONSOLE_LOGGER": "console",
     "CONSOLE_PREFIXES": "console",
     "console": "console",
@@ -82,13 +77,4 @@ _OWNERS = {
 
 __all__ = sorted(_OWNERS)
 
-
-def __getattr__(name):
-    owner = _OWNERS.get(name)
-    if owner is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{owner}"), name)
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_OWNERS))
+__getattr__, __dir__ = lazy_face(__name__, _OWNERS, globals)

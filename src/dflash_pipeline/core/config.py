@@ -120,21 +120,19 @@ def normalize_numbers(config: dict, schema: Mapping[str, Any] | None = None) -> 
 def validate_config(config: Mapping[str, Any]) -> dict:
     """Validate ``config`` against the schema and return a deep copy with every default filled in.
 
+    The stages' cross-field checks (language codes the schema's pattern lets through, files that must
+    exist, …) are gathered by :func:`dflash_pipeline.workflow.problems.problems`, which the Snakefile runs.
+
     Raises:
-        ConfigError: naming the offending key path and the schema's complaint, or (by key) a language code
-            the language filter does not know (:func:`dflash_pipeline.prompts.language_problems`).
+        ConfigError: naming the offending key path and the schema's complaint.
     """
     found = schema_problems(config)
     if found:
         raise ConfigError(f"config problems (schema: {SCHEMA_PATH}): " + "; ".join(found))
-    cfg = _filled(config)
-    found = language_block_problems(cfg)  # language codes the schema's pattern lets through
-    if found:
-        raise ConfigError("; ".join(found))
-    return cfg
+    return fill_defaults(config)
 
 
-def _filled(config: Mapping[str, Any]) -> dict:
+def fill_defaults(config: Mapping[str, Any]) -> dict:
     """A deep copy of a schema-valid ``config`` with every default filled and numbers normalized."""
     cfg = copy.deepcopy(dict(config))
     _with_defaults(jsonschema.Draft202012Validator)(load_schema()).validate(cfg)  # fills the defaults
@@ -239,20 +237,6 @@ def generation_problems(gen: Mapping[str, Any], *, target_dir: Any, backend: str
     return out
 
 
-def language_block_problems(cfg: Mapping[str, Any]) -> list[str]:
-    """Problems of the language block (``prompts.languages``, ``prompts.min_language_confidence`` and the
-    per-source ``languages``/``min_language_confidence``) of a validated config: codes the language filter
-    does not know, confidences out of range. Imports the prompts stage only when a filter is configured."""
-    if not cfg["prompts"].get("languages") and not any(
-        src.get("languages") is not None or src.get("min_language_confidence") is not None
-        for src in cfg["datasets"].values()
-    ):
-        return []
-    from dflash_pipeline.prompts import language_problems
-
-    return language_problems(cfg["prompts"], cfg["datasets"])
-
-
 def resolve_path(path: str, base_dir: str | Path | None) -> str:
     """A relative ``path`` missing from the working directory but present under ``base_dir`` (the
     workflow's own directory: bundled data under ``data/``) resolves there, so ``snakemake -d elsewhere``
@@ -262,99 +246,3 @@ def resolve_path(path: str, base_dir: str | Path | None) -> str:
         return str(path)
     shipped = Path(base_dir) / p
     return str(shipped) if shipped.exists() else str(path)
-
-
-def cross_field_problems(cfg: Mapping[str, Any], *, base_dir: str | Path | None = None) -> list[str]:
-    """Problems of a validated config that no single key shows, one line each: files that must exist (the
-    target and its tokenizer, the chat template, local dataset and eval set paths, resolved against
-    ``base_dir`` like the workflow does), no dataset, an eval block size above the trained one,
-    :func:`generation_problems` and :func:`language_block_problems`."""
-    out = []
-    path = cfg["target"]["path"]
-    if path != "demo" and not (Path(path) / "config.json").is_file():
-        out.append(f"target.path: {path}/config.json not found (a model directory, or `demo`)")
-    elif path != "demo":
-        from dflash_pipeline.target.chat import tokenizer_files_missing
-
-        why = tokenizer_files_missing(Path(path))
-        if why:
-            out.append(f"target.path: {why}; the tokens stage (and generation.api: completions) need the "
-                       f"target's tokenizer (weights are needed only by the transformers backend)")
-    if path != "demo" and cfg["generation"]["backend"] == "transformers" and (Path(path) / "config.json").is_file():
-        weights = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
-        if not any(any(Path(path).glob(g)) for g in weights):
-            out.append(f"target.path: no weights (*.safetensors, pytorch_model*.bin) in {path}, but "
-                       f"generation.backend: transformers generates with them in-process (and training runs "
-                       f"the target online); point target.path at the full model directory, or generate "
-                       f"with generation.backend: openai against a server")
-    template = cfg["target"]["chat_template"]
-    if template is not None and not Path(template).is_file():
-        out.append(f"target.chat_template: {template} not found (a .jinja file, or null for the tokenizer's own)")
-    if not cfg["datasets"]:
-        out.append("datasets: no prompt source configured (see config/config.yaml for the shape)")
-    for name, src in cfg["datasets"].items():
-        src_path = resolve_path(src["path"], base_dir)
-        if not src_path.startswith("hf:") and not Path(src_path).exists():
-            out.append(f"datasets.{name}.path: {src_path} not found")
-    for name, src in cfg["eval"]["sets"].items():
-        src_path = resolve_path(src["path"], base_dir)
-        if not Path(src_path).exists():
-            out.append(f"eval.sets.{name}.path: {src_path} not found")
-    eval_bs, trained_bs = cfg["eval"]["block_size"], cfg["drafter"]["block_size"]
-    if eval_bs is not None and eval_bs > trained_bs:
-        out.append(f"eval.block_size: {eval_bs} exceeds drafter.block_size {trained_bs} (null = the trained one)")
-    out += generation_problems(cfg["generation"], target_dir=path)
-    out += language_block_problems(cfg)
-    out += training_problems(cfg)
-    return out
-
-
-def training_problems(cfg: Mapping[str, Any]) -> list[str]:
-    """Combinations of the train / features / eval settings that cannot run, found before anything does."""
-    out = []
-    train, ev = cfg["train"], cfg["eval"]
-    if train["target_features"] == "shards" and train["loss"] == "kl":
-        out.append("train.loss: kl needs the target's final-normed last hidden state, which feature shards do not "
-                   "carry yet (features.last_hidden stores the pre-norm layer output); use train.loss: ce_decay or "
-                   "dpace with train.target_features: shards, or kl with target_features: online")
-    if train["target_features"] == "shards" and train["packing"]:
-        out.append("train.packing is not supported with train.target_features: shards yet; set train.packing: false")
-    stream = cfg["features"].get("stream") or {}  # partial configs (tests, direct calls) have none
-    if train["target_features"] == "stream" and train["loss"] == "kl":
-        out.append("train.loss: kl needs the target's final-normed last hidden state, which the feature servers do not "
-                   "send yet (features.last_hidden is the pre-norm layer output); use ce_decay or dpace with "
-                   "train.target_features: stream")
-    from dflash_pipeline.core.vllm_env import VLLMNotFound, require_vllm_python
-
-    if ev["engine"] == "sglang" and not ev["engine_base_url"]:
-        out.append("eval.engine: sglang measures τ on a running SGLang server, which the pipeline cannot start: "
-                   "start it with the trained drafter (the SGLang line of the export's serve.md) and set "
-                   "eval.engine_base_url (e.g. http://host:30000/v1)")
-    needs_vllm = []  # (setting, its vLLM python, what else fixes it)
-    if ev["engine"] == "vllm" and not ev["engine_base_url"]:
-        needs_vllm.append(("eval.engine: vllm", None, "; or give eval.engine_base_url"))
-    if train["target_features"] == "shards" and cfg["features"]["backend"] == "vllm":
-        needs_vllm.append(("features.backend: vllm", cfg["features"]["vllm"]["python"], "; or features.backend: hf"))
-    if train["target_features"] == "stream" and stream.get("backend") == "vllm" and not stream.get("endpoints"):
-        needs_vllm.append(("features.stream.backend: vllm", cfg["features"]["vllm"]["python"],
-                           "; or features.stream.backend: hf"))
-    for setting, python, alternative in needs_vllm:
-        try:
-            require_vllm_python(python)
-        except VLLMNotFound as exc:
-            out.append(f"{setting} runs vLLM from its own environment: {exc}{alternative}")
-    return out
-
-
-def problems(config: Mapping[str, Any], *, base_dir: str | Path | None = None) -> list[str]:
-    """Every problem of ``config`` (as loaded, defaults not filled), one line each; empty when none.
-
-    The schema's problems (:func:`schema_problems`) first; only when there are none, the
-    :func:`cross_field_problems` of the validated config (they need the defaults). The Snakefile calls
-    this before Snakemake's ``validate``, so ``snakemake -n`` fails in seconds on settings that would
-    otherwise fail hours later.
-    """
-    found = schema_problems(config)
-    if found:
-        return found
-    return cross_field_problems(_filled(config), base_dir=base_dir)

@@ -1,9 +1,7 @@
-"""The DFlash drafter: model, blocks (anchors, labels, decayed CE) and attention masks.
+"""The DFlash drafter: model, blocks (anchors, labels, decayed CE) and attention masks. Names load on first use
+(``_OWNERS``: :func:`dflash_pipeline.core.faces.lazy_face`)."""
 
-The public face: each name is loaded lazily from the module that owns it (listed in ``_OWNERS``), so
-importing the package costs nothing until a name is used."""
-
-import importlib
+from dflash_pipeline.core.faces import lazy_face
 
 _OWNERS = {
     "build_block_mask": "attention_masks",
@@ -20,7 +18,13 @@ _OWNERS = {
     "slot_accuracy": "blocks",
     "expected_acceptance_length": "blocks",
     "cosine_with_warmup": "blocks",
-    "ARCHITECTURE": "model",
+    "ARCHITECTURE": "config",
+    "DFlashConfig": "config",
+    "checkpoint_meta": "config",
+    "BlockSizeError": "block_size",
+    "check_block_size": "block_size",
+    "resolve_block_size": "block_size",
+    "build_drafter": "model",
     "drafter_config_from_target": "model",
     "DraftContextCache": "model",
     "DFlashAttention": "model",
@@ -33,13 +37,4 @@ _OWNERS = {
 
 __all__ = sorted(_OWNERS)
 
-
-def __getattr__(name):
-    owner = _OWNERS.get(name)
-    if owner is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{owner}"), name)
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_OWNERS))
+__getattr__, __dir__ = lazy_face(__name__, _OWNERS, globals)

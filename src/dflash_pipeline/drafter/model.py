@@ -1,8 +1,8 @@
 """The DFlash drafter: Qwen3-style layers with KV injection of fused target features.
 
 Read top to bottom like a Hugging Face ``modeling_*.py``:
-config helpers -> attention with KV injection -> decoder layer -> drafter -> export/load in the format
-SGLang and vLLM serve. The training side lives beside it and is re-exported here (``M.sample_anchors``,
+builders (the config itself, :class:`dflash_pipeline.drafter.config.DFlashConfig`, owns ``config.json``)
+-> attention with KV injection -> decoder layer -> drafter -> export/load in the format SGLang and vLLM serve. The training side lives beside it and is re-exported here (``M.sample_anchors``,
 ``M.build_block_mask``, … keep working): :mod:`dflash_pipeline.drafter.blocks` (anchors, block inputs and
 same-position labels, decayed CE, its normaliser, slot accuracy, LR schedule) and
 :mod:`dflash_pipeline.drafter.attention_masks` (training and inference attention masks).
@@ -15,19 +15,24 @@ S sequence length, N anchors per sequence, V vocabulary.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3MLP,
     Qwen3RMSNorm,
 )
 
+from dflash_pipeline.drafter.attention_masks import (  # noqa: F401 - re-exported, as above
+    build_block_mask,
+    build_flex_block_mask,
+    build_inference_sliding_mask,
+    build_training_masks,
+    masks_per_layer_type,
+)
 from dflash_pipeline.drafter.blocks import (  # noqa: F401 - re-exported: the training side, imported as M.* across the package
     AnchorBatch,
     block_inputs_and_labels,
@@ -39,89 +44,39 @@ from dflash_pipeline.drafter.blocks import (  # noqa: F401 - re-exported: the tr
     sample_anchors,
     slot_accuracy,
 )
-from dflash_pipeline.core.contracts import CHECKPOINT_FORMAT_VERSION
-from dflash_pipeline.drafter.attention_masks import (  # noqa: F401 - re-exported, as above
-    build_block_mask,
-    build_flex_block_mask,
-    build_inference_sliding_mask,
-    build_training_masks,
-    masks_per_layer_type,
-)
-from dflash_pipeline.drafter.rope import DFlashRotaryEmbedding, apply_rope, drafter_rope_parameters
-from dflash_pipeline.target.loading import module_dtype
-
-ARCHITECTURE = "DFlashDraftModel"
-
+from dflash_pipeline.drafter.config import DFlashConfig
+from dflash_pipeline.drafter.rope import DFlashRotaryEmbedding, apply_rope
+from dflash_pipeline.target.loading import module_dtype, text_config
 
 # ---------------------------------------------------------------------------------------------------
-# Config
+# Config (the class and the checkpoint's config.json: dflash_pipeline.drafter.config)
 # ---------------------------------------------------------------------------------------------------
 
 
-def drafter_config_from_target(
-    target_config,
-    *,
-    block_size: int,
-    num_draft_layers: int,
-    target_layer_ids: list[int],
-    mask_token_id: int,
-    layer_types: Optional[list[str]] = None,
-    sliding_window: Optional[int] = None,
-) -> Qwen3Config:
-    """Build the drafter's ``Qwen3Config`` from the target's text config (dflash.md §2.1, §8.2).
+def drafter_config_from_target(target_config, **sizes) -> DFlashConfig:
+    """The drafter's config from the target's text config: :meth:`DFlashConfig.from_target` (same keyword
+    arguments: ``block_size``, ``num_draft_layers``, ``target_layer_ids``, ``mask_token_id``, optional
+    ``layer_types`` / ``sliding_window``), the name tests and benches build drafters with."""
+    return DFlashConfig.from_target(target_config, **sizes)
 
-    The drafter's hidden size, heads, head_dim, vocab and rope equal the target's (the target's
-    embedding and LM head are reused); ``num_hidden_layers`` is the number of *draft* layers.
-    ``layer_types`` (``full_attention``/``sliding_attention`` per draft layer) with ``sliding_window``
-    (tokens) makes sliding-window drafter layers (dflash.md §2.3, e.g. Qwen3.6-27B: 4 sliding + 1 full).
 
-    Raises:
-        ValueError: ``layer_types`` of the wrong length, or sliding layers without ``sliding_window``.
-    DFlash fields ride along as ``block_size``, ``num_target_layers`` and ``dflash_config``.
-    """
-    if layer_types is not None and len(layer_types) != num_draft_layers:
-        raise ValueError(f"drafter.layer_types has {len(layer_types)} entries for {num_draft_layers} draft layers")
-    if layer_types and "sliding_attention" in layer_types and not sliding_window:
-        raise ValueError("drafter.layer_types has sliding_attention layers: set drafter.sliding_window (tokens)")
-    t = target_config
-    head_dim = _target_attr(t, "head_dim") or t.hidden_size // t.num_attention_heads
-    rope = drafter_rope_parameters(_target_attr(t, "rope_parameters") or _target_attr(t, "rope_scaling"),
-                                   rope_theta=_target_attr(t, "rope_theta", 1_000_000.0),
-                                   partial_rotary_factor=_target_attr(t, "partial_rotary_factor"),
-                                   rotary_dim=_target_attr(t, "rotary_dim"), head_dim=head_dim)
-    cfg = Qwen3Config(
-        vocab_size=t.vocab_size,
-        hidden_size=t.hidden_size,
-        intermediate_size=_target_attr(t, "intermediate_size", 4 * t.hidden_size),
-        num_hidden_layers=num_draft_layers,
-        num_attention_heads=t.num_attention_heads,
-        num_key_value_heads=_target_attr(t, "num_key_value_heads", t.num_attention_heads),
-        head_dim=head_dim,
-        hidden_act="silu",
-        max_position_embeddings=t.max_position_embeddings,
-        rms_norm_eps=_target_attr(t, "rms_norm_eps", 1e-6),
-        rope_parameters=rope,
-        attention_bias=False,
-        tie_word_embeddings=False,
-        layer_types=list(layer_types or ["full_attention"] * num_draft_layers),
+def build_drafter(target, probe: dict, *, seed: int = 0, layer_types=None, sliding_window=None) -> "DFlashDrafter":
+    """Random-init float32 drafter sized from ``target.config`` (its text config) and the probe's drafter
+    decisions (``probe["drafter"]``: block_size, num_draft_layers, target_layer_ids, mask_token_id);
+    ``layer_types``/``sliding_window``: optional sliding-window draft layers (config ``drafter.*``).
+    The train stage's initial drafter and the eval stage's untrained floor; ``seed`` seeds the init."""
+    d = probe["drafter"]
+    cfg = DFlashConfig.from_target(
+        text_config(target.config),
+        block_size=d["block_size"],
+        num_draft_layers=d["num_draft_layers"],
+        target_layer_ids=d["target_layer_ids"],
+        mask_token_id=d["mask_token_id"],
+        layer_types=layer_types,
         sliding_window=sliding_window,
-        use_sliding_window=bool(layer_types and "sliding_attention" in layer_types),
     )
-    cfg.architectures = [ARCHITECTURE]
-    cfg.block_size = int(block_size)
-    cfg.num_target_layers = int(t.num_hidden_layers)
-    cfg.dflash_config = {"mask_token_id": int(mask_token_id), "target_layer_ids": [int(i) for i in target_layer_ids]}
-    return cfg
-
-
-def _target_attr(config, name: str, default=None):
-    """``config.name`` (``default`` when missing/None); a per-layer attribute of a heterogeneous config
-    (gemma-4's ``head_dim``) is read from its serialized global value."""
-    try:
-        value = getattr(config, name, None)
-    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError
-        value = config.to_dict().get(name)
-    return default if value is None else value
+    torch.manual_seed(seed)
+    return DFlashDrafter(cfg)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -161,7 +116,7 @@ class DFlashAttention(nn.Module):
     absolute positions of each part. Attention is non-causal: visibility comes only from the mask.
     """
 
-    def __init__(self, config: Qwen3Config, layer_idx: int):
+    def __init__(self, config: DFlashConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.head_dim = config.head_dim
@@ -235,7 +190,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class DFlashDecoderLayer(nn.Module):
     """Pre-norm Qwen3 decoder layer with :class:`DFlashAttention` (dflash.md §2.1)."""
 
-    def __init__(self, config: Qwen3Config, layer_idx: int):
+    def __init__(self, config: DFlashConfig, layer_idx: int):
         super().__init__()
         self.attention_type = (getattr(config, "layer_types", None) or ["full_attention"] * (layer_idx + 1))[layer_idx]
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -263,14 +218,14 @@ class DFlashDrafter(nn.Module):
     (``fc``, ``hidden_norm``, ``norm``, ``layers.N.*``; §8.3).
     """
 
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: DFlashConfig):
         super().__init__()
         self.config = config
-        k = len(config.dflash_config["target_layer_ids"])
+        k = len(config.target_layer_ids)
         h = config.hidden_size
         self.block_size = int(config.block_size)
-        self.mask_token_id = int(config.dflash_config["mask_token_id"])
-        self.target_layer_ids = list(config.dflash_config["target_layer_ids"])
+        self.mask_token_id = config.mask_token_id
+        self.target_layer_ids = config.target_layer_ids
         self.layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
         self.sliding_window = getattr(config, "sliding_window", None) if "sliding_attention" in self.layer_types else None
         self.fc = nn.Linear(k * h, h, bias=False)
@@ -350,10 +305,12 @@ class DFlashDrafter(nn.Module):
 
 
 def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16, extra: Optional[dict] = None) -> None:
-    """Write ``config.json`` + ``model.safetensors`` in the layout SGLang/vLLM load (dflash.md §8.1–8.3).
+    """Write ``model.safetensors`` + ``config.json`` in the layout SGLang/vLLM load (dflash.md §8.1–8.3).
 
     Tensor names are unprefixed (``fc.weight``, ``layers.0.self_attn.q_proj.weight``, …); no embedding
-    or LM head (they are the target's). Writes into ``out_dir`` (created); callers make it atomic.
+    or LM head (they are the target's); tensors in ``dtype``. ``config.json`` is written by
+    :meth:`DFlashConfig.save` (``extra``: the :class:`~dflash_pipeline.core.contracts.CheckpointMeta` keys).
+    Writes into ``out_dir`` (created); callers make the directory atomic.
     """
     from safetensors.torch import save_file
 
@@ -361,32 +318,22 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, *, dtype: torch.dt
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu", dtype=dtype).contiguous() for k, v in drafter.state_dict().items() if not k.startswith("rotary_emb.")}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg = drafter.config.to_dict()
-    cfg["architectures"] = [ARCHITECTURE]
-    cfg["model_type"] = "qwen3"
-    cfg["block_size"] = drafter.config.block_size
-    cfg["num_target_layers"] = drafter.config.num_target_layers
-    cfg["dflash_config"] = dict(drafter.config.dflash_config)
-    cfg["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in drafter.target_layer_ids]
-    cfg["dtype"] = str(dtype).replace("torch.", "")
-    cfg["tie_word_embeddings"] = False
-    cfg["dflash_pipeline"] = {"format_version": CHECKPOINT_FORMAT_VERSION, **(extra or {})}
-    cfg.pop("auto_map", None)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    drafter.config.save(out, dtype=str(dtype).replace("torch.", ""), meta=extra)
 
 
 def load_drafter(ckpt_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DFlashDrafter:
     """Load a drafter written by :func:`save_drafter` (or any unprefixed DFlash checkpoint) in ``dtype``
-    (eval passes the target's, :func:`dflash_pipeline.target.loading.drafter_dtype`)."""
+    (eval passes the target's, :func:`dflash_pipeline.target.loading.drafter_dtype`); its config is
+    :meth:`DFlashConfig.from_checkpoint`.
+
+    Raises:
+        FileNotFoundError / ValueError: no or a malformed ``config.json`` (:meth:`DFlashConfig.from_checkpoint`);
+            ValueError: tensors missing from or unexpected in ``model.safetensors``.
+    """
     from safetensors.torch import load_file
 
     ckpt = Path(ckpt_dir)
-    raw = json.loads((ckpt / "config.json").read_text(encoding="utf-8"))
-    cfg = Qwen3Config(**{k: v for k, v in raw.items() if k not in ("dflash_pipeline",)})
-    cfg.block_size = raw["block_size"]
-    cfg.num_target_layers = raw["num_target_layers"]
-    cfg.dflash_config = raw["dflash_config"]
-    drafter = DFlashDrafter(cfg)
+    drafter = DFlashDrafter(DFlashConfig.from_checkpoint(ckpt))
     state = load_file(str(ckpt / "model.safetensors"))
     state = {k.removeprefix("model."): v for k, v in state.items()}
     missing, unexpected = drafter.load_state_dict(state, strict=False)

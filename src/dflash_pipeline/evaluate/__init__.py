@@ -1,9 +1,7 @@
-"""Stage 6, eval: acceptance length (tau) from our speculative loop and from the serving engine.
+"""Stage 6, eval: acceptance length (tau) from our speculative loop and from the serving engine. Names load on first use
+(``_OWNERS``: :func:`dflash_pipeline.core.faces.lazy_face`)."""
 
-The public face: each name is loaded lazily from the module that owns it (listed in ``_OWNERS``), so
-importing the package costs nothing until a name is used."""
-
-import importlib
+from dflash_pipeline.core.faces import lazy_face
 
 _OWNERS = {
     "acceptance_stats": "acceptance",
@@ -19,17 +17,17 @@ _OWNERS = {
     "run_checkpoint_series": "acceptance",
     "evaluate": "acceptance",
     "main": "acceptance",
-    "VLLM_DRAFTS": "engine_acceptance",
-    "VLLM_DRAFT_TOKENS": "engine_acceptance",
-    "VLLM_ACCEPTED": "engine_acceptance",
-    "VLLM_ACCEPTED_PER_POS": "engine_acceptance",
+    "VLLM_DRAFTS": "engine_metrics",
+    "VLLM_DRAFT_TOKENS": "engine_metrics",
+    "VLLM_ACCEPTED": "engine_metrics",
+    "VLLM_ACCEPTED_PER_POS": "engine_metrics",
     "DISAGREEMENT_Z": "engine_acceptance",
-    "EngineComparisonError": "engine_acceptance",
-    "parse_prometheus": "engine_acceptance",
-    "parse_prometheus_by_label": "engine_acceptance",
-    "spec_counters": "engine_acceptance",
-    "counters_delta": "engine_acceptance",
-    "engine_acceptance_stats": "engine_acceptance",
+    "EngineComparisonError": "engine_metrics",
+    "parse_prometheus": "engine_metrics",
+    "parse_prometheus_by_label": "engine_metrics",
+    "spec_counters": "engine_metrics",
+    "counters_delta": "engine_metrics",
+    "engine_acceptance_stats": "engine_metrics",
     "default_metrics_url": "engine_acceptance",
     "server_acceptance": "engine_acceptance",
     "evaluate_engine": "engine_acceptance",
@@ -67,13 +65,4 @@ _OWNERS = {
 
 __all__ = sorted(_OWNERS)
 
-
-def __getattr__(name):
-    owner = _OWNERS.get(name)
-    if owner is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{owner}"), name)
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_OWNERS))
+__getattr__, __dir__ = lazy_face(__name__, _OWNERS, globals)

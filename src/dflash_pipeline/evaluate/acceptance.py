@@ -27,8 +27,10 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from dflash_pipeline.drafter import model as M
 from dflash_pipeline.core.contracts import EVAL_SCHEMA_VERSION
+from dflash_pipeline.core.shards import write_json
+from dflash_pipeline.drafter import model as M
+from dflash_pipeline.drafter.block_size import resolve_block_size
 from dflash_pipeline.evaluate.outputs import (
     TABLE_COLUMNS,
     EvalComparisonError,
@@ -43,7 +45,6 @@ from dflash_pipeline.evaluate.outputs import (
     write_eval_outputs,
     write_eval_table,
 )
-from dflash_pipeline.core.shards import write_json
 from dflash_pipeline.evaluate.speculative import SpecResult, TargetCache, speculative_generate
 
 #: This module's names and those re-exported from :mod:`.speculative` and :mod:`.eval_outputs` (scripts,
@@ -82,13 +83,21 @@ def acceptance_stats(accept_lengths_per_response: Sequence[Sequence[int]], block
 
 
 def checkpoint_info(ckpt_dir: str | Path) -> dict:
-    """What a drafter checkpoint says about itself: ``train_steps``, ``zero_target_features``, ``block_size``."""
-    raw = json.loads((Path(ckpt_dir) / "config.json").read_text(encoding="utf-8"))
-    extra = raw.get("dflash_pipeline") or {}
+    """What a drafter checkpoint says about itself: ``train_steps`` (None when it does not say),
+    ``zero_target_features`` (False when it does not say) from its
+    :func:`~dflash_pipeline.drafter.config.checkpoint_meta`, and its trained ``block_size``
+    (:class:`~dflash_pipeline.drafter.config.DFlashConfig`).
+
+    Raises:
+        FileNotFoundError / ValueError: no or a malformed ``config.json`` (naming the file and field).
+    """
+    from dflash_pipeline.drafter.config import DFlashConfig, checkpoint_meta
+
+    meta = checkpoint_meta(ckpt_dir)
     return {
-        "train_steps": extra.get("train_steps"),
-        "zero_target_features": bool(extra.get("zero_target_features", False)),
-        "block_size": raw.get("block_size"),
+        "train_steps": meta.get("train_steps"),
+        "zero_target_features": bool(meta.get("zero_target_features", False)),
+        "block_size": DFlashConfig.from_checkpoint(ckpt_dir).block_size,
     }
 
 
@@ -217,7 +226,7 @@ def open_session(*, target_dir, probe: dict, eval_cfg: dict, thinking: str, chat
     tok = load_tokenizer(target_dir, chat_template=chat_template, trust_remote_code=trust_remote_code)
     stops = list(probe.get("tokenizer", {}).get("eos_token_ids") or [tok.eos_token_id])
     trained_bs = probe["drafter"]["block_size"]
-    bs = eval_cfg.get("block_size") or trained_bs
+    bs = resolve_block_size(eval_cfg["block_size"], trained_bs)
     temperature = float(eval_cfg["temperature"])
     sets, set_info = load_eval_sets(eval_cfg, exclude_prompt_ids)
     settings = {
@@ -236,20 +245,17 @@ def load_eval_drafter(session: EvalSession, label: str, ckpt: Optional[str | Pat
     :func:`checkpoint_info`.
 
     Raises:
-        ValueError: ``eval.block_size`` exceeds the drafter's trained block size.
+        BlockSizeError (a ValueError): ``eval.block_size`` exceeds the drafter's trained block size.
     """
     from dflash_pipeline.target.loading import drafter_dtype
-    from dflash_pipeline.train.run import build_drafter
 
     dt = drafter_dtype(session.target)
     if ckpt is None:
-        drafter, info = build_drafter(session.target, session.probe, seed=session.eval_cfg["seed"]), {
+        drafter, info = M.build_drafter(session.target, session.probe, seed=session.eval_cfg["seed"]), {
             "train_steps": 0, "zero_target_features": False}
     else:
         drafter, info = M.load_drafter(ckpt, dtype=dt, device=session.device), checkpoint_info(ckpt)
-    bs = session.loop["block_size"]
-    if bs > drafter.block_size:
-        raise ValueError(f"eval.block_size {bs} exceeds drafter {label}'s trained block size {drafter.block_size}")
+    resolve_block_size(session.loop["block_size"], drafter.block_size, key=f"eval.block_size (drafter {label})")
     return drafter.to(device=session.device, dtype=dt).eval(), info
 
 
@@ -288,7 +294,7 @@ def run_drafters(session: EvalSession, drafters: dict[str, Optional[str | Path]]
 
 def run_checkpoint_series(session: EvalSession, checkpoint_series: dict[int, str | Path]) -> dict:
     """τ of each checkpoint (step → dir) on the first ``eval.checkpoint_samples`` prompts of every set."""
-    n = int(session.eval_cfg.get("checkpoint_samples", 8))
+    n = int(session.eval_cfg["checkpoint_samples"])
     subsets = {name: prompts[:n] for name, prompts in session.sets.items()} if n > 0 else {}
     series = {"schema_version": EVAL_SCHEMA_VERSION, "settings": session.settings,
               "num_prompts": {s: len(p) for s, p in subsets.items()}, "points": []}
@@ -348,19 +354,11 @@ def evaluate(
 
 
 def main(argv=None) -> None:
-    """CLI: ``python -m dflash_pipeline.evaluate.acceptance --probe P --target T --eval-config JSON --out X [--drafter label=dir]…``
-    (``python -m dflash_pipeline.evaluate.acceptance server …`` measures τ on a running server: :func:`server_main`)."""
+    """CLI: ``dflash-eval --probe P --target T --eval-config JSON --out X [--drafter label=dir]…`` (also
+    ``python -m dflash_pipeline.evaluate``; :mod:`dflash_pipeline.evaluate.__main__` dispatches ``server``)."""
     import argparse
-    import sys
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["server"]:  # moved to evaluate_engine (engine τ)
-        from dflash_pipeline.evaluate.engine_acceptance import main as server_main
-
-        server_main(argv[1:])
-        return
-
-    p = argparse.ArgumentParser(description="Measure DFlash acceptance length τ with a speculative loop.")
+    p = argparse.ArgumentParser(prog="dflash-eval", description="Measure DFlash acceptance length τ with a speculative loop.")
     p.add_argument("--probe", required=True)
     p.add_argument("--target", required=True)
     p.add_argument("--eval-config", required=True, help="JSON of the validated `eval` config")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dflash_pipeline.evaluate.engine_acceptance import (
+from dflash_pipeline.evaluate.engine_metrics import (
     EngineComparisonError,
     _http_json,
     engine_acceptance_stats,

@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from dflash_pipeline.drafter import model as M
+from dflash_pipeline.drafter.block_size import resolve_block_size
 
 
 @dataclass
@@ -113,9 +114,9 @@ class TargetCache:
 
 
 def _check_loop_args(drafter: M.DFlashDrafter, prompt_ids: Sequence[int], block_size: int) -> None:
-    """Raises ValueError: ``block_size`` outside [2, the drafter's trained block size], or an empty prompt."""
-    if block_size > drafter.block_size or block_size < 2:
-        raise ValueError(f"block_size {block_size} must be in [2, trained block size {drafter.block_size}]")
+    """Raises ValueError: ``block_size`` outside [2, the drafter's trained block size]
+    (:func:`~dflash_pipeline.drafter.block_size.resolve_block_size`), or an empty prompt."""
+    resolve_block_size(block_size, drafter.block_size, key="block_size")
     if not prompt_ids:
         raise ValueError("empty prompt")
 

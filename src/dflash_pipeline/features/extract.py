@@ -20,6 +20,7 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from dflash_pipeline.core.contracts import FEATURE_SCHEMA_VERSION
+
 from .format import FeatureLayout, FeatureShardWriter, bytes_per_token, sha256_file
 
 BACKENDS = ("hf", "vllm")

@@ -7,7 +7,6 @@ shard equals an uninterrupted one). With ``gpus > 0`` the layers are spread over
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np

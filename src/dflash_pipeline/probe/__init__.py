@@ -33,26 +33,58 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from dflash_pipeline.target.chat import TOKENIZER_FILES, _tokenizer_auto_map, tokenizer_files_missing  # noqa: F401  (re-exported)
 from dflash_pipeline.core.contracts import PROBE_SCHEMA_VERSION
 from dflash_pipeline.core.errors import ConfigError, ProbeError
-from dflash_pipeline.target.layer_ids import build_target_layer_ids, hf_hidden_state_index, validate_target_layer_ids  # noqa: F401
 from dflash_pipeline.core.shards import write_json  # noqa: F401  (re-exported)
+from dflash_pipeline.target.chat import TOKENIZER_FILES, _tokenizer_auto_map, tokenizer_files_missing  # noqa: F401  (re-exported)
+from dflash_pipeline.target.layer_ids import build_target_layer_ids, hf_hidden_state_index, validate_target_layer_ids  # noqa: F401
+
 from .checks import _check_drafter_config, _preflight_tokenizer, _probe_loader
+
 # the helpers below are re-exported under the names the single-module probe had
 from .config import (  # noqa: F401
-    _ALIASES, _NON_TEXT_HINTS, EXPERT_COUNT_KEYS, EXPERTS_PER_TOKEN_KEYS, TEXT_CONFIG_KEYS, _attention_facts,
-    _auto_text_config, _derive_layer_types, _embedding_facts, _embedding_rows, _eos_list, _find_text_config,
-    _first, _first_key, _generation_eos, _moe_facts, _probe_config, _read_config_json, _rope_facts, _tie_facts,
+    _ALIASES,
+    _NON_TEXT_HINTS,
+    EXPERT_COUNT_KEYS,
+    EXPERTS_PER_TOKEN_KEYS,
+    TEXT_CONFIG_KEYS,
+    _attention_facts,
+    _auto_text_config,
+    _derive_layer_types,
+    _embedding_facts,
+    _embedding_rows,
+    _eos_list,
+    _find_text_config,
+    _first,
+    _first_key,
+    _generation_eos,
+    _moe_facts,
+    _probe_config,
+    _read_config_json,
+    _rope_facts,
+    _tie_facts,
     _try_autoconfig,
+    text_hidden_size,
 )
 from .drafter import (  # noqa: F401
-    _check_drafter_sizes, _choose_mask_token_id, _choose_target_layer_ids, _drafter_record, resolve_mask_token_id,
+    _check_drafter_sizes,
+    _choose_mask_token_id,
+    _choose_target_layer_ids,
+    _drafter_record,
+    resolve_mask_token_id,
+    target_feature_count,
 )
 from .record import SCHEMA_PATH, load_probe_schema, summary, validate_probe, write_probe  # noqa: F401
 from .tokenizer import (  # noqa: F401
-    PROBE_ENV_FILE, THINK_MARKERS, _backend, _check_sentencepiece_deps, _probe_tokenizer, _tokenizer_error,
-    _tokenizer_facts, _vocab_file, _vocab_file_kind,
+    PROBE_ENV_FILE,
+    THINK_MARKERS,
+    _backend,
+    _check_sentencepiece_deps,
+    _probe_tokenizer,
+    _tokenizer_error,
+    _tokenizer_facts,
+    _vocab_file,
+    _vocab_file_kind,
 )
 
 

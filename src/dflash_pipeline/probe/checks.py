@@ -55,7 +55,7 @@ def _check_drafter_config(target_dir: Path, trust_remote_code: bool, block_size:
     Raises:
         ProbeError: naming the target and transformers' / the drafter's complaint.
     """
-    from dflash_pipeline.drafter.model import drafter_config_from_target
+    from dflash_pipeline.drafter.config import DFlashConfig
     from dflash_pipeline.target.loading import load_target_config, text_config
 
     from dflash_pipeline.drafter.rope import DFlashRotaryEmbedding, servable_rope_problems
@@ -68,7 +68,7 @@ def _check_drafter_config(target_dir: Path, trust_remote_code: bool, block_size:
                          "returns one hidden state per decoder layer, so canonical target_layer_ids cannot be "
                          "placed: not supported")
     try:
-        cfg = drafter_config_from_target(
+        cfg = DFlashConfig.from_target(
             tc,
             block_size=block_size, num_draft_layers=num_draft_layers, target_layer_ids=list(ids),
             mask_token_id=mask_token_id if mask_token_id is not None else 0)

@@ -130,6 +130,18 @@ def _derive_layer_types(text: Mapping[str, Any], n_layers: int, auto_text: Any) 
     return None, None
 
 
+def text_hidden_size(target_dir: str | Path) -> int:
+    """Hidden size H of the target's language model from ``<target_dir>/config.json``, read as the probe
+    reads it (the text config :func:`_find_text_config` finds, the synonyms of ``_ALIASES["hidden_size"]``):
+    plan-time sizing before the probe record exists (the features stage's disk check).
+
+    Raises:
+        ProbeError: no ``config.json``, or no language-model config in it.
+    """
+    raw = _read_config_json(Path(target_dir) / "config.json")
+    return int(_first(_find_text_config(raw)[1], _ALIASES["hidden_size"]))
+
+
 def _read_config_json(path: Path) -> dict:
     """``config.json`` as a dict; ProbeError (naming the file and the fix) when missing or not an object."""
     if not path.is_file():

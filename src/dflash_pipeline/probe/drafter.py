@@ -8,15 +8,26 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from dflash_pipeline.core.errors import ConfigError, ProbeError
+from dflash_pipeline.drafter.block_size import check_block_size
 from dflash_pipeline.target.layer_ids import build_target_layer_ids, hf_hidden_state_index, validate_target_layer_ids
 
 
 def _check_drafter_sizes(block_size: int, num_draft_layers: int) -> None:
-    """Raise ConfigError (naming the ``drafter.*`` key) for ``block_size < 2`` or ``num_draft_layers < 1``."""
-    if block_size < 2:
-        raise ConfigError(f"drafter.block_size must be >= 2, got {block_size}")
+    """Raise ConfigError (naming the ``drafter.*`` key) for ``block_size < 2``
+    (:func:`~dflash_pipeline.drafter.block_size.check_block_size`) or ``num_draft_layers < 1``."""
+    check_block_size(block_size, key="drafter.block_size")
     if num_draft_layers < 1:
         raise ConfigError(f"drafter.num_draft_layers must be >= 1, got {num_draft_layers}")
+
+
+def target_feature_count(drafter_cfg: Mapping[str, Any]) -> int:
+    """K, the number of target layers the drafter fuses, as the probe chooses it from the validated
+    ``drafter`` config section (:func:`_choose_target_layer_ids`): the length of ``target_layer_ids`` when
+    given, else ``num_target_features``, else ``num_draft_layers`` (reference/dflash.md §3.1)."""
+    if drafter_cfg["target_layer_ids"]:
+        return len(drafter_cfg["target_layer_ids"])
+    k = drafter_cfg["num_target_features"]
+    return int(k if k is not None else drafter_cfg["num_draft_layers"])
 
 
 def _choose_target_layer_ids(n_layers: int, *, num_draft_layers: int, num_target_features: int | None,

@@ -57,7 +57,7 @@ def summary(record: Mapping[str, Any]) -> str:
         f"attention    {a['kind']}: {record.get('num_attention_heads')} heads, {record.get('num_key_value_heads')} KV "
         f"heads, head_dim {record.get('head_dim')}"
         + (f", kv_lora_rank {a.get('kv_lora_rank')}, q_lora_rank {a.get('q_lora_rank')}" if a["kind"] == "MLA" else ""),
-        f"moe          " + (f"{moe['num_experts']} experts ({moe['num_experts_source']}), "
+        "moe          " + (f"{moe['num_experts']} experts ({moe['num_experts_source']}), "
                             f"{moe['num_experts_per_tok']} per token" if moe else "dense"),
     ]
     if record.get("layer_type_counts"):

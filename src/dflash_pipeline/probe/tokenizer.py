@@ -15,8 +15,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from dflash_pipeline.target.chat import _tokenizer_auto_map, tokenizer_files_missing
 from dflash_pipeline.core.errors import ProbeError
+from dflash_pipeline.target.chat import _tokenizer_auto_map, tokenizer_files_missing
 
 THINK_MARKERS = ("<think>", "</think>")
 #: conda env of the probe rule (named in "install X" errors).

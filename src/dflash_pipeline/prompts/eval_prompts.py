@@ -10,6 +10,7 @@ from typing import Any, Mapping
 
 from dflash_pipeline.core.contracts import prompt_id
 from dflash_pipeline.core.errors import ConfigError, DataError
+
 from .normalize import _MISSING, FORMATS, RejectedRecord, _type_error, normalize_record
 from .readers import read_records
 

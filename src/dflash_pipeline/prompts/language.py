@@ -8,7 +8,6 @@ from typing import Any, Mapping, Sequence
 
 from dflash_pipeline.core.errors import ConfigError
 
-
 #: Characters of a prompt's user text that the language filter classifies (see :func:`language_sample`).
 #: py3langid walks the UTF-8 bytes one by one in Python (~0.4 ms for 500 English characters on the 2-core
 #: dev machine), so the sample is bounded; 500 characters identify a language reliably.

@@ -28,7 +28,15 @@ from dflash_pipeline.core.config import schema_defaults
 from dflash_pipeline.core.contracts import MANIFEST_SCHEMA_VERSION, PROMPT_SCHEMA, PROMPT_SCHEMA_VERSION, prompt_id
 from dflash_pipeline.core.errors import ConfigError, DataError
 from dflash_pipeline.target.spans import control_token_strings, find_control_strings
-from .language import ANY_LANGUAGE, _language_detector, _language_identifier, _source_languages, language_problems, language_sample
+
+from .language import (
+    ANY_LANGUAGE,
+    _language_detector,
+    _language_identifier,
+    _source_languages,
+    language_problems,
+    language_sample,
+)
 from .normalize import FORMATS, MissingField, RejectedRecord, _normalize, record_metadata
 from .readers import HF_PREFIX, MAX_EXAMPLES, Locator, read_records
 

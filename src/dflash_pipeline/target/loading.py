@@ -126,9 +126,7 @@ def load_target_config(target_dir: str | Path, *, trust_remote_code: bool = Fals
     Raises:
         TargetLoadError: neither works (the message carries AutoConfig's reason).
     """
-    from transformers import AutoConfig
-
-    from transformers import CONFIG_MAPPING
+    from transformers import CONFIG_MAPPING, AutoConfig
 
     target_dir = Path(target_dir)
     raw = _raw_config(target_dir)

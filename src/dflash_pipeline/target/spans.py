@@ -12,9 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from dflash_pipeline.target import chat
 from dflash_pipeline.core.errors import ConfigError, TokenizationError
-
+from dflash_pipeline.target import chat
 
 # --------------------------------------------------------------------------------------------------
 # String level: supervised character spans from render differences

@@ -24,6 +24,8 @@ import copy
 import json
 import os
 import re
+
+from dflash_pipeline.testing.zoo_templates import TEMPLATE_FROM, family_template  # noqa: F401 (the zoo's API)
 import sys
 import time
 from pathlib import Path
@@ -37,16 +39,6 @@ SLIDING_WINDOW = 8
 HEAD_SCALE = 8.0
 
 #: Families whose own directory has no chat template: the corpus directory whose template they use.
-TEMPLATE_FROM = {
-    "DeepSeek-V3": "DeepSeek-V3.1",
-    "Kimi-K2.5": "Kimi-K2-Thinking",
-    "Meta-Llama-3.1-8B": "Llama-3.1-8B-Instruct",
-    "MiniMax-M2.7": "MiniMax-M2",
-    "Qwen2.5-7B": "Qwen2.5-7B-Instruct",
-    "Qwen3-Next-80B-A3B-Thinking": "Qwen3-30B-A3B",
-    "Qwen3-VL-32B-Instruct": "Qwen3-VL-2B-Instruct",
-    "gemma-4-26B-A4B": "gemma-3-4b-it",  # gemma-4's own template is not in the corpus
-}
 #: Special tokens a chat template writes (Qwen/ChatML, Llama-3, DeepSeek, Kimi, gpt-oss, gemma, MiniMax).
 _SPECIAL_RE = re.compile(r"<\|[^<>|'\" ]{1,40}\|>|<｜[^<>｜'\" ]{1,40}｜>|<(?:start|end)_of_turn>|\]~!?b\[|\[e~\[")
 #: bos/eos per template family (first marker found in the template wins), when no tokenizer_config says.
@@ -101,20 +93,6 @@ def extra_config_files(out: str | Path) -> list[Path]:
     return files
 
 
-def family_template(models_dir: str | Path, family: str) -> Path:
-    """The chat template file a family's twin renders (its own, else :data:`TEMPLATE_FROM`).
-
-    Raises:
-        FileNotFoundError: no template for the family (names the directories looked in).
-    """
-    root = Path(models_dir)
-    for d in (family, TEMPLATE_FROM.get(family)):
-        if d is None:
-            continue
-        for name in ("chat_template.jinja", "chat_template.current.jinja"):
-            if (root / d / name).is_file():
-                return root / d / name
-    raise FileNotFoundError(f"no chat template for {family} in {root / family} or TEMPLATE_FROM")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -329,9 +307,10 @@ def build_twin(models_dir: str | Path, family: str, out_dir: str | Path, *, corp
     import torch
     from transformers import GenerationConfig
 
-    from ..demo import padded_vocab_size
     from dflash_pipeline.core.shards import replace_dir
     from dflash_pipeline.target.loading import causal_lm_class, load_target_config
+
+    from ..demo import padded_vocab_size
 
     src = Path(models_dir) / family
     raw = json.loads((src / "config.json").read_text(encoding="utf-8"))
@@ -411,13 +390,13 @@ def run_stages(models_dir: Path, family: str, work: Path, corpus_file: Path, eva
     refused one are ``skipped``): twin build, probe, completions (transformers backend), tokens (the
     family's template), training fp32 and bf16 (bf16 target + ``mixed_precision: bf16`` through
     Accelerate, on CPU; both export ``final/``), eval τ of the bf16-trained drafter."""
-    from dflash_pipeline.core import contracts
-    from dflash_pipeline.core import shards
-    from ..completions import generate_shard, preflight_template
+    from dflash_pipeline.core import contracts, shards
     from dflash_pipeline.evaluate.acceptance import evaluate
-    from ..probe import probe_target
     from dflash_pipeline.tokens.shard import tokenize_shard
     from dflash_pipeline.train.run import train
+
+    from ..completions import generate_shard, preflight_template
+    from ..probe import probe_target
 
     twin = work / "target"
     cfg: dict = {}

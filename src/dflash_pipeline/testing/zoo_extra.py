@@ -73,7 +73,7 @@ def extra_config(name: str) -> dict:
 def extra_source_dir(models_dir: str | Path, name: str, out: str | Path) -> Path:
     """A corpus-style directory ``out/<name>`` for an extra family (config.json + the template family's chat
     template and tokenizer_config.json); returns ``out`` (the ``models_dir`` to build the twin from)."""
-    from dflash_pipeline.testing.zoo import family_template
+    from dflash_pipeline.testing.zoo_templates import family_template
 
     root = Path(out)
     d = root / name

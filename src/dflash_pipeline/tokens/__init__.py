@@ -1,9 +1,7 @@
-"""Stage 4, tokens: completion shards -> token shards with the target's chat template and assistant-only loss masks.
+"""Stage 4, tokens: completion shards -> token shards with the target's chat template and assistant-only loss masks. Names load on first use
+(``_OWNERS``: :func:`dflash_pipeline.core.faces.lazy_face`)."""
 
-The public face: each name is loaded lazily from the module that owns it (listed in ``_OWNERS``), so
-importing the package costs nothing until a name is used."""
-
-import importlib
+from dflash_pipeline.core.faces import lazy_face
 
 _OWNERS = {
     "mask_from_offsets": "loss_masks",
@@ -21,13 +19,4 @@ _OWNERS = {
 
 __all__ = sorted(_OWNERS)
 
-
-def __getattr__(name):
-    owner = _OWNERS.get(name)
-    if owner is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{owner}"), name)
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_OWNERS))
+__getattr__, __dir__ = lazy_face(__name__, _OWNERS, globals)

@@ -69,18 +69,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_pipeline.target import chat
+from dflash_pipeline.core import shards
+from dflash_pipeline.core.config import schema_defaults
+from dflash_pipeline.core.console import console
 from dflash_pipeline.core.contracts import TOKEN_SCHEMA, TOKEN_SCHEMA_VERSION, sha256_text
 from dflash_pipeline.core.errors import TokenizationError
-from dflash_pipeline.core import shards
-from dflash_pipeline.core.console import console
-from dflash_pipeline.tokens.loss_masks import (  # noqa: F401 (the token level; re-exported)
-    mask_from_offsets,
-    plain_text_tokenizer,
-    server_ids_sequence,
-    span_token_ranges,
-    tokenize_sequences,
-)
+from dflash_pipeline.target import chat
 from dflash_pipeline.target.spans import (  # noqa: F401 (the string level; re-exported)
     TrainSequence,
     check_template,
@@ -90,7 +84,13 @@ from dflash_pipeline.target.spans import (  # noqa: F401 (the string level; re-e
     special_token_strings,
     supervised_length,
 )
-
+from dflash_pipeline.tokens.loss_masks import (  # noqa: F401 (the token level; re-exported)
+    mask_from_offsets,
+    plain_text_tokenizer,
+    server_ids_sequence,
+    span_token_ranges,
+    tokenize_sequences,
+)
 
 log = logging.getLogger(__name__)
 
@@ -331,14 +331,15 @@ def tokenize_shard(
     """
     if tokenizer is None:
         tokenizer = chat.load_tokenizer(target_dir, chat_template=chat_template, trust_remote_code=trust_remote_code)
+    tokens_cfg = {**schema_defaults("tokens"), **tokens_cfg}  # a partial section (tests, benches): the schema's
     max_length = int(tokens_cfg["max_length"])
     stats = _new_stats()
     thinking_modes: set[str] = set()
-    last_turn_only = bool(tokens_cfg.get("last_turn_only", False))
+    last_turn_only = bool(tokens_cfg["last_turn_only"])
     rows = tokenize_records(
         tokenizer, _completion_records(completion_shard, thinking_modes), max_length=max_length,
-        last_turn_only=last_turn_only, strict=bool(tokens_cfg.get("strict", True)),
-        use_server_token_ids=bool(tokens_cfg.get("use_server_token_ids", False)), stats=stats,
+        last_turn_only=last_turn_only, strict=bool(tokens_cfg["strict"]),
+        use_server_token_ids=bool(tokens_cfg["use_server_token_ids"]), stats=stats,
     )
     _write_token_shard(out_path, rows, row_group_size=row_group_size, metadata=lambda: {  # once the rows are done
         "schema_version": TOKEN_SCHEMA_VERSION,

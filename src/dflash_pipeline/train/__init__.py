@@ -1,9 +1,7 @@
-"""Stage 5, train: the drafter trained with Accelerate from the target's hidden states (online or feature shards).
+"""Stage 5, train: the drafter trained with Accelerate from the target's hidden states (online or feature shards). Names load on first use
+(``_OWNERS``: :func:`dflash_pipeline.core.faces.lazy_face`)."""
 
-The public face: each name is loaded lazily from the module that owns it (listed in ``_OWNERS``), so
-importing the package costs nothing until a name is used."""
-
-import importlib
+from dflash_pipeline.core.faces import lazy_face
 
 _OWNERS = {
     "STEP_EXPORT_PREFIX": "checkpoint",
@@ -62,7 +60,6 @@ _OWNERS = {
     "load_token_shards": "run",
     "with_schema_defaults": "run",
     "load_target": "run",
-    "build_drafter": "run",
     "train": "run",
     "main": "run",
     "StepContext": "step",
@@ -77,13 +74,4 @@ _OWNERS = {
 
 __all__ = sorted(_OWNERS)
 
-
-def __getattr__(name):
-    owner = _OWNERS.get(name)
-    if owner is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{owner}"), name)
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_OWNERS))
+__getattr__, __dir__ = lazy_face(__name__, _OWNERS, globals)

@@ -13,9 +13,9 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from dflash_pipeline.train import fsdp as FS
-from dflash_pipeline.drafter import model as M
 from dflash_pipeline.core.shards import replace_dir
+from dflash_pipeline.drafter import model as M
+from dflash_pipeline.train import fsdp as FS
 
 #: Intermediate drafter exports live in ``<out_dir>/step_<N>/`` (N zero-padded to 6 digits).
 STEP_EXPORT_PREFIX = "step_"
@@ -81,6 +81,6 @@ def export_drafter(drafter, final: Path, *, extra: dict, target: Optional[Path] 
 def _write_serve_md(export_dir: Path, target=None, served_dir=None) -> None:
     """``<export>/serve.md``: the vLLM and SGLang launch lines of this export (``engine.write_serve_md``);
     ``served_dir``: where ``export_dir`` (a temp dir) is renamed to."""
-    from dflash_pipeline.evaluate.vllm_server import write_serve_md
+    from dflash_pipeline.evaluate import write_serve_md
 
     write_serve_md(export_dir, target=target, served_dir=served_dir)

@@ -11,7 +11,7 @@ Two sources of target features (config ``train.target_features``):
   head are read (:mod:`dflash_pipeline.features.weights`).
 
 Either way the dataset holds only open mappings and a small per-record index (``int64`` shard / record ids
-of the records with ≥ ``min_loss_tokens`` supervised tokens); a rank reads only the records of its own
+of the records with ≥ :data:`MIN_LOSS_TOKENS` supervised tokens); a rank reads only the records of its own
 batches (Accelerate shards the batch sampler), and pages it read are dropped again, so resident memory does
 not grow with the dataset.
 """
@@ -26,7 +26,13 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from dflash_pipeline.features.format import FeatureLayout, FeatureShard, FeatureShardError, FeatureShardWriter
+from dflash_pipeline.core.config import schema_defaults
+from dflash_pipeline.features import FeatureLayout, FeatureShard, FeatureShardError, FeatureShardWriter
+
+#: Supervised (loss-mask) tokens a record needs to be trained on: an anchor is a supervised position and its
+#: block's labels are the supervised tokens after it (reference/dflash.md §4.1), so a record with fewer has
+#: no anchor with anything to predict. The trainer's constant, not a config key (it never changes params).
+MIN_LOSS_TOKENS = 2
 
 
 def token_index_path(token_shard: str | Path, cache_dir: str | Path) -> Path:
@@ -42,7 +48,7 @@ def token_index_path(token_shard: str | Path, cache_dir: str | Path) -> Path:
 def build_token_index(token_shard: str | Path, out: str | Path) -> Path:
     """Write the token index of one token shard (flat ids / mask / offsets; atomic). Returns ``out``."""
     from dflash_pipeline.core.contracts import FEATURE_SCHEMA_VERSION
-    from dflash_pipeline.features.extract import read_token_arrays
+    from dflash_pipeline.features import read_token_arrays
 
     ids, mask, lengths = read_token_arrays(token_shard)
     meta = {"schema_version": FEATURE_SCHEMA_VERSION, "token_shard": Path(token_shard).name, "kind": "token_index",
@@ -59,7 +65,7 @@ class MappedRecords(torch.utils.data.Dataset):
     ``(input_ids, loss_mask, features bfloat16 [S, K*H])``.
     """
 
-    def __init__(self, paths: Sequence[str | Path], *, features: bool = False, min_loss_tokens: int = 2):
+    def __init__(self, paths: Sequence[str | Path], *, features: bool = False, min_loss_tokens: int = MIN_LOSS_TOKENS):
         self.paths = [str(p) for p in paths]
         self.features = features
         self._shards: Optional[list[FeatureShard]] = None
@@ -136,7 +142,7 @@ class TrainingData:
 
 
 class ConfigOnly:
-    """Stands in for the target where only ``.config`` is read (``train.build_drafter``)."""
+    """Stands in for the target where only ``.config`` is read (:func:`dflash_pipeline.drafter.model.build_drafter`)."""
 
     def __init__(self, config):
         self.config = config
@@ -145,7 +151,7 @@ class ConfigOnly:
 def frozen_head(target_dir, probe: dict, target_dtype: str, device) -> tuple:
     """``(embedding, LM head, target config)`` read from the target's safetensors and config, without
     instantiating the target (:mod:`dflash_pipeline.features.weights`)."""
-    from dflash_pipeline.features.weights import load_embed_and_head
+    from dflash_pipeline.features import load_embed_and_head
     from dflash_pipeline.target.loading import load_target_config, resolve_dtype
 
     # the target loader's config reading (kimi_k2 without remote code: its architectures' native class)
@@ -181,14 +187,11 @@ def open_training_data(
     target_dtype: str = "auto",
     is_main: bool = True,
     barrier: Callable[[], None] = lambda: None,
-    min_loss_tokens: int = 2,
-    stream: Optional[dict] = None,
+    min_loss_tokens: int = MIN_LOSS_TOKENS,
 ) -> TrainingData:
     """The dataset, collate function and (``shards``) embedding / LM head for ``cfg["target_features"]``.
 
-    ``stream`` (the stream settings, :func:`dflash_pipeline.train.stream.open_stream_data`): with
-    ``target_features: stream``, the online path's token records, the embedding / LM head as ``shards``,
-    and the :class:`~dflash_pipeline.train.stream.FeatureStream` that fetches the features.
+    ``target_features: stream`` is opened by :func:`dflash_pipeline.train.stream.open_stream_data` instead.
 
     ``online``: the main process writes missing token indexes under ``<out_dir>/token_index/``, then
     ``barrier()``. ``shards``: ``feature_shards[i]`` belongs to ``token_shards[i]`` and is checked against it;
@@ -198,13 +201,7 @@ def open_training_data(
         FeatureShardError: feature / token shard mismatch (names both files), or other layer ids than the probe's.
         ValueError: no record with ``min_loss_tokens`` supervised tokens.
     """
-    mode = cfg.get("target_features")  # a partial config (tests, direct calls) is the online path
-    if mode == "stream":
-        from dflash_pipeline.train.stream import open_stream_data
-
-        return open_stream_data(cfg, token_shards, stream or {}, target_dir=target_dir, out_dir=out_dir, probe=probe,
-                                device=device, target_dtype=target_dtype, is_main=is_main, barrier=barrier,
-                                min_loss_tokens=min_loss_tokens)
+    mode = {**schema_defaults("train"), **cfg}["target_features"]  # a partial config (tests, direct calls)
     if mode == "shards":
         if len(feature_shards) != len(token_shards):
             raise FeatureShardError(f"train.target_features: shards needs one feature shard per token shard; got "

@@ -21,12 +21,11 @@ import torch
 
 from dflash_pipeline.drafter import model as M
 from dflash_pipeline.target import loading as T
-from dflash_pipeline.train import trackers as TR
 from dflash_pipeline.train import heldout as V
+from dflash_pipeline.train import trackers as TR
 from dflash_pipeline.train.checkpoint import export_module, export_step, save_state
 from dflash_pipeline.train.data import TrainingData
 from dflash_pipeline.train.step import StepContext, step_objective
-
 
 # ---------------------------------------------------------------------------------------------------
 # The run's state
@@ -164,7 +163,7 @@ def _optimizer_step(run: TrainRun, batches, n_micro: int, step: int, window: "_W
     total = torch.zeros((), dtype=torch.float32, device=acc.device)
     for j in range(n_micro):
         batch = next(batches)
-        if run.cfg.get("trace_batches"):
+        if run.cfg["trace_batches"]:
             trace_batch(run.out_dir, acc.process_index, step, batch)
         out = step_objective(run.ctx, batch)
         sync = contextlib.nullcontext() if j == n_micro - 1 else acc.no_sync(drafter)

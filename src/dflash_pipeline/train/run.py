@@ -39,14 +39,16 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from dflash_pipeline.train import fsdp as FS
-from dflash_pipeline.drafter import model as M
-from dflash_pipeline.train import packing as P
-from dflash_pipeline.target import loading as T
-from dflash_pipeline.train import trackers as TR
-from dflash_pipeline.train import data as train_data
-from dflash_pipeline.train import heldout as V
+from dflash_pipeline.core.config import schema_defaults
 from dflash_pipeline.core.shards import read_parquet, write_json
+from dflash_pipeline.drafter import model as M
+from dflash_pipeline.drafter.model import build_drafter  # train.run.build_drafter: the name tests and benches use
+from dflash_pipeline.target import loading as T
+from dflash_pipeline.train import data as train_data
+from dflash_pipeline.train import fsdp as FS
+from dflash_pipeline.train import heldout as V
+from dflash_pipeline.train import packing as P
+from dflash_pipeline.train import trackers as TR
 from dflash_pipeline.train.checkpoint import (  # noqa: F401 - STEP_EXPORT_PREFIX, export_step re-exported
     STEP_EXPORT_PREFIX,
     export_drafter,
@@ -58,13 +60,12 @@ from dflash_pipeline.train.checkpoint import (  # noqa: F401 - STEP_EXPORT_PREFI
 from dflash_pipeline.train.loop import RunData, Schedule, TrainRun, run_steps, trace_batch  # noqa: F401 - trace_batch re-exported
 from dflash_pipeline.train.step import StepContext, step_objective, target_features, training_step  # noqa: F401 - re-exported
 
-
 # ---------------------------------------------------------------------------------------------------
 # Data
 # ---------------------------------------------------------------------------------------------------
 
 
-def load_token_shards(paths: Sequence[str | Path], *, min_loss_tokens: int = 2) -> list[tuple[np.ndarray, np.ndarray]]:
+def load_token_shards(paths: Sequence[str | Path], *, min_loss_tokens: int = train_data.MIN_LOSS_TOKENS) -> list[tuple[np.ndarray, np.ndarray]]:
     """Read token shards eagerly into ``(input_ids int32 [S], loss_mask uint8 [S])`` pairs, in path order.
 
     Not the trainer's path (it memory-maps them: :mod:`dflash_pipeline.train.data`, resident memory flat as
@@ -83,10 +84,7 @@ def load_token_shards(paths: Sequence[str | Path], *, min_loss_tokens: int = 2) 
 def with_schema_defaults(cfg: dict) -> dict:
     """``cfg`` (the ``train`` section) with every key it lacks taken from the config schema's defaults
     (callers such as tests and benches pass partial dicts; the schema stays the one place for defaults)."""
-    from dflash_pipeline.core.config import load_schema
-
-    props = load_schema()["properties"]["train"]["properties"]
-    return {**{k: v["default"] for k, v in props.items() if "default" in v}, **cfg}
+    return {**schema_defaults("train"), **cfg}
 
 
 def collate(batch, pad_id: int = 0) -> dict[str, torch.Tensor]:
@@ -103,27 +101,10 @@ def collate(batch, pad_id: int = 0) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Target and drafter
+# Target (the drafter is built by dflash_pipeline.drafter.model.build_drafter)
 # ---------------------------------------------------------------------------------------------------
 
 load_target = T.load_target  # one loader for every family (dflash_pipeline.target.loading); re-exported here
-
-
-def build_drafter(target, probe: dict, *, seed: int = 0, layer_types=None, sliding_window=None) -> M.DFlashDrafter:
-    """Random-init float32 drafter sized from the target config and the probe's drafter decisions
-    (``layer_types``/``sliding_window``: optional sliding-window draft layers, config ``drafter.*``)."""
-    d = probe["drafter"]
-    cfg = M.drafter_config_from_target(
-        T.text_config(target.config),
-        block_size=d["block_size"],
-        num_draft_layers=d["num_draft_layers"],
-        target_layer_ids=d["target_layer_ids"],
-        mask_token_id=d["mask_token_id"],
-        layer_types=layer_types,
-        sliding_window=sliding_window,
-    )
-    torch.manual_seed(seed)
-    return M.DFlashDrafter(cfg)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -183,7 +164,7 @@ def train(
     accelerator.print(_describe(run))
     step = run_steps(run, step)
     if accelerator.is_main_process:
-        from dflash_pipeline.evaluate.outputs import plot_validation
+        from dflash_pipeline.evaluate import plot_validation
 
         plot_validation(out_dir / "val_log.jsonl", out_dir / "val_tau.png")
     return _finish(run, step, target_dir, _summary(run, log_with))
@@ -232,11 +213,14 @@ def _open_data(accelerator, cfg: dict, probe: dict, token_shards, feature_shards
         ValueError: ``train.packing`` with feature shards, or with a target that does not keep packed
             records apart (:func:`dflash_pipeline.train.packing.check_target_isolates_records`).
     """
-    data = train_data.open_training_data(
-        cfg, token_shards, feature_shards, target_dir=target_dir, out_dir=out_dir, probe=probe, device=accelerator.device,
-        target_dtype=target_dtype, is_main=accelerator.is_main_process, barrier=accelerator.wait_for_everyone,
-        stream=stream,
-    )
+    where = dict(target_dir=target_dir, out_dir=out_dir, probe=probe, device=accelerator.device, target_dtype=target_dtype,
+                 is_main=accelerator.is_main_process, barrier=accelerator.wait_for_everyone)
+    if cfg["target_features"] == "stream":  # features from running servers (dflash_pipeline.train.stream)
+        from dflash_pipeline.train.stream import open_stream_data
+
+        data = open_stream_data(cfg, token_shards, stream or {}, min_loss_tokens=train_data.MIN_LOSS_TOKENS, **where)
+    else:
+        data = train_data.open_training_data(cfg, token_shards, feature_shards, **where)
     # a streamed record is computed by the server alone, so packed rows get each record's own features
     if data.from_shards and data.stream is None and cfg["packing"]:
         raise ValueError("train.packing is not supported with train.target_features: shards yet (packed rows would "
@@ -270,10 +254,10 @@ def _prepare_run(accelerator, cfg: dict, out_dir: Path, data: RunData, probe: di
     """
     drafter = build_drafter(data.target if data.target is not None else train_data.ConfigOnly(data.source.target_config), probe,
                             seed=cfg["seed"], layer_types=arch.get("layer_types"), sliding_window=arch.get("sliding_window"))
-    backend = cfg["attention_backend"] if cfg.get("attention_backend", "auto") != "auto" else (
+    backend = cfg["attention_backend"] if cfg["attention_backend"] != "auto" else (
         "flex" if accelerator.device.type == "cuda" else "sdpa")
     block_size = drafter.block_size
-    gamma = cfg.get("loss_gamma") or M.loss_decay_gamma(block_size)
+    gamma = cfg["loss_gamma"] or M.loss_decay_gamma(block_size)
     n_trainable = M.count_parameters(drafter)
     dataset = _rows(data.records, cfg)
     sch = Schedule.of(len(dataset), cfg, accelerator.num_processes)

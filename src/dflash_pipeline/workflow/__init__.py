@@ -1,9 +1,8 @@
-"""The Snakemake side: params policy (what reruns a job), GPUs, accelerate launch topology, job logs.
+"""The Snakemake side: params policy (what reruns a job), GPUs, accelerate launch topology, job logs, and the
+plan-time config problems of every stage (:mod:`.problems`). Names load on first use
+(``_OWNERS``: :func:`dflash_pipeline.core.faces.lazy_face`)."""
 
-The public face: each name is loaded lazily from the module that owns it (listed in ``_OWNERS``), so
-importing the package costs nothing until a name is used."""
-
-import importlib
+from dflash_pipeline.core.faces import lazy_face
 
 _OWNERS = {
     "accelerate_launch_args": "policy",
@@ -26,17 +25,12 @@ _OWNERS = {
     "baseline_runs": "policy",
     "baseline_train_flags": "policy",
     "TOKENIZATION_REVISION": "policy",
+    "problems": "problems",
+    "cross_field_problems": "problems",
+    "training_problems": "problems",
+    "language_block_problems": "problems",
 }
 
 __all__ = sorted(_OWNERS)
 
-
-def __getattr__(name):
-    owner = _OWNERS.get(name)
-    if owner is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{owner}"), name)
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_OWNERS))
+__getattr__, __dir__ = lazy_face(__name__, _OWNERS, globals)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
+from dflash_pipeline.core.config import schema_defaults
 from dflash_pipeline.core.console import CONSOLE_LOGGER, CONSOLE_PREFIXES, console  # noqa: F401 (used by the tee)
 
 
@@ -137,9 +138,10 @@ def launch_topology(train_cfg: dict, env: Optional[dict] = None) -> LaunchTopolo
             allocation with a different node count than ``train.num_machines``.
     """
     env = dict(os.environ if env is None else env)
+    train_cfg = {**schema_defaults("train"), **train_cfg}  # a partial section (tests): the schema's defaults
     slurm_nodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
     in_slurm = bool(env.get("SLURM_JOB_ID")) and bool(slurm_nodes)
-    configured = train_cfg.get("num_machines")
+    configured = train_cfg["num_machines"]
     source = "config"
     if configured is None:
         num_machines, source = (int(slurm_nodes), "slurm") if in_slurm else (1, "config")
@@ -157,12 +159,12 @@ def launch_topology(train_cfg: dict, env: Optional[dict] = None) -> LaunchTopolo
         else:
             raise ValueError(f"train.num_machines is {num_machines}: set DFLASH_MACHINE_RANK on each machine "
                              f"(0 on the main one) or run inside a SLURM allocation (srun --ntasks-per-node=1)")
-    ip = train_cfg.get("main_process_ip") or env.get("DFLASH_MAIN_PROCESS_IP")
+    ip = train_cfg["main_process_ip"] or env.get("DFLASH_MAIN_PROCESS_IP")
     if not ip and num_machines > 1 and in_slurm:
         ip = first_slurm_host(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "")
-    port = env.get("DFLASH_MAIN_PROCESS_PORT") or train_cfg.get("main_process_port")
+    port = env.get("DFLASH_MAIN_PROCESS_PORT") or train_cfg["main_process_port"]
     return LaunchTopology(num_machines=num_machines, machine_rank=rank,
-                          processes_per_machine=int(train_cfg.get("num_processes", 1)),
+                          processes_per_machine=int(train_cfg["num_processes"]),
                           main_process_ip=ip, main_process_port=int(port) if port else None, source=source)
 
 
@@ -177,7 +179,7 @@ def run_accelerate(argv: list[str]) -> int:
         return 2
     cfg = json.loads(argv[0])
     topo = launch_topology(cfg)
-    args = topo.launch_args(cfg.get("mixed_precision", "no"))
+    args = topo.launch_args({**schema_defaults("train"), **cfg}["mixed_precision"])
     print(f"[launch] machines={topo.num_machines} rank={topo.machine_rank} ({topo.source}) main={topo.main_process_ip}:"
           f"{topo.main_process_port} processes/machine={topo.processes_per_machine}", file=sys.stderr, flush=True)
     from dflash_pipeline.features import colocated_servers

@@ -13,14 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from dflash_pipeline.target import chat
-
-from dflash_pipeline.core import contracts
-
-from dflash_pipeline.core import shards
 from dflash_pipeline.completions import ERRORS_SUFFIX, PROGRESS_SUFFIX, generate_shard
+from dflash_pipeline.core import contracts, shards
 from dflash_pipeline.core.config import validate_config
 from dflash_pipeline.core.errors import ConfigError, GenerationError
+from dflash_pipeline.target import chat
 from dflash_pipeline.testing.server import Faults, start_test_server
 
 REPO_ROOT = Path(__file__).resolve().parents[3]

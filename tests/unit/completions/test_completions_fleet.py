@@ -13,14 +13,20 @@ import time
 from pathlib import Path
 
 import pytest
+from test_completions import MULTI, dead_url, openai_cfg, read_records, single_turn, write_prompts
 
 from dflash_pipeline import completions
-
+from dflash_pipeline.completions import (
+    PROGRESS_SUFFIX,
+    ProgressLog,
+    _describe,
+    _fingerprint,
+    _settle_model,
+    generate_shard,
+)
 from dflash_pipeline.core import contracts
-from dflash_pipeline.completions import PROGRESS_SUFFIX, ProgressLog, _describe, _fingerprint, _settle_model, generate_shard
 from dflash_pipeline.core.errors import ConfigError, GenerationError
 from dflash_pipeline.testing.server import Faults, TestServer, start_test_server
-from test_completions import MULTI, dead_url, openai_cfg, read_records, single_turn, write_prompts
 
 # ----------------------------------------------------------------------------------------------
 # the served model

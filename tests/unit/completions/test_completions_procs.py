@@ -13,12 +13,19 @@ import time
 from pathlib import Path
 
 import pytest
+from test_completions import KILL_SCRIPT, MULTI, gen_cfg, openai_cfg, read_records, single_turn, write_prompts
+from test_completions_raw import raw_cfg
 
-from dflash_pipeline.completions import PROGRESS_SUFFIX, ProgressLog, _fingerprint, _split_caps, generate_shard, make_backend
+from dflash_pipeline.completions import (
+    PROGRESS_SUFFIX,
+    ProgressLog,
+    _fingerprint,
+    _split_caps,
+    generate_shard,
+    make_backend,
+)
 from dflash_pipeline.core.errors import ConfigError, GenerationError
 from dflash_pipeline.testing.server import Faults, start_test_server
-from test_completions import KILL_SCRIPT, gen_cfg, openai_cfg, read_records, single_turn, write_prompts, MULTI
-from test_completions_raw import raw_cfg
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_completions import FAST, MULTI, gen_cfg, read_records, single_turn, write_prompts
 
-from dflash_pipeline.target import chat
 from dflash_pipeline.completions import PROGRESS_SUFFIX, ProgressLog, _fingerprint, generate_shard
 from dflash_pipeline.core.errors import ConfigError
+from dflash_pipeline.target import chat
 from dflash_pipeline.testing.server import Faults, start_test_server
-from test_completions import FAST, MULTI, gen_cfg, read_records, single_turn, write_prompts
 
 REPO = Path(__file__).resolve().parents[3]
 

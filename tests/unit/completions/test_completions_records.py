@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_pipeline.completions import RowError, RunInfo, Turn, build_record, check_thinking, cut_at_eos, split_reasoning
+from dflash_pipeline.completions import (
+    RowError,
+    RunInfo,
+    Turn,
+    build_record,
+    check_thinking,
+    cut_at_eos,
+    split_reasoning,
+)
 from dflash_pipeline.completions.records import redact_url, sampling_params
 
 INFO = RunInfo(model="m", sampling="{}", thinking="none")

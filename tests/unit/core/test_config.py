@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import yaml
+from conftest import snakemake
 
 from dflash_pipeline.core.config import schema_problems, validate_config
 from dflash_pipeline.core.errors import ConfigError
-from conftest import snakemake
 
 
 def test_schema_problems_lists_every_error_with_its_key():
@@ -64,7 +64,7 @@ def test_snakemake_plan_rejects_a_target_without_tokenizer_files(tmp_path):
     proc = snakemake(tmp_path, "-n", configfile=cfg)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert f"target.path: no tokenizer files (tokenizer.json" in out and "need the target's tokenizer" in out
+    assert "target.path: no tokenizer files (tokenizer.json" in out and "need the target's tokenizer" in out
 
 
 def test_snakemake_plan_rejects_a_transformers_target_without_weights(tmp_path):

@@ -7,17 +7,16 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import DEMO_TEST_STEPS, GSM8K_TRAIN, models_dir
 
 from dflash_pipeline import demo
+from dflash_pipeline.core.errors import DataError
 from dflash_pipeline.demo import (
     CHAT_TEMPLATE,
     build_demo_target,
     encode_conversation,
     padded_vocab_size,
 )
-from dflash_pipeline.core.errors import DataError
-
-from conftest import DEMO_TEST_STEPS, GSM8K_TRAIN, models_dir
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 2+3?"}],
@@ -117,9 +116,8 @@ def test_greedy_generation_is_not_degenerate(tmp_path):
     """At the default train_steps the greedy answer has structure (the 50-step session target does not).
     Slow (the full ≈2-3 minute build), hence the e2e marker."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from conftest import SHAREGPT
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = build_demo_target(tmp_path / "full", [GSM8K_TRAIN, SHAREGPT], log=None)
     tokenizer = AutoTokenizer.from_pretrained(str(target))

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from dflash_pipeline import report
-from dflash_pipeline.core.config import problems, validate_config
+from dflash_pipeline.core.config import validate_config
 from dflash_pipeline.core.errors import ConfigError
 from dflash_pipeline.evaluate import engine_acceptance as EE
 from dflash_pipeline.evaluate.outputs import write_eval_table
@@ -21,6 +21,7 @@ from dflash_pipeline.evaluate.sglang_engine import histogram_acceptance_stats
 from dflash_pipeline.evaluate.vllm_server import loop_dtype, served_dtype_of_log
 from dflash_pipeline.testing.server import start_test_server
 from dflash_pipeline.workflow import policy as workflow
+from dflash_pipeline.workflow.problems import problems
 
 PROMPTS = [{"prompt_id": "a", "turns": ["one two three four five six seven eight nine", "again please"],
             "system": None},
@@ -67,7 +68,8 @@ def _eval_cfg(**over) -> dict:
 def _drafter(tmp_path, block_size=4):
     d = tmp_path / "final"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"block_size": block_size, "num_hidden_layers": 1}))
+    (d / "config.json").write_text(json.dumps({"block_size": block_size, "num_hidden_layers": 1,  # a drafter's fields
+                                               "dflash_config": {"target_layer_ids": [1], "mask_token_id": 0}}))
     return d
 
 

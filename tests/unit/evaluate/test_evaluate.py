@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import tiny_target_and_drafter
 
-from dflash_pipeline.evaluate import acceptance as E
 from dflash_pipeline.core.contracts import prompt_id
+from dflash_pipeline.evaluate import acceptance as E
 
 B = 4
 

@@ -145,7 +145,7 @@ def test_speculative_config_and_serve_md(tmp_path):
     d = tmp_path / "final"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"block_size": 8, "num_hidden_layers": 2,
-                                               "dflash_config": {"target_layer_ids": [1, 17, 33]}}))
+                                               "dflash_config": {"target_layer_ids": [1, 17, 33], "mask_token_id": 5}}))
     text = write_serve_md(d, target="/models/qwen3-8b").read_text()
     assert '\\"num_speculative_tokens\\": 7' not in text and '"num_speculative_tokens": 7' in text
     assert "--speculative-num-draft-tokens 8" in text and "[2, 18, 34]" in text and "/models/qwen3-8b" in text

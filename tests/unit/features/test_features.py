@@ -19,10 +19,10 @@ from safetensors.torch import save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_pipeline.core.contracts import TOKEN_SCHEMA
+from dflash_pipeline.core.shards import table_from_records, write_parquet
 from dflash_pipeline.features import FeatureLayout, FeatureShard, FeatureShardError, FeatureShardWriter, bytes_per_token
 from dflash_pipeline.features.extract import extract_shard, read_token_arrays
 from dflash_pipeline.features.weights import find_embed_and_head_keys, load_embed_and_head
-from dflash_pipeline.core.shards import table_from_records, write_parquet
 
 LAYERS = [1, 2]
 FEATURES_CFG = {"backend": "hf", "dtype": "bfloat16", "last_hidden": True, "chunk_tokens": 64}

@@ -12,10 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import models_dir
 
+from dflash_pipeline import probe as probe_mod
 from dflash_pipeline.core.contracts import PROBE_SCHEMA_VERSION
 from dflash_pipeline.core.errors import ConfigError, ProbeError
-from dflash_pipeline import probe as probe_mod
 from dflash_pipeline.probe import (
     build_target_layer_ids,
     hf_hidden_state_index,
@@ -34,7 +35,6 @@ def probe_target(*args, **kwargs) -> dict:
     validate_probe(rec)
     return rec
 
-from conftest import models_dir
 
 # --------------------------------------------------------------------------------------------------
 # layer ids

@@ -14,6 +14,7 @@ import pytest
 from dflash_pipeline import prompts
 from dflash_pipeline.core.contracts import PROMPT_SCHEMA, prompt_id
 from dflash_pipeline.core.errors import ConfigError, DataError
+from dflash_pipeline.core.shards import read_shard_metadata
 from dflash_pipeline.prompts import (
     GSM8K_SUFFIX,
     RejectedRecord,
@@ -23,7 +24,6 @@ from dflash_pipeline.prompts import (
     normalize_record,
     read_records,
 )
-from dflash_pipeline.core.shards import read_shard_metadata
 
 REPO = Path(__file__).resolve().parents[3]
 DATA = REPO / "data"
@@ -396,7 +396,8 @@ def test_filters_too_long_fraction_and_max_prompts(tmp_path):
     ds = m["datasets"]["g"]
     assert 60 < ds["kept"] < 140 and ds["kept"] + ds["dropped"]["sampled_out"] == 201
     build_prompt_shards({"g": {"path": str(src), "fraction": 0.5}}, tmp_path / "o4", shard_size=64, seed=1)
-    ids = lambda out: [r["prompt_id"] for p in sorted(out.rglob("*.parquet")) for r in pq.read_table(p).to_pylist()]
+    def ids(out):
+        return [r["prompt_id"] for p in sorted(out.rglob("*.parquet")) for r in pq.read_table(p).to_pylist()]
     assert ids(tmp_path / "o3") != ids(tmp_path / "o4")  # the seed matters
 
     m = build_prompt_shards({"g": {"path": str(src), "fraction": 0.5, "max_prompts": 30}}, tmp_path / "o5",

@@ -78,8 +78,7 @@ V1_STATS = {
 
 
 def _completion_shard(path, completion_tokens):
-    from dflash_pipeline.core import contracts
-    from dflash_pipeline.core import shards
+    from dflash_pipeline.core import contracts, shards
 
     turn = {"finish_reason": "stop", "prompt_tokens": 3, "prompt_token_ids": None, "output_token_ids": None,
             "latency_s": 0.5, "endpoint": "local"}

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dflash_pipeline.target import loading as T
 from dflash_pipeline.probe import probe_target
+from dflash_pipeline.target import loading as T
 
 CONFIG_PY = '''
 from transformers import Qwen3Config

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_pipeline.target import chat
 from dflash_pipeline.core.errors import TokenizationError
+from dflash_pipeline.target import chat
 from dflash_pipeline.tokens.shard import conversation_sequences, tokenize_sequences
 
 _REPO = Path(__file__).resolve().parents[3]
@@ -223,7 +223,7 @@ def test_mask_invariant(base_bpe_json, name, multi, mode):
     seqs = conversation_sequences(tok, msgs, thinking=mode, prompt_id="p1")
     a_idx = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
     assert sorted(k for s in seqs for k in s.turns) == list(range(len(a_idx)))  # each turn exactly once
-    for seq, (ids, mask, straddling) in zip(seqs, tokenize_sequences(tok, seqs)):
+    for seq, (ids, mask, _straddling) in zip(seqs, tokenize_sequences(tok, seqs)):
         assert ids.dtype == np.int32 and mask.dtype == np.uint8
         runs = masked_runs(ids, mask)
         assert len(runs) == len(seq.turns), (name, seq.text, runs)

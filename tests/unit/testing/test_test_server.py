@@ -48,7 +48,7 @@ class CliServer:
             except queue.Empty:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.stop()
-                    raise AssertionError(f"server did not print READY (exit {self.proc.poll()}): {self.stderr}")
+                    raise AssertionError(f"server did not print READY (exit {self.proc.poll()}): {self.stderr}") from None
         assert line.startswith("READY http://127.0.0.1:") and line.rstrip().endswith("/v1"), line
         self.base_url = line.split()[1]
         self.root = self.base_url.removesuffix("/v1")

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import GSM8K_TRAIN, REPO_ROOT, models_dir
+
 from dflash_pipeline.drafter import model as M
+from dflash_pipeline.evaluate.acceptance import speculative_generate
 from dflash_pipeline.target import loading as T
 from dflash_pipeline.target.chat import load_tokenizer, render
-from dflash_pipeline.evaluate.acceptance import speculative_generate
 from dflash_pipeline.testing import zoo
 from dflash_pipeline.train.run import StepContext, build_drafter, make_accelerator, target_features, training_step
 

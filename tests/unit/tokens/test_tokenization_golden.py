@@ -36,11 +36,11 @@ from typing import Any, Callable
 
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import GSM8K_TRAIN, SHAREGPT, models_dir
-from dflash_pipeline.target import chat
+
 from dflash_pipeline.core import shards
 from dflash_pipeline.core.contracts import COMPLETION_SCHEMA, canonical_json
+from dflash_pipeline.target import chat
 from dflash_pipeline.tokens.shard import tokenize_records, tokenize_shard
 from dflash_pipeline.workflow.policy import TOKENIZATION_REVISION
 

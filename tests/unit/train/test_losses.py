@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from dflash_pipeline.train import losses as L
 from dflash_pipeline.drafter import model as M
+from dflash_pipeline.train import losses as L
 from dflash_pipeline.train.heldout import AcceptanceCounts, block_acceptance, heldout_mask
 
 BIG = 30.0  # a logit margin that makes a softmax one-hot to ~1e-13

@@ -7,8 +7,8 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_pipeline.drafter import model as M
-from dflash_pipeline.train import packing as P
 from dflash_pipeline.target.hidden import target_features
+from dflash_pipeline.train import packing as P
 from dflash_pipeline.train.heldout import heldout_acceptance
 
 B = 4

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import counting_train_setup
 import torch
+from conftest import counting_train_setup
 
 from dflash_pipeline.drafter import model as M
 from dflash_pipeline.train.run import train

@@ -1,4 +1,4 @@
-"""config.problems: the schema's problems, then the cross-field checks, one line each (no Snakemake)."""
+"""workflow.problems: the schema's problems, then the stages' cross-field checks, one line each (no Snakemake)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from pathlib import Path
 
 import yaml
 
-from dflash_pipeline.core.config import generation_problems, problems, schema_default, schema_defaults, validate_config
+from dflash_pipeline.core.config import generation_problems, schema_default, schema_defaults, validate_config
+from dflash_pipeline.workflow.problems import problems
 
 REPO = Path(__file__).resolve().parents[3]
 
