@@ -1,6 +1,9 @@
 """Planning cost of the workflow at scale: `snakemake -n` over N prompt shards (default 10,000) with our
 Snakefile, next to a trivial Snakefile with the same job count (2 rules per shard + 1 aggregate) measured
-in the same run. Prints seconds and the ratio (our rules' overhead).
+in the same run. Prints seconds and the ratio (our rules' overhead), then splits it: a Snakefile with the same
+DAG and the same directives per job (script, log, benchmark, conda, params, 2 inputs) but none of our code
+(:data:`SAME_DIRECTIVES`), against ours (what our rules' Python costs) and against the trivial one (what
+Snakemake charges for those directives).
 
 The target is real, as planning requires (config.problems refuses a directory without tokenizer or
 weights): the demo target's files, built untrained (0 steps, a small corpus) into the temp dir, or
@@ -41,6 +44,58 @@ rule b:
 rule agg:
     input: expand("tokens/{s}.txt", s=SHARDS)
     output: "train.done"
+    shell: "touch {output}"
+"""
+
+#: The same DAG as ours with the same directives per job, and nothing of ours: a checkpoint whose manifest lists
+#: the shards, per shard a `script:` rule with 2 inputs (shard, target config) and 2 outputs and a second with
+#: 2 inputs and 1 output, each with params (one a function of the input), log, benchmark, conda env, threads
+#: and a gpu resource, and the 3 aggregates (training, 2 summaries) over 1, 1 and 2 files per shard. Our
+#: rules' own cost is ours against this; this against the trivial Snakefile is Snakemake's, for what the
+#: jobs declare.
+SAME_DIRECTIVES = """
+import json
+wildcard_constraints:
+    shard=r"\\d{5}"
+def shards(wildcards):
+    return json.loads(open(checkpoints.manifest.get().output[0]).read())
+def target_dir(wildcards, input):
+    return str(Path(input.target).parent)
+rule all:
+    input: "train.done", "gen.tsv", "tok.tsv"
+checkpoint manifest:
+    input: "prompts.jsonl"
+    output: "prompts/manifest.json"
+    shell: "false"
+rule a:
+    input: p="prompts/{shard}.txt", target="target/config.json"
+    output: s="completions/{shard}.txt", st="completions/{shard}.stats.json"
+    params: target=target_dir, gen={"max_tokens": 96, "seed": 0}, chat_template=None, trust=False, dtype="auto"
+    log: "logs/a/{shard}.log"
+    benchmark: "benchmarks/a/{shard}.tsv"
+    threads: 2
+    resources: gpu=0
+    conda: "env.yaml"
+    script: "job.py"
+rule b:
+    input: c="completions/{shard}.txt", target="target/config.json"
+    output: "tokens/{shard}.txt"
+    params: target=target_dir, tokens={"max_length": 384}, chat_template=None, trust=False, code="abc"
+    log: "logs/b/{shard}.log"
+    benchmark: "benchmarks/b/{shard}.tsv"
+    conda: "env.yaml"
+    script: "job.py"
+rule train:
+    input: lambda w: expand("tokens/{shard}.txt", shard=shards(w))
+    output: "train.done"
+    shell: "touch {output}"
+rule gen:
+    input: lambda w: expand("completions/{shard}.txt", shard=shards(w)) + expand("completions/{shard}.stats.json", shard=shards(w))
+    output: "gen.tsv"
+    shell: "touch {output}"
+rule tok:
+    input: lambda w: expand("tokens/{shard}.txt", shard=shards(w))
+    output: "tok.tsv"
     shell: "touch {output}"
 """
 
@@ -93,21 +148,39 @@ def our_workdir(work: Path, n: int, target: Path) -> Path:
     return work / "config.yaml"
 
 
-def measure(n: int, target: Path | None, tmp: Path) -> tuple[float, float]:
-    """(our seconds, trivial seconds) of one dry run each over ``n`` shards."""
+def same_directives_workdir(work: Path, n: int) -> None:
+    """The workdir of :data:`SAME_DIRECTIVES`: its checkpoint done (manifest newer than its input), ``n`` shards."""
+    (work / "prompts").mkdir(parents=True)
+    (work / "target").mkdir()
+    (work / "target" / "config.json").write_text("{}")
+    (work / "env.yaml").write_text("channels: [conda-forge]\ndependencies: [python]\n")
+    (work / "job.py").write_text("raise SystemExit('dry runs only')\n")
+    (work / "prompts.jsonl").touch()
+    names = [f"{i:05d}" for i in range(n)]
+    for name in names:
+        (work / "prompts" / f"{name}.txt").touch()
+    (work / "prompts" / "manifest.json").write_text(json.dumps(names))
+    (work / "Snakefile").write_text(SAME_DIRECTIVES)
+
+
+def measure(n: int, target: Path | None, tmp: Path) -> dict[str, float]:
+    """Seconds of one dry run each over ``n`` shards: ``ours``, ``trivial`` and ``same`` (same directives)."""
     work = tmp / "ours"
     work.mkdir(parents=True)
     target = target or untrained_demo_target(tmp / "target")
     config = our_workdir(work, n, target.resolve())
-    ours = timed([sys.executable, "-m", "snakemake", "-n", "--quiet", "-s", str(REPO / "Snakefile"), "-d", str(work),
-                  "--configfile", str(config), "--cores", "2"], work, env=src_env())
+    out = {"ours": timed([sys.executable, "-m", "snakemake", "-n", "--quiet", "-s", str(REPO / "Snakefile"), "-d",
+                          str(work), "--configfile", str(config), "--cores", "2"], work, env=src_env())}
     triv = tmp / "trivial"
     (triv / "prompts").mkdir(parents=True)
     for i in range(n):
         (triv / "prompts" / f"{i:05d}.txt").touch()
     (triv / "Snakefile").write_text(TRIVIAL)
-    base = timed([sys.executable, "-m", "snakemake", "-n", "--quiet", "--cores", "2", "--config", f"nshards={n}"], triv)
-    return ours, base
+    out["trivial"] = timed([sys.executable, "-m", "snakemake", "-n", "--quiet", "--cores", "2", "--config",
+                            f"nshards={n}"], triv)
+    same_directives_workdir(tmp / "same", n)
+    out["same"] = timed([sys.executable, "-m", "snakemake", "-n", "--quiet", "--cores", "2"], tmp / "same")
+    return out
 
 
 def main(argv=None) -> None:
@@ -118,9 +191,12 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     n = 20 if a.smoke else a.shards
     with tempfile.TemporaryDirectory() as tmp:
-        ours, base = measure(n, a.target, Path(tmp))
+        t = measure(n, a.target, Path(tmp))
+    ours, base, same = t["ours"], t["trivial"], t["same"]
     print(f"dry run over {n:,} shards (2 jobs each, {2 * n:,} in all): ours {ours:.1f} s, trivial Snakefile {base:.1f} s, "
           f"ratio {ours / base:.2f}x")
+    print(f"same directives per job, nothing of ours: {same:.1f} s; ours / it {ours / same:.2f}x (our rules' code), "
+          f"it / trivial {same / base:.2f}x (Snakemake's cost of what the jobs declare)")
 
 
 if __name__ == "__main__":
