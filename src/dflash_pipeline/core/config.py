@@ -137,7 +137,7 @@ def validate_config(config: Mapping[str, Any]) -> dict:
 def _filled(config: Mapping[str, Any]) -> dict:
     """A deep copy of a schema-valid ``config`` with every default filled and numbers normalized."""
     cfg = copy.deepcopy(dict(config))
-    _with_defaults(jsonschema.Draft202012Validator)(_schema()).validate(cfg)  # fills the defaults
+    _with_defaults(jsonschema.Draft202012Validator)(load_schema()).validate(cfg)  # fills the defaults
     return normalize_numbers(cfg)
 
 
