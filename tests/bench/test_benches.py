@@ -14,7 +14,7 @@ import sys
 from conftest import REPO
 
 
-def run_bench(name: str, *args: str, timeout: int = 600) -> str:
+def run_bench(name: str, *args: str, timeout: int = 900) -> str:
     """Output of ``python bench/<name>.py --smoke ARGS`` with this checkout's src first on PYTHONPATH;
     fails with its output tail when it exits non-zero."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))}
