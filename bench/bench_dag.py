@@ -48,8 +48,8 @@ rule agg:
 """
 
 #: The same DAG as ours with the same directives per job, and nothing of ours: a checkpoint whose manifest lists
-#: the shards, per shard a `script:` rule with 2 inputs (shard, target config) and 2 outputs and a second with
-#: 2 inputs and 1 output, each with params (one a function of the input), log, benchmark, conda env, threads
+#: the shards, per shard a `script:` rule with 2 inputs (shard, target config) and 2 outputs and a `shell:` rule
+#: with 2 inputs and 1 output (generate_completions, tokenize_completions), each with params (one a function of the input), log, benchmark, conda env, threads
 #: and a gpu resource, and the 3 aggregates (training, 2 summaries) over 1, 1 and 2 files per shard. Our
 #: rules' own cost is ours against this; this against the trivial Snakefile is Snakemake's, for what the
 #: jobs declare.
@@ -84,7 +84,7 @@ rule b:
     log: "logs/b/{shard}.log"
     benchmark: "benchmarks/b/{shard}.tsv"
     conda: "env.yaml"
-    script: "job.py"
+    shell: "python job.py {input.c:q} {output:q} --target {params.target:q} --log {log:q}"
 rule train:
     input: lambda w: expand("tokens/{shard}.txt", shard=shards(w))
     output: "train.done"
