@@ -36,7 +36,17 @@ def test_unknown_command_prints_the_usage(capsys):
     assert "tokenize" in capsys.readouterr().err
 
 
-def test_tokenize_writes_what_tokenize_shard_writes(tmp_path, demo_target):
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    """The demo target's tokenizer and chat template alone (a small BPE; no model)."""
+    from dflash_pipeline import demo
+
+    out = tmp_path_factory.mktemp("tokenizer")
+    demo.train_tokenizer(["What is 2 + 3?", "2 + 3 = 5. The answer is 5."] * 20, vocab_size=300).save_pretrained(out)
+    return out
+
+
+def test_tokenize_writes_what_tokenize_shard_writes(tmp_path, tokenizer_dir):
     rec = {"prompt_id": "p0", "dataset": "gsm8k", "model": "demo", "sampling": "{}", "thinking": "disable",
            "status": "ok", "error": None,
            "messages": [{"role": "user", "content": "What is 2 + 3?", "reasoning_content": None},
@@ -47,10 +57,10 @@ def test_tokenize_writes_what_tokenize_shard_writes(tmp_path, demo_target):
     shards.write_parquet(comp, shards.table_from_records([rec], COMPLETION_SCHEMA))
     cfg = {"last_turn_only": False, "max_length": 64, "strict": True, "use_server_token_ids": False}
     log = tmp_path / "logs" / "tokenize_completions" / "gsm8k" / "00000.log"
-    argv = ["tokenize", str(comp), str(tmp_path / "job.parquet"), "--target", str(demo_target),
+    argv = ["tokenize", str(comp), str(tmp_path / "job.parquet"), "--target", str(tokenizer_dir),
             *shlex.split(jobs.tokenize_args(cfg, None, False)), "--log", str(log)]
     assert jobs.main(argv) == 0
-    tokenize_shard(comp, tmp_path / "direct.parquet", target_dir=demo_target, tokens_cfg=cfg)
+    tokenize_shard(comp, tmp_path / "direct.parquet", target_dir=tokenizer_dir, tokens_cfg=cfg)
     assert (tmp_path / "job.parquet").read_bytes() == (tmp_path / "direct.parquet").read_bytes()
     assert pq.read_table(tmp_path / "job.parquet").num_rows == 1
     assert "1 completion records -> 1 sequences" in log.read_text()
