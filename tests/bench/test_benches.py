@@ -36,7 +36,8 @@ def assert_lines(out: str, *patterns: str) -> None:
 def test_bench_dag():
     out = run_bench("bench_dag")
     assert_lines(out, rf"^dry run over 20 shards .*: ours {NUM} s, trivial Snakefile {NUM} s, ratio {NUM}x$",
-                 rf"^same directives per job, nothing of ours: {NUM} s; ours / it {NUM}x .*, it / trivial {NUM}x ")
+                 rf"^same directives per job, nothing of ours: {NUM} s; ours / it {NUM}x .*, it / trivial {NUM}x ",
+                 rf"^CPU seconds \(user \+ system\): ours {NUM}, trivial {NUM}, same directives {NUM}; ratio {NUM}x")
 
 
 def test_bench_completions():
