@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 from conftest import REPO
 
@@ -80,8 +81,10 @@ def test_bench_train():
 
 
 def test_every_bench_has_a_smoke_test():
-    """A new bench/bench_*.py gets a ``--smoke`` mode and a ``test_<its name>`` here. (bench/*_check.py and
+    """A new bench/bench_*.py gets a ``--smoke`` mode and a ``test_<its name>`` here or in its own
+    tests/bench/test_<its name>.py. (bench/*_check.py and
     gpu_check.sh are hardware checks, CUDA and SGLang/vLLM on a GPU box: they cannot run in this suite.)"""
     benches = {p.stem for p in (REPO / "bench").glob("bench_*.py")}
     tested = {name.removeprefix("test_") for name in globals() if name.startswith("test_bench_")}
+    tested |= {p.stem.removeprefix("test_") for p in Path(__file__).parent.glob("test_bench_*.py")}  # own files
     assert benches == tested, f"untested: {sorted(benches - tested)}; gone: {sorted(tested - benches)}"
