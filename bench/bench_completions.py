@@ -257,6 +257,10 @@ def fmt_client(r: dict, ideal: float | None) -> str:
     return f"{rps:7.1f} {pct} {steady} {1000 * r['cpu'] / r['requests']:6.2f}{err}"
 
 
+#: ``--smoke``: one small point, a short ceiling, both clients (tests/bench/test_benches.py).
+SMOKE = {"grid": "1x4", "delay_s": 0.05, "waves": 3, "ceiling_requests": 64, "no_fallback": True}
+
+
 def load() -> str:
     return "/".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -285,7 +289,10 @@ def main(argv=None) -> int:
     ap.add_argument("--urls", help=argparse.SUPPRESS)
     ap.add_argument("--conc", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--requests", type=int, default=0, help="requests per measurement (overrides --waves)")
+    ap.add_argument("--smoke", action="store_true", help=f"tiny sizes (seconds), for the suite's smoke test: {SMOKE}")
     args = ap.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE)
     if args.child:
         return child(args)
 

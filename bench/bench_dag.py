@@ -1,14 +1,25 @@
 """Planning cost of the workflow at scale: `snakemake -n` over N prompt shards (default 10,000) with our
 Snakefile, next to a trivial Snakefile with the same job count (2 rules per shard + 1 aggregate) measured
-in the same run. Prints seconds and the ratio (our rules' overhead).
+in the same run. Prints seconds and the ratio (our rules' overhead), then splits it: a Snakefile with the same
+DAG and the same directives per job (script, log, benchmark, conda, params, 2 inputs) but none of our code
+(:data:`SAME_DIRECTIVES`), against ours (what our rules' Python costs) and against the trivial one (what
+Snakemake charges for those directives).
 
-    python bench/bench_dag.py [--shards 10000]
+The target is real, as planning requires (config.problems refuses a directory without tokenizer or
+weights): the demo target's files, built untrained (0 steps, a small corpus) into the temp dir, or
+`--target DIR` (e.g. `resources/demo-target` after a demo run). The prompt shards are empty files listed in
+a manifest the prompts checkpoint would have written, so everything below the checkpoint is planned.
+
+    python bench/bench_dag.py [--shards 10000] [--target DIR]
+    python bench/bench_dag.py --smoke          # 20 shards: seconds (tests/bench/test_benches.py)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -37,48 +48,165 @@ rule agg:
     shell: "touch {output}"
 """
 
+#: The same DAG as ours with the same directives per job, and nothing of ours: a checkpoint whose manifest lists
+#: the shards, per shard a `script:` rule with 2 inputs (shard, target config) and 2 outputs and a `shell:` rule
+#: with 2 inputs and 1 output (generate_completions, tokenize_completions), each with params (one a function of the input), log, benchmark, conda env, threads
+#: and a gpu resource, and the 3 aggregates (training, 2 summaries) over 1, 1 and 2 files per shard. Our
+#: rules' own cost is ours against this; this against the trivial Snakefile is Snakemake's, for what the
+#: jobs declare.
+SAME_DIRECTIVES = """
+import json
+wildcard_constraints:
+    shard=r"\\d{5}"
+def shards(wildcards):
+    return json.loads(open(checkpoints.manifest.get().output[0]).read())
+def target_dir(wildcards, input):
+    return str(Path(input.target).parent)
+rule all:
+    input: "train.done", "gen.tsv", "tok.tsv"
+checkpoint manifest:
+    input: "prompts.jsonl"
+    output: "prompts/manifest.json"
+    shell: "false"
+rule a:
+    input: p="prompts/{shard}.txt", target="target/config.json"
+    output: s="completions/{shard}.txt", st="completions/{shard}.stats.json"
+    params: target=target_dir, gen={"max_tokens": 96, "seed": 0}, chat_template=None, trust=False, dtype="auto"
+    log: "logs/a/{shard}.log"
+    benchmark: "benchmarks/a/{shard}.tsv"
+    threads: 2
+    resources: gpu=0
+    conda: "env.yaml"
+    script: "job.py"
+rule b:
+    input: c="completions/{shard}.txt", target="target/config.json"
+    output: "tokens/{shard}.txt"
+    params: target=target_dir, tokens={"max_length": 384}, chat_template=None, trust=False, code="abc"
+    log: "logs/b/{shard}.log"
+    benchmark: "benchmarks/b/{shard}.tsv"
+    conda: "env.yaml"
+    shell: "python job.py {input.c:q} {output:q} --target {params.target:q} --log {log:q}"
+rule train:
+    input: lambda w: expand("tokens/{shard}.txt", shard=shards(w))
+    output: "train.done"
+    shell: "touch {output}"
+rule gen:
+    input: lambda w: expand("completions/{shard}.txt", shard=shards(w)) + expand("completions/{shard}.stats.json", shard=shards(w))
+    output: "gen.tsv"
+    shell: "touch {output}"
+rule tok:
+    input: lambda w: expand("tokens/{shard}.txt", shard=shards(w))
+    output: "tok.tsv"
+    shell: "touch {output}"
+"""
 
-def timed(cmd, cwd) -> float:
+#: Conversations the untrained target's tokenizer is fitted on (GSM8K-style lines; `demo.load_corpus`).
+CORPUS = [{"question": f"What is {i} plus {i + 1}?", "answer": f"{i} + {i + 1} = {2 * i + 1}\n#### {2 * i + 1}"}
+          for i in range(64)]
+
+
+def timed(cmd, cwd, env=None) -> tuple[float, float]:
+    """(wall seconds, CPU seconds: user + system) of ``cmd`` in ``cwd``; exits with its output tail when it
+    fails. The CPU figure is the one to compare on a shared machine (wall time there also counts the
+    other processes' turns)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t
     if proc.returncode != 0:
         sys.exit(proc.stdout[-3000:] + proc.stderr[-3000:])
-    return time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def main() -> None:
+def untrained_demo_target(out: Path) -> Path:
+    """The demo target's files (config, tokenizer, chat template, random weights) built without training, in
+    a child process (torch stays out of this one)."""
+    corpus = out.parent / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in CORPUS))
+    code = ("import sys; from dflash_pipeline.demo import build_demo_target; "
+            "build_demo_target(sys.argv[1], [sys.argv[2]], train_steps=0, vocab_size=300, log=None)")
+    timed([sys.executable, "-c", code, str(out), str(corpus)], out.parent, env=src_env())
+    return out
+
+
+def src_env() -> dict:
+    """The environment with this checkout's src first on PYTHONPATH (the Snakefile imports the package)."""
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), path]))}
+
+
+def our_workdir(work: Path, n: int, target: Path) -> Path:
+    """A results dir whose prompts checkpoint is done: ``n`` (empty) shards of one dataset in its manifest.
+    Returns the config file."""
+    src = work / "prompts.jsonl"
+    src.write_text('{"prompt": "x"}\n')
+    shards = []
+    for i in range(n):
+        f = work / "results" / "prompts" / "big" / f"{i:05d}.parquet"
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.touch()
+        shards.append({"name": f"{i:05d}", "path": f"big/{i:05d}.parquet", "rows": 1})
+    manifest = {"datasets": {"big": {"shards": shards}}}
+    (work / "results" / "prompts" / "manifest.json").write_text(json.dumps(manifest))
+    cfg = {"target": {"path": str(target)}, "datasets": {"big": {"path": str(src)}}, "eval": {"sets": {}}}
+    (work / "config.yaml").write_text(yaml.safe_dump(cfg))
+    return work / "config.yaml"
+
+
+def same_directives_workdir(work: Path, n: int) -> None:
+    """The workdir of :data:`SAME_DIRECTIVES`: its checkpoint done (manifest newer than its input), ``n`` shards."""
+    (work / "prompts").mkdir(parents=True)
+    (work / "target").mkdir()
+    (work / "target" / "config.json").write_text("{}")
+    (work / "env.yaml").write_text("channels: [conda-forge]\ndependencies: [python]\n")
+    (work / "job.py").write_text("raise SystemExit('dry runs only')\n")
+    (work / "prompts.jsonl").touch()
+    names = [f"{i:05d}" for i in range(n)]
+    for name in names:
+        (work / "prompts" / f"{name}.txt").touch()
+    (work / "prompts" / "manifest.json").write_text(json.dumps(names))
+    (work / "Snakefile").write_text(SAME_DIRECTIVES)
+
+
+def measure(n: int, target: Path | None, tmp: Path) -> dict[str, float]:
+    """(wall, CPU) seconds of one dry run each over ``n`` shards: ``ours``, ``trivial`` and ``same`` (same
+    directives)."""
+    work = tmp / "ours"
+    work.mkdir(parents=True)
+    target = target or untrained_demo_target(tmp / "target")
+    config = our_workdir(work, n, target.resolve())
+    out = {"ours": timed([sys.executable, "-m", "snakemake", "-n", "--quiet", "-s", str(REPO / "Snakefile"), "-d",
+                          str(work), "--configfile", str(config), "--cores", "2"], work, env=src_env())}
+    triv = tmp / "trivial"
+    (triv / "prompts").mkdir(parents=True)
+    for i in range(n):
+        (triv / "prompts" / f"{i:05d}.txt").touch()
+    (triv / "Snakefile").write_text(TRIVIAL)
+    out["trivial"] = timed([sys.executable, "-m", "snakemake", "-n", "--quiet", "--cores", "2", "--config",
+                            f"nshards={n}"], triv)
+    same_directives_workdir(tmp / "same", n)
+    out["same"] = timed([sys.executable, "-m", "snakemake", "-n", "--quiet", "--cores", "2"], tmp / "same")
+    return out
+
+
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shards", type=int, default=10_000)
-    a = p.parse_args()
-    n = a.shards
+    p.add_argument("--target", type=Path, help="a target directory (default: the demo target's files, untrained)")
+    p.add_argument("--smoke", action="store_true", help="tiny size (20 shards), for the suite's smoke test")
+    a = p.parse_args(argv)
+    n = 20 if a.smoke else a.shards
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp) / "ours"
-        (work / "target").mkdir(parents=True)
-        (work / "target" / "config.json").write_text("{}")
-        src = work / "prompts.jsonl"
-        src.write_text('{"prompt": "x"}\n')
-        shards = []
-        for i in range(n):
-            f = work / "results" / "prompts" / "big" / f"{i:05d}.parquet"
-            f.parent.mkdir(parents=True, exist_ok=True)
-            f.touch()
-            shards.append({"name": f"{i:05d}", "path": f"big/{i:05d}.parquet", "rows": 1})
-        manifest = {"datasets": {"big": {"shards": shards}}}
-        (work / "results" / "prompts" / "manifest.json").write_text(json.dumps(manifest))
-        cfg = {"target": {"path": str(work / "target")}, "datasets": {"big": {"path": str(src)}},
-               "eval": {"sets": {}}}
-        (work / "config.yaml").write_text(yaml.safe_dump(cfg))
-        ours = timed([sys.executable, "-m", "snakemake", "-n", "--quiet", "-s", str(REPO / "Snakefile"), "-d", str(work),
-                      "--configfile", str(work / "config.yaml"), "--cores", "2"], work)
-
-        triv = Path(tmp) / "trivial"
-        (triv / "prompts").mkdir(parents=True)
-        for i in range(n):
-            (triv / "prompts" / f"{i:05d}.txt").touch()
-        (triv / "Snakefile").write_text(TRIVIAL)
-        base = timed([sys.executable, "-m", "snakemake", "-n", "--quiet", "--cores", "2", "--config", f"nshards={n}"], triv)
-    print(f"dry run over {n:,} shards ({2 * n + 4:,} jobs): ours {ours:.1f} s, trivial Snakefile {base:.1f} s, ratio {ours / base:.2f}x")
-
+        t = measure(n, a.target, Path(tmp))
+    (ours, ours_cpu), (base, base_cpu), (same, same_cpu) = t["ours"], t["trivial"], t["same"]
+    print(f"dry run over {n:,} shards (2 jobs each, {2 * n:,} in all): ours {ours:.1f} s, trivial Snakefile {base:.1f} s, "
+          f"ratio {ours / base:.2f}x")
+    print(f"same directives per job, nothing of ours: {same:.1f} s; ours / it {ours / same:.2f}x (our rules' code), "
+          f"it / trivial {same / base:.2f}x (Snakemake's cost of what the jobs declare)")
+    print(f"CPU seconds (user + system): ours {ours_cpu:.1f}, trivial {base_cpu:.1f}, same directives {same_cpu:.1f}; "
+          f"ratio {ours_cpu / base_cpu:.2f}x, ours / same {ours_cpu / same_cpu:.2f}x, same / trivial "
+          f"{same_cpu / base_cpu:.2f}x")
 
 if __name__ == "__main__":
     main()

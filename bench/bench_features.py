@@ -137,12 +137,12 @@ def run_child(mode: str, spec: dict) -> dict:
     return json.loads(line[-1][7:])
 
 
-def bench_rss(root: Path, base_records: int, seq: int, hidden: int, steps: int) -> None:
+def bench_rss(root: Path, base_records: int, seq: int, hidden: int, steps: int, mults=(1, 10, 100)) -> None:
     target = make_target(root, hidden)
     probe = {"hidden_size": hidden, "num_hidden_layers": 4, "tie_word_embeddings": True,
              "drafter": {"block_size": 4, "num_draft_layers": 1, "target_layer_ids": [1, 2], "mask_token_id": 511}}
     rows = []
-    for mult in (1, 10, 100):
+    for mult in mults:
         d = root / f"x{mult}"
         d.mkdir()
         t0 = time.time()
@@ -159,11 +159,12 @@ def bench_rss(root: Path, base_records: int, seq: int, hidden: int, steps: int) 
         r["baseline_load_token_shards_MiB"] = run_child("baseline", spec)["peak_rss_mib"]
         rows.append(r)
         print(json.dumps(r), flush=True)
-    print("\npeak RSS (MiB)   x1 / x10 / x100   ratio x100/x1")
+    top = f"x{mults[-1]}"
+    print(f"\npeak RSS (MiB)   {' / '.join(f'x{m}' for m in mults)}   ratio {top}/x{mults[0]}")
     for k in ("train_shards_MiB", "scan_all_MiB", "baseline_load_token_shards_MiB"):
         v = [r[k] for r in rows]
-        print(f"  {k:34s} {v[0]:7.0f} {v[1]:7.0f} {v[2]:7.0f}   {v[2] / v[0]:.2f}")
-    print(f"  feature bytes at x100: {rows[-1]['feature_GB']:.2f} GB")
+        print(f"  {k:34s} {' '.join(f'{x:7.0f}' for x in v)}   {v[-1] / v[0]:.2f}")
+    print(f"  feature bytes at {top}: {rows[-1]['feature_GB']:.2f} GB")
 
 
 def bench_extract(root: Path, records: int, seq: int, skip_vllm: bool) -> None:
@@ -194,6 +195,11 @@ def bench_extract(root: Path, records: int, seq: int, skip_vllm: bool) -> None:
         print(f"  ratio vllm / hf: {res['vllm']['tokens_per_s'] / res['hf']['tokens_per_s']:.2f}")
 
 
+#: ``--smoke``: a few short records, the hf backend only (a vLLM engine start alone takes ~30 s;
+#: tests/bench/test_benches.py).
+SMOKE = {"base_records": 8, "seq": 32, "steps": 2, "extract_records": 4, "skip_vllm": True, "multipliers": "1,10"}
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         child(sys.argv[2], json.loads(Path(sys.argv[3]).read_text()))
@@ -206,11 +212,15 @@ def main() -> None:
     p.add_argument("--extract-records", type=int, default=64)
     p.add_argument("--skip-vllm", action="store_true")
     p.add_argument("--skip-rss", action="store_true")
+    p.add_argument("--multipliers", default="1,10,100", help="dataset sizes of the RSS part, x the base")
+    p.add_argument("--smoke", action="store_true", help=f"tiny sizes (seconds), for the suite's smoke test: {SMOKE}")
     a = p.parse_args()
+    if a.smoke:
+        vars(a).update(SMOKE)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         if not a.skip_rss:
-            bench_rss(root, a.base_records, a.seq, a.hidden, a.steps)
+            bench_rss(root, a.base_records, a.seq, a.hidden, a.steps, tuple(int(m) for m in a.multipliers.split(",")))
         bench_extract(root, a.extract_records, a.seq, a.skip_vllm)
 
 

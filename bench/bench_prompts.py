@@ -103,6 +103,10 @@ def child(mode: str, src: Path, out: Path, shard_size: int, languages: list[str]
     print(json.dumps({"mode": mode, "kept": kept, "shards": n_shards, "seconds": dt, "peak_rss_mib": rss_mib}))
 
 
+#: ``--smoke``: a small source, streaming against naive (tests/bench/test_benches.py).
+SMOKE = {"records": 2000, "shard_size": 256}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--records", type=int, default=200_000)
@@ -111,7 +115,10 @@ def main() -> None:
     ap.add_argument("--languages", help="comma-separated allow-list, e.g. en: English-word source, streaming "
                     "without and with the language filter")
     ap.add_argument("--child", nargs=3, metavar=("MODE", "SRC", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--smoke", action="store_true", help=f"tiny sizes (seconds), for the suite's smoke test: {SMOKE}")
     args = ap.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
     if args.child:
         mode, src, out = args.child
         child(mode, Path(src), Path(out), args.shard_size, args.languages.split(",") if args.languages else None)

@@ -201,6 +201,10 @@ def breakdown(tok, records: list[dict], naive_s: float) -> None:
           f"implementation can beat it by more than {naive_s / (render_s + encode_s):.2f}x on these records")
 
 
+#: ``--smoke``: a few conversations and a small vocabulary (tests/bench/test_benches.py).
+SMOKE = {"records": 40, "vocab_size": 512, "max_length": 512, "peak_records": 0}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--records", type=int, default=2000, help="conversations in the throughput run")
@@ -208,7 +212,10 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--max-length", type=int, default=3072)
     ap.add_argument("--peak-records", type=int, default=0, help="also measure peak RSS for a shard of this many records")
+    ap.add_argument("--smoke", action="store_true", help=f"tiny sizes (seconds), for the suite's smoke test: {SMOKE}")
     args = ap.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE)
 
     convs = load_conversations(args.records)
     t0 = time.perf_counter()

@@ -29,6 +29,11 @@ from dflash_pipeline.drafter import model as M
 from dflash_pipeline.train.run import StepContext, training_step
 
 
+#: ``--smoke``: a tiny target and drafter, a few steps of the step mode (tests/bench/test_benches.py).
+SMOKE = {"hidden": 64, "target_layers": 6, "draft_layers": 1, "vocab": 256, "block_size": 4, "num_anchors": 4, "batch": 2,
+         "seq": 32, "steps": 2}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=128)
@@ -50,7 +55,10 @@ def main() -> None:
     p.add_argument("--pack-max-tokens", type=int, help="tokens per packed row (default: the longest record)")
     p.add_argument("--pack-batch", type=int, help="packed rows per step (default: --batch)")
     p.add_argument("--repeats", type=int, default=3, help="alternating passes of each (best kept; with --tokens)")
+    p.add_argument("--smoke", action="store_true", help=f"tiny sizes (seconds), for the suite's smoke test: {SMOKE}")
     a = p.parse_args()
+    if a.smoke:
+        vars(a).update(SMOKE)
     if a.tokens:
         return packing_main(a)
     dev = torch.device(a.device)

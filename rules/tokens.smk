@@ -1,3 +1,11 @@
+# The job's settings on its command line: the values of its params (a shell rule, not a script: Snakemake reads
+# a script rule's script per job at plan time; dflash_pipeline.workflow.jobs).
+from dflash_pipeline.workflow.jobs import tokenize_args
+
+TOKENS = canonical(config["tokens"])
+TOKENIZE_ARGS = tokenize_args(TOKENS, config["target"]["chat_template"], config["target"]["trust_remote_code"])
+
+
 rule tokenize_completions:
     """Render one completion shard with the target's chat template; assistant-only loss mask."""
     input:
@@ -7,7 +15,7 @@ rule tokenize_completions:
         token_shard(),
     params:
         target=target_dir_of_input,
-        tokens=canonical(config["tokens"]),
+        tokens=TOKENS,
         chat_template=config["target"]["chat_template"],
         trust_remote_code=config["target"]["trust_remote_code"],
         # a new revision of the token-shard bytes (workflow.TOKENIZATION_REVISION) reruns this rule, never generate_completions
@@ -18,5 +26,6 @@ rule tokenize_completions:
         benchmark_file("tokenize_completions", "{dataset}", "{shard}")
     conda:
         "../envs/tokens.yaml"
-    script:
-        "../scripts/tokenize_completions.py"
+    shell:
+        "python -m dflash_pipeline.workflow.jobs tokenize {input.completions:q} {output:q} --target {params.target:q} "
+        "{TOKENIZE_ARGS} --log {log:q}"

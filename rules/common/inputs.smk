@@ -1,12 +1,12 @@
 # Input functions (`get_*`, as the snakemake-workflows name them): called per job with its wildcards;
 # those below the prompts checkpoint read its manifest, so the DAG is re-evaluated after it ran.
 
+from dflash_pipeline.workflow import policy as wf
+
 
 def get_shard_list(wildcards):
-    """(dataset, shard) pairs written by the prompts checkpoint."""
-    from dflash_pipeline.prompts import list_shards
-
-    return list_shards(checkpoints.shard_prompts.get().output.manifest)
+    """(dataset, shard) pairs written by the prompts checkpoint (parsed once per manifest version)."""
+    return wf.shard_list(checkpoints.shard_prompts.get().output.manifest)
 
 
 def get_token_shards(wildcards):

@@ -39,8 +39,7 @@ def srun_prefix():
 def target_dir_of_input(wildcards, input):
     """`params.target` derived from the rule's `target` input (the demo dir, or the dir of config.json),
     so the path travels with the input (Snakemake lint: no hard-coded input prefixes in params)."""
-    path = Path(input.target)
-    return str(path.parent) if path.name == "config.json" else str(path)
+    return wf.target_dir_of(str(input.target))
 
 
 def prompts_dir_of_output(wildcards, output):

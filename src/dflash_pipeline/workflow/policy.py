@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -385,6 +386,39 @@ def run_with_gpus(argv: Optional[list[str]] = None) -> int:
         return 2
     with claim_gpus(int(argv[1])):
         return subprocess.call(argv[3:])
+
+
+# --- plan-time values -----------------------------------------------------------------------------------
+# The rules' input functions and params functions run once per job: a value that is the same for every job
+# of a plan (the target dir, the shard list of the manifest) is computed once per process here.
+
+
+@functools.lru_cache(maxsize=64)
+def target_dir_of(target_input: str) -> str:
+    """The target directory of a rule's ``target`` input (``params.target``): the demo dir as it is, the
+    directory of a real target's ``config.json`` (``/models/qwen/config.json`` -> ``/models/qwen``).
+    Every job of a run has the same input, so it is computed once."""
+    path = Path(target_input)
+    return str(path.parent) if path.name == "config.json" else str(path)
+
+
+def shard_list(manifest_path: str | os.PathLike) -> list[tuple[str, str]]:
+    """``(dataset, shard)`` pairs of the prompts manifest (:func:`dflash_pipeline.prompts.list_shards`),
+    parsed once per version of the file (path, inode, mtime, size) however many input functions ask: the
+    plan asks once per aggregate rule, each time for every shard. A new list each call.
+
+    Raises:
+        FileNotFoundError: no manifest at ``manifest_path``.
+    """
+    st = os.stat(manifest_path)
+    return list(_shard_list(os.fspath(manifest_path), st.st_ino, st.st_mtime_ns, st.st_size))
+
+
+@functools.lru_cache(maxsize=8)
+def _shard_list(path: str, inode: int, mtime_ns: int, size: int) -> tuple[tuple[str, str], ...]:
+    from dflash_pipeline.prompts import list_shards
+
+    return tuple(list_shards(path))
 
 
 # --- rerun policy -------------------------------------------------------------------------------------

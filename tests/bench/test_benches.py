@@ -1,0 +1,90 @@
+"""Every bench/ script runs at its tiny size (``--smoke``) and prints its figures and its ratio, so none can rot
+unseen: a bench that stops running (an import moved, a refused config, a dtype mismatch) fails here.
+
+The figures are not judged (they depend on the machine and its load); each test checks that the script
+exited cleanly and printed the lines its docstring promises, with numbers in them."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO
+
+
+def run_bench(name: str, *args: str, timeout: int = 900) -> str:
+    """Output of ``python bench/<name>.py --smoke ARGS`` with this checkout's src first on PYTHONPATH;
+    fails with its output tail when it exits non-zero."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / f"{name}.py"), "--smoke", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"bench/{name}.py --smoke exited {proc.returncode}:\n{out[-4000:]}"
+    return proc.stdout
+
+
+NUM = r"[\d,]+(?:\.\d+)?"
+
+
+def assert_lines(out: str, *patterns: str) -> None:
+    for pat in patterns:
+        assert re.search(pat, out, re.M), f"no line matching {pat!r} in:\n{out[-3000:]}"
+
+
+def test_bench_dag():
+    out = run_bench("bench_dag")
+    assert_lines(out, rf"^dry run over 20 shards .*: ours {NUM} s, trivial Snakefile {NUM} s, ratio {NUM}x$",
+                 rf"^same directives per job, nothing of ours: {NUM} s; ours / it {NUM}x .*, it / trivial {NUM}x ",
+                 rf"^CPU seconds \(user \+ system\): ours {NUM}, trivial {NUM}, same directives {NUM}; ratio {NUM}x")
+
+
+def test_bench_completions():
+    out = run_bench("bench_completions")
+    assert_lines(out,
+                 rf"^  pipeline +{NUM} req/s, client CPU {NUM} s per 1k req",
+                 rf"^  naive +{NUM} req/s",
+                 rf"^  ratio pipeline/naive: {NUM}x requests/s$",
+                 rf"^ +1x4 .*\| +{NUM}x +{NUM}x \|")  # the grid point, pipeline against naive
+
+
+def test_bench_features():
+    out = run_bench("bench_features")
+    assert_lines(out,
+                 r"^peak RSS \(MiB\) +x1 / x10 +ratio x10/x1$",
+                 *(rf"^  {k} +{NUM} +{NUM} +{NUM}$" for k in ("train_shards_MiB", "scan_all_MiB",
+                                                               "baseline_load_token_shards_MiB")),
+                 rf"^  hf +{NUM} tokens/s")
+
+
+def test_bench_prompts():
+    out = run_bench("bench_prompts")
+    assert_lines(out,
+                 rf"^ +streaming: {NUM} prompts/s \({NUM} s, {NUM} kept in {NUM} shards\), peak RSS {NUM} MiB$",
+                 rf"^ +naive: {NUM} prompts/s",
+                 rf"^ratio streaming/naive: speed x{NUM}, peak RSS x{NUM}$")
+
+
+def test_bench_tokens():
+    out = run_bench("bench_tokens")
+    assert len(re.findall(rf"^  speedup: {NUM}x tokens/s; {NUM}x conversations/s", out, re.M)) == 3, out[-3000:]
+    assert_lines(out, rf"^  tokens.tokenize_records: {NUM} tokens .* = {NUM} tokens/s/core$")
+
+
+def test_bench_train():
+    out = run_bench("bench_train")
+    assert_lines(out,
+                 rf"^train step: {NUM} ms  ->  {NUM} sequence tokens/s, {NUM} query slots/s",
+                 rf"^baseline \(target forward only\): {NUM} ms  ->  {NUM} tokens/s;  step/baseline = {NUM}x$")
+
+
+def test_every_bench_has_a_smoke_test():
+    """A new bench/bench_*.py gets a ``--smoke`` mode and a ``test_<its name>`` here or in its own
+    tests/bench/test_<its name>.py. (bench/*_check.py and
+    gpu_check.sh are hardware checks, CUDA and SGLang/vLLM on a GPU box: they cannot run in this suite.)"""
+    benches = {p.stem for p in (REPO / "bench").glob("bench_*.py")}
+    tested = {name.removeprefix("test_") for name in globals() if name.startswith("test_bench_")}
+    tested |= {p.stem.removeprefix("test_") for p in Path(__file__).parent.glob("test_bench_*.py")}  # own files
+    assert benches == tested, f"untested: {sorted(benches - tested)}; gone: {sorted(tested - benches)}"
