@@ -32,7 +32,7 @@ def built(tmp_path_factory):
 
 def test_full_build_outputs(built):
     work, cfg = built
-    probe = json.loads((work / "results/probe/target.json").read_text())
+    probe = json.loads((work / "results/probe/e2e.json").read_text())
     assert probe["drafter"]["block_size"] == 4 and len(probe["drafter"]["target_layer_ids"]) == 2
     manifest = json.loads((work / "results/prompts/manifest.json").read_text())
     assert manifest["datasets"]["gsm8k"]["kept"] == 12 and manifest["datasets"]["mt_bench"]["kept"] == 4
@@ -253,3 +253,33 @@ def test_report_shows_tables_inline(built, chromium, tmp_path):
     img = Image.open(shot).convert("L")
     lo, hi = img.getextrema()
     assert hi - lo > 100 and len(set(img.getdata())) > 8, "blank screenshot"
+
+
+def _mtimes(root) -> dict[str, int]:
+    return {str(p): p.stat().st_mtime_ns for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_second_config_never_rebuilds_the_first(built):
+    """Issue #26: a second config with other demo settings (its own results dir) and a third with another
+    block size in the same results dir build their own demo target and probe record; afterwards the first
+    config plans nothing and none of its files was touched."""
+    work, cfg = built
+    before = {**_mtimes(work / "results"), **_mtimes(work / "resources" / "demo-target")}
+    other_demo = dict(cfg, results_dir="results-b", target={**cfg["target"], "demo": {**cfg["target"]["demo"], "train_steps": 5}})
+    path = work / "other_demo.yaml"
+    path.write_text(yaml.safe_dump(other_demo))
+    proc = snakemake(work, "results-b/probe/e2e.json", configfile=path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    built_dirs = sorted(p.name for p in (work / "resources").iterdir() if p.name.startswith("demo-target-"))
+    assert len(built_dirs) == 1, built_dirs  # the other settings' target, beside the first one
+    facts = json.loads((work / "resources" / built_dirs[0] / "demo_target.json").read_text())
+    assert facts["train_steps"] == 5 and facts["params"]["train_steps"] == 5
+    other_drafter = dict(cfg, run="e2e-block3", drafter={**cfg["drafter"], "block_size": 3})
+    path = work / "other_drafter.yaml"
+    path.write_text(yaml.safe_dump(other_drafter))
+    proc = snakemake(work, "results/probe/e2e-block3.json", configfile=path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert json.loads((work / "results/probe/e2e-block3.json").read_text())["drafter"]["block_size"] == 3
+    assert planned_jobs(snakemake(work, "-n")) == {}
+    after = {**_mtimes(work / "results"), **_mtimes(work / "resources" / "demo-target")}
+    assert {p: t for p, t in after.items() if p in before} == before  # the first run's files untouched

@@ -26,6 +26,14 @@ _OWNERS = {
     "baseline_runs": "policy",
     "baseline_train_flags": "policy",
     "TOKENIZATION_REVISION": "policy",
+    "LEFT_OUT_AT_DEFAULT": "policy",
+    "without_new_defaults": "policy",
+    "DEMO_TARGET_DIR": "keyed_paths",
+    "params_digest": "keyed_paths",
+    "recorded_demo_params": "keyed_paths",
+    "demo_target_dir": "keyed_paths",
+    "probe_matches": "keyed_paths",
+    "probe_record_path": "keyed_paths",
 }
 
 __all__ = sorted(_OWNERS)
