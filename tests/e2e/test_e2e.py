@@ -284,3 +284,36 @@ def test_second_config_never_rebuilds_the_first(built):
     assert planned_jobs(snakemake(work, "-n")) == {}
     after = {**_mtimes(work / "results"), **_mtimes(work / "resources")}
     assert {p: t for p, t in after.items() if p in before} == before  # the first run's files untouched
+
+
+def test_landing_page_in_chromium(built, chromium, tmp_path):
+    """Issue #26: results/report/summary.html, opened on its own in headless Chromium, loads every plot (natural
+    width > 0) and its τ table equals acceptance.json; the screenshot is kept ($DFLASH_TEST_ARTEFACTS)."""
+    import html as html_lib
+
+    from conftest import PROBE_SCRIPT, artefact_dir
+
+    work, _ = built
+    page = work / "results/report/summary.html"
+    probed = tmp_path / "summary.html"
+    probed.write_text(page.read_text(encoding="utf-8").replace("</body>", PROBE_SCRIPT + "</body>"), encoding="utf-8")
+    proc = chromium(probed.as_uri(), "--virtual-time-budget=10000", "--dump-dom")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    dom = proc.stdout
+    images = json.loads(html_lib.unescape(re.search(r'<pre id="image-check">(.*?)</pre>', dom, re.S).group(1)))
+    assert [i[0] for i in images] == ["fig-tau-per-set", "fig-acceptance", "fig-tau-by-length", "fig-tau-vs-step",
+                                      "fig-train-curves", "fig-val-tau", "fig-data-lengths"]
+    assert all(w > 0 and done for _, w, done in images), images
+    m = re.search(r'<table id="tau"[^>]*>(.*?)</table>', dom, re.S)
+    rows = [[html_lib.unescape(re.sub(r"<[^>]+>", "", c)).strip() for c in re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", r, re.S)]
+            for r in re.findall(r"<tr>(.*?)</tr>", m.group(1), re.S)]
+    ev = json.loads((work / "results/eval/e2e/acceptance.json").read_text())
+    assert rows[0] == ["drafter", *ev["drafters"]["trained"]["sets"]]
+    assert {r[0]: r[1:] for r in rows[1:]} == {lbl: [str(round(s["tau"], 3)) for s in e["sets"].values()]
+                                               for lbl, e in ev["drafters"].items()}
+    header = re.search(r'<header id="run-header".*?</header>', dom, re.S).group(0)
+    assert "DFlashDraftModel" in header and "? " not in re.sub(r"<[^>]+>", "", header).split("wall time")[0]
+    assert re.search(r'<details id="eval-details"[^>]*>.*id="eval-record"', dom, re.S)
+    shot = artefact_dir() / "report-summary-e2e.png"
+    proc = chromium(page.as_uri(), "--virtual-time-budget=10000", "--window-size=1300,2600", f"--screenshot={shot}")
+    assert proc.returncode == 0 and shot.is_file(), proc.stderr[-2000:]

@@ -33,7 +33,12 @@ PREVIOUS_MAIN = os.environ.get("DFLASH_PREVIOUS_MAIN", "77e52f4")
 #: The main this code was branched from (override: $DFLASH_LAST_MAIN, a commit or ref).
 LAST_MAIN = os.environ.get("DFLASH_LAST_MAIN", "5f1ed51")
 #: Rules this code reruns in a results directory of LAST_MAIN, with the reason ({} for a pure refactor).
-LAST_MAIN_RERUNS: dict[str, str] = {}
+LAST_MAIN_RERUNS: dict[str, str] = {
+    # issue #26: the landing page shows every plot inline, τ by context length and the data's lengths
+    "plot_data_lengths": "new rule: the training data's length histogram (results/report/data_lengths.png)",
+    "summarize_run": "the landing page reads the plots, the probe record and the checkpoint (new inputs) and draws "
+                     "tau_per_set.png / tau_by_length.png (new outputs); report only, nothing upstream reruns",
+}
 
 
 def upgrade_config() -> dict:

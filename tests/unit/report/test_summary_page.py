@@ -6,31 +6,13 @@ from __future__ import annotations
 
 import html as html_lib
 import json
-import os
 import re
-from pathlib import Path
 
-from conftest import REPO
+from conftest import PROBE_SCRIPT, artefact_dir
 
 from dflash_pipeline import report_page
 from dflash_pipeline.core.shards import write_tsv
 from dflash_pipeline.evaluate.outputs import plot_acceptance, write_eval_table
-
-#: A check appended to a copy of the page: once everything loaded, every image's natural width and the τ
-#: table's cells go into the DOM, which --dump-dom prints.
-PROBE_SCRIPT = """<script>
-window.addEventListener('load', () => {
-  const out = document.createElement('pre'); out.id = 'image-check';
-  out.textContent = JSON.stringify([...document.images].map(i => [i.closest('figure')?.id, i.naturalWidth, i.complete]));
-  document.body.appendChild(out);
-});
-</script>"""
-
-
-def artefact_dir() -> Path:
-    d = Path(os.environ.get("DFLASH_TEST_ARTEFACTS", REPO / "tests" / "artefacts"))
-    d.mkdir(parents=True, exist_ok=True)
-    return d
 
 
 def _record() -> dict:
