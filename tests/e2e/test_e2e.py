@@ -24,6 +24,11 @@ def built(tmp_path_factory):
     """The reduced workflow, built once for this module."""
     work = tmp_path_factory.mktemp("e2e")
     cfg = yaml.safe_load((REPO / "tests" / "e2e" / "e2e_config.yaml").read_text())
+    # τ by context length (issue #26) on a set of long conversations; not in e2e_config.yaml, which
+    # test_upgrade also gives to earlier mains that do not know these keys
+    cfg["eval"]["context_length_buckets"] = [128]
+    cfg["eval"]["sets"]["long"] = {"path": "data/sharegpt/sharegpt.json", "format": "sharegpt", "build_to_tokens": 200,
+                                   "num_samples": 1}
     (work / "config.yaml").write_text(yaml.safe_dump(cfg))
     proc = snakemake(work)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
@@ -45,14 +50,18 @@ def test_full_build_outputs(built):
     assert set(ev["drafters"]) == {"trained", "zero_features", "untrained"}
     for label in ev["drafters"]:
         sets = ev["drafters"][label]["sets"]
-        assert set(sets) == {"gsm8k", "humaneval", "mt_bench"}
+        assert set(sets) == {"gsm8k", "humaneval", "mt_bench", "long"}
         assert all(1.0 <= s["tau"] <= 4.0 for s in sets.values())
+        assert set(sets["long"]["by_context_length"]) == {"≥128"}  # answered after a ≥200-token history
+        assert set(sets["gsm8k"]["by_context_length"]) <= {"<128", "≥128"}
+        assert "≥128" in ev["by_context_length"][label]  # over all sets
         assert sets["gsm8k"]["num_responses"] == 2 and sets["humaneval"]["num_responses"] == 1
         assert sets["mt_bench"]["num_responses"] == 2 and sets["mt_bench"]["num_conversations"] == 1  # 2 turns
     assert ev["drafters"]["zero_features"]["zero_target_features"] is True
     assert ev["drafters"]["zero_features"]["checkpoint"].endswith("checkpoints/e2e.zero_features/final")
     assert ev["sets"]["mt_bench"]["excluded_training_prompts"] == 4  # the 4 MT-Bench prompts trained on
     assert ev["settings"]["thinking"] == "disable" and ev["settings"]["block_size"] == 4
+    assert ev["sets"]["long"]["context_tokens"] >= 200 and ev["sets"]["long"]["excluded_training_prompts"] == 0
     for name in ("acceptance.png", "tau_vs_step.png", "train_curves.png", "val_tau.png"):
         assert (work / "results/eval/e2e" / name).stat().st_size > 1000, name
     series = json.loads((work / "results/eval/e2e/tau_vs_step.json").read_text())
