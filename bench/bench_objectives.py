@@ -20,8 +20,9 @@ of seeds and conversations for both objectives, so the prompts' shared difficult
     python bench/bench_objectives.py --size tiny --seeds 0 1 --work /tmp/objectives   # smoke test: seconds
     nice -n 15 python bench/bench_objectives.py --size small --work bench-objectives  # built inputs, ~1 h on 2 cores
 
-Outputs: ``<work>/<loss>-seed<S>/`` (each run's trainer outputs; a finished run is reused when the bench
-is run again), ``--out`` (JSON: per-seed τ, means, SEs, intervals, paired differences) and the table on
+Outputs: ``<work>/<loss>-seed<S>/`` (each run's trainer outputs and its eval answers, ``bench_eval.json``;
+finished runs and evals are reused when the bench is run again; Ctrl-C summarizes the seeds every objective
+finished), ``--out`` (JSON: per-seed τ, means, SEs, intervals, paired differences) and the table on
 stdout (Markdown).
 """
 
@@ -266,9 +267,6 @@ def main(argv=None) -> int:
     if a.max_new_tokens:
         eval_cfg["max_new_tokens"] = a.max_new_tokens
     t0 = time.time()
-    finals = {(lo, s): train_run(work, lo, s, tokens=tokens, target=target, probe=probe, train_cfg=cfg["train"])
-              for s in a.seeds for lo in a.losses}
-    steps = json.loads((next(iter(finals.values())) / "config.json").read_text())["dflash_pipeline"]["train_steps"]
     from dflash_pipeline.evaluate import open_session
     import pyarrow.parquet as pq
 
@@ -276,22 +274,49 @@ def main(argv=None) -> int:
     session = open_session(target_dir=target, probe=probe, eval_cfg=eval_cfg, thinking=cfg["generation"]["thinking"],
                            exclude_prompt_ids=trained_on)
     per: dict = {lo: {} for lo in a.losses}
-    for (lo, s), final in finals.items():
-        t1 = time.time()
-        per[lo][s] = response_taus(session, final)
-        print(f"[bench] evaluated {lo} seed {s} ({time.time() - t1:.0f} s): "
-              + " ".join(f"{k}={np.mean([x for c in v for x in c]):.2f}" for k, v in per[lo][s].items()), flush=True)
-    stats = bootstrap(per, a.losses, a.seeds, resamples=a.bootstrap)
-    table = markdown_table(stats, a.losses, a.seeds, steps)
+    steps = None
+    try:
+        for s in a.seeds:  # seed by seed, so a bench stopped early still has whole seeds to compare
+            for lo in a.losses:
+                final = train_run(work, lo, s, tokens=tokens, target=target, probe=probe, train_cfg=cfg["train"])
+                steps = json.loads((final / "config.json").read_text())["dflash_pipeline"]["train_steps"]
+                per[lo][s] = cached_response_taus(session, final)
+    except KeyboardInterrupt:  # summarize the whole seeds done so far
+        print("[bench] interrupted: the table covers the seeds every objective finished", flush=True)
+    seeds = [s for s in a.seeds if all(s in per[lo] for lo in a.losses)]
+    if not seeds:
+        print("[bench] no seed finished for every objective", flush=True)
+        return 1
+    stats = bootstrap(per, a.losses, seeds, resamples=a.bootstrap)
+    table = markdown_table(stats, a.losses, seeds, steps)
     lines = verdict(stats, a.losses)
     print(table + "\n\n" + "\n".join(lines), flush=True)
-    record = {"losses": a.losses, "seeds": a.seeds, "train_steps": steps, "settings": session.settings,
+    record = {"losses": a.losses, "seeds": seeds, "train_steps": steps, "settings": session.settings,
               "sets": session.set_info, "stats": stats, "verdict": lines, "table": table,
               "seconds": round(time.time() - t0, 1)}
     from dflash_pipeline.core.shards import write_json
 
     write_json(Path(a.out) if a.out else work / "objectives.json", record, skip_if_identical=False)
     return 0
+
+
+def cached_response_taus(session, final: Path) -> dict[str, list[list[float]]]:
+    """:func:`response_taus` of a run, kept in ``<run>/bench_eval.json`` under a key of the eval settings and
+    prompts (a bench run again, or with more seeds, evaluates only what it has not yet)."""
+    from dflash_pipeline.core.shards import write_json
+    from dflash_pipeline.workflow.keyed_paths import params_digest
+
+    key = params_digest({"settings": session.settings, "sets": session.set_info,
+                         "prompts": {k: [r["prompt_id"] for r in v] for k, v in session.sets.items()}})
+    path = final.parent / "bench_eval.json"
+    cache = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    if key not in cache:
+        t1 = time.time()
+        cache[key] = response_taus(session, final)
+        write_json(path, cache, skip_if_identical=False)
+        print(f"[bench] evaluated {final.parent.name} ({time.time() - t1:.0f} s): "
+              + " ".join(f"{k}={np.mean([x for c in v for x in c]):.2f}" for k, v in cache[key].items()), flush=True)
+    return cache[key]
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ def test_tiny_bench_prints_tau_with_standard_errors(tmp_path):
         "ce_decay-seed0", "ce_decay-seed1", "dpace-seed0", "dpace-seed1"]
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0 and "[bench] trained" not in again.stdout  # finished runs are reused
+    assert "[bench] evaluated" not in again.stdout  # and their evals
     assert json.loads((tmp_path / "objectives.json").read_text())["stats"] == rec["stats"]
 
 
