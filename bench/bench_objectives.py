@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 LOSSES = ("ce_decay", "dpace", "kl")
