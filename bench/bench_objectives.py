@@ -45,18 +45,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens", nargs="+", help="token shards (results/tokens/*/*.parquet of a default run)")
     p.add_argument("--target", help="target directory of those shards")
     p.add_argument("--probe", help="probe record of the run (results/probe/<run>.json)")
-    p.add_argument("--config", default=str(REPO / "config" / "config.yaml"),
-                   help="config whose `train`, `eval` and `generation.thinking` are used (default: the embedded one)")
-    p.add_argument("--losses", nargs="+", default=list(LOSSES), choices=LOSSES, help="objectives; the first is the reference of Δ")
+    p.add_argument(
+        "--config",
+        default=str(REPO / "config" / "config.yaml"),
+        help="config whose `train`, `eval` and `generation.thinking` are used (default: the embedded one)",
+    )
+    p.add_argument(
+        "--losses", nargs="+", default=list(LOSSES), choices=LOSSES, help="objectives; the first is the reference of Δ"
+    )
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    p.add_argument("--samples", nargs="*", default=[], metavar="SET=N",
-                   help="eval prompts per set (default: the config's num_samples), e.g. gsm8k=100 humaneval=60")
+    p.add_argument(
+        "--samples",
+        nargs="*",
+        default=[],
+        metavar="SET=N",
+        help="eval prompts per set (default: the config's num_samples), e.g. gsm8k=100 humaneval=60",
+    )
     p.add_argument("--max-new-tokens", type=int, help="eval.max_new_tokens (default: the config's)")
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
     p.add_argument("--work", required=True, help="directory of the runs (reused when run again)")
     p.add_argument("--out", help="JSON of the results (default: <work>/objectives.json)")
-    p.add_argument("--size", choices=sorted(SIZES), help="build the inputs under --work instead (tiny: the smoke test, "
-                   "seconds; small: a 64-wide target and 600 GSM8K conversations)")
+    p.add_argument(
+        "--size",
+        choices=sorted(SIZES),
+        help="build the inputs under --work instead (tiny: the smoke test, "
+        "seconds; small: a 64-wide target and 600 GSM8K conversations)",
+    )
     a = p.parse_args(argv)
     if not a.size and not (a.tokens and a.target and a.probe):
         p.error("--tokens, --target and --probe are required (or --size)")
@@ -72,16 +86,31 @@ def parse_args(argv=None) -> argparse.Namespace:
 #: conversations with their reference answers (loss on the answer; not the target's regenerated answers, so
 #: τ is lower than a pipeline run's, the same for every objective), and the train/eval settings.
 SIZES = {
-    "tiny": {"demo": {"vocab_size": 300, "hidden_size": 32, "num_hidden_layers": 6, "train_steps": 3}, "corpus": 300,
-             "drafter": {"block_size": 4, "num_draft_layers": 1, "num_target_features": 2}, "records": 32, "max_len": 256,
-             "train": {"epochs": 1, "batch_size": 8, "num_anchors": 8},
-             "eval": {"max_new_tokens": 6, "sets": {"gsm8k": ("gsm8k/test.jsonl", 3)}}},
-    "small": {"demo": {"vocab_size": 600, "hidden_size": 64, "num_hidden_layers": 6, "train_steps": 150}, "corpus": None,
-              "drafter": {"block_size": 4, "num_draft_layers": 1, "num_target_features": 2}, "records": 600, "max_len": 160,
-              "train": {"epochs": 3, "batch_size": 16, "num_anchors": 16},
-              "eval": {"max_new_tokens": 32, "sets": {"gsm8k": ("gsm8k/test.jsonl", 80),
-                                                      "humaneval": ("humaneval/HumanEval.jsonl.gz", 40),
-                                                      "mt_bench": ("mt_bench/question.jsonl", 20)}}},
+    "tiny": {
+        "demo": {"vocab_size": 300, "hidden_size": 32, "num_hidden_layers": 6, "train_steps": 3},
+        "corpus": 300,
+        "drafter": {"block_size": 4, "num_draft_layers": 1, "num_target_features": 2},
+        "records": 32,
+        "max_len": 256,
+        "train": {"epochs": 1, "batch_size": 8, "num_anchors": 8},
+        "eval": {"max_new_tokens": 6, "sets": {"gsm8k": ("gsm8k/test.jsonl", 3)}},
+    },
+    "small": {
+        "demo": {"vocab_size": 600, "hidden_size": 64, "num_hidden_layers": 6, "train_steps": 150},
+        "corpus": None,
+        "drafter": {"block_size": 4, "num_draft_layers": 1, "num_target_features": 2},
+        "records": 600,
+        "max_len": 160,
+        "train": {"epochs": 3, "batch_size": 16, "num_anchors": 16},
+        "eval": {
+            "max_new_tokens": 32,
+            "sets": {
+                "gsm8k": ("gsm8k/test.jsonl", 80),
+                "humaneval": ("humaneval/HumanEval.jsonl.gz", 40),
+                "mt_bench": ("mt_bench/question.jsonl", 20),
+            },
+        },
+    },
 }
 
 
@@ -113,15 +142,31 @@ def built_inputs(work: Path, size: str) -> tuple[list[Path], Path, dict, dict]:
             continue
         if len(rows) == spec["records"]:
             break
-        rows.append({"prompt_id": prompt_id(conv[:1]), "input_ids": ids, "loss_mask": mask, "num_tokens": len(ids),
-                     "num_loss_tokens": int(sum(mask)), "truncated": False, "turn": 0})
+        rows.append(
+            {
+                "prompt_id": prompt_id(conv[:1]),
+                "input_ids": ids,
+                "loss_mask": mask,
+                "num_tokens": len(ids),
+                "num_loss_tokens": int(sum(mask)),
+                "truncated": False,
+                "turn": 0,
+            }
+        )
     shard = work / f"{size}-tokens" / "00000.parquet"
     shard.parent.mkdir(parents=True, exist_ok=True)
     write_parquet(shard, table_from_records(rows, TOKEN_SCHEMA))
     cfg = {
         "train": {**spec["train"], "learning_rate": 2e-3, "save_every_steps": 10**6, "validation_fraction": 0.0},
-        "eval": {"max_new_tokens": spec["eval"]["max_new_tokens"], "seed": 0, "temperature": 0.0, "block_size": None,
-                 "sets": {k: {"path": str(REPO / "data" / p), "num_samples": n} for k, (p, n) in spec["eval"]["sets"].items()}},
+        "eval": {
+            "max_new_tokens": spec["eval"]["max_new_tokens"],
+            "seed": 0,
+            "temperature": 0.0,
+            "block_size": None,
+            "sets": {
+                k: {"path": str(REPO / "data" / p), "num_samples": n} for k, (p, n) in spec["eval"]["sets"].items()
+            },
+        },
         "generation": {"thinking": "disable"},
     }
     return [shard], target, probe, cfg
@@ -152,8 +197,14 @@ def train_run(work: Path, loss: str, seed: int, *, tokens, target, probe: dict, 
     out = work / f"{loss}-seed{seed}"
     if not (out / "final" / "model.safetensors").is_file():
         t0 = time.time()
-        summary = train(token_shards=[str(t) for t in tokens], probe=probe, target_dir=target, out_dir=out,
-                        cfg={**train_cfg, "loss": loss, "seed": seed}, device="cpu")
+        summary = train(
+            token_shards=[str(t) for t in tokens],
+            probe=probe,
+            target_dir=target,
+            out_dir=out,
+            cfg={**train_cfg, "loss": loss, "seed": seed},
+            device="cpu",
+        )
         print(f"[bench] trained {out.name}: {summary['steps']} steps in {time.time() - t0:.0f} s", flush=True)
     return out / "final"
 
@@ -165,9 +216,17 @@ def response_taus(session, drafter_dir: Path) -> dict[str, list[list[float]]]:
     drafter, info = load_eval_drafter(session, drafter_dir.parent.name, drafter_dir)
     out = {}
     for name, prompts in session.sets.items():
-        convs = answer_eval_set(session.target, session.tokenizer, drafter, prompts,
-                                zero_target_features=info["zero_target_features"], **session.loop)
-        out[name] = [[sum(r.accept_lengths) / len(r.accept_lengths) for r in conv if r.accept_lengths] for conv in convs]
+        convs = answer_eval_set(
+            session.target,
+            session.tokenizer,
+            drafter,
+            prompts,
+            zero_target_features=info["zero_target_features"],
+            **session.loop,
+        )
+        out[name] = [
+            [sum(r.accept_lengths) / len(r.accept_lengths) for r in conv if r.accept_lengths] for conv in convs
+        ]
     return out
 
 
@@ -200,7 +259,8 @@ def bootstrap(per: dict, losses, seeds, *, resamples: int, rng_seed: int = 0) ->
         boot = np.einsum("bos,bs->bo", per_seed, ws) / len(seeds)  # [B, O]
         diff = boot - boot[:, :1]
         out[name] = {
-            "num_conversations": n_conv, "num_responses": int(N[0, 0].sum()),
+            "num_conversations": n_conv,
+            "num_responses": int(N[0, 0].sum()),
             "per_seed": {lo: point[i].round(4).tolist() for i, lo in enumerate(losses)},
             "tau": {lo: round(float(point[i].mean()), 4) for i, lo in enumerate(losses)},
             "se": {lo: round(float(boot[:, i].std(ddof=1)), 4) for i, lo in enumerate(losses)},
@@ -215,10 +275,18 @@ def bootstrap(per: dict, losses, seeds, *, resamples: int, rng_seed: int = 0) ->
 def markdown_table(stats: dict, losses, seeds, steps: int) -> str:
     """The comparison as a Markdown table: per objective and set, τ ± SE [95 % CI] and Δ to the first objective."""
     sets = list(stats)
-    head = "| objective | " + " | ".join(
-        f"{s} ({stats[s]['num_conversations']} conv., {stats[s]['num_responses']} resp.)" for s in sets) + " |"
-    lines = [f"τ over {len(seeds)} seeds ({', '.join(map(str, seeds))}), {steps} steps each; ± bootstrap SE, [95 % CI]; "
-             f"Δ = paired difference to {losses[0]}", "", head, "|---" * (len(sets) + 1) + "|"]
+    head = (
+        "| objective | "
+        + " | ".join(f"{s} ({stats[s]['num_conversations']} conv., {stats[s]['num_responses']} resp.)" for s in sets)
+        + " |"
+    )
+    lines = [
+        f"τ over {len(seeds)} seeds ({', '.join(map(str, seeds))}), {steps} steps each; ± bootstrap SE, [95 % CI]; "
+        f"Δ = paired difference to {losses[0]}",
+        "",
+        head,
+        "|---" * (len(sets) + 1) + "|",
+    ]
     for lo in losses:
         cells = []
         for s in sets:
@@ -269,9 +337,16 @@ def main(argv=None) -> int:
     from dflash_pipeline.evaluate import open_session
     import pyarrow.parquet as pq
 
-    trained_on = {pid for t in tokens for pid in pq.read_table(t, columns=["prompt_id"]).column("prompt_id").to_pylist()}
-    session = open_session(target_dir=target, probe=probe, eval_cfg=eval_cfg, thinking=cfg["generation"]["thinking"],
-                           exclude_prompt_ids=trained_on)
+    trained_on = {
+        pid for t in tokens for pid in pq.read_table(t, columns=["prompt_id"]).column("prompt_id").to_pylist()
+    }
+    session = open_session(
+        target_dir=target,
+        probe=probe,
+        eval_cfg=eval_cfg,
+        thinking=cfg["generation"]["thinking"],
+        exclude_prompt_ids=trained_on,
+    )
     per: dict = {lo: {} for lo in a.losses}
     steps = None
     try:
@@ -290,9 +365,17 @@ def main(argv=None) -> int:
     table = markdown_table(stats, a.losses, seeds, steps)
     lines = verdict(stats, a.losses)
     print(table + "\n\n" + "\n".join(lines), flush=True)
-    record = {"losses": a.losses, "seeds": seeds, "train_steps": steps, "settings": session.settings,
-              "sets": session.set_info, "stats": stats, "verdict": lines, "table": table,
-              "seconds": round(time.time() - t0, 1)}
+    record = {
+        "losses": a.losses,
+        "seeds": seeds,
+        "train_steps": steps,
+        "settings": session.settings,
+        "sets": session.set_info,
+        "stats": stats,
+        "verdict": lines,
+        "table": table,
+        "seconds": round(time.time() - t0, 1),
+    }
     from dflash_pipeline.core.shards import write_json
 
     write_json(Path(a.out) if a.out else work / "objectives.json", record, skip_if_identical=False)
@@ -305,16 +388,24 @@ def cached_response_taus(session, final: Path) -> dict[str, list[list[float]]]:
     from dflash_pipeline.core.shards import write_json
     from dflash_pipeline.workflow.keyed_paths import params_digest
 
-    key = params_digest({"settings": session.settings, "sets": session.set_info,
-                         "prompts": {k: [r["prompt_id"] for r in v] for k, v in session.sets.items()}})
+    key = params_digest(
+        {
+            "settings": session.settings,
+            "sets": session.set_info,
+            "prompts": {k: [r["prompt_id"] for r in v] for k, v in session.sets.items()},
+        }
+    )
     path = final.parent / "bench_eval.json"
     cache = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     if key not in cache:
         t1 = time.time()
         cache[key] = response_taus(session, final)
         write_json(path, cache, skip_if_identical=False)
-        print(f"[bench] evaluated {final.parent.name} ({time.time() - t1:.0f} s): "
-              + " ".join(f"{k}={np.mean([x for c in v for x in c]):.2f}" for k, v in cache[key].items()), flush=True)
+        print(
+            f"[bench] evaluated {final.parent.name} ({time.time() - t1:.0f} s): "
+            + " ".join(f"{k}={np.mean([x for c in v for x in c]):.2f}" for k, v in cache[key].items()),
+            flush=True,
+        )
     return cache[key]
 
 

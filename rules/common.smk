@@ -25,7 +25,9 @@ def default_demo_settings():
 
 
 DEMO_TARGET = keyed_paths.demo_target_dir(config["target"]["demo"], default_demo_settings())
-DEMO_TAG = "" if DEMO_TARGET == keyed_paths.DEMO_TARGET_DIR else "-" + keyed_paths.params_digest(config["target"]["demo"])
+DEMO_TAG = (
+    "" if DEMO_TARGET == keyed_paths.DEMO_TARGET_DIR else "-" + keyed_paths.params_digest(config["target"]["demo"])
+)
 
 
 wildcard_constraints:

@@ -8,16 +8,27 @@ with log_to(snakemake.log[0], snakemake.threads):
     report_page.plot_tau_per_set(record, o.tau_per_set)
     report_page.plot_tau_by_length(record, o.tau_by_length)
     facts = report_page.run_facts(
-        eval_json=i.eval, probe_json=i.probe_record, checkpoint=i.drafter, prompts_rows=report.read_tsv(i.prompts)[1],
-        generation_rows=report.read_tsv(i.generation)[1], tokens_rows=report.read_tsv(i.tokens)[1],
-        benchmark_dir=p.benchmarks, extra_benchmarks=[p.demo_benchmark] if p.demo_benchmark else [],
+        eval_json=i.eval,
+        probe_json=i.probe_record,
+        checkpoint=i.drafter,
+        prompts_rows=report.read_tsv(i.prompts)[1],
+        generation_rows=report.read_tsv(i.generation)[1],
+        tokens_rows=report.read_tsv(i.tokens)[1],
+        benchmark_dir=p.benchmarks,
+        extra_benchmarks=[p.demo_benchmark] if p.demo_benchmark else [],
     )
     report_page.summary_page(
-        o.page, run=p.run, facts=facts, tau_tsv=i.tau, eval_json=i.eval,
-        tables=[(i.prompts, "Prompts: kept and dropped per dataset", "prompts"),
-                (i.generation, "Generation per dataset", "generation"),
-                (i.tokens, "Token shards per dataset", "tokens"),
-                (i.probe, "Target probe", "probe")],
+        o.page,
+        run=p.run,
+        facts=facts,
+        tau_tsv=i.tau,
+        eval_json=i.eval,
+        tables=[
+            (i.prompts, "Prompts: kept and dropped per dataset", "prompts"),
+            (i.generation, "Generation per dataset", "generation"),
+            (i.tokens, "Token shards per dataset", "tokens"),
+            (i.probe, "Target probe", "probe"),
+        ],
         figures=report_page.run_figures(i, o),
         outputs=[tuple(x) for x in p.outputs],
     )

@@ -192,7 +192,8 @@ def counting_train_setup(root: Path, *, min_len: int, max_position_embeddings: i
 PROBE_SCRIPT = """<script>
 window.addEventListener('load', () => {
   const out = document.createElement('pre'); out.id = 'image-check';
-  out.textContent = JSON.stringify([...document.images].map(i => [i.closest('figure')?.id, i.naturalWidth, i.complete]));
+  out.textContent = JSON.stringify([...document.images].map(
+    i => [i.closest('figure')?.id, i.naturalWidth, i.complete]));
   document.body.appendChild(out);
 });
 </script>"""

@@ -77,11 +77,17 @@ def figures_html(figures: Sequence[tuple[str, str, str]]) -> str:
     for fig_id, path, caption in figures:
         if not path or not Path(path).is_file():
             continue
-        items.append(f'<figure id="{html.escape(fig_id)}"><img src="{png_data_uri(path)}" alt="{html.escape(caption)}">'
-                     f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+        items.append(
+            f'<figure id="{html.escape(fig_id)}"><img src="{png_data_uri(path)}" alt="{html.escape(caption)}">'
+            f"<figcaption>{html.escape(caption)}</figcaption></figure>"
+        )
     if not items:
         return ""
-    return '<section id="plots" class="dflash-summary"><h3>Plots</h3><div class="dflash-figures">' + "".join(items) + "</div></section>"
+    return (
+        '<section id="plots" class="dflash-summary"><h3>Plots</h3><div class="dflash-figures">'
+        + "".join(items)
+        + "</div></section>"
+    )
 
 
 def _human_seconds(s: Optional[float]) -> str:
@@ -103,7 +109,8 @@ def header_html(run: str, facts: Mapping) -> str:
     target = facts.get("target") or {}
     drafter = facts.get("drafter") or {}
     lines = [
-        f"<b>target</b> {_v(target.get('path'))} ({_v(target.get('model_type'))}, {_v(target.get('num_layers'))} layers)",
+        f"<b>target</b> {_v(target.get('path'))} ({_v(target.get('model_type'))}, "
+        f"{_v(target.get('num_layers'))} layers)",
         f"<b>drafter</b> {_v(drafter.get('family'))}: {_v(drafter.get('num_draft_layers'))} layers, block size "
         f"{_v(drafter.get('block_size'))}, {_params(drafter.get('trainable_params'))} trainable parameters, "
         f"loss {_v(drafter.get('loss'))}",
@@ -111,8 +118,10 @@ def header_html(run: str, facts: Mapping) -> str:
         f"(jobs summed; training {_human_seconds(facts.get('train_s'))}, eval {_human_seconds(facts.get('eval_s'))})",
         "<b>data</b> " + html.escape(data_line(facts.get("data") or {})),
     ]
-    return (f'<header id="run-header" class="dflash-header"><h1>Run {html.escape(run)}: a DFlash drafter for '
-            f"{_v(target.get('path'))}</h1>" + "".join(f'<p class="dflash-facts">{ln}</p>' for ln in lines) + "</header>")
+    return (
+        f'<header id="run-header" class="dflash-header"><h1>Run {html.escape(run)}: a DFlash drafter for '
+        f"{_v(target.get('path'))}</h1>" + "".join(f'<p class="dflash-facts">{ln}</p>' for ln in lines) + "</header>"
+    )
 
 
 def _params(n) -> str:
@@ -124,13 +133,16 @@ def _params(n) -> str:
 def data_line(data: Mapping) -> str:
     """The data counts in one line: prompts kept → conversations generated → sequences and supervised tokens
     → eval prompts per set (unknown counts as ``?``)."""
+
     def v(key):
         return "?" if data.get(key) in (None, "") else str(data[key])
 
     evals = ", ".join(f"{k} {n}" for k, n in (data.get("eval_prompts") or {}).items())
-    return (f"{v('prompts_kept')} prompts kept → {v('conversations')} conversations ({v('ok')} ok) → "
-            f"{v('sequences')} sequences, {v('tokens')} tokens, {v('supervised_tokens')} supervised → "
-            f"eval prompts: {evals or '?'}")
+    return (
+        f"{v('prompts_kept')} prompts kept → {v('conversations')} conversations ({v('ok')} ok) → "
+        f"{v('sequences')} sequences, {v('tokens')} tokens, {v('supervised_tokens')} supervised → "
+        f"eval prompts: {evals or '?'}"
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -156,8 +168,17 @@ def _benchmark_total(benchmark_dir: Optional[str | Path], rule: Optional[str] = 
     return sum(secs) if secs else None
 
 
-def run_facts(*, eval_json=None, probe_json=None, checkpoint=None, prompts_rows=(), generation_rows=(),
-              tokens_rows=(), benchmark_dir=None, extra_benchmarks: Sequence[str | Path] = ()) -> dict:
+def run_facts(
+    *,
+    eval_json=None,
+    probe_json=None,
+    checkpoint=None,
+    prompts_rows=(),
+    generation_rows=(),
+    tokens_rows=(),
+    benchmark_dir=None,
+    extra_benchmarks: Sequence[str | Path] = (),
+) -> dict:
     """What the header shows, from the run's records (any may be missing; its facts are then None).
 
     ``checkpoint``: the drafter's ``final/`` (its ``config.json``; ``train_summary.json`` beside it).
@@ -182,20 +203,29 @@ def run_facts(*, eval_json=None, probe_json=None, checkpoint=None, prompts_rows=
 
     gen, tok = all_row(generation_rows), all_row(tokens_rows)
     return {
-        "target": {"path": (record.get("target") or {}).get("path") or probe.get("path"),
-                   "model_type": probe.get("model_type") or (record.get("target") or {}).get("model_type"),
-                   "num_layers": probe.get("num_hidden_layers")},
-        "drafter": {"family": ", ".join(cfg.get("architectures") or []) or None,
-                    "num_draft_layers": cfg.get("num_hidden_layers"), "block_size": cfg.get("block_size"),
-                    "trainable_params": summary.get("trainable_params"), "loss": summary.get("loss")},
+        "target": {
+            "path": (record.get("target") or {}).get("path") or probe.get("path"),
+            "model_type": probe.get("model_type") or (record.get("target") or {}).get("model_type"),
+            "num_layers": probe.get("num_hidden_layers"),
+        },
+        "drafter": {
+            "family": ", ".join(cfg.get("architectures") or []) or None,
+            "num_draft_layers": cfg.get("num_hidden_layers"),
+            "block_size": cfg.get("block_size"),
+            "trainable_params": summary.get("trainable_params"),
+            "loss": summary.get("loss"),
+        },
         "train_steps": trained.get("train_steps") or summary.get("steps"),
         "wall_s": (total or 0.0) + sum(extra) if total is not None or extra else None,
         "train_s": _benchmark_total(benchmark_dir, "train_drafter"),
         "eval_s": _benchmark_total(benchmark_dir, "evaluate_acceptance"),
         "data": {
             "prompts_kept": sum(int(r.get("kept") or 0) for r in prompts_rows) if prompts_rows else None,
-            "conversations": gen.get("conversations"), "ok": gen.get("ok"), "sequences": tok.get("records_out"),
-            "tokens": tok.get("num_tokens"), "supervised_tokens": tok.get("num_loss_tokens"),
+            "conversations": gen.get("conversations"),
+            "ok": gen.get("ok"),
+            "sequences": tok.get("records_out"),
+            "tokens": tok.get("num_tokens"),
+            "supervised_tokens": tok.get("num_loss_tokens"),
             "eval_prompts": {k: v.get("num_prompts") for k, v in (record.get("sets") or {}).items()},
         },
     }
@@ -238,18 +268,31 @@ def plot_tau_by_length(record: Mapping, path: str | Path) -> None:
     labels = (record.get("settings") or {}).get("context_length_buckets_labels") or []
     pooled = record.get("by_context_length") or {}
     if not labels or not pooled:
-        ax.text(0.5, 0.5, "no τ by context length in this eval record\n(written by the eval stage from issue #26 on)",
-                ha="center", va="center", transform=ax.transAxes)
+        ax.text(
+            0.5,
+            0.5,
+            "no τ by context length in this eval record\n(written by the eval stage from issue #26 on)",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+        )
         ax.set_axis_off()
         _save(fig, path)
         return
     x = {lb: i for i, lb in enumerate(labels)}
     for n, (label, buckets) in enumerate(pooled.items()):
         pts = [(x[b], v["tau"], v["num_steps"]) for b, v in buckets.items() if b in x]
-        line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", lw=2, label=f"{label} (all sets)")
+        (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", lw=2, label=f"{label} (all sets)")
         for px, py, steps in pts:
-            ax.annotate(f"{steps} steps", (px, py), textcoords="offset points", xytext=(0, 6), fontsize=6,
-                        ha="center", color=line.get_color())
+            ax.annotate(
+                f"{steps} steps",
+                (px, py),
+                textcoords="offset points",
+                xytext=(0, 6),
+                fontsize=6,
+                ha="center",
+                color=line.get_color(),
+            )
         for set_name, s in (record["drafters"][label].get("sets") or {}).items():
             bl = s.get("by_context_length") or {}
             if len(bl) > 1:
@@ -288,13 +331,22 @@ def plot_data_lengths(token_shards: Sequence[str | Path], path: str | Path) -> d
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), dpi=110)
     summary = {"num_sequences": h["num_sequences"]}
-    for ax, key, title in ((axes[0], "tokens", "tokens per sequence"), (axes[1], "supervised", "supervised tokens per sequence")):
+    for ax, key, title in (
+        (axes[0], "tokens", "tokens per sequence"),
+        (axes[1], "supervised", "supervised tokens per sequence"),
+    ):
         xs = np.asarray(h[key], dtype=float)
         if len(xs):
             ax.hist(xs, bins=min(40, max(5, len(set(xs.tolist())))), color="#3b6ea5")
-            summary[key] = {"mean": round(float(xs.mean()), 1), "p50": float(np.percentile(xs, 50)),
-                            "p95": float(np.percentile(xs, 95)), "max": int(xs.max())}
-            ax.set_title(f"{title}: mean {xs.mean():.0f}, p95 {np.percentile(xs, 95):.0f}, max {int(xs.max())}", fontsize=9)
+            summary[key] = {
+                "mean": round(float(xs.mean()), 1),
+                "p50": float(np.percentile(xs, 50)),
+                "p95": float(np.percentile(xs, 95)),
+                "max": int(xs.max()),
+            }
+            ax.set_title(
+                f"{title}: mean {xs.mean():.0f}, p95 {np.percentile(xs, 95):.0f}, max {int(xs.max())}", fontsize=9
+            )
         else:
             ax.set_title(f"{title}: no sequences", fontsize=9)
         ax.set_xlabel("tokens")
@@ -359,35 +411,65 @@ def summary_page(
     body = [header_html(run, facts)]
     if tau_tsv and Path(tau_tsv).is_file():
         pcols, prows = R.tau_pivot(R.read_tsv(tau_tsv)[1])
-        body.append(R.html_table(pcols, prows, title="τ per drafter and eval set", table_id="tau", relabel=False,
-                                 note="τ: mean over responses of (accepted drafts + 1) per verify step (max = block size)."))
+        body.append(
+            R.html_table(
+                pcols,
+                prows,
+                title="τ per drafter and eval set",
+                table_id="tau",
+                relabel=False,
+                note="τ: mean over responses of (accepted drafts + 1) per verify step (max = block size).",
+            )
+        )
     lcols, lrows = length_table_rows(record)
     if lrows:
-        body.append(R.html_table(lcols, lrows, title="τ by context length at verify time", table_id="tau-by-length",
-                                 relabel=False, note="τ of the verify steps whose context (prompt + tokens so far) falls "
-                                 "in the bucket; in brackets the verify steps counted."))
+        body.append(
+            R.html_table(
+                lcols,
+                lrows,
+                title="τ by context length at verify time",
+                table_id="tau-by-length",
+                relabel=False,
+                note="τ of the verify steps whose context (prompt + tokens so far) falls "
+                "in the bucket; in brackets the verify steps counted.",
+            )
+        )
     body.append(figures_html(figures))
     for path, title, tid in tables:
         if path and Path(path).is_file():
             cols, rows = R.read_tsv(path)
             body.append(R.html_table(cols, rows, title=title, table_id=tid))
     if outputs:
-        body.append(R.html_table(["what", "path"], [{"what": w, "path": p} for w, p in outputs],
-                                 title="Where the outputs are", table_id="outputs"))
+        body.append(
+            R.html_table(
+                ["what", "path"],
+                [{"what": w, "path": p} for w, p in outputs],
+                title="Where the outputs are",
+                table_id="outputs",
+            )
+        )
     folded = []
     if tau_tsv and Path(tau_tsv).is_file():
         cols, rows = R.read_tsv(tau_tsv)
-        folded.append(R.html_table(cols, rows, title="Evaluation table (every column of acceptance.tsv)",
-                                   table_id="eval-table"))
+        folded.append(
+            R.html_table(cols, rows, title="Evaluation table (every column of acceptance.tsv)", table_id="eval-table")
+        )
     if record:
-        folded.append(R.html_table(["key", "value"], R.eval_summary_rows(record), title="Evaluation record",
-                                   table_id="eval-record"))
+        folded.append(
+            R.html_table(
+                ["key", "value"], R.eval_summary_rows(record), title="Evaluation record", table_id="eval-record"
+            )
+        )
     if folded:
-        body.append('<details id="eval-details" class="dflash-details"><summary>Evaluation record and full table'
-                    "</summary>" + "".join(folded) + "</details>")
-    page = ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>dflash-pipeline run {html.escape(run)}</title><style>{PAGE_STYLE}</style>{R.SUMMARY_STYLE}</head>"
-            f'<body><div id="dflash-run-summary">' + "\n".join(b for b in body if b) + "</div></body></html>\n")
+        body.append(
+            '<details id="eval-details" class="dflash-details"><summary>Evaluation record and full table'
+            "</summary>" + "".join(folded) + "</details>"
+        )
+    page = (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f"<title>dflash-pipeline run {html.escape(run)}</title><style>{PAGE_STYLE}</style>{R.SUMMARY_STYLE}</head>"
+        f'<body><div id="dflash-run-summary">' + "\n".join(b for b in body if b) + "</div></body></html>\n"
+    )
     atomic_write_bytes(out_html, page.encode("utf-8"), skip_if_identical=False)
     return page
 

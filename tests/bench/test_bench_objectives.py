@@ -20,8 +20,10 @@ import bench_objectives as B  # noqa: E402
 def test_bootstrap_separates_a_real_difference_from_noise():
     rng = np.random.default_rng(1)
     difficulty = rng.normal(0, 1.0, size=60)  # prompts differ a lot; the objectives differ by 0.3 everywhere
-    per = {lo: {s: {"set": [[4.0 + d + shift + rng.normal(0, 0.05)] for d in difficulty]} for s in (0, 1, 2)}
-           for lo, shift in (("a", 0.0), ("b", 0.3), ("c", 0.0))}
+    per = {
+        lo: {s: {"set": [[4.0 + d + shift + rng.normal(0, 0.05)] for d in difficulty]} for s in (0, 1, 2)}
+        for lo, shift in (("a", 0.0), ("b", 0.3), ("c", 0.0))
+    }
     st = B.bootstrap(per, ["a", "b", "c"], [0, 1, 2], resamples=500)["set"]
     assert st["num_conversations"] == 60 and st["num_responses"] == 60
     assert st["se"]["a"] > 0.08  # the prompts' spread makes each τ uncertain...
@@ -35,8 +37,22 @@ def test_bootstrap_separates_a_real_difference_from_noise():
 
 
 def test_tiny_bench_prints_tau_with_standard_errors(tmp_path):
-    cmd = [sys.executable, str(REPO / "bench" / "bench_objectives.py"), "--size", "tiny", "--losses", "ce_decay", "dpace",
-           "--seeds", "0", "1", "--bootstrap", "100", "--work", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        str(REPO / "bench" / "bench_objectives.py"),
+        "--size",
+        "tiny",
+        "--losses",
+        "ce_decay",
+        "dpace",
+        "--seeds",
+        "0",
+        "1",
+        "--bootstrap",
+        "100",
+        "--work",
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| objective | gsm8k (3 conv., 3 resp.) |" in proc.stdout
@@ -47,7 +63,11 @@ def test_tiny_bench_prints_tau_with_standard_errors(tmp_path):
     assert all(len(st["ci95"][lo]) == 2 and st["se"][lo] >= 0 for lo in ("ce_decay", "dpace"))
     assert rec["train_steps"] == 4  # the same steps for every run: 32 records, batch 8, 1 epoch
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(("seed0", "seed1"))) == [
-        "ce_decay-seed0", "ce_decay-seed1", "dpace-seed0", "dpace-seed1"]
+        "ce_decay-seed0",
+        "ce_decay-seed1",
+        "dpace-seed0",
+        "dpace-seed1",
+    ]
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0 and "[bench] trained" not in again.stdout  # finished runs are reused
     assert "[bench] evaluated" not in again.stdout  # and their evals

@@ -275,7 +275,8 @@ def test_second_config_never_rebuilds_the_first(built):
     work, cfg = built
     first_targets = {p.name for p in (work / "resources").iterdir()}
     before = {**_mtimes(work / "results"), **_mtimes(work / "resources")}
-    other_demo = dict(cfg, results_dir="results-b", target={**cfg["target"], "demo": {**cfg["target"]["demo"], "train_steps": 5}})
+    other_demo = dict(cfg, results_dir="results-b",
+                      target={**cfg["target"], "demo": {**cfg["target"]["demo"], "train_steps": 5}})
     path = work / "other_demo.yaml"
     path.write_text(yaml.safe_dump(other_demo))
     proc = snakemake(work, "results-b/probe/e2e.json", configfile=path)
@@ -314,7 +315,8 @@ def test_landing_page_in_chromium(built, chromium, tmp_path):
                                       "fig-train-curves", "fig-val-tau", "fig-data-lengths"]
     assert all(w > 0 and done for _, w, done in images), images
     m = re.search(r'<table id="tau"[^>]*>(.*?)</table>', dom, re.S)
-    rows = [[html_lib.unescape(re.sub(r"<[^>]+>", "", c)).strip() for c in re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", r, re.S)]
+    rows = [[html_lib.unescape(re.sub(r"<[^>]+>", "", c)).strip()
+             for c in re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", r, re.S)]
             for r in re.findall(r"<tr>(.*?)</tr>", m.group(1), re.S)]
     ev = json.loads((work / "results/eval/e2e/acceptance.json").read_text())
     assert rows[0] == ["drafter", *ev["drafters"]["trained"]["sets"]]

@@ -170,11 +170,13 @@ def _long_set(name: str, s: dict, seed: int, exclude: set, count_tokens) -> tupl
 
     if count_tokens is None:
         raise ConfigError(f"eval.sets.{name}: build_to_tokens needs the target tokenizer (count_tokens)")
-    records, found = load_long_conversations(s["path"], build_to_tokens=s["build_to_tokens"], num_samples=s["num_samples"],
-                                             seed=seed, count_tokens=count_tokens, exclude_prompt_ids=exclude)
+    records, found = load_long_conversations(s["path"], build_to_tokens=s["build_to_tokens"],
+                                             num_samples=s["num_samples"], seed=seed, count_tokens=count_tokens,
+                                             exclude_prompt_ids=exclude)
     if not records:
-        raise ConfigError(f"eval.sets.{name}: the conversations of {s['path']} (training prompts left out) do not add up "
-                          f"to one of build_to_tokens={s['build_to_tokens']} tokens; lower it or add conversations")
+        raise ConfigError(f"eval.sets.{name}: the conversations of {s['path']} (training prompts left out) do not "
+                          f"add up to one of build_to_tokens={s['build_to_tokens']} tokens; lower it or add "
+                          "conversations")
     context = [count_tokens([*r["history"], {"role": "user", "content": r["turns"][0]}]) for r in records]
     return records, {
         "path": str(s["path"]), "format": s.get("format", "auto"), "num_samples": s["num_samples"], **found,
@@ -245,7 +247,8 @@ def run_eval_set(target, tok, drafter, prompts: Sequence[dict], *, length_bucket
     arguments), then :func:`eval_set_stats`."""
     t0 = time.time()
     answers = answer_eval_set(target, tok, drafter, prompts, **loop)
-    return eval_set_stats(answers, block_size=loop["block_size"], seconds=time.time() - t0, length_buckets=length_buckets)
+    return eval_set_stats(answers, block_size=loop["block_size"], seconds=time.time() - t0,
+                          length_buckets=length_buckets)
 
 
 @dataclass

@@ -36,7 +36,11 @@ def bucket_labels(edges: Sequence[int]) -> list[str]:
         ConfigError: edges not strictly ascending positive integers (names ``eval.context_length_buckets``).
     """
     edges = list(edges)
-    if not edges or any(not isinstance(e, int) or e < 1 for e in edges) or any(a >= b for a, b in zip(edges, edges[1:])):
+    if (
+        not edges
+        or any(not isinstance(e, int) or e < 1 for e in edges)
+        or any(a >= b for a, b in zip(edges, edges[1:]))
+    ):
         raise ConfigError(f"eval.context_length_buckets must be ascending positive token counts, got {edges}")
     names = [_tokens_label(e) for e in edges]
     return [f"<{names[0]}", *(f"{a}–{b}" for a, b in zip(names, names[1:])), f"≥{names[-1]}"]
@@ -79,8 +83,11 @@ def tau_by_context_length(responses: Sequence[tuple[Sequence[int], Sequence[int]
             continue
         steps = sum(n for _, n in resp)
         out[label] = {
-            "tau": sum(s / n for s, n in resp) / len(resp), "num_responses": len(resp), "num_steps": steps,
-            "tokens_per_step": sum(s for s, _ in resp) / steps, "range": rng,
+            "tau": sum(s / n for s, n in resp) / len(resp),
+            "num_responses": len(resp),
+            "num_steps": steps,
+            "tokens_per_step": sum(s for s, _ in resp) / steps,
+            "range": rng,
         }
     return out
 

@@ -19,8 +19,14 @@ from typing import Callable, Iterable, Iterator, Mapping, Sequence
 from dflash_pipeline.core.contracts import prompt_id
 from dflash_pipeline.core.errors import ConfigError, DataError
 
-_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
-          "system": "system"}
+_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "system": "system",
+}
 
 
 def chat_messages(record: Mapping, where: str) -> list[dict]:
@@ -55,7 +61,10 @@ def exchanges(messages: Sequence[dict]) -> Iterator[tuple[str, str]]:
 
 
 def build_long_conversations(
-    chats: Iterable[list[dict]], *, build_to_tokens: int, num_samples: int,
+    chats: Iterable[list[dict]],
+    *,
+    build_to_tokens: int,
+    num_samples: int,
     count_tokens: Callable[[list[dict]], int],
 ) -> list[dict]:
     """Up to ``num_samples`` eval records ``{prompt_id, system: None, history, turns: [user turn]}`` whose
@@ -70,8 +79,9 @@ def build_long_conversations(
     for user, assistant in stream:
         final = [{"role": "user", "content": user}]
         if history and count_tokens(history + final) >= build_to_tokens:
-            records.append({"prompt_id": prompt_id(history + final), "system": None, "history": history,
-                            "turns": [user]})
+            records.append(
+                {"prompt_id": prompt_id(history + final), "system": None, "history": history, "turns": [user]}
+            )
             history = []
             if len(records) == num_samples:
                 break
@@ -81,8 +91,13 @@ def build_long_conversations(
 
 
 def load_long_conversations(
-    path: str | os.PathLike, *, build_to_tokens: int, num_samples: int, seed: int,
-    count_tokens: Callable[[list[dict]], int], exclude_prompt_ids: Iterable[str] = (),
+    path: str | os.PathLike,
+    *,
+    build_to_tokens: int,
+    num_samples: int,
+    seed: int,
+    count_tokens: Callable[[list[dict]], int],
+    exclude_prompt_ids: Iterable[str] = (),
 ) -> tuple[list[dict], dict]:
     """The long eval records of one set (module docstring) and ``{available, excluded_training_prompts}``
     (source records, and those left out as training prompts).
@@ -106,6 +121,7 @@ def load_long_conversations(
             continue
         chats.append(messages)
     random.Random(seed).shuffle(chats)
-    records = build_long_conversations(chats, build_to_tokens=build_to_tokens, num_samples=num_samples,
-                                       count_tokens=count_tokens)
+    records = build_long_conversations(
+        chats, build_to_tokens=build_to_tokens, num_samples=num_samples, count_tokens=count_tokens
+    )
     return records, {"available": available, "excluded_training_prompts": excluded}

@@ -214,7 +214,8 @@ def plot_validation(val_log: str | Path, path: str | Path, *, placeholder: bool 
         ax.plot([r["step"] for r in recs], [r["tau_marginal"] for r in recs], ls="--", label="product of marginal accuracies")
         buckets = list(dict.fromkeys(b for r in recs for b in (r.get("by_context_length") or {})))
         for b in buckets if len(buckets) > 1 else []:  # held-out τ by context length (train.validation_length_buckets)
-            pts = [(r["step"], r["by_context_length"][b]["tau"]) for r in recs if b in (r.get("by_context_length") or {})]
+            pts = [(r["step"], r["by_context_length"][b]["tau"])
+                   for r in recs if b in (r.get("by_context_length") or {})]
             ax.plot([x for x, _ in pts], [y for _, y in pts], ls=":", marker=".", label=f"context {b}")
         ax.legend(fontsize=8)
     else:

@@ -48,7 +48,8 @@ class AcceptanceCounts:
     def zeros(cls, block_size: int, edges: Sequence[int] = ()) -> "AcceptanceCounts":
         z = torch.zeros(block_size - 1, dtype=torch.float64)
         nb = torch.zeros(len(edges) + 1 if edges else 0, dtype=torch.float64)
-        return cls(torch.zeros((), dtype=torch.float64), z.clone(), z.clone(), z.clone(), nb.clone(), nb.clone(), tuple(edges))
+        return cls(torch.zeros((), dtype=torch.float64), z.clone(), z.clone(), z.clone(), nb.clone(), nb.clone(),
+                   tuple(edges))
 
     def __add__(self, other: "AcceptanceCounts") -> "AcceptanceCounts":
         if tuple(self.edges) != tuple(other.edges):
@@ -59,7 +60,8 @@ class AcceptanceCounts:
 
     def as_tensor(self) -> torch.Tensor:
         """Flat float64 [1 + 3(B−1) + 2·buckets] (for one all-reduce)."""
-        return torch.cat([self.blocks.view(1), self.chain, self.correct, self.valid, self.bucket_blocks, self.bucket_chain])
+        return torch.cat([self.blocks.view(1), self.chain, self.correct, self.valid, self.bucket_blocks,
+                          self.bucket_chain])
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor, edges: Sequence[int] = ()) -> "AcceptanceCounts":

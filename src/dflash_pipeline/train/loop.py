@@ -267,13 +267,14 @@ def _validate(accelerator, ctx: StepContext, batches, counted, cfg: dict, step: 
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             c = V.batch_acceptance(ctx.drafter, ctx.target, ctx.embed, ctx.lm_head, batch, target_layer_ids=d["target_layer_ids"],
                                    features=batch.get("features"),
-                                   mask_token_id=d["mask_token_id"], num_anchors=cfg["validation_num_anchors"], backend=ctx.backend,
-                                   length_buckets=edges)
+                                   mask_token_id=d["mask_token_id"], num_anchors=cfg["validation_num_anchors"],
+                                   backend=ctx.backend, length_buckets=edges)
             if count:
                 total = total + c
     finally:
         core.train()
-    summary = V.AcceptanceCounts.from_tensor(accelerator.reduce(total.as_tensor().to(accelerator.device), "sum"), edges).summary()
+    reduced = accelerator.reduce(total.as_tensor().to(accelerator.device), "sum")
+    summary = V.AcceptanceCounts.from_tensor(reduced, edges).summary()
     rec = {"step": step, **summary}
     if accelerator.is_main_process:
         with open(out_dir / "val_log.jsonl", "a", encoding="utf-8") as fh:

@@ -43,8 +43,13 @@ def recorded_demo_params(target_dir: str | os.PathLike) -> Optional[dict]:
     if isinstance(facts.get("params"), dict):
         return facts["params"]
     try:
-        return {"seed": facts["seed"], "train_steps": facts["train_steps"], "hidden_size": facts["hidden_size"],
-                "num_hidden_layers": facts["num_hidden_layers"], "vocab_size": facts["len_tokenizer"] - 2}
+        return {
+            "seed": facts["seed"],
+            "train_steps": facts["train_steps"],
+            "hidden_size": facts["hidden_size"],
+            "num_hidden_layers": facts["num_hidden_layers"],
+            "vocab_size": facts["len_tokenizer"] - 2,
+        }
     except (KeyError, TypeError):
         return None
 
@@ -60,7 +65,9 @@ def demo_target_dir(demo: dict, default_demo: dict, *, root: str | os.PathLike =
     legacy = Path(root) / DEMO_TARGET_DIR
     recorded = recorded_demo_params(legacy) if legacy.exists() else None
     mine = canonical(demo)
-    if (recorded is not None and canonical(recorded) == mine) or (not legacy.exists() and mine == canonical(default_demo)):
+    if (recorded is not None and canonical(recorded) == mine) or (
+        not legacy.exists() and mine == canonical(default_demo)
+    ):
         return DEMO_TARGET_DIR
     return f"{DEMO_TARGET_DIR}-{params_digest(demo)}"
 

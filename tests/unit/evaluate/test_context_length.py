@@ -53,7 +53,10 @@ def test_the_loop_records_the_context_of_every_verify_step():
 def _chat(i: int, exchanges: int) -> dict:
     conv = []
     for j in range(exchanges):
-        conv += [{"from": "human", "value": f"question {i}.{j} " + "x " * 10}, {"from": "gpt", "value": f"answer {i}.{j} " + "y " * 10}]
+        conv += [
+            {"from": "human", "value": f"question {i}.{j} " + "x " * 10},
+            {"from": "gpt", "value": f"answer {i}.{j} " + "y " * 10},
+        ]
     return {"id": str(i), "conversations": conv}
 
 
@@ -66,8 +69,9 @@ def test_long_conversations_reach_the_length_and_leave_training_prompts_out(tmp_
     def count(messages):  # a stand-in for the rendered length: words
         return sum(len(m["content"].split()) for m in messages)
 
-    out, found = load_long_conversations(path, build_to_tokens=60, num_samples=3, seed=0, count_tokens=count,
-                                         exclude_prompt_ids=trained)
+    out, found = load_long_conversations(
+        path, build_to_tokens=60, num_samples=3, seed=0, count_tokens=count, exclude_prompt_ids=trained
+    )
     assert found == {"available": 12, "excluded_training_prompts": 2}
     assert len(out) == 3
     used = " ".join(m["content"] for r in out for m in r["history"]) + " ".join(t for r in out for t in r["turns"])
@@ -77,8 +81,15 @@ def test_long_conversations_reach_the_length_and_leave_training_prompts_out(tmp_
         assert [m["role"] for m in r["history"][:2]] == ["user", "assistant"] and len(r["turns"]) == 1
         assert any(m["content"].startswith("answer ") for m in r["history"])  # the file's own answers as history
     # too short a stream: no record rather than a short one
-    assert build_long_conversations([[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]],
-                                    build_to_tokens=10**6, num_samples=2, count_tokens=count) == []
+    assert (
+        build_long_conversations(
+            [[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]],
+            build_to_tokens=10**6,
+            num_samples=2,
+            count_tokens=count,
+        )
+        == []
+    )
 
 
 def test_a_long_record_is_answered_after_its_history(monkeypatch):
@@ -97,12 +108,23 @@ def test_a_long_record_is_answered_after_its_history(monkeypatch):
             return "ok"
 
     hist = [{"role": "user", "content": "u0"}, {"role": "assistant", "content": "a0"}]
-    s = E.run_eval_set(target, Tok(), drafter, [{"prompt_id": "p", "system": None, "history": hist, "turns": ["u1"]}],
-                       block_size=4, max_new_tokens=4, temperature=0.0, seed=0, thinking="disable", stop_token_ids=[0],
-                       length_buckets=[2, 8])
+    s = E.run_eval_set(
+        target,
+        Tok(),
+        drafter,
+        [{"prompt_id": "p", "system": None, "history": hist, "turns": ["u1"]}],
+        block_size=4,
+        max_new_tokens=4,
+        temperature=0.0,
+        seed=0,
+        thinking="disable",
+        stop_token_ids=[0],
+        length_buckets=[2, 8],
+    )
     assert seen == [[*hist, {"role": "user", "content": "u1"}]]
-    assert s["by_context_length"] == {"2–8": {"tau": 2.0, "num_responses": 1, "num_steps": 1, "tokens_per_step": 2.0,
-                                              "range": [2, 8]}}
+    assert s["by_context_length"] == {
+        "2–8": {"tau": 2.0, "num_responses": 1, "num_steps": 1, "tokens_per_step": 2.0, "range": [2, 8]}
+    }
 
 
 def test_heldout_tau_per_bucket_adds_up_across_batches_and_ranks():
@@ -111,9 +133,11 @@ def test_heldout_tau_per_bucket_adds_up_across_batches_and_ranks():
     contexts = torch.tensor([5, 50, 500])
     c = block_acceptance(accept, valid, contexts, [10, 100])
     s = c.summary()
-    assert s["by_context_length"] == {"<10": {"tau": 3.0, "num_blocks": 1, "range": [0, 10]},
-                                      "10–100": {"tau": 2.0, "num_blocks": 1, "range": [10, 100]},
-                                      "≥100": {"tau": 1.0, "num_blocks": 1, "range": [100, None]}}
+    assert s["by_context_length"] == {
+        "<10": {"tau": 3.0, "num_blocks": 1, "range": [0, 10]},
+        "10–100": {"tau": 2.0, "num_blocks": 1, "range": [10, 100]},
+        "≥100": {"tau": 1.0, "num_blocks": 1, "range": [100, None]},
+    }
     assert math.isclose(s["tau"], 2.0)  # the blocks' mean, as without buckets
     both = AcceptanceCounts.from_tensor((c + c).as_tensor(), [10, 100]).summary()  # an all-reduce of two ranks
     assert both["by_context_length"]["<10"] == {"tau": 3.0, "num_blocks": 2, "range": [0, 10]}

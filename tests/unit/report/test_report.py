@@ -34,8 +34,9 @@ def test_summary_page_tables_with_readable_labels(tmp_path):
     out = tmp_path / "summary.html"
 
     def page(prompts_tsv):
-        return report_page.summary_page(out, run="r1", facts={}, tau_tsv=tau, eval_json=ev, outputs=[("τ table", str(tau))],
-                                        tables=[(prompts_tsv, "Prompts", "prompts"), (tmp_path / "missing.tsv", "Tokens", "tokens")])
+        return report_page.summary_page(
+            out, run="r1", facts={}, tau_tsv=tau, eval_json=ev, outputs=[("τ table", str(tau))],
+            tables=[(prompts_tsv, "Prompts", "prompts"), (tmp_path / "missing.tsv", "Tokens", "tokens")])
 
     text = page(prompts)
     assert out.read_text(encoding="utf-8") == text

@@ -17,23 +17,47 @@ from dflash_pipeline.evaluate.outputs import plot_acceptance, write_eval_table
 
 def _record() -> dict:
     def stats(tau, buckets):
-        return {"tau": tau, "per_position_acceptance": [0.8, 0.6, 0.4], "histogram": {"1": 1, "2": 1, "3": 1, "4": 1},
-                "num_responses": 4, "num_steps": 9, "tokens_per_step": tau, "tokens_per_target_forward": tau,
-                "by_context_length": buckets}
+        return {
+            "tau": tau,
+            "per_position_acceptance": [0.8, 0.6, 0.4],
+            "histogram": {"1": 1, "2": 1, "3": 1, "4": 1},
+            "num_responses": 4,
+            "num_steps": 9,
+            "tokens_per_step": tau,
+            "tokens_per_target_forward": tau,
+            "by_context_length": buckets,
+        }
 
-    long = {"<256": {"tau": 3.1, "num_responses": 4, "num_steps": 7, "tokens_per_step": 3.0, "range": [0, 256]},
-            "256–1K": {"tau": 1.9, "num_responses": 2, "num_steps": 2, "tokens_per_step": 1.9, "range": [256, 1024]}}
+    long = {
+        "<256": {"tau": 3.1, "num_responses": 4, "num_steps": 7, "tokens_per_step": 3.0, "range": [0, 256]},
+        "256–1K": {"tau": 1.9, "num_responses": 2, "num_steps": 2, "tokens_per_step": 1.9, "range": [256, 1024]},
+    }
     short = {"<256": {"tau": 2.87654, "num_responses": 4, "num_steps": 9, "tokens_per_step": 2.8, "range": [0, 256]}}
     return {
-        "schema_version": 1, "target": {"path": "resources/demo-target", "model_type": "qwen3"},
-        "settings": {"block_size": 4, "temperature": 0.0, "thinking": "disable", "max_new_tokens": 8,
-                     "context_length_buckets": [256, 1024], "context_length_buckets_labels": ["<256", "256–1K", "≥1K"]},
+        "schema_version": 1,
+        "target": {"path": "resources/demo-target", "model_type": "qwen3"},
+        "settings": {
+            "block_size": 4,
+            "temperature": 0.0,
+            "thinking": "disable",
+            "max_new_tokens": 8,
+            "context_length_buckets": [256, 1024],
+            "context_length_buckets_labels": ["<256", "256–1K", "≥1K"],
+        },
         "sets": {"gsm8k": {"num_prompts": 4}, "long": {"num_prompts": 4}},
         "drafters": {
-            "trained": {"checkpoint": "ckpt/final", "train_steps": 3, "zero_target_features": False,
-                        "sets": {"gsm8k": stats(2.87654, short), "long": stats(2.5, long)}},
-            "untrained": {"checkpoint": None, "train_steps": 0, "zero_target_features": False,
-                          "sets": {"gsm8k": stats(1.0, {"<256": {**short["<256"], "tau": 1.0}}), "long": stats(1.0125, long)}},
+            "trained": {
+                "checkpoint": "ckpt/final",
+                "train_steps": 3,
+                "zero_target_features": False,
+                "sets": {"gsm8k": stats(2.87654, short), "long": stats(2.5, long)},
+            },
+            "untrained": {
+                "checkpoint": None,
+                "train_steps": 0,
+                "zero_target_features": False,
+                "sets": {"gsm8k": stats(1.0, {"<256": {**short["<256"], "tau": 1.0}}), "long": stats(1.0125, long)},
+            },
         },
         "by_context_length": {"trained": long, "untrained": long},
     }
@@ -49,17 +73,31 @@ def test_landing_page_in_chromium(tmp_path, chromium):
     report_page.plot_tau_per_set(rec, tmp_path / "tau_per_set.png")
     report_page.plot_tau_by_length(rec, tmp_path / "tau_by_length.png")
     tokens = tmp_path / "tokens.tsv"
-    write_tsv(tokens, ("dataset", "records_out", "num_tokens", "num_loss_tokens"),
-              [{"dataset": "all", "records_out": 16, "num_tokens": 2000, "num_loss_tokens": 700}])
-    facts = report_page.run_facts(eval_json=ev, tokens_rows=[{"dataset": "all", "records_out": "16", "num_tokens": "2000",
-                                                              "num_loss_tokens": "700"}])
-    figures = [("fig-tau-per-set", tmp_path / "tau_per_set.png", "τ per eval set"),
-               ("fig-acceptance", tmp_path / "acceptance.png", "per-position acceptance"),
-               ("fig-tau-by-length", tmp_path / "tau_by_length.png", "τ by context length"),
-               ("fig-missing", tmp_path / "absent.png", "left out")]
+    write_tsv(
+        tokens,
+        ("dataset", "records_out", "num_tokens", "num_loss_tokens"),
+        [{"dataset": "all", "records_out": 16, "num_tokens": 2000, "num_loss_tokens": 700}],
+    )
+    facts = report_page.run_facts(
+        eval_json=ev,
+        tokens_rows=[{"dataset": "all", "records_out": "16", "num_tokens": "2000", "num_loss_tokens": "700"}],
+    )
+    figures = [
+        ("fig-tau-per-set", tmp_path / "tau_per_set.png", "τ per eval set"),
+        ("fig-acceptance", tmp_path / "acceptance.png", "per-position acceptance"),
+        ("fig-tau-by-length", tmp_path / "tau_by_length.png", "τ by context length"),
+        ("fig-missing", tmp_path / "absent.png", "left out"),
+    ]
     page = tmp_path / "summary.html"
-    report_page.summary_page(page, run="r1", facts=facts, tau_tsv=tau, eval_json=ev,
-                             tables=[(tokens, "Token shards per dataset", "tokens")], figures=[(i, str(p), c) for i, p, c in figures])
+    report_page.summary_page(
+        page,
+        run="r1",
+        facts=facts,
+        tau_tsv=tau,
+        eval_json=ev,
+        tables=[(tokens, "Token shards per dataset", "tokens")],
+        figures=[(i, str(p), c) for i, p, c in figures],
+    )
     probe = tmp_path / "probed.html"
     probe.write_text(page.read_text(encoding="utf-8").replace("</body>", PROBE_SCRIPT + "</body>"), encoding="utf-8")
     proc = chromium(probe.as_uri(), "--virtual-time-budget=10000", "--dump-dom")
@@ -67,19 +105,29 @@ def test_landing_page_in_chromium(tmp_path, chromium):
     dom = proc.stdout
 
     images = json.loads(html_lib.unescape(re.search(r'<pre id="image-check">(.*?)</pre>', dom, re.S).group(1)))
-    assert [i[0] for i in images] == ["fig-tau-per-set", "fig-acceptance", "fig-tau-by-length"]  # the missing one left out
+    assert [i[0] for i in images] == [
+        "fig-tau-per-set",
+        "fig-acceptance",
+        "fig-tau-by-length",
+    ]  # the missing one left out
     assert all(w > 0 and done for _, w, done in images), images
 
     def table(table_id):
         m = re.search(rf'<table id="{table_id}"[^>]*>(.*?)</table>', dom, re.S)
         assert m, table_id
-        return [[html_lib.unescape(re.sub(r"<[^>]+>", "", c)).strip() for c in re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", row, re.S)]
-                for row in re.findall(r"<tr>(.*?)</tr>", m.group(1), re.S)]
+        return [
+            [
+                html_lib.unescape(re.sub(r"<[^>]+>", "", c)).strip()
+                for c in re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", row, re.S)
+            ]
+            for row in re.findall(r"<tr>(.*?)</tr>", m.group(1), re.S)
+        ]
 
     t = table("tau")
     assert t[0] == ["drafter", "gsm8k", "long"]
-    assert {r[0]: r[1:] for r in t[1:]} == {lbl: [str(round(s["tau"], 3)) for s in e["sets"].values()]
-                                            for lbl, e in rec["drafters"].items()}
+    assert {r[0]: r[1:] for r in t[1:]} == {
+        lbl: [str(round(s["tau"], 3)) for s in e["sets"].values()] for lbl, e in rec["drafters"].items()
+    }
     by_len = table("tau-by-length")
     assert by_len[0] == ["drafter", "set", "<256", "256–1K", "≥1K"]
     assert ["trained", "long", "3.100 (7)", "1.900 (2)", ""] in by_len

@@ -21,9 +21,14 @@ DEFAULT = {"seed": 0, "vocab_size": 1024, "hidden_size": 128, "num_hidden_layers
 def _built(root, params, *, legacy_facts=False):
     d = root / DEMO_TARGET_DIR
     d.mkdir(parents=True)
-    facts = {"seed": params["seed"], "train_steps": params["train_steps"], "hidden_size": params["hidden_size"],
-             "num_hidden_layers": params["num_hidden_layers"], "len_tokenizer": params["vocab_size"] + 2,
-             "vocab_size": 1088}
+    facts = {
+        "seed": params["seed"],
+        "train_steps": params["train_steps"],
+        "hidden_size": params["hidden_size"],
+        "num_hidden_layers": params["num_hidden_layers"],
+        "len_tokenizer": params["vocab_size"] + 2,
+        "vocab_size": 1088,
+    }
     if not legacy_facts:
         facts["params"] = params
     (d / "demo_target.json").write_text(json.dumps(facts))
@@ -47,17 +52,35 @@ def test_an_existing_target_keeps_its_path_for_its_settings_only(tmp_path):
 
 
 def test_probe_record_is_per_run_unless_an_old_shared_one_holds_the_same_decisions(tmp_path):
-    drafter = {"block_size": 8, "num_draft_layers": 2, "num_target_features": 3, "target_layer_ids": None,
-               "mask_token_id": None}
+    drafter = {
+        "block_size": 8,
+        "num_draft_layers": 2,
+        "num_target_features": 3,
+        "target_layer_ids": None,
+        "mask_token_id": None,
+    }
     assert probe_record_path("results", "demo", drafter, root=tmp_path) == "results/probe/demo.json"
     legacy = tmp_path / "results" / "probe" / "target.json"
     legacy.parent.mkdir(parents=True)
-    record = {"drafter": {"block_size": 8, "num_draft_layers": 2, "num_target_features": 3, "target_layer_ids": [1, 4, 6],
-                          "target_layer_ids_source": "reference formula (N=8, K=3)", "mask_token_id": 1026,
-                          "mask_token_source": "first embedding row past the real tokens"}}
+    record = {
+        "drafter": {
+            "block_size": 8,
+            "num_draft_layers": 2,
+            "num_target_features": 3,
+            "target_layer_ids": [1, 4, 6],
+            "target_layer_ids_source": "reference formula (N=8, K=3)",
+            "mask_token_id": 1026,
+            "mask_token_source": "first embedding row past the real tokens",
+        }
+    }
     legacy.write_text(json.dumps(record))
     assert probe_record_path("results", "demo", drafter, root=tmp_path) == "results/probe/target.json"
-    for change in ({"block_size": 4}, {"num_target_features": 2}, {"target_layer_ids": [1, 4, 6]}, {"mask_token_id": 1026}):
+    for change in (
+        {"block_size": 4},
+        {"num_target_features": 2},
+        {"target_layer_ids": [1, 4, 6]},
+        {"mask_token_id": 1026},
+    ):
         assert not probe_matches(record, {**drafter, **change}), change
         assert probe_record_path("results", "other", {**drafter, **change}, root=tmp_path) == "results/probe/other.json"
     explicit = {"drafter": {**record["drafter"], "target_layer_ids_source": "explicit (drafter.target_layer_ids)"}}
