@@ -4,8 +4,6 @@
 #   common/inputs.smk  input functions `get_*(wildcards)`: evaluated per job, after the prompts checkpoint
 #   common/params.smk  params: what a job reads from the config, and so what reruns it (the rerun policy
 #                      itself lives in dflash_pipeline.workflow.policy, with unit tests)
-from pathlib import Path
-
 RESULTS = config["results_dir"]
 RUN_NAME = config["run"]
 # the demo target's directory names its settings (other settings: resources/demo-target-<digest>), and the
@@ -13,21 +11,9 @@ RUN_NAME = config["run"]
 from dflash_pipeline.workflow import keyed_paths
 
 
-def default_demo_settings():
-    """`target.demo` of the embedded default config (config/config.yaml), schema defaults filled: its demo
-    target keeps the path of earlier releases, resources/demo-target."""
-    import yaml
-    from dflash_pipeline.core.config import schema_defaults
-
-    with open(Path(workflow.basedir) / "config" / "config.yaml", encoding="utf-8") as fh:
-        embedded = yaml.safe_load(fh) or {}
-    return {**schema_defaults("target", "demo"), **((embedded.get("target") or {}).get("demo") or {})}
-
-
-DEMO_TARGET = keyed_paths.demo_target_dir(config["target"]["demo"], default_demo_settings())
-DEMO_TAG = (
-    "" if DEMO_TARGET == keyed_paths.DEMO_TARGET_DIR else "-" + keyed_paths.params_digest(config["target"]["demo"])
-)
+DEMO_TARGET = keyed_paths.demo_target_dir(config["target"]["demo"], keyed_paths.embedded_demo_settings(workflow.basedir))
+# "" for resources/demo-target, "-<digest>" else: the demo build's log and benchmark names
+DEMO_TAG = "" if DEMO_TARGET == keyed_paths.DEMO_TARGET_DIR else f"-{keyed_paths.params_digest(config['target']['demo'])}"
 
 
 wildcard_constraints:

@@ -32,6 +32,7 @@ _OWNERS = {
     "params_digest": "keyed_paths",
     "recorded_demo_params": "keyed_paths",
     "demo_target_dir": "keyed_paths",
+    "embedded_demo_settings": "keyed_paths",
     "probe_matches": "keyed_paths",
     "probe_record_path": "keyed_paths",
 }

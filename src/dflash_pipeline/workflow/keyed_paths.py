@@ -54,6 +54,18 @@ def recorded_demo_params(target_dir: str | os.PathLike) -> Optional[dict]:
         return None
 
 
+def embedded_demo_settings(workflow_dir: str | os.PathLike) -> dict:
+    """``target.demo`` of the workflow's embedded default config (``<workflow_dir>/config/config.yaml``) with the
+    schema's defaults filled: the settings whose demo target keeps :data:`DEMO_TARGET_DIR`."""
+    import yaml
+
+    from dflash_pipeline.core.config import schema_defaults
+
+    with open(Path(workflow_dir) / "config" / "config.yaml", encoding="utf-8") as fh:
+        embedded = yaml.safe_load(fh) or {}
+    return {**schema_defaults("target", "demo"), **((embedded.get("target") or {}).get("demo") or {})}
+
+
 def demo_target_dir(demo: dict, default_demo: dict, *, root: str | os.PathLike = ".") -> str:
     """Directory of the demo target built with the ``target.demo`` settings ``demo`` (relative to ``root``, the
     working directory), so two configs never rebuild each other's target:

@@ -9,6 +9,7 @@ import json
 from dflash_pipeline.workflow.keyed_paths import (
     DEMO_TARGET_DIR,
     demo_target_dir,
+    embedded_demo_settings,
     params_digest,
     probe_matches,
     probe_record_path,
@@ -35,6 +36,9 @@ def _built(root, params, *, legacy_facts=False):
 
 
 def test_default_settings_keep_todays_path_and_others_get_their_digest(tmp_path):
+    from conftest import REPO
+
+    assert embedded_demo_settings(REPO) == DEFAULT  # config/config.yaml's train_steps over the schema defaults
     assert demo_target_dir(DEFAULT, DEFAULT, root=tmp_path) == DEMO_TARGET_DIR
     other = {**DEFAULT, "train_steps": 600}
     assert demo_target_dir(other, DEFAULT, root=tmp_path) == f"{DEMO_TARGET_DIR}-{params_digest(other)}"
