@@ -11,9 +11,10 @@ RUN_NAME = config["run"]
 from dflash_pipeline.workflow import keyed_paths
 
 
-DEMO_TARGET = keyed_paths.demo_target_dir(config["target"]["demo"], keyed_paths.embedded_demo_settings(workflow.basedir))
+DEMO = config["target"]["demo"]
+DEMO_TARGET = keyed_paths.demo_target_dir(DEMO, keyed_paths.embedded_demo_settings(workflow.basedir))
 # "" for resources/demo-target, "-<digest>" else: the demo build's log and benchmark names
-DEMO_TAG = "" if DEMO_TARGET == keyed_paths.DEMO_TARGET_DIR else f"-{keyed_paths.params_digest(config['target']['demo'])}"
+DEMO_TAG = "" if DEMO_TARGET == keyed_paths.DEMO_TARGET_DIR else f"-{keyed_paths.params_digest(DEMO)}"
 
 
 wildcard_constraints:
