@@ -159,6 +159,19 @@ def load_eval_sets(eval_cfg: dict, exclude_prompt_ids: Iterable[str] = (), *,
     return sets, info
 
 
+def long_set_token_counter(eval_cfg: dict, target_dir, *, thinking: str, chat_template=None,
+                           trust_remote_code: bool = False):
+    """``count_tokens(messages)`` for :func:`load_eval_sets` (the rendered length with the target's chat
+    template and the generation prompt), or None when no eval set has ``build_to_tokens`` (no tokenizer
+    loaded). For callers without an :class:`EvalSession` (engine τ)."""
+    if not any(s.get("build_to_tokens") is not None for s in eval_cfg["sets"].values()):
+        return None
+    from dflash_pipeline.target.chat import load_tokenizer, render
+
+    tok = load_tokenizer(target_dir, chat_template=chat_template, trust_remote_code=trust_remote_code)
+    return lambda messages: len(render(tok, messages, thinking=thinking, add_generation_prompt=True, tokenize=True))
+
+
 def _long_set(name: str, s: dict, seed: int, exclude: set, count_tokens) -> tuple[list[dict], dict]:
     """One long-conversation eval set and its info (:func:`load_eval_sets`).
 

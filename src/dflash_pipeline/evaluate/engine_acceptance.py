@@ -251,6 +251,7 @@ def _send_conversation(base: str, rec: dict, *, request: dict, api_key: Optional
     carrying the engine's earlier answers; ``request`` holds the other body fields (model, max_tokens, …).
     Returns per response ``(completion tokens, a+1 mean or None)`` (:func:`_response_acceptance`)."""
     history: list[dict] = [{"role": "system", "content": rec["system"]}] if rec.get("system") else []
+    history += [dict(m) for m in rec.get("history") or []]  # a long conversation's fixed earlier turns
     out = []
     for turn in rec["turns"]:
         history.append({"role": "user", "content": turn})
@@ -317,13 +318,14 @@ def evaluate_engine(
     """
     import os
 
-    from dflash_pipeline.evaluate.acceptance import checkpoint_info, load_eval_sets
+    from dflash_pipeline.evaluate.acceptance import checkpoint_info, load_eval_sets, long_set_token_counter
 
     info = checkpoint_info(drafter_dir)
     bs = int(eval_cfg.get("block_size") or info["block_size"])
     drafter_cfg = json.loads((Path(drafter_dir) / "config.json").read_text(encoding="utf-8"))
     num_layers = int(drafter_cfg.get("num_hidden_layers") or 1)
-    sets, set_info = load_eval_sets(eval_cfg, exclude_prompt_ids)
+    count = long_set_token_counter(eval_cfg, target_dir, thinking=thinking, chat_template=chat_template)
+    sets, set_info = load_eval_sets(eval_cfg, exclude_prompt_ids, count_tokens=count)  # the loop's prompts
     api_key = os.environ[eval_cfg["engine_api_key_env"]] if eval_cfg.get("engine_api_key_env") else None
     record: dict = {
         "schema_version": EVAL_SCHEMA_VERSION, "mode": "engine", "drafter": str(drafter_dir),
