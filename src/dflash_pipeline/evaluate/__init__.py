@@ -9,6 +9,7 @@ _OWNERS = {
     "acceptance_stats": "acceptance",
     "answer_eval_set": "acceptance",
     "eval_set_stats": "acceptance",
+    "long_set_token_counter": "acceptance",
     "bucket_labels": "context_length",
     "bucket_ranges": "context_length",
     "length_buckets_of": "context_length",

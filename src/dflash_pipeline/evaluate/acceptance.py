@@ -51,6 +51,7 @@ from dflash_pipeline.evaluate.speculative import SpecResult, TargetCache, specul
 #: tests and other modules import them from here).
 __all__ = [
     "EvalComparisonError", "EvalSession", "SpecResult", "TABLE_COLUMNS", "TargetCache", "acceptance_stats",
+    "answer_eval_set", "eval_set_stats", "long_set_token_counter",
     "check_comparable", "checkpoint_info", "eval_table_rows", "evaluate", "load_eval_drafter", "load_eval_sets",
     "main", "merge_eval_records", "open_session", "plot_acceptance", "plot_tau_vs_step", "plot_training",
     "plot_validation", "read_train_log", "run_checkpoint_series", "run_drafters", "run_eval_set",
@@ -238,8 +239,6 @@ def eval_set_stats(answers: Sequence[Sequence[SpecResult]], *, block_size: int, 
     ``new_tokens``, ``target_forwards``, ``tokens_per_target_forward``, ``seconds``, ``tokens_per_s`` and,
     with ``length_buckets`` (edges in tokens), ``by_context_length``
     (:func:`dflash_pipeline.evaluate.context_length.tau_by_context_length`)."""
-    from dflash_pipeline.evaluate.context_length import tau_by_context_length
-
     responses = [r for conv in answers for r in conv]
     new_tokens = sum(len(r.output_ids) for r in responses)
     forwards = sum(r.target_forwards for r in responses)
