@@ -300,6 +300,10 @@ def cross_field_problems(cfg: Mapping[str, Any], *, base_dir: str | Path | None 
         src_path = resolve_path(src["path"], base_dir)
         if not Path(src_path).exists():
             out.append(f"eval.sets.{name}.path: {src_path} not found")
+    for key, edges in (("eval.context_length_buckets", cfg["eval"]["context_length_buckets"]),
+                       ("train.validation_length_buckets", cfg["train"]["validation_length_buckets"])):
+        if any(a >= b for a, b in zip(edges, edges[1:])):
+            out.append(f"{key}: {edges} must be ascending token counts (bucket edges)")
     eval_bs, trained_bs = cfg["eval"]["block_size"], cfg["drafter"]["block_size"]
     if eval_bs is not None and eval_bs > trained_bs:
         out.append(f"eval.block_size: {eval_bs} exceeds drafter.block_size {trained_bs} (null = the trained one)")
