@@ -22,9 +22,10 @@ import html
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
+#: Scoped to the page's own elements: embedded in ``snakemake --report`` it must not restyle the report.
 PAGE_STYLE = """
-body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:1.5em auto;max-width:1200px;
-color:#1d232a;padding:0 1em}
+#dflash-run-summary{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:1.5em auto;
+max-width:1200px;color:#1d232a;padding:0 1em}
 header.dflash-header{border-bottom:2px solid #3b6ea5;margin-bottom:1em}
 header.dflash-header h1{font-size:1.5em;margin:.2em 0}
 p.dflash-facts{font-size:.95em;margin:.3em 0 .8em}
