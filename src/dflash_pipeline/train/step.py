@@ -126,6 +126,8 @@ def _batch_features(ctx: StepContext, batch: dict) -> tuple[torch.Tensor, Option
     with torch.no_grad():
         if "features" in batch:  # feature shards (train.target_features: shards): the target never runs here
             feats = batch["features"]
+            if ctx.zero_target_features:  # the ablation baseline: same shapes, no target information
+                feats = torch.zeros_like(feats)
         elif ctx.zero_target_features and not teacher_needed:  # the ablation never looks at the target
             k_h = len(d["target_layer_ids"]) * ctx.embed.weight.shape[1]
             feats = torch.zeros(*ids.shape, k_h, dtype=ctx.embed.weight.dtype, device=ids.device)  # [b, S, K·H]
