@@ -12,7 +12,7 @@ same records padded (batch_size records per step) and packed (batch_size rows of
 record's tokens, dflash_pipeline.train.packing; the same anchors per record), tokens/s of each and the ratio:
 
     python bench/bench_train.py --tokens results/tokens/*/*.parquet --target resources/demo-target \
-        --probe results/probe/target.json
+        --probe results/probe/demo.json
 """
 
 from __future__ import annotations

@@ -7,7 +7,15 @@
 #   common/checks.smk  plan-time checks that read files (the features stage's disk check)
 RESULTS = config["results_dir"]
 RUN_NAME = config["run"]
-DEMO_TARGET = "resources/demo-target"
+# the demo target's directory names its settings (other settings: resources/demo-target-<digest>), and the
+# probe record is per run: two configs in one checkout never rebuild each other's (workflow.keyed_paths)
+from dflash_pipeline.workflow import keyed_paths
+
+
+DEMO = config["target"]["demo"]
+DEMO_TARGET = keyed_paths.demo_target_dir(DEMO, keyed_paths.embedded_demo_settings(workflow.basedir))
+# "" for resources/demo-target, "-<digest>" else: the demo build's log and benchmark names
+DEMO_TAG = "" if DEMO_TARGET == keyed_paths.DEMO_TARGET_DIR else f"-{keyed_paths.params_digest(DEMO)}"
 FEATURES = config["features"]
 FEATURES_FROM_SHARDS = config["train"]["target_features"] == "shards"  # the features stage runs (train reads shards)
 FEATURES_STREAM = config["train"]["target_features"] == "stream"  # train streams features from servers

@@ -1,5 +1,6 @@
 rule build_demo_target:
-    """Tiny Qwen3 target + BPE tokenizer + Qwen3-style chat template, briefly trained on bundled data."""
+    """Tiny Qwen3 target + BPE tokenizer + Qwen3-style chat template, briefly trained on bundled data; in a
+    directory keyed by its `target.demo` settings (DEMO_TARGET, rules/common.smk)."""
     input:
         corpus=demo_corpus(),
     output:
@@ -7,9 +8,9 @@ rule build_demo_target:
     params:
         demo=canonical(config["target"]["demo"]),
     log:
-        "logs/build_demo_target.log",
+        f"logs/build_demo_target{DEMO_TAG}.log",
     benchmark:
-        "benchmarks/build_demo_target.tsv"
+        f"benchmarks/build_demo_target{DEMO_TAG}.tsv"
     threads: workflow.cores
     conda:
         "../envs/torch.yaml"

@@ -10,7 +10,7 @@ rule probe_target:
         trust_remote_code=config["target"]["trust_remote_code"],
         chat_template=config["target"]["chat_template"],
     log:
-        log_file("probe_target"),
+        log_file("probe_target", RUN_NAME),  # per run, as its record
     conda:
         "../envs/probe.yaml"
     script:

@@ -90,9 +90,24 @@ rule plot_training:
         "../scripts/plot_training.py"
 
 
+rule plot_data_lengths:
+    """The training data's length histogram: tokens and supervised tokens per sequence, from the token shards."""
+    input:
+        shards=get_token_shards,
+    output:
+        report(f"{RESULTS}/report/data_lengths.png", caption="../report/data_lengths.rst", category="2. Data"),
+    log:
+        log_file("plot_data_lengths"),
+    conda:
+        "../envs/data.yaml"
+    script:
+        "../scripts/plot_data_lengths.py"
+
+
 rule summarize_run:
-    """The τ table, the eval record's summary and every data count as HTML tables (the report's landing page
-    embeds them: report/workflow.rst)."""
+    """The landing page a person reads first (results/report/summary.html, dflash_pipeline.report_page): a
+    header (target, drafter, steps, wall time, data counts), the τ tables, every plot inline, the data tables,
+    the eval record folded; report/workflow.rst embeds it in the `snakemake --report` landing page."""
     input:
         probe=report_table("probe"),
         prompts=report_table("prompts"),
@@ -100,15 +115,26 @@ rule summarize_run:
         tokens=report_table("tokens"),
         tau=f"{eval_dir(RUN_NAME)}/acceptance.tsv",
         eval=eval_json(),
+        probe_record=probe_json(),
+        drafter=final_checkpoint(RUN_NAME),
+        acceptance_plot=f"{eval_dir(RUN_NAME)}/acceptance.png",
+        tau_vs_step=f"{eval_dir(RUN_NAME)}/tau_vs_step.png",
+        train_curves=f"{eval_dir(RUN_NAME)}/train_curves.png",
+        val_tau=f"{eval_dir(RUN_NAME)}/val_tau.png",
+        data_lengths=f"{RESULTS}/report/data_lengths.png",
     output:
-        report(f"{RESULTS}/report/summary.html", caption="../report/summary.rst", category="0. Summary",
-               labels={"what": "run summary (tables)"}),
+        page=report(f"{RESULTS}/report/summary.html", caption="../report/summary.rst", category="0. Summary",
+                    labels={"what": "run summary (landing page)"}),
+        tau_per_set=f"{RESULTS}/report/tau_per_set.png",
+        tau_by_length=f"{RESULTS}/report/tau_by_length.png",
     params:
         run=RUN_NAME,
         outputs=run_outputs(),
+        benchmarks=f"{RESULTS}/benchmarks",
+        demo_benchmark=f"benchmarks/build_demo_target{DEMO_TAG}.tsv" if config["target"]["path"] == "demo" else None,
     log:
         log_file("summarize_run"),
     conda:
-        "../envs/data.yaml"
+        "../envs/torch.yaml"
     script:
         "../scripts/summarize_run.py"

@@ -1,10 +1,34 @@
-from dflash_pipeline import report
-from dflash_pipeline.workflow.policy import log_to
+from dflash_pipeline import report, report_page
+from dflash_pipeline.core.shards import read_json
+from dflash_pipeline.workflow import log_to
 
 with log_to(snakemake.log[0], snakemake.threads):
-    i = snakemake.input
-    report.summary_html(
-        snakemake.output[0], run=snakemake.params.run, tau_tsv=i.tau, eval_json=i.eval, probe_tsv=i.probe,
-        prompts_tsv=i.prompts, generation_tsv=i.generation, tokens_tsv=i.tokens,
-        outputs=[tuple(o) for o in snakemake.params.outputs],
+    i, o, p = snakemake.input, snakemake.output, snakemake.params
+    record = read_json(i.eval)
+    report_page.plot_tau_per_set(record, o.tau_per_set)
+    report_page.plot_tau_by_length(record, o.tau_by_length)
+    facts = report_page.run_facts(
+        eval_json=i.eval,
+        probe_json=i.probe_record,
+        checkpoint=i.drafter,
+        prompts_rows=report.read_tsv(i.prompts)[1],
+        generation_rows=report.read_tsv(i.generation)[1],
+        tokens_rows=report.read_tsv(i.tokens)[1],
+        benchmark_dir=p.benchmarks,
+        extra_benchmarks=[p.demo_benchmark] if p.demo_benchmark else [],
+    )
+    report_page.summary_page(
+        o.page,
+        run=p.run,
+        facts=facts,
+        tau_tsv=i.tau,
+        eval_json=i.eval,
+        tables=[
+            (i.prompts, "Prompts: kept and dropped per dataset", "prompts"),
+            (i.generation, "Generation per dataset", "generation"),
+            (i.tokens, "Token shards per dataset", "tokens"),
+            (i.probe, "Target probe", "probe"),
+        ],
+        figures=report_page.run_figures(i, o),
+        outputs=[tuple(x) for x in p.outputs],
     )

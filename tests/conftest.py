@@ -223,3 +223,22 @@ def counting_train_setup(root: Path, *, min_len: int, max_position_embeddings: i
     probe = {"drafter": {"block_size": 4, "num_draft_layers": 1, "target_layer_ids": [1, 2], "mask_token_id": 79}}
     (root / "probe.json").write_text(json.dumps(probe))
     return root, probe
+
+
+#: A check appended to a copy of the page: once everything loaded, every image's natural width and the τ
+#: table's cells go into the DOM, which --dump-dom prints.
+PROBE_SCRIPT = """<script>
+window.addEventListener('load', () => {
+  const out = document.createElement('pre'); out.id = 'image-check';
+  out.textContent = JSON.stringify([...document.images].map(
+    i => [i.closest('figure')?.id, i.naturalWidth, i.complete]));
+  document.body.appendChild(out);
+});
+</script>"""
+
+
+def artefact_dir() -> Path:
+    """Where tests keep artefacts a person looks at (screenshots): ``$DFLASH_TEST_ARTEFACTS``, else tests/artefacts/."""
+    d = Path(os.environ.get("DFLASH_TEST_ARTEFACTS", REPO / "tests" / "artefacts"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d

@@ -71,7 +71,7 @@ def train_params():
     """`config["train"]` for the train rule's params, without `device` (where, not what: `--device`) and
     without `target_features` when it is `online` (the key's default: runs trained before the key existed
     keep their params, so they are not retrained)."""
-    return {k: v for k, v in config["train"].items()
+    return {k: v for k, v in wf.without_new_defaults("train", config["train"]).items()
             if k != "device" and not (k == "target_features" and v == "online")}
 
 

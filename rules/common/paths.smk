@@ -46,7 +46,9 @@ def prompt_filter_target():
 
 
 def probe_json():
-    return f"{RESULTS}/probe/target.json"
+    """This run's probe record: results/probe/<run>.json (results/probe/target.json where an earlier release
+    wrote it with these drafter decisions; dflash_pipeline.workflow.keyed_paths.probe_record_path)."""
+    return keyed_paths.probe_record_path(RESULTS, RUN_NAME, config["drafter"])
 
 
 def prompts_manifest():

@@ -296,7 +296,8 @@ def build_demo_target(
 
     Writes: ``config.json``, ``model.safetensors``, ``generation_config.json``, ``tokenizer.json``,
     ``tokenizer_config.json``, ``chat_template.jinja`` and ``demo_target.json`` (build facts: seed,
-    steps, final loss, seconds, ``len(tokenizer)``, ``vocab_size``, ...).
+    steps, final loss, seconds, ``len(tokenizer)``, ``vocab_size``, ..., and ``params``: the settings asked
+    for, as config ``target.demo`` names them).
 
     Raises:
         DataError: unreadable corpus (see :func:`load_corpus`).
@@ -314,6 +315,9 @@ def build_demo_target(
         facts = _build_facts(model, losses, train_s, seed=seed, train_steps=train_steps, batch_size=batch_size,
                              lr=lr, num_examples=len(examples), corpus_files=corpus_files, len_tokenizer=len(tokenizer),
                              hidden_size=hidden_size, num_hidden_layers=num_hidden_layers)
+        # the `target.demo` settings it was built with (workflow.keyed_paths reads them back: the directory's key)
+        facts["params"] = {"seed": seed, "vocab_size": vocab_size, "hidden_size": hidden_size,
+                           "num_hidden_layers": num_hidden_layers, "train_steps": train_steps}
         _write_demo(out_dir, model, tokenizer, facts, t0)
         log(f"demo target written to {out_dir} in {facts['seconds']:.1f}s (final loss {facts['final_loss']})")
         return out_dir

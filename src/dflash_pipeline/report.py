@@ -5,9 +5,10 @@ prompts manifest (kept / dropped per reason), generation stats (ok / truncated /
 token shards (sequences, supervised tokens, truncation and drops per reason).
 The eval tables are written by :mod:`dflash_pipeline.evaluate.outputs`.
 
-:func:`summary_html` renders the τ table, the eval record's summary and every data count as HTML tables
-with readable labels (``results/report/summary.html``); ``report/workflow.rst`` embeds it in the report's
-landing page, so nothing an ML engineer looks for first is a download-only link.
+:func:`html_table` renders a table with readable labels; the landing page (``results/report/summary.html``,
+header, τ tables, plots, data tables) is assembled by :mod:`dflash_pipeline.report_page` and embedded by
+``report/workflow.rst`` in the report's landing page, so nothing an ML engineer looks for first is a
+download-only link.
 """
 
 from __future__ import annotations
@@ -301,59 +302,6 @@ def tau_pivot(rows: Sequence[dict]) -> tuple[list[str], list[dict]]:
             sets.append(r["set"])
         per.setdefault(r["drafter"], {"drafter": r["drafter"]})[r["set"]] = r["tau"]
     return ["drafter", *sets], list(per.values())
-
-
-def summary_html(
-    out_html: str | Path,
-    *,
-    run: str,
-    tau_tsv: str | Path | None = None,
-    eval_json: str | Path | None = None,
-    probe_tsv: str | Path | None = None,
-    prompts_tsv: str | Path | None = None,
-    generation_tsv: str | Path | None = None,
-    tokens_tsv: str | Path | None = None,
-    outputs: Sequence[tuple[str, str]] = (),
-) -> str:
-    """Write the run summary (an HTML fragment: tables only, for embedding in the report's landing page).
-
-    Args:
-        out_html: the fragment to write (atomically).
-        run: run name (heading).
-        tau_tsv: ``eval/<run>/acceptance.tsv`` (:func:`dflash_pipeline.evaluate.outputs.write_eval_table`): a
-            drafter × set τ table and the full table.
-        eval_json: the eval record: settings, eval sets (prompts drawn / excluded), drafters.
-        probe_tsv, prompts_tsv, generation_tsv, tokens_tsv: the stage tables of this module.
-        outputs: ``(what, path)`` rows of a "where the outputs are" table.
-
-    Inputs given as None (or missing files) are left out. Returns the fragment.
-    """
-    parts = [SUMMARY_STYLE, f'<div id="dflash-run-summary"><h2>Run {html.escape(run)}: results</h2>']
-    if tau_tsv and Path(tau_tsv).is_file():
-        cols, rows = read_tsv(tau_tsv)
-        pcols, prows = tau_pivot(rows)
-        parts.append(html_table(pcols, prows, title="τ per drafter and eval set", table_id="tau", relabel=False,
-                                note="τ: mean accepted drafts + 1 per verify step (max = block size)."))
-        parts.append(html_table(cols, rows, title="Evaluation table", table_id="eval-table"))
-    if eval_json and Path(eval_json).is_file():
-        parts.append(html_table(["key", "value"], eval_summary_rows(read_json(eval_json)),
-                                title="Evaluation record", table_id="eval-record"))
-    for path, title, tid in ((prompts_tsv, "Prompts: kept and dropped per dataset", "prompts"),
-                             (generation_tsv, "Generation per dataset", "generation"),
-                             (tokens_tsv, "Token shards per dataset", "tokens"),
-                             (probe_tsv, "Target probe", "probe")):
-        if path and Path(path).is_file():
-            cols, rows = read_tsv(path)
-            parts.append(html_table(cols, rows, title=title, table_id=tid))
-    if outputs:
-        parts.append(html_table(["what", "path"], [{"what": w, "path": p} for w, p in outputs],
-                                title="Where the outputs are", table_id="outputs"))
-    parts.append("</div>")
-    text = "\n".join(parts) + "\n"
-    from dflash_pipeline.core.shards import atomic_write_bytes
-
-    atomic_write_bytes(out_html, text.encode("utf-8"))
-    return text
 
 
 #: The agreement verdicts of acceptance.tsv's ``engine_agrees`` in words (``?``: no histogram to test with).

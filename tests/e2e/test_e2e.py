@@ -23,6 +23,11 @@ def built(tmp_path_factory):
     """The reduced workflow, built once for this module."""
     work = tmp_path_factory.mktemp("e2e")
     cfg = yaml.safe_load((REPO / "tests" / "e2e" / "e2e_config.yaml").read_text())
+    # τ by context length (issue #26) on a set of long conversations; not in e2e_config.yaml, which
+    # test_upgrade also gives to earlier mains that do not know these keys
+    cfg["eval"]["context_length_buckets"] = [128]
+    cfg["eval"]["sets"]["long"] = {"path": "data/sharegpt/sharegpt.json", "format": "sharegpt", "build_to_tokens": 200,
+                                   "num_samples": 1}
     (work / "config.yaml").write_text(yaml.safe_dump(cfg))
     proc = snakemake(work)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
@@ -31,7 +36,7 @@ def built(tmp_path_factory):
 
 def test_full_build_outputs(built):
     work, cfg = built
-    probe = json.loads((work / "results/probe/target.json").read_text())
+    probe = json.loads((work / "results/probe/e2e.json").read_text())
     assert probe["drafter"]["block_size"] == 4 and len(probe["drafter"]["target_layer_ids"]) == 2
     manifest = json.loads((work / "results/prompts/manifest.json").read_text())
     assert manifest["datasets"]["gsm8k"]["kept"] == 12 and manifest["datasets"]["mt_bench"]["kept"] == 4
@@ -44,14 +49,18 @@ def test_full_build_outputs(built):
     assert set(ev["drafters"]) == {"trained", "zero_features", "untrained"}
     for label in ev["drafters"]:
         sets = ev["drafters"][label]["sets"]
-        assert set(sets) == {"gsm8k", "humaneval", "mt_bench"}
+        assert set(sets) == {"gsm8k", "humaneval", "mt_bench", "long"}
         assert all(1.0 <= s["tau"] <= 4.0 for s in sets.values())
+        assert set(sets["long"]["by_context_length"]) == {"≥128"}  # answered after a ≥200-token history
+        assert set(sets["gsm8k"]["by_context_length"]) <= {"<128", "≥128"}
+        assert "≥128" in ev["by_context_length"][label]  # over all sets
         assert sets["gsm8k"]["num_responses"] == 2 and sets["humaneval"]["num_responses"] == 1
         assert sets["mt_bench"]["num_responses"] == 2 and sets["mt_bench"]["num_conversations"] == 1  # 2 turns
     assert ev["drafters"]["zero_features"]["zero_target_features"] is True
     assert ev["drafters"]["zero_features"]["checkpoint"].endswith("checkpoints/e2e.zero_features/final")
     assert ev["sets"]["mt_bench"]["excluded_training_prompts"] == 4  # the 4 MT-Bench prompts trained on
     assert ev["settings"]["thinking"] == "disable" and ev["settings"]["block_size"] == 4
+    assert ev["sets"]["long"]["context_tokens"] >= 200 and ev["sets"]["long"]["excluded_training_prompts"] == 0
     for name in ("acceptance.png", "tau_vs_step.png", "train_curves.png", "val_tau.png"):
         assert (work / "results/eval/e2e" / name).stat().st_size > 1000, name
     series = json.loads((work / "results/eval/e2e/tau_vs_step.json").read_text())
@@ -252,3 +261,69 @@ def test_report_shows_tables_inline(built, chromium, tmp_path):
     img = Image.open(shot).convert("L")
     lo, hi = img.getextrema()
     assert hi - lo > 100 and len(set(img.getdata())) > 8, "blank screenshot"
+
+
+def _mtimes(root) -> dict[str, int]:
+    return {str(p): p.stat().st_mtime_ns for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_second_config_never_rebuilds_the_first(built):
+    """Issue #26: a second config with other demo settings (its own results dir) and a third with another
+    block size in the same results dir build their own demo target and probe record; afterwards the first
+    config plans nothing and none of its files was touched."""
+    work, cfg = built
+    first_targets = {p.name for p in (work / "resources").iterdir()}
+    before = {**_mtimes(work / "results"), **_mtimes(work / "resources")}
+    other_demo = dict(cfg, results_dir="results-b",
+                      target={**cfg["target"], "demo": {**cfg["target"]["demo"], "train_steps": 5}})
+    path = work / "other_demo.yaml"
+    path.write_text(yaml.safe_dump(other_demo))
+    proc = snakemake(work, "results-b/probe/e2e.json", configfile=path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    new_targets = sorted({p.name for p in (work / "resources").iterdir()} - first_targets)
+    assert len(new_targets) == 1 and new_targets[0].startswith("demo-target-"), new_targets  # beside the first one
+    facts = json.loads((work / "resources" / new_targets[0] / "demo_target.json").read_text())
+    assert facts["train_steps"] == 5 and facts["params"]["train_steps"] == 5
+    other_drafter = dict(cfg, run="e2e-block3", drafter={**cfg["drafter"], "block_size": 3})
+    path = work / "other_drafter.yaml"
+    path.write_text(yaml.safe_dump(other_drafter))
+    proc = snakemake(work, "results/probe/e2e-block3.json", configfile=path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert json.loads((work / "results/probe/e2e-block3.json").read_text())["drafter"]["block_size"] == 3
+    assert planned_jobs(snakemake(work, "-n")) == {}
+    after = {**_mtimes(work / "results"), **_mtimes(work / "resources")}
+    assert {p: t for p, t in after.items() if p in before} == before  # the first run's files untouched
+
+
+def test_landing_page_in_chromium(built, chromium, tmp_path):
+    """Issue #26: results/report/summary.html, opened on its own in headless Chromium, loads every plot (natural
+    width > 0) and its τ table equals acceptance.json; the screenshot is kept ($DFLASH_TEST_ARTEFACTS)."""
+    import html as html_lib
+
+    from conftest import PROBE_SCRIPT, artefact_dir
+
+    work, _ = built
+    page = work / "results/report/summary.html"
+    probed = tmp_path / "summary.html"
+    probed.write_text(page.read_text(encoding="utf-8").replace("</body>", PROBE_SCRIPT + "</body>"), encoding="utf-8")
+    proc = chromium(probed.as_uri(), "--virtual-time-budget=10000", "--dump-dom")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    dom = proc.stdout
+    images = json.loads(html_lib.unescape(re.search(r'<pre id="image-check">(.*?)</pre>', dom, re.S).group(1)))
+    assert [i[0] for i in images] == ["fig-tau-per-set", "fig-acceptance", "fig-tau-by-length", "fig-tau-vs-step",
+                                      "fig-train-curves", "fig-val-tau", "fig-data-lengths"]
+    assert all(w > 0 and done for _, w, done in images), images
+    m = re.search(r'<table id="tau"[^>]*>(.*?)</table>', dom, re.S)
+    rows = [[html_lib.unescape(re.sub(r"<[^>]+>", "", c)).strip()
+             for c in re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", r, re.S)]
+            for r in re.findall(r"<tr>(.*?)</tr>", m.group(1), re.S)]
+    ev = json.loads((work / "results/eval/e2e/acceptance.json").read_text())
+    assert rows[0] == ["drafter", *ev["drafters"]["trained"]["sets"]]
+    assert {r[0]: r[1:] for r in rows[1:]} == {lbl: [str(round(s["tau"], 3)) for s in e["sets"].values()]
+                                               for lbl, e in ev["drafters"].items()}
+    header = re.search(r'<header id="run-header".*?</header>', dom, re.S).group(0)
+    assert "DFlashDraftModel" in header and "? " not in re.sub(r"<[^>]+>", "", header).split("wall time")[0]
+    assert re.search(r'<details id="eval-details"[^>]*>.*id="eval-record"', dom, re.S)
+    shot = artefact_dir() / "report-summary-e2e.png"
+    proc = chromium(page.as_uri(), "--virtual-time-budget=10000", "--window-size=1300,2600", f"--screenshot={shot}")
+    assert proc.returncode == 0 and shot.is_file(), proc.stderr[-2000:]

@@ -50,7 +50,7 @@ def built(tmp_path_factory, vllm_python):
 def test_plan_states_feature_disk(built):
     work, plan, _ = built
     out = plan.stdout + plan.stderr
-    probe = json.loads((work / "results/probe/target.json").read_text())
+    probe = json.loads((work / "results/probe/shards.json").read_text())
     k, h = len(probe["drafter"]["target_layer_ids"]), probe["hidden_size"]
     assert f"= {k * h * 2 + 5:,} B/token" in out, out[-3000:]
     assert "tokens (exact)" in out and "free on the results filesystem" in out
@@ -80,7 +80,7 @@ def test_hf_and_vllm_features_agree(built, tmp_path):
     from dflash_pipeline.features.extract import extract_shard
 
     work, _, _ = built
-    probe = json.loads((work / "results/probe/target.json").read_text())
+    probe = json.loads((work / "results/probe/shards.json").read_text())
     (vllm_path,) = sorted((work / "results/features").glob("*/*.safetensors"))
     token = work / "results/tokens" / vllm_path.parent.name / (vllm_path.stem + ".parquet")
     v = FeatureShard(vllm_path)

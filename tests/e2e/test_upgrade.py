@@ -40,8 +40,11 @@ LAST_MAIN_RERUNS: dict[str, str] = {
     "train_drafter": "target.dtype in params (a dtype change must rerun training) and the dflash-train entry point",
     "evaluate_acceptance": _TRAIN_RERUN,
     "plot_training": _TRAIN_RERUN,
-    "summarize_run": _TRAIN_RERUN,
     "all": _TRAIN_RERUN,
+    # issue #26: the landing page shows every plot inline, τ by context length and the data's lengths
+    "plot_data_lengths": "new rule: the training data's length histogram (results/report/data_lengths.png)",
+    "summarize_run": "the landing page reads the plots, the probe record and the checkpoint (new inputs) and draws "
+                     "tau_per_set.png / tau_by_length.png (new outputs); report only, nothing upstream reruns",
 }
 
 

@@ -5,6 +5,15 @@ from dflash_pipeline.core.faces import lazy_face
 
 _OWNERS = {
     "acceptance_stats": "acceptance",
+    "answer_eval_set": "acceptance",
+    "eval_set_stats": "acceptance",
+    "long_set_token_counter": "acceptance",
+    "bucket_labels": "context_length",
+    "bucket_ranges": "context_length",
+    "length_buckets_of": "context_length",
+    "tau_by_context_length": "context_length",
+    "build_long_conversations": "long_conversations",
+    "load_long_conversations": "long_conversations",
     "checkpoint_info": "acceptance",
     "step_checkpoints": "acceptance",
     "training_prompt_ids": "acceptance",

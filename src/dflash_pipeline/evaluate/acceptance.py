@@ -45,12 +45,14 @@ from dflash_pipeline.evaluate.outputs import (
     write_eval_outputs,
     write_eval_table,
 )
+from dflash_pipeline.evaluate.context_length import tau_by_context_length
 from dflash_pipeline.evaluate.speculative import SpecResult, TargetCache, speculative_generate
 
 #: This module's names and those re-exported from :mod:`.speculative` and :mod:`.eval_outputs` (scripts,
 #: tests and other modules import them from here).
 __all__ = [
     "EvalComparisonError", "EvalSession", "SpecResult", "TABLE_COLUMNS", "TargetCache", "acceptance_stats",
+    "answer_eval_set", "eval_set_stats", "long_set_token_counter",
     "check_comparable", "checkpoint_info", "eval_table_rows", "evaluate", "load_eval_drafter", "load_eval_sets",
     "main", "merge_eval_records", "open_session", "plot_acceptance", "plot_tau_vs_step", "plot_training",
     "plot_validation", "read_train_log", "run_checkpoint_series", "run_drafters", "run_eval_set",
@@ -125,12 +127,17 @@ def training_prompt_ids(manifest_path: str | Path) -> set[str]:
     return ids
 
 
-def load_eval_sets(eval_cfg: dict, exclude_prompt_ids: Iterable[str] = ()) -> tuple[dict[str, list[dict]], dict[str, dict]]:
+def load_eval_sets(eval_cfg: dict, exclude_prompt_ids: Iterable[str] = (), *,
+                   count_tokens=None) -> tuple[dict[str, list[dict]], dict[str, dict]]:
     """Each eval set's prompts (``prompts.load_eval_prompts``), with prompts seen in training removed
     *before* the seeded draw of ``num_samples`` (so the count holds when enough held-out prompts exist).
+    A set with ``build_to_tokens`` is a set of long conversations built up to that many tokens
+    (:func:`dflash_pipeline.evaluate.long_conversations.load_long_conversations`; ``count_tokens(messages)``
+    is the rendered length, required then).
 
     Returns ``(sets, info)``: name → records, and name → ``{path, format, num_samples, available,
-    excluded_training_prompts, num_prompts, num_turns}``.
+    excluded_training_prompts, num_prompts, num_turns}`` (+ ``build_to_tokens`` and ``context_tokens``, the
+    mean rendered tokens before the answered turn, for long conversations).
 
     Raises:
         ConfigError: a set left with no prompt (every one of them was also a training prompt), which would
@@ -142,6 +149,9 @@ def load_eval_sets(eval_cfg: dict, exclude_prompt_ids: Iterable[str] = ()) -> tu
     exclude = set(exclude_prompt_ids)
     sets, info = {}, {}
     for name, s in eval_cfg["sets"].items():
+        if s.get("build_to_tokens") is not None:
+            sets[name], info[name] = _long_set(name, s, eval_cfg["seed"], exclude, count_tokens)
+            continue
         fmt = s.get("format", "auto")
         every = load_eval_prompts(s["path"], fmt=fmt, num_samples=10**9, seed=eval_cfg["seed"])  # seeded shuffle
         held_out = [r for r in every if r["prompt_id"] not in exclude]
@@ -159,24 +169,65 @@ def load_eval_sets(eval_cfg: dict, exclude_prompt_ids: Iterable[str] = ()) -> tu
     return sets, info
 
 
-def run_eval_set(
+def long_set_token_counter(eval_cfg: dict, target_dir, *, thinking: str, chat_template=None,
+                           trust_remote_code: bool = False):
+    """``count_tokens(messages)`` for :func:`load_eval_sets` (the rendered length with the target's chat
+    template and the generation prompt), or None when no eval set has ``build_to_tokens`` (no tokenizer
+    loaded). For callers without an :class:`EvalSession` (engine τ)."""
+    if not any(s.get("build_to_tokens") is not None for s in eval_cfg["sets"].values()):
+        return None
+    from dflash_pipeline.target.chat import load_tokenizer, render
+
+    tok = load_tokenizer(target_dir, chat_template=chat_template, trust_remote_code=trust_remote_code)
+    return lambda messages: len(render(tok, messages, thinking=thinking, add_generation_prompt=True, tokenize=True))
+
+
+def _long_set(name: str, s: dict, seed: int, exclude: set, count_tokens) -> tuple[list[dict], dict]:
+    """One long-conversation eval set and its info (:func:`load_eval_sets`).
+
+    Raises:
+        ConfigError: no ``count_tokens``, or not one conversation reaches ``build_to_tokens``.
+    """
+    from dflash_pipeline.core.errors import ConfigError
+    from dflash_pipeline.evaluate.long_conversations import load_long_conversations
+
+    if count_tokens is None:
+        raise ConfigError(f"eval.sets.{name}: build_to_tokens needs the target tokenizer (count_tokens)")
+    records, found = load_long_conversations(s["path"], build_to_tokens=s["build_to_tokens"],
+                                             num_samples=s["num_samples"], seed=seed, count_tokens=count_tokens,
+                                             exclude_prompt_ids=exclude)
+    if not records:
+        raise ConfigError(f"eval.sets.{name}: the conversations of {s['path']} (training prompts left out) do not "
+                          f"add up to one of build_to_tokens={s['build_to_tokens']} tokens; lower it or add "
+                          "conversations")
+    context = [count_tokens([*r["history"], {"role": "user", "content": r["turns"][0]}]) for r in records]
+    return records, {
+        "path": str(s["path"]), "format": s.get("format", "auto"), "num_samples": s["num_samples"], **found,
+        "num_prompts": len(records), "num_turns": len(records), "build_to_tokens": s["build_to_tokens"],
+        "context_tokens": round(sum(context) / len(context), 1),
+    }
+
+
+def answer_eval_set(
     target, tok, drafter, prompts: Sequence[dict], *, block_size: int, max_new_tokens: int, temperature: float,
     seed: int, thinking: str, stop_token_ids: Sequence[int], zero_target_features: bool = False,
-) -> dict:
-    """τ and friends (:func:`acceptance_stats`) of one drafter on one eval set.
+) -> list[list[SpecResult]]:
+    """Answer every user turn of every eval record with the speculative loop: per record, one
+    :class:`SpecResult` per user turn.
 
-    Every user turn is answered by the speculative loop against the history of the earlier turns and
-    the loop's own answers (MT-Bench multi-turn); each answer is one response. Adds ``num_conversations``,
-    ``new_tokens``, ``target_forwards``, ``tokens_per_target_forward``, ``seconds``, ``tokens_per_s``.
+    Each turn is answered against the record's ``history`` (fixed earlier messages: long conversations,
+    :mod:`dflash_pipeline.evaluate.long_conversations`), its earlier turns and the loop's own answers to them
+    (MT-Bench multi-turn).
     """
     from dflash_pipeline.target.chat import render
 
     dev = next(target.parameters()).device
     gen = torch.Generator(device=dev).manual_seed(seed)
-    responses: list[list[int]] = []
-    t0, new_tokens, forwards = time.time(), 0, 0
+    out: list[list[SpecResult]] = []
     for rec in prompts:
         history: list[dict] = [{"role": "system", "content": rec["system"]}] if rec.get("system") else []
+        history += [dict(m) for m in rec.get("history") or []]
+        answers = []
         for turn in rec["turns"]:
             history.append({"role": "user", "content": turn})
             prompt_ids = render(tok, history, thinking=thinking, add_generation_prompt=True, tokenize=True)
@@ -185,18 +236,40 @@ def run_eval_set(
                 temperature=temperature, stop_token_ids=stop_token_ids, generator=gen,
                 zero_target_features=zero_target_features,
             )
-            responses.append(res.accept_lengths)
-            new_tokens += len(res.output_ids)
-            forwards += res.target_forwards
+            answers.append(res)
             history.append({"role": "assistant", "content": tok.decode(res.output_ids, skip_special_tokens=True)})
-    seconds = time.time() - t0
-    stats = acceptance_stats(responses, block_size)
+        out.append(answers)
+    return out
+
+
+def eval_set_stats(answers: Sequence[Sequence[SpecResult]], *, block_size: int, seconds: float,
+                   length_buckets: Sequence[int] = ()) -> dict:
+    """:func:`acceptance_stats` of a set's answers (:func:`answer_eval_set`) plus ``num_conversations``,
+    ``new_tokens``, ``target_forwards``, ``tokens_per_target_forward``, ``seconds``, ``tokens_per_s`` and,
+    with ``length_buckets`` (edges in tokens), ``by_context_length``
+    (:func:`dflash_pipeline.evaluate.context_length.tau_by_context_length`)."""
+    responses = [r for conv in answers for r in conv]
+    new_tokens = sum(len(r.output_ids) for r in responses)
+    forwards = sum(r.target_forwards for r in responses)
+    stats = acceptance_stats([r.accept_lengths for r in responses], block_size)
     stats.update(
-        num_conversations=len(prompts), new_tokens=new_tokens, target_forwards=forwards,
+        num_conversations=len(answers), new_tokens=new_tokens, target_forwards=forwards,
         tokens_per_target_forward=new_tokens / max(1, forwards), seconds=seconds,
         tokens_per_s=new_tokens / seconds if seconds > 0 else 0.0,
     )
+    if length_buckets:
+        stats["by_context_length"] = tau_by_context_length(
+            [(r.context_lengths, r.accept_lengths) for r in responses], length_buckets)
     return stats
+
+
+def run_eval_set(target, tok, drafter, prompts: Sequence[dict], *, length_buckets: Sequence[int] = (), **loop) -> dict:
+    """τ and friends of one drafter on one eval set: :func:`answer_eval_set` (``loop``: its keyword
+    arguments), then :func:`eval_set_stats`."""
+    t0 = time.time()
+    answers = answer_eval_set(target, tok, drafter, prompts, **loop)
+    return eval_set_stats(answers, block_size=loop["block_size"], seconds=time.time() - t0,
+                          length_buckets=length_buckets)
 
 
 @dataclass
@@ -212,13 +285,14 @@ class EvalSession:
     set_info: dict[str, dict]
     settings: dict
     loop: dict
+    length_buckets: Sequence[int] = ()
 
 
 def open_session(*, target_dir, probe: dict, eval_cfg: dict, thinking: str, chat_template=None,
                  trust_remote_code: bool = False, target_dtype: str = "auto",
                  exclude_prompt_ids: Iterable[str] = ()) -> EvalSession:
     """Load the target (:func:`dflash_pipeline.target.loading.load_target`), its tokenizer and the eval sets."""
-    from dflash_pipeline.target.chat import load_tokenizer
+    from dflash_pipeline.target.chat import load_tokenizer, render
     from dflash_pipeline.target.loading import load_target, module_dtype
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -228,16 +302,23 @@ def open_session(*, target_dir, probe: dict, eval_cfg: dict, thinking: str, chat
     trained_bs = probe["drafter"]["block_size"]
     bs = resolve_block_size(eval_cfg["block_size"], trained_bs)
     temperature = float(eval_cfg["temperature"])
-    sets, set_info = load_eval_sets(eval_cfg, exclude_prompt_ids)
+    from dflash_pipeline.evaluate.context_length import bucket_labels, length_buckets_of
+
+    def count_tokens(messages: list[dict]) -> int:  # a long conversation's context (the generation prompt included)
+        return len(render(tok, messages, thinking=thinking, add_generation_prompt=True, tokenize=True))
+
+    sets, set_info = load_eval_sets(eval_cfg, exclude_prompt_ids, count_tokens=count_tokens)
+    edges = length_buckets_of(eval_cfg)
     settings = {
         "block_size": bs, "trained_block_size": trained_bs, "max_new_tokens": eval_cfg["max_new_tokens"],
         "temperature": temperature, "draft_sampling": "greedy", "thinking": thinking, "seed": eval_cfg["seed"],
         "device": dev, "backend": "transformers", "batch_size": 1,
         "dtype": str(module_dtype(target)).replace("torch.", ""),
+        "context_length_buckets": edges, "context_length_buckets_labels": bucket_labels(edges),
     }
     loop = dict(block_size=bs, max_new_tokens=eval_cfg["max_new_tokens"], temperature=temperature,
                 seed=eval_cfg["seed"], thinking=thinking, stop_token_ids=stops)
-    return EvalSession(target, tok, probe, eval_cfg, dev, sets, set_info, settings, loop)
+    return EvalSession(target, tok, probe, eval_cfg, dev, sets, set_info, settings, loop, edges)
 
 
 def load_eval_drafter(session: EvalSession, label: str, ckpt: Optional[str | Path]) -> tuple[M.DFlashDrafter, dict]:
@@ -274,13 +355,19 @@ def run_drafters(session: EvalSession, drafters: dict[str, Optional[str | Path]]
         drafter, info = load_eval_drafter(session, label, ckpt)
         entry = {"checkpoint": str(ckpt) if ckpt else None, "train_steps": info["train_steps"],
                  "zero_target_features": info["zero_target_features"], "sets": {}}
+        pooled = []  # (context lengths, a+1) of every response of every set: τ by context length over all sets
         for set_name, prompts in sets.items():
-            stats = run_eval_set(session.target, session.tokenizer, drafter, prompts,
-                                 zero_target_features=info["zero_target_features"], **session.loop)
+            t0 = time.time()
+            answers = answer_eval_set(session.target, session.tokenizer, drafter, prompts,
+                                      zero_target_features=info["zero_target_features"], **session.loop)
+            stats = eval_set_stats(answers, block_size=session.loop["block_size"], seconds=time.time() - t0,
+                                   length_buckets=session.length_buckets)
+            pooled += [(r.context_lengths, r.accept_lengths) for conv in answers for r in conv]
             entry["sets"][set_name] = stats
             print(f"[eval] {label:>14} {set_name:>10}: tau={stats['tau']:.3f} over {stats['num_responses']} responses "
                   f"({stats['seconds']:.1f} s)", flush=True)
         record["drafters"][label] = entry
+        record.setdefault("by_context_length", {})[label] = tau_by_context_length(pooled, session.length_buckets)
     record["tau"] = {label: {s: e["sets"][s]["tau"] for s in sets} for label, e in record["drafters"].items()}
     if "untrained" in record["drafters"]:
         floor = record["tau"]["untrained"]

@@ -154,6 +154,7 @@ def _send_conversation(base: str, rec: dict, *, request: dict, api_key: Optional
     from dflash_pipeline.evaluate.sglang_engine import response_acceptance
 
     history: list[dict] = [{"role": "system", "content": rec["system"]}] if rec.get("system") else []
+    history += [dict(m) for m in rec.get("history") or []]  # a long conversation's fixed earlier turns
     out = []
     for turn in rec["turns"]:
         history.append({"role": "user", "content": turn})
@@ -217,13 +218,14 @@ def evaluate_engine(
 
     from dflash_pipeline.drafter.block_size import resolve_block_size
     from dflash_pipeline.drafter.config import DFlashConfig
-    from dflash_pipeline.evaluate.acceptance import load_eval_sets
+    from dflash_pipeline.evaluate.acceptance import load_eval_sets, long_set_token_counter
     from dflash_pipeline.evaluate.vllm_server import loop_dtype
 
     drafter_cfg = DFlashConfig.from_checkpoint(drafter_dir)
     bs = resolve_block_size(eval_cfg["block_size"], drafter_cfg.block_size)
     num_layers = drafter_cfg.num_hidden_layers
-    sets, set_info = load_eval_sets(eval_cfg, exclude_prompt_ids)
+    count = long_set_token_counter(eval_cfg, target_dir, thinking=thinking, chat_template=chat_template)
+    sets, set_info = load_eval_sets(eval_cfg, exclude_prompt_ids, count_tokens=count)  # the loop's prompts
     api_key = os.environ[eval_cfg["engine_api_key_env"]] if eval_cfg.get("engine_api_key_env") else None
     record: dict = {
         "schema_version": EVAL_SCHEMA_VERSION, "mode": "engine", "drafter": str(drafter_dir),

@@ -198,7 +198,8 @@ def plot_tau_vs_step(series: dict, path: str | Path, *, train_log: Optional[str 
 
 def plot_validation(val_log: str | Path, path: str | Path, *, placeholder: bool = False) -> None:
     """PNG of held-out τ vs optimizer step from the trainer's ``val_log.jsonl``: the per-block simulator
-    (:mod:`dflash_pipeline.train.heldout`) and the product of marginal slot accuracies beside it.
+    (:mod:`dflash_pipeline.train.heldout`), the product of marginal slot accuracies beside it and, when the
+    records hold more than one context-length bucket, held-out τ per bucket (dotted).
 
     Without records nothing is written, unless ``placeholder`` (the report's figure): then a figure saying
     that the run had no held-out validation (``train.validation_fraction: 0``)."""
@@ -211,6 +212,11 @@ def plot_validation(val_log: str | Path, path: str | Path, *, placeholder: bool 
     if recs:
         ax.plot([r["step"] for r in recs], [r["tau"] for r in recs], marker="o", label="held-out τ (per-block simulator)")
         ax.plot([r["step"] for r in recs], [r["tau_marginal"] for r in recs], ls="--", label="product of marginal accuracies")
+        buckets = list(dict.fromkeys(b for r in recs for b in (r.get("by_context_length") or {})))
+        for b in buckets if len(buckets) > 1 else []:  # held-out τ by context length (train.validation_length_buckets)
+            pts = [(r["step"], r["by_context_length"][b]["tau"])
+                   for r in recs if b in (r.get("by_context_length") or {})]
+            ax.plot([x for x, _ in pts], [y for _, y in pts], ls=":", marker=".", label=f"context {b}")
         ax.legend(fontsize=8)
     else:
         ax.text(0.5, 0.5, "no held-out validation in this run\n(train.validation_fraction: 0)", ha="center", va="center",

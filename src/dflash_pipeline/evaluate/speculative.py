@@ -21,13 +21,16 @@ from dflash_pipeline.drafter.block_size import resolve_block_size
 @dataclass
 class SpecResult:
     """One response: ``output_ids`` (generated tokens, prompt excluded, eos kept), ``accept_lengths``
-    (a+1 per verify step), ``target_forwards`` (verify forwards, prefill excluded; the re-runs of the
-    ``recompute`` cache policy not counted), ``cache_policy`` (:class:`TargetCache`)."""
+    (a+1 per verify step), ``context_lengths`` (per verify step, the tokens before its verify block: prompt
+    plus the tokens generated so far; τ by context length, :mod:`dflash_pipeline.evaluate.context_length`),
+    ``target_forwards`` (verify forwards, prefill excluded; the re-runs of the ``recompute`` cache policy not
+    counted), ``cache_policy`` (:class:`TargetCache`)."""
 
     output_ids: list[int]
     accept_lengths: list[int] = field(default_factory=list)
     target_forwards: int = 0
     cache_policy: str = ""  # TargetCache.policy: crop | recompute
+    context_lengths: list[int] = field(default_factory=list)
 
 
 def _sample(logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator]) -> torch.Tensor:
@@ -197,6 +200,7 @@ def speculative_generate(
         tgt = _sample(out.logits[0], temperature, generator)  # [B]: target's token after each slot
         a = _accepted_drafts(draft, tgt, block_size)
         result.accept_lengths.append(a + 1)
+        result.context_lengths.append(start)  # the bonus token sits at position `start`: `start` tokens before it
         _append_until_stop(result.output_ids, draft[0, :a].tolist() + [int(tgt[a])], stops, max_new_tokens)
         pending = _drafter_features(feats[:, : a + 1], zero_target_features)  # slots 0..a (start..start+a)
         start += a + 1

@@ -3,7 +3,7 @@
 :func:`probe_target` reads ``config.json`` (raw JSON, cross-checked with ``AutoConfig`` when it can load
 it), the tokenizer files (``AutoTokenizer``) and ``generation_config.json``, and never loads weights; the
 only bytes it reads from a weight file are the safetensors JSON header that states the embedding's shape.
-The result is the probe record of DESIGN.md §2 (``results/probe/target.json``), validated against
+The result is the probe record of DESIGN.md §2 (``results/probe/<run>.json``), validated against
 ``schemas/probe.schema.json``.
 
 Layer ids. Canonical ids are 0-based indices of the target decoder layer whose *output* feeds the

@@ -1,5 +1,5 @@
 """The probe record on disk: its JSON Schema (``schemas/probe.schema.json``), validation, the atomic write
-of ``results/probe/target.json``, and the readable summary the CLI prints."""
+of ``results/probe/<run>.json``, and the readable summary the CLI prints."""
 
 from __future__ import annotations
 

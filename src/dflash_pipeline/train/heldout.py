@@ -16,7 +16,7 @@ greedy acceptance a_k = [argmax drafter logits == label] (what greedy verificati
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
@@ -32,50 +32,75 @@ class AcceptanceCounts:
 
     ``blocks`` scalar: blocks simulated. ``chain`` [B−1]: Σ over blocks of Π_{i≤k} a_i·m_i for slots
     k = 1..B−1. ``correct``/``valid`` [B−1]: marginal per-slot hits and supervised slots.
+    With context-length bucket ``edges`` (tokens, ascending; ``train.validation_length_buckets``):
+    ``bucket_blocks`` [len(edges)+1] blocks per bucket of the tokens before the block's anchor, and
+    ``bucket_chain`` [len(edges)+1] their Σ_k chain_k (empty without edges).
     """
 
     blocks: torch.Tensor
     chain: torch.Tensor
     correct: torch.Tensor
     valid: torch.Tensor
+    bucket_blocks: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+    bucket_chain: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+    edges: tuple = ()
 
     @classmethod
-    def zeros(cls, block_size: int) -> "AcceptanceCounts":
+    def zeros(cls, block_size: int, edges: Sequence[int] = ()) -> "AcceptanceCounts":
         z = torch.zeros(block_size - 1, dtype=torch.float64)
-        return cls(torch.zeros((), dtype=torch.float64), z.clone(), z.clone(), z.clone())
+        nb = torch.zeros(len(edges) + 1 if edges else 0, dtype=torch.float64)
+        return cls(torch.zeros((), dtype=torch.float64), z.clone(), z.clone(), z.clone(), nb.clone(), nb.clone(),
+                   tuple(edges))
 
     def __add__(self, other: "AcceptanceCounts") -> "AcceptanceCounts":
+        if tuple(self.edges) != tuple(other.edges):
+            raise ValueError(f"cannot add acceptance counts of bucket edges {self.edges} and {other.edges}")
         return AcceptanceCounts(self.blocks + other.blocks, self.chain + other.chain, self.correct + other.correct,
-                                self.valid + other.valid)
+                                self.valid + other.valid, self.bucket_blocks + other.bucket_blocks,
+                                self.bucket_chain + other.bucket_chain, tuple(self.edges))
 
     def as_tensor(self) -> torch.Tensor:
-        """Flat float64 [1 + 3(B−1)] (for one all-reduce)."""
-        return torch.cat([self.blocks.view(1), self.chain, self.correct, self.valid])
+        """Flat float64 [1 + 3(B−1) + 2·buckets] (for one all-reduce)."""
+        return torch.cat([self.blocks.view(1), self.chain, self.correct, self.valid, self.bucket_blocks,
+                          self.bucket_chain])
 
     @classmethod
-    def from_tensor(cls, t: torch.Tensor) -> "AcceptanceCounts":
+    def from_tensor(cls, t: torch.Tensor, edges: Sequence[int] = ()) -> "AcceptanceCounts":
+        """Inverse of :meth:`as_tensor` (``edges``: those of the counts flattened)."""
         t = t.detach().double().cpu()
-        k = (t.numel() - 1) // 3
-        return cls(t[0], t[1 : 1 + k], t[1 + k : 1 + 2 * k], t[1 + 2 * k :])
+        nb = len(edges) + 1 if edges else 0
+        k = (t.numel() - 1 - 2 * nb) // 3
+        e = 1 + 3 * k
+        return cls(t[0], t[1 : 1 + k], t[1 + k : 1 + 2 * k], t[1 + 2 * k : e], t[e : e + nb], t[e + nb :], tuple(edges))
 
     def summary(self) -> dict:
         """``tau`` (mean accepted length per block, bonus token included, in [1, B]),
         ``per_position_acceptance`` [B−1] (fraction of blocks whose slot k is accepted, chain included),
         ``slot_acc`` [B−1] (marginal accuracy), ``tau_marginal`` (the product-of-marginals proxy),
-        ``num_blocks``."""
+        ``num_blocks``; with bucket edges ``by_context_length``: label → ``{tau, num_blocks, range}`` of the
+        buckets with blocks (labels and ranges of :mod:`dflash_pipeline.evaluate.context_length`)."""
         n = max(1.0, float(self.blocks))
         per_pos = (self.chain / n).tolist()
         acc = (self.correct / self.valid.clamp(min=1)).tolist()
-        return {
+        out = {
             "tau": 1.0 + sum(per_pos),
             "per_position_acceptance": per_pos,
             "slot_acc": acc,
             "tau_marginal": M.expected_acceptance_length([0.0] + acc),
             "num_blocks": int(self.blocks),
         }
+        if self.edges:
+            from dflash_pipeline.evaluate import bucket_labels, bucket_ranges
+
+            out["by_context_length"] = {
+                label: {"tau": 1.0 + float(c) / float(b), "num_blocks": int(b), "range": rng}
+                for label, rng, b, c in zip(bucket_labels(self.edges), bucket_ranges(self.edges), self.bucket_blocks,
+                                            self.bucket_chain) if b > 0}
+        return out
 
 
-def block_acceptance(accept: torch.Tensor, valid: torch.Tensor) -> AcceptanceCounts:
+def block_acceptance(accept: torch.Tensor, valid: torch.Tensor, contexts: Optional[torch.Tensor] = None,
+                     edges: Sequence[int] = ()) -> AcceptanceCounts:
     """Per-block acceptance simulator: chain_k = Π_{i≤k} a_i·m_i inside each block.
 
     A slot that is not supervised (past the record's end, outside the response) ends the block's chain:
@@ -85,17 +110,25 @@ def block_acceptance(accept: torch.Tensor, valid: torch.Tensor) -> AcceptanceCou
         accept: [n_blocks, B−1] bool or float in [0, 1] (a_k for slots k = 1..B−1; probabilities give the
             expected count).
         valid: bool [n_blocks, B−1] (m_k).
+        contexts: long [n_blocks], the tokens of each block's record before its anchor (with ``edges``).
+        edges: context-length bucket edges (tokens, ascending); () = no buckets.
     Returns:
         :class:`AcceptanceCounts` over these blocks.
     """
     a = accept.double() * valid.double()
     chain = torch.cumprod(a, dim=-1)
-    return AcceptanceCounts(
+    counts = AcceptanceCounts(
         blocks=torch.tensor(float(a.shape[0]), dtype=torch.float64),
         chain=chain.sum(0).cpu(),
         correct=a.sum(0).cpu(),
         valid=valid.double().sum(0).cpu(),
     )
+    if edges:
+        b = torch.bucketize(contexts.cpu(), torch.tensor(list(edges)), right=True)  # bisect_right: [lo, hi)
+        counts.bucket_blocks = torch.bincount(b, minlength=len(edges) + 1).double()
+        counts.bucket_chain = torch.zeros(len(edges) + 1, dtype=torch.float64).index_add_(0, b, chain.sum(-1).cpu())
+        counts.edges = tuple(edges)
+    return counts
 
 
 def deterministic_anchors(loss_mask: torch.Tensor, segment_ids: torch.Tensor, num_anchors: int) -> M.AnchorBatch:
@@ -124,7 +157,8 @@ def deterministic_anchors(loss_mask: torch.Tensor, segment_ids: torch.Tensor, nu
 
 @torch.no_grad()
 def batch_acceptance(drafter, target, embed, lm_head, batch: dict, *, target_layer_ids: Sequence[int],
-                     mask_token_id: int, num_anchors: int, backend: str = "sdpa", features=None) -> AcceptanceCounts:
+                     mask_token_id: int, num_anchors: int, backend: str = "sdpa", features=None,
+                     length_buckets: Sequence[int] = ()) -> AcceptanceCounts:
     """Teacher-forced acceptance of one (padded or packed) batch.
 
     ``batch``: ``input_ids``/``loss_mask`` [b, S] and either ``attention_mask`` (padded) or
@@ -158,28 +192,31 @@ def batch_acceptance(drafter, target, embed, lm_head, batch: dict, *, target_lay
         hits.view(b, -1)[:, i : i + 4096] = lm_head(h.to(lm_head.weight.dtype)).argmax(-1) == blk.labels[:, i : i + 4096]
     valid = (blk.weights > 0).view(b * n, bsz)[:, 1:]
     keep = anchors.keep.reshape(-1)
-    return block_acceptance(hits.view(b * n, bsz)[:, 1:][keep], valid[keep])
+    contexts = pos.gather(1, anchors.anchors).reshape(-1)[keep]  # tokens of its record before each block's anchor
+    return block_acceptance(hits.view(b * n, bsz)[:, 1:][keep], valid[keep], contexts, length_buckets)
 
 
 def heldout_acceptance(drafter, target, embed, lm_head, batches: Iterable[dict], *, target_layer_ids: Sequence[int],
                        mask_token_id: int, num_anchors: int, backend: str = "sdpa",
-                       reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> dict:
+                       reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                       length_buckets: Sequence[int] = ()) -> dict:
     """:func:`batch_acceptance` summed over ``batches`` (this rank's share of the held-out rows), then
     summed over ranks with ``reduce`` (e.g. ``lambda t: accelerator.reduce(t, "sum")``), summarised
     (:meth:`AcceptanceCounts.summary`). Puts the drafter in eval mode and back."""
     core = drafter.module if hasattr(drafter, "module") else drafter
     was_training = core.training
     drafter.eval()
-    total = AcceptanceCounts.zeros(core.block_size)
+    total = AcceptanceCounts.zeros(core.block_size, length_buckets)
     try:
         for batch in batches:
             total = total + batch_acceptance(drafter, target, embed, lm_head, batch, target_layer_ids=target_layer_ids,
-                                             mask_token_id=mask_token_id, num_anchors=num_anchors, backend=backend)
+                                             mask_token_id=mask_token_id, num_anchors=num_anchors, backend=backend,
+                                             length_buckets=length_buckets)
     finally:
         drafter.train(was_training)
     if reduce is not None:
         dev = next(core.parameters()).device
-        total = AcceptanceCounts.from_tensor(reduce(total.as_tensor().to(dev)))
+        total = AcceptanceCounts.from_tensor(reduce(total.as_tensor().to(dev)), length_buckets)
     return total.summary()
 
 

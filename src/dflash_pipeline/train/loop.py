@@ -283,7 +283,8 @@ def _validate(accelerator, ctx: StepContext, batches, counted, cfg: dict, step: 
     if not batches:
         return None
     d = ctx.probe["drafter"]
-    total = V.AcceptanceCounts.zeros(ctx.block_size)
+    edges = cfg.get("validation_length_buckets") or ()
+    total = V.AcceptanceCounts.zeros(ctx.block_size, edges)
     core = getattr(ctx.drafter, "module", ctx.drafter)
     core.eval()
     try:
@@ -291,19 +292,23 @@ def _validate(accelerator, ctx: StepContext, batches, counted, cfg: dict, step: 
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             c = V.batch_acceptance(ctx.drafter, ctx.target, ctx.embed, ctx.lm_head, batch, target_layer_ids=d["target_layer_ids"],
                                    features=batch.get("features"),
-                                   mask_token_id=d["mask_token_id"], num_anchors=cfg["validation_num_anchors"], backend=ctx.backend)
+                                   mask_token_id=d["mask_token_id"], num_anchors=cfg["validation_num_anchors"],
+                                   backend=ctx.backend, length_buckets=edges)
             if count:
                 total = total + c
     finally:
         core.train()
-    summary = V.AcceptanceCounts.from_tensor(accelerator.reduce(total.as_tensor().to(accelerator.device), "sum")).summary()
+    reduced = accelerator.reduce(total.as_tensor().to(accelerator.device), "sum")
+    summary = V.AcceptanceCounts.from_tensor(reduced, edges).summary()
     rec = {"step": step, **summary}
     if accelerator.is_main_process:
         with open(out_dir / "val_log.jsonl", "a", encoding="utf-8") as fh:
             fh.write(json.dumps(rec) + "\n")
         pp = " ".join(f"{x:.2f}" for x in summary["per_position_acceptance"])
         print(f"[val] step {step} tau {summary['tau']:.3f} (marginal proxy {summary['tau_marginal']:.3f}) "
-              f"blocks {summary['num_blocks']} per-position {pp}", flush=True)
+              f"blocks {summary['num_blocks']} per-position {pp}"
+              + "".join(f" | {b}: tau {v['tau']:.3f} ({v['num_blocks']} blocks)"
+                        for b, v in (summary.get("by_context_length") or {}).items()), flush=True)
     accelerator.log(TR.scalars(summary, "val"), step=step)
     return rec
 

@@ -29,6 +29,15 @@ _OWNERS = {
     "cross_field_problems": "problems",
     "training_problems": "problems",
     "language_block_problems": "problems",
+    "LEFT_OUT_AT_DEFAULT": "policy",
+    "without_new_defaults": "policy",
+    "DEMO_TARGET_DIR": "keyed_paths",
+    "params_digest": "keyed_paths",
+    "recorded_demo_params": "keyed_paths",
+    "demo_target_dir": "keyed_paths",
+    "embedded_demo_settings": "keyed_paths",
+    "probe_matches": "keyed_paths",
+    "probe_record_path": "keyed_paths",
 }
 
 __all__ = sorted(_OWNERS)

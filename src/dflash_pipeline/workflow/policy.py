@@ -457,6 +457,21 @@ def as_json(obj) -> str:
     return json.dumps(obj, sort_keys=True)
 
 
+#: Keys added after results directories existed whose default changes no output the rule's params fingerprint:
+#: left out of the params while at their default, so those directories rerun nothing (the code reading the
+#: section fills the schema default back in).
+LEFT_OUT_AT_DEFAULT = {"eval": ("context_length_buckets",), "train": ("validation_length_buckets",)}
+
+
+def without_new_defaults(section: str, values: dict) -> dict:
+    """``values`` (a validated config section) without the :data:`LEFT_OUT_AT_DEFAULT` keys of ``section``
+    that hold their schema default."""
+    from dflash_pipeline.core.config import schema_default
+
+    drop = {k for k in LEFT_OUT_AT_DEFAULT.get(section, ()) if k in values and values[k] == schema_default(section, k)}
+    return {k: v for k, v in values.items() if k not in drop}
+
+
 def generation_output_params(gen: dict) -> dict:
     """The output-affecting subset of a validated ``generation`` section (:data:`GENERATION_OUTPUT_KEYS`;
     ``api`` only when not its default, so configs from before the key existed rerun nothing),

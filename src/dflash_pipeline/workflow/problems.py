@@ -69,6 +69,10 @@ def cross_field_problems(cfg: Mapping[str, Any], *, base_dir: str | Path | None 
         src_path = resolve_path(src["path"], base_dir)
         if not Path(src_path).exists():
             out.append(f"eval.sets.{name}.path: {src_path} not found")
+    for key, edges in (("eval.context_length_buckets", cfg["eval"]["context_length_buckets"]),
+                       ("train.validation_length_buckets", cfg["train"]["validation_length_buckets"])):
+        if any(a >= b for a, b in zip(edges, edges[1:])):
+            out.append(f"{key}: {edges} must be ascending token counts (bucket edges)")
     try:
         resolve_block_size(cfg["eval"]["block_size"], cfg["drafter"]["block_size"])
     except BlockSizeError as exc:

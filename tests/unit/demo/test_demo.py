@@ -182,3 +182,19 @@ def test_bad_corpus_errors(tmp_path):
         demo.load_corpus([bad])
     with pytest.raises(DataError, match="does not exist"):
         demo.load_corpus([tmp_path / "nope.jsonl"])
+
+
+def test_build_records_the_settings_that_key_its_directory(demo_target):
+    """Issue #26: demo_target.json records the `target.demo` settings (workflow.keyed_paths keys the directory
+    by them); a target built before that key gives the same settings back from its build facts."""
+    from dflash_pipeline.workflow.keyed_paths import recorded_demo_params
+
+    from conftest import DEMO_TEST_STEPS
+
+    facts = json.loads((demo_target / "demo_target.json").read_text())
+    want = {"seed": 0, "vocab_size": 1024, "hidden_size": 128, "num_hidden_layers": 8, "train_steps": DEMO_TEST_STEPS}
+    assert facts["params"] == want and recorded_demo_params(demo_target) == want
+    old = demo_target.parent / "old-release"
+    old.mkdir(exist_ok=True)
+    (old / "demo_target.json").write_text(json.dumps({k: v for k, v in facts.items() if k != "params"}))
+    assert recorded_demo_params(old) == want  # vocab_size asked = len(tokenizer) - the two think tokens

@@ -27,11 +27,18 @@ def _inputs(tmp_path):
     return tau, ev, prompts
 
 
-def test_summary_html_tables_with_readable_labels(tmp_path):
+def test_summary_page_tables_with_readable_labels(tmp_path):
+    from dflash_pipeline import report_page
+
     tau, ev, prompts = _inputs(tmp_path)
     out = tmp_path / "summary.html"
-    text = report.summary_html(out, run="r1", tau_tsv=tau, eval_json=ev, prompts_tsv=prompts,
-                               tokens_tsv=tmp_path / "missing.tsv", outputs=[("τ table", str(tau))])
+
+    def page(prompts_tsv):
+        return report_page.summary_page(
+            out, run="r1", facts={}, tau_tsv=tau, eval_json=ev, outputs=[("τ table", str(tau))],
+            tables=[(prompts_tsv, "Prompts", "prompts"), (tmp_path / "missing.tsv", "Tokens", "tokens")])
+
+    text = page(prompts)
     assert out.read_text(encoding="utf-8") == text
 
     def rows(table_id):
@@ -48,7 +55,7 @@ def test_summary_html_tables_with_readable_labels(tmp_path):
     assert rows("outputs")[1] == ["τ table", str(tau)]
     # values are escaped (a dataset name or path never becomes markup)
     write_tsv(prompts, ("dataset", "read"), [{"dataset": "<b>x</b>", "read": 1}])
-    assert "&lt;b&gt;x&lt;/b&gt;" in report.summary_html(out, run="r1", prompts_tsv=prompts)
+    assert "&lt;b&gt;x&lt;/b&gt;" in page(prompts)
 
 
 def test_console_summary_prints_the_tau_table_and_outputs(tmp_path):

@@ -58,13 +58,20 @@ def test_accumulation_is_normalised_globally(setup, tmp_path, loss):
 def test_packed_training_validates_and_writes_tensorboard(setup, tmp_path):
     root, probe = setup
     s = _run(root, probe, tmp_path, loss="dpace", packing=True, pack_max_tokens=80, batch_size=1, epochs=5, learning_rate=1e-2,
-             validation_fraction=0.25, validation_every_steps=10, trackers=["tensorboard"])
+             validation_fraction=0.25, validation_every_steps=10, trackers=["tensorboard"],
+             validation_length_buckets=[24, 48])
     assert s["packing"] and s["rows"] < s["records"] and s["heldout_records"] > 0
     val = _log(tmp_path / "val_log.jsonl")
     assert val and val[-1]["step"] == s["steps"]
     for r in val:
         assert 1.0 <= r["tau"] <= 4.0 and len(r["per_position_acceptance"]) == 3 and r["num_blocks"] > 0
         assert all(a >= b for a, b in zip(r["per_position_acceptance"], r["per_position_acceptance"][1:]))
+        # held-out τ per context-length bucket (issue #26): every block in one bucket, by its anchor's position
+        # in its record (packed rows restart positions per record)
+        buckets = r["by_context_length"]
+        assert set(buckets) <= {"<24", "24–48", "≥48"}
+        assert sum(b["num_blocks"] for b in buckets.values()) == r["num_blocks"]
+        assert abs(sum(b["tau"] * b["num_blocks"] for b in buckets.values()) / r["num_blocks"] - r["tau"]) < 1e-9
     assert val[-1]["tau"] > val[0]["tau"]  # it learns the +1 pattern on prompts it never saw
     events = list((tmp_path / "trackers").rglob("events.out.tfevents.*"))
     assert events and (tmp_path / "val_tau.png").is_file()

@@ -40,6 +40,9 @@ def test_problems_schema_first_then_cross_field(tmp_path):
     assert any(p.startswith("eval.block_size: 99 exceeds") for p in found)
     default = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     assert problems(default, base_dir=REPO) == []  # bundled data found through base_dir from any cwd
+    unordered = {**default, "eval": {**default["eval"], "context_length_buckets": [512, 256]}}
+    assert "eval.context_length_buckets: [512, 256] must be ascending token counts (bucket edges)" in problems(
+        unordered, base_dir=REPO)
     assert problems({}) == ["datasets: no prompt source configured (see config/config.yaml for the shape)"]
 
 

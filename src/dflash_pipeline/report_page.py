@@ -1,0 +1,497 @@
+"""The report's landing page (``results/report/summary.html``): the page a person reads first after a run.
+
+A self-contained HTML document (every plot embedded as a ``data:`` URI, so the file can be mailed, opened
+from any directory, or embedded in ``snakemake --report``'s landing page by ``report/workflow.rst``):
+
+* a header: the target, the drafter (family, layers, block size, trainable parameters), training steps, wall
+  time, and the data counts in one line;
+* the τ table (drafter × eval set, the numbers of ``acceptance.json`` rounded as ``acceptance.tsv``) and τ by
+  context length;
+* the plots inline: τ per set, per-position acceptance, τ by context length, τ vs step, training curves,
+  held-out τ, the training data's length histogram;
+* the data tables, and the long evaluation record folded away (``<details>``).
+
+The tables themselves are :mod:`dflash_pipeline.report`'s; the plots of τ per set, τ by context length and
+the length histogram are drawn here.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+#: Scoped to the page's own elements: embedded in ``snakemake --report`` it must not restyle the report.
+PAGE_STYLE = """
+#dflash-run-summary{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:1.5em auto;
+max-width:1200px;color:#1d232a;padding:0 1em}
+header.dflash-header{border-bottom:2px solid #3b6ea5;margin-bottom:1em}
+header.dflash-header h1{font-size:1.5em;margin:.2em 0}
+p.dflash-facts{font-size:.95em;margin:.3em 0 .8em}
+.dflash-figures{display:flex;flex-wrap:wrap;gap:1em}
+.dflash-figures figure{margin:0;flex:1 1 520px;max-width:100%}
+.dflash-figures img{max-width:100%;height:auto;border:1px solid #dde}
+.dflash-figures figcaption{font-size:.85em;color:#444}
+details.dflash-details{margin:1em 0}details.dflash-details>summary{cursor:pointer;font-weight:600}
+"""
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: str | Path) -> None:
+    """Write ``fig`` as a PNG (atomically: a half-written plot never reaches the page) and close it."""
+    import io
+
+    from dflash_pipeline.core.shards import atomic_write_bytes
+
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    _pyplot().close(fig)
+    atomic_write_bytes(path, buf.getvalue(), skip_if_identical=False)
+
+
+def png_data_uri(path: str | Path | bytes) -> str:
+    """``data:image/png;base64,…`` of a PNG file (or its bytes).
+
+    Raises:
+        ValueError: the bytes are not a PNG (a plot that failed half-way must not become a broken image).
+    """
+    data = path if isinstance(path, bytes) else Path(path).read_bytes()
+    if not data.startswith(b"\x89PNG\r\n\x1a\n"):
+        raise ValueError(f"{path if not isinstance(path, bytes) else 'image bytes'}: not a PNG file")
+    return "data:image/png;base64," + base64.b64encode(data).decode("ascii")
+
+
+def figures_html(figures: Sequence[tuple[str, str, str]]) -> str:
+    """``<section id="plots">`` of ``(figure id, PNG path, caption)`` figures, each image as a data URI;
+    figures whose file is missing are left out."""
+    items = []
+    for fig_id, path, caption in figures:
+        if not path or not Path(path).is_file():
+            continue
+        items.append(
+            f'<figure id="{html.escape(fig_id)}"><img src="{png_data_uri(path)}" alt="{html.escape(caption)}">'
+            f"<figcaption>{html.escape(caption)}</figcaption></figure>"
+        )
+    if not items:
+        return ""
+    return (
+        '<section id="plots" class="dflash-summary"><h3>Plots</h3><div class="dflash-figures">'
+        + "".join(items)
+        + "</div></section>"
+    )
+
+
+def _human_seconds(s: Optional[float]) -> str:
+    if s is None:
+        return "?"
+    m, sec = divmod(int(round(s)), 60)
+    h, m = divmod(m, 60)
+    return f"{h} h {m} min" if h else (f"{m} min {sec} s" if m else f"{sec} s")
+
+
+def _v(x) -> str:
+    """A fact for the header, escaped; ``?`` when unknown."""
+    return "?" if x is None or x == "" else html.escape(str(x))
+
+
+def header_html(run: str, facts: Mapping) -> str:
+    """The page header: run name and target, then one line per kind of fact (:func:`run_facts`; unknown ones
+    show as ``?``)."""
+    target = facts.get("target") or {}
+    drafter = facts.get("drafter") or {}
+    lines = [
+        f"<b>target</b> {_v(target.get('path'))} ({_v(target.get('model_type'))}, "
+        f"{_v(target.get('num_layers'))} layers)",
+        f"<b>drafter</b> {_v(drafter.get('family'))}: {_v(drafter.get('num_draft_layers'))} layers, block size "
+        f"{_v(drafter.get('block_size'))}, {_params(drafter.get('trainable_params'))} trainable parameters, "
+        f"loss {_v(drafter.get('loss'))}",
+        f"<b>steps</b> {_v(facts.get('train_steps'))} · <b>wall time</b> {_human_seconds(facts.get('wall_s'))} "
+        f"(jobs summed; training {_human_seconds(facts.get('train_s'))}, eval {_human_seconds(facts.get('eval_s'))})",
+        "<b>data</b> " + html.escape(data_line(facts.get("data") or {})),
+    ]
+    return (
+        f'<header id="run-header" class="dflash-header"><h1>Run {html.escape(run)}: a DFlash drafter for '
+        f"{_v(target.get('path'))}</h1>" + "".join(f'<p class="dflash-facts">{ln}</p>' for ln in lines) + "</header>"
+    )
+
+
+def _params(n) -> str:
+    if not isinstance(n, (int, float)):
+        return "?"
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else (f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n / 1e3:.1f} K")
+
+
+def data_line(data: Mapping) -> str:
+    """The data counts in one line: prompts kept → conversations generated → sequences and supervised tokens
+    → eval prompts per set (unknown counts as ``?``)."""
+
+    def v(key):
+        return "?" if data.get(key) in (None, "") else str(data[key])
+
+    evals = ", ".join(f"{k} {n}" for k, n in (data.get("eval_prompts") or {}).items())
+    return (
+        f"{v('prompts_kept')} prompts kept → {v('conversations')} conversations ({v('ok')} ok) → "
+        f"{v('sequences')} sequences, {v('tokens')} tokens, {v('supervised_tokens')} supervised → "
+        f"eval prompts: {evals or '?'}"
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Facts of the run (header)
+# --------------------------------------------------------------------------------------------------
+
+
+def _read_json_or_none(path) -> Optional[dict]:
+    from dflash_pipeline.core.shards import read_json
+
+    return read_json(path) if path and Path(path).is_file() else None
+
+
+def _benchmark_total(benchmark_dir: Optional[str | Path], rule: Optional[str] = None) -> Optional[float]:
+    """Summed wall seconds (column ``s``) of the Snakemake benchmark TSVs under ``benchmark_dir`` (of one rule:
+    ``benchmark_dir/<rule>/``); None when there are none."""
+    from dflash_pipeline.report import _benchmark_seconds
+
+    if not benchmark_dir:
+        return None
+    root = Path(benchmark_dir) / rule if rule else Path(benchmark_dir)
+    secs = [s for s in (_benchmark_seconds(p) for p in sorted(root.rglob("*.tsv"))) if s is not None]
+    return sum(secs) if secs else None
+
+
+def run_facts(
+    *,
+    eval_json=None,
+    probe_json=None,
+    checkpoint=None,
+    prompts_rows=(),
+    generation_rows=(),
+    tokens_rows=(),
+    benchmark_dir=None,
+    extra_benchmarks: Sequence[str | Path] = (),
+) -> dict:
+    """What the header shows, from the run's records (any may be missing; its facts are then None).
+
+    ``checkpoint``: the drafter's ``final/`` (its ``config.json``; ``train_summary.json`` beside it).
+    ``benchmark_dir``: ``results/benchmarks`` (wall time = the jobs' summed seconds, plus
+    ``extra_benchmarks`` such as the demo target's). Rows: the report tables (:func:`dflash_pipeline.report.read_tsv`).
+    """
+    from dflash_pipeline.report import _benchmark_seconds
+
+    record = _read_json_or_none(eval_json) or {}
+    probe = _read_json_or_none(probe_json) or {}
+    ckpt = Path(checkpoint) if checkpoint else None
+    cfg = _read_json_or_none(ckpt / "config.json") if ckpt else None
+    summary = _read_json_or_none(ckpt.parent / "train_summary.json") if ckpt else None
+    cfg, summary = cfg or {}, summary or {}
+    trained = (record.get("drafters") or {}).get("trained") or {}
+    total = _benchmark_total(benchmark_dir)
+    extra = [s for s in (_benchmark_seconds(Path(p)) for p in extra_benchmarks) if s is not None]
+
+    def all_row(rows):
+        rows = list(rows)
+        return next((r for r in rows if r.get("dataset") == "all"), rows[-1] if rows else {})
+
+    gen, tok = all_row(generation_rows), all_row(tokens_rows)
+    return {
+        "target": {
+            "path": (record.get("target") or {}).get("path") or probe.get("path"),
+            "model_type": probe.get("model_type") or (record.get("target") or {}).get("model_type"),
+            "num_layers": probe.get("num_hidden_layers"),
+        },
+        "drafter": {
+            "family": ", ".join(cfg.get("architectures") or []) or None,
+            "num_draft_layers": cfg.get("num_hidden_layers"),
+            "block_size": cfg.get("block_size"),
+            "trainable_params": summary.get("trainable_params"),
+            "loss": summary.get("loss"),
+        },
+        "train_steps": trained.get("train_steps") or summary.get("steps"),
+        "wall_s": (total or 0.0) + sum(extra) if total is not None or extra else None,
+        "train_s": _benchmark_total(benchmark_dir, "train_drafter"),
+        "eval_s": _benchmark_total(benchmark_dir, "evaluate_acceptance"),
+        "data": {
+            "prompts_kept": sum(int(r.get("kept") or 0) for r in prompts_rows) if prompts_rows else None,
+            "conversations": gen.get("conversations"),
+            "ok": gen.get("ok"),
+            "sequences": tok.get("records_out"),
+            "tokens": tok.get("num_tokens"),
+            "supervised_tokens": tok.get("num_loss_tokens"),
+            "eval_prompts": {k: v.get("num_prompts") for k, v in (record.get("sets") or {}).items()},
+        },
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# Plots drawn for the page
+# --------------------------------------------------------------------------------------------------
+
+
+def plot_tau_per_set(record: Mapping, path: str | Path) -> None:
+    """PNG: τ per eval set (groups) and drafter (bars), the value on each bar."""
+    plt = _pyplot()
+    drafters = list(record.get("drafters") or {})
+    sets = list(next(iter(record["drafters"].values()))["sets"]) if drafters else []
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.6 * len(sets) + 2), 3.6), dpi=110)
+    width = 0.8 / max(1, len(drafters))
+    for i, label in enumerate(drafters):
+        xs = [j + (i - (len(drafters) - 1) / 2) * width for j in range(len(sets))]
+        ys = [record["drafters"][label]["sets"][s]["tau"] for s in sets]
+        bars = ax.bar(xs, ys, width=width * 0.95, label=label)
+        ax.bar_label(bars, labels=[f"{y:.2f}" for y in ys], fontsize=7)
+    ax.set_xticks(range(len(sets)), sets)
+    ax.set_ylabel("acceptance length τ")
+    bs = (record.get("settings") or {}).get("block_size")
+    if bs:
+        ax.axhline(bs, ls=":", color="gray", lw=0.8)
+        ax.set_ylim(0, bs * 1.08)
+    ax.set_title(f"τ per eval set (max = block size {bs})", fontsize=10)
+    if drafters:
+        ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def plot_tau_by_length(record: Mapping, path: str | Path) -> None:
+    """PNG: τ per context-length bucket (``by_context_length`` of the eval record), one line per drafter (all
+    sets pooled, solid) and per drafter and set (thin); a record without buckets gets a figure saying so."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=110)
+    labels = (record.get("settings") or {}).get("context_length_buckets_labels") or []
+    pooled = record.get("by_context_length") or {}
+    if not labels or not pooled:
+        ax.text(
+            0.5,
+            0.5,
+            "no τ by context length in this eval record\n(written by the eval stage from issue #26 on)",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+        )
+        ax.set_axis_off()
+        _save(fig, path)
+        return
+    x = {lb: i for i, lb in enumerate(labels)}
+    for n, (label, buckets) in enumerate(pooled.items()):
+        pts = [(x[b], v["tau"], v["num_steps"]) for b, v in buckets.items() if b in x]
+        (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", lw=2, label=f"{label} (all sets)")
+        for px, py, steps in pts:
+            ax.annotate(
+                f"{steps} steps",
+                (px, py),
+                textcoords="offset points",
+                xytext=(0, 6),
+                fontsize=6,
+                ha="center",
+                color=line.get_color(),
+            )
+        for set_name, s in (record["drafters"][label].get("sets") or {}).items():
+            bl = s.get("by_context_length") or {}
+            if len(bl) > 1:
+                sp = [(x[b], v["tau"]) for b, v in bl.items() if b in x]
+                ax.plot([p[0] for p in sp], [p[1] for p in sp], lw=0.7, ls="--", color=line.get_color(), alpha=0.6)
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_xlim(-0.5, len(labels) - 0.5)
+    ax.set_xlabel("context length at verify time (tokens)")
+    ax.set_ylabel("acceptance length τ")
+    ax.set_title("τ by context length (dashed: per eval set)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def data_length_histograms(token_shards: Sequence[str | Path]) -> dict:
+    """Tokens and supervised tokens per training sequence of the token shards (their ``num_tokens`` and
+    ``num_loss_tokens`` columns): ``{num_sequences, tokens: [...], supervised: [...]}`` (per sequence)."""
+    import pyarrow.parquet as pq
+
+    tokens, supervised = [], []
+    for path in token_shards:
+        t = pq.read_table(path, columns=["num_tokens", "num_loss_tokens"])
+        tokens += t.column("num_tokens").to_pylist()
+        supervised += t.column("num_loss_tokens").to_pylist()
+    return {"num_sequences": len(tokens), "tokens": tokens, "supervised": supervised}
+
+
+def plot_data_lengths(token_shards: Sequence[str | Path], path: str | Path) -> dict:
+    """PNG: histograms of tokens per training sequence and supervised tokens per sequence (two panels; the
+    mean and max in each title). Returns the summary ``{num_sequences, tokens: {mean, p50, p95, max},
+    supervised: {...}}``."""
+    import numpy as np
+
+    h = data_length_histograms(token_shards)
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), dpi=110)
+    summary = {"num_sequences": h["num_sequences"]}
+    for ax, key, title in (
+        (axes[0], "tokens", "tokens per sequence"),
+        (axes[1], "supervised", "supervised tokens per sequence"),
+    ):
+        xs = np.asarray(h[key], dtype=float)
+        if len(xs):
+            ax.hist(xs, bins=min(40, max(5, len(set(xs.tolist())))), color="#3b6ea5")
+            summary[key] = {
+                "mean": round(float(xs.mean()), 1),
+                "p50": float(np.percentile(xs, 50)),
+                "p95": float(np.percentile(xs, 95)),
+                "max": int(xs.max()),
+            }
+            ax.set_title(
+                f"{title}: mean {xs.mean():.0f}, p95 {np.percentile(xs, 95):.0f}, max {int(xs.max())}", fontsize=9
+            )
+        else:
+            ax.set_title(f"{title}: no sequences", fontsize=9)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("sequences")
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"Training data: {h['num_sequences']} sequences (token shards)", fontsize=10)
+    _save(fig, path)
+    return summary
+
+
+# --------------------------------------------------------------------------------------------------
+# The page
+# --------------------------------------------------------------------------------------------------
+
+
+def length_table_rows(record: Mapping) -> tuple[list[str], list[dict]]:
+    """τ by context length as table rows: one per drafter and set (and ``all sets``), one column per bucket
+    (``τ (verify steps)``); empty when the record has no buckets."""
+    labels = (record.get("settings") or {}).get("context_length_buckets_labels") or []
+    if not labels:
+        return [], []
+    rows = []
+
+    def cells(buckets):
+        return {lb: f"{buckets[lb]['tau']:.3f} ({buckets[lb]['num_steps']})" if lb in buckets else "" for lb in labels}
+
+    for label, entry in (record.get("drafters") or {}).items():
+        for set_name, s in (entry.get("sets") or {}).items():
+            rows.append({"drafter": label, "set": set_name, **cells(s.get("by_context_length") or {})})
+        pooled = (record.get("by_context_length") or {}).get(label)
+        if pooled:
+            rows.append({"drafter": label, "set": "all sets", **cells(pooled)})
+    return ["drafter", "set", *labels], rows
+
+
+def summary_page(
+    out_html: str | Path,
+    *,
+    run: str,
+    facts: Mapping,
+    tau_tsv: str | Path | None = None,
+    eval_json: str | Path | None = None,
+    tables: Sequence[tuple[str | Path | None, str, str]] = (),
+    figures: Sequence[tuple[str, str, str]] = (),
+    outputs: Sequence[tuple[str, str]] = (),
+) -> str:
+    """Write the landing page (module docstring) atomically and return it.
+
+    Args:
+        out_html: the page.
+        run: run name. facts: :func:`run_facts`.
+        tau_tsv: ``acceptance.tsv`` (the τ table ``id="tau"``: drafter × set; the full table folded).
+        eval_json: ``acceptance.json`` (τ by context length; its summary folded, ``id="eval-record"``).
+        tables: ``(TSV path, title, table id)`` of the data tables (missing files left out).
+        figures: ``(figure id, PNG path, caption)``, embedded as data URIs in this order (missing ones left out).
+        outputs: ``(what, path)`` rows of "where the outputs are".
+    """
+    from dflash_pipeline import report as R
+    from dflash_pipeline.core.shards import atomic_write_bytes, read_json
+
+    record = read_json(eval_json) if eval_json and Path(eval_json).is_file() else {}
+    body = [header_html(run, facts)]
+    if tau_tsv and Path(tau_tsv).is_file():
+        pcols, prows = R.tau_pivot(R.read_tsv(tau_tsv)[1])
+        body.append(
+            R.html_table(
+                pcols,
+                prows,
+                title="τ per drafter and eval set",
+                table_id="tau",
+                relabel=False,
+                note="τ: mean over responses of (accepted drafts + 1) per verify step (max = block size).",
+            )
+        )
+    lcols, lrows = length_table_rows(record)
+    if lrows:
+        body.append(
+            R.html_table(
+                lcols,
+                lrows,
+                title="τ by context length at verify time",
+                table_id="tau-by-length",
+                relabel=False,
+                note="τ of the verify steps whose context (prompt + tokens so far) falls "
+                "in the bucket; in brackets the verify steps counted.",
+            )
+        )
+    body.append(figures_html(figures))
+    for path, title, tid in tables:
+        if path and Path(path).is_file():
+            cols, rows = R.read_tsv(path)
+            body.append(R.html_table(cols, rows, title=title, table_id=tid))
+    if outputs:
+        body.append(
+            R.html_table(
+                ["what", "path"],
+                [{"what": w, "path": p} for w, p in outputs],
+                title="Where the outputs are",
+                table_id="outputs",
+            )
+        )
+    folded = []
+    if tau_tsv and Path(tau_tsv).is_file():
+        cols, rows = R.read_tsv(tau_tsv)
+        folded.append(
+            R.html_table(cols, rows, title="Evaluation table (every column of acceptance.tsv)", table_id="eval-table")
+        )
+    if record:
+        folded.append(
+            R.html_table(
+                ["key", "value"], R.eval_summary_rows(record), title="Evaluation record", table_id="eval-record"
+            )
+        )
+    if folded:
+        body.append(
+            '<details id="eval-details" class="dflash-details"><summary>Evaluation record and full table'
+            "</summary>" + "".join(folded) + "</details>"
+        )
+    page = (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f"<title>dflash-pipeline run {html.escape(run)}</title><style>{PAGE_STYLE}</style>{R.SUMMARY_STYLE}</head>"
+        f'<body><div id="dflash-run-summary">' + "\n".join(b for b in body if b) + "</div></body></html>\n"
+    )
+    atomic_write_bytes(out_html, page.encode("utf-8"), skip_if_identical=False)
+    return page
+
+
+#: The page's figures, in order: (figure id, summarize_run input/output name, caption).
+RUN_FIGURES = (
+    ("fig-tau-per-set", "tau_per_set", "τ per eval set and drafter"),
+    ("fig-acceptance", "acceptance_plot", "Per-position acceptance: share of verify steps accepting ≥ k drafts"),
+    ("fig-tau-by-length", "tau_by_length", "τ by context length at verify time"),
+    ("fig-tau-vs-step", "tau_vs_step", "τ across the training checkpoints (first prompts of each set)"),
+    ("fig-train-curves", "train_curves", "Training loss and EAL proxy"),
+    ("fig-val-tau", "val_tau", "Held-out τ during training (per context-length bucket when there are several)"),
+    ("fig-data-lengths", "data_lengths", "Training data: tokens and supervised tokens per sequence"),
+)
+
+
+def run_figures(inputs, outputs) -> list[tuple[str, str, str]]:
+    """:data:`RUN_FIGURES` as ``(figure id, path, caption)``, the path taken from the job's named ``inputs``
+    or ``outputs`` (Snakemake's namedlists of rules/report.smk ``summarize_run``)."""
+    out = []
+    for fig_id, name, caption in RUN_FIGURES:
+        path = getattr(outputs, name, None) or getattr(inputs, name, None)
+        out.append((fig_id, str(path) if path else "", caption))
+    return out

@@ -1,0 +1,91 @@
+"""Outputs keyed by what they are built from (issue #26): the demo target's directory and the probe record's
+path (dflash_pipeline.workflow.keyed_paths). The Snakemake-level check (two configs in one checkout, then the
+default plans nothing) is tests/e2e/test_e2e.py::test_second_config_never_rebuilds_the_first."""
+
+from __future__ import annotations
+
+import json
+
+from dflash_pipeline.workflow.keyed_paths import (
+    DEMO_TARGET_DIR,
+    demo_target_dir,
+    embedded_demo_settings,
+    params_digest,
+    probe_matches,
+    probe_record_path,
+    recorded_demo_params,
+)
+
+DEFAULT = {"seed": 0, "vocab_size": 1024, "hidden_size": 128, "num_hidden_layers": 8, "train_steps": 400}
+
+
+def _built(root, params, *, legacy_facts=False):
+    d = root / DEMO_TARGET_DIR
+    d.mkdir(parents=True)
+    facts = {
+        "seed": params["seed"],
+        "train_steps": params["train_steps"],
+        "hidden_size": params["hidden_size"],
+        "num_hidden_layers": params["num_hidden_layers"],
+        "len_tokenizer": params["vocab_size"] + 2,
+        "vocab_size": 1088,
+    }
+    if not legacy_facts:
+        facts["params"] = params
+    (d / "demo_target.json").write_text(json.dumps(facts))
+
+
+def test_default_settings_keep_todays_path_and_others_get_their_digest(tmp_path):
+    from conftest import REPO
+
+    assert embedded_demo_settings(REPO) == DEFAULT  # config/config.yaml's train_steps over the schema defaults
+    assert demo_target_dir(DEFAULT, DEFAULT, root=tmp_path) == DEMO_TARGET_DIR
+    other = {**DEFAULT, "train_steps": 600}
+    assert demo_target_dir(other, DEFAULT, root=tmp_path) == f"{DEMO_TARGET_DIR}-{params_digest(other)}"
+    assert params_digest(other) != params_digest(DEFAULT)
+    assert params_digest(dict(reversed(list(other.items())))) == params_digest(other)  # key order is no setting
+
+
+def test_an_existing_target_keeps_its_path_for_its_settings_only(tmp_path):
+    e2e = {"seed": 0, "vocab_size": 600, "hidden_size": 64, "num_hidden_layers": 6, "train_steps": 150}
+    _built(tmp_path, e2e, legacy_facts=True)  # built by an earlier release: no `params` in its facts
+    assert recorded_demo_params(tmp_path / DEMO_TARGET_DIR) == e2e
+    assert demo_target_dir(e2e, DEFAULT, root=tmp_path) == DEMO_TARGET_DIR  # an old results dir reruns nothing
+    # the default settings no longer own today's path: they never rebuild the other config's target in place
+    assert demo_target_dir(DEFAULT, DEFAULT, root=tmp_path) == f"{DEMO_TARGET_DIR}-{params_digest(DEFAULT)}"
+
+
+def test_probe_record_is_per_run_unless_an_old_shared_one_holds_the_same_decisions(tmp_path):
+    drafter = {
+        "block_size": 8,
+        "num_draft_layers": 2,
+        "num_target_features": 3,
+        "target_layer_ids": None,
+        "mask_token_id": None,
+    }
+    assert probe_record_path("results", "demo", drafter, root=tmp_path) == "results/probe/demo.json"
+    legacy = tmp_path / "results" / "probe" / "target.json"
+    legacy.parent.mkdir(parents=True)
+    record = {
+        "drafter": {
+            "block_size": 8,
+            "num_draft_layers": 2,
+            "num_target_features": 3,
+            "target_layer_ids": [1, 4, 6],
+            "target_layer_ids_source": "reference formula (N=8, K=3)",
+            "mask_token_id": 1026,
+            "mask_token_source": "first embedding row past the real tokens",
+        }
+    }
+    legacy.write_text(json.dumps(record))
+    assert probe_record_path("results", "demo", drafter, root=tmp_path) == "results/probe/target.json"
+    for change in (
+        {"block_size": 4},
+        {"num_target_features": 2},
+        {"target_layer_ids": [1, 4, 6]},
+        {"mask_token_id": 1026},
+    ):
+        assert not probe_matches(record, {**drafter, **change}), change
+        assert probe_record_path("results", "other", {**drafter, **change}, root=tmp_path) == "results/probe/other.json"
+    explicit = {"drafter": {**record["drafter"], "target_layer_ids_source": "explicit (drafter.target_layer_ids)"}}
+    assert probe_matches(explicit, {**drafter, "target_layer_ids": [1, 4, 6]})
