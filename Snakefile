@@ -42,7 +42,7 @@ rule all:
 onsuccess:
     # end a run with the τ table and where the outputs are (Snakemake's own last line is "N of N steps done")
     import sys
-    from dflash_pipeline.report import console_summary
+    from dflash_pipeline.report.tables import console_summary
 
     text = console_summary(f"{eval_dir(RUN_NAME)}/acceptance.tsv", run_outputs())
     if text:

@@ -105,7 +105,7 @@ rule plot_data_lengths:
 
 
 rule summarize_run:
-    """The landing page a person reads first (results/report/summary.html, dflash_pipeline.report_page): a
+    """The landing page a person reads first (results/report/summary.html, dflash_pipeline.report.page): a
     header (target, drafter, steps, wall time, data counts), the τ tables, every plot inline, the data tables,
     the eval record folded; report/workflow.rst embeds it in the `snakemake --report` landing page."""
     input:

@@ -1,4 +1,4 @@
-from dflash_pipeline.report_page import plot_data_lengths
+from dflash_pipeline.report.page import plot_data_lengths
 from dflash_pipeline.workflow import log_to
 
 with log_to(snakemake.log[0], snakemake.threads):

@@ -1,4 +1,4 @@
-from dflash_pipeline import report
+from dflash_pipeline.report import tables as report
 from dflash_pipeline.workflow.policy import log_to
 
 with log_to(snakemake.log[0], snakemake.threads):

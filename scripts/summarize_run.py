@@ -1,4 +1,5 @@
-from dflash_pipeline import report, report_page
+from dflash_pipeline.report import page as report_page
+from dflash_pipeline.report import tables as report
 from dflash_pipeline.core.shards import read_json
 from dflash_pipeline.workflow import log_to
 

@@ -305,7 +305,7 @@ def test_no_log_line_per_http_request(tmp_path, caplog):
 
 def test_generation_table_counts_a_resumed_run_own_tokens_per_second(tmp_path):
     """tokens_per_job_s divides the tokens the last run generated (not the resumed ones) by its seconds."""
-    from dflash_pipeline import report
+    from dflash_pipeline.report import tables as report
 
     n = 6
     write_prompts(tmp_path / "p.parquet", single_turn(n))

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from dflash_pipeline import report
+from dflash_pipeline.report import tables as report
 from dflash_pipeline.core.config import validate_config
 from dflash_pipeline.core.errors import ConfigError
 from dflash_pipeline.evaluate import engine_acceptance as EE

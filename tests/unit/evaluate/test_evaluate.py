@@ -191,7 +191,7 @@ def test_eval_sets_exclude_training_prompts_before_drawing(tmp_path):
 
 
 def test_report_tables(tmp_path):
-    from dflash_pipeline import report
+    from dflash_pipeline.report import tables as report
 
     manifest = {"datasets": {
         "a": {"read": 10, "kept": 7, "dropped": {"duplicate": 2, "empty": 1}, "shards": [{"name": "00000"}]},

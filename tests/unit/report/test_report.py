@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 
-from dflash_pipeline import report
+from dflash_pipeline.report import tables as report
 from dflash_pipeline.core.shards import write_tsv
 
 
@@ -28,7 +28,7 @@ def _inputs(tmp_path):
 
 
 def test_summary_page_tables_with_readable_labels(tmp_path):
-    from dflash_pipeline import report_page
+    from dflash_pipeline.report import page as report_page
 
     tau, ev, prompts = _inputs(tmp_path)
     out = tmp_path / "summary.html"

@@ -1,4 +1,4 @@
-"""The report's landing page (dflash_pipeline.report_page, issue #26) in headless Chromium: the header, every
+"""The report's landing page (dflash_pipeline.report.page, issue #26) in headless Chromium: the header, every
 image loading (natural width > 0), the τ table equal to acceptance.json, the long record folded; the
 screenshot is kept as a test artefact ($DFLASH_TEST_ARTEFACTS, default tests/artefacts/)."""
 
@@ -10,7 +10,7 @@ import re
 
 from conftest import PROBE_SCRIPT, artefact_dir
 
-from dflash_pipeline import report_page
+from dflash_pipeline.report import page as report_page
 from dflash_pipeline.core.shards import write_tsv
 from dflash_pipeline.evaluate.outputs import plot_acceptance, write_eval_table
 

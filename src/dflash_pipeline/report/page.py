@@ -160,7 +160,7 @@ def _read_json_or_none(path) -> Optional[dict]:
 def _benchmark_total(benchmark_dir: Optional[str | Path], rule: Optional[str] = None) -> Optional[float]:
     """Summed wall seconds (column ``s``) of the Snakemake benchmark TSVs under ``benchmark_dir`` (of one rule:
     ``benchmark_dir/<rule>/``); None when there are none."""
-    from dflash_pipeline.report import _benchmark_seconds
+    from dflash_pipeline.report.tables import _benchmark_seconds
 
     if not benchmark_dir:
         return None
@@ -186,7 +186,7 @@ def run_facts(
     ``benchmark_dir``: ``results/benchmarks`` (wall time = the jobs' summed seconds, plus
     ``extra_benchmarks`` such as the demo target's). Rows: the report tables (:func:`dflash_pipeline.report.read_tsv`).
     """
-    from dflash_pipeline.report import _benchmark_seconds
+    from dflash_pipeline.report.tables import _benchmark_seconds
 
     record = _read_json_or_none(eval_json) or {}
     probe = _read_json_or_none(probe_json) or {}

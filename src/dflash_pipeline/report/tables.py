@@ -6,7 +6,7 @@ token shards (sequences, supervised tokens, truncation and drops per reason).
 The eval tables are written by :mod:`dflash_pipeline.evaluate.outputs`.
 
 :func:`html_table` renders a table with readable labels; the landing page (``results/report/summary.html``,
-header, τ tables, plots, data tables) is assembled by :mod:`dflash_pipeline.report_page` and embedded by
+header, τ tables, plots, data tables) is assembled by :mod:`dflash_pipeline.report.page` and embedded by
 ``report/workflow.rst`` in the report's landing page, so nothing an ML engineer looks for first is a
 download-only link.
 """

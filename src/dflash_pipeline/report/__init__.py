@@ -1,0 +1,15 @@
+"""The report: summary tables (:mod:`.tables`: TSV tables of every stage, the console summary) and the
+landing page a person reads first (:mod:`.page`: results/report/summary.html with the plots inline).
+
+The public face: names load lazily from the module that owns them."""
+
+from dflash_pipeline.core.faces import lazy_face
+
+_OWNERS = {
+    **dict.fromkeys(['probe_table', 'prompts_table', 'GENERATION_COLUMNS', 'generation_table', 'TOKEN_COUNTS', 'tokens_table', 'LABELS', 'label', 'read_tsv', 'html_table', 'SUMMARY_STYLE', 'eval_summary_rows', 'tau_pivot', 'ENGINE_VERDICTS', 'engine_summary_lines', 'console_summary'], "tables"),
+    **dict.fromkeys(['PAGE_STYLE', 'png_data_uri', 'figures_html', 'header_html', 'data_line', 'run_facts', 'plot_tau_per_set', 'plot_tau_by_length', 'data_length_histograms', 'plot_data_lengths', 'length_table_rows', 'summary_page', 'RUN_FIGURES', 'run_figures'], "page"),
+}
+
+__all__ = sorted(_OWNERS)
+
+__getattr__, __dir__ = lazy_face(__name__, _OWNERS, globals)
