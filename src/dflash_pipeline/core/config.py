@@ -331,7 +331,9 @@ def training_problems(cfg: Mapping[str, Any]) -> list[str]:
             require_vllm_python(python)
         except VLLMNotFound as exc:
             out.append(f"{setting} runs vLLM from its own environment: {exc}{alternative}")
-    return out
+    from dflash_pipeline.drafter.families import config_problems as family_problems
+
+    return out + family_problems(cfg)  # drafter.family × settings (DFlash2 / DSpark)
 
 
 def problems(config: Mapping[str, Any], *, base_dir: str | Path | None = None) -> list[str]:

@@ -1,4 +1,5 @@
-"""The DFlash drafter: model, blocks (anchors, labels, decayed CE) and attention masks.
+"""The DFlash drafter: model, blocks (anchors, labels, decayed CE) and attention masks; the DFlash2 and
+DSpark families (``drafter.family``, :mod:`.families`).
 
 The public face: each name is loaded lazily from the module that owns it (listed in ``_OWNERS``), so
 importing the package costs nothing until a name is used."""
@@ -29,6 +30,12 @@ _OWNERS = {
     "save_drafter": "model",
     "load_drafter": "model",
     "count_parameters": "model",
+    "FAMILIES": "families",
+    "drafter_class": "families",
+    "family_of": "families",
+    "apply_family": "families",
+    "DFlash2Drafter": "dflash2",
+    "DSparkDrafter": "dspark",
 }
 
 __all__ = sorted(_OWNERS)

@@ -266,9 +266,16 @@ class DFlashDrafter(nn.Module):
     (``fc``, ``hidden_norm``, ``norm``, ``layers.N.*``; §8.3).
     """
 
-    def __init__(self, config: Qwen3Config):
+    #: ``drafter.family`` of this class (:mod:`dflash_pipeline.drafter.families`) and the architecture vLLM loads.
+    family = "dflash"
+    architecture = ARCHITECTURE
+    #: Sliding layers are causal inside the block (SpecForge/vLLM DFlash semantics, dflash.md §2.3).
+    sliding_block_causal = True
+
+    def __init__(self, config: Qwen3Config, layer_cls: type = None):
         super().__init__()
         self.config = config
+        layer_cls = layer_cls or DFlashDecoderLayer
         k = len(config.dflash_config["target_layer_ids"])
         h = config.hidden_size
         self.block_size = int(config.block_size)
@@ -278,7 +285,7 @@ class DFlashDrafter(nn.Module):
         self.sliding_window = getattr(config, "sliding_window", None) if "sliding_attention" in self.layer_types else None
         self.fc = nn.Linear(k * h, h, bias=False)
         self.hidden_norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(layer_cls(config, i) for i in range(config.num_hidden_layers))
         self.norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.apply(self._init_weights)
@@ -309,22 +316,21 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
     @torch.no_grad()
-    def draft_block(
+    def block_hidden(
         self,
         embed_tokens: nn.Module,
-        lm_head: nn.Module,
         bonus_token: torch.Tensor,  # [b] last committed token (block slot 0)
         new_context: torch.Tensor,  # [b, C_new, K*H] target features not yet in the cache
         start: int,  # absolute position of the bonus token
         cache: DraftContextCache,
         block_size: Optional[int] = None,
     ) -> torch.Tensor:
-        """One inference step of dflash.md §2.5: logits [b, B, V] for block [bonus, MASK×(B−1)].
+        """Final-normed hidden states [b, B, H] of block [bonus, MASK×(B−1)] (one inference step of
+        dflash.md §2.5, before the LM head; every family's drafts start from these).
 
-        The block sees every cached context position (< ``start``) and itself, bidirectionally.
-        ``new_context`` covers positions ``cache.length .. start-1`` and is appended to ``cache``.
-        Dtypes (dflash_pipeline.target.loading): inputs are cast to the drafter's dtype, the output meets
-        ``lm_head`` in the head's dtype; logits come back in the head's dtype.
+        The block sees every cached context position (< ``start``) and itself, bidirectionally (sliding
+        layers: within their window). ``new_context`` covers positions ``cache.length .. start-1`` and is
+        appended to ``cache``. Inputs are cast to the drafter's dtype (dflash_pipeline.target.loading).
         """
         bs = block_size or self.block_size
         b = bonus_token.shape[0]
@@ -341,10 +347,24 @@ class DFlashDrafter(nn.Module):
         mask = None
         if self.sliding_window is not None:  # full layers see everything; sliding layers need a mask
             full = torch.ones((b, 1, bs, start + bs), dtype=torch.bool, device=dev)
-            sliding = build_inference_sliding_mask(start, bs, self.sliding_window, device=dev).expand(b, -1, -1, -1)
+            sliding = build_inference_sliding_mask(start, bs, self.sliding_window, device=dev,
+                                                   block_causal=self.sliding_block_causal).expand(b, -1, -1, -1)
             mask = {"full_attention": full, "sliding_attention": sliding}
-        hidden = self(emb, new_context, ctx_pos, blk_pos, attn_mask=mask, cache=cache)
+        return self(emb, new_context, ctx_pos, blk_pos, attn_mask=mask, cache=cache)
+
+    @torch.no_grad()
+    def draft_block(self, embed_tokens, lm_head, bonus_token, new_context, start, cache, block_size=None) -> torch.Tensor:
+        """Logits [b, B, V] of :meth:`block_hidden`'s block (the output meets ``lm_head`` in the head's dtype;
+        logits come back in the head's dtype)."""
+        hidden = self.block_hidden(embed_tokens, bonus_token, new_context, start, cache, block_size)
         return lm_head(hidden.to(lm_head.weight.dtype))
+
+    @torch.no_grad()
+    def propose(self, embed_tokens, lm_head, bonus_token, new_context, start, cache, block_size=None):
+        """The family's drafts for one verify step: DFlash drafts slots 1..B−1 greedily (dflash.md §2.5).
+        Returns ``(drafts long [b, B−1], confidence None)``; DSpark also returns its confidence."""
+        logits = self.draft_block(embed_tokens, lm_head, bonus_token, new_context, start, cache, block_size)
+        return logits[:, 1:].argmax(dim=-1), None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -364,8 +384,8 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, *, dtype: torch.dt
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu", dtype=dtype).contiguous() for k, v in drafter.state_dict().items() if not k.startswith("rotary_emb.")}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg = drafter.config.to_dict()
-    cfg["architectures"] = [ARCHITECTURE]
+    cfg = drafter.config.to_dict()  # a family's extra fields (dflash_pipeline.drafter.families) ride along
+    cfg["architectures"] = [drafter.architecture]
     cfg["model_type"] = "qwen3"
     cfg["block_size"] = drafter.config.block_size
     cfg["num_target_layers"] = drafter.config.num_target_layers
@@ -389,7 +409,9 @@ def load_drafter(ckpt_dir: str | Path, *, dtype: torch.dtype = torch.float32, de
     cfg.block_size = raw["block_size"]
     cfg.num_target_layers = raw["num_target_layers"]
     cfg.dflash_config = raw["dflash_config"]
-    drafter = DFlashDrafter(cfg)
+    from dflash_pipeline.drafter.families import drafter_class, family_of
+
+    drafter = drafter_class(family_of(raw))(cfg)
     state = load_file(str(ckpt / "model.safetensors"))
     state = {k.removeprefix("model."): v for k, v in state.items()}
     missing, unexpected = drafter.load_state_dict(state, strict=False)

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from dflash_pipeline.train import fsdp as FS
+from dflash_pipeline.drafter import families as FA
 from dflash_pipeline.drafter import model as M
 from dflash_pipeline.train import packing as P
 from dflash_pipeline.target import loading as T
@@ -109,9 +110,12 @@ def collate(batch, pad_id: int = 0) -> dict[str, torch.Tensor]:
 load_target = T.load_target  # one loader for every family (dflash_pipeline.target.loading); re-exported here
 
 
-def build_drafter(target, probe: dict, *, seed: int = 0, layer_types=None, sliding_window=None) -> M.DFlashDrafter:
+def build_drafter(target, probe: dict, *, seed: int = 0, layer_types=None, sliding_window=None, family: str = "dflash",
+                  family_settings: Optional[dict] = None) -> M.DFlashDrafter:
     """Random-init float32 drafter sized from the target config and the probe's drafter decisions
-    (``layer_types``/``sliding_window``: optional sliding-window draft layers, config ``drafter.*``)."""
+    (``layer_types``/``sliding_window``: optional sliding-window draft layers, config ``drafter.*``;
+    ``family``/``family_settings``: ``drafter.family`` and its ``drafter.<family>`` section,
+    :mod:`dflash_pipeline.drafter.families`)."""
     d = probe["drafter"]
     cfg = M.drafter_config_from_target(
         T.text_config(target.config),
@@ -122,8 +126,9 @@ def build_drafter(target, probe: dict, *, seed: int = 0, layer_types=None, slidi
         layer_types=layer_types,
         sliding_window=sliding_window,
     )
+    FA.apply_family(cfg, family, family_settings)
     torch.manual_seed(seed)
-    return M.DFlashDrafter(cfg)
+    return FA.drafter_class(family)(cfg)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -264,7 +269,8 @@ def _prepare_run(accelerator, cfg: dict, out_dir: Path, data: RunData, probe: di
         RuntimeError: the prepared per-rank loader has another length than the schedule assumes.
     """
     drafter = build_drafter(data.target if data.target is not None else train_data.ConfigOnly(data.source.target_config), probe,
-                            seed=cfg["seed"], layer_types=arch.get("layer_types"), sliding_window=arch.get("sliding_window"))
+                            seed=cfg["seed"], layer_types=arch.get("layer_types"), sliding_window=arch.get("sliding_window"),
+                            family=arch.get("family", FA.DEFAULT_FAMILY), family_settings=arch.get(arch.get("family", "")))
     backend = cfg["attention_backend"] if cfg.get("attention_backend", "auto") != "auto" else (
         "flex" if accelerator.device.type == "cuda" else "sdpa")
     block_size = drafter.block_size
@@ -288,6 +294,7 @@ def _prepare_run(accelerator, cfg: dict, out_dir: Path, data: RunData, probe: di
         zero_target_features=zero_target_features, backend=backend, world_size=accelerator.num_processes,
         reduce_sum=lambda t: accelerator.reduce(t.to(accelerator.device), "sum"), embed=data.source.embed, lm_head=data.source.lm_head,
         loss=cfg["loss"], kl_temperature=cfg["kl_temperature"], kl_ce_weight=cfg["kl_ce_weight"], dpace_alpha=cfg["dpace_alpha"],
+        **({k: cfg[k] for k in FA.FAMILY_TRAIN_KEYS} if drafter.family != FA.DEFAULT_FAMILY else {}),
     )
     val_batches, val_counted = _heldout_batches(data.heldout, cfg, accelerator.process_index, accelerator.num_processes)
     return TrainRun(accelerator=accelerator, cfg=cfg, out_dir=out_dir, data=data, schedule=sch, num_rows=len(dataset),

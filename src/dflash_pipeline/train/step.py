@@ -19,6 +19,10 @@ from dflash_pipeline.drafter import model as M
 from dflash_pipeline.train import packing as P
 from dflash_pipeline.target import loading as T
 from dflash_pipeline.target.hidden import target_features
+from dflash_pipeline.train import family_objectives as FO
+
+#: Objectives that read the target's final-normed last hidden state (its distribution): ``kl``, DSpark's ``dspark_tv``.
+TEACHER_LOSSES = ("kl", "dspark_tv")
 
 
 @dataclass
@@ -47,6 +51,9 @@ class StepContext:
     kl_temperature: float = 1.0
     kl_ce_weight: float = 0.0
     dpace_alpha: float = 0.5
+    selector_gold: str = "insert"  # DFlash2 (train.selector_gold, dflash_pipeline.train.family_objectives)
+    selector_weight: float = 1.0
+    confidence_weight: float = 1.0  # DSpark's confidence head (train.confidence_weight)
 
     def __post_init__(self):
         self.embed = self.embed if self.embed is not None else T.input_embeddings(self.target)
@@ -72,9 +79,11 @@ def step_objective(ctx: StepContext, batch: dict) -> L.LossOutput:
     ids, lmask = batch["input_ids"], batch["loss_mask"]
     packed = "segment_ids" in batch
     d = ctx.probe["drafter"]
-    teacher_needed = ctx.loss == "kl"
+    teacher_needed = ctx.loss in TEACHER_LOSSES
     feats, last = _batch_features(ctx, batch)
     core = getattr(ctx.drafter, "module", ctx.drafter)
+    if getattr(core, "family", "dflash") == "dspark":
+        return FO.dspark_step(ctx, core, ids, lmask, feats, last)
     b, s = ids.shape
     if packed:
         pos, seg = batch["position_ids"], batch["segment_ids"]
@@ -99,9 +108,13 @@ def step_objective(ctx: StepContext, batch: dict) -> L.LossOutput:
     noise, feats = T.to_drafter_dtype(ctx.drafter, noise, feats)
     hidden = ctx.drafter(noise, feats, ctx_pos, block_pos, attn_mask=mask)
     teacher = L.teacher_slot_hidden(last, rows) if teacher_needed else None
-    return L.compute_loss(ctx.loss, hidden, ctx.lm_head.weight, labels, weights, ctx.block_size, teacher_hidden=teacher,
-                          temperature=ctx.kl_temperature, ce_weight=ctx.kl_ce_weight, dpace_alpha=ctx.dpace_alpha,
-                          num_sequences=num_sequences)
+    out = L.compute_loss(ctx.loss, hidden, ctx.lm_head.weight, labels, weights, ctx.block_size, teacher_hidden=teacher,
+                         temperature=ctx.kl_temperature, ce_weight=ctx.kl_ce_weight, dpace_alpha=ctx.dpace_alpha,
+                         num_sequences=num_sequences)
+    if getattr(core, "family", "dflash") == "dflash2":  # + the candidate selector's K-way CE
+        out = FO.dflash2_objective(out, core, hidden, ctx.lm_head.weight, labels, weights, ctx.block_size,
+                                   gold=ctx.selector_gold, selector_weight=ctx.selector_weight)
+    return out
 
 
 def _batch_features(ctx: StepContext, batch: dict) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -116,7 +129,7 @@ def _batch_features(ctx: StepContext, batch: dict) -> tuple[torch.Tensor, Option
     """
     ids, am = batch["input_ids"], batch["attention_mask"]
     d = ctx.probe["drafter"]
-    teacher_needed = ctx.loss == "kl"
+    teacher_needed = ctx.loss in TEACHER_LOSSES
     last = batch.get("target_last_hidden")
     with torch.no_grad():
         if "features" in batch:  # feature shards (train.target_features: shards): the target never runs here
