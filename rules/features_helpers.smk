@@ -34,7 +34,8 @@ def train_params():
     """`config["train"]` for the train rule's params, without `device` (where, not what: `--device`) and
     without `target_features` when it is `online` (the key's default: runs trained before the key existed
     keep their params, so they are not retrained)."""
-    return {k: v for k, v in config["train"].items()
+    train = drafter_families.train_params(config["train"], config["drafter"]["family"])  # family-only keys: non-default families
+    return {k: v for k, v in train.items()
             if k != "device" and not (k == "target_features" and v == "online")}
 
 

@@ -17,7 +17,7 @@ rule train_drafter:
         target=target_dir_of_input,
         run_dir=run_dir_of,
         train=as_json(train_params()),
-        arch=as_json({k: config["drafter"][k] for k in ("layer_types", "sliding_window")}),
+        arch=as_json(drafter_families.arch_params(config["drafter"])),  # + family and its section when not dflash
         srun=srun_prefix(),
         # + `--feature-shard F` per feature shard with train.target_features: shards (rules/features.smk); in
         # one param and the online default left out of `train`, so an online run's params are unchanged

@@ -3,6 +3,7 @@
 # in dflash_pipeline.workflow.policy (tests/unit/test_workflow.py pins it).
 from dflash_pipeline.workflow import policy as wf
 from dflash_pipeline.workflow.policy import as_json, canonical
+from dflash_pipeline.drafter import families as drafter_families
 
 
 def generation_output_params():

@@ -117,6 +117,16 @@ def load_fields(raw: Mapping[str, Any]) -> dict:
     return out
 
 
+def settings_of(raw: Mapping[str, Any]) -> dict:
+    """The ``drafter.<family>`` section a ``config.json`` was written from (inverse of :func:`apply_family`)."""
+    family = family_of(raw)
+    if family == "dflash2":
+        return {k: raw["dflash_config"][k] for k in DFLASH2_KEYS}
+    if family == "dspark":
+        return {k: raw[k] for k in DSPARK_KEYS}
+    return {}
+
+
 def drafts_per_block(family: str, block_size: int) -> int:
     """Tokens a block proposes: B for DSpark (the anchor predicts the first), B − 1 otherwise."""
     return int(block_size) if family == "dspark" else int(block_size) - 1
@@ -278,3 +288,8 @@ def train_params(train: Mapping[str, Any], family: str) -> dict:
     if family != DEFAULT_FAMILY:
         return dict(train)
     return {k: v for k, v in train.items() if k not in FAMILY_TRAIN_KEYS}
+
+
+def eval_params(ev: Mapping[str, Any]) -> dict:
+    """``eval`` without ``confidence_threshold`` at its default 0 (runs evaluated before the key keep their params)."""
+    return {k: v for k, v in ev.items() if not (k == "confidence_threshold" and not v)}

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
 from dflash_pipeline.drafter import model as M
+from dflash_pipeline.drafter.families import drafts_per_block
 from dflash_pipeline.core.contracts import EVAL_SCHEMA_VERSION
 from dflash_pipeline.evaluate.outputs import (
     TABLE_COLUMNS,
@@ -79,6 +80,21 @@ def acceptance_stats(accept_lengths_per_response: Sequence[Sequence[int]], block
         "num_steps": n,
         "tokens_per_step": sum(steps) / n if n else 0.0,
     }
+
+
+def family_build_args(ckpt_dir: Optional[str | Path]) -> dict:
+    """``build_drafter`` keywords that make an untrained drafter of the family of the export in ``ckpt_dir``
+    ({} for DFlash or none: the floor every DFlash run has always had)."""
+    from dflash_pipeline.drafter.families import family_of, settings_of
+
+    if ckpt_dir is None:
+        return {}
+    raw = json.loads((Path(ckpt_dir) / "config.json").read_text(encoding="utf-8"))
+    family = family_of(raw)
+    if family == "dflash":
+        return {}
+    return {"family": family, "family_settings": settings_of(raw), "layer_types": raw.get("layer_types"),
+            "sliding_window": raw.get("sliding_window") if "sliding_attention" in (raw.get("layer_types") or []) else None}
 
 
 def checkpoint_info(ckpt_dir: str | Path) -> dict:
@@ -153,6 +169,7 @@ def load_eval_sets(eval_cfg: dict, exclude_prompt_ids: Iterable[str] = ()) -> tu
 def run_eval_set(
     target, tok, drafter, prompts: Sequence[dict], *, block_size: int, max_new_tokens: int, temperature: float,
     seed: int, thinking: str, stop_token_ids: Sequence[int], zero_target_features: bool = False,
+    confidence_threshold: float = 0.0,
 ) -> dict:
     """τ and friends (:func:`acceptance_stats`) of one drafter on one eval set.
 
@@ -174,14 +191,15 @@ def run_eval_set(
             res = speculative_generate(
                 target, drafter, prompt_ids, block_size=block_size, max_new_tokens=max_new_tokens,
                 temperature=temperature, stop_token_ids=stop_token_ids, generator=gen,
-                zero_target_features=zero_target_features,
+                zero_target_features=zero_target_features, confidence_threshold=confidence_threshold,
             )
             responses.append(res.accept_lengths)
             new_tokens += len(res.output_ids)
             forwards += res.target_forwards
             history.append({"role": "assistant", "content": tok.decode(res.output_ids, skip_special_tokens=True)})
     seconds = time.time() - t0
-    stats = acceptance_stats(responses, block_size)
+    # a+1 ≤ drafts + 1: B for DFlash/DFlash2, B + 1 for DSpark (dflash_pipeline.drafter.families)
+    stats = acceptance_stats(responses, drafts_per_block(getattr(drafter, "family", "dflash"), block_size) + 1)
     stats.update(
         num_conversations=len(prompts), new_tokens=new_tokens, target_forwards=forwards,
         tokens_per_target_forward=new_tokens / max(1, forwards), seconds=seconds,
@@ -203,6 +221,7 @@ class EvalSession:
     set_info: dict[str, dict]
     settings: dict
     loop: dict
+    untrained_family: dict = field(default_factory=dict)  # build_drafter keywords of the untrained floor
 
 
 def open_session(*, target_dir, probe: dict, eval_cfg: dict, thinking: str, chat_template=None,
@@ -228,6 +247,9 @@ def open_session(*, target_dir, probe: dict, eval_cfg: dict, thinking: str, chat
     }
     loop = dict(block_size=bs, max_new_tokens=eval_cfg["max_new_tokens"], temperature=temperature,
                 seed=eval_cfg["seed"], thinking=thinking, stop_token_ids=stops)
+    if eval_cfg.get("confidence_threshold"):  # DSpark's verify gate; the params leave it out at its default 0
+        loop["confidence_threshold"] = float(eval_cfg["confidence_threshold"])
+        settings["confidence_threshold"] = loop["confidence_threshold"]
     return EvalSession(target, tok, probe, eval_cfg, dev, sets, set_info, settings, loop)
 
 
@@ -242,9 +264,9 @@ def load_eval_drafter(session: EvalSession, label: str, ckpt: Optional[str | Pat
     from dflash_pipeline.train.run import build_drafter
 
     dt = drafter_dtype(session.target)
-    if ckpt is None:
-        drafter, info = build_drafter(session.target, session.probe, seed=session.eval_cfg["seed"]), {
-            "train_steps": 0, "zero_target_features": False}
+    if ckpt is None:  # the floor: an untrained drafter of the trained one's family (DFlash for DFlash runs)
+        drafter, info = build_drafter(session.target, session.probe, seed=session.eval_cfg["seed"],
+                                      **session.untrained_family), {"train_steps": 0, "zero_target_features": False}
     else:
         drafter, info = M.load_drafter(ckpt, dtype=dt, device=session.device), checkpoint_info(ckpt)
     bs = session.loop["block_size"]
@@ -264,6 +286,7 @@ def run_drafters(session: EvalSession, drafters: dict[str, Optional[str | Path]]
         "sets": session.set_info,
         "drafters": {},
     }
+    session.untrained_family = family_build_args(next((c for c in drafters.values() if c), None))
     for label, ckpt in drafters.items():
         drafter, info = load_eval_drafter(session, label, ckpt)
         entry = {"checkpoint": str(ckpt) if ckpt else None, "train_steps": info["train_steps"],
