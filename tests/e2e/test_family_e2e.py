@@ -12,8 +12,7 @@ import json
 
 import pytest
 import yaml
-
-from conftest import REPO, planned_jobs, snakemake  # noqa: F401  (shared helpers)
+from conftest import REPO, planned_jobs, snakemake
 
 pytestmark = pytest.mark.e2e
 
@@ -60,7 +59,7 @@ def test_family_trains_above_its_untrained_floor(family_runs, family):
     top = 5.0 if family == "dspark" else 4.0  # DSpark verifies the whole block of 4 drafts: a+1 ≤ 5
     trained, floor = ev["tau"]["trained"], ev["tau"]["untrained"]
     assert all(1.0 <= t <= top for t in list(trained.values()) + list(floor.values())), ev["tau"]
-    mean = lambda d: sum(d.values()) / len(d)  # noqa: E731
+    mean = lambda d: sum(d.values()) / len(d)
     print(f"{family}: trained τ {trained} vs untrained {floor}")
     assert mean(trained) > mean(floor), ev["tau"]
     serve = (work / f"results/checkpoints/e2e-{family}/final/serve.md").read_text()

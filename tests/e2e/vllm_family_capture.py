@@ -35,11 +35,11 @@ import sys
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-import torch  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
+import torch
+from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vllm_dflash_capture import patch_normalize_context_k, stacked_rms_norm_ok  # noqa: E402
+from vllm_dflash_capture import patch_normalize_context_k, stacked_rms_norm_ok
 
 
 def walk_reference(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
@@ -164,7 +164,8 @@ def run(spec: dict, run_spec: dict, recorder: Recorder) -> None:
 
 
 def main() -> None:
-    spec = json.load(open(sys.argv[1]))
+    with open(sys.argv[1]) as fh:
+        spec = json.load(fh)
     os.makedirs(spec["out"], exist_ok=True)
     register_dspark_v1_name()
     recorder = Recorder()

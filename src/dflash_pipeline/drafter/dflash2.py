@@ -27,8 +27,6 @@ tokens from the anchor, as DFlash does. Notation as in :mod:`dflash_pipeline.dra
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -145,14 +143,14 @@ class CandidateSelector(nn.Module):
         return unary.float().unsqueeze(2) + e.view(n, L, k, k)
 
 
-def unary_top_k(logits: torch.Tensor, k: int, output_multiplier: float, softcap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+def unary_top_k(logits: torch.Tensor, k: int, output_multiplier: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids long [..., K], unary float32 [..., K])``: the top-K of raw ``logits`` [..., V], then scale, then
     cap (``logits_processor.py:298-318``; both monotonic, so the selection is the raw logits' top-K)."""
     values, ids = logits.topk(k, dim=-1)
     return ids, cap_logits(values.float(), output_multiplier, softcap)
 
 
-def cap_logits(values: torch.Tensor, output_multiplier: float, softcap: Optional[float]) -> torch.Tensor:
+def cap_logits(values: torch.Tensor, output_multiplier: float, softcap: float | None) -> torch.Tensor:
     """``softcap · tanh(multiplier · v / softcap)`` (no cap when ``softcap`` is None or ≤ 0)."""
     if output_multiplier != 1.0:
         values = values * output_multiplier
@@ -169,7 +167,7 @@ def walk(scores: torch.Tensor, cand_ids: torch.Tensor) -> torch.Tensor:
     Returns:
         long [n, L] drafted tokens.
     """
-    n, L, k, _ = scores.shape
+    n, L = scores.shape[:2]
     prev = torch.zeros(n, dtype=torch.long, device=scores.device)
     rows = torch.arange(n, device=scores.device)
     out = []
@@ -210,7 +208,7 @@ class DFlash2Drafter(DFlashDrafter):
         """As :meth:`DFlashDrafter.forward`; the convolutions' block is the drafter's block size, or the query
         length when it is one shorter block (inference at ``eval.block_size`` < the trained one)."""
         q = noise_embedding.shape[1]
-        bs = q if q < self.block_size else self.block_size
+        bs = min(self.block_size, q)
         for layer in self.layers:
             layer.conv_block_size = bs
         return super().forward(noise_embedding, target_hidden, ctx_position_ids, block_position_ids, attn_mask, cache)

@@ -21,8 +21,6 @@ Config keys (``config.json``): ``markov_rank`` at the top level (``qds:212``), `
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
@@ -83,7 +81,7 @@ class DSparkDrafter(DFlashDrafter):
             raise ValueError(f"config.markov_head_type: {head!r} is not supported (only {', '.join(MARKOV_HEAD_TYPES)})")
         super().__init__(config)
         self.markov_head = MarkovHead(config.vocab_size, rank)
-        self.confidence_head: Optional[ConfidenceHead] = None
+        self.confidence_head: ConfidenceHead | None = None
         if getattr(config, "enable_confidence_head", False):
             with_markov = bool(getattr(config, "confidence_head_with_markov", False))
             self.confidence_head = ConfidenceHead(config.hidden_size + (rank if with_markov else 0), with_markov)
@@ -114,7 +112,7 @@ class DSparkDrafter(DFlashDrafter):
         return torch.stack(drafts, dim=1), conf
 
 
-def verify_length(confidence: Optional[torch.Tensor], threshold: float, num_drafts: int) -> int:
+def verify_length(confidence: torch.Tensor | None, threshold: float, num_drafts: int) -> int:
     """How many of ``num_drafts`` drafts to verify: all when ``threshold`` ≤ 0 or there is no confidence
     head, else the longest prefix whose survival Π_{i≤k} conf_i stays ≥ ``threshold`` (at least 1).
     vLLM's adaptive verification ranks slots by the same survival product (``adaptive_verification.py:56-70``)

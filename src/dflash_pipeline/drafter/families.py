@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
 FAMILIES = ("dflash", "dflash2", "dspark")
 DEFAULT_FAMILY = "dflash"
@@ -72,7 +73,7 @@ def family_of(config) -> str:
                      f"({', '.join(ARCHITECTURE_FAMILY)})")
 
 
-def apply_family(cfg, family: str, settings: Optional[Mapping[str, Any]] = None) -> None:
+def apply_family(cfg, family: str, settings: Mapping[str, Any] | None = None) -> None:
     """Put ``family``'s fields on a drafter ``Qwen3Config`` in place: ``architectures``, and for
     ``dflash2`` the ``drafter.dflash2`` keys in ``dflash_config`` (with ``causal: false``), for ``dspark`` the
     ``drafter.dspark`` keys at the top level with ``sample_from_anchor: true``. ``settings``: the

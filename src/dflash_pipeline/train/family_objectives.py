@@ -22,7 +22,6 @@ normaliser is Σ w_k, so the trainer's global normalisation applies unchanged. N
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -118,7 +117,7 @@ def dflash2_objective(base: L.LossOutput, drafter, hidden, lm_head_weight, label
     scaled to ``base``'s normaliser: the reported loss is base + λ · (weighted mean selector CE)."""
     if selector_weight == 0:
         return base
-    sel_total, covered, stats = selector_term(drafter, hidden, lm_head_weight, labels, weights, block_size, gold=gold,
+    sel_total, _, stats = selector_term(drafter, hidden, lm_head_weight, labels, weights, block_size, gold=gold,
                                               chunk_tokens=chunk_tokens)
     wsum = weights.detach().float().clamp(min=0).sum()
     scale = base.normalizer.detach() / wsum.clamp(min=1e-12)
@@ -141,7 +140,7 @@ class DSparkBlocks:
 
 
 def dspark_blocks(input_ids, loss_mask, anchors: BL.AnchorBatch, block_size: int, mask_token_id: int,
-                  gamma: Optional[float]) -> DSparkBlocks:
+                  gamma: float | None) -> DSparkBlocks:
     """Blocks drafted from the anchor (``qwen3_dspark.py`` / ``dspark/speculator.py:10-17``): slot k of the
     block anchored at p sits at p+k and predicts ``input_ids[p+k+1]``; weight = keep · [p+k+1 < S] ·
     loss_mask[p+k+1] · exp(−k/γ) (γ None → 1). Built from :func:`dflash_pipeline.drafter.blocks.block_inputs_and_labels`
@@ -149,11 +148,11 @@ def dspark_blocks(input_ids, loss_mask, anchors: BL.AnchorBatch, block_size: int
     b = input_ids.shape[0]
     n = anchors.anchors.shape[1]
     ids, pos, labels, weights = BL.block_inputs_and_labels(input_ids, loss_mask, anchors, block_size + 1, mask_token_id, None)
-    view = lambda t: t.view(b, n, block_size + 1)  # noqa: E731
+    view = lambda t: t.view(b, n, block_size + 1)
     ids, pos, labels, weights = view(ids), view(pos), view(labels), view(weights)
     k = torch.arange(block_size, device=input_ids.device, dtype=torch.float32)
     decay = torch.ones_like(k) if gamma is None else torch.exp(-k / gamma)
-    flat = lambda t: t.reshape(b, n * block_size)  # noqa: E731
+    flat = lambda t: t.reshape(b, n * block_size)
     return DSparkBlocks(ids=flat(ids[..., :block_size]), pos=flat(pos[..., :block_size]), labels=flat(labels[..., 1:]),
                         prev=flat(labels[..., :block_size]), rows=flat(pos[..., 1:]),
                         weights=flat((weights[..., 1:] > 0).float() * decay))
@@ -166,7 +165,7 @@ def dspark_objective(
     blocks: DSparkBlocks,
     *,
     loss: str = "dspark_tv",
-    teacher_hidden: Optional[torch.Tensor] = None,
+    teacher_hidden: torch.Tensor | None = None,
     ce_weight: float = 0.1,
     tv_weight: float = 0.9,
     confidence_weight: float = 1.0,
@@ -224,7 +223,7 @@ def dspark_objective(
 
 
 def dspark_step(ctx, core, ids: torch.Tensor, lmask: torch.Tensor, feats: torch.Tensor,
-                last: Optional[torch.Tensor]) -> L.LossOutput:
+                last: torch.Tensor | None) -> L.LossOutput:
     """One DSpark forward pass on unpacked rows (packing is refused at planning): anchors → blocks drafted
     from the anchor (:func:`dspark_blocks`) → the drafter under the DFlash training mask (context < anchor,
     own block) → :func:`dspark_objective`. ``ctx``: the step's

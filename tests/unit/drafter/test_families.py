@@ -54,7 +54,7 @@ def test_grouped_conv_never_reaches_across_a_block_boundary():
 def test_untrained_dflash2_is_dflash():
     """Identity-initialised convolutions: with DFlash's weights an untrained DFlash2 backbone computes DFlash's
     hidden states (so DFlash2 starts where DFlash does, speculators #1006)."""
-    target, dflash = tiny("dflash")
+    _, dflash = tiny("dflash")
     _, d2 = tiny("dflash2")
     missing, unexpected = d2.load_state_dict(dflash.state_dict(), strict=False)
     assert not unexpected and all("_conv." in m or "candidate_selector" in m for m in missing)
@@ -102,7 +102,7 @@ def test_dspark_blocks_draft_from_the_anchor():
     assert blk.prev[0, :4].tolist() == [12, 13, 14, 15]  # the Markov head's input: the gold token at p+k
     assert blk.rows[0, :4].tolist() == [3, 4, 5, 6]
     w = blk.weights[0].tolist()
-    e = lambda x: torch.exp(torch.tensor(x)).item()  # noqa: E731
+    e = lambda x: torch.exp(torch.tensor(x)).item()
     assert w[:4] == pytest.approx([1.0, e(-0.5), e(-1.0), e(-1.5)])  # exp(−k/γ) from the first prediction
     assert w[4:] == pytest.approx([1.0, 0.0, e(-1.0), 0.0])  # p+k+1 = 8 unsupervised, 10 out of range
 
