@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from dflash_pipeline.drafter import attention_masks as AM
 from dflash_pipeline.drafter import blocks as BL
+from dflash_pipeline.drafter import dflash2 as D2
 from dflash_pipeline.drafter.dflash2 import cap_logits
 from dflash_pipeline.target import loading as T
 from dflash_pipeline.target.loading import lm_head_logits
@@ -139,23 +140,53 @@ class DSparkBlocks:
     weights: torch.Tensor
 
 
+def dspark_view(ids, pos, labels, weights, block_size: int, gamma: float | None = None) -> DSparkBlocks:
+    """DSpark blocks from DFlash-layout blocks of B + 1 slots (each [b, N·(B+1)]): slot j ≥ 1's label is DSpark
+    slot j − 1's (:func:`dspark_blocks`; also the packed blocks of :mod:`dflash_pipeline.train.packing`)."""
+    b = ids.shape[0]
+
+    def view(t):
+        return t.reshape(b, -1, block_size + 1)
+
+    def flat(t):
+        return t.reshape(b, -1)
+
+    ids, pos, labels, weights = view(ids), view(pos), view(labels), view(weights)
+    k = torch.arange(block_size, device=ids.device, dtype=torch.float32)
+    decay = torch.ones_like(k) if gamma is None else torch.exp(-k / gamma)
+    return DSparkBlocks(ids=flat(ids[..., :block_size]), pos=flat(pos[..., :block_size]), labels=flat(labels[..., 1:]),
+                        prev=flat(labels[..., :block_size]), rows=flat(pos[..., 1:]),
+                        weights=flat((weights[..., 1:] > 0).float() * decay))
+
+
+def greedy_hits(core, lm_head, hidden: torch.Tensor, labels: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced greedy hits of a family's draft rule, bool [b, Q]: DFlash2 — the selector's best candidate
+    after the gold predecessor ``prev`` (a gold token outside the top-K is a miss, as at serving); DSpark — the
+    argmax of the Markov-biased logits after ``prev``. ``hidden`` [b, Q, H]; ``labels``/``prev`` long [b, Q]."""
+    hits = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
+    for i in range(0, hidden.shape[1], 4096):  # chunks of slots: never [Q, V] logits at once
+        h, y, p = hidden[:, i : i + 4096], labels[:, i : i + 4096], prev[:, i : i + 4096]
+        logits = lm_head(h.to(lm_head.weight.dtype)).float()
+        if core.family == "dspark":
+            pick = core.step_logits(logits, p)[0].argmax(-1)
+        else:
+            cand, unary = D2.unary_top_k(logits, core.top_k, core.output_multiplier, core.softcap)
+            n, q = y.shape
+            e = core.candidate_selector.edge(h.reshape(n * q, -1), p.reshape(-1, 1), cand.reshape(n * q, -1))
+            best = (unary.reshape(n * q, -1) + e[:, 0]).argmax(-1, keepdim=True)
+            pick = cand.reshape(n * q, -1).gather(1, best).view(n, q)
+        hits[:, i : i + 4096] = pick == y
+    return hits
+
+
 def dspark_blocks(input_ids, loss_mask, anchors: BL.AnchorBatch, block_size: int, mask_token_id: int,
                   gamma: float | None) -> DSparkBlocks:
     """Blocks drafted from the anchor (``qwen3_dspark.py`` / ``dspark/speculator.py:10-17``): slot k of the
     block anchored at p sits at p+k and predicts ``input_ids[p+k+1]``; weight = keep · [p+k+1 < S] ·
     loss_mask[p+k+1] · exp(−k/γ) (γ None → 1). Built from :func:`dflash_pipeline.drafter.blocks.block_inputs_and_labels`
     with B + 1 slots (its slot j ≥ 1 is DSpark's label of slot j − 1)."""
-    b = input_ids.shape[0]
-    n = anchors.anchors.shape[1]
     ids, pos, labels, weights = BL.block_inputs_and_labels(input_ids, loss_mask, anchors, block_size + 1, mask_token_id, None)
-    view = lambda t: t.view(b, n, block_size + 1)
-    ids, pos, labels, weights = view(ids), view(pos), view(labels), view(weights)
-    k = torch.arange(block_size, device=input_ids.device, dtype=torch.float32)
-    decay = torch.ones_like(k) if gamma is None else torch.exp(-k / gamma)
-    flat = lambda t: t.reshape(b, n * block_size)
-    return DSparkBlocks(ids=flat(ids[..., :block_size]), pos=flat(pos[..., :block_size]), labels=flat(labels[..., 1:]),
-                        prev=flat(labels[..., :block_size]), rows=flat(pos[..., 1:]),
-                        weights=flat((weights[..., 1:] > 0).float() * decay))
+    return dspark_view(ids, pos, labels, weights, block_size, gamma)
 
 
 def dspark_objective(
