@@ -14,7 +14,7 @@ import pytest
 import yaml
 from conftest import REPO, planned_jobs, snakemake
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3600)]  # a demo target and three trained, evaluated runs
 
 FAMILIES = {
     "dflash": {},
@@ -43,7 +43,7 @@ def family_runs(tmp_path_factory):
             cfg["train"]["loss"] = "dspark_tv"
         path = work / f"config-{family}.yaml"
         path.write_text(yaml.safe_dump(cfg))
-        proc = snakemake(work, f"results/eval/e2e-{family}/acceptance.json", configfile=path)
+        proc = snakemake(work, f"results/eval/e2e-{family}/acceptance.json", configfile=path, timeout=2400)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
         records[family] = json.loads((work / f"results/eval/e2e-{family}/acceptance.json").read_text())
     return work, records

@@ -34,7 +34,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]  # a demo target and one vLLM engine, two drafters
 
 BLOCK_SIZE = 4
 TARGET_LAYER_IDS = [1, 4]
