@@ -96,7 +96,7 @@ def family_captures(demo_target, vllm_python, tmp_path_factory):
     (work / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     proc = subprocess.run([vllm_python, str(REPO / "tests" / "e2e" / "vllm_family_capture.py"), str(work / "spec.json")],
-                          capture_output=True, text=True, timeout=600, env=env, check=False)
+                          capture_output=True, text=True, timeout=1500, env=env, check=False)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return {"target": demo_target, "dir": work / "captures", "drafters": drafters}
 
