@@ -21,6 +21,10 @@ contexts are real decode contexts. The DSpark checkpoint is loaded under the arc
 gives it (``DFlashQwen3DSparkModel``, EAGLEConfig's rename), registered here to vLLM's own
 ``Qwen3DSparkForCausalLM``.
 
+vLLM refuses the DFlash2 checkpoint on the V1 runner (it would draft as DFlash there); the capture lifts
+that check in its own process (:func:`allow_candidate_draft_on_v1`) because it runs the candidate head
+itself.
+
 SPEC.json as for vllm_dflash_capture.py, each run with ``"family": "dflash2" | "dspark"``. Writes
 ``OUT/<name>.safetensors`` (``s<i>.<field>``) and ``OUT/<name>.json``.
 """
@@ -118,6 +122,15 @@ class Recorder:
         return out
 
 
+def allow_candidate_draft_on_v1() -> None:
+    """vLLM refuses a DFlash2 draft on the V1 runner (``config/vllm.py:2987-2991``: its DFlashProposer never
+    calls the candidate head, so serving would silently degrade to DFlash). This capture calls the head
+    itself after every draft forward, so it lifts that one check in this process; nothing else changes."""
+    from vllm.config import VllmConfig
+
+    VllmConfig._is_dflash_candidate_draft = lambda self: False
+
+
 def register_dspark_v1_name() -> None:
     """The V1 path renames ``Qwen3DSparkModel`` to ``DFlashQwen3DSparkModel`` (EAGLEConfig, method dflash):
     map that name to vLLM's own Qwen3 DSpark class."""
@@ -168,6 +181,7 @@ def main() -> None:
         spec = json.load(fh)
     os.makedirs(spec["out"], exist_ok=True)
     register_dspark_v1_name()
+    allow_candidate_draft_on_v1()
     recorder = Recorder()
     recorder.install()
     for patched in (False, True):  # patched runs last: the patch stays installed for the rest of the process
