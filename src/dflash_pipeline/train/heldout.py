@@ -151,7 +151,10 @@ def batch_acceptance(drafter, target, embed, lm_head, batch: dict, *, target_lay
     if family == "dspark":  # B drafts from the anchor: blocks of B + 1 label slots, read shifted by one
         blk = FO.dspark_view(blk.ids, blk.pos, blk.labels, blk.weights, bsz)
     mask = P.build_packed_training_masks(core, anchors.anchors, seg, backend)
-    hidden = drafter(embed(blk.ids).to(features.dtype), features, pos, blk.pos, attn_mask=mask)
+    from dflash_pipeline.target.loading import to_drafter_dtype
+
+    noise, features = to_drafter_dtype(drafter, embed(blk.ids), features)  # as train.step does (feature shards: bf16)
+    hidden = drafter(noise, features, pos, blk.pos, attn_mask=mask)
     b = ids.shape[0]
     n = anchors.anchors.shape[1]
     keep = anchors.keep.reshape(-1)

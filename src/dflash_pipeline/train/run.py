@@ -294,6 +294,7 @@ def _prepare_run(accelerator, cfg: dict, out_dir: Path, data: RunData, probe: di
         zero_target_features=zero_target_features, backend=backend, world_size=accelerator.num_processes,
         reduce_sum=lambda t: accelerator.reduce(t.to(accelerator.device), "sum"), embed=data.source.embed, lm_head=data.source.lm_head,
         loss=cfg["loss"], kl_temperature=cfg["kl_temperature"], kl_ce_weight=cfg["kl_ce_weight"], dpace_alpha=cfg["dpace_alpha"],
+        logit_softcap=T.final_logit_softcap(data.target.config if data.target is not None else data.source.target_config),
         **({k: cfg[k] for k in FA.FAMILY_TRAIN_KEYS} if arch.get("family", FA.DEFAULT_FAMILY) != FA.DEFAULT_FAMILY else {}),
     )
     val_batches, val_counted = _heldout_batches(data.heldout, cfg, accelerator.process_index, accelerator.num_processes)

@@ -54,8 +54,13 @@ class StepContext:
     selector_gold: str = "insert"  # DFlash2 (train.selector_gold, dflash_pipeline.train.family_objectives)
     selector_weight: float = 1.0
     confidence_weight: float = 1.0  # DSpark's confidence head (train.confidence_weight)
+    #: the target's ``final_logit_softcapping`` (kl's teacher is capped like the target); None = read it
+    #: from ``target.config`` when a target is given
+    logit_softcap: Optional[float] = None
 
     def __post_init__(self):
+        if self.logit_softcap is None and self.target is not None:
+            self.logit_softcap = T.final_logit_softcap(self.target.config)
         self.embed = self.embed if self.embed is not None else T.input_embeddings(self.target)
         self.lm_head = self.lm_head if self.lm_head is not None else T.lm_head(self.target)
 
@@ -115,6 +120,9 @@ def step_objective(ctx: StepContext, batch: dict) -> L.LossOutput:
         out = FO.dflash2_objective(out, core, hidden, ctx.lm_head.weight, labels, weights, ctx.block_size,
                                    gold=ctx.selector_gold, selector_weight=ctx.selector_weight)
     return out
+    return L.compute_loss(ctx.loss, hidden, ctx.lm_head.weight, labels, weights, ctx.block_size, teacher_hidden=teacher,
+                          temperature=ctx.kl_temperature, ce_weight=ctx.kl_ce_weight, dpace_alpha=ctx.dpace_alpha,
+                          num_sequences=num_sequences, logit_softcap=ctx.logit_softcap)
 
 
 def _batch_features(ctx: StepContext, batch: dict) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -1,6 +1,6 @@
 """DFlash2 and DSpark drafters (drafter.family): the arithmetic the engine parity test cannot reach on one
 inference block (block boundaries, training blocks, objectives), the export vLLM loads, the families'
-verify rules in our loop, and the planning refusals. Engine parity: tests/e2e/test_family_parity.py."""
+verify rules in our loop, and the planning refusals. Engine parity: tests/e2e/test_drafter_family_parity.py."""
 
 from __future__ import annotations
 
