@@ -201,6 +201,7 @@ def dspark_objective(
     tv_weight: float = 0.9,
     confidence_weight: float = 1.0,
     chunk_tokens: int = 4096,
+    logit_softcap: float | None = None,
 ) -> L.LossOutput:
     """Σ_k w_k·[a·CE_k + c·TV_k + λ·BCE_k] with normaliser Σ w_k (module docstring); ``loss`` ``ce_decay``:
     a = 1, c = 0; ``dspark_tv``: a = ``ce_weight``, c = ``tv_weight``. λ = ``confidence_weight`` when the
@@ -210,6 +211,8 @@ def dspark_objective(
         drafter: a :class:`dflash_pipeline.drafter.dspark.DSparkDrafter` (unwrapped).
         hidden: [b, N·B, H]; lm_head_weight: [V, H]; blocks: :func:`dspark_blocks`.
         teacher_hidden: [b, N·B, H] target final hidden state predicting each label (required for ``dspark_tv``).
+        logit_softcap: the target's ``final_logit_softcapping``: its teacher logits are capped as the target's
+            are (:func:`dflash_pipeline.train.losses.kl` does the same).
     Raises:
         ValueError: unknown ``loss``, or ``dspark_tv`` without ``teacher_hidden``.
     """
@@ -234,7 +237,10 @@ def dspark_objective(
         term = a * F.cross_entropy(logits, yc, reduction="none")
         if c:
             with torch.no_grad():
-                p_t = torch.softmax(lm_head_logits(tc, lm_head_weight), dim=-1)
+                z_t = lm_head_logits(tc, lm_head_weight)
+                if logit_softcap:
+                    z_t = torch.tanh(z_t / logit_softcap) * logit_softcap
+                p_t = torch.softmax(z_t, dim=-1)
             term = term + c * 0.5 * (torch.softmax(logits, dim=-1) - p_t).abs().sum(-1)
         ok = logits.argmax(-1) == yc
         if lam:
@@ -272,4 +278,4 @@ def dspark_step(ctx, core, ids: torch.Tensor, lmask: torch.Tensor, feats: torch.
     hidden = ctx.drafter(noise, feats, ctx_pos, blk.pos, attn_mask=mask)
     teacher = L.teacher_slot_hidden(last, blk.rows) if ctx.loss == "dspark_tv" else None
     return dspark_objective(core, hidden, ctx.lm_head.weight, blk, loss=ctx.loss, teacher_hidden=teacher,
-                            confidence_weight=ctx.confidence_weight)
+                            confidence_weight=ctx.confidence_weight, logit_softcap=ctx.logit_softcap)
