@@ -14,6 +14,9 @@ python bench/bench_train.py --device cuda --bf16 --backend sdpa --hidden 4096 --
 # the sliding-window + sinks family and the nested kimi_k25 family (tests/unit/testing/test_zoo.py covers the CPU side).
 python -m dflash_pipeline.testing.zoo --table --device auto --models "${DFLASH_MODELS_DIR:-../shared/data/models}" \
     --family Qwen3.5-35B-A3B --family gpt-oss-20b --family Kimi-K2.5
+# DFlash2's Triton kernels (grouped convolution, candidate walk) against our plain-torch versions, in the CUDA vLLM
+# environment (the CPU parity of tests/e2e/test_drafter_family_parity.py follows the kernels' arithmetic; this runs them).
+"${DFLASH_VLLM_PYTHON:-.venv-vllm/bin/python}" bench/gpu_family_kernels.py
 # SGLang (README "SGLang"; it needs CUDA, so the CPU suite checks its shapes on the test server's sglang flavor):
 # token ids from SGLang in each thinking mode, the streamed-chat refusal, engine τ of a DFlash drafter from
 # meta_info. SGLang >= v0.5.18 must be installed in $DFLASH_SGLANG_PYTHON (default: this python); the check

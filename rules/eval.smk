@@ -39,7 +39,7 @@ rule evaluate_acceptance:
         target=target_dir_of_input,
         # the engine* keys reach the loop only through engine.json: changing them reruns evaluate_engine only
         eval={
-            **canonical({k: v for k, v in wf.without_new_defaults("eval", config["eval"]).items()
+            **canonical({k: v for k, v in drafter_families.eval_params(wf.without_new_defaults("eval", config["eval"])).items()
                          if not k.startswith("engine")}),
             "sets": canonical(with_repo_paths(config["eval"]["sets"]), keep_order=True),
         },
@@ -76,7 +76,7 @@ rule evaluate_engine:
         engine=f"{eval_dir()}/engine.json",
     params:
         target=target_dir_of_input,
-        eval={**canonical(wf.without_new_defaults("eval", config["eval"])),
+        eval={**canonical(drafter_families.eval_params(wf.without_new_defaults("eval", config["eval"]))),
               "sets": canonical(with_repo_paths(config["eval"]["sets"]), keep_order=True)},
         thinking=config["generation"]["thinking"],
         chat_template=config["target"]["chat_template"],

@@ -6,7 +6,7 @@ rule probe_target:
         probe_json(),
     params:
         target=target_dir_of_input,
-        drafter=canonical(config["drafter"]),
+        drafter=canonical(drafter_families.probe_params(config["drafter"])),  # the family keys do not change the probe
         trust_remote_code=config["target"]["trust_remote_code"],
         chat_template=config["target"]["chat_template"],
     log:

@@ -6,6 +6,7 @@ import shlex
 
 from dflash_pipeline.workflow import policy as wf
 from dflash_pipeline.workflow.policy import as_json, canonical
+from dflash_pipeline.drafter import families as drafter_families
 
 
 def generation_output_params():
@@ -71,13 +72,14 @@ def train_params():
     """`config["train"]` for the train rule's params, without `device` (where, not what: `--device`) and
     without `target_features` when it is `online` (the key's default: runs trained before the key existed
     keep their params, so they are not retrained)."""
-    return {k: v for k, v in wf.without_new_defaults("train", config["train"]).items()
+    train = drafter_families.train_params(config["train"], config["drafter"]["family"])  # family keys: non-default only
+    return {k: v for k, v in wf.without_new_defaults("train", train).items()
             if k != "device" and not (k == "target_features" and v == "online")}
 
 
 def train_arch():
     """`params.arch` of train_drafter: the optional sliding-window draft layers (drafter.layer_types/sliding_window)."""
-    return {k: config["drafter"][k] for k in ("layer_types", "sliding_window")}
+    return drafter_families.arch_params(config["drafter"])  # + family and its section when not dflash
 
 
 def train_feature_flags(wildcards, input):

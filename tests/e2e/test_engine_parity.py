@@ -45,6 +45,7 @@ def make_drafter(target_dir: Path, out: Path, num_layers: int, seed: int) -> Pat
 
     from dflash_pipeline.drafter import model as M
 
+
     tcfg = AutoConfig.from_pretrained(target_dir)
     tok = AutoTokenizer.from_pretrained(target_dir)
     cfg = M.drafter_config_from_target(tcfg, block_size=BLOCK_SIZE, num_draft_layers=num_layers,
@@ -185,12 +186,12 @@ def max_diff(pairs) -> float:
 
 @pytest.mark.parametrize("name", ["one_layer", "two_layer_patched"])
 def test_draft_logits_match_vllm(vllm_captures, target_model, name):
-    from dflash_pipeline.drafter import model as M
+    from dflash_pipeline.drafter import build as DB
 
     meta, steps = load_capture(vllm_captures, name)
     assert len(steps) >= 10 and len({s["prompt"] for s in steps}) == 3, meta
     assert any(len(s["ctx_positions"]) > 1 and s["ctx_positions"][0] > 0 for s in steps)  # decode steps, not only prefill
-    drafter = M.load_drafter(vllm_captures["drafters"][name], dtype=torch.float32)
+    drafter = DB.load_drafter(vllm_captures["drafters"][name], dtype=torch.float32)
     pairs = replay(drafter, target_model, steps)
     scale = max(float(theirs.abs().max()) for _, theirs in pairs)
     assert scale > 1.0  # logits of a real spread, not near-zero noise
@@ -207,10 +208,10 @@ def test_draft_logits_match_vllm(vllm_captures, target_model, name):
 def test_parity_catches_a_deliberate_mistake(vllm_captures, target_model, mistake):
     """Negative controls: each mistake moves the logits far beyond the parity tolerance (on the same
     captured steps that pass without it)."""
-    from dflash_pipeline.drafter import model as M
+    from dflash_pipeline.drafter import build as DB
 
     _, steps = load_capture(vllm_captures, "one_layer")
-    drafter = M.load_drafter(vllm_captures["drafters"]["one_layer"], dtype=torch.float32)
+    drafter = DB.load_drafter(vllm_captures["drafters"]["one_layer"], dtype=torch.float32)
     assert max_diff(replay(drafter, target_model, steps, mistake="none")) < ATOL
     miss = max_diff(replay(drafter, target_model, steps, mistake=mistake))
     print(f"{mistake}: max |Δlogit| {miss:.2e}")
@@ -220,10 +221,10 @@ def test_parity_catches_a_deliberate_mistake(vllm_captures, target_model, mistak
 def test_parity_catches_the_cpu_k_norm_bug(vllm_captures, target_model):
     """With two draft layers, normalising every layer's context keys with layer 0's k_norm (what the CPU
     kernel does unpatched) misses vLLM's patched logits by far more than the tolerance."""
-    from dflash_pipeline.drafter import model as M
+    from dflash_pipeline.drafter import build as DB
 
     _, steps = load_capture(vllm_captures, "two_layer_patched")
-    drafter = M.load_drafter(vllm_captures["drafters"]["two_layer_patched"], dtype=torch.float32)
+    drafter = DB.load_drafter(vllm_captures["drafters"]["two_layer_patched"], dtype=torch.float32)
     assert max_diff(replay(drafter, target_model, steps, mistake="none")) < ATOL
     miss = max_diff(replay(drafter, target_model, steps, mistake="k_norm_layer0"))
     print(f"k_norm_layer0: max |Δlogit| {miss:.2e}")

@@ -1,4 +1,5 @@
-"""The DFlash drafter: model, blocks (anchors, labels, decayed CE) and attention masks. Names load on first use
+"""The DFlash drafter: model, blocks (anchors, labels, decayed CE) and attention masks; the DFlash2 and
+DSpark families (``drafter.family``, :mod:`.families`). Names load on first use
 (``_OWNERS``: :func:`dflash_pipeline.core.faces.lazy_face`)."""
 
 from dflash_pipeline.core.faces import lazy_face
@@ -24,15 +25,21 @@ _OWNERS = {
     "BlockSizeError": "block_size",
     "check_block_size": "block_size",
     "resolve_block_size": "block_size",
-    "build_drafter": "model",
+    "build_drafter": "build",
     "drafter_config_from_target": "model",
     "DraftContextCache": "model",
     "DFlashAttention": "model",
     "DFlashDecoderLayer": "model",
     "DFlashDrafter": "model",
     "save_drafter": "model",
-    "load_drafter": "model",
+    "load_drafter": "build",
     "count_parameters": "model",
+    "FAMILIES": "families",
+    "drafter_class": "families",
+    "family_of": "families",
+    "apply_family": "families",
+    "DFlash2Drafter": "dflash2",
+    "DSparkDrafter": "dspark",
 }
 
 __all__ = sorted(_OWNERS)

@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 
 def build_block_mask(
-    anchors: torch.Tensor, seq_len: int, block_size: int, *, sliding_window: Optional[int] = None
+    anchors: torch.Tensor, seq_len: int, block_size: int, *, sliding_window: Optional[int] = None,
+    block_causal: bool = True,
 ) -> torch.Tensor:
     """Dense training attention mask (dflash.md §4.4), True = attend.
 
@@ -29,7 +30,8 @@ def build_block_mask(
 
     ``sliding_window`` (sliding-attention layers, dflash.md §2.3, SpecForge semantics): the context is
     further limited to keys with ``query_position − j < sliding_window``, and inside the block a slot
-    sees only slots at or before it (causal).
+    sees only slots at or before it (causal; ``block_causal=False``: the whole block, DFlash2's non-causal
+    sliding window, :mod:`dflash_pipeline.drafter.dflash2`).
 
     Args:
         anchors: long [b, N].
@@ -47,14 +49,15 @@ def build_block_mask(
     if sliding_window is not None:
         q_pos = (q_anchor + q_off).unsqueeze(-1)  # [b, Q, 1]
         ctx = ctx & (q_pos - j < sliding_window)
-        own = own & (q_off.view(1, -1) <= q_off.view(-1, 1))
+        if block_causal:
+            own = own & (q_off.view(1, -1) <= q_off.view(-1, 1))
     own = own.unsqueeze(0).expand(b, -1, -1)
     return torch.cat([ctx, own], dim=-1).unsqueeze(1)
 
 
 def build_flex_block_mask(
     anchors: torch.Tensor, seq_len: int, block_size: int, *, sliding_window: Optional[int] = None,
-    segment_ids: Optional[torch.Tensor] = None,
+    segment_ids: Optional[torch.Tensor] = None, block_causal: bool = True,
 ):
     """The same predicate as :func:`build_block_mask` as a FlexAttention ``BlockMask`` (no dense
     [b, Q, S+Q] tensor; dflash.md §4.4). The block index is clamped before the anchor gather.
@@ -77,7 +80,8 @@ def build_flex_block_mask(
         if sliding_window is not None:
             q_off = q % block_size
             in_ctx = in_ctx & (anchor + q_off - kv < sliding_window)
-            in_own = in_own & ((kv - seq_len) % block_size <= q_off)
+            if block_causal:
+                in_own = in_own & ((kv - seq_len) % block_size <= q_off)
         return in_ctx | in_own
 
     return create_block_mask(mask_mod, B=b, H=None, Q_LEN=q_len, KV_LEN=seq_len + q_len, device=anchors.device)
@@ -98,16 +102,20 @@ def masks_per_layer_type(drafter: "DFlashDrafter", build):
     if "full_attention" in types:
         masks["full_attention"] = build()
     if "sliding_attention" in types:
-        masks["sliding_attention"] = build(sliding_window=drafter.sliding_window)
+        masks["sliding_attention"] = build(sliding_window=drafter.sliding_window,
+                                           block_causal=getattr(drafter, "sliding_block_causal", True))
     return next(iter(masks.values())) if len(masks) == 1 else masks
 
 
-def build_inference_sliding_mask(start: int, block_size: int, sliding_window: int, device=None) -> torch.Tensor:
+def build_inference_sliding_mask(start: int, block_size: int, sliding_window: int, device=None,
+                                 block_causal: bool = True) -> torch.Tensor:
     """Inference mask of a sliding layer: block slot k (position start+k) sees context j with
-    start+k−j < window, and block slots ≤ k. bool [1, 1, B, start + B]."""
+    start+k−j < window, and block slots ≤ k (every slot when not ``block_causal``). bool [1, 1, B, start + B]."""
     k = torch.arange(block_size, device=device).view(-1, 1)
     j = torch.arange(start, device=device).view(1, -1)
     ctx = (start + k) - j < sliding_window
     own = torch.arange(block_size, device=device).view(1, -1) <= k
+    if not block_causal:
+        own = torch.ones_like(own)
     return torch.cat([ctx, own], dim=-1).view(1, 1, block_size, start + block_size)
 

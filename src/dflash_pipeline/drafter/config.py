@@ -131,7 +131,7 @@ class DFlashConfig(Qwen3Config):
         embeddings, and the ``dflash_pipeline`` block: ``format_version`` plus ``meta``
         (:class:`CheckpointMeta` keys: ``train_steps``, ``zero_target_features``)."""
         cfg = self.to_dict()
-        cfg["architectures"] = [ARCHITECTURE]
+        cfg["architectures"] = list(getattr(self, "architectures", None) or [ARCHITECTURE])  # a family's own
         cfg["model_type"] = "qwen3"
         cfg["block_size"] = self.block_size
         cfg["num_target_layers"] = self.num_target_layers

@@ -44,9 +44,9 @@ from dflash_pipeline.drafter.blocks import (  # noqa: F401 - re-exported: the tr
     sample_anchors,
     slot_accuracy,
 )
-from dflash_pipeline.drafter.config import DFlashConfig
+from dflash_pipeline.drafter.config import ARCHITECTURE, DFlashConfig
 from dflash_pipeline.drafter.rope import DFlashRotaryEmbedding, apply_rope
-from dflash_pipeline.target.loading import module_dtype, text_config
+from dflash_pipeline.target.loading import module_dtype
 
 # ---------------------------------------------------------------------------------------------------
 # Config (the class and the checkpoint's config.json: dflash_pipeline.drafter.config)
@@ -59,24 +59,6 @@ def drafter_config_from_target(target_config, **sizes) -> DFlashConfig:
     ``layer_types`` / ``sliding_window``), the name tests and benches build drafters with."""
     return DFlashConfig.from_target(target_config, **sizes)
 
-
-def build_drafter(target, probe: dict, *, seed: int = 0, layer_types=None, sliding_window=None) -> "DFlashDrafter":
-    """Random-init float32 drafter sized from ``target.config`` (its text config) and the probe's drafter
-    decisions (``probe["drafter"]``: block_size, num_draft_layers, target_layer_ids, mask_token_id);
-    ``layer_types``/``sliding_window``: optional sliding-window draft layers (config ``drafter.*``).
-    The train stage's initial drafter and the eval stage's untrained floor; ``seed`` seeds the init."""
-    d = probe["drafter"]
-    cfg = DFlashConfig.from_target(
-        text_config(target.config),
-        block_size=d["block_size"],
-        num_draft_layers=d["num_draft_layers"],
-        target_layer_ids=d["target_layer_ids"],
-        mask_token_id=d["mask_token_id"],
-        layer_types=layer_types,
-        sliding_window=sliding_window,
-    )
-    torch.manual_seed(seed)
-    return DFlashDrafter(cfg)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -218,9 +200,16 @@ class DFlashDrafter(nn.Module):
     (``fc``, ``hidden_norm``, ``norm``, ``layers.N.*``; §8.3).
     """
 
-    def __init__(self, config: DFlashConfig):
+    #: ``drafter.family`` of this class (:mod:`dflash_pipeline.drafter.families`) and the architecture vLLM loads.
+    family = "dflash"
+    architecture = ARCHITECTURE
+    #: Sliding layers are causal inside the block (SpecForge/vLLM DFlash semantics, dflash.md §2.3).
+    sliding_block_causal = True
+
+    def __init__(self, config: DFlashConfig, layer_cls: type = None):
         super().__init__()
         self.config = config
+        layer_cls = layer_cls or DFlashDecoderLayer
         k = len(config.target_layer_ids)
         h = config.hidden_size
         self.block_size = int(config.block_size)
@@ -230,7 +219,7 @@ class DFlashDrafter(nn.Module):
         self.sliding_window = getattr(config, "sliding_window", None) if "sliding_attention" in self.layer_types else None
         self.fc = nn.Linear(k * h, h, bias=False)
         self.hidden_norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(layer_cls(config, i) for i in range(config.num_hidden_layers))
         self.norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
         self.rotary_emb = DFlashRotaryEmbedding(config)  # partial rotary as vLLM's get_rope (drafter.rope)
         self.apply(self._init_weights)
@@ -261,22 +250,21 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
     @torch.no_grad()
-    def draft_block(
+    def block_hidden(
         self,
         embed_tokens: nn.Module,
-        lm_head: nn.Module,
         bonus_token: torch.Tensor,  # [b] last committed token (block slot 0)
         new_context: torch.Tensor,  # [b, C_new, K*H] target features not yet in the cache
         start: int,  # absolute position of the bonus token
         cache: DraftContextCache,
         block_size: Optional[int] = None,
     ) -> torch.Tensor:
-        """One inference step of dflash.md §2.5: logits [b, B, V] for block [bonus, MASK×(B−1)].
+        """Final-normed hidden states [b, B, H] of block [bonus, MASK×(B−1)] (one inference step of
+        dflash.md §2.5, before the LM head; every family's drafts start from these).
 
-        The block sees every cached context position (< ``start``) and itself, bidirectionally.
-        ``new_context`` covers positions ``cache.length .. start-1`` and is appended to ``cache``.
-        Dtypes (dflash_pipeline.target.loading): inputs are cast to the drafter's dtype, the output meets
-        ``lm_head`` in the head's dtype; logits come back in the head's dtype.
+        The block sees every cached context position (< ``start``) and itself, bidirectionally (sliding
+        layers: within their window). ``new_context`` covers positions ``cache.length .. start-1`` and is
+        appended to ``cache``. Inputs are cast to the drafter's dtype (dflash_pipeline.target.loading).
         """
         bs = block_size or self.block_size
         b = bonus_token.shape[0]
@@ -293,10 +281,24 @@ class DFlashDrafter(nn.Module):
         mask = None
         if self.sliding_window is not None:  # full layers see everything; sliding layers need a mask
             full = torch.ones((b, 1, bs, start + bs), dtype=torch.bool, device=dev)
-            sliding = build_inference_sliding_mask(start, bs, self.sliding_window, device=dev).expand(b, -1, -1, -1)
+            sliding = build_inference_sliding_mask(start, bs, self.sliding_window, device=dev,
+                                                   block_causal=self.sliding_block_causal).expand(b, -1, -1, -1)
             mask = {"full_attention": full, "sliding_attention": sliding}
-        hidden = self(emb, new_context, ctx_pos, blk_pos, attn_mask=mask, cache=cache)
+        return self(emb, new_context, ctx_pos, blk_pos, attn_mask=mask, cache=cache)
+
+    @torch.no_grad()
+    def draft_block(self, embed_tokens, lm_head, bonus_token, new_context, start, cache, block_size=None) -> torch.Tensor:
+        """Logits [b, B, V] of :meth:`block_hidden`'s block (the output meets ``lm_head`` in the head's dtype;
+        logits come back in the head's dtype)."""
+        hidden = self.block_hidden(embed_tokens, bonus_token, new_context, start, cache, block_size)
         return lm_head(hidden.to(lm_head.weight.dtype))
+
+    @torch.no_grad()
+    def propose(self, embed_tokens, lm_head, bonus_token, new_context, start, cache, block_size=None):
+        """The family's drafts for one verify step: DFlash drafts slots 1..B−1 greedily (dflash.md §2.5).
+        Returns ``(drafts long [b, B−1], confidence None)``; DSpark also returns its confidence."""
+        logits = self.draft_block(embed_tokens, lm_head, bonus_token, new_context, start, cache, block_size)
+        return logits[:, 1:].argmax(dim=-1), None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -318,29 +320,11 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, *, dtype: torch.dt
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu", dtype=dtype).contiguous() for k, v in drafter.state_dict().items() if not k.startswith("rotary_emb.")}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    drafter.config.architectures = [drafter.architecture]  # the family's (dflash_pipeline.drafter.families)
     drafter.config.save(out, dtype=str(dtype).replace("torch.", ""), meta=extra)
 
 
-def load_drafter(ckpt_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DFlashDrafter:
-    """Load a drafter written by :func:`save_drafter` (or any unprefixed DFlash checkpoint) in ``dtype``
-    (eval passes the target's, :func:`dflash_pipeline.target.loading.drafter_dtype`); its config is
-    :meth:`DFlashConfig.from_checkpoint`.
 
-    Raises:
-        FileNotFoundError / ValueError: no or a malformed ``config.json`` (:meth:`DFlashConfig.from_checkpoint`);
-            ValueError: tensors missing from or unexpected in ``model.safetensors``.
-    """
-    from safetensors.torch import load_file
-
-    ckpt = Path(ckpt_dir)
-    drafter = DFlashDrafter(DFlashConfig.from_checkpoint(ckpt))
-    state = load_file(str(ckpt / "model.safetensors"))
-    state = {k.removeprefix("model."): v for k, v in state.items()}
-    missing, unexpected = drafter.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not m.startswith("rotary_emb.")]
-    if missing or unexpected:
-        raise ValueError(f"{ckpt}/model.safetensors: missing {missing}, unexpected {unexpected}")
-    return drafter.to(device=device, dtype=dtype)
 
 
 def count_parameters(module: nn.Module, trainable_only: bool = True) -> int:

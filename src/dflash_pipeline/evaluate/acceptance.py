@@ -21,15 +21,17 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
+from dflash_pipeline.drafter.families import drafts_per_block
 from dflash_pipeline.core.contracts import EVAL_SCHEMA_VERSION
 from dflash_pipeline.core.shards import write_json
 from dflash_pipeline.drafter import model as M
+from dflash_pipeline.drafter import build as DB
 from dflash_pipeline.drafter.block_size import resolve_block_size
 from dflash_pipeline.evaluate.outputs import (
     TABLE_COLUMNS,
@@ -82,6 +84,21 @@ def acceptance_stats(accept_lengths_per_response: Sequence[Sequence[int]], block
         "num_steps": n,
         "tokens_per_step": sum(steps) / n if n else 0.0,
     }
+
+
+def family_build_args(ckpt_dir: Optional[str | Path]) -> dict:
+    """``build_drafter`` keywords that make an untrained drafter of the family of the export in ``ckpt_dir``
+    ({} for DFlash or none: the floor every DFlash run has always had)."""
+    from dflash_pipeline.drafter.families import family_of, settings_of
+
+    if ckpt_dir is None:
+        return {}
+    raw = json.loads((Path(ckpt_dir) / "config.json").read_text(encoding="utf-8"))
+    family = family_of(raw)
+    if family == "dflash":
+        return {}
+    return {"family": family, "family_settings": settings_of(raw), "layer_types": raw.get("layer_types"),
+            "sliding_window": raw.get("sliding_window") if "sliding_attention" in (raw.get("layer_types") or []) else None}
 
 
 def checkpoint_info(ckpt_dir: str | Path) -> dict:
@@ -211,6 +228,7 @@ def _long_set(name: str, s: dict, seed: int, exclude: set, count_tokens) -> tupl
 def answer_eval_set(
     target, tok, drafter, prompts: Sequence[dict], *, block_size: int, max_new_tokens: int, temperature: float,
     seed: int, thinking: str, stop_token_ids: Sequence[int], zero_target_features: bool = False,
+    confidence_threshold: float = 0.0,
 ) -> list[list[SpecResult]]:
     """Answer every user turn of every eval record with the speculative loop: per record, one
     :class:`SpecResult` per user turn.
@@ -234,7 +252,7 @@ def answer_eval_set(
             res = speculative_generate(
                 target, drafter, prompt_ids, block_size=block_size, max_new_tokens=max_new_tokens,
                 temperature=temperature, stop_token_ids=stop_token_ids, generator=gen,
-                zero_target_features=zero_target_features,
+                zero_target_features=zero_target_features, confidence_threshold=confidence_threshold,
             )
             answers.append(res)
             history.append({"role": "assistant", "content": tok.decode(res.output_ids, skip_special_tokens=True)})
@@ -243,7 +261,7 @@ def answer_eval_set(
 
 
 def eval_set_stats(answers: Sequence[Sequence[SpecResult]], *, block_size: int, seconds: float,
-                   length_buckets: Sequence[int] = ()) -> dict:
+                   length_buckets: Sequence[int] = (), family: str = "dflash") -> dict:
     """:func:`acceptance_stats` of a set's answers (:func:`answer_eval_set`) plus ``num_conversations``,
     ``new_tokens``, ``target_forwards``, ``tokens_per_target_forward``, ``seconds``, ``tokens_per_s`` and,
     with ``length_buckets`` (edges in tokens), ``by_context_length``
@@ -251,7 +269,8 @@ def eval_set_stats(answers: Sequence[Sequence[SpecResult]], *, block_size: int, 
     responses = [r for conv in answers for r in conv]
     new_tokens = sum(len(r.output_ids) for r in responses)
     forwards = sum(r.target_forwards for r in responses)
-    stats = acceptance_stats([r.accept_lengths for r in responses], block_size)
+    # a+1 ≤ drafts + 1: B for DFlash/DFlash2, B + 1 for DSpark (dflash_pipeline.drafter.families)
+    stats = acceptance_stats([r.accept_lengths for r in responses], drafts_per_block(family, block_size) + 1)
     stats.update(
         num_conversations=len(answers), new_tokens=new_tokens, target_forwards=forwards,
         tokens_per_target_forward=new_tokens / max(1, forwards), seconds=seconds,
@@ -269,7 +288,7 @@ def run_eval_set(target, tok, drafter, prompts: Sequence[dict], *, length_bucket
     t0 = time.time()
     answers = answer_eval_set(target, tok, drafter, prompts, **loop)
     return eval_set_stats(answers, block_size=loop["block_size"], seconds=time.time() - t0,
-                          length_buckets=length_buckets)
+                          length_buckets=length_buckets, family=getattr(drafter, "family", "dflash"))
 
 
 @dataclass
@@ -286,6 +305,7 @@ class EvalSession:
     settings: dict
     loop: dict
     length_buckets: Sequence[int] = ()
+    untrained_family: dict = field(default_factory=dict)  # build_drafter keywords of the untrained floor
 
 
 def open_session(*, target_dir, probe: dict, eval_cfg: dict, thinking: str, chat_template=None,
@@ -318,6 +338,9 @@ def open_session(*, target_dir, probe: dict, eval_cfg: dict, thinking: str, chat
     }
     loop = dict(block_size=bs, max_new_tokens=eval_cfg["max_new_tokens"], temperature=temperature,
                 seed=eval_cfg["seed"], thinking=thinking, stop_token_ids=stops)
+    if eval_cfg.get("confidence_threshold"):  # DSpark's verify gate; the params leave it out at its default 0
+        loop["confidence_threshold"] = float(eval_cfg["confidence_threshold"])
+        settings["confidence_threshold"] = loop["confidence_threshold"]
     return EvalSession(target, tok, probe, eval_cfg, dev, sets, set_info, settings, loop, edges)
 
 
@@ -331,11 +354,11 @@ def load_eval_drafter(session: EvalSession, label: str, ckpt: Optional[str | Pat
     from dflash_pipeline.target.loading import drafter_dtype
 
     dt = drafter_dtype(session.target)
-    if ckpt is None:
-        drafter, info = M.build_drafter(session.target, session.probe, seed=session.eval_cfg["seed"]), {
-            "train_steps": 0, "zero_target_features": False}
+    if ckpt is None:  # the floor: an untrained drafter of the trained one's family (DFlash for DFlash runs)
+        drafter, info = DB.build_drafter(session.target, session.probe, seed=session.eval_cfg["seed"],
+                                        **session.untrained_family), {"train_steps": 0, "zero_target_features": False}
     else:
-        drafter, info = M.load_drafter(ckpt, dtype=dt, device=session.device), checkpoint_info(ckpt)
+        drafter, info = DB.load_drafter(ckpt, dtype=dt, device=session.device), checkpoint_info(ckpt)
     resolve_block_size(session.loop["block_size"], drafter.block_size, key=f"eval.block_size (drafter {label})")
     return drafter.to(device=session.device, dtype=dt).eval(), info
 
@@ -351,6 +374,7 @@ def run_drafters(session: EvalSession, drafters: dict[str, Optional[str | Path]]
         "sets": session.set_info,
         "drafters": {},
     }
+    session.untrained_family = family_build_args(next((c for c in drafters.values() if c), None))
     for label, ckpt in drafters.items():
         drafter, info = load_eval_drafter(session, label, ckpt)
         entry = {"checkpoint": str(ckpt) if ckpt else None, "train_steps": info["train_steps"],
@@ -361,7 +385,7 @@ def run_drafters(session: EvalSession, drafters: dict[str, Optional[str | Path]]
             answers = answer_eval_set(session.target, session.tokenizer, drafter, prompts,
                                       zero_target_features=info["zero_target_features"], **session.loop)
             stats = eval_set_stats(answers, block_size=session.loop["block_size"], seconds=time.time() - t0,
-                                   length_buckets=session.length_buckets)
+                                   length_buckets=session.length_buckets, family=getattr(drafter, "family", "dflash"))
             pooled += [(r.context_lengths, r.accept_lengths) for conv in answers for r in conv]
             entry["sets"][set_name] = stats
             print(f"[eval] {label:>14} {set_name:>10}: tau={stats['tau']:.3f} over {stats['num_responses']} responses "

@@ -130,12 +130,28 @@ def _drafter_features(feats: torch.Tensor, zero_target_features: bool) -> torch.
 
 
 def _accepted_drafts(draft: torch.Tensor, tgt: torch.Tensor, block_size: int) -> int:
-    """a: how many leading drafts ``draft`` [1, B-1] equal the target's tokens ``tgt`` [B] (acceptance is a
-    prefix, dflash.md §2.5)."""
+    """a: how many leading drafts ``draft`` [1, n] equal the target's tokens ``tgt`` [n+1] (acceptance is a
+    prefix, dflash.md §2.5); n is B − 1 for DFlash/DFlash2, up to B for DSpark (``block_size`` is unused)."""
     a = 0
-    while a < block_size - 1 and int(draft[0, a]) == int(tgt[a]):
+    while a < draft.shape[1] and int(draft[0, a]) == int(tgt[a]):
         a += 1
     return a
+
+
+def _propose(drafter, embed, head, bonus, pending, start, dcache, block_size: int, confidence_threshold: float):
+    """The family's drafts for one verify step, cut to the verify length: ``drafts`` long [1, n].
+
+    DFlash and DFlash2 propose B − 1 tokens, DSpark B, of which it verifies the prefix its confidence head
+    admits (:func:`dflash_pipeline.drafter.dspark.verify_length`; all at ``confidence_threshold`` 0). A drafter
+    without ``propose`` (a test double) drafts greedily from ``draft_block``'s logits."""
+    if not hasattr(drafter, "propose"):
+        return drafter.draft_block(embed, head, bonus, pending, start, dcache, block_size)[:, 1:].argmax(dim=-1)
+    drafts, conf = drafter.propose(embed, head, bonus, pending, start, dcache, block_size)
+    if conf is not None:
+        from dflash_pipeline.drafter.dspark import verify_length
+
+        drafts = drafts[:, : verify_length(conf, confidence_threshold, drafts.shape[1])]
+    return drafts
 
 
 def _finished(output_ids: list[int], stops: set[int], max_new_tokens: int) -> bool:
@@ -163,10 +179,14 @@ def speculative_generate(
     stop_token_ids: Sequence[int] = (),
     generator: Optional[torch.Generator] = None,
     zero_target_features: bool = False,
+    confidence_threshold: float = 0.0,
 ) -> SpecResult:
     """Generate up to ``max_new_tokens`` tokens for one prompt with DFlash speculative decoding (batch 1).
 
-    ``block_size`` ≤ the drafter's trained block size. ``zero_target_features`` feeds the drafter zeros
+    ``block_size`` ≤ the drafter's trained block size. The drafts and their verify rule are the drafter
+    family's (:meth:`dflash_pipeline.drafter.model.DFlashDrafter.propose`): DFlash drafts B − 1 tokens
+    greedily, DFlash2 walks its candidate selector, DSpark drafts B tokens left to right and verifies the
+    prefix its confidence admits at ``confidence_threshold`` (0: all). ``zero_target_features`` feeds the drafter zeros
     instead of the target's features (for the baseline trained that way; the target still verifies).
     The target cache follows :class:`TargetCache` (any cache type); the drafter runs in its own dtype
     (eval loads it in the target's, :func:`dflash_pipeline.target.loading.drafter_dtype`).
@@ -192,12 +212,11 @@ def speculative_generate(
     pending = _drafter_features(feats, zero_target_features)  # not yet in the draft cache: cache.length .. start-1
     dcache = M.DraftContextCache(len(drafter.layers))
     while int(bonus) not in stops and len(result.output_ids) < max_new_tokens:
-        logits = drafter.draft_block(embed, head, bonus, pending, start, dcache, block_size)
-        draft = logits[:, 1:].argmax(dim=-1)  # [1, B-1], greedy
-        verify = torch.cat([bonus.view(1, 1), draft], dim=1)  # [1, B]
+        draft = _propose(drafter, embed, head, bonus, pending, start, dcache, block_size, confidence_threshold)  # [1, n]
+        verify = torch.cat([bonus.view(1, 1), draft], dim=1)  # [1, n+1]
         feats, out = tcache.forward(verify, layer_ids)
         result.target_forwards += 1
-        tgt = _sample(out.logits[0], temperature, generator)  # [B]: target's token after each slot
+        tgt = _sample(out.logits[0], temperature, generator)  # [n+1]: target's token after each slot
         a = _accepted_drafts(draft, tgt, block_size)
         result.accept_lengths.append(a + 1)
         result.context_lengths.append(start)  # the bonus token sits at position `start`: `start` tokens before it

@@ -51,6 +51,33 @@ def dflash_speculative_config(drafter_dir: str | Path, block_size: int) -> dict:
     return {"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": bs - 1}
 
 
+def _drafter_family(drafter_dir: Optional[str | Path]) -> str:
+    """The family of the export in ``drafter_dir`` (``dflash`` when there is none or no config.json)."""
+    from dflash_pipeline.drafter.families import family_of
+
+    cfg = Path(drafter_dir or "") / "config.json"
+    return family_of(json.loads(cfg.read_text(encoding="utf-8"))) if drafter_dir and cfg.is_file() else "dflash"
+
+
+def drafter_speculative_config(drafter_dir: str | Path, block_size: int) -> dict:
+    """``--speculative-config`` of the export in ``drafter_dir``, by its family: DFlash's
+    (:func:`dflash_speculative_config`), or DFlash2's / DSpark's
+    (:func:`dflash_pipeline.drafter.families.speculative_config`)."""
+    from dflash_pipeline.drafter.families import speculative_config
+
+    family = _drafter_family(drafter_dir)
+    if family == "dflash":
+        return dflash_speculative_config(drafter_dir, block_size)
+    return speculative_config(family, drafter_dir, block_size)
+
+
+def _family_env(drafter_dir: Optional[str | Path]) -> dict:
+    """The server environment the drafter's family needs (the V2 model runner for DFlash2 / DSpark)."""
+    from dflash_pipeline.drafter.families import engine_env
+
+    return engine_env(_drafter_family(drafter_dir)) if drafter_dir else {}
+
+
 def _cpu_only() -> bool:
     """True when no CUDA device is visible here (then vLLM is the CPU build: eager mode, small KV cache)."""
     try:
@@ -136,7 +163,7 @@ class VLLMServer:
         if self.chat_template:
             cmd += ["--chat-template", self.chat_template]
         if self.drafter is not None:
-            cmd += ["--speculative-config", json.dumps(dflash_speculative_config(self.drafter, int(self.block_size)))]
+            cmd += ["--speculative-config", json.dumps(drafter_speculative_config(self.drafter, int(self.block_size)))]
         if _cpu_only() and "--enforce-eager" not in self.extra_args:
             cmd.append("--enforce-eager")
         return cmd + self.extra_args
@@ -154,7 +181,7 @@ class VLLMServer:
         python = require_vllm_python(self.python)
         if self.port is None:
             self.port = free_port(self.host)
-        env = {**os.environ, **self.env}
+        env = {**os.environ, **_family_env(self.drafter), **self.env}
         if _cpu_only():
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -286,6 +313,12 @@ def write_serve_md(drafter_dir: str | Path, *, target: Optional[str | Path] = No
     cfg = DFlashConfig.from_checkpoint(d)
     bs = cfg.block_size
     tgt = str(target) if target is not None else "<target>"
+    if _drafter_family(d) != "dflash":  # DFlash2 / DSpark: their engines, runner and flags
+        from dflash_pipeline.drafter.families import serve_md
+
+        out = d / "serve.md"
+        atomic_write_bytes(out, serve_md(cfg, Path(served_dir or d).resolve(), tgt).encode("utf-8"))
+        return out
     cmds = serve_commands(Path(served_dir or d).resolve(), tgt, bs)
     text = f"""# Serving this DFlash drafter
 

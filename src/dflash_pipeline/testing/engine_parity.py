@@ -71,6 +71,8 @@ def family_case(twin: Path, work: Path, *, name: str, seed: int = 0, drafter_dir
     from safetensors.torch import save_file
 
     from dflash_pipeline.drafter import model as M
+
+    from dflash_pipeline.drafter import build as DB
     from dflash_pipeline.features.weights import load_embed_and_head
     from dflash_pipeline.probe import probe_target
     from dflash_pipeline.target import loading as T
@@ -86,7 +88,7 @@ def family_case(twin: Path, work: Path, *, name: str, seed: int = 0, drafter_dir
         _randomise_norms(drafter, seed + 1)
         drafter_dir = work / "drafter"
         M.save_drafter(drafter, drafter_dir, dtype=torch.float32)
-    drafter = M.load_drafter(drafter_dir, dtype=torch.float32).eval()
+    drafter = DB.load_drafter(drafter_dir, dtype=torch.float32).eval()
     k_h = len(drafter.target_layer_ids) * drafter.config.hidden_size
     g = torch.Generator().manual_seed(seed + 2)
     feats = torch.randn(max(CONTEXT_LENGTHS), k_h, generator=g)

@@ -142,7 +142,7 @@ class TrainingData:
 
 
 class ConfigOnly:
-    """Stands in for the target where only ``.config`` is read (:func:`dflash_pipeline.drafter.model.build_drafter`)."""
+    """Stands in for the target where only ``.config`` is read (:func:`dflash_pipeline.drafter.build.build_drafter`)."""
 
     def __init__(self, config):
         self.config = config

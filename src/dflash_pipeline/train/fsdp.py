@@ -21,7 +21,7 @@ import torch
 TRAINING_BYTES_PER_PARAM = 16
 
 #: The unit FSDP2 shards (one per draft layer); the fused ``fc``/norms stay in the root unit.
-WRAP_CLASSES = ("DFlashDecoderLayer",)
+WRAP_CLASSES = ("DFlashDecoderLayer", "DFlash2DecoderLayer")
 
 
 def training_bytes(num_params: int, num_shards: int = 1) -> int:
@@ -82,13 +82,12 @@ def make_accelerator(*, cpu: bool, mixed_precision: str = "no", plugin=None, **k
 def full_drafter(accelerator, drafter) -> Optional[torch.nn.Module]:
     """A plain CPU fp32 copy of the (possibly FSDP-sharded) drafter with its full weights, on the main
     process (None elsewhere). Collective under FSDP: every rank must call it."""
-    from dflash_pipeline.drafter import model as M
 
     state = accelerator.get_state_dict(drafter)  # full (gathered) under FSDP, on rank 0
     if not accelerator.is_main_process:
         return None
     core = accelerator.unwrap_model(drafter)
-    plain = M.DFlashDrafter(core.config)
+    plain = type(core)(core.config)  # the drafter family's class
     missing, unexpected = plain.load_state_dict({k: v.detach().to("cpu", torch.float32) for k, v in state.items()}, strict=False)
     missing = [m for m in missing if not m.startswith("rotary_emb.")]
     if missing or unexpected:

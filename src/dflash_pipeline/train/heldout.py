@@ -22,6 +22,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 
 from dflash_pipeline.drafter import model as M
+from dflash_pipeline.train import family_objectives as FO
 from dflash_pipeline.train import packing as P
 from dflash_pipeline.target import loading as T
 
@@ -180,12 +181,22 @@ def batch_acceptance(drafter, target, embed, lm_head, batch: dict, *, target_lay
 
             features, _ = target_features(target, ids, batch["attention_mask"], target_layer_ids)
     anchors = deterministic_anchors(lmask, seg, num_anchors)
-    blk = P.packed_block_inputs_and_labels(ids, lmask, pos, seg, anchors, bsz, mask_token_id, None)
+    family = getattr(core, "family", "dflash")
+    blk = P.packed_block_inputs_and_labels(ids, lmask, pos, seg, anchors, bsz + (family == "dspark"), mask_token_id, None)
+    if family == "dspark":  # B drafts from the anchor: blocks of B + 1 label slots, read shifted by one
+        blk = FO.dspark_view(blk.ids, blk.pos, blk.labels, blk.weights, bsz)
     mask = P.build_packed_training_masks(core, anchors.anchors, seg, backend)
     noise, feats = T.to_drafter_dtype(drafter, embed(blk.ids), features)  # as train.step does (feature shards: bf16)
     hidden = drafter(noise, feats, pos, blk.pos, attn_mask=mask)
     b = ids.shape[0]
     n = anchors.anchors.shape[1]
+    keep = anchors.keep.reshape(-1)
+    if family != "dflash":  # the family's own draft rule (selector walk / Markov bias), teacher-forced
+        prev = blk.prev if family == "dspark" else blk.labels.roll(1, dims=1)  # DFlash2: slot k − 1's gold token
+        hits = FO.greedy_hits(core, lm_head, hidden, blk.labels, prev).view(b * n, bsz)
+        valid = (blk.weights > 0).view(b * n, bsz)
+        first = 0 if family == "dspark" else 1  # DSpark's slot 0 is its first draft
+        return block_acceptance(hits[:, first:][keep], valid[:, first:][keep])
     hits = torch.zeros(b * n * bsz, dtype=torch.bool, device=ids.device)
     for i in range(0, hidden.shape[1], 4096):  # chunks of slots: never [Q, V] logits at once
         h = hidden[:, i : i + 4096]
@@ -206,7 +217,7 @@ def heldout_acceptance(drafter, target, embed, lm_head, batches: Iterable[dict],
     core = drafter.module if hasattr(drafter, "module") else drafter
     was_training = core.training
     drafter.eval()
-    total = AcceptanceCounts.zeros(core.block_size, length_buckets)
+    total = AcceptanceCounts.zeros(core.block_size + (getattr(core, "family", "dflash") == "dspark"), length_buckets)  # DSpark: B drafts
     try:
         for batch in batches:
             total = total + batch_acceptance(drafter, target, embed, lm_head, batch, target_layer_ids=target_layer_ids,

@@ -196,13 +196,14 @@ def packed_block_inputs_and_labels(
 
 
 def build_packed_block_mask(
-    anchors: torch.Tensor, segment_ids: torch.Tensor, block_size: int, *, sliding_window: Optional[int] = None
+    anchors: torch.Tensor, segment_ids: torch.Tensor, block_size: int, *, sliding_window: Optional[int] = None,
+    block_causal: bool = True,
 ) -> torch.Tensor:
     """Dense training mask of :func:`dflash_pipeline.drafter.model.build_block_mask` (True = attend) restricted to
     the anchor's record: context key j is visible iff ``j < anchor`` and ``segment_ids[j] ==
     segment_ids[anchor]`` (and, on sliding layers, within the window). bool [b, 1, N·B, S + N·B]."""
     s = segment_ids.shape[1]
-    mask = M.build_block_mask(anchors, s, block_size, sliding_window=sliding_window)
+    mask = M.build_block_mask(anchors, s, block_size, sliding_window=sliding_window, block_causal=block_causal)
     q_seg = segment_ids.gather(1, anchors).repeat_interleave(block_size, dim=1)  # [b, Q]
     same = segment_ids.unsqueeze(1) == q_seg.unsqueeze(-1)  # [b, Q, S]
     mask[:, 0, :, :s] &= same
@@ -210,12 +211,13 @@ def build_packed_block_mask(
 
 
 def build_packed_flex_block_mask(
-    anchors: torch.Tensor, segment_ids: torch.Tensor, block_size: int, *, sliding_window: Optional[int] = None
+    anchors: torch.Tensor, segment_ids: torch.Tensor, block_size: int, *, sliding_window: Optional[int] = None,
+    block_causal: bool = True,
 ):
     """:func:`build_packed_block_mask`'s predicate as a FlexAttention ``BlockMask`` (no dense tensor):
     :func:`dflash_pipeline.drafter.model.build_flex_block_mask` with the record test."""
     return M.build_flex_block_mask(anchors, segment_ids.shape[1], block_size, sliding_window=sliding_window,
-                                   segment_ids=segment_ids)
+                                   segment_ids=segment_ids, block_causal=block_causal)
 
 
 def build_packed_training_masks(drafter, anchors: torch.Tensor, segment_ids: torch.Tensor, backend: str = "sdpa"):

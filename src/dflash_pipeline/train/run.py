@@ -40,9 +40,10 @@ import numpy as np
 import torch
 
 from dflash_pipeline.core.config import schema_defaults
+from dflash_pipeline.drafter import families as FA
 from dflash_pipeline.core.shards import read_parquet, write_json
 from dflash_pipeline.drafter import model as M
-from dflash_pipeline.drafter.model import build_drafter  # train.run.build_drafter: the name tests and benches use
+from dflash_pipeline.drafter.build import build_drafter  # train.run.build_drafter: the name tests and benches use
 from dflash_pipeline.target import loading as T
 from dflash_pipeline.train import data as train_data
 from dflash_pipeline.train import fsdp as FS
@@ -101,7 +102,7 @@ def collate(batch, pad_id: int = 0) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Target (the drafter is built by dflash_pipeline.drafter.model.build_drafter)
+# Target (the drafter is built by dflash_pipeline.drafter.build.build_drafter)
 # ---------------------------------------------------------------------------------------------------
 
 load_target = T.load_target  # one loader for every family (dflash_pipeline.target.loading); re-exported here
@@ -253,7 +254,8 @@ def _prepare_run(accelerator, cfg: dict, out_dir: Path, data: RunData, probe: di
         RuntimeError: the prepared per-rank loader has another length than the schedule assumes.
     """
     drafter = build_drafter(data.target if data.target is not None else train_data.ConfigOnly(data.source.target_config), probe,
-                            seed=cfg["seed"], layer_types=arch.get("layer_types"), sliding_window=arch.get("sliding_window"))
+                            seed=cfg["seed"], layer_types=arch.get("layer_types"), sliding_window=arch.get("sliding_window"),
+                            family=arch.get("family", FA.DEFAULT_FAMILY), family_settings=arch.get(arch.get("family", "")))
     backend = cfg["attention_backend"] if cfg["attention_backend"] != "auto" else (
         "flex" if accelerator.device.type == "cuda" else "sdpa")
     block_size = drafter.block_size
@@ -278,6 +280,7 @@ def _prepare_run(accelerator, cfg: dict, out_dir: Path, data: RunData, probe: di
         reduce_sum=lambda t: accelerator.reduce(t.to(accelerator.device), "sum"), embed=data.source.embed, lm_head=data.source.lm_head,
         loss=cfg["loss"], kl_temperature=cfg["kl_temperature"], kl_ce_weight=cfg["kl_ce_weight"], dpace_alpha=cfg["dpace_alpha"],
         logit_softcap=T.final_logit_softcap(data.target.config if data.target is not None else data.source.target_config),
+        **({k: cfg[k] for k in FA.FAMILY_TRAIN_KEYS} if arch.get("family", FA.DEFAULT_FAMILY) != FA.DEFAULT_FAMILY else {}),
     )
     val_batches, val_counted = _heldout_batches(data.heldout, cfg, accelerator.process_index, accelerator.num_processes)
     if data.source.stream is not None:  # the held-out batches' features, fetched once

@@ -19,6 +19,10 @@ from dflash_pipeline.target import loading as T
 from dflash_pipeline.target.hidden import target_features
 from dflash_pipeline.train import losses as L
 from dflash_pipeline.train import packing as P
+from dflash_pipeline.train import family_objectives as FO
+
+#: Objectives that read the target's final-normed last hidden state (its distribution): ``kl``, DSpark's ``dspark_tv``.
+TEACHER_LOSSES = ("kl", "dspark_tv")
 
 
 @dataclass
@@ -47,6 +51,9 @@ class StepContext:
     kl_temperature: float = 1.0
     kl_ce_weight: float = 0.0
     dpace_alpha: float = 0.5
+    selector_gold: str = "insert"  # DFlash2 (train.selector_gold, dflash_pipeline.train.family_objectives)
+    selector_weight: float = 1.0
+    confidence_weight: float = 1.0  # DSpark's confidence head (train.confidence_weight)
     #: the target's ``final_logit_softcapping`` (kl's teacher is capped like the target); None = read it
     #: from ``target.config`` when a target is given
     logit_softcap: Optional[float] = None
@@ -77,9 +84,11 @@ def step_objective(ctx: StepContext, batch: dict) -> L.LossOutput:
     ids, lmask = batch["input_ids"], batch["loss_mask"]
     packed = "segment_ids" in batch
     d = ctx.probe["drafter"]
-    teacher_needed = ctx.loss == "kl"
+    teacher_needed = ctx.loss in TEACHER_LOSSES
     feats, last = _batch_features(ctx, batch)
     core = getattr(ctx.drafter, "module", ctx.drafter)
+    if getattr(core, "family", "dflash") == "dspark":
+        return FO.dspark_step(ctx, core, ids, lmask, feats, last)
     b, s = ids.shape
     if packed:
         pos, seg = batch["position_ids"], batch["segment_ids"]
@@ -104,6 +113,13 @@ def step_objective(ctx: StepContext, batch: dict) -> L.LossOutput:
     noise, feats = T.to_drafter_dtype(ctx.drafter, noise, feats)
     hidden = ctx.drafter(noise, feats, ctx_pos, block_pos, attn_mask=mask)
     teacher = L.teacher_slot_hidden(last, rows) if teacher_needed else None
+    out = L.compute_loss(ctx.loss, hidden, ctx.lm_head.weight, labels, weights, ctx.block_size, teacher_hidden=teacher,
+                         temperature=ctx.kl_temperature, ce_weight=ctx.kl_ce_weight, dpace_alpha=ctx.dpace_alpha,
+                         num_sequences=num_sequences)
+    if getattr(core, "family", "dflash") == "dflash2":  # + the candidate selector's K-way CE
+        out = FO.dflash2_objective(out, core, hidden, ctx.lm_head.weight, labels, weights, ctx.block_size,
+                                   gold=ctx.selector_gold, selector_weight=ctx.selector_weight)
+    return out
     return L.compute_loss(ctx.loss, hidden, ctx.lm_head.weight, labels, weights, ctx.block_size, teacher_hidden=teacher,
                           temperature=ctx.kl_temperature, ce_weight=ctx.kl_ce_weight, dpace_alpha=ctx.dpace_alpha,
                           num_sequences=num_sequences, logit_softcap=ctx.logit_softcap)
@@ -121,7 +137,7 @@ def _batch_features(ctx: StepContext, batch: dict) -> tuple[torch.Tensor, Option
     """
     ids, am = batch["input_ids"], batch["attention_mask"]
     d = ctx.probe["drafter"]
-    teacher_needed = ctx.loss == "kl"
+    teacher_needed = ctx.loss in TEACHER_LOSSES
     last = batch.get("target_last_hidden")
     with torch.no_grad():
         if "features" in batch:  # feature shards (train.target_features: shards): the target never runs here

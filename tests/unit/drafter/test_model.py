@@ -7,6 +7,8 @@ import torch
 from conftest import tiny_target_and_drafter
 
 from dflash_pipeline.drafter import model as M
+
+from dflash_pipeline.drafter import build as DB
 from dflash_pipeline.evaluate.acceptance import acceptance_stats, speculative_generate
 from dflash_pipeline.target.hidden import target_features
 
@@ -190,7 +192,7 @@ def test_export_roundtrip_served_format(tiny, tmp_path):
         assert f.get_tensor("fc.weight").shape == (32, 2 * 32)
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight"} <= names
     assert not any("embed" in n or "lm_head" in n or "rotary" in n for n in names)
-    again = M.load_drafter(tmp_path)
+    again = DB.load_drafter(tmp_path)
     for (k, v), (k2, v2) in zip(drafter.state_dict().items(), again.state_dict().items()):
         assert k == k2 and torch.equal(v, v2)
 

@@ -14,6 +14,8 @@ import torch
 from conftest import counting_train_setup
 
 from dflash_pipeline.drafter import model as M
+
+from dflash_pipeline.drafter import build as DB
 from dflash_pipeline.train.run import train
 from dflash_pipeline.workflow.policy import accelerate_launch_args
 
@@ -35,7 +37,7 @@ def test_single_process_train_exports_and_logs(setup, tmp_path):
     assert summary["records"] == 23 and summary["num_processes"] == 1
     assert summary["steps"] == 6  # ceil(23 / 4)
     # only the drafter trains: the count equals the drafter's parameters, not the target's
-    drafter = M.load_drafter(tmp_path / "final")
+    drafter = DB.load_drafter(tmp_path / "final")
     assert summary["trainable_params"] == M.count_parameters(drafter)
     log = [json.loads(l) for l in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == list(range(1, 7)) and all(np.isfinite(r["loss"]) for r in log)
@@ -134,6 +136,7 @@ RANK_SCRIPT = r'''
 import json, os, sys
 import torch, torch.distributed as dist
 from dflash_pipeline.drafter import model as M
+from dflash_pipeline.drafter import build as DB
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(0)
@@ -193,4 +196,4 @@ def test_bf16_target_trains_under_accelerate_bf16_on_cpu(setup, tmp_path):
     assert summary["target_dtype"] == "bfloat16" and summary["train_config"]["mixed_precision"] == "bf16"
     log = [json.loads(l) for l in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert len(log) == summary["steps"] and all(np.isfinite(r["loss"]) for r in log)
-    assert M.load_drafter(tmp_path / "final").fc.weight.dtype == torch.float32  # master weights were fp32
+    assert DB.load_drafter(tmp_path / "final").fc.weight.dtype == torch.float32  # master weights were fp32

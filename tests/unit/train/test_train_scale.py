@@ -18,6 +18,8 @@ import torch
 from conftest import counting_train_setup
 
 from dflash_pipeline.drafter import model as M
+
+from dflash_pipeline.drafter import build as DB
 from dflash_pipeline.train.run import train
 
 CFG = {
@@ -50,7 +52,7 @@ def test_accumulation_is_normalised_globally(setup, tmp_path, loss):
     assert a["steps"] == b["steps"] == 6
     la, lb = [r["loss"] for r in _log(tmp_path / "a" / "train_log.jsonl")], [r["loss"] for r in _log(tmp_path / "b" / "train_log.jsonl")]
     assert np.allclose(la, lb, rtol=1e-4), (la, lb)
-    wa, wb = M.load_drafter(tmp_path / "a" / "final"), M.load_drafter(tmp_path / "b" / "final")
+    wa, wb = DB.load_drafter(tmp_path / "a" / "final"), DB.load_drafter(tmp_path / "b" / "final")
     for (k, x), (_, y) in zip(wa.state_dict().items(), wb.state_dict().items()):
         assert torch.allclose(x, y, atol=2e-2), k  # bf16 export
 
@@ -147,7 +149,7 @@ def test_fsdp_two_cpu_ranks_train_save_kill_resume(setup, tmp_path):
     assert _resumed_step(out.stdout + out.stderr) >= saved
     summary = json.loads((tmp_path / "train_summary.json").read_text())
     assert summary["fsdp"] is True and summary["num_processes"] == 2
-    drafter = M.load_drafter(tmp_path / "final")  # the gathered export is a full, servable checkpoint
+    drafter = DB.load_drafter(tmp_path / "final")  # the gathered export is a full, servable checkpoint
     assert M.count_parameters(drafter) == summary["trainable_params"]
     assert _log(tmp_path / "val_log.jsonl")[-1]["step"] == summary["steps"]
 

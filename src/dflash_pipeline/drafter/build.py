@@ -1,0 +1,60 @@
+"""A drafter of any family (:mod:`dflash_pipeline.drafter.families`), freshly initialised from the target
+(:func:`build_drafter`) or loaded from an export (:func:`load_drafter`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from dflash_pipeline.drafter import families as FA
+from dflash_pipeline.drafter.config import DFlashConfig
+from dflash_pipeline.drafter.model import DFlashDrafter
+from dflash_pipeline.target.loading import text_config
+
+
+def build_drafter(target, probe: dict, *, seed: int = 0, layer_types=None, sliding_window=None, family: str = "dflash",
+                  family_settings: Optional[dict] = None) -> "DFlashDrafter":
+    """Random-init float32 drafter sized from ``target.config`` (its text config) and the probe's drafter
+    decisions (``probe["drafter"]``: block_size, num_draft_layers, target_layer_ids, mask_token_id);
+    ``layer_types``/``sliding_window``: optional sliding-window draft layers (config ``drafter.*``).
+    ``family``/``family_settings``: ``drafter.family`` and its ``drafter.<family>`` section
+    (:mod:`dflash_pipeline.drafter.families`). The train stage's initial drafter and the eval stage's
+    untrained floor; ``seed`` seeds the init."""
+    d = probe["drafter"]
+    cfg = DFlashConfig.from_target(
+        text_config(target.config),
+        block_size=d["block_size"],
+        num_draft_layers=d["num_draft_layers"],
+        target_layer_ids=d["target_layer_ids"],
+        mask_token_id=d["mask_token_id"],
+        layer_types=layer_types,
+        sliding_window=sliding_window,
+    )
+    FA.apply_family(cfg, family, family_settings)
+    torch.manual_seed(seed)
+    return FA.drafter_class(family)(cfg)
+
+
+def load_drafter(ckpt_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DFlashDrafter:
+    """Load a drafter written by :func:`save_drafter` (or any unprefixed DFlash checkpoint) in ``dtype``
+    (eval passes the target's, :func:`dflash_pipeline.target.loading.drafter_dtype`); its config is
+    :meth:`DFlashConfig.from_checkpoint`.
+
+    Raises:
+        FileNotFoundError / ValueError: no or a malformed ``config.json`` (:meth:`DFlashConfig.from_checkpoint`);
+            ValueError: tensors missing from or unexpected in ``model.safetensors``.
+    """
+    from safetensors.torch import load_file
+
+    ckpt = Path(ckpt_dir)
+    cfg = DFlashConfig.from_checkpoint(ckpt)
+    drafter = FA.drafter_class(FA.family_of(cfg))(cfg)
+    state = load_file(str(ckpt / "model.safetensors"))
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not m.startswith("rotary_emb.")]
+    if missing or unexpected:
+        raise ValueError(f"{ckpt}/model.safetensors: missing {missing}, unexpected {unexpected}")
+    return drafter.to(device=device, dtype=dtype)
