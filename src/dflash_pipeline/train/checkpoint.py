@@ -16,6 +16,7 @@ from typing import Optional
 from dflash_pipeline.train import fsdp as FS
 from dflash_pipeline.drafter import model as M
 from dflash_pipeline.core.shards import replace_dir
+from dflash_pipeline.train.streams import STATE_VERSION
 
 #: Intermediate drafter exports live in ``<out_dir>/step_<N>/`` (N zero-padded to 6 digits).
 STEP_EXPORT_PREFIX = "step_"
@@ -30,18 +31,41 @@ def save_state(accelerator, state_dir: Path, step: int) -> None:
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (tmp / "step.json").write_text(json.dumps({"step": step}))
+        (tmp / "step.json").write_text(json.dumps({"step": step, "version": STATE_VERSION}))
         replace_dir(tmp, state_dir)
     accelerator.wait_for_everyone()
 
 
-def resume_state(accelerator, out_dir: Path, total_steps: int) -> int:
-    """Load ``state/`` when present and return its step; on a fresh start clear the old logs and exports."""
+def resume_state(accelerator, out_dir: Path, total_steps: int, streams) -> int:
+    """Load ``state/`` when present and return its step; on a fresh start clear the old logs and exports.
+
+    ``streams`` (:class:`dflash_pipeline.train.streams.RankStreams`, the anchor generators) is registered
+    for checkpointing here, so every later :func:`save_state` holds it. A state of version 1 (saved before
+    the streams were, no ``version`` in ``step.json``) is loaded without them: it resumes, but the data order
+    and anchors after it are not the uninterrupted run's (a warning says so).
+
+    Raises:
+        ValueError: ``state/`` was written by a newer trainer (version above :data:`STATE_VERSION`), or by
+            another number of ranks (:meth:`RankStreams.load_state_dict`).
+    """
     state_dir = out_dir / "state"
     step = 0
-    if (state_dir / "step.json").is_file():
+    if not (state_dir / "step.json").is_file():
+        accelerator.register_for_checkpointing(streams)
+    else:
+        meta = json.loads((state_dir / "step.json").read_text())
+        version = int(meta.get("version", 1))
+        if version > STATE_VERSION:
+            raise ValueError(f"{state_dir}: state version {version} is newer than this trainer's ({STATE_VERSION}); "
+                             "upgrade dflash-pipeline, or delete state/ to restart from step 0")
+        if version == STATE_VERSION:
+            accelerator.register_for_checkpointing(streams)
         accelerator.load_state(str(state_dir))
-        step = json.loads((state_dir / "step.json").read_text())["step"]
+        if version < STATE_VERSION:
+            accelerator.register_for_checkpointing(streams)
+            accelerator.print(f"[train] warning: {state_dir} is a version {version} state (saved before the data order "
+                              "and anchor streams were): resuming, but this run will not match an uninterrupted one")
+        step = meta["step"]
         accelerator.print(f"[train] resumed from {state_dir} at step {step}/{total_steps}")
     if accelerator.is_main_process and step == 0:
         (out_dir / "train_log.jsonl").unlink(missing_ok=True)

@@ -46,6 +46,7 @@ from dflash_pipeline.target import loading as T
 from dflash_pipeline.train import trackers as TR
 from dflash_pipeline.train import data as train_data
 from dflash_pipeline.train import heldout as V
+from dflash_pipeline.train import streams as RS
 from dflash_pipeline.core.shards import read_parquet, write_json
 from dflash_pipeline.train.checkpoint import (  # noqa: F401 - STEP_EXPORT_PREFIX, export_step re-exported
     STEP_EXPORT_PREFIX,
@@ -174,7 +175,7 @@ def train(
     data = _open_data(accelerator, cfg, probe, token_shards, feature_shards, target_dir=target_dir, out_dir=out_dir,
                       target_dtype=target_dtype, trust_remote_code=trust_remote_code)
     run = _prepare_run(accelerator, cfg, out_dir, data, probe, drafter_arch or {}, zero_target_features)
-    step = resume_state(accelerator, out_dir, run.schedule.total_steps)
+    step = resume_state(accelerator, out_dir, run.schedule.total_steps, run.streams)
     if log_with:
         accelerator.init_trackers(cfg["tracker_project"], config=TR.flat_hparams({**cfg, "zero_target_features": zero_target_features}))
     accelerator.print(_describe(run))
@@ -187,7 +188,7 @@ def train(
 
 
 def make_accelerator(mixed_precision: str, device: str = "auto", *, fsdp: bool = False, fsdp_reshard_after_forward: bool = True,
-                     out_dir: Optional[Path] = None, log_with: Optional[list] = None):
+                     out_dir: Optional[Path] = None, log_with: Optional[list] = None, data_seed: int = 0):
     """The run's ``Accelerator``: CPU when ``device`` (``train.device``) is ``cpu`` or no CUDA device is
     visible, with ``mixed_precision`` (``train.mixed_precision``; bf16 autocast works on CPU too, which is
     how the tests exercise it); FSDP2 when ``fsdp`` (``train.fsdp``, :func:`dflash_pipeline.train.fsdp.make_accelerator`);
@@ -200,6 +201,7 @@ def make_accelerator(mixed_precision: str, device: str = "auto", *, fsdp: bool =
         AcceleratorState._reset_state()  # an earlier in-process run (tests, the zoo table) used another precision
     plugin = FS.fsdp_plugin(reshard_after_forward=fsdp_reshard_after_forward, mixed_precision=mixed_precision) if fsdp else None
     kw = {"log_with": log_with, "project_dir": str(Path(out_dir) / "trackers")} if log_with else {}
+    kw["dataloader_config"] = RS.dataloader_config(data_seed)  # data order a function of (seed, epoch): exact resume
     return FS.make_accelerator(cpu=cpu, mixed_precision=mixed_precision, plugin=plugin, **kw)
 
 
@@ -210,7 +212,8 @@ def _start_run(cfg: dict, out_dir: Path, device: str):
 
     log_with, tracker_notes = TR.resolve_trackers(cfg["trackers"])
     accelerator = make_accelerator(cfg["mixed_precision"], device, fsdp=cfg["fsdp"],
-                                   fsdp_reshard_after_forward=cfg["fsdp_reshard_after_forward"], out_dir=out_dir, log_with=log_with)
+                                   fsdp_reshard_after_forward=cfg["fsdp_reshard_after_forward"], out_dir=out_dir, log_with=log_with,
+                                   data_seed=cfg["seed"])
     set_seed(cfg["seed"])
     out_dir.mkdir(parents=True, exist_ok=True)
     for note in tracker_notes:
@@ -282,9 +285,11 @@ def _prepare_run(accelerator, cfg: dict, out_dir: Path, data: RunData, probe: di
     if len(loader) != sch.micro_per_epoch:  # the micro-step loop syncs gradients on the last one of each step
         raise RuntimeError(f"per-rank loader has {len(loader)} batches, expected {sch.micro_per_epoch}")
     accelerator.register_for_checkpointing(scheduler)
+    anchors = torch.Generator(device="cpu").manual_seed(cfg["seed"] * 1000 + accelerator.process_index)
+    streams = RS.RankStreams({"anchors": anchors}, rank=accelerator.process_index, world_size=accelerator.num_processes)
     ctx = StepContext(
         drafter=drafter, target=data.target, probe=probe, num_anchors=cfg["num_anchors"], block_size=block_size, gamma=gamma,
-        generator=torch.Generator(device="cpu").manual_seed(cfg["seed"] * 1000 + accelerator.process_index),
+        generator=anchors,
         zero_target_features=zero_target_features, backend=backend, world_size=accelerator.num_processes,
         reduce_sum=lambda t: accelerator.reduce(t.to(accelerator.device), "sum"), embed=data.source.embed, lm_head=data.source.lm_head,
         loss=cfg["loss"], kl_temperature=cfg["kl_temperature"], kl_ce_weight=cfg["kl_ce_weight"], dpace_alpha=cfg["dpace_alpha"],
@@ -292,7 +297,7 @@ def _prepare_run(accelerator, cfg: dict, out_dir: Path, data: RunData, probe: di
     val_batches, val_counted = _heldout_batches(data.heldout, cfg, accelerator.process_index, accelerator.num_processes)
     return TrainRun(accelerator=accelerator, cfg=cfg, out_dir=out_dir, data=data, schedule=sch, num_rows=len(dataset),
                     n_trainable=n_trainable, drafter=drafter, optimizer=optimizer, scheduler=scheduler, loader=loader, ctx=ctx,
-                    val_batches=val_batches, val_counted=val_counted, zero_target_features=zero_target_features)
+                    val_batches=val_batches, val_counted=val_counted, zero_target_features=zero_target_features, streams=streams)
 
 
 def _rows(records, cfg: dict):
