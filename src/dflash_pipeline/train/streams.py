@@ -23,7 +23,7 @@ resumes, with a warning that the run will not match an uninterrupted one
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

@@ -161,3 +161,46 @@ def test_killed_and_resumed_run_ends_bit_identical(setup, tmp_path, setting):
     differ = [k for k in whole if not torch.equal(whole[k], ends[k])]
     assert not differ, f"{len(differ)}/{len(whole)} tensors differ, e.g. {differ[:3]}"
     assert (tmp_path / "whole" / "final" / "model.safetensors").read_bytes() == (killed / "final" / "model.safetensors").read_bytes()
+
+
+def _train_in_process(root: Path, out: Path, **over) -> dict:
+    from dflash_pipeline.train.run import train
+
+    return train(token_shards=[root / "tokens.parquet"], probe=json.loads((root / "probe.json").read_text()),
+                 target_dir=root / "target", out_dir=out, cfg={**CFG, "save_every_steps": 1000, **over})
+
+
+def test_state_saved_before_exact_resume_still_resumes_with_a_warning(setup, tmp_path, capsys):
+    """A version 1 ``state/`` (what the trainer wrote before: no anchor streams, no ``version``) resumes at its
+    step and says that the rest of the run is not the uninterrupted one; a newer version is refused."""
+    root = setup
+    _train_in_process(root, tmp_path, epochs=1)
+    state = tmp_path / "state"
+    streams = [p for p in state.glob("custom_checkpoint_*.pkl") if "world_size" in torch.load(p, weights_only=False)]
+    assert len(streams) == 1 and json.loads((state / "step.json").read_text()) == {"step": 6, "version": 2}
+    streams[0].unlink()
+    (state / "step.json").write_text(json.dumps({"step": 6}))
+    capsys.readouterr()
+    _train_in_process(root, tmp_path, epochs=2)
+    out = capsys.readouterr().out
+    assert "is a version 1 state" in out and "resumed from" in out and "at step 6/12" in out
+    steps = [json.loads(x)["step"] for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 13))
+    assert json.loads((state / "step.json").read_text()) == {"step": 12, "version": 2}  # saved in the new format
+    (state / "step.json").write_text(json.dumps({"step": 12, "version": 99}))
+    with pytest.raises(ValueError, match="state version 99 is newer"):
+        _train_in_process(root, tmp_path, epochs=2)
+
+
+def test_streams_of_another_world_size_are_refused():
+    """Per-rank anchor streams saved by 2 ranks cannot continue on 1: a clear error, not a silent reseed."""
+    from dflash_pipeline.train.streams import RankStreams
+
+    g = [torch.Generator().manual_seed(s) for s in (0, 1)]
+    saved = {"world_size": 2, "ranks": [{"anchors": x.get_state()} for x in g]}
+    one = RankStreams({"anchors": torch.Generator()}, rank=0, world_size=1)
+    with pytest.raises(ValueError, match="saved by 2 rank"):
+        one.load_state_dict(saved)
+    second = RankStreams({"anchors": torch.Generator()}, rank=1, world_size=2)
+    second.load_state_dict(saved)
+    assert torch.equal(second.generators["anchors"].get_state(), g[1].get_state())  # rank 1 continues rank 1's stream
