@@ -1,4 +1,5 @@
-"""Exact resume through Snakemake: the reduced e2e workflow (tests/e2e/e2e_config.yaml, 8 epochs) killed with
+"""Exact resume through Snakemake: the reduced e2e workflow (tests/e2e/e2e_config.yaml with 6 prompts, as
+tests/e2e/test_upgrade.py reduces it, trained 12 epochs) killed with
 SIGKILL (its whole process group: Snakemake, the train job's shell, launcher and trainer) once the train job
 has saved its first state, then rerun after ``--unlock``, ends with the ``final/model.safetensors`` bytes of
 an uninterrupted run (tests/unit/train/test_resume.py holds the same for every trainer setting)."""
@@ -24,12 +25,16 @@ FINAL = "results/checkpoints/e2e/final"
 
 def test_killed_workflow_resumes_to_the_uninterrupted_bytes(tmp_path):
     cfg = yaml.safe_load((REPO / "tests" / "e2e" / "e2e_config.yaml").read_text())
-    cfg["train"] = {**cfg["train"], "epochs": 8}  # 24 steps, state every 2: the kill lands well before the end
+    cfg["datasets"]["gsm8k"]["max_prompts"], cfg["datasets"]["mt_bench"]["max_prompts"] = 4, 2
+    cfg["prompts"]["shard_size"] = 4
+    cfg["train"] = {**cfg["train"], "epochs": 12}  # ~24 steps, state every 2: the kill lands well before the end
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
     whole = snakemake(tmp_path, FINAL)
     assert whole.returncode == 0, (whole.stdout + whole.stderr)[-6000:]
     expected = (tmp_path / FINAL / "model.safetensors").read_bytes()
     run_dir = tmp_path / FINAL.rsplit("/", 1)[0]
+    total = json.loads((run_dir / "train_summary.json").read_text())["steps"]
+    assert total >= 12, total
     shutil.rmtree(run_dir)  # the same run again from step 0: only train_drafter is out of date
 
     cmd, env = snakemake_command(tmp_path, FINAL)
@@ -45,13 +50,13 @@ def test_killed_workflow_resumes_to_the_uninterrupted_bytes(tmp_path):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=60)
     saved = json.loads((run_dir / "state" / "step.json").read_text())["step"]
-    assert not (run_dir / "final").exists() and 0 < saved < 24, saved  # killed mid-run, after a state save
+    assert not (run_dir / "final").exists() and 0 < saved < total, saved  # killed mid-run, after a state save
 
     unlock = snakemake(tmp_path, "--unlock")
     assert unlock.returncode == 0, (unlock.stdout + unlock.stderr)[-3000:]
     again = snakemake(tmp_path, FINAL)
     assert again.returncode == 0, (again.stdout + again.stderr)[-6000:]
     train_log = (tmp_path / "results/logs/train_drafter/e2e.log").read_text()
-    resumed = re.search(r"resumed from \S*checkpoints/e2e/state at step (\d+)/24", train_log)
+    resumed = re.search(rf"resumed from \S*checkpoints/e2e/state at step (\d+)/{total}", train_log)
     assert resumed and int(resumed.group(1)) >= saved, train_log[-3000:]  # a resume, not a restart
     assert (tmp_path / FINAL / "model.safetensors").read_bytes() == expected

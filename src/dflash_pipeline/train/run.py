@@ -175,7 +175,7 @@ def train(
     data = _open_data(accelerator, cfg, probe, token_shards, feature_shards, target_dir=target_dir, out_dir=out_dir,
                       target_dtype=target_dtype, trust_remote_code=trust_remote_code)
     run = _prepare_run(accelerator, cfg, out_dir, data, probe, drafter_arch or {}, zero_target_features)
-    step = resume_state(accelerator, out_dir, run.schedule.total_steps, run.streams)
+    step = resume_state(accelerator, out_dir, run.schedule.total_steps, run.streams, cfg)
     if log_with:
         accelerator.init_trackers(cfg["tracker_project"], config=TR.flat_hparams({**cfg, "zero_target_features": zero_target_features}))
     accelerator.print(_describe(run))
@@ -363,7 +363,7 @@ def _finish(run: TrainRun, step: int, target_dir, summary: dict) -> dict:
         export_drafter(module, out_dir / "final", target=Path(target_dir).resolve(),
                        extra={"train_steps": summary["steps"], "zero_target_features": summary["zero_target_features"]})
         write_json(out_dir / "train_summary.json", summary)
-    save_state(accelerator, out_dir / "state", step)
+    save_state(accelerator, out_dir / "state", step, run.cfg)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return summary

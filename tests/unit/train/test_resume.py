@@ -177,16 +177,23 @@ def test_state_saved_before_exact_resume_still_resumes_with_a_warning(setup, tmp
     _train_in_process(root, tmp_path, epochs=1)
     state = tmp_path / "state"
     streams = [p for p in state.glob("custom_checkpoint_*.pkl") if "world_size" in torch.load(p, weights_only=False)]
-    assert len(streams) == 1 and json.loads((state / "step.json").read_text()) == {"step": 6, "version": 2}
+    meta = json.loads((state / "step.json").read_text())
+    assert len(streams) == 1 and meta["step"] == 6 and meta["version"] == 2 and meta["train_config"]["epochs"] == 1
     streams[0].unlink()
     (state / "step.json").write_text(json.dumps({"step": 6}))
     capsys.readouterr()
     _train_in_process(root, tmp_path, epochs=2)
     out = capsys.readouterr().out
     assert "is a version 1 state" in out and "resumed from" in out and "at step 6/12" in out
+    assert "other train settings" not in out  # a version 1 state has none to compare
     steps = [json.loads(x)["step"] for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 13))
-    assert json.loads((state / "step.json").read_text()) == {"step": 12, "version": 2}  # saved in the new format
+    meta = json.loads((state / "step.json").read_text())
+    assert meta["step"] == 12 and meta["version"] == 2 and meta["world_size"] == 1  # saved in the new format
+    (state / "step.json").write_text(json.dumps({**meta, "step": 6}))
+    capsys.readouterr()
+    _train_in_process(root, tmp_path, epochs=2, learning_rate=1e-3)  # resumes the state of other settings: says so
+    assert "saved under other train settings (learning_rate)" in capsys.readouterr().out
     (state / "step.json").write_text(json.dumps({"step": 12, "version": 99}))
     with pytest.raises(ValueError, match="state version 99 is newer"):
         _train_in_process(root, tmp_path, epochs=2)
