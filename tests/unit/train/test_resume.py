@@ -82,7 +82,7 @@ def _env(pause_at: int = 0) -> dict:
 
 def _command(root: Path, out: Path, cfg: dict, port: int) -> list[str]:
     args = [str(root / "pausing_train.py"), "--probe", str(root / "probe.json"), "--target", str(root / "target"),
-            "--out-dir", str(out), "--train-config", json.dumps(cfg)]
+            "--out-dir", str(out), "--train-config", json.dumps(cfg), "--device", "cpu"]
     if cfg.get("target_features") == "shards":
         args += ["--feature-shard", str(root / "features.safetensors")]
     args.append(str(root / "tokens.parquet"))
@@ -141,18 +141,42 @@ SETTINGS = {
 }
 
 
+def _in_process(root: Path, out: Path, cfg: dict) -> dict:
+    """The run in this process on one thread, as the subprocesses run (``OMP_NUM_THREADS=1``: the same kernels,
+    the same bits); a single-process run then needs no interpreter start for its uninterrupted and last runs."""
+    from dflash_pipeline.train.run import train
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        shards = [root / "features.safetensors"] if cfg.get("target_features") == "shards" else []
+        return train(token_shards=[root / "tokens.parquet"], probe=json.loads((root / "probe.json").read_text()),
+                     target_dir=root / "target", out_dir=out, cfg=cfg, device="cpu", feature_shards=shards)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("setting", list(SETTINGS))
-def test_killed_and_resumed_run_ends_bit_identical(setup, tmp_path, setting):
+def test_killed_and_resumed_run_ends_bit_identical(setup, tmp_path, capsys, setting):
     root = setup
     cfg = {**CFG, **SETTINGS[setting]}
     port = 29600 + 2 * list(SETTINGS).index(setting)
-    _run(_command(root, tmp_path / "whole", cfg, port), tmp_path / "whole")
+    one = cfg["num_processes"] == 1
+    if one:
+        _in_process(root, tmp_path / "whole", cfg)
+    else:
+        _run(_command(root, tmp_path / "whole", cfg, port), tmp_path / "whole")
     summary = json.loads((tmp_path / "whole" / "train_summary.json").read_text())
     assert summary["steps"] == 2 * STEPS_PER_EPOCH, summary
     killed = tmp_path / "killed"
     resumed_at = []
     for pause_at in (*PAUSES, 0):
-        text = _run(_command(root, killed, cfg, port), killed, pause_at)
+        if one and not pause_at:  # the last, unkilled run
+            capsys.readouterr()
+            _in_process(root, killed, cfg)
+            text = capsys.readouterr().out
+        else:
+            text = _run(_command(root, killed, cfg, port), killed, pause_at)
         m = re.search(r"resumed from .* at step (\d+)/", text)
         resumed_at.append(int(m.group(1)) if m else 0)
     assert resumed_at == [0, STEPS_PER_EPOCH, STEPS_PER_EPOCH + 2]  # an epoch boundary, then mid-epoch
@@ -164,10 +188,7 @@ def test_killed_and_resumed_run_ends_bit_identical(setup, tmp_path, setting):
 
 
 def _train_in_process(root: Path, out: Path, **over) -> dict:
-    from dflash_pipeline.train.run import train
-
-    return train(token_shards=[root / "tokens.parquet"], probe=json.loads((root / "probe.json").read_text()),
-                 target_dir=root / "target", out_dir=out, cfg={**CFG, "save_every_steps": 1000, **over})
+    return _in_process(root, out, {**CFG, "save_every_steps": 1000, **over})
 
 
 def test_state_saved_before_exact_resume_still_resumes_with_a_warning(setup, tmp_path, capsys):
