@@ -14,3 +14,13 @@ python bench/bench_train.py --device cuda --bf16 --backend sdpa --hidden 4096 --
 # the sliding-window + sinks family and the nested kimi_k25 family (tests/unit/testing/test_zoo.py covers the CPU side).
 python -m dflash_pipeline.testing.zoo --table --device auto --models "${DFLASH_MODELS_DIR:-../shared/data/models}" \
     --family Qwen3.5-35B-A3B --family gpt-oss-20b --family Kimi-K2.5
+# SGLang (README "SGLang"; it needs CUDA, so the CPU suite checks its shapes on the test server's sglang flavor):
+# token ids from SGLang in each thinking mode, the streamed-chat refusal, engine τ of a DFlash drafter from
+# meta_info. SGLang >= v0.5.18 must be installed in $DFLASH_SGLANG_PYTHON (default: this python); the check
+# fails, saying so, when it is not.
+SGLANG_PY="${DFLASH_SGLANG_PYTHON:-python}"
+if ! "$SGLANG_PY" -c "import sglang" 2>/dev/null; then
+    echo "SGLang is not installed for $SGLANG_PY: pip install 'sglang>=0.5.18' (or set DFLASH_SGLANG_PYTHON)" >&2
+    exit 1
+fi
+python bench/sglang_check.py --python "$SGLANG_PY" ${DFLASH_SGLANG_DRAFTER:+--drafter "$DFLASH_SGLANG_DRAFTER"}

@@ -64,8 +64,9 @@ rule evaluate_acceptance:
 
 
 rule evaluate_engine:
-    """τ and per-position acceptance as vLLM reports them (/metrics deltas) with the trained drafter
-    loaded, on the same held-out prompts as evaluate_acceptance (config `eval.engine`)."""
+    """τ and per-position acceptance as the engine reports them with the trained drafter loaded, on the
+    same held-out prompts as evaluate_acceptance (config `eval.engine`): vLLM started here in the loop's
+    dtype (/metrics deltas), or a running SGLang (`eval.engine_base_url`; each answer's meta_info)."""
     input:
         target=target_input(),
         manifest=prompts_manifest(),
@@ -78,6 +79,7 @@ rule evaluate_engine:
         thinking=config["generation"]["thinking"],
         chat_template=config["target"]["chat_template"],
         trust_remote_code=config["target"]["trust_remote_code"],
+        target_dtype=config["target"]["dtype"],  # the engine serves the loop's dtype (vLLM --dtype)
     log:
         job=log_file("evaluate_engine", "{run}"),
         engine=f"{RESULTS}/logs/evaluate_engine/{{run}}.vllm.log",

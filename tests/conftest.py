@@ -31,6 +31,44 @@ SHAREGPT = REPO_ROOT / "data" / "sharegpt" / "sharegpt.json"
 DEMO_TEST_STEPS = 50
 
 
+#: ``../shared/data`` beside the checkout: the model metadata corpus (``models/``: configs, tokenizers, chat
+#: templates) and the original data files that the zoo, template, probe and prompt tests read.
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+
+def expects_shared_data(environ=os.environ) -> bool:
+    """Whether this run must have ``../shared/data``: in CI (``DFLASH_CI_SERVICES=1``, or ``CI`` set to
+    anything but empty/``0``/``false``, as CI systems export it), where it always exists."""
+    ci = (environ.get("CI") or "").strip().lower()
+    return environ.get("DFLASH_CI_SERVICES") == "1" or ci not in ("", "0", "false", "no")
+
+
+def shared_data_problem(environ=os.environ, shared: Path = SHARED_DATA) -> str | None:
+    """Why a run that :func:`expects_shared_data` cannot go on (None: it can, or it does not expect it):
+    ``$DFLASH_MODELS_DIR`` names a missing directory, or ``../shared/data`` (``shared``, default
+    :data:`SHARED_DATA`) is not there. Without them the corpus tests skip or vanish and a green run would
+    cover half the suite."""
+    if not expects_shared_data(environ):
+        return None
+    named = environ.get("DFLASH_MODELS_DIR")
+    if named and not Path(named).is_dir():
+        return (f"DFLASH_MODELS_DIR={named} is not a directory; the model metadata corpus (configs, tokenizers, chat "
+                f"templates) must be there in CI, or the zoo, template and probe tests skip")
+    if not Path(shared).is_dir():
+        return (f"../shared/data ({shared}) is missing: CI needs the shared data beside the checkout (the "
+                f"model metadata corpus in models/ and the original datasets); without it about half the suite "
+                f"(zoo, templates, probe) skips or is never collected")
+    return None
+
+
+def pytest_configure(config):
+    """Fail the run before collection when CI expects ``../shared/data`` and it is missing
+    (:func:`shared_data_problem`)."""
+    problem = shared_data_problem()
+    if problem:
+        raise pytest.UsageError(f"{problem} (DFLASH_CI_SERVICES=1 or CI is set)")
+
+
 def models_dir() -> Path | None:
     """Directory of real model metadata (config.json, tokenizer_config.json, chat templates):
     ``$DFLASH_MODELS_DIR``, else ``tests/data/models`` in the repo, else ``../shared/data/models``."""

@@ -358,9 +358,29 @@ def summary_html(
     return text
 
 
+#: The agreement verdicts of acceptance.tsv's ``engine_agrees`` in words (``?``: no histogram to test with).
+ENGINE_VERDICTS = {"yes": "agrees", "NO": "DISAGREES (beyond 3 standard errors)", "?": "agreement not tested"}
+
+
+def engine_summary_lines(rows: Sequence[dict]) -> list[str]:
+    """Engine τ beside our loop's pooled τ with the agreement verdict, one line per eval set of each drafter
+    the engine served (acceptance.tsv rows with ``engine_tau``); [] when the run measured no engine τ."""
+    served = [r for r in rows if r.get("engine_tau") not in (None, "")]
+    if not served:
+        return []
+    width = max(len(r["set"]) for r in served)
+    lines = ["engine τ beside our loop's (pooled over verify steps, eval.engine):"]
+    for r in served:
+        verdict = ENGINE_VERDICTS.get(r.get("engine_agrees") or "?", r.get("engine_agrees"))
+        lines.append(f"  {r['drafter']} {r['set'].ljust(width)}  ours {r['tau_pooled']}  engine {r['engine_tau']}  "
+                     f"{verdict}")
+    return lines
+
+
 def console_summary(tau_tsv: str | Path, outputs: Sequence[tuple[str, str]] = ()) -> str:
-    """Plain-text end-of-run summary: the drafter × set τ table and where the outputs are (the Snakefile's
-    ``onsuccess`` handler prints it). Empty string when the eval table does not exist."""
+    """Plain-text end-of-run summary: the drafter × set τ table, engine τ beside ours with the agreement
+    verdict when the run measured it (:func:`engine_summary_lines`), and where the outputs are (the
+    Snakefile's ``onsuccess`` handler prints it). Empty string when the eval table does not exist."""
     lines = []
     if Path(tau_tsv).is_file():
         _, rows = read_tsv(tau_tsv)
@@ -370,6 +390,7 @@ def console_summary(tau_tsv: str | Path, outputs: Sequence[tuple[str, str]] = ()
         lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(cols, widths)))
         for r in prows:
             lines.append("  " + "  ".join(str(r.get(c, "")).ljust(w) for c, w in zip(cols, widths)))
+        lines += engine_summary_lines(rows)
     if outputs:
         lines.append("outputs:")
         width = max(len(w) for w, _ in outputs)

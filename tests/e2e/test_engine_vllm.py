@@ -117,7 +117,8 @@ def built_with_vllm(completions_server, demo_target, tmp_path_factory):
     cfg["generation"] = {"backend": "openai", "max_tokens": 24, "extra_body": {"return_token_ids": True},
                          "endpoints": [{"base_url": completions_server.base_url, "max_concurrency": 8}]}
     cfg["tokens"] = {**cfg["tokens"], "use_server_token_ids": True}
-    cfg["eval"] = {**cfg["eval"], "baselines": [], "engine": "vllm", "engine_args": ENGINE_ARGS,
+    # no --dtype for the eval engine: the job passes the loop's (float32 on CPU), vLLM's auto would serve bf16
+    cfg["eval"] = {**cfg["eval"], "baselines": [], "engine": "vllm", "engine_args": ["--max-model-len", "1024"],
                    "engine_start_timeout_s": 600}
     (work / "config.yaml").write_text(yaml.safe_dump(cfg))
     from mini_workflow import token_targets
@@ -144,6 +145,9 @@ def test_workflow_with_vllm_completions_and_engine_tau(built_with_vllm):
 
     engine = json.loads((work / "results/eval/vllm/engine.json").read_text())
     assert engine["engine"]["started"] and engine["engine"]["exact"] is True
+    # served in the loop's dtype, and the record says so (asked, and read back from vLLM's log)
+    assert engine["engine"]["dtype"] == engine["engine"]["served_dtype"] == engine["engine"]["loop_dtype"] == "float32"
+    assert engine["engine"]["dtype_source"] == "target.dtype (the loop's)" and "--dtype" in engine["engine"]["args"]
     assert engine["settings"]["num_speculative_tokens"] == 3
     assert "Resolved architecture: DFlashDraftModel" in (work / "results/logs/evaluate_engine/vllm.vllm.log").read_text()
 

@@ -41,18 +41,59 @@ def _first_choice(data: Any) -> dict:
     return choices[0]
 
 
+def _first_present(*values):
+    """The first of ``values`` that is not None (an empty list is an answer: zero ids)."""
+    return next((v for v in values if v is not None), None)
+
+
 def _response_facts(data: dict, choice: dict) -> dict:
     """``prompt_tokens``, ``completion_tokens`` (``usage``) and ``prompt_token_ids``, ``output_token_ids``
-    (as vLLM returns them with ``return_token_ids``: top level or choice, choice; None when absent) of a
-    response's JSON, as :class:`Turn` keywords."""
+    of a response's JSON, as :class:`Turn` keywords; the ids None when absent. The ids are read where the
+    engines put them: vLLM with ``return_token_ids`` (prompt at the top level of a chat answer, in the choice
+    of a completion; output ``choice.token_ids``), SGLang with ``return_token_ids`` (both in the choice,
+    the raw generated ids before reasoning parsing; sgl-project/sglang PR #30917), and SGLang's
+    response-level ``sglext`` (``input_ids``, ``output_ids[choice index]``: ``return_input_ids_in_sglext`` /
+    ``return_output_ids_in_sglext`` or its ``--return-input-ids`` / ``--return-output-ids``; PR #34488)."""
     usage = data.get("usage") or {}
-    prompt_ids = data.get("prompt_token_ids") or choice.get("prompt_token_ids")
-    out_ids = choice.get("token_ids") or choice.get("output_token_ids")
+    ext = data.get("sglext") if isinstance(data.get("sglext"), dict) else {}
+    ext_out = ext.get("output_ids")
+    index = choice.get("index") or 0
+    ext_out = ext_out[index] if isinstance(ext_out, list) and len(ext_out) > index else None
+    prompt_ids = _first_present(data.get("prompt_token_ids"), choice.get("prompt_token_ids"), ext.get("input_ids"))
+    out_ids = _first_present(choice.get("token_ids"), choice.get("output_token_ids"), ext_out)
     return {
         "prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens"),
         "prompt_token_ids": list(prompt_ids) if prompt_ids is not None else None,
         "output_token_ids": list(out_ids) if out_ids is not None else None,
     }
+
+
+#: ``generation.extra_body`` fields that ask the server for token ids: vLLM's and SGLang's per-choice ids
+#: (``return_token_ids``), or SGLang's response-level ``sglext`` ids (both of its flags).
+TOKEN_ID_FIELDS = ("return_token_ids", ("return_input_ids_in_sglext", "return_output_ids_in_sglext"))
+
+
+def asked_token_ids(extra_body: dict) -> str:
+    """The ``extra_body`` fields of :data:`TOKEN_ID_FIELDS` that are set, joined (``''``: none asks for ids)."""
+    for field in TOKEN_ID_FIELDS:
+        names = (field,) if isinstance(field, str) else field
+        if all(extra_body.get(n) for n in names):
+            return " and ".join(names)
+    return ""
+
+
+def _ids_ignored_error(ep: _Endpoint, fields: str) -> ConfigError:
+    """The endpoint answered without the token ids ``generation.extra_body`` asks for (``fields``): it does
+    not know the field (an SGLang before PR #30917 ignores ``return_token_ids``). A configuration error, so
+    the run stops at the first answer instead of generating a fleet's worth of records the tokens stage
+    then has to render (which fails closed for templates like Kimi's in ``thinking: save``)."""
+    return ConfigError(
+        f"{ep.url} answered without token ids although generation.extra_body sets {fields}: the server ignores "
+        f"the field. SGLang returns them per choice from v0.5.18 (sgl-project/sglang PR #30917, return_token_ids; "
+        f"non-streaming chat and completions) and in the response's sglext from PR #34488 "
+        f"(return_input_ids_in_sglext + return_output_ids_in_sglext); vLLM with return_token_ids (vllm-project/vllm "
+        f"PR #22587). Upgrade the server, or drop the field from generation.extra_body (records then carry no "
+        f"ids and the tokens stage renders the chat template)")
 
 
 #: Loggers of the HTTP stack under the openai client; at INFO, httpx logs one line per request.
@@ -137,6 +178,7 @@ class OpenAIBackend:
         self._init_kw = {"target_dir": target_dir, "chat_template": chat_template, "trust_remote_code": trust_remote_code}
         self._keys = [os.environ[ep["api_key_env"]] if ep["api_key_env"] else "EMPTY" for ep in gen_cfg["endpoints"]]
         self.stats: Counter = Counter()
+        self._asks_ids = asked_token_ids(gen_cfg["extra_body"])
 
     def _make_fleet(self) -> _Fleet:
         import openai
@@ -250,9 +292,12 @@ class OpenAIBackend:
             return None, retry.Failure(f"malformed response: {_describe(exc)}")
         parse = self._parse_text if self.api == "completions" else self._parse
         try:
-            return parse(resp, time.monotonic() - t0, ep), None
+            turn = parse(resp, time.monotonic() - t0, ep)
         except (ValueError, AttributeError, TypeError, LookupError) as exc:
             return None, retry.Failure(f"malformed response: {exc}")
+        if self._asks_ids and (turn.prompt_token_ids is None or turn.output_token_ids is None):
+            raise _ids_ignored_error(ep, self._asks_ids)
+        return turn, None
 
     async def _complete(self, fleet: _Fleet, history: list[dict]) -> Turn:
         """The assistant turn answering ``history``, retried per :mod:`.retry` on the fleet's least busy

@@ -321,6 +321,10 @@ def training_problems(cfg: Mapping[str, Any]) -> list[str]:
         out.append("train.packing is not supported with train.target_features: shards yet; set train.packing: false")
     from dflash_pipeline.core.vllm_env import VLLMNotFound, require_vllm_python
 
+    if ev["engine"] == "sglang" and not ev["engine_base_url"]:
+        out.append("eval.engine: sglang measures τ on a running SGLang server, which the pipeline cannot start: "
+                   "start it with the trained drafter (the SGLang line of the export's serve.md) and set "
+                   "eval.engine_base_url (e.g. http://host:30000/v1)")
     needs_vllm = []  # (setting, its vLLM python, what else fixes it)
     if ev["engine"] == "vllm" and not ev["engine_base_url"]:
         needs_vllm.append(("eval.engine: vllm", None, "; or give eval.engine_base_url"))

@@ -7,8 +7,9 @@ import logging
 #: one-line progress of long jobs and each job's summary (:func:`console`).
 CONSOLE_LOGGER = "dflash_pipeline.console"
 
-#: Output lines with these prefixes (printed by training and eval) are echoed to the console too.
-CONSOLE_PREFIXES = ("[train]", "[eval]", "[eval-server]")
+#: Output lines with these prefixes (printed by training, the eval and the engine eval) are echoed to the
+#: console too.
+CONSOLE_PREFIXES = ("[train]", "[eval]", "[eval-server]", "[eval-engine]")
 
 
 def console(msg: str, *args) -> None:

@@ -35,6 +35,10 @@ _OWNERS = {
     "evaluate_engine": "engine_acceptance",
     "attach_engine_tau": "engine_acceptance",
     "compare_tau": "engine_acceptance",
+    "SGLANG_NEEDS_URL": "sglang_engine",
+    "histogram_acceptance_stats": "sglang_engine",
+    "response_acceptance": "sglang_engine",
+    "sglang_server_facts": "sglang_engine",
     "EvalComparisonError": "outputs",
     "check_comparable": "outputs",
     "merge_eval_records": "outputs",
@@ -57,6 +61,8 @@ _OWNERS = {
     "VLLMServer": "vllm_server",
     "serve_commands": "vllm_server",
     "write_serve_md": "vllm_server",
+    "loop_dtype": "vllm_server",
+    "served_dtype_of_log": "vllm_server",
 }
 
 __all__ = sorted(_OWNERS)

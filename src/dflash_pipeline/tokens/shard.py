@@ -163,7 +163,8 @@ def tokenize_records(
         last_turn_only: supervise only the last assistant turn.
         strict: re-raise :class:`TokenizationError`; ``False`` drops the record and counts it.
         use_server_token_ids: records whose selected turns all carry prompt/output token ids become one
-            row per turn built from exactly those ids (counted in ``server_ids_used``).
+            row per turn built from exactly those ids (``server_ids_used`` counts those rows: every turn
+            trained from the server's ids, not the records).
         stats: dict updated in place (see :func:`_new_stats` for keys).
         batch_size: sequences per batched tokenizer call.
 
@@ -189,7 +190,7 @@ def tokenize_records(
             continue
         units = _server_id_units(rec, last_turn_only) if use_server_token_ids else None
         if units is not None:
-            stats["server_ids_used"] += 1
+            stats["server_ids_used"] += len(units)  # one row per turn, each from the server's ids
         else:
             units = _rendered_sequences(tokenizer, rec, last_turn_only=last_turn_only, strict=strict,
                                         specials=specials, controls=controls, stats=stats)

@@ -18,7 +18,13 @@ Two answer modes:
 
 Token ids are returned as vLLM does when the request body has ``return_token_ids: true``
 (``prompt_token_ids`` at the top level, ``choices[0].token_ids``; on ``/v1/completions`` both in
-``choices[0]``).
+``choices[0]``). ``flavor="sglang"`` answers in SGLang's exact shapes instead (:mod:`.sglang`): ids per choice
+(``return_token_ids``) and in the response-level ``sglext`` (``return_input_ids_in_sglext`` /
+``return_output_ids_in_sglext``), ``meta_info`` per choice (``return_meta_info``, with the ``spec_*``
+acceptance figures of a drafter), server-sent events for ``stream: true``, and the 400 SGLang gives when a
+streamed chat asks for ids; with a tokenizer (``tokenizer_dir``) canned answers then carry the real ids of
+the rendered prompt and of the raw text (think block included). ``flavor="sglang-legacy"`` is an SGLang from
+before PR #30917, which ignores ``return_token_ids``.
 
 ``/v1/completions`` answers ``choices[0].text`` in the OpenAI completions format. A token-id prompt is
 decoded with the target's tokenizer (target mode) or ``tokenizer_dir``'s (canned mode; without one the
@@ -59,16 +65,17 @@ from __future__ import annotations
 
 # The package by concern: ``faults`` (the fault plan and its injection), ``stats`` (what is counted:
 # requests, statuses, speculative-decoding counters), ``answers`` (canned and target answers, prompt
-# tokenization), ``app`` (:class:`TestServer`: lifecycle and HTTP handlers), ``cli`` (the command line;
-# ``__main__`` runs it).
+# tokenization), ``sglang`` (SGLang's answer shapes and streams), ``app`` (:class:`TestServer`: lifecycle
+# and HTTP handlers), ``cli`` (the command line; ``__main__`` runs it).
 from .answers import split_think
-from .app import DEFAULT_MODEL_NAME, TestServer, start_test_server
+from .app import DEFAULT_MODEL_NAME, FLAVORS, TestServer, start_test_server
 from .cli import _parser, main  # noqa: F401  (_parser: tests build the CLI parser)
 from .faults import Faults, faults_summary
 from .stats import ServerStats
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
+    "FLAVORS",
     "Faults",
     "ServerStats",
     "TestServer",

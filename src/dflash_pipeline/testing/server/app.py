@@ -14,12 +14,22 @@ from typing import Any, Iterator
 
 from aiohttp import web
 
-from .answers import TargetModel, canned_chat, canned_text, last_user, prompt_of, split_think
+from . import sglang as sg
+from .answers import (
+    TargetModel,
+    canned_chat,
+    canned_text,
+    last_user,
+    prompt_of,
+    split_think,
+)
 from .faults import Faults, drop, inject_faults, marker_response
 from .stats import ServerStats, conversation_key, first_user
 
 #: Model id served when none is given.
 DEFAULT_MODEL_NAME = "test-model"
+#: Answer shapes the server can give (``TestServer(flavor=...)``).
+FLAVORS = ("vllm", "sglang", "sglang-legacy")
 
 
 class TestServer:
@@ -40,7 +50,14 @@ class TestServer:
         spec_accept_length: act like an engine with a drafter loaded that reports this acceptance
             length (canned speculative metrics; see the module docstring). None = no such metrics.
         spec_meta_info: with ``spec_accept_length``, also put ``meta_info`` in each answer (SGLang);
-            False = counters on ``/metrics`` only (vLLM).
+            False = counters on ``/metrics`` only (vLLM). Flavor vllm only (the sglang flavors answer
+            ``meta_info`` per choice when the request asks, as SGLang does).
+        flavor: answer shapes: ``vllm`` (token ids as vLLM returns them), ``sglang`` (SGLang's shapes and
+            streaming, :mod:`.sglang`), ``sglang-legacy`` (an SGLang before PR #30917: no token ids).
+        spec_block_size: sglang flavors: the drafter's block size (SGLang's ``--speculative-num-draft-tokens``)
+            of the ``spec_*`` histograms.
+        return_input_ids, return_output_ids: sglang flavor: put the ids in every answer's ``sglext``, as
+            SGLang's ``--return-input-ids`` / ``--return-output-ids`` do.
     """
 
     __test__ = False  # not a pytest test class
@@ -59,7 +76,16 @@ class TestServer:
         host: str = "127.0.0.1",
         spec_accept_length: float | None = None,
         spec_meta_info: bool = True,
+        flavor: str = "vllm",
+        spec_block_size: int = 16,
+        return_input_ids: bool = False,
+        return_output_ids: bool = False,
     ):
+        if flavor not in FLAVORS:
+            raise ValueError(f"flavor {flavor!r}: use one of {', '.join(FLAVORS)}")
+        self.flavor = flavor
+        self.spec_block_size = int(spec_block_size)
+        self.return_input_ids, self.return_output_ids = return_input_ids, return_output_ids
         self.spec_accept_length = spec_accept_length
         self.spec_meta_info = spec_meta_info
         self.target_dir = target_dir
@@ -291,6 +317,11 @@ class TestServer:
             stats.statuses[400] += 1
             return web.json_response({"error": {"message": "body must be JSON with `messages`"}}, status=400)
         stats.record_request(body, first_user(messages), conversation_key(messages))
+        if self.flavor != "vllm":  # SGLang refuses ids and meta_info on a streamed chat before generating
+            refusal = sg.stream_refusal(body, legacy=self.flavor == "sglang-legacy")
+            if refusal is not None:
+                stats.statuses[400] += 1
+                return refusal
         last = last_user(messages)
         faulted = await self._faulted(request, n, last)
         if faulted is not None:
@@ -310,12 +341,17 @@ class TestServer:
                                                                           reasoning=self.reasoning)
         if f.wrong_content_marker and f.wrong_content_marker in last:
             reasoning = "unexpected reasoning"
+        if self.flavor != "vllm" and self._target is None and self._tok is not None:  # real ids of the raw text
+            prompt_ids, out_ids = sg.chat_ids(self._tok, messages, kwargs, reasoning, content, finish)
 
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if reasoning is not None:
             message[self.reasoning_field] = reasoning
         choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
         resp = self._envelope("chatcmpl", "chat.completion", n, body, choice, prompt_ids, out_ids)
+        if self.flavor != "vllm":
+            return await self._sglang_chat(request, body, resp, reasoning=reasoning, content=content, finish=finish,
+                                           prompt_ids=prompt_ids, out_ids=out_ids)
         if body.get("return_token_ids"):
             resp["prompt_token_ids"] = prompt_ids
             choice["token_ids"] = out_ids
@@ -347,12 +383,79 @@ class TestServer:
                 generated = "<think>\nunexpected reasoning\n</think>\n\n" + generated
         else:
             generated, finish, out_ids = canned_text(text, max_tokens, wrong, reasoning=self.reasoning)
+            if self.flavor != "vllm" and self._tok is not None:  # real ids of the text
+                out_ids = sg.text_ids(self._tok, generated, finish)
         choice: dict[str, Any] = {"index": 0, "text": generated, "finish_reason": finish, "logprobs": None}
+        if self.flavor != "vllm":
+            resp = self._envelope("cmpl", "text_completion", n, body, choice, prompt_ids, out_ids)
+            return await self._sglang_completion(request, body, resp, text=generated, finish=finish,
+                                                 prompt_ids=prompt_ids, out_ids=out_ids)
         if body.get("return_token_ids"):  # vLLM puts both in the choice for completions
             choice["prompt_token_ids"] = prompt_ids
             choice["token_ids"] = out_ids
         resp = self._envelope("cmpl", "text_completion", n, body, choice, prompt_ids, out_ids)
         return self._finish(resp, out_ids)
+
+    # -- SGLang's shapes (flavor sglang / sglang-legacy; see .sglang) ---------------------------------
+    @property
+    def _legacy(self) -> bool:
+        return self.flavor == "sglang-legacy"
+
+    def _spec_figures(self, out_ids: list[int]) -> dict | None:
+        """Count one answer's speculative decoding (when configured) and return SGLang's ``spec_*`` figures."""
+        if self.spec_accept_length is None or not out_ids:
+            return None
+        verify = self.stats.count_spec_decode(len(out_ids), self.spec_accept_length)
+        return sg.spec_meta_info(len(out_ids), verify, self.spec_block_size)
+
+    async def _send(self, request: web.Request, resp: dict, events: list[bytes] | None) -> web.StreamResponse:
+        """Count an answer and send it: the JSON ``resp``, or the server-sent ``events`` of a streamed one."""
+        self.stats.statuses[200] += 1
+        self.stats.answered += 1
+        if events is not None:
+            return await sg.send_events(request, events)
+        return web.json_response(resp)
+
+    async def _sglang_chat(self, request: web.Request, body: dict, resp: dict, *, reasoning: str | None,
+                           content: str, finish: str, prompt_ids: list[int], out_ids: list[int]) -> web.StreamResponse:
+        """A chat answer in SGLang's shapes: ids per choice and in ``sglext``, ``meta_info``, or a stream."""
+        choice = resp["choices"][0]
+        choice["matched_stop"] = out_ids[-1] if finish == "stop" and out_ids else None
+        if body.get("return_prompt_token_ids") or (body.get("return_token_ids") and not self._legacy):
+            choice["prompt_token_ids"] = prompt_ids
+        if body.get("return_token_ids") and not self._legacy:
+            choice["token_ids"] = out_ids
+        spec = self._spec_figures(out_ids)
+        if body.get("return_meta_info"):
+            choice["meta_info"] = sg.meta_info(resp["id"], finish, prompt_ids, out_ids, spec)
+        want = (False, False) if self._legacy else sg.sglext_wanted(
+            body, request.headers, server_input_ids=self.return_input_ids, server_output_ids=self.return_output_ids)
+        ext = sg.sglext(prompt_ids, out_ids, want)
+        if body.get("stream"):
+            usage = resp["usage"] if (body.get("stream_options") or {}).get("include_usage") else None
+            events = sg.chat_stream_events(resp["id"], resp["model"], reasoning=reasoning, content=content,
+                                           finish=finish, ext=ext, usage=usage)
+            return await self._send(request, resp, events)
+        if ext is not None:
+            resp["sglext"] = ext
+        return await self._send(request, resp, None)
+
+    async def _sglang_completion(self, request: web.Request, body: dict, resp: dict, *, text: str, finish: str,
+                                 prompt_ids: list[int], out_ids: list[int]) -> web.StreamResponse:
+        """A completion in SGLang's shapes: both id lists in the choice (``return_token_ids``), or a stream."""
+        choice = resp["choices"][0]
+        choice["matched_stop"] = out_ids[-1] if finish == "stop" and out_ids else None
+        with_ids = bool(body.get("return_token_ids")) and not self._legacy
+        if with_ids:
+            choice["token_ids"] = out_ids
+            choice["prompt_token_ids"] = prompt_ids
+        self._spec_figures(out_ids)
+        if body.get("stream"):
+            usage = resp["usage"] if (body.get("stream_options") or {}).get("include_usage") else None
+            events = sg.completion_stream_events(resp["id"], resp["model"], text=text, finish=finish,
+                                                 prompt_ids=prompt_ids, out_ids=out_ids, with_ids=with_ids, usage=usage)
+            return await self._send(request, resp, events)
+        return await self._send(request, resp, None)
 
     def _envelope(self, id_prefix: str, obj: str, n: int, body: dict, choice: dict, prompt_ids: list[int],
                   out_ids: list[int]) -> dict[str, Any]:

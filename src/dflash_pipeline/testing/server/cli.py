@@ -16,7 +16,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from .app import DEFAULT_MODEL_NAME, TestServer
+from .app import DEFAULT_MODEL_NAME, FLAVORS, TestServer
 from .faults import Faults, faults_summary
 
 
@@ -129,6 +129,18 @@ def _add_answer_flags(ans: argparse._ArgumentGroup) -> None:
                           "spec_decode counters (default: none)")
     ans.add_argument("--no-spec-meta-info", action="store_true",
                      help="with --spec-accept-length: leave meta_info out of answers (vLLM: /metrics only)")
+    ans.add_argument("--flavor", choices=FLAVORS, default="vllm",
+                     help="answer shapes: vllm (token ids as vLLM returns them), sglang (SGLang's: ids per choice "
+                          "and in sglext, meta_info per choice with return_meta_info, streaming, the 400 for ids "
+                          "on a streamed chat), sglang-legacy (an SGLang before PR #30917: no token ids; "
+                          "default: %(default)s)")
+    ans.add_argument("--spec-block-size", type=int, default=16, metavar="B",
+                     help="sglang flavors with --spec-accept-length: the drafter's block size of the spec_* "
+                          "histograms (SGLang's --speculative-num-draft-tokens; default: %(default)s)")
+    ans.add_argument("--return-input-ids", action="store_true",
+                     help="sglang flavor: the prompt ids in every answer's sglext (as SGLang's --return-input-ids)")
+    ans.add_argument("--return-output-ids", action="store_true",
+                     help="sglang flavor: the output ids in every answer's sglext (as SGLang's --return-output-ids)")
 
 
 def _add_fault_plan_flags(flt: argparse._ArgumentGroup, d: Faults) -> None:
@@ -197,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
         host=args.host,
         spec_accept_length=args.spec_accept_length,
         spec_meta_info=not args.no_spec_meta_info,
+        flavor=args.flavor,
+        spec_block_size=args.spec_block_size,
+        return_input_ids=args.return_input_ids,
+        return_output_ids=args.return_output_ids,
     )
     asyncio.run(_serve(server, args))
     return 0
