@@ -1,5 +1,5 @@
 """Exact resume through Snakemake: the reduced e2e workflow (tests/e2e/e2e_config.yaml with 6 prompts, as
-tests/e2e/test_upgrade.py reduces it, an untrained demo target, 12 training epochs) killed with
+tests/e2e/test_upgrade.py reduces it, an untrained demo target, 6 epochs of 4 steps) killed with
 SIGKILL (its whole process group: Snakemake, the train job's shell, launcher and trainer) once the train job
 has saved its first state, then rerun after ``--unlock``, ends with the ``final/model.safetensors`` bytes of
 an uninterrupted run (tests/unit/train/test_resume.py holds the same for every trainer setting)."""
@@ -28,7 +28,8 @@ def test_killed_workflow_resumes_to_the_uninterrupted_bytes(tmp_path):
     cfg["datasets"]["gsm8k"]["max_prompts"], cfg["datasets"]["mt_bench"]["max_prompts"] = 4, 2
     cfg["prompts"]["shard_size"] = 4
     cfg["target"]["demo"]["train_steps"] = 0  # an untrained demo target: the drafter's run is what is tested
-    cfg["train"] = {**cfg["train"], "epochs": 12}  # ~24 steps, state every 2: the kill lands well before the end
+    # 4 training records one per step: 4 steps per epoch, 24 in all, state every 2 (the first save is mid-epoch)
+    cfg["train"] = {**cfg["train"], "epochs": 6, "batch_size": 1}
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
     whole = snakemake(tmp_path, FINAL, timeout=1800)
     assert whole.returncode == 0, (whole.stdout + whole.stderr)[-6000:]
