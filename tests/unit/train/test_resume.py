@@ -36,7 +36,7 @@ PAUSES = (7, 9)
 STEPS_PER_EPOCH = 6
 
 #: The training CLI, which stops (pauses) after optimizer step $RESUME_TEST_PAUSE_AT, once that step's
-#: state save (if any) is done, and says so in ``<out>/paused.<rank>``; the test then SIGKILLs it.
+#: state save (if any) is done, and says so in ``<out>/paused.<rank>`` (its pid); the test then SIGKILLs it.
 PAUSING_TRAIN = r'''
 import os, signal, sys
 from dflash_pipeline.train import loop as L
@@ -47,7 +47,7 @@ after_step = L._after_step
 def pausing_after_step(run, step, *args, **kwargs):
     window = after_step(run, step, *args, **kwargs)
     if step == pause_at:
-        (run.out_dir / f"paused.{run.accelerator.process_index}").write_text(str(step))
+        (run.out_dir / f"paused.{run.accelerator.process_index}").write_text(str(os.getpid()))
         signal.pause()  # until the test's SIGKILL
     return window
 
@@ -94,7 +94,8 @@ def _command(root: Path, out: Path, cfg: dict, port: int) -> list[str]:
 
 def _run(cmd: list[str], out: Path, pause_at: int = 0) -> str:
     """Run the training command in its own process group; with ``pause_at``, SIGKILL the group once every
-    rank has paused after that step. Returns its output."""
+    rank has paused after that step, and each rank's own (torch's launcher starts every rank in a session
+    of its own). Returns its output."""
     out.mkdir(parents=True, exist_ok=True)
     log = out / f"segment-{pause_at}.log"
     ranks = json.loads(cmd[cmd.index("--train-config") + 1])["num_processes"]
@@ -106,7 +107,9 @@ def _run(cmd: list[str], out: Path, pause_at: int = 0) -> str:
                 assert proc.poll() is None, f"the run ended before pausing at step {pause_at}:\n{log.read_text()[-3000:]}"
                 time.sleep(0.05)
             if pause_at:
-                os.killpg(proc.pid, signal.SIGKILL)
+                groups = {os.getpgid(pid) for pid in [proc.pid] + [int(m.read_text()) for m in markers]}
+                for group in groups:
+                    os.killpg(group, signal.SIGKILL)
             rc = proc.wait(timeout=600)
         finally:
             if proc.poll() is None:
