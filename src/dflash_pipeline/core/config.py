@@ -319,6 +319,11 @@ def training_problems(cfg: Mapping[str, Any]) -> list[str]:
                    "dpace with train.target_features: shards, or kl with target_features: online")
     if train["target_features"] == "shards" and train["packing"]:
         out.append("train.packing is not supported with train.target_features: shards yet; set train.packing: false")
+    stream = cfg["features"].get("stream") or {}  # partial configs (tests, direct calls) have none
+    if train["target_features"] == "stream" and train["loss"] == "kl":
+        out.append("train.loss: kl needs the target's final-normed last hidden state, which the feature servers do not "
+                   "send yet (features.last_hidden is the pre-norm layer output); use ce_decay or dpace with "
+                   "train.target_features: stream")
     from dflash_pipeline.core.vllm_env import VLLMNotFound, require_vllm_python
 
     if ev["engine"] == "sglang" and not ev["engine_base_url"]:
@@ -330,6 +335,9 @@ def training_problems(cfg: Mapping[str, Any]) -> list[str]:
         needs_vllm.append(("eval.engine: vllm", None, "; or give eval.engine_base_url"))
     if train["target_features"] == "shards" and cfg["features"]["backend"] == "vllm":
         needs_vllm.append(("features.backend: vllm", cfg["features"]["vllm"]["python"], "; or features.backend: hf"))
+    if train["target_features"] == "stream" and stream.get("backend") == "vllm" and not stream.get("endpoints"):
+        needs_vllm.append(("features.stream.backend: vllm", cfg["features"]["vllm"]["python"],
+                           "; or features.stream.backend: hf"))
     for setting, python, alternative in needs_vllm:
         try:
             require_vllm_python(python)

@@ -20,7 +20,7 @@ EVAL_SCHEMA_VERSION = 1
 CHECKPOINT_FORMAT_VERSION = 1
 #: Feature shards (``results/features/{dataset}/{shard}.safetensors``): a safetensors file per token shard with
 #: an offsets index, memory-mapped on read; tensors, dtypes and metadata in :mod:`dflash_pipeline.features.format`.
-FEATURE_SCHEMA_VERSION = 1
+FEATURE_SCHEMA_VERSION = 2  # 2: fp8 feature_scale per token per layer [N, K] (1: per token [N], still read)
 
 #: Roles allowed in a normalized prompt conversation.
 PROMPT_ROLES = ("system", "user")

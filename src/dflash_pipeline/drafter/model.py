@@ -26,8 +26,6 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3MLP,
     Qwen3RMSNorm,
-    Qwen3RotaryEmbedding,
-    apply_rotary_pos_emb,
 )
 
 from dflash_pipeline.drafter.blocks import (  # noqa: F401 - re-exported: the training side, imported as M.* across the package
@@ -49,6 +47,7 @@ from dflash_pipeline.drafter.attention_masks import (  # noqa: F401 - re-exporte
     build_training_masks,
     masks_per_layer_type,
 )
+from dflash_pipeline.drafter.rope import DFlashRotaryEmbedding, apply_rope, drafter_rope_parameters
 from dflash_pipeline.target.loading import module_dtype
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -86,11 +85,10 @@ def drafter_config_from_target(
         raise ValueError("drafter.layer_types has sliding_attention layers: set drafter.sliding_window (tokens)")
     t = target_config
     head_dim = _target_attr(t, "head_dim") or t.hidden_size // t.num_attention_heads
-    rope = dict(_target_attr(t, "rope_parameters") or {})
-    if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type (gemma): the plain one
-        rope = dict(next((v for v in rope.values() if v.get("rope_type", "default") == "default"), next(iter(rope.values()))))
-    rope.setdefault("rope_type", "default")
-    rope.setdefault("rope_theta", _target_attr(t, "rope_theta", 1_000_000.0))
+    rope = drafter_rope_parameters(_target_attr(t, "rope_parameters") or _target_attr(t, "rope_scaling"),
+                                   rope_theta=_target_attr(t, "rope_theta", 1_000_000.0),
+                                   partial_rotary_factor=_target_attr(t, "partial_rotary_factor"),
+                                   rotary_dim=_target_attr(t, "rotary_dim"), head_dim=head_dim)
     cfg = Qwen3Config(
         vocab_size=t.vocab_size,
         hidden_size=t.hidden_size,
@@ -186,19 +184,18 @@ class DFlashAttention(nn.Module):
         self,
         hidden: torch.Tensor,  # [b, Q, H] block stream (after input_layernorm)
         context: torch.Tensor,  # [b, C, H] fused target features (shared by all layers)
-        ctx_rope: tuple[torch.Tensor, torch.Tensor],  # cos/sin [b, C, head_dim]
-        block_rope: tuple[torch.Tensor, torch.Tensor],  # cos/sin [b, Q, head_dim]
+        ctx_rope: tuple[torch.Tensor, torch.Tensor],  # cos/sin [b, C, rotary_dim]
+        block_rope: tuple[torch.Tensor, torch.Tensor],  # cos/sin [b, Q, rotary_dim]
         attn_mask: Optional[torch.Tensor] = None,  # bool [b, 1, Q, C(+cached)+Q], True = attend
         cache: Optional[DraftContextCache] = None,
     ) -> torch.Tensor:
         q = self.q_norm(self._heads(self.q_proj(hidden), self.num_heads))  # [b, h, Q, d]
         k_blk = self.k_norm(self._heads(self.k_proj(hidden), self.num_kv_heads))  # [b, kv, Q, d]
         v_blk = self._heads(self.v_proj(hidden), self.num_kv_heads)
-        q, k_blk = apply_rotary_pos_emb(q, k_blk, *block_rope)
+        q, k_blk = apply_rope(q, *block_rope), apply_rope(k_blk, *block_rope)
         k_ctx = self.k_norm(self._heads(self.k_proj(context), self.num_kv_heads))  # [b, kv, C, d]
         v_ctx = self._heads(self.v_proj(context), self.num_kv_heads)
-        cos, sin = ctx_rope
-        k_ctx = (k_ctx * cos.unsqueeze(1)) + (_rotate_half(k_ctx) * sin.unsqueeze(1))
+        k_ctx = apply_rope(k_ctx, *ctx_rope)
         if cache is not None:
             k_ctx, v_ctx = cache.append(self.layer_idx, k_ctx, v_ctx)
         k = torch.cat([k_ctx, k_blk], dim=-2)  # [b, kv, C+Q, d]
@@ -280,7 +277,7 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
-        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.rotary_emb = DFlashRotaryEmbedding(config)  # partial rotary as vLLM's get_rope (drafter.rope)
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:

@@ -87,7 +87,8 @@ class TargetCache:
 
             self._snapshot = {i: copy.deepcopy(layer) for i, layer in enumerate(self.cache.layers)
                               if not getattr(layer, "is_croppable", False)}
-        feats, out = target_features(self.target, ids, None, layer_ids, use_cache=True, **_cache_kw(self.target, self.cache))
+        feats, out = target_features(self.target, ids, None, layer_ids, use_cache=True, need_logits=True,
+                                     **_cache_kw(self.target, self.cache))
         if self.policy is None:  # after the prefill every layer type is known
             self.policy = "crop" if getattr(self.cache, "is_croppable", True) else "recompute"
         return feats, out

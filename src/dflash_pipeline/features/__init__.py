@@ -9,12 +9,19 @@ with TP8) or ``hf`` (transformers, ``device_map`` across the job's GPUs; the CPU
 Modules: :mod:`.format` (file format, writer, reader), :mod:`.extract` (one shard, resumable),
 :mod:`.hf_backend`, :mod:`.vllm_backend` + :mod:`.vllm_connector` (engine side), :mod:`.plan` (disk
 arithmetic at plan time), :mod:`.weights` (embedding / LM head from the target's safetensors).
-CLI: ``python -m dflash_pipeline.features extract ...`` (what the rule runs, in the backend's environment).
+Streaming (``train.target_features: stream``): :mod:`.server` (the hf feature server, vLLM's request
+contract), :mod:`.stream_client` (:class:`FeatureClient` over the completions fleet), :mod:`.colocate`
+(servers started beside the trainer).
+CLI: ``python -m dflash_pipeline.features extract|serve|colocate ...`` (what the rules run, in the backend's environment).
 
 This package imports only numpy at the top (torch, transformers, vllm inside the functions that need them),
 so it loads in the vLLM venv, in the training env and in Snakemake's planning process.
 """
 
 from .format import FeatureLayout, FeatureShard, FeatureShardError, FeatureShardWriter, bytes_per_token
+from .colocate import ENDPOINTS_ENV, colocated_servers
+from .plan import window_bytes
+from .stream_client import FeatureClient, Features, StreamError, fleet_config
 
-__all__ = ["FeatureLayout", "FeatureShard", "FeatureShardError", "FeatureShardWriter", "bytes_per_token"]
+__all__ = ["ENDPOINTS_ENV", "FeatureClient", "FeatureLayout", "FeatureShard", "FeatureShardError", "FeatureShardWriter",
+           "Features", "StreamError", "bytes_per_token", "colocated_servers", "fleet_config", "window_bytes"]

@@ -1,6 +1,8 @@
-"""CLI: ``python -m dflash_pipeline.features extract --probe P --target DIR --token-shard T --out F ...``.
+"""CLI: ``python -m dflash_pipeline.features extract --probe P --target DIR --token-shard T --out F ...``,
+``... serve --target DIR --layer-ids 1,3 ...`` (an hf feature server, :mod:`.server`; prints its URL when
+ready) and ``... colocate --stream-config JSON ... -- CMD`` (servers for a colocated stream run, :mod:`.colocate`).
 
-Run by the ``extract_features`` rule with the backend's interpreter (the vLLM venv for ``vllm``).
+Run by the ``extract_features`` / ``train_drafter`` rules with the backend's interpreter (the vLLM venv for ``vllm``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     e.add_argument("--gpus", type=int, default=0, help="GPUs of this job (0 = CPU)")
     e.add_argument("--trust-remote-code", action="store_true")
     e.add_argument("--stats", help="write the extraction stats JSON here")
+    _serve_parser(sub)
+    _colocate_parser(sub)
     a = p.parse_args(argv)
+    if a.cmd == "serve":
+        return _serve(a)
+    if a.cmd == "colocate":
+        from .colocate import run_colocated
+
+        return run_colocated(a)
 
     from .extract import extract_shard
 
@@ -41,6 +51,44 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from dflash_pipeline.core.shards import write_json
 
         write_json(a.stats, stats, skip_if_identical=False)
+    return 0
+
+
+def _serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="an hf feature server (features.stream; prints its URL when ready)")
+    s.add_argument("--target", required=True, help="target model directory")
+    s.add_argument("--layer-ids", required=True, help="canonical target_layer_ids, comma-separated (e.g. 1,3)")
+    s.add_argument("--num-hidden-layers", type=int, required=True)
+    s.add_argument("--last-hidden", action="store_true", help="also send the last decoder layer's pre-norm output")
+    s.add_argument("--scratch-dir", required=True, help="where /v1/completions answers' files are written")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=0, help="0 = a free port")
+    s.add_argument("--url-file", help="write the URL here (atomically) once ready")
+    s.add_argument("--model-name", help="the id GET /v1/models lists (default: the target directory's name)")
+    s.add_argument("--max-len", type=int, default=1 << 20, help="longest record accepted (tokens)")
+    s.add_argument("--target-dtype", default="auto")
+    s.add_argument("--gpus", type=int, default=0, help="GPUs to spread the target over (device_map; 0 = CPU)")
+    s.add_argument("--trust-remote-code", action="store_true")
+
+
+def _colocate_parser(sub) -> None:
+    c = sub.add_parser("colocate", help="start features.stream.servers servers, run CMD with their endpoints, stop them")
+    c.add_argument("--stream-config", required=True, help="JSON of the stream settings (rules/features_helpers.smk)")
+    c.add_argument("--probe", required=True)
+    c.add_argument("--target", required=True)
+    c.add_argument("--target-dtype", default="auto")
+    c.add_argument("--trust-remote-code", action="store_true")
+    c.add_argument("cmd", nargs="+", help="the trainer's command line (after --)")
+
+
+def _serve(a) -> int:
+    from .server import FeatureServer, serve
+
+    layers = [int(x) for x in a.layer_ids.split(",") if x.strip()]
+    server = FeatureServer(a.target, layers, num_hidden_layers=a.num_hidden_layers, last_hidden=a.last_hidden,
+                           gpus=a.gpus, target_dtype=a.target_dtype, trust_remote_code=a.trust_remote_code,
+                           scratch_dir=a.scratch_dir, model_name=a.model_name, max_len=a.max_len)
+    serve(server, a.host, a.port, a.url_file)
     return 0
 
 

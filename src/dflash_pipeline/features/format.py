@@ -12,8 +12,9 @@ token shard, in row order, are concatenated along the token axis; ``offsets`` [R
 - ``features``       BF16 or F8_E4M3 [N, K*H]: the outputs of target decoder layers ``target_layer_ids``
   (canonical ids, layer order), concatenated along the last axis, i.e. ``torch.cat([h_l for l in ids], -1)``
   exactly as the online path (``train.target_features``) builds them
-- ``feature_scale``  F32  [N]         fp8 only: per-token scale, ``x = fp8 * scale``,
-  ``scale = max|x| / 448`` over the token's K*H values (e4m3's largest finite value)
+- ``feature_scale``  F32  [N, K]      fp8 only: a scale per token per layer, ``x = fp8 * scale``,
+  ``scale = max|x| / 448`` over the token's H values of that layer (e4m3's largest finite value), so a
+  quiet layer beside one with outliers keeps its precision (schema 1 shards: one scale per token [N], read)
 - ``last_hidden``    BF16 or F8_E4M3 [N, H] (optional): the output of the target's last decoder layer,
   *before* its final norm (apply the target's final norm and LM head for target logits, e.g. a KL loss)
 - ``last_hidden_scale`` F32 [N]       fp8 and last_hidden only
@@ -21,6 +22,8 @@ token shard, in row order, are concatenated along the token axis; ``offsets`` [R
 ``__metadata__["dflash"]`` is canonical JSON: ``schema_version`` (:data:`FEATURE_SCHEMA_VERSION`),
 ``token_shard`` (file name), ``token_shard_sha256``, ``num_records``, ``num_tokens``, ``target_layer_ids``,
 ``hidden_size``, ``dtype`` (``bfloat16`` | ``float8_e4m3``), ``last_hidden``, ``backend`` and provenance.
+The reader takes the storage dtype from the tensor header and refuses a shard whose metadata ``dtype`` is
+missing or disagrees with it (:class:`FeatureShard`).
 Tensors are laid out widest element first, so every view is naturally aligned. Any safetensors reader
 opens the file; :class:`FeatureShard` maps it instead of reading it.
 
@@ -54,6 +57,10 @@ STORAGE_DTYPES = {"bfloat16": ("BF16", 2), "float8_e4m3": ("F8_E4M3", 1)}
 #: Largest finite float8 e4m3fn value (the per-token scale maps each token's max |x| onto it).
 FP8_E4M3_MAX = 448.0
 _ST_ITEMSIZE = {"I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F8_E4M3": 1, "U8": 1}
+#: safetensors dtype of the ``features`` tensor → ``features.dtype`` name.
+_STORAGE_OF_ST = {st: name for name, (st, _) in STORAGE_DTYPES.items()}
+#: ``schema_version`` values this code reads (1: fp8 scale per token; 2: per token per layer).
+READABLE_SCHEMA_VERSIONS = (1, FEATURE_SCHEMA_VERSION)
 _ST_NUMPY = {"I64": np.int64, "F32": np.float32, "I32": np.int32, "BF16": np.uint16, "F8_E4M3": np.uint8, "U8": np.uint8}
 
 
@@ -63,14 +70,14 @@ class FeatureShardError(ValueError):
 
 def bytes_per_token(num_layers: int, hidden_size: int, dtype: str = "bfloat16", last_hidden: bool = False) -> int:
     """Bytes one token takes in a feature shard: ``K*H`` values (+ ``H`` for ``last_hidden``) at the storage
-    dtype, + 4 B per scale (fp8), + 5 B for its input id and loss-mask byte.
+    dtype, + 4 B per scale (fp8: one per layer, one for ``last_hidden``), + 5 B for its input id and loss-mask byte.
 
     Example (Kimi K2.6, K=5, H=7168, bf16): 5 * 7168 * 2 + 5 = 71,685 B ≈ 72 KB.
     """
     if dtype not in STORAGE_DTYPES:
         raise ValueError(f"features.dtype {dtype!r}: expected one of {sorted(STORAGE_DTYPES)}")
     size = STORAGE_DTYPES[dtype][1]
-    n = num_layers * hidden_size * size + (4 if size == 1 else 0)
+    n = num_layers * hidden_size * size + (4 * num_layers if size == 1 else 0)
     if last_hidden:
         n += hidden_size * size + (4 if size == 1 else 0)
     return n + 4 + 1
@@ -101,7 +108,7 @@ class FeatureLayout:
         n, r, kh, h = self.num_tokens, self.num_records, self.num_layers * self.hidden_size, self.hidden_size
         out = [("offsets", "I64", [r + 1])]
         if st == "F8_E4M3":
-            out.append(("feature_scale", "F32", [n]))
+            out.append(("feature_scale", "F32", [n, self.num_layers]))
             if self.last_hidden:
                 out.append(("last_hidden_scale", "F32", [n]))
         out += [("num_loss_tokens", "I32", [r]), ("input_ids", "I32", [n])]
@@ -139,6 +146,35 @@ def _parse_header(buf: bytes | mmap.mmap, path: Path) -> tuple[dict, int]:
     return json.loads(bytes(buf[8 : 8 + n])), 8 + n
 
 
+def _storage_dtype(path: Path, header: dict, meta: dict) -> Optional[str]:
+    """The storage dtype of a shard's ``features``/``last_hidden`` tensors, read from the tensor header;
+    None for a shard without them (a token index).
+
+    Raises:
+        FeatureShardError: a tensor dtype this format does not store, metadata ``dtype`` missing or not the
+            header's, or a ``feature_scale`` whose shape is neither [N] nor [N, K].
+    """
+    names = [n for n in ("features", "last_hidden") if n in header]
+    if not names:
+        return None
+    sts = {header[n]["dtype"] for n in names}
+    if len(sts) != 1 or next(iter(sts)) not in _STORAGE_OF_ST:
+        raise FeatureShardError(f"{path}: tensor dtypes {sorted(sts)} of {names}; a feature shard stores one of "
+                                f"{sorted(_STORAGE_OF_ST)}")
+    dtype = _STORAGE_OF_ST[next(iter(sts))]
+    if meta.get("dtype") != dtype:
+        raise FeatureShardError(f"{path}: metadata dtype {meta.get('dtype')!r} but the tensors are {next(iter(sts))} "
+                                f"({dtype}); the shard is damaged or was written by other code: rebuild it")
+    if dtype != "bfloat16" and "features" in header:
+        n, kh = header["features"]["shape"]
+        shape = header.get("feature_scale", {}).get("shape")
+        per_layer = isinstance(shape, list) and len(shape) == 2 and shape[0] == n and shape[1] > 0 and kh % shape[1] == 0
+        if shape != [n] and not per_layer:
+            raise FeatureShardError(f"{path}: feature_scale shape {shape}, expected [{n}] (schema 1) or [{n}, K] "
+                                    f"with K dividing the features' {kh} values per token")
+    return dtype
+
+
 def _views(mm: mmap.mmap | memoryview, header: dict, base: int) -> dict[str, np.ndarray]:
     out = {}
     for name, spec in header.items():
@@ -162,23 +198,26 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
             h.update(b)
 
 
-def _quantize_fp8(x) -> tuple[np.ndarray, np.ndarray]:
-    """``x`` [T, D] (torch, any float) → (e4m3 bytes uint8 [T, D], scale float32 [T]); per-token absmax."""
+def _quantize_fp8(x, groups: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
+    """``x`` [T, D] (torch, any float) → (e4m3 bytes uint8 [T, D], scale float32 [T, groups], or [T] when
+    ``groups`` is None): absmax per token and per group of D/groups consecutive values (one group per layer)."""
     import torch
 
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1) / FP8_E4M3_MAX).clamp(min=1e-12)
-    q = (xf / scale[:, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    return q.view(torch.uint8).numpy(), scale.numpy()
+    t, d = xf.shape
+    g = xf.view(t, groups or 1, d // (groups or 1))
+    scale = (g.abs().amax(dim=-1) / FP8_E4M3_MAX).clamp(min=1e-12)  # [T, G]
+    q = (g / scale[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).view(t, d)
+    return q.view(torch.uint8).numpy(), (scale if groups else scale[:, 0]).contiguous().numpy()
 
 
-def _to_storage(x, dtype: str) -> tuple[np.ndarray, Optional[np.ndarray]]:
+def _to_storage(x, dtype: str, groups: Optional[int] = None) -> tuple[np.ndarray, Optional[np.ndarray]]:
     import torch
 
     x = x.detach().to("cpu")
     if dtype == "bfloat16":
         return x.to(torch.bfloat16).contiguous().view(torch.uint16).numpy(), None
-    return _quantize_fp8(x)
+    return _quantize_fp8(x, groups)
 
 
 class FeatureShardWriter:
@@ -264,7 +303,7 @@ class FeatureShardWriter:
             raise FeatureShardError(f"{self.path}: record {r}: features {tuple(features.shape)}, expected {(b - a, kh)}")
         if b == a:
             return
-        vals, scale = _to_storage(features, self.layout.dtype)
+        vals, scale = _to_storage(features, self.layout.dtype, groups=self.layout.num_layers)
         self._put("features", a, vals)
         if scale is not None:
             self._put("feature_scale", a, scale)
@@ -324,15 +363,15 @@ class FeatureShard:
         self._mm = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ)
         hdr, self._base = _parse_header(self._mm, self.path)
         meta = json.loads((hdr.get("__metadata__") or {}).get("dflash", "{}"))
-        if meta.get("schema_version") != FEATURE_SCHEMA_VERSION:
+        if meta.get("schema_version") not in READABLE_SCHEMA_VERSIONS:
             raise FeatureShardError(f"{self.path}: schema_version {meta.get('schema_version')!r}, this code reads "
-                                    f"{FEATURE_SCHEMA_VERSION}; rebuild it (snakemake reruns extract_features)")
+                                    f"{list(READABLE_SCHEMA_VERSIONS)}; rebuild it (snakemake reruns extract_features)")
         self.metadata = meta
         self._header = hdr
+        self.dtype = _storage_dtype(self.path, hdr, meta)
         self.arrays = _views(self._mm, hdr, self._base)
         self.offsets = np.array(self.arrays["offsets"])  # small: R+1 int64, copied
         self.num_loss_tokens = np.array(self.arrays["num_loss_tokens"])
-        self.dtype = meta.get("dtype", "bfloat16")
         self._page = mmap.PAGESIZE
 
     def __len__(self) -> int:
@@ -365,8 +404,11 @@ class FeatureShard:
         self._drop(name, a, b)
         if self.dtype == "bfloat16":
             return raw.view(torch.bfloat16)
-        scale = torch.from_numpy(np.array(self.arrays[scale_name][a:b]))
-        return raw.view(torch.float8_e4m3fn).to(torch.bfloat16) * scale[:, None].to(torch.bfloat16)
+        scale = torch.from_numpy(np.array(self.arrays[scale_name][a:b]))  # [T] or [T, K] (per layer)
+        x = raw.view(torch.float8_e4m3fn).float()
+        t, d = x.shape
+        groups = scale.shape[1] if scale.dim() == 2 else 1
+        return (x.view(t, groups, d // groups) * scale.view(t, groups, 1)).view(t, d).to(torch.bfloat16)
 
     def tokens(self, r: int) -> tuple[np.ndarray, np.ndarray]:
         """``(input_ids int32 [T], loss_mask uint8 [T])`` of record ``r`` (copies)."""

@@ -48,10 +48,12 @@ class HFExtractor:
     def run(self, records: Sequence[int], token_ids: Sequence[np.ndarray]) -> Iterator[tuple]:
         import torch
 
+        from dflash_pipeline.target.loading import hidden_states_of
+
         with torch.inference_mode():
             for r, ids in zip(records, token_ids):
                 x = torch.from_numpy(np.asarray(ids, dtype=np.int64))[None].to(self.device)
-                out = self.model(input_ids=x, output_hidden_states=True, use_cache=False)
+                out = hidden_states_of(self.model, x, use_cache=False)  # no full-vocabulary logits (logits_to_keep)
                 feats = torch.cat([out.hidden_states[i][0].to("cpu") for i in self.index], dim=-1)
                 last = self._last[0].to("cpu") if self._hook is not None else None
                 yield r, feats, last

@@ -142,3 +142,11 @@ def prompt_counts_from_manifest(manifest_path: str | os.PathLike) -> dict:
             if n is not None:
                 out[(name, s["name"])] = int(n)
     return out
+
+
+def window_bytes(prefetch_batches: int, batch_size: int, max_record_tokens: int, wire_bytes_per_token: int,
+                 max_inflight_bytes: int) -> int:
+    """Bytes the stream may hold at once: ``prefetch_batches`` full batches of the longest record at the wire
+    size, capped by ``max_inflight_bytes`` (but never below one batch, which is always requested)."""
+    one = batch_size * max_record_tokens * wire_bytes_per_token
+    return max(one, min(prefetch_batches * one, int(max_inflight_bytes)))

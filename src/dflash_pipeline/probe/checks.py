@@ -58,11 +58,26 @@ def _check_drafter_config(target_dir: Path, trust_remote_code: bool, block_size:
     from dflash_pipeline.drafter.model import drafter_config_from_target
     from dflash_pipeline.target.loading import load_target_config, text_config
 
+    from dflash_pipeline.drafter.rope import DFlashRotaryEmbedding, servable_rope_problems
+
+    tc = text_config(load_target_config(target_dir, trust_remote_code=trust_remote_code))
+    depth = getattr(tc, "num_layers", None)
+    if isinstance(depth, int) and depth != tc.num_hidden_layers:  # LongCat-Flash: two attention sublayers a layer
+        raise ProbeError(f"{target_dir}: config num_hidden_layers {tc.num_hidden_layers} counts sublayers of "
+                         f"{depth} decoder layers (num_layers; {tc.model_type}'s double-attention layers); the target "
+                         "returns one hidden state per decoder layer, so canonical target_layer_ids cannot be "
+                         "placed: not supported")
     try:
-        drafter_config_from_target(
-            text_config(load_target_config(target_dir, trust_remote_code=trust_remote_code)),
+        cfg = drafter_config_from_target(
+            tc,
             block_size=block_size, num_draft_layers=num_draft_layers, target_layer_ids=list(ids),
             mask_token_id=mask_token_id if mask_token_id is not None else 0)
+        problems = servable_rope_problems(cfg.rope_parameters, int(cfg.head_dim))
+        if not problems:
+            DFlashRotaryEmbedding(cfg)  # the rotary training builds (rope init formulas)
     except Exception as exc:  # noqa: BLE001 - any failure here would otherwise surface at training step 1
         raise ProbeError(f"{target_dir}: the drafter cannot be sized from this target's config: "
                          f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}") from exc
+    if problems:  # what vLLM's DFlash drafter would refuse or serve differently (dflash_pipeline.drafter.rope)
+        raise ProbeError(f"{target_dir}: vLLM cannot serve the drafter this target gets: {'; '.join(problems)}; "
+                         f"rope_parameters {cfg.rope_parameters}")

@@ -32,6 +32,8 @@ _OWNERS = {
     "load_target": "loading",
     "input_embeddings": "loading",
     "lm_head": "loading",
+    "final_logit_softcap": "loading",
+    "BareEmbedding": "loading",
     "num_decoder_layers": "loading",
     "hidden_states_of": "loading",
     "select_layers": "loading",

@@ -233,9 +233,41 @@ def load_target(target_dir: str | Path, *, dtype: str | torch.dtype = "auto", de
     return model
 
 
+class BareEmbedding(torch.nn.Module):
+    """The bare lookup ``weight[ids]`` of an embedding module, whatever scaling its forward adds.
+
+    ``weight`` is the source module's own tensor (not a copy, not registered as a parameter here).
+    """
+
+    def __init__(self, source: torch.nn.Module):
+        super().__init__()
+        object.__setattr__(self, "source", source)  # not a submodule: the target owns it
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.source.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(input_ids, self.source.weight, getattr(self.source, "padding_idx", None))
+
+
 def input_embeddings(target) -> torch.nn.Module:
-    """The target's token embedding module (token ids → [b, S, H]; Gemma's scaling included)."""
-    return target.get_input_embeddings()
+    """The drafter's token embedding: the target's embedding table looked up *bare* (ids → [b, S, H]).
+
+    One convention on every path (online training, feature shards' ``features.weights``, the eval loop),
+    the one vLLM serves: its DFlash ``embed_input_ids`` is the shared ``embed_tokens`` module alone
+    (``vllm/model_executor/models/qwen3_dflash.py``, ``llm_base_proposer._maybe_share_embeddings``), and
+    vLLM's Gemma keeps the √H normaliser outside it (``gemma3.py`` ``embed_input_ids``). So Gemma's
+    ``Gemma3TextScaledWordEmbedding`` ×√H is *not* applied here; a plain ``nn.Embedding`` is returned as is.
+    """
+    emb = target.get_input_embeddings()
+    return emb if type(emb) is torch.nn.Embedding else BareEmbedding(emb)
+
+
+def final_logit_softcap(config) -> Optional[float]:
+    """The target's ``final_logit_softcapping`` (its text config's; gemma-2/3/4: 30.0), or None."""
+    cap = getattr(text_config(config), "final_logit_softcapping", None)
+    return float(cap) if cap else None
 
 
 def lm_head(target) -> torch.nn.Module:
@@ -251,10 +283,16 @@ def num_decoder_layers(target) -> int:
     return int(text_config(target.config).num_hidden_layers)
 
 
-def hidden_states_of(target, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, **kw):
+def hidden_states_of(target, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
+                     need_logits: bool = False, **kw):
     """Forward the target with ``output_hidden_states``; returns the model output, whose
     ``hidden_states`` is the (L + 1)-tuple of [b, S, H] (index 0 the embeddings, index L after the final
-    norm) and ``logits`` [b, S, V]."""
+    norm) and ``logits`` [b, S, V] with ``need_logits`` (the eval loop's verification), else at most
+    [b, 1, V]: ``logits_to_keep=1`` (transformers' causal LMs apply the LM head to the last position only),
+    so training never materialises full-vocabulary logits it throws away (4 × 3,072 tokens × 152k vocab
+    is ~3.7 GB of bf16 per step)."""
+    if not need_logits and "logits_to_keep" in _forward_params(target):
+        kw.setdefault("logits_to_keep", 1)
     out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, **kw)
     hs = out.hidden_states
     if hs is None or len(hs) != num_decoder_layers(target) + 1:
@@ -264,6 +302,15 @@ def hidden_states_of(target, input_ids: torch.Tensor, attention_mask: Optional[t
             "(expected L + 1)"
         )
     return out
+
+
+def _forward_params(target) -> frozenset:
+    import inspect
+
+    try:
+        return frozenset(inspect.signature(target.forward).parameters)
+    except (TypeError, ValueError):
+        return frozenset()
 
 
 def select_layers(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:

@@ -67,6 +67,40 @@ def families(models_dir: str | Path) -> list[str]:
     return sorted(p.parent.name for p in Path(models_dir).glob("*/config.json"))
 
 
+def all_families(models_dir: str | Path) -> list[str]:
+    """:func:`families` plus the twins built from transformers' config classes
+    (:data:`dflash_pipeline.testing.zoo_extra.EXTRA_FAMILIES`)."""
+    from dflash_pipeline.testing.zoo_extra import EXTRA_FAMILIES
+
+    return families(models_dir) + sorted(EXTRA_FAMILIES)
+
+
+def build_any_twin(models_dir: str | Path, family: str, out_dir: str | Path, *, corpus_file: str | Path,
+                   seed: int = 0) -> Path:
+    """:func:`build_twin` for a corpus family or an extra one (its source directory written next to
+    ``out_dir`` first, :func:`dflash_pipeline.testing.zoo_extra.extra_source_dir`)."""
+    from dflash_pipeline.testing.zoo_extra import EXTRA_FAMILIES, TWIN_SEEDS, extra_source_dir
+
+    if family in EXTRA_FAMILIES:
+        src = extra_source_dir(models_dir, family, Path(out_dir).parent / f".{Path(out_dir).name}-source")
+        return build_twin(src, family, out_dir, corpus_file=corpus_file, seed=seed + TWIN_SEEDS.get(family, 0))
+    return build_twin(models_dir, family, out_dir, corpus_file=corpus_file, seed=seed)
+
+
+def extra_config_files(out: str | Path) -> list[Path]:
+    """``config.json`` files of the extra families (full size, as their config classes write them), for
+    checks that read configs only (the drafter-rotary parity)."""
+    from dflash_pipeline.testing.zoo_extra import EXTRA_FAMILIES, extra_config
+
+    files = []
+    for name in sorted(EXTRA_FAMILIES):
+        d = Path(out) / name
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "config.json").write_text(json.dumps(extra_config(name), indent=1) + "\n", encoding="utf-8")
+        files.append(d / "config.json")
+    return files
+
+
 def family_template(models_dir: str | Path, family: str) -> Path:
     """The chat template file a family's twin renders (its own, else :data:`TEMPLATE_FROM`).
 
@@ -135,7 +169,10 @@ def shrink_text(t: dict) -> dict:
         t.update(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16)
         if t.get("q_lora_rank"):
             t["q_lora_rank"] = 24
-        t.pop("head_dim", None)
+        if "head_dim" in t and t.get("model_type") == "longcat_flash":  # its rotary reads head_dim: the rope part
+            t["head_dim"] = t["qk_rope_head_dim"]
+        else:
+            t.pop("head_dim", None)
     for k, v in (("linear_num_key_heads", 2), ("linear_num_value_heads", 4), ("linear_key_head_dim", 8),
                  ("linear_value_head_dim", 8)):
         if k in t:
@@ -387,7 +424,7 @@ def run_stages(models_dir: Path, family: str, work: Path, corpus_file: Path, eva
     state: dict[str, Any] = {}
 
     def build():
-        build_twin(models_dir, family, twin, corpus_file=corpus_file)
+        build_any_twin(models_dir, family, twin, corpus_file=corpus_file)
         cfg.update(stage_config(twin, eval_set, device))
 
     def probe():
@@ -455,9 +492,10 @@ def main(argv=None) -> int:
     ap.add_argument("--family", action="append", help="only these families (default: all with a config.json)")
     ap.add_argument("--table", action="store_true", help="run every stage and print the family × stage table")
     ap.add_argument("--out", help="build the twins into this directory (default: a temp dir)")
+    ap.add_argument("--no-engine", action="store_true", help="--table without the engine_parity column (vLLM)")
     a = ap.parse_args(argv)
     models = Path(a.models)
-    fams = a.family or families(models)
+    fams = a.family or all_families(models)
     root = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="dflash-zoo-"))
     rows = {}
     for fam in fams:
@@ -467,12 +505,20 @@ def main(argv=None) -> int:
                                    log=lambda m: print(f"[zoo] {m}", file=sys.stderr, flush=True), device=a.device)
         else:
             try:
-                build_twin(models, fam, root / fam / "target", corpus_file=a.corpus)
+                build_any_twin(models, fam, root / fam / "target", corpus_file=a.corpus)
                 rows[fam] = {"build": "ok"}
             except Exception as exc:  # noqa: BLE001 - reported in the table
                 rows[fam] = {"build": f"refused: {_reason(exc)}"}
         print(f"[zoo] {fam}: {time.time() - t0:.1f} s", file=sys.stderr, flush=True)
     stages = STAGES if a.table else ("build",)
+    if a.table and not a.no_engine:  # one vLLM process for every family (dflash_pipeline.testing.engine_parity)
+        from dflash_pipeline.core.vllm_env import find_vllm_python
+        from dflash_pipeline.testing.engine_parity import engine_parity_column
+
+        col = engine_parity_column({f: root / f for f in rows}, root / "_engine_parity", find_vllm_python())
+        for fam, cell in col.items():
+            rows[fam]["engine_parity"] = cell if rows[fam].get("train_fp32") == "ok" else "skipped"
+        stages = STAGES + ("engine_parity",)
     print("| family | " + " | ".join(stages) + " |")
     print("|---" * (len(stages) + 1) + "|")
     for fam, r in rows.items():

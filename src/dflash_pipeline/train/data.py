@@ -126,10 +126,13 @@ class TrainingData:
     dataset: MappedRecords
     collate: Callable
     from_shards: bool
-    #: ``shards`` only: the frozen embedding / LM head and the target's (text) config; None when online.
+    #: ``shards`` / ``stream``: the frozen embedding / LM head and the target's (text) config; None when online.
     embed: Any = None
     lm_head: Any = None
     target_config: Any = None
+    #: ``stream`` only: the :class:`dflash_pipeline.train.stream.FeatureStream` that fills each batch's
+    #: features (``from_shards`` is then True too: the target is never loaded).
+    stream: Any = None
 
 
 class ConfigOnly:
@@ -137,6 +140,33 @@ class ConfigOnly:
 
     def __init__(self, config):
         self.config = config
+
+
+def frozen_head(target_dir, probe: dict, target_dtype: str, device) -> tuple:
+    """``(embedding, LM head, target config)`` read from the target's safetensors and config, without
+    instantiating the target (:mod:`dflash_pipeline.features.weights`)."""
+    from dflash_pipeline.features.weights import load_embed_and_head
+    from dflash_pipeline.target.loading import load_target_config, resolve_dtype
+
+    # the target loader's config reading (kimi_k2 without remote code: its architectures' native class)
+    config = load_target_config(target_dir, trust_remote_code=bool(probe.get("trust_remote_code")))
+    embed, lm_head = load_embed_and_head(target_dir, tie_word_embeddings=probe.get("tie_word_embeddings"),
+                                         dtype=resolve_dtype(target_dtype, device), device=device)
+    return embed, lm_head, config
+
+
+def token_records(token_shards, out_dir, *, is_main: bool, barrier: Callable[[], None],
+                  min_loss_tokens: int) -> MappedRecords:
+    """The token records of ``token_shards`` from their token indexes under ``<out_dir>/token_index/``
+    (the main process writes missing ones, then ``barrier()``)."""
+    cache = Path(out_dir) / "token_index"
+    paths = [token_index_path(t, cache) for t in token_shards]
+    if is_main:
+        for t, p in zip(token_shards, paths):
+            if not p.is_file():
+                build_token_index(t, p)
+    barrier()
+    return MappedRecords(paths, min_loss_tokens=min_loss_tokens)
 
 
 def open_training_data(
@@ -152,8 +182,13 @@ def open_training_data(
     is_main: bool = True,
     barrier: Callable[[], None] = lambda: None,
     min_loss_tokens: int = 2,
+    stream: Optional[dict] = None,
 ) -> TrainingData:
     """The dataset, collate function and (``shards``) embedding / LM head for ``cfg["target_features"]``.
+
+    ``stream`` (the stream settings, :func:`dflash_pipeline.train.stream.open_stream_data`): with
+    ``target_features: stream``, the online path's token records, the embedding / LM head as ``shards``,
+    and the :class:`~dflash_pipeline.train.stream.FeatureStream` that fetches the features.
 
     ``online``: the main process writes missing token indexes under ``<out_dir>/token_index/``, then
     ``barrier()``. ``shards``: ``feature_shards[i]`` belongs to ``token_shards[i]`` and is checked against it;
@@ -164,6 +199,12 @@ def open_training_data(
         ValueError: no record with ``min_loss_tokens`` supervised tokens.
     """
     mode = cfg.get("target_features")  # a partial config (tests, direct calls) is the online path
+    if mode == "stream":
+        from dflash_pipeline.train.stream import open_stream_data
+
+        return open_stream_data(cfg, token_shards, stream or {}, target_dir=target_dir, out_dir=out_dir, probe=probe,
+                                device=device, target_dtype=target_dtype, is_main=is_main, barrier=barrier,
+                                min_loss_tokens=min_loss_tokens)
     if mode == "shards":
         if len(feature_shards) != len(token_shards):
             raise FeatureShardError(f"train.target_features: shards needs one feature shard per token shard; got "
@@ -180,24 +221,10 @@ def open_training_data(
                 fs.close()
         barrier()
         ds = MappedRecords(feature_shards, features=True, min_loss_tokens=min_loss_tokens)
-        from transformers import AutoConfig
-
-        from dflash_pipeline.features.weights import load_embed_and_head
-        from dflash_pipeline.target.loading import resolve_dtype
-
-        config = AutoConfig.from_pretrained(str(target_dir), trust_remote_code=bool(probe.get("trust_remote_code")))
-        embed, lm_head = load_embed_and_head(target_dir, tie_word_embeddings=probe.get("tie_word_embeddings"),
-                                             dtype=resolve_dtype(target_dtype, device), device=device)
-        data = TrainingData(ds, collate, True, embed, lm_head, config)
+        data = TrainingData(ds, collate, True, *frozen_head(target_dir, probe, target_dtype, device))
     else:
-        cache = Path(out_dir) / "token_index"
-        paths = [token_index_path(t, cache) for t in token_shards]
-        if is_main:
-            for t, p in zip(token_shards, paths):
-                if not p.is_file():
-                    build_token_index(t, p)
-        barrier()
-        data = TrainingData(MappedRecords(paths, min_loss_tokens=min_loss_tokens), collate, False)
+        data = TrainingData(token_records(token_shards, out_dir, is_main=is_main, barrier=barrier,
+                                          min_loss_tokens=min_loss_tokens), collate, False)
     if len(data.dataset) == 0:
         raise ValueError(f"no token record with ≥{min_loss_tokens} supervised tokens in {len(token_shards)} shard(s)")
     return data

@@ -23,6 +23,7 @@ import torch
 
 from dflash_pipeline.drafter import model as M
 from dflash_pipeline.train import packing as P
+from dflash_pipeline.target import loading as T
 
 
 @dataclass
@@ -147,7 +148,8 @@ def batch_acceptance(drafter, target, embed, lm_head, batch: dict, *, target_lay
     anchors = deterministic_anchors(lmask, seg, num_anchors)
     blk = P.packed_block_inputs_and_labels(ids, lmask, pos, seg, anchors, bsz, mask_token_id, None)
     mask = P.build_packed_training_masks(core, anchors.anchors, seg, backend)
-    hidden = drafter(embed(blk.ids).to(features.dtype), features, pos, blk.pos, attn_mask=mask)
+    noise, feats = T.to_drafter_dtype(drafter, embed(blk.ids), features)  # as train.step does (feature shards: bf16)
+    hidden = drafter(noise, feats, pos, blk.pos, attn_mask=mask)
     b = ids.shape[0]
     n = anchors.anchors.shape[1]
     hits = torch.zeros(b * n * bsz, dtype=torch.bool, device=ids.device)

@@ -117,10 +117,12 @@ def run_steps(run: TrainRun, step: int) -> int:
         run.loader.set_epoch(epoch)
         skip = (step - epoch * sch.steps_per_epoch) * sch.accum
         batches = iter(acc.skip_first_batches(run.loader, skip) if skip else run.loader)
+        if run.data.source.stream is not None:  # train.target_features: stream fills each batch's features
+            batches = run.data.source.stream.batches(batches)
         left = sch.micro_per_epoch - skip
         while left > 0 and step < sch.total_steps:
             n_micro = min(sch.accum, left)
-            loss = _optimizer_step(run, batches, n_micro, step, window)
+            loss = _stream_guarded_step(run, batches, n_micro, step, window)
             left -= n_micro
             step += 1
             bar.update(1)
@@ -129,6 +131,25 @@ def run_steps(run: TrainRun, step: int) -> int:
             window = _after_step(run, step, epoch, window, run_t0=run_t0, start_step=start_step)
     bar.close()
     return step
+
+
+def _stream_guarded_step(run: TrainRun, batches, n_micro: int, step: int, window: "_Window") -> float:
+    """:func:`_optimizer_step`; when the feature servers fail for good (``train.target_features: stream``,
+    :class:`dflash_pipeline.features.StreamError`: every server gone), the state of the ``step`` steps done
+    is saved first (a rerun resumes there exactly), then the error is raised."""
+    if run.data.source.stream is None:
+        return _optimizer_step(run, batches, n_micro, step, window)
+    from dflash_pipeline.features import StreamError
+
+    try:
+        return _optimizer_step(run, batches, n_micro, step, window)
+    except StreamError as exc:
+        run.optimizer.zero_grad(set_to_none=True)  # the partial accumulation of this step is dropped
+        save_state(run.accelerator, run.out_dir / "state", step)
+        run.data.source.stream.close()
+        run.accelerator.print(f"[stream] feature servers failed at step {step}; state saved at step {step} "
+                              f"(rerun to resume): {exc}")
+        raise
 
 
 def _optimizer_step(run: TrainRun, batches, n_micro: int, step: int, window: "_Window") -> float:
@@ -171,8 +192,10 @@ def _after_step(run: TrainRun, step: int, epoch: int, window: "_Window", *, run_
     end, state + a ``step_<N>/`` export every ``save_every_steps`` (the last step is saved by :func:`_finish`)."""
     acc, cfg, sch = run.accelerator, run.cfg, run.schedule
     if step % cfg["log_every_steps"] == 0 or step == sch.total_steps:
+        stream = run.data.source.stream
         _log_window(acc, window, step=step, total_steps=sch.total_steps, epoch=epoch, lr=run.scheduler.get_last_lr()[0],
-                    log_path=run.out_dir / "train_log.jsonl", run_t0=run_t0, start_step=start_step)
+                    log_path=run.out_dir / "train_log.jsonl", run_t0=run_t0, start_step=start_step,
+                    extra=stream.window_stats() if stream is not None else None)
         window = _Window(run.ctx.block_size)
     if run.val_batches and (step % cfg["validation_every_steps"] == 0 or step == sch.total_steps):
         _validate(acc, run.ctx, run.val_batches, run.val_counted, cfg, step, run.out_dir)
@@ -212,9 +235,11 @@ class _Window:
 
 
 def _log_window(accelerator, w: _Window, *, step: int, total_steps: int, epoch: int, lr: float, log_path: Path,
-                run_t0: float, start_step: int) -> dict:
+                run_t0: float, start_step: int, extra: Optional[dict] = None) -> dict:
     """Reduce the window's slot counts over ranks, append one ``train_log.jsonl`` record and log it to the
-    trackers (main rank); the ``[train]`` line carries the ETA. Returns the record."""
+    trackers (main rank); the ``[train]`` line carries the ETA. ``extra``: more fields of the record (the
+    main rank's stream supply and demand, :meth:`dflash_pipeline.train.stream.FeatureStream.window_stats`).
+    Returns the record."""
     totals = accelerator.reduce(torch.stack([w.correct, w.total]).to(accelerator.device), "sum").cpu()
     tokens = int(accelerator.reduce(torch.tensor(float(w.tokens), device=accelerator.device), "sum"))
     acc = (totals[0] / totals[1].clamp(min=1)).tolist()
@@ -224,6 +249,7 @@ def _log_window(accelerator, w: _Window, *, step: int, total_steps: int, epoch: 
         "step": step, "epoch": epoch, "loss": w.loss / max(1, w.n), "lr": lr, "slot_acc": acc,
         "eal": M.expected_acceptance_length(acc),
         "tokens_per_s": tokens / max(1e-9, elapsed), "elapsed_s": elapsed, "eta_s": per_step * (total_steps - step),
+        **(extra or {}),
     }
     if accelerator.is_main_process:
         with open(log_path, "a", encoding="utf-8") as fh:

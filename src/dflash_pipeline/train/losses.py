@@ -190,6 +190,7 @@ def kl(
     temperature: float = 1.0,
     ce_weight: float = 0.0,
     chunk_tokens: int = 4096,
+    logit_softcap: Optional[float] = None,
 ) -> LossOutput:
     """Soft-label distillation to the target: Σ_k w_k·[(1−λ)·T²·KL(p_T ‖ p_S) + λ·CE_k], normaliser Σ w_k.
 
@@ -203,6 +204,9 @@ def kl(
         labels: long [b, Q]; weights: float [b, Q].
         teacher_hidden: [b, Q, H] target final hidden state per slot (:func:`teacher_slot_hidden`).
         temperature: T > 0. ce_weight: λ in [0, 1].
+        logit_softcap: the target's ``final_logit_softcapping`` c (gemma: 30): teacher logits are
+            c·tanh(z/c) as the target computes them (HF ``Gemma3ForCausalLM.forward``); the student's
+            stay uncapped, as vLLM's DFlash ``compute_logits`` serves them. None: no cap.
     Raises:
         ValueError: T ≤ 0 or λ outside [0, 1].
     """
@@ -225,6 +229,8 @@ def kl(
         student = lm_head_logits(hc, lm_head_weight)
         with torch.no_grad():
             teacher = lm_head_logits(tc, lm_head_weight)
+            if logit_softcap:
+                teacher = torch.tanh(teacher.float() / logit_softcap) * logit_softcap
         log_p_t = F.log_softmax(teacher / t, dim=-1)
         log_p_s = F.log_softmax(student / t, dim=-1)
         kl_k = (log_p_t.exp() * (log_p_t - log_p_s)).sum(-1) * (t * t)
@@ -257,6 +263,7 @@ def compute_loss(
     dpace_alpha: float = 0.5,
     num_sequences: Optional[int] = None,
     chunk_tokens: int = 4096,
+    logit_softcap: Optional[float] = None,
 ) -> LossOutput:
     """Dispatch on ``train.loss`` (one of :data:`LOSSES`). ``teacher_hidden`` is required for ``kl``;
     ``num_sequences`` is D-PACE's normaliser (default: the rows of ``labels``).
@@ -273,5 +280,5 @@ def compute_loss(
         if teacher_hidden is None:
             raise ValueError("train.loss: kl needs the target's last hidden state (teacher_hidden)")
         return kl(hidden, lm_head_weight, labels, weights, teacher_hidden, temperature=temperature, ce_weight=ce_weight,
-                  chunk_tokens=chunk_tokens)
+                  chunk_tokens=chunk_tokens, logit_softcap=logit_softcap)
     raise ValueError(f"train.loss: unknown objective {name!r}; expected one of {', '.join(LOSSES)}")

@@ -145,6 +145,7 @@ def train(
     drafter_arch: Optional[dict] = None,
     device: str = "auto",
     feature_shards: Sequence[str | Path] = (),
+    stream: Optional[dict] = None,
 ) -> dict:
     """Train the drafter; see the module docstring for outputs. ``cfg`` is the validated ``train`` config
     (missing keys take the schema defaults, :func:`with_schema_defaults`).
@@ -155,7 +156,9 @@ def train(
     ``train.device`` (``cpu``: CPU ranks whatever GPUs are visible; not part of ``cfg``, which is the
     rule's rerun fingerprint). ``feature_shards`` (one per token shard, same order) are read when
     ``cfg["target_features"]`` is ``shards``: the target is then never instantiated (embedding and LM head
-    only, :mod:`dflash_pipeline.train.data`).
+    only, :mod:`dflash_pipeline.train.data`). ``stream``: the stream settings for ``target_features: stream``
+    (:func:`dflash_pipeline.train.stream.open_stream_data`; features from running feature servers, the
+    target never instantiated either).
     ``drafter_arch`` holds the optional ``layer_types``/``sliding_window`` (config ``drafter.*``).
     ``zero_target_features`` trains the ablation baseline whose fused features are all zero (what the
     target features buy). Returns the summary dict (also written to ``train_summary.json``).
@@ -173,7 +176,7 @@ def train(
     out_dir = Path(out_dir)
     accelerator, log_with = _start_run(cfg, out_dir, device)
     data = _open_data(accelerator, cfg, probe, token_shards, feature_shards, target_dir=target_dir, out_dir=out_dir,
-                      target_dtype=target_dtype, trust_remote_code=trust_remote_code)
+                      target_dtype=target_dtype, trust_remote_code=trust_remote_code, stream=stream)
     run = _prepare_run(accelerator, cfg, out_dir, data, probe, drafter_arch or {}, zero_target_features)
     step = resume_state(accelerator, out_dir, run.schedule.total_steps, run.streams, cfg)
     if log_with:
@@ -222,7 +225,7 @@ def _start_run(cfg: dict, out_dir: Path, device: str):
 
 
 def _open_data(accelerator, cfg: dict, probe: dict, token_shards, feature_shards, *, target_dir, out_dir: Path,
-               target_dtype: str, trust_remote_code: bool) -> RunData:
+               target_dtype: str, trust_remote_code: bool, stream: Optional[dict] = None) -> RunData:
     """Token records memory-mapped (:mod:`dflash_pipeline.train.data`), split into training and held-out
     records by prompt (:func:`dflash_pipeline.train.heldout.heldout_mask`; all held out = train on all, no
     validation), and the target loaded; with ``train.target_features: shards`` the features come from the
@@ -235,8 +238,10 @@ def _open_data(accelerator, cfg: dict, probe: dict, token_shards, feature_shards
     data = train_data.open_training_data(
         cfg, token_shards, feature_shards, target_dir=target_dir, out_dir=out_dir, probe=probe, device=accelerator.device,
         target_dtype=target_dtype, is_main=accelerator.is_main_process, barrier=accelerator.wait_for_everyone,
+        stream=stream,
     )
-    if data.from_shards and cfg["packing"]:
+    # a streamed record is computed by the server alone, so packed rows get each record's own features
+    if data.from_shards and data.stream is None and cfg["packing"]:
         raise ValueError("train.packing is not supported with train.target_features: shards yet (packed rows would "
                          "need their records' features concatenated); set train.packing: false")
     held = V.heldout_mask(train_data.record_prompt_ids(token_shards, data.dataset), cfg["validation_fraction"],
@@ -251,7 +256,7 @@ def _open_data(accelerator, cfg: dict, probe: dict, token_shards, feature_shards
     if not data.from_shards:  # StepContext takes the embedding and LM head from the target
         target = T.load_target(target_dir, dtype=target_dtype, device=accelerator.device, trust_remote_code=trust_remote_code)
     run_data = RunData(records, heldout, data, target)
-    if cfg["packing"]:
+    if cfg["packing"] and data.stream is None:
         P.check_target_isolates_records(run_data.target, probe["drafter"]["target_layer_ids"])
     return run_data
 
@@ -293,8 +298,11 @@ def _prepare_run(accelerator, cfg: dict, out_dir: Path, data: RunData, probe: di
         zero_target_features=zero_target_features, backend=backend, world_size=accelerator.num_processes,
         reduce_sum=lambda t: accelerator.reduce(t.to(accelerator.device), "sum"), embed=data.source.embed, lm_head=data.source.lm_head,
         loss=cfg["loss"], kl_temperature=cfg["kl_temperature"], kl_ce_weight=cfg["kl_ce_weight"], dpace_alpha=cfg["dpace_alpha"],
+        logit_softcap=T.final_logit_softcap(data.target.config if data.target is not None else data.source.target_config),
     )
     val_batches, val_counted = _heldout_batches(data.heldout, cfg, accelerator.process_index, accelerator.num_processes)
+    if data.source.stream is not None:  # the held-out batches' features, fetched once
+        val_batches = data.source.stream.fill(val_batches)
     return TrainRun(accelerator=accelerator, cfg=cfg, out_dir=out_dir, data=data, schedule=sch, num_rows=len(dataset),
                     n_trainable=n_trainable, drafter=drafter, optimizer=optimizer, scheduler=scheduler, loader=loader, ctx=ctx,
                     val_batches=val_batches, val_counted=val_counted, zero_target_features=zero_target_features, streams=streams)
@@ -351,7 +359,20 @@ def _summary(run: TrainRun, log_with) -> dict:
         "attention_backend": ctx.backend, "layer_types": list(getattr(run.drafter, "module", run.drafter).layer_types),
         "loss": cfg["loss"], "packing": cfg["packing"], "fsdp": acc.is_fsdp2, "trackers": log_with,
         "target_dtype": str(run.data.target_dtype).replace("torch.", ""), "train_config": cfg,
+        **_stream_summary(run),
     }
+
+
+def _stream_summary(run: TrainRun) -> dict:
+    """``{"stream": supply and demand, peak scratch}`` of a ``target_features: stream`` run (printed as the
+    ``[stream]`` line; the client is closed here, the last thing that needs it), else ``{}``."""
+    stream = run.data.source.stream
+    if stream is None:
+        return {}
+    run.accelerator.print(stream.describe())
+    out = stream.summary()
+    stream.close()
+    return {"stream": out}
 
 
 def _finish(run: TrainRun, step: int, target_dir, summary: dict) -> dict:
@@ -383,6 +404,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--drafter-arch", default="{}", help="JSON with optional layer_types / sliding_window")
     p.add_argument("--feature-shard", dest="feature_shards", action="append", default=[],
                    help="a feature shard (repeat, one per token shard, same order; train.target_features: shards)")
+    p.add_argument("--stream-config", help="JSON of the stream settings (train.target_features: stream)")
     p.add_argument("token_shards", nargs="+")
     a = p.parse_args(argv)
     probe = json.loads(Path(a.probe).read_text(encoding="utf-8"))
@@ -391,6 +413,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         cfg=json.loads(a.train_config), target_dtype=a.target_dtype, trust_remote_code=a.trust_remote_code,
         zero_target_features=a.zero_target_features,
         drafter_arch=json.loads(a.drafter_arch), device=a.device, feature_shards=a.feature_shards,
+        stream=json.loads(a.stream_config) if a.stream_config else None,
     )
 
 

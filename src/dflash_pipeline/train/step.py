@@ -47,8 +47,13 @@ class StepContext:
     kl_temperature: float = 1.0
     kl_ce_weight: float = 0.0
     dpace_alpha: float = 0.5
+    #: the target's ``final_logit_softcapping`` (kl's teacher is capped like the target); None = read it
+    #: from ``target.config`` when a target is given
+    logit_softcap: Optional[float] = None
 
     def __post_init__(self):
+        if self.logit_softcap is None and self.target is not None:
+            self.logit_softcap = T.final_logit_softcap(self.target.config)
         self.embed = self.embed if self.embed is not None else T.input_embeddings(self.target)
         self.lm_head = self.lm_head if self.lm_head is not None else T.lm_head(self.target)
 
@@ -101,7 +106,7 @@ def step_objective(ctx: StepContext, batch: dict) -> L.LossOutput:
     teacher = L.teacher_slot_hidden(last, rows) if teacher_needed else None
     return L.compute_loss(ctx.loss, hidden, ctx.lm_head.weight, labels, weights, ctx.block_size, teacher_hidden=teacher,
                           temperature=ctx.kl_temperature, ce_weight=ctx.kl_ce_weight, dpace_alpha=ctx.dpace_alpha,
-                          num_sequences=num_sequences)
+                          num_sequences=num_sequences, logit_softcap=ctx.logit_softcap)
 
 
 def _batch_features(ctx: StepContext, batch: dict) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -121,6 +126,8 @@ def _batch_features(ctx: StepContext, batch: dict) -> tuple[torch.Tensor, Option
     with torch.no_grad():
         if "features" in batch:  # feature shards (train.target_features: shards): the target never runs here
             feats = batch["features"]
+            if ctx.zero_target_features:  # the ablation baseline: same shapes, no target information
+                feats = torch.zeros_like(feats)
         elif ctx.zero_target_features and not teacher_needed:  # the ablation never looks at the target
             k_h = len(d["target_layer_ids"]) * ctx.embed.weight.shape[1]
             feats = torch.zeros(*ids.shape, k_h, dtype=ctx.embed.weight.dtype, device=ids.device)  # [b, S, K·H]

@@ -180,7 +180,10 @@ def run_accelerate(argv: list[str]) -> int:
     args = topo.launch_args(cfg.get("mixed_precision", "no"))
     print(f"[launch] machines={topo.num_machines} rank={topo.machine_rank} ({topo.source}) main={topo.main_process_ip}:"
           f"{topo.main_process_port} processes/machine={topo.processes_per_machine}", file=sys.stderr, flush=True)
-    return subprocess.call([sys.executable, "-m", "accelerate.commands.launch", *args, *argv[2:]])
+    from dflash_pipeline.features import colocated_servers
+
+    with colocated_servers(argv[2:]):  # train.target_features: stream without endpoints: servers beside the trainer
+        return subprocess.call([sys.executable, "-m", "accelerate.commands.launch", *args, *argv[2:]])
 
 
 @contextlib.contextmanager
@@ -264,8 +267,11 @@ def job_gpus(config: dict, rule: str) -> int:
         return int(config["features"]["gpus"])
     if config["train"]["mixed_precision"] == "no" or config["train"]["device"] == "cpu" or rule not in GPU_RULES:
         return 0
-    if rule == "train_drafter":
-        return int(config["train"]["num_processes"])
+    if rule == "train_drafter":  # + the colocated feature servers' GPUs (train.target_features: stream)
+        stream = (config.get("features") or {}).get("stream") or {}  # partial configs have none
+        colocated = config["train"].get("target_features") == "stream" and not stream.get("endpoints")
+        return int(config["train"]["num_processes"]) + (
+            int(stream.get("servers", 1)) * int(stream.get("gpus_per_server", 0)) if colocated else 0)
     if rule == "generate_completions" and config["generation"]["backend"] != "transformers":
         return 0
     return 1

@@ -76,7 +76,7 @@ def extract(root, token, out, **kw):
 
 def test_bytes_per_token_kimi():
     assert bytes_per_token(5, 7168, "bfloat16") == 5 * 7168 * 2 + 5  # ≈ 72 KB (issue 15)
-    assert bytes_per_token(5, 7168, "float8_e4m3") == 5 * 7168 + 4 + 5
+    assert bytes_per_token(5, 7168, "float8_e4m3") == 5 * 7168 + 4 * 5 + 5  # a scale per token per layer
 
 
 @pytest.mark.parametrize("dtype,tol", [("bfloat16", 1 / 128), ("float8_e4m3", 1 / 8)])
@@ -250,8 +250,13 @@ def test_example_recipes_validate(name):
 
     cfg = yaml.safe_load((Path(__file__).resolve().parents[3] / "config" / "examples" / name).read_text())
     assert schema_problems(cfg) == []
-    assert cfg["train"]["target_features"] == "shards" and cfg["features"]["backend"] == "vllm"
-    assert cfg["train"]["num_processes"] == 8 and cfg["generation"]["thinking"] == "save"
+    stream = cfg["features"]["stream"]
+    assert cfg["train"]["target_features"] == "stream" and cfg["generation"]["thinking"] == "save"
+    if name == "kimi-k2.6.yaml":  # remote: serving nodes + an 8-GPU trainer node
+        assert len(stream["endpoints"]) == 2 and cfg["train"]["num_processes"] == 8
+    else:  # colocated: 2 servers x TP2 + 4 trainer GPUs in one 8-GPU job
+        assert stream["backend"] == "vllm" and stream["servers"] * stream["gpus_per_server"] == 4
+        assert cfg["train"]["num_processes"] == 4
 
 
 def test_plan_states_bytes_and_fails_when_disk_short(tmp_path):

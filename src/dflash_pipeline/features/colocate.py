@@ -1,0 +1,418 @@
+"""Colocated streaming: start ``features.stream.servers`` feature servers, run the trainer, stop them.
+
+``python -m dflash_pipeline.features colocate --stream-config JSON --probe P --target DIR -- CMD...`` is how
+the ``train_drafter`` rule runs a ``train.target_features: stream`` job without ``features.stream.endpoints``:
+the job's GPUs (``CUDA_VISIBLE_DEVICES``) are split, the first ``servers * gpus_per_server`` to the servers
+(``gpus_per_server`` each; 0 = CPU servers), the rest to the trainer; every server writes its URL when it
+is ready (hf: ``--url-file``; vLLM: its ``GET /v1/models`` answers), the trainer gets the endpoints in
+``$DFLASH_STREAM_ENDPOINTS`` (JSON) and the servers are terminated when it exits, whatever its status.
+A server that dies before it is ready fails the job with its log tail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+#: The variable the trainer reads its colocated endpoints from (JSON list of endpoint dicts).
+ENDPOINTS_ENV = "DFLASH_STREAM_ENDPOINTS"
+
+
+def split_gpus(
+    visible: str | None, servers: int, per_server: int
+) -> tuple[list[str], str]:
+    """``(each server's CUDA_VISIBLE_DEVICES, the trainer's)`` from the job's ``visible`` devices.
+
+    Raises ValueError when the job has fewer GPUs than the servers need."""
+    devs = [d for d in (visible or "").split(",") if d.strip()]
+    need = servers * per_server
+    if per_server and len(devs) < need:
+        raise ValueError(
+            f"features.stream: {servers} servers x {per_server} GPUs need {need} GPUs, the job has "
+            f"{len(devs)} (CUDA_VISIBLE_DEVICES={visible!r})"
+        )
+    per = (
+        [",".join(devs[i * per_server : (i + 1) * per_server]) for i in range(servers)]
+        if per_server
+        else [""] * servers
+    )
+    return per, ",".join(devs[need:]) if per_server else (visible or "")
+
+
+def hf_server_cmd(
+    python: str,
+    *,
+    target: str,
+    probe: dict,
+    stream: dict,
+    scratch: Path,
+    url_file: Path,
+    gpus: int,
+    target_dtype: str,
+    trust_remote_code: bool,
+) -> list[str]:
+    """The command line of one hf feature server (:mod:`.server`)."""
+    ids = ",".join(str(i) for i in probe["drafter"]["target_layer_ids"])
+    cmd = [
+        python,
+        "-m",
+        "dflash_pipeline.features",
+        "serve",
+        "--target",
+        target,
+        "--layer-ids",
+        ids,
+        "--num-hidden-layers",
+        str(probe["num_hidden_layers"]),
+        "--scratch-dir",
+        str(scratch),
+        "--url-file",
+        str(url_file),
+        "--gpus",
+        str(gpus),
+        "--target-dtype",
+        target_dtype,
+    ]
+    if stream.get("last_hidden"):
+        cmd.append("--last-hidden")
+    if trust_remote_code:
+        cmd.append("--trust-remote-code")
+    return cmd
+
+
+def _wait_ready(procs, url_files, logs, timeout_s: float) -> list[str]:
+    urls: list[str | None] = [None] * len(procs)
+    deadline = time.monotonic() + timeout_s
+    while any(u is None for u in urls):
+        for i, (p, f) in enumerate(zip(procs, url_files)):
+            if urls[i] is not None:
+                continue
+            if p.poll() is not None:
+                tail = Path(logs[i]).read_text(errors="replace")[-3000:]
+                raise RuntimeError(
+                    f"feature server {i} exited with {p.returncode} before it was ready; its log "
+                    f"{logs[i]} ends:\n{tail}"
+                )
+            if f.is_file():
+                urls[i] = f.read_text().strip()
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"feature servers not ready after {timeout_s:.0f} s (logs: {', '.join(map(str, logs))})"
+            )
+        time.sleep(
+            0.2
+        )  # polling the servers' readiness files (no event to wait on across processes)
+    return urls  # type: ignore[return-value]
+
+
+def _vllm_url_when_ready(url: str, proc, log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"vLLM feature server exited with {proc.returncode}; its log {log} ends:\n"
+                f"{log.read_text(errors='replace')[-3000:]}"
+            )
+        try:
+            with urllib.request.urlopen(url + "/models", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"vLLM feature server {url} not ready after {timeout_s:.0f} s (log {log})"
+            )
+        time.sleep(
+            0.5
+        )  # polling the server's readiness (GET /models) as vllm serve offers no other signal
+
+
+def stop(procs: Sequence[subprocess.Popen], grace_s: float = 20.0) -> None:
+    """SIGTERM each server (its process group), then SIGKILL after ``grace_s``."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def vllm_server_cmd(
+    python: str,
+    *,
+    target: str,
+    probe: dict,
+    stream: dict,
+    scratch: Path,
+    port: int,
+    gpus: int,
+    target_dtype: str,
+    trust_remote_code: bool,
+    max_len: int,
+) -> list[str]:
+    """``vllm serve`` with ``extract_hidden_states`` and the hidden-states connector (vLLM's on GPUs, our
+    CPU-safe one on CPU), prefix caching and chunked prefill off, aux layers as :mod:`.vllm_backend`."""
+    from dflash_pipeline.target.layer_ids import hf_hidden_state_index
+
+    aux = [hf_hidden_state_index(l) for l in probe["drafter"]["target_layer_ids"]]
+    if stream.get("last_hidden"):
+        aux.append(int(probe["num_hidden_layers"]))
+    connector = (
+        {"kv_connector": "ExampleHiddenStatesConnector"}
+        if gpus
+        else {
+            "kv_connector": "CPUHiddenStatesConnector",
+            "kv_connector_module_path": "dflash_pipeline.features.vllm_connector",
+        }
+    )
+    spec = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": aux}},
+    }
+    kv = {
+        **connector,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(scratch)},
+    }
+    vopts = stream.get("vllm") or {}
+    dtype = {"auto": "float32" if not gpus else "bfloat16"}.get(
+        target_dtype, target_dtype
+    )
+    raw = json.loads((Path(target) / "config.json").read_text(encoding="utf-8"))
+    limit = (raw.get("text_config") or raw).get("max_position_embeddings")
+    model_len = (
+        min(max_len + 8, int(limit)) if limit else max_len + 8
+    )  # a prompt + its one output token
+    cmd = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        target,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        str(model_len),
+        "--no-enable-prefix-caching",
+        "--no-enable-chunked-prefill",
+        "--speculative-config",
+        json.dumps(spec),
+        "--kv-transfer-config",
+        json.dumps(kv),
+        "--tensor-parallel-size",
+        str(max(1, gpus)),
+        "--served-model-name",
+        Path(target).name,
+    ]
+    if not gpus:
+        cmd.append("--enforce-eager")
+    if vopts.get("expert_parallel"):
+        cmd.append("--enable-expert-parallel")
+    if trust_remote_code:
+        cmd.append("--trust-remote-code")
+    for k, v in (vopts.get("engine_args") or {}).items():
+        cmd += [
+            f"--{k.replace('_', '-')}",
+            str(v) if not isinstance(v, (dict, list)) else json.dumps(v),
+        ]
+    return cmd
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_servers(
+    stream: dict,
+    *,
+    probe: dict,
+    target: str,
+    target_dtype: str = "auto",
+    trust_remote_code: bool = False,
+    timeout_s: float = 1800.0,
+) -> tuple[list, list[dict]]:
+    """Start ``stream["servers"]`` feature servers of ``stream["backend"]`` on this machine and wait until
+    each is ready; returns ``(processes, endpoints)`` (endpoints as ``features.stream.endpoints`` entries).
+
+    ``stream``: the stream settings (:func:`rules/features_helpers.smk` ``stream_job_config``): ``servers``,
+    ``gpus_per_server``, ``backend``, ``scratch_dir``, ``max_concurrency``, ``last_hidden``, ``max_len``,
+    ``vllm`` (``python``, ``expert_parallel``, ``engine_args``). Raises RuntimeError (a server died or
+    was not ready in ``timeout_s``; names its log), ValueError (too few GPUs)."""
+    n, per = int(stream["servers"]), int(stream.get("gpus_per_server") or 0)
+    per_env, trainer_gpus = split_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), n, per)
+    scratch = Path(stream["scratch_dir"]).resolve()
+    procs, logs, endpoints = [], [], []
+    try:
+        for i in range(n):
+            d = scratch / f"server{i}"
+            d.mkdir(parents=True, exist_ok=True)
+            log = scratch / f"server{i}.log"
+            env = dict(os.environ)
+            if per:
+                env["CUDA_VISIBLE_DEVICES"] = per_env[i]
+            if stream.get("backend") == "vllm":
+                port = _free_port()
+                cmd = vllm_server_cmd(
+                    stream["vllm"]["python"],
+                    target=target,
+                    probe=probe,
+                    stream=stream,
+                    scratch=d,
+                    port=port,
+                    gpus=per,
+                    target_dtype=target_dtype,
+                    trust_remote_code=trust_remote_code,
+                    max_len=int(stream["max_len"]),
+                )
+                env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+                url, url_file = f"http://127.0.0.1:{port}/v1", None
+            else:
+                url_file = scratch / f"server{i}.url"
+                url_file.unlink(missing_ok=True)
+                cmd = hf_server_cmd(
+                    sys.executable,
+                    target=target,
+                    probe=probe,
+                    stream=stream,
+                    scratch=d,
+                    url_file=url_file,
+                    gpus=per,
+                    target_dtype=target_dtype,
+                    trust_remote_code=trust_remote_code,
+                )
+                url = None
+            with open(
+                log, "wb"
+            ) as fh:  # the child keeps its own copy of the descriptor
+                procs.append(
+                    subprocess.Popen(
+                        cmd,
+                        stdout=fh,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                        start_new_session=True,
+                    )
+                )
+            logs.append(log)
+            endpoints.append({"base_url": url, "url_file": url_file})
+        for i, (p, ep) in enumerate(zip(procs, endpoints)):
+            if ep["url_file"] is None:
+                _vllm_url_when_ready(ep["base_url"], p, logs[i], timeout_s)
+            else:
+                ep["base_url"] = _wait_ready(
+                    [p], [ep["url_file"]], [logs[i]], timeout_s
+                )[0]
+    except BaseException:
+        stop(procs)
+        raise
+    eps = [
+        {
+            "base_url": e["base_url"],
+            "max_concurrency": int(stream.get("max_concurrency") or 4),
+            "transport": "path",
+        }
+        for e in endpoints
+    ]
+    if per:
+        os.environ["CUDA_VISIBLE_DEVICES"] = trainer_gpus
+    return procs, eps
+
+
+def _arg(args: Sequence[str], name: str) -> str | None:
+    return (
+        args[args.index(name) + 1]
+        if name in args and args.index(name) + 1 < len(args)
+        else None
+    )
+
+
+@contextlib.contextmanager
+def colocated_servers(trainer_args: Sequence[str]):
+    """Around the trainer's launch (:func:`dflash_pipeline.workflow.policy.run_accelerate`): when its
+    arguments carry ``--stream-config`` without endpoints, start the servers (:func:`start_servers`; on
+    this machine, on the first of its GPUs), put their endpoints into ``$DFLASH_STREAM_ENDPOINTS`` for the
+    trainer, and stop them when the block exits. Anything else: nothing."""
+    raw = _arg(trainer_args, "--stream-config")
+    stream = json.loads(raw) if raw else None
+    if not stream or stream.get("endpoints"):
+        yield []
+        return
+    probe = json.loads(Path(_arg(trainer_args, "--probe")).read_text(encoding="utf-8"))
+    procs, eps = start_servers(
+        stream,
+        probe=probe,
+        target=_arg(trainer_args, "--target"),
+        target_dtype=_arg(trainer_args, "--target-dtype") or "auto",
+        trust_remote_code="--trust-remote-code" in trainer_args,
+    )
+    print(
+        f"[stream] colocated: {len(eps)} {stream.get('backend', 'hf')} feature server(s) x "
+        f"{stream.get('gpus_per_server') or 0} GPU(s) at {', '.join(e['base_url'] for e in eps)}",
+        flush=True,
+    )
+    old = os.environ.get(ENDPOINTS_ENV)
+    os.environ[ENDPOINTS_ENV] = json.dumps(eps)
+    try:
+        yield eps
+    finally:
+        stop(procs)
+        if old is None:
+            os.environ.pop(ENDPOINTS_ENV, None)
+        else:
+            os.environ[ENDPOINTS_ENV] = old
+
+
+def run_colocated(a) -> int:
+    """``colocate`` CLI: servers up, the trainer (``a.cmd``) with ``$DFLASH_STREAM_ENDPOINTS``, servers down;
+    returns the trainer's exit status."""
+    stream = json.loads(a.stream_config)
+    probe = json.loads(Path(a.probe).read_text(encoding="utf-8"))
+    procs, eps = start_servers(
+        stream,
+        probe=probe,
+        target=a.target,
+        target_dtype=a.target_dtype,
+        trust_remote_code=a.trust_remote_code,
+    )
+    print(
+        f"[stream] colocated: {len(eps)} {stream.get('backend', 'hf')} feature server(s) x "
+        f"{stream.get('gpus_per_server') or 0} GPU(s) at {', '.join(e['base_url'] for e in eps)}",
+        flush=True,
+    )
+    try:
+        cmd = (
+            [c for c in a.cmd if c != "--"]
+            if a.cmd and a.cmd[0] == "--"
+            else list(a.cmd)
+        )
+        return subprocess.call(cmd, env={**os.environ, ENDPOINTS_ENV: json.dumps(eps)})
+    finally:
+        stop(procs)

@@ -1,0 +1,363 @@
+"""The feature client: token ids to a fleet of feature servers, target features back (``features.stream``).
+
+One client talks to every server of ``features.stream`` (our hf server, :mod:`.server`, or ``vllm serve``
+with ``extract_hidden_states``: the same contract, see :mod:`.server`) through the completions stage's fleet
+(:class:`dflash_pipeline.completions._Fleet`: least-outstanding-requests balancing under each server's
+``max_concurrency``, take-out after ``endpoint_max_failures`` consecutive failures and re-probing with
+``GET /models``, the circuit breaker) and its retry classes (:mod:`dflash_pipeline.completions.retry`). The
+fleet knobs are the ``generation.*`` ones (``request_timeout_s``, ``endpoint_max_failures``,
+``endpoint_reprobe_s``, ``retry_backoff_s``, ``retry_backoff_max_s``, ``circuit_breaker_failures``).
+
+Unlike a completion, a record's features are never given up: a failed request is retried (on the least
+busy server that is up) until it succeeds or the breaker opens, so a server killed mid-epoch costs time
+only. A client error (HTTP 4xx but 408/409/425/429: the record does not fit the server) stops the job.
+
+The event loop runs in a background thread; :meth:`FeatureClient.submit` returns a
+``concurrent.futures.Future`` of a :class:`Features`. ``transport``: ``path`` (the answer names a file in a
+scratch directory both sides see: read, then deleted with its ``.lock``, following vLLM's
+``load_hidden_states`` / ``cleanup_hidden_states``) or ``bytes`` (``POST /features``, the file in the
+answer body; hf servers only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import fcntl
+import json
+import os
+import random
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from dflash_pipeline.core.errors import GenerationError
+
+
+class StreamError(GenerationError):
+    """The feature servers cannot deliver (breaker open, a refused record, a mismatching answer)."""
+
+
+@dataclass
+class Features:
+    """One record's features: ``features`` torch [T, K*H] and ``last_hidden`` [T, H] | None in the storage
+    dtype's values (bf16; fp8 values dequantized exactly as a feature shard stores them), ``wire_bytes``
+    (bytes the server sent or wrote) and ``scratch_bytes`` (of those, bytes that sat in the scratch dir)."""
+
+    features: object
+    last_hidden: object
+    wire_bytes: int
+    scratch_bytes: int
+
+
+def as_stored(x, dtype: str):
+    """``x`` [T, D] (any float) rounded as a feature shard of ``features.dtype`` stores and reads it back:
+    bf16, or fp8 e4m3 with its per-token scale, dequantized to bf16 (:mod:`.format`)."""
+    import torch
+
+    from .format import _to_storage
+
+    vals, scale = _to_storage(x, dtype)
+    raw = torch.from_numpy(vals)
+    if scale is None:
+        return raw.view(torch.bfloat16)
+    return raw.view(torch.float8_e4m3fn).to(torch.bfloat16) * torch.from_numpy(scale)[
+        :, None
+    ].to(torch.bfloat16)
+
+
+def read_scratch_file(path: str, on_size=None) -> tuple[dict, int]:
+    """Read a server's scratch file and delete it (and its ``.lock``): ``(tensors, size in bytes)``.
+
+    Waits on ``<path>.lock`` (shared flock, as vLLM's ``load_hidden_states``) when the server holds one
+    while writing (vLLM's connector; our hf server writes atomically and has none). ``on_size(n)`` is called
+    with the file's size once it is complete and with ``-n`` once it is deleted (the scratch accounting).
+    Raises OSError when the file is not there (the server's scratch directory is not visible here).
+    """
+    from safetensors.torch import load_file
+
+    lock = path + ".lock"
+    size = 0
+    try:
+        if os.path.exists(lock):
+            with open(lock) as lf:
+                fcntl.flock(
+                    lf, fcntl.LOCK_SH
+                )  # sleeps until the writer releases LOCK_EX
+        size = os.path.getsize(path)
+        if on_size:
+            on_size(size)
+        data = load_file(path, device="cpu")
+    finally:
+        for p in (lock, path):
+            try:
+                os.remove(p)
+            except FileNotFoundError:
+                pass
+        if on_size and size:
+            on_size(-size)
+    return data, size
+
+
+def fleet_config(gen_cfg: dict, model: str | None) -> dict:
+    """The fleet's knobs (:class:`dflash_pipeline.completions._Fleet`) from the ``generation`` section."""
+    keys = (
+        "request_timeout_s",
+        "endpoint_max_failures",
+        "endpoint_reprobe_s",
+        "retry_backoff_s",
+        "retry_backoff_max_s",
+        "circuit_breaker_failures",
+    )
+    return {**{k: gen_cfg[k] for k in keys}, "model": model}
+
+
+class FeatureClient:
+    """Target features of token-id records from a fleet of feature servers (see the module docstring).
+
+    ``endpoints``: ``[{"base_url", "max_concurrency", "transport"}]``; ``fleet_cfg``: :func:`fleet_config`.
+    ``num_layers`` (K), ``hidden_size`` (H), ``last_hidden`` describe what the servers send (``[T, K(+1), H]``);
+    ``dtype`` is ``features.dtype`` (the values are rounded as a feature shard stores them).
+
+    Raises (from :meth:`start` and the futures): :class:`StreamError` (breaker open, client error, answers
+    that do not match the record), ConfigError (a rejected key, a 404 ``/models``).
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[dict],
+        fleet_cfg: dict,
+        *,
+        num_layers: int,
+        hidden_size: int,
+        last_hidden: bool = False,
+        dtype: str = "bfloat16",
+    ):
+        if not endpoints:
+            raise StreamError(
+                "features.stream: no feature server (set features.stream.endpoints, or servers > 0)"
+            )
+        self.endpoints = [dict(e) for e in endpoints]
+        self.cfg = fleet_cfg
+        self.k, self.h, self.last_hidden, self.dtype = (
+            int(num_layers),
+            int(hidden_size),
+            bool(last_hidden),
+            dtype,
+        )
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self.loop.run_forever, name="feature-client", daemon=True
+        )
+        self.fleet = None
+        self._transport_of: dict[int, str] = {}
+        self._lock = threading.Lock()
+        self.stats = {
+            "requests": 0,
+            "retries": 0,
+            "tokens": 0,
+            "wire_bytes": 0,
+            "scratch_now": 0,
+            "peak_scratch_bytes": 0,
+            "first_request_t": None,
+            "last_reply_t": None,
+        }
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+
+    def start(self) -> str:
+        """Start the loop, probe every server (``GET /models``) and settle the model; returns the model id."""
+        self._thread.start()
+        return self._call(self._start())
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    async def _start(self) -> str:
+        import openai
+
+        from dflash_pipeline.completions import _Endpoint, _Fleet, redact_url
+
+        eps = []
+        for e in self.endpoints:
+            client = openai.AsyncOpenAI(
+                base_url=e["base_url"],
+                api_key=e.get("api_key") or "EMPTY",
+                max_retries=0,
+                timeout=float(self.cfg["request_timeout_s"]),
+            )
+            eps.append(
+                _Endpoint(
+                    url=redact_url(e["base_url"]),
+                    client=client,
+                    max_concurrency=int(e["max_concurrency"]),
+                )
+            )
+            self._transport_of[id(eps[-1])] = e.get("transport", "path")
+        self.fleet = _Fleet(eps, self.cfg, model=self.cfg.get("model"))
+        return await self.fleet.start()
+
+    def close(self) -> None:
+        """Cancel what is in flight, close the connections, stop the loop."""
+        if not self._thread.is_alive():
+            return
+
+        async def _close():
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if self.fleet is not None:
+                await self.fleet.close()
+
+        try:
+            self._call(_close())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=30)
+
+    # -- requests ------------------------------------------------------------------------------------
+
+    def submit(self, ids: np.ndarray) -> concurrent.futures.Future:
+        """Request the features of one record (token ids int [T]); a Future of :class:`Features`."""
+        return asyncio.run_coroutine_threadsafe(
+            self._fetch(np.asarray(ids, dtype=np.int64)), self.loop
+        )
+
+    def fetch_all(self, records: Sequence[np.ndarray]) -> list[Features]:
+        """Features of several records (submitted together, returned in order)."""
+        futs = [self.submit(r) for r in records]
+        return [f.result() for f in futs]
+
+    async def _fetch(self, ids: np.ndarray) -> Features:
+        from dflash_pipeline.completions import _auth_error, retry
+
+        if self.stats["first_request_t"] is None:
+            self.stats["first_request_t"] = time.monotonic()
+        self.stats["requests"] += 1
+        attempt = 0
+        while True:
+            try:
+                ep = await self.fleet.acquire()  # raises once the breaker is open
+            except GenerationError as exc:
+                if isinstance(exc, StreamError):
+                    raise
+                raise StreamError(f"every feature server is gone: {exc}") from exc
+            try:
+                out, failure = await self._attempt(ep, ids)
+            finally:
+                self.fleet.release(ep)
+            if failure is None:
+                self.fleet.success(ep)
+                self.stats["tokens"] += len(ids)
+                self.stats["last_reply_t"] = time.monotonic()
+                return out
+            if failure.kind == retry.AUTH:
+                raise _auth_error(ep, failure.exc)
+            if failure.kind == retry.CLIENT:
+                self.fleet.success(ep)
+                raise StreamError(
+                    f"feature server {ep.url} refused a record of {len(ids)} tokens: {failure.error} "
+                    "(a client error is not retried)"
+                )
+            if failure.kind != retry.RATE_LIMITED:
+                self.fleet.failure(ep, failure.error)
+            attempt += 1
+            self.stats["retries"] += 1
+            await asyncio.sleep(
+                retry.retry_delay(
+                    min(attempt, 30),
+                    base_s=float(self.cfg["retry_backoff_s"]),
+                    max_s=float(self.cfg["retry_backoff_max_s"]),
+                    retry_after=failure.retry_after,
+                    jitter=random.random(),
+                )
+            )
+
+    async def _attempt(self, ep, ids: np.ndarray):
+        """One request on ``ep``: ``(Features, None)`` or ``(None, retry.Failure)``."""
+        import openai
+
+        from dflash_pipeline.completions import _describe, retry
+
+        transport = self._transport_of[id(ep)]
+        body = {
+            "model": self.fleet.model,
+            "prompt": ids.tolist(),
+            "max_tokens": 1,
+            "temperature": 0.0,
+        }
+        path = "/features" if transport == "bytes" else "/completions"
+        try:
+            raw = await asyncio.wait_for(
+                ep.client.post(path, cast_to=bytes, body=body),
+                float(self.cfg["request_timeout_s"]),
+            )
+        except openai.APIStatusError as exc:
+            header = (
+                exc.response.headers.get("retry-after")
+                if exc.response is not None
+                else None
+            )
+            return None, retry.status_failure(
+                exc.status_code, _describe(exc), header, exc
+            )
+        except (openai.APIConnectionError, asyncio.TimeoutError) as exc:
+            return None, retry.Failure(_describe(exc))
+        try:
+            return await asyncio.to_thread(self._decode, raw, ids, transport), None
+        except (ValueError, KeyError, TypeError, OSError) as exc:
+            return None, retry.Failure(f"unusable answer: {type(exc).__name__}: {exc}")
+
+    def _decode(self, raw: bytes, ids: np.ndarray, transport: str) -> Features:
+        """The :class:`Features` of one answer (runs in a worker thread: file I/O and the dtype rounding)."""
+        from safetensors.torch import load
+
+        if transport == "bytes":
+            data, scratch = load(raw), 0
+        else:
+            path = (json.loads(raw).get("kv_transfer_params") or {}).get(
+                "hidden_states_path"
+            )
+            if not path:
+                raise ValueError(
+                    "the answer has no kv_transfer_params.hidden_states_path (is the server started "
+                    "with extract_hidden_states and a hidden-states connector?)"
+                )
+            data, scratch = read_scratch_file(path, self._scratch_add)
+        got = data["token_ids"].numpy().astype(np.int64)
+        if not np.array_equal(got, ids):
+            raise ValueError(
+                f"the server's token_ids ({len(got)}) differ from the record's ({len(ids)})"
+            )
+        hs = data["hidden_states"]
+        want = (len(ids), self.k + (1 if self.last_hidden else 0), self.h)
+        if tuple(hs.shape) != want:
+            raise ValueError(
+                f"hidden_states {tuple(hs.shape)}, expected {want} (the server taps other layers)"
+            )
+        feats = as_stored(hs[:, : self.k].reshape(len(ids), -1), self.dtype)
+        last = as_stored(hs[:, self.k], self.dtype) if self.last_hidden else None
+        nbytes = hs.numel() * hs.element_size()
+        with self._lock:
+            self.stats["wire_bytes"] += nbytes
+        return Features(feats, last, nbytes, scratch)
+
+    def _scratch_add(self, n: int) -> None:
+        with self._lock:  # decode threads run concurrently
+            self.stats["scratch_now"] += n
+            self.stats["peak_scratch_bytes"] = max(
+                self.stats["peak_scratch_bytes"], self.stats["scratch_now"]
+            )
+
+    def server_tokens_per_s(self) -> float | None:
+        """Tokens received per second since the first request (None before any reply)."""
+        t0, t1 = self.stats["first_request_t"], self.stats["last_reply_t"]
+        return (
+            self.stats["tokens"] / (t1 - t0)
+            if t0 is not None and t1 is not None and t1 > t0
+            else None
+        )

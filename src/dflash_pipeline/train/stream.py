@@ -1,0 +1,394 @@
+"""``train.target_features: stream``: the trainer's target features from running feature servers.
+
+The token records are the online path's token indexes (:mod:`.data`), so the record set, the held-out
+split and the shuffled batch order are those of a ``shards`` run on the same token shards: a function of
+``train.seed`` and the epoch only. :class:`FeatureStream` sits between the loader and the step
+(:func:`dflash_pipeline.train.loop.run_steps`): it pulls up to ``features.stream.prefetch_batches``
+batches ahead, sends every record of them to the servers (:class:`dflash_pipeline.features.FeatureClient`,
+the completions fleet underneath), and hands each batch to the step, in loader order, once all its
+records are back (replies that arrive out of order wait in memory). The batch then carries ``features``
+[b, S, K*H] bf16 with zero padding, exactly what :func:`.data.collate` builds from feature shards; packed
+rows (:mod:`dflash_pipeline.train.packing`) get each record's features at its segment, computed by the
+server for the record alone (records never see each other, so packing needs no isolation check here).
+
+Bounded: at most ``prefetch_batches`` batches are requested ahead and at most ``max_inflight_bytes`` of
+their features (estimated at the wire size, ``[T, n_aux, H]`` in the servers' dtype) are in flight or in
+memory; a batch larger than the budget alone is still requested (one at a time). Scratch files are deleted
+as soon as they are read. The trainer never loads the target: the embedding and LM head come from its
+safetensors (:mod:`dflash_pipeline.features.weights`), as with ``shards``.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflash_pipeline.features import window_bytes
+
+
+def row_spans(batch: dict) -> list[list[tuple[int, int]]]:
+    """Token spans ``[(start, end)]`` of the records in each row of a collated batch: one span per row
+    (``attention_mask``'s length), or one per segment of a packed row (``segment_ids`` ≥ 0)."""
+    am = batch["attention_mask"].cpu()
+    if "segment_ids" not in batch:
+        return [[(0, int(n))] for n in am.sum(dim=1).tolist()]
+    out = []
+    for seg in batch["segment_ids"].cpu().tolist():
+        spans, start = [], 0
+        for t in range(1, len(seg) + 1):
+            if t == len(seg) or seg[t] != seg[start]:
+                if seg[start] >= 0:
+                    spans.append((start, t))
+                start = t
+        out.append(spans)
+    return out
+
+
+def check_scratch(scratch_dir: str | Path, need: int) -> int:
+    """Free bytes of the filesystem of ``scratch_dir``; raises OSError (ENOSPC) when fewer than ``need``."""
+    import errno
+
+    p = Path(scratch_dir)
+    p.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(p).free
+    if free < need:
+        raise OSError(
+            errno.ENOSPC,
+            f"features.stream: the scratch directory {p} has {free:,} B free, the stream "
+            f"window needs {need:,} B (features.stream.prefetch_batches / max_inflight_bytes); "
+            "free space, lower them, or point features.stream.scratch_dir elsewhere",
+        )
+    return free
+
+
+@dataclass
+class _Pending:
+    batch: dict
+    spans: list
+    tokens: int
+    est: int
+    futures: list = field(default_factory=list)
+
+
+class FeatureStream:
+    """Features for the loader's batches from a :class:`~dflash_pipeline.features.FeatureClient` (module doc).
+
+    ``wire_bytes_per_token``: ``n_aux * H * itemsize`` of the servers' answers (the in-flight estimate).
+    Counters since the last :meth:`window_stats`: seconds the step waited for features, tokens delivered.
+    """
+
+    def __init__(
+        self,
+        client,
+        *,
+        prefetch_batches: int,
+        max_inflight_bytes: int,
+        wire_bytes_per_token: int,
+        num_servers: int = 1,
+    ):
+        self.client = client
+        self.prefetch = max(1, int(prefetch_batches))
+        self.max_bytes = int(max_inflight_bytes)
+        self.bpt = int(wire_bytes_per_token)
+        self.num_servers = num_servers
+        self.inflight = 0
+        self.peak_inflight = 0
+        self.wait_s = 0.0
+        self.tokens = 0
+        self.total_wait_s = 0.0
+        self.total_tokens = 0
+        self._t0 = time.perf_counter()
+        self._run_t0 = self._t0
+
+    def _plan(self, batch: dict) -> _Pending:
+        spans = row_spans(batch)
+        tokens = sum(e - s for row in spans for s, e in row)
+        return _Pending(batch, spans, tokens, tokens * self.bpt)
+
+    def _submit(self, p: _Pending) -> None:
+        ids = p.batch["input_ids"].cpu().numpy()
+        p.futures = [
+            self.client.submit(ids[r, s:e])
+            for r, row in enumerate(p.spans)
+            for s, e in row
+        ]
+        self.inflight += p.est
+        self.peak_inflight = max(self.peak_inflight, self.inflight)
+
+    def _assemble(self, p: _Pending, results: list) -> dict:
+        ids = p.batch["input_ids"]
+        b, s = ids.shape
+        feats = (
+            torch.zeros(
+                (b, s, results[0].features.shape[-1]), dtype=results[0].features.dtype
+            )
+            if results
+            else None
+        )
+        it = iter(results)
+        for r, row in enumerate(p.spans):
+            for a, e in row:
+                feats[r, a:e] = next(it).features
+        out = dict(p.batch)
+        if feats is not None:
+            out["features"] = feats.to(ids.device)
+        return out
+
+    def batches(self, it: Iterator[dict]) -> Iterator[dict]:
+        """The batches of ``it`` in order, each with its ``features`` (see the module docstring). Raises what
+        the client raises (:class:`dflash_pipeline.features.StreamError` once every server is gone)."""
+        queue: deque[_Pending] = deque()
+        held: _Pending | None = None
+        done = False
+        try:
+            while True:
+                while not done and len(queue) < self.prefetch:
+                    if held is None:
+                        try:
+                            held = self._plan(next(it))
+                        except StopIteration:
+                            done = True
+                            break
+                    if queue and self.inflight + held.est > self.max_bytes:
+                        break
+                    self._submit(held)
+                    queue.append(held)
+                    held = None
+                if not queue:
+                    return
+                p = queue.popleft()
+                t0 = time.perf_counter()
+                results = [f.result() for f in p.futures]
+                dt = time.perf_counter() - t0
+                self.wait_s += dt
+                self.total_wait_s += dt
+                self.inflight -= p.est
+                self.tokens += p.tokens
+                self.total_tokens += p.tokens
+                yield self._assemble(p, results)
+        finally:
+            for p in queue:
+                for f in p.futures:
+                    f.cancel()
+            self.inflight = 0
+
+    def fill(self, batches: Sequence[dict]) -> list[dict]:
+        """``batches`` (e.g. the held-out ones) with their features, fetched now."""
+        return list(self.batches(iter(batches)))
+
+    def window_stats(self) -> dict:
+        """Supply and demand since the last call (then reset): ``stream_wait_fraction`` of the wall time the
+        step waited for features, ``trainer_tokens_per_s`` consumed, ``server_tokens_per_s`` received (all
+        servers, since the start), peak in-flight and scratch bytes."""
+        now = time.perf_counter()
+        wall = max(1e-9, now - self._t0)
+        rec = {
+            "stream_wait_fraction": self.wait_s / wall,
+            "trainer_tokens_per_s": self.tokens / wall,
+            "server_tokens_per_s": self.client.server_tokens_per_s(),
+            "stream_inflight_peak_bytes": self.peak_inflight,
+            "stream_peak_scratch_bytes": self.client.stats["peak_scratch_bytes"],
+            "stream_retries": self.client.stats["retries"],
+        }
+        self.wait_s, self.tokens, self._t0 = 0.0, 0, now
+        return rec
+
+    def summary(self) -> dict:
+        """Whole-run figures and the suggested split (servers per trainer rank) for the next run: the
+        servers needed so that supply meets the trainer's demand when it never waits."""
+        wall = max(1e-9, time.perf_counter() - self._run_t0)
+        busy = max(1e-9, wall - self.total_wait_s)
+        demand = (
+            self.total_tokens / busy
+        )  # tokens/s the trainer would consume if features were free
+        supply = self.client.server_tokens_per_s()
+        per_server = supply / self.num_servers if supply else None
+        suggest = math.ceil(demand / per_server) if per_server else None
+        return {
+            "wait_fraction": self.total_wait_s / wall,
+            "trainer_tokens_per_s": self.total_tokens / wall,
+            "trainer_demand_tokens_per_s": demand,
+            "server_tokens_per_s": supply,
+            "servers": self.num_servers,
+            "suggested_servers_per_rank": suggest,
+            "peak_inflight_bytes": self.peak_inflight,
+            "peak_scratch_bytes": self.client.stats["peak_scratch_bytes"],
+            "retries": self.client.stats["retries"],
+            "requests": self.client.stats["requests"],
+        }
+
+    def describe(self) -> str:
+        s = self.summary()
+        sup = f"{s['server_tokens_per_s']:.0f}" if s["server_tokens_per_s"] else "?"
+        return (
+            f"[stream] servers={s['servers']} server tokens/s {sup} trainer tokens/s {s['trainer_tokens_per_s']:.0f} "
+            f"(demand {s['trainer_demand_tokens_per_s']:.0f}) waiting {100 * s['wait_fraction']:.1f}% of the time; "
+            f"suggested servers per trainer rank: {s['suggested_servers_per_rank']}; peak in flight "
+            f"{s['peak_inflight_bytes']:,} B, peak scratch {s['peak_scratch_bytes']:,} B, retries {s['retries']}"
+        )
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def stream_settings(stream: dict) -> dict:
+    """``stream`` (the job's stream settings: ``features.stream`` plus ``dtype``, ``last_hidden`` and the
+    ``fleet`` knobs) with every key it lacks from the config schema's defaults (tests and direct calls pass
+    partial dicts; the schema stays the one place for defaults)."""
+    from dflash_pipeline.core.config import load_schema
+
+    props = load_schema()["properties"]
+    feats = props["features"]["properties"]
+    out = {
+        k: v["default"]
+        for k, v in feats["stream"]["properties"].items()
+        if "default" in v
+    }
+    out.update(
+        dtype=feats["dtype"]["default"], last_hidden=feats["last_hidden"]["default"]
+    )
+    gen = props["generation"]["properties"]
+    fleet = {
+        k: gen[k]["default"]
+        for k in (
+            "request_timeout_s",
+            "endpoint_max_failures",
+            "endpoint_reprobe_s",
+            "retry_backoff_s",
+            "retry_backoff_max_s",
+            "circuit_breaker_failures",
+        )
+    }
+    out = {**out, **stream}
+    out["fleet"] = {**fleet, **(stream.get("fleet") or {})}
+    ep_defaults = {
+        k: v["default"]
+        for k, v in feats["stream"]["properties"]["endpoints"]["items"][
+            "properties"
+        ].items()
+        if "default" in v
+    }
+    out["endpoints"] = [{**ep_defaults, **e} for e in out.get("endpoints") or []]
+    return out
+
+
+def open_stream_data(
+    cfg: dict,
+    token_shards: Sequence[str | Path],
+    stream: dict,
+    *,
+    target_dir,
+    out_dir,
+    probe: dict,
+    device,
+    target_dtype: str = "auto",
+    is_main: bool = True,
+    barrier=lambda: None,
+    min_loss_tokens: int = 2,
+):
+    """:class:`dflash_pipeline.train.data.TrainingData` for ``train.target_features: stream``: the token
+    records (token indexes, as online), the frozen embedding / LM head (as ``shards``) and a started
+    :class:`FeatureStream` (every server probed; the model they serve settled).
+
+    Endpoints: ``stream["endpoints"]``, else ``$DFLASH_STREAM_ENDPOINTS`` (set by the colocated launcher,
+    :mod:`dflash_pipeline.features.colocate`). The scratch directory (``scratch_dir``, where path-transport
+    servers write) must hold the window (:func:`window_bytes`).
+
+    Raises:
+        StreamError: no endpoint, or the breaker opened while probing. OSError (ENOSPC): scratch too small.
+    """
+    import json
+    import os
+
+    from dflash_pipeline.features import (
+        ENDPOINTS_ENV,
+        FeatureClient,
+        StreamError,
+        fleet_config,
+    )
+    from dflash_pipeline.train.data import (
+        TrainingData,
+        collate,
+        frozen_head,
+        token_records,
+    )
+
+    st = stream_settings(stream)
+    ds = token_records(
+        token_shards,
+        out_dir,
+        is_main=is_main,
+        barrier=barrier,
+        min_loss_tokens=min_loss_tokens,
+    )
+    endpoints = (
+        st["endpoints"]
+        or stream_settings(
+            {"endpoints": json.loads(os.environ.get(ENDPOINTS_ENV) or "[]")}
+        )["endpoints"]
+    )
+    if not endpoints:
+        raise StreamError(
+            "train.target_features: stream has no feature server: set features.stream.endpoints, or "
+            f"run the trainer under the colocated launcher (${ENDPOINTS_ENV})"
+        )
+    k, h, last = (
+        len(probe["drafter"]["target_layer_ids"]),
+        int(probe["hidden_size"]),
+        bool(st["last_hidden"]),
+    )
+    wire = (k + int(last)) * h * int(st["wire_bytes_per_value"])
+    longest = max(
+        (int(np.diff(s.offsets).max()) for s in ds._open() if len(s)), default=1
+    )
+    longest = max(
+        longest, int(cfg.get("pack_max_tokens") or 0) if cfg.get("packing") else 0
+    )
+    window = window_bytes(
+        st["prefetch_batches"],
+        int(cfg["batch_size"]),
+        longest,
+        wire,
+        st["max_inflight_bytes"],
+    )
+    free = None
+    if st.get("scratch_dir") and any(e["transport"] == "path" for e in endpoints):
+        free = check_scratch(st["scratch_dir"], window)
+    client = FeatureClient(
+        endpoints,
+        fleet_config(st["fleet"], None),
+        num_layers=k,
+        hidden_size=h,
+        last_hidden=last,
+        dtype=st["dtype"],
+    )
+    model = client.start()
+    print(
+        f"[stream] {len(endpoints)} feature server(s) serving {model!r}; window {window:,} B "
+        f"({st['prefetch_batches']} batches x {cfg['batch_size']} x {longest} tokens x {wire:,} B, cap "
+        f"{st['max_inflight_bytes']:,} B)"
+        + (f"; scratch free {free:,} B" if free is not None else ""),
+        flush=True,
+    )
+    fs = FeatureStream(
+        client,
+        prefetch_batches=st["prefetch_batches"],
+        max_inflight_bytes=st["max_inflight_bytes"],
+        wire_bytes_per_token=wire,
+        num_servers=len(endpoints),
+    )
+    return TrainingData(
+        ds,
+        collate,
+        True,
+        *frozen_head(target_dir, probe, target_dtype, device),
+        stream=fs,
+    )
