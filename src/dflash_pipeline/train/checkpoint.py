@@ -16,7 +16,7 @@ from typing import Optional
 from dflash_pipeline.train import fsdp as FS
 from dflash_pipeline.drafter import model as M
 from dflash_pipeline.core.shards import replace_dir
-from dflash_pipeline.train.streams import STATE_VERSION
+from dflash_pipeline.train.rng import STATE_VERSION
 
 #: Intermediate drafter exports live in ``<out_dir>/step_<N>/`` (N zero-padded to 6 digits).
 STEP_EXPORT_PREFIX = "step_"
@@ -24,7 +24,7 @@ STEP_EXPORT_PREFIX = "step_"
 
 def save_state(accelerator, state_dir: Path, step: int, train_config: Optional[dict] = None) -> None:
     """Save Accelerate state (model, optimizer, scheduler, RNG streams) and ``step.json`` (the step, the
-    state :data:`~dflash_pipeline.train.streams.STATE_VERSION`, the world size and ``train_config``, the
+    state :data:`~dflash_pipeline.train.rng.STATE_VERSION`, the world size and ``train_config``, the
     run's ``train`` settings, which :func:`resume_state` compares), atomically."""
     tmp = state_dir.with_name(state_dir.name + ".tmp")
     if accelerator.is_main_process:
@@ -42,7 +42,7 @@ def save_state(accelerator, state_dir: Path, step: int, train_config: Optional[d
 def resume_state(accelerator, out_dir: Path, total_steps: int, streams, train_config: Optional[dict] = None) -> int:
     """Load ``state/`` when present and return its step; on a fresh start clear the old logs and exports.
 
-    ``streams`` (:class:`dflash_pipeline.train.streams.RankStreams`, the anchor generators) is registered
+    ``streams`` (:class:`dflash_pipeline.train.rng.RankStreams`, the anchor generators) is registered
     for checkpointing here, so every later :func:`save_state` holds it. A state of version 1 (saved before
     the streams were, no ``version`` in ``step.json``) is loaded without them: it resumes, but the data order
     and anchors after it are not the uninterrupted run's (a warning says so). A state saved under other

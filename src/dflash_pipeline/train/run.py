@@ -46,7 +46,7 @@ from dflash_pipeline.target import loading as T
 from dflash_pipeline.train import trackers as TR
 from dflash_pipeline.train import data as train_data
 from dflash_pipeline.train import heldout as V
-from dflash_pipeline.train import streams as RS
+from dflash_pipeline.train import rng as RS
 from dflash_pipeline.core.shards import read_parquet, write_json
 from dflash_pipeline.train.checkpoint import (  # noqa: F401 - STEP_EXPORT_PREFIX, export_step re-exported
     STEP_EXPORT_PREFIX,
@@ -178,7 +178,7 @@ def train(
     data = _open_data(accelerator, cfg, probe, token_shards, feature_shards, target_dir=target_dir, out_dir=out_dir,
                       target_dtype=target_dtype, trust_remote_code=trust_remote_code, stream=stream)
     run = _prepare_run(accelerator, cfg, out_dir, data, probe, drafter_arch or {}, zero_target_features)
-    step = resume_state(accelerator, out_dir, run.schedule.total_steps, run.streams, cfg)
+    step = resume_state(accelerator, out_dir, run.schedule.total_steps, run.rng_streams, cfg)
     if log_with:
         accelerator.init_trackers(cfg["tracker_project"], config=TR.flat_hparams({**cfg, "zero_target_features": zero_target_features}))
     accelerator.print(_describe(run))
@@ -305,7 +305,7 @@ def _prepare_run(accelerator, cfg: dict, out_dir: Path, data: RunData, probe: di
         val_batches = data.source.stream.fill(val_batches)
     return TrainRun(accelerator=accelerator, cfg=cfg, out_dir=out_dir, data=data, schedule=sch, num_rows=len(dataset),
                     n_trainable=n_trainable, drafter=drafter, optimizer=optimizer, scheduler=scheduler, loader=loader, ctx=ctx,
-                    val_batches=val_batches, val_counted=val_counted, zero_target_features=zero_target_features, streams=streams)
+                    val_batches=val_batches, val_counted=val_counted, zero_target_features=zero_target_features, rng_streams=streams)
 
 
 def _rows(records, cfg: dict):

@@ -225,7 +225,7 @@ def test_state_saved_before_exact_resume_still_resumes_with_a_warning(setup, tmp
 
 def test_streams_of_another_world_size_are_refused():
     """Per-rank anchor streams saved by 2 ranks cannot continue on 1: a clear error, not a silent reseed."""
-    from dflash_pipeline.train.streams import RankStreams
+    from dflash_pipeline.train.rng import RankStreams
 
     g = [torch.Generator().manual_seed(s) for s in (0, 1)]
     saved = {"world_size": 2, "ranks": [{"anchors": x.get_state()} for x in g]}
