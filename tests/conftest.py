@@ -139,12 +139,20 @@ def snakemake(workdir: Path, *args: str, configfile: Path | None = None, timeout
     """Run snakemake on the repo's Snakefile (or ``snakefile``) in ``workdir`` with the local profile (or
     ``profile``) on :data:`SNAKEMAKE_CORES` cores; ``args`` (targets, flags) come before
     ``--configfile``, which takes several values. Returns the finished process."""
+    cmd, base = snakemake_command(workdir, *args, configfile=configfile, env=env, snakefile=snakefile, profile=profile)
+    return subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=timeout, env=base)
+
+
+def snakemake_command(workdir: Path, *args: str, configfile: Path | None = None, env: dict | None = None,
+                      snakefile: Path | None = None, profile: Path | None = None) -> tuple[list[str], dict]:
+    """``(argv, environment)`` of the :func:`snakemake` call with these arguments, for tests that start it
+    themselves (``subprocess.Popen``, e.g. to kill it mid-run)."""
     cmd = [sys.executable, "-m", "snakemake", *args, "-s", str(snakefile or REPO / "Snakefile"), "-d", str(workdir),
            "--profile", str(profile or REPO / "profiles" / "local"), "--cores", str(SNAKEMAKE_CORES),
            "--configfile", str(configfile or workdir / "config.yaml")]
     base = dict(os.environ if env is None else env)
     base["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{base.get('PATH', '')}"
-    return subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=timeout, env=base)
+    return cmd, base
 
 
 def planned_jobs(proc: subprocess.CompletedProcess) -> dict[str, int]:

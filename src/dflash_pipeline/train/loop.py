@@ -94,6 +94,7 @@ class TrainRun:
     val_batches: list
     val_counted: list
     zero_target_features: bool
+    streams: Any = None  # train.streams.RankStreams: the per-rank random streams state/ keeps
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -198,7 +199,7 @@ def _after_step(run: TrainRun, step: int, epoch: int, window: "_Window", *, run_
     if run.val_batches and (step % cfg["validation_every_steps"] == 0 or step == sch.total_steps):
         _validate(acc, run.ctx, run.val_batches, run.val_counted, cfg, step, run.out_dir)
     if step % cfg["save_every_steps"] == 0 and step < sch.total_steps:
-        save_state(acc, run.out_dir / "state", step)
+        save_state(acc, run.out_dir / "state", step, run.cfg)
         module = export_module(acc, run.drafter)
         if acc.is_main_process:
             export_step(module, run.out_dir, step, run.zero_target_features)

@@ -41,6 +41,7 @@ import torch
 
 from dflash_pipeline.core.config import schema_defaults
 from dflash_pipeline.drafter import families as FA
+from dflash_pipeline.train import rng as RS
 from dflash_pipeline.core.shards import read_parquet, write_json
 from dflash_pipeline.drafter import model as M
 from dflash_pipeline.drafter.build import build_drafter  # train.run.build_drafter: the name tests and benches use
@@ -159,7 +160,7 @@ def train(
     data = _open_data(accelerator, cfg, probe, token_shards, feature_shards, target_dir=target_dir, out_dir=out_dir,
                       target_dtype=target_dtype, trust_remote_code=trust_remote_code, stream=stream)
     run = _prepare_run(accelerator, cfg, out_dir, data, probe, drafter_arch or {}, zero_target_features)
-    step = resume_state(accelerator, out_dir, run.schedule.total_steps)
+    step = resume_state(accelerator, out_dir, run.schedule.total_steps, run.rng_streams, cfg)
     if log_with:
         accelerator.init_trackers(cfg["tracker_project"], config=TR.flat_hparams({**cfg, "zero_target_features": zero_target_features}))
     accelerator.print(_describe(run))
@@ -172,7 +173,7 @@ def train(
 
 
 def make_accelerator(mixed_precision: str, device: str = "auto", *, fsdp: bool = False, fsdp_reshard_after_forward: bool = True,
-                     out_dir: Optional[Path] = None, log_with: Optional[list] = None):
+                     out_dir: Optional[Path] = None, log_with: Optional[list] = None, data_seed: int = 0):
     """The run's ``Accelerator``: CPU when ``device`` (``train.device``) is ``cpu`` or no CUDA device is
     visible, with ``mixed_precision`` (``train.mixed_precision``; bf16 autocast works on CPU too, which is
     how the tests exercise it); FSDP2 when ``fsdp`` (``train.fsdp``, :func:`dflash_pipeline.train.fsdp.make_accelerator`);
@@ -185,6 +186,7 @@ def make_accelerator(mixed_precision: str, device: str = "auto", *, fsdp: bool =
         AcceleratorState._reset_state()  # an earlier in-process run (tests, the zoo table) used another precision
     plugin = FS.fsdp_plugin(reshard_after_forward=fsdp_reshard_after_forward, mixed_precision=mixed_precision) if fsdp else None
     kw = {"log_with": log_with, "project_dir": str(Path(out_dir) / "trackers")} if log_with else {}
+    kw["dataloader_config"] = RS.dataloader_config(data_seed)  # data order a function of (seed, epoch): exact resume
     return FS.make_accelerator(cpu=cpu, mixed_precision=mixed_precision, plugin=plugin, **kw)
 
 
@@ -195,7 +197,8 @@ def _start_run(cfg: dict, out_dir: Path, device: str):
 
     log_with, tracker_notes = TR.resolve_trackers(cfg["trackers"])
     accelerator = make_accelerator(cfg["mixed_precision"], device, fsdp=cfg["fsdp"],
-                                   fsdp_reshard_after_forward=cfg["fsdp_reshard_after_forward"], out_dir=out_dir, log_with=log_with)
+                                   fsdp_reshard_after_forward=cfg["fsdp_reshard_after_forward"], out_dir=out_dir, log_with=log_with,
+                                   data_seed=cfg["seed"])
     set_seed(cfg["seed"])
     out_dir.mkdir(parents=True, exist_ok=True)
     for note in tracker_notes:
@@ -273,9 +276,11 @@ def _prepare_run(accelerator, cfg: dict, out_dir: Path, data: RunData, probe: di
     if len(loader) != sch.micro_per_epoch:  # the micro-step loop syncs gradients on the last one of each step
         raise RuntimeError(f"per-rank loader has {len(loader)} batches, expected {sch.micro_per_epoch}")
     accelerator.register_for_checkpointing(scheduler)
+    anchors = torch.Generator(device="cpu").manual_seed(cfg["seed"] * 1000 + accelerator.process_index)
+    streams = RS.RankStreams({"anchors": anchors}, rank=accelerator.process_index, world_size=accelerator.num_processes)
     ctx = StepContext(
         drafter=drafter, target=data.target, probe=probe, num_anchors=cfg["num_anchors"], block_size=block_size, gamma=gamma,
-        generator=torch.Generator(device="cpu").manual_seed(cfg["seed"] * 1000 + accelerator.process_index),
+        generator=anchors,
         zero_target_features=zero_target_features, backend=backend, world_size=accelerator.num_processes,
         reduce_sum=lambda t: accelerator.reduce(t.to(accelerator.device), "sum"), embed=data.source.embed, lm_head=data.source.lm_head,
         loss=cfg["loss"], kl_temperature=cfg["kl_temperature"], kl_ce_weight=cfg["kl_ce_weight"], dpace_alpha=cfg["dpace_alpha"],
@@ -287,7 +292,7 @@ def _prepare_run(accelerator, cfg: dict, out_dir: Path, data: RunData, probe: di
         val_batches = data.source.stream.fill(val_batches)
     return TrainRun(accelerator=accelerator, cfg=cfg, out_dir=out_dir, data=data, schedule=sch, num_rows=len(dataset),
                     n_trainable=n_trainable, drafter=drafter, optimizer=optimizer, scheduler=scheduler, loader=loader, ctx=ctx,
-                    val_batches=val_batches, val_counted=val_counted, zero_target_features=zero_target_features)
+                    val_batches=val_batches, val_counted=val_counted, zero_target_features=zero_target_features, rng_streams=streams)
 
 
 def _rows(records, cfg: dict):
@@ -366,7 +371,7 @@ def _finish(run: TrainRun, step: int, target_dir, summary: dict) -> dict:
         export_drafter(module, out_dir / "final", target=Path(target_dir).resolve(),
                        extra={"train_steps": summary["steps"], "zero_target_features": summary["zero_target_features"]})
         write_json(out_dir / "train_summary.json", summary)
-    save_state(accelerator, out_dir / "state", step)
+    save_state(accelerator, out_dir / "state", step, run.cfg)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return summary
