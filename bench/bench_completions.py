@@ -90,10 +90,23 @@ def start_servers(n: int, delay_s: float, tmp: Path) -> list[tuple[subprocess.Po
     for i in range(n):
         pf = tmp / f"port-{delay_s}-{i}-{time.monotonic_ns()}.txt"
         p = subprocess.Popen(
-            [sys.executable, "-m", "dflash_pipeline.testing.server", "--port", "0", "--port-file", str(pf),
-             "--delay-s", str(delay_s)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))},
+            [
+                sys.executable,
+                "-m",
+                "dflash_pipeline.testing.server",
+                "--port",
+                "0",
+                "--port-file",
+                str(pf),
+                "--delay-s",
+                str(delay_s),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")])),
+            },
         )
         procs.append((p, pf))
     out = []
@@ -121,22 +134,42 @@ def stop_servers(servers) -> None:
 
 
 def prompt_shard(path: Path, n: int, tag: str) -> list[list[dict]]:
-    convs = [[{"role": "user", "content": f"{tag} question {i}: what is {i} plus {i}? answer in a few words"}]
-             for i in range(n)]
+    convs = [
+        [{"role": "user", "content": f"{tag} question {i}: what is {i} plus {i}? answer in a few words"}]
+        for i in range(n)
+    ]
     recs = [{"prompt_id": contracts.prompt_id(m), "dataset": "bench", "messages": m, "metadata": "{}"} for m in convs]
     shards.write_parquet(path, shards.table_from_records(recs, contracts.PROMPT_SCHEMA))
     return convs
 
 
 def gen_cfg(urls: list[str], conc: int, timeout_s: float, client_processes: int = 1) -> dict:
-    return validate_config({"generation": {
-        "client_processes": client_processes,
-        "backend": "openai", "model": "test-model", "thinking": "none", "temperature": 0.0, "top_p": 1.0,
-        "top_k": None, "max_tokens": 64, "seed": 0, "batch_size": 1, "request_timeout_s": timeout_s,
-        "max_retries": 0, "retry_backoff_s": 0.1, "retry_backoff_max_s": 1.0, "endpoint_max_failures": 1000,
-        "endpoint_reprobe_s": 1.0, "circuit_breaker_failures": 1000, "max_error_fraction": 1.0, "extra_body": {},
-        "endpoints": [{"base_url": u, "max_concurrency": conc} for u in urls],
-    }})["generation"]
+    return validate_config(
+        {
+            "generation": {
+                "client_processes": client_processes,
+                "backend": "openai",
+                "model": "test-model",
+                "thinking": "none",
+                "temperature": 0.0,
+                "top_p": 1.0,
+                "top_k": None,
+                "max_tokens": 64,
+                "seed": 0,
+                "batch_size": 1,
+                "request_timeout_s": timeout_s,
+                "max_retries": 0,
+                "retry_backoff_s": 0.1,
+                "retry_backoff_max_s": 1.0,
+                "endpoint_max_failures": 1000,
+                "endpoint_reprobe_s": 1.0,
+                "circuit_breaker_failures": 1000,
+                "max_error_fraction": 1.0,
+                "extra_body": {},
+                "endpoints": [{"base_url": u, "max_concurrency": conc} for u in urls],
+            }
+        }
+    )["generation"]
 
 
 def run_pipeline(urls, conc, n, tmp: Path, tag: str, timeout_s: float, procs: int = 1) -> dict:
@@ -149,8 +182,14 @@ def run_pipeline(urls, conc, n, tmp: Path, tag: str, timeout_s: float, procs: in
     # time from sending the request to its parsed answer.
     turns = shards.read_parquet(out).column("turns").to_pylist()
     lat = [t[0]["latency_s"] if t else None for t in turns]
-    return {"wall": wall, "cpu": cpu, "requests": n, "out_tokens": stats["completion_tokens"], "errors": stats["error"],
-            "latency": lat}
+    return {
+        "wall": wall,
+        "cpu": cpu,
+        "requests": n,
+        "out_tokens": stats["completion_tokens"],
+        "errors": stats["error"],
+        "latency": lat,
+    }
 
 
 def run_naive(urls, conc, n, tag: str, timeout_s: float) -> dict:
@@ -163,8 +202,14 @@ def run_naive(urls, conc, n, tag: str, timeout_s: float) -> dict:
     def one(job):
         client, text = job
         t = time.monotonic()
-        r = client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": text}],
-                                           max_tokens=64, temperature=0.0, top_p=1.0, seed=0)
+        r = client.chat.completions.create(
+            model="test-model",
+            messages=[{"role": "user", "content": text}],
+            max_tokens=64,
+            temperature=0.0,
+            top_p=1.0,
+            seed=0,
+        )
         return r.usage.completion_tokens, time.monotonic() - t
 
     c0, t0 = cpu_s(), time.perf_counter()
@@ -189,7 +234,7 @@ def steady_rps(lat: list[float | None], in_flight: int) -> float | None:
     """Requests/s while all ``in_flight`` slots are busy, after the ramp-up: ``in_flight`` / the mean
     client-side latency of the requests after the first two waves (Little's law for a closed loop; the
     time a slot spends between an answer and its next request is microseconds here)."""
-    rest = [x for x in lat[2 * in_flight:] if x is not None]
+    rest = [x for x in lat[2 * in_flight :] if x is not None]
     if len(rest) < in_flight:
         return None
     return in_flight / (sum(rest) / len(rest))
@@ -216,9 +261,22 @@ def child(args) -> int:
 def measure(kind: str, servers, conc: int, n: int, delay_s: float, args) -> dict:
     """One measurement in a child process (killed after its wall-clock limit); adds the servers' CPU."""
     urls = [u for _, u in servers]
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--urls", ",".join(urls),
-           "--conc", str(conc), "--requests", str(n), "--timeout-s", str(args.timeout_s),
-           "--client-processes", str(args.client_processes)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        kind,
+        "--urls",
+        ",".join(urls),
+        "--conc",
+        str(conc),
+        "--requests",
+        str(n),
+        "--timeout-s",
+        str(args.timeout_s),
+        "--client-processes",
+        str(args.client_processes),
+    ]
     ideal = len(urls) * conc / delay_s if delay_s > 0 else None
     limit = args.measure_timeout_s or (60 + 3 * (n / ideal if ideal else n / 100))
     srv0 = sum(proc_cpu_s(p.pid) for p, _ in servers)
@@ -230,7 +288,7 @@ def measure(kind: str, servers, conc: int, n: int, delay_s: float, args) -> dict
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
         raise SystemExit(f"{kind} measurement failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    r = json.loads(line[len("RESULT "):])
+    r = json.loads(line[len("RESULT ") :])
     r["server_cpu"] = srv  # includes the warm-up's few requests
     return r
 
@@ -267,24 +325,40 @@ def load() -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--grid", default=None, help="N x C points, comma-separated, each optionally @delay: 1x64,2x128,4x256@4")
+    ap.add_argument(
+        "--grid", default=None, help="N x C points, comma-separated, each optionally @delay: 1x64,2x128,4x256@4"
+    )
     ap.add_argument("--endpoints", type=int, default=None, help="with --concurrency: a one-point grid N x C")
     ap.add_argument("--concurrency", type=int, default=None)
     ap.add_argument("--delay-s", type=float, default=1.0, help="server delay of points without @delay")
     ap.add_argument("--waves", type=int, default=10, help="requests per measurement = waves * N * C ...")
     ap.add_argument("--max-requests", type=int, default=12000, help="... but at most this many")
-    ap.add_argument("--ceiling-requests", type=int, default=4000, help="requests for the zero-latency ceiling (0: skip)")
-    ap.add_argument("--cpu-bound-fraction", type=float, default=0.5,
-                    help="a point is CPU-bound when its ideal exceeds this fraction of the pipeline's ceiling; it "
-                         "is repeated at the shortest delay * 2**k whose ideal is at most half that")
+    ap.add_argument(
+        "--ceiling-requests", type=int, default=4000, help="requests for the zero-latency ceiling (0: skip)"
+    )
+    ap.add_argument(
+        "--cpu-bound-fraction",
+        type=float,
+        default=0.5,
+        help="a point is CPU-bound when its ideal exceeds this fraction of the pipeline's ceiling; it "
+        "is repeated at the shortest delay * 2**k whose ideal is at most half that",
+    )
     ap.add_argument("--no-fallback", action="store_true", help="do not repeat CPU-bound points at a longer delay")
     ap.add_argument("--clients", default="pipeline,naive", help="which clients to measure")
-    ap.add_argument("--client-processes", type=int, default=1,
-                    help="pipeline: generation.client_processes (client processes for the one shard; their CPU is "
-                         "counted in the client CPU)")
+    ap.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        help="pipeline: generation.client_processes (client processes for the one shard; their CPU is "
+        "counted in the client CPU)",
+    )
     ap.add_argument("--timeout-s", type=float, default=120.0, help="per-request timeout")
-    ap.add_argument("--measure-timeout-s", type=float, default=0.0,
-                    help="wall-clock limit per measurement (default 60 s + 3x its ideal duration)")
+    ap.add_argument(
+        "--measure-timeout-s",
+        type=float,
+        default=0.0,
+        help="wall-clock limit per measurement (default 60 s + 3x its ideal duration)",
+    )
     ap.add_argument("--child", choices=["pipeline", "naive"], help=argparse.SUPPRESS)
     ap.add_argument("--urls", help=argparse.SUPPRESS)
     ap.add_argument("--conc", type=int, help=argparse.SUPPRESS)
@@ -297,11 +371,15 @@ def main(argv=None) -> int:
         return child(args)
 
     if args.grid is None:
-        args.grid = f"{args.endpoints}x{args.concurrency}" if args.endpoints and args.concurrency else "1x64,2x128,4x256"
+        args.grid = (
+            f"{args.endpoints}x{args.concurrency}" if args.endpoints and args.concurrency else "1x64,2x128,4x256"
+        )
     grid = parse_grid(args.grid, args.delay_s)
     kinds = [k for k in args.clients.split(",") if k]
-    print(f"{os.cpu_count()} CPUs, load {load()} (1/5/15 min); per-request timeout {args.timeout_s:g} s; "
-          f"pipeline client processes {args.client_processes}")
+    print(
+        f"{os.cpu_count()} CPUs, load {load()} (1/5/15 min); per-request timeout {args.timeout_s:g} s; "
+        f"pipeline client processes {args.client_processes}"
+    )
 
     ceiling = None
     with tempfile.TemporaryDirectory() as d:
@@ -317,9 +395,11 @@ def main(argv=None) -> int:
                 if "timeout" in r:
                     print(f"  {k:9s} timeout")
                     continue
-                print(f"  {k:9s} {r['requests'] / r['wall']:7.1f} req/s, client CPU {1000 * r['cpu'] / r['requests']:.2f} s per 1k req "
-                      f"({100 * r['cpu'] / r['wall']:.0f}% of a core), "
-                      f"server CPU {1000 * r['server_cpu'] / r['requests']:.2f} s per 1k req, errors {r['errors']}")
+                print(
+                    f"  {k:9s} {r['requests'] / r['wall']:7.1f} req/s, client CPU {1000 * r['cpu'] / r['requests']:.2f} s per 1k req "
+                    f"({100 * r['cpu'] / r['wall']:.0f}% of a core), "
+                    f"server CPU {1000 * r['server_cpu'] / r['requests']:.2f} s per 1k req, errors {r['errors']}"
+                )
             if "pipeline" in res and "timeout" not in res["pipeline"]:
                 ceiling = res["pipeline"]["requests"] / res["pipeline"]["wall"]
             if len(res) == 2 and all("timeout" not in r for r in res.values()):
@@ -331,17 +411,26 @@ def main(argv=None) -> int:
             ideal = n_ep * conc / delay
             if ceiling and ideal > args.cpu_bound_fraction * ceiling and not args.no_fallback:
                 k = 1
-                while n_ep * conc / (delay * 2 ** k) > args.cpu_bound_fraction / 2 * ceiling:
+                while n_ep * conc / (delay * 2**k) > args.cpu_bound_fraction / 2 * ceiling:
                     k += 1
-                points.append((n_ep, conc, delay * 2 ** k))
+                points.append((n_ep, conc, delay * 2**k))
 
         hdr = f"{'N x C':>8s} {'delay':>5s} {'ideal':>6s} {'limit':>5s} {'req':>6s} |"
         sub = "  req/s %ideal steady CPU/1k"
         print()
-        print(hdr + "".join(f" {k + ':':<28s} |" for k in kinds) + (" gain vs naive  |" if len(kinds) == 2 else "")
-              + " server CPU/1k")
-        print(" " * len(hdr) + "".join(f" {sub} |" for _ in kinds) + ("  req/s CPU/req |" if len(kinds) == 2 else "")
-              + " " + "/".join(kinds))
+        print(
+            hdr
+            + "".join(f" {k + ':':<28s} |" for k in kinds)
+            + (" gain vs naive  |" if len(kinds) == 2 else "")
+            + " server CPU/1k"
+        )
+        print(
+            " " * len(hdr)
+            + "".join(f" {sub} |" for _ in kinds)
+            + ("  req/s CPU/req |" if len(kinds) == 2 else "")
+            + " "
+            + "/".join(kinds)
+        )
         for n_ep, conc, delay in points:
             ideal = n_ep * conc / delay
             n = args.requests or min(args.waves * n_ep * conc, args.max_requests)
@@ -361,14 +450,18 @@ def main(argv=None) -> int:
                 row += f" {'-':>15s} |"
             srv = [f"{1000 * r['server_cpu'] / r['requests']:.2f}" if "timeout" not in r else "-" for r in res.values()]
             print(row + " " + "/".join(srv) + f"   (load {load()})", flush=True)
-    print("\nreq/s: requests / wall (ramp-up and drain included); %ideal: of N*C/delay; steady: N*C / mean client "
-          "latency after the first two waves, % of ideal; CPU/1k: client CPU s per 1,000 requests; gain vs naive: "
-          "requests/s pipeline / naive and CPU per request naive / pipeline (above 1 = the pipeline is better).")
+    print(
+        "\nreq/s: requests / wall (ramp-up and drain included); %ideal: of N*C/delay; steady: N*C / mean client "
+        "latency after the first two waves, % of ideal; CPU/1k: client CPU s per 1,000 requests; gain vs naive: "
+        "requests/s pipeline / naive and CPU per request naive / pipeline (above 1 = the pipeline is better)."
+    )
     if ceiling:
-        print(f"limit: 'CPU' = ideal above {args.cpu_bound_fraction:g} x the pipeline's zero-latency ceiling "
-              f"({ceiling:.0f} req/s, where its event loop fills one core): the client's core, shared with the servers "
-              f"on this box, bounds that point, not the delay (compare req/s with the ceiling); 'delay' = ideal below "
-              f"that, so %ideal measures the client's overhead.")
+        print(
+            f"limit: 'CPU' = ideal above {args.cpu_bound_fraction:g} x the pipeline's zero-latency ceiling "
+            f"({ceiling:.0f} req/s, where its event loop fills one core): the client's core, shared with the servers "
+            f"on this box, bounds that point, not the delay (compare req/s with the ceiling); 'delay' = ideal below "
+            f"that, so %ideal measures the client's overhead."
+        )
     return 0
 
 

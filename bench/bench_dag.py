@@ -101,8 +101,10 @@ rule tok:
 """
 
 #: Conversations the untrained target's tokenizer is fitted on (GSM8K-style lines; `demo.load_corpus`).
-CORPUS = [{"question": f"What is {i} plus {i + 1}?", "answer": f"{i} + {i + 1} = {2 * i + 1}\n#### {2 * i + 1}"}
-          for i in range(64)]
+CORPUS = [
+    {"question": f"What is {i} plus {i + 1}?", "answer": f"{i} + {i + 1} = {2 * i + 1}\n#### {2 * i + 1}"}
+    for i in range(64)
+]
 
 
 def timed(cmd, cwd, env=None) -> tuple[float, float]:
@@ -124,8 +126,10 @@ def untrained_demo_target(out: Path) -> Path:
     a child process (torch stays out of this one)."""
     corpus = out.parent / "corpus.jsonl"
     corpus.write_text("".join(json.dumps(r) + "\n" for r in CORPUS))
-    code = ("import sys; from dflash_pipeline.demo import build_demo_target; "
-            "build_demo_target(sys.argv[1], [sys.argv[2]], train_steps=0, vocab_size=300, log=None)")
+    code = (
+        "import sys; from dflash_pipeline.demo import build_demo_target; "
+        "build_demo_target(sys.argv[1], [sys.argv[2]], train_steps=0, vocab_size=300, log=None)"
+    )
     timed([sys.executable, "-c", code, str(out), str(corpus)], out.parent, env=src_env())
     return out
 
@@ -176,15 +180,35 @@ def measure(n: int, target: Path | None, tmp: Path) -> dict[str, float]:
     work.mkdir(parents=True)
     target = target or untrained_demo_target(tmp / "target")
     config = our_workdir(work, n, target.resolve())
-    out = {"ours": timed([sys.executable, "-m", "snakemake", "-n", "--quiet", "-s", str(REPO / "Snakefile"), "-d",
-                          str(work), "--configfile", str(config), "--cores", "2"], work, env=src_env())}
+    out = {
+        "ours": timed(
+            [
+                sys.executable,
+                "-m",
+                "snakemake",
+                "-n",
+                "--quiet",
+                "-s",
+                str(REPO / "Snakefile"),
+                "-d",
+                str(work),
+                "--configfile",
+                str(config),
+                "--cores",
+                "2",
+            ],
+            work,
+            env=src_env(),
+        )
+    }
     triv = tmp / "trivial"
     (triv / "prompts").mkdir(parents=True)
     for i in range(n):
         (triv / "prompts" / f"{i:05d}.txt").touch()
     (triv / "Snakefile").write_text(TRIVIAL)
-    out["trivial"] = timed([sys.executable, "-m", "snakemake", "-n", "--quiet", "--cores", "2", "--config",
-                            f"nshards={n}"], triv)
+    out["trivial"] = timed(
+        [sys.executable, "-m", "snakemake", "-n", "--quiet", "--cores", "2", "--config", f"nshards={n}"], triv
+    )
     same_directives_workdir(tmp / "same", n)
     out["same"] = timed([sys.executable, "-m", "snakemake", "-n", "--quiet", "--cores", "2"], tmp / "same")
     return out
@@ -200,13 +224,20 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         t = measure(n, a.target, Path(tmp))
     (ours, ours_cpu), (base, base_cpu), (same, same_cpu) = t["ours"], t["trivial"], t["same"]
-    print(f"dry run over {n:,} shards (2 jobs each, {2 * n:,} in all): ours {ours:.1f} s, trivial Snakefile {base:.1f} s, "
-          f"ratio {ours / base:.2f}x")
-    print(f"same directives per job, nothing of ours: {same:.1f} s; ours / it {ours / same:.2f}x (our rules' code), "
-          f"it / trivial {same / base:.2f}x (Snakemake's cost of what the jobs declare)")
-    print(f"CPU seconds (user + system): ours {ours_cpu:.1f}, trivial {base_cpu:.1f}, same directives {same_cpu:.1f}; "
-          f"ratio {ours_cpu / base_cpu:.2f}x, ours / same {ours_cpu / same_cpu:.2f}x, same / trivial "
-          f"{same_cpu / base_cpu:.2f}x")
+    print(
+        f"dry run over {n:,} shards (2 jobs each, {2 * n:,} in all): ours {ours:.1f} s, trivial Snakefile {base:.1f} s, "
+        f"ratio {ours / base:.2f}x"
+    )
+    print(
+        f"same directives per job, nothing of ours: {same:.1f} s; ours / it {ours / same:.2f}x (our rules' code), "
+        f"it / trivial {same / base:.2f}x (Snakemake's cost of what the jobs declare)"
+    )
+    print(
+        f"CPU seconds (user + system): ours {ours_cpu:.1f}, trivial {base_cpu:.1f}, same directives {same_cpu:.1f}; "
+        f"ratio {ours_cpu / base_cpu:.2f}x, ours / same {ours_cpu / same_cpu:.2f}x, same / trivial "
+        f"{same_cpu / base_cpu:.2f}x"
+    )
+
 
 if __name__ == "__main__":
     main()

@@ -36,14 +36,24 @@ def make_target(root: Path, hidden: int, head_dim: int | None = None) -> Path:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
-                      num_attention_heads=hidden // (head_dim or hidden // 4), num_key_value_heads=2, head_dim=head_dim or hidden // 4, max_position_embeddings=4096,
-                      tie_word_embeddings=True)
+    cfg = Qwen3Config(
+        vocab_size=512,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=4,
+        num_attention_heads=hidden // (head_dim or hidden // 4),
+        num_key_value_heads=2,
+        head_dim=head_dim or hidden // 4,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
     Qwen3ForCausalLM(cfg).save_pretrained(root / "target")
     return root / "target"
 
 
-def make_shards(root: Path, records: int, seq: int, hidden: int, layers=(1, 2), per_shard: int = 10000) -> tuple[list, list]:
+def make_shards(
+    root: Path, records: int, seq: int, hidden: int, layers=(1, 2), per_shard: int = 10000
+) -> tuple[list, list]:
     """Token shards + matching feature shards with random features (what extraction would write)."""
     import torch
 
@@ -64,18 +74,28 @@ def make_shards(root: Path, records: int, seq: int, hidden: int, layers=(1, 2), 
         pos = np.arange(int(off[-1])) - np.repeat(off[:-1], lengths)
         flat_mask = (pos >= np.repeat(lengths // 2, lengths)).astype(np.uint8)
         nl = (lengths - lengths // 2).astype(np.int32)
-        table = pa.table({
-            "prompt_id": pa.array([f"{s + i}" for i in range(n)]),
-            "input_ids": pa.ListArray.from_arrays(pa.array(off), pa.array(flat_ids)),
-            "loss_mask": pa.ListArray.from_arrays(pa.array(off), pa.array(flat_mask)),
-            "num_tokens": pa.array(lengths.astype(np.int32)), "num_loss_tokens": pa.array(nl),
-            "truncated": pa.array(np.zeros(n, bool)), "turn": pa.array(np.zeros(n, np.int32)),
-        }).cast(TOKEN_SCHEMA)
+        table = pa.table(
+            {
+                "prompt_id": pa.array([f"{s + i}" for i in range(n)]),
+                "input_ids": pa.ListArray.from_arrays(pa.array(off), pa.array(flat_ids)),
+                "loss_mask": pa.ListArray.from_arrays(pa.array(off), pa.array(flat_mask)),
+                "num_tokens": pa.array(lengths.astype(np.int32)),
+                "num_loss_tokens": pa.array(nl),
+                "truncated": pa.array(np.zeros(n, bool)),
+                "turn": pa.array(np.zeros(n, np.int32)),
+            }
+        ).cast(TOKEN_SCHEMA)
         tp = root / f"tokens-{s:07d}.parquet"
         write_parquet(tp, table)
         ids, mask, lengths = read_token_arrays(tp)
-        meta = {"schema_version": FEATURE_SCHEMA_VERSION, "token_shard": tp.name, "token_shard_sha256": sha256_file(tp),
-                "target_layer_ids": list(layers), "hidden_size": hidden, "dtype": "bfloat16"}
+        meta = {
+            "schema_version": FEATURE_SCHEMA_VERSION,
+            "token_shard": tp.name,
+            "token_shard_sha256": sha256_file(tp),
+            "target_layer_ids": list(layers),
+            "hidden_size": hidden,
+            "dtype": "bfloat16",
+        }
         fp = root / f"features-{s:07d}.safetensors"
         w = FeatureShardWriter(fp, FeatureLayout(lengths, len(layers), hidden, "bfloat16", False, meta), ids, mask)
         g = torch.Generator().manual_seed(s)
@@ -119,8 +139,14 @@ def child(mode: str, spec: dict) -> None:
     else:
         from dflash_pipeline.train.run import train
 
-        s = train(token_shards=spec["tokens"], feature_shards=spec["features"], probe=spec["probe"], target_dir=spec["target"],
-                  out_dir=spec["out"], cfg=spec["cfg"])
+        s = train(
+            token_shards=spec["tokens"],
+            feature_shards=spec["features"],
+            probe=spec["probe"],
+            target_dir=spec["target"],
+            out_dir=spec["out"],
+            cfg=spec["cfg"],
+        )
         out["records"] = s["records"]
     out["peak_rss_mib"] = peak_rss_mib()
     print("RESULT " + json.dumps(out), flush=True)
@@ -139,8 +165,12 @@ def run_child(mode: str, spec: dict) -> dict:
 
 def bench_rss(root: Path, base_records: int, seq: int, hidden: int, steps: int, mults=(1, 10, 100)) -> None:
     target = make_target(root, hidden)
-    probe = {"hidden_size": hidden, "num_hidden_layers": 4, "tie_word_embeddings": True,
-             "drafter": {"block_size": 4, "num_draft_layers": 1, "target_layer_ids": [1, 2], "mask_token_id": 511}}
+    probe = {
+        "hidden_size": hidden,
+        "num_hidden_layers": 4,
+        "tie_word_embeddings": True,
+        "drafter": {"block_size": 4, "num_draft_layers": 1, "target_layer_ids": [1, 2], "mask_token_id": 511},
+    }
     rows = []
     for mult in mults:
         d = root / f"x{mult}"
@@ -148,11 +178,31 @@ def bench_rss(root: Path, base_records: int, seq: int, hidden: int, steps: int, 
         t0 = time.time()
         toks, feats = make_shards(d, base_records * mult, seq, hidden)
         gb = sum(Path(f).stat().st_size for f in feats) / 1e9
-        cfg = {"num_processes": 1, "epochs": steps * 4 / (base_records * mult), "batch_size": 4, "learning_rate": 1e-3,
-               "warmup_ratio": 0.0, "weight_decay": 0.0, "max_grad_norm": 1.0, "num_anchors": 8, "loss_gamma": None,
-               "mixed_precision": "no", "seed": 0, "save_every_steps": 10**9, "log_every_steps": 10**9,
-               "trace_batches": False, "target_features": "shards"}
-        spec = {"tokens": toks, "features": feats, "probe": probe, "target": str(target), "out": str(d / "run"), "cfg": cfg}
+        cfg = {
+            "num_processes": 1,
+            "epochs": steps * 4 / (base_records * mult),
+            "batch_size": 4,
+            "learning_rate": 1e-3,
+            "warmup_ratio": 0.0,
+            "weight_decay": 0.0,
+            "max_grad_norm": 1.0,
+            "num_anchors": 8,
+            "loss_gamma": None,
+            "mixed_precision": "no",
+            "seed": 0,
+            "save_every_steps": 10**9,
+            "log_every_steps": 10**9,
+            "trace_batches": False,
+            "target_features": "shards",
+        }
+        spec = {
+            "tokens": toks,
+            "features": feats,
+            "probe": probe,
+            "target": str(target),
+            "out": str(d / "run"),
+            "cfg": cfg,
+        }
         r = {"x": mult, "records": base_records * mult, "feature_GB": gb, "write_s": time.time() - t0}
         r["train_shards_MiB"] = run_child("train", spec)["peak_rss_mib"]
         r["scan_all_MiB"] = run_child("scan", spec)["peak_rss_mib"]
@@ -175,22 +225,55 @@ def bench_extract(root: Path, records: int, seq: int, skip_vllm: bool) -> None:
     toks, _ = make_shards(root / "ex", records, seq, 128, per_shard=records)
     tok = toks[0]
     cfg = {"backend": "hf", "dtype": "bfloat16", "last_hidden": False, "chunk_tokens": 32768}
-    res = {"hf": extract_shard(tok, root / "ex/hf.safetensors", target_dir=target, target_layer_ids=[1, 2], hidden_size=128,
-                               num_hidden_layers=4, backend="hf")}
+    res = {
+        "hf": extract_shard(
+            tok,
+            root / "ex/hf.safetensors",
+            target_dir=target,
+            target_layer_ids=[1, 2],
+            hidden_size=128,
+            num_hidden_layers=4,
+            backend="hf",
+        )
+    }
     py = find_vllm_python()
     if not skip_vllm and py:
         probe = root / "ex/probe.json"
-        probe.write_text(json.dumps({"hidden_size": 128, "num_hidden_layers": 4, "drafter": {"target_layer_ids": [1, 2]}}))
+        probe.write_text(
+            json.dumps({"hidden_size": 128, "num_hidden_layers": 4, "drafter": {"target_layer_ids": [1, 2]}})
+        )
         stats = root / "ex/vllm.json"
         env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        subprocess.run([py, "-m", "dflash_pipeline.features", "extract", "--probe", str(probe), "--target", str(target),
-                        "--token-shard", tok, "--out", str(root / "ex/vllm.safetensors"), "--stats", str(stats),
-                        "--features-config", json.dumps(dict(cfg, backend="vllm"))], check=True, env=env,
-                       stdout=open(root / "ex/vllm.log", "w"), stderr=subprocess.STDOUT)
+        subprocess.run(
+            [
+                py,
+                "-m",
+                "dflash_pipeline.features",
+                "extract",
+                "--probe",
+                str(probe),
+                "--target",
+                str(target),
+                "--token-shard",
+                tok,
+                "--out",
+                str(root / "ex/vllm.safetensors"),
+                "--stats",
+                str(stats),
+                "--features-config",
+                json.dumps(dict(cfg, backend="vllm")),
+            ],
+            check=True,
+            env=env,
+            stdout=open(root / "ex/vllm.log", "w"),
+            stderr=subprocess.STDOUT,
+        )
         res["vllm"] = json.loads(stats.read_text())
     print(f"\nextraction on {res['hf']['tokens']} tokens ({records} records), tiny target, CPU:")
     for k, v in res.items():
-        print(f"  {k:5s} {v['tokens_per_s']:9.0f} tokens/s  ({v['extract_seconds']:.1f} s compute, {v['seconds']:.1f} s in all)")
+        print(
+            f"  {k:5s} {v['tokens_per_s']:9.0f} tokens/s  ({v['extract_seconds']:.1f} s compute, {v['seconds']:.1f} s in all)"
+        )
     if "vllm" in res:
         print(f"  ratio vllm / hf: {res['vllm']['tokens_per_s'] / res['hf']['tokens_per_s']:.2f}")
 

@@ -57,7 +57,10 @@ def generate(path: Path, n: int, seed: int = 0, words: list[str] | None = None) 
             text = f"[{j}] " + " ".join(random.Random(j).choices(words, k=150))
             kind = j % 3
             if kind == 0:
-                rec = {"id": j, "conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": "ok " * 20}]}
+                rec = {
+                    "id": j,
+                    "conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": "ok " * 20}],
+                }
             elif kind == 1:
                 rec = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]}
             else:
@@ -112,8 +115,10 @@ def main() -> None:
     ap.add_argument("--records", type=int, default=200_000)
     ap.add_argument("--shard-size", type=int, default=4096)
     ap.add_argument("--no-baseline", action="store_true", help="skip the load-everything baseline")
-    ap.add_argument("--languages", help="comma-separated allow-list, e.g. en: English-word source, streaming "
-                    "without and with the language filter")
+    ap.add_argument(
+        "--languages",
+        help="comma-separated allow-list, e.g. en: English-word source, streaming without and with the language filter",
+    )
     ap.add_argument("--child", nargs=3, metavar=("MODE", "SRC", "OUT"), help=argparse.SUPPRESS)
     ap.add_argument("--smoke", action="store_true", help=f"tiny sizes (seconds), for the suite's smoke test: {SMOKE}")
     args = ap.parse_args()
@@ -128,26 +133,46 @@ def main() -> None:
         t0 = time.perf_counter()
         generate(src, args.records, words=english_words() if args.languages else None)
         size_mib = src.stat().st_size / 2**20
-        print(f"source: {args.records} records, {size_mib:.0f} MiB jsonl (generated in {time.perf_counter() - t0:.1f} s)")
+        print(
+            f"source: {args.records} records, {size_mib:.0f} MiB jsonl (generated in {time.perf_counter() - t0:.1f} s)"
+        )
         results = {}
-        modes = ("streaming",) + (("streaming+lang",) if args.languages else ()) + (() if args.no_baseline else ("naive",))
+        modes = (
+            ("streaming",) + (("streaming+lang",) if args.languages else ()) + (() if args.no_baseline else ("naive",))
+        )
         for mode in modes:
-            cmd = [sys.executable, __file__, "--shard-size", str(args.shard_size), "--child", mode, str(src),
-                   str(Path(tmp) / f"out-{mode}")] + (["--languages", args.languages] if args.languages else [])
-            res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+            cmd = [
+                sys.executable,
+                __file__,
+                "--shard-size",
+                str(args.shard_size),
+                "--child",
+                mode,
+                str(src),
+                str(Path(tmp) / f"out-{mode}"),
+            ] + (["--languages", args.languages] if args.languages else [])
+            res = json.loads(
+                subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+            )
             results[mode] = res
             rate = args.records / res["seconds"]
-            print(f"{mode:>14}: {rate:,.0f} prompts/s ({res['seconds']:.1f} s, {res['kept']} kept in {res['shards']} shards), "
-                  f"peak RSS {res['peak_rss_mib']:.0f} MiB")
+            print(
+                f"{mode:>14}: {rate:,.0f} prompts/s ({res['seconds']:.1f} s, {res['kept']} kept in {res['shards']} shards), "
+                f"peak RSS {res['peak_rss_mib']:.0f} MiB"
+            )
         if args.languages:
             s, lang = results["streaming"], results["streaming+lang"]
-            print(f"language filter ({args.languages}): time x{lang['seconds'] / s['seconds']:.2f}, "
-                  f"{(lang['seconds'] - s['seconds']) / args.records * 1e6:.0f} µs per prompt")
+            print(
+                f"language filter ({args.languages}): time x{lang['seconds'] / s['seconds']:.2f}, "
+                f"{(lang['seconds'] - s['seconds']) / args.records * 1e6:.0f} µs per prompt"
+            )
         if args.no_baseline:
             return
         s, n = results["streaming"], results["naive"]
-        print(f"ratio streaming/naive: speed x{n['seconds'] / s['seconds']:.2f}, "
-              f"peak RSS x{s['peak_rss_mib'] / n['peak_rss_mib']:.2f}")
+        print(
+            f"ratio streaming/naive: speed x{n['seconds'] / s['seconds']:.2f}, "
+            f"peak RSS x{s['peak_rss_mib'] / n['peak_rss_mib']:.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -39,9 +39,7 @@ TRAIN = {
 }
 
 
-def make_data(
-    root: Path, records: int, seq: int, hidden: int
-) -> tuple[Path, list[Path], list[Path], dict]:
+def make_data(root: Path, records: int, seq: int, hidden: int) -> tuple[Path, list[Path], list[Path], dict]:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -122,13 +120,8 @@ def child(spec_path: str) -> None:
         cfg=dict(TRAIN, target_features=spec["mode"]),
         stream=spec.get("stream"),
     )
-    log = [
-        json.loads(x)
-        for x in (Path(spec["out"]) / "train_log.jsonl").read_text().splitlines()
-    ]
-    tps = [r["tokens_per_s"] for r in log[1:]] or [
-        log[0]["tokens_per_s"]
-    ]  # the first window pays the warm-up
+    log = [json.loads(x) for x in (Path(spec["out"]) / "train_log.jsonl").read_text().splitlines()]
+    tps = [r["tokens_per_s"] for r in log[1:]] or [log[0]["tokens_per_s"]]  # the first window pays the warm-up
     st = s.get("stream") or {}
     print(
         "RESULT "
@@ -137,17 +130,14 @@ def child(spec_path: str) -> None:
                 "tokens_per_s": float(np.median(tps)),
                 "wait_fraction": st.get("wait_fraction"),
                 "peak_scratch_bytes": st.get("peak_scratch_bytes"),
-                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-                / 1024,
+                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             }
         ),
         flush=True,
     )
 
 
-def start_servers(
-    target: Path, root: Path, n: int, vllm: bool, hidden: int
-) -> tuple[list, list[dict]]:
+def start_servers(target: Path, root: Path, n: int, vllm: bool, hidden: int) -> tuple[list, list[dict]]:
     from dflash_pipeline.features.colocate import start_servers as start
 
     probe = {
@@ -161,9 +151,7 @@ def start_servers(
         "scratch_dir": str(root / "scratch"),
         "max_len": 1024,
         "vllm": {
-            "python": os.environ.get(
-                "DFLASH_VLLM_PYTHON", str(REPO / ".venv-vllm/bin/python")
-            ),
+            "python": os.environ.get("DFLASH_VLLM_PYTHON", str(REPO / ".venv-vllm/bin/python")),
             "engine_args": {},
         },
     }
@@ -196,26 +184,18 @@ def run(mode: str, root: Path, target, tokens, feats, probe, stream=None) -> dic
     )
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if proc.returncode or line is None:
-        raise RuntimeError(
-            f"{mode} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-        )
+        raise RuntimeError(f"{mode} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return json.loads(line[7:])
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--records", type=int, default=200, help="base record count (1x)")
     p.add_argument("--seq", type=int, default=256, help="longest record (tokens)")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--servers", type=int, default=1)
-    p.add_argument(
-        "--vllm", action="store_true", help="one vLLM CPU server instead of hf servers"
-    )
-    p.add_argument(
-        "--smoke", action="store_true", help="tiny: 40 records of <= 64 tokens, 1x only"
-    )
+    p.add_argument("--vllm", action="store_true", help="one vLLM CPU server instead of hf servers")
+    p.add_argument("--smoke", action="store_true", help="tiny: 40 records of <= 64 tokens, 1x only")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
@@ -231,9 +211,7 @@ def main(argv=None) -> int:
         rows = {}
         data = {s: make_data(root, a.records * s, a.seq, a.hidden) for s in scales}
         target = data[1][0]
-        procs, eps = start_servers(
-            target, root, 1 if a.vllm else a.servers, a.vllm, a.hidden
-        )
+        procs, eps = start_servers(target, root, 1 if a.vllm else a.servers, a.vllm, a.hidden)
         try:
             for s in scales:
                 _, tokens, feats, probe = data[s]
@@ -250,18 +228,10 @@ def main(argv=None) -> int:
         finally:
             stop(procs)
     server = "1 vLLM CPU server" if a.vllm else f"{a.servers} hf server(s)"
-    print(
-        f"\nstream vs shards, {a.records} records x <= {a.seq} tokens (1x), hidden {a.hidden}, {server}"
-    )
-    print(
-        f"{'mode':8} {'scale':>5} {'tokens/s':>10} {'wait':>6} {'peak RSS MB':>12} {'peak scratch B':>15}"
-    )
+    print(f"\nstream vs shards, {a.records} records x <= {a.seq} tokens (1x), hidden {a.hidden}, {server}")
+    print(f"{'mode':8} {'scale':>5} {'tokens/s':>10} {'wait':>6} {'peak RSS MB':>12} {'peak scratch B':>15}")
     for (mode, s), r in rows.items():
-        wait = (
-            f"{100 * r['wait_fraction']:.0f}%"
-            if r["wait_fraction"] is not None
-            else "-"
-        )
+        wait = f"{100 * r['wait_fraction']:.0f}%" if r["wait_fraction"] is not None else "-"
         print(
             f"{mode:8} {s:>4}x {r['tokens_per_s']:>10.0f} {wait:>6} {r['peak_rss_mb']:>12.0f} "
             f"{r['peak_scratch_bytes'] if r['peak_scratch_bytes'] is not None else '-':>15}"

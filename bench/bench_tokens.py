@@ -78,12 +78,19 @@ def completion_records(convs: list[list[dict]], thinking: str) -> list[dict]:
     recs = []
     for i, msgs in enumerate(convs):
         n = sum(m["role"] == "assistant" for m in msgs)
-        recs.append({
-            "prompt_id": f"p{i}", "dataset": "bench",
-            "messages": [dict(m, reasoning_content=None) for m in msgs],
-            "turns": [{"finish_reason": "stop"} for _ in range(n)],
-            "model": "bench", "sampling": "{}", "thinking": thinking, "status": "ok", "error": None,
-        })
+        recs.append(
+            {
+                "prompt_id": f"p{i}",
+                "dataset": "bench",
+                "messages": [dict(m, reasoning_content=None) for m in msgs],
+                "turns": [{"finish_reason": "stop"} for _ in range(n)],
+                "model": "bench",
+                "sampling": "{}",
+                "thinking": thinking,
+                "status": "ok",
+                "error": None,
+            }
+        )
     return recs
 
 
@@ -96,10 +103,16 @@ def naive(tokenizer, records, max_length: int) -> tuple[int, int]:
             if m["role"] != "assistant":
                 continue
             kw = chat.template_kwargs(rec["thinking"])
-            p = tokenizer.apply_chat_template(chat.template_messages(msgs[:i]), tokenize=True, return_dict=False,
-                                              add_generation_prompt=True, **kw)
-            q = tokenizer.apply_chat_template(chat.template_messages(msgs[: i + 1]), tokenize=True, return_dict=False,
-                                              add_generation_prompt=False, **kw)
+            p = tokenizer.apply_chat_template(
+                chat.template_messages(msgs[:i]), tokenize=True, return_dict=False, add_generation_prompt=True, **kw
+            )
+            q = tokenizer.apply_chat_template(
+                chat.template_messages(msgs[: i + 1]),
+                tokenize=True,
+                return_dict=False,
+                add_generation_prompt=False,
+                **kw,
+            )
             if q[: len(p)] != p:
                 continue
             mask = [0] * len(p) + [1] * (len(q) - len(p) - 1) + [0]  # trailing "\n" after <|im_end|>
@@ -142,8 +155,13 @@ def server_id_records(tok, records: list[dict]) -> list[dict]:
     out = []
     for rec in records:
         msgs = chat.template_messages(rec["messages"])
-        p = tok.apply_chat_template(msgs[:-1], tokenize=True, return_dict=False, add_generation_prompt=True,
-                                    **chat.template_kwargs(rec["thinking"]))
+        p = tok.apply_chat_template(
+            msgs[:-1],
+            tokenize=True,
+            return_dict=False,
+            add_generation_prompt=True,
+            **chat.template_kwargs(rec["thinking"]),
+        )
         o = tok.encode(msgs[-1]["content"], add_special_tokens=False) + [eot]
         out.append({**rec, "turns": [{"finish_reason": "stop", "prompt_token_ids": p, "output_token_ids": o}]})
     return out
@@ -161,19 +179,31 @@ def measure(tok, records: list[dict], max_length: int, use_server_token_ids: boo
     t = time.perf_counter()
     naive_tokens, naive_loss = naive(tok, records, max_length)
     naive_s = time.perf_counter() - t
-    return {"fast_s": fast_s, "fast_tokens": sum(r["num_tokens"] for r in out), "stats": stats,
-            "naive_s": naive_s, "naive_tokens": naive_tokens, "naive_loss": naive_loss}
+    return {
+        "fast_s": fast_s,
+        "fast_tokens": sum(r["num_tokens"] for r in out),
+        "stats": stats,
+        "naive_s": naive_s,
+        "naive_tokens": naive_tokens,
+        "naive_loss": naive_loss,
+    }
 
 
 def report(m: dict, n_records: int) -> None:
     st = m["stats"]
-    print(f"  tokens.tokenize_records: {m['fast_tokens']:,} tokens ({st['num_loss_tokens']:,} supervised, "
-          f"{st['records_out']} sequences) in {m['fast_s']:.2f} s = {m['fast_tokens'] / m['fast_s']:,.0f} tokens/s/core")
-    print(f"  naive per-turn re-render + re-encode: {m['naive_tokens']:,} tokens ({m['naive_loss']:,} supervised) in "
-          f"{m['naive_s']:.2f} s = {m['naive_tokens'] / m['naive_s']:,.0f} tokens/s/core")
-    print(f"  speedup: {(m['fast_tokens'] / m['fast_s']) / (m['naive_tokens'] / m['naive_s']):.2f}x tokens/s; "
-          f"{m['naive_s'] / m['fast_s']:.2f}x conversations/s ({n_records / m['fast_s']:,.0f} vs "
-          f"{n_records / m['naive_s']:,.0f})")
+    print(
+        f"  tokens.tokenize_records: {m['fast_tokens']:,} tokens ({st['num_loss_tokens']:,} supervised, "
+        f"{st['records_out']} sequences) in {m['fast_s']:.2f} s = {m['fast_tokens'] / m['fast_s']:,.0f} tokens/s/core"
+    )
+    print(
+        f"  naive per-turn re-render + re-encode: {m['naive_tokens']:,} tokens ({m['naive_loss']:,} supervised) in "
+        f"{m['naive_s']:.2f} s = {m['naive_tokens'] / m['naive_s']:,.0f} tokens/s/core"
+    )
+    print(
+        f"  speedup: {(m['fast_tokens'] / m['fast_s']) / (m['naive_tokens'] / m['naive_s']):.2f}x tokens/s; "
+        f"{m['naive_s'] / m['fast_s']:.2f}x conversations/s ({n_records / m['fast_s']:,.0f} vs "
+        f"{n_records / m['naive_s']:,.0f})"
+    )
 
 
 def breakdown(tok, records: list[dict], naive_s: float) -> None:
@@ -196,9 +226,11 @@ def breakdown(tok, records: list[dict], naive_s: float) -> None:
     t = time.perf_counter()
     tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
     encode_s = time.perf_counter() - t
-    print(f"  breakdown: 2 template renders per turn {render_s:.2f} s (sandboxed Jinja, as apply_chat_template), "
-          f"one BPE encode per sequence {encode_s:.2f} s; the naive path pays both as well, so no render-diff "
-          f"implementation can beat it by more than {naive_s / (render_s + encode_s):.2f}x on these records")
+    print(
+        f"  breakdown: 2 template renders per turn {render_s:.2f} s (sandboxed Jinja, as apply_chat_template), "
+        f"one BPE encode per sequence {encode_s:.2f} s; the naive path pays both as well, so no render-diff "
+        f"implementation can beat it by more than {naive_s / (render_s + encode_s):.2f}x on these records"
+    )
 
 
 #: ``--smoke``: a few conversations and a small vocabulary (tests/bench/test_benches.py).
@@ -211,7 +243,9 @@ def main(argv=None) -> int:
     ap.add_argument("--thinking", default="disable", choices=["none", "disable"])
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--max-length", type=int, default=3072)
-    ap.add_argument("--peak-records", type=int, default=0, help="also measure peak RSS for a shard of this many records")
+    ap.add_argument(
+        "--peak-records", type=int, default=0, help="also measure peak RSS for a shard of this many records"
+    )
     ap.add_argument("--smoke", action="store_true", help=f"tiny sizes (seconds), for the suite's smoke test: {SMOKE}")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -224,8 +258,10 @@ def main(argv=None) -> int:
 
     records = completion_records(convs, args.thinking)
     turns = sum(len(r["turns"]) for r in records)
-    print(f"[1] GSM8K + ShareGPT mix, demo Qwen3-style template (rewrites earlier turns): {len(records)} "
-          f"conversations, {turns} assistant turns, thinking={args.thinking}")
+    print(
+        f"[1] GSM8K + ShareGPT mix, demo Qwen3-style template (rewrites earlier turns): {len(records)} "
+        f"conversations, {turns} assistant turns, thinking={args.thinking}"
+    )
     m = measure(tok, records, args.max_length)
     report(m, len(records))
     breakdown(tok, records, m["naive_s"])
@@ -236,16 +272,20 @@ def main(argv=None) -> int:
     tok.chat_template = CHATML_PREFIX_STABLE
     mrecs = completion_records(multi, "none")
     mturns = sum(len(r["turns"]) for r in mrecs)
-    print(f"[2] multi-turn ShareGPT, prefix-stable ChatML template: {len(mrecs)} conversations, {mturns} "
-          f"assistant turns (one sequence per conversation; the naive path re-encodes every turn's prefix)")
+    print(
+        f"[2] multi-turn ShareGPT, prefix-stable ChatML template: {len(mrecs)} conversations, {mturns} "
+        f"assistant turns (one sequence per conversation; the naive path re-encodes every turn's prefix)"
+    )
     mm = measure(tok, mrecs, args.max_length)
     report(mm, len(mrecs))
     tok.chat_template = default_template
 
     single = [r for r in records if len(r["turns"]) == 1]
     with_ids = server_id_records(tok, single)
-    print(f"[3] the single-turn records of [1] carrying server token ids (tokens.use_server_token_ids): "
-          f"{len(with_ids)} conversations")
+    print(
+        f"[3] the single-turn records of [1] carrying server token ids (tokens.use_server_token_ids): "
+        f"{len(with_ids)} conversations"
+    )
     ms = measure(tok, with_ids, args.max_length, use_server_token_ids=True)
     assert ms["stats"]["server_ids_used"] == len(with_ids), ms["stats"]
     report(ms, len(with_ids))
@@ -254,8 +294,10 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory() as tdir:
             tok.save_pretrained(tdir)
             pm = peak_memory(Path(tdir), args.peak_records, args.thinking)
-        print(f"peak memory, tokenize_shard on {args.peak_records:,} records: {pm['peak_rss_mb']:.0f} MiB RSS "
-              f"({pm['records_out']:,} sequences, {pm['num_tokens']:,} tokens, {pm['seconds']:.1f} s)")
+        print(
+            f"peak memory, tokenize_shard on {args.peak_records:,} records: {pm['peak_rss_mb']:.0f} MiB RSS "
+            f"({pm['records_out']:,} sequences, {pm['num_tokens']:,} tokens, {pm['seconds']:.1f} s)"
+        )
     print(f"(this process peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB)")
     return 0
 

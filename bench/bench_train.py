@@ -30,8 +30,17 @@ from dflash_pipeline.train.run import StepContext, training_step
 
 
 #: ``--smoke``: a tiny target and drafter, a few steps of the step mode (tests/bench/test_benches.py).
-SMOKE = {"hidden": 64, "target_layers": 6, "draft_layers": 1, "vocab": 256, "block_size": 4, "num_anchors": 4, "batch": 2,
-         "seq": 32, "steps": 2}
+SMOKE = {
+    "hidden": 64,
+    "target_layers": 6,
+    "draft_layers": 1,
+    "vocab": 256,
+    "block_size": 4,
+    "num_anchors": 4,
+    "batch": 2,
+    "seq": 32,
+    "steps": 2,
+}
 
 
 def main() -> None:
@@ -63,9 +72,16 @@ def main() -> None:
         return packing_main(a)
     dev = torch.device(a.device)
     heads = max(1, a.hidden // 128) if a.hidden >= 1024 else max(1, a.hidden // 32)
-    tcfg = Qwen3Config(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=3 * a.hidden, num_hidden_layers=a.target_layers,
-                       num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), head_dim=a.hidden // heads,
-                       max_position_embeddings=max(4096, a.seq + 64))
+    tcfg = Qwen3Config(
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        intermediate_size=3 * a.hidden,
+        num_hidden_layers=a.target_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 4),
+        head_dim=a.hidden // heads,
+        max_position_embeddings=max(4096, a.seq + 64),
+    )
     torch.manual_seed(0)
     dtype = torch.bfloat16 if a.bf16 else torch.float32
     target = Qwen3ForCausalLM(tcfg).to(dev, dtype).eval().requires_grad_(False)
@@ -73,15 +89,22 @@ def main() -> None:
 
     k = min(5, a.target_layers - 3) if a.target_layers >= 6 else 2
     ids_layers = build_target_layer_ids(a.target_layers, k)
-    dcfg = M.drafter_config_from_target(tcfg, block_size=a.block_size, num_draft_layers=a.draft_layers,
-                                        target_layer_ids=ids_layers, mask_token_id=a.vocab - 1)
+    dcfg = M.drafter_config_from_target(
+        tcfg,
+        block_size=a.block_size,
+        num_draft_layers=a.draft_layers,
+        target_layer_ids=ids_layers,
+        mask_token_id=a.vocab - 1,
+    )
     drafter = M.DFlashDrafter(dcfg).to(dev)  # fp32 master weights
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
     backend = a.backend if a.backend != "auto" else ("flex" if dev.type == "cuda" else "sdpa")
     g = torch.Generator().manual_seed(0)
     batch = {
         "input_ids": torch.randint(0, a.vocab - 2, (a.batch, a.seq), generator=g).to(dev),
-        "loss_mask": torch.cat([torch.zeros(a.batch, a.seq // 2), torch.ones(a.batch, a.seq - a.seq // 2)], 1).to(torch.uint8).to(dev),
+        "loss_mask": torch.cat([torch.zeros(a.batch, a.seq // 2), torch.ones(a.batch, a.seq - a.seq // 2)], 1)
+        .to(torch.uint8)
+        .to(dev),
         "attention_mask": torch.ones(a.batch, a.seq, dtype=torch.long, device=dev),
     }
     probe = {"drafter": {"target_layer_ids": ids_layers, "mask_token_id": a.vocab - 1}}
@@ -91,8 +114,16 @@ def main() -> None:
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
 
-    ctx = StepContext(drafter=drafter, target=target, probe=probe, num_anchors=cfg["num_anchors"], block_size=a.block_size,
-                      gamma=gamma, generator=g, backend=backend)
+    ctx = StepContext(
+        drafter=drafter,
+        target=target,
+        probe=probe,
+        num_anchors=cfg["num_anchors"],
+        block_size=a.block_size,
+        gamma=gamma,
+        generator=g,
+        backend=backend,
+    )
 
     def step():
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.bf16):
@@ -106,7 +137,9 @@ def main() -> None:
             target(input_ids=batch["input_ids"], output_hidden_states=True)
 
     for fn in (step, target_only):  # warm-up (and compile on GPU)
-        fn(); fn(); sync()
+        fn()
+        fn()
+        sync()
     t = time.perf_counter()
     for _ in range(a.steps):
         step()
@@ -122,12 +155,20 @@ def main() -> None:
     n_params = M.count_parameters(drafter)
     # drafter FLOPs ≈ 6 · params · query slots (fwd+bwd) + target 2 · params · tokens (fwd)
     flops = 6 * n_params * slots + 2 * sum(p.numel() for p in target.parameters()) * toks
-    print(f"device={dev} backend={backend} bf16={a.bf16} hidden={a.hidden} draft_layers={a.draft_layers} drafter_params={n_params/1e6:.1f}M")
-    print(f"train step: {dt*1000:.1f} ms  ->  {toks/dt:,.0f} sequence tokens/s, {slots/dt:,.0f} query slots/s, {flops/dt/1e12:.2f} TFLOP/s")
-    print(f"baseline (target forward only): {base*1000:.1f} ms  ->  {toks/base:,.0f} tokens/s;  step/baseline = {dt/base:.1f}x")
+    print(
+        f"device={dev} backend={backend} bf16={a.bf16} hidden={a.hidden} draft_layers={a.draft_layers} drafter_params={n_params / 1e6:.1f}M"
+    )
+    print(
+        f"train step: {dt * 1000:.1f} ms  ->  {toks / dt:,.0f} sequence tokens/s, {slots / dt:,.0f} query slots/s, {flops / dt / 1e12:.2f} TFLOP/s"
+    )
+    print(
+        f"baseline (target forward only): {base * 1000:.1f} ms  ->  {toks / base:,.0f} tokens/s;  step/baseline = {dt / base:.1f}x"
+    )
     if dev.type == "cuda":
-        print(f"peak GPU memory: {torch.cuda.max_memory_allocated()/2**30:.2f} GiB;  MFU vs 989 TFLOP/s bf16 dense (H100/H200): {flops/dt/989e12*100:.1f}%")
-    print(f"peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss/1024:.0f} MiB")
+        print(
+            f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB;  MFU vs 989 TFLOP/s bf16 dense (H100/H200): {flops / dt / 989e12 * 100:.1f}%"
+        )
+    print(f"peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
 
 
 def packing_main(a) -> None:
@@ -148,8 +189,16 @@ def packing_main(a) -> None:
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
     bs = probe["drafter"]["block_size"]
     backend = a.backend if a.backend != "auto" else ("flex" if dev.type == "cuda" else "sdpa")
-    ctx = StepContext(drafter=drafter, target=target, probe=probe, num_anchors=a.num_anchors, block_size=bs,
-                      gamma=M.loss_decay_gamma(bs), generator=torch.Generator().manual_seed(0), backend=backend)
+    ctx = StepContext(
+        drafter=drafter,
+        target=target,
+        probe=probe,
+        num_anchors=a.num_anchors,
+        block_size=bs,
+        gamma=M.loss_decay_gamma(bs),
+        generator=torch.Generator().manual_seed(0),
+        backend=backend,
+    )
     padded = [collate(records[i : i + a.batch]) for i in range(0, len(records), a.batch)]
     rows = P.PackedDataset(records, a.pack_max_tokens or max(len(r[0]) for r in records))
     items = [rows[i] for i in range(len(rows))]
@@ -177,11 +226,17 @@ def packing_main(a) -> None:
         t_pad, t_pack = min(t_pad, one_pass(padded)), min(t_pack, one_pass(packed))
     cells_pad = sum(int(b["input_ids"].numel()) for b in padded)
     cells_pack = sum(int(b["input_ids"].numel()) for b in packed)
-    print(f"records={len(records)} tokens={tokens} batch={a.batch} packed rows/step={pb} row tokens={rows.bins and max(sum(len(records[j][0]) for j in b) for b in rows.bins)} "
-          f"num_anchors={a.num_anchors} device={dev} backend={backend}")
-    print(f"padded : {len(padded)} steps, {t_pad:.1f} s, {tokens / t_pad:,.0f} tokens/s, padding {1 - tokens / cells_pad:.0%}")
-    print(f"packed : {len(packed)} steps, {t_pack:.1f} s, {tokens / t_pack:,.0f} tokens/s, padding {1 - tokens / cells_pack:.0%} "
-          f"({len(records) / len(rows):.1f} records/row)")
+    print(
+        f"records={len(records)} tokens={tokens} batch={a.batch} packed rows/step={pb} row tokens={rows.bins and max(sum(len(records[j][0]) for j in b) for b in rows.bins)} "
+        f"num_anchors={a.num_anchors} device={dev} backend={backend}"
+    )
+    print(
+        f"padded : {len(padded)} steps, {t_pad:.1f} s, {tokens / t_pad:,.0f} tokens/s, padding {1 - tokens / cells_pad:.0%}"
+    )
+    print(
+        f"packed : {len(packed)} steps, {t_pack:.1f} s, {tokens / t_pack:,.0f} tokens/s, padding {1 - tokens / cells_pack:.0%} "
+        f"({len(records) / len(rows):.1f} records/row)"
+    )
     print(f"packed / padded tokens/s = {t_pad / t_pack:.2f}x")
 
 

@@ -45,9 +45,18 @@ def main() -> int:
     cand = torch.randint(0, 151936, (n, steps, k), device=dev, generator=g)
     sampler = CandidateSampler(n, steps, k, dev)
     tokens = torch.zeros(n, steps, dtype=torch.int64, device=dev)
-    sampler.sample(cand, scores, n, torch.arange(1, n * steps + 1, device=dev, dtype=torch.int64),
-                   torch.arange(n, device=dev, dtype=torch.int32).repeat_interleave(steps),
-                   torch.zeros(n, device=dev), torch.zeros(n, dtype=torch.int64, device=dev), tokens, None, False)
+    sampler.sample(
+        cand,
+        scores,
+        n,
+        torch.arange(1, n * steps + 1, device=dev, dtype=torch.int64),
+        torch.arange(n, device=dev, dtype=torch.int32).repeat_interleave(steps),
+        torch.zeros(n, device=dev),
+        torch.zeros(n, dtype=torch.int64, device=dev),
+        tokens,
+        None,
+        False,
+    )
     same = torch.equal(tokens, walk(scores, cand))
     print(f"candidate walk (greedy, {n} requests × {steps} steps, top-{k}): equal {same}")
     return 0 if ok and same else 1

@@ -42,8 +42,11 @@ from dflash_pipeline.core.config import validate_config
 from dflash_pipeline.evaluate.vllm_server import free_port, serve_commands
 
 CONVERSATIONS = [
-    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2 plus 3?"},
-     {"role": "user", "content": "And times 4?"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is 2 plus 3?"},
+        {"role": "user", "content": "And times 4?"},
+    ],
     [{"role": "user", "content": "Natalia sold 48 clips in April and half as many in May. How many in all?"}],
 ]
 
@@ -53,8 +56,18 @@ class SGLang:
 
     def __init__(self, python: str, argv: list[str], log: Path, timeout_s: float = 900):
         self.port = free_port()
-        cmd = [python, "-m", "sglang.launch_server", *argv, "--host", "127.0.0.1", "--port", str(self.port),
-               "--mem-fraction-static", "0.5"]
+        cmd = [
+            python,
+            "-m",
+            "sglang.launch_server",
+            *argv,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--mem-fraction-static",
+            "0.5",
+        ]
         self.log = log
         with open(log, "w", encoding="utf-8") as fh:
             fh.write("$ " + " ".join(cmd) + "\n")
@@ -71,8 +84,9 @@ class SGLang:
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 if time.monotonic() > deadline:
                     self.stop()
-                    raise SystemExit(f"SGLang not ready after {timeout_s:.0f} s; end of {log}:\n"
-                                     f"{log.read_text()[-4000:]}")
+                    raise SystemExit(
+                        f"SGLang not ready after {timeout_s:.0f} s; end of {log}:\n{log.read_text()[-4000:]}"
+                    )
                 time.sleep(1.0)
 
     def stop(self) -> None:
@@ -96,26 +110,41 @@ def completions_in_each_mode(base_url: str, target: Path, work: Path) -> None:
     from dflash_pipeline.tokens import tokenize_shard
 
     tok = load_tokenizer(target)
-    prompts = [{"prompt_id": contracts.prompt_id(m), "dataset": "t", "messages": m, "metadata": "{}"}
-               for m in CONVERSATIONS]
+    prompts = [
+        {"prompt_id": contracts.prompt_id(m), "dataset": "t", "messages": m, "metadata": "{}"} for m in CONVERSATIONS
+    ]
     shards.write_parquet(work / "p.parquet", shards.table_from_records(prompts, contracts.PROMPT_SCHEMA))
     for thinking in ("disable", "save", "none"):
         # a target that does not think (the demo's) answers thinking=save without reasoning: those rows are
         # errors (counted below), the others must carry the ids
-        gen = validate_config({"generation": {
-            "backend": "openai", "endpoints": [{"base_url": base_url, "max_concurrency": 2}], "thinking": thinking,
-            "max_tokens": 48, "temperature": 0.0, "extra_body": {"return_token_ids": True},
-            "max_error_fraction": 1.0 if thinking == "save" else 0.0}})["generation"]
+        gen = validate_config(
+            {
+                "generation": {
+                    "backend": "openai",
+                    "endpoints": [{"base_url": base_url, "max_concurrency": 2}],
+                    "thinking": thinking,
+                    "max_tokens": 48,
+                    "temperature": 0.0,
+                    "extra_body": {"return_token_ids": True},
+                    "max_error_fraction": 1.0 if thinking == "save" else 0.0,
+                }
+            }
+        )["generation"]
         out = work / f"c-{thinking}.parquet"
         generate_shard(work / "p.parquet", out, target_dir=target, gen_cfg=gen)
         every = shards.read_parquet(out).to_pylist()
         records = [r for r in every if r["status"] != "error"]
         if len(records) < len(every):
-            print(f"[sglang-check] note thinking={thinking}: {len(every) - len(records)} of {len(every)} conversations "
-                  f"without reasoning (the target did not think): {every[0]['error']}", flush=True)
+            print(
+                f"[sglang-check] note thinking={thinking}: {len(every) - len(records)} of {len(every)} conversations "
+                f"without reasoning (the target did not think): {every[0]['error']}",
+                flush=True,
+            )
         turns = [t for r in records for t in r["turns"]]
-        check(all(t["prompt_token_ids"] and t["output_token_ids"] for t in turns),
-              f"thinking={thinking}: every turn carries SGLang's prompt and output ids ({len(turns)} turns)")
+        check(
+            all(t["prompt_token_ids"] and t["output_token_ids"] for t in turns),
+            f"thinking={thinking}: every turn carries SGLang's prompt and output ids ({len(turns)} turns)",
+        )
         for r in records:
             history, k = [], 0
             for m in r["messages"]:
@@ -125,15 +154,21 @@ def completions_in_each_mode(base_url: str, target: Path, work: Path) -> None:
                     text = tok.decode(t["output_token_ids"], skip_special_tokens=True)
                     where = f"thinking={thinking}, {r['prompt_id'][:8]} turn {k}"
                     check(t["prompt_token_ids"] == mine, f"{where}: prompt ids = our render")
-                    check(m["content"].strip() in text and (m["reasoning_content"] or "").strip() in text,
-                          f"{where}: output ids decode to the answer kept")
+                    check(
+                        m["content"].strip() in text and (m["reasoning_content"] or "").strip() in text,
+                        f"{where}: output ids decode to the answer kept",
+                    )
                     reasoning = {"reasoning_content": m["reasoning_content"]} if m["reasoning_content"] else {}
                     history.append({"role": "assistant", "content": m["content"], **reasoning})
                     k += 1
                 else:
                     history.append({"role": m["role"], "content": m["content"]})
-        stats = tokenize_shard(out, work / f"t-{thinking}.parquet", target_dir=target,
-                               tokens_cfg={"max_length": 4096, "last_turn_only": False, "use_server_token_ids": True})
+        stats = tokenize_shard(
+            out,
+            work / f"t-{thinking}.parquet",
+            target_dir=target,
+            tokens_cfg={"max_length": 4096, "last_turn_only": False, "use_server_token_ids": True},
+        )
         check(stats["server_ids_used"] == len(turns), f"thinking={thinking}: every token row from the server's ids")
 
 
@@ -143,15 +178,21 @@ def streamed_chat_refusal(base_url: str) -> None:
 
     model = json.loads(urllib.request.urlopen(f"{base_url}/models", timeout=30).read())["data"][0]["id"]
     body = {"model": model, "messages": CONVERSATIONS[1][:1], "stream": True, "return_token_ids": True}
-    req = urllib.request.Request(f"{base_url}/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
+    req = urllib.request.Request(
+        f"{base_url}/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
     try:
         urllib.request.urlopen(req, timeout=60).read()
         status, answer = 200, {}
     except urllib.error.HTTPError as exc:
         status, answer = exc.code, json.loads(exc.read() or b"{}")
-    check(status == 400 and answer.get("message") == dict(STREAM_REFUSALS)["return_token_ids"],
-          f"streamed chat with return_token_ids: HTTP {status} {answer.get('message')!r}")
+    check(
+        status == 400 and answer.get("message") == dict(STREAM_REFUSALS)["return_token_ids"],
+        f"streamed chat with return_token_ids: HTTP {status} {answer.get('message')!r}",
+    )
 
 
 def untrained_drafter(target: Path, out: Path, block_size: int = 4) -> Path:
@@ -166,8 +207,13 @@ def untrained_drafter(target: Path, out: Path, block_size: int = 4) -> Path:
     from dflash_pipeline.probe import probe_target
 
     d = probe_target(target, block_size=block_size, num_draft_layers=1)["drafter"]
-    cfg = drafter_config_from_target(AutoConfig.from_pretrained(target), block_size=block_size, num_draft_layers=1,
-                                     target_layer_ids=d["target_layer_ids"], mask_token_id=d["mask_token_id"])
+    cfg = drafter_config_from_target(
+        AutoConfig.from_pretrained(target),
+        block_size=block_size,
+        num_draft_layers=1,
+        target_layer_ids=d["target_layer_ids"],
+        mask_token_id=d["mask_token_id"],
+    )
     save_drafter(DFlashDrafter(cfg), out)
     return out
 
@@ -188,9 +234,11 @@ def engine_tau(python: str, target: Path, drafter: Path, work: Path) -> None:
         r = server_acceptance(srv.base_url, prompts, max_tokens=64, block_size=bs, meta_info=True, max_concurrency=4)
     finally:
         srv.stop()
-    check(r["source"] == "meta_info" and r["num_steps"] > 0 and len(r["per_position_acceptance"]) == bs - 1,
-          f"engine τ {r['tau']:.3f} pooled over {r['num_steps']} verify steps (mean of answers "
-          f"{r['tau_mean_response']:.3f}), per-position {[round(p, 3) for p in r['per_position_acceptance']]}")
+    check(
+        r["source"] == "meta_info" and r["num_steps"] > 0 and len(r["per_position_acceptance"]) == bs - 1,
+        f"engine τ {r['tau']:.3f} pooled over {r['num_steps']} verify steps (mean of answers "
+        f"{r['tau_mean_response']:.3f}), per-position {[round(p, 3) for p in r['per_position_acceptance']]}",
+    )
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
+from dflash_pipeline.core.shards import read_json
 from dflash_pipeline.report import page as report_page
 from dflash_pipeline.report import tables as report
-from dflash_pipeline.core.shards import read_json
 from dflash_pipeline.workflow import log_to
 
 with log_to(snakemake.log[0], snakemake.threads):

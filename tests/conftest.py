@@ -52,12 +52,16 @@ def shared_data_problem(environ=os.environ, shared: Path = SHARED_DATA) -> str |
         return None
     named = environ.get("DFLASH_MODELS_DIR")
     if named and not Path(named).is_dir():
-        return (f"DFLASH_MODELS_DIR={named} is not a directory; the model metadata corpus (configs, tokenizers, chat "
-                f"templates) must be there in CI, or the zoo, template and probe tests skip")
+        return (
+            f"DFLASH_MODELS_DIR={named} is not a directory; the model metadata corpus (configs, tokenizers, chat "
+            f"templates) must be there in CI, or the zoo, template and probe tests skip"
+        )
     if not Path(shared).is_dir():
-        return (f"../shared/data ({shared}) is missing: CI needs the shared data beside the checkout (the "
-                f"model metadata corpus in models/ and the original datasets); without it about half the suite "
-                f"(zoo, templates, probe) skips or is never collected")
+        return (
+            f"../shared/data ({shared}) is missing: CI needs the shared data beside the checkout (the "
+            f"model metadata corpus in models/ and the original datasets); without it about half the suite "
+            f"(zoo, templates, probe) skips or is never collected"
+        )
     return None
 
 
@@ -72,8 +76,11 @@ def pytest_configure(config):
 def models_dir() -> Path | None:
     """Directory of real model metadata (config.json, tokenizer_config.json, chat templates):
     ``$DFLASH_MODELS_DIR``, else ``tests/data/models`` in the repo, else ``../shared/data/models``."""
-    for cand in (os.environ.get("DFLASH_MODELS_DIR"), REPO_ROOT / "tests" / "data" / "models",
-                 REPO_ROOT.parent / "shared" / "data" / "models"):
+    for cand in (
+        os.environ.get("DFLASH_MODELS_DIR"),
+        REPO_ROOT / "tests" / "data" / "models",
+        REPO_ROOT.parent / "shared" / "data" / "models",
+    ):
         if cand and Path(cand).is_dir():
             return Path(cand)
     return None
@@ -111,8 +118,9 @@ def vllm_python() -> str:
         pytest.skip(str(exc))
 
 
-def tiny_target_and_drafter(*, num_hidden_layers: int, num_draft_layers: int, target_layer_ids: list[int],
-                            block_size: int = 4):
+def tiny_target_and_drafter(
+    *, num_hidden_layers: int, num_draft_layers: int, target_layer_ids: list[int], block_size: int = 4
+):
     """``(target, drafter)``: a random Qwen3 target (vocab 96, hidden 32, 4 heads / 2 KV heads of dim 8,
     float32, eval mode, frozen) and an untrained DFlash drafter on it (mask token 95), seeded with
     ``torch.manual_seed(0)`` so every call gives the same weights."""
@@ -123,19 +131,36 @@ def tiny_target_and_drafter(*, num_hidden_layers: int, num_draft_layers: int, ta
 
     torch.manual_seed(0)
     tcfg = Qwen3Config(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=num_hidden_layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
         tie_word_embeddings=False,
     )
     target = Qwen3ForCausalLM(tcfg).eval().requires_grad_(False)
-    dcfg = M.drafter_config_from_target(tcfg, block_size=block_size, num_draft_layers=num_draft_layers,
-                                        target_layer_ids=target_layer_ids, mask_token_id=95)
+    dcfg = M.drafter_config_from_target(
+        tcfg,
+        block_size=block_size,
+        num_draft_layers=num_draft_layers,
+        target_layer_ids=target_layer_ids,
+        mask_token_id=95,
+    )
     return target, M.DFlashDrafter(dcfg).eval()
 
 
-def snakemake(workdir: Path, *args: str, configfile: Path | None = None, timeout: int = 900,
-              env: dict | None = None, snakefile: Path | None = None, profile: Path | None = None,
-              ) -> subprocess.CompletedProcess:
+def snakemake(
+    workdir: Path,
+    *args: str,
+    configfile: Path | None = None,
+    timeout: int = 900,
+    env: dict | None = None,
+    snakefile: Path | None = None,
+    profile: Path | None = None,
+) -> subprocess.CompletedProcess:
     """Run snakemake on the repo's Snakefile (or ``snakefile``) in ``workdir`` with the local profile (or
     ``profile``) on :data:`SNAKEMAKE_CORES` cores; ``args`` (targets, flags) come before
     ``--configfile``, which takes several values. Returns the finished process."""
@@ -143,13 +168,32 @@ def snakemake(workdir: Path, *args: str, configfile: Path | None = None, timeout
     return subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=timeout, env=base)
 
 
-def snakemake_command(workdir: Path, *args: str, configfile: Path | None = None, env: dict | None = None,
-                      snakefile: Path | None = None, profile: Path | None = None) -> tuple[list[str], dict]:
+def snakemake_command(
+    workdir: Path,
+    *args: str,
+    configfile: Path | None = None,
+    env: dict | None = None,
+    snakefile: Path | None = None,
+    profile: Path | None = None,
+) -> tuple[list[str], dict]:
     """``(argv, environment)`` of the :func:`snakemake` call with these arguments, for tests that start it
     themselves (``subprocess.Popen``, e.g. to kill it mid-run)."""
-    cmd = [sys.executable, "-m", "snakemake", *args, "-s", str(snakefile or REPO / "Snakefile"), "-d", str(workdir),
-           "--profile", str(profile or REPO / "profiles" / "local"), "--cores", str(SNAKEMAKE_CORES),
-           "--configfile", str(configfile or workdir / "config.yaml")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        *args,
+        "-s",
+        str(snakefile or REPO / "Snakefile"),
+        "-d",
+        str(workdir),
+        "--profile",
+        str(profile or REPO / "profiles" / "local"),
+        "--cores",
+        str(SNAKEMAKE_CORES),
+        "--configfile",
+        str(configfile or workdir / "config.yaml"),
+    ]
     base = dict(os.environ if env is None else env)
     base["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{base.get('PATH', '')}"
     return cmd, base
@@ -169,10 +213,20 @@ def planned_jobs(proc: subprocess.CompletedProcess) -> dict[str, int]:
             break
         counts[m.group(1)] = int(m.group(2))
     return counts
+
+
 #: Headless Chromium flags for the report screenshot test: no sandbox (root in CI), no GPU, no network
 #: side channels; each call gets its own fresh profile directory.
-CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync")
+CHROMIUM_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+)
 
 
 @pytest.fixture(scope="session")
@@ -191,13 +245,19 @@ def chromium(tmp_path_factory):
 
     def run(url: str, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
         profile = tmp_path_factory.mktemp("chromium-profile")
-        return subprocess.run([exe, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args, url],
-                              capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            [exe, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args, url],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     return run
 
 
-def counting_train_setup(root: Path, *, min_len: int, max_position_embeddings: int, unsupervised_record: int | None = None):
+def counting_train_setup(
+    root: Path, *, min_len: int, max_position_embeddings: int, unsupervised_record: int | None = None
+):
     """A tiny saved Qwen3 target (vocab 80, 4 layers; LM head scaled ×40 so its logits have a trained model's
     scale) and one token shard of 24 learnable records (each token the previous + 1, the second half
     supervised; ``unsupervised_record`` gets no supervised token) under ``root``, plus the probe's drafter
@@ -212,8 +272,16 @@ def counting_train_setup(root: Path, *, min_len: int, max_position_embeddings: i
     from dflash_pipeline.core.shards import table_from_records, write_parquet
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=80, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8, max_position_embeddings=max_position_embeddings)
+    cfg = Qwen3Config(
+        vocab_size=80,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=max_position_embeddings,
+    )
     target = Qwen3ForCausalLM(cfg)
     with torch.no_grad():  # a trained model's head has logits of a useful scale; random init's are ~uniform
         target.lm_head.weight.mul_(40.0)
@@ -225,8 +293,16 @@ def counting_train_setup(root: Path, *, min_len: int, max_position_embeddings: i
         start = int(rng.integers(0, 78))
         ids = [(start + j) % 78 for j in range(n)]  # learnable: each token is the previous one + 1
         mask = [0] * n if i == unsupervised_record else [0] * (n // 2) + [1] * (n - n // 2)
-        recs.append({"prompt_id": f"p{i}", "input_ids": ids, "loss_mask": mask, "num_tokens": n,
-                     "num_loss_tokens": sum(mask), "truncated": False})
+        recs.append(
+            {
+                "prompt_id": f"p{i}",
+                "input_ids": ids,
+                "loss_mask": mask,
+                "num_tokens": n,
+                "num_loss_tokens": sum(mask),
+                "truncated": False,
+            }
+        )
     write_parquet(root / "tokens.parquet", table_from_records(recs, TOKEN_SCHEMA))
     probe = {"drafter": {"block_size": 4, "num_draft_layers": 1, "target_layer_ids": [1, 2], "mask_token_id": 79}}
     (root / "probe.json").write_text(json.dumps(probe))

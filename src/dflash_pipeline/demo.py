@@ -131,8 +131,9 @@ def load_corpus(corpus_files: Sequence[str | os.PathLike]) -> list[list[dict]]:
                     rec = json.loads(line)
                     if not isinstance(rec.get("question"), str) or not isinstance(rec.get("answer"), str):
                         raise DataError(f"{path}:{lineno}: expected string fields `question` and `answer`")
-                    convs.append([{"role": "user", "content": rec["question"]},
-                                  {"role": "assistant", "content": rec["answer"]}])
+                    convs.append(
+                        [{"role": "user", "content": rec["question"]}, {"role": "assistant", "content": rec["answer"]}]
+                    )
         elif path.suffix == ".json":
             with open(path, "r", encoding="utf-8") as fh:
                 records = json.load(fh)
@@ -307,17 +308,40 @@ def build_demo_target(
     out_dir = Path(out_dir)
     with _seeded_deterministic_torch(seed, num_threads):
         convs = load_corpus(corpus_files)
-        tokenizer, model = _init_tokenizer_and_model(convs, seed=seed, vocab_size=vocab_size, hidden_size=hidden_size,
-                                                     num_hidden_layers=num_hidden_layers, log=log)
+        tokenizer, model = _init_tokenizer_and_model(
+            convs,
+            seed=seed,
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            num_hidden_layers=num_hidden_layers,
+            log=log,
+        )
         examples = _training_examples(tokenizer, convs)
-        losses, train_s = _train_demo(model, tokenizer, examples, seed=seed, train_steps=train_steps,
-                                      batch_size=batch_size, lr=lr, log=log)
-        facts = _build_facts(model, losses, train_s, seed=seed, train_steps=train_steps, batch_size=batch_size,
-                             lr=lr, num_examples=len(examples), corpus_files=corpus_files, len_tokenizer=len(tokenizer),
-                             hidden_size=hidden_size, num_hidden_layers=num_hidden_layers)
+        losses, train_s = _train_demo(
+            model, tokenizer, examples, seed=seed, train_steps=train_steps, batch_size=batch_size, lr=lr, log=log
+        )
+        facts = _build_facts(
+            model,
+            losses,
+            train_s,
+            seed=seed,
+            train_steps=train_steps,
+            batch_size=batch_size,
+            lr=lr,
+            num_examples=len(examples),
+            corpus_files=corpus_files,
+            len_tokenizer=len(tokenizer),
+            hidden_size=hidden_size,
+            num_hidden_layers=num_hidden_layers,
+        )
         # the `target.demo` settings it was built with (workflow.keyed_paths reads them back: the directory's key)
-        facts["params"] = {"seed": seed, "vocab_size": vocab_size, "hidden_size": hidden_size,
-                           "num_hidden_layers": num_hidden_layers, "train_steps": train_steps}
+        facts["params"] = {
+            "seed": seed,
+            "vocab_size": vocab_size,
+            "hidden_size": hidden_size,
+            "num_hidden_layers": num_hidden_layers,
+            "train_steps": train_steps,
+        }
         _write_demo(out_dir, model, tokenizer, facts, t0)
         log(f"demo target written to {out_dir} in {facts['seconds']:.1f}s (final loss {facts['final_loss']})")
         return out_dir
@@ -341,8 +365,9 @@ def _seeded_deterministic_torch(seed: int, num_threads: int | None) -> Iterator[
         torch.use_deterministic_algorithms(prev_det)
 
 
-def _init_tokenizer_and_model(convs: list[list[dict]], *, seed: int, vocab_size: int, hidden_size: int,
-                              num_hidden_layers: int, log):
+def _init_tokenizer_and_model(
+    convs: list[list[dict]], *, seed: int, vocab_size: int, hidden_size: int, num_hidden_layers: int, log
+):
     """Train the BPE tokenizer on every message of ``convs``, then build the randomly initialised
     ``Qwen3ForCausalLM`` (torch re-seeded with ``seed`` first, so its init does not depend on the
     tokenizer training); returns ``(tokenizer, model)``."""
@@ -364,9 +389,21 @@ def _training_examples(tokenizer, convs: list[list[dict]]) -> list[tuple[list[in
     return [e for e in examples if sum(e[1]) > 0]
 
 
-def _build_facts(model, losses: list[float], train_s: float, *, seed: int, train_steps: int, batch_size: int,
-                 lr: float, num_examples: int, corpus_files: Sequence[str | os.PathLike], len_tokenizer: int,
-                 hidden_size: int, num_hidden_layers: int) -> dict:
+def _build_facts(
+    model,
+    losses: list[float],
+    train_s: float,
+    *,
+    seed: int,
+    train_steps: int,
+    batch_size: int,
+    lr: float,
+    num_examples: int,
+    corpus_files: Sequence[str | os.PathLike],
+    len_tokenizer: int,
+    hidden_size: int,
+    num_hidden_layers: int,
+) -> dict:
     """The build facts written to ``demo_target.json`` (``seconds`` is set by :func:`_write_demo`);
     ``final_loss`` is the mean of the last 20 training losses."""
     import torch
@@ -475,7 +512,6 @@ def _write_demo(out_dir: Path, model, tokenizer, facts: dict, t0: float) -> None
         raise
 
 
-
 def greedy_answer(target_dir: str | os.PathLike, question: str, *, max_new_tokens: int = 96) -> str:
     """Greedy answer of the target at ``target_dir`` to one user ``question`` (thinking disabled).
 
@@ -520,9 +556,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         num_threads=args.threads,
     )
     if args.sample:
-        q = ("Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins "
-             "for her friends every day with four. She sells the remainder at the farmers' market daily for $2 "
-             "per fresh duck egg. How much in dollars does she make every day at the farmers' market?")
+        q = (
+            "Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins "
+            "for her friends every day with four. She sells the remainder at the farmers' market daily for $2 "
+            "per fresh duck egg. How much in dollars does she make every day at the farmers' market?"
+        )
         print(f"Q: {q}\nA: {greedy_answer(out, q)}")
     return 0
 

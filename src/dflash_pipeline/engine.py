@@ -3,7 +3,11 @@
 import importlib
 import warnings
 
-warnings.warn("dflash_pipeline.engine is deprecated; import dflash_pipeline.evaluate.vllm_server", DeprecationWarning, stacklevel=2)
+warnings.warn(
+    "dflash_pipeline.engine is deprecated; import dflash_pipeline.evaluate.vllm_server",
+    DeprecationWarning,
+    stacklevel=2,
+)
 _NEW = importlib.import_module("dflash_pipeline.evaluate.vllm_server")
 
 

@@ -3,7 +3,11 @@
 import importlib
 import warnings
 
-warnings.warn("dflash_pipeline.evaluate_engine is deprecated; import dflash_pipeline.evaluate.engine_acceptance", DeprecationWarning, stacklevel=2)
+warnings.warn(
+    "dflash_pipeline.evaluate_engine is deprecated; import dflash_pipeline.evaluate.engine_acceptance",
+    DeprecationWarning,
+    stacklevel=2,
+)
 _NEW = importlib.import_module("dflash_pipeline.evaluate.engine_acceptance")
 
 

@@ -3,7 +3,9 @@
 import importlib
 import warnings
 
-warnings.warn("dflash_pipeline.model is deprecated; import dflash_pipeline.drafter.model", DeprecationWarning, stacklevel=2)
+warnings.warn(
+    "dflash_pipeline.model is deprecated; import dflash_pipeline.drafter.model", DeprecationWarning, stacklevel=2
+)
 _NEW = importlib.import_module("dflash_pipeline.drafter.model")
 
 

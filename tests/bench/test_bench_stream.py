@@ -16,9 +16,7 @@ NUM = r"[\d,]+(?:\.\d+)?"
 def test_bench_stream_smoke():
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")])
-        ),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")])),
     }
     proc = subprocess.run(
         [sys.executable, str(REPO / "bench" / "bench_stream.py"), "--smoke"],

@@ -19,8 +19,14 @@ def run_bench(name: str, *args: str, timeout: int = 900) -> str:
     """Output of ``python bench/<name>.py --smoke ARGS`` with this checkout's src first on PYTHONPATH;
     fails with its output tail when it exits non-zero."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / f"{name}.py"), "--smoke", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / f"{name}.py"), "--smoke", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"bench/{name}.py --smoke exited {proc.returncode}:\n{out[-4000:]}"
     return proc.stdout
@@ -36,35 +42,46 @@ def assert_lines(out: str, *patterns: str) -> None:
 
 def test_bench_dag():
     out = run_bench("bench_dag")
-    assert_lines(out, rf"^dry run over 20 shards .*: ours {NUM} s, trivial Snakefile {NUM} s, ratio {NUM}x$",
-                 rf"^same directives per job, nothing of ours: {NUM} s; ours / it {NUM}x .*, it / trivial {NUM}x ",
-                 rf"^CPU seconds \(user \+ system\): ours {NUM}, trivial {NUM}, same directives {NUM}; ratio {NUM}x")
+    assert_lines(
+        out,
+        rf"^dry run over 20 shards .*: ours {NUM} s, trivial Snakefile {NUM} s, ratio {NUM}x$",
+        rf"^same directives per job, nothing of ours: {NUM} s; ours / it {NUM}x .*, it / trivial {NUM}x ",
+        rf"^CPU seconds \(user \+ system\): ours {NUM}, trivial {NUM}, same directives {NUM}; ratio {NUM}x",
+    )
 
 
 def test_bench_completions():
     out = run_bench("bench_completions")
-    assert_lines(out,
-                 rf"^  pipeline +{NUM} req/s, client CPU {NUM} s per 1k req",
-                 rf"^  naive +{NUM} req/s",
-                 rf"^  ratio pipeline/naive: {NUM}x requests/s$",
-                 rf"^ +1x4 .*\| +{NUM}x +{NUM}x \|")  # the grid point, pipeline against naive
+    assert_lines(
+        out,
+        rf"^  pipeline +{NUM} req/s, client CPU {NUM} s per 1k req",
+        rf"^  naive +{NUM} req/s",
+        rf"^  ratio pipeline/naive: {NUM}x requests/s$",
+        rf"^ +1x4 .*\| +{NUM}x +{NUM}x \|",
+    )  # the grid point, pipeline against naive
 
 
 def test_bench_features():
     out = run_bench("bench_features")
-    assert_lines(out,
-                 r"^peak RSS \(MiB\) +x1 / x10 +ratio x10/x1$",
-                 *(rf"^  {k} +{NUM} +{NUM} +{NUM}$" for k in ("train_shards_MiB", "scan_all_MiB",
-                                                               "baseline_load_token_shards_MiB")),
-                 rf"^  hf +{NUM} tokens/s")
+    assert_lines(
+        out,
+        r"^peak RSS \(MiB\) +x1 / x10 +ratio x10/x1$",
+        *(
+            rf"^  {k} +{NUM} +{NUM} +{NUM}$"
+            for k in ("train_shards_MiB", "scan_all_MiB", "baseline_load_token_shards_MiB")
+        ),
+        rf"^  hf +{NUM} tokens/s",
+    )
 
 
 def test_bench_prompts():
     out = run_bench("bench_prompts")
-    assert_lines(out,
-                 rf"^ +streaming: {NUM} prompts/s \({NUM} s, {NUM} kept in {NUM} shards\), peak RSS {NUM} MiB$",
-                 rf"^ +naive: {NUM} prompts/s",
-                 rf"^ratio streaming/naive: speed x{NUM}, peak RSS x{NUM}$")
+    assert_lines(
+        out,
+        rf"^ +streaming: {NUM} prompts/s \({NUM} s, {NUM} kept in {NUM} shards\), peak RSS {NUM} MiB$",
+        rf"^ +naive: {NUM} prompts/s",
+        rf"^ratio streaming/naive: speed x{NUM}, peak RSS x{NUM}$",
+    )
 
 
 def test_bench_tokens():
@@ -75,9 +92,11 @@ def test_bench_tokens():
 
 def test_bench_train():
     out = run_bench("bench_train")
-    assert_lines(out,
-                 rf"^train step: {NUM} ms  ->  {NUM} sequence tokens/s, {NUM} query slots/s",
-                 rf"^baseline \(target forward only\): {NUM} ms  ->  {NUM} tokens/s;  step/baseline = {NUM}x$")
+    assert_lines(
+        out,
+        rf"^train step: {NUM} ms  ->  {NUM} sequence tokens/s, {NUM} query slots/s",
+        rf"^baseline \(target forward only\): {NUM} ms  ->  {NUM} tokens/s;  step/baseline = {NUM}x$",
+    )
 
 
 def test_every_bench_has_a_smoke_test():

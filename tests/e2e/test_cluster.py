@@ -37,8 +37,13 @@ REDUCED_CONFIG = {
     "prompts": {**E2E_CONFIG.get("prompts", {}), "shard_size": 16},
 }
 #: CPUs of the one CI node: every job fits it.
-CI_THREADS = {"build_demo_target": 2, "generate_completions": 2, "tokenize_completions": 1,
-              "train_drafter": 2, "evaluate_acceptance": 2}
+CI_THREADS = {
+    "build_demo_target": 2,
+    "generate_completions": 2,
+    "tokenize_completions": 1,
+    "train_drafter": 2,
+    "evaluate_acceptance": 2,
+}
 #: The CI overlay replaces what a real cluster sets (partitions, big memory, many CPUs) and conda, which
 #: cannot run here (env-modules is a no-op: no rule declares `envmodules:`). Everything else (executor,
 #: plugin settings, the rules' own resources) comes from profiles/slurm.
@@ -48,7 +53,7 @@ CI_SLURM_OVERLAY = {
     "latency-wait": 10,
     "retries": 0,
     "software-deployment-method": ["env-modules"],
-    "slurm-status-command": "squeue",      # no slurmdbd: sacct would hang the run forever
+    "slurm-status-command": "squeue",  # no slurmdbd: sacct would hang the run forever
     "slurm-no-account": True,
     "slurm-init-seconds-before-status-checks": 1,
     "slurm-keep-successful-logs": True,
@@ -56,8 +61,14 @@ CI_SLURM_OVERLAY = {
     "default-resources": {"slurm_partition": "main", "mem_mb": 2000, "runtime": 10},
     "set-resources": {"train_drafter": {"mem_mb": 4000}, "evaluate_acceptance": {"mem_mb": 4000}},
 }
-CI_SSH_OVERLAY = {"cores": 2, "jobs": 4, "latency-wait": 10, "retries": 0, "seconds-between-status-checks": 1,
-                  "set-threads": CI_THREADS}
+CI_SSH_OVERLAY = {
+    "cores": 2,
+    "jobs": 4,
+    "latency-wait": 10,
+    "retries": 0,
+    "seconds-between-status-checks": 1,
+    "set-threads": CI_THREADS,
+}
 
 
 def _service_env() -> dict:
@@ -67,7 +78,7 @@ def _service_env() -> dict:
     if env_sh.is_file():
         for line in env_sh.read_text().splitlines():
             if line.startswith("export ") and "=" in line:
-                key, _, value = line[len("export "):].partition("=")
+                key, _, value = line[len("export ") :].partition("=")
                 env.setdefault(key, value.strip("'\""))
     env.pop("SNAKEMAKE_PROFILE", None)
     return env
@@ -110,8 +121,7 @@ def _workdir(tmp_path: Path, overlay_name: str, overlay: dict, target: Path) -> 
 def _run(cmd: list[str], wd: Path, env: dict) -> str:
     """Run Snakemake; on timeout SIGINT it (the slurm executor ignores SIGTERM) and fail with its log."""
     with open(wd / "snakemake.out", "w") as out:
-        proc = subprocess.Popen(cmd, cwd=wd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=wd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             rc = proc.wait(timeout=RUN_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -134,8 +144,14 @@ def _check_outputs(wd: Path) -> None:
     assert acceptance  # τ values themselves are the local end-to-end test's business
 
 
-SLURM_RULES = {"probe_target", "shard_prompts", "generate_completions",
-               "tokenize_completions", "train_drafter", "evaluate_acceptance"}
+SLURM_RULES = {
+    "probe_target",
+    "shard_prompts",
+    "generate_completions",
+    "tokenize_completions",
+    "train_drafter",
+    "evaluate_acceptance",
+}
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +169,8 @@ def slurm_python() -> Path:
 def ssh_ready() -> None:
     env = _service_env()
     if "DFLASH_SSH_CONFIG" not in env or not _ok(
-            ["ssh", "-F", env["DFLASH_SSH_CONFIG"], env.get("DFLASH_SSH_HOST", "dflash-ci"), "true"], env):
+        ["ssh", "-F", env["DFLASH_SSH_CONFIG"], env.get("DFLASH_SSH_HOST", "dflash-ci"), "true"], env
+    ):
         _unavailable("no sshd answers (DFLASH_SSH_CONFIG unset or sshd down)")
     if not _ok([sys.executable, "-c", "import snakemake_executor_plugin_cluster_generic"], env):
         _unavailable("snakemake-executor-plugin-cluster-generic is not installed (pip install -e '.[ssh]')")
@@ -163,8 +180,21 @@ def test_reduced_workflow_through_slurm(slurm_python, cluster_target, tmp_path):
     env, python = _service_env(), slurm_python
     wd = _workdir(tmp_path, "ci-slurm", CI_SLURM_OVERLAY, cluster_target)
     started = time.monotonic()
-    text = _run([str(python), "-m", "snakemake", "--profile", "profiles/slurm", "--profile", "ci-slurm",
-                 "--configfile", "reduced.yaml"], wd, env)
+    text = _run(
+        [
+            str(python),
+            "-m",
+            "snakemake",
+            "--profile",
+            "profiles/slurm",
+            "--profile",
+            "ci-slurm",
+            "--configfile",
+            "reduced.yaml",
+        ],
+        wd,
+        env,
+    )
     _check_outputs(wd)
     # every rule ran as a SLURM job: the plugin keeps one log per job under .snakemake/slurm_logs/rule_*
     logs = wd / ".snakemake" / "slurm_logs"
@@ -177,13 +207,25 @@ def test_reduced_workflow_through_slurm(slurm_python, cluster_target, tmp_path):
 def test_reduced_workflow_through_ssh_hosts(ssh_ready, cluster_target, tmp_path):
     env = _service_env()
     wd = _workdir(tmp_path, "ci-ssh", CI_SSH_OVERLAY, cluster_target)
-    hosts = {"hosts": [{"name": "loopback", "ssh": env.get("DFLASH_SSH_HOST", "dflash-ci"), "slots": 2,
-                        "gpus": []}]}
+    hosts = {"hosts": [{"name": "loopback", "ssh": env.get("DFLASH_SSH_HOST", "dflash-ci"), "slots": 2, "gpus": []}]}
     (wd / "hosts.yaml").write_text(yaml.safe_dump(hosts))
     env["DFLASH_SSH_HOSTS"] = str(wd / "hosts.yaml")
     started = time.monotonic()
-    text = _run([sys.executable, "-m", "snakemake", "--profile", "profiles/ssh", "--profile", "ci-ssh",
-                 "--configfile", "reduced.yaml"], wd, env)
+    text = _run(
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "--profile",
+            "profiles/ssh",
+            "--profile",
+            "ci-ssh",
+            "--configfile",
+            "reduced.yaml",
+        ],
+        wd,
+        env,
+    )
     _check_outputs(wd)
     jobs = wd / ".snakemake" / "ssh_jobs"
     records = {p.stem: yaml.safe_load(p.read_text()) for p in jobs.glob("*.json")}

@@ -40,10 +40,20 @@ BLOCK_SIZE = 4
 TARGET_LAYER_IDS = [1, 4]
 ATOL = 2e-4
 CONTROL_MIN_DIFF = 1e-2
-DFLASH2 = {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 8, "selector_top_k": 5,
-           "output_multiplier": 1.3, "final_logit_softcapping": 5.0}
-DSPARK = {"markov_rank": 8, "markov_head_type": "vanilla", "enable_confidence_head": True,
-          "confidence_head_with_markov": True}
+DFLASH2 = {
+    "conv_kernel_size": 2,
+    "conv_group_size": 8,
+    "selector_rank": 8,
+    "selector_top_k": 5,
+    "output_multiplier": 1.3,
+    "final_logit_softcapping": 5.0,
+}
+DSPARK = {
+    "markov_rank": 8,
+    "markov_head_type": "vanilla",
+    "enable_confidence_head": True,
+    "confidence_head_with_markov": True,
+}
 
 
 def make_drafter(target_dir: Path, out: Path, family: str, seed: int) -> Path:
@@ -57,10 +67,15 @@ def make_drafter(target_dir: Path, out: Path, family: str, seed: int) -> Path:
     tcfg = AutoConfig.from_pretrained(target_dir)
     tok = AutoTokenizer.from_pretrained(target_dir)
     two = family == "dflash2"
-    cfg = M.drafter_config_from_target(tcfg, block_size=BLOCK_SIZE, num_draft_layers=2 if two else 1,
-                                       target_layer_ids=TARGET_LAYER_IDS, mask_token_id=len(tok),
-                                       layer_types=["sliding_attention"] * 2 if two else None,
-                                       sliding_window=6 if two else None)
+    cfg = M.drafter_config_from_target(
+        tcfg,
+        block_size=BLOCK_SIZE,
+        num_draft_layers=2 if two else 1,
+        target_layer_ids=TARGET_LAYER_IDS,
+        mask_token_id=len(tok),
+        layer_types=["sliding_attention"] * 2 if two else None,
+        sliding_window=6 if two else None,
+    )
     FA.apply_family(cfg, family, DFLASH2 if two else DSPARK)
     torch.manual_seed(seed)
     drafter = FA.drafter_class(family)(cfg)
@@ -81,22 +96,49 @@ def family_captures(demo_target, vllm_python, tmp_path_factory):
     from transformers import AutoTokenizer
 
     work = tmp_path_factory.mktemp("family_parity")
-    drafters = {"dspark": make_drafter(demo_target, work / "dspark", "dspark", seed=3),
-                "dflash2": make_drafter(demo_target, work / "dflash2", "dflash2", seed=4)}
+    drafters = {
+        "dspark": make_drafter(demo_target, work / "dspark", "dspark", seed=3),
+        "dflash2": make_drafter(demo_target, work / "dflash2", "dflash2", seed=4),
+    }
     tok = AutoTokenizer.from_pretrained(demo_target)
-    questions = ["Natalia sold clips to 48 of her friends. How many clips?", "Write a function that adds two numbers.",
-                 "What is the capital of France?"]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True, add_generation_prompt=True,
-                                       enable_thinking=False) for q in questions]
+    questions = [
+        "Natalia sold clips to 48 of her friends. How many clips?",
+        "Write a function that adds two numbers.",
+        "What is the capital of France?",
+    ]
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=True, add_generation_prompt=True, enable_thinking=False
+        )
+        for q in questions
+    ]
     prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
-    spec = {"target": str(demo_target), "out": str(work / "captures"), "prompts": prompts, "max_tokens": 12,
-            "runs": [{"name": "dspark", "family": "dspark", "drafter": str(drafters["dspark"]), "block_size": BLOCK_SIZE},
-                     {"name": "dflash2", "family": "dflash2", "drafter": str(drafters["dflash2"]),
-                      "block_size": BLOCK_SIZE, "patch_k_norm": True}]}
+    spec = {
+        "target": str(demo_target),
+        "out": str(work / "captures"),
+        "prompts": prompts,
+        "max_tokens": 12,
+        "runs": [
+            {"name": "dspark", "family": "dspark", "drafter": str(drafters["dspark"]), "block_size": BLOCK_SIZE},
+            {
+                "name": "dflash2",
+                "family": "dflash2",
+                "drafter": str(drafters["dflash2"]),
+                "block_size": BLOCK_SIZE,
+                "patch_k_norm": True,
+            },
+        ],
+    }
     (work / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    proc = subprocess.run([vllm_python, str(REPO / "tests" / "e2e" / "vllm_family_capture.py"), str(work / "spec.json")],
-                          capture_output=True, text=True, timeout=1500, env=env, check=False)
+    proc = subprocess.run(
+        [vllm_python, str(REPO / "tests" / "e2e" / "vllm_family_capture.py"), str(work / "spec.json")],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        env=env,
+        check=False,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return {"target": demo_target, "dir": work / "captures", "drafters": drafters}
 
@@ -113,8 +155,10 @@ def load_capture(caps: dict, name: str) -> tuple[dict, list[dict]]:
 
     meta = json.loads((caps["dir"] / f"{name}.json").read_text())
     tensors = load_file(str(caps["dir"] / f"{name}.safetensors"))
-    steps = [{**s, **{k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith(f"s{j}.")}}
-             for j, s in enumerate(meta["steps"])]
+    steps = [
+        {**s, **{k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith(f"s{j}.")}}
+        for j, s in enumerate(meta["steps"])
+    ]
     return meta, steps
 
 
@@ -153,8 +197,13 @@ def dflash2_outputs(drafter, lm_head, hidden, anchor, mistake=None) -> dict:
         scores = scores.unsqueeze(0)
     else:
         scores = sel.scores(h.unsqueeze(0), cand.unsqueeze(0), unary.unsqueeze(0), anchor)
-    return {"base_logits": lm_head(hidden), "candidates": cand, "unary": unary, "scores": scores[0],
-            "drafts": D2.walk(scores, cand.unsqueeze(0))[0]}
+    return {
+        "base_logits": lm_head(hidden),
+        "candidates": cand,
+        "unary": unary,
+        "scores": scores[0],
+        "drafts": D2.walk(scores, cand.unsqueeze(0))[0],
+    }
 
 
 def dspark_outputs(drafter, lm_head, hidden, anchor, mistake=None) -> dict:
@@ -218,16 +267,26 @@ def test_family_outputs_match_vllm(family_captures, target_model, family):
     drafter = DB.load_drafter(family_captures["drafters"][family], dtype=torch.float32)
     hid = max(float((ours - s["hidden"]).abs().max()) for ours, s in our_hidden(drafter, target_model, steps))
     worst, same = compare(family, family_captures, target_model)
-    print(f"{family}: {len(steps)} draft steps, max |Δhidden| {hid:.2e}, max |Δ| of the heads {worst:.2e}, "
-          f"integer outputs equal: {same}")
+    print(
+        f"{family}: {len(steps)} draft steps, max |Δhidden| {hid:.2e}, max |Δ| of the heads {worst:.2e}, "
+        f"integer outputs equal: {same}"
+    )
     assert hid < ATOL and worst < ATOL, (hid, worst)
     assert same
 
 
-@pytest.mark.parametrize("family,control", [
-    ("dflash2", "swap_conv"), ("dflash2", "softcap_first"), ("dflash2", "predecessor_same_slot"),
-    ("dflash2", "causal_block"), ("dspark", "anchor_bias"), ("dspark", "confidence_without_markov"),
-    ("dspark", "dflash_layout")])
+@pytest.mark.parametrize(
+    "family,control",
+    [
+        ("dflash2", "swap_conv"),
+        ("dflash2", "softcap_first"),
+        ("dflash2", "predecessor_same_slot"),
+        ("dflash2", "causal_block"),
+        ("dspark", "anchor_bias"),
+        ("dspark", "confidence_without_markov"),
+        ("dspark", "dflash_layout"),
+    ],
+)
 def test_family_parity_catches_a_deliberate_mistake(family_captures, target_model, family, control):
     kw = {"swap_conv": control == "swap_conv", "causal_block": control == "causal_block"}
     mistake = None if control in kw else control

@@ -26,8 +26,12 @@ def built(tmp_path_factory):
     # τ by context length (issue #26) on a set of long conversations; not in e2e_config.yaml, which
     # test_upgrade also gives to earlier mains that do not know these keys
     cfg["eval"]["context_length_buckets"] = [128]
-    cfg["eval"]["sets"]["long"] = {"path": "data/sharegpt/sharegpt.json", "format": "sharegpt", "build_to_tokens": 200,
-                                   "num_samples": 1}
+    cfg["eval"]["sets"]["long"] = {
+        "path": "data/sharegpt/sharegpt.json",
+        "format": "sharegpt",
+        "build_to_tokens": 200,
+        "num_samples": 1,
+    }
     (work / "config.yaml").write_text(yaml.safe_dump(cfg))
     proc = snakemake(work)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
@@ -68,14 +72,18 @@ def test_full_build_outputs(built):
     assert (work / "results/checkpoints/e2e/step_000002/model.safetensors").is_file()
     assert (work / "results/checkpoints/e2e/state/step.json").is_file()  # resumable state kept
     gen = (work / "results/report/generation.tsv").read_text().splitlines()
-    assert gen[0].startswith("dataset\tshards\tconversations\tok\ttruncated\terror") and gen[-1].startswith("all\t3\t16\t")
+    assert gen[0].startswith("dataset\tshards\tconversations\tok\ttruncated\terror") and gen[-1].startswith(
+        "all\t3\t16\t"
+    )
     assert "gsm8k\t12\t12\t" in (work / "results/report/prompts.tsv").read_text()
     header, *rows = (work / "results/report/tokens.tsv").read_text().splitlines()
     tok_all = dict(zip(header.split("\t"), rows[-1].split("\t")))
     token_shards = sorted((work / "results/tokens").glob("*/*.parquet"))
     assert tok_all["dataset"] == "all" and tok_all["shards"] == "3" and tok_all["records_in"] == "16"
     assert int(tok_all["num_loss_tokens"]) == sum(
-        sum(sum(m) for m in pq.read_table(f, columns=["loss_mask"]).column("loss_mask").to_pylist()) for f in token_shards)
+        sum(sum(m) for m in pq.read_table(f, columns=["loss_mask"]).column("loss_mask").to_pylist())
+        for f in token_shards
+    )
 
 
 def test_rerun_does_nothing(built):
@@ -108,10 +116,16 @@ def test_operational_generation_change_regenerates_nothing(built):
     """Adding a server, raising timeouts, retries or the batch size changes how shards are generated, not
     what: finished completions stay (params trigger on the output-affecting keys only)."""
     work, cfg = built
-    changed = dict(cfg, generation={
-        **cfg["generation"], "request_timeout_s": 1234, "max_retries": 2, "batch_size": 3,
-        "endpoints": [{"base_url": "http://127.0.0.1:9/v1", "max_concurrency": 8}],
-    })
+    changed = dict(
+        cfg,
+        generation={
+            **cfg["generation"],
+            "request_timeout_s": 1234,
+            "max_retries": 2,
+            "batch_size": 3,
+            "endpoints": [{"base_url": "http://127.0.0.1:9/v1", "max_concurrency": 8}],
+        },
+    )
     assert plan_with(work, "gen_operational", changed) == {}
 
 
@@ -144,8 +158,10 @@ def test_config_key_order_reruns_nothing(built):
 
     flipped = reverse({k: v for k, v in cfg.items() if k not in ("datasets", "eval")})
     flipped["datasets"] = reverse(cfg["datasets"], keep=True)
-    flipped["eval"] = {**reverse({k: v for k, v in cfg["eval"].items() if k != "sets"}),
-                       "sets": reverse(cfg["eval"]["sets"], keep=True)}
+    flipped["eval"] = {
+        **reverse({k: v for k, v in cfg["eval"].items() if k != "sets"}),
+        "sets": reverse(cfg["eval"]["sets"], keep=True),
+    }
     path = work / "reordered.yaml"
     path.write_text(yaml.safe_dump(flipped, sort_keys=False))
     assert path.read_text() != (work / "config.yaml").read_text()
@@ -155,8 +171,13 @@ def test_config_key_order_reruns_nothing(built):
 def test_numbers_written_as_ints_or_floats_rerun_nothing(built):
     """`temperature: 0` is `0.0`, `top_p: 1` is `1.0`, `epochs: 1.0` is `1`: no job reruns."""
     work, cfg = built
-    text = yaml.safe_dump({**cfg, "generation": {**cfg["generation"], "temperature": 0, "top_p": 1},
-                           "train": {**cfg["train"], "epochs": float(cfg["train"]["epochs"])}})
+    text = yaml.safe_dump(
+        {
+            **cfg,
+            "generation": {**cfg["generation"], "temperature": 0, "top_p": 1},
+            "train": {**cfg["train"], "epochs": float(cfg["train"]["epochs"])},
+        }
+    )
     assert "temperature: 0\n" in text and "top_p: 1\n" in text
     path = work / "numbers.yaml"
     path.write_text(text)
@@ -168,8 +189,11 @@ def test_failed_shard_reruns_only_that_shard(built):
     and no checkpoint or eval: the rerun does only that shard, its tokens, train and eval; the other
     shards' completions are kept."""
     work, _ = built
-    lost = [work / "results/completions/gsm8k/00001.parquet", work / "results/tokens/gsm8k/00001.parquet",
-            work / "results/eval/e2e/acceptance.json"]
+    lost = [
+        work / "results/completions/gsm8k/00001.parquet",
+        work / "results/tokens/gsm8k/00001.parquet",
+        work / "results/eval/e2e/acceptance.json",
+    ]
     final = work / "results/checkpoints/e2e/final"
     saved = [p.read_bytes() for p in lost]
     for p in lost:
@@ -202,8 +226,18 @@ def test_report_builds_with_eval_numbers(built):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     html = (work / "report.html").read_text(encoding="utf-8")
     files = report_files(html)
-    expected = {"acceptance.tsv", "acceptance.json", "acceptance.png", "tau_vs_step.png", "train_curves.png", "val_tau.png",
-                "probe.tsv", "prompts.tsv", "generation.tsv", "tokens.tsv"}
+    expected = {
+        "acceptance.tsv",
+        "acceptance.json",
+        "acceptance.png",
+        "tau_vs_step.png",
+        "train_curves.png",
+        "val_tau.png",
+        "probe.tsv",
+        "prompts.tsv",
+        "generation.tsv",
+        "tokens.tsv",
+    }
     assert expected <= set(files), sorted(files)
     ev = json.loads((work / "results/eval/e2e/acceptance.json").read_text())
     table = files["acceptance.tsv"].decode()
@@ -232,9 +266,13 @@ def test_report_shows_tables_inline(built, chromium, tmp_path):
     def table(table_id: str) -> list[list[str]]:
         m = re.search(rf'<table id="{table_id}"[^>]*>(.*?)</table>', dom, re.S)
         assert m, f"no inline table {table_id!r} in the rendered report"
-        return [[html_lib.unescape(re.sub(r"<[^>]+>", "", c)).strip()
-                 for c in re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", row, re.S)]
-                for row in re.findall(r"<tr>(.*?)</tr>", m.group(1), re.S)]
+        return [
+            [
+                html_lib.unescape(re.sub(r"<[^>]+>", "", c)).strip()
+                for c in re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", row, re.S)
+            ]
+            for row in re.findall(r"<tr>(.*?)</tr>", m.group(1), re.S)
+        ]
 
     ev = json.loads((work / "results/eval/e2e/acceptance.json").read_text())
     tau = table("tau")
@@ -274,8 +312,9 @@ def test_second_config_never_rebuilds_the_first(built):
     work, cfg = built
     first_targets = {p.name for p in (work / "resources").iterdir()}
     before = {**_mtimes(work / "results"), **_mtimes(work / "resources")}
-    other_demo = dict(cfg, results_dir="results-b",
-                      target={**cfg["target"], "demo": {**cfg["target"]["demo"], "train_steps": 5}})
+    other_demo = dict(
+        cfg, results_dir="results-b", target={**cfg["target"], "demo": {**cfg["target"]["demo"], "train_steps": 5}}
+    )
     path = work / "other_demo.yaml"
     path.write_text(yaml.safe_dump(other_demo))
     proc = snakemake(work, "results-b/probe/e2e.json", configfile=path)
@@ -310,17 +349,29 @@ def test_landing_page_in_chromium(built, chromium, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     dom = proc.stdout
     images = json.loads(html_lib.unescape(re.search(r'<pre id="image-check">(.*?)</pre>', dom, re.S).group(1)))
-    assert [i[0] for i in images] == ["fig-tau-per-set", "fig-acceptance", "fig-tau-by-length", "fig-tau-vs-step",
-                                      "fig-train-curves", "fig-val-tau", "fig-data-lengths"]
+    assert [i[0] for i in images] == [
+        "fig-tau-per-set",
+        "fig-acceptance",
+        "fig-tau-by-length",
+        "fig-tau-vs-step",
+        "fig-train-curves",
+        "fig-val-tau",
+        "fig-data-lengths",
+    ]
     assert all(w > 0 and done for _, w, done in images), images
     m = re.search(r'<table id="tau"[^>]*>(.*?)</table>', dom, re.S)
-    rows = [[html_lib.unescape(re.sub(r"<[^>]+>", "", c)).strip()
-             for c in re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", r, re.S)]
-            for r in re.findall(r"<tr>(.*?)</tr>", m.group(1), re.S)]
+    rows = [
+        [
+            html_lib.unescape(re.sub(r"<[^>]+>", "", c)).strip()
+            for c in re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", r, re.S)
+        ]
+        for r in re.findall(r"<tr>(.*?)</tr>", m.group(1), re.S)
+    ]
     ev = json.loads((work / "results/eval/e2e/acceptance.json").read_text())
     assert rows[0] == ["drafter", *ev["drafters"]["trained"]["sets"]]
-    assert {r[0]: r[1:] for r in rows[1:]} == {lbl: [str(round(s["tau"], 3)) for s in e["sets"].values()]
-                                               for lbl, e in ev["drafters"].items()}
+    assert {r[0]: r[1:] for r in rows[1:]} == {
+        lbl: [str(round(s["tau"], 3)) for s in e["sets"].values()] for lbl, e in ev["drafters"].items()
+    }
     header = re.search(r'<header id="run-header".*?</header>', dom, re.S).group(0)
     assert "DFlashDraftModel" in header and "? " not in re.sub(r"<[^>]+>", "", header).split("wall time")[0]
     assert re.search(r'<details id="eval-details"[^>]*>.*id="eval-record"', dom, re.S)

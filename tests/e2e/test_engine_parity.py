@@ -45,11 +45,15 @@ def make_drafter(target_dir: Path, out: Path, num_layers: int, seed: int) -> Pat
 
     from dflash_pipeline.drafter import model as M
 
-
     tcfg = AutoConfig.from_pretrained(target_dir)
     tok = AutoTokenizer.from_pretrained(target_dir)
-    cfg = M.drafter_config_from_target(tcfg, block_size=BLOCK_SIZE, num_draft_layers=num_layers,
-                                       target_layer_ids=TARGET_LAYER_IDS, mask_token_id=len(tok))
+    cfg = M.drafter_config_from_target(
+        tcfg,
+        block_size=BLOCK_SIZE,
+        num_draft_layers=num_layers,
+        target_layer_ids=TARGET_LAYER_IDS,
+        mask_token_id=len(tok),
+    )
     torch.manual_seed(seed)
     drafter = M.DFlashDrafter(cfg)
     g = torch.Generator().manual_seed(seed + 1)
@@ -70,18 +74,37 @@ def vllm_captures(demo_target, vllm_python, tmp_path_factory):
     d1 = make_drafter(demo_target, work / "drafter_1layer", 1, seed=1)
     d2 = make_drafter(demo_target, work / "drafter_2layer", 2, seed=2)
     tok = AutoTokenizer.from_pretrained(demo_target)
-    questions = ["Natalia sold clips to 48 of her friends. How many clips?", "Write a function that adds two numbers.",
-                 "What is the capital of France?"]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True, add_generation_prompt=True,
-                                       enable_thinking=False) for q in questions]
+    questions = [
+        "Natalia sold clips to 48 of her friends. How many clips?",
+        "Write a function that adds two numbers.",
+        "What is the capital of France?",
+    ]
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=True, add_generation_prompt=True, enable_thinking=False
+        )
+        for q in questions
+    ]
     prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
-    spec = {"target": str(demo_target), "out": str(work / "captures"), "prompts": prompts, "max_tokens": 12,
-            "runs": [{"name": "one_layer", "drafter": str(d1), "block_size": BLOCK_SIZE},
-                     {"name": "two_layer_patched", "drafter": str(d2), "block_size": BLOCK_SIZE, "patch_k_norm": True}]}
+    spec = {
+        "target": str(demo_target),
+        "out": str(work / "captures"),
+        "prompts": prompts,
+        "max_tokens": 12,
+        "runs": [
+            {"name": "one_layer", "drafter": str(d1), "block_size": BLOCK_SIZE},
+            {"name": "two_layer_patched", "drafter": str(d2), "block_size": BLOCK_SIZE, "patch_k_norm": True},
+        ],
+    }
     (work / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    proc = subprocess.run([vllm_python, str(REPO / "tests" / "e2e" / "vllm_dflash_capture.py"), str(work / "spec.json")],
-                          capture_output=True, text=True, timeout=420, env=env)
+    proc = subprocess.run(
+        [vllm_python, str(REPO / "tests" / "e2e" / "vllm_dflash_capture.py"), str(work / "spec.json")],
+        capture_output=True,
+        text=True,
+        timeout=420,
+        env=env,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return {"target": demo_target, "dir": work / "captures", "drafters": {"one_layer": d1, "two_layer_patched": d2}}
 
@@ -105,7 +128,9 @@ def target_model(vllm_captures):
     return load_target(vllm_captures["target"], dtype="float32", device="cpu")
 
 
-def replay(drafter, target, steps: list[dict], *, mistake: str | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def replay(
+    drafter, target, steps: list[dict], *, mistake: str | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Our drafter on vLLM's recorded inputs: per step (our logits [B−1, V], vLLM's logits [B−1, V]).
 
     Context features are kept by position (vLLM hands over every verified slot, rejected ones included,
@@ -190,13 +215,17 @@ def test_draft_logits_match_vllm(vllm_captures, target_model, name):
 
     meta, steps = load_capture(vllm_captures, name)
     assert len(steps) >= 10 and len({s["prompt"] for s in steps}) == 3, meta
-    assert any(len(s["ctx_positions"]) > 1 and s["ctx_positions"][0] > 0 for s in steps)  # decode steps, not only prefill
+    assert any(
+        len(s["ctx_positions"]) > 1 and s["ctx_positions"][0] > 0 for s in steps
+    )  # decode steps, not only prefill
     drafter = DB.load_drafter(vllm_captures["drafters"][name], dtype=torch.float32)
     pairs = replay(drafter, target_model, steps)
     scale = max(float(theirs.abs().max()) for _, theirs in pairs)
     assert scale > 1.0  # logits of a real spread, not near-zero noise
-    print(f"{name}: {len(steps)} draft steps, max |Δlogit| {max_diff(pairs):.2e} (logit scale {scale:.1f}), "
-          f"k_norm kernel ok on a stacked weight: {meta['k_norm_kernel_stacked_ok']}, patched: {meta['k_norm_patched']}")
+    print(
+        f"{name}: {len(steps)} draft steps, max |Δlogit| {max_diff(pairs):.2e} (logit scale {scale:.1f}), "
+        f"k_norm kernel ok on a stacked weight: {meta['k_norm_kernel_stacked_ok']}, patched: {meta['k_norm_patched']}"
+    )
     assert max_diff(pairs) < ATOL, f"{name}: max |Δlogit| {max_diff(pairs):.2e} (scale {scale:.1f})"
     assert all(torch.equal(o.argmax(-1), t.argmax(-1)) for o, t in pairs)
     if name == "two_layer_patched":

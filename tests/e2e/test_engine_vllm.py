@@ -43,20 +43,27 @@ ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "1024"]
 def completions_server(demo_target, vllm_python, tmp_path_factory):
     """vLLM serving the demo target with the qwen3 reasoning parser (once for this module)."""
     log = tmp_path_factory.mktemp("vllm-completions") / "vllm.log"
-    srv = VLLMServer(demo_target, log_path=log, python=vllm_python, extra_args=[*ENGINE_ARGS, "--reasoning-parser", "qwen3"])
+    srv = VLLMServer(
+        demo_target, log_path=log, python=vllm_python, extra_args=[*ENGINE_ARGS, "--reasoning-parser", "qwen3"]
+    )
     srv.start(timeout_s=600)
     yield srv
     srv.stop()
 
 
 def _write_prompts(path: Path, conversations: list[list[dict]]) -> None:
-    recs = [{"prompt_id": contracts.prompt_id(m), "dataset": "t", "messages": m, "metadata": "{}"} for m in conversations]
+    recs = [
+        {"prompt_id": contracts.prompt_id(m), "dataset": "t", "messages": m, "metadata": "{}"} for m in conversations
+    ]
     shards.write_parquet(path, shards.table_from_records(recs, contracts.PROMPT_SCHEMA))
 
 
 CONVERSATIONS = [
-    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2 plus 3?"},
-     {"role": "user", "content": "And times 4?"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is 2 plus 3?"},
+        {"role": "user", "content": "And times 4?"},
+    ],
     [{"role": "user", "content": "Natalia sold 48 clips in April. How many in May?"}],
 ]
 
@@ -64,14 +71,26 @@ CONVERSATIONS = [
 def test_completions_from_vllm_thinking_off_and_on(tmp_path, demo_target, completions_server):
     _write_prompts(tmp_path / "p.parquet", CONVERSATIONS)
     base = {"max_tokens": 8, "request_timeout_s": 120.0}
-    generate_shard(tmp_path / "p.parquet", tmp_path / "hf.parquet", target_dir=demo_target,
-                   gen_cfg=validate_config({"generation": {**base, "batch_size": 1}})["generation"])
+    generate_shard(
+        tmp_path / "p.parquet",
+        tmp_path / "hf.parquet",
+        target_dir=demo_target,
+        gen_cfg=validate_config({"generation": {**base, "batch_size": 1}})["generation"],
+    )
     tok = chat.load_tokenizer(demo_target)
     records = {}
     for thinking in ("disable", "save"):
-        cfg = validate_config({"generation": {
-            **base, "backend": "openai", "thinking": thinking, "extra_body": {"return_token_ids": True},
-            "endpoints": [{"base_url": completions_server.base_url, "max_concurrency": 2}]}})["generation"]
+        cfg = validate_config(
+            {
+                "generation": {
+                    **base,
+                    "backend": "openai",
+                    "thinking": thinking,
+                    "extra_body": {"return_token_ids": True},
+                    "endpoints": [{"base_url": completions_server.base_url, "max_concurrency": 2}],
+                }
+            }
+        )["generation"]
         generate_shard(tmp_path / "p.parquet", tmp_path / f"{thinking}.parquet", target_dir=None, gen_cfg=cfg)
         records[thinking] = shards.read_parquet(tmp_path / f"{thinking}.parquet").to_pylist()
     hf = shards.read_parquet(tmp_path / "hf.parquet").to_pylist()
@@ -88,7 +107,8 @@ def test_completions_from_vllm_thinking_off_and_on(tmp_path, demo_target, comple
         assert all(isinstance(m["reasoning_content"], str) and m["reasoning_content"] for m in assistants), assistants
         for t, m in zip(rec["turns"], assistants):
             assert t["output_token_ids"] and tok.decode(t["output_token_ids"], skip_special_tokens=True).startswith(
-                m["reasoning_content"].strip()[:10])
+                m["reasoning_content"].strip()[:10]
+            )
             prompt_text = tok.decode(t["prompt_token_ids"])
             assert prompt_text.endswith("<|im_start|>assistant\n")  # thinking on: no empty think block
     off_prompt = tok.decode(records["disable"][1]["turns"][0]["prompt_token_ids"])
@@ -111,16 +131,27 @@ def built_with_vllm(completions_server, demo_target, tmp_path_factory):
     cfg = yaml.safe_load((REPO / "tests" / "e2e" / "e2e_config.yaml").read_text())
     cfg["run"] = "vllm"
     cfg["target"] = {"path": str(demo_target)}
-    cfg["generation"] = {"backend": "openai", "max_tokens": 24, "extra_body": {"return_token_ids": True},
-                         "endpoints": [{"base_url": completions_server.base_url, "max_concurrency": 8}]}
+    cfg["generation"] = {
+        "backend": "openai",
+        "max_tokens": 24,
+        "extra_body": {"return_token_ids": True},
+        "endpoints": [{"base_url": completions_server.base_url, "max_concurrency": 8}],
+    }
     cfg["tokens"] = {**cfg["tokens"], "use_server_token_ids": True}
     # no --dtype for the eval engine: the job passes the loop's (float32 on CPU), vLLM's auto would serve bf16
-    cfg["eval"] = {**cfg["eval"], "baselines": [], "engine": "vllm", "engine_args": ["--max-model-len", "1024"],
-                   "engine_start_timeout_s": 600}
+    cfg["eval"] = {
+        **cfg["eval"],
+        "baselines": [],
+        "engine": "vllm",
+        "engine_args": ["--max-model-len", "1024"],
+        "engine_start_timeout_s": 600,
+    }
     (work / "config.yaml").write_text(yaml.safe_dump(cfg))
     from mini_workflow import token_targets
 
-    _snakemake(work, *token_targets(work))  # completions and tokens (`--until` does not see past the prompts checkpoint)
+    _snakemake(
+        work, *token_targets(work)
+    )  # completions and tokens (`--until` does not see past the prompts checkpoint)
     completions_server.stop()  # one engine at a time: the eval starts its own
     _snakemake(work)
     return work, cfg
@@ -133,8 +164,10 @@ def test_workflow_with_vllm_completions_and_engine_tau(built_with_vllm):
     for path in comp:
         for rec in shards.read_parquet(path).to_pylist():
             assert rec["status"] in ("ok", "truncated")
-            assert all(t["output_token_ids"] and t["prompt_token_ids"] and t["endpoint"].startswith("http://127.0.0.1")
-                       for t in rec["turns"])
+            assert all(
+                t["output_token_ids"] and t["prompt_token_ids"] and t["endpoint"].startswith("http://127.0.0.1")
+                for t in rec["turns"]
+            )
     final = work / "results/checkpoints/vllm/final"
     assert json.loads((final / "config.json").read_text())["num_hidden_layers"] == 1
     serve = (final / "serve.md").read_text()
@@ -146,7 +179,9 @@ def test_workflow_with_vllm_completions_and_engine_tau(built_with_vllm):
     assert engine["engine"]["dtype"] == engine["engine"]["served_dtype"] == engine["engine"]["loop_dtype"] == "float32"
     assert engine["engine"]["dtype_source"] == "target.dtype (the loop's)" and "--dtype" in engine["engine"]["args"]
     assert engine["settings"]["num_speculative_tokens"] == 3
-    assert "Resolved architecture: DFlashDraftModel" in (work / "results/logs/evaluate_engine/vllm.vllm.log").read_text()
+    assert (
+        "Resolved architecture: DFlashDraftModel" in (work / "results/logs/evaluate_engine/vllm.vllm.log").read_text()
+    )
 
     ev = json.loads((work / "results/eval/vllm/acceptance.json").read_text())
     assert ev["engine"]["warnings"] == [] and ev["engine"]["settings"]["num_speculative_tokens"] == 3

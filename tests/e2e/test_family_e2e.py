@@ -59,7 +59,10 @@ def test_family_trains_above_its_untrained_floor(family_runs, family):
     top = 5.0 if family == "dspark" else 4.0  # DSpark verifies the whole block of 4 drafts: a+1 ≤ 5
     trained, floor = ev["tau"]["trained"], ev["tau"]["untrained"]
     assert all(1.0 <= t <= top for t in list(trained.values()) + list(floor.values())), ev["tau"]
-    mean = lambda d: sum(d.values()) / len(d)
+
+    def mean(d):
+        return sum(d.values()) / len(d)
+
     print(f"{family}: trained τ {trained} vs untrained {floor}")
     assert mean(trained) > mean(floor), ev["tau"]
     serve = (work / f"results/checkpoints/e2e-{family}/final/serve.md").read_text()
@@ -74,6 +77,12 @@ def test_families_share_the_data_stages(family_runs):
     nothing is left to do for any of them."""
     work, _ = family_runs
     for family in FAMILIES:
-        assert planned_jobs(snakemake(work, f"results/eval/e2e-{family}/acceptance.json", "-n",
-                                      configfile=work / f"config-{family}.yaml")) == {}
+        assert (
+            planned_jobs(
+                snakemake(
+                    work, f"results/eval/e2e-{family}/acceptance.json", "-n", configfile=work / f"config-{family}.yaml"
+                )
+            )
+            == {}
+        )
     assert len(list((work / "results/probe").glob("*.json"))) == 1

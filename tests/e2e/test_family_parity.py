@@ -34,8 +34,12 @@ pytestmark = pytest.mark.vllm
 MODELS = models_dir()
 FAMILIES = zoo.all_families(MODELS) if MODELS is not None else []
 #: Families whose negative controls are checked (one per kind of mistake, plus the generic one on all).
-CONTROLS = {"Qwen3.5-27B": ("full_rotary", "ctx_pos_off_by_one"), "MiniMax-M2.7": ("full_rotary",),
-            "gemma-4-26B-A4B": ("scaled_embedding",), "Qwen3-8B": ("ctx_pos_off_by_one",)}
+CONTROLS = {
+    "Qwen3.5-27B": ("full_rotary", "ctx_pos_off_by_one"),
+    "MiniMax-M2.7": ("full_rotary",),
+    "gemma-4-26B-A4B": ("scaled_embedding",),
+    "Qwen3-8B": ("ctx_pos_off_by_one",),
+}
 
 
 @pytest.fixture(scope="session")
@@ -51,7 +55,9 @@ def parity(tmp_path_factory, vllm_python, real_models_dir):
     for fam in FAMILIES:
         twin = zoo.build_any_twin(real_models_dir, fam, root / "twins" / fam, corpus_file=GSM8K_TRAIN)
         try:  # the probe refuses (with the reason) a family whose drafter vLLM cannot serve
-            built[fam] = EP.family_case(twin, root / "cases" / fam, name=f"family-{fam}", mistakes=CONTROLS.get(fam, ()))
+            built[fam] = EP.family_case(
+                twin, root / "cases" / fam, name=f"family-{fam}", mistakes=CONTROLS.get(fam, ())
+            )
         except ProbeError as exc:
             refused[fam] = str(exc)
     ropes = {}
@@ -59,8 +65,9 @@ def parity(tmp_path_factory, vllm_python, real_models_dir):
         tc = text_config(load_target_config(cfg_file.parent))
         dc = M.drafter_config_from_target(tc, block_size=4, num_draft_layers=1, target_layer_ids=[0], mask_token_id=0)
         ropes[cfg_file.parent.name] = EP.rope_case(f"rope-{cfg_file.parent.name}", dc, root / "ropes")
-    res = EP.run_vllm(vllm_python, root / "vllm", cases=[c["case"] for c in built.values()],
-                      ropes=[r["case"] for r in ropes.values()])
+    res = EP.run_vllm(
+        vllm_python, root / "vllm", cases=[c["case"] for c in built.values()], ropes=[r["case"] for r in ropes.values()]
+    )
     return {"root": root / "vllm", "built": built, "refused": refused, "ropes": ropes, "res": res}
 
 
@@ -113,4 +120,6 @@ def test_partial_rotary_families_rotate_what_vllm_rotates(parity):
     want = {"Qwen3.5-27B": 64, "Qwen3.5-35B-A3B": 64, "Qwen3-Next-80B-A3B-Thinking": 64, "MiniMax-M2.7": 64}
     got = {n: parity["ropes"][n]["rotary_dim"] for n in want if n in parity["ropes"]}
     assert got == {n: v for n, v in want.items() if n in got} and got, got
-    assert all(not {"mrope_section", "mrope_interleaved"} & set(r["case"]["rope_parameters"]) for r in parity["ropes"].values())
+    assert all(
+        not {"mrope_section", "mrope_interleaved"} & set(r["case"]["rope_parameters"]) for r in parity["ropes"].values()
+    )

@@ -21,7 +21,9 @@ def _tau(work: Path, run: str) -> dict:
 
 
 def _losses(work: Path, run: str) -> list[float]:
-    return [json.loads(x)["loss"] for x in (work / f"results/checkpoints/{run}/train_log.jsonl").read_text().splitlines()]
+    return [
+        json.loads(x)["loss"] for x in (work / f"results/checkpoints/{run}/train_log.jsonl").read_text().splitlines()
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -33,11 +35,19 @@ def built(tmp_path_factory, vllm_python):
     cfg = yaml.safe_load((REPO / "tests" / "e2e" / "e2e_config.yaml").read_text())
     cfg["datasets"] = {"gsm8k": {"path": str(REPO / "data/gsm8k/train.jsonl"), "max_prompts": 8}}
     cfg["train"] = {**cfg["train"], "epochs": 25, "batch_size": 2, "learning_rate": 2.0e-3, "save_every_steps": 1000}
-    cfg["eval"] = {"max_new_tokens": 12, "checkpoint_samples": 0, "exclude_training_prompts": False,
-                   "sets": {"gsm8k": {"path": str(REPO / "data/gsm8k/train.jsonl"), "num_samples": 4}}}
+    cfg["eval"] = {
+        "max_new_tokens": 12,
+        "checkpoint_samples": 0,
+        "exclude_training_prompts": False,
+        "sets": {"gsm8k": {"path": str(REPO / "data/gsm8k/train.jsonl"), "num_samples": 4}},
+    }
     online = dict(cfg, run="online")
-    shards = dict(cfg, run="shards", train={**cfg["train"], "target_features": "shards"},
-                  features={"backend": "vllm", "keep": True, "vllm": {"python": vllm_python}})
+    shards = dict(
+        cfg,
+        run="shards",
+        train={**cfg["train"], "target_features": "shards"},
+        features={"backend": "vllm", "keep": True, "vllm": {"python": vllm_python}},
+    )
     c_on, c_sh = write_config(work, online, "online.yaml"), write_config(work, shards, "shards.yaml")
     proc = snakemake(work, "results/eval/online/acceptance.json", configfile=c_on, timeout=2400)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
@@ -88,9 +98,15 @@ def test_hf_and_vllm_features_agree(built, tmp_path):
     v.check_tokens(token)
     target_dir = Path(probe["target_dir"])
     target_dir = target_dir if target_dir.is_absolute() else work / target_dir  # the demo target: workdir-relative
-    hf = extract_shard(token, tmp_path / "hf.safetensors", target_dir=target_dir,
-                       target_layer_ids=probe["drafter"]["target_layer_ids"], hidden_size=probe["hidden_size"],
-                       num_hidden_layers=probe["num_hidden_layers"], backend="hf")
+    hf = extract_shard(
+        token,
+        tmp_path / "hf.safetensors",
+        target_dir=target_dir,
+        target_layer_ids=probe["drafter"]["target_layer_ids"],
+        hidden_size=probe["hidden_size"],
+        num_hidden_layers=probe["num_hidden_layers"],
+        backend="hf",
+    )
     h = FeatureShard(tmp_path / "hf.safetensors")
     diff = scale = 0.0
     for r in range(len(h)):

@@ -14,8 +14,9 @@ def test_snakemake_lint_is_clean(tmp_path):
     # the workflow, so the test never touches (or waits on the lock of) the repo's own .snakemake/.
     for name in ("Snakefile", "rules", "scripts", "envs", "config", "data"):
         (tmp_path / name).symlink_to(REPO / name)
-    out = subprocess.run([sys.executable, "-m", "snakemake", "--lint"], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=180)
+    out = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--lint"], cwd=tmp_path, capture_output=True, text=True, timeout=180
+    )
     text = out.stdout + out.stderr
     assert out.returncode == 0 and "Lints for" not in text, text[-6000:]
     assert "Congratulations" in text

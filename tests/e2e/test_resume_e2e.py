@@ -41,7 +41,9 @@ def test_killed_workflow_resumes_to_the_uninterrupted_bytes(tmp_path):
 
     cmd, env = snakemake_command(tmp_path, FINAL)
     with open(tmp_path / "killed.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             while not (run_dir / "state" / "step.json").is_file():  # the first state save (atomic rename)
                 assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-6000:]

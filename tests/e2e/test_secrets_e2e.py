@@ -29,7 +29,10 @@ def start_server_process(tmp: Path, *args: str, env: dict) -> tuple[subprocess.P
     port_file = tmp / "port.txt"
     proc = subprocess.Popen(
         [sys.executable, "-m", "dflash_pipeline.testing.server", "--port", "0", "--port-file", str(port_file), *args],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     deadline = time.monotonic() + 180
     while not port_file.exists():
@@ -43,14 +46,19 @@ def start_server_process(tmp: Path, *args: str, env: dict) -> tuple[subprocess.P
 def test_api_key_appears_nowhere(tmp_path, demo_target, monkeypatch):
     key = "sk-dflash-" + secrets.token_hex(16)
     monkeypatch.setenv(KEY_ENV, key)
-    server, port = start_server_process(tmp_path, "--target", str(demo_target), "--api-key-env", KEY_ENV,
-                                        env=dict(os.environ))
+    server, port = start_server_process(
+        tmp_path, "--target", str(demo_target), "--api-key-env", KEY_ENV, env=dict(os.environ)
+    )
     try:
         work = tmp_path / "work"
         work.mkdir()
-        gen = {"backend": "openai", "max_tokens": 8, "max_retries": 1, "retry_backoff_s": 0.1,
-               "endpoints": [{"base_url": f"http://127.0.0.1:{port}/v1", "api_key_env": KEY_ENV,
-                              "max_concurrency": 4}]}
+        gen = {
+            "backend": "openai",
+            "max_tokens": 8,
+            "max_retries": 1,
+            "retry_backoff_s": 0.1,
+            "endpoints": [{"base_url": f"http://127.0.0.1:{port}/v1", "api_key_env": KEY_ENV, "max_concurrency": 4}],
+        }
         write_config(work, mini_config(demo_target, generation=gen))
         proc = snakemake(work, *token_targets(work))
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
@@ -82,16 +90,32 @@ def test_killed_generation_job_resumes_through_snakemake(tmp_path, demo_target):
     with start_test_server(faults=Faults(delay_s=0.4)) as server:
         work = tmp_path / "work"
         work.mkdir()
-        gen = {"backend": "openai", "max_tokens": 32,
-               "endpoints": [{"base_url": server.base_url, "max_concurrency": conc}]}
+        gen = {
+            "backend": "openai",
+            "max_tokens": 32,
+            "endpoints": [{"base_url": server.base_url, "max_concurrency": conc}],
+        }
         write_config(work, mini_config(demo_target, generation=gen, max_prompts=n, shard_size=16))
         targets = token_targets(work)
         progress = work / "results/completions/gsm8k/00000.parquet.progress.jsonl"
-        cmd = [sys.executable, "-m", "snakemake", *targets, "-s", str(REPO / "Snakefile"), "-d", str(work),
-               "--profile", str(REPO / "profiles" / "local"), "--configfile", str(work / "config.yaml")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "snakemake",
+            *targets,
+            "-s",
+            str(REPO / "Snakefile"),
+            "-d",
+            str(work),
+            "--profile",
+            str(REPO / "profiles" / "local"),
+            "--configfile",
+            str(work / "config.yaml"),
+        ]
         env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-        first = subprocess.Popen(cmd, cwd=work, env=env, start_new_session=True,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        first = subprocess.Popen(
+            cmd, cwd=work, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         deadline = time.monotonic() + 300
         try:
             while not (progress.exists() and len(progress.read_text().splitlines()) >= 1 + 4):

@@ -31,8 +31,11 @@ def write_prompts(path: Path, start: int, stop: int, *, mode: str = "w") -> None
 
 def completion_targets(work: Path) -> list[str]:
     manifest = json.loads((work / MANIFEST).read_text())
-    return [f"results/completions/{name}/{s['name']}.parquet"
-            for name, ds in manifest["datasets"].items() for s in ds["shards"]]
+    return [
+        f"results/completions/{name}/{s['name']}.parquet"
+        for name, ds in manifest["datasets"].items()
+        for s in ds["shards"]
+    ]
 
 
 def state(work: Path, pattern: str) -> dict[str, tuple[bytes, int]]:
@@ -40,7 +43,9 @@ def state(work: Path, pattern: str) -> dict[str, tuple[bytes, int]]:
 
 
 def run(work: Path, *targets: str, config: str = "config.yaml") -> None:
-    proc = snakemake(work, *targets, configfile=work / config)  # targets go before --configfile (the helper puts it last)
+    proc = snakemake(
+        work, *targets, configfile=work / config
+    )  # targets go before --configfile (the helper puts it last)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
 
 
@@ -87,19 +92,29 @@ def test_append_and_new_source_regenerate_only_new_or_changed_shards(tmp_path, d
     run(work, MANIFEST)
     targets = completion_targets(work)
     assert targets == [f"results/completions/alpha/0000{i}.parquet" for i in range(4)] + [
-        "results/completions/beta/00000.parquet"]
+        "results/completions/beta/00000.parquet"
+    ]
     # the dry run plans exactly the changed shard (alpha/00002) and the new ones (alpha/00003, beta/00000)
     proc = snakemake(work, "-n", *targets, configfile=work / "config.yaml")
     assert planned_jobs(proc) == {"generate_completions": 3, "total": 3}
-    planned = {line.split("output:", 1)[1].split(",")[0].strip() for line in (proc.stdout + proc.stderr).splitlines()
-               if line.strip().startswith("output:")}
-    assert planned == {"results/completions/alpha/00002.parquet", "results/completions/alpha/00003.parquet",
-                       "results/completions/beta/00000.parquet"}
+    planned = {
+        line.split("output:", 1)[1].split(",")[0].strip()
+        for line in (proc.stdout + proc.stderr).splitlines()
+        if line.strip().startswith("output:")
+    }
+    assert planned == {
+        "results/completions/alpha/00002.parquet",
+        "results/completions/alpha/00003.parquet",
+        "results/completions/beta/00000.parquet",
+    }
     # the full shards and their completions are byte-identical, mtimes untouched
     after_prompts = state(work, "results/prompts/*/*.parquet")
     for shard in ("results/prompts/alpha/00000.parquet", "results/prompts/alpha/00001.parquet"):
         assert after_prompts[shard] == before_prompts[shard]
-    assert after_prompts["results/prompts/alpha/00002.parquet"][0] != before_prompts["results/prompts/alpha/00002.parquet"][0]
+    assert (
+        after_prompts["results/prompts/alpha/00002.parquet"][0]
+        != before_prompts["results/prompts/alpha/00002.parquet"][0]
+    )
     run(work, *targets)
     after_completions = state(work, "results/completions/*/*.parquet")
     for shard in ("results/completions/alpha/00000.parquet", "results/completions/alpha/00001.parquet"):

@@ -27,10 +27,7 @@ pytestmark = [
 
 def _losses(work: Path, run: str) -> list[float]:
     return [
-        json.loads(x)["loss"]
-        for x in (work / f"results/checkpoints/{run}/train_log.jsonl")
-        .read_text()
-        .splitlines()
+        json.loads(x)["loss"] for x in (work / f"results/checkpoints/{run}/train_log.jsonl").read_text().splitlines()
     ]
 
 
@@ -40,9 +37,7 @@ def built(tmp_path_factory, vllm_python):
 
     work = tmp_path_factory.mktemp("stream-e2e")
     cfg = yaml.safe_load((REPO / "tests" / "e2e" / "e2e_config.yaml").read_text())
-    cfg["datasets"] = {
-        "gsm8k": {"path": str(REPO / "data/gsm8k/train.jsonl"), "max_prompts": 8}
-    }
+    cfg["datasets"] = {"gsm8k": {"path": str(REPO / "data/gsm8k/train.jsonl"), "max_prompts": 8}}
     cfg["train"] = {
         **cfg["train"],
         "epochs": 3,
@@ -51,9 +46,7 @@ def built(tmp_path_factory, vllm_python):
     }
     cfg["eval"] = {
         "baselines": [],
-        "sets": {
-            "gsm8k": {"path": str(REPO / "data/gsm8k/test.jsonl"), "num_samples": 1}
-        },
+        "sets": {"gsm8k": {"path": str(REPO / "data/gsm8k/test.jsonl"), "num_samples": 1}},
     }
     vllm = {"python": vllm_python}
     shards = dict(
@@ -72,14 +65,10 @@ def built(tmp_path_factory, vllm_python):
         write_config(work, shards, "shards.yaml"),
         write_config(work, stream, "stream.yaml"),
     )
-    proc = snakemake(
-        work, "results/checkpoints/shards/final", configfile=c_sh, timeout=3000
-    )
+    proc = snakemake(work, "results/checkpoints/shards/final", configfile=c_sh, timeout=3000)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     plan = snakemake(work, "-n", "results/checkpoints/stream/final", configfile=c_st)
-    proc = snakemake(
-        work, "results/checkpoints/stream/final", configfile=c_st, timeout=3000
-    )
+    proc = snakemake(work, "results/checkpoints/stream/final", configfile=c_st, timeout=3000)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return work, plan
 
@@ -87,10 +76,7 @@ def built(tmp_path_factory, vllm_python):
 def test_stream_plan_names_the_server_and_no_extraction(built):
     _, plan = built
     out = plan.stdout + plan.stderr
-    assert (
-        "[plan] stream: 1 colocated vllm server(s) x 0 GPU(s); 1 trainer rank(s); window"
-        in out
-    ), out[-3000:]
+    assert "[plan] stream: 1 colocated vllm server(s) x 0 GPU(s); 1 trainer rank(s); window" in out, out[-3000:]
     jobs = planned_jobs(plan)
     assert jobs.get("train_drafter") == 1 and "extract_features" not in jobs
 
@@ -98,23 +84,12 @@ def test_stream_plan_names_the_server_and_no_extraction(built):
 def test_stream_through_vllm_equals_the_shards_run(built):
     work, _ = built
     l_sh, l_st = _losses(work, "shards"), _losses(work, "stream")
-    print(
-        f"loss shards {l_sh[0]:.5f}..{l_sh[-1]:.5f} stream {l_st[0]:.5f}..{l_st[-1]:.5f}"
-    )
+    print(f"loss shards {l_sh[0]:.5f}..{l_sh[-1]:.5f} stream {l_st[0]:.5f}..{l_st[-1]:.5f}")
     assert len(l_sh) == len(l_st)
     for a, b in zip(l_sh, l_st):
         assert abs(a - b) <= 1e-3 * abs(a), (a, b)
     log = (work / "results/logs/train_drafter/stream.log").read_text()
-    assert (
-        "[stream] colocated: 1 vllm feature server(s)" in log and "peak scratch" in log
-    )
-    summary = json.loads(
-        (work / "results/checkpoints/stream/train_summary.json").read_text()
-    )
-    assert (
-        summary["stream"]["requests"] > 0
-        and summary["train_config"]["target_features"] == "stream"
-    )
-    assert not any(
-        (work / "results/stream_scratch/stream/server0").iterdir()
-    )  # every answer's file deleted
+    assert "[stream] colocated: 1 vllm feature server(s)" in log and "peak scratch" in log
+    summary = json.loads((work / "results/checkpoints/stream/train_summary.json").read_text())
+    assert summary["stream"]["requests"] > 0 and summary["train_config"]["target_features"] == "stream"
+    assert not any((work / "results/stream_scratch/stream/server0").iterdir())  # every answer's file deleted

@@ -44,7 +44,7 @@ LAST_MAIN_RERUNS: dict[str, str] = {
     # issue #26: the landing page shows every plot inline, τ by context length and the data's lengths
     "plot_data_lengths": "new rule: the training data's length histogram (results/report/data_lengths.png)",
     "summarize_run": "the landing page reads the plots, the probe record and the checkpoint (new inputs) and draws "
-                     "tau_per_set.png / tau_by_length.png (new outputs); report only, nothing upstream reruns",
+    "tau_per_set.png / tau_by_length.png (new outputs); report only, nothing upstream reruns",
 }
 
 
@@ -64,15 +64,20 @@ def upgrade_config() -> dict:
 
 def built_by(ref: str, tmp_path_factory):
     """A workdir fully built by the main at ``ref`` (its Snakefile, profile and src on PYTHONPATH)."""
+
     def archive_of(ref):
-        return subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", ref], capture_output=True, timeout=120)
+        return subprocess.run(
+            ["git", "-C", str(REPO), "archive", "--format=tar", ref], capture_output=True, timeout=120
+        )
 
     archive = archive_of(ref)
     if archive.returncode != 0:  # a shallow clone: deepen it from its origin, then try again
         subprocess.run(["git", "-C", str(REPO), "fetch", "--quiet", "--unshallow"], capture_output=True, timeout=300)
         archive = archive_of(ref)
-    assert archive.returncode == 0, (f"earlier main {ref} is not in this clone (fetch it, or set "
-                                     f"DFLASH_PREVIOUS_MAIN / DFLASH_LAST_MAIN): {archive.stderr.decode()[-500:]}")
+    assert archive.returncode == 0, (
+        f"earlier main {ref} is not in this clone (fetch it, or set "
+        f"DFLASH_PREVIOUS_MAIN / DFLASH_LAST_MAIN): {archive.stderr.decode()[-500:]}"
+    )
     old = tmp_path_factory.mktemp(f"main-{ref}")
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
         tar.extractall(old, filter="data")

@@ -75,14 +75,25 @@ class Recorder:
         from vllm.v1.spec_decode.dflash import DFlashProposer
 
         rec = self
-        propose, forward, compute_logits = DFlashProposer.propose, DFlashQwen3ForCausalLM.forward, DFlashQwen3ForCausalLM.compute_logits
+        propose, forward, compute_logits = (
+            DFlashProposer.propose,
+            DFlashQwen3ForCausalLM.forward,
+            DFlashQwen3ForCausalLM.compute_logits,
+        )
 
-        def propose_hook(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states, *a, **kw):
-            rec.active = {"prompt": rec.prompt_index, "ctx_features": target_hidden_states.detach().float().cpu().clone(),
-                          "ctx_positions": target_positions.detach().cpu().clone().long(),
-                          "ctx_token_ids": target_token_ids.detach().cpu().clone().long()}
+        def propose_hook(
+            self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states, *a, **kw
+        ):
+            rec.active = {
+                "prompt": rec.prompt_index,
+                "ctx_features": target_hidden_states.detach().float().cpu().clone(),
+                "ctx_positions": target_positions.detach().cpu().clone().long(),
+                "ctx_token_ids": target_token_ids.detach().cpu().clone().long(),
+            }
             try:
-                return propose(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states, *a, **kw)
+                return propose(
+                    self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states, *a, **kw
+                )
             finally:
                 if "logits" in rec.active:
                     rec.steps.append(rec.active)
@@ -114,9 +125,17 @@ def run(spec: dict, run_spec: dict, recorder: Recorder) -> None:
         patch_normalize_context_k()
         facts["k_norm_patched"] = True
     llm = LLM(
-        model=spec["target"], dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=1, seed=0,
-        speculative_config={"method": "dflash", "model": run_spec["drafter"],
-                            "num_speculative_tokens": int(run_spec["block_size"]) - 1},
+        model=spec["target"],
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=512,
+        max_num_seqs=1,
+        seed=0,
+        speculative_config={
+            "method": "dflash",
+            "model": run_spec["drafter"],
+            "num_speculative_tokens": int(run_spec["block_size"]) - 1,
+        },
     )
     recorder.steps = []
     outputs = []
@@ -134,7 +153,9 @@ def run(spec: dict, run_spec: dict, recorder: Recorder) -> None:
     meta = {**facts, "steps": steps, "outputs": outputs, "vllm_version": __import__("vllm").__version__}
     with open(os.path.join(spec["out"], f"{run_spec['name']}.json"), "w") as fh:
         json.dump(meta, fh)
-    print(f"[capture] {run_spec['name']}: {len(steps)} draft steps, k_norm patched: {facts['k_norm_patched']}", flush=True)
+    print(
+        f"[capture] {run_spec['name']}: {len(steps)} draft steps, k_norm patched: {facts['k_norm_patched']}", flush=True
+    )
     del llm
     gc.collect()
     from vllm.distributed import cleanup_dist_env_and_memory

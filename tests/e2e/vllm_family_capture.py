@@ -74,11 +74,18 @@ class Recorder:
         rec = self
         propose, forward = DFlashProposer.propose, DFlashQwen3ForCausalLM.forward
 
-        def propose_hook(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states, *a, **kw):
-            rec.active = {"prompt": rec.prompt_index, "ctx_features": target_hidden_states.detach().float().cpu().clone(),
-                          "ctx_positions": target_positions.detach().cpu().clone().long()}
+        def propose_hook(
+            self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states, *a, **kw
+        ):
+            rec.active = {
+                "prompt": rec.prompt_index,
+                "ctx_features": target_hidden_states.detach().float().cpu().clone(),
+                "ctx_positions": target_positions.detach().cpu().clone().long(),
+            }
             try:
-                return propose(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states, *a, **kw)
+                return propose(
+                    self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states, *a, **kw
+                )
             finally:
                 if "hidden" in rec.active:
                     rec.steps.append(rec.active)
@@ -102,10 +109,16 @@ class Recorder:
         if self.family == "dflash2":
             h = hidden[1:]  # the mask slots (sample indices of the DFlash layout)
             cand, unary = model.compute_candidates(h)  # [L, K] each
-            scores = model.model.candidate_selector(cand.unsqueeze(0), unary.unsqueeze(0), h.unsqueeze(0), input_ids[:1])[0]
-            return {"candidates": cand.cpu().long(), "unary": unary.float().cpu(), "scores": scores.float().cpu(),
-                    "drafts": walk_reference(scores.float().cpu(), cand.cpu()),
-                    "base_logits": model.compute_logits(hidden).float().cpu()}
+            scores = model.model.candidate_selector(
+                cand.unsqueeze(0), unary.unsqueeze(0), h.unsqueeze(0), input_ids[:1]
+            )[0]
+            return {
+                "candidates": cand.cpu().long(),
+                "unary": unary.float().cpu(),
+                "scores": scores.float().cpu(),
+                "drafts": walk_reference(scores.float().cpu(), cand.cpu()),
+                "base_logits": model.compute_logits(hidden).float().cpu(),
+            }
         base = model.compute_draft_logits(hidden)  # [B, V]
         prev = input_ids[:1]
         logits, drafts, embeds = [], [], []
@@ -136,7 +149,9 @@ def register_dspark_v1_name() -> None:
     map that name to vLLM's own Qwen3 DSpark class."""
     from vllm import ModelRegistry
 
-    ModelRegistry.register_model("DFlashQwen3DSparkModel", "vllm.model_executor.models.qwen3_dspark:Qwen3DSparkForCausalLM")
+    ModelRegistry.register_model(
+        "DFlashQwen3DSparkModel", "vllm.model_executor.models.qwen3_dspark:Qwen3DSparkForCausalLM"
+    )
 
 
 def run(spec: dict, run_spec: dict, recorder: Recorder) -> None:
@@ -149,9 +164,17 @@ def run(spec: dict, run_spec: dict, recorder: Recorder) -> None:
         facts["k_norm_patched"] = True
     recorder.family = run_spec["family"]
     llm = LLM(
-        model=spec["target"], dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=1, seed=0,
-        speculative_config={"method": "dflash", "model": run_spec["drafter"],
-                            "num_speculative_tokens": int(run_spec["block_size"]) - 1},
+        model=spec["target"],
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=512,
+        max_num_seqs=1,
+        seed=0,
+        speculative_config={
+            "method": "dflash",
+            "model": run_spec["drafter"],
+            "num_speculative_tokens": int(run_spec["block_size"]) - 1,
+        },
     )
     recorder.steps = []
     params = SamplingParams(temperature=0.0, max_tokens=int(spec["max_tokens"]))

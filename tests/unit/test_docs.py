@@ -25,8 +25,17 @@ def test_design_doc_and_readme_cite_existing_files():
     for doc in (REPO / "docs" / "DESIGN.md", REPO / "README.md"):
         for path in sorted(cited_paths(doc.read_text(encoding="utf-8"))):
             # relative to the repo, the doc, or the folder a table column names (docs/, rules/, tests/, the package)
-            candidates = [base / path for base in (REPO, doc.parent, REPO / "docs", REPO / "rules", REPO / "tests",
-                                                   REPO / "src" / "dflash_pipeline")]
+            candidates = [
+                base / path
+                for base in (
+                    REPO,
+                    doc.parent,
+                    REPO / "docs",
+                    REPO / "rules",
+                    REPO / "tests",
+                    REPO / "src" / "dflash_pipeline",
+                )
+            ]
             if not any(c.exists() or (c.name.count("*") and list(c.parent.glob(c.name))) for c in candidates):
                 missing.append(f"{doc.relative_to(REPO)}: {path}")
     assert not missing, missing

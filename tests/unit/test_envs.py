@@ -56,23 +56,23 @@ def normalize(name: str) -> str:
 def workflow_rules(workdir: Path) -> list[dict]:
     for name in ("Snakefile", "rules", "scripts", "envs", "config", "data"):
         (workdir / name).symlink_to(REPO / name)
-    out = subprocess.run([sys.executable, "-c", RULES_PROBE], cwd=workdir, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run([sys.executable, "-c", RULES_PROBE], cwd=workdir, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(l for l in out.stdout.splitlines() if l.startswith("RULES="))
-    return json.loads(line[len("RULES="):])
+    return json.loads(line[len("RULES=") :])
 
 
 def _under_type_checking(node: ast.If) -> bool:
     t = node.test
     return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
-        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"
+    )
 
 
 def _guards_import_error(node: ast.Try) -> bool:
     names = set()
     for h in node.handlers:
-        for t in ([h.type] if not isinstance(h.type, ast.Tuple) else h.type.elts):
+        for t in [h.type] if not isinstance(h.type, ast.Tuple) else h.type.elts:
             if isinstance(t, ast.Name):
                 names.add(t.id)
     return bool(names & {"ImportError", "ModuleNotFoundError"})
@@ -220,14 +220,18 @@ def test_each_env_provides_what_its_rule_imports(rules):
         listed, installs_self = env_packages(env_file)
         env_name = env_file.relative_to(REPO)
         if pkg_modules and not installs_self:
-            problems.append(f"rule {r['name']}: reaches {PKG} but {env_name} does not install it (`- -e ..` under pip:)")
+            problems.append(
+                f"rule {r['name']}: reaches {PKG} but {env_name} does not install it (`- -e ..` under pip:)"
+            )
         for top in sorted(external - stdlib - {PKG}):
             dists = distributions_of(top)
             if not dists:
                 problems.append(f"rule {r['name']}: imports `{top}`, which no installed distribution provides")
             elif not dists & listed:
-                problems.append(f"rule {r['name']}: imports `{top}` (distribution {'/'.join(sorted(dists))}) "
-                                f"but {env_name} does not list it; add it under pip:")
+                problems.append(
+                    f"rule {r['name']}: imports `{top}` (distribution {'/'.join(sorted(dists))}) "
+                    f"but {env_name} does not list it; add it under pip:"
+                )
         checked += 1
     assert checked >= 6
     assert not problems, "\n".join(problems)

@@ -29,8 +29,14 @@ def lint_imports(src: Path) -> subprocess.CompletedProcess:
     exe = str(exe) if exe.exists() else shutil.which("lint-imports")
     assert exe, "lint-imports not found: install the test extra (pip install -e '.[test]')"
     env = {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    return subprocess.run([exe, "--no-cache", "--config", str(REPO / "pyproject.toml")], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [exe, "--no-cache", "--config", str(REPO / "pyproject.toml")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_import_contracts_are_kept():
@@ -41,8 +47,7 @@ def test_import_contracts_are_kept():
 
 def test_an_upward_import_breaks_the_layers(tmp_path):
     """The contracts are not vacuous: core importing a stage, and a cycle through it, are both reported."""
-    shutil.copytree(SRC / "dflash_pipeline", tmp_path / "dflash_pipeline",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(SRC / "dflash_pipeline", tmp_path / "dflash_pipeline", ignore=shutil.ignore_patterns("__pycache__"))
     errors = tmp_path / "dflash_pipeline" / "core" / "errors.py"
     errors.write_text(errors.read_text() + "\n\ndef _upward():\n    from dflash_pipeline.train import run  # noqa\n")
     proc = lint_imports(tmp_path)

@@ -16,8 +16,15 @@ from conftest import REPO_ROOT, SHARED_DATA, expects_shared_data, shared_data_pr
 
 def collect(env: dict) -> subprocess.CompletedProcess:
     """``pytest --collect-only`` of this file in a subprocess with ``env``."""
-    return subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", __file__],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", __file__],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
 
 
 def base_env(**extra) -> dict:
@@ -49,6 +56,7 @@ def test_the_rule_names_shared_data_and_reads_ci_like_ci_systems(tmp_path):
     assert problem.startswith(f"../shared/data ({missing}) is missing")
     missing.mkdir(parents=True)
     assert shared_data_problem({"CI": "true"}, shared=missing) is None
-    assert "is not a directory" in shared_data_problem({"CI": "true", "DFLASH_MODELS_DIR": str(tmp_path / "x")},
-                                                       shared=missing)
+    assert "is not a directory" in shared_data_problem(
+        {"CI": "true", "DFLASH_MODELS_DIR": str(tmp_path / "x")}, shared=missing
+    )
     assert SHARED_DATA == Path(REPO_ROOT).parent / "shared" / "data"

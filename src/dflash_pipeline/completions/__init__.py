@@ -80,7 +80,6 @@ to the HTTP client; records, sidecars, stats and logs carry base URLs with any `
 ========================  ====================================================================
 """
 
-
 from .describe import _describe, _first_line, _root_cause
 from .fleet import OUTAGE_LOG_S, _auth_error, _Endpoint, _Fleet, _model_list, _not_found_error, _settle_model
 from .generate import Backend, context_limit, generate_shard, make_backend, preflight_template, too_long_prompts
@@ -113,9 +112,37 @@ from .workers import _client_process, _split_caps, run_client_processes
 _run_client_processes = run_client_processes  # the name before the package split
 
 __all__ = [
-    "AUTH_STATUS", "Backend", "DISABLE_HINT_LOCAL", "DISABLE_HINT_SERVER", "ERRORS_SUFFIX", "HTTP_LOGGERS",
-    "OUTAGE_LOG_S", "OnDone", "OpenAIBackend", "PROGRESS_SUFFIX", "ProgressLog", "RETRYABLE_STATUS", "RowError",
-    "RunInfo", "TransformersBackend", "Turn", "build_record", "check_thinking", "cut_at_eos", "generate_shard",
-    "make_backend", "parse_retry_after", "preflight_template", "read_prompts", "redact_url", "retry_delay",
-    "run_client_processes", "sampling_params", "should_retry", "split_reasoning", "take_reasoning", "context_limit", "too_long_prompts",
+    "AUTH_STATUS",
+    "Backend",
+    "DISABLE_HINT_LOCAL",
+    "DISABLE_HINT_SERVER",
+    "ERRORS_SUFFIX",
+    "HTTP_LOGGERS",
+    "OUTAGE_LOG_S",
+    "OnDone",
+    "OpenAIBackend",
+    "PROGRESS_SUFFIX",
+    "ProgressLog",
+    "RETRYABLE_STATUS",
+    "RowError",
+    "RunInfo",
+    "TransformersBackend",
+    "Turn",
+    "build_record",
+    "check_thinking",
+    "cut_at_eos",
+    "generate_shard",
+    "make_backend",
+    "parse_retry_after",
+    "preflight_template",
+    "read_prompts",
+    "redact_url",
+    "retry_delay",
+    "run_client_processes",
+    "sampling_params",
+    "should_retry",
+    "split_reasoning",
+    "take_reasoning",
+    "context_limit",
+    "too_long_prompts",
 ]

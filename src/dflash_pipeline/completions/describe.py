@@ -75,8 +75,11 @@ def _describe(exc: BaseException) -> str:
     if status is not None:  # openai's text is "Error code: 400 - {body}": say the server's message once
         body = getattr(exc, "body", None)
         server_msg = body.get("message") if isinstance(body, dict) else None
-        msg = _first_line(server_msg) if isinstance(server_msg, str) and server_msg.strip() else re.sub(
-            r"^Error code: \d+ - ", "", msg)
+        msg = (
+            _first_line(server_msg)
+            if isinstance(server_msg, str) and server_msg.strip()
+            else re.sub(r"^Error code: \d+ - ", "", msg)
+        )
     out = f"HTTP {status}: {msg}" if status is not None else f"{type(exc).__name__}: {msg}"
     cause = _root_cause(exc)
     if cause is not None:

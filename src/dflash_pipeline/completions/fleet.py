@@ -48,10 +48,13 @@ OUTAGE_LOG_S = 30.0
 
 def _auth_error(ep: _Endpoint, exc: BaseException) -> ConfigError:
     """The error for an endpoint that rejected the API key (names the variable, never the key)."""
-    where = (f"the key in ${ep.key_env} (its api_key_env)" if ep.key_env
-             else "no API key (set api_key_env on this endpoint)")
-    return ConfigError(f"endpoint {ep.url} rejected {where}: {_describe(exc)}; fix the key or the endpoint's "
-                       f"api_key_env in generation.endpoints - retrying cannot help")
+    where = (
+        f"the key in ${ep.key_env} (its api_key_env)" if ep.key_env else "no API key (set api_key_env on this endpoint)"
+    )
+    return ConfigError(
+        f"endpoint {ep.url} rejected {where}: {_describe(exc)}; fix the key or the endpoint's "
+        f"api_key_env in generation.endpoints - retrying cannot help"
+    )
 
 
 def _not_found_error(ep: _Endpoint, exc: BaseException) -> ConfigError:
@@ -189,7 +192,9 @@ class _Fleet:
         ep.consecutive_failures += 1
         if ep.consecutive_failures >= self.cfg["endpoint_max_failures"]:
             self._take_out(ep)
-            log.warning("endpoint %s taken out after %d consecutive failures (last: %s)", ep.url, ep.consecutive_failures, err)
+            log.warning(
+                "endpoint %s taken out after %d consecutive failures (last: %s)", ep.url, ep.consecutive_failures, err
+            )
         self._check_breaker()
         self._watch_outage()
 
@@ -203,11 +208,13 @@ class _Fleet:
         n = self.cfg["circuit_breaker_failures"]
         if self.tripped is None and all(e.consecutive_failures >= n for e in self.eps):
             detail = "; ".join(f"{e.url}: {e.last_error}" for e in self.eps).rstrip(".")
-            self._trip(GenerationError(
-                f"circuit breaker open: every endpoint failed {n}+ consecutive times "
-                f"(generation.circuit_breaker_failures) — {detail}. Check that the servers are up and "
-                f"reachable from this host"
-            ))
+            self._trip(
+                GenerationError(
+                    f"circuit breaker open: every endpoint failed {n}+ consecutive times "
+                    f"(generation.circuit_breaker_failures) — {detail}. Check that the servers are up and "
+                    f"reachable from this host"
+                )
+            )
 
     def _watch_outage(self) -> None:
         """While every endpoint is taken out, warn every :data:`OUTAGE_LOG_S` seconds (the wait for the
@@ -232,8 +239,13 @@ class _Fleet:
                     "no endpoint available for %.0f s: %d consecutive failures of circuit_breaker_failures=%d "
                     "(the job stops once every endpoint reaches it); re-probing %d endpoint(s), next in %.0f s "
                     "(last: %s: %s)",
-                    now - self._outage_since, fewest.consecutive_failures, self.cfg["circuit_breaker_failures"],
-                    len(self.eps), max(0.0, min(nxt)) if nxt else 0.0, fewest.url, fewest.last_error,
+                    now - self._outage_since,
+                    fewest.consecutive_failures,
+                    self.cfg["circuit_breaker_failures"],
+                    len(self.eps),
+                    max(0.0, min(nxt)) if nxt else 0.0,
+                    fewest.url,
+                    fewest.last_error,
                 )
         finally:
             self._outage_task = None
@@ -306,8 +318,9 @@ class _Fleet:
         for ep, res in zip(self.eps, results):
             if isinstance(res, Exception) and (err := self._config_error(ep, res)) is not None:
                 raise err
-        self.model = _settle_model(self.model, [(ep.url, ep.served) for ep in self.eps if ep.served is not None],
-                                   configured=self.configured)
+        self.model = _settle_model(
+            self.model, [(ep.url, ep.served) for ep in self.eps if ep.served is not None], configured=self.configured
+        )
         for ep, res in zip(self.eps, results):
             if isinstance(res, BaseException):
                 self._take_out(ep)
@@ -322,8 +335,9 @@ class _Fleet:
             self._waiters.append(fut)
             await fut
         self._raise_if_tripped()
-        self.model = _settle_model(self.model, [(ep.url, ep.served) for ep in self.eps if ep.served is not None],
-                                   configured=self.configured)
+        self.model = _settle_model(
+            self.model, [(ep.url, ep.served) for ep in self.eps if ep.served is not None], configured=self.configured
+        )
         if self.model is None:
             urls = ", ".join(f"{ep.url}/models" for ep in self.eps if ep.served is not None)
             raise GenerationError(f"{urls} lists no model; set generation.model")

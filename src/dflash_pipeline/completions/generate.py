@@ -51,7 +51,9 @@ class Backend(Protocol):
         ...
 
 
-def make_backend(gen_cfg: dict, *, target_dir=None, chat_template=None, trust_remote_code=False, dtype="auto") -> Backend:
+def make_backend(
+    gen_cfg: dict, *, target_dir=None, chat_template=None, trust_remote_code=False, dtype="auto"
+) -> Backend:
     """The backend named by ``gen_cfg["backend"]``. Raises ConfigError for an unknown one."""
     if gen_cfg["backend"] == "transformers":
         problems = generation_problems(gen_cfg, target_dir=target_dir)
@@ -61,7 +63,9 @@ def make_backend(gen_cfg: dict, *, target_dir=None, chat_template=None, trust_re
             target_dir, gen_cfg, chat_template=chat_template, trust_remote_code=trust_remote_code, dtype=dtype
         )
     if gen_cfg["backend"] == "openai":
-        return OpenAIBackend(gen_cfg, target_dir=target_dir, chat_template=chat_template, trust_remote_code=trust_remote_code)
+        return OpenAIBackend(
+            gen_cfg, target_dir=target_dir, chat_template=chat_template, trust_remote_code=trust_remote_code
+        )
     raise ConfigError(f"generation.backend: unknown backend {gen_cfg['backend']!r}; use transformers or openai")
 
 
@@ -84,8 +88,10 @@ def preflight_template(
     from dflash_pipeline.target import spans  # the string level only: no numpy/pyarrow in this rule's env
 
     if tokens_cfg.get("use_server_token_ids"):
-        log.warning("tokens.use_server_token_ids is set: the chat-template check is skipped; records without "
-                    "server token ids will still need the render path")
+        log.warning(
+            "tokens.use_server_token_ids is set: the chat-template check is skipped; records without "
+            "server token ids will still need the render path"
+        )
         return []
     tok = load_tokenizer(target_dir, chat_template=chat_template, trust_remote_code=trust_remote_code)
     name = f"chat template {chat_template}" if chat_template else f"chat template of {target_dir}"
@@ -107,15 +113,29 @@ def too_long_prompts(prompts: Sequence[dict], tok, gen_cfg: dict, limit: int) ->
         msgs = [{"role": m["role"], "content": m["content"]} for m in p["messages"]]
         n = len(render(tok, msgs, thinking=gen_cfg["thinking"], add_generation_prompt=True, tokenize=True))
         if n + gen_cfg["max_tokens"] > limit:
-            out[p["prompt_id"]] = {"prompt_id": p["prompt_id"], "prompt_tokens": n, "max_tokens": gen_cfg["max_tokens"],
-                                   "max_position_embeddings": limit}
+            out[p["prompt_id"]] = {
+                "prompt_id": p["prompt_id"],
+                "prompt_tokens": n,
+                "max_tokens": gen_cfg["max_tokens"],
+                "max_position_embeddings": limit,
+            }
     return out
 
 
-def generate_shard(prompt_shard: str | Path, out_path: str | Path, *, target_dir: str | Path | None, gen_cfg: dict,
-                   chat_template: str | Path | None = None, trust_remote_code: bool = False,
-                   progress_path: str | Path | None = None, errors_path: str | Path | None = None,
-                   stats_path: str | Path | None = None, dtype: str = "auto", backend: Backend | None = None) -> dict:
+def generate_shard(
+    prompt_shard: str | Path,
+    out_path: str | Path,
+    *,
+    target_dir: str | Path | None,
+    gen_cfg: dict,
+    chat_template: str | Path | None = None,
+    trust_remote_code: bool = False,
+    progress_path: str | Path | None = None,
+    errors_path: str | Path | None = None,
+    stats_path: str | Path | None = None,
+    dtype: str = "auto",
+    backend: Backend | None = None,
+) -> dict:
     """Generate the completion shard for one prompt shard (the ``generate_completions`` rule's entry).
 
     Args:
@@ -147,8 +167,17 @@ def generate_shard(prompt_shard: str | Path, out_path: str | Path, *, target_dir
     template_kwargs(gen_cfg["thinking"])  # validates the mode
     progress = ProgressLog(paths.progress, _fingerprint(gen_cfg["backend"], gen_cfg, target_dir, chat_template))
     done = _resumable(progress, prompts)
-    backend, model_name = _backend_and_model(backend, done, prompts, paths, gen_cfg, target_dir=target_dir, dtype=dtype,
-                                             chat_template=chat_template, trust_remote_code=trust_remote_code)
+    backend, model_name = _backend_and_model(
+        backend,
+        done,
+        prompts,
+        paths,
+        gen_cfg,
+        target_dir=target_dir,
+        dtype=dtype,
+        chat_template=chat_template,
+        trust_remote_code=trust_remote_code,
+    )
     pending = [p for p in prompts if p["prompt_id"] not in done]
     # conversations that cannot fit the target's context are skipped and counted, never sent
     skipped = _skip_too_long(pending, target_dir, gen_cfg, chat_template, trust_remote_code, paths)
@@ -158,8 +187,9 @@ def generate_shard(prompt_shard: str | Path, out_path: str | Path, *, target_dir
         log.info("%s: resuming, %d of %d conversations already finished", paths.out, resumed, len(prompts))
     failed, backend_stats = {}, {}  # prompt_id -> error record; the backend's counters of this run
     if pending:
-        model_name, backend_stats = _generate(backend, pending, gen_cfg, progress, paths,
-                                              _Sink(done, failed, len(prompts), skipped))
+        model_name, backend_stats = _generate(
+            backend, pending, gen_cfg, progress, paths, _Sink(done, failed, len(prompts), skipped)
+        )
         prompts = _without(prompts, skipped)  # the backend may have skipped more (a later turn outgrew the context)
     records = _final_records(prompts, done, failed, gen_cfg, paths)
     skip_info = _skip_summary(skipped)
@@ -167,17 +197,26 @@ def generate_shard(prompt_shard: str | Path, out_path: str | Path, *, target_dir
     paths.progress.unlink(missing_ok=True)
     if not failed:
         paths.errors.unlink(missing_ok=True)
-    stats = shard_stats(paths.out, backend=gen_cfg["backend"], model=model_name, records=records,
-                        generated_ids={p["prompt_id"] for p in pending}, resumed=resumed,
-                        wall_s=time.monotonic() - t_start, backend_stats=backend_stats, skip_info=skip_info)
+    stats = shard_stats(
+        paths.out,
+        backend=gen_cfg["backend"],
+        model=model_name,
+        records=records,
+        generated_ids={p["prompt_id"] for p in pending},
+        resumed=resumed,
+        wall_s=time.monotonic() - t_start,
+        backend_stats=backend_stats,
+        skip_info=skip_info,
+    )
     _console_summary(paths, stats)
     if stats_path is not None:
         shards.write_json(stats_path, stats, skip_if_identical=False)
     return stats
 
 
-def _backend_and_model(backend: Backend | None, done: dict, prompts: Sequence[dict], paths: _Paths, gen_cfg: dict,
-                       **backend_kw) -> tuple[Backend | None, str | None]:
+def _backend_and_model(
+    backend: Backend | None, done: dict, prompts: Sequence[dict], paths: _Paths, gen_cfg: dict, **backend_kw
+) -> tuple[Backend | None, str | None]:
     """The backend that generates what ``done`` lacks (built by :func:`make_backend` with ``backend_kw``
     unless given; none is built when nothing is left) and the shard's model name so far: the one this
     run sends when records were resumed (:func:`_resumed_model`, which drops from ``done`` the records
@@ -202,10 +241,20 @@ def _console_summary(paths: _Paths, stats: dict) -> None:
     from dflash_pipeline.core.console import console
 
     run = stats["run"]
-    console("%s: %d ok, %d truncated, %d error, %d skipped as too_long; %d turns, %d completion tokens; this run "
-            "%d generated, %d resumed in %.1f s", paths.out, stats["ok"], stats["truncated"], stats["error"],
-            stats["skipped"]["too_long"], stats["turns"], stats["completion_tokens"], run["generated"],
-            run["resumed"], run["wall_s"])
+    console(
+        "%s: %d ok, %d truncated, %d error, %d skipped as too_long; %d turns, %d completion tokens; this run "
+        "%d generated, %d resumed in %.1f s",
+        paths.out,
+        stats["ok"],
+        stats["truncated"],
+        stats["error"],
+        stats["skipped"]["too_long"],
+        stats["turns"],
+        stats["completion_tokens"],
+        run["generated"],
+        run["resumed"],
+        run["wall_s"],
+    )
 
 
 def _skip_too_long(pending, target_dir, gen_cfg, chat_template, trust_remote_code, paths) -> dict[str, dict]:
@@ -217,16 +266,27 @@ def _skip_too_long(pending, target_dir, gen_cfg, chat_template, trust_remote_cod
     try:
         tok = load_tokenizer(target_dir, chat_template=chat_template, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, ConfigError) as exc:
-        log.warning("%s: no target tokenizer to check prompt lengths against max_position_embeddings=%d (%s)",
-                    paths.out, limit, exc)
+        log.warning(
+            "%s: no target tokenizer to check prompt lengths against max_position_embeddings=%d (%s)",
+            paths.out,
+            limit,
+            exc,
+        )
         return {}
     found = too_long_prompts(pending, tok, gen_cfg, limit)
     if found:
         first = next(iter(found.values()))
-        log.warning("%s: %d prompts skipped as too_long: their prompt plus generation.max_tokens=%d exceeds the "
-                    "target's max_position_embeddings=%d (first: prompt %s, %d prompt tokens); drop them earlier "
-                    "with prompts.max_prompt_tokens", paths.out, len(found), gen_cfg["max_tokens"], limit,
-                    first["prompt_id"], first["prompt_tokens"])
+        log.warning(
+            "%s: %d prompts skipped as too_long: their prompt plus generation.max_tokens=%d exceeds the "
+            "target's max_position_embeddings=%d (first: prompt %s, %d prompt tokens); drop them earlier "
+            "with prompts.max_prompt_tokens",
+            paths.out,
+            len(found),
+            gen_cfg["max_tokens"],
+            limit,
+            first["prompt_id"],
+            first["prompt_tokens"],
+        )
     return found
 
 
@@ -234,8 +294,7 @@ def _skip_summary(skipped: dict[str, dict]) -> dict:
     """``{"skipped": {reason: n}, "skipped_examples": {reason: [example, ...]}}`` (examples bounded by
     ``MAX_SKIPPED_EXAMPLES``) for the shard's stats and metadata; all skips so far are ``too_long``."""
     examples = list(skipped.values())
-    return {"skipped": {"too_long": len(examples)},
-            "skipped_examples": {"too_long": examples[:MAX_SKIPPED_EXAMPLES]}}
+    return {"skipped": {"too_long": len(examples)}, "skipped_examples": {"too_long": examples[:MAX_SKIPPED_EXAMPLES]}}
 
 
 @dataclass(frozen=True)
@@ -249,8 +308,11 @@ class _Paths:
     @classmethod
     def of(cls, out_path, progress_path, errors_path) -> "_Paths":
         out = Path(out_path)
-        return cls(out, Path(progress_path) if progress_path else Path(str(out) + PROGRESS_SUFFIX),
-                   Path(errors_path) if errors_path else Path(str(out) + ERRORS_SUFFIX))
+        return cls(
+            out,
+            Path(progress_path) if progress_path else Path(str(out) + PROGRESS_SUFFIX),
+            Path(errors_path) if errors_path else Path(str(out) + ERRORS_SUFFIX),
+        )
 
 
 def _resumable(progress: ProgressLog, prompts: Sequence[dict]) -> dict[str, dict]:
@@ -261,8 +323,12 @@ def _resumable(progress: ProgressLog, prompts: Sequence[dict]) -> dict[str, dict
 
 def _stopped(exc: GenerationError, paths: _Paths, done: dict, n_prompts: int) -> GenerationError:
     """``exc`` with the shard named and what a rerun keeps (``done``: the finished records so far)."""
-    kept = (f"{len(done)} of {n_prompts} conversations are finished and kept in {paths.progress}; rerunning "
-            f"sends only the rest" if done else f"none of the {n_prompts} conversations is finished yet")
+    kept = (
+        f"{len(done)} of {n_prompts} conversations are finished and kept in {paths.progress}; rerunning "
+        f"sends only the rest"
+        if done
+        else f"none of the {n_prompts} conversations is finished yet"
+    )
     return GenerationError(f"{paths.out}: {str(exc).rstrip('.')}. {kept}")
 
 
@@ -297,10 +363,19 @@ class _Sink:
             return
         if record["status"] == "error":
             self.failed[record["prompt_id"]] = record
-            self.err_fh.write(json.dumps({
-                "prompt_id": record["prompt_id"], "dataset": record["dataset"], "error": record["error"],
-                "turns_done": len(record["turns"]), "model": record["model"],
-            }, ensure_ascii=False) + "\n")
+            self.err_fh.write(
+                json.dumps(
+                    {
+                        "prompt_id": record["prompt_id"],
+                        "dataset": record["dataset"],
+                        "error": record["error"],
+                        "turns_done": len(record["turns"]),
+                        "model": record["model"],
+                    },
+                    ensure_ascii=False,
+                )
+                + "\n"
+            )
             self.err_fh.flush()
         else:
             self.done[record["prompt_id"]] = record
@@ -308,8 +383,9 @@ class _Sink:
         self.bar.update(record)
 
 
-def _generate(backend: Backend, pending: Sequence[dict], gen_cfg: dict, progress: ProgressLog, paths: _Paths,
-              sink: _Sink) -> tuple[str, dict]:
+def _generate(
+    backend: Backend, pending: Sequence[dict], gen_cfg: dict, progress: ProgressLog, paths: _Paths, sink: _Sink
+) -> tuple[str, dict]:
     """Run ``backend`` on ``pending``, every record into ``sink``. Returns ``(model, backend stats)``."""
     info = RunInfo(model=backend.model, sampling=canonical_json(sampling_params(gen_cfg)), thinking=gen_cfg["thinking"])
     progress.open(sink.done.values())
@@ -334,7 +410,9 @@ def _final_records(prompts: Sequence[dict], done: dict, failed: dict, gen_cfg: d
     backend bug) or more than ``max_error_fraction`` of the shard failed."""
     missing = [p["prompt_id"] for p in prompts if p["prompt_id"] not in done and p["prompt_id"] not in failed]
     if missing:  # a backend bug, never silently dropped
-        raise GenerationError(f"{paths.out}: backend returned no record for {len(missing)} prompts (first: {missing[0]})")
+        raise GenerationError(
+            f"{paths.out}: backend returned no record for {len(missing)} prompts (first: {missing[0]})"
+        )
     n_err = len(failed)
     if n_err > gen_cfg["max_error_fraction"] * len(prompts):
         first = next(iter(failed.values()))
@@ -347,8 +425,14 @@ def _final_records(prompts: Sequence[dict], done: dict, failed: dict, gen_cfg: d
     return [done.get(p["prompt_id"]) or failed[p["prompt_id"]] for p in prompts]
 
 
-def _write_shard(out_path: Path, records: list[dict], gen_cfg: dict, model_name: str | None, prompt_shard,
-                 skip_info: dict | None = None) -> None:
+def _write_shard(
+    out_path: Path,
+    records: list[dict],
+    gen_cfg: dict,
+    model_name: str | None,
+    prompt_shard,
+    skip_info: dict | None = None,
+) -> None:
     """The completion shard (atomic), with its metadata."""
     counts = Counter(r["status"] for r in records)
     meta = {

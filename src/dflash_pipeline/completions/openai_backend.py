@@ -74,7 +74,8 @@ def _response_facts(data: dict, choice: dict) -> dict:
     prompt_ids = _first_present(data.get("prompt_token_ids"), choice.get("prompt_token_ids"), ext.get("input_ids"))
     out_ids = _first_present(choice.get("token_ids"), choice.get("output_token_ids"), ext_out)
     return {
-        "prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens"),
+        "prompt_tokens": usage.get("prompt_tokens"),
+        "completion_tokens": usage.get("completion_tokens"),
         "prompt_token_ids": list(prompt_ids) if prompt_ids is not None else None,
         "output_token_ids": list(out_ids) if out_ids is not None else None,
     }
@@ -105,7 +106,8 @@ def _ids_ignored_error(ep: _Endpoint, fields: str) -> ConfigError:
         f"non-streaming chat and completions) and in the response's sglext from PR #34488 "
         f"(return_input_ids_in_sglext + return_output_ids_in_sglext); vLLM with return_token_ids (vllm-project/vllm "
         f"PR #22587). Upgrade the server, or drop the field from generation.extra_body (records then carry no "
-        f"ids and the tokens stage renders the chat template)")
+        f"ids and the tokens stage renders the chat template)"
+    )
 
 
 def _aiohttp_client(max_concurrency: int, timeout_s: float):
@@ -139,8 +141,15 @@ class OpenAIBackend:
             ``target_dir`` or with ``extra_body.chat_template_kwargs``.
     """
 
-    def __init__(self, gen_cfg: dict, *, target_dir=None, chat_template=None, trust_remote_code=False,
-                 resolved_model: str | None = None):
+    def __init__(
+        self,
+        gen_cfg: dict,
+        *,
+        target_dir=None,
+        chat_template=None,
+        trust_remote_code=False,
+        resolved_model: str | None = None,
+    ):
         problems = generation_problems(gen_cfg, target_dir=target_dir, backend="openai")
         if problems:
             raise ConfigError("; ".join(problems))
@@ -152,14 +161,20 @@ class OpenAIBackend:
             self.tok = load_tokenizer(target_dir, chat_template=chat_template, trust_remote_code=trust_remote_code)
             # Templates that open <think> in the generation prompt (DeepSeek-R1, Qwen3 thinking-2507) make
             # the completion start inside the reasoning; known once per template and mode.
-            probe = render(self.tok, [{"role": "user", "content": "x"}], thinking=gen_cfg["thinking"], add_generation_prompt=True)
+            probe = render(
+                self.tok, [{"role": "user", "content": "x"}], thinking=gen_cfg["thinking"], add_generation_prompt=True
+            )
             self._opens_think = probe.rstrip().endswith("<think>")
         # raw mode renders each turn here, so a turn that outgrows the target's context is skipped, not sent
         self.context_limit = context_limit(target_dir) if self.api == "completions" else None
         self.model = gen_cfg["model"] or resolved_model or ""
         self._probed = False  # whether resolve_model/_discover checked the fleet's /models in this process
         # what a client process needs to build its own copy (keys come from its inherited environment)
-        self._init_kw = {"target_dir": target_dir, "chat_template": chat_template, "trust_remote_code": trust_remote_code}
+        self._init_kw = {
+            "target_dir": target_dir,
+            "chat_template": chat_template,
+            "trust_remote_code": trust_remote_code,
+        }
         self._keys = [os.environ[ep["api_key_env"]] if ep["api_key_env"] else "EMPTY" for ep in gen_cfg["endpoints"]]
         self.stats: Counter = Counter()
         self._asks_ids = asked_token_ids(gen_cfg["extra_body"])
@@ -172,22 +187,36 @@ class OpenAIBackend:
             cap = int(ep_cfg["max_concurrency"])
             http_client = _aiohttp_client(cap, float(self.cfg["request_timeout_s"]))
             client = openai.AsyncOpenAI(
-                base_url=ep_cfg["base_url"], api_key=key, max_retries=0,
-                timeout=float(self.cfg["request_timeout_s"]), http_client=http_client,
+                base_url=ep_cfg["base_url"],
+                api_key=key,
+                max_retries=0,
+                timeout=float(self.cfg["request_timeout_s"]),
+                http_client=http_client,
             )
-            eps.append(_Endpoint(url=redact_url(ep_cfg["base_url"]), client=client, max_concurrency=cap,
-                                 key_env=ep_cfg["api_key_env"]))
+            eps.append(
+                _Endpoint(
+                    url=redact_url(ep_cfg["base_url"]),
+                    client=client,
+                    max_concurrency=cap,
+                    key_env=ep_cfg["api_key_env"],
+                )
+            )
         return _Fleet(eps, self.cfg, model=self.model or None)
 
     def _request_kwargs(self, history: list[dict]) -> dict:
         cfg = self.cfg
         kw: dict[str, Any] = {
-            "model": self.model, "messages": history, "max_tokens": cfg["max_tokens"],
-            "temperature": cfg["temperature"], "top_p": cfg["top_p"],
+            "model": self.model,
+            "messages": history,
+            "max_tokens": cfg["max_tokens"],
+            "temperature": cfg["temperature"],
+            "top_p": cfg["top_p"],
         }
         if self.api == "completions":  # token ids of the local render (no second BOS; see the module doc)
             del kw["messages"]
-            kw["prompt"] = render(self.tok, history, thinking=cfg["thinking"], add_generation_prompt=True, tokenize=True)
+            kw["prompt"] = render(
+                self.tok, history, thinking=cfg["thinking"], add_generation_prompt=True, tokenize=True
+            )
         if cfg["seed"] is not None:
             kw["seed"] = cfg["seed"]
         extra = dict(cfg["extra_body"])
@@ -217,8 +246,12 @@ class OpenAIBackend:
         reasoning, content = take_reasoning(content, self.cfg["thinking"], field=reasoning)
         reasoning = check_thinking(self.cfg["thinking"], reasoning, require_reasoning=True)
         return Turn(
-            content=content, reasoning_content=reasoning, finish_reason=choice.get("finish_reason") or "stop",
-            latency_s=round(latency, 6), endpoint=ep.url, **_response_facts(resp, choice),
+            content=content,
+            reasoning_content=reasoning,
+            finish_reason=choice.get("finish_reason") or "stop",
+            latency_s=round(latency, 6),
+            endpoint=ep.url,
+            **_response_facts(resp, choice),
         )
 
     def _parse_text(self, resp, latency: float, ep: _Endpoint) -> Turn:
@@ -237,11 +270,16 @@ class OpenAIBackend:
                 "generation.api=completions it is split from the text); the target did not think under its "
                 "template with enable_thinking=true"
             )
-        reasoning = check_thinking(self.cfg["thinking"], reasoning, require_reasoning=False,
-                                   disable_hint=DISABLE_HINT_LOCAL)
+        reasoning = check_thinking(
+            self.cfg["thinking"], reasoning, require_reasoning=False, disable_hint=DISABLE_HINT_LOCAL
+        )
         return Turn(
-            content=content, reasoning_content=reasoning, finish_reason=choice.get("finish_reason") or "stop",
-            latency_s=round(latency, 6), endpoint=ep.url, **_response_facts(resp, choice),
+            content=content,
+            reasoning_content=reasoning,
+            finish_reason=choice.get("finish_reason") or "stop",
+            latency_s=round(latency, 6),
+            endpoint=ep.url,
+            **_response_facts(resp, choice),
         )
 
     def _request(self, history: list[dict]) -> tuple[str, dict]:
@@ -264,8 +302,9 @@ class OpenAIBackend:
 
         t0 = time.monotonic()
         try:
-            raw = await asyncio.wait_for(ep.client.post(path, cast_to=bytes, body=body),
-                                         float(self.cfg["request_timeout_s"]))
+            raw = await asyncio.wait_for(
+                ep.client.post(path, cast_to=bytes, body=body), float(self.cfg["request_timeout_s"])
+            )
             resp = json.loads(raw)
         except openai.APIStatusError as exc:
             header = exc.response.headers.get("retry-after") if exc.response is not None else None
@@ -312,10 +351,15 @@ class OpenAIBackend:
             if attempt > self.cfg["max_retries"]:
                 raise RowError(f"gave up after {attempt} attempts; last: {failure.error} from {ep.url}")
             self.stats["retries"] += 1
-            await asyncio.sleep(retry.retry_delay(
-                attempt, base_s=float(self.cfg["retry_backoff_s"]), max_s=float(self.cfg["retry_backoff_max_s"]),
-                retry_after=failure.retry_after, jitter=random.random(),
-            ))
+            await asyncio.sleep(
+                retry.retry_delay(
+                    attempt,
+                    base_s=float(self.cfg["retry_backoff_s"]),
+                    max_s=float(self.cfg["retry_backoff_max_s"]),
+                    retry_after=failure.retry_after,
+                    jitter=random.random(),
+                )
+            )
 
     async def _conversation(self, fleet: _Fleet, prompt: dict, info: RunInfo) -> dict:
         history: list[dict] = []
@@ -325,10 +369,18 @@ class OpenAIBackend:
             if m["role"] != "user":
                 continue
             if self.context_limit:
-                n = len(render(self.tok, history, thinking=self.cfg["thinking"], add_generation_prompt=True, tokenize=True))
+                n = len(
+                    render(self.tok, history, thinking=self.cfg["thinking"], add_generation_prompt=True, tokenize=True)
+                )
                 if n + self.cfg["max_tokens"] > self.context_limit:
-                    return skipped_record(prompt, "too_long", turn=len(turns), prompt_tokens=n,
-                                          max_tokens=self.cfg["max_tokens"], max_position_embeddings=self.context_limit)
+                    return skipped_record(
+                        prompt,
+                        "too_long",
+                        turn=len(turns),
+                        prompt_tokens=n,
+                        max_tokens=self.cfg["max_tokens"],
+                        max_position_embeddings=self.context_limit,
+                    )
             try:
                 turn = await self._complete(fleet, list(history))
             except RowError as exc:
@@ -391,8 +443,13 @@ class OpenAIBackend:
         cap = min(int(ep["max_concurrency"]) for ep in self.cfg["endpoints"])
         n = min(want, n_prompts, cap)
         if n < want:
-            log.info("generation.client_processes=%d: using %d (prompts left: %d, smallest endpoint max_concurrency: %d)",
-                     want, n, n_prompts, cap)
+            log.info(
+                "generation.client_processes=%d: using %d (prompts left: %d, smallest endpoint max_concurrency: %d)",
+                want,
+                n,
+                n_prompts,
+                cap,
+            )
         return n
 
     async def _discover(self) -> None:
@@ -404,4 +461,3 @@ class OpenAIBackend:
         finally:
             await fleet.close()
         self._probed = True
-

@@ -21,8 +21,6 @@ from dflash_pipeline.core.errors import DataError
 OnDone = Callable[[dict], None]
 
 
-
-
 @dataclass
 class Turn:
     """One generated assistant turn (fields as in ``contracts.TURN_TYPE`` plus the two texts)."""
@@ -145,8 +143,14 @@ def skipped_record(prompt: dict, reason: str, **example) -> dict:
     """The marker a backend reports (``on_done``) for a conversation it skipped without generating it
     (``reason``, e.g. ``too_long``; ``example``: why, e.g. ``prompt_tokens``, ``limit``). It never goes into
     the shard: :func:`dflash_pipeline.completions.generate_shard` counts it in the stats with an example."""
-    return {"prompt_id": prompt["prompt_id"], "dataset": prompt["dataset"], "status": "skipped", "turns": [],
-            "reason": reason, "example": {"prompt_id": prompt["prompt_id"], **example}}
+    return {
+        "prompt_id": prompt["prompt_id"],
+        "dataset": prompt["dataset"],
+        "status": "skipped",
+        "turns": [],
+        "reason": reason,
+        "example": {"prompt_id": prompt["prompt_id"], **example},
+    }
 
 
 def cut_at_eos(new: list[int], eos_ids) -> tuple[list[int], bool]:
@@ -172,7 +176,7 @@ def split_reasoning(text: str, *, opened: bool = False) -> tuple[str | None, str
     """
     body = text.lstrip()
     if body.startswith("<think>"):
-        body = body[len("<think>"):]
+        body = body[len("<think>") :]
     elif not opened:
         return None, text
     head, sep, tail = body.partition("</think>")
@@ -181,7 +185,9 @@ def split_reasoning(text: str, *, opened: bool = False) -> tuple[str | None, str
     return head.strip("\n"), tail.lstrip("\n")
 
 
-def take_reasoning(text: str, thinking: str, *, field: str | None = None, opened: bool = False) -> tuple[str | None, str]:
+def take_reasoning(
+    text: str, thinking: str, *, field: str | None = None, opened: bool = False
+) -> tuple[str | None, str]:
     """``(reasoning, content)`` of one generated answer, reasoning taken only where it is:
 
     * ``field``: the server's own reasoning field (vLLM ``message.reasoning``, SGLang and older vLLM
@@ -203,12 +209,15 @@ def take_reasoning(text: str, thinking: str, *, field: str | None = None, opened
 
 #: Why a thinking=disable answer can still carry reasoning, by where the prompt was rendered.
 DISABLE_HINT_SERVER = "the server's chat template ignores chat_template_kwargs (check the served template)"
-DISABLE_HINT_LOCAL = ("the target thought although its template was rendered here with enable_thinking=false; "
-                      "use a template that honours it (target.chat_template) or generation.thinking=none")
+DISABLE_HINT_LOCAL = (
+    "the target thought although its template was rendered here with enable_thinking=false; "
+    "use a template that honours it (target.chat_template) or generation.thinking=none"
+)
 
 
-def check_thinking(thinking: str, reasoning: str | None, *, require_reasoning: bool,
-                   disable_hint: str = DISABLE_HINT_SERVER) -> str | None:
+def check_thinking(
+    thinking: str, reasoning: str | None, *, require_reasoning: bool, disable_hint: str = DISABLE_HINT_SERVER
+) -> str | None:
     """Normalize ``reasoning`` for a thinking mode (``disable_hint``: the cause named when a ``disable``
     answer carries reasoning).
 

@@ -76,8 +76,9 @@ def retry_delay(attempt: int, *, base_s: float, max_s: float, retry_after: float
     return d
 
 
-def status_failure(status: int, error: str, retry_after_header: str | None = None,
-                   exc: BaseException | None = None) -> Failure:
+def status_failure(
+    status: int, error: str, retry_after_header: str | None = None, exc: BaseException | None = None
+) -> Failure:
     """The :class:`Failure` of an HTTP error answer (``status``, its one-line ``error``, its
     ``Retry-After`` header value, read for 429 only)."""
     if status in AUTH_STATUS:

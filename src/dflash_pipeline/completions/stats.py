@@ -33,8 +33,14 @@ class _Progress:
 
         tty = sys.stderr.isatty()
         self.bar = tqdm(
-            total=total, initial=initial, desc=desc, file=sys.stderr, mininterval=0.5 if tty else 30.0,
-            dynamic_ncols=True, unit="conv", leave=True,
+            total=total,
+            initial=initial,
+            desc=desc,
+            file=sys.stderr,
+            mininterval=0.5 if tty else 30.0,
+            dynamic_ncols=True,
+            unit="conv",
+            leave=True,
         )
         self.counts: Counter = Counter(r["status"] for r in resumed_records)
         self.t0 = time.monotonic()
@@ -75,13 +81,21 @@ class _Progress:
         self._last_tenth, self._last_console = (n * 10 // total if total else 0), now
         dt = max(now - self.t0, 1e-9)
         c = self.counts
-        console("%s: %d/%d conversations (ok %d, truncated %d, error %d%s), %.1f req/s, %.0f tok/s",
-                self.bar.desc, n, total, c["ok"], c["truncated"], c["error"],
-                f", skipped {c['skipped']}" if c["skipped"] else "", self.turns / dt, self.out_tokens / dt)
+        console(
+            "%s: %d/%d conversations (ok %d, truncated %d, error %d%s), %.1f req/s, %.0f tok/s",
+            self.bar.desc,
+            n,
+            total,
+            c["ok"],
+            c["truncated"],
+            c["error"],
+            f", skipped {c['skipped']}" if c["skipped"] else "",
+            self.turns / dt,
+            self.out_tokens / dt,
+        )
 
     def close(self) -> None:
         self.bar.close()
-
 
 
 def fleet_stats(counts: Counter, endpoints: Sequence) -> dict:
@@ -115,9 +129,18 @@ def _tokens(turns: list[dict], key: str) -> int:
     return sum(t.get(key) or 0 for t in turns)
 
 
-def shard_stats(out_path: Path, *, backend: str, model: str | None, records: Sequence[dict],
-                generated_ids: set[str], resumed: int, wall_s: float, backend_stats: dict,
-                skip_info: dict | None = None) -> CompletionStats:
+def shard_stats(
+    out_path: Path,
+    *,
+    backend: str,
+    model: str | None,
+    records: Sequence[dict],
+    generated_ids: set[str],
+    resumed: int,
+    wall_s: float,
+    backend_stats: dict,
+    skip_info: dict | None = None,
+) -> CompletionStats:
     """The stats JSON of one completion shard (:class:`contracts.CompletionStats`, version
     :data:`contracts.COMPLETION_STATS_VERSION`; see :func:`dflash_pipeline.completions.generate_shard`):
     the whole shard's counts at the top level, this run's in ``run``.
@@ -148,7 +171,9 @@ def shard_stats(out_path: Path, *, backend: str, model: str | None, records: Seq
         "conversations_per_s": rate(len(generated_ids)),
         "requests_per_s": rate(len(gen_turns)),
         "output_tokens_per_s": rate(_tokens(gen_turns, "completion_tokens")),
-        "requests": 0, "attempts": 0, "retries": 0,
+        "requests": 0,
+        "attempts": 0,
+        "retries": 0,
         **backend_stats,
     }
     return {

@@ -91,7 +91,9 @@ class TransformersBackend:
         self.context_limit = getattr(text_cfg, "max_position_embeddings", None)
         # a template that opens <think> in its generation prompt (DeepSeek-R1, Qwen3 thinking-2507) makes the
         # output start inside the reasoning
-        probe = render(self.tok, [{"role": "user", "content": "x"}], thinking=gen_cfg["thinking"], add_generation_prompt=True)
+        probe = render(
+            self.tok, [{"role": "user", "content": "x"}], thinking=gen_cfg["thinking"], add_generation_prompt=True
+        )
         self._opens_think = probe.rstrip().endswith("<think>")
 
     def _generate(self, prompts_ids: list[list[int]]) -> tuple[list[list[int]], float]:
@@ -100,11 +102,9 @@ class TransformersBackend:
         ids = torch.full((len(prompts_ids), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, p in enumerate(prompts_ids):  # left padding
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
-        kw: dict[str, Any] = dict(
-            max_new_tokens=cfg["max_tokens"], eos_token_id=self.eos_ids, pad_token_id=self.pad_id
-        )
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        kw: dict[str, Any] = dict(max_new_tokens=cfg["max_tokens"], eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
         if cfg["temperature"] > 0:
             kw.update(do_sample=True, temperature=cfg["temperature"], top_p=cfg["top_p"], top_k=cfg["top_k"] or 0)
             if cfg["seed"] is not None:
@@ -121,14 +121,22 @@ class TransformersBackend:
     def _turn(self, prompt_ids: list[int], new: list[int], latency: float) -> Turn:
         new, stop = cut_at_eos(new, self.eos_ids)
         body = new[:-1] if stop else new
-        reasoning, content = take_reasoning(self.tok.decode(body, skip_special_tokens=True), self.cfg["thinking"],
-                                            opened=self._opens_think)
-        reasoning = check_thinking(self.cfg["thinking"], reasoning, require_reasoning=False,
-                                   disable_hint=DISABLE_HINT_LOCAL)
+        reasoning, content = take_reasoning(
+            self.tok.decode(body, skip_special_tokens=True), self.cfg["thinking"], opened=self._opens_think
+        )
+        reasoning = check_thinking(
+            self.cfg["thinking"], reasoning, require_reasoning=False, disable_hint=DISABLE_HINT_LOCAL
+        )
         return Turn(
-            content=content, reasoning_content=reasoning, finish_reason="stop" if stop else "length",
-            prompt_tokens=len(prompt_ids), completion_tokens=len(new), prompt_token_ids=list(prompt_ids),
-            output_token_ids=list(new), latency_s=round(latency, 6), endpoint="transformers",
+            content=content,
+            reasoning_content=reasoning,
+            finish_reason="stop" if stop else "length",
+            prompt_tokens=len(prompt_ids),
+            completion_tokens=len(new),
+            prompt_token_ids=list(prompt_ids),
+            output_token_ids=list(new),
+            latency_s=round(latency, 6),
+            endpoint="transformers",
         )
 
     def resolve_model(self) -> str:
@@ -149,15 +157,23 @@ class TransformersBackend:
             fits = []
             for c in active:
                 if len(c.ids) + self.cfg["max_tokens"] > limit:
-                    on_done(skipped_record(c.prompt, "too_long", turn=len(c.turns), prompt_tokens=len(c.ids),
-                                           max_tokens=self.cfg["max_tokens"], max_position_embeddings=limit))
+                    on_done(
+                        skipped_record(
+                            c.prompt,
+                            "too_long",
+                            turn=len(c.turns),
+                            prompt_tokens=len(c.ids),
+                            max_tokens=self.cfg["max_tokens"],
+                            max_position_embeddings=limit,
+                        )
+                    )
                 else:
                     fits.append(c)
             active = fits
         active.sort(key=lambda c: -len(c.ids))
         still: list[_Conversation] = []
         for b in range(0, len(active), bs):
-            batch = active[b:b + bs]
+            batch = active[b : b + bs]
             outs, dt = self._generate([c.ids for c in batch])
             self._requests += len(batch)
             for c, new in zip(batch, outs):
@@ -187,7 +203,7 @@ class TransformersBackend:
         chunk = self.cfg["batch_size"] * 4
         self._requests = 0
         for start in range(0, len(convs), chunk):
-            active = convs[start:start + chunk]
+            active = convs[start : start + chunk]
             while active:
                 active = self._round(active, on_done, info)
         return {"requests": self._requests, "attempts": self._requests, "retries": 0}

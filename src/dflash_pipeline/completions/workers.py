@@ -55,7 +55,6 @@ def _split_caps(gen_cfg: dict, n: int) -> list[dict]:
     return out
 
 
-
 # ------------------------------------------------------------------------------------------------
 # the client process
 
@@ -136,8 +135,9 @@ async def serve(backend: OpenAIBackend, tasks, emit: OnDone, info: RunInfo, stop
             feed.refill()
             emit(await backend._conversation(fleet, prompt, info))
 
-    threading.Thread(target=_cancel_on_stop, args=(stop, loop, asyncio.current_task()), daemon=True,
-                     name="stop-watch").start()
+    threading.Thread(
+        target=_cancel_on_stop, args=(stop, loop, asyncio.current_task()), daemon=True, name="stop-watch"
+    ).start()
     workers = []
     try:
         await fleet.start()
@@ -154,7 +154,6 @@ async def serve(backend: OpenAIBackend, tasks, emit: OnDone, info: RunInfo, stop
         await asyncio.gather(*workers, return_exceptions=True)
         await fleet.close()
     return fleet_stats(backend.stats, fleet.eps)
-
 
 
 class _ForwardLog(logging.Handler):
@@ -198,8 +197,9 @@ def _die_with_parent(ppid: int) -> None:
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
-def _client_process(wid: int, ppid: int, gen_cfg: dict, init_kw: dict, info: RunInfo, tasks, results, stop,
-                    log_level: int) -> None:
+def _client_process(
+    wid: int, ppid: int, gen_cfg: dict, init_kw: dict, info: RunInfo, tasks, results, stop, log_level: int
+) -> None:
     """Entry point of client process ``wid`` (spawned by :func:`run_client_processes`)."""
     _die_with_parent(ppid)
     root = logging.getLogger()
@@ -250,8 +250,6 @@ class _BareMain:
     def __exit__(self, *exc):
         if self.saved is not None:
             sys.modules["__main__"] = self.saved
-
-
 
 
 # ------------------------------------------------------------------------------------------------
@@ -337,8 +335,9 @@ def _shutdown(procs: list, stop, tasks, results) -> None:
     results.close()
 
 
-def run_client_processes(backend: OpenAIBackend, prompts: Sequence[dict], on_done: OnDone, info: RunInfo,
-                         n: int) -> dict:
+def run_client_processes(
+    backend: OpenAIBackend, prompts: Sequence[dict], on_done: OnDone, info: RunInfo, n: int
+) -> dict:
     """:meth:`OpenAIBackend.run` over ``n`` client processes (see the module doc). Returns the merged
     :func:`stats.fleet_stats` plus ``client_processes``. Raises the first process's ConfigError or
     GenerationError (a crashed process: GenerationError)."""
@@ -353,13 +352,15 @@ def run_client_processes(backend: OpenAIBackend, prompts: Sequence[dict], on_don
     stop = ctx.RawValue("b", 0)  # set by the parent: end in-flight conversations and hand back what finished
     k = max(1, min(_TASK_BATCH, len(prompts) // (4 * n)))
     for i in range(0, len(prompts), k):
-        tasks.put(list(prompts[i:i + k]))
+        tasks.put(list(prompts[i : i + k]))
     for _ in range(n):
         tasks.put(None)
     level = logging.getLogger(__package__).getEffectiveLevel()
     procs = [
         ctx.Process(
-            target=_client_process, name=f"dflash-client-{i}", daemon=True,
+            target=_client_process,
+            name=f"dflash-client-{i}",
+            daemon=True,
             args=(i, os.getpid(), c, init_kw, info, tasks, results, stop, level),
         )
         for i, c in enumerate(_split_caps(backend.cfg, n))

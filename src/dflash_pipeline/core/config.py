@@ -65,8 +65,16 @@ def _describe(err: jsonschema.ValidationError) -> str:
     value = strip_url_credentials(repr(err.instance))
     value = value if len(value) <= 60 else value[:57] + "..."
     msg = err.message if len(err.message) <= 200 else err.message[:197] + "..."
-    expect = {"type": "type", "enum": "one of", "minimum": ">=", "maximum": "<=", "exclusiveMinimum": ">",
-              "exclusiveMaximum": "<", "pattern": "a match of", "minLength": "length >="}.get(str(err.validator))
+    expect = {
+        "type": "type",
+        "enum": "one of",
+        "minimum": ">=",
+        "maximum": "<=",
+        "exclusiveMinimum": ">",
+        "exclusiveMaximum": "<",
+        "pattern": "a match of",
+        "minLength": "length >=",
+    }.get(str(err.validator))
     if expect is not None:
         msg = f"{value} is not valid: expected {expect} {err.validator_value!r}"
     return f"`{where or '<top level>'}`: {msg}"
@@ -199,8 +207,9 @@ def schema_defaults(*path: str) -> dict:
     return {k: copy.deepcopy(v["default"]) for k, v in props.items() if "default" in v}
 
 
-def generation_problems(gen: Mapping[str, Any], *, target_dir: Any, backend: str | None = None,
-                        environ: Mapping[str, str] | None = None) -> list[str]:
+def generation_problems(
+    gen: Mapping[str, Any], *, target_dir: Any, backend: str | None = None, environ: Mapping[str, str] | None = None
+) -> list[str]:
     """Cross-field problems of a validated ``generation`` section, one line each (empty: none).
 
     Args:
@@ -215,18 +224,25 @@ def generation_problems(gen: Mapping[str, Any], *, target_dir: Any, backend: str
     if backend == "openai" and not gen["endpoints"]:
         out.append("generation.endpoints: the openai backend needs at least one {base_url: http://host:port/v1}")
     if backend != "openai" and gen["client_processes"] > 1:
-        out.append("generation.client_processes: applies to the openai backend only (transformers generates "
-                   "in-process); leave it at 1")
+        out.append(
+            "generation.client_processes: applies to the openai backend only (transformers generates "
+            "in-process); leave it at 1"
+        )
     if gen["api"] == "completions":
         if backend != "openai":
-            out.append("generation.api: completions applies to the openai backend only (transformers renders "
-                       "locally anyway)")
+            out.append(
+                "generation.api: completions applies to the openai backend only (transformers renders locally anyway)"
+            )
         elif target_dir is None:
-            out.append("generation.api: completions renders prompts locally and needs the target's tokenizer and "
-                       "chat template (target.path)")
+            out.append(
+                "generation.api: completions renders prompts locally and needs the target's tokenizer and "
+                "chat template (target.path)"
+            )
         if "chat_template_kwargs" in gen["extra_body"]:
-            out.append("generation.extra_body.chat_template_kwargs: not applied with generation.api: completions "
-                       "(the prompt is rendered locally; generation.thinking sets the template kwargs)")
+            out.append(
+                "generation.extra_body.chat_template_kwargs: not applied with generation.api: completions "
+                "(the prompt is rendered locally; generation.thinking sets the template kwargs)"
+            )
     if backend != "openai":
         if target_dir is None:
             out.append("generation.backend: transformers needs the target directory (target.path)")
@@ -234,9 +250,11 @@ def generation_problems(gen: Mapping[str, Any], *, target_dir: Any, backend: str
     for i, ep in enumerate(gen["endpoints"]):
         env = ep.get("api_key_env")
         if env and env not in environ:
-            out.append(f"generation.endpoints[{i}].api_key_env: ${env} (the key of "
-                       f"{strip_url_credentials(ep['base_url'])}) is not set; export it (the key itself never goes "
-                       f"into the config)")
+            out.append(
+                f"generation.endpoints[{i}].api_key_env: ${env} (the key of "
+                f"{strip_url_credentials(ep['base_url'])}) is not set; export it (the key itself never goes "
+                f"into the config)"
+            )
     return out
 
 

@@ -41,9 +41,7 @@ PROMPT_SCHEMA = pa.schema(
     ]
 )
 
-CONV_MESSAGE_TYPE = pa.struct(
-    [("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())]
-)
+CONV_MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())])
 TURN_TYPE = pa.struct(
     [
         ("finish_reason", pa.string()),
@@ -114,6 +112,7 @@ def prompt_id(messages: Iterable[dict]) -> str:
 def sha256_text(text: str) -> str:
     """Hex sha256 of a UTF-8 string (used for template and tokenizer hashes)."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
 
 # --- end of the token-shard contract: what is above decides the bytes of a token shard (a change there
 # that alters them bumps dflash_pipeline.workflow.policy.TOKENIZATION_REVISION, which re-tokenizes and retrains
@@ -246,8 +245,20 @@ class CompletionStats(_CompletionStatsOptional):
 
 
 #: This run's keys a version-1 stats file holds at its top level (its ``run`` repeats some of them).
-STATS_V1_RUN_KEYS = ("resumed", "generated", "wall_s", "conversations_per_s", "requests_per_s", "output_tokens_per_s",
-                     "requests", "attempts", "retries", "rate_limited", "endpoints", "client_processes")
+STATS_V1_RUN_KEYS = (
+    "resumed",
+    "generated",
+    "wall_s",
+    "conversations_per_s",
+    "requests_per_s",
+    "output_tokens_per_s",
+    "requests",
+    "attempts",
+    "retries",
+    "rate_limited",
+    "endpoints",
+    "client_processes",
+)
 
 
 def run_stats(stats: Mapping[str, Any]) -> dict:

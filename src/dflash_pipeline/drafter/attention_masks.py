@@ -18,7 +18,11 @@ if TYPE_CHECKING:
 
 
 def build_block_mask(
-    anchors: torch.Tensor, seq_len: int, block_size: int, *, sliding_window: Optional[int] = None,
+    anchors: torch.Tensor,
+    seq_len: int,
+    block_size: int,
+    *,
+    sliding_window: Optional[int] = None,
     block_causal: bool = True,
 ) -> torch.Tensor:
     """Dense training attention mask (dflash.md §4.4), True = attend.
@@ -45,7 +49,7 @@ def build_block_mask(
     q_anchor = anchors[:, q_block]  # [b, Q]
     j = torch.arange(seq_len, device=dev).view(1, 1, -1)
     ctx = j < q_anchor.unsqueeze(-1)  # [b, Q, S]
-    own = (q_block.view(-1, 1) == q_block.view(1, -1))  # [Q, N·B]
+    own = q_block.view(-1, 1) == q_block.view(1, -1)  # [Q, N·B]
     if sliding_window is not None:
         q_pos = (q_anchor + q_off).unsqueeze(-1)  # [b, Q, 1]
         ctx = ctx & (q_pos - j < sliding_window)
@@ -56,8 +60,13 @@ def build_block_mask(
 
 
 def build_flex_block_mask(
-    anchors: torch.Tensor, seq_len: int, block_size: int, *, sliding_window: Optional[int] = None,
-    segment_ids: Optional[torch.Tensor] = None, block_causal: bool = True,
+    anchors: torch.Tensor,
+    seq_len: int,
+    block_size: int,
+    *,
+    sliding_window: Optional[int] = None,
+    segment_ids: Optional[torch.Tensor] = None,
+    block_causal: bool = True,
 ):
     """The same predicate as :func:`build_block_mask` as a FlexAttention ``BlockMask`` (no dense
     [b, Q, S+Q] tensor; dflash.md §4.4). The block index is clamped before the anchor gather.
@@ -102,13 +111,15 @@ def masks_per_layer_type(drafter: "DFlashDrafter", build):
     if "full_attention" in types:
         masks["full_attention"] = build()
     if "sliding_attention" in types:
-        masks["sliding_attention"] = build(sliding_window=drafter.sliding_window,
-                                           block_causal=getattr(drafter, "sliding_block_causal", True))
+        masks["sliding_attention"] = build(
+            sliding_window=drafter.sliding_window, block_causal=getattr(drafter, "sliding_block_causal", True)
+        )
     return next(iter(masks.values())) if len(masks) == 1 else masks
 
 
-def build_inference_sliding_mask(start: int, block_size: int, sliding_window: int, device=None,
-                                 block_causal: bool = True) -> torch.Tensor:
+def build_inference_sliding_mask(
+    start: int, block_size: int, sliding_window: int, device=None, block_causal: bool = True
+) -> torch.Tensor:
     """Inference mask of a sliding layer: block slot k (position start+k) sees context j with
     start+k−j < window, and block slots ≤ k (every slot when not ``block_causal``). bool [1, 1, B, start + B]."""
     k = torch.arange(block_size, device=device).view(-1, 1)
@@ -118,4 +129,3 @@ def build_inference_sliding_mask(start: int, block_size: int, sliding_window: in
     if not block_causal:
         own = torch.ones_like(own)
     return torch.cat([ctx, own], dim=-1).view(1, 1, block_size, start + block_size)
-

@@ -27,7 +27,9 @@ class AnchorBatch:
     keep: torch.Tensor
 
 
-def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: Optional[torch.Generator] = None) -> AnchorBatch:
+def sample_anchors(
+    loss_mask: torch.Tensor, num_anchors: int, generator: Optional[torch.Generator] = None
+) -> AnchorBatch:
     """Draw up to ``num_anchors`` random anchors per sequence, redrawn every step (dflash.md §4.2).
 
     Candidates are positions p ≤ S−2 with ``loss_mask[p] == 1`` and ``loss_mask[p+1] == 1`` (SpecForge
@@ -54,7 +56,6 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: Optiona
     order_key = torch.where(keep, idx, torch.full_like(idx, s + 1))
     order = order_key.argsort(dim=1)
     return AnchorBatch(anchors=idx.gather(1, order), keep=keep.gather(1, order))
-
 
 
 def loss_decay_gamma(block_size: int) -> float:
@@ -143,13 +144,21 @@ def decayed_cross_entropy(
     correct = []
     for i in range(0, hs.shape[0], chunk_tokens):
         part, ok = torch.utils.checkpoint.checkpoint(
-            chunk_loss, hs[i : i + chunk_tokens], ys[i : i + chunk_tokens], ws[i : i + chunk_tokens], use_reentrant=False
+            chunk_loss,
+            hs[i : i + chunk_tokens],
+            ys[i : i + chunk_tokens],
+            ws[i : i + chunk_tokens],
+            use_reentrant=False,
         )
         loss = loss + part
         correct.append(ok)
     denom = total_w if normalizer is None else normalizer.to(loss.device, torch.float32).clamp(min=1e-12)
-    return loss / denom, {"num_slots": int(sel.numel()), "correct": torch.cat(correct), "index": sel,
-                          "weight_sum": float(total_w)}
+    return loss / denom, {
+        "num_slots": int(sel.numel()),
+        "correct": torch.cat(correct),
+        "index": sel,
+        "weight_sum": float(total_w),
+    }
 
 
 def loss_normalizer(local_weight_sum: torch.Tensor, world_size: int, all_reduce_sum=None) -> torch.Tensor:
@@ -184,7 +193,6 @@ def expected_acceptance_length(slot_acc: list[float]) -> float:
         prod *= acc
         tau += prod
     return tau
-
 
 
 def cosine_with_warmup(step: int, total: int, warmup: int) -> float:

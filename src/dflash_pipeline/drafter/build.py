@@ -14,8 +14,16 @@ from dflash_pipeline.drafter.model import DFlashDrafter
 from dflash_pipeline.target.loading import text_config
 
 
-def build_drafter(target, probe: dict, *, seed: int = 0, layer_types=None, sliding_window=None, family: str = "dflash",
-                  family_settings: Optional[dict] = None) -> "DFlashDrafter":
+def build_drafter(
+    target,
+    probe: dict,
+    *,
+    seed: int = 0,
+    layer_types=None,
+    sliding_window=None,
+    family: str = "dflash",
+    family_settings: Optional[dict] = None,
+) -> "DFlashDrafter":
     """Random-init float32 drafter sized from ``target.config`` (its text config) and the probe's drafter
     decisions (``probe["drafter"]``: block_size, num_draft_layers, target_layer_ids, mask_token_id);
     ``layer_types``/``sliding_window``: optional sliding-window draft layers (config ``drafter.*``).
@@ -37,7 +45,9 @@ def build_drafter(target, probe: dict, *, seed: int = 0, layer_types=None, slidi
     return FA.drafter_class(family)(cfg)
 
 
-def load_drafter(ckpt_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DFlashDrafter:
+def load_drafter(
+    ckpt_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> DFlashDrafter:
     """Load a drafter written by :func:`save_drafter` (or any unprefixed DFlash checkpoint) in ``dtype``
     (eval passes the target's, :func:`dflash_pipeline.target.loading.drafter_dtype`); its config is
     :meth:`DFlashConfig.from_checkpoint`.

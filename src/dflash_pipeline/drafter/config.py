@@ -96,10 +96,13 @@ class DFlashConfig(Qwen3Config):
         t = target_config
         head_dim = _target_attr(t, "head_dim") or t.hidden_size // t.num_attention_heads
         # the rotary vLLM serves (drafter.rope: partial rotary kept, M-RoPE sections dropped)
-        rope = drafter_rope_parameters(_target_attr(t, "rope_parameters") or _target_attr(t, "rope_scaling"),
-                                       rope_theta=_target_attr(t, "rope_theta", 1_000_000.0),
-                                       partial_rotary_factor=_target_attr(t, "partial_rotary_factor"),
-                                       rotary_dim=_target_attr(t, "rotary_dim"), head_dim=head_dim)
+        rope = drafter_rope_parameters(
+            _target_attr(t, "rope_parameters") or _target_attr(t, "rope_scaling"),
+            rope_theta=_target_attr(t, "rope_theta", 1_000_000.0),
+            partial_rotary_factor=_target_attr(t, "partial_rotary_factor"),
+            rotary_dim=_target_attr(t, "rotary_dim"),
+            head_dim=head_dim,
+        )
         cfg = cls(
             vocab_size=t.vocab_size,
             hidden_size=t.hidden_size,
@@ -187,8 +190,10 @@ def _read_config_json(ckpt_dir: str | Path) -> tuple[Path, dict]:
     """``(path, dict)`` of ``<ckpt_dir>/config.json``, its DFlash fields checked (dflash.md §8.2)."""
     path = Path(ckpt_dir) / CONFIG_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: not found; a drafter checkpoint directory holds config.json and "
-                                "model.safetensors (the train stage's final/ or step_<N>/)")
+        raise FileNotFoundError(
+            f"{path}: not found; a drafter checkpoint directory holds config.json and "
+            "model.safetensors (the train stage's final/ or step_<N>/)"
+        )
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
@@ -197,8 +202,9 @@ def _read_config_json(ckpt_dir: str | Path) -> tuple[Path, dict]:
         raise ValueError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     dc = raw.get("dflash_config")
     if not isinstance(raw.get("block_size"), int) or not isinstance(dc, dict):
-        raise ValueError(f"{path}: not a DFlash drafter config (needs an integer `block_size` and a "
-                         "`dflash_config` object)")
+        raise ValueError(
+            f"{path}: not a DFlash drafter config (needs an integer `block_size` and a `dflash_config` object)"
+        )
     for key in ("target_layer_ids", "mask_token_id"):
         if key not in dc:
             raise ValueError(f"{path}: `dflash_config.{key}` is missing")

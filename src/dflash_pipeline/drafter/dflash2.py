@@ -36,7 +36,9 @@ from dflash_pipeline.drafter.model import DFlashDecoderLayer, DFlashDrafter
 ARCHITECTURE = "DFlash2DraftModel"
 
 
-def grouped_conv(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int, group_size: int) -> torch.Tensor:
+def grouped_conv(
+    x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int, group_size: int
+) -> torch.Tensor:
     """Dynamic grouped causal convolution inside blocks of ``block_size`` query slots (``qd2:25-78``).
 
     Args:
@@ -69,8 +71,10 @@ class GroupedConv(nn.Module):
     def __init__(self, hidden_size: int, taps: int, group_size: int):
         super().__init__()
         if taps < 1 or hidden_size % group_size:
-            raise ValueError(f"drafter.dflash2: conv_group_size {group_size} must divide hidden_size {hidden_size} "
-                             f"and conv_kernel_size ({taps}) be ≥ 1")
+            raise ValueError(
+                f"drafter.dflash2: conv_group_size {group_size} must divide hidden_size {hidden_size} "
+                f"and conv_kernel_size ({taps}) be ≥ 1"
+            )
         self.taps, self.group_size, self.num_groups = taps, group_size, hidden_size // group_size
         base = torch.zeros(2, taps, hidden_size)
         base[:, 0] = 1.0
@@ -106,7 +110,9 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
             attn_mask = attn_mask[self.attention_type]
         bs = self.conv_block_size
         h, delta = self.attention_conv.prepare(self.input_layernorm(x), bs)
-        x = x + self.attention_conv.finish(self.self_attn(h, context, ctx_rope, block_rope, attn_mask, cache), delta, bs)
+        x = x + self.attention_conv.finish(
+            self.self_attn(h, context, ctx_rope, block_rope, attn_mask, cache), delta, bs
+        )
         h, delta = self.mlp_conv.prepare(self.post_attention_layernorm(x), bs)
         return x + self.mlp_conv.finish(self.mlp(h), delta, bs)
 
@@ -128,7 +134,9 @@ class CandidateSelector(nn.Module):
         pred = self.predecessor_codebook[prev_ids].float() * hid.unsqueeze(1)  # [n, P, r]
         return torch.einsum("npr,ncr->npc", pred, self.successor_codebook[cand_ids].float())
 
-    def scores(self, hidden: torch.Tensor, cand_ids: torch.Tensor, unary: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
+    def scores(
+        self, hidden: torch.Tensor, cand_ids: torch.Tensor, unary: torch.Tensor, anchor_ids: torch.Tensor
+    ) -> torch.Tensor:
         """Every slot's [K_prev, K] score table (``qd2:290-310``).
 
         Args:
@@ -143,7 +151,9 @@ class CandidateSelector(nn.Module):
         return unary.float().unsqueeze(2) + e.view(n, L, k, k)
 
 
-def unary_top_k(logits: torch.Tensor, k: int, output_multiplier: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+def unary_top_k(
+    logits: torch.Tensor, k: int, output_multiplier: float, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids long [..., K], unary float32 [..., K])``: the top-K of raw ``logits`` [..., V], then scale, then
     cap (``logits_processor.py:298-318``; both monotonic, so the selection is the raw logits' top-K)."""
     values, ids = logits.topk(k, dim=-1)
@@ -193,12 +203,16 @@ class DFlash2Drafter(DFlashDrafter):
             if not isinstance(d.get(key), int) or d[key] < 1:
                 raise ValueError(f"dflash_config.{key}: a positive integer is required for DFlash2, got {d.get(key)!r}")
         if d["selector_top_k"] > config.vocab_size:
-            raise ValueError(f"dflash_config.selector_top_k {d['selector_top_k']} exceeds vocab_size {config.vocab_size}")
+            raise ValueError(
+                f"dflash_config.selector_top_k {d['selector_top_k']} exceeds vocab_size {config.vocab_size}"
+            )
         super().__init__(config, layer_cls=DFlash2DecoderLayer)
         self.top_k = int(d["selector_top_k"])
         self.output_multiplier = float(d.get("output_multiplier", 1.0) or 1.0)
         self.softcap = float(d.get("final_logit_softcapping") or 0.0) or None
-        self.candidate_selector = CandidateSelector(config.hidden_size, config.vocab_size, int(d["selector_rank"]), self.top_k)
+        self.candidate_selector = CandidateSelector(
+            config.hidden_size, config.vocab_size, int(d["selector_rank"]), self.top_k
+        )
         self._init_weights(self.candidate_selector.hidden_projection)
         for layer in self.layers:  # the base init re-drew every Linear: back to identity convolutions
             for conv in (layer.attention_conv, layer.mlp_conv):

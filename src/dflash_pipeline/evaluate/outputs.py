@@ -68,10 +68,24 @@ def merge_eval_records(records: Mapping[str, dict]) -> dict:
 
 
 TABLE_COLUMNS = (
-    "drafter", "set", "tau", "tau_over_untrained", "tokens_per_target_forward", "accept_pos1", "num_responses",
-    "num_steps", "thinking", "temperature", "block_size", "max_new_tokens", "train_steps", "zero_target_features",
+    "drafter",
+    "set",
+    "tau",
+    "tau_over_untrained",
+    "tokens_per_target_forward",
+    "accept_pos1",
+    "num_responses",
+    "num_steps",
+    "thinking",
+    "temperature",
+    "block_size",
+    "max_new_tokens",
+    "train_steps",
+    "zero_target_features",
     "checkpoint",
-    "tau_pooled", "engine_tau", "engine_agrees",  # engine τ (evaluate_engine): pooled over steps, both sides
+    "tau_pooled",
+    "engine_tau",
+    "engine_agrees",  # engine τ (evaluate_engine): pooled over steps, both sides
 )
 
 
@@ -83,25 +97,37 @@ def eval_table_rows(record: dict) -> list[dict]:
         st = entry.get("settings") or record["settings"]
         for set_name, s in entry["sets"].items():
             pos = s.get("per_position_acceptance") or []
-            rows.append({
-                "drafter": label, "set": set_name, "tau": round(s["tau"], 3),
-                "tau_over_untrained": round(ratios[label][set_name], 2) if label in ratios else "",
-                "tokens_per_target_forward": round(s.get("tokens_per_target_forward", 0.0), 3),
-                "accept_pos1": round(pos[0], 3) if pos else "", "num_responses": s["num_responses"],
-                "num_steps": s["num_steps"], "thinking": st["thinking"], "temperature": st["temperature"],
-                "block_size": st["block_size"], "max_new_tokens": st["max_new_tokens"],
-                "train_steps": entry.get("train_steps", ""), "zero_target_features": entry.get("zero_target_features", ""),
-                "checkpoint": entry.get("checkpoint") or "(random init)",
-                **_engine_columns(s),
-            })
+            rows.append(
+                {
+                    "drafter": label,
+                    "set": set_name,
+                    "tau": round(s["tau"], 3),
+                    "tau_over_untrained": round(ratios[label][set_name], 2) if label in ratios else "",
+                    "tokens_per_target_forward": round(s.get("tokens_per_target_forward", 0.0), 3),
+                    "accept_pos1": round(pos[0], 3) if pos else "",
+                    "num_responses": s["num_responses"],
+                    "num_steps": s["num_steps"],
+                    "thinking": st["thinking"],
+                    "temperature": st["temperature"],
+                    "block_size": st["block_size"],
+                    "max_new_tokens": st["max_new_tokens"],
+                    "train_steps": entry.get("train_steps", ""),
+                    "zero_target_features": entry.get("zero_target_features", ""),
+                    "checkpoint": entry.get("checkpoint") or "(random init)",
+                    **_engine_columns(s),
+                }
+            )
     return rows
 
 
 def _engine_columns(s: dict) -> dict:
     """``tau_pooled`` (mean a+1 over verify steps), ``engine_tau`` and ``engine_agrees`` of one set's stats."""
     eng = s.get("engine") or {}
-    return {"tau_pooled": round(s.get("tokens_per_step", 0.0), 3), "engine_tau": round(eng["tau"], 3) if eng else "",
-            "engine_agrees": {True: "yes", False: "NO", None: "?"}[eng.get("agrees")] if eng else ""}
+    return {
+        "tau_pooled": round(s.get("tokens_per_step", 0.0), 3),
+        "engine_tau": round(eng["tau"], 3) if eng else "",
+        "engine_agrees": {True: "yes", False: "NO", None: "?"}[eng.get("agrees")] if eng else "",
+    }
 
 
 def write_eval_table(record: dict, path: str | Path) -> None:
@@ -159,7 +185,9 @@ def plot_acceptance(record: dict, path: str | Path) -> None:
         ax.legend(fontsize=7)
     axes[0][0].set_ylabel("P(accepted ≥ k)")
     st = record["settings"]
-    fig.suptitle(f"DFlash acceptance — block {st['block_size']}, T={st['temperature']}, thinking={st['thinking']}", fontsize=10)
+    fig.suptitle(
+        f"DFlash acceptance — block {st['block_size']}, T={st['temperature']}, thinking={st['thinking']}", fontsize=10
+    )
     _save(fig, path)
 
 
@@ -178,8 +206,12 @@ def plot_tau_vs_step(series: dict, path: str | Path, *, train_log: Optional[str 
     pts = series["points"]
     set_names = list(pts[0]["sets"]) if pts else []
     for set_name in set_names:
-        ax.plot([p["step"] for p in pts], [p["sets"][set_name]["tau"] for p in pts], marker="o",
-                label=f"τ {set_name} (n={series['num_prompts'].get(set_name, '?')})")
+        ax.plot(
+            [p["step"] for p in pts],
+            [p["sets"][set_name]["tau"] for p in pts],
+            marker="o",
+            label=f"τ {set_name} (n={series['num_prompts'].get(set_name, '?')})",
+        )
     log = read_train_log(train_log) if train_log else []
     if log:
         ax.plot([r["step"] for r in log], [r["eal"] for r in log], ls="--", color="gray", label="train EAL proxy")
@@ -189,7 +221,10 @@ def plot_tau_vs_step(series: dict, path: str | Path, *, train_log: Optional[str 
     ax.set_xlabel("training step")
     ax.set_ylabel("acceptance length τ")
     ax.set_ylim(bottom=0.9)
-    ax.set_title(f"τ across checkpoints — block {st['block_size']}, T={st['temperature']}, thinking={st['thinking']}", fontsize=10)
+    ax.set_title(
+        f"τ across checkpoints — block {st['block_size']}, T={st['temperature']}, thinking={st['thinking']}",
+        fontsize=10,
+    )
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
@@ -204,23 +239,41 @@ def plot_validation(val_log: str | Path, path: str | Path, *, placeholder: bool 
     Without records nothing is written, unless ``placeholder`` (the report's figure): then a figure saying
     that the run had no held-out validation (``train.validation_fraction: 0``)."""
     val_log, path = Path(val_log), Path(path)
-    recs = [json.loads(x) for x in val_log.read_text(encoding="utf-8").splitlines() if x.strip()] if val_log.is_file() else []
+    recs = (
+        [json.loads(x) for x in val_log.read_text(encoding="utf-8").splitlines() if x.strip()]
+        if val_log.is_file()
+        else []
+    )
     if not recs and not placeholder:
         return
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
     if recs:
-        ax.plot([r["step"] for r in recs], [r["tau"] for r in recs], marker="o", label="held-out τ (per-block simulator)")
-        ax.plot([r["step"] for r in recs], [r["tau_marginal"] for r in recs], ls="--", label="product of marginal accuracies")
+        ax.plot(
+            [r["step"] for r in recs], [r["tau"] for r in recs], marker="o", label="held-out τ (per-block simulator)"
+        )
+        ax.plot(
+            [r["step"] for r in recs],
+            [r["tau_marginal"] for r in recs],
+            ls="--",
+            label="product of marginal accuracies",
+        )
         buckets = list(dict.fromkeys(b for r in recs for b in (r.get("by_context_length") or {})))
         for b in buckets if len(buckets) > 1 else []:  # held-out τ by context length (train.validation_length_buckets)
-            pts = [(r["step"], r["by_context_length"][b]["tau"])
-                   for r in recs if b in (r.get("by_context_length") or {})]
+            pts = [
+                (r["step"], r["by_context_length"][b]["tau"]) for r in recs if b in (r.get("by_context_length") or {})
+            ]
             ax.plot([x for x, _ in pts], [y for _, y in pts], ls=":", marker=".", label=f"context {b}")
         ax.legend(fontsize=8)
     else:
-        ax.text(0.5, 0.5, "no held-out validation in this run\n(train.validation_fraction: 0)", ha="center", va="center",
-                transform=ax.transAxes)
+        ax.text(
+            0.5,
+            0.5,
+            "no held-out validation in this run\n(train.validation_fraction: 0)",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+        )
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("τ (accepted tokens / block)")
     fig.tight_layout()

@@ -26,7 +26,8 @@ from dflash_pipeline.evaluate.engine_metrics import (
 SGLANG_NEEDS_URL = (
     "eval.engine: sglang measures τ on a running SGLang server: start it with the target and the trained drafter "
     "(the SGLang line of results/checkpoints/<run>/final/serve.md) and give its URL as eval.engine_base_url "
-    "(e.g. http://host:30000/v1); SGLang cannot be started here")
+    "(e.g. http://host:30000/v1); SGLang cannot be started here"
+)
 
 
 def response_acceptance(resp: dict) -> tuple[int, float | None, list[int] | None]:
@@ -47,8 +48,9 @@ def response_acceptance(resp: dict) -> tuple[int, float | None, list[int] | None
     return n_out, None, hist
 
 
-def histogram_acceptance_stats(histograms: Sequence[Sequence[int]], block_size: int | None, *,
-                               base_url: str = "the server") -> dict:
+def histogram_acceptance_stats(
+    histograms: Sequence[Sequence[int]], block_size: int | None, *, base_url: str = "the server"
+) -> dict:
     """Pooled acceptance from SGLang's per-response histograms, ``h[n]`` = verify steps that accepted exactly
     n drafts (SGLang ``tokenizer_manager``: ``spec_correct_drafts_histogram``): the figures of
     :func:`engine_acceptance_stats` from the counter deltas the histograms imply (steps = Σ h, accepted =
@@ -66,13 +68,17 @@ def histogram_acceptance_stats(histograms: Sequence[Sequence[int]], block_size: 
         raise EngineComparisonError(
             f"{base_url}: SGLang's spec_correct_drafts_histogram has {width} entries (0..{width - 1} accepted "
             f"drafts), more than block size {bs} allows: the server runs another drafter "
-            f"(--speculative-num-draft-tokens {width})")
+            f"(--speculative-num-draft-tokens {width})"
+        )
     total = [sum(h[n] for h in histograms if n < len(h)) for n in range(bs)]
     if sum(total) <= 0:
         raise EngineComparisonError(f"{base_url}: SGLang's meta_info histograms count no verify step")
-    delta = {"drafts": float(sum(total)), "draft_tokens": float(sum(total) * (bs - 1)),
-             "accepted": float(sum(n * c for n, c in enumerate(total))),
-             "per_pos": {k: float(sum(total[k + 1:])) for k in range(bs - 1)}}
+    delta = {
+        "drafts": float(sum(total)),
+        "draft_tokens": float(sum(total) * (bs - 1)),
+        "accepted": float(sum(n * c for n, c in enumerate(total))),
+        "per_pos": {k: float(sum(total[k + 1 :])) for k in range(bs - 1)},
+    }
     return engine_acceptance_stats(delta, bs)
 
 
@@ -86,6 +92,9 @@ def sglang_server_facts(base_url: str, api_key: str | None) -> dict:
         except Exception:  # noqa: BLE001, S112 - informational only: try the other path
             continue
         if isinstance(info, dict):
-            return {"version": info.get("version"), "dtype": info.get("dtype"),
-                    "dtype_note": f"the server's --dtype ({path}); auto = the checkpoint's dtype"}
+            return {
+                "version": info.get("version"),
+                "dtype": info.get("dtype"),
+                "dtype_note": f"the server's --dtype ({path}); auto = the checkpoint's dtype",
+            }
     return {"version": None}

@@ -89,10 +89,14 @@ class TargetCache:
         if self.policy == "recompute":
             import copy
 
-            self._snapshot = {i: copy.deepcopy(layer) for i, layer in enumerate(self.cache.layers)
-                              if not getattr(layer, "is_croppable", False)}
-        feats, out = target_features(self.target, ids, None, layer_ids, use_cache=True, need_logits=True,
-                                     **_cache_kw(self.target, self.cache))
+            self._snapshot = {
+                i: copy.deepcopy(layer)
+                for i, layer in enumerate(self.cache.layers)
+                if not getattr(layer, "is_croppable", False)
+            }
+        feats, out = target_features(
+            self.target, ids, None, layer_ids, use_cache=True, need_logits=True, **_cache_kw(self.target, self.cache)
+        )
         if self.policy is None:  # after the prefill every layer type is known
             self.policy = "crop" if getattr(self.cache, "is_croppable", True) else "recompute"
         return feats, out
@@ -112,7 +116,9 @@ class TargetCache:
         self.recomputes += 1
         from dflash_pipeline.target.hidden import target_features
 
-        target_features(self.target, ids[:, :n_keep], None, layer_ids, use_cache=True, **_cache_kw(self.target, self.cache))
+        target_features(
+            self.target, ids[:, :n_keep], None, layer_ids, use_cache=True, **_cache_kw(self.target, self.cache)
+        )
         self.cache.crop(0)  # back to the minimal sliding/conv states, as after a crop
 
 
@@ -212,7 +218,9 @@ def speculative_generate(
     pending = _drafter_features(feats, zero_target_features)  # not yet in the draft cache: cache.length .. start-1
     dcache = M.DraftContextCache(len(drafter.layers))
     while int(bonus) not in stops and len(result.output_ids) < max_new_tokens:
-        draft = _propose(drafter, embed, head, bonus, pending, start, dcache, block_size, confidence_threshold)  # [1, n]
+        draft = _propose(
+            drafter, embed, head, bonus, pending, start, dcache, block_size, confidence_threshold
+        )  # [1, n]
         verify = torch.cat([bonus.view(1, 1), draft], dim=1)  # [1, n+1]
         feats, out = tcache.forward(verify, layer_ids)
         result.target_forwards += 1

@@ -156,8 +156,17 @@ class VLLMServer:
 
     def argv(self, python: str) -> list[str]:
         """The server's command line (``python`` is the vLLM environment's interpreter)."""
-        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-               "--host", self.host, "--port", str(self.port)]
+        cmd = [
+            python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+        ]
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]
         if self.chat_template:
@@ -189,16 +198,19 @@ class VLLMServer:
         with open(self.log_path, "a", encoding="utf-8") as log:
             log.write(f"$ {shlex.join(cmd)}\n")
             log.flush()
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+            )
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         while True:
             code = self.proc.poll()
             if code is not None:
                 self.proc = None
-                raise EngineError(f"vLLM exited with status {code} while starting ({shlex.join(cmd)}); "
-                                  f"end of {self.log_path}:\n{self.log_tail()}")
+                raise EngineError(
+                    f"vLLM exited with status {code} while starting ({shlex.join(cmd)}); "
+                    f"end of {self.log_path}:\n{self.log_tail()}"
+                )
             try:
                 http_get(f"{self.base_url}/models", timeout_s=5.0)
                 break
@@ -206,8 +218,10 @@ class VLLMServer:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise EngineError(f"vLLM not ready after {timeout_s:.0f} s at {self.base_url}; end of "
-                                  f"{self.log_path}:\n{self.log_tail()}")
+                raise EngineError(
+                    f"vLLM not ready after {timeout_s:.0f} s at {self.base_url}; end of "
+                    f"{self.log_path}:\n{self.log_tail()}"
+                )
             time.sleep(0.5)
         self.started_s = time.monotonic() - t0
         return self
@@ -286,18 +300,42 @@ def serve_commands(drafter_dir: str | Path, target: str | Path, block_size: int,
     counts the bonus slot).
     """
     spec = json.dumps(dflash_speculative_config(drafter_dir, block_size))
-    vllm = shlex.join(["python", "-m", "vllm.entrypoints.openai.api_server", "--model", str(target), "--port", str(port),
-                       "--speculative-config", spec])
-    sglang = shlex.join([
-        "python", "-m", "sglang.launch_server", "--model-path", str(target), "--port", str(port),
-        "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(drafter_dir),
-        "--speculative-num-draft-tokens", str(int(block_size)),
-    ])
+    vllm = shlex.join(
+        [
+            "python",
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(target),
+            "--port",
+            str(port),
+            "--speculative-config",
+            spec,
+        ]
+    )
+    sglang = shlex.join(
+        [
+            "python",
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            str(target),
+            "--port",
+            str(port),
+            "--speculative-algorithm",
+            "DFLASH",
+            "--speculative-draft-model-path",
+            str(drafter_dir),
+            "--speculative-num-draft-tokens",
+            str(int(block_size)),
+        ]
+    )
     return {"vllm": vllm, "sglang": sglang}
 
 
-def write_serve_md(drafter_dir: str | Path, *, target: Optional[str | Path] = None,
-                   served_dir: Optional[str | Path] = None) -> Path:
+def write_serve_md(
+    drafter_dir: str | Path, *, target: Optional[str | Path] = None, served_dir: Optional[str | Path] = None
+) -> Path:
     """Write ``<drafter_dir>/serve.md``: how to serve this export with vLLM and SGLang, block size and
     target layers read from its ``config.json`` (atomic). ``target``: the target's path or hub id as the
     user passes it to the engine (default: a ``<target>`` placeholder). ``served_dir``: the drafter's path
@@ -328,14 +366,14 @@ Block size {bs} ({bs - 1} drafts per step), {cfg.num_hidden_layers} draft layer(
 vLLM (`num_speculative_tokens` = block size − 1; vLLM ignores the checkpoint's `block_size`):
 
 ```bash
-{cmds['vllm']}
+{cmds["vllm"]}
 ```
 
 SGLang (`--speculative-num-draft-tokens` = block size; add a non-causal draft attention backend, e.g.
 `--speculative-draft-attention-backend flashinfer`):
 
 ```bash
-{cmds['sglang']}
+{cmds["sglang"]}
 ```
 
 Acceptance as the engine reports it (vLLM `/metrics`: τ = 1 + Δ`vllm:spec_decode_num_accepted_tokens_total`

@@ -20,15 +20,28 @@ so it loads in the vLLM venv, in the training env and in Snakemake's planning pr
 
 from dflash_pipeline.core.faces import lazy_face
 
-from .format import FeatureLayout, FeatureShard, FeatureShardError, FeatureShardWriter, bytes_per_token
 from .colocate import ENDPOINTS_ENV, colocated_servers
+from .format import FeatureLayout, FeatureShard, FeatureShardError, FeatureShardWriter, bytes_per_token
 from .plan import window_bytes
 from .stream_client import FeatureClient, Features, StreamError, fleet_config
 
 #: Names of the face loaded on first use from the module that owns them (their modules import more).
 _OWNERS = {"read_token_arrays": "extract", "load_embed_and_head": "weights"}
 
-__all__ = ["ENDPOINTS_ENV", "FeatureClient", "FeatureLayout", "FeatureShard", "FeatureShardError", "FeatureShardWriter",
-           "Features", "StreamError", "bytes_per_token", "colocated_servers", "fleet_config", "window_bytes", *_OWNERS]
+__all__ = [
+    "ENDPOINTS_ENV",
+    "FeatureClient",
+    "FeatureLayout",
+    "FeatureShard",
+    "FeatureShardError",
+    "FeatureShardWriter",
+    "Features",
+    "StreamError",
+    "bytes_per_token",
+    "colocated_servers",
+    "fleet_config",
+    "window_bytes",
+    *_OWNERS,
+]
 
 __getattr__, __dir__ = lazy_face(__name__, _OWNERS, globals)

@@ -18,7 +18,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dflash_pipeline.features", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("extract", help="write the feature shard of one token shard (resumes a killed run)")
-    e.add_argument("--probe", required=True, help="probe record JSON (target_layer_ids, hidden_size, num_hidden_layers)")
+    e.add_argument(
+        "--probe", required=True, help="probe record JSON (target_layer_ids, hidden_size, num_hidden_layers)"
+    )
     e.add_argument("--target", required=True, help="target model directory")
     e.add_argument("--token-shard", required=True)
     e.add_argument("--out", required=True, help="feature shard path (.safetensors)")
@@ -42,10 +44,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     probe = json.loads(Path(a.probe).read_text(encoding="utf-8"))
     cfg = json.loads(a.features_config)
     stats = extract_shard(
-        a.token_shard, a.out, target_dir=a.target, target_layer_ids=probe["drafter"]["target_layer_ids"],
-        hidden_size=probe["hidden_size"], num_hidden_layers=probe["num_hidden_layers"], backend=cfg["backend"],
-        dtype=cfg["dtype"], last_hidden=cfg["last_hidden"], chunk_tokens=cfg["chunk_tokens"], gpus=a.gpus,
-        target_dtype=a.target_dtype, trust_remote_code=a.trust_remote_code, vllm_options=cfg.get("vllm"),
+        a.token_shard,
+        a.out,
+        target_dir=a.target,
+        target_layer_ids=probe["drafter"]["target_layer_ids"],
+        hidden_size=probe["hidden_size"],
+        num_hidden_layers=probe["num_hidden_layers"],
+        backend=cfg["backend"],
+        dtype=cfg["dtype"],
+        last_hidden=cfg["last_hidden"],
+        chunk_tokens=cfg["chunk_tokens"],
+        gpus=a.gpus,
+        target_dtype=a.target_dtype,
+        trust_remote_code=a.trust_remote_code,
+        vllm_options=cfg.get("vllm"),
     )
     if a.stats:
         from dflash_pipeline.core.shards import write_json
@@ -72,7 +84,9 @@ def _serve_parser(sub) -> None:
 
 
 def _colocate_parser(sub) -> None:
-    c = sub.add_parser("colocate", help="start features.stream.servers servers, run CMD with their endpoints, stop them")
+    c = sub.add_parser(
+        "colocate", help="start features.stream.servers servers, run CMD with their endpoints, stop them"
+    )
     c.add_argument("--stream-config", required=True, help="JSON of the stream settings (rules/features_helpers.smk)")
     c.add_argument("--probe", required=True)
     c.add_argument("--target", required=True)
@@ -85,9 +99,18 @@ def _serve(a) -> int:
     from .server import FeatureServer, serve
 
     layers = [int(x) for x in a.layer_ids.split(",") if x.strip()]
-    server = FeatureServer(a.target, layers, num_hidden_layers=a.num_hidden_layers, last_hidden=a.last_hidden,
-                           gpus=a.gpus, target_dtype=a.target_dtype, trust_remote_code=a.trust_remote_code,
-                           scratch_dir=a.scratch_dir, model_name=a.model_name, max_len=a.max_len)
+    server = FeatureServer(
+        a.target,
+        layers,
+        num_hidden_layers=a.num_hidden_layers,
+        last_hidden=a.last_hidden,
+        gpus=a.gpus,
+        target_dtype=a.target_dtype,
+        trust_remote_code=a.trust_remote_code,
+        scratch_dir=a.scratch_dir,
+        model_name=a.model_name,
+        max_len=a.max_len,
+    )
     serve(server, a.host, a.port, a.url_file)
     return 0
 

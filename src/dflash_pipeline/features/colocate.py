@@ -26,9 +26,7 @@ from pathlib import Path
 ENDPOINTS_ENV = "DFLASH_STREAM_ENDPOINTS"
 
 
-def split_gpus(
-    visible: str | None, servers: int, per_server: int
-) -> tuple[list[str], str]:
+def split_gpus(visible: str | None, servers: int, per_server: int) -> tuple[list[str], str]:
     """``(each server's CUDA_VISIBLE_DEVICES, the trainer's)`` from the job's ``visible`` devices.
 
     Raises ValueError when the job has fewer GPUs than the servers need."""
@@ -104,12 +102,8 @@ def _wait_ready(procs, url_files, logs, timeout_s: float) -> list[str]:
             if f.is_file():
                 urls[i] = f.read_text().strip()
         if time.monotonic() > deadline:
-            raise RuntimeError(
-                f"feature servers not ready after {timeout_s:.0f} s (logs: {', '.join(map(str, logs))})"
-            )
-        time.sleep(
-            0.2
-        )  # polling the servers' readiness files (no event to wait on across processes)
+            raise RuntimeError(f"feature servers not ready after {timeout_s:.0f} s (logs: {', '.join(map(str, logs))})")
+        time.sleep(0.2)  # polling the servers' readiness files (no event to wait on across processes)
     return urls  # type: ignore[return-value]
 
 
@@ -128,12 +122,8 @@ def _vllm_url_when_ready(url: str, proc, log: Path, timeout_s: float) -> None:
         except OSError:
             pass
         if time.monotonic() > deadline:
-            raise RuntimeError(
-                f"vLLM feature server {url} not ready after {timeout_s:.0f} s (log {log})"
-            )
-        time.sleep(
-            0.5
-        )  # polling the server's readiness (GET /models) as vllm serve offers no other signal
+            raise RuntimeError(f"vLLM feature server {url} not ready after {timeout_s:.0f} s (log {log})")
+        time.sleep(0.5)  # polling the server's readiness (GET /models) as vllm serve offers no other signal
 
 
 def stop(procs: Sequence[subprocess.Popen], grace_s: float = 20.0) -> None:
@@ -195,14 +185,10 @@ def vllm_server_cmd(
         "kv_connector_extra_config": {"shared_storage_path": str(scratch)},
     }
     vopts = stream.get("vllm") or {}
-    dtype = {"auto": "float32" if not gpus else "bfloat16"}.get(
-        target_dtype, target_dtype
-    )
+    dtype = {"auto": "float32" if not gpus else "bfloat16"}.get(target_dtype, target_dtype)
     raw = json.loads((Path(target) / "config.json").read_text(encoding="utf-8"))
     limit = (raw.get("text_config") or raw).get("max_position_embeddings")
-    model_len = (
-        min(max_len + 8, int(limit)) if limit else max_len + 8
-    )  # a prompt + its one output token
+    model_len = min(max_len + 8, int(limit)) if limit else max_len + 8  # a prompt + its one output token
     cmd = [
         python,
         "-m",
@@ -309,9 +295,7 @@ def start_servers(
                     trust_remote_code=trust_remote_code,
                 )
                 url = None
-            with open(
-                log, "wb"
-            ) as fh:  # the child keeps its own copy of the descriptor
+            with open(log, "wb") as fh:  # the child keeps its own copy of the descriptor
                 procs.append(
                     subprocess.Popen(
                         cmd,
@@ -327,9 +311,7 @@ def start_servers(
             if ep["url_file"] is None:
                 _vllm_url_when_ready(ep["base_url"], p, logs[i], timeout_s)
             else:
-                ep["base_url"] = _wait_ready(
-                    [p], [ep["url_file"]], [logs[i]], timeout_s
-                )[0]
+                ep["base_url"] = _wait_ready([p], [ep["url_file"]], [logs[i]], timeout_s)[0]
     except BaseException:
         stop(procs)
         raise
@@ -347,11 +329,7 @@ def start_servers(
 
 
 def _arg(args: Sequence[str], name: str) -> str | None:
-    return (
-        args[args.index(name) + 1]
-        if name in args and args.index(name) + 1 < len(args)
-        else None
-    )
+    return args[args.index(name) + 1] if name in args and args.index(name) + 1 < len(args) else None
 
 
 @contextlib.contextmanager
@@ -408,11 +386,7 @@ def run_colocated(a) -> int:
         flush=True,
     )
     try:
-        cmd = (
-            [c for c in a.cmd if c != "--"]
-            if a.cmd and a.cmd[0] == "--"
-            else list(a.cmd)
-        )
+        cmd = [c for c in a.cmd if c != "--"] if a.cmd and a.cmd[0] == "--" else list(a.cmd)
         return subprocess.call(cmd, env={**os.environ, ENDPOINTS_ENV: json.dumps(eps)})
     finally:
         stop(procs)

@@ -90,18 +90,27 @@ def extract_shard(
     ids, mask, lengths = read_token_arrays(token_shard)
     layer_ids = [int(x) for x in target_layer_ids]
     meta = {
-        "schema_version": FEATURE_SCHEMA_VERSION, "token_shard": Path(token_shard).name,
-        "token_shard_sha256": sha256_file(token_shard), "num_records": int(len(lengths)),
-        "num_tokens": int(lengths.sum()), "target_layer_ids": layer_ids, "hidden_size": int(hidden_size),
-        "dtype": dtype, "last_hidden": bool(last_hidden), "backend": backend,
+        "schema_version": FEATURE_SCHEMA_VERSION,
+        "token_shard": Path(token_shard).name,
+        "token_shard_sha256": sha256_file(token_shard),
+        "num_records": int(len(lengths)),
+        "num_tokens": int(lengths.sum()),
+        "target_layer_ids": layer_ids,
+        "hidden_size": int(hidden_size),
+        "dtype": dtype,
+        "last_hidden": bool(last_hidden),
+        "backend": backend,
         "last_hidden_layer": int(num_hidden_layers) - 1 if last_hidden else None,
     }
     layout = FeatureLayout(lengths, len(layer_ids), int(hidden_size), dtype, bool(last_hidden), meta)
     writer = FeatureShardWriter(out, layout, ids, mask)
     start = writer.next_record
-    print(f"[features] {token_shard} -> {out}: {layout.num_records} records, {layout.num_tokens} tokens, "
-          f"{bytes_per_token(len(layer_ids), hidden_size, dtype, last_hidden)} B/token, "
-          f"{'resuming at record ' + str(start) if start else 'fresh'}", flush=True)
+    print(
+        f"[features] {token_shard} -> {out}: {layout.num_records} records, {layout.num_tokens} tokens, "
+        f"{bytes_per_token(len(layer_ids), hidden_size, dtype, last_hidden)} B/token, "
+        f"{'resuming at record ' + str(start) if start else 'fresh'}",
+        flush=True,
+    )
     todo = int(lengths[start:].sum())
     t_compute = time.time()
     if start < layout.num_records:
@@ -109,10 +118,18 @@ def extract_shard(
             from .hf_backend import HFExtractor as Engine
         else:
             from .vllm_backend import VLLMExtractor as Engine
-        engine = Engine(target_dir, layer_ids, num_hidden_layers=num_hidden_layers, last_hidden=last_hidden, gpus=gpus,
-                        target_dtype=target_dtype, trust_remote_code=trust_remote_code,
-                        max_len=int(lengths.max()) if len(lengths) else 1, options=vllm_options or {},
-                        scratch_dir=Path(out).with_name(f".{Path(out).name}.engine"))
+        engine = Engine(
+            target_dir,
+            layer_ids,
+            num_hidden_layers=num_hidden_layers,
+            last_hidden=last_hidden,
+            gpus=gpus,
+            target_dtype=target_dtype,
+            trust_remote_code=trust_remote_code,
+            max_len=int(lengths.max()) if len(lengths) else 1,
+            options=vllm_options or {},
+            scratch_dir=Path(out).with_name(f".{Path(out).name}.engine"),
+        )
         t_compute = time.time()
         try:
             for recs in chunks(lengths, start, chunk_tokens):
@@ -124,8 +141,15 @@ def extract_shard(
             engine.close()
     dt = time.time() - t_compute
     path = writer.finish()
-    stats = {"records": layout.num_records, "tokens": layout.num_tokens, "resumed_from": start,
-             "seconds": time.time() - t0, "extract_seconds": dt, "tokens_per_s": todo / dt if dt > 0 else None,
-             "bytes": path.stat().st_size, "backend": backend}
+    stats = {
+        "records": layout.num_records,
+        "tokens": layout.num_tokens,
+        "resumed_from": start,
+        "seconds": time.time() - t0,
+        "extract_seconds": dt,
+        "tokens_per_s": todo / dt if dt > 0 else None,
+        "bytes": path.stat().st_size,
+        "backend": backend,
+    }
     print("[features] done " + json.dumps(stats), flush=True)
     return stats

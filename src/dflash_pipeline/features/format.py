@@ -61,7 +61,14 @@ _ST_ITEMSIZE = {"I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F8_E4M3": 1, "U8": 1}
 _STORAGE_OF_ST = {st: name for name, (st, _) in STORAGE_DTYPES.items()}
 #: ``schema_version`` values this code reads (1: fp8 scale per token; 2: per token per layer).
 READABLE_SCHEMA_VERSIONS = (1, FEATURE_SCHEMA_VERSION)
-_ST_NUMPY = {"I64": np.int64, "F32": np.float32, "I32": np.int32, "BF16": np.uint16, "F8_E4M3": np.uint8, "U8": np.uint8}
+_ST_NUMPY = {
+    "I64": np.int64,
+    "F32": np.float32,
+    "I32": np.int32,
+    "BF16": np.uint16,
+    "F8_E4M3": np.uint8,
+    "U8": np.uint8,
+}
 
 
 class FeatureShardError(ValueError):
@@ -159,19 +166,26 @@ def _storage_dtype(path: Path, header: dict, meta: dict) -> Optional[str]:
         return None
     sts = {header[n]["dtype"] for n in names}
     if len(sts) != 1 or next(iter(sts)) not in _STORAGE_OF_ST:
-        raise FeatureShardError(f"{path}: tensor dtypes {sorted(sts)} of {names}; a feature shard stores one of "
-                                f"{sorted(_STORAGE_OF_ST)}")
+        raise FeatureShardError(
+            f"{path}: tensor dtypes {sorted(sts)} of {names}; a feature shard stores one of {sorted(_STORAGE_OF_ST)}"
+        )
     dtype = _STORAGE_OF_ST[next(iter(sts))]
     if meta.get("dtype") != dtype:
-        raise FeatureShardError(f"{path}: metadata dtype {meta.get('dtype')!r} but the tensors are {next(iter(sts))} "
-                                f"({dtype}); the shard is damaged or was written by other code: rebuild it")
+        raise FeatureShardError(
+            f"{path}: metadata dtype {meta.get('dtype')!r} but the tensors are {next(iter(sts))} "
+            f"({dtype}); the shard is damaged or was written by other code: rebuild it"
+        )
     if dtype != "bfloat16" and "features" in header:
         n, kh = header["features"]["shape"]
         shape = header.get("feature_scale", {}).get("shape")
-        per_layer = isinstance(shape, list) and len(shape) == 2 and shape[0] == n and shape[1] > 0 and kh % shape[1] == 0
+        per_layer = (
+            isinstance(shape, list) and len(shape) == 2 and shape[0] == n and shape[1] > 0 and kh % shape[1] == 0
+        )
         if shape != [n] and not per_layer:
-            raise FeatureShardError(f"{path}: feature_scale shape {shape}, expected [{n}] (schema 1) or [{n}, K] "
-                                    f"with K dividing the features' {kh} values per token")
+            raise FeatureShardError(
+                f"{path}: feature_scale shape {shape}, expected [{n}] (schema 1) or [{n}, K] "
+                f"with K dividing the features' {kh} values per token"
+            )
     return dtype
 
 
@@ -300,7 +314,9 @@ class FeatureShardWriter:
         a, b = int(self._offsets[r]), int(self._offsets[r + 1])
         kh = self.layout.num_layers * self.layout.hidden_size
         if tuple(features.shape) != (b - a, kh):
-            raise FeatureShardError(f"{self.path}: record {r}: features {tuple(features.shape)}, expected {(b - a, kh)}")
+            raise FeatureShardError(
+                f"{self.path}: record {r}: features {tuple(features.shape)}, expected {(b - a, kh)}"
+            )
         if b == a:
             return
         vals, scale = _to_storage(features, self.layout.dtype, groups=self.layout.num_layers)
@@ -310,7 +326,9 @@ class FeatureShardWriter:
         if self.layout.last_hidden:
             if last_hidden is None or tuple(last_hidden.shape) != (b - a, self.layout.hidden_size):
                 got = None if last_hidden is None else tuple(last_hidden.shape)
-                raise FeatureShardError(f"{self.path}: record {r}: last_hidden {got}, expected {(b - a, self.layout.hidden_size)}")
+                raise FeatureShardError(
+                    f"{self.path}: record {r}: last_hidden {got}, expected {(b - a, self.layout.hidden_size)}"
+                )
             vals, scale = _to_storage(last_hidden, self.layout.dtype)
             self._put("last_hidden", a, vals)
             if scale is not None:
@@ -321,14 +339,19 @@ class FeatureShardWriter:
         from dflash_pipeline.core.shards import atomic_write_bytes
 
         os.fsync(self._fd)
-        atomic_write_bytes(self.progress, json.dumps({"records_done": records_done, "header_sha256": self._header_sha}).encode(),
-                           skip_if_identical=False)
+        atomic_write_bytes(
+            self.progress,
+            json.dumps({"records_done": records_done, "header_sha256": self._header_sha}).encode(),
+            skip_if_identical=False,
+        )
         self.next_record = records_done
 
     def finish(self) -> Path:
         """Check every record was written, fsync, rename the file into place, drop the progress file."""
         if self.next_record != self.layout.num_records:
-            raise FeatureShardError(f"{self.path}: finish() after {self.next_record} of {self.layout.num_records} records")
+            raise FeatureShardError(
+                f"{self.path}: finish() after {self.next_record} of {self.layout.num_records} records"
+            )
         os.fsync(self._fd)
         os.close(self._fd)
         self._fd = -1
@@ -364,8 +387,10 @@ class FeatureShard:
         hdr, self._base = _parse_header(self._mm, self.path)
         meta = json.loads((hdr.get("__metadata__") or {}).get("dflash", "{}"))
         if meta.get("schema_version") not in READABLE_SCHEMA_VERSIONS:
-            raise FeatureShardError(f"{self.path}: schema_version {meta.get('schema_version')!r}, this code reads "
-                                    f"{list(READABLE_SCHEMA_VERSIONS)}; rebuild it (snakemake reruns extract_features)")
+            raise FeatureShardError(
+                f"{self.path}: schema_version {meta.get('schema_version')!r}, this code reads "
+                f"{list(READABLE_SCHEMA_VERSIONS)}; rebuild it (snakemake reruns extract_features)"
+            )
         self.metadata = meta
         self._header = hdr
         self.dtype = _storage_dtype(self.path, hdr, meta)
@@ -441,17 +466,22 @@ class FeatureShard:
 
         n = pq.read_table(token_shard, columns=["num_tokens"]).column("num_tokens").to_numpy()
         if len(n) != len(self):
-            raise FeatureShardError(f"{self.path}: {len(self)} records, token shard {token_shard} has {len(n)}; "
-                                    "rebuild the feature shard")
+            raise FeatureShardError(
+                f"{self.path}: {len(self)} records, token shard {token_shard} has {len(n)}; rebuild the feature shard"
+            )
         lengths = np.diff(self.offsets)
         bad = np.nonzero(lengths != n)[0]
         if len(bad):
             r = int(bad[0])
-            raise FeatureShardError(f"{self.path}: record {r} has {int(lengths[r])} tokens, token shard {token_shard} "
-                                    f"num_tokens {int(n[r])}; rebuild the feature shard")
+            raise FeatureShardError(
+                f"{self.path}: record {r} has {int(lengths[r])} tokens, token shard {token_shard} "
+                f"num_tokens {int(n[r])}; rebuild the feature shard"
+            )
         if hash_check and self.metadata.get("token_shard_sha256") not in (None, sha256_file(token_shard)):
-            raise FeatureShardError(f"{self.path}: token_shard_sha256 differs from {token_shard}'s bytes (the token "
-                                    "shard was rebuilt after extraction); rebuild the feature shard")
+            raise FeatureShardError(
+                f"{self.path}: token_shard_sha256 differs from {token_shard}'s bytes (the token "
+                "shard was rebuilt after extraction); rebuild the feature shard"
+            )
 
     def close(self) -> None:
         self.arrays.clear()

@@ -19,8 +19,18 @@ class HFExtractor:
     HF's last ``hidden_states`` entry is already normed).
     """
 
-    def __init__(self, target_dir, layer_ids: Sequence[int], *, num_hidden_layers: int, last_hidden: bool = False,
-                 gpus: int = 0, target_dtype: str = "auto", trust_remote_code: bool = False, **_ignored):
+    def __init__(
+        self,
+        target_dir,
+        layer_ids: Sequence[int],
+        *,
+        num_hidden_layers: int,
+        last_hidden: bool = False,
+        gpus: int = 0,
+        target_dtype: str = "auto",
+        trust_remote_code: bool = False,
+        **_ignored,
+    ):
         import torch
 
         from dflash_pipeline.target.layer_ids import hf_hidden_state_index
@@ -28,8 +38,13 @@ class HFExtractor:
 
         cuda = gpus > 0 and torch.cuda.is_available()
         # the one target loader (nested text_config families, dtype policy); layers spread over the job's GPUs
-        self.model = load_target(target_dir, dtype=target_dtype, device="cuda" if cuda else "cpu",
-                                 trust_remote_code=trust_remote_code, device_map="auto" if cuda else None)
+        self.model = load_target(
+            target_dir,
+            dtype=target_dtype,
+            device="cuda" if cuda else "cpu",
+            trust_remote_code=trust_remote_code,
+            device_map="auto" if cuda else None,
+        )
         self.device = next(self.model.parameters()).device
         self.index = [hf_hidden_state_index(l) for l in layer_ids]
         self._last = None

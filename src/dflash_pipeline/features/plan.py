@@ -28,18 +28,20 @@ class FeaturePlan:
     dtype: str
     last_hidden: bool
     bytes_per_token: int
-    tokens: Optional[int]          # best estimate of all tokens (None: unknown before the prompts checkpoint)
-    tokens_kind: str               # "exact" | "estimated" | "upper bound" | "unknown"
+    tokens: Optional[int]  # best estimate of all tokens (None: unknown before the prompts checkpoint)
+    tokens_kind: str  # "exact" | "estimated" | "upper bound" | "unknown"
     total_bytes: Optional[int]
-    missing_bytes: Optional[int]   # of shards not extracted yet
+    missing_bytes: Optional[int]  # of shards not extracted yet
     free_bytes: int
     fs_bytes: int
 
     def describe(self) -> str:
         """One line for the plan, e.g. ``features: 5 x 7168 x 2 B = 71,685 B/token; 1.2e9 tokens (exact) -> 86.0 TB; ...``."""
         per = STORAGE_NAMES.get(self.dtype, self.dtype)
-        s = (f"features: {self.num_layers} layers x {self.hidden_size} x {per} (+ids/mask{', +last hidden' if self.last_hidden else ''}) "
-             f"= {self.bytes_per_token:,} B/token")
+        s = (
+            f"features: {self.num_layers} layers x {self.hidden_size} x {per} (+ids/mask{', +last hidden' if self.last_hidden else ''}) "
+            f"= {self.bytes_per_token:,} B/token"
+        )
         if self.tokens is None:
             s += "; total known after the prompts checkpoint"
         else:
@@ -55,9 +57,11 @@ class FeaturePlan:
         need = self.missing_bytes + int(min_free_fraction * self.fs_bytes)
         if need <= self.free_bytes:
             return None
-        return (f"the feature shards need {human(self.missing_bytes)} more (+ features.min_free_fraction "
-                f"{min_free_fraction:g} of the filesystem = {human(need)}) but only {human(self.free_bytes)} is free; "
-                f"free space, point results_dir elsewhere, or use features.dtype: float8_e4m3 (about half)")
+        return (
+            f"the feature shards need {human(self.missing_bytes)} more (+ features.min_free_fraction "
+            f"{min_free_fraction:g} of the filesystem = {human(need)}) but only {human(self.free_bytes)} is free; "
+            f"free space, point results_dir elsewhere, or use features.dtype: float8_e4m3 (about half)"
+        )
 
 
 STORAGE_NAMES = {"bfloat16": "2 B", "float8_e4m3": "1 B + 4 B scale"}
@@ -103,7 +107,9 @@ def plan_features(
     results = Path(results_dir)
     usage = shutil.disk_usage(_existing(results.resolve()))
     if shards is None:
-        return FeaturePlan(num_layers, hidden_size, dtype, last_hidden, bpt, None, "unknown", None, None, usage.free, usage.total)
+        return FeaturePlan(
+            num_layers, hidden_size, dtype, last_hidden, bpt, None, "unknown", None, None, usage.free, usage.total
+        )
     import pyarrow.parquet as pq
 
     exact, n_exact_rows, missing_tok, pending = 0, 0, 0, []
@@ -128,8 +134,19 @@ def plan_features(
     else:
         kind, est_pending = "upper bound", n_pending_prompts * int(max_length)
     tokens = exact + est_pending
-    return FeaturePlan(num_layers, hidden_size, dtype, last_hidden, bpt, tokens, kind, tokens * bpt,
-                       (missing_tok + est_pending) * bpt, usage.free, usage.total)
+    return FeaturePlan(
+        num_layers,
+        hidden_size,
+        dtype,
+        last_hidden,
+        bpt,
+        tokens,
+        kind,
+        tokens * bpt,
+        (missing_tok + est_pending) * bpt,
+        usage.free,
+        usage.total,
+    )
 
 
 def prompt_counts_from_manifest(manifest_path: str | os.PathLike) -> dict:
@@ -144,8 +161,9 @@ def prompt_counts_from_manifest(manifest_path: str | os.PathLike) -> dict:
     return out
 
 
-def window_bytes(prefetch_batches: int, batch_size: int, max_record_tokens: int, wire_bytes_per_token: int,
-                 max_inflight_bytes: int) -> int:
+def window_bytes(
+    prefetch_batches: int, batch_size: int, max_record_tokens: int, wire_bytes_per_token: int, max_inflight_bytes: int
+) -> int:
     """Bytes the stream may hold at once: ``prefetch_batches`` full batches of the longest record at the wire
     size, capped by ``max_inflight_bytes`` (but never below one batch, which is always requested)."""
     one = batch_size * max_record_tokens * wire_bytes_per_token

@@ -66,9 +66,7 @@ def parse_request(body: bytes, *, vocab_size: int, max_len: int) -> np.ndarray:
             f"vocabulary [0, {vocab_size})"
         )
     if len(ids) > max_len:
-        raise BadRequest(
-            f"prompt: {len(ids)} tokens, more than this server's --max-len {max_len}"
-        )
+        raise BadRequest(f"prompt: {len(ids)} tokens, more than this server's --max-len {max_len}")
     return ids
 
 
@@ -107,9 +105,7 @@ class FeatureServer:
         )
         cfg = self.extractor.model.config
         cfg = getattr(cfg, "text_config", None) or cfg
-        self.vocab_size = int(
-            self.extractor.model.get_input_embeddings().weight.shape[0]
-        )
+        self.vocab_size = int(self.extractor.model.get_input_embeddings().weight.shape[0])
         self.hidden_size = int(cfg.hidden_size)
         self.k = len(layer_ids)
         self.last_hidden = last_hidden
@@ -153,9 +149,7 @@ class FeatureServer:
             "object": "text_completion",
             "created": int(time.time()),
             "model": self.model_name,
-            "choices": [
-                {"index": 0, "text": "", "finish_reason": "length", "logprobs": None}
-            ],
+            "choices": [{"index": 0, "text": "", "finish_reason": "length", "logprobs": None}],
             "usage": {
                 "prompt_tokens": len(ids),
                 "completion_tokens": 0,
@@ -178,14 +172,10 @@ def _handler(server: FeatureServer):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
-        def log_message(
-            self, fmt, *args
-        ):  # one line per request would flood the job log
+        def log_message(self, fmt, *args):  # one line per request would flood the job log
             pass
 
-        def _send(
-            self, status: int, body: bytes, ctype: str = "application/json"
-        ) -> None:
+        def _send(self, status: int, body: bytes, ctype: str = "application/json") -> None:
             self.send_response(status)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
@@ -199,9 +189,7 @@ def _handler(server: FeatureServer):
                     {
                         "error": {
                             "message": msg,
-                            "type": "invalid_request_error"
-                            if status == 400
-                            else "server_error",
+                            "type": "invalid_request_error" if status == 400 else "server_error",
                             "code": status,
                         }
                     }
@@ -236,13 +224,9 @@ def _handler(server: FeatureServer):
             if route not in ("/completions", "/features"):
                 return self._error(404, f"no route POST {self.path}")
             try:
-                ids = parse_request(
-                    body, vocab_size=server.vocab_size, max_len=server.max_len
-                )
+                ids = parse_request(body, vocab_size=server.vocab_size, max_len=server.max_len)
                 if route == "/features":
-                    return self._send(
-                        200, server.feature_bytes(ids), "application/octet-stream"
-                    )
+                    return self._send(200, server.feature_bytes(ids), "application/octet-stream")
                 return self._send(200, json.dumps(server.completion(ids)).encode())
             except BadRequest as exc:
                 return self._error(400, str(exc))

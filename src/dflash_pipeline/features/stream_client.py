@@ -64,9 +64,7 @@ def as_stored(x, dtype: str):
     raw = torch.from_numpy(vals)
     if scale is None:
         return raw.view(torch.bfloat16)
-    return raw.view(torch.float8_e4m3fn).to(torch.bfloat16) * torch.from_numpy(scale)[
-        :, None
-    ].to(torch.bfloat16)
+    return raw.view(torch.float8_e4m3fn).to(torch.bfloat16) * torch.from_numpy(scale)[:, None].to(torch.bfloat16)
 
 
 def read_scratch_file(path: str, on_size=None) -> tuple[dict, int]:
@@ -84,9 +82,7 @@ def read_scratch_file(path: str, on_size=None) -> tuple[dict, int]:
     try:
         if os.path.exists(lock):
             with open(lock) as lf:
-                fcntl.flock(
-                    lf, fcntl.LOCK_SH
-                )  # sleeps until the writer releases LOCK_EX
+                fcntl.flock(lf, fcntl.LOCK_SH)  # sleeps until the writer releases LOCK_EX
         size = os.path.getsize(path)
         if on_size:
             on_size(size)
@@ -137,9 +133,7 @@ class FeatureClient:
         dtype: str = "bfloat16",
     ):
         if not endpoints:
-            raise StreamError(
-                "features.stream: no feature server (set features.stream.endpoints, or servers > 0)"
-            )
+            raise StreamError("features.stream: no feature server (set features.stream.endpoints, or servers > 0)")
         self.endpoints = [dict(e) for e in endpoints]
         self.cfg = fleet_cfg
         self.k, self.h, self.last_hidden, self.dtype = (
@@ -149,9 +143,7 @@ class FeatureClient:
             dtype,
         )
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self.loop.run_forever, name="feature-client", daemon=True
-        )
+        self._thread = threading.Thread(target=self.loop.run_forever, name="feature-client", daemon=True)
         self.fleet = None
         self._transport_of: dict[int, str] = {}
         self._lock = threading.Lock()
@@ -223,9 +215,7 @@ class FeatureClient:
 
     def submit(self, ids: np.ndarray) -> concurrent.futures.Future:
         """Request the features of one record (token ids int [T]); a Future of :class:`Features`."""
-        return asyncio.run_coroutine_threadsafe(
-            self._fetch(np.asarray(ids, dtype=np.int64)), self.loop
-        )
+        return asyncio.run_coroutine_threadsafe(self._fetch(np.asarray(ids, dtype=np.int64)), self.loop)
 
     def fetch_all(self, records: Sequence[np.ndarray]) -> list[Features]:
         """Features of several records (submitted together, returned in order)."""
@@ -297,14 +287,8 @@ class FeatureClient:
                 float(self.cfg["request_timeout_s"]),
             )
         except openai.APIStatusError as exc:
-            header = (
-                exc.response.headers.get("retry-after")
-                if exc.response is not None
-                else None
-            )
-            return None, retry.status_failure(
-                exc.status_code, _describe(exc), header, exc
-            )
+            header = exc.response.headers.get("retry-after") if exc.response is not None else None
+            return None, retry.status_failure(exc.status_code, _describe(exc), header, exc)
         except (openai.APIConnectionError, asyncio.TimeoutError) as exc:
             return None, retry.Failure(_describe(exc))
         try:
@@ -319,9 +303,7 @@ class FeatureClient:
         if transport == "bytes":
             data, scratch = load(raw), 0
         else:
-            path = (json.loads(raw).get("kv_transfer_params") or {}).get(
-                "hidden_states_path"
-            )
+            path = (json.loads(raw).get("kv_transfer_params") or {}).get("hidden_states_path")
             if not path:
                 raise ValueError(
                     "the answer has no kv_transfer_params.hidden_states_path (is the server started "
@@ -330,15 +312,11 @@ class FeatureClient:
             data, scratch = read_scratch_file(path, self._scratch_add)
         got = data["token_ids"].numpy().astype(np.int64)
         if not np.array_equal(got, ids):
-            raise ValueError(
-                f"the server's token_ids ({len(got)}) differ from the record's ({len(ids)})"
-            )
+            raise ValueError(f"the server's token_ids ({len(got)}) differ from the record's ({len(ids)})")
         hs = data["hidden_states"]
         want = (len(ids), self.k + (1 if self.last_hidden else 0), self.h)
         if tuple(hs.shape) != want:
-            raise ValueError(
-                f"hidden_states {tuple(hs.shape)}, expected {want} (the server taps other layers)"
-            )
+            raise ValueError(f"hidden_states {tuple(hs.shape)}, expected {want} (the server taps other layers)")
         feats = as_stored(hs[:, : self.k].reshape(len(ids), -1), self.dtype)
         last = as_stored(hs[:, self.k], self.dtype) if self.last_hidden else None
         nbytes = hs.numel() * hs.element_size()
@@ -349,15 +327,9 @@ class FeatureClient:
     def _scratch_add(self, n: int) -> None:
         with self._lock:  # decode threads run concurrently
             self.stats["scratch_now"] += n
-            self.stats["peak_scratch_bytes"] = max(
-                self.stats["peak_scratch_bytes"], self.stats["scratch_now"]
-            )
+            self.stats["peak_scratch_bytes"] = max(self.stats["peak_scratch_bytes"], self.stats["scratch_now"])
 
     def server_tokens_per_s(self) -> float | None:
         """Tokens received per second since the first request (None before any reply)."""
         t0, t1 = self.stats["first_request_t"], self.stats["last_reply_t"]
-        return (
-            self.stats["tokens"] / (t1 - t0)
-            if t0 is not None and t1 is not None and t1 > t0
-            else None
-        )
+        return self.stats["tokens"] / (t1 - t0) if t0 is not None and t1 is not None and t1 > t0 else None

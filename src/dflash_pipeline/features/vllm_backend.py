@@ -31,9 +31,21 @@ class VLLMExtractor:
         ValueError: the engine returned token ids that differ from the record's (names the record).
     """
 
-    def __init__(self, target_dir, layer_ids: Sequence[int], *, num_hidden_layers: int, last_hidden: bool = False,
-                 gpus: int = 0, target_dtype: str = "auto", trust_remote_code: bool = False, max_len: int = 1024,
-                 options: dict | None = None, scratch_dir: Path | None = None, **_ignored):
+    def __init__(
+        self,
+        target_dir,
+        layer_ids: Sequence[int],
+        *,
+        num_hidden_layers: int,
+        last_hidden: bool = False,
+        gpus: int = 0,
+        target_dtype: str = "auto",
+        trust_remote_code: bool = False,
+        max_len: int = 1024,
+        options: dict | None = None,
+        scratch_dir: Path | None = None,
+        **_ignored,
+    ):
         import torch
 
         from dflash_pipeline.target.layer_ids import hf_hidden_state_index
@@ -51,22 +63,39 @@ class VLLMExtractor:
         self.scratch = Path(scratch_dir or "vllm-hidden-states").resolve()
         shutil.rmtree(self.scratch, ignore_errors=True)
         self.scratch.mkdir(parents=True)
-        connector = ({"kv_connector": "ExampleHiddenStatesConnector"} if cuda else
-                     {"kv_connector": "CPUHiddenStatesConnector",
-                      "kv_connector_module_path": "dflash_pipeline.features.vllm_connector"})
+        connector = (
+            {"kv_connector": "ExampleHiddenStatesConnector"}
+            if cuda
+            else {
+                "kv_connector": "CPUHiddenStatesConnector",
+                "kv_connector_module_path": "dflash_pipeline.features.vllm_connector",
+            }
+        )
         from dflash_pipeline.target.loading import resolve_dtype
 
         dtype = str(resolve_dtype(target_dtype, "cuda" if cuda else "cpu")).removeprefix("torch.")
         max_model_len = int(max_len) + 8
         args = dict(
-            model=str(target_dir), dtype=dtype, trust_remote_code=trust_remote_code, skip_tokenizer_init=True,
-            tensor_parallel_size=max(1, gpus) if cuda else 1, enable_expert_parallel=bool(options.get("expert_parallel", False)),
-            enable_prefix_caching=False, max_model_len=max_model_len, max_num_batched_tokens=max(max_model_len, 2048),
+            model=str(target_dir),
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+            skip_tokenizer_init=True,
+            tensor_parallel_size=max(1, gpus) if cuda else 1,
+            enable_expert_parallel=bool(options.get("expert_parallel", False)),
+            enable_prefix_caching=False,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max(max_model_len, 2048),
             enforce_eager=not cuda,
-            speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": aux}}},
-            kv_transfer_config={**connector, "kv_role": "kv_producer",
-                                "kv_connector_extra_config": {"shared_storage_path": str(self.scratch)}},
+            speculative_config={
+                "method": "extract_hidden_states",
+                "num_speculative_tokens": 1,
+                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": aux}},
+            },
+            kv_transfer_config={
+                **connector,
+                "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"shared_storage_path": str(self.scratch)},
+            },
         )
         args.update(options.get("engine_args") or {})
         self.llm = LLM(**args)
@@ -80,16 +109,22 @@ class VLLMExtractor:
         )
 
         prompts = [{"prompt_token_ids": [int(t) for t in ids]} for ids in token_ids]
-        outs = self.llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)
+        outs = self.llm.generate(
+            prompts, SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False
+        )
         for r, ids, o in zip(records, token_ids, outs):
             path = (o.kv_transfer_params or {}).get("hidden_states_path")
             if not path:
-                raise ValueError(f"record {r}: the engine returned no hidden_states_path (kv_transfer_params={o.kv_transfer_params})")
+                raise ValueError(
+                    f"record {r}: the engine returned no hidden_states_path (kv_transfer_params={o.kv_transfer_params})"
+                )
             data = load_hidden_states(path)  # waits on the file's .lock until the connector has written it
             cleanup_hidden_states(path)
             got = data["token_ids"].numpy()
             if not np.array_equal(got.astype(np.int64), np.asarray(ids, dtype=np.int64)):
-                raise ValueError(f"record {r}: the engine's token_ids ({len(got)}) differ from the token shard's ({len(ids)})")
+                raise ValueError(
+                    f"record {r}: the engine's token_ids ({len(got)}) differ from the token shard's ({len(ids)})"
+                )
             hs = data["hidden_states"]  # [T, n_aux, H]
             feats = hs[:, : self.k].reshape(hs.shape[0], -1)
             yield r, feats, (hs[:, self.k] if self.last_hidden else None)

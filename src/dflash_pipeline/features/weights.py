@@ -40,8 +40,10 @@ def weight_map(target_dir: str | Path) -> dict[str, str]:
         with safe_open(str(f), "np") as fh:
             out.update({k: f.name for k in fh.keys()})
     if not out:
-        raise FileNotFoundError(f"{d}: no model.safetensors.index.json and no *.safetensors file; train.target_features: "
-                                "shards reads the embedding and LM head from the target's safetensors weights")
+        raise FileNotFoundError(
+            f"{d}: no model.safetensors.index.json and no *.safetensors file; train.target_features: "
+            "shards reads the embedding and LM head from the target's safetensors weights"
+        )
     return out
 
 
@@ -54,7 +56,9 @@ def _pick(keys, suffixes) -> Optional[str]:
     return None
 
 
-def find_embed_and_head_keys(target_dir: str | Path, tie_word_embeddings: Optional[bool] = None) -> tuple[str, Optional[str]]:
+def find_embed_and_head_keys(
+    target_dir: str | Path, tie_word_embeddings: Optional[bool] = None
+) -> tuple[str, Optional[str]]:
     """``(embedding key, LM-head key or None when tied)`` of the target's checkpoint.
 
     ``tie_word_embeddings`` (the probe's value) forces the tied answer; None = tied when there is no head tensor.
@@ -65,12 +69,16 @@ def find_embed_and_head_keys(target_dir: str | Path, tie_word_embeddings: Option
     wmap = weight_map(target_dir)
     emb = _pick(wmap, EMBED_SUFFIXES)
     if emb is None:
-        raise KeyError(f"{target_dir}: no input-embedding tensor (looked for keys ending in {', '.join(EMBED_SUFFIXES)})")
+        raise KeyError(
+            f"{target_dir}: no input-embedding tensor (looked for keys ending in {', '.join(EMBED_SUFFIXES)})"
+        )
     head = None if tie_word_embeddings else _pick(wmap, HEAD_SUFFIXES)
     return emb, head
 
 
-def load_embed_and_head(target_dir: str | Path, *, tie_word_embeddings: Optional[bool] = None, dtype=None, device="cpu"):
+def load_embed_and_head(
+    target_dir: str | Path, *, tie_word_embeddings: Optional[bool] = None, dtype=None, device="cpu"
+):
     """``(embed nn.Embedding [V, H], lm_head nn.Linear H→V without bias)``, frozen, from the target's weights.
 
     ``dtype``: torch dtype to cast to (None keeps the checkpoint's). Tied targets share one tensor.
@@ -89,17 +97,23 @@ def load_embed_and_head(target_dir: str | Path, *, tie_word_embeddings: Optional
         with safe_open(str(Path(target_dir) / wmap[key]), "pt") as fh:
             t = fh.get_tensor(key)
         if not t.is_floating_point() or t.element_size() < 2:
-            raise ValueError(f"{target_dir}: tensor {key} is {t.dtype}; a quantized embedding/LM head cannot be used "
-                             "as is (dequantize those two tensors, or use train.target_features: online)")
+            raise ValueError(
+                f"{target_dir}: tensor {key} is {t.dtype}; a quantized embedding/LM head cannot be used "
+                "as is (dequantize those two tensors, or use train.target_features: online)"
+            )
         return t.to(dtype=dtype or t.dtype, device=device)
 
     w = get(emb_key)
     embed = torch.nn.Embedding(w.shape[0], w.shape[1], _weight=w, _freeze=True, device=device, dtype=w.dtype)
     head_w = get(head_key) if head_key else embed.weight
     if head_w.shape[1] != w.shape[1]:
-        raise ValueError(f"{target_dir}: {head_key} {tuple(head_w.shape)} and {emb_key} {tuple(w.shape)} disagree on hidden size")
+        raise ValueError(
+            f"{target_dir}: {head_key} {tuple(head_w.shape)} and {emb_key} {tuple(w.shape)} disagree on hidden size"
+        )
     lm_head = torch.nn.Linear(head_w.shape[1], head_w.shape[0], bias=False, device="meta")
-    lm_head.weight = head_w if isinstance(head_w, torch.nn.Parameter) else torch.nn.Parameter(head_w, requires_grad=False)
+    lm_head.weight = (
+        head_w if isinstance(head_w, torch.nn.Parameter) else torch.nn.Parameter(head_w, requires_grad=False)
+    )
     embed.requires_grad_(False)
     lm_head.requires_grad_(False)
     return embed, lm_head

@@ -88,10 +88,18 @@ from .tokenizer import (  # noqa: F401
 )
 
 
-def probe_target(target_dir: str | os.PathLike, *, block_size: int, num_draft_layers: int,
-                 num_target_features: int | None = None, target_layer_ids: Sequence[int] | None = None,
-                 mask_token_id: int | None = None, trust_remote_code: bool = False,
-                 chat_template: str | os.PathLike | None = None, strict: bool = True) -> dict:
+def probe_target(
+    target_dir: str | os.PathLike,
+    *,
+    block_size: int,
+    num_draft_layers: int,
+    num_target_features: int | None = None,
+    target_layer_ids: Sequence[int] | None = None,
+    mask_token_id: int | None = None,
+    trust_remote_code: bool = False,
+    chat_template: str | os.PathLike | None = None,
+    strict: bool = True,
+) -> dict:
     """Probe a target model directory and return the probe record (DESIGN.md §2, probe.schema.json).
 
     Args:
@@ -125,13 +133,23 @@ def probe_target(target_dir: str | os.PathLike, *, block_size: int, num_draft_la
     cfg, warnings, auto_cfg = _probe_config(target_dir, trust_remote_code)
     cfg["target_loader"] = _probe_loader(target_dir, trust_remote_code, strict=strict, warnings=warnings)
     cfg.update(_embedding_facts(target_dir, cfg["vocab_size"], warnings))
-    tok = _tokenizer_facts(target_dir, trust_remote_code=trust_remote_code, chat_template=chat_template,
-                           config=auto_cfg, strict=strict, warnings=warnings)
+    tok = _tokenizer_facts(
+        target_dir,
+        trust_remote_code=trust_remote_code,
+        chat_template=chat_template,
+        config=auto_cfg,
+        strict=strict,
+        warnings=warnings,
+    )
     _preflight_tokenizer(target_dir, tok, cfg["embedding_rows"], strict=strict, warnings=warnings)
     gen_eos = _generation_eos(target_dir)
 
-    ids, ids_src = _choose_target_layer_ids(cfg["num_hidden_layers"], num_draft_layers=num_draft_layers,
-                                            num_target_features=num_target_features, target_layer_ids=target_layer_ids)
+    ids, ids_src = _choose_target_layer_ids(
+        cfg["num_hidden_layers"],
+        num_draft_layers=num_draft_layers,
+        num_target_features=num_target_features,
+        target_layer_ids=target_layer_ids,
+    )
     mid, mid_src = _choose_mask_token_id(mask_token_id, tok, cfg["embedding_rows"])
     if cfg["target_loader"]["error"] is None:
         _check_drafter_config(target_dir, trust_remote_code, block_size, num_draft_layers, ids, mid)
@@ -165,8 +183,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-draft-layers", type=int, default=5)
     ap.add_argument("--num-target-features", type=int, default=None)
-    ap.add_argument("--target-layer-ids", type=lambda s: [int(x) for x in s.split(",")], default=None,
-                    help="comma-separated canonical ids, e.g. 1,9,17,25,33")
+    ap.add_argument(
+        "--target-layer-ids",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=None,
+        help="comma-separated canonical ids, e.g. 1,9,17,25,33",
+    )
     ap.add_argument("--mask-token-id", type=int, default=None)
     ap.add_argument("--trust-remote-code", action="store_true")
     ap.add_argument("--chat-template", default=None)
@@ -195,4 +217,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(json.dumps(rec, indent=2, sort_keys=True))
     return 0
-

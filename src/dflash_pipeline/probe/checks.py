@@ -12,8 +12,9 @@ from typing import Any, Mapping, Sequence
 from dflash_pipeline.core.errors import ConfigError, ProbeError
 
 
-def _preflight_tokenizer(target_dir: Path, tok: Mapping[str, Any], embedding_rows: int, *, strict: bool,
-                         warnings: list[str]) -> None:
+def _preflight_tokenizer(
+    target_dir: Path, tok: Mapping[str, Any], embedding_rows: int, *, strict: bool, warnings: list[str]
+) -> None:
     """A present tokenizer has a chat template (``strict``: else an error; lenient: a warning) and its
     ``len`` fits the embedding (else a warning). A missing tokenizer is left alone.
 
@@ -47,8 +48,14 @@ def _probe_loader(target_dir: Path, trust_remote_code: bool, *, strict: bool, wa
         return {"class": None, "config_class": None, "error": str(exc)}
 
 
-def _check_drafter_config(target_dir: Path, trust_remote_code: bool, block_size: int, num_draft_layers: int,
-                          ids: Sequence[int], mask_token_id: int | None) -> None:
+def _check_drafter_config(
+    target_dir: Path,
+    trust_remote_code: bool,
+    block_size: int,
+    num_draft_layers: int,
+    ids: Sequence[int],
+    mask_token_id: int | None,
+) -> None:
     """Build the drafter config train will build from this target's config (no weights), so a target the
     drafter cannot be sized from fails here with the reason, not at training step 1.
 
@@ -56,28 +63,36 @@ def _check_drafter_config(target_dir: Path, trust_remote_code: bool, block_size:
         ProbeError: naming the target and transformers' / the drafter's complaint.
     """
     from dflash_pipeline.drafter.config import DFlashConfig
-    from dflash_pipeline.target.loading import load_target_config, text_config
-
     from dflash_pipeline.drafter.rope import DFlashRotaryEmbedding, servable_rope_problems
+    from dflash_pipeline.target.loading import load_target_config, text_config
 
     tc = text_config(load_target_config(target_dir, trust_remote_code=trust_remote_code))
     depth = getattr(tc, "num_layers", None)
     if isinstance(depth, int) and depth != tc.num_hidden_layers:  # LongCat-Flash: two attention sublayers a layer
-        raise ProbeError(f"{target_dir}: config num_hidden_layers {tc.num_hidden_layers} counts sublayers of "
-                         f"{depth} decoder layers (num_layers; {tc.model_type}'s double-attention layers); the target "
-                         "returns one hidden state per decoder layer, so canonical target_layer_ids cannot be "
-                         "placed: not supported")
+        raise ProbeError(
+            f"{target_dir}: config num_hidden_layers {tc.num_hidden_layers} counts sublayers of "
+            f"{depth} decoder layers (num_layers; {tc.model_type}'s double-attention layers); the target "
+            "returns one hidden state per decoder layer, so canonical target_layer_ids cannot be "
+            "placed: not supported"
+        )
     try:
         cfg = DFlashConfig.from_target(
             tc,
-            block_size=block_size, num_draft_layers=num_draft_layers, target_layer_ids=list(ids),
-            mask_token_id=mask_token_id if mask_token_id is not None else 0)
+            block_size=block_size,
+            num_draft_layers=num_draft_layers,
+            target_layer_ids=list(ids),
+            mask_token_id=mask_token_id if mask_token_id is not None else 0,
+        )
         problems = servable_rope_problems(cfg.rope_parameters, int(cfg.head_dim))
         if not problems:
             DFlashRotaryEmbedding(cfg)  # the rotary training builds (rope init formulas)
     except Exception as exc:  # noqa: BLE001 - any failure here would otherwise surface at training step 1
-        raise ProbeError(f"{target_dir}: the drafter cannot be sized from this target's config: "
-                         f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}") from exc
+        raise ProbeError(
+            f"{target_dir}: the drafter cannot be sized from this target's config: "
+            f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        ) from exc
     if problems:  # what vLLM's DFlash drafter would refuse or serve differently (dflash_pipeline.drafter.rope)
-        raise ProbeError(f"{target_dir}: vLLM cannot serve the drafter this target gets: {'; '.join(problems)}; "
-                         f"rope_parameters {cfg.rope_parameters}")
+        raise ProbeError(
+            f"{target_dir}: vLLM cannot serve the drafter this target gets: {'; '.join(problems)}; "
+            f"rope_parameters {cfg.rope_parameters}"
+        )

@@ -19,11 +19,34 @@ from typing import Any, Callable, Mapping, Sequence
 from dflash_pipeline.core.errors import ProbeError
 
 #: Keys under which multimodal / wrapper configs keep the language model's config, in search order.
-TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config", "thinker_config", "language_model",
-                    "text_model", "lm_config", "decoder", "decoder_config", "model_config")
+TEXT_CONFIG_KEYS = (
+    "text_config",
+    "language_config",
+    "llm_config",
+    "thinker_config",
+    "language_model",
+    "text_model",
+    "lm_config",
+    "decoder",
+    "decoder_config",
+    "model_config",
+)
 #: Sub-config keys never searched for the text model (they carry their own hidden_size / layer counts).
-_NON_TEXT_HINTS = ("vision", "visual", "audio", "speech", "image", "video", "quantization", "encoder",
-                   "talker", "code2wav", "projector", "rope_scaling", "rope_parameters")
+_NON_TEXT_HINTS = (
+    "vision",
+    "visual",
+    "audio",
+    "speech",
+    "image",
+    "video",
+    "quantization",
+    "encoder",
+    "talker",
+    "code2wav",
+    "projector",
+    "rope_scaling",
+    "rope_parameters",
+)
 
 _ALIASES = {
     "hidden_size": ("hidden_size", "n_embd", "d_model", "dim"),
@@ -35,8 +58,14 @@ _ALIASES = {
 #: MoE expert-count keys seen in the wild → normalized ``num_experts``.
 EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts", "n_experts")
 #: MoE routing top-k keys → normalized ``num_experts_per_tok``.
-EXPERTS_PER_TOKEN_KEYS = ("num_experts_per_tok", "experts_per_token", "top_k_experts", "moe_topk",
-                          "moe_k", "num_selected_experts")
+EXPERTS_PER_TOKEN_KEYS = (
+    "num_experts_per_tok",
+    "experts_per_token",
+    "top_k_experts",
+    "moe_topk",
+    "moe_k",
+    "num_selected_experts",
+)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -57,8 +86,11 @@ def _find_text_config(cfg: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
         nxt: list[tuple[str, Mapping[str, Any]]] = []
         for prefix, d in frontier:
             keys = [k for k in TEXT_CONFIG_KEYS if isinstance(d.get(k), Mapping)]
-            keys += [k for k, v in d.items() if isinstance(v, Mapping) and k not in keys
-                     and not any(h in k.lower() for h in _NON_TEXT_HINTS)]
+            keys += [
+                k
+                for k, v in d.items()
+                if isinstance(v, Mapping) and k not in keys and not any(h in k.lower() for h in _NON_TEXT_HINTS)
+            ]
             for k in keys:
                 path = f"{prefix}.{k}" if prefix else k
                 if has_core(d[k]):
@@ -94,8 +126,9 @@ def _try_autoconfig(target_dir: Path, trust_remote_code: bool) -> tuple[Any, str
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()
         try:
-            cfg = AutoConfig.from_pretrained(str(target_dir), trust_remote_code=trust_remote_code,
-                                             local_files_only=True)
+            cfg = AutoConfig.from_pretrained(
+                str(target_dir), trust_remote_code=trust_remote_code, local_files_only=True
+            )
         finally:
             hf_logging.set_verbosity(verbosity)
         return cfg, None
@@ -122,8 +155,10 @@ def _derive_layer_types(text: Mapping[str, Any], n_layers: int, auto_text: Any) 
         return ["full_attention" if int(x) == 1 else "linear_attention" for x in atl], "config.attn_type_list"
     interval = text.get("full_attention_interval")
     if isinstance(interval, int) and interval > 0:  # Qwen3-Next: every interval-th layer is full attention
-        return (["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)],
-                "derived from config.full_attention_interval")
+        return (
+            ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)],
+            "derived from config.full_attention_interval",
+        )
     auto_lt = getattr(auto_text, "layer_types", None) if auto_text is not None else None
     if isinstance(auto_lt, list) and auto_lt:
         return [str(x) for x in auto_lt], "AutoConfig.layer_types"
@@ -277,8 +312,14 @@ def _size_facts(path: Path, text_path: str, pick: Picker) -> dict:
     kv_heads, kv_src = pick("num_key_value_heads")
     if kv_heads is None and heads is not None:
         kv_heads, kv_src = heads, "default (= num_attention_heads)"
-    return {"hidden_size": hidden, "num_hidden_layers": n_layers, "vocab_size": vocab,
-            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "num_key_value_heads_source": kv_src}
+    return {
+        "hidden_size": hidden,
+        "num_hidden_layers": n_layers,
+        "vocab_size": vocab,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "num_key_value_heads_source": kv_src,
+    }
 
 
 def _config_source(auto_cfg: Any, auto_err: str | None) -> dict:
@@ -304,8 +345,9 @@ def _probe_config(target_dir: Path, trust_remote_code: bool) -> tuple[dict, list
 
     size = _size_facts(path, text_path, pick)
     hidden, n_layers = size["hidden_size"], size["num_hidden_layers"]
-    attention, head_dim, head_dim_src = _attention_facts(text, pick, hidden, size["num_attention_heads"],
-                                                         size["num_key_value_heads"])
+    attention, head_dim, head_dim_src = _attention_facts(
+        text, pick, hidden, size["num_attention_heads"], size["num_key_value_heads"]
+    )
     layer_types, lt_src = _derive_layer_types(text, int(n_layers or 0), auto_text)
     if layer_types is not None and n_layers is not None and len(layer_types) != n_layers:
         warnings.append(f"layer types list has {len(layer_types)} entries for {n_layers} layers")

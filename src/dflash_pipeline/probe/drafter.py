@@ -30,8 +30,9 @@ def target_feature_count(drafter_cfg: Mapping[str, Any]) -> int:
     return int(k if k is not None else drafter_cfg["num_draft_layers"])
 
 
-def _choose_target_layer_ids(n_layers: int, *, num_draft_layers: int, num_target_features: int | None,
-                             target_layer_ids: Sequence[int] | None) -> tuple[list[int], str]:
+def _choose_target_layer_ids(
+    n_layers: int, *, num_draft_layers: int, num_target_features: int | None, target_layer_ids: Sequence[int] | None
+) -> tuple[list[int], str]:
     """``(target_layer_ids, source)``: the explicit ids (validated) or the reference formula for
     K = ``num_target_features`` (default ``num_draft_layers``) of ``n_layers`` (reference/dflash.md §3.1).
 
@@ -81,8 +82,10 @@ def resolve_mask_token_id(
         return int(mid), f"tokenizer mask token {tokenizer.get('mask_token')!r}"
     n = int(tokenizer["len"])
     if embedding_rows > n:
-        return n, (f"first embedding row past the real tokens: len(tokenizer)={n} < {embedding_rows} rows "
-                   "(an untrained padding row of the frozen embedding)")
+        return n, (
+            f"first embedding row past the real tokens: len(tokenizer)={n} < {embedding_rows} rows "
+            "(an untrained padding row of the frozen embedding)"
+        )
     raise ProbeError(
         f"cannot choose mask_token_id: the tokenizer has no mask token and all {embedding_rows} embedding rows "
         f"are real tokens (len(tokenizer)={n}); set `drafter.mask_token_id` to an unused token id "
@@ -90,8 +93,9 @@ def resolve_mask_token_id(
     )
 
 
-def _choose_mask_token_id(explicit: int | None, tokenizer: Mapping[str, Any],
-                          embedding_rows: int) -> tuple[int | None, str]:
+def _choose_mask_token_id(
+    explicit: int | None, tokenizer: Mapping[str, Any], embedding_rows: int
+) -> tuple[int | None, str]:
     """:func:`resolve_mask_token_id` when there is a tokenizer or an explicit id; else ``(None, reason)``
     (a lenient probe of a directory without tokenizer files)."""
     if tokenizer.get("present") or explicit is not None:
@@ -99,8 +103,9 @@ def _choose_mask_token_id(explicit: int | None, tokenizer: Mapping[str, Any],
     return None, f"unresolved: {tokenizer['missing_reason']}; set `drafter.mask_token_id` or add the tokenizer"
 
 
-def _drafter_record(block_size: int, num_draft_layers: int, ids: list[int], ids_src: str,
-                    mask_token_id: int | None, mask_token_src: str) -> dict:
+def _drafter_record(
+    block_size: int, num_draft_layers: int, ids: list[int], ids_src: str, mask_token_id: int | None, mask_token_src: str
+) -> dict:
     """The record's ``drafter`` section, with the HF ``hidden_states`` index of each target layer."""
     return {
         "block_size": int(block_size),

@@ -48,8 +48,11 @@ def summary(record: Mapping[str, Any]) -> str:
     lines = [
         f"target       {record['target_dir']}",
         f"model        {record.get('model_type')} {record.get('architectures')}"
-        + (f"  → text config at `{record['text_config_path']}` ({record.get('text_model_type')})"
-           if record["text_config_path"] else ""),
+        + (
+            f"  → text config at `{record['text_config_path']}` ({record.get('text_model_type')})"
+            if record["text_config_path"]
+            else ""
+        ),
         f"config       loaded by {record['config_source']['loader']}",
         f"size         hidden {record['hidden_size']}, {record['num_hidden_layers']} layers, vocab "
         f"{record['vocab_size']} ({record['embedding_rows']} embedding rows), max pos "
@@ -57,8 +60,12 @@ def summary(record: Mapping[str, Any]) -> str:
         f"attention    {a['kind']}: {record.get('num_attention_heads')} heads, {record.get('num_key_value_heads')} KV "
         f"heads, head_dim {record.get('head_dim')}"
         + (f", kv_lora_rank {a.get('kv_lora_rank')}, q_lora_rank {a.get('q_lora_rank')}" if a["kind"] == "MLA" else ""),
-        "moe          " + (f"{moe['num_experts']} experts ({moe['num_experts_source']}), "
-                            f"{moe['num_experts_per_tok']} per token" if moe else "dense"),
+        "moe          "
+        + (
+            f"{moe['num_experts']} experts ({moe['num_experts_source']}), {moe['num_experts_per_tok']} per token"
+            if moe
+            else "dense"
+        ),
     ]
     if record.get("layer_type_counts"):
         lines.append(f"layer types  {record['layer_type_counts']} ({record['layer_types_source']})")

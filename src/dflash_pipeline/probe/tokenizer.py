@@ -27,8 +27,9 @@ def _tokenizer_error(target_dir: Path, exc: Exception, trust_remote_code: bool) 
     msg = " ".join(str(exc).split())
     low = msg.lower()
     if isinstance(exc, ImportError) or "no module named" in low or ("requires the" in low and "librar" in low):
-        missing = getattr(exc, "name", None) or ("tiktoken" if "tiktoken" in low else
-                                                 "sentencepiece" if "sentencepiece" in low else None)
+        missing = getattr(exc, "name", None) or (
+            "tiktoken" if "tiktoken" in low else "sentencepiece" if "sentencepiece" in low else None
+        )
         pkg = missing or "the missing package"
         return ProbeError(
             f"{target_dir}: loading the tokenizer needs the Python package `{pkg}` ({msg[:200]}); "
@@ -94,8 +95,14 @@ def _check_sentencepiece_deps(target_dir: Path) -> None:
     fails with an unrelated message. Say what to install instead."""
     if (target_dir / "tokenizer.json").is_file() or _tokenizer_auto_map(target_dir):
         return
-    model = next((target_dir / n for n in ("tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
-                  if (target_dir / n).is_file()), None)
+    model = next(
+        (
+            target_dir / n
+            for n in ("tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
+            if (target_dir / n).is_file()
+        ),
+        None,
+    )
     if model is None or _vocab_file_kind(model) != "sentencepiece":
         return
     missing = []
@@ -136,9 +143,12 @@ def _load_tokenizer(target_dir: Path, *, trust_remote_code: bool, config: Any = 
     try:
         from transformers import AutoTokenizer, PretrainedConfig
 
-        tok = AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=trust_remote_code,
-                                            local_files_only=True,
-                                            config=config if config is not None else PretrainedConfig())
+        tok = AutoTokenizer.from_pretrained(
+            str(target_dir),
+            trust_remote_code=trust_remote_code,
+            local_files_only=True,
+            config=config if config is not None else PretrainedConfig(),
+        )
     except Exception as exc:  # noqa: BLE001 - translated into a message that names the fix
         raise _tokenizer_error(target_dir, exc, trust_remote_code) from exc
     if len(tok) < 16:
@@ -152,7 +162,10 @@ def _load_tokenizer(target_dir: Path, *, trust_remote_code: bool, config: Any = 
 def _chat_template(tok: Any, chat_template: str | os.PathLike | None) -> tuple[str | None, str | None]:
     """``(template text, source)``: the ``chat_template`` override file when given, else the tokenizer's
     own template (source ``"tokenizer"``); ``(None, None)`` when there is neither."""
-    template, template_src = getattr(tok, "chat_template", None), "tokenizer" if getattr(tok, "chat_template", None) else None
+    template, template_src = (
+        getattr(tok, "chat_template", None),
+        "tokenizer" if getattr(tok, "chat_template", None) else None,
+    )
     if chat_template is not None:
         template, template_src = Path(chat_template).read_text(encoding="utf-8"), f"override ({chat_template})"
     return template, template_src
@@ -166,8 +179,9 @@ def _thinking_markers(vocab: dict) -> dict | None:
     return markers if any(v["id"] is not None for v in markers.values()) else None
 
 
-def _probe_tokenizer(target_dir: Path, *, trust_remote_code: bool, chat_template: str | os.PathLike | None,
-                     config: Any = None) -> dict:
+def _probe_tokenizer(
+    target_dir: Path, *, trust_remote_code: bool, chat_template: str | os.PathLike | None, config: Any = None
+) -> dict:
     """Tokenizer facts; raises ProbeError (what to install / set) when the files exist but cannot load.
 
     ``config`` is the ``AutoConfig`` the probe already loaded (None when it could not), handed to
@@ -201,13 +215,23 @@ def _probe_tokenizer(target_dir: Path, *, trust_remote_code: bool, chat_template
         "thinking_markers": _thinking_markers(vocab),
         "remote_code": remote,
         "trust_remote_code_used": bool(trust_remote_code and remote),
-        "model_max_length": (int(tok.model_max_length) if getattr(tok, "model_max_length", None)
-                             and tok.model_max_length < 1e12 else None),
+        "model_max_length": (
+            int(tok.model_max_length)
+            if getattr(tok, "model_max_length", None) and tok.model_max_length < 1e12
+            else None
+        ),
     }
 
 
-def _tokenizer_facts(target_dir: Path, *, trust_remote_code: bool, chat_template: str | os.PathLike | None,
-                     config: Any, strict: bool, warnings: list[str]) -> dict:
+def _tokenizer_facts(
+    target_dir: Path,
+    *,
+    trust_remote_code: bool,
+    chat_template: str | os.PathLike | None,
+    config: Any,
+    strict: bool,
+    warnings: list[str],
+) -> dict:
     """The record's ``tokenizer``: :func:`_probe_tokenizer` when the tokenizer files are there; else
     (``strict`` False) ``{present: false, missing_reason}`` with the reason appended to ``warnings``.
 
@@ -216,8 +240,9 @@ def _tokenizer_facts(target_dir: Path, *, trust_remote_code: bool, chat_template
     """
     missing = tokenizer_files_missing(target_dir)
     if missing is None:
-        return _probe_tokenizer(target_dir, trust_remote_code=trust_remote_code, chat_template=chat_template,
-                                config=config)
+        return _probe_tokenizer(
+            target_dir, trust_remote_code=trust_remote_code, chat_template=chat_template, config=config
+        )
     if not strict:
         warnings.append(missing)
         return {"present": False, "missing_reason": missing}

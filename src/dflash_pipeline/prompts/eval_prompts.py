@@ -26,8 +26,6 @@ HUMANEVAL_TEMPLATE = (
 )
 
 
-
-
 def _eval_format(record: Mapping[str, Any]) -> str:
     if isinstance(record.get("prompt"), str) and "entry_point" in record and "task_id" in record:
         return "humaneval"
@@ -82,7 +80,9 @@ def load_eval_prompts(path: str | os.PathLike, *, fmt: str = "auto", num_samples
             continue
         except DataError as exc:
             raise DataError(f"{loc}: {exc}") from None
-        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": t} for t in turns]
+        msgs = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": t} for t in turns
+        ]
         items.append({"prompt_id": prompt_id(msgs), "turns": turns, "system": system})
     random.Random(seed).shuffle(items)
     return items[:num_samples]

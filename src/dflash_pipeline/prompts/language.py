@@ -48,7 +48,9 @@ def _language_identifier(key: str):
         try:
             from py3langid.langid import MODEL_FILE, LanguageIdentifier
         except ImportError:
-            raise ConfigError(f"{key} needs the `py3langid` package for language identification: {LANGUAGE_INSTALL}") from None
+            raise ConfigError(
+                f"{key} needs the `py3langid` package for language identification: {LANGUAGE_INSTALL}"
+            ) from None
         # an identifier of our own: py3langid's module-level one can be restricted by other code (set_languages)
         _LANGUAGE_IDENTIFIER = LanguageIdentifier.from_model_file(MODEL_FILE, norm_probs=True)
     return _LANGUAGE_IDENTIFIER
@@ -89,17 +91,23 @@ def language_problems(prompts_cfg: Mapping[str, Any], datasets: Mapping[str, Map
         if value is None or (allow_any and value == ANY_LANGUAGE):
             return
         if isinstance(value, str) or not isinstance(value, Sequence) or not value:
-            problems.append(f"{key}: expected a non-empty list of language codes such as [en, zh]"
-                            + (f" (or `{ANY_LANGUAGE}` for no filter on this source)" if allow_any else "")
-                            + f", got {value!r}")
+            problems.append(
+                f"{key}: expected a non-empty list of language codes such as [en, zh]"
+                + (f" (or `{ANY_LANGUAGE}` for no filter on this source)" if allow_any else "")
+                + f", got {value!r}"
+            )
             return
         unknown = [c for c in value if c not in LANGUAGE_CODES]
         if unknown:
-            problems.append(f"{key}: unknown language code(s) {unknown}; py3langid knows ISO 639-1 codes such as "
-                            f"en, zh, fr, de, es, ja, ru (full list: dflash_pipeline.prompts.LANGUAGE_CODES)")
+            problems.append(
+                f"{key}: unknown language code(s) {unknown}; py3langid knows ISO 639-1 codes such as "
+                f"en, zh, fr, de, es, ja, ru (full list: dflash_pipeline.prompts.LANGUAGE_CODES)"
+            )
 
     def check_conf(key: str, value: Any) -> None:
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1
+        ):
             problems.append(f"{key}: expected a probability in [0, 1], got {value!r}")
 
     check_codes("prompts.languages", prompts_cfg.get("languages"), allow_any=False)
@@ -107,9 +115,14 @@ def language_problems(prompts_cfg: Mapping[str, Any], datasets: Mapping[str, Map
     for name, src in datasets.items():
         check_codes(f"datasets.{name}.languages", src.get("languages"), allow_any=True)
         check_conf(f"datasets.{name}.min_language_confidence", src.get("min_language_confidence"))
-        if src.get("min_language_confidence") is not None and _source_languages(prompts_cfg.get("languages"), name, src)[0] is None:
-            problems.append(f"datasets.{name}.min_language_confidence: set, but no language filter applies to this "
-                            f"source (set `datasets.{name}.languages` or `prompts.languages`)")
+        if (
+            src.get("min_language_confidence") is not None
+            and _source_languages(prompts_cfg.get("languages"), name, src)[0] is None
+        ):
+            problems.append(
+                f"datasets.{name}.min_language_confidence: set, but no language filter applies to this "
+                f"source (set `datasets.{name}.languages` or `prompts.languages`)"
+            )
     return problems
 
 

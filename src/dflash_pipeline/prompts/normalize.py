@@ -31,8 +31,19 @@ ROLE_ALIASES = {
 }
 #: Canonical field names a per-source ``mapping`` may redirect to other source fields.
 MAPPABLE_FIELDS = (
-    "conversations", "messages", "turns", "instruction", "input", "prompt", "question", "problem",
-    "system", "from", "value", "role", "content",
+    "conversations",
+    "messages",
+    "turns",
+    "instruction",
+    "input",
+    "prompt",
+    "question",
+    "problem",
+    "system",
+    "from",
+    "value",
+    "role",
+    "content",
 )
 #: Stands for an absent field in type checks (an absent field is reported as missing, not as null).
 _MISSING = object()
@@ -54,17 +65,15 @@ class MissingField(DataError):
     """A field the record's format needs is absent (the message names the field and the fields present)."""
 
 
-def _type_error(where: str, value: Any, expected: str, container: Mapping[str, Any] | None = None,
-                what: str = "record") -> DataError:
+def _type_error(
+    where: str, value: Any, expected: str, container: Mapping[str, Any] | None = None, what: str = "record"
+) -> DataError:
     """The error for field ``where`` holding ``value`` instead of ``expected``: :class:`MissingField`
     when ``value`` is :data:`_MISSING` (listing the fields ``container``, a ``what``, does have)."""
     if value is _MISSING:
         have = f" (the {what} has fields {sorted(map(str, container))[:20]})" if container is not None else ""
         return MissingField(f"field `{where}` is missing{have}; expected {expected}")
     return DataError(f"field `{where}`: expected {expected}, got {'null' if value is None else type(value).__name__}")
-
-
-
 
 
 def _field(mapping: Mapping[str, str] | None, name: str) -> str:
@@ -97,8 +106,12 @@ def detect_format(record: Mapping[str, Any], mapping: Mapping[str, str] | None =
 
 
 def _consumed_fields(record: Mapping[str, Any], fmt: str, mapping) -> set[str]:
-    names = {"sharegpt": ["conversations"], "openai": ["messages"], "mt_bench": ["turns"],
-             "alpaca": ["instruction", "input"]}.get(fmt)
+    names = {
+        "sharegpt": ["conversations"],
+        "openai": ["messages"],
+        "mt_bench": ["turns"],
+        "alpaca": ["instruction", "input"],
+    }.get(fmt)
     if names is None:  # prompt
         names = [next(n for n in ("prompt", "question", "problem") if _field(mapping, n) in record)]
     return {_field(mapping, n) for n in names + ["system"]}
@@ -125,8 +138,9 @@ def _text_content(value: Any, where: str) -> str:
     raise _type_error(where, value, "a string")
 
 
-def _chat_messages(turns: Any, list_field: str, role_key: str, content_key: str, role_map,
-                   record: Mapping[str, Any]) -> list[dict]:
+def _chat_messages(
+    turns: Any, list_field: str, role_key: str, content_key: str, role_map, record: Mapping[str, Any]
+) -> list[dict]:
     if not isinstance(turns, list):
         raise _type_error(list_field, turns, "a list of messages", record)
     out: list[dict] = []
@@ -134,14 +148,19 @@ def _chat_messages(turns: Any, list_field: str, role_key: str, content_key: str,
     for i, msg in enumerate(turns):
         where = f"{list_field}[{i}]"
         if not isinstance(msg, dict):
-            raise DataError(f"field `{where}`: expected an object with `{role_key}`/`{content_key}`, got {type(msg).__name__}")
+            raise DataError(
+                f"field `{where}`: expected an object with `{role_key}`/`{content_key}`, got {type(msg).__name__}"
+            )
         raw_role = msg.get(role_key, _MISSING)
         if not isinstance(raw_role, str):
             raise _type_error(f"{where}.{role_key}", raw_role, "a role string", msg, "message")
         role = role_map.get(raw_role, ROLE_ALIASES.get(raw_role.lower()))
         if role is None:
-            raise RejectedRecord("unsupported_role", f"`{where}.{role_key}` is {raw_role!r} (tool/function turns "
-                                 "cannot be regenerated from user turns; map it with `mapping.roles`)")
+            raise RejectedRecord(
+                "unsupported_role",
+                f"`{where}.{role_key}` is {raw_role!r} (tool/function turns "
+                "cannot be regenerated from user turns; map it with `mapping.roles`)",
+            )
         if role == "assistant":
             if not seen_user:
                 raise RejectedRecord("starts_with_assistant", f"`{where}` is an assistant turn before any user turn")
@@ -202,13 +221,20 @@ def _normalize(record: Mapping[str, Any], fmt: str, mapping: Mapping[str, Any] |
         name = _field(mapping, "conversations")
         conv = record.get(name, _MISSING)
         role_key, content_key = _field(mapping, "from"), _field(mapping, "value")
-        if isinstance(conv, list) and conv and isinstance(conv[0], dict) and role_key not in conv[0] and "role" in conv[0]:
+        if (
+            isinstance(conv, list)
+            and conv
+            and isinstance(conv[0], dict)
+            and role_key not in conv[0]
+            and "role" in conv[0]
+        ):
             role_key, content_key = "role", "content"
         messages = _chat_messages(conv, name, role_key, content_key, role_map, record)
     elif fmt == "openai" or (fmt == "prompt" and isinstance(record.get(_field(mapping, "prompt")), list)):
         name = _field(mapping, "messages") if fmt == "openai" else _field(mapping, "prompt")
-        messages = _chat_messages(record.get(name, _MISSING), name, _field(mapping, "role"), _field(mapping, "content"),
-                                  role_map, record)
+        messages = _chat_messages(
+            record.get(name, _MISSING), name, _field(mapping, "role"), _field(mapping, "content"), role_map, record
+        )
     elif fmt == "mt_bench":
         name = _field(mapping, "turns")
         turns = record.get(name, _MISSING)

@@ -53,7 +53,6 @@ class Locator:
         return f"{self.file}: row {self.index}"
 
 
-
 class _Skip(Exception):
     """Internal: a malformed record in a non-strict read (reason + message)."""
 
@@ -205,7 +204,7 @@ def read_records(
             JSON raises even with ``strict=False`` (it cannot be resynchronized; fix or convert to jsonl).
     """
     if isinstance(path, str) and path.startswith(HF_PREFIX):
-        yield from _read_hf_dataset(path[len(HF_PREFIX):], split=split, subset=subset)
+        yield from _read_hf_dataset(path[len(HF_PREFIX) :], split=split, subset=subset)
         return
     strict_key = f"`datasets.{source}.strict: false`" if source else "`strict: false` on the source"
     shown_per_reason: collections.Counter = collections.Counter()
@@ -214,7 +213,9 @@ def read_records(
     for f in files:
         shown = str(f)
         kind = _record_kind(f)
-        reader = {".jsonl": _read_jsonl, ".json": _read_json_array, ".parquet": _read_parquet, ".arrow": _read_arrow}[kind]
+        reader = {".jsonl": _read_jsonl, ".json": _read_json_array, ".parquet": _read_parquet, ".arrow": _read_arrow}[
+            kind
+        ]
         n = skips = 0
         try:
             items = reader(f, shown)
@@ -281,7 +282,8 @@ def _read_hf_dataset(dataset_id: str, *, split: str | None, subset: str | None):
         msg = " ".join(str(exc).split())[:300]
         raise DataError(
             f"{shown}: cannot load the Hugging Face dataset (split {split or 'train'!r}"
-            + (f", subset {subset!r}" if subset else "") + f"): {type(exc).__name__}: {msg}. Without network "
+            + (f", subset {subset!r}" if subset else "")
+            + f"): {type(exc).__name__}: {msg}. Without network "
             "access (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE, or no route to the Hub) download it elsewhere with "
             "`datasets.load_dataset(...).save_to_disk(DIR)` and set `path: DIR`"
         ) from None
@@ -326,7 +328,9 @@ def _read_jsonl(path: Path, shown: str):
             try:
                 rec = json.loads(text)
             except json.JSONDecodeError as exc:
-                yield _Skip("malformed_json", f"{loc}: invalid JSON ({exc.msg.removesuffix(' at')} at column {exc.colno})")
+                yield _Skip(
+                    "malformed_json", f"{loc}: invalid JSON ({exc.msg.removesuffix(' at')} at column {exc.colno})"
+                )
                 continue
             yield _object(loc, rec)
 
@@ -374,7 +378,7 @@ class _ArrayScanner:
     def drop(self) -> None:
         """Forget consumed text (keeps line numbers right)."""
         self.line_at(self.pos)
-        self.buf, self.pos, self.mark = self.buf[self.pos:], 0, 0
+        self.buf, self.pos, self.mark = self.buf[self.pos :], 0, 0
 
     def fail(self, msg: str):
         raise DataError(
@@ -408,7 +412,7 @@ class _ArrayScanner:
         rec, end = self._decode(index)
         self.want = _READ_CHUNK
         line = self.line_at(self.pos)
-        raw_text, self.pos = self.buf[self.pos:end], end
+        raw_text, self.pos = self.buf[self.pos : end], end
         return rec, raw_text, line
 
     def _decode(self, index: int) -> tuple[Any, int]:
@@ -427,7 +431,7 @@ class _ArrayScanner:
     def expect_end(self) -> None:
         """Nothing but white space may follow the closing ``]``."""
         if self.skip_ws():
-            self.fail(f"unexpected data after the closing ']': {self.buf[self.pos:self.pos + 20]!r}")
+            self.fail(f"unexpected data after the closing ']': {self.buf[self.pos : self.pos + 20]!r}")
 
 
 def _read_json_array(path: Path, shown: str):

@@ -73,8 +73,11 @@ def _write_shard(path: Path, rows: list[dict], meta: dict) -> bool:
     if path.is_file():
         try:
             old = pq.read_table(path)
-            if old.schema.remove_metadata().equals(PROMPT_SCHEMA) and old.equals(table) \
-                    and shards.read_shard_metadata(path) == meta:
+            if (
+                old.schema.remove_metadata().equals(PROMPT_SCHEMA)
+                and old.equals(table)
+                and shards.read_shard_metadata(path) == meta
+            ):
                 return False
         except pa.ArrowException:
             pass  # unreadable: rewrite
@@ -111,8 +114,6 @@ def _source_ref(root: Path, loc: Locator, rel_cache: dict[str, str]) -> dict:
     else:
         ref[loc.kind] = loc.index
     return ref
-
-
 
 
 @dataclass
@@ -166,8 +167,15 @@ class _ShardWriter:
         sname = shard_name(len(self.shard_list))
         meta = {"schema_version": PROMPT_SCHEMA_VERSION, "dataset": name, "shard": sname}
         _write_shard(self.out / name / f"{sname}.parquet", rows, meta)
-        self.shard_list.append({"name": sname, "path": f"{name}/{sname}.parquet", "rows": len(rows),
-                                "first_prompt_id": rows[0]["prompt_id"], "last_prompt_id": rows[-1]["prompt_id"]})
+        self.shard_list.append(
+            {
+                "name": sname,
+                "path": f"{name}/{sname}.parquet",
+                "rows": len(rows),
+                "first_prompt_id": rows[0]["prompt_id"],
+                "last_prompt_id": rows[-1]["prompt_id"],
+            }
+        )
         self.rows = []
 
 
@@ -185,8 +193,9 @@ class _Filters:
     special_token_text: str | None = None  # drop | keep | None (no check)
 
 
-def _language_filters(datasets: Mapping[str, Mapping[str, Any]], languages: Sequence[str] | None,
-                      min_language_confidence: float) -> tuple[dict[str, tuple[frozenset, float] | None], Any]:
+def _language_filters(
+    datasets: Mapping[str, Mapping[str, Any]], languages: Sequence[str] | None, min_language_confidence: float
+) -> tuple[dict[str, tuple[frozenset, float] | None], Any]:
     """Each source's ``(allowed languages, min confidence)`` (None: no filter) and the py3langid
     identifier (None when no source filters). Raises ConfigError (see :func:`build_prompt_shards`)."""
     problems = language_problems({"languages": languages, "min_language_confidence": min_language_confidence}, datasets)
@@ -221,8 +230,9 @@ def _source_config(name: str, raw_cfg: Mapping[str, Any]) -> dict:
     return cfg
 
 
-def _normalized(rec: dict, loc: Locator, name: str, cfg: dict, root: Path, rel_cache: dict,
-                tally: _SourceTally) -> tuple[list[dict], str, str] | None:
+def _normalized(
+    rec: dict, loc: Locator, name: str, cfg: dict, root: Path, rel_cache: dict, tally: _SourceTally
+) -> tuple[list[dict], str, str] | None:
     """``(messages, prompt_id, metadata)`` of a raw record, or None when it is dropped (counted in
     ``tally``). Raises DataError for a bad record in a ``strict`` source."""
     try:
@@ -239,8 +249,11 @@ def _normalized(rec: dict, loc: Locator, name: str, cfg: dict, root: Path, rel_c
         reason = "invalid_utf8" if isinstance(exc, UnicodeEncodeError) else "wrong_type"
         msg = f"{loc}: {exc if reason == 'wrong_type' else 'text is not valid Unicode (lone surrogate)'}"
         if cfg["strict"]:
-            fix = (f"name the field with `datasets.{name}.mapping` or `format` (or fix the record)"
-                   if isinstance(exc, MissingField) else "fix the record")
+            fix = (
+                f"name the field with `datasets.{name}.mapping` or `format` (or fix the record)"
+                if isinstance(exc, MissingField)
+                else "fix the record"
+            )
             raise DataError(f"{msg}; {fix}, or set `datasets.{name}.strict: false`") from None
         log.warning("skipped %s", msg)
         tally.drop(reason, msg)
@@ -248,8 +261,14 @@ def _normalized(rec: dict, loc: Locator, name: str, cfg: dict, root: Path, rel_c
     return messages, pid, metadata
 
 
-def _drop_reason(messages: list[dict], pid: str, fraction: float, lang_filter: tuple[frozenset, float] | None,
-                 filters: _Filters, tally: _SourceTally) -> tuple[str, str] | None:
+def _drop_reason(
+    messages: list[dict],
+    pid: str,
+    fraction: float,
+    lang_filter: tuple[frozenset, float] | None,
+    filters: _Filters,
+    tally: _SourceTally,
+) -> tuple[str, str] | None:
     """Why a normalized prompt is not kept (``sampled_out``, ``duplicate``, ``special_token_text``,
     ``language``, ``low_language_confidence``, ``too_long``, checked in that order) and a detail for its
     example, or None to keep it."""
@@ -262,8 +281,10 @@ def _drop_reason(messages: list[dict], pid: str, fraction: float, lang_filter: t
         if found:
             role = next(m["role"] for m in messages if find_control_strings(m["content"], found))
             if filters.special_token_text == "drop":
-                return "special_token_text", (f"{role} text contains {found}, which the target's tokenizer (and the "
-                                              f"engines' chat rendering) would read as control tokens")
+                return "special_token_text", (
+                    f"{role} text contains {found}, which the target's tokenizer (and the "
+                    f"engines' chat rendering) would read as control tokens"
+                )
             tally.special_kept += 1
     if lang_filter is not None:
         lang, prob = filters.identifier.classify(language_sample(messages))
@@ -284,28 +305,39 @@ def _check_prompt_field(name: str, cfg: dict, tally: _SourceTally) -> bool:
     if tally.first_no_field is None or tally.dropped["no_prompt_field"] != tally.read:
         return False
     loc, fields = tally.first_no_field
-    looked_for = "prompt/question/problem" if cfg["format"] == "prompt" else \
-        "conversations/messages/turns/instruction/prompt/question/problem"
-    msg = (f"datasets.{name} ({cfg['path']}): none of the {tally.read} records read has a prompt field ({looked_for}"
-           + (f", after mapping {dict(cfg['mapping'])}" if cfg["mapping"] else "")
-           + f"); the first ({loc}) has fields {fields}")
+    looked_for = (
+        "prompt/question/problem"
+        if cfg["format"] == "prompt"
+        else "conversations/messages/turns/instruction/prompt/question/problem"
+    )
+    msg = (
+        f"datasets.{name} ({cfg['path']}): none of the {tally.read} records read has a prompt field ({looked_for}"
+        + (f", after mapping {dict(cfg['mapping'])}" if cfg["mapping"] else "")
+        + f"); the first ({loc}) has fields {fields}"
+    )
     if cfg["strict"]:
-        raise DataError(f"{msg}. Name the prompt field with `datasets.{name}.mapping` (e.g. `mapping: "
-                        f"{{prompt: <field>}}`) or set `datasets.{name}.format` ({', '.join(FORMATS)}), or set "
-                        f"`datasets.{name}.strict: false` to count them as no_prompt_field and go on")
+        raise DataError(
+            f"{msg}. Name the prompt field with `datasets.{name}.mapping` (e.g. `mapping: "
+            f"{{prompt: <field>}}`) or set `datasets.{name}.format` ({', '.join(FORMATS)}), or set "
+            f"`datasets.{name}.strict: false` to count them as no_prompt_field and go on"
+        )
     log.warning("%s; all dropped as no_prompt_field (strict: false)", msg)
     return True
 
 
-def _source_entry(name: str, cfg: dict, tally: _SourceTally, writer: _ShardWriter,
-                  lang_filter: tuple[frozenset, float] | None) -> dict:
+def _source_entry(
+    name: str, cfg: dict, tally: _SourceTally, writer: _ShardWriter, lang_filter: tuple[frozenset, float] | None
+) -> dict:
     """The source's manifest entry (``datasets.<name>``; see :func:`build_prompt_shards`)."""
     inactive = _inactive_shards(writer.out / name, len(writer.shard_list))
     if inactive:
         log.info("%s: shards %s %s", name, inactive, _LEFT_ON_DISK)
     entry = {
-        "config": {k: cfg[k] for k in ("path", "format", "max_prompts", "fraction", "strict", "mapping")
-                   + tuple(k for k in ("split", "subset") if cfg[k] is not None)},
+        "config": {
+            k: cfg[k]
+            for k in ("path", "format", "max_prompts", "fraction", "strict", "mapping")
+            + tuple(k for k in ("split", "subset") if cfg[k] is not None)
+        },
         "read": tally.read_total,  # incl. skipped malformed
         "kept": tally.kept,
         "dropped": dict(sorted(tally.dropped.items())),
@@ -323,13 +355,25 @@ def _source_entry(name: str, cfg: dict, tally: _SourceTally, writer: _ShardWrite
         entry["config"]["languages"] = ANY_LANGUAGE
     from dflash_pipeline.core.console import console
 
-    console("%s: read %d, kept %d in %d shards, dropped %s", name, entry["read"], tally.kept,
-            len(writer.shard_list), dict(sorted(tally.dropped.items())) or "none")
+    console(
+        "%s: read %d, kept %d in %d shards, dropped %s",
+        name,
+        entry["read"],
+        tally.kept,
+        len(writer.shard_list),
+        dict(sorted(tally.dropped.items())) or "none",
+    )
     return entry
 
 
-def _shard_source(name: str, raw_cfg: Mapping[str, Any], out: Path, shard_size: int, filters: _Filters,
-                  lang_filter: tuple[frozenset, float] | None) -> dict:
+def _shard_source(
+    name: str,
+    raw_cfg: Mapping[str, Any],
+    out: Path,
+    shard_size: int,
+    filters: _Filters,
+    lang_filter: tuple[frozenset, float] | None,
+) -> dict:
     """Read, filter and shard one source; returns its manifest entry."""
     cfg = _source_config(name, raw_cfg)
     fraction, cap = float(cfg["fraction"]), cfg["max_prompts"]
@@ -338,8 +382,15 @@ def _shard_source(name: str, raw_cfg: Mapping[str, Any], out: Path, shard_size: 
     tally = _SourceTally()
     writer = _ShardWriter(out, name, shard_size)
     rel_cache: dict[str, str] = {}
-    for loc, rec in read_records(str(cfg["path"]) if hub else root, strict=cfg["strict"], counts=tally.skipped,
-                                 examples=tally.examples, split=cfg["split"], subset=cfg["subset"], source=name):
+    for loc, rec in read_records(
+        str(cfg["path"]) if hub else root,
+        strict=cfg["strict"],
+        counts=tally.skipped,
+        examples=tally.examples,
+        split=cfg["split"],
+        subset=cfg["subset"],
+        source=name,
+    ):
         tally.read += 1
         normalized = _normalized(rec, loc, name, cfg, root, rel_cache, tally)
         if normalized is None:
@@ -359,7 +410,9 @@ def _shard_source(name: str, raw_cfg: Mapping[str, Any], out: Path, shard_size: 
     no_field = _check_prompt_field(name, cfg, tally)
     tally.dropped.update(tally.skipped)
     if tally.kept == 0 and not no_field:
-        log.warning("%s: kept no prompt (read %d, dropped %s)", name, tally.read_total, dict(sorted(tally.dropped.items())))
+        log.warning(
+            "%s: kept no prompt (read %d, dropped %s)", name, tally.read_total, dict(sorted(tally.dropped.items()))
+        )
     return _source_entry(name, cfg, tally, writer, lang_filter)
 
 
@@ -374,9 +427,17 @@ def _inactive_datasets(out: Path, active: Mapping[str, Any]) -> dict[str, list[s
     return inactive
 
 
-def _checked_filters(datasets: Mapping[str, Mapping[str, Any]], *, shard_size: int, seed: int, tokenizer,
-                     max_prompt_tokens: int | None, languages: Sequence[str] | None, min_language_confidence: float,
-                     special_token_text: str | None) -> tuple[_Filters, dict[str, tuple[frozenset, float] | None]]:
+def _checked_filters(
+    datasets: Mapping[str, Mapping[str, Any]],
+    *,
+    shard_size: int,
+    seed: int,
+    tokenizer,
+    max_prompt_tokens: int | None,
+    languages: Sequence[str] | None,
+    min_language_confidence: float,
+    special_token_text: str | None,
+) -> tuple[_Filters, dict[str, tuple[frozenset, float] | None]]:
     """The options of :func:`build_prompt_shards` checked before any source is read: the shared
     :class:`_Filters` and each source's language filter (:func:`_language_filters`).
 
@@ -394,14 +455,26 @@ def _checked_filters(datasets: Mapping[str, Mapping[str, Any]], *, shard_size: i
         raise ConfigError(f"prompts.special_token_text: {special_token_text!r}; use drop or keep")
     if special_token_text is not None and tokenizer is None:
         raise ConfigError("prompts.special_token_text needs the target tokenizer (none was given)")
-    filters = _Filters(seed=seed, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens, identifier=identifier,
-                       control_strings=control_token_strings(tokenizer) if special_token_text else (),
-                       special_token_text=special_token_text)
+    filters = _Filters(
+        seed=seed,
+        tokenizer=tokenizer,
+        max_prompt_tokens=max_prompt_tokens,
+        identifier=identifier,
+        control_strings=control_token_strings(tokenizer) if special_token_text else (),
+        special_token_text=special_token_text,
+    )
     return filters, lang_filters
 
 
-def _manifest(filters: _Filters, ds_out: dict[str, dict], inactive_datasets: dict[str, list[str]], *,
-              shard_size: int, languages: Sequence[str] | None, min_language_confidence: float) -> dict:
+def _manifest(
+    filters: _Filters,
+    ds_out: dict[str, dict],
+    inactive_datasets: dict[str, list[str]],
+    *,
+    shard_size: int,
+    languages: Sequence[str] | None,
+    min_language_confidence: float,
+) -> dict:
     """The manifest (:class:`contracts.PromptManifest`) of the sources' entries ``ds_out``. Raises
     DataError when no source kept a prompt."""
     total = sum(d["kept"] for d in ds_out.values())
@@ -425,10 +498,19 @@ def _manifest(filters: _Filters, ds_out: dict[str, dict], inactive_datasets: dic
     }
 
 
-def build_prompt_shards(datasets: Mapping[str, Mapping[str, Any]], out_dir: str | os.PathLike, *, shard_size: int,
-                        seed: int, tokenizer=None, max_prompt_tokens: int | None = None,
-                        languages: Sequence[str] | None = None, min_language_confidence: float = 0.0,
-                        manifest_path: str | os.PathLike | None = None, special_token_text: str | None = None) -> dict:
+def build_prompt_shards(
+    datasets: Mapping[str, Mapping[str, Any]],
+    out_dir: str | os.PathLike,
+    *,
+    shard_size: int,
+    seed: int,
+    tokenizer=None,
+    max_prompt_tokens: int | None = None,
+    languages: Sequence[str] | None = None,
+    min_language_confidence: float = 0.0,
+    manifest_path: str | os.PathLike | None = None,
+    special_token_text: str | None = None,
+) -> dict:
     """Normalize, filter, dedup and shard every prompt source; write shards and the manifest.
 
     Args:
@@ -471,14 +553,29 @@ def build_prompt_shards(datasets: Mapping[str, Mapping[str, Any]], out_dir: str 
             two raised before any source is read.
     """
     filters, lang_filters = _checked_filters(
-        datasets, shard_size=shard_size, seed=seed, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens,
-        languages=languages, min_language_confidence=min_language_confidence, special_token_text=special_token_text)
+        datasets,
+        shard_size=shard_size,
+        seed=seed,
+        tokenizer=tokenizer,
+        max_prompt_tokens=max_prompt_tokens,
+        languages=languages,
+        min_language_confidence=min_language_confidence,
+        special_token_text=special_token_text,
+    )
     out = Path(out_dir)
     manifest_file = Path(manifest_path) if manifest_path is not None else out / "manifest.json"
-    ds_out = {name: _shard_source(name, raw_cfg, out, shard_size, filters, lang_filters[name])
-              for name, raw_cfg in datasets.items()}
-    manifest = _manifest(filters, ds_out, _inactive_datasets(out, ds_out), shard_size=shard_size,
-                         languages=languages, min_language_confidence=min_language_confidence)
+    ds_out = {
+        name: _shard_source(name, raw_cfg, out, shard_size, filters, lang_filters[name])
+        for name, raw_cfg in datasets.items()
+    }
+    manifest = _manifest(
+        filters,
+        ds_out,
+        _inactive_datasets(out, ds_out),
+        shard_size=shard_size,
+        languages=languages,
+        min_language_confidence=min_language_confidence,
+    )
     shards.write_json(manifest_file, manifest)
     return manifest
 
@@ -510,15 +607,24 @@ def shard_prompts(
     tokenizer = None
     if max_tokens is not None or special is not None:
         if target_dir is None:
-            raise ConfigError("prompts.max_prompt_tokens / prompts.special_token_text: drop need the target's "
-                              "tokenizer, but no target directory was given")
+            raise ConfigError(
+                "prompts.max_prompt_tokens / prompts.special_token_text: drop need the target's "
+                "tokenizer, but no target directory was given"
+            )
         from dflash_pipeline.target.chat import load_tokenizer
 
         tokenizer = load_tokenizer(target_dir, trust_remote_code=trust_remote_code, chat_template=chat_template)
-    return build_prompt_shards(datasets, out_dir, shard_size=prompts_cfg["shard_size"], seed=prompts_cfg["seed"],
-                               tokenizer=tokenizer, max_prompt_tokens=max_tokens, languages=prompts_cfg["languages"],
-                               min_language_confidence=prompts_cfg["min_language_confidence"],
-                               special_token_text=special)
+    return build_prompt_shards(
+        datasets,
+        out_dir,
+        shard_size=prompts_cfg["shard_size"],
+        seed=prompts_cfg["seed"],
+        tokenizer=tokenizer,
+        max_prompt_tokens=max_tokens,
+        languages=prompts_cfg["languages"],
+        min_language_confidence=prompts_cfg["min_language_confidence"],
+        special_token_text=special,
+    )
 
 
 def shard_paths(manifest: Mapping[str, Any], out_dir: str | os.PathLike) -> dict[str, list[str]]:
@@ -531,5 +637,3 @@ def list_shards(manifest_path: str | os.PathLike) -> list[tuple[str, str]]:
     Snakefile expands downstream rules over after the checkpoint."""
     manifest = shards.read_json(manifest_path)
     return [(name, s["name"]) for name, ds in manifest["datasets"].items() for s in ds["shards"]]
-
-

@@ -6,8 +6,46 @@ The public face: names load lazily from the module that owns them."""
 from dflash_pipeline.core.faces import lazy_face
 
 _OWNERS = {
-    **dict.fromkeys(['probe_table', 'prompts_table', 'GENERATION_COLUMNS', 'generation_table', 'TOKEN_COUNTS', 'tokens_table', 'LABELS', 'label', 'read_tsv', 'html_table', 'SUMMARY_STYLE', 'eval_summary_rows', 'tau_pivot', 'ENGINE_VERDICTS', 'engine_summary_lines', 'console_summary'], "tables"),
-    **dict.fromkeys(['PAGE_STYLE', 'png_data_uri', 'figures_html', 'header_html', 'data_line', 'run_facts', 'plot_tau_per_set', 'plot_tau_by_length', 'data_length_histograms', 'plot_data_lengths', 'length_table_rows', 'summary_page', 'RUN_FIGURES', 'run_figures'], "page"),
+    **dict.fromkeys(
+        [
+            "probe_table",
+            "prompts_table",
+            "GENERATION_COLUMNS",
+            "generation_table",
+            "TOKEN_COUNTS",
+            "tokens_table",
+            "LABELS",
+            "label",
+            "read_tsv",
+            "html_table",
+            "SUMMARY_STYLE",
+            "eval_summary_rows",
+            "tau_pivot",
+            "ENGINE_VERDICTS",
+            "engine_summary_lines",
+            "console_summary",
+        ],
+        "tables",
+    ),
+    **dict.fromkeys(
+        [
+            "PAGE_STYLE",
+            "png_data_uri",
+            "figures_html",
+            "header_html",
+            "data_line",
+            "run_facts",
+            "plot_tau_per_set",
+            "plot_tau_by_length",
+            "data_length_histograms",
+            "plot_data_lengths",
+            "length_table_rows",
+            "summary_page",
+            "RUN_FIGURES",
+            "run_figures",
+        ],
+        "page",
+    ),
 }
 
 __all__ = sorted(_OWNERS)

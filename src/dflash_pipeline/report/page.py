@@ -281,7 +281,7 @@ def plot_tau_by_length(record: Mapping, path: str | Path) -> None:
         _save(fig, path)
         return
     x = {lb: i for i, lb in enumerate(labels)}
-    for n, (label, buckets) in enumerate(pooled.items()):
+    for _n, (label, buckets) in enumerate(pooled.items()):
         pts = [(x[b], v["tau"], v["num_steps"]) for b, v in buckets.items() if b in x]
         (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", lw=2, label=f"{label} (all sets)")
         for px, py, steps in pts:
@@ -294,7 +294,7 @@ def plot_tau_by_length(record: Mapping, path: str | Path) -> None:
                 ha="center",
                 color=line.get_color(),
             )
-        for set_name, s in (record["drafters"][label].get("sets") or {}).items():
+        for _set_name, s in (record["drafters"][label].get("sets") or {}).items():
             bl = s.get("by_context_length") or {}
             if len(bl) > 1:
                 sp = [(x[b], v["tau"]) for b, v in bl.items() if b in x]

@@ -53,12 +53,26 @@ def prompts_table(manifest_json: str | Path, out_tsv: str | Path) -> list[dict]:
     rows = []
     for name, ds in manifest["datasets"].items():
         dropped = ds.get("dropped") or {}
-        rows.append({
-            "dataset": name, "read": ds.get("read"), "kept": ds.get("kept"), "shards": len(ds.get("shards") or []),
-            "dropped_total": sum(dropped.values()), **{f"dropped_{r}": dropped.get(r, 0) for r in reasons},
-            "stopped_at_max_prompts": ds.get("stopped_at_max_prompts"),
-        })
-    cols = ["dataset", "read", "kept", "shards", "dropped_total", *(f"dropped_{r}" for r in reasons), "stopped_at_max_prompts"]
+        rows.append(
+            {
+                "dataset": name,
+                "read": ds.get("read"),
+                "kept": ds.get("kept"),
+                "shards": len(ds.get("shards") or []),
+                "dropped_total": sum(dropped.values()),
+                **{f"dropped_{r}": dropped.get(r, 0) for r in reasons},
+                "stopped_at_max_prompts": ds.get("stopped_at_max_prompts"),
+            }
+        )
+    cols = [
+        "dataset",
+        "read",
+        "kept",
+        "shards",
+        "dropped_total",
+        *(f"dropped_{r}" for r in reasons),
+        "stopped_at_max_prompts",
+    ]
     write_tsv(out_tsv, cols, rows)
     return rows
 
@@ -74,9 +88,23 @@ def _benchmark_seconds(path: Path) -> Optional[float]:
 
 
 GENERATION_COLUMNS = (
-    "dataset", "shards", "conversations", "ok", "truncated", "error", "assistant_turns", "prompt_tokens",
-    "completion_tokens", "mean_completion_tokens", "request_seconds", "tokens_per_request_s", "job_seconds",
-    "tokens_per_job_s", "retries", "thinking", "model",
+    "dataset",
+    "shards",
+    "conversations",
+    "ok",
+    "truncated",
+    "error",
+    "assistant_turns",
+    "prompt_tokens",
+    "completion_tokens",
+    "mean_completion_tokens",
+    "request_seconds",
+    "tokens_per_request_s",
+    "job_seconds",
+    "tokens_per_job_s",
+    "retries",
+    "thinking",
+    "model",
 )
 
 
@@ -100,9 +128,22 @@ def generation_table(
     for path in completion_shards:
         path = Path(path)
         dataset = path.parent.name
-        d = per.setdefault(dataset, {"dataset": dataset, "shards": 0, "status": Counter(), "turns": 0, "prompt_tokens": 0,
-                                     "completion_tokens": 0, "latency": 0.0, "job_s": 0.0, "job_s_known": True,
-                                     "thinking": set(), "model": set()})
+        d = per.setdefault(
+            dataset,
+            {
+                "dataset": dataset,
+                "shards": 0,
+                "status": Counter(),
+                "turns": 0,
+                "prompt_tokens": 0,
+                "completion_tokens": 0,
+                "latency": 0.0,
+                "job_s": 0.0,
+                "job_s_known": True,
+                "thinking": set(),
+                "model": set(),
+            },
+        )
         _add_generation_shard(d, path, benchmark_dir)
     rows = [_generation_row(name, [d]) for name, d in per.items()]
     if per:
@@ -149,8 +190,9 @@ def _last_run_of_shard(path: Path, table, benchmark_dir: Optional[str | Path]) -
     secs = run.get("wall_s")  # the last run's seconds: its tokens, not the resumed ones
     run_tokens = run.get("completion_tokens")
     if run_tokens is None:  # no stats file: the shard's tokens (the Snakemake benchmark's run)
-        run_tokens = sum((t.get("completion_tokens") or 0)
-                         for rec in table.select(["turns"]).to_pylist() for t in rec["turns"] or [])
+        run_tokens = sum(
+            (t.get("completion_tokens") or 0) for rec in table.select(["turns"]).to_pylist() for t in rec["turns"] or []
+        )
     if secs is None and benchmark_dir:
         secs = _benchmark_seconds(Path(benchmark_dir) / path.parent.name / f"{path.stem}.tsv")
     return run_tokens, run.get("retries") or 0, secs
@@ -165,11 +207,18 @@ def _generation_row(name: str, ds: list[dict]) -> dict:
     job = sum(d["job_s"] for d in ds)
     turns = sum(d["turns"] for d in ds)
     return {
-        "dataset": name, "shards": sum(d["shards"] for d in ds), "conversations": sum(status.values()),
-        "ok": status.get("ok", 0), "truncated": status.get("truncated", 0), "error": status.get("error", 0),
-        "assistant_turns": turns, "prompt_tokens": sum(d["prompt_tokens"] for d in ds), "completion_tokens": comp,
+        "dataset": name,
+        "shards": sum(d["shards"] for d in ds),
+        "conversations": sum(status.values()),
+        "ok": status.get("ok", 0),
+        "truncated": status.get("truncated", 0),
+        "error": status.get("error", 0),
+        "assistant_turns": turns,
+        "prompt_tokens": sum(d["prompt_tokens"] for d in ds),
+        "completion_tokens": comp,
         "mean_completion_tokens": round(comp / turns, 1) if turns else None,
-        "request_seconds": round(lat, 2), "tokens_per_request_s": round(comp / lat, 1) if lat > 0 else None,
+        "request_seconds": round(lat, 2),
+        "tokens_per_request_s": round(comp / lat, 1) if lat > 0 else None,
         "job_seconds": round(job, 2) if job_known else None,
         "tokens_per_job_s": round(sum(d["run_tokens"] for d in ds) / job, 1) if job_known and job > 0 else None,
         "retries": sum(d.get("retries", 0) for d in ds),
@@ -180,9 +229,19 @@ def _generation_row(name: str, ds: list[dict]) -> dict:
 
 #: Summed per dataset from each token shard's ``counts`` (tokens.tokenize_shard), in this order.
 TOKEN_COUNTS = (
-    "records_in", "records_out", "turns_supervised", "num_tokens", "num_loss_tokens", "truncated",
-    "split_conversations", "server_ids_used", "scaffolding_excluded", "render_differs_from_output_ids",
-    "output_ids_spliced", "control_text_kept", "straddling_tokens",
+    "records_in",
+    "records_out",
+    "turns_supervised",
+    "num_tokens",
+    "num_loss_tokens",
+    "truncated",
+    "split_conversations",
+    "server_ids_used",
+    "scaffolding_excluded",
+    "render_differs_from_output_ids",
+    "output_ids_spliced",
+    "control_text_kept",
+    "straddling_tokens",
 )
 
 
@@ -204,8 +263,13 @@ def tokens_table(token_shards: Sequence[str | Path], out_tsv: str | Path) -> lis
 
     def row(name: str, c: Counter) -> dict:
         frac = c["num_loss_tokens"] / c["num_tokens"] if c["num_tokens"] else None
-        return {"dataset": name, "shards": c["shards"], **{k: c[k] for k in TOKEN_COUNTS},
-                "loss_fraction": None if frac is None else round(frac, 4), **{r: c[r] for r in reasons}}
+        return {
+            "dataset": name,
+            "shards": c["shards"],
+            **{k: c[k] for k in TOKEN_COUNTS},
+            "loss_fraction": None if frac is None else round(frac, 4),
+            **{r: c[r] for r in reasons},
+        }
 
     rows = [row(name, c) for name, c in per.items()]
     if per:
@@ -220,20 +284,42 @@ def tokens_table(token_shards: Sequence[str | Path], out_tsv: str | Path) -> lis
 
 #: Column name -> readable label (other names: underscores become spaces, ``dropped_x`` -> "dropped: x").
 LABELS = {
-    "tau": "τ", "tau_over_untrained": "τ / untrained τ", "tokens_per_target_forward": "tokens per target forward",
-    "accept_pos1": "accepted ≥1 draft", "num_responses": "responses", "num_steps": "verify steps",
-    "max_new_tokens": "max new tokens", "train_steps": "training steps", "zero_target_features": "features zeroed",
-    "read": "records read", "kept": "prompts kept", "dropped_total": "dropped (all reasons)",
-    "stopped_at_max_prompts": "stopped at max_prompts", "ok": "ok", "truncated": "truncated",
-    "assistant_turns": "assistant turns", "mean_completion_tokens": "mean completion tokens",
-    "request_seconds": "request seconds", "tokens_per_request_s": "tokens/s per request",
-    "job_seconds": "job seconds", "tokens_per_job_s": "tokens/s per job",
-    "records_in": "completion records in", "records_out": "sequences out", "turns_supervised": "turns supervised",
-    "num_tokens": "tokens", "num_loss_tokens": "supervised tokens", "loss_fraction": "supervised fraction",
-    "split_conversations": "conversations split per turn", "server_ids_used": "rows from server ids",
-    "scaffolding_excluded": "template scaffolding excluded", "render_differs_from_output_ids": "render ≠ output ids",
-    "output_ids_spliced": "turns from output ids", "control_text_kept": "special-token text kept as text",
-    "straddling_tokens": "boundary-straddling tokens", "key": "setting", "value": "value",
+    "tau": "τ",
+    "tau_over_untrained": "τ / untrained τ",
+    "tokens_per_target_forward": "tokens per target forward",
+    "accept_pos1": "accepted ≥1 draft",
+    "num_responses": "responses",
+    "num_steps": "verify steps",
+    "max_new_tokens": "max new tokens",
+    "train_steps": "training steps",
+    "zero_target_features": "features zeroed",
+    "read": "records read",
+    "kept": "prompts kept",
+    "dropped_total": "dropped (all reasons)",
+    "stopped_at_max_prompts": "stopped at max_prompts",
+    "ok": "ok",
+    "truncated": "truncated",
+    "assistant_turns": "assistant turns",
+    "mean_completion_tokens": "mean completion tokens",
+    "request_seconds": "request seconds",
+    "tokens_per_request_s": "tokens/s per request",
+    "job_seconds": "job seconds",
+    "tokens_per_job_s": "tokens/s per job",
+    "records_in": "completion records in",
+    "records_out": "sequences out",
+    "turns_supervised": "turns supervised",
+    "num_tokens": "tokens",
+    "num_loss_tokens": "supervised tokens",
+    "loss_fraction": "supervised fraction",
+    "split_conversations": "conversations split per turn",
+    "server_ids_used": "rows from server ids",
+    "scaffolding_excluded": "template scaffolding excluded",
+    "render_differs_from_output_ids": "render ≠ output ids",
+    "output_ids_spliced": "turns from output ids",
+    "control_text_kept": "special-token text kept as text",
+    "straddling_tokens": "boundary-straddling tokens",
+    "key": "setting",
+    "value": "value",
 }
 
 
@@ -242,7 +328,7 @@ def label(column: str) -> str:
     if column in LABELS:
         return LABELS[column]
     if column.startswith("dropped_"):
-        return "dropped: " + column[len("dropped_"):].replace("_", " ")
+        return "dropped: " + column[len("dropped_") :].replace("_", " ")
     return column.replace("_", " ")
 
 
@@ -254,20 +340,28 @@ def read_tsv(path: str | Path) -> tuple[list[str], list[dict]]:
         return list(reader.fieldnames or []), rows
 
 
-def html_table(columns: Sequence[str], rows: Sequence[dict], *, title: str, table_id: str, note: str = "",
-               relabel: bool = True) -> str:
+def html_table(
+    columns: Sequence[str], rows: Sequence[dict], *, title: str, table_id: str, note: str = "", relabel: bool = True
+) -> str:
     """One ``<section>`` with a heading and a table (``<table id=table_id>``), headers from :func:`label`
     (``relabel=False``: the column names as they are, e.g. eval set names; the raw name is always in the
     ``title`` attribute), every value escaped."""
     head = "".join(f'<th title="{html.escape(c)}">{html.escape(label(c) if relabel else c)}</th>' for c in columns)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape('' if r.get(c) is None else str(r.get(c)))}</td>" for c in columns) + "</tr>"
-        for r in rows
-    ) or f'<tr><td colspan="{max(1, len(columns))}">(no rows)</td></tr>'
+    body = (
+        "".join(
+            "<tr>"
+            + "".join(f"<td>{html.escape('' if r.get(c) is None else str(r.get(c)))}</td>" for c in columns)
+            + "</tr>"
+            for r in rows
+        )
+        or f'<tr><td colspan="{max(1, len(columns))}">(no rows)</td></tr>'
+    )
     note_html = f"<p>{html.escape(note)}</p>" if note else ""
-    return (f'<section class="dflash-summary"><h3>{html.escape(title)}</h3>{note_html}'
-            f'<table id="{html.escape(table_id)}" class="dflash-table"><thead><tr>{head}</tr></thead>'
-            f"<tbody>{body}</tbody></table></section>")
+    return (
+        f'<section class="dflash-summary"><h3>{html.escape(title)}</h3>{note_html}'
+        f'<table id="{html.escape(table_id)}" class="dflash-table"><thead><tr>{head}</tr></thead>'
+        f"<tbody>{body}</tbody></table></section>"
+    )
 
 
 #: Look of the summary tables (the report's own stylesheet leaves tables bare).
@@ -318,8 +412,9 @@ def engine_summary_lines(rows: Sequence[dict]) -> list[str]:
     lines = ["engine τ beside our loop's (pooled over verify steps, eval.engine):"]
     for r in served:
         verdict = ENGINE_VERDICTS.get(r.get("engine_agrees") or "?", r.get("engine_agrees"))
-        lines.append(f"  {r['drafter']} {r['set'].ljust(width)}  ours {r['tau_pooled']}  engine {r['engine_tau']}  "
-                     f"{verdict}")
+        lines.append(
+            f"  {r['drafter']} {r['set'].ljust(width)}  ours {r['tau_pooled']}  engine {r['engine_tau']}  {verdict}"
+        )
     return lines
 
 

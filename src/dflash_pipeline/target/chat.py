@@ -25,8 +25,15 @@ from dflash_pipeline.core.errors import ConfigError
 
 #: Files that carry a tokenizer's vocabulary (``tokenizer_config.json`` alone does not: transformers then
 #: builds an empty tokenizer). A ``tokenizer_config.json`` with ``auto_map`` (remote code) also counts.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "vocab.txt",
-                   "spiece.model", "sentencepiece.bpe.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tiktoken.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
 
 
 def _tokenizer_auto_map(target_dir: Path) -> Any:
@@ -46,9 +53,12 @@ def tokenizer_files_missing(target_dir: Path) -> str | None:
     if tc.is_file():
         if _tokenizer_auto_map(target_dir):
             return None
-        return (f"tokenizer_config.json without a vocabulary file ({', '.join(TOKENIZER_FILES)}, *.tiktoken) "
-                f"in {target_dir}")
+        return (
+            f"tokenizer_config.json without a vocabulary file ({', '.join(TOKENIZER_FILES)}, *.tiktoken) "
+            f"in {target_dir}"
+        )
     return f"no tokenizer files ({', '.join(TOKENIZER_FILES)}, *.tiktoken) in {target_dir}"
+
 
 #: thinking mode -> extra kwargs passed to the chat template (``chat_template_kwargs`` on servers).
 THINKING_TEMPLATE_KWARGS: dict[str, dict[str, Any]] = {
@@ -106,13 +116,13 @@ def load_tokenizer(target_dir: str | Path, *, chat_template: str | Path | None =
     except AttributeError:  # a config.json transformers cannot read (e.g. remote-code kimi_k2): tokenizer files decide
         from transformers import PretrainedConfig
 
-        tok = AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=trust_remote_code, config=PretrainedConfig())
+        tok = AutoTokenizer.from_pretrained(
+            str(target_dir), trust_remote_code=trust_remote_code, config=PretrainedConfig()
+        )
     if chat_template is not None:
         tok.chat_template = Path(chat_template).read_text(encoding="utf-8")
     if not getattr(tok, "chat_template", None):
-        raise ConfigError(
-            f"{target_dir}: tokenizer has no chat template; set `target.chat_template` to a .jinja file"
-        )
+        raise ConfigError(f"{target_dir}: tokenizer has no chat template; set `target.chat_template` to a .jinja file")
     return tok
 
 
@@ -162,8 +172,11 @@ def render_many(
     variables = {**specials, **kwargs}  # as apply_chat_template: kwargs override special tokens
     return [
         compiled.render(
-            messages=template_messages(c), tools=None, documents=None,
-            add_generation_prompt=add_generation_prompt, **variables,
+            messages=template_messages(c),
+            tools=None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **variables,
         )
         for c in conversations
     ]

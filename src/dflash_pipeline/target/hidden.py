@@ -9,7 +9,9 @@ import torch
 from dflash_pipeline.target import loading as T
 
 
-def target_features(target, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], layer_ids: Sequence[int], **kw):
+def target_features(
+    target, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], layer_ids: Sequence[int], **kw
+):
     """Run the frozen target and concatenate the outputs of decoder layers ``layer_ids``.
 
     Uses :func:`dflash_pipeline.probe.hf_hidden_state_index` (the one canonical→HF conversion: id+1).

@@ -84,9 +84,7 @@ def validate_target_layer_ids(ids: Sequence[int], num_layers: int) -> list[int]:
         )
     dups = sorted({i for i in ids if ids.count(i) > 1})
     if dups:
-        raise ConfigError(
-            f"drafter.target_layer_ids {ids}: duplicated ids {dups}; give distinct ids in 0..{last - 1}"
-        )
+        raise ConfigError(f"drafter.target_layer_ids {ids}: duplicated ids {dups}; give distinct ids in 0..{last - 1}")
     if ids != sorted(ids):
         raise ConfigError(
             f"drafter.target_layer_ids {ids}: not in ascending order; use {sorted(ids)}. vLLM and SGLang "

@@ -131,9 +131,13 @@ def load_target_config(target_dir: str | Path, *, trust_remote_code: bool = Fals
     target_dir = Path(target_dir)
     raw = _raw_config(target_dir)
     reason = f"model_type {raw.get('model_type')!r} is not one transformers ships"
-    if trust_remote_code or raw.get("model_type") in CONFIG_MAPPING:  # never AutoConfig's interactive remote-code prompt
+    if (
+        trust_remote_code or raw.get("model_type") in CONFIG_MAPPING
+    ):  # never AutoConfig's interactive remote-code prompt
         try:
-            return AutoConfig.from_pretrained(str(target_dir), trust_remote_code=trust_remote_code, local_files_only=True)
+            return AutoConfig.from_pretrained(
+                str(target_dir), trust_remote_code=trust_remote_code, local_files_only=True
+            )
         except Exception as exc:  # noqa: BLE001 - fall back to the native architecture, else report why
             reason = " ".join(str(exc).split())[:300]
     for arch in raw.get("architectures") or []:
@@ -143,7 +147,11 @@ def load_target_config(target_dir: str | Path, *, trust_remote_code: bool = Fals
             cfg = cls.config_class(**fields)
             cfg.architectures = [cls.__name__]
             return cfg
-    hint = "" if trust_remote_code else " (if the model ships its own code, review it and set `target.trust_remote_code: true`)"
+    hint = (
+        ""
+        if trust_remote_code
+        else " (if the model ships its own code, review it and set `target.trust_remote_code: true`)"
+    )
     raise TargetLoadError(
         f"{target_dir}/config.json: transformers cannot load model_type {raw.get('model_type')!r} and no class in "
         f"`architectures` {raw.get('architectures')} ships with transformers: {reason}{hint}"
@@ -197,8 +205,11 @@ def check_loadable(target_dir: str | Path, *, trust_remote_code: bool = False) -
     """
     cfg = load_target_config(target_dir, trust_remote_code=trust_remote_code)
     cls = causal_lm_class(cfg, trust_remote_code=trust_remote_code)
-    return {"class": cls.__name__, "config_class": type(cfg).__name__,
-            "num_hidden_layers": int(text_config(cfg).num_hidden_layers)}
+    return {
+        "class": cls.__name__,
+        "config_class": type(cfg).__name__,
+        "num_hidden_layers": int(text_config(cfg).num_hidden_layers),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -206,8 +217,15 @@ def check_loadable(target_dir: str | Path, *, trust_remote_code: bool = False) -
 # ---------------------------------------------------------------------------------------------------
 
 
-def load_target(target_dir: str | Path, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-                trust_remote_code: bool = False, frozen: bool = True, device_map: Optional[str] = None):
+def load_target(
+    target_dir: str | Path,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+    frozen: bool = True,
+    device_map: Optional[str] = None,
+):
     """Load the target (eval mode; ``frozen``: ``requires_grad=False``) in :func:`resolve_dtype` ``dtype``.
 
     ``device_map`` (e.g. ``"auto"``): spread the layers over the visible GPUs (accelerate's big-model
@@ -281,8 +299,9 @@ def num_decoder_layers(target) -> int:
     return int(text_config(target.config).num_hidden_layers)
 
 
-def hidden_states_of(target, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
-                     need_logits: bool = False, **kw):
+def hidden_states_of(
+    target, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *, need_logits: bool = False, **kw
+):
     """Forward the target with ``output_hidden_states``; returns the model output, whose
     ``hidden_states`` is the (L + 1)-tuple of [b, S, H] (index 0 the embeddings, index L after the final
     norm) and ``logits`` [b, S, V] with ``need_logits`` (the eval loop's verification), else at most

@@ -163,9 +163,20 @@ def conversation_sequences(
     selected = list(range(len(a_idx)))[-1:] if last_turn_only else list(range(len(a_idx)))
     prompts, renders = _render_turns(tokenizer, msgs, a_idx, selected, thinking=thinking, prompt_id=prompt_id)
     turn_spans = {
-        k: _turn_span(p, q, msgs[a_idx[k]], k, thinking=thinking, prompt_id=prompt_id, specials=specials,
-                      controls=controls, cut=_at(finish_reasons, k) == "length", generated=_at(generated, k),
-                      generated_ids=_at(generated_ids, k), counts=counts)
+        k: _turn_span(
+            p,
+            q,
+            msgs[a_idx[k]],
+            k,
+            thinking=thinking,
+            prompt_id=prompt_id,
+            specials=specials,
+            controls=controls,
+            cut=_at(finish_reasons, k) == "length",
+            generated=_at(generated, k),
+            generated_ids=_at(generated_ids, k),
+            counts=counts,
+        )
         for k, p, q in zip(selected, prompts, renders)
     }
     return _fewest_sequences(turn_spans)
@@ -182,8 +193,9 @@ def _count(counts: dict | None, key: str) -> None:
         counts[key] = counts.get(key, 0) + 1
 
 
-def _render_turns(tokenizer, msgs: list[dict], a_idx: list[int], selected: list[int], *, thinking: str,
-                  prompt_id: str) -> tuple[list[str], list[str]]:
+def _render_turns(
+    tokenizer, msgs: list[dict], a_idx: list[int], selected: list[int], *, thinking: str, prompt_id: str
+) -> tuple[list[str], list[str]]:
     """Per selected assistant turn ``k`` (message ``a_idx[k]``): the generation-prompt render ``P`` of the
     messages before it and the render ``Q`` with it (both batched, :func:`chat.render_many`).
 
@@ -192,8 +204,12 @@ def _render_turns(tokenizer, msgs: list[dict], a_idx: list[int], selected: list[
             the message names prompt_id and the first turn that fails, rendered alone.
     """
     try:
-        ps = chat.render_many(tokenizer, [msgs[: a_idx[k]] for k in selected], thinking=thinking, add_generation_prompt=True)
-        qs = chat.render_many(tokenizer, [msgs[: a_idx[k] + 1] for k in selected], thinking=thinking, add_generation_prompt=False)
+        ps = chat.render_many(
+            tokenizer, [msgs[: a_idx[k]] for k in selected], thinking=thinking, add_generation_prompt=True
+        )
+        qs = chat.render_many(
+            tokenizer, [msgs[: a_idx[k] + 1] for k in selected], thinking=thinking, add_generation_prompt=False
+        )
     except Exception:  # jinja raise_exception, missing keys, ...: find the turn that fails, for the message
         for k in selected:
             for sub, gen in ((msgs[: a_idx[k]], True), (msgs[: a_idx[k] + 1], False)):
@@ -207,9 +223,21 @@ def _render_turns(tokenizer, msgs: list[dict], a_idx: list[int], selected: list[
     return ps, qs
 
 
-def _turn_span(p: str, q: str, message: Mapping[str, Any], k: int, *, thinking: str, prompt_id: str,
-               specials: Sequence[str], controls: Sequence[str], cut: bool, generated: str | None,
-               generated_ids: Sequence[int] | None, counts: dict | None) -> tuple[str, int, int, list]:
+def _turn_span(
+    p: str,
+    q: str,
+    message: Mapping[str, Any],
+    k: int,
+    *,
+    thinking: str,
+    prompt_id: str,
+    specials: Sequence[str],
+    controls: Sequence[str],
+    cut: bool,
+    generated: str | None,
+    generated_ids: Sequence[int] | None,
+    counts: dict | None,
+) -> tuple[str, int, int, list]:
     """``(Q, span_start, span_end, verbatim)`` of assistant turn ``k`` from its generation-prompt render ``p``
     and its render ``q`` (steps 1-2 and 5 of the :mod:`dflash_pipeline.tokens.shard` method); ``message`` is the
     turn as the template saw it, ``cut``: generation stopped at max_tokens (no end-of-turn supervised).
@@ -219,7 +247,7 @@ def _turn_span(p: str, q: str, message: Mapping[str, Any], k: int, *, thinking: 
             or reasoning.
     """
     _check_prefix(p, q, prompt_id=prompt_id, k=k)
-    suffix = q[len(p):]
+    suffix = q[len(p) :]
     sup = supervised_length(suffix, specials, include_eot=not cut)
     text = suffix[:sup]
     content = message["content"].strip()
@@ -229,8 +257,17 @@ def _turn_span(p: str, q: str, message: Mapping[str, Any], k: int, *, thinking: 
     if generated is not None:
         start += _scaffolding_length(text, generated, specials, counts)
     end = len(p) + sup
-    verbatim = _verbatim_ranges(q, start, end, content=content, reasoning=rc, generated=generated,
-                                generated_ids=generated_ids, controls=controls, counts=counts)
+    verbatim = _verbatim_ranges(
+        q,
+        start,
+        end,
+        content=content,
+        reasoning=rc,
+        generated=generated,
+        generated_ids=generated_ids,
+        controls=controls,
+        counts=counts,
+    )
     return q, start, end, verbatim
 
 
@@ -244,8 +281,8 @@ def _check_prefix(p: str, q: str, *, prompt_id: str, k: int) -> None:
         n = next((j for j, (a, b) in enumerate(zip(p, q)) if a != b), min(len(p), len(q)))
         raise TokenizationError(
             f"prompt_id={prompt_id} turn={k}: the render with the assistant turn does not start with the "
-            f"generation-prompt render (they differ at char {n}: prompt {p[n:n + 40]!r} vs "
-            f"conversation {q[n:n + 40]!r}); the template rewrites the turn it generates, so the loss "
+            f"generation-prompt render (they differ at char {n}: prompt {p[n : n + 40]!r} vs "
+            f"conversation {q[n : n + 40]!r}); the template rewrites the turn it generates, so the loss "
             f"mask cannot be derived exactly. Use a training variant of the template "
             f"(`target.chat_template`) or server token ids."
         )
@@ -287,8 +324,18 @@ def _scaffolding_length(text: str, generated: str, specials: Sequence[str], coun
     return 0
 
 
-def _verbatim_ranges(q: str, start: int, end: int, *, content: str, reasoning: str | None, generated: str | None,
-                     generated_ids: Sequence[int] | None, controls: Sequence[str], counts: dict | None) -> list:
+def _verbatim_ranges(
+    q: str,
+    start: int,
+    end: int,
+    *,
+    content: str,
+    reasoning: str | None,
+    generated: str | None,
+    generated_ids: Sequence[int] | None,
+    controls: Sequence[str],
+    counts: dict | None,
+) -> list:
     """:attr:`TrainSequence.verbatim` entries of one turn supervised on ``q[start:end]``: the target's output
     ids when their text is exactly that span (``output_ids_spliced``); else the content (its last
     occurrence: it ends the turn) and the reasoning before it, each when it holds a control-token string,
@@ -338,8 +385,10 @@ def _fewest_sequences(turn_spans: dict[int, tuple[str, int, int, list]]) -> list
 
 
 #: Synthetic conversation for :func:`check_template` (system, two user turns, two assistant turns).
-_CHECK_TURNS = [("What is 6 times 7?", "Let me think: 6 * 7 = 42.", "The answer is 42."),
-                ("And in words?", "Spell it out.", "Forty-two.")]
+_CHECK_TURNS = [
+    ("What is 6 times 7?", "Let me think: 6 * 7 = 42.", "The answer is 42."),
+    ("And in words?", "Spell it out.", "Forty-two."),
+]
 
 
 def check_template(tokenizer, thinking: str, *, template_name: str = "the target's chat template") -> list[str]:
@@ -367,14 +416,17 @@ def check_template(tokenizer, thinking: str, *, template_name: str = "the target
         msgs: list[dict] = [{"role": "system", "content": "You are terse."}] if system else []
         for user, reasoning, answer in _CHECK_TURNS[:n]:
             msgs.append({"role": "user", "content": user})
-            msgs.append({"role": "assistant", "content": answer,
-                         "reasoning_content": reasoning if thinking == "save" else None})
+            msgs.append(
+                {"role": "assistant", "content": answer, "reasoning_content": reasoning if thinking == "save" else None}
+            )
         try:
             seqs = conversation_sequences(tokenizer, msgs, thinking=thinking, prompt_id="(check)", specials=specials)
         except TokenizationError as exc:
             if system:
-                warnings.append(f"{template_name}: a conversation with a system turn cannot be masked ({exc}); "
-                                f"prompts with a system message will fail in the tokens stage")
+                warnings.append(
+                    f"{template_name}: a conversation with a system turn cannot be masked ({exc}); "
+                    f"prompts with a system message will fail in the tokens stage"
+                )
                 continue
             raise ConfigError(
                 f"{template_name} with generation.thinking={thinking!r}: the tokens stage cannot derive exact "
@@ -388,7 +440,8 @@ def check_template(tokenizer, thinking: str, *, template_name: str = "the target
             s, e = seq.spans[-1]
             if not any(seq.text.endswith(t, s, e) for t in specials):
                 warnings.append(
-                    f"{template_name}: a rendered assistant turn ends with {seq.text[max(s, e - 20):e]!r}, not with "
+                    f"{template_name}: a rendered assistant turn ends with {seq.text[max(s, e - 20) : e]!r}, not with "
                     f"a special token of this tokenizer, so no end-of-turn token is supervised (is "
-                    f"`target.chat_template` meant for this tokenizer?)")
+                    f"`target.chat_template` meant for this tokenizer?)"
+                )
     return warnings

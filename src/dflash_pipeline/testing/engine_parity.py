@@ -52,16 +52,27 @@ def surrogate_target(out: Path, *, hidden_size: int, vocab_size: int, num_layers
     """A config-only Qwen3 target for vLLM's ``ModelConfig`` (vLLM reads only its vocab, width and depth
     for the drafter; the target's weights never load). Returns ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": hidden_size,
-           "vocab_size": vocab_size, "num_hidden_layers": num_layers, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "head_dim": max(2, hidden_size // 4), "intermediate_size": 2 * hidden_size,
-           "max_position_embeddings": 512, "torch_dtype": "float32", "tie_word_embeddings": False}
+    cfg = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": hidden_size,
+        "vocab_size": vocab_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": max(2, hidden_size // 4),
+        "intermediate_size": 2 * hidden_size,
+        "max_position_embeddings": 512,
+        "torch_dtype": "float32",
+        "tie_word_embeddings": False,
+    }
     (out / "config.json").write_text(json.dumps(cfg, indent=1) + "\n", encoding="utf-8")
     return out
 
 
-def family_case(twin: Path, work: Path, *, name: str, seed: int = 0, drafter_dir: Path | None = None,
-                mistakes: tuple[str, ...] = ()) -> dict:
+def family_case(
+    twin: Path, work: Path, *, name: str, seed: int = 0, drafter_dir: Path | None = None, mistakes: tuple[str, ...] = ()
+) -> dict:
     """Export the family's drafter (or use ``drafter_dir``, e.g. a trained ``final/``), compute our logits
     and write vLLM's inputs. Returns ``{"case": spec entry, "ours": [logits [B, V]…], "controls": {mistake:
     [logits…]}, "facts": {...}}``.
@@ -70,9 +81,8 @@ def family_case(twin: Path, work: Path, *, name: str, seed: int = 0, drafter_dir
     """
     from safetensors.torch import save_file
 
-    from dflash_pipeline.drafter import model as M
-
     from dflash_pipeline.drafter import build as DB
+    from dflash_pipeline.drafter import model as M
     from dflash_pipeline.features.weights import load_embed_and_head
     from dflash_pipeline.probe import probe_target
     from dflash_pipeline.target import loading as T
@@ -93,8 +103,9 @@ def family_case(twin: Path, work: Path, *, name: str, seed: int = 0, drafter_dir
     g = torch.Generator().manual_seed(seed + 2)
     feats = torch.randn(max(CONTEXT_LENGTHS), k_h, generator=g)
     bonus = torch.randint(0, 64, (len(CONTEXT_LENGTHS),), generator=g)  # ordinary text tokens
-    raw_embed, raw_head = load_embed_and_head(twin, tie_word_embeddings=probe.get("tie_word_embeddings"),
-                                              dtype=torch.float32)
+    raw_embed, raw_head = load_embed_and_head(
+        twin, tie_word_embeddings=probe.get("tie_word_embeddings"), dtype=torch.float32
+    )
     inputs = {"embed": raw_embed.weight.clone(), "head": raw_head.weight.clone()}
     for j, c in enumerate(CONTEXT_LENGTHS):
         block = torch.full((BLOCK_SIZE,), drafter.mask_token_id, dtype=torch.long)
@@ -107,14 +118,29 @@ def family_case(twin: Path, work: Path, *, name: str, seed: int = 0, drafter_dir
     controls = {}
     for mistake in mistakes:
         controls[mistake] = _control(mistake, drafter, target, embed, head, feats, bonus)
-    surrogate = surrogate_target(work / "surrogate-target", hidden_size=int(tc.hidden_size),
-                                 vocab_size=int(drafter.config.vocab_size), num_layers=n)
-    facts = {"rotary_dim": int(drafter.rotary_emb.rotary_dim), "head_dim": int(drafter.config.head_dim),
-             "rope_type": drafter.config.rope_parameters.get("rope_type"),
-             "embedding_module": type(target.get_input_embeddings()).__name__}
-    return {"case": {"name": name, "drafter": str(drafter_dir), "target": str(surrogate),
-                     "inputs": str(work / "inputs.safetensors")},
-            "ours": ours, "controls": controls, "facts": facts}
+    surrogate = surrogate_target(
+        work / "surrogate-target",
+        hidden_size=int(tc.hidden_size),
+        vocab_size=int(drafter.config.vocab_size),
+        num_layers=n,
+    )
+    facts = {
+        "rotary_dim": int(drafter.rotary_emb.rotary_dim),
+        "head_dim": int(drafter.config.head_dim),
+        "rope_type": drafter.config.rope_parameters.get("rope_type"),
+        "embedding_module": type(target.get_input_embeddings()).__name__,
+    }
+    return {
+        "case": {
+            "name": name,
+            "drafter": str(drafter_dir),
+            "target": str(surrogate),
+            "inputs": str(work / "inputs.safetensors"),
+        },
+        "ours": ours,
+        "controls": controls,
+        "facts": facts,
+    }
 
 
 @torch.no_grad()
@@ -128,8 +154,9 @@ def _draft_steps(drafter, embed, head, feats, bonus, *, pos_offset: int = 0) -> 
         if pos_offset:  # whole-context forward with shifted context positions (a negative control)
             block = torch.full((1, BLOCK_SIZE), drafter.mask_token_id, dtype=torch.long)
             block[0, 0] = bonus[j]
-            hidden = drafter(embed(block), feats[None, :c], torch.arange(c)[None] + pos_offset,
-                             torch.arange(c, c + BLOCK_SIZE)[None])
+            hidden = drafter(
+                embed(block), feats[None, :c], torch.arange(c)[None] + pos_offset, torch.arange(c, c + BLOCK_SIZE)[None]
+            )
             out.append(head(hidden)[0].float())
             continue
         new = feats[cache.length : c][None]
@@ -146,7 +173,9 @@ def _control(mistake: str, drafter, target, embed, head, feats, bonus) -> list[t
         from dflash_pipeline.drafter.rope import DFlashRotaryEmbedding
 
         cfg = drafter.config.__class__.from_dict(drafter.config.to_dict())
-        cfg.rope_parameters = {k: v for k, v in cfg.rope_parameters.items() if k not in ("partial_rotary_factor", "rope_dim")}
+        cfg.rope_parameters = {
+            k: v for k, v in cfg.rope_parameters.items() if k not in ("partial_rotary_factor", "rope_dim")
+        }
         own = drafter.rotary_emb
         drafter.rotary_emb = DFlashRotaryEmbedding(cfg)
         try:
@@ -174,11 +203,21 @@ def rope_case(name: str, drafter_config, work: Path, *, seed: int = 0) -> dict:
     cos, sin = rope(q, pos[None])
 
     def ours(x, heads):
-        return apply_rope(x.view(1, len(pos), heads, hd).transpose(1, 2), cos, sin).transpose(1, 2).reshape(len(pos), -1)
+        return (
+            apply_rope(x.view(1, len(pos), heads, hd).transpose(1, 2), cos, sin).transpose(1, 2).reshape(len(pos), -1)
+        )
 
-    return {"case": {"name": name, "head_dim": hd, "max_position": int(drafter_config.max_position_embeddings),
-                     "rope_parameters": dict(drafter_config.rope_parameters), "inputs": str(work / f"{name}.safetensors")},
-            "ours": {"q": ours(q, nh), "k": ours(k, nkv)}, "rotary_dim": rope.rotary_dim}
+    return {
+        "case": {
+            "name": name,
+            "head_dim": hd,
+            "max_position": int(drafter_config.max_position_embeddings),
+            "rope_parameters": dict(drafter_config.rope_parameters),
+            "inputs": str(work / f"{name}.safetensors"),
+        },
+        "ours": {"q": ours(q, nh), "k": ours(k, nkv)},
+        "rotary_dim": rope.rotary_dim,
+    }
 
 
 def run_vllm(vllm_python: str, out: Path, *, cases: list[dict], ropes: list[dict], timeout: int = 1800) -> dict:
@@ -191,8 +230,14 @@ def run_vllm(vllm_python: str, out: Path, *, cases: list[dict], ropes: list[dict
     spec = {"out": str(out / "results"), "cases": cases, "ropes": ropes}
     (out / "spec.json").write_text(json.dumps(spec, indent=1), encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # vLLM's env imports nothing of ours
-    proc = subprocess.run([vllm_python, str(REPLAY_SCRIPT), str(out / "spec.json")], capture_output=True, text=True,
-                          timeout=timeout, env=env, check=False)
+    proc = subprocess.run(
+        [vllm_python, str(REPLAY_SCRIPT), str(out / "spec.json")],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{REPLAY_SCRIPT.name} exited {proc.returncode}: {(proc.stdout + proc.stderr)[-4000:]}")
     res = {}

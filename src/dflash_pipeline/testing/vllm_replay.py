@@ -77,9 +77,15 @@ _DIST = {"done": False}
 def _engine_config(target: str, drafter: str, block_size: int):
     from vllm.engine.arg_utils import EngineArgs
 
-    args = EngineArgs(model=target, dtype="float32", enforce_eager=True, max_model_len=512, skip_tokenizer_init=True,
-                      seed=0, speculative_config={"method": "dflash", "model": drafter,
-                                                  "num_speculative_tokens": int(block_size) - 1})
+    args = EngineArgs(
+        model=target,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=512,
+        skip_tokenizer_init=True,
+        seed=0,
+        speculative_config={"method": "dflash", "model": drafter, "num_speculative_tokens": int(block_size) - 1},
+    )
     return args.create_engine_config()
 
 
@@ -88,8 +94,9 @@ def _init_dist(vc) -> None:
         return
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
-    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                 distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+    init_distributed_environment(
+        world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{_free_port()}"
+    )
     initialize_model_parallel(1, 1)
     _DIST["done"] = True
 
@@ -138,14 +145,21 @@ def run_case(case: dict, default_target: str, out_dir: str) -> dict:
                 ids = inputs[f"s{j}.block_ids"].long()
                 n = feats.shape[0]
                 ctx = model.combine_hidden_states(feats)
-                model.precompute_and_store_context_kv(ctx, torch.arange(n), [torch.zeros(n, dtype=torch.long)] * len(layers))
+                model.precompute_and_store_context_kv(
+                    ctx, torch.arange(n), [torch.zeros(n, dtype=torch.long)] * len(layers)
+                )
                 hidden = model(ids, torch.arange(n, n + ids.shape[0]))
                 out[f"s{j}.logits"] = model.compute_logits(hidden).float().contiguous()
                 j += 1
     save_file(out, os.path.join(out_dir, f"{case['name']}.safetensors"))
-    return {"ok": True, "steps": j, "class": cls.__name__, "architecture": arch,
-            "rope": type(model.model.layers[0].self_attn.rotary_emb).__name__,
-            "rotary_dim": int(model.model.layers[0].self_attn.rotary_emb.rotary_dim)}
+    return {
+        "ok": True,
+        "steps": j,
+        "class": cls.__name__,
+        "architecture": arch,
+        "rope": type(model.model.layers[0].self_attn.rotary_emb).__name__,
+        "rotary_dim": int(model.model.layers[0].self_attn.rotary_emb.rotary_dim),
+    }
 
 
 def run_rope(case: dict, out_dir: str) -> dict:
@@ -154,8 +168,13 @@ def run_rope(case: dict, out_dir: str) -> dict:
 
     inputs = load_file(case["inputs"])
     with set_current_vllm_config(VllmConfig()):
-        rope = get_rope(int(case["head_dim"]), max_position=int(case["max_position"]), is_neox_style=True,
-                        rope_parameters=case["rope_parameters"], dtype=torch.float32)
+        rope = get_rope(
+            int(case["head_dim"]),
+            max_position=int(case["max_position"]),
+            is_neox_style=True,
+            rope_parameters=case["rope_parameters"],
+            dtype=torch.float32,
+        )
         pos = inputs["positions"].long()
         q, k = rope(pos, inputs["q"].float().clone(), inputs["k"].float().clone())
     save_file({"q": q.contiguous(), "k": k.contiguous()}, os.path.join(out_dir, f"{case['name']}.safetensors"))

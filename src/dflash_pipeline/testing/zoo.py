@@ -24,12 +24,12 @@ import copy
 import json
 import os
 import re
-
-from dflash_pipeline.testing.zoo_templates import TEMPLATE_FROM, family_template  # noqa: F401 (the zoo's API)
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
+
+from dflash_pipeline.testing.zoo_templates import TEMPLATE_FROM, family_template  # noqa: F401 (the zoo's API)
 
 #: Width of every twin's decoder (heads × head_dim = 4 × 16).
 HIDDEN = 64
@@ -67,8 +67,9 @@ def all_families(models_dir: str | Path) -> list[str]:
     return families(models_dir) + sorted(EXTRA_FAMILIES)
 
 
-def build_any_twin(models_dir: str | Path, family: str, out_dir: str | Path, *, corpus_file: str | Path,
-                   seed: int = 0) -> Path:
+def build_any_twin(
+    models_dir: str | Path, family: str, out_dir: str | Path, *, corpus_file: str | Path, seed: int = 0
+) -> Path:
     """:func:`build_twin` for a corpus family or an extra one (its source directory written next to
     ``out_dir`` first, :func:`dflash_pipeline.testing.zoo_extra.extra_source_dir`)."""
     from dflash_pipeline.testing.zoo_extra import EXTRA_FAMILIES, TWIN_SEEDS, extra_source_dir
@@ -91,8 +92,6 @@ def extra_config_files(out: str | Path) -> list[Path]:
         (d / "config.json").write_text(json.dumps(extra_config(name), indent=1) + "\n", encoding="utf-8")
         files.append(d / "config.json")
     return files
-
-
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -127,8 +126,13 @@ def shrink_text(t: dict) -> dict:
     t.update(hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=4 if mha else 2)
     if "head_dim" in t or "kv_lora_rank" not in t:
         t["head_dim"] = 16
-    for k, v in (("intermediate_size", 96), ("moe_intermediate_size", 32), ("shared_expert_intermediate_size", 32),
-                 ("global_head_dim", 32), ("num_global_key_value_heads", 1)):
+    for k, v in (
+        ("intermediate_size", 96),
+        ("moe_intermediate_size", 32),
+        ("shared_expert_intermediate_size", 32),
+        ("global_head_dim", 32),
+        ("num_global_key_value_heads", 1),
+    ):
         if t.get(k):
             t[k] = v
     if t.get("shared_intermediate_size"):
@@ -151,8 +155,12 @@ def shrink_text(t: dict) -> dict:
             t["head_dim"] = t["qk_rope_head_dim"]
         else:
             t.pop("head_dim", None)
-    for k, v in (("linear_num_key_heads", 2), ("linear_num_value_heads", 4), ("linear_key_head_dim", 8),
-                 ("linear_value_head_dim", 8)):
+    for k, v in (
+        ("linear_num_key_heads", 2),
+        ("linear_num_value_heads", 4),
+        ("linear_key_head_dim", 8),
+        ("linear_value_head_dim", 8),
+    ):
         if k in t:
             t[k] = v
     if t.get("rotary_dim"):  # MiniMax partial rotary: keep the fraction of head_dim
@@ -187,10 +195,22 @@ def shrink_text(t: dict) -> dict:
 
 
 _VISION_SIZES = {
-    "depth": 1, "num_hidden_layers": 1, "vt_num_hidden_layers": 1, "hidden_size": 32, "vt_hidden_size": 32,
-    "mm_hidden_size": 32, "intermediate_size": 64, "vt_intermediate_size": 64, "num_heads": 2,
-    "num_attention_heads": 2, "vt_num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
-    "global_head_dim": 16, "out_hidden_size": HIDDEN, "text_hidden_size": HIDDEN,
+    "depth": 1,
+    "num_hidden_layers": 1,
+    "vt_num_hidden_layers": 1,
+    "hidden_size": 32,
+    "vt_hidden_size": 32,
+    "mm_hidden_size": 32,
+    "intermediate_size": 64,
+    "vt_intermediate_size": 64,
+    "num_heads": 2,
+    "num_attention_heads": 2,
+    "vt_num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "global_head_dim": 16,
+    "out_hidden_size": HIDDEN,
+    "text_hidden_size": HIDDEN,
 }
 
 
@@ -225,9 +245,20 @@ def shrink_config(raw: dict, vocab_size: int, *, bos_id: Optional[int], eos_id: 
         raw["text_config"].update(vocab_size=vocab_size, **ids)
         if "vocab_size_per_layer_input" in raw["text_config"]:
             raw["text_config"]["vocab_size_per_layer_input"] = vocab_size
-        for k in ("image_token_id", "video_token_id", "audio_token_id", "vision_start_token_id", "vision_end_token_id",
-                  "boi_token_id", "eoi_token_id", "boa_token_id", "eoa_token_id", "eoa_token_index",
-                  "media_placeholder_token_id", "image_token_index"):
+        for k in (
+            "image_token_id",
+            "video_token_id",
+            "audio_token_id",
+            "vision_start_token_id",
+            "vision_end_token_id",
+            "boi_token_id",
+            "eoi_token_id",
+            "boa_token_id",
+            "eoa_token_id",
+            "eoa_token_index",
+            "media_placeholder_token_id",
+            "image_token_index",
+        ):
             if isinstance(raw.get(k), int):
                 raw[k] = vocab_size - 1  # never produced by the text tokenizer
         raw.update({k: v for k, v in ids.items() if k in raw})
@@ -277,8 +308,10 @@ def family_tokenizer(template_text: str, corpus_file: str | Path, tokenizer_conf
     if eos is None:
         raise ValueError("cannot tell the template's end-of-turn token; add its marker to zoo._BOS_EOS")
     specials = sorted(set(_SPECIAL_RE.findall(template_text)) | {t for t in (bos, eos) if t} - set(THINK_TOKENS))
-    tok.add_special_tokens({"additional_special_tokens": [AddedToken(s, special=True, normalized=False) for s in specials]},
-                           replace_extra_special_tokens=False)
+    tok.add_special_tokens(
+        {"additional_special_tokens": [AddedToken(s, special=True, normalized=False) for s in specials]},
+        replace_extra_special_tokens=False,
+    )
     think = [t for t in THINK_TOKENS if t in template_text and t not in tok.get_vocab()]
     if think:
         tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in think])
@@ -293,8 +326,9 @@ def family_tokenizer(template_text: str, corpus_file: str | Path, tokenizer_conf
 # ---------------------------------------------------------------------------------------------------
 
 
-def build_twin(models_dir: str | Path, family: str, out_dir: str | Path, *, corpus_file: str | Path,
-               seed: int = 0) -> Path:
+def build_twin(
+    models_dir: str | Path, family: str, out_dir: str | Path, *, corpus_file: str | Path, seed: int = 0
+) -> Path:
     """Write the tiny twin of ``family`` into ``out_dir`` (config.json as the family writes it, shrunk;
     model.safetensors; tokenizer files with the family's chat template; generation_config.json).
 
@@ -341,9 +375,20 @@ def build_twin(models_dir: str | Path, family: str, out_dir: str | Path, *, corp
     (tmp / "config.json").write_text(json.dumps(cfg_dict, indent=2) + "\n", encoding="utf-8")
     tok.save_pretrained(tmp)
     stops = [eos_id] + [tok.convert_tokens_to_ids(t) for t in ("<|end|>", "<|call|>", "<|eom_id|>") if t in template]
-    GenerationConfig(eos_token_id=stops, pad_token_id=pad_id, bos_token_id=tok.bos_token_id, do_sample=False).save_pretrained(tmp)
-    (tmp / "twin.json").write_text(json.dumps({"family": family, "seed": seed, "class": cls.__name__,
-                                               "template_from": family_template(models_dir, family).parent.name}) + "\n")
+    GenerationConfig(
+        eos_token_id=stops, pad_token_id=pad_id, bos_token_id=tok.bos_token_id, do_sample=False
+    ).save_pretrained(tmp)
+    (tmp / "twin.json").write_text(
+        json.dumps(
+            {
+                "family": family,
+                "seed": seed,
+                "class": cls.__name__,
+                "template_from": family_template(models_dir, family).parent.name,
+            }
+        )
+        + "\n"
+    )
     replace_dir(tmp, out)
     return out
 
@@ -372,20 +417,39 @@ def stage_config(twin: Path, eval_set: Path, device: str = "cpu") -> dict:
     ``cpu`` runs the bf16 training on CPU, ``auto`` on a GPU when one is visible)."""
     from dflash_pipeline.core.config import validate_config
 
-    return validate_config({
-        "target": {"path": str(twin)},
-        "drafter": {"block_size": 4, "num_draft_layers": 1},
-        "generation": {"backend": "transformers", "max_tokens": 16, "batch_size": 3},
-        "tokens": {"max_length": 512},
-        "train": {"epochs": 2, "batch_size": 2, "num_anchors": 4, "log_every_steps": 1, "save_every_steps": 1000,
-                  "device": device},
-        "eval": {"max_new_tokens": 12, "checkpoint_samples": 0, "exclude_training_prompts": False,
-                 "sets": {"gsm8k": {"path": str(eval_set), "num_samples": 1}}},
-    })
+    return validate_config(
+        {
+            "target": {"path": str(twin)},
+            "drafter": {"block_size": 4, "num_draft_layers": 1},
+            "generation": {"backend": "transformers", "max_tokens": 16, "batch_size": 3},
+            "tokens": {"max_length": 512},
+            "train": {
+                "epochs": 2,
+                "batch_size": 2,
+                "num_anchors": 4,
+                "log_every_steps": 1,
+                "save_every_steps": 1000,
+                "device": device,
+            },
+            "eval": {
+                "max_new_tokens": 12,
+                "checkpoint_samples": 0,
+                "exclude_training_prompts": False,
+                "sets": {"gsm8k": {"path": str(eval_set), "num_samples": 1}},
+            },
+        }
+    )
 
 
-def run_stages(models_dir: Path, family: str, work: Path, corpus_file: Path, eval_set: Path,
-               log: Callable[[str], None] = lambda m: None, device: str = "cpu") -> dict[str, str]:
+def run_stages(
+    models_dir: Path,
+    family: str,
+    work: Path,
+    corpus_file: Path,
+    eval_set: Path,
+    log: Callable[[str], None] = lambda m: None,
+    device: str = "cpu",
+) -> dict[str, str]:
     """Every stage on one twin, in-process; each ``ok`` or ``refused: <reason>`` (the stages after a
     refused one are ``skipped``): twin build, probe, completions (transformers backend), tokens (the
     family's template), training fp32 and bf16 (bf16 target + ``mixed_precision: bf16`` through
@@ -413,38 +477,62 @@ def run_stages(models_dir: Path, family: str, work: Path, corpus_file: Path, eva
 
     def completions():
         preflight_template(twin, gen_cfg=cfg["generation"], tokens_cfg=cfg["tokens"])  # as the rule does
-        recs = [{"prompt_id": contracts.prompt_id(m), "dataset": "zoo", "messages": m, "metadata": "{}"}
-                for m in STAGE_PROMPTS]
+        recs = [
+            {"prompt_id": contracts.prompt_id(m), "dataset": "zoo", "messages": m, "metadata": "{}"}
+            for m in STAGE_PROMPTS
+        ]
         shards.write_parquet(work / "prompts.parquet", shards.table_from_records(recs, contracts.PROMPT_SCHEMA))
-        st = generate_shard(work / "prompts.parquet", work / "completions.parquet", target_dir=twin,
-                            gen_cfg=cfg["generation"])
+        st = generate_shard(
+            work / "prompts.parquet", work / "completions.parquet", target_dir=twin, gen_cfg=cfg["generation"]
+        )
         if st.get("error"):
             raise RuntimeError(f"{st['error']} completion record(s) in error")
 
     def tokens():
-        st = tokenize_shard(work / "completions.parquet", work / "tokens.parquet", target_dir=twin,
-                            tokens_cfg=cfg["tokens"])
+        st = tokenize_shard(
+            work / "completions.parquet", work / "tokens.parquet", target_dir=twin, tokens_cfg=cfg["tokens"]
+        )
         if not st["records_out"]:
             raise RuntimeError(f"no token rows: dropped {st['dropped']}")
 
     def train_with(dtype: str, mp: str):
         def run():
             tcfg = {k: v for k, v in cfg["train"].items() if k != "device"}  # as the rule passes it
-            train(token_shards=[work / "tokens.parquet"], probe=state["probe"], target_dir=twin,
-                  out_dir=work / f"train_{dtype}", cfg=dict(tcfg, mixed_precision=mp), target_dtype=dtype,
-                  device=cfg["train"]["device"])
+            train(
+                token_shards=[work / "tokens.parquet"],
+                probe=state["probe"],
+                target_dir=twin,
+                out_dir=work / f"train_{dtype}",
+                cfg=dict(tcfg, mixed_precision=mp),
+                target_dtype=dtype,
+                device=cfg["train"]["device"],
+            )
+
         return run
 
     def eval_():
-        rec = evaluate(target_dir=twin, probe=state["probe"], eval_cfg=cfg["eval"], thinking=cfg["generation"]["thinking"],
-                       drafters={"trained": work / "train_bfloat16" / "final"}, out_json=work / "eval.json",
-                       target_dtype="bfloat16")
+        rec = evaluate(
+            target_dir=twin,
+            probe=state["probe"],
+            eval_cfg=cfg["eval"],
+            thinking=cfg["generation"]["thinking"],
+            drafters={"trained": work / "train_bfloat16" / "final"},
+            out_json=work / "eval.json",
+            target_dtype="bfloat16",
+        )
         tau = rec["tau"]["trained"]["gsm8k"]
         if not 1.0 <= tau <= 4.0:
             raise RuntimeError(f"τ {tau} outside [1, block_size]")
 
-    stages = {"build": build, "probe": probe, "completions": completions, "tokens": tokens,
-              "train_fp32": train_with("float32", "no"), "train_bf16": train_with("bfloat16", "bf16"), "eval": eval_}
+    stages = {
+        "build": build,
+        "probe": probe,
+        "completions": completions,
+        "tokens": tokens,
+        "train_fp32": train_with("float32", "no"),
+        "train_bf16": train_with("bfloat16", "bf16"),
+        "eval": eval_,
+    }
     out: dict[str, str] = {}
     for name, fn in stages.items():
         t0 = time.time()
@@ -467,7 +555,9 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=os.environ.get("DFLASH_MODELS_DIR", "../shared/data/models"))
     ap.add_argument("--corpus", default="data/gsm8k/train.jsonl")
     ap.add_argument("--eval-set", default="data/gsm8k/test.jsonl")
-    ap.add_argument("--device", choices=("cpu", "auto"), default="cpu", help="train.device of the stages (auto: GPU if any)")
+    ap.add_argument(
+        "--device", choices=("cpu", "auto"), default="cpu", help="train.device of the stages (auto: GPU if any)"
+    )
     ap.add_argument("--family", action="append", help="only these families (default: all with a config.json)")
     ap.add_argument("--table", action="store_true", help="run every stage and print the family × stage table")
     ap.add_argument("--out", help="build the twins into this directory (default: a temp dir)")
@@ -480,8 +570,15 @@ def main(argv=None) -> int:
     for fam in fams:
         t0 = time.time()
         if a.table:
-            rows[fam] = run_stages(models, fam, root / fam, Path(a.corpus).resolve(), Path(a.eval_set).resolve(),
-                                   log=lambda m: print(f"[zoo] {m}", file=sys.stderr, flush=True), device=a.device)
+            rows[fam] = run_stages(
+                models,
+                fam,
+                root / fam,
+                Path(a.corpus).resolve(),
+                Path(a.eval_set).resolve(),
+                log=lambda m: print(f"[zoo] {m}", file=sys.stderr, flush=True),
+                device=a.device,
+            )
         else:
             try:
                 build_any_twin(models, fam, root / fam / "target", corpus_file=a.corpus)

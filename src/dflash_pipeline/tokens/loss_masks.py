@@ -53,7 +53,9 @@ def mask_from_offsets(offsets: np.ndarray, spans: Sequence[tuple[int, int]]) -> 
     return mask, straddling
 
 
-def span_token_ranges(encoding, spans: Sequence[tuple[int, int]], n_chars: int) -> tuple[list[tuple[int, int]], int] | None:
+def span_token_ranges(
+    encoding, spans: Sequence[tuple[int, int]], n_chars: int
+) -> tuple[list[tuple[int, int]], int] | None:
     """Token index ranges of supervised character spans, from the span boundaries only.
 
     Equivalent to :func:`mask_from_offsets` for tokenizers whose token offsets are non-decreasing (every
@@ -241,5 +243,5 @@ def server_ids_sequence(turn: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray
         return None
     ids = np.asarray(list(p) + list(o), dtype=np.int32)
     mask = np.zeros(len(ids), dtype=np.uint8)
-    mask[len(p):] = 1
+    mask[len(p) :] = 1
     return ids, mask

@@ -118,7 +118,8 @@ def generated_texts(tokenizer, turns: Sequence[Mapping[str, Any] | None]) -> lis
         return None
     return [
         tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        if (ids := (t or {}).get("output_token_ids")) else None
+        if (ids := (t or {}).get("output_token_ids"))
+        else None
         for t in turns
     ]
 
@@ -192,8 +193,15 @@ def tokenize_records(
         if units is not None:
             stats["server_ids_used"] += len(units)  # one row per turn, each from the server's ids
         else:
-            units = _rendered_sequences(tokenizer, rec, last_turn_only=last_turn_only, strict=strict,
-                                        specials=specials, controls=controls, stats=stats)
+            units = _rendered_sequences(
+                tokenizer,
+                rec,
+                last_turn_only=last_turn_only,
+                strict=strict,
+                specials=specials,
+                controls=controls,
+                stats=stats,
+            )
             if not units:  # dropped, and counted
                 continue
         stats["conversations_kept"] += 1
@@ -204,7 +212,9 @@ def tokenize_records(
     yield from _flush(tokenizer, pending, max_length=max_length, stats=stats)
 
 
-def _server_id_units(rec: Mapping[str, Any], last_turn_only: bool) -> list[tuple[tuple[np.ndarray, np.ndarray], int]] | None:
+def _server_id_units(
+    rec: Mapping[str, Any], last_turn_only: bool
+) -> list[tuple[tuple[np.ndarray, np.ndarray], int]] | None:
     """``[((input_ids, loss_mask), turn), ...]`` from the server token ids of every selected turn
     (:func:`server_ids_sequence`), or None when the record has no turns or one lacks its ids."""
     turns = rec.get("turns") or []
@@ -217,8 +227,16 @@ def _server_id_units(rec: Mapping[str, Any], last_turn_only: bool) -> list[tuple
     return [(e, first + j) for j, e in enumerate(exact)]
 
 
-def _rendered_sequences(tokenizer, rec: Mapping[str, Any], *, last_turn_only: bool, strict: bool,
-                        specials: Sequence[str], controls: Sequence[str], stats: dict) -> list[TrainSequence]:
+def _rendered_sequences(
+    tokenizer,
+    rec: Mapping[str, Any],
+    *,
+    last_turn_only: bool,
+    strict: bool,
+    specials: Sequence[str],
+    controls: Sequence[str],
+    stats: dict,
+) -> list[TrainSequence]:
     """The record's training sequences from the chat-template render (:func:`conversation_sequences`);
     ``[]`` when it is dropped (``tokenization_error`` without ``strict``, ``no_assistant_turn``: counted).
 
@@ -228,11 +246,17 @@ def _rendered_sequences(tokenizer, rec: Mapping[str, Any], *, last_turn_only: bo
     turns = rec.get("turns") or []
     try:
         seqs = conversation_sequences(
-            tokenizer, rec["messages"], thinking=rec.get("thinking") or "none", last_turn_only=last_turn_only,
-            prompt_id=rec["prompt_id"], specials=specials,
+            tokenizer,
+            rec["messages"],
+            thinking=rec.get("thinking") or "none",
+            last_turn_only=last_turn_only,
+            prompt_id=rec["prompt_id"],
+            specials=specials,
             finish_reasons=[(t or {}).get("finish_reason") for t in turns],
-            generated=generated_texts(tokenizer, turns), counts=stats,
-            generated_ids=[(t or {}).get("output_token_ids") for t in turns], control_strings=controls,
+            generated=generated_texts(tokenizer, turns),
+            counts=stats,
+            generated_ids=[(t or {}).get("output_token_ids") for t in turns],
+            control_strings=controls,
         )
     except TokenizationError:
         if strict:
@@ -263,8 +287,9 @@ def _flush(tokenizer, pending: list[tuple[str, Any]], *, max_length: int, stats:
     pending.clear()
 
 
-def _token_row(pid: str, turn: int, ids: np.ndarray, mask: np.ndarray, *, n_turns: int, max_length: int,
-               stats: dict) -> dict | None:
+def _token_row(
+    pid: str, turn: int, ids: np.ndarray, mask: np.ndarray, *, n_turns: int, max_length: int, stats: dict
+) -> dict | None:
     """The token record of one sequence (int32 ``ids`` / uint8 ``mask`` [n]) cut at ``max_length``, counted
     in ``stats``; None, counted as a drop, when no supervised token is left (``no_loss_tokens``, or
     ``truncated_no_loss`` when the cut removed them all)."""
@@ -337,20 +362,29 @@ def tokenize_shard(
     thinking_modes: set[str] = set()
     last_turn_only = bool(tokens_cfg["last_turn_only"])
     rows = tokenize_records(
-        tokenizer, _completion_records(completion_shard, thinking_modes), max_length=max_length,
-        last_turn_only=last_turn_only, strict=bool(tokens_cfg["strict"]),
-        use_server_token_ids=bool(tokens_cfg["use_server_token_ids"]), stats=stats,
+        tokenizer,
+        _completion_records(completion_shard, thinking_modes),
+        max_length=max_length,
+        last_turn_only=last_turn_only,
+        strict=bool(tokens_cfg["strict"]),
+        use_server_token_ids=bool(tokens_cfg["use_server_token_ids"]),
+        stats=stats,
     )
-    _write_token_shard(out_path, rows, row_group_size=row_group_size, metadata=lambda: {  # once the rows are done
-        "schema_version": TOKEN_SCHEMA_VERSION,
-        "tokenizer_sha256": tokenizer_hash(tokenizer),
-        "chat_template_sha256": sha256_text(tokenizer.chat_template or ""),
-        "thinking": sorted(thinking_modes),
-        "max_length": max_length,
-        "last_turn_only": last_turn_only,
-        "row_group_size": row_group_size,
-        "counts": stats,
-    })
+    _write_token_shard(
+        out_path,
+        rows,
+        row_group_size=row_group_size,
+        metadata=lambda: {  # once the rows are done
+            "schema_version": TOKEN_SCHEMA_VERSION,
+            "tokenizer_sha256": tokenizer_hash(tokenizer),
+            "chat_template_sha256": sha256_text(tokenizer.chat_template or ""),
+            "thinking": sorted(thinking_modes),
+            "max_length": max_length,
+            "last_turn_only": last_turn_only,
+            "row_group_size": row_group_size,
+            "counts": stats,
+        },
+    )
     _log_summary(out_path, stats, max_length)
     return stats
 
@@ -358,10 +392,20 @@ def tokenize_shard(
 def _log_summary(out_path: str | Path, stats: dict, max_length: int) -> None:
     """One console line for the job: records in, sequences out, tokens, truncation, drops by reason."""
     dropped = {r: n for r, n in stats["dropped"].items() if n}
-    console("%s: %d completion records -> %d sequences (%d turns supervised, %d tokens, %d supervised, %d truncated "
-             "at max_length %d); dropped %s; scaffolding excluded in %d turns", out_path, stats["records_in"],
-             stats["records_out"], stats["turns_supervised"], stats["num_tokens"], stats["num_loss_tokens"],
-             stats["truncated"], max_length, dropped or "none", stats["scaffolding_excluded"])
+    console(
+        "%s: %d completion records -> %d sequences (%d turns supervised, %d tokens, %d supervised, %d truncated "
+        "at max_length %d); dropped %s; scaffolding excluded in %d turns",
+        out_path,
+        stats["records_in"],
+        stats["records_out"],
+        stats["turns_supervised"],
+        stats["num_tokens"],
+        stats["num_loss_tokens"],
+        stats["truncated"],
+        max_length,
+        dropped or "none",
+        stats["scaffolding_excluded"],
+    )
 
 
 def _completion_records(completion_shard: str | Path, thinking_modes: set[str]) -> Iterator[dict]:
@@ -376,8 +420,9 @@ def _completion_records(completion_shard: str | Path, thinking_modes: set[str]) 
             yield rec
 
 
-def _write_token_shard(out_path: str | Path, rows: Iterable[dict], *, row_group_size: int,
-                       metadata: Callable[[], dict]) -> None:
+def _write_token_shard(
+    out_path: str | Path, rows: Iterable[dict], *, row_group_size: int, metadata: Callable[[], dict]
+) -> None:
     """Stream token rows into a token shard, one row group per ``row_group_size`` rows (memory bounded by one
     group plus the reader's batch, whatever the shard size), with ``metadata()`` (called once the rows are
     written) in the footer. Row-group boundaries depend only on the input, so a rerun writes identical

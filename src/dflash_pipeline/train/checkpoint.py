@@ -61,21 +61,27 @@ def resume_state(accelerator, out_dir: Path, total_steps: int, streams, train_co
         meta = json.loads((state_dir / "step.json").read_text())
         version = int(meta.get("version", 1))
         if version > STATE_VERSION:
-            raise ValueError(f"{state_dir}: state version {version} is newer than this trainer's ({STATE_VERSION}); "
-                             "upgrade dflash-pipeline, or delete state/ to restart from step 0")
+            raise ValueError(
+                f"{state_dir}: state version {version} is newer than this trainer's ({STATE_VERSION}); "
+                "upgrade dflash-pipeline, or delete state/ to restart from step 0"
+            )
         if version == STATE_VERSION:
             accelerator.register_for_checkpointing(streams)
         accelerator.load_state(str(state_dir))
         if version < STATE_VERSION:
             accelerator.register_for_checkpointing(streams)
-            accelerator.print(f"[train] warning: {state_dir} is a version {version} state (saved before the data order "
-                              "and anchor streams were): resuming, but this run will not match an uninterrupted one")
+            accelerator.print(
+                f"[train] warning: {state_dir} is a version {version} state (saved before the data order "
+                "and anchor streams were): resuming, but this run will not match an uninterrupted one"
+            )
         step = meta["step"]
         accelerator.print(f"[train] resumed from {state_dir} at step {step}/{total_steps}")
         changed = _changed_keys(meta.get("train_config"), train_config)
         if changed:
-            accelerator.print(f"[train] warning: {state_dir} was saved under other train settings ({', '.join(changed)}): "
-                              "the resumed run is not the run these settings give from step 0 (delete state/ for that)")
+            accelerator.print(
+                f"[train] warning: {state_dir} was saved under other train settings ({', '.join(changed)}): "
+                "the resumed run is not the run these settings give from step 0 (delete state/ for that)"
+            )
     if accelerator.is_main_process and step == 0:
         (out_dir / "train_log.jsonl").unlink(missing_ok=True)
         (out_dir / "val_log.jsonl").unlink(missing_ok=True)

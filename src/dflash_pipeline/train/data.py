@@ -51,8 +51,13 @@ def build_token_index(token_shard: str | Path, out: str | Path) -> Path:
     from dflash_pipeline.features import read_token_arrays
 
     ids, mask, lengths = read_token_arrays(token_shard)
-    meta = {"schema_version": FEATURE_SCHEMA_VERSION, "token_shard": Path(token_shard).name, "kind": "token_index",
-            "num_records": int(len(lengths)), "num_tokens": int(lengths.sum())}
+    meta = {
+        "schema_version": FEATURE_SCHEMA_VERSION,
+        "token_shard": Path(token_shard).name,
+        "kind": "token_index",
+        "num_records": int(len(lengths)),
+        "num_tokens": int(lengths.sum()),
+    }
     w = FeatureShardWriter(out, FeatureLayout(lengths, 0, 0, "bfloat16", False, meta), ids, mask)
     w.commit(len(lengths))
     return w.finish()
@@ -156,13 +161,18 @@ def frozen_head(target_dir, probe: dict, target_dtype: str, device) -> tuple:
 
     # the target loader's config reading (kimi_k2 without remote code: its architectures' native class)
     config = load_target_config(target_dir, trust_remote_code=bool(probe.get("trust_remote_code")))
-    embed, lm_head = load_embed_and_head(target_dir, tie_word_embeddings=probe.get("tie_word_embeddings"),
-                                         dtype=resolve_dtype(target_dtype, device), device=device)
+    embed, lm_head = load_embed_and_head(
+        target_dir,
+        tie_word_embeddings=probe.get("tie_word_embeddings"),
+        dtype=resolve_dtype(target_dtype, device),
+        device=device,
+    )
     return embed, lm_head, config
 
 
-def token_records(token_shards, out_dir, *, is_main: bool, barrier: Callable[[], None],
-                  min_loss_tokens: int) -> MappedRecords:
+def token_records(
+    token_shards, out_dir, *, is_main: bool, barrier: Callable[[], None], min_loss_tokens: int
+) -> MappedRecords:
     """The token records of ``token_shards`` from their token indexes under ``<out_dir>/token_index/``
     (the main process writes missing ones, then ``barrier()``)."""
     cache = Path(out_dir) / "token_index"
@@ -204,24 +214,33 @@ def open_training_data(
     mode = {**schema_defaults("train"), **cfg}["target_features"]  # a partial config (tests, direct calls)
     if mode == "shards":
         if len(feature_shards) != len(token_shards):
-            raise FeatureShardError(f"train.target_features: shards needs one feature shard per token shard; got "
-                                    f"{len(feature_shards)} feature and {len(token_shards)} token shards")
+            raise FeatureShardError(
+                f"train.target_features: shards needs one feature shard per token shard; got "
+                f"{len(feature_shards)} feature and {len(token_shards)} token shards"
+            )
         want = list(probe["drafter"]["target_layer_ids"])
         if is_main:
             for f, t in zip(feature_shards, token_shards):
                 fs = FeatureShard(f)
-                if fs.metadata.get("target_layer_ids") != want or fs.metadata.get("hidden_size") != probe["hidden_size"]:
+                if (
+                    fs.metadata.get("target_layer_ids") != want
+                    or fs.metadata.get("hidden_size") != probe["hidden_size"]
+                ):
                     raise FeatureShardError(
                         f"{f}: target_layer_ids {fs.metadata.get('target_layer_ids')} / hidden_size {fs.metadata.get('hidden_size')}, "
-                        f"the probe says {want} / {probe['hidden_size']}; rebuild the feature shards")
+                        f"the probe says {want} / {probe['hidden_size']}; rebuild the feature shards"
+                    )
                 fs.check_tokens(t)
                 fs.close()
         barrier()
         ds = MappedRecords(feature_shards, features=True, min_loss_tokens=min_loss_tokens)
         data = TrainingData(ds, collate, True, *frozen_head(target_dir, probe, target_dtype, device))
     else:
-        data = TrainingData(token_records(token_shards, out_dir, is_main=is_main, barrier=barrier,
-                                          min_loss_tokens=min_loss_tokens), collate, False)
+        data = TrainingData(
+            token_records(token_shards, out_dir, is_main=is_main, barrier=barrier, min_loss_tokens=min_loss_tokens),
+            collate,
+            False,
+        )
     if len(data.dataset) == 0:
         raise ValueError(f"no token record with ≥{min_loss_tokens} supervised tokens in {len(token_shards)} shard(s)")
     return data
@@ -237,6 +256,10 @@ def record_prompt_ids(token_shards: Sequence[str | Path], dataset: MappedRecords
     per_shard = []
     for p in token_shards:
         names = pq.read_schema(p).names
-        per_shard.append(pq.read_table(p, columns=["prompt_id"]).column("prompt_id").to_pylist() if "prompt_id" in names else None)
-    return [str(per_shard[s][r]) if per_shard[s] is not None else f"{token_shards[s]}:{r}"
-            for s, r in zip(dataset.shard_of.tolist(), dataset.record_of.tolist())]
+        per_shard.append(
+            pq.read_table(p, columns=["prompt_id"]).column("prompt_id").to_pylist() if "prompt_id" in names else None
+        )
+    return [
+        str(per_shard[s][r]) if per_shard[s] is not None else f"{token_shards[s]}:{r}"
+        for s, r in zip(dataset.shard_of.tolist(), dataset.record_of.tolist())
+    ]

@@ -102,28 +102,47 @@ def selector_term(
     correct, in_tops = [], []
     for s in _chunks(index.numel(), chunk_tokens):
         i = index[s]
-        part, wsum, ok, it = torch.utils.checkpoint.checkpoint(chunk, h[i], y[i], y[i - 1], w[i].float(), use_reentrant=False)
+        part, wsum, ok, it = torch.utils.checkpoint.checkpoint(
+            chunk, h[i], y[i], y[i - 1], w[i].float(), use_reentrant=False
+        )
         total, covered = total + part, covered + wsum.detach()
         correct.append(ok)
         in_tops.append(it)
-    stats = {"selector_slots": int(index.numel()),
-             "selector_correct": int(torch.cat(correct).sum()) if correct else 0,
-             "gold_in_top_k": int(torch.cat(in_tops).sum()) if in_tops else 0}
+    stats = {
+        "selector_slots": int(index.numel()),
+        "selector_correct": int(torch.cat(correct).sum()) if correct else 0,
+        "gold_in_top_k": int(torch.cat(in_tops).sum()) if in_tops else 0,
+    }
     return total, covered, stats
 
 
-def dflash2_objective(base: L.LossOutput, drafter, hidden, lm_head_weight, labels, weights, block_size, *,
-                      gold: str, selector_weight: float, chunk_tokens: int = 4096) -> L.LossOutput:
+def dflash2_objective(
+    base: L.LossOutput,
+    drafter,
+    hidden,
+    lm_head_weight,
+    labels,
+    weights,
+    block_size,
+    *,
+    gold: str,
+    selector_weight: float,
+    chunk_tokens: int = 4096,
+) -> L.LossOutput:
     """``base`` (the ``train.loss`` objective on the unary logits) + ``selector_weight`` × the selector term,
     scaled to ``base``'s normaliser: the reported loss is base + λ · (weighted mean selector CE)."""
     if selector_weight == 0:
         return base
-    sel_total, _, stats = selector_term(drafter, hidden, lm_head_weight, labels, weights, block_size, gold=gold,
-                                              chunk_tokens=chunk_tokens)
+    sel_total, _, stats = selector_term(
+        drafter, hidden, lm_head_weight, labels, weights, block_size, gold=gold, chunk_tokens=chunk_tokens
+    )
     wsum = weights.detach().float().clamp(min=0).sum()
     scale = base.normalizer.detach() / wsum.clamp(min=1e-12)
-    return L.LossOutput(total=base.total + selector_weight * scale * sel_total, normalizer=base.normalizer,
-                        stats={**base.stats, **stats})
+    return L.LossOutput(
+        total=base.total + selector_weight * scale * sel_total,
+        normalizer=base.normalizer,
+        stats={**base.stats, **stats},
+    )
 
 
 @dataclass
@@ -154,9 +173,14 @@ def dspark_view(ids, pos, labels, weights, block_size: int, gamma: float | None 
     ids, pos, labels, weights = view(ids), view(pos), view(labels), view(weights)
     k = torch.arange(block_size, device=ids.device, dtype=torch.float32)
     decay = torch.ones_like(k) if gamma is None else torch.exp(-k / gamma)
-    return DSparkBlocks(ids=flat(ids[..., :block_size]), pos=flat(pos[..., :block_size]), labels=flat(labels[..., 1:]),
-                        prev=flat(labels[..., :block_size]), rows=flat(pos[..., 1:]),
-                        weights=flat((weights[..., 1:] > 0).float() * decay))
+    return DSparkBlocks(
+        ids=flat(ids[..., :block_size]),
+        pos=flat(pos[..., :block_size]),
+        labels=flat(labels[..., 1:]),
+        prev=flat(labels[..., :block_size]),
+        rows=flat(pos[..., 1:]),
+        weights=flat((weights[..., 1:] > 0).float() * decay),
+    )
 
 
 def greedy_hits(core, lm_head, hidden: torch.Tensor, labels: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
@@ -179,13 +203,16 @@ def greedy_hits(core, lm_head, hidden: torch.Tensor, labels: torch.Tensor, prev:
     return hits
 
 
-def dspark_blocks(input_ids, loss_mask, anchors: BL.AnchorBatch, block_size: int, mask_token_id: int,
-                  gamma: float | None) -> DSparkBlocks:
+def dspark_blocks(
+    input_ids, loss_mask, anchors: BL.AnchorBatch, block_size: int, mask_token_id: int, gamma: float | None
+) -> DSparkBlocks:
     """Blocks drafted from the anchor (``qwen3_dspark.py`` / ``dspark/speculator.py:10-17``): slot k of the
     block anchored at p sits at p+k and predicts ``input_ids[p+k+1]``; weight = keep · [p+k+1 < S] ·
     loss_mask[p+k+1] · exp(−k/γ) (γ None → 1). Built from :func:`dflash_pipeline.drafter.blocks.block_inputs_and_labels`
     with B + 1 slots (its slot j ≥ 1 is DSpark's label of slot j − 1)."""
-    ids, pos, labels, weights = BL.block_inputs_and_labels(input_ids, loss_mask, anchors, block_size + 1, mask_token_id, None)
+    ids, pos, labels, weights = BL.block_inputs_and_labels(
+        input_ids, loss_mask, anchors, block_size + 1, mask_token_id, None
+    )
     return dspark_view(ids, pos, labels, weights, block_size, gamma)
 
 
@@ -255,12 +282,14 @@ def dspark_objective(
         part, ok = torch.utils.checkpoint.checkpoint(chunk, h[s], y[s], prev[s], ws[s], tc, use_reentrant=False)
         total = total + part
         oks.append(ok)
-    return L.LossOutput(total=total, normalizer=norm,
-                        stats={"num_slots": int(index.numel()), "correct": torch.cat(oks), "index": index})
+    return L.LossOutput(
+        total=total, normalizer=norm, stats={"num_slots": int(index.numel()), "correct": torch.cat(oks), "index": index}
+    )
 
 
-def dspark_step(ctx, core, ids: torch.Tensor, lmask: torch.Tensor, feats: torch.Tensor,
-                last: torch.Tensor | None) -> L.LossOutput:
+def dspark_step(
+    ctx, core, ids: torch.Tensor, lmask: torch.Tensor, feats: torch.Tensor, last: torch.Tensor | None
+) -> L.LossOutput:
     """One DSpark forward pass on unpacked rows (packing is refused at planning): anchors → blocks drafted
     from the anchor (:func:`dspark_blocks`) → the drafter under the DFlash training mask (context < anchor,
     own block) → :func:`dspark_objective`. ``ctx``: the step's
@@ -277,5 +306,13 @@ def dspark_step(ctx, core, ids: torch.Tensor, lmask: torch.Tensor, feats: torch.
     noise, feats = T.to_drafter_dtype(ctx.drafter, noise, feats)
     hidden = ctx.drafter(noise, feats, ctx_pos, blk.pos, attn_mask=mask)
     teacher = L.teacher_slot_hidden(last, blk.rows) if ctx.loss == "dspark_tv" else None
-    return dspark_objective(core, hidden, ctx.lm_head.weight, blk, loss=ctx.loss, teacher_hidden=teacher,
-                            confidence_weight=ctx.confidence_weight, logit_softcap=ctx.logit_softcap)
+    return dspark_objective(
+        core,
+        hidden,
+        ctx.lm_head.weight,
+        blk,
+        loss=ctx.loss,
+        teacher_hidden=teacher,
+        confidence_weight=ctx.confidence_weight,
+        logit_softcap=ctx.logit_softcap,
+    )

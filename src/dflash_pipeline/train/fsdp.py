@@ -30,7 +30,9 @@ def training_bytes(num_params: int, num_shards: int = 1) -> int:
     return TRAINING_BYTES_PER_PARAM * int(num_params) // max(1, int(num_shards))
 
 
-def fsdp_plugin(*, reshard_after_forward: bool = True, activation_checkpointing: bool = False, mixed_precision: str = "no"):
+def fsdp_plugin(
+    *, reshard_after_forward: bool = True, activation_checkpointing: bool = False, mixed_precision: str = "no"
+):
     """The ``FullyShardedDataParallelPlugin`` (FSDP2) the trainer uses.
 
     ``reshard_after_forward``: True frees gathered layer weights after each forward (ZeRO-3 / FULL_SHARD);
@@ -88,7 +90,9 @@ def full_drafter(accelerator, drafter) -> Optional[torch.nn.Module]:
         return None
     core = accelerator.unwrap_model(drafter)
     plain = type(core)(core.config)  # the drafter family's class
-    missing, unexpected = plain.load_state_dict({k: v.detach().to("cpu", torch.float32) for k, v in state.items()}, strict=False)
+    missing, unexpected = plain.load_state_dict(
+        {k: v.detach().to("cpu", torch.float32) for k, v in state.items()}, strict=False
+    )
     missing = [m for m in missing if not m.startswith("rotary_emb.")]
     if missing or unexpected:
         raise RuntimeError(f"gathered drafter state: missing {missing}, unexpected {unexpected}")

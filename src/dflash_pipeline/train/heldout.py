@@ -22,9 +22,9 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 
 from dflash_pipeline.drafter import model as M
+from dflash_pipeline.target import loading as T
 from dflash_pipeline.train import family_objectives as FO
 from dflash_pipeline.train import packing as P
-from dflash_pipeline.target import loading as T
 
 
 @dataclass
@@ -50,20 +50,28 @@ class AcceptanceCounts:
     def zeros(cls, block_size: int, edges: Sequence[int] = ()) -> "AcceptanceCounts":
         z = torch.zeros(block_size - 1, dtype=torch.float64)
         nb = torch.zeros(len(edges) + 1 if edges else 0, dtype=torch.float64)
-        return cls(torch.zeros((), dtype=torch.float64), z.clone(), z.clone(), z.clone(), nb.clone(), nb.clone(),
-                   tuple(edges))
+        return cls(
+            torch.zeros((), dtype=torch.float64), z.clone(), z.clone(), z.clone(), nb.clone(), nb.clone(), tuple(edges)
+        )
 
     def __add__(self, other: "AcceptanceCounts") -> "AcceptanceCounts":
         if tuple(self.edges) != tuple(other.edges):
             raise ValueError(f"cannot add acceptance counts of bucket edges {self.edges} and {other.edges}")
-        return AcceptanceCounts(self.blocks + other.blocks, self.chain + other.chain, self.correct + other.correct,
-                                self.valid + other.valid, self.bucket_blocks + other.bucket_blocks,
-                                self.bucket_chain + other.bucket_chain, tuple(self.edges))
+        return AcceptanceCounts(
+            self.blocks + other.blocks,
+            self.chain + other.chain,
+            self.correct + other.correct,
+            self.valid + other.valid,
+            self.bucket_blocks + other.bucket_blocks,
+            self.bucket_chain + other.bucket_chain,
+            tuple(self.edges),
+        )
 
     def as_tensor(self) -> torch.Tensor:
         """Flat float64 [1 + 3(B−1) + 2·buckets] (for one all-reduce)."""
-        return torch.cat([self.blocks.view(1), self.chain, self.correct, self.valid, self.bucket_blocks,
-                          self.bucket_chain])
+        return torch.cat(
+            [self.blocks.view(1), self.chain, self.correct, self.valid, self.bucket_blocks, self.bucket_chain]
+        )
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor, edges: Sequence[int] = ()) -> "AcceptanceCounts":
@@ -95,13 +103,17 @@ class AcceptanceCounts:
 
             out["by_context_length"] = {
                 label: {"tau": 1.0 + float(c) / float(b), "num_blocks": int(b), "range": rng}
-                for label, rng, b, c in zip(bucket_labels(self.edges), bucket_ranges(self.edges), self.bucket_blocks,
-                                            self.bucket_chain) if b > 0}
+                for label, rng, b, c in zip(
+                    bucket_labels(self.edges), bucket_ranges(self.edges), self.bucket_blocks, self.bucket_chain
+                )
+                if b > 0
+            }
         return out
 
 
-def block_acceptance(accept: torch.Tensor, valid: torch.Tensor, contexts: Optional[torch.Tensor] = None,
-                     edges: Sequence[int] = ()) -> AcceptanceCounts:
+def block_acceptance(
+    accept: torch.Tensor, valid: torch.Tensor, contexts: Optional[torch.Tensor] = None, edges: Sequence[int] = ()
+) -> AcceptanceCounts:
     """Per-block acceptance simulator: chain_k = Π_{i≤k} a_i·m_i inside each block.
 
     A slot that is not supervised (past the record's end, outside the response) ends the block's chain:
@@ -157,9 +169,20 @@ def deterministic_anchors(loss_mask: torch.Tensor, segment_ids: torch.Tensor, nu
 
 
 @torch.no_grad()
-def batch_acceptance(drafter, target, embed, lm_head, batch: dict, *, target_layer_ids: Sequence[int],
-                     mask_token_id: int, num_anchors: int, backend: str = "sdpa", features=None,
-                     length_buckets: Sequence[int] = ()) -> AcceptanceCounts:
+def batch_acceptance(
+    drafter,
+    target,
+    embed,
+    lm_head,
+    batch: dict,
+    *,
+    target_layer_ids: Sequence[int],
+    mask_token_id: int,
+    num_anchors: int,
+    backend: str = "sdpa",
+    features=None,
+    length_buckets: Sequence[int] = (),
+) -> AcceptanceCounts:
     """Teacher-forced acceptance of one (padded or packed) batch.
 
     ``batch``: ``input_ids``/``loss_mask`` [b, S] and either ``attention_mask`` (padded) or
@@ -182,7 +205,9 @@ def batch_acceptance(drafter, target, embed, lm_head, batch: dict, *, target_lay
             features, _ = target_features(target, ids, batch["attention_mask"], target_layer_ids)
     anchors = deterministic_anchors(lmask, seg, num_anchors)
     family = getattr(core, "family", "dflash")
-    blk = P.packed_block_inputs_and_labels(ids, lmask, pos, seg, anchors, bsz + (family == "dspark"), mask_token_id, None)
+    blk = P.packed_block_inputs_and_labels(
+        ids, lmask, pos, seg, anchors, bsz + (family == "dspark"), mask_token_id, None
+    )
     if family == "dspark":  # B drafts from the anchor: blocks of B + 1 label slots, read shifted by one
         blk = FO.dspark_view(blk.ids, blk.pos, blk.labels, blk.weights, bsz)
     mask = P.build_packed_training_masks(core, anchors.anchors, seg, backend)
@@ -200,29 +225,52 @@ def batch_acceptance(drafter, target, embed, lm_head, batch: dict, *, target_lay
     hits = torch.zeros(b * n * bsz, dtype=torch.bool, device=ids.device)
     for i in range(0, hidden.shape[1], 4096):  # chunks of slots: never [Q, V] logits at once
         h = hidden[:, i : i + 4096]
-        hits.view(b, -1)[:, i : i + 4096] = lm_head(h.to(lm_head.weight.dtype)).argmax(-1) == blk.labels[:, i : i + 4096]
+        hits.view(b, -1)[:, i : i + 4096] = (
+            lm_head(h.to(lm_head.weight.dtype)).argmax(-1) == blk.labels[:, i : i + 4096]
+        )
     valid = (blk.weights > 0).view(b * n, bsz)[:, 1:]
     keep = anchors.keep.reshape(-1)
     contexts = pos.gather(1, anchors.anchors).reshape(-1)[keep]  # tokens of its record before each block's anchor
     return block_acceptance(hits.view(b * n, bsz)[:, 1:][keep], valid[keep], contexts, length_buckets)
 
 
-def heldout_acceptance(drafter, target, embed, lm_head, batches: Iterable[dict], *, target_layer_ids: Sequence[int],
-                       mask_token_id: int, num_anchors: int, backend: str = "sdpa",
-                       reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                       length_buckets: Sequence[int] = ()) -> dict:
+def heldout_acceptance(
+    drafter,
+    target,
+    embed,
+    lm_head,
+    batches: Iterable[dict],
+    *,
+    target_layer_ids: Sequence[int],
+    mask_token_id: int,
+    num_anchors: int,
+    backend: str = "sdpa",
+    reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    length_buckets: Sequence[int] = (),
+) -> dict:
     """:func:`batch_acceptance` summed over ``batches`` (this rank's share of the held-out rows), then
     summed over ranks with ``reduce`` (e.g. ``lambda t: accelerator.reduce(t, "sum")``), summarised
     (:meth:`AcceptanceCounts.summary`). Puts the drafter in eval mode and back."""
     core = drafter.module if hasattr(drafter, "module") else drafter
     was_training = core.training
     drafter.eval()
-    total = AcceptanceCounts.zeros(core.block_size + (getattr(core, "family", "dflash") == "dspark"), length_buckets)  # DSpark: B drafts
+    total = AcceptanceCounts.zeros(
+        core.block_size + (getattr(core, "family", "dflash") == "dspark"), length_buckets
+    )  # DSpark: B drafts
     try:
         for batch in batches:
-            total = total + batch_acceptance(drafter, target, embed, lm_head, batch, target_layer_ids=target_layer_ids,
-                                             mask_token_id=mask_token_id, num_anchors=num_anchors, backend=backend,
-                                             length_buckets=length_buckets)
+            total = total + batch_acceptance(
+                drafter,
+                target,
+                embed,
+                lm_head,
+                batch,
+                target_layer_ids=target_layer_ids,
+                mask_token_id=mask_token_id,
+                num_anchors=num_anchors,
+                backend=backend,
+                length_buckets=length_buckets,
+            )
     finally:
         drafter.train(was_training)
     if reduce is not None:
@@ -231,7 +279,9 @@ def heldout_acceptance(drafter, target, embed, lm_head, batches: Iterable[dict],
     return total.summary()
 
 
-def heldout_mask(prompt_ids: Sequence[str], fraction: float, *, seed: int = 0, max_records: Optional[int] = None) -> list[bool]:
+def heldout_mask(
+    prompt_ids: Sequence[str], fraction: float, *, seed: int = 0, max_records: Optional[int] = None
+) -> list[bool]:
     """Which records are held out: whole prompts (every row of a prompt_id goes the same way, so turns of
     one conversation never straddle the split), chosen by sha1(seed, prompt_id) < fraction — stable when
     shards are reordered or added. ``max_records`` caps the held-out rows (whole prompts, lowest hashes first; the others train).

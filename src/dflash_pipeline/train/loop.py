@@ -146,8 +146,9 @@ def _stream_guarded_step(run: TrainRun, batches, n_micro: int, step: int, window
         run.optimizer.zero_grad(set_to_none=True)  # the partial accumulation of this step is dropped
         save_state(run.accelerator, run.out_dir / "state", step)
         run.data.source.stream.close()
-        run.accelerator.print(f"[stream] feature servers failed at step {step}; state saved at step {step} "
-                              f"(rerun to resume): {exc}")
+        run.accelerator.print(
+            f"[stream] feature servers failed at step {step}; state saved at step {step} (rerun to resume): {exc}"
+        )
         raise
 
 
@@ -185,16 +186,27 @@ def _optimizer_step(run: TrainRun, batches, n_micro: int, step: int, window: "_W
     return float(sums[1] / sums[0].clamp(min=1e-12))
 
 
-def _after_step(run: TrainRun, step: int, epoch: int, window: "_Window", *, run_t0: float, start_step: int) -> "_Window":
+def _after_step(
+    run: TrainRun, step: int, epoch: int, window: "_Window", *, run_t0: float, start_step: int
+) -> "_Window":
     """What follows optimizer step ``step``: a ``train_log.jsonl`` line every ``log_every_steps`` and at the
     end (then a fresh window, returned), held-out validation every ``validation_every_steps`` and at the
     end, state + a ``step_<N>/`` export every ``save_every_steps`` (the last step is saved by :func:`_finish`)."""
     acc, cfg, sch = run.accelerator, run.cfg, run.schedule
     if step % cfg["log_every_steps"] == 0 or step == sch.total_steps:
         stream = run.data.source.stream
-        _log_window(acc, window, step=step, total_steps=sch.total_steps, epoch=epoch, lr=run.scheduler.get_last_lr()[0],
-                    log_path=run.out_dir / "train_log.jsonl", run_t0=run_t0, start_step=start_step,
-                    extra=stream.window_stats() if stream is not None else None)
+        _log_window(
+            acc,
+            window,
+            step=step,
+            total_steps=sch.total_steps,
+            epoch=epoch,
+            lr=run.scheduler.get_last_lr()[0],
+            log_path=run.out_dir / "train_log.jsonl",
+            run_t0=run_t0,
+            start_step=start_step,
+            extra=stream.window_stats() if stream is not None else None,
+        )
         window = _Window(run.ctx.block_size)
     if run.val_batches and (step % cfg["validation_every_steps"] == 0 or step == sch.total_steps):
         _validate(acc, run.ctx, run.val_batches, run.val_counted, cfg, step, run.out_dir)
@@ -233,8 +245,19 @@ class _Window:
         self.tokens += tokens
 
 
-def _log_window(accelerator, w: _Window, *, step: int, total_steps: int, epoch: int, lr: float, log_path: Path,
-                run_t0: float, start_step: int, extra: Optional[dict] = None) -> dict:
+def _log_window(
+    accelerator,
+    w: _Window,
+    *,
+    step: int,
+    total_steps: int,
+    epoch: int,
+    lr: float,
+    log_path: Path,
+    run_t0: float,
+    start_step: int,
+    extra: Optional[dict] = None,
+) -> dict:
     """Reduce the window's slot counts over ranks, append one ``train_log.jsonl`` record and log it to the
     trackers (main rank); the ``[train]`` line carries the ETA. ``extra``: more fields of the record (the
     main rank's stream supply and demand, :meth:`dflash_pipeline.train.stream.FeatureStream.window_stats`).
@@ -245,17 +268,26 @@ def _log_window(accelerator, w: _Window, *, step: int, total_steps: int, epoch: 
     elapsed = time.time() - w.t0
     per_step = (time.time() - run_t0) / max(1, step - start_step)
     rec = {
-        "step": step, "epoch": epoch, "loss": w.loss / max(1, w.n), "lr": lr, "slot_acc": acc,
+        "step": step,
+        "epoch": epoch,
+        "loss": w.loss / max(1, w.n),
+        "lr": lr,
+        "slot_acc": acc,
         "eal": M.expected_acceptance_length(acc),
-        "tokens_per_s": tokens / max(1e-9, elapsed), "elapsed_s": elapsed, "eta_s": per_step * (total_steps - step),
+        "tokens_per_s": tokens / max(1e-9, elapsed),
+        "elapsed_s": elapsed,
+        "eta_s": per_step * (total_steps - step),
         **(extra or {}),
     }
     if accelerator.is_main_process:
         with open(log_path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(rec) + "\n")
         eta = time.strftime("%H:%M:%S", time.gmtime(rec["eta_s"]))
-        print(f"[train] step {step}/{total_steps} loss {rec['loss']:.4f} eal {rec['eal']:.2f} acc1 {acc[1]:.3f} "
-              f"tok/s {rec['tokens_per_s']:.0f} eta {eta}", flush=True)
+        print(
+            f"[train] step {step}/{total_steps} loss {rec['loss']:.4f} eal {rec['eal']:.2f} acc1 {acc[1]:.3f} "
+            f"tok/s {rec['tokens_per_s']:.0f} eta {eta}",
+            flush=True,
+        )
     accelerator.log(TR.scalars(rec, "train"), step=step)
     return rec
 
@@ -269,8 +301,6 @@ def trace_batch(out_dir: Path, rank: int, step: int, batch: dict) -> None:
     digest = hashlib.sha1(batch["input_ids"].cpu().numpy().tobytes()).hexdigest()
     with open(path, "a", encoding="utf-8") as fh:
         fh.write(json.dumps({"step": step, "batch": digest}) + "\n")
-
-
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -291,10 +321,19 @@ def _validate(accelerator, ctx: StepContext, batches, counted, cfg: dict, step: 
     try:
         for batch, count in zip(batches, counted):
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-            c = V.batch_acceptance(ctx.drafter, ctx.target, ctx.embed, ctx.lm_head, batch, target_layer_ids=d["target_layer_ids"],
-                                   features=batch.get("features"),
-                                   mask_token_id=d["mask_token_id"], num_anchors=cfg["validation_num_anchors"],
-                                   backend=ctx.backend, length_buckets=edges)
+            c = V.batch_acceptance(
+                ctx.drafter,
+                ctx.target,
+                ctx.embed,
+                ctx.lm_head,
+                batch,
+                target_layer_ids=d["target_layer_ids"],
+                features=batch.get("features"),
+                mask_token_id=d["mask_token_id"],
+                num_anchors=cfg["validation_num_anchors"],
+                backend=ctx.backend,
+                length_buckets=edges,
+            )
             if count:
                 total = total + c
     finally:
@@ -306,11 +345,14 @@ def _validate(accelerator, ctx: StepContext, batches, counted, cfg: dict, step: 
         with open(out_dir / "val_log.jsonl", "a", encoding="utf-8") as fh:
             fh.write(json.dumps(rec) + "\n")
         pp = " ".join(f"{x:.2f}" for x in summary["per_position_acceptance"])
-        print(f"[val] step {step} tau {summary['tau']:.3f} (marginal proxy {summary['tau_marginal']:.3f}) "
-              f"blocks {summary['num_blocks']} per-position {pp}"
-              + "".join(f" | {b}: tau {v['tau']:.3f} ({v['num_blocks']} blocks)"
-                        for b, v in (summary.get("by_context_length") or {}).items()), flush=True)
+        print(
+            f"[val] step {step} tau {summary['tau']:.3f} (marginal proxy {summary['tau_marginal']:.3f}) "
+            f"blocks {summary['num_blocks']} per-position {pp}"
+            + "".join(
+                f" | {b}: tau {v['tau']:.3f} ({v['num_blocks']} blocks)"
+                for b, v in (summary.get("by_context_length") or {}).items()
+            ),
+            flush=True,
+        )
     accelerator.log(TR.scalars(summary, "val"), step=step)
     return rec
-
-

@@ -80,7 +80,11 @@ def ce_decay(
 
 
 def slot_cross_entropy(
-    hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, index: torch.Tensor, chunk_tokens: int = 4096
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    index: torch.Tensor,
+    chunk_tokens: int = 4096,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-slot CE (float32, with grad) and argmax correctness of the slots ``index`` (flat into [b·Q]).
 
@@ -97,7 +101,9 @@ def slot_cross_entropy(
 
     ces, oks = [], []
     for i in range(0, h.shape[0], chunk_tokens):
-        ce, ok = torch.utils.checkpoint.checkpoint(chunk, h[i : i + chunk_tokens], y[i : i + chunk_tokens], use_reentrant=False)
+        ce, ok = torch.utils.checkpoint.checkpoint(
+            chunk, h[i : i + chunk_tokens], y[i : i + chunk_tokens], use_reentrant=False
+        )
         ces.append(ce)
         oks.append(ok)
     if not ces:
@@ -160,7 +166,9 @@ def dpace(
     full = full.index_copy(0, index, ce.detach())
     w = dpace_weights(full.view(b, -1, block_size), valid.view(b, -1, block_size), alpha).reshape(-1)
     total = (w[index] * ce).sum()
-    return LossOutput(total=total, normalizer=norm, stats={"num_slots": int(index.numel()), "correct": correct, "index": index})
+    return LossOutput(
+        total=total, normalizer=norm, stats={"num_slots": int(index.numel()), "correct": correct, "index": index}
+    )
 
 
 def teacher_slot_hidden(last_hidden: torch.Tensor, block_pos: torch.Tensor) -> torch.Tensor:
@@ -246,7 +254,9 @@ def kl(
         part, ok = torch.utils.checkpoint.checkpoint(chunk, hs[s], ts[s], ys[s], ws[s], use_reentrant=False)
         total = total + part
         oks.append(ok)
-    return LossOutput(total=total, normalizer=norm, stats={"num_slots": int(index.numel()), "correct": torch.cat(oks), "index": index})
+    return LossOutput(
+        total=total, normalizer=norm, stats={"num_slots": int(index.numel()), "correct": torch.cat(oks), "index": index}
+    )
 
 
 def compute_loss(
@@ -274,11 +284,28 @@ def compute_loss(
     if name == "ce_decay":
         return ce_decay(hidden, lm_head_weight, labels, weights, chunk_tokens=chunk_tokens)
     if name == "dpace":
-        return dpace(hidden, lm_head_weight, labels, weights, block_size, alpha=dpace_alpha, num_sequences=num_sequences,
-                     chunk_tokens=chunk_tokens)
+        return dpace(
+            hidden,
+            lm_head_weight,
+            labels,
+            weights,
+            block_size,
+            alpha=dpace_alpha,
+            num_sequences=num_sequences,
+            chunk_tokens=chunk_tokens,
+        )
     if name == "kl":
         if teacher_hidden is None:
             raise ValueError("train.loss: kl needs the target's last hidden state (teacher_hidden)")
-        return kl(hidden, lm_head_weight, labels, weights, teacher_hidden, temperature=temperature, ce_weight=ce_weight,
-                  chunk_tokens=chunk_tokens, logit_softcap=logit_softcap)
+        return kl(
+            hidden,
+            lm_head_weight,
+            labels,
+            weights,
+            teacher_hidden,
+            temperature=temperature,
+            ce_weight=ce_weight,
+            chunk_tokens=chunk_tokens,
+            logit_softcap=logit_softcap,
+        )
     raise ValueError(f"train.loss: unknown objective {name!r}; expected one of {', '.join(LOSSES)}")

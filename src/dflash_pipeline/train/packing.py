@@ -102,8 +102,14 @@ def collate_packed(rows, pad_id: int = 0) -> dict[str, torch.Tensor]:
             seg[r, at : at + n] = k
             at += n
         pos[r, at:] = torch.arange(s - at)
-    return {"input_ids": ids, "loss_mask": lm, "attention_mask": am, "position_ids": pos, "segment_ids": seg,
-            "num_records": torch.tensor([len(row) for row in rows], dtype=torch.long)}
+    return {
+        "input_ids": ids,
+        "loss_mask": lm,
+        "attention_mask": am,
+        "position_ids": pos,
+        "segment_ids": seg,
+        "num_records": torch.tensor([len(row) for row in rows], dtype=torch.long),
+    }
 
 
 def padded_segments(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,8 +152,9 @@ def sample_packed_anchors(
     order = key.argsort(dim=1)  # candidates grouped by record, random inside each
     seg_sorted, cand_sorted = segment_ids.gather(1, order), cand.gather(1, order)
     idx = torch.arange(s, device=dev).expand(b, -1)
-    starts = cand_sorted & torch.cat([torch.ones_like(seg_sorted[:, :1], dtype=torch.bool),
-                                      seg_sorted[:, 1:] != seg_sorted[:, :-1]], dim=1)
+    starts = cand_sorted & torch.cat(
+        [torch.ones_like(seg_sorted[:, :1], dtype=torch.bool), seg_sorted[:, 1:] != seg_sorted[:, :-1]], dim=1
+    )
     first = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
     chosen = cand_sorted & (idx - first < num_anchors)  # rank inside the record < num_anchors
     counts = chosen.sum(dim=1)
@@ -185,7 +192,9 @@ def packed_block_inputs_and_labels(
 ) -> Blocks:
     """:func:`dflash_pipeline.drafter.model.block_inputs_and_labels` with slots outside the anchor's record
     weighted 0 and positions made record-relative (``position_ids[anchor] + k``)."""
-    ids, rows, labels, weights = M.block_inputs_and_labels(input_ids, loss_mask, anchors, block_size, mask_token_id, gamma)
+    ids, rows, labels, weights = M.block_inputs_and_labels(
+        input_ids, loss_mask, anchors, block_size, mask_token_id, gamma
+    )
     b, s = input_ids.shape
     a_rep = anchors.anchors.repeat_interleave(block_size, dim=1)  # [b, Q]
     same = segment_ids.gather(1, rows.clamp(max=s - 1)) == segment_ids.gather(1, a_rep)
@@ -196,7 +205,11 @@ def packed_block_inputs_and_labels(
 
 
 def build_packed_block_mask(
-    anchors: torch.Tensor, segment_ids: torch.Tensor, block_size: int, *, sliding_window: Optional[int] = None,
+    anchors: torch.Tensor,
+    segment_ids: torch.Tensor,
+    block_size: int,
+    *,
+    sliding_window: Optional[int] = None,
     block_causal: bool = True,
 ) -> torch.Tensor:
     """Dense training mask of :func:`dflash_pipeline.drafter.model.build_block_mask` (True = attend) restricted to
@@ -211,13 +224,23 @@ def build_packed_block_mask(
 
 
 def build_packed_flex_block_mask(
-    anchors: torch.Tensor, segment_ids: torch.Tensor, block_size: int, *, sliding_window: Optional[int] = None,
+    anchors: torch.Tensor,
+    segment_ids: torch.Tensor,
+    block_size: int,
+    *,
+    sliding_window: Optional[int] = None,
     block_causal: bool = True,
 ):
     """:func:`build_packed_block_mask`'s predicate as a FlexAttention ``BlockMask`` (no dense tensor):
     :func:`dflash_pipeline.drafter.model.build_flex_block_mask` with the record test."""
-    return M.build_flex_block_mask(anchors, segment_ids.shape[1], block_size, sliding_window=sliding_window,
-                                   segment_ids=segment_ids, block_causal=block_causal)
+    return M.build_flex_block_mask(
+        anchors,
+        segment_ids.shape[1],
+        block_size,
+        sliding_window=sliding_window,
+        segment_ids=segment_ids,
+        block_causal=block_causal,
+    )
 
 
 def build_packed_training_masks(drafter, anchors: torch.Tensor, segment_ids: torch.Tensor, backend: str = "sdpa"):

@@ -74,10 +74,13 @@ class RankStreams:
             raise ValueError(
                 f"state/ was saved by {saved} rank(s) and this run has {self.world_size}: its per-rank anchor "
                 f"streams cannot continue; run with train.num_processes × num_machines = {saved}, or delete "
-                "state/ to restart from step 0")
+                "state/ to restart from step 0"
+            )
         mine = state["ranks"][self.rank]
         missing = sorted(set(self.generators) - set(mine))
         if missing:
-            raise ValueError(f"state/ holds no saved stream {missing} (it has {sorted(mine)}); delete state/ to restart")
+            raise ValueError(
+                f"state/ holds no saved stream {missing} (it has {sorted(mine)}); delete state/ to restart"
+            )
         for name, g in self.generators.items():
             g.set_state(mine[name])

@@ -40,9 +40,8 @@ import numpy as np
 import torch
 
 from dflash_pipeline.core.config import schema_defaults
-from dflash_pipeline.drafter import families as FA
-from dflash_pipeline.train import rng as RS
 from dflash_pipeline.core.shards import read_parquet, write_json
+from dflash_pipeline.drafter import families as FA
 from dflash_pipeline.drafter import model as M
 from dflash_pipeline.drafter.build import build_drafter  # train.run.build_drafter: the name tests and benches use
 from dflash_pipeline.target import loading as T
@@ -50,6 +49,7 @@ from dflash_pipeline.train import data as train_data
 from dflash_pipeline.train import fsdp as FS
 from dflash_pipeline.train import heldout as V
 from dflash_pipeline.train import packing as P
+from dflash_pipeline.train import rng as RS
 from dflash_pipeline.train import trackers as TR
 from dflash_pipeline.train.checkpoint import (  # noqa: F401 - STEP_EXPORT_PREFIX, export_step re-exported
     STEP_EXPORT_PREFIX,
@@ -67,7 +67,9 @@ from dflash_pipeline.train.step import StepContext, step_objective, target_featu
 # ---------------------------------------------------------------------------------------------------
 
 
-def load_token_shards(paths: Sequence[str | Path], *, min_loss_tokens: int = train_data.MIN_LOSS_TOKENS) -> list[tuple[np.ndarray, np.ndarray]]:
+def load_token_shards(
+    paths: Sequence[str | Path], *, min_loss_tokens: int = train_data.MIN_LOSS_TOKENS
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """Read token shards eagerly into ``(input_ids int32 [S], loss_mask uint8 [S])`` pairs, in path order.
 
     Not the trainer's path (it memory-maps them: :mod:`dflash_pipeline.train.data`, resident memory flat as
@@ -157,12 +159,24 @@ def train(
     cfg = with_schema_defaults(cfg)
     out_dir = Path(out_dir)
     accelerator, log_with = _start_run(cfg, out_dir, device)
-    data = _open_data(accelerator, cfg, probe, token_shards, feature_shards, target_dir=target_dir, out_dir=out_dir,
-                      target_dtype=target_dtype, trust_remote_code=trust_remote_code, stream=stream)
+    data = _open_data(
+        accelerator,
+        cfg,
+        probe,
+        token_shards,
+        feature_shards,
+        target_dir=target_dir,
+        out_dir=out_dir,
+        target_dtype=target_dtype,
+        trust_remote_code=trust_remote_code,
+        stream=stream,
+    )
     run = _prepare_run(accelerator, cfg, out_dir, data, probe, drafter_arch or {}, zero_target_features)
     step = resume_state(accelerator, out_dir, run.schedule.total_steps, run.rng_streams, cfg)
     if log_with:
-        accelerator.init_trackers(cfg["tracker_project"], config=TR.flat_hparams({**cfg, "zero_target_features": zero_target_features}))
+        accelerator.init_trackers(
+            cfg["tracker_project"], config=TR.flat_hparams({**cfg, "zero_target_features": zero_target_features})
+        )
     accelerator.print(_describe(run))
     step = run_steps(run, step)
     if accelerator.is_main_process:
@@ -172,8 +186,16 @@ def train(
     return _finish(run, step, target_dir, _summary(run, log_with))
 
 
-def make_accelerator(mixed_precision: str, device: str = "auto", *, fsdp: bool = False, fsdp_reshard_after_forward: bool = True,
-                     out_dir: Optional[Path] = None, log_with: Optional[list] = None, data_seed: int = 0):
+def make_accelerator(
+    mixed_precision: str,
+    device: str = "auto",
+    *,
+    fsdp: bool = False,
+    fsdp_reshard_after_forward: bool = True,
+    out_dir: Optional[Path] = None,
+    log_with: Optional[list] = None,
+    data_seed: int = 0,
+):
     """The run's ``Accelerator``: CPU when ``device`` (``train.device``) is ``cpu`` or no CUDA device is
     visible, with ``mixed_precision`` (``train.mixed_precision``; bf16 autocast works on CPU too, which is
     how the tests exercise it); FSDP2 when ``fsdp`` (``train.fsdp``, :func:`dflash_pipeline.train.fsdp.make_accelerator`);
@@ -184,7 +206,11 @@ def make_accelerator(mixed_precision: str, device: str = "auto", *, fsdp: bool =
     state = AcceleratorState._shared_state
     if state and state.get("_mixed_precision") != mixed_precision and state.get("num_processes", 1) == 1:
         AcceleratorState._reset_state()  # an earlier in-process run (tests, the zoo table) used another precision
-    plugin = FS.fsdp_plugin(reshard_after_forward=fsdp_reshard_after_forward, mixed_precision=mixed_precision) if fsdp else None
+    plugin = (
+        FS.fsdp_plugin(reshard_after_forward=fsdp_reshard_after_forward, mixed_precision=mixed_precision)
+        if fsdp
+        else None
+    )
     kw = {"log_with": log_with, "project_dir": str(Path(out_dir) / "trackers")} if log_with else {}
     kw["dataloader_config"] = RS.dataloader_config(data_seed)  # data order a function of (seed, epoch): exact resume
     return FS.make_accelerator(cpu=cpu, mixed_precision=mixed_precision, plugin=plugin, **kw)
@@ -196,9 +222,15 @@ def _start_run(cfg: dict, out_dir: Path, device: str):
     from accelerate.utils import set_seed
 
     log_with, tracker_notes = TR.resolve_trackers(cfg["trackers"])
-    accelerator = make_accelerator(cfg["mixed_precision"], device, fsdp=cfg["fsdp"],
-                                   fsdp_reshard_after_forward=cfg["fsdp_reshard_after_forward"], out_dir=out_dir, log_with=log_with,
-                                   data_seed=cfg["seed"])
+    accelerator = make_accelerator(
+        cfg["mixed_precision"],
+        device,
+        fsdp=cfg["fsdp"],
+        fsdp_reshard_after_forward=cfg["fsdp_reshard_after_forward"],
+        out_dir=out_dir,
+        log_with=log_with,
+        data_seed=cfg["seed"],
+    )
     set_seed(cfg["seed"])
     out_dir.mkdir(parents=True, exist_ok=True)
     for note in tracker_notes:
@@ -206,8 +238,19 @@ def _start_run(cfg: dict, out_dir: Path, device: str):
     return accelerator, log_with
 
 
-def _open_data(accelerator, cfg: dict, probe: dict, token_shards, feature_shards, *, target_dir, out_dir: Path,
-               target_dtype: str, trust_remote_code: bool, stream: Optional[dict] = None) -> RunData:
+def _open_data(
+    accelerator,
+    cfg: dict,
+    probe: dict,
+    token_shards,
+    feature_shards,
+    *,
+    target_dir,
+    out_dir: Path,
+    target_dtype: str,
+    trust_remote_code: bool,
+    stream: Optional[dict] = None,
+) -> RunData:
     """Token records memory-mapped (:mod:`dflash_pipeline.train.data`), split into training and held-out
     records by prompt (:func:`dflash_pipeline.train.heldout.heldout_mask`; all held out = train on all, no
     validation), and the target loaded; with ``train.target_features: shards`` the features come from the
@@ -217,8 +260,15 @@ def _open_data(accelerator, cfg: dict, probe: dict, token_shards, feature_shards
         ValueError: ``train.packing`` with feature shards, or with a target that does not keep packed
             records apart (:func:`dflash_pipeline.train.packing.check_target_isolates_records`).
     """
-    where = dict(target_dir=target_dir, out_dir=out_dir, probe=probe, device=accelerator.device, target_dtype=target_dtype,
-                 is_main=accelerator.is_main_process, barrier=accelerator.wait_for_everyone)
+    where = dict(
+        target_dir=target_dir,
+        out_dir=out_dir,
+        probe=probe,
+        device=accelerator.device,
+        target_dtype=target_dtype,
+        is_main=accelerator.is_main_process,
+        barrier=accelerator.wait_for_everyone,
+    )
     if cfg["target_features"] == "stream":  # features from running servers (dflash_pipeline.train.stream)
         from dflash_pipeline.train.stream import open_stream_data
 
@@ -227,10 +277,16 @@ def _open_data(accelerator, cfg: dict, probe: dict, token_shards, feature_shards
         data = train_data.open_training_data(cfg, token_shards, feature_shards, **where)
     # a streamed record is computed by the server alone, so packed rows get each record's own features
     if data.from_shards and data.stream is None and cfg["packing"]:
-        raise ValueError("train.packing is not supported with train.target_features: shards yet (packed rows would "
-                         "need their records' features concatenated); set train.packing: false")
-    held = V.heldout_mask(train_data.record_prompt_ids(token_shards, data.dataset), cfg["validation_fraction"],
-                          seed=cfg["seed"], max_records=cfg["validation_max_records"])
+        raise ValueError(
+            "train.packing is not supported with train.target_features: shards yet (packed rows would "
+            "need their records' features concatenated); set train.packing: false"
+        )
+    held = V.heldout_mask(
+        train_data.record_prompt_ids(token_shards, data.dataset),
+        cfg["validation_fraction"],
+        seed=cfg["seed"],
+        max_records=cfg["validation_max_records"],
+    )
     held_idx = [i for i, h in enumerate(held) if h]
     train_idx = [i for i, h in enumerate(held) if not h]
     if not train_idx:  # everything held out: train on all of it, no validation
@@ -239,15 +295,18 @@ def _open_data(accelerator, cfg: dict, probe: dict, token_shards, feature_shards
     heldout = [data.dataset[i] for i in held_idx]
     target = None
     if not data.from_shards:  # StepContext takes the embedding and LM head from the target
-        target = T.load_target(target_dir, dtype=target_dtype, device=accelerator.device, trust_remote_code=trust_remote_code)
+        target = T.load_target(
+            target_dir, dtype=target_dtype, device=accelerator.device, trust_remote_code=trust_remote_code
+        )
     run_data = RunData(records, heldout, data, target)
     if cfg["packing"] and data.stream is None:
         P.check_target_isolates_records(run_data.target, probe["drafter"]["target_layer_ids"])
     return run_data
 
 
-def _prepare_run(accelerator, cfg: dict, out_dir: Path, data: RunData, probe: dict, arch: dict,
-                 zero_target_features: bool) -> TrainRun:
+def _prepare_run(
+    accelerator, cfg: dict, out_dir: Path, data: RunData, probe: dict, arch: dict, zero_target_features: bool
+) -> TrainRun:
     """The drafter (seeded, sized by the probe and ``arch``: ``drafter.layer_types`` / ``sliding_window``),
     its rows (packed or not) and schedule, AdamW, warmup + cosine (dflash.md §4.7) and the shuffled loader,
     prepared by Accelerate (the scheduler registered for checkpointing), the :class:`StepContext` and this
@@ -256,21 +315,38 @@ def _prepare_run(accelerator, cfg: dict, out_dir: Path, data: RunData, probe: di
     Raises:
         RuntimeError: the prepared per-rank loader has another length than the schedule assumes.
     """
-    drafter = build_drafter(data.target if data.target is not None else train_data.ConfigOnly(data.source.target_config), probe,
-                            seed=cfg["seed"], layer_types=arch.get("layer_types"), sliding_window=arch.get("sliding_window"),
-                            family=arch.get("family", FA.DEFAULT_FAMILY), family_settings=arch.get(arch.get("family", "")))
-    backend = cfg["attention_backend"] if cfg["attention_backend"] != "auto" else (
-        "flex" if accelerator.device.type == "cuda" else "sdpa")
+    drafter = build_drafter(
+        data.target if data.target is not None else train_data.ConfigOnly(data.source.target_config),
+        probe,
+        seed=cfg["seed"],
+        layer_types=arch.get("layer_types"),
+        sliding_window=arch.get("sliding_window"),
+        family=arch.get("family", FA.DEFAULT_FAMILY),
+        family_settings=arch.get(arch.get("family", "")),
+    )
+    backend = (
+        cfg["attention_backend"]
+        if cfg["attention_backend"] != "auto"
+        else ("flex" if accelerator.device.type == "cuda" else "sdpa")
+    )
     block_size = drafter.block_size
     gamma = cfg["loss_gamma"] or M.loss_decay_gamma(block_size)
     n_trainable = M.count_parameters(drafter)
     dataset = _rows(data.records, cfg)
     sch = Schedule.of(len(dataset), cfg, accelerator.num_processes)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg["learning_rate"], weight_decay=cfg["weight_decay"], betas=(0.9, 0.999), eps=1e-8)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: M.cosine_with_warmup(s, sch.total_steps, sch.warmup))
+    optimizer = torch.optim.AdamW(
+        drafter.parameters(), lr=cfg["learning_rate"], weight_decay=cfg["weight_decay"], betas=(0.9, 0.999), eps=1e-8
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: M.cosine_with_warmup(s, sch.total_steps, sch.warmup)
+    )
     loader = torch.utils.data.DataLoader(
-        dataset, batch_size=cfg["batch_size"], shuffle=True, collate_fn=P.collate_packed if cfg["packing"] else data.source.collate,
-        drop_last=False, generator=torch.Generator().manual_seed(cfg["seed"]),
+        dataset,
+        batch_size=cfg["batch_size"],
+        shuffle=True,
+        collate_fn=P.collate_packed if cfg["packing"] else data.source.collate,
+        drop_last=False,
+        generator=torch.Generator().manual_seed(cfg["seed"]),
     )
     drafter, optimizer, loader = accelerator.prepare(drafter, optimizer, loader)
     if len(loader) != sch.micro_per_epoch:  # the micro-step loop syncs gradients on the last one of each step
@@ -279,20 +355,53 @@ def _prepare_run(accelerator, cfg: dict, out_dir: Path, data: RunData, probe: di
     anchors = torch.Generator(device="cpu").manual_seed(cfg["seed"] * 1000 + accelerator.process_index)
     streams = RS.RankStreams({"anchors": anchors}, rank=accelerator.process_index, world_size=accelerator.num_processes)
     ctx = StepContext(
-        drafter=drafter, target=data.target, probe=probe, num_anchors=cfg["num_anchors"], block_size=block_size, gamma=gamma,
+        drafter=drafter,
+        target=data.target,
+        probe=probe,
+        num_anchors=cfg["num_anchors"],
+        block_size=block_size,
+        gamma=gamma,
         generator=anchors,
-        zero_target_features=zero_target_features, backend=backend, world_size=accelerator.num_processes,
-        reduce_sum=lambda t: accelerator.reduce(t.to(accelerator.device), "sum"), embed=data.source.embed, lm_head=data.source.lm_head,
-        loss=cfg["loss"], kl_temperature=cfg["kl_temperature"], kl_ce_weight=cfg["kl_ce_weight"], dpace_alpha=cfg["dpace_alpha"],
-        logit_softcap=T.final_logit_softcap(data.target.config if data.target is not None else data.source.target_config),
-        **({k: cfg[k] for k in FA.FAMILY_TRAIN_KEYS} if arch.get("family", FA.DEFAULT_FAMILY) != FA.DEFAULT_FAMILY else {}),
+        zero_target_features=zero_target_features,
+        backend=backend,
+        world_size=accelerator.num_processes,
+        reduce_sum=lambda t: accelerator.reduce(t.to(accelerator.device), "sum"),
+        embed=data.source.embed,
+        lm_head=data.source.lm_head,
+        loss=cfg["loss"],
+        kl_temperature=cfg["kl_temperature"],
+        kl_ce_weight=cfg["kl_ce_weight"],
+        dpace_alpha=cfg["dpace_alpha"],
+        logit_softcap=T.final_logit_softcap(
+            data.target.config if data.target is not None else data.source.target_config
+        ),
+        **(
+            {k: cfg[k] for k in FA.FAMILY_TRAIN_KEYS}
+            if arch.get("family", FA.DEFAULT_FAMILY) != FA.DEFAULT_FAMILY
+            else {}
+        ),
     )
     val_batches, val_counted = _heldout_batches(data.heldout, cfg, accelerator.process_index, accelerator.num_processes)
     if data.source.stream is not None:  # the held-out batches' features, fetched once
         val_batches = data.source.stream.fill(val_batches)
-    return TrainRun(accelerator=accelerator, cfg=cfg, out_dir=out_dir, data=data, schedule=sch, num_rows=len(dataset),
-                    n_trainable=n_trainable, drafter=drafter, optimizer=optimizer, scheduler=scheduler, loader=loader, ctx=ctx,
-                    val_batches=val_batches, val_counted=val_counted, zero_target_features=zero_target_features, rng_streams=streams)
+    return TrainRun(
+        accelerator=accelerator,
+        cfg=cfg,
+        out_dir=out_dir,
+        data=data,
+        schedule=sch,
+        num_rows=len(dataset),
+        n_trainable=n_trainable,
+        drafter=drafter,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loader=loader,
+        ctx=ctx,
+        val_batches=val_batches,
+        val_counted=val_counted,
+        zero_target_features=zero_target_features,
+        rng_streams=streams,
+    )
 
 
 def _rows(records, cfg: dict):
@@ -313,6 +422,7 @@ def _describe(run: TrainRun) -> str:
         f"gamma={ctx.gamma} target_layer_ids={ctx.probe['drafter']['target_layer_ids']} "
         f"target_dtype={run.data.target_dtype} mixed_precision={cfg['mixed_precision']}"
     )
+
 
 def _heldout_batches(records, cfg: dict, rank: int, world: int) -> tuple[list[dict], list[bool]]:
     """This rank's held-out batches and whether each one counts: every rank runs the same number of
@@ -340,12 +450,23 @@ def _summary(run: TrainRun, log_with) -> dict:
     """``train_summary.json``: the run's size, schedule, objective, drafter and dtypes, and its ``train`` config."""
     cfg, ctx, acc = run.cfg, run.ctx, run.accelerator
     return {
-        "steps": run.schedule.total_steps, "records": len(run.data.records), "heldout_records": len(run.data.heldout),
-        "rows": run.num_rows, "num_processes": acc.num_processes, "trainable_params": run.n_trainable,
-        "block_size": ctx.block_size, "loss_gamma": ctx.gamma, "zero_target_features": run.zero_target_features,
-        "attention_backend": ctx.backend, "layer_types": list(getattr(run.drafter, "module", run.drafter).layer_types),
-        "loss": cfg["loss"], "packing": cfg["packing"], "fsdp": acc.is_fsdp2, "trackers": log_with,
-        "target_dtype": str(run.data.target_dtype).replace("torch.", ""), "train_config": cfg,
+        "steps": run.schedule.total_steps,
+        "records": len(run.data.records),
+        "heldout_records": len(run.data.heldout),
+        "rows": run.num_rows,
+        "num_processes": acc.num_processes,
+        "trainable_params": run.n_trainable,
+        "block_size": ctx.block_size,
+        "loss_gamma": ctx.gamma,
+        "zero_target_features": run.zero_target_features,
+        "attention_backend": ctx.backend,
+        "layer_types": list(getattr(run.drafter, "module", run.drafter).layer_types),
+        "loss": cfg["loss"],
+        "packing": cfg["packing"],
+        "fsdp": acc.is_fsdp2,
+        "trackers": log_with,
+        "target_dtype": str(run.data.target_dtype).replace("torch.", ""),
+        "train_config": cfg,
         **_stream_summary(run),
     }
 
@@ -368,8 +489,12 @@ def _finish(run: TrainRun, step: int, target_dir, summary: dict) -> dict:
     accelerator.wait_for_everyone()
     module = export_module(accelerator, run.drafter)
     if accelerator.is_main_process:
-        export_drafter(module, out_dir / "final", target=Path(target_dir).resolve(),
-                       extra={"train_steps": summary["steps"], "zero_target_features": summary["zero_target_features"]})
+        export_drafter(
+            module,
+            out_dir / "final",
+            target=Path(target_dir).resolve(),
+            extra={"train_steps": summary["steps"], "zero_target_features": summary["zero_target_features"]},
+        )
         write_json(out_dir / "train_summary.json", summary)
     save_state(accelerator, out_dir / "state", step, run.cfg)
     accelerator.wait_for_everyone()
@@ -389,17 +514,29 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--device", default="auto", choices=("auto", "cpu"), help="train.device")
     p.add_argument("--zero-target-features", action="store_true")
     p.add_argument("--drafter-arch", default="{}", help="JSON with optional layer_types / sliding_window")
-    p.add_argument("--feature-shard", dest="feature_shards", action="append", default=[],
-                   help="a feature shard (repeat, one per token shard, same order; train.target_features: shards)")
+    p.add_argument(
+        "--feature-shard",
+        dest="feature_shards",
+        action="append",
+        default=[],
+        help="a feature shard (repeat, one per token shard, same order; train.target_features: shards)",
+    )
     p.add_argument("--stream-config", help="JSON of the stream settings (train.target_features: stream)")
     p.add_argument("token_shards", nargs="+")
     a = p.parse_args(argv)
     probe = json.loads(Path(a.probe).read_text(encoding="utf-8"))
     train(
-        token_shards=a.token_shards, probe=probe, target_dir=a.target, out_dir=a.out_dir,
-        cfg=json.loads(a.train_config), target_dtype=a.target_dtype, trust_remote_code=a.trust_remote_code,
+        token_shards=a.token_shards,
+        probe=probe,
+        target_dir=a.target,
+        out_dir=a.out_dir,
+        cfg=json.loads(a.train_config),
+        target_dtype=a.target_dtype,
+        trust_remote_code=a.trust_remote_code,
         zero_target_features=a.zero_target_features,
-        drafter_arch=json.loads(a.drafter_arch), device=a.device, feature_shards=a.feature_shards,
+        drafter_arch=json.loads(a.drafter_arch),
+        device=a.device,
+        feature_shards=a.feature_shards,
         stream=json.loads(a.stream_config) if a.stream_config else None,
     )
 

@@ -17,9 +17,9 @@ import torch
 from dflash_pipeline.drafter import model as M
 from dflash_pipeline.target import loading as T
 from dflash_pipeline.target.hidden import target_features
+from dflash_pipeline.train import family_objectives as FO
 from dflash_pipeline.train import losses as L
 from dflash_pipeline.train import packing as P
-from dflash_pipeline.train import family_objectives as FO
 
 #: Objectives that read the target's final-normed last hidden state (its distribution): ``kl``, DSpark's ``dspark_tv``.
 TEACHER_LOSSES = ("kl", "dspark_tv")
@@ -94,7 +94,9 @@ def step_objective(ctx: StepContext, batch: dict) -> L.LossOutput:
         pos, seg = batch["position_ids"], batch["segment_ids"]
         anchors = P.sample_packed_anchors(lmask.cpu(), seg.cpu(), ctx.num_anchors, generator=ctx.generator)
         anchors = M.AnchorBatch(anchors.anchors.to(ids.device), anchors.keep.to(ids.device))
-        blk = P.packed_block_inputs_and_labels(ids, lmask, pos, seg, anchors, ctx.block_size, d["mask_token_id"], ctx.gamma)
+        blk = P.packed_block_inputs_and_labels(
+            ids, lmask, pos, seg, anchors, ctx.block_size, d["mask_token_id"], ctx.gamma
+        )
         block_ids, block_pos, rows, labels, weights = blk.ids, blk.pos, blk.rows, blk.labels, blk.weights
         mask = P.build_packed_training_masks(core, anchors.anchors, seg, ctx.backend)
         ctx_pos = pos
@@ -103,7 +105,8 @@ def step_objective(ctx: StepContext, batch: dict) -> L.LossOutput:
         anchors = M.sample_anchors(lmask.cpu(), ctx.num_anchors, generator=ctx.generator)
         anchors = M.AnchorBatch(anchors.anchors.to(ids.device), anchors.keep.to(ids.device))
         block_ids, block_pos, labels, weights = M.block_inputs_and_labels(
-            ids, lmask, anchors, ctx.block_size, d["mask_token_id"], ctx.gamma)
+            ids, lmask, anchors, ctx.block_size, d["mask_token_id"], ctx.gamma
+        )
         rows = block_pos
         mask = M.build_training_masks(core, anchors.anchors, s, ctx.backend)
         ctx_pos = torch.arange(s, device=ids.device).expand(b, -1)
@@ -113,16 +116,46 @@ def step_objective(ctx: StepContext, batch: dict) -> L.LossOutput:
     noise, feats = T.to_drafter_dtype(ctx.drafter, noise, feats)
     hidden = ctx.drafter(noise, feats, ctx_pos, block_pos, attn_mask=mask)
     teacher = L.teacher_slot_hidden(last, rows) if teacher_needed else None
-    out = L.compute_loss(ctx.loss, hidden, ctx.lm_head.weight, labels, weights, ctx.block_size, teacher_hidden=teacher,
-                         temperature=ctx.kl_temperature, ce_weight=ctx.kl_ce_weight, dpace_alpha=ctx.dpace_alpha,
-                         num_sequences=num_sequences)
+    out = L.compute_loss(
+        ctx.loss,
+        hidden,
+        ctx.lm_head.weight,
+        labels,
+        weights,
+        ctx.block_size,
+        teacher_hidden=teacher,
+        temperature=ctx.kl_temperature,
+        ce_weight=ctx.kl_ce_weight,
+        dpace_alpha=ctx.dpace_alpha,
+        num_sequences=num_sequences,
+    )
     if getattr(core, "family", "dflash") == "dflash2":  # + the candidate selector's K-way CE
-        out = FO.dflash2_objective(out, core, hidden, ctx.lm_head.weight, labels, weights, ctx.block_size,
-                                   gold=ctx.selector_gold, selector_weight=ctx.selector_weight)
+        out = FO.dflash2_objective(
+            out,
+            core,
+            hidden,
+            ctx.lm_head.weight,
+            labels,
+            weights,
+            ctx.block_size,
+            gold=ctx.selector_gold,
+            selector_weight=ctx.selector_weight,
+        )
     return out
-    return L.compute_loss(ctx.loss, hidden, ctx.lm_head.weight, labels, weights, ctx.block_size, teacher_hidden=teacher,
-                          temperature=ctx.kl_temperature, ce_weight=ctx.kl_ce_weight, dpace_alpha=ctx.dpace_alpha,
-                          num_sequences=num_sequences, logit_softcap=ctx.logit_softcap)
+    return L.compute_loss(
+        ctx.loss,
+        hidden,
+        ctx.lm_head.weight,
+        labels,
+        weights,
+        ctx.block_size,
+        teacher_hidden=teacher,
+        temperature=ctx.kl_temperature,
+        ce_weight=ctx.kl_ce_weight,
+        dpace_alpha=ctx.dpace_alpha,
+        num_sequences=num_sequences,
+        logit_softcap=ctx.logit_softcap,
+    )
 
 
 def _batch_features(ctx: StepContext, batch: dict) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -115,24 +115,14 @@ class FeatureStream:
 
     def _submit(self, p: _Pending) -> None:
         ids = p.batch["input_ids"].cpu().numpy()
-        p.futures = [
-            self.client.submit(ids[r, s:e])
-            for r, row in enumerate(p.spans)
-            for s, e in row
-        ]
+        p.futures = [self.client.submit(ids[r, s:e]) for r, row in enumerate(p.spans) for s, e in row]
         self.inflight += p.est
         self.peak_inflight = max(self.peak_inflight, self.inflight)
 
     def _assemble(self, p: _Pending, results: list) -> dict:
         ids = p.batch["input_ids"]
         b, s = ids.shape
-        feats = (
-            torch.zeros(
-                (b, s, results[0].features.shape[-1]), dtype=results[0].features.dtype
-            )
-            if results
-            else None
-        )
+        feats = torch.zeros((b, s, results[0].features.shape[-1]), dtype=results[0].features.dtype) if results else None
         it = iter(results)
         for r, row in enumerate(p.spans):
             for a, e in row:
@@ -206,9 +196,7 @@ class FeatureStream:
         servers needed so that supply meets the trainer's demand when it never waits."""
         wall = max(1e-9, time.perf_counter() - self._run_t0)
         busy = max(1e-9, wall - self.total_wait_s)
-        demand = (
-            self.total_tokens / busy
-        )  # tokens/s the trainer would consume if features were free
+        demand = self.total_tokens / busy  # tokens/s the trainer would consume if features were free
         supply = self.client.server_tokens_per_s()
         per_server = supply / self.num_servers if supply else None
         suggest = math.ceil(demand / per_server) if per_server else None
@@ -247,14 +235,8 @@ def stream_settings(stream: dict) -> dict:
 
     props = load_schema()["properties"]
     feats = props["features"]["properties"]
-    out = {
-        k: v["default"]
-        for k, v in feats["stream"]["properties"].items()
-        if "default" in v
-    }
-    out.update(
-        dtype=feats["dtype"]["default"], last_hidden=feats["last_hidden"]["default"]
-    )
+    out = {k: v["default"] for k, v in feats["stream"]["properties"].items() if "default" in v}
+    out.update(dtype=feats["dtype"]["default"], last_hidden=feats["last_hidden"]["default"])
     gen = props["generation"]["properties"]
     fleet = {
         k: gen[k]["default"]
@@ -271,9 +253,7 @@ def stream_settings(stream: dict) -> dict:
     out["fleet"] = {**fleet, **(stream.get("fleet") or {})}
     ep_defaults = {
         k: v["default"]
-        for k, v in feats["stream"]["properties"]["endpoints"]["items"][
-            "properties"
-        ].items()
+        for k, v in feats["stream"]["properties"]["endpoints"]["items"]["properties"].items()
         if "default" in v
     }
     out["endpoints"] = [{**ep_defaults, **e} for e in out.get("endpoints") or []]
@@ -331,9 +311,7 @@ def open_stream_data(
     )
     endpoints = (
         st["endpoints"]
-        or stream_settings(
-            {"endpoints": json.loads(os.environ.get(ENDPOINTS_ENV) or "[]")}
-        )["endpoints"]
+        or stream_settings({"endpoints": json.loads(os.environ.get(ENDPOINTS_ENV) or "[]")})["endpoints"]
     )
     if not endpoints:
         raise StreamError(
@@ -346,12 +324,8 @@ def open_stream_data(
         bool(st["last_hidden"]),
     )
     wire = (k + int(last)) * h * int(st["wire_bytes_per_value"])
-    longest = max(
-        (int(np.diff(s.offsets).max()) for s in ds._open() if len(s)), default=1
-    )
-    longest = max(
-        longest, int(cfg.get("pack_max_tokens") or 0) if cfg.get("packing") else 0
-    )
+    longest = max((int(np.diff(s.offsets).max()) for s in ds._open() if len(s)), default=1)
+    longest = max(longest, int(cfg.get("pack_max_tokens") or 0) if cfg.get("packing") else 0)
     window = window_bytes(
         st["prefetch_batches"],
         int(cfg["batch_size"]),
@@ -374,8 +348,7 @@ def open_stream_data(
     print(
         f"[stream] {len(endpoints)} feature server(s) serving {model!r}; window {window:,} B "
         f"({st['prefetch_batches']} batches x {cfg['batch_size']} x {longest} tokens x {wire:,} B, cap "
-        f"{st['max_inflight_bytes']:,} B)"
-        + (f"; scratch free {free:,} B" if free is not None else ""),
+        f"{st['max_inflight_bytes']:,} B)" + (f"; scratch free {free:,} B" if free is not None else ""),
         flush=True,
     )
     fs = FeatureStream(

@@ -22,7 +22,9 @@ def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def resolve_trackers(requested: Sequence[str], env: Optional[Mapping[str, str]] = None, installed=_installed) -> tuple[list[str], list[str]]:
+def resolve_trackers(
+    requested: Sequence[str], env: Optional[Mapping[str, str]] = None, installed=_installed
+) -> tuple[list[str], list[str]]:
     """Which of ``requested`` trackers to hand to ``Accelerator(log_with=…)``, and a note per skipped one.
 
     Args:
@@ -52,7 +54,9 @@ def resolve_trackers(requested: Sequence[str], env: Optional[Mapping[str, str]] 
             elif env.get("WANDB_API_KEY") or mode in ("offline", "dryrun"):
                 use.append(name)
             else:
-                notes.append("wandb is not configured (set WANDB_API_KEY, or WANDB_MODE=offline); wandb logging skipped")
+                notes.append(
+                    "wandb is not configured (set WANDB_API_KEY, or WANDB_MODE=offline); wandb logging skipped"
+                )
         elif name == "trackio":
             if installed("trackio"):
                 use.append(name)
@@ -101,8 +105,16 @@ def progress_bar(total: int, initial: int, disable: bool):
         from tqdm.auto import tqdm
     except ImportError:  # the bar is optional (the [train] lines carry the ETA)
         return _NoBar()
-    return tqdm(total=total, initial=initial, disable=disable, desc="train", unit="step", dynamic_ncols=True,
-                file=sys.stderr, mininterval=1.0)
+    return tqdm(
+        total=total,
+        initial=initial,
+        disable=disable,
+        desc="train",
+        unit="step",
+        dynamic_ncols=True,
+        file=sys.stderr,
+        mininterval=1.0,
+    )
 
 
 class _NoBar:

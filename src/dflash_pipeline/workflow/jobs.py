@@ -35,8 +35,10 @@ def tokenize_args(tokens_cfg: Mapping[str, Any], chat_template: Optional[str], t
 def tokenize(argv: Sequence[str]) -> int:
     """``tokenize COMPLETION_SHARD TOKEN_SHARD --target DIR --tokens JSON [--chat-template F]
     [--trust-remote-code] [--log LOG]``: :func:`dflash_pipeline.tokens.tokenize_shard` of one shard."""
-    p = argparse.ArgumentParser(prog="python -m dflash_pipeline.workflow.jobs tokenize",
-                                description="tokenize one completion shard into one token shard")
+    p = argparse.ArgumentParser(
+        prog="python -m dflash_pipeline.workflow.jobs tokenize",
+        description="tokenize one completion shard into one token shard",
+    )
     p.add_argument("completions", help="completion shard (Parquet, contracts.COMPLETION_SCHEMA)")
     p.add_argument("out", help="token shard to write (atomically)")
     p.add_argument("--target", required=True, help="target model directory (tokenizer files)")
@@ -50,8 +52,14 @@ def tokenize(argv: Sequence[str]) -> int:
     from dflash_pipeline.workflow.policy import log_to
 
     with log_to(a.log):
-        tokenize_shard(a.completions, a.out, target_dir=a.target, tokens_cfg=json.loads(a.tokens),
-                       chat_template=a.chat_template, trust_remote_code=a.trust_remote_code)
+        tokenize_shard(
+            a.completions,
+            a.out,
+            target_dir=a.target,
+            tokens_cfg=json.loads(a.tokens),
+            chat_template=a.chat_template,
+            trust_remote_code=a.trust_remote_code,
+        )
     return 0
 
 

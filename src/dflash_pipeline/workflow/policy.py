@@ -37,16 +37,32 @@ def accelerate_launch_args(
         ValueError: several machines without a main process address, or a rank outside [0, num_machines).
     """
     total = int(num_processes) * int(num_machines)
-    args = ["--num_machines", str(num_machines), "--num_processes", str(total), "--mixed_precision", mixed_precision,
-            "--dynamo_backend", "no"]
+    args = [
+        "--num_machines",
+        str(num_machines),
+        "--num_processes",
+        str(total),
+        "--mixed_precision",
+        mixed_precision,
+        "--dynamo_backend",
+        "no",
+    ]
     if num_machines > 1:
         if not main_process_ip:
-            raise ValueError("multi-node training needs the main machine's address (train.main_process_ip, "
-                             "$DFLASH_MAIN_PROCESS_IP, or a SLURM allocation)")
+            raise ValueError(
+                "multi-node training needs the main machine's address (train.main_process_ip, "
+                "$DFLASH_MAIN_PROCESS_IP, or a SLURM allocation)"
+            )
         if not 0 <= machine_rank < num_machines:
             raise ValueError(f"machine rank {machine_rank} is outside 0..{num_machines - 1}")
-        args += ["--machine_rank", str(machine_rank), "--main_process_ip", str(main_process_ip),
-                 "--main_process_port", str(main_process_port or 29500)]
+        args += [
+            "--machine_rank",
+            str(machine_rank),
+            "--main_process_ip",
+            str(main_process_ip),
+            "--main_process_port",
+            str(main_process_port or 29500),
+        ]
     elif main_process_port:
         args += ["--main_process_port", str(main_process_port)]
     if total > 1:
@@ -58,7 +74,7 @@ def job_label(log_path: str | os.PathLike) -> str:
     """``results/logs/tokenize_completions/gsm8k/00000.log`` -> ``tokenize_completions gsm8k/00000``."""
     parts = Path(log_path).with_suffix("").parts
     if "logs" in parts:
-        parts = parts[len(parts) - parts[::-1].index("logs"):]
+        parts = parts[len(parts) - parts[::-1].index("logs") :]
     return " ".join(filter(None, [parts[0] if parts else "", "/".join(parts[1:])]))
 
 
@@ -87,6 +103,8 @@ class _ConsoleTee:
 
     def __getattr__(self, name):  # fileno, encoding, ... of the log file
         return getattr(self.fh, name)
+
+
 def first_slurm_host(nodelist: str) -> str:
     """First host of a SLURM hostlist (``SLURM_JOB_NODELIST``): ``gpu[03-05,9],cpu1`` → ``gpu03``
     (what ``scontrol show hostnames … | head -n1`` prints; no scontrol call, so it is a pure function).
@@ -120,9 +138,14 @@ class LaunchTopology:
 
     def launch_args(self, mixed_precision: str = "no") -> list[str]:
         """:func:`accelerate_launch_args` for this topology."""
-        return accelerate_launch_args(self.processes_per_machine, mixed_precision, num_machines=self.num_machines,
-                                      machine_rank=self.machine_rank, main_process_ip=self.main_process_ip,
-                                      main_process_port=self.main_process_port)
+        return accelerate_launch_args(
+            self.processes_per_machine,
+            mixed_precision,
+            num_machines=self.num_machines,
+            machine_rank=self.machine_rank,
+            main_process_ip=self.main_process_ip,
+            main_process_port=self.main_process_port,
+        )
 
 
 def launch_topology(train_cfg: dict, env: Optional[dict] = None) -> LaunchTopology:
@@ -149,8 +172,10 @@ def launch_topology(train_cfg: dict, env: Optional[dict] = None) -> LaunchTopolo
     else:
         num_machines = int(configured)
         if in_slurm and num_machines > 1 and int(slurm_nodes) != num_machines:
-            raise ValueError(f"train.num_machines is {num_machines} but the SLURM allocation has {slurm_nodes} node(s) "
-                             f"(SLURM_JOB_ID {env.get('SLURM_JOB_ID')}); set it to null to follow the allocation")
+            raise ValueError(
+                f"train.num_machines is {num_machines} but the SLURM allocation has {slurm_nodes} node(s) "
+                f"(SLURM_JOB_ID {env.get('SLURM_JOB_ID')}); set it to null to follow the allocation"
+            )
     rank = 0
     if num_machines > 1:
         if env.get("DFLASH_MACHINE_RANK") not in (None, ""):
@@ -158,15 +183,22 @@ def launch_topology(train_cfg: dict, env: Optional[dict] = None) -> LaunchTopolo
         elif in_slurm and env.get("SLURM_NODEID") not in (None, ""):
             rank, source = int(env["SLURM_NODEID"]), "slurm"
         else:
-            raise ValueError(f"train.num_machines is {num_machines}: set DFLASH_MACHINE_RANK on each machine "
-                             f"(0 on the main one) or run inside a SLURM allocation (srun --ntasks-per-node=1)")
+            raise ValueError(
+                f"train.num_machines is {num_machines}: set DFLASH_MACHINE_RANK on each machine "
+                f"(0 on the main one) or run inside a SLURM allocation (srun --ntasks-per-node=1)"
+            )
     ip = train_cfg["main_process_ip"] or env.get("DFLASH_MAIN_PROCESS_IP")
     if not ip and num_machines > 1 and in_slurm:
         ip = first_slurm_host(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "")
     port = env.get("DFLASH_MAIN_PROCESS_PORT") or train_cfg["main_process_port"]
-    return LaunchTopology(num_machines=num_machines, machine_rank=rank,
-                          processes_per_machine=int(train_cfg["num_processes"]),
-                          main_process_ip=ip, main_process_port=int(port) if port else None, source=source)
+    return LaunchTopology(
+        num_machines=num_machines,
+        machine_rank=rank,
+        processes_per_machine=int(train_cfg["num_processes"]),
+        main_process_ip=ip,
+        main_process_port=int(port) if port else None,
+        source=source,
+    )
 
 
 def run_accelerate(argv: list[str]) -> int:
@@ -181,8 +213,12 @@ def run_accelerate(argv: list[str]) -> int:
     cfg = json.loads(argv[0])
     topo = launch_topology(cfg)
     args = topo.launch_args({**schema_defaults("train"), **cfg}["mixed_precision"])
-    print(f"[launch] machines={topo.num_machines} rank={topo.machine_rank} ({topo.source}) main={topo.main_process_ip}:"
-          f"{topo.main_process_port} processes/machine={topo.processes_per_machine}", file=sys.stderr, flush=True)
+    print(
+        f"[launch] machines={topo.num_machines} rank={topo.machine_rank} ({topo.source}) main={topo.main_process_ip}:"
+        f"{topo.main_process_port} processes/machine={topo.processes_per_machine}",
+        file=sys.stderr,
+        flush=True,
+    )
     from dflash_pipeline.features import colocated_servers
 
     with colocated_servers(argv[2:]):  # train.target_features: stream without endpoints: servers beside the trainer
@@ -274,7 +310,8 @@ def job_gpus(config: dict, rule: str) -> int:
         stream = (config.get("features") or {}).get("stream") or {}  # partial configs have none
         colocated = config["train"].get("target_features") == "stream" and not stream.get("endpoints")
         return int(config["train"]["num_processes"]) + (
-            int(stream.get("servers", 1)) * int(stream.get("gpus_per_server", 0)) if colocated else 0)
+            int(stream.get("servers", 1)) * int(stream.get("gpus_per_server", 0)) if colocated else 0
+        )
     if rule == "generate_completions" and config["generation"]["backend"] != "transformers":
         return 0
     return 1
@@ -294,14 +331,21 @@ def _detect_gpus() -> list[str]:
 
     if not shutil.which("nvidia-smi"):
         return []
-    out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True, timeout=60
+    )
     return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
 
 
 @contextlib.contextmanager
-def claim_gpus(n: int, *, pool: Optional[list[str]] = None, lock_dir: Optional[str | os.PathLike] = None,
-               poll_s: float = 2.0, timeout_s: Optional[float] = None) -> Iterator[list[str]]:
+def claim_gpus(
+    n: int,
+    *,
+    pool: Optional[list[str]] = None,
+    lock_dir: Optional[str | os.PathLike] = None,
+    poll_s: float = 2.0,
+    timeout_s: Optional[float] = None,
+) -> Iterator[list[str]]:
     """Hold ``n`` GPUs for a block and export ``CUDA_VISIBLE_DEVICES`` to them (restored afterwards).
 
     - ``n == 0``: nothing to do.
@@ -380,9 +424,12 @@ def run_with_gpus(argv: Optional[list[str]] = None) -> int:
     if argv[:1] == ["launch"]:
         return run_accelerate(argv[1:])
     if len(argv) < 4 or argv[0] != "gpus" or argv[2] != "--":
-        print("usage: python -m dflash_pipeline.workflow gpus N -- CMD [ARGS...]\n"
-              "       python -m dflash_pipeline.workflow launch TRAIN_CONFIG_JSON -- ARGS...\n"
-              "       python -m dflash_pipeline.workflow tee LOG", file=sys.stderr)
+        print(
+            "usage: python -m dflash_pipeline.workflow gpus N -- CMD [ARGS...]\n"
+            "       python -m dflash_pipeline.workflow launch TRAIN_CONFIG_JSON -- ARGS...\n"
+            "       python -m dflash_pipeline.workflow tee LOG",
+            file=sys.stderr,
+        )
         return 2
     with claim_gpus(int(argv[1])):
         return subprocess.call(argv[3:])
@@ -430,8 +477,18 @@ def _shard_list(path: str, inode: int, mtime_ns: int, size: int) -> tuple[tuple[
 #: others (endpoints, concurrency, client_processes, timeouts, retries, breaker, batch_size) are
 #: operational: adding a server or raising a timeout must not regenerate finished shards, so the script
 #: reads them from the config.
-GENERATION_OUTPUT_KEYS = ("backend", "api", "model", "thinking", "temperature", "top_p", "top_k", "max_tokens",
-                          "seed", "extra_body")
+GENERATION_OUTPUT_KEYS = (
+    "backend",
+    "api",
+    "model",
+    "thinking",
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "seed",
+    "extra_body",
+)
 
 #: Baseline drafters (config `eval.baselines`) train as run `<run>.<baseline>` with these train.py flags.
 BASELINE_TRAIN_FLAGS = {"zero_features": "--zero-target-features"}
@@ -493,7 +550,6 @@ def baseline_train_flags(run: str) -> str:
     """Extra train.py flags for a baseline run name (``demo.zero_features``), "" for a regular run."""
     base, _, suffix = run.rpartition(".")
     return BASELINE_TRAIN_FLAGS.get(suffix, "") if base else ""
-
 
 
 #: Revision of the token-shard bytes, the ``code`` param of rules/tokens.smk: a new value re-tokenizes every

@@ -48,15 +48,24 @@ def cross_field_problems(cfg: Mapping[str, Any], *, base_dir: str | Path | None 
     elif path != "demo":
         why = tokenizer_files_missing(Path(path))
         if why:
-            out.append(f"target.path: {why}; the tokens stage (and generation.api: completions) need the "
-                       f"target's tokenizer (weights are needed only by the transformers backend)")
+            out.append(
+                f"target.path: {why}; the tokens stage (and generation.api: completions) need the "
+                f"target's tokenizer (weights are needed only by the transformers backend)"
+            )
     if path != "demo" and cfg["generation"]["backend"] == "transformers" and (Path(path) / "config.json").is_file():
-        weights = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
+        weights = (
+            "*.safetensors",
+            "model.safetensors.index.json",
+            "pytorch_model*.bin",
+            "pytorch_model.bin.index.json",
+        )
         if not any(any(Path(path).glob(g)) for g in weights):
-            out.append(f"target.path: no weights (*.safetensors, pytorch_model*.bin) in {path}, but "
-                       f"generation.backend: transformers generates with them in-process (and training runs "
-                       f"the target online); point target.path at the full model directory, or generate "
-                       f"with generation.backend: openai against a server")
+            out.append(
+                f"target.path: no weights (*.safetensors, pytorch_model*.bin) in {path}, but "
+                f"generation.backend: transformers generates with them in-process (and training runs "
+                f"the target online); point target.path at the full model directory, or generate "
+                f"with generation.backend: openai against a server"
+            )
     template = cfg["target"]["chat_template"]
     if template is not None and not Path(template).is_file():
         out.append(f"target.chat_template: {template} not found (a .jinja file, or null for the tokenizer's own)")
@@ -70,8 +79,10 @@ def cross_field_problems(cfg: Mapping[str, Any], *, base_dir: str | Path | None 
         src_path = resolve_path(src["path"], base_dir)
         if not Path(src_path).exists():
             out.append(f"eval.sets.{name}.path: {src_path} not found")
-    for key, edges in (("eval.context_length_buckets", cfg["eval"]["context_length_buckets"]),
-                       ("train.validation_length_buckets", cfg["train"]["validation_length_buckets"])):
+    for key, edges in (
+        ("eval.context_length_buckets", cfg["eval"]["context_length_buckets"]),
+        ("train.validation_length_buckets", cfg["train"]["validation_length_buckets"]),
+    ):
         if any(a >= b for a, b in zip(edges, edges[1:])):
             out.append(f"{key}: {edges} must be ascending token counts (bucket edges)")
     try:
@@ -89,28 +100,35 @@ def training_problems(cfg: Mapping[str, Any]) -> list[str]:
     out = []
     train, ev = cfg["train"], cfg["eval"]
     if train["target_features"] == "shards" and train["loss"] == "kl":
-        out.append("train.loss: kl needs the target's final-normed last hidden state, which feature shards do not "
-                   "carry yet (features.last_hidden stores the pre-norm layer output); use train.loss: ce_decay or "
-                   "dpace with train.target_features: shards, or kl with target_features: online")
+        out.append(
+            "train.loss: kl needs the target's final-normed last hidden state, which feature shards do not "
+            "carry yet (features.last_hidden stores the pre-norm layer output); use train.loss: ce_decay or "
+            "dpace with train.target_features: shards, or kl with target_features: online"
+        )
     if train["target_features"] == "shards" and train["packing"]:
         out.append("train.packing is not supported with train.target_features: shards yet; set train.packing: false")
     stream = cfg["features"].get("stream") or {}  # partial configs (tests, direct calls) have none
     if train["target_features"] == "stream" and train["loss"] == "kl":
-        out.append("train.loss: kl needs the target's final-normed last hidden state, which the feature servers do not "
-                   "send yet (features.last_hidden is the pre-norm layer output); use ce_decay or dpace with "
-                   "train.target_features: stream")
+        out.append(
+            "train.loss: kl needs the target's final-normed last hidden state, which the feature servers do not "
+            "send yet (features.last_hidden is the pre-norm layer output); use ce_decay or dpace with "
+            "train.target_features: stream"
+        )
     if ev["engine"] == "sglang" and not ev["engine_base_url"]:
-        out.append("eval.engine: sglang measures τ on a running SGLang server, which the pipeline cannot start: "
-                   "start it with the trained drafter (the SGLang line of the export's serve.md) and set "
-                   "eval.engine_base_url (e.g. http://host:30000/v1)")
+        out.append(
+            "eval.engine: sglang measures τ on a running SGLang server, which the pipeline cannot start: "
+            "start it with the trained drafter (the SGLang line of the export's serve.md) and set "
+            "eval.engine_base_url (e.g. http://host:30000/v1)"
+        )
     needs_vllm = []  # (setting, its vLLM python, what else fixes it)
     if ev["engine"] == "vllm" and not ev["engine_base_url"]:
         needs_vllm.append(("eval.engine: vllm", None, "; or give eval.engine_base_url"))
     if train["target_features"] == "shards" and cfg["features"]["backend"] == "vllm":
         needs_vllm.append(("features.backend: vllm", cfg["features"]["vllm"]["python"], "; or features.backend: hf"))
     if train["target_features"] == "stream" and stream.get("backend") == "vllm" and not stream.get("endpoints"):
-        needs_vllm.append(("features.stream.backend: vllm", cfg["features"]["vllm"]["python"],
-                           "; or features.stream.backend: hf"))
+        needs_vllm.append(
+            ("features.stream.backend: vllm", cfg["features"]["vllm"]["python"], "; or features.stream.backend: hf")
+        )
     for setting, python, alternative in needs_vllm:
         try:
             require_vllm_python(python)

@@ -140,7 +140,10 @@ def test_openai_success_multi_turn_records(tmp_path):
     with start_test_server() as srv:
         cfg = openai_cfg(srv.base_url, temperature=0.7, top_k=20, seed=5, extra_body={"return_token_ids": True})
         stats = generate_shard(
-            tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=None, gen_cfg=cfg,
+            tmp_path / "p.parquet",
+            tmp_path / "c.parquet",
+            target_dir=None,
+            gen_cfg=cfg,
             stats_path=tmp_path / "c.stats.json",
         )
         sent = list(srv.stats.requests)
@@ -148,13 +151,21 @@ def test_openai_success_multi_turn_records(tmp_path):
     assert [r["prompt_id"] for r in recs] == [p["prompt_id"] for p in prompts]
     assert all(r["status"] == "ok" and r["model"] == "test-model" for r in recs)
     first = recs[0]
-    assert first["messages"][2] == {"role": "assistant", "content": "Answer 1 to: What is 2 plus 3?", "reasoning_content": None}
+    assert first["messages"][2] == {
+        "role": "assistant",
+        "content": "Answer 1 to: What is 2 plus 3?",
+        "reasoning_content": None,
+    }
     assert first["messages"][4]["content"] == "Answer 2 to: And times 4?"
     t = first["turns"][1]
     assert t["finish_reason"] == "stop" and t["output_token_ids"] and t["prompt_token_ids"]
     assert t["completion_tokens"] == len(t["output_token_ids"]) and t["endpoint"] == srv.base_url
     assert json.loads(first["sampling"]) == {
-        "temperature": 0.7, "top_p": 1.0, "top_k": 20, "max_tokens": cfg["max_tokens"], "seed": 5,
+        "temperature": 0.7,
+        "top_p": 1.0,
+        "top_k": 20,
+        "max_tokens": cfg["max_tokens"],
+        "seed": 5,
         "extra_body": {"return_token_ids": True},
     }
     # the turn-2 request carried the regenerated turn 1 and the sampling/thinking options
@@ -162,7 +173,11 @@ def test_openai_success_multi_turn_records(tmp_path):
     assert [m["role"] for m in turn2["messages"]] == ["system", "user", "assistant", "user"]
     assert turn2["messages"][2]["content"] == "Answer 1 to: What is 2 plus 3?"
     assert turn2["top_k"] == 20 and turn2["seed"] == 5 and turn2["temperature"] == 0.7
-    assert turn2["chat_template_kwargs"] == chat.template_kwargs("disable") == {"enable_thinking": False, "thinking": False}
+    assert (
+        turn2["chat_template_kwargs"]
+        == chat.template_kwargs("disable")
+        == {"enable_thinking": False, "thinking": False}
+    )
     assert stats["turns"] == 4 and stats["run"]["retries"] == 0
     assert json.loads((tmp_path / "c.stats.json").read_text())["ok"] == 3
     meta = shards.read_shard_metadata(tmp_path / "c.parquet")
@@ -172,8 +187,12 @@ def test_openai_success_multi_turn_records(tmp_path):
 def test_length_finish_is_truncated_and_kept(tmp_path):
     write_prompts(tmp_path / "p.parquet", [[{"role": "user", "content": "one two three four five six"}]])
     with start_test_server() as srv:
-        generate_shard(tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=None,
-                       gen_cfg=openai_cfg(srv.base_url, max_tokens=3))
+        generate_shard(
+            tmp_path / "p.parquet",
+            tmp_path / "c.parquet",
+            target_dir=None,
+            gen_cfg=openai_cfg(srv.base_url, max_tokens=3),
+        )
     (rec,) = read_records(tmp_path / "c.parquet")
     assert rec["status"] == "truncated" and rec["turns"][0]["finish_reason"] == "length"
     assert rec["messages"][1]["content"] == "Answer 1 to:"
@@ -208,7 +227,9 @@ def test_transient_faults_are_retried(tmp_path, faults):
 
 
 def test_slow_server_and_malformed_answer_retried(tmp_path):
-    write_prompts(tmp_path / "p.parquet", [[{"role": "user", "content": "x [[MALFORMED]]"}], [{"role": "user", "content": "y"}]])
+    write_prompts(
+        tmp_path / "p.parquet", [[{"role": "user", "content": "x [[MALFORMED]]"}], [{"role": "user", "content": "y"}]]
+    )
     with start_test_server(faults=Faults(delay_s=0.05)) as srv:
         cfg = openai_cfg(srv.base_url, max_retries=2, max_error_fraction=1.0, endpoint_max_failures=10)
         stats = generate_shard(tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=None, gen_cfg=cfg)
@@ -229,7 +250,10 @@ def test_400_not_retried_error_row_then_rerun_retries_only_failures(tmp_path):
         assert srv.stats.by_prompt["too long [[400]]"] == 1  # not retried
         assert not out.exists()
         (err,) = [json.loads(x) for x in errors.read_text().splitlines()]
-        assert err["prompt_id"] == prompts[4]["prompt_id"] and "HTTP 400: injected bad request: prompt is too long" in err["error"]
+        assert (
+            err["prompt_id"] == prompts[4]["prompt_id"]
+            and "HTTP 400: injected bad request: prompt is too long" in err["error"]
+        )
         assert "Error code" not in err["error"]  # the server's message once, not openai's wrapper
         # rerun accepting error rows: only the failed prompt is sent again
         cfg = openai_cfg(srv.base_url, max_error_fraction=0.5)
@@ -356,8 +380,18 @@ def test_kill_9_midway_then_rerun_each_prompt_once(tmp_path):
         cfg = openai_cfg(srv.base_url, concurrency=conc)
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src")}
         proc = subprocess.run(
-            [sys.executable, "-c", KILL_SCRIPT, str(tmp_path / "p.parquet"), str(out), json.dumps(cfg), str(kill_after)],
-            env=env, capture_output=True, timeout=120,
+            [
+                sys.executable,
+                "-c",
+                KILL_SCRIPT,
+                str(tmp_path / "p.parquet"),
+                str(out),
+                json.dumps(cfg),
+                str(kill_after),
+            ],
+            env=env,
+            capture_output=True,
+            timeout=120,
         )
         assert proc.returncode == -9, proc.stderr.decode()[-2000:]
         first_run = sum(srv.stats.by_prompt.values())
@@ -379,8 +413,12 @@ def test_kill_9_midway_then_rerun_each_prompt_once(tmp_path):
 def test_thinking_save_stores_and_resends_reasoning(tmp_path):
     write_prompts(tmp_path / "p.parquet", MULTI[:1])
     with start_test_server(reasoning=True) as srv:
-        generate_shard(tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=None,
-                       gen_cfg=openai_cfg(srv.base_url, thinking="save"))
+        generate_shard(
+            tmp_path / "p.parquet",
+            tmp_path / "c.parquet",
+            target_dir=None,
+            gen_cfg=openai_cfg(srv.base_url, thinking="save"),
+        )
         sent = list(srv.stats.requests)
     (rec,) = read_records(tmp_path / "c.parquet")
     assistants = [m for m in rec["messages"] if m["role"] == "assistant"]
@@ -394,8 +432,12 @@ def test_thinking_save_stores_and_resends_reasoning(tmp_path):
 def test_thinking_save_vllm_reasoning_field(tmp_path):
     write_prompts(tmp_path / "p.parquet", single_turn(1))
     with start_test_server(reasoning=True, reasoning_field="reasoning") as srv:
-        generate_shard(tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=None,
-                       gen_cfg=openai_cfg(srv.base_url, thinking="save"))
+        generate_shard(
+            tmp_path / "p.parquet",
+            tmp_path / "c.parquet",
+            target_dir=None,
+            gen_cfg=openai_cfg(srv.base_url, thinking="save"),
+        )
     (rec,) = read_records(tmp_path / "c.parquet")
     assert rec["messages"][1]["reasoning_content"] == "Let me think about turn 1."
 
@@ -411,15 +453,21 @@ def test_thinking_save_without_reasoning_parser_is_an_error_row(tmp_path):
 
 
 def test_thinking_disable_rejects_reasoning_and_none_keeps_it(tmp_path):
-    write_prompts(tmp_path / "p.parquet", [[{"role": "user", "content": "a [[WRONG]]"}], [{"role": "user", "content": "b"}]])
+    write_prompts(
+        tmp_path / "p.parquet", [[{"role": "user", "content": "a [[WRONG]]"}], [{"role": "user", "content": "b"}]]
+    )
     with start_test_server(reasoning=True) as srv:
         cfg = openai_cfg(srv.base_url, thinking="disable", max_error_fraction=1.0)
         generate_shard(tmp_path / "p.parquet", tmp_path / "d.parquet", target_dir=None, gen_cfg=cfg)
         bad, good = read_records(tmp_path / "d.parquet")
         assert bad["status"] == "error" and "thinking=disable" in bad["error"]
         assert good["status"] == "ok" and good["messages"][1]["reasoning_content"] is None
-        generate_shard(tmp_path / "p.parquet", tmp_path / "n.parquet", target_dir=None,
-                       gen_cfg=openai_cfg(srv.base_url, thinking="none"))
+        generate_shard(
+            tmp_path / "p.parquet",
+            tmp_path / "n.parquet",
+            target_dir=None,
+            gen_cfg=openai_cfg(srv.base_url, thinking="none"),
+        )
         assert "chat_template_kwargs" not in srv.stats.requests[-1]
     recs = read_records(tmp_path / "n.parquet")
     assert all(r["status"] == "ok" and r["messages"][1]["reasoning_content"] for r in recs)
@@ -436,8 +484,13 @@ def test_api_key_from_env_never_written(tmp_path, monkeypatch, capfd, caplog):
     with start_test_server(api_key=secret, faults=Faults(fail_first=1)) as srv:
         eps = [{"base_url": srv.base_url, "api_key_env": "DFLASH_TEST_API_KEY"}]
         cfg = gen_cfg(backend="openai", endpoints=eps, max_error_fraction=0.5, **FAST)
-        generate_shard(tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=None, gen_cfg=cfg,
-                       stats_path=tmp_path / "stats.json")
+        generate_shard(
+            tmp_path / "p.parquet",
+            tmp_path / "c.parquet",
+            target_dir=None,
+            gen_cfg=cfg,
+            stats_path=tmp_path / "stats.json",
+        )
         assert srv.stats.unauthorized == 0 and srv.stats.answered == 3  # the key was sent
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert {p.name for p in files} >= {"c.parquet", "c.parquet" + ERRORS_SUFFIX, "stats.json"}
@@ -478,7 +531,10 @@ def test_server_cli_serves_models_and_stops_on_sigterm():
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "dflash_pipeline.testing.server", "--port", "0", "--model-name", "cli-model"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
     )
     try:
         line = proc.stdout.readline()  # blocks until the server listens
@@ -498,8 +554,11 @@ def test_server_cli_serves_models_and_stops_on_sigterm():
 def _too_long_prompts(tok, limit: int) -> list[list[dict]]:
     words = " ".join(f"number {i}" for i in range(limit))  # well over `limit` tokens
     assert len(tok(words, add_special_tokens=False)["input_ids"]) > limit
-    return [[{"role": "user", "content": "Hi there"}], [{"role": "user", "content": words}],
-            [{"role": "user", "content": "What is 2 plus 3?"}]]
+    return [
+        [{"role": "user", "content": "Hi there"}],
+        [{"role": "user", "content": words}],
+        [{"role": "user", "content": "What is 2 plus 3?"}],
+    ]
 
 
 def test_over_long_prompt_is_skipped_with_an_example_rest_completes(tmp_path, demo_target):
@@ -513,8 +572,13 @@ def test_over_long_prompt_is_skipped_with_an_example_rest_completes(tmp_path, de
     assert isinstance(limit, int)
     prompts = write_prompts(tmp_path / "p.parquet", _too_long_prompts(tok, limit))
     long_id = prompts[1]["prompt_id"]
-    stats = generate_shard(tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=demo_target,
-                           gen_cfg=gen_cfg(max_tokens=4, batch_size=4), stats_path=tmp_path / "s.json")
+    stats = generate_shard(
+        tmp_path / "p.parquet",
+        tmp_path / "c.parquet",
+        target_dir=demo_target,
+        gen_cfg=gen_cfg(max_tokens=4, batch_size=4),
+        stats_path=tmp_path / "s.json",
+    )
     recs = read_records(tmp_path / "c.parquet")
     assert [r["prompt_id"] for r in recs] == [prompts[0]["prompt_id"], prompts[2]["prompt_id"]]
     assert all(r["status"] in ("ok", "truncated") for r in recs)
@@ -524,8 +588,12 @@ def test_over_long_prompt_is_skipped_with_an_example_rest_completes(tmp_path, de
     assert json.loads((tmp_path / "s.json").read_text())["skipped"] == {"too_long": 1}
     assert shards.read_shard_metadata(tmp_path / "c.parquet")["skipped"] == {"too_long": 1}
     with start_test_server() as srv:
-        stats = generate_shard(tmp_path / "p.parquet", tmp_path / "o.parquet", target_dir=demo_target,
-                               gen_cfg=openai_cfg(srv.base_url, max_tokens=4))
+        stats = generate_shard(
+            tmp_path / "p.parquet",
+            tmp_path / "o.parquet",
+            target_dir=demo_target,
+            gen_cfg=openai_cfg(srv.base_url, max_tokens=4),
+        )
         assert srv.stats.chat_requests == 2  # the over-long prompt was never sent
     assert stats["skipped"] == {"too_long": 1} and len(read_records(tmp_path / "o.parquet")) == 2
 
@@ -537,15 +605,21 @@ def test_later_turn_outgrowing_the_context_is_skipped_in_the_transformers_backen
 
     cfg = gen_cfg(max_tokens=4, batch_size=2)
     backend = TransformersBackend(demo_target, cfg)
-    convs = [[{"role": "user", "content": "Hi"}, {"role": "user", "content": "And what is six times four?"}],
-             [{"role": "user", "content": "Hi there"}], [{"role": "user", "content": "Hi you"}]]
+    convs = [
+        [{"role": "user", "content": "Hi"}, {"role": "user", "content": "And what is six times four?"}],
+        [{"role": "user", "content": "Hi there"}],
+        [{"role": "user", "content": "Hi you"}],
+    ]
     write_prompts(tmp_path / "p.parquet", convs)
     tok = chat.load_tokenizer(demo_target)
-    firsts = [len(chat.render(tok, c[:1], thinking="disable", add_generation_prompt=True, tokenize=True)) for c in convs]
+    firsts = [
+        len(chat.render(tok, c[:1], thinking="disable", add_generation_prompt=True, tokenize=True)) for c in convs
+    ]
     # every first turn fits; the second turn of convs[0] (its history, answer and 7 more words) cannot
     backend.context_limit = max(firsts) + 4
-    stats = generate_shard(tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=demo_target, gen_cfg=cfg,
-                           backend=backend)  # the shard-level check (the real context) skips nothing here
+    stats = generate_shard(
+        tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=demo_target, gen_cfg=cfg, backend=backend
+    )  # the shard-level check (the real context) skips nothing here
     recs = read_records(tmp_path / "c.parquet")
     assert stats["skipped"]["too_long"] == 1 and stats["skipped_examples"]["too_long"][0]["turn"] == 1
     assert len(recs) == 2 and all(r["status"] in ("ok", "truncated") for r in recs)

@@ -39,8 +39,11 @@ def test_settle_model_rules():
     assert _settle_model(None, [(a, []), (b, ["m", "m-lora"])], configured=False) == "m"
     assert _settle_model(None, [(a, ["m", "x"]), (b, ["x", "m"])], configured=False) == "m"
     assert _settle_model(None, [(a, [])], configured=False) is None
-    with pytest.raises(ConfigError, match=r"different models .*http://a:1/v1 serves 'm'; http://b:1/v1 serves 'n'.*"
-                                          r"generation\.model is not set"):
+    with pytest.raises(
+        ConfigError,
+        match=r"different models .*http://a:1/v1 serves 'm'; http://b:1/v1 serves 'n'.*"
+        r"generation\.model is not set",
+    ):
         _settle_model(None, [(a, ["m"]), (b, ["n"])], configured=False)
     # generation.model set: every endpoint that lists models must list it
     assert _settle_model("m", [(a, ["x", "m"]), (b, [])], configured=True) == "m"
@@ -77,8 +80,12 @@ def test_generation_model_not_listed_by_an_endpoint(tmp_path):
             generate_shard(tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=None, gen_cfg=cfg)
 
         # listed: runs (the model each endpoint lists is what it is asked for)
-        generate_shard(tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=None,
-                       gen_cfg=openai_cfg(a.base_url, dead_url(), model="model-a"))
+        generate_shard(
+            tmp_path / "p.parquet",
+            tmp_path / "c.parquet",
+            target_dir=None,
+            gen_cfg=openai_cfg(a.base_url, dead_url(), model="model-a"),
+        )
     assert all(r["model"] == "model-a" and r["status"] == "ok" for r in read_records(tmp_path / "c.parquet"))
 
 
@@ -121,7 +128,10 @@ def test_resume_after_the_fleet_changed_model_redoes_the_shard(tmp_path, caplog)
         assert b.stats.answered == n  # the 3 model-a conversations were redone
     assert {r["model"] for r in read_records(out)} == {"model-b"}
     assert stats["run"]["resumed"] == 0 and stats["run"]["generated"] == n and stats["model"] == "model-b"
-    assert "written under other generation settings (model 'model-a'; this run sends 'model-b'); starting over" in caplog.text
+    assert (
+        "written under other generation settings (model 'model-a'; this run sends 'model-b'); starting over"
+        in caplog.text
+    )
     # the progress header itself is unchanged (a configured model's resume files are as before)
     assert json.loads(header)["header"] == _fingerprint("openai", cfg, None, None)
 
@@ -148,11 +158,15 @@ def test_describe_names_the_cause_without_credentials():
     top = APITimeoutError("Request timed out.")
     top.__cause__ = mapped
     # a refused connection says so first (issue #18), the client's label after it
-    assert _describe(top) == ("connection refused: Cannot connect to host http://127.0.0.1:9/v1 "
-                              "(reported as APITimeoutError: Request timed out.)")
+    assert _describe(top) == (
+        "connection refused: Cannot connect to host http://127.0.0.1:9/v1 "
+        "(reported as APITimeoutError: Request timed out.)"
+    )
     connector.__cause__ = OSError(113, "No route to host")  # not refused: the chain as it is
-    assert _describe(top) == ("APITimeoutError: Request timed out. "
-                              "(cause: ClientConnectorError: Cannot connect to host http://127.0.0.1:9/v1)")
+    assert _describe(top) == (
+        "APITimeoutError: Request timed out. "
+        "(cause: ClientConnectorError: Cannot connect to host http://127.0.0.1:9/v1)"
+    )
     assert _describe(ValueError("plain")) == "ValueError: plain"
 
     class APIStatusError(Exception):  # openai's: "Error code: 500 - {body}", the error object as .body
@@ -162,8 +176,12 @@ def test_describe_names_the_cause_without_credentials():
             super().__init__(f"Error code: 500 - {body}")
             self.body = body
 
-    server = APIStatusError({"message": "\nTraceback (most recent call last):\n  File x\nKeyError: "
-                                        "'http://user:secret@host/v1'" + "x" * 400})
+    server = APIStatusError(
+        {
+            "message": "\nTraceback (most recent call last):\n  File x\nKeyError: "
+            "'http://user:secret@host/v1'" + "x" * 400
+        }
+    )
     assert _describe(server) == "HTTP 500: Traceback (most recent call last):"  # one line, the server's
     leaky = APIStatusError({"message": "bad http://user:secret@host/v1 " + "y" * 400})
     assert "secret" not in _describe(leaky) and len(_describe(leaky)) < 320
@@ -180,8 +198,10 @@ def test_refused_connection_says_cannot_connect(tmp_path, caplog):
     port = url.rsplit(":", 1)[1].split("/")[0]
     # aiohttp transport: "Cannot connect to host 127.0.0.1:<port>"; httpx transport: "All connection attempts failed"
     # issue #18: the refusal comes first, the client's "APITimeoutError: Request timed out." after it
-    cause = re.compile(rf"connection refused: (Cannot connect to host 127\.0\.0\.1:{port}|All connection attempts "
-                       rf"failed).* \(reported as \w+: ")
+    cause = re.compile(
+        rf"connection refused: (Cannot connect to host 127\.0\.0\.1:{port}|All connection attempts "
+        rf"failed).* \(reported as \w+: "
+    )
     assert cause.search(msg), msg
     assert ".." not in msg.replace("...", "")  # no "timed out.." before the next sentence
     taken_out = [r.getMessage() for r in caplog.records if "does not answer" in r.getMessage()]
@@ -194,8 +214,12 @@ def test_base_url_without_v1_is_a_config_error(tmp_path):
         root = srv.base_url[: -len("/v1")]
         t0 = time.monotonic()
         with pytest.raises(ConfigError) as info:
-            generate_shard(tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=None,
-                           gen_cfg=openai_cfg(root, circuit_breaker_failures=1000))
+            generate_shard(
+                tmp_path / "p.parquet",
+                tmp_path / "c.parquet",
+                target_dir=None,
+                gen_cfg=openai_cfg(root, circuit_breaker_failures=1000),
+            )
         assert time.monotonic() - t0 < 10  # not re-probed until a breaker
         assert srv.stats.chat_requests == 0
     msg = str(info.value)
@@ -206,17 +230,21 @@ def test_base_url_without_v1_is_a_config_error(tmp_path):
 def test_warning_while_no_endpoint_is_available(tmp_path, caplog, monkeypatch):
     monkeypatch.setattr(completions.fleet, "OUTAGE_LOG_S", 0.05)
     write_prompts(tmp_path / "p.parquet", single_turn(2))
-    cfg = openai_cfg(dead_url(), dead_url(), circuit_breaker_failures=12, endpoint_reprobe_s=0.03,
-                     retry_backoff_max_s=0.06)
+    cfg = openai_cfg(
+        dead_url(), dead_url(), circuit_breaker_failures=12, endpoint_reprobe_s=0.03, retry_backoff_max_s=0.06
+    )
     caplog.set_level(logging.WARNING, logger="dflash_pipeline.completions")
     with pytest.raises(GenerationError, match="circuit breaker open"):
         generate_shard(tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=None, gen_cfg=cfg)
     waits = [r.getMessage() for r in caplog.records if r.getMessage().startswith("no endpoint available")]
     assert waits, caplog.text
     assert all(r.levelno == logging.WARNING for r in caplog.records if r.getMessage() in waits)
-    assert re.search(r"no endpoint available for \d+ s: \d+ consecutive failures of circuit_breaker_failures=12 "
-                     r"\(the job stops once every endpoint reaches it\); re-probing 2 endpoint\(s\), next in \d+ s "
-                     r"\(last: http://127\.0\.0\.1:\d+/v1: .*probe: ", waits[0]), waits[0]
+    assert re.search(
+        r"no endpoint available for \d+ s: \d+ consecutive failures of circuit_breaker_failures=12 "
+        r"\(the job stops once every endpoint reaches it\); re-probing 2 endpoint\(s\), next in \d+ s "
+        r"\(last: http://127\.0\.0\.1:\d+/v1: .*probe: ",
+        waits[0],
+    ), waits[0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -243,8 +271,9 @@ def test_stats_after_resume_cover_the_whole_shard_and_this_run(tmp_path, capfd):
     capfd.readouterr()
     with start_test_server() as srv:
         cfg = openai_cfg(srv.base_url)
-        stats = generate_shard(tmp_path / "p.parquet", out, target_dir=None, gen_cfg=cfg,
-                               stats_path=tmp_path / "c.stats.json")
+        stats = generate_shard(
+            tmp_path / "p.parquet", out, target_dir=None, gen_cfg=cfg, stats_path=tmp_path / "c.stats.json"
+        )
         assert srv.stats.answered == 4  # the 4 single-turn conversations not in the progress file
     recs = read_records(out)
     turns = [t for r in recs for t in r["turns"]]
@@ -276,11 +305,14 @@ def test_stats_when_every_conversation_was_resumed(tmp_path):
     write_prompts(tmp_path / "p.parquet", single_turn(5))
     cfg = openai_cfg(dead_url())  # never contacted: nothing is left to send
     out, full = _partial_progress(tmp_path, cfg, keep=5)
-    stats = generate_shard(tmp_path / "p.parquet", out, target_dir=None, gen_cfg=cfg,
-                           stats_path=tmp_path / "c.stats.json")
+    stats = generate_shard(
+        tmp_path / "p.parquet", out, target_dir=None, gen_cfg=cfg, stats_path=tmp_path / "c.stats.json"
+    )
     assert read_records(out) == full
     assert stats["ok"] == stats["run"]["resumed"] == 5 and stats["run"]["generated"] == 0
-    assert stats["turns"] == 5 and stats["completion_tokens"] == sum(r["turns"][0]["completion_tokens"] for r in full) > 0
+    assert (
+        stats["turns"] == 5 and stats["completion_tokens"] == sum(r["turns"][0]["completion_tokens"] for r in full) > 0
+    )
     assert stats["run"]["turns"] == stats["run"]["completion_tokens"] == 0
     assert stats["run"]["retries"] == 0 and stats["run"]["requests"] == 0
 
@@ -294,12 +326,18 @@ def test_no_log_line_per_http_request(tmp_path, caplog):
     levels = {name: logging.getLogger(name).level for name in completions.HTTP_LOGGERS}
     caplog.set_level(logging.INFO)
     with start_test_server() as srv:
-        generate_shard(tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=None,
-                       gen_cfg=openai_cfg(srv.base_url, dead_url()))
+        generate_shard(
+            tmp_path / "p.parquet",
+            tmp_path / "c.parquet",
+            target_dir=None,
+            gen_cfg=openai_cfg(srv.base_url, dead_url()),
+        )
         assert srv.stats.answered == 3
     assert not [r for r in caplog.records if "HTTP Request" in r.getMessage()], caplog.text
-    assert any(r.name == "dflash_pipeline.completions" and r.levelno == logging.WARNING
-               and "does not answer" in r.getMessage() for r in caplog.records)  # our own warnings stay
+    assert any(
+        r.name == "dflash_pipeline.completions" and r.levelno == logging.WARNING and "does not answer" in r.getMessage()
+        for r in caplog.records
+    )  # our own warnings stay
     assert {name: logging.getLogger(name).level for name in completions.HTTP_LOGGERS} == levels  # restored
 
 

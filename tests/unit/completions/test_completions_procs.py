@@ -31,8 +31,11 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_split_caps_sums_to_each_cap():
-    cfg = gen_cfg(backend="openai", client_processes=3,
-                  endpoints=[{"base_url": f"http://h{i}/v1", "max_concurrency": c} for i, c in enumerate([7, 3, 4, 64])])
+    cfg = gen_cfg(
+        backend="openai",
+        client_processes=3,
+        endpoints=[{"base_url": f"http://h{i}/v1", "max_concurrency": c} for i, c in enumerate([7, 3, 4, 64])],
+    )
     parts = _split_caps(cfg, 3)
     for j, c in enumerate([7, 3, 4, 64]):
         shares = [p["endpoints"][j]["max_concurrency"] for p in parts]
@@ -81,8 +84,9 @@ def test_breaker_with_two_processes_keeps_progress(tmp_path):
     write_prompts(tmp_path / "p.parquet", single_turn(n))
     out = tmp_path / "c.parquet"
     with start_test_server(faults=Faults(die_after=6)) as srv:
-        cfg = openai_cfg(srv.base_url, concurrency=2, circuit_breaker_failures=3, endpoint_max_failures=1,
-                         client_processes=2)
+        cfg = openai_cfg(
+            srv.base_url, concurrency=2, circuit_breaker_failures=3, endpoint_max_failures=1, client_processes=2
+        )
         with pytest.raises(GenerationError, match=r"circuit breaker open.* 6 of 30 conversations are finished"):
             generate_shard(tmp_path / "p.parquet", out, target_dir=None, gen_cfg=cfg)
     lines = Path(str(out) + PROGRESS_SUFFIX).read_text().splitlines()
@@ -141,9 +145,19 @@ def test_kill_9_of_job_leaves_no_client_processes(tmp_path):
         cfg = openai_cfg(srv.base_url, concurrency=conc, client_processes=2)
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src")}
         proc = subprocess.run(
-            [sys.executable, "-c", KILL_SCRIPT, str(tmp_path / "p.parquet"), str(out), json.dumps(cfg),
-             str(kill_after), str(pid_file)],
-            env=env, capture_output=True, timeout=120,
+            [
+                sys.executable,
+                "-c",
+                KILL_SCRIPT,
+                str(tmp_path / "p.parquet"),
+                str(out),
+                json.dumps(cfg),
+                str(kill_after),
+                str(pid_file),
+            ],
+            env=env,
+            capture_output=True,
+            timeout=120,
         )
         assert proc.returncode == -9, proc.stderr.decode()[-2000:]
         pids = json.loads(pid_file.read_text())

@@ -99,8 +99,12 @@ def test_raw_thinking_save_splits_think_tags_and_resends_reasoning(tmp_path, dem
     write_prompts(tmp_path / "p.parquet", MULTI[:1])
     tok = chat.load_tokenizer(demo_target)
     with start_test_server(tokenizer_dir=demo_target, reasoning=True) as srv:
-        generate_shard(tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=demo_target,
-                       gen_cfg=raw_cfg(srv.base_url, thinking="save"))
+        generate_shard(
+            tmp_path / "p.parquet",
+            tmp_path / "c.parquet",
+            target_dir=demo_target,
+            gen_cfg=raw_cfg(srv.base_url, thinking="save"),
+        )
         sent = [b["prompt"] for b in srv.stats.requests]
     (rec,) = read_records(tmp_path / "c.parquet")
     assert rec["status"] == "ok" and rec["thinking"] == "save"
@@ -119,8 +123,12 @@ def test_raw_thinking_save_splits_think_tags_and_resends_reasoning(tmp_path, dem
 def test_raw_thinking_save_cut_inside_think_block_is_truncated(tmp_path, demo_target):
     write_prompts(tmp_path / "p.parquet", single_turn(1))
     with start_test_server(tokenizer_dir=demo_target, reasoning=True) as srv:
-        generate_shard(tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=demo_target,
-                       gen_cfg=raw_cfg(srv.base_url, thinking="save", max_tokens=3))
+        generate_shard(
+            tmp_path / "p.parquet",
+            tmp_path / "c.parquet",
+            target_dir=demo_target,
+            gen_cfg=raw_cfg(srv.base_url, thinking="save", max_tokens=3),
+        )
     (rec,) = read_records(tmp_path / "c.parquet")
     assert rec["status"] == "truncated" and rec["turns"][0]["finish_reason"] == "length"
     # the cut text as generated ("<think>\nLet me "): reasoning without a closing tag, no answer yet
@@ -142,8 +150,13 @@ def test_raw_thinking_save_with_template_that_opens_think(tmp_path, demo_target)
     template.write_text(opened)
     write_prompts(tmp_path / "p.parquet", single_turn(2))
     with start_test_server(tokenizer_dir=demo_target, reasoning=True) as srv:
-        generate_shard(tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=demo_target,
-                       chat_template=template, gen_cfg=raw_cfg(srv.base_url, thinking="save"))
+        generate_shard(
+            tmp_path / "p.parquet",
+            tmp_path / "c.parquet",
+            target_dir=demo_target,
+            chat_template=template,
+            gen_cfg=raw_cfg(srv.base_url, thinking="save"),
+        )
         sent = [srv._tok.decode(b["prompt"]) for b in srv.stats.requests]
     assert all(s.endswith("<|im_start|>assistant\n<think>\n") for s in sent)
     for rec in read_records(tmp_path / "c.parquet"):
@@ -162,7 +175,9 @@ def test_raw_thinking_save_without_think_block_is_an_error_row(tmp_path, demo_ta
 
 
 def test_raw_thinking_disable_rejects_reasoning_and_none_keeps_it(tmp_path, demo_target):
-    write_prompts(tmp_path / "p.parquet", [[{"role": "user", "content": "a [[WRONG]]"}], [{"role": "user", "content": "b"}]])
+    write_prompts(
+        tmp_path / "p.parquet", [[{"role": "user", "content": "a [[WRONG]]"}], [{"role": "user", "content": "b"}]]
+    )
     with start_test_server(tokenizer_dir=demo_target, reasoning=True) as srv:
         cfg = raw_cfg(srv.base_url, thinking="disable", max_error_fraction=1.0)
         generate_shard(tmp_path / "p.parquet", tmp_path / "d.parquet", target_dir=demo_target, gen_cfg=cfg)
@@ -171,8 +186,12 @@ def test_raw_thinking_disable_rejects_reasoning_and_none_keeps_it(tmp_path, demo
         # the disabled template closes an empty think block in the prompt, so the server does not think
         assert good["status"] == "ok" and good["messages"][1]["reasoning_content"] is None
         assert good["messages"][1]["content"].startswith("Completion ")
-        generate_shard(tmp_path / "p.parquet", tmp_path / "n.parquet", target_dir=demo_target,
-                       gen_cfg=raw_cfg(srv.base_url, thinking="none"))
+        generate_shard(
+            tmp_path / "p.parquet",
+            tmp_path / "n.parquet",
+            target_dir=demo_target,
+            gen_cfg=raw_cfg(srv.base_url, thinking="none"),
+        )
     recs = read_records(tmp_path / "n.parquet")
     assert all(r["status"] == "ok" and r["messages"][1]["reasoning_content"] for r in recs)
 
@@ -230,27 +249,51 @@ def test_api_is_part_of_the_resume_fingerprint(tmp_path, demo_target):
 def test_raw_config_errors(tmp_path, demo_target):
     write_prompts(tmp_path / "p.parquet", single_turn(1))
     with pytest.raises(ConfigError, match="needs the target's tokenizer"):
-        generate_shard(tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=None,
-                       gen_cfg=raw_cfg("http://127.0.0.1:9/v1"))
+        generate_shard(
+            tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=None, gen_cfg=raw_cfg("http://127.0.0.1:9/v1")
+        )
     with pytest.raises(ConfigError, match="chat_template_kwargs"):
-        generate_shard(tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=demo_target,
-                       gen_cfg=raw_cfg("http://127.0.0.1:9/v1", extra_body={"chat_template_kwargs": {"x": 1}}))
+        generate_shard(
+            tmp_path / "p.parquet",
+            tmp_path / "c.parquet",
+            target_dir=demo_target,
+            gen_cfg=raw_cfg("http://127.0.0.1:9/v1", extra_body={"chat_template_kwargs": {"x": 1}}),
+        )
     with pytest.raises(ConfigError, match="openai backend only"):
-        generate_shard(tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=demo_target,
-                       gen_cfg=gen_cfg(api="completions"))
+        generate_shard(
+            tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=demo_target, gen_cfg=gen_cfg(api="completions")
+        )
     with pytest.raises(ConfigError, match="generation.api"):
         gen_cfg(api="raw")
     assert gen_cfg()["api"] == "chat"
 
 
 def test_plan_time_check_names_generation_api(tmp_path):
-    cfg = {"generation": {"backend": "transformers", "api": "completions",
-                          "extra_body": {"chat_template_kwargs": {"enable_thinking": True}}}}
+    cfg = {
+        "generation": {
+            "backend": "transformers",
+            "api": "completions",
+            "extra_body": {"chat_template_kwargs": {"enable_thinking": True}},
+        }
+    }
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
     proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(tmp_path), "-n",
-         "--configfile", str(tmp_path / "config.yaml")],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "-s",
+            str(REPO / "Snakefile"),
+            "-d",
+            str(tmp_path),
+            "-n",
+            "--configfile",
+            str(tmp_path / "config.yaml"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
@@ -263,18 +306,23 @@ def test_raw_turn_outgrowing_the_context_is_skipped_not_sent(tmp_path, demo_targ
     the target's context is skipped (counted with an example), never sent; the other conversations complete."""
     from dflash_pipeline.completions import OpenAIBackend
 
-    convs = [[{"role": "user", "content": "Hi"}, {"role": "user", "content": "And what is six times four?"}],
-             [{"role": "user", "content": "Hi there"}]]
+    convs = [
+        [{"role": "user", "content": "Hi"}, {"role": "user", "content": "And what is six times four?"}],
+        [{"role": "user", "content": "Hi there"}],
+    ]
     write_prompts(tmp_path / "p.parquet", convs)
     tok = chat.load_tokenizer(demo_target)
-    firsts = [len(chat.render(tok, c[:1], thinking="disable", add_generation_prompt=True, tokenize=True)) for c in convs]
+    firsts = [
+        len(chat.render(tok, c[:1], thinking="disable", add_generation_prompt=True, tokenize=True)) for c in convs
+    ]
     with start_test_server(tokenizer_dir=demo_target) as srv:
         cfg = raw_cfg(srv.base_url, max_tokens=4)
         backend = OpenAIBackend(cfg, target_dir=demo_target)
         assert backend.context_limit == json.loads((demo_target / "config.json").read_text())["max_position_embeddings"]
         backend.context_limit = max(firsts) + 4  # every first turn fits; the second turn of convs[0] cannot
-        stats = generate_shard(tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=demo_target, gen_cfg=cfg,
-                               backend=backend)
+        stats = generate_shard(
+            tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=demo_target, gen_cfg=cfg, backend=backend
+        )
         assert srv.stats.completions_requests == 2  # two first turns; the over-long second turn never sent
     (rec,) = read_records(tmp_path / "c.parquet")
     assert rec["status"] in ("ok", "truncated") and stats["skipped"] == {"too_long": 1}

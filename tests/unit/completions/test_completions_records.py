@@ -16,16 +16,27 @@ from dflash_pipeline.completions import (
 from dflash_pipeline.completions.records import redact_url, sampling_params
 
 INFO = RunInfo(model="m", sampling="{}", thinking="none")
-PROMPT = {"prompt_id": "p1", "dataset": "d", "messages": [
-    {"role": "system", "content": "S"}, {"role": "user", "content": "U1"}, {"role": "user", "content": "U2"}]}
+PROMPT = {
+    "prompt_id": "p1",
+    "dataset": "d",
+    "messages": [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "U1"},
+        {"role": "user", "content": "U2"},
+    ],
+}
 
 
 def test_record_interleaves_generated_turns():
     turns = [Turn("A1", "R1", "stop", 3, 2), Turn("A2", None, "length", 5, 4)]
     rec = build_record(PROMPT, turns, INFO)
     assert [(m["role"], m["content"], m["reasoning_content"]) for m in rec["messages"]] == [
-        ("system", "S", None), ("user", "U1", None), ("assistant", "A1", "R1"), ("user", "U2", None),
-        ("assistant", "A2", None)]
+        ("system", "S", None),
+        ("user", "U1", None),
+        ("assistant", "A1", "R1"),
+        ("user", "U2", None),
+        ("assistant", "A2", None),
+    ]
     assert rec["status"] == "truncated" and rec["error"] is None
     assert [t["completion_tokens"] for t in rec["turns"]] == [2, 4]
 
@@ -129,7 +140,8 @@ def test_answer_with_think_tags_keeps_every_character_chat_raw_transformers(thin
     assert turn.content == ANSWER and turn.reasoning_content == ("R" if thinking == "save" else None)
     if thinking == "save":  # a generation prompt that opened <think>: reasoning up to the first </think>
         turn = _openai_backend("save", api="completions", opened=True)._parse_text(
-            {"choices": [{"text": "R\n</think>\n\n" + ANSWER, "finish_reason": "stop"}]}, 0.1, _Ep())
+            {"choices": [{"text": "R\n</think>\n\n" + ANSWER, "finish_reason": "stop"}]}, 0.1, _Ep()
+        )
         assert (turn.reasoning_content, turn.content) == ("R", ANSWER)
 
     class Tok:

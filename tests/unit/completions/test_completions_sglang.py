@@ -47,14 +47,23 @@ def target_dir(tmp_path_factory):
     )
     from transformers import PreTrainedTokenizerFast
 
-    corpus = ["Answer 1 to: What is 2 plus 3? Let me think about turn 2.", "Completion of a 9-word prompt.",
-              "Natalia sold 48 clips in April. How many in May? Hi there, you are terse."] * 30
+    corpus = [
+        "Answer 1 to: What is 2 plus 3? Let me think about turn 2.",
+        "Completion of a 9-word prompt.",
+        "Natalia sold 48 clips in April. How many in May? Hi there, you are terse.",
+    ] * 30
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     tok.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     hf.chat_template = TEMPLATE
@@ -72,11 +81,18 @@ def _raw_text(msg: dict) -> str:
 def _rows_from_server_ids(tmp_path, target_dir, records: list[dict]) -> None:
     """The tokens stage on the shard: one row per turn, exactly the server's prompt + output ids, the loss
     on the output ids; ``server_ids_used`` counts every turn."""
-    stats = tokenize_shard(tmp_path / "c.parquet", tmp_path / "t.parquet", target_dir=target_dir,
-                           tokens_cfg={"max_length": 4096, "last_turn_only": False, "use_server_token_ids": True})
+    stats = tokenize_shard(
+        tmp_path / "c.parquet",
+        tmp_path / "t.parquet",
+        target_dir=target_dir,
+        tokens_cfg={"max_length": 4096, "last_turn_only": False, "use_server_token_ids": True},
+    )
     rows = pq.read_table(tmp_path / "t.parquet").to_pylist()
-    want = [(r["prompt_id"], k, t["prompt_token_ids"] + t["output_token_ids"], len(t["prompt_token_ids"]))
-            for r in records for k, t in enumerate(r["turns"])]
+    want = [
+        (r["prompt_id"], k, t["prompt_token_ids"] + t["output_token_ids"], len(t["prompt_token_ids"]))
+        for r in records
+        for k, t in enumerate(r["turns"])
+    ]
     assert [(r["prompt_id"], r["turn"], r["input_ids"]) for r in rows] == [w[:3] for w in want]
     for row, (_, _, ids, n_prompt) in zip(rows, want):
         assert row["loss_mask"] == [0] * n_prompt + [1] * (len(ids) - n_prompt)
@@ -104,8 +120,9 @@ def test_sglang_chat_ids_become_the_token_shard(tmp_path, target_dir, thinking, 
                 continue
             turn = rec["turns"][sum(x["role"] == "assistant" for x in history)]
             # the prompt the server rendered (the regenerated history), and the raw ids of the answer
-            assert turn["prompt_token_ids"] == render(tok, history, thinking=thinking, add_generation_prompt=True,
-                                                      tokenize=True)
+            assert turn["prompt_token_ids"] == render(
+                tok, history, thinking=thinking, add_generation_prompt=True, tokenize=True
+            )
             assert tok.decode(turn["output_token_ids"], skip_special_tokens=False) == _raw_text(m) + "<|im_end|>"
             assert (m["reasoning_content"] is None) == (thinking == "disable")
             history.append({"role": "assistant", "content": m["content"]})
@@ -117,8 +134,15 @@ def test_sglang_raw_completions_ids_become_the_token_shard(tmp_path, target_dir,
     write_prompts(tmp_path / "p.parquet", MULTI)
     with start_test_server(flavor="sglang", tokenizer_dir=target_dir, reasoning=True) as srv:
         eps = [{"base_url": srv.base_url, "max_concurrency": 4}]
-        cfg = gen_cfg(backend="openai", api="completions", endpoints=eps, thinking=thinking, max_tokens=64,
-                      extra_body={"return_token_ids": True}, **FAST)
+        cfg = gen_cfg(
+            backend="openai",
+            api="completions",
+            endpoints=eps,
+            thinking=thinking,
+            max_tokens=64,
+            extra_body={"return_token_ids": True},
+            **FAST,
+        )
         generate_shard(tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=target_dir, gen_cfg=cfg)
         sent = [b["prompt"] for b in srv.stats.requests]
     records = read_records(tmp_path / "c.parquet")
@@ -137,8 +161,11 @@ def test_an_sglang_that_ignores_return_token_ids_stops_the_run_at_its_first_answ
     with start_test_server(flavor="sglang-legacy", tokenizer_dir=target_dir) as srv:
         eps = [{"base_url": srv.base_url, "max_concurrency": 1}]
         cfg = gen_cfg(backend="openai", endpoints=eps, extra_body={"return_token_ids": True}, **FAST)
-        with pytest.raises(ConfigError, match=r"answered without token ids although generation.extra_body sets "
-                                              r"return_token_ids.*v0\.5\.18.*PR #30917"):
+        with pytest.raises(
+            ConfigError,
+            match=r"answered without token ids although generation.extra_body sets "
+            r"return_token_ids.*v0\.5\.18.*PR #30917",
+        ):
             generate_shard(tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=target_dir, gen_cfg=cfg)
         assert srv.stats.answered == 1  # nothing after the first answer
     assert not (tmp_path / "c.parquet").exists()
@@ -156,10 +183,15 @@ def test_the_kimi_recipe_runs_on_an_sglang_fleet_with_thinking_saved(tmp_path, t
     assert recipe["generation"]["thinking"] == "save" and recipe["tokens"]["use_server_token_ids"] is True
     write_prompts(tmp_path / "p.parquet", MULTI)
     model = recipe["generation"]["model"]
-    with start_test_server(flavor="sglang", tokenizer_dir=target_dir, reasoning=True, model_name=model) as a, \
-            start_test_server(flavor="sglang", tokenizer_dir=target_dir, reasoning=True, model_name=model) as b:
-        gen = {**recipe["generation"], **FAST,
-               "endpoints": [{"base_url": s.base_url, "max_concurrency": 2} for s in (a, b)]}
+    with (
+        start_test_server(flavor="sglang", tokenizer_dir=target_dir, reasoning=True, model_name=model) as a,
+        start_test_server(flavor="sglang", tokenizer_dir=target_dir, reasoning=True, model_name=model) as b,
+    ):
+        gen = {
+            **recipe["generation"],
+            **FAST,
+            "endpoints": [{"base_url": s.base_url, "max_concurrency": 2} for s in (a, b)],
+        }
         cfg = validate_config({"generation": gen})["generation"]
         generate_shard(tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=target_dir, gen_cfg=cfg)
         assert a.stats.answered + b.stats.answered == 4

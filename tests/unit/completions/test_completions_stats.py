@@ -19,19 +19,41 @@ class Ep:
 
 
 def rec(pid: str, status: str, *completion_tokens: int) -> dict:
-    return {"prompt_id": pid, "status": status,
-            "turns": [{"prompt_tokens": 10, "completion_tokens": n} for n in completion_tokens]}
+    return {
+        "prompt_id": pid,
+        "status": status,
+        "turns": [{"prompt_tokens": 10, "completion_tokens": n} for n in completion_tokens],
+    }
 
 
 def test_shard_stats_whole_shard_and_this_run():
     records = [rec("a", "ok", 5), rec("b", "truncated", 7, 3), rec("c", "error")]
-    s = shard_stats(Path("c.parquet"), backend="openai", model="m", records=records, generated_ids={"b", "c"},
-                    resumed=1, wall_s=2.0, backend_stats={"requests": 2, "attempts": 3, "retries": 1})
+    s = shard_stats(
+        Path("c.parquet"),
+        backend="openai",
+        model="m",
+        records=records,
+        generated_ids={"b", "c"},
+        resumed=1,
+        wall_s=2.0,
+        backend_stats={"requests": 2, "attempts": 3, "retries": 1},
+    )
     assert (s["prompts"], s["ok"], s["truncated"], s["error"], s["turns"]) == (3, 1, 1, 1, 3)
     assert (s["prompt_tokens"], s["completion_tokens"]) == (30, 15)
-    assert s["run"] == {"resumed": 1, "generated": 2, "turns": 2, "prompt_tokens": 20, "completion_tokens": 10,
-                        "wall_s": 2.0, "conversations_per_s": 1.0, "requests_per_s": 1.0, "output_tokens_per_s": 5.0,
-                        "requests": 2, "attempts": 3, "retries": 1}
+    assert s["run"] == {
+        "resumed": 1,
+        "generated": 2,
+        "turns": 2,
+        "prompt_tokens": 20,
+        "completion_tokens": 10,
+        "wall_s": 2.0,
+        "conversations_per_s": 1.0,
+        "requests_per_s": 1.0,
+        "output_tokens_per_s": 5.0,
+        "requests": 2,
+        "attempts": 3,
+        "retries": 1,
+    }
     # this run's figures once, in `run` (stats version 2): the top level is the whole shard's
     assert s["stats_version"] == 2 and not set(s) & set(STATS_V1_RUN_KEYS)
 
@@ -42,7 +64,8 @@ def test_fleet_stats_merge_over_client_processes():
     assert a["requests"] == 4
     total = merge_fleet_stats([a, b], ["u1", "u2", "u3"])
     assert (total["requests"], total["attempts"], total["retries"], total["rate_limited"]) == (8, 9, 1, 1)
-    assert total["endpoints"] == {"u1": {"attempts": 7, "failures": 1, "taken_out": 1},
-                                  "u2": {"attempts": 2, "failures": 0, "taken_out": 0},
-                                  "u3": {"attempts": 0, "failures": 0, "taken_out": 0}}
-
+    assert total["endpoints"] == {
+        "u1": {"attempts": 7, "failures": 1, "taken_out": 1},
+        "u2": {"attempts": 2, "failures": 0, "taken_out": 0},
+        "u3": {"attempts": 0, "failures": 0, "taken_out": 0},
+    }

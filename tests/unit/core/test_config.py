@@ -12,12 +12,14 @@ from dflash_pipeline.core.errors import ConfigError
 
 
 def test_schema_problems_lists_every_error_with_its_key():
-    problems = schema_problems({
-        "token": {"max_length": 100},
-        "datasets": {"d": {"path": "x.jsonl", "max_prompt": 3}},
-        "generation": {"temperature": "hot", "thinking": "maybe"},
-        "tokens": {"max_length": -5},
-    })
+    problems = schema_problems(
+        {
+            "token": {"max_length": 100},
+            "datasets": {"d": {"path": "x.jsonl", "max_prompt": 3}},
+            "generation": {"temperature": "hot", "thinking": "maybe"},
+            "tokens": {"max_length": -5},
+        }
+    )
     assert problems == [
         "`datasets.d.max_prompt`: unknown key (did you mean `max_prompts`?)",
         "`generation.temperature`: 'hot' is not valid: expected type 'number'",
@@ -43,8 +45,9 @@ def test_snakemake_plan_reports_config_problems_in_a_few_lines(tmp_path):
     assert len(out.splitlines()) < 40, out  # not the whole schema
 
     missing = tmp_path / "missing.yaml"
-    missing.write_text(yaml.safe_dump({"target": {"path": "demo", "chat_template": str(tmp_path / "nope.jinja")},
-                                       "datasets": {}}))
+    missing.write_text(
+        yaml.safe_dump({"target": {"path": "demo", "chat_template": str(tmp_path / "nope.jinja")}, "datasets": {}})
+    )
     proc = snakemake(tmp_path, "-n", "--replace-workflow-config", configfile=missing)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
@@ -79,8 +82,14 @@ def test_snakemake_plan_rejects_a_transformers_target_without_weights(tmp_path):
     out = (lambda p: p.stdout + p.stderr)(proc := snakemake(tmp_path, "-n", configfile=cfg))
     assert proc.returncode != 0 and f"target.path: no weights (*.safetensors, pytorch_model*.bin) in {target}" in out
     server = tmp_path / "s.yaml"
-    server.write_text(yaml.safe_dump({"target": {"path": str(target)}, "generation": {
-        "backend": "openai", "endpoints": [{"base_url": "http://127.0.0.1:9/v1"}]}}))
+    server.write_text(
+        yaml.safe_dump(
+            {
+                "target": {"path": str(target)},
+                "generation": {"backend": "openai", "endpoints": [{"base_url": "http://127.0.0.1:9/v1"}]},
+            }
+        )
+    )
     assert "no weights" not in (lambda p: p.stdout + p.stderr)(snakemake(tmp_path, "-n", configfile=server))
     (target / "model.safetensors").write_bytes(b"")
     assert "no weights" not in (lambda p: p.stdout + p.stderr)(snakemake(tmp_path, "-n", configfile=cfg))

@@ -24,11 +24,20 @@ CONVERSATIONS = [
     [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2"}],
     [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"}],
     [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1", "reasoning_content": "think hard"}],
-    [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "<think>\nr\n</think>\n\nA1"},
-     {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2", "reasoning_content": "r2"}],
-    [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"},
-     {"role": "assistant", "content": "A1", "reasoning_content": "r1"}, {"role": "user", "content": "Q2"},
-     {"role": "assistant", "content": "A2"}, {"role": "system", "content": "late system"}],
+    [
+        {"role": "user", "content": "Q1"},
+        {"role": "assistant", "content": "<think>\nr\n</think>\n\nA1"},
+        {"role": "user", "content": "Q2"},
+        {"role": "assistant", "content": "A2", "reasoning_content": "r2"},
+    ],
+    [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "Q1"},
+        {"role": "assistant", "content": "A1", "reasoning_content": "r1"},
+        {"role": "user", "content": "Q2"},
+        {"role": "assistant", "content": "A2"},
+        {"role": "system", "content": "late system"},
+    ],
 ]
 
 
@@ -54,11 +63,19 @@ def test_build_facts_and_sizes(demo_target, tokenizer):
     assert cfg["vocab_size"] == facts["vocab_size"] == padded_vocab_size(len(tokenizer))
     assert cfg["vocab_size"] % 64 == 0 and cfg["vocab_size"] > len(tokenizer)
     assert cfg["architectures"] == ["Qwen3ForCausalLM"]
-    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
-            cfg["head_dim"], cfg["intermediate_size"]) == (128, 8, 4, 2, 32, 384)
+    assert (
+        cfg["hidden_size"],
+        cfg["num_hidden_layers"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["head_dim"],
+        cfg["intermediate_size"],
+    ) == (128, 8, 4, 2, 32, 384)
     gen = json.loads((demo_target / "generation_config.json").read_text())
-    assert gen["eos_token_id"] == [tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                                   tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    assert gen["eos_token_id"] == [
+        tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+    ]
     assert (demo_target / "chat_template.jinja").read_text() == CHAT_TEMPLATE
     assert not list(demo_target.parent.glob(".*tmp*"))
 
@@ -95,8 +112,9 @@ def test_template_matches_real_qwen3(tokenizer, i, kwargs):
     msgs = CONVERSATIONS[i]
     gen = msgs[-1]["role"] != "assistant"
     ours = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen, **kwargs)
-    theirs = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen, chat_template=qwen3,
-                                           **kwargs)
+    theirs = tokenizer.apply_chat_template(
+        msgs, tokenize=False, add_generation_prompt=gen, chat_template=qwen3, **kwargs
+    )
     assert ours == theirs
 
 
@@ -108,7 +126,8 @@ def test_encode_conversation_masks_answer_only(tokenizer):
     assert tokenizer.decode(ids) == rendered.rstrip("\n")  # the trailing "\n" after <|im_end|> is not trained
     assert tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "5 + 3 = 8\n#### 8<|im_end|>"
     assert tokenizer.decode([t for t, m in zip(ids, mask) if not m]).endswith(
-        "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
 
 
 @pytest.mark.e2e
@@ -122,16 +141,18 @@ def test_greedy_generation_is_not_degenerate(tmp_path):
     target = build_demo_target(tmp_path / "full", [GSM8K_TRAIN, SHAREGPT], log=None)
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     model = AutoModelForCausalLM.from_pretrained(str(target)).eval()
-    questions = [json.loads(line)["question"]
-                 for line in (GSM8K_TRAIN.parent / "test.jsonl").read_text().splitlines()[1:4]]
+    questions = [
+        json.loads(line)["question"] for line in (GSM8K_TRAIN.parent / "test.jsonl").read_text().splitlines()[1:4]
+    ]
     structured = 0
     for q in questions:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                               add_generation_prompt=True, enable_thinking=False)
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
         enc = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")
         with torch.no_grad():
             out = model.generate(**enc, max_new_tokens=60, do_sample=False)
-        new = out[0, enc["input_ids"].shape[1]:].tolist()
+        new = out[0, enc["input_ids"].shape[1] :].tolist()
         text = tokenizer.decode(new, skip_special_tokens=True)
         # GSM8K-style: computes something (digits, "=") with varied tokens
         structured += len(set(new)) >= 8 and any(ch.isdigit() for ch in text) and "=" in text
@@ -146,8 +167,10 @@ def _small_corpus(tmp_path: Path, n: int = 200) -> Path:
 
 
 def _digest(d: Path) -> dict:
-    return {f: hashlib.sha256((d / f).read_bytes()).hexdigest()
-            for f in ("model.safetensors", "tokenizer.json", "config.json", "chat_template.jinja")}
+    return {
+        f: hashlib.sha256((d / f).read_bytes()).hexdigest()
+        for f in ("model.safetensors", "tokenizer.json", "config.json", "chat_template.jinja")
+    }
 
 
 def test_build_is_deterministic_and_replaces_atomically(tmp_path):
@@ -170,8 +193,16 @@ def test_crash_leaves_no_half_target(tmp_path, monkeypatch):
 
     monkeypatch.setattr(demo, "write_json", boom)
     with pytest.raises(RuntimeError, match="disk full"):
-        build_demo_target(tmp_path / "t", [corpus], vocab_size=300, hidden_size=64, num_hidden_layers=4,
-                          train_steps=1, batch_size=2, log=None)
+        build_demo_target(
+            tmp_path / "t",
+            [corpus],
+            vocab_size=300,
+            hidden_size=64,
+            num_hidden_layers=4,
+            train_steps=1,
+            batch_size=2,
+            log=None,
+        )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["small.jsonl"]
 
 
@@ -187,9 +218,9 @@ def test_bad_corpus_errors(tmp_path):
 def test_build_records_the_settings_that_key_its_directory(demo_target):
     """Issue #26: demo_target.json records the `target.demo` settings (workflow.keyed_paths keys the directory
     by them); a target built before that key gives the same settings back from its build facts."""
-    from dflash_pipeline.workflow.keyed_paths import recorded_demo_params
-
     from conftest import DEMO_TEST_STEPS
+
+    from dflash_pipeline.workflow.keyed_paths import recorded_demo_params
 
     facts = json.loads((demo_target / "demo_target.json").read_text())
     want = {"seed": 0, "vocab_size": 1024, "hidden_size": 128, "num_hidden_layers": 8, "train_steps": DEMO_TEST_STEPS}

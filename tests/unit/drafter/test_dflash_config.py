@@ -22,13 +22,29 @@ GOLDEN = Path(__file__).parent / "golden"
 
 
 def qwen3_target():
-    return Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    return Qwen3Config(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
 
 
 def gemma3_target():
-    return Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                            num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=512)
+    return Gemma3TextConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
 
 
 def golden_bytes(name: str) -> bytes:
@@ -39,13 +55,25 @@ def golden_bytes(name: str) -> bytes:
 
 
 CASES = {
-    "qwen3_plain_config.json": (qwen3_target, dict(block_size=4, num_draft_layers=1, target_layer_ids=[1, 3],
-                                                   mask_token_id=7), "bfloat16", {"train_steps": 3,
-                                                                                  "zero_target_features": False}),
-    "gemma3_sliding_config.json": (gemma3_target, dict(
-        block_size=8, num_draft_layers=3, target_layer_ids=[0, 2, 4], mask_token_id=5, sliding_window=32,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"]), "float32",
-        {"train_steps": 3, "zero_target_features": True}),
+    "qwen3_plain_config.json": (
+        qwen3_target,
+        dict(block_size=4, num_draft_layers=1, target_layer_ids=[1, 3], mask_token_id=7),
+        "bfloat16",
+        {"train_steps": 3, "zero_target_features": False},
+    ),
+    "gemma3_sliding_config.json": (
+        gemma3_target,
+        dict(
+            block_size=8,
+            num_draft_layers=3,
+            target_layer_ids=[0, 2, 4],
+            mask_token_id=5,
+            sliding_window=32,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        ),
+        "float32",
+        {"train_steps": 3, "zero_target_features": True},
+    ),
 }
 
 
@@ -61,8 +89,9 @@ def test_config_json_bytes_are_those_the_engines_load(name, tmp_path):
 
 
 def test_dflash_fields_and_engine_layer_ids(tmp_path):
-    cfg = DFlashConfig.from_target(qwen3_target(), block_size=4, num_draft_layers=2, target_layer_ids=[1, 3],
-                                   mask_token_id=95)
+    cfg = DFlashConfig.from_target(
+        qwen3_target(), block_size=4, num_draft_layers=2, target_layer_ids=[1, 3], mask_token_id=95
+    )
     assert isinstance(cfg, Qwen3Config) and cfg.model_type == "qwen3" and cfg.architectures == ["DFlashDraftModel"]
     assert (cfg.block_size, cfg.num_target_layers, cfg.target_layer_ids, cfg.mask_token_id) == (4, 6, [1, 3], 95)
     assert cfg.engine_layer_ids == [hf_hidden_state_index(i) for i in (1, 3)] == [2, 4]
@@ -85,19 +114,38 @@ def test_bad_checkpoints_name_file_and_field(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"block_size": 4, "dflash_config": {"target_layer_ids": [1]}}))
     with pytest.raises(ValueError, match=r"`dflash_config\.mask_token_id` is missing"):
         DFlashConfig.from_checkpoint(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"block_size": 4, "num_target_layers": "six",
-                                                      "dflash_config": {"target_layer_ids": [1], "mask_token_id": 0}}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "block_size": 4,
+                "num_target_layers": "six",
+                "dflash_config": {"target_layer_ids": [1], "mask_token_id": 0},
+            }
+        )
+    )
     with pytest.raises(ValueError, match=r"config\.json: .*num_target_layers"):
         DFlashConfig.from_checkpoint(tmp_path)
 
 
 def test_from_target_refuses_inconsistent_layer_types():
     with pytest.raises(ValueError, match="2 entries for 3 draft layers"):
-        DFlashConfig.from_target(qwen3_target(), block_size=4, num_draft_layers=3, target_layer_ids=[1],
-                                 mask_token_id=0, layer_types=["full_attention"] * 2)
+        DFlashConfig.from_target(
+            qwen3_target(),
+            block_size=4,
+            num_draft_layers=3,
+            target_layer_ids=[1],
+            mask_token_id=0,
+            layer_types=["full_attention"] * 2,
+        )
     with pytest.raises(ValueError, match="set drafter.sliding_window"):
-        DFlashConfig.from_target(qwen3_target(), block_size=4, num_draft_layers=1, target_layer_ids=[1],
-                                 mask_token_id=0, layer_types=["sliding_attention"])
+        DFlashConfig.from_target(
+            qwen3_target(),
+            block_size=4,
+            num_draft_layers=1,
+            target_layer_ids=[1],
+            mask_token_id=0,
+            layer_types=["sliding_attention"],
+        )
 
 
 def test_block_size_rules_in_one_place():

@@ -10,26 +10,38 @@ import pytest
 import torch
 from conftest import tiny_target_and_drafter
 
+from dflash_pipeline.drafter import build as DB
 from dflash_pipeline.drafter import dflash2 as D2
 from dflash_pipeline.drafter import dspark as DS
 from dflash_pipeline.drafter import families as FA
 from dflash_pipeline.drafter import model as M
-from dflash_pipeline.drafter import build as DB
 
-DFLASH2 = {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 4, "selector_top_k": 5,
-           "output_multiplier": 1.0, "final_logit_softcapping": None}
-DSPARK = {"markov_rank": 4, "markov_head_type": "vanilla", "enable_confidence_head": True,
-          "confidence_head_with_markov": True}
+DFLASH2 = {
+    "conv_kernel_size": 2,
+    "conv_group_size": 8,
+    "selector_rank": 4,
+    "selector_top_k": 5,
+    "output_multiplier": 1.0,
+    "final_logit_softcapping": None,
+}
+DSPARK = {
+    "markov_rank": 4,
+    "markov_head_type": "vanilla",
+    "enable_confidence_head": True,
+    "confidence_head_with_markov": True,
+}
 
 
 def tiny(family: str, block_size: int = 4, layers: int = 2, **kw):
     """``(target, drafter)``: the random tiny target of tests/conftest.py and a ``family`` drafter on it."""
-    target, dflash = tiny_target_and_drafter(num_hidden_layers=6, num_draft_layers=layers, target_layer_ids=[1, 4],
-                                             block_size=block_size)
+    target, dflash = tiny_target_and_drafter(
+        num_hidden_layers=6, num_draft_layers=layers, target_layer_ids=[1, 4], block_size=block_size
+    )
     if family == "dflash":
         return target, dflash
-    cfg = M.drafter_config_from_target(target.config, block_size=block_size, num_draft_layers=layers,
-                                       target_layer_ids=[1, 4], mask_token_id=95, **kw)
+    cfg = M.drafter_config_from_target(
+        target.config, block_size=block_size, num_draft_layers=layers, target_layer_ids=[1, 4], mask_token_id=95, **kw
+    )
     FA.apply_family(cfg, family, DFLASH2 if family == "dflash2" else DSPARK)
     torch.manual_seed(0)
     return target, FA.drafter_class(family)(cfg).eval()
@@ -44,7 +56,7 @@ def test_grouped_conv_never_reaches_across_a_block_boundary():
     delta = torch.randn(b, 2 * bs, taps, h // gs, generator=g)
     base = torch.randn(taps, h, generator=g)
     both = D2.grouped_conv(x, delta, base, bs, gs)
-    alone = torch.cat([D2.grouped_conv(x[:, i:i + bs], delta[:, i:i + bs], base, bs, gs) for i in (0, bs)], dim=1)
+    alone = torch.cat([D2.grouped_conv(x[:, i : i + bs], delta[:, i : i + bs], base, bs, gs) for i in (0, bs)], dim=1)
     torch.testing.assert_close(both, alone)
     coef = base.unsqueeze(0) + delta[0].repeat_interleave(gs, dim=-1)  # [Q, taps, H]
     r = 5  # offset 1 in block 1: both taps
@@ -60,8 +72,12 @@ def test_untrained_dflash2_is_dflash():
     missing, unexpected = d2.load_state_dict(dflash.state_dict(), strict=False)
     assert not unexpected and all("_conv." in m or "candidate_selector" in m for m in missing)
     g = torch.Generator().manual_seed(1)
-    args = (torch.randn(1, 8, 32, generator=g), torch.randn(1, 10, 64, generator=g),
-            torch.arange(10).unsqueeze(0), torch.arange(10, 18).unsqueeze(0))
+    args = (
+        torch.randn(1, 8, 32, generator=g),
+        torch.randn(1, 10, 64, generator=g),
+        torch.arange(10).unsqueeze(0),
+        torch.arange(10, 18).unsqueeze(0),
+    )
     with torch.no_grad():
         torch.testing.assert_close(d2(*args), dflash(*args))
         d2.layers[0].mlp_conv.base_kernel[1, 1] += 0.5  # a trained tap changes it
@@ -82,9 +98,14 @@ def test_selector_scores_and_walk_by_hand():
     for step, prevs in ((0, [5, 5]), (1, [1, 2])):
         for i, p in enumerate(prevs):
             for j in range(2):
-                want = unary[0, step, j] + (sel.predecessor_codebook[p] * hp[step] * sel.successor_codebook[cand[0, step, j]]).sum()
+                want = (
+                    unary[0, step, j]
+                    + (sel.predecessor_codebook[p] * hp[step] * sel.successor_codebook[cand[0, step, j]]).sum()
+                )
                 torch.testing.assert_close(scores[0, step, i, j], want)
-    table = torch.tensor([[[[0.0, 1.0], [5.0, 0.0]], [[2.0, 0.0], [0.0, 3.0]]]])  # step 0 row 0 → j=1; step 1 row 1 → j=1
+    table = torch.tensor(
+        [[[[0.0, 1.0], [5.0, 0.0]], [[2.0, 0.0], [0.0, 3.0]]]]
+    )  # step 0 row 0 → j=1; step 1 row 1 → j=1
     assert D2.walk(table, cand).tolist() == [[2, 4]]
 
 
@@ -103,7 +124,10 @@ def test_dspark_blocks_draft_from_the_anchor():
     assert blk.prev[0, :4].tolist() == [12, 13, 14, 15]  # the Markov head's input: the gold token at p+k
     assert blk.rows[0, :4].tolist() == [3, 4, 5, 6]
     w = blk.weights[0].tolist()
-    e = lambda x: torch.exp(torch.tensor(x)).item()
+
+    def e(x):
+        return torch.exp(torch.tensor(x)).item()
+
     assert w[:4] == pytest.approx([1.0, e(-0.5), e(-1.0), e(-1.5)])  # exp(−k/γ) from the first prediction
     assert w[4:] == pytest.approx([1.0, 0.0, e(-1.0), 0.0])  # p+k+1 = 8 unsupervised, 10 out of range
 
@@ -138,8 +162,14 @@ def test_dspark_tv_is_zero_when_the_drafter_is_the_target():
     d.confidence_head = None
     head = torch.nn.Linear(32, 96, bias=False)
     hidden = torch.randn(1, 4, 32)
-    blk = FO.DSparkBlocks(ids=None, pos=None, labels=torch.tensor([[3, 4, 5, 6]]), prev=torch.tensor([[2, 3, 4, 5]]),
-                          rows=None, weights=torch.ones(1, 4))
+    blk = FO.DSparkBlocks(
+        ids=None,
+        pos=None,
+        labels=torch.tensor([[3, 4, 5, 6]]),
+        prev=torch.tensor([[2, 3, 4, 5]]),
+        rows=None,
+        weights=torch.ones(1, 4),
+    )
     tv = FO.dspark_objective(d, hidden, head.weight, blk, loss="dspark_tv", teacher_hidden=hidden)
     ce = FO.dspark_objective(d, hidden, head.weight, blk, loss="ce_decay")
     torch.testing.assert_close(tv.total, 0.1 * ce.total)
@@ -160,14 +190,22 @@ def test_export_is_what_vllm_loads(tmp_path, family):
     if family == "dflash2":
         assert cfg["architectures"] == ["DFlash2DraftModel"]
         assert {k: cfg["dflash_config"][k] for k in DFLASH2} == DFLASH2 and cfg["dflash_config"]["causal"] is False
-        assert {"layers.0.attention_conv.base_kernel", "layers.1.mlp_conv.kernel_projection.weight",
-                "candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
-                "candidate_selector.hidden_projection.weight"} <= names
+        assert {
+            "layers.0.attention_conv.base_kernel",
+            "layers.1.mlp_conv.kernel_projection.weight",
+            "candidate_selector.predecessor_codebook",
+            "candidate_selector.successor_codebook",
+            "candidate_selector.hidden_projection.weight",
+        } <= names
     else:
         assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["sample_from_anchor"] is True
         assert {k: cfg[k] for k in DSPARK} == DSPARK
-        assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight",
-                "confidence_head.proj.bias"} <= names
+        assert {
+            "markov_head.markov_w1.weight",
+            "markov_head.markov_w2.weight",
+            "confidence_head.proj.weight",
+            "confidence_head.proj.bias",
+        } <= names
     back = DB.load_drafter(tmp_path)
     assert type(back) is type(d)
     for k, v in d.state_dict().items():
@@ -181,11 +219,11 @@ def test_dspark_oracle_reaches_block_size_plus_one():
 
     target, d = tiny("dspark")
     prompt = [5, 17, 33, 2, 8]
-    greedy = target.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False)[0, len(prompt):].tolist()
+    greedy = target.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False)[0, len(prompt) :].tolist()
 
     def propose(embed, head, bonus, new_context, start, cache, block_size=None):
         done = start - len(prompt) + 1
-        return torch.tensor([greedy[done:done + 4]]), torch.tensor([[0.9, 0.9, 0.5, 0.9]])
+        return torch.tensor([greedy[done : done + 4]]), torch.tensor([[0.9, 0.9, 0.5, 0.9]])
 
     d.propose = propose
     res = speculative_generate(target, d, prompt, block_size=4, max_new_tokens=30)
@@ -209,14 +247,23 @@ def _cfg(**over):
     return validate_config(deep_merge(base, over))
 
 
-@pytest.mark.parametrize("over,needle", [
-    ({"drafter": {"family": "dspark"}, "train": {"loss": "dpace"}}, "cannot train drafter.family dspark"),
-    ({"drafter": {"family": "dflash"}, "train": {"loss": "dspark_tv"}}, "cannot train drafter.family dflash"),
-    ({"drafter": {"family": "dspark"}, "train": {"loss": "dspark_tv", "target_features": "shards"}}, "dspark_tv compares"),
-    ({"drafter": {"family": "dspark"}, "train": {"packing": True}}, "packing is not supported with drafter.family: dspark"),
-    ({"drafter": {"family": "dflash2"}, "eval": {"confidence_threshold": 0.5}}, "no confidence head"),
-    ({"drafter": {"family": "dflash2"}, "train": {"fsdp": True, "num_processes": 2}}, "train.fsdp"),
-])
+@pytest.mark.parametrize(
+    "over,needle",
+    [
+        ({"drafter": {"family": "dspark"}, "train": {"loss": "dpace"}}, "cannot train drafter.family dspark"),
+        ({"drafter": {"family": "dflash"}, "train": {"loss": "dspark_tv"}}, "cannot train drafter.family dflash"),
+        (
+            {"drafter": {"family": "dspark"}, "train": {"loss": "dspark_tv", "target_features": "shards"}},
+            "dspark_tv compares",
+        ),
+        (
+            {"drafter": {"family": "dspark"}, "train": {"packing": True}},
+            "packing is not supported with drafter.family: dspark",
+        ),
+        ({"drafter": {"family": "dflash2"}, "eval": {"confidence_threshold": 0.5}}, "no confidence head"),
+        ({"drafter": {"family": "dflash2"}, "train": {"fsdp": True, "num_processes": 2}}, "train.fsdp"),
+    ],
+)
 def test_family_combinations_refused_at_planning(over, needle):
     found = FA.config_problems(_cfg(**over))
     assert any(needle in p for p in found), found

@@ -6,9 +6,8 @@ import pytest
 import torch
 from conftest import tiny_target_and_drafter
 
-from dflash_pipeline.drafter import model as M
-
 from dflash_pipeline.drafter import build as DB
+from dflash_pipeline.drafter import model as M
 from dflash_pipeline.evaluate.acceptance import acceptance_stats, speculative_generate
 from dflash_pipeline.target.hidden import target_features
 
@@ -76,7 +75,11 @@ def test_same_position_labels_and_decay_weights():
     assert blk[0, :B].tolist() == [15, 99, 99, 99]
     assert pos[0, :B].tolist() == [5, 6, 7, 8]
     assert labels[0, :B].tolist() == [15, 16, 17, 18]  # slot k predicts input_ids[p+k]
-    assert w[0, 0] == 0 and math.isclose(float(w[0, 1]), 1.0) and math.isclose(float(w[0, 2]), math.exp(-1 / 4), rel_tol=1e-6)
+    assert (
+        w[0, 0] == 0
+        and math.isclose(float(w[0, 1]), 1.0)
+        and math.isclose(float(w[0, 2]), math.exp(-1 / 4), rel_tol=1e-6)
+    )
     # block at 17: slots at 18, 19 valid, 20 is past the end
     assert w[0, B:].gt(0).tolist() == [False, True, True, False]
 
@@ -84,7 +87,9 @@ def test_same_position_labels_and_decay_weights():
 def test_loss_without_supervised_slots_still_backprops(tiny):
     target, drafter = tiny
     h = torch.randn(1, 2 * B, 32, requires_grad=True)
-    loss, stats = M.decayed_cross_entropy(h, target.lm_head.weight, torch.zeros(1, 2 * B, dtype=torch.long), torch.zeros(1, 2 * B))
+    loss, stats = M.decayed_cross_entropy(
+        h, target.lm_head.weight, torch.zeros(1, 2 * B, dtype=torch.long), torch.zeros(1, 2 * B)
+    )
     loss.backward()
     assert float(loss) == 0.0 and stats["num_slots"] == 0 and h.grad is not None
 
@@ -137,7 +142,7 @@ def test_speculative_loop_is_lossless_and_random_drafter_tau_near_one(tiny):
     target, drafter = tiny
     prompt = [5, 17, 33, 2, 8]
     res = speculative_generate(target, drafter, prompt, block_size=B, max_new_tokens=20)
-    ref = target.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, len(prompt):].tolist()
+    ref = target.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, len(prompt) :].tolist()
     assert res.output_ids == ref[: len(res.output_ids)] and len(res.output_ids) == 20
     stats = acceptance_stats([res.accept_lengths], B)
     assert 1.0 <= stats["tau"] < 1.5
@@ -147,7 +152,7 @@ def test_oracle_drafter_reaches_block_size(tiny):
     """A drafter that drafts the target's own greedy continuation is always fully accepted: τ = B."""
     target, drafter = tiny
     prompt = [5, 17, 33, 2, 8]
-    greedy = target.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False)[0, len(prompt):].tolist()
+    greedy = target.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False)[0, len(prompt) :].tolist()
 
     class Oracle(torch.nn.Module):
         block_size, target_layer_ids, layers = B, drafter.target_layer_ids, drafter.layers
@@ -190,7 +195,13 @@ def test_export_roundtrip_served_format(tiny, tmp_path):
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         names = set(f.keys())
         assert f.get_tensor("fc.weight").shape == (32, 2 * 32)
-    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight"} <= names
+    assert {
+        "fc.weight",
+        "hidden_norm.weight",
+        "norm.weight",
+        "layers.1.self_attn.q_proj.weight",
+        "layers.0.mlp.down_proj.weight",
+    } <= names
     assert not any("embed" in n or "lm_head" in n or "rotary" in n for n in names)
     again = DB.load_drafter(tmp_path)
     for (k, v), (k2, v2) in zip(drafter.state_dict().items(), again.state_dict().items()):
@@ -208,8 +219,13 @@ def tiny_sliding(tiny):
     target, _ = tiny
     torch.manual_seed(1)
     dcfg = M.drafter_config_from_target(
-        target.config, block_size=B, num_draft_layers=2, target_layer_ids=[1, 3], mask_token_id=95,
-        layer_types=["sliding_attention", "full_attention"], sliding_window=5,
+        target.config,
+        block_size=B,
+        num_draft_layers=2,
+        target_layer_ids=[1, 3],
+        mask_token_id=95,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=5,
     )
     return target, M.DFlashDrafter(dcfg).eval()
 
@@ -239,8 +255,14 @@ def test_sliding_drafter_training_matches_inference(tiny_sliding):
         hidden = drafter(target.model.embed_tokens(blk), feats, torch.arange(S).view(1, -1), pos, attn_mask=masks)
         train_logits = target.lm_head(hidden).view(1, 3, B, -1)
         for n, p in enumerate([2, 8, 9]):
-            inf = drafter.draft_block(target.model.embed_tokens, target.lm_head, ids[:, p], feats[:, :p], p,
-                                      M.DraftContextCache(len(drafter.layers)))
+            inf = drafter.draft_block(
+                target.model.embed_tokens,
+                target.lm_head,
+                ids[:, p],
+                feats[:, :p],
+                p,
+                M.DraftContextCache(len(drafter.layers)),
+            )
             assert torch.allclose(train_logits[0, n], inf[0], atol=1e-5), p
 
 
@@ -263,8 +285,14 @@ def test_flex_attention_mask_matches_dense(tiny_sliding):
 def test_sliding_layers_need_a_window(tiny):
     target, _ = tiny
     with pytest.raises(ValueError, match="sliding_window"):
-        M.drafter_config_from_target(target.config, block_size=B, num_draft_layers=1, target_layer_ids=[1],
-                                     mask_token_id=95, layer_types=["sliding_attention"])
+        M.drafter_config_from_target(
+            target.config,
+            block_size=B,
+            num_draft_layers=1,
+            target_layer_ids=[1],
+            mask_token_id=95,
+            layer_types=["sliding_attention"],
+        )
 
 
 def test_batch_without_supervised_token_gives_every_parameter_a_gradient(tiny):
@@ -274,12 +302,22 @@ def test_batch_without_supervised_token_gives_every_parameter_a_gradient(tiny):
 
     target, drafter = tiny
     drafter = M.DFlashDrafter(drafter.config).train()
-    batch = {"input_ids": torch.randint(0, 90, (2, 12)), "loss_mask": torch.zeros(2, 12, dtype=torch.uint8),
-             "attention_mask": torch.ones(2, 12, dtype=torch.long)}
+    batch = {
+        "input_ids": torch.randint(0, 90, (2, 12)),
+        "loss_mask": torch.zeros(2, 12, dtype=torch.uint8),
+        "attention_mask": torch.ones(2, 12, dtype=torch.long),
+    }
     batch["loss_mask"][0, 3] = 1  # a lone supervised token: still no (p, p+1) pair
     probe = {"drafter": {"target_layer_ids": drafter.target_layer_ids, "mask_token_id": 95}}
-    ctx = StepContext(drafter=drafter, target=target, probe=probe, num_anchors=4, block_size=B, gamma=4.0,
-                      generator=torch.Generator().manual_seed(0))
+    ctx = StepContext(
+        drafter=drafter,
+        target=target,
+        probe=probe,
+        num_anchors=4,
+        block_size=B,
+        gamma=4.0,
+        generator=torch.Generator().manual_seed(0),
+    )
     loss, stats = training_step(ctx, batch)
     loss.backward()
     assert stats["num_slots"] == 0 and float(loss) == 0.0

@@ -12,20 +12,21 @@ import sys
 
 import pytest
 
-from dflash_pipeline.report import tables as report
 from dflash_pipeline.core.config import validate_config
 from dflash_pipeline.core.errors import ConfigError
 from dflash_pipeline.evaluate import engine_acceptance as EE
 from dflash_pipeline.evaluate.outputs import write_eval_table
 from dflash_pipeline.evaluate.sglang_engine import histogram_acceptance_stats
 from dflash_pipeline.evaluate.vllm_server import loop_dtype, served_dtype_of_log
+from dflash_pipeline.report import tables as report
 from dflash_pipeline.testing.server import start_test_server
 from dflash_pipeline.workflow import policy as workflow
 from dflash_pipeline.workflow.problems import problems
 
-PROMPTS = [{"prompt_id": "a", "turns": ["one two three four five six seven eight nine", "again please"],
-            "system": None},
-           {"prompt_id": "b", "turns": ["a b c d e f g h i j k l m n o p"], "system": "be brief"}]
+PROMPTS = [
+    {"prompt_id": "a", "turns": ["one two three four five six seven eight nine", "again please"], "system": None},
+    {"prompt_id": "b", "turns": ["a b c d e f g h i j k l m n o p"], "system": "be brief"},
+]
 
 
 def _pooled(results: list[dict]) -> float:
@@ -37,8 +38,7 @@ def _pooled(results: list[dict]) -> float:
 
 def test_server_acceptance_pools_sglang_meta_info_histograms():
     with start_test_server(flavor="sglang", spec_accept_length=2.5, spec_block_size=4) as srv:
-        r = EE.server_acceptance(srv.base_url, PROMPTS, max_tokens=64, block_size=4, meta_info=True,
-                                 max_concurrency=2)
+        r = EE.server_acceptance(srv.base_url, PROMPTS, max_tokens=64, block_size=4, meta_info=True, max_concurrency=2)
         assert all(b["return_meta_info"] is True for b in srv.stats.requests)
         with pytest.raises(EE.EngineComparisonError, match="no speculative acceptance"):
             EE.server_acceptance(srv.base_url, PROMPTS, max_tokens=64)  # SGLang answers meta_info only when asked
@@ -68,8 +68,15 @@ def _eval_cfg(**over) -> dict:
 def _drafter(tmp_path, block_size=4):
     d = tmp_path / "final"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"block_size": block_size, "num_hidden_layers": 1,  # a drafter's fields
-                                               "dflash_config": {"target_layer_ids": [1], "mask_token_id": 0}}))
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "block_size": block_size,
+                "num_hidden_layers": 1,  # a drafter's fields
+                "dflash_config": {"target_layer_ids": [1], "mask_token_id": 0},
+            }
+        )
+    )
     return d
 
 
@@ -77,21 +84,42 @@ def _loop_record(engine_record: dict) -> dict:
     """The loop's eval record for the same settings and prompts (its figures made up)."""
     st = engine_record["settings"]
     hist = {"1": 40, "2": 30, "3": 20, "4": 10}
-    stats = {"tau": 2.0, "tokens_per_step": 2.0, "histogram": hist, "num_steps": 100, "num_responses": 3,
-             "per_position_acceptance": [0.6, 0.3, 0.1]}
+    stats = {
+        "tau": 2.0,
+        "tokens_per_step": 2.0,
+        "histogram": hist,
+        "num_steps": 100,
+        "num_responses": 3,
+        "per_position_acceptance": [0.6, 0.3, 0.1],
+    }
     settings = {k: st[k] for k in ("block_size", "max_new_tokens", "temperature", "thinking")}
-    return {"settings": {**settings, "dtype": "float32"}, "sets": engine_record["sets"],
-            "drafters": {"trained": {"sets": {"gsm8k": stats}, "settings": {**settings, "dtype": "float32"}}}}
+    return {
+        "settings": {**settings, "dtype": "float32"},
+        "sets": engine_record["sets"],
+        "drafters": {"trained": {"sets": {"gsm8k": stats}, "settings": {**settings, "dtype": "float32"}}},
+    }
 
 
 def test_eval_engine_sglang_writes_engine_tau_beside_ours(tmp_path, capsys):
     with pytest.raises(ConfigError, match="eval.engine: sglang measures τ on a running SGLang server"):
-        EE.evaluate_engine(target_dir=tmp_path, drafter_dir=_drafter(tmp_path), eval_cfg=_eval_cfg(engine="sglang"),
-                           thinking="disable", out_json=tmp_path / "x.json", log_path=tmp_path / "x.log")
+        EE.evaluate_engine(
+            target_dir=tmp_path,
+            drafter_dir=_drafter(tmp_path),
+            eval_cfg=_eval_cfg(engine="sglang"),
+            thinking="disable",
+            out_json=tmp_path / "x.json",
+            log_path=tmp_path / "x.log",
+        )
     with start_test_server(flavor="sglang", spec_accept_length=2.0, spec_block_size=4) as srv:
         cfg = _eval_cfg(engine="sglang", engine_base_url=srv.base_url)
-        eng = EE.evaluate_engine(target_dir=tmp_path, drafter_dir=tmp_path / "final", eval_cfg=cfg, thinking="disable",
-                                 out_json=tmp_path / "engine.json", log_path=tmp_path / "engine.log")
+        eng = EE.evaluate_engine(
+            target_dir=tmp_path,
+            drafter_dir=tmp_path / "final",
+            eval_cfg=cfg,
+            thinking="disable",
+            out_json=tmp_path / "engine.json",
+            log_path=tmp_path / "engine.log",
+        )
         assert srv.stats.chat_requests == 3 and all(b["return_meta_info"] for b in srv.stats.requests)
     printed = capsys.readouterr().out
     assert f"[eval-engine] SGLang at {srv.base_url}" in printed and "engine tau=" in printed
@@ -117,9 +145,12 @@ def test_eval_engine_sglang_writes_engine_tau_beside_ours(tmp_path, capsys):
 
 
 def test_console_summary_without_engine_has_no_engine_lines(tmp_path):
-    record = {"settings": {"block_size": 4, "max_new_tokens": 8, "temperature": 0.0, "thinking": "disable"},
-              "drafters": {"trained": {"sets": {"gsm8k": {"tau": 2.0, "tokens_per_step": 2.0, "num_steps": 3,
-                                                           "num_responses": 1}}}}}
+    record = {
+        "settings": {"block_size": 4, "max_new_tokens": 8, "temperature": 0.0, "thinking": "disable"},
+        "drafters": {
+            "trained": {"sets": {"gsm8k": {"tau": 2.0, "tokens_per_step": 2.0, "num_steps": 3, "num_responses": 1}}}
+        },
+    }
     write_eval_table(record, tmp_path / "acceptance.tsv")
     assert "engine τ" not in report.console_summary(tmp_path / "acceptance.tsv")
 
@@ -132,7 +163,8 @@ def test_eval_engine_lines_reach_the_console(tmp_path, monkeypatch):
         print("[eval-engine]      gsm8k: engine tau=2.400 (metrics, 10 steps, 3 responses, 1.0 s)")
     assert term.getvalue().splitlines() == [
         "[evaluate_engine demo] [eval-engine] vLLM ready at http://127.0.0.1:1/v1 after 31 s",
-        "[evaluate_engine demo] [eval-engine]      gsm8k: engine tau=2.400 (metrics, 10 steps, 3 responses, 1.0 s)"]
+        "[evaluate_engine demo] [eval-engine]      gsm8k: engine tau=2.400 (metrics, 10 steps, 3 responses, 1.0 s)",
+    ]
 
 
 def test_plan_time_problem_for_sglang_without_a_url():
@@ -142,9 +174,11 @@ def test_plan_time_problem_for_sglang_without_a_url():
     assert not any("eval.engine: sglang" in p for p in problems(cfg))
 
 
-VLLM_LOG = ("INFO 12-01 19:00:01 [model.py:2495] Downcasting torch.float32 to torch.bfloat16.\n"
-            "INFO 12-01 19:00:02 [core.py:134] Initializing a V1 LLM engine (v0.32.0) with config: model='/t', "
-            "dtype=torch.bfloat16, max_seq_len=1024, kv_cache_dtype=auto, device_config=cpu\n")
+VLLM_LOG = (
+    "INFO 12-01 19:00:01 [model.py:2495] Downcasting torch.float32 to torch.bfloat16.\n"
+    "INFO 12-01 19:00:02 [core.py:134] Initializing a V1 LLM engine (v0.32.0) with config: model='/t', "
+    "dtype=torch.bfloat16, max_seq_len=1024, kv_cache_dtype=auto, device_config=cpu\n"
+)
 
 
 def test_vllm_is_started_in_the_loops_dtype_and_the_record_says_what_it_served(tmp_path, monkeypatch):
@@ -167,14 +201,28 @@ def test_vllm_is_started_in_the_loops_dtype_and_the_record_says_what_it_served(t
     assert loop_dtype("auto") == "float32" and loop_dtype("bfloat16") == "bfloat16"  # as the loop on this CPU
     assert served_dtype_of_log(VLLM_LOG) == "bfloat16" and served_dtype_of_log("no engine line") is None
     engine = {"loop_dtype": "float32"}
-    EE._open_engine(engine, _eval_cfg(engine="vllm", engine_args=["--max-model-len", "1024"]), target_dir=tmp_path,
-                    drafter_dir=tmp_path, block_size=4, chat_template=None, log_path=tmp_path / "v.log")
+    EE._open_engine(
+        engine,
+        _eval_cfg(engine="vllm", engine_args=["--max-model-len", "1024"]),
+        target_dir=tmp_path,
+        drafter_dir=tmp_path,
+        block_size=4,
+        chat_template=None,
+        log_path=tmp_path / "v.log",
+    )
     assert started["extra_args"] == ["--max-model-len", "1024", "--dtype", "float32"]
     assert engine["dtype"] == "float32" and engine["served_dtype"] == "float32"
     assert engine["dtype_source"] == "target.dtype (the loop's)" and engine["args"] == started["extra_args"]
     engine = {"loop_dtype": "float32"}  # the user's --dtype wins, and the record says whose it is
-    EE._open_engine(engine, _eval_cfg(engine="vllm", engine_args=["--dtype", "float16"]), target_dir=tmp_path,
-                    drafter_dir=tmp_path, block_size=4, chat_template=None, log_path=tmp_path / "v.log")
+    EE._open_engine(
+        engine,
+        _eval_cfg(engine="vllm", engine_args=["--dtype", "float16"]),
+        target_dir=tmp_path,
+        drafter_dir=tmp_path,
+        block_size=4,
+        chat_template=None,
+        log_path=tmp_path / "v.log",
+    )
     assert started["extra_args"] == ["--dtype", "float16"] and engine["dtype_source"] == "eval.engine_args"
 
 
@@ -183,12 +231,21 @@ def test_an_engine_in_another_dtype_than_the_loop_is_flagged():
     sets = {"gsm8k": {"path": "g.jsonl", "num_prompts": 1}}
     loop = {"tau": 2.0, "tokens_per_step": 2.0, "histogram": {"2": 10}, "num_steps": 10, "num_responses": 1}
     for served, flagged in (("bfloat16", True), ("float32", False)):
-        record = {"settings": {**st, "dtype": "float32"}, "sets": sets,
-                  "drafters": {"trained": {"sets": {"gsm8k": dict(loop)}}}}
-        eng = {"settings": st, "sets": sets, "engine": {"name": "vllm", "dtype": "float32", "served_dtype": served},
-               "results": {"gsm8k": {"tau": 2.0, "histogram": {"2": 10}, "num_steps": 10, "source": "metrics"}}}
+        record = {
+            "settings": {**st, "dtype": "float32"},
+            "sets": sets,
+            "drafters": {"trained": {"sets": {"gsm8k": dict(loop)}}},
+        }
+        eng = {
+            "settings": st,
+            "sets": sets,
+            "engine": {"name": "vllm", "dtype": "float32", "served_dtype": served},
+            "results": {"gsm8k": {"tau": 2.0, "histogram": {"2": 10}, "num_steps": 10, "source": "metrics"}},
+        }
         warnings = EE.attach_engine_tau(record, eng)
-        expected = ("the engine served bfloat16, our loop ran the target in float32: the two τ differ by "
-                    "precision as well (eval.engine_args --dtype)")
+        expected = (
+            "the engine served bfloat16, our loop ran the target in float32: the two τ differ by "
+            "precision as well (eval.engine_args --dtype)"
+        )
         assert (warnings == [expected]) == flagged
         assert record["engine"]["served_dtype"] == served

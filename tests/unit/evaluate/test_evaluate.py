@@ -58,7 +58,9 @@ def test_multi_turn_feeds_answers_back_and_counts_each_turn(monkeypatch, tiny):
     """MT-Bench: turn 2 is generated against turn 1 and the loop's own answer; each turn is one response."""
     target, drafter = tiny
     seen_histories = []
-    canned = iter([E.SpecResult([7, 7, 7], [1, 1, 1], 3), E.SpecResult([9, 9, 9, 9], [4], 1), E.SpecResult([5], [1], 1)])
+    canned = iter(
+        [E.SpecResult([7, 7, 7], [1, 1, 1], 3), E.SpecResult([9, 9, 9, 9], [4], 1), E.SpecResult([5], [1], 1)]
+    )
 
     def fake_render(tok, history, **kw):
         seen_histories.append([dict(m) for m in history])
@@ -66,12 +68,27 @@ def test_multi_turn_feeds_answers_back_and_counts_each_turn(monkeypatch, tiny):
 
     monkeypatch.setattr("dflash_pipeline.target.chat.render", fake_render)
     monkeypatch.setattr(E, "speculative_generate", lambda *a, **kw: next(canned))
-    prompts = [{"prompt_id": "a", "turns": ["q1", "q2"], "system": "be brief"}, {"prompt_id": "b", "turns": ["r1"], "system": None}]
-    s = E.run_eval_set(target, _Tok(), drafter, prompts, block_size=B, max_new_tokens=8, temperature=0.0, seed=0,
-                       thinking="disable", stop_token_ids=[0])
+    prompts = [
+        {"prompt_id": "a", "turns": ["q1", "q2"], "system": "be brief"},
+        {"prompt_id": "b", "turns": ["r1"], "system": None},
+    ]
+    s = E.run_eval_set(
+        target,
+        _Tok(),
+        drafter,
+        prompts,
+        block_size=B,
+        max_new_tokens=8,
+        temperature=0.0,
+        seed=0,
+        thinking="disable",
+        stop_token_ids=[0],
+    )
     assert seen_histories[1] == [
-        {"role": "system", "content": "be brief"}, {"role": "user", "content": "q1"},
-        {"role": "assistant", "content": "answer-7"}, {"role": "user", "content": "q2"},
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "answer-7"},
+        {"role": "user", "content": "q2"},
     ]
     assert seen_histories[2] == [{"role": "user", "content": "r1"}]
     assert s["num_responses"] == 3 and s["num_conversations"] == 2
@@ -88,7 +105,9 @@ def test_temperature_sampling_is_seeded_and_consistent(tiny):
 
     def run(seed, temperature=1.0):
         g = torch.Generator().manual_seed(seed)
-        return E.speculative_generate(target, drafter, prompt, block_size=B, max_new_tokens=24, temperature=temperature, generator=g)
+        return E.speculative_generate(
+            target, drafter, prompt, block_size=B, max_new_tokens=24, temperature=temperature, generator=g
+        )
 
     a, b, c = run(0), run(0), run(1)
     assert a.output_ids == b.output_ids and a.accept_lengths == b.accept_lengths  # reproducible per seed
@@ -97,7 +116,7 @@ def test_temperature_sampling_is_seeded_and_consistent(tiny):
         assert len(r.output_ids) == 24 and all(1 <= x <= B for x in r.accept_lengths)
         assert sum(r.accept_lengths) >= len(r.output_ids) - 1  # every committed token came from a verify step
         assert r.target_forwards == len(r.accept_lengths)
-    greedy = target.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
+    greedy = target.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt) :].tolist()
     assert run(0, temperature=1e-6).output_ids == greedy  # T→0 is the greedy loop
     assert a.output_ids != greedy
 
@@ -126,12 +145,28 @@ def test_zero_features_drafter_sees_zeros(tiny):
 
 
 def _record(thinking="disable", tau=2.0, sets=("gsm8k",), temperature=0.0):
-    entry = {"checkpoint": "ckpt", "train_steps": 10, "zero_target_features": False, "sets": {
-        s: {"tau": tau, "per_position_acceptance": [0.5, 0.25, 0.1], "histogram": {}, "num_responses": 2,
-            "num_steps": 4, "tokens_per_target_forward": tau} for s in sets}}
+    entry = {
+        "checkpoint": "ckpt",
+        "train_steps": 10,
+        "zero_target_features": False,
+        "sets": {
+            s: {
+                "tau": tau,
+                "per_position_acceptance": [0.5, 0.25, 0.1],
+                "histogram": {},
+                "num_responses": 2,
+                "num_steps": 4,
+                "tokens_per_target_forward": tau,
+            }
+            for s in sets
+        },
+    }
     floor = {"checkpoint": None, "train_steps": 0, "sets": {s: {**entry["sets"][s], "tau": 1.0} for s in sets}}
-    return {"settings": {"thinking": thinking, "temperature": temperature, "block_size": B, "max_new_tokens": 8},
-            "drafters": {"trained": entry, "untrained": floor}, "tau_over_untrained": {"trained": {s: tau for s in sets}}}
+    return {
+        "settings": {"thinking": thinking, "temperature": temperature, "block_size": B, "max_new_tokens": 8},
+        "drafters": {"trained": entry, "untrained": floor},
+        "tau_over_untrained": {"trained": {s: tau for s in sets}},
+    }
 
 
 def test_refuses_to_compare_thinking_modes():
@@ -149,8 +184,11 @@ def test_merge_same_thinking_mode_side_by_side():
     assert set(merged["drafters"]) == {"t0/trained", "t0/untrained", "t1/trained", "t1/untrained"}
     assert merged["drafters"]["t1/trained"]["settings"]["temperature"] == 1.0  # settings travel with the numbers
     rows = E.eval_table_rows(merged)
-    assert {(r["drafter"], r["tau"], r["temperature"]) for r in rows if r["drafter"].endswith("trained") and "un" not in r["drafter"]} == {
-        ("t0/trained", 3.0, 0.0), ("t1/trained", 2.0, 1.0)}
+    assert {
+        (r["drafter"], r["tau"], r["temperature"])
+        for r in rows
+        if r["drafter"].endswith("trained") and "un" not in r["drafter"]
+    } == {("t0/trained", 3.0, 0.0), ("t1/trained", 2.0, 1.0)}
 
 
 # --- plots and tables --------------------------------------------------------------------------------
@@ -159,8 +197,11 @@ def test_merge_same_thinking_mode_side_by_side():
 def test_plots_and_table_written(tmp_path):
     rec = _record(sets=("gsm8k", "mt_bench"))
     E.plot_acceptance(rec, tmp_path / "acc.png")
-    series = {"settings": rec["settings"], "num_prompts": {"gsm8k": 2},
-              "points": [{"step": 5, "sets": {"gsm8k": {"tau": 1.5}}}, {"step": 10, "sets": {"gsm8k": {"tau": 2.5}}}]}
+    series = {
+        "settings": rec["settings"],
+        "num_prompts": {"gsm8k": 2},
+        "points": [{"step": 5, "sets": {"gsm8k": {"tau": 1.5}}}, {"step": 10, "sets": {"gsm8k": {"tau": 2.5}}}],
+    }
     log = tmp_path / "train_log.jsonl"
     log.write_text("".join(json.dumps({"step": s, "loss": 3.0 / s, "eal": 1 + s / 10}) + "\n" for s in (1, 5, 10)))
     E.plot_tau_vs_step(series, tmp_path / "tau.png", train_log=log)
@@ -184,7 +225,13 @@ def test_eval_sets_exclude_training_prompts_before_drawing(tmp_path):
     train_ids = {r["prompt_id"] for r in every["mt"][:3]}
     sets, info = E.load_eval_sets(cfg, exclude_prompt_ids=train_ids)
     assert [r["prompt_id"] for r in sets["mt"]] == [r["prompt_id"] for r in every["mt"][3:7]]
-    assert info["mt"] == {**info["mt"], "available": 10, "excluded_training_prompts": 3, "num_prompts": 4, "num_turns": 8}
+    assert info["mt"] == {
+        **info["mt"],
+        "available": 10,
+        "excluded_training_prompts": 3,
+        "num_prompts": 4,
+        "num_turns": 8,
+    }
     # the training prompt id of a multi-turn prompt hashes the same user messages
     first = every["mt"][0]
     assert first["prompt_id"] == prompt_id([{"role": "user", "content": t} for t in first["turns"]])
@@ -193,14 +240,18 @@ def test_eval_sets_exclude_training_prompts_before_drawing(tmp_path):
 def test_report_tables(tmp_path):
     from dflash_pipeline.report import tables as report
 
-    manifest = {"datasets": {
-        "a": {"read": 10, "kept": 7, "dropped": {"duplicate": 2, "empty": 1}, "shards": [{"name": "00000"}]},
-        "b": {"read": 3, "kept": 3, "dropped": {}, "shards": []},
-    }}
+    manifest = {
+        "datasets": {
+            "a": {"read": 10, "kept": 7, "dropped": {"duplicate": 2, "empty": 1}, "shards": [{"name": "00000"}]},
+            "b": {"read": 3, "kept": 3, "dropped": {}, "shards": []},
+        }
+    }
     (tmp_path / "m.json").write_text(json.dumps(manifest))
     rows = report.prompts_table(tmp_path / "m.json", tmp_path / "p.tsv")
     assert rows[0]["dropped_duplicate"] == 2 and rows[0]["dropped_total"] == 3 and rows[1]["dropped_empty"] == 0
     text = (tmp_path / "p.tsv").read_text().splitlines()
     assert text[0].startswith("dataset\tread\tkept\tshards\tdropped_total\tdropped_duplicate\tdropped_empty")
-    (tmp_path / "probe.json").write_text(json.dumps({"drafter": {"block_size": 8, "target_layer_ids": [1, 3]}, "x": None}))
+    (tmp_path / "probe.json").write_text(
+        json.dumps({"drafter": {"block_size": 8, "target_layer_ids": [1, 3]}, "x": None})
+    )
     assert ("drafter.target_layer_ids", "1, 3") in report.probe_table(tmp_path / "probe.json", tmp_path / "probe.tsv")

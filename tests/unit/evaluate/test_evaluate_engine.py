@@ -36,7 +36,9 @@ def test_counters_to_acceptance_stats():
     assert st["histogram"] == {"1": 3, "2": 2, "3": 3, "4": 2}
     mean = sum(int(k) * v for k, v in st["histogram"].items()) / 10
     assert mean == pytest.approx(st["tau"])
-    assert st["tau_sd"] == pytest.approx(math.sqrt(sum(v * (int(k) - 2.4) ** 2 for k, v in st["histogram"].items()) / 10))
+    assert st["tau_sd"] == pytest.approx(
+        math.sqrt(sum(v * (int(k) - 2.4) ** 2 for k, v in st["histogram"].items()) / 10)
+    )
 
 
 def test_counters_that_do_not_add_up_or_no_drafts_are_errors():
@@ -49,8 +51,13 @@ def test_counters_that_do_not_add_up_or_no_drafts_are_errors():
 
 def _loop_stats(hist: dict, n_resp: int = 2) -> dict:
     n = sum(hist.values())
-    return {"histogram": hist, "num_steps": n, "tokens_per_step": sum(int(k) * v for k, v in hist.items()) / n,
-            "tau": 0.0, "num_responses": n_resp}
+    return {
+        "histogram": hist,
+        "num_steps": n,
+        "tokens_per_step": sum(int(k) * v for k, v in hist.items()) / n,
+        "tau": 0.0,
+        "num_responses": n_resp,
+    }
 
 
 def test_compare_tau_uses_the_noise_of_both_sides():
@@ -74,14 +81,30 @@ def test_compare_tau_uses_the_noise_of_both_sides():
 def _records(engine_tau_hist: dict):
     sets = {"gsm8k": {"path": "g.jsonl", "num_prompts": 2}}
     settings = {"block_size": 4, "max_new_tokens": 12, "temperature": 0.0, "thinking": "disable"}
-    record = {"settings": settings, "sets": sets, "drafters": {
-        "trained": {"sets": {"gsm8k": _loop_stats({"1": 300, "2": 200, "3": 300, "4": 200})}},
-        "untrained": {"sets": {"gsm8k": _loop_stats({"1": 10})}}}}
+    record = {
+        "settings": settings,
+        "sets": sets,
+        "drafters": {
+            "trained": {"sets": {"gsm8k": _loop_stats({"1": 300, "2": 200, "3": 300, "4": 200})}},
+            "untrained": {"sets": {"gsm8k": _loop_stats({"1": 10})}},
+        },
+    }
     n = sum(engine_tau_hist.values())
-    eng = {"settings": {**settings, "num_speculative_tokens": 3}, "sets": sets, "drafter": "final",
-           "engine": {"name": "vllm", "version": "0.32.0+cpu", "num_draft_layers": 1, "exact": True},
-           "results": {"gsm8k": {"tau": sum(int(k) * v for k, v in engine_tau_hist.items()) / n, "histogram": engine_tau_hist,
-                                 "per_position_acceptance": [0.7, 0.5, 0.2], "num_steps": n, "source": "metrics"}}}
+    eng = {
+        "settings": {**settings, "num_speculative_tokens": 3},
+        "sets": sets,
+        "drafter": "final",
+        "engine": {"name": "vllm", "version": "0.32.0+cpu", "num_draft_layers": 1, "exact": True},
+        "results": {
+            "gsm8k": {
+                "tau": sum(int(k) * v for k, v in engine_tau_hist.items()) / n,
+                "histogram": engine_tau_hist,
+                "per_position_acceptance": [0.7, 0.5, 0.2],
+                "num_steps": n,
+                "source": "metrics",
+            }
+        },
+    }
     return record, eng
 
 
@@ -144,8 +167,15 @@ def test_speculative_config_and_serve_md(tmp_path):
     assert "--speculative-num-draft-tokens 10" in cmds["sglang"] and "--speculative-algorithm DFLASH" in cmds["sglang"]
     d = tmp_path / "final"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"block_size": 8, "num_hidden_layers": 2,
-                                               "dflash_config": {"target_layer_ids": [1, 17, 33], "mask_token_id": 5}}))
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "block_size": 8,
+                "num_hidden_layers": 2,
+                "dflash_config": {"target_layer_ids": [1, 17, 33], "mask_token_id": 5},
+            }
+        )
+    )
     text = write_serve_md(d, target="/models/qwen3-8b").read_text()
     assert '\\"num_speculative_tokens\\": 7' not in text and '"num_speculative_tokens": 7' in text
     assert "--speculative-num-draft-tokens 8" in text and "[2, 18, 34]" in text and "/models/qwen3-8b" in text

@@ -26,11 +26,20 @@ H, K = 64, 2
 def _write(path: Path, feats: list[torch.Tensor], dtype: str, meta_extra: dict | None = None) -> Path:
     lengths = np.array([len(f) for f in feats])
     n = int(lengths.sum())
-    meta = {"schema_version": FEATURE_SCHEMA_VERSION, "num_records": len(feats), "num_tokens": n,
-            "target_layer_ids": [1, 2], "hidden_size": H, "dtype": dtype, "last_hidden": False}
+    meta = {
+        "schema_version": FEATURE_SCHEMA_VERSION,
+        "num_records": len(feats),
+        "num_tokens": n,
+        "target_layer_ids": [1, 2],
+        "hidden_size": H,
+        "dtype": dtype,
+        "last_hidden": False,
+    }
     meta.update(meta_extra or {})
     meta = {k: v for k, v in meta.items() if v is not None}
-    w = FeatureShardWriter(path, FeatureLayout(lengths, K, H, dtype, False, meta), np.zeros(n, np.int32), np.ones(n, np.uint8))
+    w = FeatureShardWriter(
+        path, FeatureLayout(lengths, K, H, dtype, False, meta), np.zeros(n, np.int32), np.ones(n, np.uint8)
+    )
     for r, f in enumerate(feats):
         w.write(r, f)
     w.commit(len(feats))
@@ -73,6 +82,7 @@ def _meta_edit(fn):
         meta = json.loads(hdr["__metadata__"]["dflash"])
         fn(meta)
         hdr["__metadata__"]["dflash"] = json.dumps(meta, sort_keys=True)
+
     return edit
 
 
@@ -103,15 +113,31 @@ def test_schema_1_fp8_shard_with_one_scale_per_token_still_reads(tmp_path):
     assert scale.shape == (6,)
     from safetensors.numpy import save_file
 
-    meta = {"schema_version": 1, "num_records": 1, "num_tokens": 6, "target_layer_ids": [1, 2], "hidden_size": H,
-            "dtype": "float8_e4m3", "last_hidden": False}
-    arrays = {"offsets": np.array([0, 6], np.int64), "feature_scale": scale.astype(np.float32),
-              "num_loss_tokens": np.array([6], np.int32), "input_ids": np.zeros(6, np.int32),
-              "features": q, "loss_mask": np.ones(6, np.uint8)}
+    meta = {
+        "schema_version": 1,
+        "num_records": 1,
+        "num_tokens": 6,
+        "target_layer_ids": [1, 2],
+        "hidden_size": H,
+        "dtype": "float8_e4m3",
+        "last_hidden": False,
+    }
+    arrays = {
+        "offsets": np.array([0, 6], np.int64),
+        "feature_scale": scale.astype(np.float32),
+        "num_loss_tokens": np.array([6], np.int32),
+        "input_ids": np.zeros(6, np.int32),
+        "features": q,
+        "loss_mask": np.ones(6, np.uint8),
+    }
     save_file(arrays, str(p), metadata={"dflash": json.dumps(meta)})
     _reheader(p, lambda h: h["features"].update(dtype="F8_E4M3"))
     back = FeatureShard(p).features(0).float()
-    want = (torch.from_numpy(q).view(torch.float8_e4m3fn).float() * torch.from_numpy(scale)[:, None]).to(torch.bfloat16).float()
+    want = (
+        (torch.from_numpy(q).view(torch.float8_e4m3fn).float() * torch.from_numpy(scale)[:, None])
+        .to(torch.bfloat16)
+        .float()
+    )
     assert torch.equal(back, want)
 
 
@@ -122,8 +148,16 @@ def test_hidden_states_of_never_computes_full_vocabulary_logits():
     from dflash_pipeline.features.hf_backend import HFExtractor
     from dflash_pipeline.target import loading as T
 
-    cfg = Qwen3Config(vocab_size=80, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)
+    cfg = Qwen3Config(
+        vocab_size=80,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=False,
+    )
     target = Qwen3ForCausalLM(cfg).eval()
     seen = []
     target.lm_head.register_forward_hook(lambda m, i, o: seen.append(tuple(i[0].shape)))
@@ -135,5 +169,5 @@ def test_hidden_states_of_never_computes_full_vocabulary_logits():
     ext = HFExtractor.__new__(HFExtractor)
     ext.model, ext.device, ext.index, ext._hook, ext._last = target, torch.device("cpu"), [2, 3], None, None
     seen.clear()
-    (_, feats, _), = list(ext.run([0], [np.arange(9)]))
+    ((_, feats, _),) = list(ext.run([0], [np.arange(9)]))
     assert feats.shape == (9, 64) and seen == [(1, 1, 32)]

@@ -27,9 +27,20 @@ from dflash_pipeline.features.weights import find_embed_and_head_keys, load_embe
 LAYERS = [1, 2]
 FEATURES_CFG = {"backend": "hf", "dtype": "bfloat16", "last_hidden": True, "chunk_tokens": 64}
 TRAIN_CFG = {
-    "num_processes": 1, "epochs": 2, "batch_size": 4, "learning_rate": 2e-3, "warmup_ratio": 0.1,
-    "weight_decay": 0.0, "max_grad_norm": 1.0, "num_anchors": 8, "loss_gamma": None, "mixed_precision": "no",
-    "seed": 0, "save_every_steps": 1000, "log_every_steps": 1, "trace_batches": False,
+    "num_processes": 1,
+    "epochs": 2,
+    "batch_size": 4,
+    "learning_rate": 2e-3,
+    "warmup_ratio": 0.1,
+    "weight_decay": 0.0,
+    "max_grad_norm": 1.0,
+    "num_anchors": 8,
+    "loss_gamma": None,
+    "mixed_precision": "no",
+    "seed": 0,
+    "save_every_steps": 1000,
+    "log_every_steps": 1,
+    "trace_batches": False,
 }
 
 
@@ -43,8 +54,17 @@ def token_shard(path: Path, n: int, seed: int, lo: int = 20, hi: int = 40) -> Pa
         mask = [0] * (k // 2) + [1] * (k - k // 2)
         if i == 3:
             mask = [0] * k  # no supervised token: kept in the feature shard, skipped by the trainer
-        recs.append({"prompt_id": f"p{seed}-{i}", "input_ids": ids, "loss_mask": mask, "num_tokens": k,
-                     "num_loss_tokens": sum(mask), "truncated": False, "turn": 0})
+        recs.append(
+            {
+                "prompt_id": f"p{seed}-{i}",
+                "input_ids": ids,
+                "loss_mask": mask,
+                "num_tokens": k,
+                "num_loss_tokens": sum(mask),
+                "truncated": False,
+                "turn": 0,
+            }
+        )
     write_parquet(path, table_from_records(recs, TOKEN_SCHEMA))
     return path
 
@@ -53,23 +73,44 @@ def token_shard(path: Path, n: int, seed: int, lo: int = 20, hi: int = 40) -> Pa
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("features")
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=80, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8, max_position_embeddings=2048, tie_word_embeddings=False)
+    cfg = Qwen3Config(
+        vocab_size=80,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
     target = Qwen3ForCausalLM(cfg)
     with torch.no_grad():
         target.lm_head.weight.mul_(40.0)
     target.save_pretrained(root / "target")
     token_shard(root / "a.parquet", 24, 0)
     token_shard(root / "b.parquet", 10, 1)
-    probe = {"hidden_size": 32, "num_hidden_layers": 4, "tie_word_embeddings": False,
-             "drafter": {"block_size": 4, "num_draft_layers": 1, "target_layer_ids": LAYERS, "mask_token_id": 79}}
+    probe = {
+        "hidden_size": 32,
+        "num_hidden_layers": 4,
+        "tie_word_embeddings": False,
+        "drafter": {"block_size": 4, "num_draft_layers": 1, "target_layer_ids": LAYERS, "mask_token_id": 79},
+    }
     (root / "probe.json").write_text(json.dumps(probe))
     return root, probe, target
 
 
 def extract(root, token, out, **kw):
-    args = dict(target_dir=root / "target", target_layer_ids=LAYERS, hidden_size=32, num_hidden_layers=4,
-                backend="hf", dtype="bfloat16", last_hidden=True, chunk_tokens=64)
+    args = dict(
+        target_dir=root / "target",
+        target_layer_ids=LAYERS,
+        hidden_size=32,
+        num_hidden_layers=4,
+        backend="hf",
+        dtype="bfloat16",
+        last_hidden=True,
+        chunk_tokens=64,
+    )
     args.update(kw)
     return extract_shard(token, out, **args)
 
@@ -144,9 +185,22 @@ def test_kill9_mid_shard_resumes(setup, tmp_path):
     extract(root, root / "b.parquet", done)
     before = (done.stat().st_mtime_ns, done.read_bytes())
     out = tmp_path / "big.safetensors"
-    cmd = [sys.executable, "-m", "dflash_pipeline.features", "extract", "--probe", str(root / "probe.json"),
-           "--target", str(root / "target"), "--token-shard", str(big), "--out", str(out),
-           "--features-config", json.dumps(dict(FEATURES_CFG, chunk_tokens=300))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dflash_pipeline.features",
+        "extract",
+        "--probe",
+        str(root / "probe.json"),
+        "--target",
+        str(root / "target"),
+        "--token-shard",
+        str(big),
+        "--out",
+        str(out),
+        "--features-config",
+        json.dumps(dict(FEATURES_CFG, chunk_tokens=300)),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     progress = out.with_name(f".{out.name}.progress")
@@ -173,18 +227,28 @@ def test_kill9_mid_shard_resumes(setup, tmp_path):
     assert not progress.exists()
 
 
-@pytest.mark.parametrize("prefix,tied", [("model.", False), ("model.language_model.", False),
-                                         ("language_model.model.", True)])
+@pytest.mark.parametrize(
+    "prefix,tied", [("model.", False), ("model.language_model.", False), ("language_model.model.", True)]
+)
 def test_embed_and_head_keys_with_prefixes(tmp_path, prefix, tied):
     emb = torch.randn(50, 8)
-    tensors = {f"{prefix}embed_tokens.weight": emb, f"{prefix}layers.0.mlp.weight": torch.randn(2, 2),
-               "model.visual.patch_embed.weight": torch.randn(3, 3), "mtp.embed_tokens.weight": torch.randn(50, 8)}
-    head_key = prefix.replace("model.", "", 1) + "lm_head.weight" if prefix.startswith("model.") else prefix.replace("model.", "") + "lm_head.weight"
+    tensors = {
+        f"{prefix}embed_tokens.weight": emb,
+        f"{prefix}layers.0.mlp.weight": torch.randn(2, 2),
+        "model.visual.patch_embed.weight": torch.randn(3, 3),
+        "mtp.embed_tokens.weight": torch.randn(50, 8),
+    }
+    head_key = (
+        prefix.replace("model.", "", 1) + "lm_head.weight"
+        if prefix.startswith("model.")
+        else prefix.replace("model.", "") + "lm_head.weight"
+    )
     if not tied:
         tensors[head_key] = torch.randn(50, 8)
     save_file(tensors, str(tmp_path / "model-00001-of-00001.safetensors"))
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {k: "model-00001-of-00001.safetensors" for k in tensors}}))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {k: "model-00001-of-00001.safetensors" for k in tensors}})
+    )
     e, h = find_embed_and_head_keys(tmp_path)
     assert e == f"{prefix}embed_tokens.weight" and h == (None if tied else head_key)
     embed, lm_head = load_embed_and_head(tmp_path, dtype=torch.float32)
@@ -205,17 +269,31 @@ def test_train_from_shards_never_loads_target_and_matches_online(setup, tmp_path
     extract(root, root / "a.parquet", fa)
     extract(root, root / "b.parquet", fb)
     tokens = [root / "a.parquet", root / "b.parquet"]
-    online = train(token_shards=tokens, probe=probe, target_dir=root / "target", out_dir=tmp_path / "online",
-                   cfg=dict(TRAIN_CFG, target_features="online"))
+    online = train(
+        token_shards=tokens,
+        probe=probe,
+        target_dir=root / "target",
+        out_dir=tmp_path / "online",
+        cfg=dict(TRAIN_CFG, target_features="online"),
+    )
 
     def refuse(*a, **k):
         raise AssertionError("the target was instantiated")
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
-    shards = train(token_shards=tokens, feature_shards=[fa, fb], probe=probe, target_dir=root / "target",
-                   out_dir=tmp_path / "shards", cfg=dict(TRAIN_CFG, target_features="shards"))
+    shards = train(
+        token_shards=tokens,
+        feature_shards=[fa, fb],
+        probe=probe,
+        target_dir=root / "target",
+        out_dir=tmp_path / "shards",
+        cfg=dict(TRAIN_CFG, target_features="shards"),
+    )
     assert shards["records"] == online["records"] == 32 and shards["steps"] == online["steps"]
-    logs = {k: [json.loads(x) for x in (tmp_path / k / "train_log.jsonl").read_text().splitlines()] for k in ("online", "shards")}
+    logs = {
+        k: [json.loads(x) for x in (tmp_path / k / "train_log.jsonl").read_text().splitlines()]
+        for k in ("online", "shards")
+    }
     lo, ls = [r["loss"] for r in logs["online"]], [r["loss"] for r in logs["shards"]]
     print(f"final loss online {lo[-1]:.4f} shards {ls[-1]:.4f}")
     assert lo[-1] < lo[0] and ls[-1] < ls[0]
@@ -230,12 +308,21 @@ def test_online_token_index_equals_token_shards(setup, tmp_path):
     from dflash_pipeline.train.data import open_training_data
 
     root, probe, _ = setup
-    data = open_training_data({"target_features": "online"}, [root / "a.parquet", root / "b.parquet"], [],
-                              target_dir=root / "target", out_dir=tmp_path, probe=probe, device="cpu")
+    data = open_training_data(
+        {"target_features": "online"},
+        [root / "a.parquet", root / "b.parquet"],
+        [],
+        target_dir=root / "target",
+        out_dir=tmp_path,
+        probe=probe,
+        device="cpu",
+    )
     rows = []
     for p in ("a.parquet", "b.parquet"):
         t = pq.read_table(root / p)
-        rows += [(i, m) for i, m in zip(t.column("input_ids").to_pylist(), t.column("loss_mask").to_pylist()) if sum(m) >= 2]
+        rows += [
+            (i, m) for i, m in zip(t.column("input_ids").to_pylist(), t.column("loss_mask").to_pylist()) if sum(m) >= 2
+        ]
     assert len(data.dataset) == len(rows) == 32
     for k, (i, m) in enumerate(rows):
         got_i, got_m = data.dataset[k]
@@ -265,11 +352,26 @@ def test_plan_states_bytes_and_fails_when_disk_short(tmp_path):
     (tmp_path / "tokens" / "d").mkdir(parents=True)
     token_shard(tmp_path / "tokens" / "d" / "00000.parquet", 10, 0)
     n = int(read_token_arrays(tmp_path / "tokens" / "d" / "00000.parquet")[2].sum())
-    plan = plan_features(num_layers=5, hidden_size=7168, dtype="bfloat16", last_hidden=False, results_dir=tmp_path,
-                         shards=[("d", "00000"), ("d", "00001")], max_length=100, prompt_counts={("d", "00000"): 10, ("d", "00001"): 10})
+    plan = plan_features(
+        num_layers=5,
+        hidden_size=7168,
+        dtype="bfloat16",
+        last_hidden=False,
+        results_dir=tmp_path,
+        shards=[("d", "00000"), ("d", "00001")],
+        max_length=100,
+        prompt_counts={("d", "00000"): 10, ("d", "00001"): 10},
+    )
     assert plan.bytes_per_token == 71_685 and plan.tokens_kind == "estimated" and plan.tokens == 2 * n
     assert "71,685 B/token" in plan.describe() and plan.shortfall(0.0) is None
     assert "only" in plan.shortfall(1.0)  # asking for the whole filesystem free cannot be met
-    plan = plan_features(num_layers=5, hidden_size=7168, dtype="bfloat16", last_hidden=False, results_dir=tmp_path,
-                         shards=None, max_length=100)
+    plan = plan_features(
+        num_layers=5,
+        hidden_size=7168,
+        dtype="bfloat16",
+        last_hidden=False,
+        results_dir=tmp_path,
+        shards=None,
+        max_length=100,
+    )
     assert plan.tokens is None and plan.shortfall(1.0) is None and "after the prompts checkpoint" in plan.describe()

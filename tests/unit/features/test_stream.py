@@ -64,21 +64,15 @@ class Server:
         if last_hidden:
             cmd.append("--last-hidden")
         env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-        )
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.log = []
-        for (
-            line
-        ) in self.proc.stdout:  # blocks until the server reports it is ready (or exits)
+        for line in self.proc.stdout:  # blocks until the server reports it is ready (or exits)
             self.log.append(line)
             if line.startswith("[features] serving "):
                 self.url = line.split()[2]
                 break
         else:
-            raise RuntimeError(
-                "feature server exited before serving:\n" + "".join(self.log)
-            )
+            raise RuntimeError("feature server exited before serving:\n" + "".join(self.log))
         self.scratch = scratch
 
     def kill(self) -> None:
@@ -163,9 +157,7 @@ def _client(urls, transport="path", last_hidden=False, fleet=FAST_FLEET):
 
 
 def _log(run_dir: Path) -> list[dict]:
-    return [
-        json.loads(x) for x in (run_dir / "train_log.jsonl").read_text().splitlines()
-    ]
+    return [json.loads(x) for x in (run_dir / "train_log.jsonl").read_text().splitlines()]
 
 
 def _train(setup, out_dir, mode, stream=None, **cfg):
@@ -201,9 +193,7 @@ def test_server_contract_path_and_bytes(setup, server):
         c = _client([server.url], transport)
         try:
             got = c.fetch_all(recs)
-            with pytest.raises(
-                StreamError, match=r"HTTP 400.*token id 99 outside the vocabulary"
-            ):
+            with pytest.raises(StreamError, match=r"HTTP 400.*token id 99 outside the vocabulary"):
                 c.submit(np.array([5, 99])).result()
         finally:
             c.close()
@@ -232,9 +222,7 @@ def test_stream_run_equals_shards_run(setup, server, shards_run, tmp_path):
         },
     )
     assert st["steps"] == ref["steps"] and st["records"] == ref["records"]
-    assert [r["loss"] for r in _log(tmp_path / "stream")] == [
-        r["loss"] for r in _log(ref_dir)
-    ]
+    assert [r["loss"] for r in _log(tmp_path / "stream")] == [r["loss"] for r in _log(ref_dir)]
     a, b = (
         load_file(ref_dir / "final" / "model.safetensors"),
         load_file(tmp_path / "stream" / "final" / "model.safetensors"),
@@ -242,16 +230,10 @@ def test_stream_run_equals_shards_run(setup, server, shards_run, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     rec = _log(tmp_path / "stream")[-1]
     assert (
-        0.0 <= rec["stream_wait_fraction"] <= 1.0
-        and rec["server_tokens_per_s"] > 0
-        and rec["trainer_tokens_per_s"] > 0
+        0.0 <= rec["stream_wait_fraction"] <= 1.0 and rec["server_tokens_per_s"] > 0 and rec["trainer_tokens_per_s"] > 0
     )
     s = st["stream"]
-    assert (
-        s["peak_scratch_bytes"] > 0
-        and s["suggested_servers_per_rank"] >= 1
-        and s["retries"] == 0
-    )
+    assert s["peak_scratch_bytes"] > 0 and s["suggested_servers_per_rank"] >= 1 and s["retries"] == 0
     assert list(server.scratch.iterdir()) == []
 
 
@@ -273,9 +255,7 @@ class _FakeClient:
         self.pending.append((np.asarray(ids), f))
         if self.submitted >= self.hold:
             for ids_, f_ in reversed(self.pending):
-                f_.set_result(
-                    Features(torch.full((len(ids_), 4), float(ids_[0])), None, 0, 0)
-                )
+                f_.set_result(Features(torch.full((len(ids_), 4), float(ids_[0])), None, 0, 0))
             self.pending = []
         return f
 
@@ -292,9 +272,7 @@ def _batches(n, b=2, s=6):
         ids = torch.arange(b * s).reshape(b, s) + 100 * i
         am = torch.ones(b, s, dtype=torch.long)
         am[1, 4:] = 0
-        out.append(
-            {"input_ids": ids, "attention_mask": am, "loss_mask": am.to(torch.uint8)}
-        )
+        out.append({"input_ids": ids, "attention_mask": am, "loss_mask": am.to(torch.uint8)})
     return out
 
 
@@ -304,17 +282,13 @@ def test_window_is_bounded_and_order_is_the_loaders():
     from dflash_pipeline.train.stream import FeatureStream
 
     fake = _FakeClient(hold=6)  # the first 3 batches (6 records) answered newest first
-    fs = FeatureStream(
-        fake, prefetch_batches=3, max_inflight_bytes=10**9, wire_bytes_per_token=8
-    )
+    fs = FeatureStream(fake, prefetch_batches=3, max_inflight_bytes=10**9, wire_bytes_per_token=8)
     gen = fs.batches(iter(_batches(5)))
     first = next(gen)
     assert fake.submitted == 6  # 3 batches ahead, no more
     assert torch.equal(first["features"][0, :, 0], torch.zeros(6))
     assert torch.equal(first["features"][1, :4, 0], torch.full((4,), 6.0))
-    assert torch.equal(
-        first["features"][1, 4:], torch.zeros(2, 4)
-    )  # padding stays zero
+    assert torch.equal(first["features"][1, 4:], torch.zeros(2, 4))  # padding stays zero
     rest = list(gen)
     assert [int(b["input_ids"][0, 0]) for b in [first, *rest]] == [
         0,
@@ -338,9 +312,7 @@ def test_window_is_bounded_and_order_is_the_loaders():
         max_inflight_bytes=10 * 8,
         wire_bytes_per_token=8,
     )
-    assert (
-        len(list(one.batches(iter(_batches(3))))) == 3 and one.peak_inflight == 10 * 8
-    )
+    assert len(list(one.batches(iter(_batches(3))))) == 3 and one.peak_inflight == 10 * 8
 
 
 def test_refuses_to_start_when_scratch_cannot_hold_the_window(setup, server, tmp_path):
@@ -359,9 +331,7 @@ def test_refuses_to_start_when_scratch_cannot_hold_the_window(setup, server, tmp
         )
 
 
-def test_server_sigkilled_mid_epoch_costs_only_time(
-    setup, shards_run, tmp_path, monkeypatch
-):
+def test_server_sigkilled_mid_epoch_costs_only_time(setup, shards_run, tmp_path, monkeypatch):
     """Two servers; one is SIGKILLed after the third batch. Its requests are retried on the other, and the
     run is still the shards run (equal losses)."""
     from dflash_pipeline.train import stream as S
@@ -395,15 +365,11 @@ def test_server_sigkilled_mid_epoch_costs_only_time(
         a.kill()
         b.kill()
     assert b.proc.returncode == -signal.SIGKILL and len(seen) > 3
-    assert [r["loss"] for r in _log(tmp_path / "run")] == [
-        r["loss"] for r in _log(shards_run[0])
-    ]
+    assert [r["loss"] for r in _log(tmp_path / "run")] == [r["loss"] for r in _log(shards_run[0])]
     assert st["stream"]["retries"] >= 1
 
 
-def test_all_servers_gone_saves_state_and_resume_continues(
-    setup, shards_run, tmp_path, monkeypatch
-):
+def test_all_servers_gone_saves_state_and_resume_continues(setup, shards_run, tmp_path, monkeypatch):
     """The only server dies mid-epoch: the job fails with StreamError naming the breaker, after saving the
     state of the steps done; a rerun against a new server resumes there and feeds exactly the batches the
     uninterrupted run fed (batch traces equal), to the same step count."""
@@ -452,19 +418,12 @@ def test_all_servers_gone_saves_state_and_resume_continues(
     assert st["steps"] == shards_run[1]["steps"]
     steps = [r["step"] for r in _log(out)]
     assert steps == list(range(1, st["steps"] + 1))
-    trace = [
-        json.loads(x) for x in (out / "trace" / "rank0.jsonl").read_text().splitlines()
-    ]
-    ref = [
-        json.loads(x)
-        for x in (shards_run[0] / "trace" / "rank0.jsonl").read_text().splitlines()
-    ]
+    trace = [json.loads(x) for x in (out / "trace" / "rank0.jsonl").read_text().splitlines()]
+    ref = [json.loads(x) for x in (shards_run[0] / "trace" / "rank0.jsonl").read_text().splitlines()]
     by_step = {}
     for t in trace:  # the killed run may have traced batches of its unfinished step; the rerun's count
         by_step.setdefault(t["step"], []).append(t["batch"])
-    assert [t["batch"] for t in ref] == [
-        b for s in sorted(by_step) for b in by_step[s][-1:]
-    ]
+    assert [t["batch"] for t in ref] == [b for s in sorted(by_step) for b in by_step[s][-1:]]
 
 
 def test_hf_server_on_an_mla_twin(real_models_dir, tmp_path):
@@ -480,9 +439,7 @@ def test_hf_server_on_an_mla_twin(real_models_dir, tmp_path):
     )
     n = json.loads((twin / "config.json").read_text())["num_hidden_layers"]
     layers = [0, n - 1]
-    s = Server(
-        twin, tmp_path / "scratch", layers=layers, num_hidden_layers=n, last_hidden=True
-    )
+    s = Server(twin, tmp_path / "scratch", layers=layers, num_hidden_layers=n, last_hidden=True)
     try:
         eps = [{"base_url": s.url, "max_concurrency": 2, "transport": "path"}]
         c = FeatureClient(
@@ -502,9 +459,7 @@ def test_hf_server_on_an_mla_twin(real_models_dir, tmp_path):
         s.kill()
     h = HFExtractor(twin, layers, num_hidden_layers=n, last_hidden=True)
     ((_, f, last),) = list(h.run([0], [rec]))
-    assert torch.equal(got.features, f.to(torch.bfloat16)) and torch.equal(
-        got.last_hidden, last.to(torch.bfloat16)
-    )
+    assert torch.equal(got.features, f.to(torch.bfloat16)) and torch.equal(got.last_hidden, last.to(torch.bfloat16))
 
 
 def test_stream_with_packing_and_heldout_matches_online(setup, server, tmp_path):
@@ -519,15 +474,10 @@ def test_stream_with_packing_and_heldout_matches_online(setup, server, tmp_path)
         **extra,
         stream={"endpoints": [{"base_url": server.url}], "fleet": FAST_FLEET},
     )
-    assert (
-        st["steps"] == online["steps"]
-        and st["heldout_records"] == online["heldout_records"] > 0
-    )
+    assert st["steps"] == online["steps"] and st["heldout_records"] == online["heldout_records"] > 0
     lo, ls = (
         [r["loss"] for r in _log(tmp_path / "online")],
         [r["loss"] for r in _log(tmp_path / "stream")],
     )
-    assert (
-        abs(lo[0] - ls[0]) <= 1e-2 * lo[0] and abs(lo[-1] - ls[-1]) <= 0.05 * lo[-1]
-    ), (lo, ls)
+    assert abs(lo[0] - ls[0]) <= 1e-2 * lo[0] and abs(lo[-1] - ls[-1]) <= 0.05 * lo[-1], (lo, ls)
     assert (tmp_path / "stream" / "val_log.jsonl").is_file()

@@ -16,27 +16,17 @@ def _kimi_config(tmp_path: Path, real_models_dir: Path, **stream) -> Path:
     target = tmp_path / "Kimi-K2.6"
     target.mkdir(exist_ok=True)
     shutil.copy(real_models_dir / "Kimi-K2.5" / "config.json", target / "config.json")
-    if not (
-        target / "tokenizer.json"
-    ).is_file():  # the tokens stage's tokenizer check (a tiny stand-in)
+    if not (target / "tokenizer.json").is_file():  # the tokens stage's tokenizer check (a tiny stand-in)
         from dflash_pipeline.testing import zoo
 
-        template = (
-            real_models_dir / "Kimi-K2-Thinking" / "chat_template.jinja"
-        ).read_text()
-        zoo.family_tokenizer(template, REPO / "data/gsm8k/train.jsonl").save_pretrained(
-            target
-        )
+        template = (real_models_dir / "Kimi-K2-Thinking" / "chat_template.jinja").read_text()
+        zoo.family_tokenizer(template, REPO / "data/gsm8k/train.jsonl").save_pretrained(target)
     cfg = yaml.safe_load((REPO / "config/examples/kimi-k2.6.yaml").read_text())
     cfg["target"]["path"] = str(target)
-    cfg["datasets"] = {
-        "gsm8k": {"path": str(REPO / "data/gsm8k/train.jsonl"), "max_prompts": 4}
-    }
+    cfg["datasets"] = {"gsm8k": {"path": str(REPO / "data/gsm8k/train.jsonl"), "max_prompts": 4}}
     for s in cfg["eval"]["sets"].values():
         s["path"] = str(REPO / s["path"])
-    cfg["eval"]["engine_base_url"] = (
-        "http://kimi-eval:8000/v1"  # a served drafter, not a local vLLM env
-    )
+    cfg["eval"]["engine_base_url"] = "http://kimi-eval:8000/v1"  # a served drafter, not a local vLLM env
     cfg["features"]["stream"].update(scratch_dir=str(tmp_path / "scratch"), **stream)
     path = tmp_path / "kimi.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -59,14 +49,8 @@ def test_kimi_recipe_plans_the_stream_not_the_dataset(tmp_path, real_models_dir)
     line = next(x for x in out.splitlines() if x.startswith("[plan] stream:"))
     # 4 batches x 4 x 8192 tokens x 5 x 7168 x 2 B = 9.4 GB, capped by max_inflight_bytes: 4 GiB = 4.3 GB
     assert "2 remote endpoint(s)" in line and "8 trainer rank(s)" in line, line
-    assert (
-        "window 4.3 GB per rank" in line
-        and "cap 4.3 GB" in line
-        and "no feature shards" in line
-    ), line
-    assert (
-        "in feature shards" not in out
-    )  # the shards path's 172 TB line is not printed
+    assert "window 4.3 GB per rank" in line and "cap 4.3 GB" in line and "no feature shards" in line, line
+    assert "in feature shards" not in out  # the shards path's 172 TB line is not printed
     jobs = planned_jobs(proc)
     assert "extract_features" not in jobs and jobs.get("train_drafter") == 1
 
@@ -74,9 +58,7 @@ def test_kimi_recipe_plans_the_stream_not_the_dataset(tmp_path, real_models_dir)
 def test_plan_refuses_a_window_the_scratch_cannot_hold(tmp_path, real_models_dir):
     import os
 
-    conf = _kimi_config(
-        tmp_path, real_models_dir, prefetch_batches=10**9, max_inflight_bytes=2**62
-    )
+    conf = _kimi_config(tmp_path, real_models_dir, prefetch_batches=10**9, max_inflight_bytes=2**62)
     proc = snakemake(
         tmp_path,
         "-n",

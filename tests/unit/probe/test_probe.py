@@ -90,25 +90,121 @@ EXPECTED = {
     "Kimi-K2-Instruct": ("", "kimi_k2", 7168, 61, 163840, "MLA", 64, 64, 384, 8, None, [1, 15, 30, 44, 58]),
     "Kimi-K2.5": ("text_config", "kimi_k25", 7168, 61, 163840, "MLA", 64, 64, 384, 8, None, [1, 15, 30, 44, 58]),
     "Meta-Llama-3.1-8B": ("", "llama", 4096, 32, 128256, "GQA", 32, 8, None, None, None, [1, 8, 15, 22, 29]),
-    "MiniMax-M2.7": ("", "minimax_m2", 3072, 62, 200064, "GQA", 48, 8, 256, 8, {"full_attention": 62},
-                     [1, 16, 30, 44, 59]),
+    "MiniMax-M2.7": (
+        "",
+        "minimax_m2",
+        3072,
+        62,
+        200064,
+        "GQA",
+        48,
+        8,
+        256,
+        8,
+        {"full_attention": 62},
+        [1, 16, 30, 44, 59],
+    ),
     "Qwen2.5-7B": ("", "qwen2", 3584, 28, 152064, "GQA", 28, 4, None, None, None, [1, 7, 13, 19, 25]),
     "Qwen3-30B-A3B": ("", "qwen3_moe", 2048, 48, 151936, "GQA", 32, 4, 128, 8, None, [1, 12, 23, 34, 45]),
     "Qwen3-8B": ("", "qwen3", 4096, 36, 151936, "GQA", 32, 8, None, None, None, [1, 9, 17, 25, 33]),
-    "Qwen3-Next-80B-A3B-Thinking": ("", "qwen3_next", 2048, 48, 151936, "GQA", 16, 2, 512, 10,
-                                    {"full_attention": 12, "linear_attention": 36}, [1, 12, 23, 34, 45]),
-    "Qwen3-VL-32B-Instruct": ("text_config", "qwen3_vl", 5120, 64, 151936, "GQA", 64, 8, None, None, None,
-                              [1, 16, 31, 46, 61]),
-    "Qwen3.5-27B": ("text_config", "qwen3_5", 5120, 64, 248320, "GQA", 24, 4, None, None,
-                    {"full_attention": 16, "linear_attention": 48}, [1, 16, 31, 46, 61]),
-    "Qwen3.5-35B-A3B": ("text_config", "qwen3_5_moe", 2048, 40, 248320, "GQA", 16, 2, 256, 8,
-                        {"full_attention": 10, "linear_attention": 30}, [1, 10, 19, 28, 37]),
-    "gemma-4-26B-A4B": ("text_config", "gemma4", 2816, 30, 262144, "GQA", 16, 8, 128, 8,
-                        {"full_attention": 5, "sliding_attention": 25}, [1, 8, 14, 20, 27]),
-    "gpt-oss-120b": ("", "gpt_oss", 2880, 36, 201088, "GQA", 64, 8, 128, 4,
-                     {"full_attention": 18, "sliding_attention": 18}, [1, 9, 17, 25, 33]),
-    "gpt-oss-20b": ("", "gpt_oss", 2880, 24, 201088, "GQA", 64, 8, 32, 4,
-                    {"full_attention": 12, "sliding_attention": 12}, [1, 6, 11, 16, 21]),
+    "Qwen3-Next-80B-A3B-Thinking": (
+        "",
+        "qwen3_next",
+        2048,
+        48,
+        151936,
+        "GQA",
+        16,
+        2,
+        512,
+        10,
+        {"full_attention": 12, "linear_attention": 36},
+        [1, 12, 23, 34, 45],
+    ),
+    "Qwen3-VL-32B-Instruct": (
+        "text_config",
+        "qwen3_vl",
+        5120,
+        64,
+        151936,
+        "GQA",
+        64,
+        8,
+        None,
+        None,
+        None,
+        [1, 16, 31, 46, 61],
+    ),
+    "Qwen3.5-27B": (
+        "text_config",
+        "qwen3_5",
+        5120,
+        64,
+        248320,
+        "GQA",
+        24,
+        4,
+        None,
+        None,
+        {"full_attention": 16, "linear_attention": 48},
+        [1, 16, 31, 46, 61],
+    ),
+    "Qwen3.5-35B-A3B": (
+        "text_config",
+        "qwen3_5_moe",
+        2048,
+        40,
+        248320,
+        "GQA",
+        16,
+        2,
+        256,
+        8,
+        {"full_attention": 10, "linear_attention": 30},
+        [1, 10, 19, 28, 37],
+    ),
+    "gemma-4-26B-A4B": (
+        "text_config",
+        "gemma4",
+        2816,
+        30,
+        262144,
+        "GQA",
+        16,
+        8,
+        128,
+        8,
+        {"full_attention": 5, "sliding_attention": 25},
+        [1, 8, 14, 20, 27],
+    ),
+    "gpt-oss-120b": (
+        "",
+        "gpt_oss",
+        2880,
+        36,
+        201088,
+        "GQA",
+        64,
+        8,
+        128,
+        4,
+        {"full_attention": 18, "sliding_attention": 18},
+        [1, 9, 17, 25, 33],
+    ),
+    "gpt-oss-20b": (
+        "",
+        "gpt_oss",
+        2880,
+        24,
+        201088,
+        "GQA",
+        64,
+        8,
+        32,
+        4,
+        {"full_attention": 12, "sliding_attention": 12},
+        [1, 6, 11, 16, 21],
+    ),
 }
 
 
@@ -152,11 +248,15 @@ def test_probe_real_config(name, real_models_dir):
 
 
 def test_mla_details_deepseek_v3(real_models_dir):
-    rec = probe_target(real_models_dir / "DeepSeek-V3", block_size=16, num_draft_layers=5,
-                       strict=False)
+    rec = probe_target(real_models_dir / "DeepSeek-V3", block_size=16, num_draft_layers=5, strict=False)
     att = rec["attention"]
-    assert (att["kv_lora_rank"], att["q_lora_rank"], att["qk_nope_head_dim"], att["qk_rope_head_dim"],
-            att["v_head_dim"]) == (512, 1536, 128, 64, 128)
+    assert (
+        att["kv_lora_rank"],
+        att["q_lora_rank"],
+        att["qk_nope_head_dim"],
+        att["qk_rope_head_dim"],
+        att["v_head_dim"],
+    ) == (512, 1536, 128, 64, 128)
     assert rec["head_dim"] == 192
     assert rec["moe"]["num_experts_source"] == "n_routed_experts"
     assert rec["moe"]["num_shared_experts"] == 1 and rec["moe"]["first_k_dense_replace"] == 3
@@ -165,8 +265,7 @@ def test_mla_details_deepseek_v3(real_models_dir):
 
 
 def test_nested_kimi_k25(real_models_dir):
-    rec = probe_target(real_models_dir / "Kimi-K2.5", block_size=16, num_draft_layers=5,
-                       strict=False)
+    rec = probe_target(real_models_dir / "Kimi-K2.5", block_size=16, num_draft_layers=5, strict=False)
     assert rec["model_type"] == "kimi_k25"
     assert rec["architectures"] == ["KimiK25ForConditionalGeneration"]
     assert rec["text_config_path"] == "text_config"
@@ -176,8 +275,7 @@ def test_nested_kimi_k25(real_models_dir):
 
 
 def test_remote_code_config_falls_back_to_raw_json(real_models_dir):
-    rec = probe_target(real_models_dir / "Kimi-K2-Instruct", block_size=16, num_draft_layers=5,
-                       strict=False)
+    rec = probe_target(real_models_dir / "Kimi-K2-Instruct", block_size=16, num_draft_layers=5, strict=False)
     assert rec["config_source"]["loader"] == "raw_json"
     assert rec["config_source"]["autoconfig_error"]
     assert any("raw JSON" in w for w in rec["warnings"])
@@ -192,14 +290,14 @@ def test_moe_names_normalized(real_models_dir):
     assert srcs["DeepSeek-V3"] == ("n_routed_experts", "num_experts_per_tok")
     assert srcs["Qwen3-30B-A3B"] == ("num_experts", "num_experts_per_tok")
     assert srcs["gpt-oss-20b"] == ("num_local_experts", "num_experts_per_tok")
-    assert srcs["gemma-4-26B-A4B"] == ("text_config.num_experts", "text_config.top_k_experts") or \
-        srcs["gemma-4-26B-A4B"] == ("num_experts", "top_k_experts")
+    assert srcs["gemma-4-26B-A4B"] == ("text_config.num_experts", "text_config.top_k_experts") or srcs[
+        "gemma-4-26B-A4B"
+    ] == ("num_experts", "top_k_experts")
 
 
 def test_generation_config_eos_without_tokenizer(real_models_dir):
     # gpt-oss-20b ships tokenizer_config.json but no vocabulary file, and several eos ids
-    rec = probe_target(real_models_dir / "gpt-oss-20b", block_size=16, num_draft_layers=5,
-                       strict=False)
+    rec = probe_target(real_models_dir / "gpt-oss-20b", block_size=16, num_draft_layers=5, strict=False)
     assert rec["tokenizer"]["present"] is False
     assert "without a vocabulary file" in rec["tokenizer"]["missing_reason"]
     assert rec["generation_config_eos_token_ids"] == [200002, 199999]
@@ -210,33 +308,43 @@ def test_missing_tokenizer_is_an_error_by_default(real_models_dir):
     with pytest.raises(ProbeError, match="tokenizer"):
         probe_target(real_models_dir / "Qwen3-8B", block_size=16, num_draft_layers=5)
     # an explicit mask id needs no tokenizer; it must still lie inside the embedding
-    rec = probe_target(real_models_dir / "Qwen3-8B", block_size=16, num_draft_layers=5, mask_token_id=151669,
-                       strict=False)
+    rec = probe_target(
+        real_models_dir / "Qwen3-8B", block_size=16, num_draft_layers=5, mask_token_id=151669, strict=False
+    )
     assert rec["drafter"]["mask_token_id"] == 151669
     with pytest.raises(ConfigError, match=r"drafter.mask_token_id.*0\.\.151935"):
-        probe_target(real_models_dir / "Qwen3-8B", block_size=16, num_draft_layers=5, mask_token_id=151936,
-                     strict=False)
+        probe_target(
+            real_models_dir / "Qwen3-8B", block_size=16, num_draft_layers=5, mask_token_id=151936, strict=False
+        )
 
 
-@pytest.mark.parametrize("ids, match", [([1, 9, 61], r"\[61\] out of range.*0\.\.59"),
-                                        ([1, 9, 9], r"duplicated ids \[9\].*0\.\.59"),
-                                        ([-1, 3], r"out of range.*0\.\.59"),
-                                        ([17, 1, 9], r"not in ascending order; use \[1, 9, 17\].*layer order"),
-                                        ([1, 60], r"60 is the last decoder layer.*after the final norm")])
+@pytest.mark.parametrize(
+    "ids, match",
+    [
+        ([1, 9, 61], r"\[61\] out of range.*0\.\.59"),
+        ([1, 9, 9], r"duplicated ids \[9\].*0\.\.59"),
+        ([-1, 3], r"out of range.*0\.\.59"),
+        ([17, 1, 9], r"not in ascending order; use \[1, 9, 17\].*layer order"),
+        ([1, 60], r"60 is the last decoder layer.*after the final norm"),
+    ],
+)
 def test_bad_layer_ids(ids, match, real_models_dir):
     with pytest.raises(ConfigError, match=match):
-        probe_target(real_models_dir / "DeepSeek-V3", block_size=16, num_draft_layers=5, target_layer_ids=ids,
-                     strict=False)
+        probe_target(
+            real_models_dir / "DeepSeek-V3", block_size=16, num_draft_layers=5, target_layer_ids=ids, strict=False
+        )
 
 
 def test_explicit_layer_ids_and_k_decoupled_from_draft_layers(real_models_dir):
-    rec = probe_target(real_models_dir / "DeepSeek-V3", block_size=8, num_draft_layers=2,
-                       target_layer_ids=[0, 30, 59], strict=False)
+    rec = probe_target(
+        real_models_dir / "DeepSeek-V3", block_size=8, num_draft_layers=2, target_layer_ids=[0, 30, 59], strict=False
+    )
     d = rec["drafter"]
     assert d["target_layer_ids"] == [0, 30, 59] and d["hf_hidden_state_indices"] == [1, 31, 60]
     assert d["num_target_features"] == 3 and d["target_layer_ids_source"].startswith("explicit")
-    rec = probe_target(real_models_dir / "Qwen3.5-35B-A3B", block_size=16, num_draft_layers=8,
-                       num_target_features=5, strict=False)
+    rec = probe_target(
+        real_models_dir / "Qwen3.5-35B-A3B", block_size=16, num_draft_layers=8, num_target_features=5, strict=False
+    )
     assert rec["drafter"]["target_layer_ids"] == [1, 10, 19, 28, 37]  # released Qwen3.5-35B-A3B drafter
 
 
@@ -246,17 +354,28 @@ def test_unusable_config_errors(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ProbeError, match="not readable JSON"):
         probe_target(tmp_path, block_size=16, num_draft_layers=5)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "x", "vision_config": {"hidden_size": 3,
-                                                                                          "num_hidden_layers": 2}}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "x", "vision_config": {"hidden_size": 3, "num_hidden_layers": 2}})
+    )
     with pytest.raises(ProbeError, match="no language-model config"):
         probe_target(tmp_path, block_size=16, num_draft_layers=5)
 
 
 def test_deeply_nested_text_config(tmp_path):
-    cfg = {"model_type": "omni_like", "thinker_config": {"model_type": "thinker",
-           "audio_config": {"hidden_size": 1, "num_hidden_layers": 1},
-           "text_config": {"model_type": "qwen3", "hidden_size": 256, "num_hidden_layers": 12,
-                           "vocab_size": 1000, "num_attention_heads": 4}}}
+    cfg = {
+        "model_type": "omni_like",
+        "thinker_config": {
+            "model_type": "thinker",
+            "audio_config": {"hidden_size": 1, "num_hidden_layers": 1},
+            "text_config": {
+                "model_type": "qwen3",
+                "hidden_size": 256,
+                "num_hidden_layers": 12,
+                "vocab_size": 1000,
+                "num_attention_heads": 4,
+            },
+        },
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     rec = probe_target(tmp_path, block_size=4, num_draft_layers=1, strict=False)
     validate_probe(rec)
@@ -275,7 +394,9 @@ def test_mask_token_resolution_order():
     tok = {"present": True, "len": 151669, "mask_token": None, "mask_token_id": None}
     assert resolve_mask_token_id(explicit=None, tokenizer=tok, embedding_rows=151936)[0] == 151669
     assert resolve_mask_token_id(explicit=7, tokenizer=tok, embedding_rows=151936) == (
-        7, "explicit (drafter.mask_token_id)")
+        7,
+        "explicit (drafter.mask_token_id)",
+    )
     with_mask = dict(tok, mask_token="<mask>", mask_token_id=5)
     mid, why = resolve_mask_token_id(explicit=None, tokenizer=with_mask, embedding_rows=151936)
     assert mid == 5 and "tokenizer mask token" in why
@@ -348,11 +469,16 @@ def test_probe_never_reads_weights(demo_target, tmp_path):
         if f.name != "model.safetensors":
             shutil.copy(f, target / f.name)
     rows = json.loads((demo_target / "config.json").read_text())["vocab_size"]
-    header = json.dumps({"model.embed_tokens.weight": {"dtype": "BF16", "shape": [rows, 128],
-                                                       "data_offsets": [0, rows * 128 * 2]}}).encode()
-    index = {"metadata": {"total_size": 600 * 2**30},
-             "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
-                            "lm_head.weight": "model-00002-of-00002.safetensors"}}
+    header = json.dumps(
+        {"model.embed_tokens.weight": {"dtype": "BF16", "shape": [rows, 128], "data_offsets": [0, rows * 128 * 2]}}
+    ).encode()
+    index = {
+        "metadata": {"total_size": 600 * 2**30},
+        "weight_map": {
+            "model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+            "lm_head.weight": "model-00002-of-00002.safetensors",
+        },
+    }
     (target / "model.safetensors.index.json").write_text(json.dumps(index))
     for i in (1, 2):
         with open(target / f"model-0000{i}-of-00002.safetensors", "wb") as fh:
@@ -375,8 +501,14 @@ def _remote_tokenizer_dir(tmp_path: Path, demo_target: Path, module_src: str) ->
     shutil.copy(demo_target / "config.json", target / "config.json")
     (target / "tiktoken.model").write_text("")
     (target / "tokenization_tiny.py").write_text(module_src)
-    (target / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "TinyTokenizer", "auto_map": {"AutoTokenizer": ["tokenization_tiny.TinyTokenizer", None]}}))
+    (target / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "TinyTokenizer",
+                "auto_map": {"AutoTokenizer": ["tokenization_tiny.TinyTokenizer", None]},
+            }
+        )
+    )
     return target
 
 
@@ -480,8 +612,20 @@ class TinyTikTokenTokenizer(PreTrainedTokenizer):
         return (self.vocab_file,)
 '''
 
-KIMI_SPECIALS = ["[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>",
-                 "<|im_middle|>", "[EOT]", "<think>", "</think>", "[PAD]", "[UNK]"]
+KIMI_SPECIALS = [
+    "[BOS]",
+    "[EOS]",
+    "<|im_end|>",
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "<|im_system|>",
+    "<|im_middle|>",
+    "[EOT]",
+    "<think>",
+    "</think>",
+    "[PAD]",
+    "[UNK]",
+]
 #: Kimi-K2-Thinking's chat template shape (role markers, <|im_middle|>, <think> in assistant turns).
 KIMI_STYLE_TEMPLATE = (
     "{%- for m in messages -%}"
@@ -497,11 +641,20 @@ KIMI_STYLE_TEMPLATE = (
 def _sparse_weights(target: Path, rows: int, hidden: int, total_gb: int, n_files: int = 2) -> None:
     """Safetensors index + ``n_files`` sparse shards totalling ``total_gb`` GiB: a real JSON header naming
     the embedding, then a hole. Reading any tensor data would take minutes; the probe reads the header."""
-    header = json.dumps({"model.embed_tokens.weight": {"dtype": "BF16", "shape": [rows, hidden],
-                                                       "data_offsets": [0, rows * hidden * 2]}}).encode()
+    header = json.dumps(
+        {
+            "model.embed_tokens.weight": {
+                "dtype": "BF16",
+                "shape": [rows, hidden],
+                "data_offsets": [0, rows * hidden * 2],
+            }
+        }
+    ).encode()
     names = [f"model-{i:05d}-of-{n_files:05d}.safetensors" for i in range(1, n_files + 1)]
-    index = {"metadata": {"total_size": total_gb * 2**30},
-             "weight_map": {"model.embed_tokens.weight": names[0], "lm_head.weight": names[-1]}}
+    index = {
+        "metadata": {"total_size": total_gb * 2**30},
+        "weight_map": {"model.embed_tokens.weight": names[0], "lm_head.weight": names[-1]},
+    }
     (target / "model.safetensors.index.json").write_text(json.dumps(index))
     for name in names:
         with open(target / name, "wb") as fh:
@@ -525,24 +678,59 @@ def kimi_style_dir(tmp_path_factory) -> Path:
     (target / "tiktoken.model").write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
     n = len(ranks)
     (target / "tokenization_tiny_kimi.py").write_text(TIKTOKEN_TOKENIZER_MODULE)
-    added = {str(n + i): {"content": tok, "special": True, "lstrip": False, "rstrip": False, "normalized": False,
-                          "single_word": False} for i, tok in enumerate(KIMI_SPECIALS)}
-    (target / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "TinyTikTokenTokenizer",
-        "auto_map": {"AutoTokenizer": ["tokenization_tiny_kimi.TinyTikTokenTokenizer", None]},
-        "bos_token": "[BOS]", "eos_token": "[EOS]", "pad_token": "[PAD]", "unk_token": "[UNK]",
-        "added_tokens_decoder": added, "model_max_length": 262144}))
+    added = {
+        str(n + i): {
+            "content": tok,
+            "special": True,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "single_word": False,
+        }
+        for i, tok in enumerate(KIMI_SPECIALS)
+    }
+    (target / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "TinyTikTokenTokenizer",
+                "auto_map": {"AutoTokenizer": ["tokenization_tiny_kimi.TinyTikTokenTokenizer", None]},
+                "bos_token": "[BOS]",
+                "eos_token": "[EOS]",
+                "pad_token": "[PAD]",
+                "unk_token": "[UNK]",
+                "added_tokens_decoder": added,
+                "model_max_length": 262144,
+            }
+        )
+    )
     (target / "chat_template.jinja").write_text(KIMI_STYLE_TEMPLATE)
     (target / "generation_config.json").write_text(json.dumps({"bos_token_id": n, "eos_token_id": n + 2}))
     cfg = {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
-        "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
-                     "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
-        "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 64, "num_key_value_heads": 64,
-        "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-        "v_head_dim": 128, "n_routed_experts": 384, "num_experts_per_tok": 8, "n_shared_experts": 1,
-        "first_k_dense_replace": 1, "moe_intermediate_size": 2048, "vocab_size": 512,
-        "bos_token_id": n, "eos_token_id": n + 1, "max_position_embeddings": 131072, "torch_dtype": "bfloat16",
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "kimi_k2",
+        "auto_map": {
+            "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+            "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
+        },
+        "hidden_size": 7168,
+        "num_hidden_layers": 61,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 64,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "n_routed_experts": 384,
+        "num_experts_per_tok": 8,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "moe_intermediate_size": 2048,
+        "vocab_size": 512,
+        "bos_token_id": n,
+        "eos_token_id": n + 1,
+        "max_position_embeddings": 131072,
+        "torch_dtype": "bfloat16",
         "tie_word_embeddings": False,
     }
     (target / "config.json").write_text(json.dumps(cfg))
@@ -559,12 +747,18 @@ def test_kimi_style_tiktoken_remote_code_tokenizer(kimi_style_dir):
     assert (tok["backend"], tok["runtime"], tok["vocab_file"]) == ("tiktoken", "python", "tiktoken.model")
     assert tok["len"] == n + 16 and tok["base_vocab_size"] == n + 16
     assert (tok["bos_token_id"], tok["eos_token_id"], tok["pad_token_id"], tok["unk_token_id"]) == (
-        ids["[BOS]"], ids["[EOS]"], ids["[PAD]"], ids["[UNK]"])
+        ids["[BOS]"],
+        ids["[EOS]"],
+        ids["[PAD]"],
+        ids["[UNK]"],
+    )
     # several eos ids: the tokenizer's [EOS] and generation_config's <|im_end|>
     assert rec["eos_token_ids"] == [ids["[EOS]"], ids["<|im_end|>"]]
     assert tok["chat_template"] and tok["chat_template_source"] == "tokenizer" and tok["template_uses_thinking"]
-    assert tok["thinking_markers"] == {"open": {"token": "<think>", "id": ids["<think>"]},
-                                       "close": {"token": "</think>", "id": ids["</think>"]}}
+    assert tok["thinking_markers"] == {
+        "open": {"token": "<think>", "id": ids["<think>"]},
+        "close": {"token": "</think>", "id": ids["</think>"]},
+    }
     assert tok["remote_code"] is True and tok["trust_remote_code_used"] is True and rec["trust_remote_code"] is True
     # the config's own remote code (configuration_deepseek.py) is absent: raw JSON, and the tokenizer still loads
     assert rec["config_source"]["loader"] == "raw_json" and rec["model_type"] == "kimi_k2"
@@ -575,8 +769,9 @@ def test_kimi_style_tiktoken_remote_code_tokenizer(kimi_style_dir):
     # and it is a working tokenizer: the probe saw the same object the pipeline will render with
     from transformers import AutoTokenizer, PretrainedConfig
 
-    t = AutoTokenizer.from_pretrained(str(kimi_style_dir), trust_remote_code=True, local_files_only=True,
-                                      config=PretrainedConfig())
+    t = AutoTokenizer.from_pretrained(
+        str(kimi_style_dir), trust_remote_code=True, local_files_only=True, config=PretrainedConfig()
+    )
     text = "the thing is <think>x</think>"
     ids_ = t.encode(text, add_special_tokens=False)
     assert ids["<think>"] in ids_ and t.decode(ids_) == text
@@ -619,18 +814,45 @@ def _sentencepiece_dir(target: Path) -> Path:
     lines = [json.loads(l)["question"] for l in (REPO_DATA / "gsm8k" / "train.jsonl").read_text().splitlines()[:300]]
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_writer=model, vocab_size=300, model_type="bpe",
+        sentence_iterator=iter(lines),
+        model_writer=model,
+        vocab_size=300,
+        model_type="bpe",
         user_defined_symbols=["<think>", "</think>", "<|im_start|>", "<|im_end|>"],
-        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        minloglevel=2,
+    )
     (target / "tokenizer.model").write_bytes(model.getvalue())
-    (target / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-        "chat_template": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-                         "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"}))
+    (target / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "LlamaTokenizer",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "chat_template": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}",
+            }
+        )
+    )
     (target / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 6]}))
-    (target / "config.json").write_text(json.dumps({
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 8,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 320}))
+    (target / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+                "hidden_size": 64,
+                "num_hidden_layers": 8,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "intermediate_size": 128,
+                "vocab_size": 320,
+            }
+        )
+    )
     return target
 
 
@@ -654,9 +876,20 @@ def test_sentencepiece_tokenizer(tmp_path):
 def test_missing_sentencepiece_names_packages_and_env(tmp_path, monkeypatch):
     target = tmp_path / "sp"
     target.mkdir()
-    (target / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 8,
-                                                    "num_attention_heads": 4, "vocab_size": 320}))
-    (target / "tokenizer.model").write_bytes(b"\n\x0e\n\x05<unk>\x15\x00\x00\x00\x00\x18\x02")  # a protobuf, not BPE ranks
+    (target / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 64,
+                "num_hidden_layers": 8,
+                "num_attention_heads": 4,
+                "vocab_size": 320,
+            }
+        )
+    )
+    (target / "tokenizer.model").write_bytes(
+        b"\n\x0e\n\x05<unk>\x15\x00\x00\x00\x00\x18\x02"
+    )  # a protobuf, not BPE ranks
     (target / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
     monkeypatch.setitem(sys.modules, "sentencepiece", None)  # `import sentencepiece` now fails
     with pytest.raises(ProbeError, match=r"`sentencepiece`.*pip install .*envs/probe.yaml"):

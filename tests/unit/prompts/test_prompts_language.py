@@ -55,9 +55,15 @@ def mixed_source(tmp_path: Path, name: str = "mixed.jsonl") -> Path:
     for i in range(4):
         recs.append({"prompt": ENGLISH[i]})
         recs.append({"prompt": [CHINESE[0], FRENCH[0], GERMAN[0], CHINESE[1]][i]})
-    recs.append({"conversations": [{"from": "human", "value": "Bonjour ! Quelle est la capitale de l'Australie ?"},
-                                   {"from": "gpt", "value": "Canberra."},
-                                   {"from": "human", "value": "Et combien d'habitants compte cette ville ?"}]})
+    recs.append(
+        {
+            "conversations": [
+                {"from": "human", "value": "Bonjour ! Quelle est la capitale de l'Australie ?"},
+                {"from": "gpt", "value": "Canberra."},
+                {"from": "human", "value": "Et combien d'habitants compte cette ville ?"},
+            ]
+        }
+    )
     return write_jsonl(tmp_path / name, recs)
 
 
@@ -106,8 +112,9 @@ def test_allow_list_and_min_confidence(tmp_path):
     # low_language_confidence, and still counted under its detected language
     short = write_jsonl(tmp_path / "short.jsonl", [{"prompt": ENGLISH[0]}, {"prompt": "What is 3 + 3?"}])
     assert 0.2 < detect_language("What is 3 + 3?")[1] < 0.6
-    m = build_prompt_shards({"s": {"path": str(short)}}, tmp_path / "b", shard_size=8, seed=0, languages=["en"],
-                            min_language_confidence=0.8)
+    m = build_prompt_shards(
+        {"s": {"path": str(short)}}, tmp_path / "b", shard_size=8, seed=0, languages=["en"], min_language_confidence=0.8
+    )
     ds = m["datasets"]["s"]
     assert ds["kept"] == 1 and ds["dropped"] == {"low_language_confidence": 1} and ds["dropped_languages"] == {"en": 1}
     m = build_prompt_shards({"s": {"path": str(short)}}, tmp_path / "c", shard_size=8, seed=0, languages=["en"])
@@ -119,9 +126,9 @@ def test_per_source_override(tmp_path):
     other = str(mixed_source(tmp_path, "other.jsonl"))  # same prompts: dedup applies only to kept ones
     third = str(write_jsonl(tmp_path / "third.jsonl", [{"prompt": t} for t in ["What is 3 + 3?", *GERMAN]]))
     cfg = {
-        "inherits": {"path": src},                             # prompts.languages: [en]
-        "french": {"path": other, "languages": ["fr"]},        # its own list
-        "anything": {"path": third, "languages": "any"},       # no filter
+        "inherits": {"path": src},  # prompts.languages: [en]
+        "french": {"path": other, "languages": ["fr"]},  # its own list
+        "anything": {"path": third, "languages": "any"},  # no filter
     }
     out = tmp_path / "out"
     m = build_prompt_shards(cfg, out, shard_size=8, seed=0, languages=["en"], min_language_confidence=0.5)
@@ -129,8 +136,11 @@ def test_per_source_override(tmp_path):
     assert user_texts(out, "inherits") == ENGLISH
     assert ds["inherits"]["dropped"] == {"language": 5}
     # French prompts were dropped from `inherits`, so they are not duplicates here
-    assert user_texts(out, "french") == [FRENCH[0], "Bonjour ! Quelle est la capitale de l'Australie ?",
-                                         "Et combien d'habitants compte cette ville ?"]
+    assert user_texts(out, "french") == [
+        FRENCH[0],
+        "Bonjour ! Quelle est la capitale de l'Australie ?",
+        "Et combien d'habitants compte cette ville ?",
+    ]
     assert ds["french"]["dropped"] == {"duplicate": 4, "language": 3}  # the English ones were kept in `inherits`
     assert ds["french"]["config"]["languages"] == ["fr"] and ds["french"]["config"]["min_language_confidence"] == 0.5
     assert user_texts(out, "anything") == ["What is 3 + 3?", *GERMAN]  # below 0.5 and German: kept, no filter
@@ -143,8 +153,11 @@ def test_per_source_override(tmp_path):
 
 
 def test_sample_is_user_turns_only_and_bounded():
-    msgs = [{"role": "system", "content": "You are a helpful assistant. Always answer in English."},
-            {"role": "user", "content": FRENCH[0]}, {"role": "user", "content": FRENCH[1]}]
+    msgs = [
+        {"role": "system", "content": "You are a helpful assistant. Always answer in English."},
+        {"role": "user", "content": FRENCH[0]},
+        {"role": "user", "content": FRENCH[1]},
+    ]
     assert language_sample(msgs) == FRENCH[0] + "\n" + FRENCH[1]
     assert detect_language(language_sample(msgs))[0] == "fr"
     long_fr = " ".join([FRENCH[0]] * 20)
@@ -154,15 +167,19 @@ def test_sample_is_user_turns_only_and_bounded():
 
 
 def test_same_config_gives_byte_identical_shards(tmp_path, monkeypatch):
-    cfg = {"mixed": {"path": str(mixed_source(tmp_path))},
-           "sharegpt": {"path": str(DATA / "sharegpt" / "sharegpt.json"), "max_prompts": 50},
-           "gsm8k": {"path": str(DATA / "gsm8k" / "train.jsonl"), "max_prompts": 300}}
+    cfg = {
+        "mixed": {"path": str(mixed_source(tmp_path))},
+        "sharegpt": {"path": str(DATA / "sharegpt" / "sharegpt.json"), "max_prompts": 50},
+        "gsm8k": {"path": str(DATA / "gsm8k" / "train.jsonl"), "max_prompts": 300},
+    }
     kwargs = dict(shard_size=16, seed=0, languages=["en"], min_language_confidence=0.3)
     m1 = build_prompt_shards(cfg, tmp_path / "a", **kwargs)
     monkeypatch.setattr(prompts.language, "_LANGUAGE_IDENTIFIER", None)  # a freshly loaded model decides the same
     m2 = build_prompt_shards(cfg, tmp_path / "b", **kwargs)
+
     def files(d):
         return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*.parquet"))}
+
     assert files(tmp_path / "a") == files(tmp_path / "b") and len(files(tmp_path / "a")) > 5
     assert m1 == m2
     assert m1["datasets"]["mixed"]["kept"] == 4 and m1["datasets"]["gsm8k"]["kept"] == 300
@@ -177,14 +194,19 @@ def test_unknown_language_code_names_the_key(tmp_path):
     assert not (tmp_path / "o").exists()  # raised before anything was read or written
 
     # at plan time (workflow.problems, what `snakemake -n` prints): the code list by key, and the schema (shape)
-    assert any(re.match(r"prompts\.languages: unknown language code\(s\) \['qq'\]", line)
-               for line in problems({"prompts": {"languages": ["en", "qq"]}, "datasets": {"m": {"path": src}}}))
+    assert any(
+        re.match(r"prompts\.languages: unknown language code\(s\) \['qq'\]", line)
+        for line in problems({"prompts": {"languages": ["en", "qq"]}, "datasets": {"m": {"path": src}}})
+    )
     with pytest.raises(ConfigError, match=r"`prompts\.languages\.0`.*'EN'.*\^\[a-z\]\{2,3\}\$"):  # the schema's pattern
         load_config(overrides={"prompts": {"languages": ["EN"]}})
-    assert any(line.startswith("datasets.m.min_language_confidence: set, but no language filter")
-               for line in problems({"datasets": {"m": {"path": src, "min_language_confidence": 0.5}}}))
-    cfg = load_config(overrides={"prompts": {"languages": ["en", "zh"]},
-                                 "datasets": {"m": {"path": src, "languages": "any"}}})
+    assert any(
+        line.startswith("datasets.m.min_language_confidence: set, but no language filter")
+        for line in problems({"datasets": {"m": {"path": src, "min_language_confidence": 0.5}}})
+    )
+    cfg = load_config(
+        overrides={"prompts": {"languages": ["en", "zh"]}, "datasets": {"m": {"path": src, "languages": "any"}}}
+    )
     assert cfg["prompts"]["min_language_confidence"] == 0.0 and cfg["datasets"]["m"]["min_language_confidence"] is None
     assert language_problems(cfg["prompts"], cfg["datasets"]) == []
     assert load_config()["prompts"]["languages"] is None  # off by default
@@ -195,7 +217,9 @@ def test_missing_py3langid_is_a_config_error_naming_key_and_install(tmp_path, mo
     monkeypatch.setattr(prompts.language, "_LANGUAGE_IDENTIFIER", None)
     for mod in ("py3langid", "py3langid.langid"):
         monkeypatch.setitem(sys.modules, mod, None)  # `import py3langid` now fails
-    with pytest.raises(ConfigError, match=r"datasets\.m\.languages needs the `py3langid` package.*dflash-pipeline\[lang\]"):
+    with pytest.raises(
+        ConfigError, match=r"datasets\.m\.languages needs the `py3langid` package.*dflash-pipeline\[lang\]"
+    ):
         build_prompt_shards({"m": {"path": src, "languages": ["en"]}}, tmp_path / "o", shard_size=8, seed=0)
     # unconfigured: py3langid is never imported
     m = build_prompt_shards({"m": {"path": src}}, tmp_path / "o", shard_size=8, seed=0)
@@ -205,7 +229,9 @@ def test_missing_py3langid_is_a_config_error_naming_key_and_install(tmp_path, mo
 
 def test_shard_prompts_takes_the_prompts_section(tmp_path):
     src = str(mixed_source(tmp_path))
-    m = prompts.shard_prompts({"m": {"path": src}}, tmp_path / "o", {"shard_size": 8, "seed": 0, "languages": ["zh"],
-                                                                     "min_language_confidence": 0.0,
-                                                                     "special_token_text": "keep"})
+    m = prompts.shard_prompts(
+        {"m": {"path": src}},
+        tmp_path / "o",
+        {"shard_size": 8, "seed": 0, "languages": ["zh"], "min_language_confidence": 0.0, "special_token_text": "keep"},
+    )
     assert m["datasets"]["m"]["kept"] == 2 and user_texts(tmp_path / "o", "m") == CHINESE

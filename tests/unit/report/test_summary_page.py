@@ -10,9 +10,9 @@ import re
 
 from conftest import PROBE_SCRIPT, artefact_dir
 
-from dflash_pipeline.report import page as report_page
 from dflash_pipeline.core.shards import write_tsv
 from dflash_pipeline.evaluate.outputs import plot_acceptance, write_eval_table
+from dflash_pipeline.report import page as report_page
 
 
 def _record() -> dict:
@@ -151,10 +151,12 @@ def test_header_facts_come_from_the_run_records(tmp_path):
 
     ckpt = tmp_path / "checkpoints" / "r1" / "final"
     ckpt.mkdir(parents=True)
-    (ckpt / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"], "num_hidden_layers": 2,
-                                                  "block_size": 8}))
-    (ckpt.parent / "train_summary.json").write_text(json.dumps({"steps": 204, "trainable_params": 1_234_567,
-                                                                "loss": "ce_decay"}))
+    (ckpt / "config.json").write_text(
+        json.dumps({"architectures": ["DFlashDraftModel"], "num_hidden_layers": 2, "block_size": 8})
+    )
+    (ckpt.parent / "train_summary.json").write_text(
+        json.dumps({"steps": 204, "trainable_params": 1_234_567, "loss": "ce_decay"})
+    )
     probe = tmp_path / "probe.json"
     probe.write_text(json.dumps({"model_type": "qwen3", "num_hidden_layers": 8}))
     bench = tmp_path / "benchmarks"
@@ -165,19 +167,31 @@ def test_header_facts_come_from_the_run_records(tmp_path):
     ev = tmp_path / "acceptance.json"
     ev.write_text(json.dumps(_record()))
     facts = report_page.run_facts(
-        eval_json=ev, probe_json=probe, checkpoint=ckpt, benchmark_dir=bench, extra_benchmarks=[demo],
+        eval_json=ev,
+        probe_json=probe,
+        checkpoint=ckpt,
+        benchmark_dir=bench,
+        extra_benchmarks=[demo],
         prompts_rows=[{"dataset": "gsm8k", "kept": "900"}, {"dataset": "mt_bench", "kept": "40"}],
         generation_rows=[{"dataset": "all", "conversations": "940", "ok": "938"}],
     )
-    assert facts["drafter"] == {"family": "DFlashDraftModel", "num_draft_layers": 2, "block_size": 8,
-                                "trainable_params": 1_234_567, "loss": "ce_decay"}
+    assert facts["drafter"] == {
+        "family": "DFlashDraftModel",
+        "num_draft_layers": 2,
+        "block_size": 8,
+        "trainable_params": 1_234_567,
+        "loss": "ce_decay",
+    }
     assert facts["train_steps"] == 3  # the eval record's trained drafter says how many steps it had
     assert facts["wall_s"] == 171.0 + 90.5 + 70.0 + 116.0 and facts["train_s"] == 171.0 and facts["eval_s"] == 90.5
     assert facts["data"]["prompts_kept"] == 940 and facts["data"]["eval_prompts"] == {"gsm8k": 4, "long": 4}
     text = report_page.header_html("r1", facts)
     assert "1.23 M trainable parameters" in text and "7 min 28 s" in text and "940 conversations (938 ok)" in text
     # the job's named inputs and outputs give the figure files, in the page's order
-    figs = report_page.run_figures(SimpleNamespace(acceptance_plot="a.png", tau_vs_step="s.png", train_curves="c.png",
-                                                   val_tau="v.png", data_lengths="d.png"),
-                                   SimpleNamespace(tau_per_set="t.png", tau_by_length="l.png"))
+    figs = report_page.run_figures(
+        SimpleNamespace(
+            acceptance_plot="a.png", tau_vs_step="s.png", train_curves="c.png", val_tau="v.png", data_lengths="d.png"
+        ),
+        SimpleNamespace(tau_per_set="t.png", tau_by_length="l.png"),
+    )
     assert [f[1] for f in figs] == ["t.png", "a.png", "l.png", "s.png", "c.png", "v.png", "d.png"]

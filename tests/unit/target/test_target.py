@@ -11,14 +11,14 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from dflash_pipeline.probe import probe_target
 from dflash_pipeline.target import loading as T
 
-CONFIG_PY = '''
+CONFIG_PY = """
 from transformers import Qwen3Config
 
 
 class TinyRemoteConfig(Qwen3Config):
     model_type = "tiny_remote"
-'''
-MODELING_PY = '''
+"""
+MODELING_PY = """
 from transformers import Qwen3ForCausalLM
 
 from .configuration_tiny_remote import TinyRemoteConfig
@@ -26,7 +26,7 @@ from .configuration_tiny_remote import TinyRemoteConfig
 
 class TinyRemoteForCausalLM(Qwen3ForCausalLM):
     config_class = TinyRemoteConfig
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -34,13 +34,25 @@ def remote_dir(tmp_path_factory):
     """A target whose model class exists only as code shipped in its directory (auto_map)."""
     d = tmp_path_factory.mktemp("remote")
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8)
+    cfg = Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
     Qwen3ForCausalLM(cfg).save_pretrained(d)
     raw = json.loads((d / "config.json").read_text())
-    raw.update(model_type="tiny_remote", architectures=["TinyRemoteForCausalLM"],
-               auto_map={"AutoConfig": "configuration_tiny_remote.TinyRemoteConfig",
-                         "AutoModelForCausalLM": "modeling_tiny_remote.TinyRemoteForCausalLM"})
+    raw.update(
+        model_type="tiny_remote",
+        architectures=["TinyRemoteForCausalLM"],
+        auto_map={
+            "AutoConfig": "configuration_tiny_remote.TinyRemoteConfig",
+            "AutoModelForCausalLM": "modeling_tiny_remote.TinyRemoteForCausalLM",
+        },
+    )
     (d / "config.json").write_text(json.dumps(raw))
     (d / "configuration_tiny_remote.py").write_text(CONFIG_PY)
     (d / "modeling_tiny_remote.py").write_text(MODELING_PY)
@@ -73,6 +85,7 @@ def test_probe_refuses_an_unloadable_target_at_plan_time(remote_dir):
     rec = probe_target(remote_dir, block_size=4, num_draft_layers=1, target_layer_ids=[1, 2], strict=False)
     assert rec["target_loader"]["class"] is None and "trust_remote_code" in rec["target_loader"]["error"]
     assert any("cannot be loaded" in w for w in rec["warnings"])
-    ok = probe_target(remote_dir, block_size=4, num_draft_layers=1, target_layer_ids=[1, 2], strict=False,
-                      trust_remote_code=True)
+    ok = probe_target(
+        remote_dir, block_size=4, num_draft_layers=1, target_layer_ids=[1, 2], strict=False, trust_remote_code=True
+    )
     assert ok["target_loader"]["class"] == "AutoModelForCausalLM" and ok["target_loader"]["error"] is None

@@ -28,8 +28,15 @@ from dflash_pipeline.tokens.shard import conversation_sequences, tokenize_sequen
 _REPO = Path(__file__).resolve().parents[3]
 # same resolution order as conftest.models_dir(): $DFLASH_MODELS_DIR, tests/data/models, ../shared/data/models
 MODELS_DIR = next(
-    (Path(c) for c in (os.environ.get("DFLASH_MODELS_DIR"), _REPO / "tests" / "data" / "models",
-                       _REPO.parent / "shared" / "data" / "models") if c and Path(c).is_dir()),
+    (
+        Path(c)
+        for c in (
+            os.environ.get("DFLASH_MODELS_DIR"),
+            _REPO / "tests" / "data" / "models",
+            _REPO.parent / "shared" / "data" / "models",
+        )
+        if c and Path(c).is_dir()
+    ),
     None,
 )
 if MODELS_DIR is None:
@@ -70,26 +77,38 @@ NO_REASONING = "template has no reasoning field: reasoning the target generated 
 EXPECTED_FAILURES: dict[tuple[str, str], str] = {
     ("DeepSeek-R1/chat_template.current.jinja", "*"): (
         "generation prompt ends with '<think>\\n' but rendered assistant turns drop it and all reasoning: "
-        "renders never share the prefix; needs server token ids"),
+        "renders never share the prefix; needs server token ids"
+    ),
     ("_trl_training_templates/deepseekv3_training.jinja", "*"): (
-        "the R1-style template with generation tags: same '<think>\\n' generation prompt as DeepSeek-R1"),
+        "the R1-style template with generation tags: same '<think>\\n' generation prompt as DeepSeek-R1"
+    ),
     ("DeepSeek-V3.1/chat_template.jinja", "save"): (
         "thinking is selected by the `thinking` kwarg (chat.py passes it with enable_thinking) and assistant "
-        "turns never render reasoning (the template writes '</think>' + content): reasoning would be dropped"),
+        "turns never render reasoning (the template writes '</think>' + content): reasoning would be dropped"
+    ),
     ("Kimi-K2-Thinking/chat_template.jinja", "save"): (
-        "the turn being trained is rendered as history with an empty '<think></think>': reasoning dropped"),
+        "the turn being trained is rendered as history with an empty '<think></think>': reasoning dropped"
+    ),
     ("MiniMax-M2/chat_template.jinja", "disable"): (
-        "always-thinking model: the generation prompt opens '<think>\\n', a turn without reasoning renders "
-        "without it"),
+        "always-thinking model: the generation prompt opens '<think>\\n', a turn without reasoning renders without it"
+    ),
 }
-for _name in ("Kimi-K2-Instruct/chat_template.jinja", "Llama-3.1-8B-Instruct/chat_template.jinja",
-              "Llama-3.3-70B-Instruct/chat_template.jinja", "Mistral-Small-3.1-24B-Instruct-2503/chat_template.jinja",
-              "Qwen2.5-7B-Instruct/chat_template.jinja", "Qwen2.5-VL-3B-Instruct/chat_template.jinja",
-              "Qwen3-VL-2B-Instruct/chat_template.jinja", "gemma-3-4b-it/chat_template.jinja",
-              "_trl_training_templates/gemma3_training.jinja", "_trl_training_templates/llama3_training.jinja",
-              "_trl_training_templates/qwen2_5_training.jinja", "_trl_training_templates/qwen2_5_vl_training.jinja",
-              "_trl_training_templates/qwen3_instruct_2507_training.jinja",
-              "_trl_training_templates/qwen3_vl_training.jinja"):
+for _name in (
+    "Kimi-K2-Instruct/chat_template.jinja",
+    "Llama-3.1-8B-Instruct/chat_template.jinja",
+    "Llama-3.3-70B-Instruct/chat_template.jinja",
+    "Mistral-Small-3.1-24B-Instruct-2503/chat_template.jinja",
+    "Qwen2.5-7B-Instruct/chat_template.jinja",
+    "Qwen2.5-VL-3B-Instruct/chat_template.jinja",
+    "Qwen3-VL-2B-Instruct/chat_template.jinja",
+    "gemma-3-4b-it/chat_template.jinja",
+    "_trl_training_templates/gemma3_training.jinja",
+    "_trl_training_templates/llama3_training.jinja",
+    "_trl_training_templates/qwen2_5_training.jinja",
+    "_trl_training_templates/qwen2_5_vl_training.jinja",
+    "_trl_training_templates/qwen3_instruct_2507_training.jinja",
+    "_trl_training_templates/qwen3_vl_training.jinja",
+):
     EXPECTED_FAILURES[(_name, "save")] = NO_REASONING
 
 
@@ -155,8 +174,11 @@ CONTENT = ["The answer is 42.\nDone!", "Ünïcode ✓ and `code` 🙂 fine."]
 
 def conversation(multi: bool, thinking: str) -> list[dict]:
     def asst(k):
-        return {"role": "assistant", "content": CONTENT[k],
-                "reasoning_content": REASONING[k] if thinking == "save" else None}
+        return {
+            "role": "assistant",
+            "content": CONTENT[k],
+            "reasoning_content": REASONING[k] if thinking == "save" else None,
+        }
 
     msgs = [{"role": "user", "content": "What is 6 times 7?"}, asst(0)]
     if multi:
@@ -189,7 +211,7 @@ def check_turn_text(decoded: str, k: int, thinking: str, eots: list[str], prompt
     b = body.strip()
     think_open, think_close = THINK_MARKERS.get(family, ("<think>", "</think>"))
     if b.startswith(think_open):
-        b = b[len(think_open):]
+        b = b[len(think_open) :]
     if think_close in b:
         r, _, c = b.partition(think_close)
         assert r.strip() == (REASONING[k] if thinking == "save" else ""), f"turn {k}: reasoning {r!r}"
@@ -199,7 +221,7 @@ def check_turn_text(decoded: str, k: int, thinking: str, eots: list[str], prompt
     # gpt-oss writes the channel header after the generation prompt: the target generates it
     for head in ("<|channel|>final<|message|>",):
         if b.startswith(head):
-            b = b[len(head):]
+            b = b[len(head) :]
     assert b == CONTENT[k], f"turn {k}: masked text {decoded!r} != content {CONTENT[k]!r}"
 
 
@@ -236,15 +258,18 @@ def test_mask_invariant(base_bpe_json, name, multi, mode):
 
 
 def test_expected_failures_are_real_templates():
-    for (name, _mode) in EXPECTED_FAILURES:
+    for name, _mode in EXPECTED_FAILURES:
         assert name in TEMPLATES, f"EXPECTED_FAILURES names a template that does not exist: {name}"
 
 
-RENDER_CASES = [(name, multi, mode) for name in TEMPLATES for multi in (False, True) for mode in ("none", "disable", "save")]
+RENDER_CASES = [
+    (name, multi, mode) for name in TEMPLATES for multi in (False, True) for mode in ("none", "disable", "save")
+]
 
 
-@pytest.mark.parametrize("name,multi,mode", RENDER_CASES,
-                         ids=[f"{n}-{'multi' if m else 'single'}-{t}" for n, m, t in RENDER_CASES])
+@pytest.mark.parametrize(
+    "name,multi,mode", RENDER_CASES, ids=[f"{n}-{'multi' if m else 'single'}-{t}" for n, m, t in RENDER_CASES]
+)
 def test_fast_render_equals_apply_chat_template(base_bpe_json, name, multi, mode):
     """chat.render_many (the compiled template called directly) renders exactly what
     apply_chat_template(tokenize=False) renders, for every prefix the tokens stage renders."""
@@ -254,8 +279,9 @@ def test_fast_render_equals_apply_chat_template(base_bpe_json, name, multi, mode
         if m["role"] != "assistant":
             continue
         for sub, gen in ((msgs[:i], True), (msgs[: i + 1], False)):
-            want = tok.apply_chat_template(chat.template_messages(sub), tokenize=False, add_generation_prompt=gen,
-                                           **chat.template_kwargs(mode))
+            want = tok.apply_chat_template(
+                chat.template_messages(sub), tokenize=False, add_generation_prompt=gen, **chat.template_kwargs(mode)
+            )
             assert chat.render_many(tok, [sub], thinking=mode, add_generation_prompt=gen) == [want]
 
 
@@ -271,8 +297,10 @@ def test_thinking_kwargs_reach_deepseek_v31(base_bpe_json):
 def test_gpt_oss_reads_reasoning_as_thinking(base_bpe_json):
     name = next(n for n in TEMPLATES if n.startswith("gpt-oss-20b/"))
     tok = make_tokenizer(base_bpe_json, name)
-    msgs = [{"role": "user", "content": "hi"},
-            {"role": "assistant", "content": "hello", "reasoning_content": "R-E-A-S-O-N"}]
+    msgs = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello", "reasoning_content": "R-E-A-S-O-N"},
+    ]
     assert "R-E-A-S-O-N" in chat.render(tok, msgs, thinking="save", add_generation_prompt=False)
 
 
@@ -304,7 +332,8 @@ def test_check_template_before_generation_agrees_with_the_invariant(base_bpe_jso
 CONTROL_TEXT_FAILURES = {
     ("DeepSeek-V3.1/chat_template.jinja", "disable"): (
         "the template keeps only what follows the first '</think>' of an assistant content, reasoning or not: "
-        "the answer is not rendered verbatim"),
+        "the answer is not rendered verbatim"
+    ),
 }
 
 
@@ -320,8 +349,9 @@ def _added_ids(tok) -> set[int]:
     return {int(i) for i in tok.added_tokens_decoder}
 
 
-CONTROL_CASES = [(name, mode) for name in TEMPLATES for mode in ("disable", "save")
-                 if _expected_failure(name, mode) is None]
+CONTROL_CASES = [
+    (name, mode) for name in TEMPLATES for mode in ("disable", "save") if _expected_failure(name, mode) is None
+]
 
 
 @pytest.mark.parametrize("name,mode", CONTROL_CASES, ids=[f"{n}-{t}" for n, t in CONTROL_CASES])
@@ -374,16 +404,19 @@ def test_output_ids_are_the_supervised_tokens(base_bpe_json):
     name = "Qwen2.5-7B-Instruct/chat_template.jinja"
     tok = make_tokenizer(base_bpe_json, name)
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is 42."}]
-    text_ids = [tok.convert_tokens_to_ids(c) for c in tok.convert_ids_to_tokens(
-        tok("The answer is 42.", add_special_tokens=False)["input_ids"])]
+    text_ids = [
+        tok.convert_tokens_to_ids(c)
+        for c in tok.convert_ids_to_tokens(tok("The answer is 42.", add_special_tokens=False)["input_ids"])
+    ]
     # one id per character: certainly not what BPE re-encoding gives
     chars = [i for ch in "The answer is 42." for i in tok(ch, add_special_tokens=False)["input_ids"]]
     assert chars != text_ids
     out_ids = chars + [tok.convert_tokens_to_ids("<|im_end|>")]
     gen = tok.decode(out_ids, skip_special_tokens=False)
     counts: dict = {}
-    (seq,) = conversation_sequences(tok, msgs, thinking="disable", generated=[gen], generated_ids=[out_ids],
-                                    counts=counts)
+    (seq,) = conversation_sequences(
+        tok, msgs, thinking="disable", generated=[gen], generated_ids=[out_ids], counts=counts
+    )
     assert counts["output_ids_spliced"] == 1
     ((ids, mask, _),) = tokenize_sequences(tok, [seq])
     assert masked_runs(ids, mask) == [out_ids]

@@ -19,8 +19,12 @@ MESSAGES = [{"role": "user", "content": "What is two plus two"}]
 
 
 def post(base_url: str, path: str, body: dict, headers: dict | None = None) -> tuple[int, bytes]:
-    req = urllib.request.Request(f"{base_url}{path}", data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        f"{base_url}{path}",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
     try:
         with _OPENER.open(req, timeout=30) as resp:
             return resp.status, resp.read()
@@ -33,7 +37,7 @@ def events(raw: bytes) -> list:
     out = []
     for block in raw.decode().split("\n\n"):
         if block.startswith("data: "):
-            data = block[len("data: "):]
+            data = block[len("data: ") :]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
 
@@ -41,8 +45,9 @@ def events(raw: bytes) -> list:
 def test_chat_ids_per_choice_and_in_sglext_and_meta_info():
     with start_test_server(flavor="sglang", reasoning=True, spec_accept_length=2.0, spec_block_size=4) as srv:
         base = {"model": "test-model", "messages": MESSAGES, "max_tokens": 64}
-        status, raw = post(srv.base_url, "/chat/completions",
-                           {**base, "return_token_ids": True, "return_meta_info": True})
+        status, raw = post(
+            srv.base_url, "/chat/completions", {**base, "return_token_ids": True, "return_meta_info": True}
+        )
         assert status == 200
         resp = json.loads(raw)
         (choice,) = resp["choices"]
@@ -57,8 +62,12 @@ def test_chat_ids_per_choice_and_in_sglext_and_meta_info():
         assert sum((n + 1) * c for n, c in enumerate(hist)) == meta["completion_tokens"]
         assert meta["spec_accept_length"] == pytest.approx(meta["completion_tokens"] / meta["spec_verify_ct"])
 
-        status, raw = post(srv.base_url, "/chat/completions", {**base, "return_output_ids_in_sglext": True},
-                           headers={"x-sglext-return-input-ids": "1"})
+        status, raw = post(
+            srv.base_url,
+            "/chat/completions",
+            {**base, "return_output_ids_in_sglext": True},
+            headers={"x-sglext-return-input-ids": "1"},
+        )
         ext = json.loads(raw)
         assert "token_ids" not in ext["choices"][0] and "meta_info" not in ext["choices"][0]
         assert ext["sglext"] == {"input_ids": choice["prompt_token_ids"], "output_ids": [choice["token_ids"]]}
@@ -71,11 +80,17 @@ def test_chat_ids_per_choice_and_in_sglext_and_meta_info():
 def test_streamed_chat_asking_for_ids_is_refused_as_sglang_does(flag):
     message = dict(STREAM_REFUSALS)[flag]
     with start_test_server(flavor="sglang") as srv:
-        status, raw = post(srv.base_url, "/chat/completions",
-                           {"model": "test-model", "messages": MESSAGES, "stream": True, flag: True})
+        status, raw = post(
+            srv.base_url, "/chat/completions", {"model": "test-model", "messages": MESSAGES, "stream": True, flag: True}
+        )
         assert status == 400
-        assert json.loads(raw) == {"object": "error", "message": message, "type": "BadRequestError", "param": None,
-                                   "code": 400}
+        assert json.loads(raw) == {
+            "object": "error",
+            "message": message,
+            "type": "BadRequestError",
+            "param": None,
+            "code": 400,
+        }
         client = openai.OpenAI(base_url=srv.base_url, api_key="EMPTY", max_retries=0)
         with pytest.raises(openai.BadRequestError, match="is not supported with streaming"):
             client.chat.completions.create(model="test-model", messages=MESSAGES, stream=True, extra_body={flag: True})
@@ -84,11 +99,17 @@ def test_streamed_chat_asking_for_ids_is_refused_as_sglang_does(flag):
 
 def test_streamed_chat_carries_reasoning_content_and_the_sglext_ids_once():
     with start_test_server(flavor="sglang", reasoning=True) as srv:
-        body = {"model": "test-model", "messages": MESSAGES, "max_tokens": 64, "return_input_ids_in_sglext": True,
-                "return_output_ids_in_sglext": True}
+        body = {
+            "model": "test-model",
+            "messages": MESSAGES,
+            "max_tokens": 64,
+            "return_input_ids_in_sglext": True,
+            "return_output_ids_in_sglext": True,
+        }
         whole = json.loads(post(srv.base_url, "/chat/completions", body)[1])
-        status, raw = post(srv.base_url, "/chat/completions",
-                           {**body, "stream": True, "stream_options": {"include_usage": True}})
+        status, raw = post(
+            srv.base_url, "/chat/completions", {**body, "stream": True, "stream_options": {"include_usage": True}}
+        )
         assert status == 200
     evs = events(raw)
     assert evs[-1] == "[DONE]" and evs[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
@@ -125,6 +146,7 @@ def test_legacy_sglang_ignores_return_token_ids():
         assert "token_ids" not in choice and "prompt_token_ids" not in choice
         status, _ = post(srv.base_url, "/chat/completions", {**body, "stream": True})
         assert status == 200  # ignored, so not refused either
-        (choice,) = json.loads(post(srv.base_url, "/completions",
-                                    {"model": "test-model", "prompt": "hi", "return_token_ids": True})[1])["choices"]
+        (choice,) = json.loads(
+            post(srv.base_url, "/completions", {"model": "test-model", "prompt": "hi", "return_token_ids": True})[1]
+        )["choices"]
         assert "token_ids" not in choice

@@ -30,11 +30,16 @@ class CliServer:
     """A server process started with CLI flags; ``base_url`` is read from its ``READY`` line."""
 
     def __init__(self, *flags: str):
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT / "src"),
-                                                                         os.environ.get("PYTHONPATH")]))}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT / "src"), os.environ.get("PYTHONPATH")])),
+        }
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dflash_pipeline.testing.server", "--port", "0", *flags],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            text=True,
         )
         self._stderr: list[str] = []
         threading.Thread(target=lambda: self._stderr.extend(self.proc.stderr), daemon=True).start()
@@ -48,7 +53,9 @@ class CliServer:
             except queue.Empty:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.stop()
-                    raise AssertionError(f"server did not print READY (exit {self.proc.poll()}): {self.stderr}") from None
+                    raise AssertionError(
+                        f"server did not print READY (exit {self.proc.poll()}): {self.stderr}"
+                    ) from None
         assert line.startswith("READY http://127.0.0.1:") and line.rstrip().endswith("/v1"), line
         self.base_url = line.split()[1]
         self.root = self.base_url.removesuffix("/v1")
@@ -95,10 +102,27 @@ def test_cli_exposes_every_fault_field():
     """One flag per :class:`Faults` field, each parsed into the field of the same name."""
     dests = {a.dest for a in _parser()._actions}
     assert set(vars(Faults())) <= dests
-    args = _parser().parse_args(["--fail-every", "4", "--fail-status", "429", "--retry-after-s", "1.5",
-                                 "--die-after", "0", "--bad-request-marker", ""])
+    args = _parser().parse_args(
+        [
+            "--fail-every",
+            "4",
+            "--fail-status",
+            "429",
+            "--retry-after-s",
+            "1.5",
+            "--die-after",
+            "0",
+            "--bad-request-marker",
+            "",
+        ]
+    )
     assert (args.fail_every, args.fail_status, args.retry_after_s, args.die_after, args.bad_request_marker) == (
-        4, 429, 1.5, 0, "")
+        4,
+        429,
+        1.5,
+        0,
+        "",
+    )
     for bad in (["--fail-status", "42"], ["--drop-first", "-1"], ["--hang-s", "nan"], ["--spec-accept-length", "0.5"]):
         with pytest.raises(SystemExit):
             _parser().parse_args(bad)
@@ -108,11 +132,27 @@ def test_cli_exposes_every_fault_field():
 
 def test_fault_numbering():
     """``*_first`` take consecutive requests (drops, hangs, failures); ``*_every`` multiples after them."""
-    server = TestServer(faults=Faults(drop_first=1, hang_first=1, fail_first=2, drop_every=5, hang_every=7,
-                                      fail_every=3))
+    server = TestServer(
+        faults=Faults(drop_first=1, hang_first=1, fail_first=2, drop_every=5, hang_every=7, fail_every=3)
+    )
     plan = [server._fault_of(n) for n in range(1, 16)]
-    assert plan == ["drop", "hang", "fail", "fail", "drop", "fail", "hang", None, "fail", "drop", None, "fail",
-                    None, "hang", "drop"]
+    assert plan == [
+        "drop",
+        "hang",
+        "fail",
+        "fail",
+        "drop",
+        "fail",
+        "hang",
+        None,
+        "fail",
+        "drop",
+        None,
+        "fail",
+        None,
+        "hang",
+        "drop",
+    ]
 
 
 def test_base_url_names_the_bound_host():
@@ -124,8 +164,20 @@ def test_base_url_names_the_bound_host():
 def test_cli_rate_limit_drop_die_after_and_stats():
     """--drop-first, --fail-every with 429 + Retry-After, --die-after and --model-name from the command line;
     /stats counts every request per prompt (a re-sent prompt twice) and keeps answering after the death."""
-    srv = CliServer("--model-name", "fleet-a", "--drop-first", "1", "--fail-every", "3", "--fail-status", "429",
-                    "--retry-after-s", "2", "--die-after", "6")
+    srv = CliServer(
+        "--model-name",
+        "fleet-a",
+        "--drop-first",
+        "1",
+        "--fail-every",
+        "3",
+        "--fail-status",
+        "429",
+        "--retry-after-s",
+        "2",
+        "--die-after",
+        "6",
+    )
     try:
         plan = "faults: drop_first=1 fail_status=429 retry_after_s=2.0 fail_every=3 die_after=6"
         assert _wait_for(lambda: plan in srv.stderr), srv.stderr
@@ -167,8 +219,22 @@ def test_cli_rate_limit_drop_die_after_and_stats():
 def test_cli_hang_fail_markers_and_delay():
     """--fail-first with a 5xx, --hang-every/--hang-s (a dropped connection after the hang; a client timeout
     shorter than it), --delay-s, and the marker flags (one renamed, one turned off)."""
-    srv = CliServer("--fail-first", "1", "--fail-status", "500", "--hang-every", "2", "--hang-s", "0.5",
-                    "--delay-s", "0.2", "--bad-request-marker", "TOO-LONG", "--malformed-marker", "")
+    srv = CliServer(
+        "--fail-first",
+        "1",
+        "--fail-status",
+        "500",
+        "--hang-every",
+        "2",
+        "--hang-s",
+        "0.5",
+        "--delay-s",
+        "0.2",
+        "--bad-request-marker",
+        "TOO-LONG",
+        "--malformed-marker",
+        "",
+    )
     try:
         status, headers, body = chat(srv.base_url, "a")  # 1: 500, no Retry-After
         assert status == 500 and "Retry-After" not in headers
@@ -187,14 +253,14 @@ def test_cli_hang_fail_markers_and_delay():
 
         status, _, body = chat(srv.base_url, "this prompt is TOO-LONG")  # 5: the renamed 400 marker
         assert status == 400
-        assert body == {"error": {"message": "injected bad request: prompt is too long",
-                                  "type": "invalid_request_error"}}
+        assert body == {
+            "error": {"message": "injected bad request: prompt is too long", "type": "invalid_request_error"}
+        }
 
         status, _, stats = call(srv.root + "/stats")
         assert status == 200 and stats["dead"] is False
         assert stats["statuses"] == {"500": 1, "hung": 2, "200": 1, "400": 1}
-        assert stats["by_prompt"] == {"a": 1, "b": 1, "c [[MALFORMED]] is off": 1, "d": 1,
-                                      "this prompt is TOO-LONG": 1}
+        assert stats["by_prompt"] == {"a": 1, "b": 1, "c [[MALFORMED]] is off": 1, "d": 1, "this prompt is TOO-LONG": 1}
     finally:
         assert srv.stop() == 0
 

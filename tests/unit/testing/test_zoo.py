@@ -54,8 +54,10 @@ def twin(tmp_path_factory, real_models_dir):
 
 
 def _prompt(tok) -> list[int]:
-    msgs = [{"role": "system", "content": "You are terse."},
-            {"role": "user", "content": "Natalia sold 48 clips in April and half as many in May. How many in all?"}]
+    msgs = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Natalia sold 48 clips in April and half as many in May. How many in all?"},
+    ]
     ids = render(tok, msgs, thinking="none", add_generation_prompt=True, tokenize=True)
     assert len(ids) > 2 * zoo.SLIDING_WINDOW  # the sliding windows are crossed
     return ids
@@ -78,7 +80,11 @@ class NoisyOracle(torch.nn.Module):
 
     def __init__(self, drafter, greedy: list[int], prompt_len: int, vocab: int):
         super().__init__()
-        self.block_size, self.target_layer_ids, self.layers = drafter.block_size, drafter.target_layer_ids, drafter.layers
+        self.block_size, self.target_layer_ids, self.layers = (
+            drafter.block_size,
+            drafter.target_layer_ids,
+            drafter.layers,
+        )
         self.greedy, self.prompt_len, self.vocab = greedy, prompt_len, vocab
         self.dummy = torch.nn.Parameter(torch.zeros(1))
 
@@ -101,8 +107,14 @@ def test_family_invariants(family, dtype, twin):
     target = T.load_target(path, dtype=DTYPES[dtype])
     tok = load_tokenizer(path)
     n_layers = T.num_decoder_layers(target)
-    probe = {"drafter": {"block_size": B, "num_draft_layers": 1, "target_layer_ids": [1, n_layers - 2],
-                         "mask_token_id": len(tok)}}
+    probe = {
+        "drafter": {
+            "block_size": B,
+            "num_draft_layers": 1,
+            "target_layer_ids": [1, n_layers - 2],
+            "mask_token_id": len(tok),
+        }
+    }
     drafter = build_drafter(target, probe).eval()  # float32 master weights, as in training
     embed, head = T.input_embeddings(target), T.lm_head(target)
     prompt = _prompt(tok)
@@ -115,7 +127,9 @@ def test_family_invariants(family, dtype, twin):
     blk, pos, _, _ = M.block_inputs_and_labels(ids, torch.ones_like(ids), anchors, B, drafter.mask_token_id, None)
     with torch.no_grad():
         noise, f32 = T.to_drafter_dtype(drafter, embed(blk), feats)
-        hidden = drafter(noise, f32, torch.arange(24).view(1, -1), pos, attn_mask=M.build_block_mask(anchors.anchors, 24, B))
+        hidden = drafter(
+            noise, f32, torch.arange(24).view(1, -1), pos, attn_mask=M.build_block_mask(anchors.anchors, 24, B)
+        )
         train_logits = T.lm_head_logits(hidden, head.weight).view(1, 4, B, -1)
         for n, p in enumerate([0, 9, 10, 17]):
             inf = drafter.draft_block(embed, head, ids[:, p], feats[:, :p], p, M.DraftContextCache(1))
@@ -138,10 +152,20 @@ def test_family_invariants(family, dtype, twin):
     opt = torch.optim.AdamW(train_drafter.parameters(), lr=1e-3)
     train_drafter, opt = acc.prepare(train_drafter, opt)
     n = len(prompt)
-    batch = {"input_ids": torch.tensor([prompt]), "attention_mask": torch.ones(1, n, dtype=torch.long),
-             "loss_mask": torch.tensor([[0] * (n // 2) + [1] * (n - n // 2)], dtype=torch.uint8)}
-    ctx = StepContext(drafter=train_drafter, target=target, probe=probe, num_anchors=4, block_size=B, gamma=None,
-                      generator=torch.Generator().manual_seed(0))
+    batch = {
+        "input_ids": torch.tensor([prompt]),
+        "attention_mask": torch.ones(1, n, dtype=torch.long),
+        "loss_mask": torch.tensor([[0] * (n // 2) + [1] * (n - n // 2)], dtype=torch.uint8),
+    }
+    ctx = StepContext(
+        drafter=train_drafter,
+        target=target,
+        probe=probe,
+        num_anchors=4,
+        block_size=B,
+        gamma=None,
+        generator=torch.Generator().manual_seed(0),
+    )
     loss, stats = training_step(ctx, batch)
     acc.backward(loss)
     assert loss.dtype == torch.float32 and torch.isfinite(loss) and stats["num_slots"] > 0
@@ -166,7 +190,10 @@ def test_twin_keeps_what_makes_the_family_distinct(twin):
     q35 = json.loads((twin("Qwen3.5-35B-A3B") / "config.json").read_text())["text_config"]
     assert q35["layer_types"] == ["linear_attention"] * 3 + ["full_attention"] and q35["num_experts"] == 4
     oss = json.loads((twin("gpt-oss-20b") / "config.json").read_text())
-    assert oss["sliding_window"] == zoo.SLIDING_WINDOW and set(oss["layer_types"]) == {"sliding_attention", "full_attention"}
+    assert oss["sliding_window"] == zoo.SLIDING_WINDOW and set(oss["layer_types"]) == {
+        "sliding_attention",
+        "full_attention",
+    }
     kimi2 = json.loads((twin("Kimi-K2-Instruct") / "config.json").read_text())
     assert kimi2["model_type"] == "kimi_k2" and "auto_map" in kimi2  # loaded natively as DeepseekV3
     assert T.check_loadable(twin("Kimi-K2-Instruct"))["class"] == "DeepseekV3ForCausalLM"
@@ -183,7 +210,9 @@ def test_twin_build_is_deterministic(twin, tmp_path, real_models_dir):
 
 def test_kimi_k25_runs_every_in_process_stage(tmp_path, real_models_dir):
     """The story's target family: completions (transformers backend), tokens, train fp32 + bf16, eval."""
-    out = zoo.run_stages(real_models_dir, "Kimi-K2.5", tmp_path, GSM8K_TRAIN, REPO_ROOT / "data" / "gsm8k" / "test.jsonl")
+    out = zoo.run_stages(
+        real_models_dir, "Kimi-K2.5", tmp_path, GSM8K_TRAIN, REPO_ROOT / "data" / "gsm8k" / "test.jsonl"
+    )
     assert out == {s: "ok" for s in zoo.STAGES}, out
     summary = json.loads((tmp_path / "train_bfloat16" / "train_summary.json").read_text())
     assert summary["target_dtype"] == "bfloat16" and summary["train_config"]["mixed_precision"] == "bf16"

@@ -20,7 +20,11 @@ REFUSED_AT_PLANNING: dict[str, str] = {"LongCat-Flash-twin": "counts sublayers o
 def test_extra_family_runs_every_stage_or_is_refused_at_planning(tmp_path, real_models_dir, family):
     out = zoo.run_stages(real_models_dir, family, tmp_path, GSM8K_TRAIN, REPO_ROOT / "data" / "gsm8k" / "test.jsonl")
     if family in REFUSED_AT_PLANNING:
-        assert out["build"] == "ok" and out["probe"].startswith("refused: ") and REFUSED_AT_PLANNING[family] in out["probe"]
+        assert (
+            out["build"] == "ok"
+            and out["probe"].startswith("refused: ")
+            and REFUSED_AT_PLANNING[family] in out["probe"]
+        )
         return
     assert out == {s: "ok" for s in zoo.STAGES}, out
 
@@ -31,4 +35,4 @@ def test_extra_configs_come_from_the_config_classes():
     for name, (cls_name, arch, _, _) in EXTRA_FAMILIES.items():
         raw = extra_config(name)
         assert raw["architectures"] == [arch] and raw["model_type"] == getattr(transformers, cls_name).model_type
-    assert zoo.all_families(models_dir())[-len(EXTRA_FAMILIES):] == sorted(EXTRA_FAMILIES)
+    assert zoo.all_families(models_dir())[-len(EXTRA_FAMILIES) :] == sorted(EXTRA_FAMILIES)

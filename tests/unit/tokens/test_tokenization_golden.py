@@ -51,50 +51,156 @@ REGENERATE = "python tests/unit/tokens/test_tokenization_golden.py --regenerate"
 # The completion records (one shard, tokenized by every case)
 # --------------------------------------------------------------------------------------------------
 
-LONG_ANSWER = " ".join(f"Step {i}: add {i} apples to the basket, which now holds {i * (i + 1) // 2}." for i in range(1, 16))
+LONG_ANSWER = " ".join(
+    f"Step {i}: add {i} apples to the basket, which now holds {i * (i + 1) // 2}." for i in range(1, 16)
+)
 LONG_PROMPT = "Read this carefully. " + " ".join(f"Fact {i}: the value of x{i} is {i * 7}." for i in range(60))
 TOOL_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 #: (prompt_id, thinking, status, [(role, content, reasoning)], per-assistant-turn finish_reason,
 #: server ids: None | "exact" (ids of what the render supervises) | "other" (ids of another text))
 CONVERSATIONS: list[tuple] = [
-    ("single", "disable", "ok", [("user", "What is 6 times 7?", None), ("assistant", "The answer is 42.", None)],
-     ["stop"], None),
-    ("reasoning", "save", "ok", [("user", "What is 6 times 7?", None),
-                                 ("assistant", "The answer is 42.", "Six sevens: 7, 14, 21, 28, 35, 42.")], ["stop"], None),
-    ("multi_reasoning", "save", "ok",
-     [("system", "You are terse.", None), ("user", "Hello there", None),
-      ("assistant", "Hello! How can I help?", "A greeting; answer briefly."),
-      ("user", "What is 12 squared?", None), ("assistant", "144.", "12 * 12 = 144."),
-      ("user", "And its square root?", None), ("assistant", "12.", "sqrt(144) = 12.")], ["stop"] * 3, None),
-    ("multi_plain", "none", "ok",
-     [("user", "Name a colour.", None), ("assistant", "Blue.", None),
-      ("user", "Another one?", None), ("assistant", "Green.", None)], ["stop", "stop"], None),
-    ("length_cut", "disable", "truncated", [("user", "Count to twenty.", None),
-                                            ("assistant", "1, 2, 3, 4, 5, 6, 7", None)], ["length"], None),
-    ("long_answer", "disable", "ok", [("user", "Explain the apples, step by step.", None),
-                                      ("assistant", LONG_ANSWER, None)], ["stop"], None),
+    (
+        "single",
+        "disable",
+        "ok",
+        [("user", "What is 6 times 7?", None), ("assistant", "The answer is 42.", None)],
+        ["stop"],
+        None,
+    ),
+    (
+        "reasoning",
+        "save",
+        "ok",
+        [
+            ("user", "What is 6 times 7?", None),
+            ("assistant", "The answer is 42.", "Six sevens: 7, 14, 21, 28, 35, 42."),
+        ],
+        ["stop"],
+        None,
+    ),
+    (
+        "multi_reasoning",
+        "save",
+        "ok",
+        [
+            ("system", "You are terse.", None),
+            ("user", "Hello there", None),
+            ("assistant", "Hello! How can I help?", "A greeting; answer briefly."),
+            ("user", "What is 12 squared?", None),
+            ("assistant", "144.", "12 * 12 = 144."),
+            ("user", "And its square root?", None),
+            ("assistant", "12.", "sqrt(144) = 12."),
+        ],
+        ["stop"] * 3,
+        None,
+    ),
+    (
+        "multi_plain",
+        "none",
+        "ok",
+        [
+            ("user", "Name a colour.", None),
+            ("assistant", "Blue.", None),
+            ("user", "Another one?", None),
+            ("assistant", "Green.", None),
+        ],
+        ["stop", "stop"],
+        None,
+    ),
+    (
+        "length_cut",
+        "disable",
+        "truncated",
+        [("user", "Count to twenty.", None), ("assistant", "1, 2, 3, 4, 5, 6, 7", None)],
+        ["length"],
+        None,
+    ),
+    (
+        "long_answer",
+        "disable",
+        "ok",
+        [("user", "Explain the apples, step by step.", None), ("assistant", LONG_ANSWER, None)],
+        ["stop"],
+        None,
+    ),
     ("long_prompt", "disable", "ok", [("user", LONG_PROMPT, None), ("assistant", "x59 is 413.", None)], ["stop"], None),
     ("error", "disable", "error", [("user", "Hi", None), ("assistant", "", None)], ["stop"], None),
-    ("control_text", "disable", "ok",
-     [("user", "How do chat templates end a turn?", None),
-      ("assistant", "They write <|im_end|> (ChatML), <|eot_id|> (Llama 3) or <|end|>; <think> opens reasoning.", None)],
-     ["stop"], None),
-    ("tool_call_text", "disable", "ok", [("user", "What is the weather in Paris?", None),
-                                         ("assistant", TOOL_CALL, None)], ["stop"], None),
-    ("unicode", "disable", "ok", [("user", "Traduis « mathématiques » en chinois. 🙂", None),
-                                  ("assistant", "  Voilà : 数学 (shùxué) 🙂 \n", None)], ["stop"], None),
+    (
+        "control_text",
+        "disable",
+        "ok",
+        [
+            ("user", "How do chat templates end a turn?", None),
+            (
+                "assistant",
+                "They write <|im_end|> (ChatML), <|eot_id|> (Llama 3) or <|end|>; <think> opens reasoning.",
+                None,
+            ),
+        ],
+        ["stop"],
+        None,
+    ),
+    (
+        "tool_call_text",
+        "disable",
+        "ok",
+        [("user", "What is the weather in Paris?", None), ("assistant", TOOL_CALL, None)],
+        ["stop"],
+        None,
+    ),
+    (
+        "unicode",
+        "disable",
+        "ok",
+        [
+            ("user", "Traduis « mathématiques » en chinois. 🙂", None),
+            ("assistant", "  Voilà : 数学 (shùxué) 🙂 \n", None),
+        ],
+        ["stop"],
+        None,
+    ),
     ("empty_answer", "disable", "ok", [("user", "Say nothing.", None), ("assistant", "", None)], ["stop"], None),
-    ("think_in_answer", "disable", "ok",
-     [("user", "How does Qwen3 close its reasoning?", None),
-      ("assistant", "It writes </think> and then the answer.", None)], ["stop"], None),
-    ("server_ids_exact", "disable", "ok", [("user", "What is 9 plus 10?", None), ("assistant", "19.", None)],
-     ["stop"], "exact"),
-    ("server_ids_other", "disable", "ok", [("user", "What is 9 plus 10?", None), ("assistant", "Nineteen.", None)],
-     ["stop"], "other"),
-    ("server_ids_multi", "none", "ok",
-     [("user", "Pick a number.", None), ("assistant", "Seven.", None),
-      ("user", "Double it.", None), ("assistant", "Fourteen.", None)], ["stop", "stop"], "exact"),
+    (
+        "think_in_answer",
+        "disable",
+        "ok",
+        [
+            ("user", "How does Qwen3 close its reasoning?", None),
+            ("assistant", "It writes </think> and then the answer.", None),
+        ],
+        ["stop"],
+        None,
+    ),
+    (
+        "server_ids_exact",
+        "disable",
+        "ok",
+        [("user", "What is 9 plus 10?", None), ("assistant", "19.", None)],
+        ["stop"],
+        "exact",
+    ),
+    (
+        "server_ids_other",
+        "disable",
+        "ok",
+        [("user", "What is 9 plus 10?", None), ("assistant", "Nineteen.", None)],
+        ["stop"],
+        "other",
+    ),
+    (
+        "server_ids_multi",
+        "none",
+        "ok",
+        [
+            ("user", "Pick a number.", None),
+            ("assistant", "Seven.", None),
+            ("user", "Double it.", None),
+            ("assistant", "Fourteen.", None),
+        ],
+        ["stop", "stop"],
+        "exact",
+    ),
 ]
 
 
@@ -123,11 +229,30 @@ def completion_records(tok) -> list[dict]:
         meta = []
         for k, i in enumerate(a_idx):
             p, o = _server_ids(tok, msgs, i, thinking, server) if server else (None, None)
-            meta.append({"finish_reason": finish[k], "prompt_tokens": len(p or []), "completion_tokens": len(o or []),
-                         "prompt_token_ids": p, "output_token_ids": o, "latency_s": 0.5, "endpoint": "golden"})
-        out.append({"prompt_id": pid, "dataset": "golden", "messages": msgs, "turns": meta, "model": "golden",
-                    "sampling": "{}", "thinking": thinking, "status": status,
-                    "error": "server error" if status == "error" else None})
+            meta.append(
+                {
+                    "finish_reason": finish[k],
+                    "prompt_tokens": len(p or []),
+                    "completion_tokens": len(o or []),
+                    "prompt_token_ids": p,
+                    "output_token_ids": o,
+                    "latency_s": 0.5,
+                    "endpoint": "golden",
+                }
+            )
+        out.append(
+            {
+                "prompt_id": pid,
+                "dataset": "golden",
+                "messages": msgs,
+                "turns": meta,
+                "model": "golden",
+                "sampling": "{}",
+                "thinking": thinking,
+                "status": status,
+                "error": "server error" if status == "error" else None,
+            }
+        )
     return out
 
 
@@ -171,17 +296,34 @@ def zoo_tokenizer(family: str) -> Callable[[], Any]:
 CASES: dict[str, tuple[Callable[[], Any], dict, int]] = {
     "demo": (demo_tokenizer, {"max_length": 128, "last_turn_only": False, "strict": False}, 1024),
     "demo-last_turn-server_ids-small_groups": (
-        demo_tokenizer, {"max_length": 64, "last_turn_only": True, "strict": False, "use_server_token_ids": True}, 5),
+        demo_tokenizer,
+        {"max_length": 64, "last_turn_only": True, "strict": False, "use_server_token_ids": True},
+        5,
+    ),
     "qwen3": (zoo_tokenizer("Qwen3-8B"), {"max_length": 160, "last_turn_only": False, "strict": False}, 1024),
-    "qwen3-server_ids": (zoo_tokenizer("Qwen3-8B"),
-                         {"max_length": 160, "last_turn_only": False, "strict": False, "use_server_token_ids": True}, 1024),
+    "qwen3-server_ids": (
+        zoo_tokenizer("Qwen3-8B"),
+        {"max_length": 160, "last_turn_only": False, "strict": False, "use_server_token_ids": True},
+        1024,
+    ),
     # Llama 3.1 and gpt-oss templates open with a system header (knowledge cutoff, date): longer sequences
-    "llama3.1": (zoo_tokenizer("Llama-3.1-8B-Instruct"), {"max_length": 256, "last_turn_only": False, "strict": False}, 1024),
-    "llama3.1-last_turn": (zoo_tokenizer("Llama-3.1-8B-Instruct"),
-                           {"max_length": 160, "last_turn_only": True, "strict": False}, 1024),
+    "llama3.1": (
+        zoo_tokenizer("Llama-3.1-8B-Instruct"),
+        {"max_length": 256, "last_turn_only": False, "strict": False},
+        1024,
+    ),
+    "llama3.1-last_turn": (
+        zoo_tokenizer("Llama-3.1-8B-Instruct"),
+        {"max_length": 160, "last_turn_only": True, "strict": False},
+        1024,
+    ),
     "gpt-oss": (zoo_tokenizer("gpt-oss-20b"), {"max_length": 512, "last_turn_only": False, "strict": False}, 1024),
     "kimi-k2": (zoo_tokenizer("Kimi-K2-Instruct"), {"max_length": 160, "last_turn_only": False, "strict": False}, 1024),
-    "deepseek-v3.1": (zoo_tokenizer("DeepSeek-V3.1"), {"max_length": 160, "last_turn_only": False, "strict": False}, 1024),
+    "deepseek-v3.1": (
+        zoo_tokenizer("DeepSeek-V3.1"),
+        {"max_length": 160, "last_turn_only": False, "strict": False},
+        1024,
+    ),
 }
 
 
@@ -207,8 +349,10 @@ def tokenize_case(name: str, work: Path) -> tuple[dict, list[dict]]:
         "schema": pf.schema_arrow.to_string(show_schema_metadata=False),
         "metadata": shards.read_shard_metadata(out),
         "row_groups": [pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)],
-        "rows": [[r["prompt_id"], r["turn"], r["num_tokens"], r["num_loss_tokens"], r["truncated"], _digest(r)[:16]]
-                 for r in rows],
+        "rows": [
+            [r["prompt_id"], r["turn"], r["num_tokens"], r["num_loss_tokens"], r["truncated"], _digest(r)[:16]]
+            for r in rows
+        ],
         "sha256": _digest(rows),
     }
     return summary, rows
@@ -234,7 +378,8 @@ def test_golden_is_of_this_revision():
     golden = _golden()
     assert golden["revision"] == TOKENIZATION_REVISION, (
         f"{GOLDEN} was made at TOKENIZATION_REVISION {golden['revision']!r}, the code says "
-        f"{TOKENIZATION_REVISION!r}: regenerate the golden after bumping the revision ({REGENERATE})")
+        f"{TOKENIZATION_REVISION!r}: regenerate the golden after bumping the revision ({REGENERATE})"
+    )
     assert sorted(golden["cases"]) == sorted(CASES), f"the golden's cases differ from CASES: {REGENERATE}"
 
 
@@ -252,24 +397,36 @@ def test_token_shard_matches_golden(name, tmp_path):
             g = g_rows[i] if i < len(g_rows) else None
             w = w_rows[i] if i < len(w_rows) else None
             if g != w:
-                lines.append(f"  row {i} [prompt_id, turn, num_tokens, num_loss_tokens, truncated, digest]: "
-                             f"golden {w} now {g}")
+                lines.append(
+                    f"  row {i} [prompt_id, turn, num_tokens, num_loss_tokens, truncated, digest]: golden {w} now {g}"
+                )
         made_with = _golden().get("made_with")
         if made_with != _versions():
-            lines.append(f"  (the golden was made with {made_with}, this is {_versions()}: a tokenizer library "
-                         f"change alone leaves existing workdirs' shards as they are; regenerate without a bump)")
-        lines.append("The token-shard bytes changed. If that is intended, bump TOKENIZATION_REVISION in "
-                     "src/dflash_pipeline/workflow/policy.py (every workdir re-tokenizes, retrains and re-evaluates) and "
-                     f"regenerate the golden: {REGENERATE}. If it is not (a refactor), the change is a bug.")
+            lines.append(
+                f"  (the golden was made with {made_with}, this is {_versions()}: a tokenizer library "
+                f"change alone leaves existing workdirs' shards as they are; regenerate without a bump)"
+            )
+        lines.append(
+            "The token-shard bytes changed. If that is intended, bump TOKENIZATION_REVISION in "
+            "src/dflash_pipeline/workflow/policy.py (every workdir re-tokenizes, retrains and re-evaluates) and "
+            f"regenerate the golden: {REGENERATE}. If it is not (a refactor), the change is a bug."
+        )
         pytest.fail("\n".join(lines))
     # the batching of tokenize_records decides no byte: small batches give the shard's rows
     tok = chat.load_tokenizer(tmp_path / name / "target")
     _, cfg, _ = CASES[name]
     again = tokenize_records(
-        tok, completion_records(tok), max_length=cfg["max_length"], last_turn_only=cfg["last_turn_only"],
-        strict=cfg["strict"], use_server_token_ids=cfg.get("use_server_token_ids", False), batch_size=3)
-    assert [_digest({**r, "input_ids": r["input_ids"].tolist(), "loss_mask": r["loss_mask"].tolist()})
-            for r in again] == [_digest(r) for r in rows]
+        tok,
+        completion_records(tok),
+        max_length=cfg["max_length"],
+        last_turn_only=cfg["last_turn_only"],
+        strict=cfg["strict"],
+        use_server_token_ids=cfg.get("use_server_token_ids", False),
+        batch_size=3,
+    )
+    assert [
+        _digest({**r, "input_ids": r["input_ids"].tolist(), "loss_mask": r["loss_mask"].tolist()}) for r in again
+    ] == [_digest(r) for r in rows]
 
 
 def regenerate() -> dict:
@@ -290,5 +447,7 @@ if __name__ == "__main__":
     if not args.regenerate:
         parser.error("nothing to do: pass --regenerate (run the test with pytest)")
     made = regenerate()
-    print(f"wrote {GOLDEN}: revision {made['revision']}, {len(made['cases'])} cases, "
-          f"{sum(len(c['rows']) for c in made['cases'].values())} rows")
+    print(
+        f"wrote {GOLDEN}: revision {made['revision']}, {len(made['cases'])} cases, "
+        f"{sum(len(c['rows']) for c in made['cases'].values())} rows"
+    )

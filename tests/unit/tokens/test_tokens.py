@@ -51,14 +51,23 @@ def target_dir(tmp_path_factory):
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    corpus = ["The answer is 42. Let me think step by step.", "Hello there, how are you today?",
-              "What is six times seven? Numbers 0123456789."] * 30
+    corpus = [
+        "The answer is 42. Let me think step by step.",
+        "Hello there, how are you today?",
+        "What is six times seven? Numbers 0123456789.",
+    ] * 30
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     tok.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     hf.chat_template = QWEN3_STYLE
@@ -84,11 +93,26 @@ def conv(turns, system=None, reasoning=None):
 
 def completion(pid, msgs, thinking="disable", status="ok"):
     n = sum(m["role"] == "assistant" for m in msgs)
-    turn = {"finish_reason": "stop", "prompt_tokens": 1, "completion_tokens": 1, "prompt_token_ids": None,
-            "output_token_ids": None, "latency_s": 0.1, "endpoint": "local"}
-    return {"prompt_id": pid, "dataset": "t", "messages": msgs, "turns": [dict(turn) for _ in range(n)],
-            "model": "m", "sampling": "{}", "thinking": thinking, "status": status,
-            "error": "boom" if status == "error" else None}
+    turn = {
+        "finish_reason": "stop",
+        "prompt_tokens": 1,
+        "completion_tokens": 1,
+        "prompt_token_ids": None,
+        "output_token_ids": None,
+        "latency_s": 0.1,
+        "endpoint": "local",
+    }
+    return {
+        "prompt_id": pid,
+        "dataset": "t",
+        "messages": msgs,
+        "turns": [dict(turn) for _ in range(n)],
+        "model": "m",
+        "sampling": "{}",
+        "thinking": thinking,
+        "status": status,
+        "error": "boom" if status == "error" else None,
+    }
 
 
 def write_completions(path, records):
@@ -113,7 +137,7 @@ def test_empty_think_block_is_masked_zero(tok):
     msgs = conv([("What is six times seven?", "The answer is 42.")])
     (seq,) = conversation_sequences(tok, msgs, thinking="disable")
     assert "<think>\n\n</think>\n\nThe answer" in seq.text
-    (ids, mask, straddling), = tokenize_sequences(tok, [seq])
+    ((ids, mask, straddling),) = tokenize_sequences(tok, [seq])
     assert masked_texts(tok, ids, mask) == ["The answer is 42.<|im_end|>"]
     assert straddling == 0
     # the newline the template writes after <|im_end|> is not supervised
@@ -123,13 +147,14 @@ def test_empty_think_block_is_masked_zero(tok):
 def test_thinking_on_supervises_reasoning(tok):
     msgs = conv([("What is six times seven?", "The answer is 42.")], reasoning=["six times seven"])
     (seq,) = conversation_sequences(tok, msgs, thinking="save")
-    (ids, mask, _), = tokenize_sequences(tok, [seq])
+    ((ids, mask, _),) = tokenize_sequences(tok, [seq])
     assert masked_texts(tok, ids, mask) == ["<think>\nsix times seven\n</think>\n\nThe answer is 42.<|im_end|>"]
 
 
 def test_multi_turn_splits_when_template_rewrites_history(tok):
-    msgs = conv([("Hello there", "Hello, how are you?"), ("What is six times seven?", "The answer is 42.")],
-                system="Be terse.")
+    msgs = conv(
+        [("Hello there", "Hello, how are you?"), ("What is six times seven?", "The answer is 42.")], system="Be terse."
+    )
     seqs = conversation_sequences(tok, msgs, thinking="disable")
     # turn 0 was generated after an empty think block that the full render drops -> own sequence
     assert [s.turns for s in seqs] == [[0], [1]]
@@ -146,10 +171,10 @@ def test_multi_turn_prefix_stable_template_gives_one_sequence(tok):
     t2.chat_template = REWRITING.replace("<think>\\n", "")
     msgs = conv([("Hello there", "Hello, how are you?"), ("What is six times seven?", "The answer is 42.")])
     (seq,) = conversation_sequences(t2, msgs, thinking="none")
-    (ids, mask, _), = tokenize_sequences(t2, [seq])
+    ((ids, mask, _),) = tokenize_sequences(t2, [seq])
     assert masked_texts(t2, ids, mask) == ["Hello, how are you?<|im_end|>", "The answer is 42.<|im_end|>"]
     (seq,) = conversation_sequences(t2, msgs, thinking="none", last_turn_only=True)
-    (ids, mask, _), = tokenize_sequences(t2, [seq])
+    ((ids, mask, _),) = tokenize_sequences(t2, [seq])
     assert masked_texts(t2, ids, mask) == ["The answer is 42.<|im_end|>"]
 
 
@@ -185,8 +210,25 @@ def test_span_token_ranges_match_per_token_reference(tok):
     import random
 
     rng = random.Random(7)
-    pieces = ["The answer", " is", " 42", ".", " Let me think", "\n\n", "  ", "é", "数学", "🙂", "<|im_end|>",
-              "<|im_start|>", "assistant\n", "step by step", "0123", "\t", "x"]
+    pieces = [
+        "The answer",
+        " is",
+        " 42",
+        ".",
+        " Let me think",
+        "\n\n",
+        "  ",
+        "é",
+        "数学",
+        "🙂",
+        "<|im_end|>",
+        "<|im_start|>",
+        "assistant\n",
+        "step by step",
+        "0123",
+        "\t",
+        "x",
+    ]
     backend = tok.backend_tokenizer
     checked = straddled = 0
     for _ in range(300):
@@ -245,8 +287,9 @@ def test_tokenize_shard_end_to_end(tmp_path, target_dir, tok):
 def test_truncation_that_removes_all_loss_tokens_drops(tmp_path, target_dir):
     recs = [completion("p0", conv([("Hello there " * 20, "The answer is 42.")]))]
     src = write_completions(tmp_path / "c.parquet", recs)
-    stats = tokenize_shard(src, tmp_path / "t.parquet", target_dir=target_dir,
-                           tokens_cfg={"max_length": 16, "last_turn_only": False})
+    stats = tokenize_shard(
+        src, tmp_path / "t.parquet", target_dir=target_dir, tokens_cfg={"max_length": 16, "last_turn_only": False}
+    )
     assert stats["records_out"] == 0 and stats["dropped"]["truncated_no_loss"] == 1
     assert stats["dropped"]["no_loss_tokens"] == 0 and stats["turns_supervised"] == 0
 
@@ -261,10 +304,16 @@ def test_last_turn_only_and_non_strict(tmp_path, target_dir, tok):
     tpl = tmp_path / "rewrite.jinja"
     tpl.write_text(REWRITING)
     with pytest.raises(TokenizationError, match="prompt_id=p1"):
-        tokenize_shard(src, out, target_dir=target_dir, chat_template=tpl,
-                       tokens_cfg={"max_length": 512, "last_turn_only": False})
-    stats = tokenize_shard(src, out, target_dir=target_dir, chat_template=tpl,
-                           tokens_cfg={"max_length": 512, "last_turn_only": False, "strict": False})
+        tokenize_shard(
+            src, out, target_dir=target_dir, chat_template=tpl, tokens_cfg={"max_length": 512, "last_turn_only": False}
+        )
+    stats = tokenize_shard(
+        src,
+        out,
+        target_dir=target_dir,
+        chat_template=tpl,
+        tokens_cfg={"max_length": 512, "last_turn_only": False, "strict": False},
+    )
     assert stats["dropped"]["tokenization_error"] == 1 and stats["records_out"] == 0
 
 
@@ -274,8 +323,12 @@ def test_server_token_ids_are_used_exactly(tmp_path, target_dir):
     rec["turns"][1].update(prompt_token_ids=[1, 2, 3, 4, 5, 6], output_token_ids=[7, 8, 2])
     src = write_completions(tmp_path / "c.parquet", [rec])
     out = tmp_path / "t.parquet"
-    stats = tokenize_shard(src, out, target_dir=target_dir,
-                           tokens_cfg={"max_length": 64, "last_turn_only": False, "use_server_token_ids": True})
+    stats = tokenize_shard(
+        src,
+        out,
+        target_dir=target_dir,
+        tokens_cfg={"max_length": 64, "last_turn_only": False, "use_server_token_ids": True},
+    )
     rows = pq.read_table(out).to_pylist()
     assert [r["input_ids"] for r in rows] == [[1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6, 7, 8, 2]]
     assert [r["loss_mask"] for r in rows] == [[0, 0, 0, 1, 1], [0] * 6 + [1, 1, 1]]
@@ -297,7 +350,7 @@ def test_demo_target_masks_answer_and_end_of_turn(tmp_path, demo_target):
 def test_generation_cut_at_max_tokens_has_no_supervised_end_of_turn(tok):
     msgs = conv([("What is six times seven?", "The answer is")])
     (seq,) = conversation_sequences(tok, msgs, thinking="disable", finish_reasons=["length"])
-    (ids, mask, _), = tokenize_sequences(tok, [seq])
+    ((ids, mask, _),) = tokenize_sequences(tok, [seq])
     assert masked_texts(tok, ids, mask) == ["The answer is"]
 
 
@@ -314,22 +367,24 @@ def test_template_think_block_the_target_never_generated_is_zero(tmp_path, targe
     for t, a in zip(rec["turns"], [answer, "Six."]):
         t["output_token_ids"] = _ids(tok, a) + [tok.convert_tokens_to_ids("<|im_end|>")]
     counts: dict = {}
-    seqs = conversation_sequences(tok, msgs, thinking="none", counts=counts,
-                                  generated=[tok.decode(t["output_token_ids"]) for t in rec["turns"]])
+    seqs = conversation_sequences(
+        tok, msgs, thinking="none", counts=counts, generated=[tok.decode(t["output_token_ids"]) for t in rec["turns"]]
+    )
     last = seqs[-1]
     assert "<think>\n\n</think>\n\nSix." in last.text  # rendered, but not generated
     assert counts["scaffolding_excluded"] == 2  # each turn, rendered in its own generation context
     for seq, want in zip(seqs, [answer, "Six."]):
-        (ids, mask, _), = tokenize_sequences(tok, [seq])
+        ((ids, mask, _),) = tokenize_sequences(tok, [seq])
         assert masked_texts(tok, ids, mask) == [f"{want}<|im_end|>"]
     # without output ids the render is all there is: the block stays supervised, as before
     (no_ids,) = conversation_sequences(tok, msgs[:2], thinking="none")
-    (ids, mask, _), = tokenize_sequences(tok, [no_ids])
+    ((ids, mask, _),) = tokenize_sequences(tok, [no_ids])
     assert masked_texts(tok, ids, mask) == [f"<think>\n\n</think>\n\n{answer}<|im_end|>"]
     # through the shard entry point: the stats carry the count
     src = write_completions(tmp_path / "c.parquet", [rec])
-    stats = tokenize_shard(src, tmp_path / "t.parquet", target_dir=target_dir,
-                           tokens_cfg={"max_length": 512, "last_turn_only": True})
+    stats = tokenize_shard(
+        src, tmp_path / "t.parquet", target_dir=target_dir, tokens_cfg={"max_length": 512, "last_turn_only": True}
+    )
     assert stats["scaffolding_excluded"] == 1 and stats["render_differs_from_output_ids"] == 0
     row = pq.read_table(tmp_path / "t.parquet").to_pylist()[0]
     assert masked_texts(tok, row["input_ids"], row["loss_mask"]) == ["Six.<|im_end|>"]
@@ -341,13 +396,18 @@ def test_generated_think_block_stays_supervised(tok):
     gen = "<think>\nSix sevens.\n</think>\n\nThe answer is 42.<|im_end|>"
     counts: dict = {}
     (seq,) = conversation_sequences(tok, msgs, thinking="save", generated=[gen], counts=counts)
-    (ids, mask, _), = tokenize_sequences(tok, [seq])
+    ((ids, mask, _),) = tokenize_sequences(tok, [seq])
     assert masked_texts(tok, ids, mask) == [gen]
     assert counts.get("scaffolding_excluded", 0) == 0 and counts.get("render_differs_from_output_ids", 0) == 0
     # the template normalizes the reasoning's whitespace: counted, the render's mask kept
-    (seq,) = conversation_sequences(tok, msgs, thinking="save", counts=counts,
-                                    generated=["<think>\nSix sevens.\n\n\n</think>\n\nThe answer is 42.<|im_end|>"])
-    (ids, mask, _), = tokenize_sequences(tok, [seq])
+    (seq,) = conversation_sequences(
+        tok,
+        msgs,
+        thinking="save",
+        counts=counts,
+        generated=["<think>\nSix sevens.\n\n\n</think>\n\nThe answer is 42.<|im_end|>"],
+    )
+    ((ids, mask, _),) = tokenize_sequences(tok, [seq])
     assert masked_texts(tok, ids, mask) == [gen] and counts["render_differs_from_output_ids"] == 1
 
 
@@ -361,14 +421,18 @@ def test_preflight_rejects_before_generation_and_warns_on_foreign_template(tmp_p
     with pytest.raises(ConfigError, match=r"r1_style.jinja with generation.thinking='disable'.*does not start with"):
         preflight_template(target_dir, gen_cfg=gen, tokens_cfg={}, chat_template=rewriting)
     # server token ids need no render: the check is skipped
-    assert preflight_template(target_dir, gen_cfg=gen, tokens_cfg={"use_server_token_ids": True},
-                              chat_template=rewriting) == []
+    assert (
+        preflight_template(target_dir, gen_cfg=gen, tokens_cfg={"use_server_token_ids": True}, chat_template=rewriting)
+        == []
+    )
     assert preflight_template(target_dir, gen_cfg=gen, tokens_cfg={}) == []  # its own template: fine
     # a Llama template on a ChatML tokenizer: <|eot_id|> is plain text here, so no stop token is supervised
     llama = tmp_path / "llama.jinja"
-    llama.write_text("{%- for m in messages %}{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + m.content"
-                     " + '<|eot_id|>' }}{%- endfor %}{%- if add_generation_prompt %}"
-                     "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+    llama.write_text(
+        "{%- for m in messages %}{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + m.content"
+        " + '<|eot_id|>' }}{%- endfor %}{%- if add_generation_prompt %}"
+        "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+    )
     (warning,) = preflight_template(target_dir, gen_cfg=gen, tokens_cfg={}, chat_template=llama)
     assert "<|eot_id|>'" in warning and "not with a special token" in warning
 
@@ -380,7 +444,8 @@ def test_check_template_only_warns_when_the_template_rejects_system_turns(tok):
     tok2 = tok.__class__.from_pretrained(tok.name_or_path)
     tok2.chat_template = (
         "{%- if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}{%- endif %}"
-        + QWEN3_STYLE)
+        + QWEN3_STYLE
+    )
     (warning,) = check_template(tok2, "disable", template_name="gemma2-style")
     assert "system turn cannot be masked" in warning and "System role not supported" in warning
 
@@ -391,8 +456,12 @@ def test_answer_quoting_special_tokens_is_text_in_the_token_shard(tmp_path, targ
     answer = "Write <|im_end|> to stop; the tag <think></think> does nothing."
     recs = [completion("p0", conv([("Explain chat templates.", answer)]))]
     out = tmp_path / "t.parquet"
-    stats = tokenize_shard(write_completions(tmp_path / "c.parquet", recs), out, target_dir=target_dir,
-                           tokens_cfg={"max_length": 512, "last_turn_only": False})
+    stats = tokenize_shard(
+        write_completions(tmp_path / "c.parquet", recs),
+        out,
+        target_dir=target_dir,
+        tokens_cfg={"max_length": 512, "last_turn_only": False},
+    )
     (row,) = pq.read_table(out).to_pylist()
     eot, think_ids = tok.convert_tokens_to_ids("<|im_end|>"), set(tok.convert_tokens_to_ids(["<think>", "</think>"]))
     sup = [t for t, m in zip(row["input_ids"], row["loss_mask"]) if m]

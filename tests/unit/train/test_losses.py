@@ -132,7 +132,9 @@ def test_compute_loss_dispatch_and_errors():
 def test_losses_without_supervised_slots_backprop_zero():
     for name in L.LOSSES:
         h = torch.randn(1, 4, 4, requires_grad=True)
-        out = L.compute_loss(name, h, torch.eye(4), torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4), 4, teacher_hidden=h)
+        out = L.compute_loss(
+            name, h, torch.eye(4), torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4), 4, teacher_hidden=h
+        )
         out.local().backward()
         assert float(out.total) == 0.0 and h.grad is not None
 

@@ -18,15 +18,31 @@ B = 4
 def tiny():
     torch.manual_seed(0)
     tcfg = Qwen3Config(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=False,
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
     )
     target = Qwen3ForCausalLM(tcfg).eval().requires_grad_(False)
-    dcfg = M.drafter_config_from_target(tcfg, block_size=B, num_draft_layers=2, target_layer_ids=[1, 3], mask_token_id=95)
+    dcfg = M.drafter_config_from_target(
+        tcfg, block_size=B, num_draft_layers=2, target_layer_ids=[1, 3], mask_token_id=95
+    )
     drafter = M.DFlashDrafter(dcfg).eval()
     torch.manual_seed(1)
-    scfg = M.drafter_config_from_target(tcfg, block_size=B, num_draft_layers=2, target_layer_ids=[1, 3], mask_token_id=95,
-                                        layer_types=["sliding_attention", "full_attention"], sliding_window=5)
+    scfg = M.drafter_config_from_target(
+        tcfg,
+        block_size=B,
+        num_draft_layers=2,
+        target_layer_ids=[1, 3],
+        mask_token_id=95,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=5,
+    )
     return target, drafter, M.DFlashDrafter(scfg).eval()
 
 
@@ -116,7 +132,9 @@ def test_packed_training_forward_matches_inference_per_record(tiny, which):
     # row 0: record 0 at 0..8, record 1 at 9..15; row 1: record 2 at 0..11
     starts = {0: (0, 0), 1: (0, 9), 2: (1, 0)}
     per_row = [[(0, 3), (0, 7), (1, 0), (1, 4)], [(2, 0), (2, 6), (2, 10), (2, 10)]]
-    anchors = M.AnchorBatch(torch.tensor([[starts[r][1] + p for r, p in row] for row in per_row]), torch.ones(2, 4, dtype=torch.bool))
+    anchors = M.AnchorBatch(
+        torch.tensor([[starts[r][1] + p for r, p in row] for row in per_row]), torch.ones(2, 4, dtype=torch.bool)
+    )
     with torch.no_grad():
         logits = _packed_train_logits(target, drafter, batch, anchors)
         for row, items in enumerate(per_row):
@@ -168,7 +186,9 @@ def test_heldout_acceptance_packed_equals_padded(tiny):
     kw = dict(target_layer_ids=drafter.target_layer_ids, mask_token_id=95, num_anchors=3)
     emb, head = target.model.embed_tokens, target.lm_head
     padded = heldout_acceptance(drafter, target, emb, head, [collate(recs[:2]), collate(recs[2:])], **kw)
-    packed = heldout_acceptance(drafter, target, emb, head, [P.collate_packed([[recs[0], recs[1], recs[3]], [recs[2]]])], **kw)
+    packed = heldout_acceptance(
+        drafter, target, emb, head, [P.collate_packed([[recs[0], recs[1], recs[3]], [recs[2]]])], **kw
+    )
     assert padded["num_blocks"] == packed["num_blocks"] == 3 * len(recs)
     assert abs(padded["tau"] - packed["tau"]) < 1e-9 and padded["slot_acc"] == packed["slot_acc"]
     assert 1.0 <= padded["tau"] <= B

@@ -24,13 +24,25 @@ def test_heldout_validation_on_bf16_shard_features_with_fp32_drafter():
 
     target, drafter = tiny_target_and_drafter(num_hidden_layers=4, num_draft_layers=1, target_layer_ids=[1, 2])
     ids = torch.randint(0, 90, (2, 24), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.uint8), "attention_mask": torch.ones_like(ids)}
+    batch = {
+        "input_ids": ids,
+        "loss_mask": torch.ones_like(ids, dtype=torch.uint8),
+        "attention_mask": torch.ones_like(ids),
+    }
     feats, _ = target_features(target, ids, batch["attention_mask"], [1, 2])
     kw = {"target_layer_ids": [1, 2], "mask_token_id": 95, "num_anchors": 4}
-    counts = V.batch_acceptance(drafter, None, T.input_embeddings(target), T.lm_head(target), batch,
-                                features=feats.to(torch.bfloat16), **kw)
-    ref = V.batch_acceptance(drafter, None, T.input_embeddings(target), T.lm_head(target), batch,
-                             features=feats.to(torch.bfloat16).float(), **kw)
+    counts = V.batch_acceptance(
+        drafter, None, T.input_embeddings(target), T.lm_head(target), batch, features=feats.to(torch.bfloat16), **kw
+    )
+    ref = V.batch_acceptance(
+        drafter,
+        None,
+        T.input_embeddings(target),
+        T.lm_head(target),
+        batch,
+        features=feats.to(torch.bfloat16).float(),
+        **kw,
+    )
     assert float(counts.blocks) == 8 and torch.equal(counts.chain, ref.chain)
 
 
@@ -49,26 +61,54 @@ def test_shards_training_data_reads_kimi_k2_config_without_remote_code(tmp_path)
     (tmp_path / "target").mkdir()
     (tmp_path / "target" / "config.json").write_text(json.dumps(raw))
     g = torch.Generator().manual_seed(0)
-    save_file({"model.embed_tokens.weight": torch.randn(80, 16, generator=g), "lm_head.weight": torch.randn(80, 16, generator=g)},
-              str(tmp_path / "target" / "model.safetensors"))
+    save_file(
+        {
+            "model.embed_tokens.weight": torch.randn(80, 16, generator=g),
+            "lm_head.weight": torch.randn(80, 16, generator=g),
+        },
+        str(tmp_path / "target" / "model.safetensors"),
+    )
     tok = _token_shard(tmp_path / "a.parquet", 6)
     from dflash_pipeline.core.contracts import FEATURE_SCHEMA_VERSION
     from dflash_pipeline.features.extract import read_token_arrays
     from dflash_pipeline.features.format import sha256_file
 
     ids, mask, lengths = read_token_arrays(tok)
-    meta = {"schema_version": FEATURE_SCHEMA_VERSION, "token_shard": tok.name, "token_shard_sha256": sha256_file(tok),
-            "num_records": len(lengths), "num_tokens": int(lengths.sum()), "target_layer_ids": [1, 2], "hidden_size": 16,
-            "dtype": "bfloat16", "last_hidden": False, "backend": "test"}
-    w = FeatureShardWriter(tmp_path / "a.safetensors", FeatureLayout(lengths, 2, 16, "bfloat16", False, meta), ids, mask)
+    meta = {
+        "schema_version": FEATURE_SCHEMA_VERSION,
+        "token_shard": tok.name,
+        "token_shard_sha256": sha256_file(tok),
+        "num_records": len(lengths),
+        "num_tokens": int(lengths.sum()),
+        "target_layer_ids": [1, 2],
+        "hidden_size": 16,
+        "dtype": "bfloat16",
+        "last_hidden": False,
+        "backend": "test",
+    }
+    w = FeatureShardWriter(
+        tmp_path / "a.safetensors", FeatureLayout(lengths, 2, 16, "bfloat16", False, meta), ids, mask
+    )
     for r in range(len(lengths)):
         w.write(r, torch.randn(int(lengths[r]), 32, generator=g))
     w.commit(len(lengths))
     w.finish()
-    probe = {"hidden_size": 16, "tie_word_embeddings": False, "trust_remote_code": False,
-             "drafter": {"target_layer_ids": [1, 2]}}
-    data = open_training_data({"target_features": "shards"}, [tok], [tmp_path / "a.safetensors"], target_dir=tmp_path / "target",
-                              out_dir=tmp_path / "run", probe=probe, device="cpu", target_dtype="float32")
+    probe = {
+        "hidden_size": 16,
+        "tie_word_embeddings": False,
+        "trust_remote_code": False,
+        "drafter": {"target_layer_ids": [1, 2]},
+    }
+    data = open_training_data(
+        {"target_features": "shards"},
+        [tok],
+        [tmp_path / "a.safetensors"],
+        target_dir=tmp_path / "target",
+        out_dir=tmp_path / "run",
+        probe=probe,
+        device="cpu",
+        target_dtype="float32",
+    )
     assert data.from_shards and type(data.target_config).__name__ == "DeepseekV3Config"
     assert data.target_config.hidden_size == 16 and data.embed.weight.shape == (80, 16)
 
@@ -77,8 +117,18 @@ def _token_shard(path: Path, n: int) -> Path:
     from dflash_pipeline.core.contracts import TOKEN_SCHEMA
     from dflash_pipeline.core.shards import table_from_records, write_parquet
 
-    recs = [{"prompt_id": f"p{i}", "input_ids": [(i + j) % 78 for j in range(20 + i)], "loss_mask": [0] * 10 + [1] * (10 + i),
-             "num_tokens": 20 + i, "num_loss_tokens": 10 + i, "truncated": False, "turn": 0} for i in range(n)]
+    recs = [
+        {
+            "prompt_id": f"p{i}",
+            "input_ids": [(i + j) % 78 for j in range(20 + i)],
+            "loss_mask": [0] * 10 + [1] * (10 + i),
+            "num_tokens": 20 + i,
+            "num_loss_tokens": 10 + i,
+            "truncated": False,
+            "turn": 0,
+        }
+        for i in range(n)
+    ]
     write_parquet(path, table_from_records(recs, TOKEN_SCHEMA))
     return path
 
@@ -106,10 +156,26 @@ def test_step_context_reads_the_targets_softcap():
 
     from dflash_pipeline.train.step import StepContext
 
-    cfg = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                           num_key_value_heads=1, head_dim=16, final_logit_softcapping=30.0)
-    ctx = StepContext(drafter=None, target=Gemma3ForCausalLM(cfg), probe={}, num_anchors=1, block_size=4, gamma=None,
-                      generator=torch.Generator(), loss="kl")
+    cfg = Gemma3TextConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        final_logit_softcapping=30.0,
+    )
+    ctx = StepContext(
+        drafter=None,
+        target=Gemma3ForCausalLM(cfg),
+        probe={},
+        num_anchors=1,
+        block_size=4,
+        gamma=None,
+        generator=torch.Generator(),
+        loss="kl",
+    )
     assert ctx.logit_softcap == 30.0
 
 

@@ -28,8 +28,17 @@ from conftest import counting_train_setup
 from dflash_pipeline.workflow.policy import accelerate_launch_args
 
 CFG = {
-    "num_processes": 1, "epochs": 2, "batch_size": 4, "learning_rate": 5e-3, "warmup_ratio": 0.1, "num_anchors": 4,
-    "seed": 3, "save_every_steps": 2, "log_every_steps": 1, "validation_fraction": 0.0, "trackers": [],
+    "num_processes": 1,
+    "epochs": 2,
+    "batch_size": 4,
+    "learning_rate": 5e-3,
+    "warmup_ratio": 0.1,
+    "num_anchors": 4,
+    "seed": 3,
+    "save_every_steps": 2,
+    "log_every_steps": 1,
+    "validation_fraction": 0.0,
+    "trackers": [],
 }
 #: The steps after which the two killed runs stop: the first resumes at 6 (epoch boundary), the second at 8.
 PAUSES = (7, 9)
@@ -37,7 +46,7 @@ STEPS_PER_EPOCH = 6
 
 #: The training CLI, which stops (pauses) after optimizer step $RESUME_TEST_PAUSE_AT, once that step's
 #: state save (if any) is done, and says so in ``<out>/paused.<rank>`` (its pid); the test then SIGKILLs it.
-PAUSING_TRAIN = r'''
+PAUSING_TRAIN = r"""
 import os, signal, sys
 from dflash_pipeline.train import loop as L
 
@@ -55,7 +64,7 @@ L._after_step = pausing_after_step
 from dflash_pipeline.train.run import main
 
 main(sys.argv[1:])
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -64,32 +73,65 @@ def setup(tmp_path_factory):
     feature shard, and the pausing training script."""
     from dflash_pipeline.features.extract import extract_shard
 
-    root, probe = counting_train_setup(tmp_path_factory.mktemp("resume"), min_len=20, max_position_embeddings=128,
-                                       unsupervised_record=5)
+    root, probe = counting_train_setup(
+        tmp_path_factory.mktemp("resume"), min_len=20, max_position_embeddings=128, unsupervised_record=5
+    )
     probe = {**probe, "hidden_size": 32, "num_hidden_layers": 4, "tie_word_embeddings": False}
     (root / "probe.json").write_text(json.dumps(probe))
-    extract_shard(root / "tokens.parquet", root / "features.safetensors", target_dir=root / "target",
-                  target_layer_ids=probe["drafter"]["target_layer_ids"], hidden_size=32, num_hidden_layers=4,
-                  backend="hf", dtype="bfloat16", last_hidden=False, chunk_tokens=256)
+    extract_shard(
+        root / "tokens.parquet",
+        root / "features.safetensors",
+        target_dir=root / "target",
+        target_layer_ids=probe["drafter"]["target_layer_ids"],
+        hidden_size=32,
+        num_hidden_layers=4,
+        backend="hf",
+        dtype="bfloat16",
+        last_hidden=False,
+        chunk_tokens=256,
+    )
     (root / "pausing_train.py").write_text(PAUSING_TRAIN)
     return root
 
 
 def _env(pause_at: int = 0) -> dict:
-    return {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "RESUME_TEST_PAUSE_AT": str(pause_at),
-            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    return {
+        **os.environ,
+        "ACCELERATE_USE_CPU": "1",
+        "OMP_NUM_THREADS": "1",
+        "RESUME_TEST_PAUSE_AT": str(pause_at),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
 
 
 def _command(root: Path, out: Path, cfg: dict, port: int) -> list[str]:
-    args = [str(root / "pausing_train.py"), "--probe", str(root / "probe.json"), "--target", str(root / "target"),
-            "--out-dir", str(out), "--train-config", json.dumps(cfg), "--device", "cpu"]
+    args = [
+        str(root / "pausing_train.py"),
+        "--probe",
+        str(root / "probe.json"),
+        "--target",
+        str(root / "target"),
+        "--out-dir",
+        str(out),
+        "--train-config",
+        json.dumps(cfg),
+        "--device",
+        "cpu",
+    ]
     if cfg.get("target_features") == "shards":
         args += ["--feature-shard", str(root / "features.safetensors")]
     args.append(str(root / "tokens.parquet"))
     if cfg["num_processes"] == 1:
         return [sys.executable, *args]
-    return [sys.executable, "-m", "accelerate.commands.launch", *accelerate_launch_args(cfg["num_processes"]),
-            "--main_process_port", str(port), *args]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        *accelerate_launch_args(cfg["num_processes"]),
+        "--main_process_port",
+        str(port),
+        *args,
+    ]
 
 
 def _run(cmd: list[str], out: Path, pause_at: int = 0) -> str:
@@ -104,7 +146,9 @@ def _run(cmd: list[str], out: Path, pause_at: int = 0) -> str:
         try:
             markers = [out / f"paused.{r}" for r in range(ranks)]
             while pause_at and not all(m.is_file() for m in markers):  # poll the files the ranks write
-                assert proc.poll() is None, f"the run ended before pausing at step {pause_at}:\n{log.read_text()[-3000:]}"
+                assert proc.poll() is None, (
+                    f"the run ended before pausing at step {pause_at}:\n{log.read_text()[-3000:]}"
+                )
                 time.sleep(0.05)
             if pause_at:
                 groups = {os.getpgid(pid) for pid in [proc.pid] + [int(m.read_text()) for m in markers]}
@@ -153,8 +197,15 @@ def _in_process(root: Path, out: Path, cfg: dict) -> dict:
     torch.set_num_threads(1)
     try:
         shards = [root / "features.safetensors"] if cfg.get("target_features") == "shards" else []
-        return train(token_shards=[root / "tokens.parquet"], probe=json.loads((root / "probe.json").read_text()),
-                     target_dir=root / "target", out_dir=out, cfg=cfg, device="cpu", feature_shards=shards)
+        return train(
+            token_shards=[root / "tokens.parquet"],
+            probe=json.loads((root / "probe.json").read_text()),
+            target_dir=root / "target",
+            out_dir=out,
+            cfg=cfg,
+            device="cpu",
+            feature_shards=shards,
+        )
     finally:
         torch.set_num_threads(threads)
 
@@ -187,7 +238,9 @@ def test_killed_and_resumed_run_ends_bit_identical(setup, tmp_path, capsys, sett
     assert whole.keys() == ends.keys() and whole
     differ = [k for k in whole if not torch.equal(whole[k], ends[k])]
     assert not differ, f"{len(differ)}/{len(whole)} tensors differ, e.g. {differ[:3]}"
-    assert (tmp_path / "whole" / "final" / "model.safetensors").read_bytes() == (killed / "final" / "model.safetensors").read_bytes()
+    assert (tmp_path / "whole" / "final" / "model.safetensors").read_bytes() == (
+        killed / "final" / "model.safetensors"
+    ).read_bytes()
 
 
 def _train_in_process(root: Path, out: Path, **over) -> dict:

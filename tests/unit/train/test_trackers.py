@@ -29,9 +29,16 @@ def test_wandb_only_when_installed_and_configured():
 def test_flat_hparams_and_scalars():
     flat = flat_hparams({"loss": "kl", "kl": {"temperature": 2.0}, "loss_gamma": None, "ids": [1, 2], "packing": True})
     assert flat == {"loss": "kl", "kl.temperature": 2.0, "loss_gamma": "null", "ids": "[1, 2]", "packing": True}
-    s = scalars({"step": 5, "tau": 2.5, "per_position_acceptance": [0.5, 0.25], "slot_acc": [0.0, 0.7], "ok": True}, "val")
-    assert s == {"val/tau": 2.5, "val/per_position_acceptance/1": 0.5, "val/per_position_acceptance/2": 0.25,
-                 "val/slot_acc/0": 0.0, "val/slot_acc/1": 0.7}
+    s = scalars(
+        {"step": 5, "tau": 2.5, "per_position_acceptance": [0.5, 0.25], "slot_acc": [0.0, 0.7], "ok": True}, "val"
+    )
+    assert s == {
+        "val/tau": 2.5,
+        "val/per_position_acceptance/1": 0.5,
+        "val/per_position_acceptance/2": 0.25,
+        "val/slot_acc/0": 0.0,
+        "val/slot_acc/1": 0.7,
+    }
 
 
 def test_fsdp_sizing_and_plugin():

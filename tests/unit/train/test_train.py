@@ -13,27 +13,42 @@ import pytest
 import torch
 from conftest import counting_train_setup
 
-from dflash_pipeline.drafter import model as M
-
 from dflash_pipeline.drafter import build as DB
+from dflash_pipeline.drafter import model as M
 from dflash_pipeline.train.run import train
 from dflash_pipeline.workflow.policy import accelerate_launch_args
 
 CFG = {
-    "num_processes": 1, "epochs": 1, "batch_size": 4, "learning_rate": 2e-3, "warmup_ratio": 0.1,
-    "weight_decay": 0.0, "max_grad_norm": 1.0, "num_anchors": 8, "loss_gamma": None, "mixed_precision": "no",
-    "seed": 0, "save_every_steps": 2, "log_every_steps": 1, "trace_batches": True, "validation_fraction": 0.0,
+    "num_processes": 1,
+    "epochs": 1,
+    "batch_size": 4,
+    "learning_rate": 2e-3,
+    "warmup_ratio": 0.1,
+    "weight_decay": 0.0,
+    "max_grad_norm": 1.0,
+    "num_anchors": 8,
+    "loss_gamma": None,
+    "mixed_precision": "no",
+    "seed": 0,
+    "save_every_steps": 2,
+    "log_every_steps": 1,
+    "trace_batches": True,
+    "validation_fraction": 0.0,
 }
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    return counting_train_setup(tmp_path_factory.mktemp("train"), min_len=20, max_position_embeddings=128, unsupervised_record=5)
+    return counting_train_setup(
+        tmp_path_factory.mktemp("train"), min_len=20, max_position_embeddings=128, unsupervised_record=5
+    )
 
 
 def test_single_process_train_exports_and_logs(setup, tmp_path):
     root, probe = setup
-    summary = train(token_shards=[root / "tokens.parquet"], probe=probe, target_dir=root / "target", out_dir=tmp_path, cfg=CFG)
+    summary = train(
+        token_shards=[root / "tokens.parquet"], probe=probe, target_dir=root / "target", out_dir=tmp_path, cfg=CFG
+    )
     assert summary["records"] == 23 and summary["num_processes"] == 1
     assert summary["steps"] == 6  # ceil(23 / 4)
     # only the drafter trains: the count equals the drafter's parameters, not the target's
@@ -60,11 +75,31 @@ def test_resume_continues_from_saved_step(setup, tmp_path):
 
 def test_two_cpu_ranks_really_train_as_two_processes(setup, tmp_path):
     root, probe = setup
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *accelerate_launch_args(2), "--main_process_port", "29517",
-           "-m", "dflash_pipeline.train.run", "--probe", str(root / "probe.json"), "--target", str(root / "target"),
-           "--out-dir", str(tmp_path), "--train-config", json.dumps(dict(CFG, num_processes=2)), str(root / "tokens.parquet")]
+    env = {
+        **os.environ,
+        "ACCELERATE_USE_CPU": "1",
+        "OMP_NUM_THREADS": "1",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        *accelerate_launch_args(2),
+        "--main_process_port",
+        "29517",
+        "-m",
+        "dflash_pipeline.train.run",
+        "--probe",
+        str(root / "probe.json"),
+        "--target",
+        str(root / "target"),
+        "--out-dir",
+        str(tmp_path),
+        "--train-config",
+        json.dumps(dict(CFG, num_processes=2)),
+        str(root / "tokens.parquet"),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "train_summary.json").read_text())
@@ -83,8 +118,20 @@ def test_killed_run_resumes_at_its_last_saved_step(setup, tmp_path):
 
     root, probe = setup
     cfg = dict(CFG, epochs=20, save_every_steps=3, trace_batches=False)
-    cmd = [sys.executable, "-m", "dflash_pipeline.train.run", "--probe", str(root / "probe.json"), "--target",
-           str(root / "target"), "--out-dir", str(tmp_path), "--train-config", json.dumps(cfg), str(root / "tokens.parquet")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dflash_pipeline.train.run",
+        "--probe",
+        str(root / "probe.json"),
+        "--target",
+        str(root / "target"),
+        "--out-dir",
+        str(tmp_path),
+        "--train-config",
+        json.dumps(cfg),
+        str(root / "tokens.parquet"),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     saved = None
@@ -113,13 +160,32 @@ def test_two_ranks_follow_the_one_process_loss_curve(setup, tmp_path):
     cfg = dict(CFG, epochs=4, save_every_steps=1000, trace_batches=False, learning_rate=1e-2)
     one = tmp_path / "one"
     train(token_shards=[root / "tokens.parquet"], probe=probe, target_dir=root / "target", out_dir=one, cfg=cfg)
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = {
+        **os.environ,
+        "ACCELERATE_USE_CPU": "1",
+        "OMP_NUM_THREADS": "1",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
     two = tmp_path / "two"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *accelerate_launch_args(2), "--main_process_port", "29519",
-           "-m", "dflash_pipeline.train.run", "--probe", str(root / "probe.json"), "--target", str(root / "target"),
-           "--out-dir", str(two), "--train-config", json.dumps(dict(cfg, batch_size=2, num_processes=2)),
-           str(root / "tokens.parquet")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        *accelerate_launch_args(2),
+        "--main_process_port",
+        "29519",
+        "-m",
+        "dflash_pipeline.train.run",
+        "--probe",
+        str(root / "probe.json"),
+        "--target",
+        str(root / "target"),
+        "--out-dir",
+        str(two),
+        "--train-config",
+        json.dumps(dict(cfg, batch_size=2, num_processes=2)),
+        str(root / "tokens.parquet"),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     curves = {}
@@ -132,7 +198,7 @@ def test_two_ranks_follow_the_one_process_loss_curve(setup, tmp_path):
     assert abs(curves["one"][1] - curves["two"][1]) < 0.25 * curves["one"][1]  # and end at a similar loss
 
 
-RANK_SCRIPT = r'''
+RANK_SCRIPT = r"""
 import json, os, sys
 import torch, torch.distributed as dist
 from dflash_pipeline.drafter import model as M
@@ -156,7 +222,7 @@ for mode in ("global", "per_rank"):
     out[mode] = lin.weight.grad.flatten().tolist()
     out[mode + "_loss"] = float(loss)
 json.dump({"x": x.tolist(), "y": y.tolist(), "w": w.tolist(), **out}, open(sys.argv[1] + f".{rank}", "w"))
-'''
+"""
 
 
 def test_loss_is_normalised_by_the_global_weight_sum_across_ranks(tmp_path):
@@ -166,8 +232,17 @@ def test_loss_is_normalised_by_the_global_weight_sum_across_ranks(tmp_path):
     script = tmp_path / "ranks.py"
     script.write_text(RANK_SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
-           str(script), str(tmp_path / "out")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        "29531",
+        str(script),
+        str(tmp_path / "out"),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = [json.loads((tmp_path / f"out.{i}").read_text()) for i in range(2)]
@@ -191,8 +266,15 @@ def test_bf16_target_trains_under_accelerate_bf16_on_cpu(setup, tmp_path):
     """The GPU recipe on a CPU box (train.device: cpu): bf16 target, mixed_precision bf16, the real loop."""
     root, probe = setup
     cfg = dict(CFG, mixed_precision="bf16", save_every_steps=1000, trace_batches=False)
-    summary = train(token_shards=[root / "tokens.parquet"], probe=probe, target_dir=root / "target", out_dir=tmp_path,
-                    cfg=cfg, target_dtype="bfloat16", device="cpu")
+    summary = train(
+        token_shards=[root / "tokens.parquet"],
+        probe=probe,
+        target_dir=root / "target",
+        out_dir=tmp_path,
+        cfg=cfg,
+        target_dtype="bfloat16",
+        device="cpu",
+    )
     assert summary["target_dtype"] == "bfloat16" and summary["train_config"]["mixed_precision"] == "bf16"
     log = [json.loads(l) for l in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert len(log) == summary["steps"] and all(np.isfinite(r["loss"]) for r in log)

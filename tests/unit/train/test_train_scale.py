@@ -17,14 +17,22 @@ import pytest
 import torch
 from conftest import counting_train_setup
 
-from dflash_pipeline.drafter import model as M
-
 from dflash_pipeline.drafter import build as DB
+from dflash_pipeline.drafter import model as M
 from dflash_pipeline.train.run import train
 
 CFG = {
-    "num_processes": 1, "epochs": 1, "batch_size": 4, "learning_rate": 2e-3, "warmup_ratio": 0.1, "num_anchors": 8,
-    "seed": 0, "save_every_steps": 1000, "log_every_steps": 1, "validation_fraction": 0.0, "trackers": [],
+    "num_processes": 1,
+    "epochs": 1,
+    "batch_size": 4,
+    "learning_rate": 2e-3,
+    "warmup_ratio": 0.1,
+    "num_anchors": 8,
+    "seed": 0,
+    "save_every_steps": 1000,
+    "log_every_steps": 1,
+    "validation_fraction": 0.0,
+    "trackers": [],
 }
 
 
@@ -34,7 +42,13 @@ def setup(tmp_path_factory):
 
 
 def _run(root, probe, out, **over):
-    return train(token_shards=[root / "tokens.parquet"], probe=probe, target_dir=root / "target", out_dir=out, cfg={**CFG, **over})
+    return train(
+        token_shards=[root / "tokens.parquet"],
+        probe=probe,
+        target_dir=root / "target",
+        out_dir=out,
+        cfg={**CFG, **over},
+    )
 
 
 def _log(path: Path) -> list[dict]:
@@ -50,7 +64,10 @@ def test_accumulation_is_normalised_globally(setup, tmp_path, loss):
     a = _run(root, probe, tmp_path / "a", loss=loss, num_anchors=64)
     b = _run(root, probe, tmp_path / "b", loss=loss, num_anchors=64, batch_size=2, gradient_accumulation_steps=2)
     assert a["steps"] == b["steps"] == 6
-    la, lb = [r["loss"] for r in _log(tmp_path / "a" / "train_log.jsonl")], [r["loss"] for r in _log(tmp_path / "b" / "train_log.jsonl")]
+    la, lb = (
+        [r["loss"] for r in _log(tmp_path / "a" / "train_log.jsonl")],
+        [r["loss"] for r in _log(tmp_path / "b" / "train_log.jsonl")],
+    )
     assert np.allclose(la, lb, rtol=1e-4), (la, lb)
     wa, wb = DB.load_drafter(tmp_path / "a" / "final"), DB.load_drafter(tmp_path / "b" / "final")
     for (k, x), (_, y) in zip(wa.state_dict().items(), wb.state_dict().items()):
@@ -59,9 +76,21 @@ def test_accumulation_is_normalised_globally(setup, tmp_path, loss):
 
 def test_packed_training_validates_and_writes_tensorboard(setup, tmp_path):
     root, probe = setup
-    s = _run(root, probe, tmp_path, loss="dpace", packing=True, pack_max_tokens=80, batch_size=1, epochs=5, learning_rate=1e-2,
-             validation_fraction=0.25, validation_every_steps=10, trackers=["tensorboard"],
-             validation_length_buckets=[24, 48])
+    s = _run(
+        root,
+        probe,
+        tmp_path,
+        loss="dpace",
+        packing=True,
+        pack_max_tokens=80,
+        batch_size=1,
+        epochs=5,
+        learning_rate=1e-2,
+        validation_fraction=0.25,
+        validation_every_steps=10,
+        trackers=["tensorboard"],
+        validation_length_buckets=[24, 48],
+    )
     assert s["packing"] and s["rows"] < s["records"] and s["heldout_records"] > 0
     val = _log(tmp_path / "val_log.jsonl")
     assert val and val[-1]["step"] == s["steps"]
@@ -100,13 +129,28 @@ def test_packing_refuses_a_target_that_leaks_across_records(setup, tmp_path, mon
 
 
 def _env():
-    return {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1",
-            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    return {
+        **os.environ,
+        "ACCELERATE_USE_CPU": "1",
+        "OMP_NUM_THREADS": "1",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
 
 
 def _train_args(root, out, cfg):
-    return ["-m", "dflash_pipeline.train.run", "--probe", str(root / "probe.json"), "--target", str(root / "target"),
-            "--out-dir", str(out), "--train-config", json.dumps(cfg), str(root / "tokens.parquet")]
+    return [
+        "-m",
+        "dflash_pipeline.train.run",
+        "--probe",
+        str(root / "probe.json"),
+        "--target",
+        str(root / "target"),
+        "--out-dir",
+        str(out),
+        "--train-config",
+        json.dumps(cfg),
+        str(root / "tokens.parquet"),
+    ]
 
 
 def _kill_when_saved(main: subprocess.Popen, others: list, out: Path, at_least: int) -> int:
@@ -136,11 +180,28 @@ def _resumed_step(text: str) -> int:
 
 def test_fsdp_two_cpu_ranks_train_save_kill_resume(setup, tmp_path):
     root, probe = setup
-    cfg = {**CFG, "num_processes": 2, "fsdp": True, "epochs": 30, "save_every_steps": 3, "validation_fraction": 0.2,
-           "validation_every_steps": 3, "log_every_steps": 1}
-    launch = [sys.executable, "-m", "dflash_pipeline.workflow.policy", "launch", json.dumps({**cfg, "main_process_port": 29541}), "--"]
+    cfg = {
+        **CFG,
+        "num_processes": 2,
+        "fsdp": True,
+        "epochs": 30,
+        "save_every_steps": 3,
+        "validation_fraction": 0.2,
+        "validation_every_steps": 3,
+        "log_every_steps": 1,
+    }
+    launch = [
+        sys.executable,
+        "-m",
+        "dflash_pipeline.workflow.policy",
+        "launch",
+        json.dumps({**cfg, "main_process_port": 29541}),
+        "--",
+    ]
     cmd = launch + _train_args(root, tmp_path, cfg)
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), start_new_session=True)
+    p = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), start_new_session=True
+    )
     saved = _kill_when_saved(p, [], tmp_path, 3)
     assert not (tmp_path / "final").exists()
     assert any(x.name.startswith("pytorch_model_fsdp") for x in (tmp_path / "state").iterdir())  # sharded state
@@ -157,13 +218,29 @@ def test_fsdp_two_cpu_ranks_train_save_kill_resume(setup, tmp_path):
 def test_two_machines_one_process_each_on_loopback_kill_resume(setup, tmp_path):
     """2 "machines" (two launchers, DFLASH_MACHINE_RANK 0 and 1, rank 0 at 127.0.0.1) × 1 CPU process."""
     root, probe = setup
-    cfg = {**CFG, "num_processes": 1, "num_machines": 2, "main_process_ip": "127.0.0.1", "main_process_port": 29543,
-           "epochs": 30, "save_every_steps": 3, "trace_batches": True}
-    cmd = [sys.executable, "-m", "dflash_pipeline.workflow.policy", "launch", json.dumps(cfg), "--"] + _train_args(root, tmp_path, cfg)
+    cfg = {
+        **CFG,
+        "num_processes": 1,
+        "num_machines": 2,
+        "main_process_ip": "127.0.0.1",
+        "main_process_port": 29543,
+        "epochs": 30,
+        "save_every_steps": 3,
+        "trace_batches": True,
+    }
+    cmd = [sys.executable, "-m", "dflash_pipeline.workflow.policy", "launch", json.dumps(cfg), "--"] + _train_args(
+        root, tmp_path, cfg
+    )
 
     def start(rank, stdout):
-        return subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                                env={**_env(), "DFLASH_MACHINE_RANK": str(rank)})
+        return subprocess.Popen(
+            cmd,
+            stdout=stdout,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            env={**_env(), "DFLASH_MACHINE_RANK": str(rank)},
+        )
 
     with open(tmp_path / "machine1.log", "w") as m1:
         p0, p1 = start(0, subprocess.PIPE), start(1, m1)

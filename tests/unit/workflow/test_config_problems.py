@@ -20,10 +20,16 @@ def gen(**kw) -> dict:
 def test_generation_combinations_each_named_once():
     raw_local = gen(api="completions", client_processes=2, extra_body={"chat_template_kwargs": {"x": 1}})
     assert [p.split(":")[0] for p in generation_problems(raw_local, target_dir="t")] == [
-        "generation.client_processes", "generation.api", "generation.extra_body.chat_template_kwargs"]
+        "generation.client_processes",
+        "generation.api",
+        "generation.extra_body.chat_template_kwargs",
+    ]
     assert generation_problems(gen(), target_dir=None) == [
-        "generation.backend: transformers needs the target directory (target.path)"]
-    openai = gen(backend="openai", api="completions", endpoints=[{"base_url": "http://u:pw@h/v1", "api_key_env": "NOPE_KEY"}])
+        "generation.backend: transformers needs the target directory (target.path)"
+    ]
+    openai = gen(
+        backend="openai", api="completions", endpoints=[{"base_url": "http://u:pw@h/v1", "api_key_env": "NOPE_KEY"}]
+    )
     found = generation_problems(openai, target_dir=None, environ={})
     assert "needs the target's tokenizer" in found[0]
     assert found[1].startswith("generation.endpoints[0].api_key_env: $NOPE_KEY") and "pw" not in found[1]
@@ -33,16 +39,19 @@ def test_generation_combinations_each_named_once():
 
 def test_problems_schema_first_then_cross_field(tmp_path):
     assert problems({"generation": {"max_tokens": "many"}}) == [
-        "`generation.max_tokens`: 'many' is not valid: expected type 'integer'"]
-    found = problems({"datasets": {"x": {"path": str(tmp_path / "missing.jsonl")}},
-                      "eval": {"block_size": 99}}, base_dir=REPO)
+        "`generation.max_tokens`: 'many' is not valid: expected type 'integer'"
+    ]
+    found = problems(
+        {"datasets": {"x": {"path": str(tmp_path / "missing.jsonl")}}, "eval": {"block_size": 99}}, base_dir=REPO
+    )
     assert f"datasets.x.path: {tmp_path / 'missing.jsonl'} not found" in found
     assert any(p.startswith("eval.block_size: 99 exceeds") for p in found)
     default = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     assert problems(default, base_dir=REPO) == []  # bundled data found through base_dir from any cwd
     unordered = {**default, "eval": {**default["eval"], "context_length_buckets": [512, 256]}}
     assert "eval.context_length_buckets: [512, 256] must be ascending token counts (bucket edges)" in problems(
-        unordered, base_dir=REPO)
+        unordered, base_dir=REPO
+    )
     assert problems({}) == ["datasets: no prompt source configured (see config/config.yaml for the shape)"]
 
 

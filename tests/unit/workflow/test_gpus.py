@@ -12,8 +12,10 @@ from dflash_pipeline.workflow.policy import claim_gpus, job_gpus, run_with_gpus
 
 
 def cfg(mixed_precision="bf16", num_processes=4, backend="transformers", device="auto"):
-    return {"train": {"mixed_precision": mixed_precision, "num_processes": num_processes, "device": device},
-            "generation": {"backend": backend}}
+    return {
+        "train": {"mixed_precision": mixed_precision, "num_processes": num_processes, "device": device},
+        "generation": {"backend": backend},
+    }
 
 
 def test_job_gpus_per_rule():
@@ -22,10 +24,14 @@ def test_job_gpus_per_rule():
     assert job_gpus(cfg(), "generate_completions") == 1
     assert job_gpus(cfg(backend="openai"), "generate_completions") == 0
     assert job_gpus(cfg(), "tokenize_completions") == 0
-    assert all(job_gpus(cfg(mixed_precision="no"), r) == 0
-               for r in ("train_drafter", "evaluate_acceptance", "generate_completions"))
+    assert all(
+        job_gpus(cfg(mixed_precision="no"), r) == 0
+        for r in ("train_drafter", "evaluate_acceptance", "generate_completions")
+    )
     # bf16 on a CPU box: train.device cpu claims no GPU for any rule
-    assert all(job_gpus(cfg(device="cpu"), r) == 0 for r in ("train_drafter", "evaluate_acceptance", "generate_completions"))
+    assert all(
+        job_gpus(cfg(device="cpu"), r) == 0 for r in ("train_drafter", "evaluate_acceptance", "generate_completions")
+    )
     # feature extraction takes features.gpus (0 = CPU), whatever the run's precision
     for mp, n in (("no", 2), ("bf16", 8), ("bf16", 0)):
         assert job_gpus({**cfg(mixed_precision=mp), "features": {"gpus": n}}, "extract_features") == n
@@ -73,8 +79,12 @@ def test_wrapper_holds_devices_across_processes(pool):
     """A job run through the wrapper (as train_drafter's shell does) blocks that device for others."""
     code = "import os, time; print(os.environ['CUDA_VISIBLE_DEVICES'], flush=True); time.sleep(30)"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    holder = subprocess.Popen([sys.executable, "-m", "dflash_pipeline.workflow.policy", "gpus", "2", "--",
-                               sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    holder = subprocess.Popen(
+        [sys.executable, "-m", "dflash_pipeline.workflow.policy", "gpus", "2", "--", sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         held = holder.stdout.readline().strip().split(",")
         assert len(held) == 2

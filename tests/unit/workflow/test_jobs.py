@@ -17,18 +17,25 @@ from dflash_pipeline.workflow import jobs
 
 def parsed(args: str) -> dict:
     words = shlex.split(args)
-    return {w: words[i + 1] if i + 1 < len(words) and not words[i + 1].startswith("--") else True
-            for i, w in enumerate(words) if w.startswith("--")}
+    return {
+        w: words[i + 1] if i + 1 < len(words) and not words[i + 1].startswith("--") else True
+        for i, w in enumerate(words)
+        if w.startswith("--")
+    }
 
 
 def test_tokenize_args_round_trip_the_params_values():
     tokens = {"last_turn_only": False, "max_length": 160, "strict": True, "use_server_token_ids": False}
     args = parsed(jobs.tokenize_args(tokens, None, False))
-    assert args == {"--tokens": '{"last_turn_only": false, "max_length": 160, "strict": true, '
-                                '"use_server_token_ids": false}'}
+    assert args == {
+        "--tokens": '{"last_turn_only": false, "max_length": 160, "strict": true, "use_server_token_ids": false}'
+    }
     args = parsed(jobs.tokenize_args({"max_length": 8}, "my templates/t's.jinja", True))
-    assert args == {"--tokens": '{"max_length": 8}', "--chat-template": "my templates/t's.jinja",
-                    "--trust-remote-code": True}
+    assert args == {
+        "--tokens": '{"max_length": 8}',
+        "--chat-template": "my templates/t's.jinja",
+        "--trust-remote-code": True,
+    }
 
 
 def test_unknown_command_prints_the_usage(capsys):
@@ -47,18 +54,44 @@ def tokenizer_dir(tmp_path_factory):
 
 
 def test_tokenize_writes_what_tokenize_shard_writes(tmp_path, tokenizer_dir):
-    rec = {"prompt_id": "p0", "dataset": "gsm8k", "model": "demo", "sampling": "{}", "thinking": "disable",
-           "status": "ok", "error": None,
-           "messages": [{"role": "user", "content": "What is 2 + 3?", "reasoning_content": None},
-                        {"role": "assistant", "content": "2 + 3 = 5. The answer is 5.", "reasoning_content": None}],
-           "turns": [{"finish_reason": "stop", "prompt_tokens": 5, "completion_tokens": 9, "prompt_token_ids": None,
-                      "output_token_ids": None, "latency_s": 0.1, "endpoint": "transformers"}]}
+    rec = {
+        "prompt_id": "p0",
+        "dataset": "gsm8k",
+        "model": "demo",
+        "sampling": "{}",
+        "thinking": "disable",
+        "status": "ok",
+        "error": None,
+        "messages": [
+            {"role": "user", "content": "What is 2 + 3?", "reasoning_content": None},
+            {"role": "assistant", "content": "2 + 3 = 5. The answer is 5.", "reasoning_content": None},
+        ],
+        "turns": [
+            {
+                "finish_reason": "stop",
+                "prompt_tokens": 5,
+                "completion_tokens": 9,
+                "prompt_token_ids": None,
+                "output_token_ids": None,
+                "latency_s": 0.1,
+                "endpoint": "transformers",
+            }
+        ],
+    }
     comp = tmp_path / "completions.parquet"
     shards.write_parquet(comp, shards.table_from_records([rec], COMPLETION_SCHEMA))
     cfg = {"last_turn_only": False, "max_length": 64, "strict": True, "use_server_token_ids": False}
     log = tmp_path / "logs" / "tokenize_completions" / "gsm8k" / "00000.log"
-    argv = ["tokenize", str(comp), str(tmp_path / "job.parquet"), "--target", str(tokenizer_dir),
-            *shlex.split(jobs.tokenize_args(cfg, None, False)), "--log", str(log)]
+    argv = [
+        "tokenize",
+        str(comp),
+        str(tmp_path / "job.parquet"),
+        "--target",
+        str(tokenizer_dir),
+        *shlex.split(jobs.tokenize_args(cfg, None, False)),
+        "--log",
+        str(log),
+    ]
     assert jobs.main(argv) == 0
     tokenize_shard(comp, tmp_path / "direct.parquet", target_dir=tokenizer_dir, tokens_cfg=cfg)
     assert (tmp_path / "job.parquet").read_bytes() == (tmp_path / "direct.parquet").read_bytes()

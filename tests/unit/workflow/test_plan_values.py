@@ -18,8 +18,9 @@ def test_target_dir_of_a_real_target_and_of_the_demo():
 
 
 def write_manifest(path, names):
-    path.write_text(json.dumps({"datasets": {"gsm8k": {"shards": [{"name": n, "path": f"gsm8k/{n}.parquet"}
-                                                                  for n in names]}}}))
+    path.write_text(
+        json.dumps({"datasets": {"gsm8k": {"shards": [{"name": n, "path": f"gsm8k/{n}.parquet"} for n in names]}}})
+    )
 
 
 def test_shard_list_parses_a_manifest_once_and_again_when_it_changes(tmp_path, monkeypatch):

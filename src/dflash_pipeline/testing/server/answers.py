@@ -71,7 +71,7 @@ class TargetModel:
             )
         from ...completions import cut_at_eos
 
-        new, stop = cut_at_eos(out[0, len(ids):].tolist(), self.eos_ids)
+        new, stop = cut_at_eos(out[0, len(ids) :].tolist(), self.eos_ids)
         body = new[:-1] if stop else new
         generated = self.tok.decode(body, skip_special_tokens=True)  # as SGLang/vLLM by default
         return generated, ("stop" if stop else "length"), ids, new

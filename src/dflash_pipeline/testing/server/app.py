@@ -225,7 +225,9 @@ class TestServer:
         denied = self._check_auth(request)
         if denied is not None:
             return denied
-        return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "test"}]})
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "test"}]}
+        )
 
     async def _metrics(self, request: web.Request) -> web.Response:
         s = self.stats
@@ -337,8 +339,9 @@ class TestServer:
             if reasoning is not None and not reasoning and kwargs.get("enable_thinking") is False:
                 reasoning = None  # an empty think block is the template's, not the model's
         else:
-            reasoning, content, finish, prompt_ids, out_ids = canned_chat(messages, kwargs, max_tokens,
-                                                                          reasoning=self.reasoning)
+            reasoning, content, finish, prompt_ids, out_ids = canned_chat(
+                messages, kwargs, max_tokens, reasoning=self.reasoning
+            )
         if f.wrong_content_marker and f.wrong_content_marker in last:
             reasoning = "unexpected reasoning"
         if self.flavor != "vllm" and self._target is None and self._tok is not None:  # real ids of the raw text
@@ -350,8 +353,16 @@ class TestServer:
         choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
         resp = self._envelope("chatcmpl", "chat.completion", n, body, choice, prompt_ids, out_ids)
         if self.flavor != "vllm":
-            return await self._sglang_chat(request, body, resp, reasoning=reasoning, content=content, finish=finish,
-                                           prompt_ids=prompt_ids, out_ids=out_ids)
+            return await self._sglang_chat(
+                request,
+                body,
+                resp,
+                reasoning=reasoning,
+                content=content,
+                finish=finish,
+                prompt_ids=prompt_ids,
+                out_ids=out_ids,
+            )
         if body.get("return_token_ids"):
             resp["prompt_token_ids"] = prompt_ids
             choice["token_ids"] = out_ids
@@ -388,8 +399,9 @@ class TestServer:
         choice: dict[str, Any] = {"index": 0, "text": generated, "finish_reason": finish, "logprobs": None}
         if self.flavor != "vllm":
             resp = self._envelope("cmpl", "text_completion", n, body, choice, prompt_ids, out_ids)
-            return await self._sglang_completion(request, body, resp, text=generated, finish=finish,
-                                                 prompt_ids=prompt_ids, out_ids=out_ids)
+            return await self._sglang_completion(
+                request, body, resp, text=generated, finish=finish, prompt_ids=prompt_ids, out_ids=out_ids
+            )
         if body.get("return_token_ids"):  # vLLM puts both in the choice for completions
             choice["prompt_token_ids"] = prompt_ids
             choice["token_ids"] = out_ids
@@ -416,8 +428,18 @@ class TestServer:
             return await sg.send_events(request, events)
         return web.json_response(resp)
 
-    async def _sglang_chat(self, request: web.Request, body: dict, resp: dict, *, reasoning: str | None,
-                           content: str, finish: str, prompt_ids: list[int], out_ids: list[int]) -> web.StreamResponse:
+    async def _sglang_chat(
+        self,
+        request: web.Request,
+        body: dict,
+        resp: dict,
+        *,
+        reasoning: str | None,
+        content: str,
+        finish: str,
+        prompt_ids: list[int],
+        out_ids: list[int],
+    ) -> web.StreamResponse:
         """A chat answer in SGLang's shapes: ids per choice and in ``sglext``, ``meta_info``, or a stream."""
         choice = resp["choices"][0]
         choice["matched_stop"] = out_ids[-1] if finish == "stop" and out_ids else None
@@ -428,20 +450,35 @@ class TestServer:
         spec = self._spec_figures(out_ids)
         if body.get("return_meta_info"):
             choice["meta_info"] = sg.meta_info(resp["id"], finish, prompt_ids, out_ids, spec)
-        want = (False, False) if self._legacy else sg.sglext_wanted(
-            body, request.headers, server_input_ids=self.return_input_ids, server_output_ids=self.return_output_ids)
+        want = (
+            (False, False)
+            if self._legacy
+            else sg.sglext_wanted(
+                body, request.headers, server_input_ids=self.return_input_ids, server_output_ids=self.return_output_ids
+            )
+        )
         ext = sg.sglext(prompt_ids, out_ids, want)
         if body.get("stream"):
             usage = resp["usage"] if (body.get("stream_options") or {}).get("include_usage") else None
-            events = sg.chat_stream_events(resp["id"], resp["model"], reasoning=reasoning, content=content,
-                                           finish=finish, ext=ext, usage=usage)
+            events = sg.chat_stream_events(
+                resp["id"], resp["model"], reasoning=reasoning, content=content, finish=finish, ext=ext, usage=usage
+            )
             return await self._send(request, resp, events)
         if ext is not None:
             resp["sglext"] = ext
         return await self._send(request, resp, None)
 
-    async def _sglang_completion(self, request: web.Request, body: dict, resp: dict, *, text: str, finish: str,
-                                 prompt_ids: list[int], out_ids: list[int]) -> web.StreamResponse:
+    async def _sglang_completion(
+        self,
+        request: web.Request,
+        body: dict,
+        resp: dict,
+        *,
+        text: str,
+        finish: str,
+        prompt_ids: list[int],
+        out_ids: list[int],
+    ) -> web.StreamResponse:
         """A completion in SGLang's shapes: both id lists in the choice (``return_token_ids``), or a stream."""
         choice = resp["choices"][0]
         choice["matched_stop"] = out_ids[-1] if finish == "stop" and out_ids else None
@@ -452,13 +489,22 @@ class TestServer:
         self._spec_figures(out_ids)
         if body.get("stream"):
             usage = resp["usage"] if (body.get("stream_options") or {}).get("include_usage") else None
-            events = sg.completion_stream_events(resp["id"], resp["model"], text=text, finish=finish,
-                                                 prompt_ids=prompt_ids, out_ids=out_ids, with_ids=with_ids, usage=usage)
+            events = sg.completion_stream_events(
+                resp["id"],
+                resp["model"],
+                text=text,
+                finish=finish,
+                prompt_ids=prompt_ids,
+                out_ids=out_ids,
+                with_ids=with_ids,
+                usage=usage,
+            )
             return await self._send(request, resp, events)
         return await self._send(request, resp, None)
 
-    def _envelope(self, id_prefix: str, obj: str, n: int, body: dict, choice: dict, prompt_ids: list[int],
-                  out_ids: list[int]) -> dict[str, Any]:
+    def _envelope(
+        self, id_prefix: str, obj: str, n: int, body: dict, choice: dict, prompt_ids: list[int], out_ids: list[int]
+    ) -> dict[str, Any]:
         """The OpenAI response around one choice (``id``, ``object``, ``model``, ``usage`` in tokens)."""
         return {
             "id": f"{id_prefix}-{n}",

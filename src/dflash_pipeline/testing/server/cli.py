@@ -90,106 +90,220 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_server_flags(srv: argparse._ArgumentGroup) -> None:
     """--host, --port, --port-file, --api-key-env."""
-    srv.add_argument("--host", default="127.0.0.1",
-                     help="address to bind (default: %(default)s; 0.0.0.0 = every interface, the printed "
-                          "base_url then names 127.0.0.1)")
-    srv.add_argument("--port", type=int, default=0, help="TCP port (default: 0 = a free one; read it from "
-                                                         "the READY line or --port-file)")
-    srv.add_argument("--port-file", default=None, metavar="FILE",
-                     help="write the bound port to FILE (atomically) once listening")
-    srv.add_argument("--api-key-env", default=None, metavar="VAR",
-                     help="require 'Authorization: Bearer <key>' with the key held by environment variable "
-                          "VAR; other requests get 401 (default: no key)")
+    srv.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default: %(default)s; 0.0.0.0 = every interface, the printed "
+        "base_url then names 127.0.0.1)",
+    )
+    srv.add_argument(
+        "--port",
+        type=int,
+        default=0,
+        help="TCP port (default: 0 = a free one; read it from the READY line or --port-file)",
+    )
+    srv.add_argument(
+        "--port-file", default=None, metavar="FILE", help="write the bound port to FILE (atomically) once listening"
+    )
+    srv.add_argument(
+        "--api-key-env",
+        default=None,
+        metavar="VAR",
+        help="require 'Authorization: Bearer <key>' with the key held by environment variable "
+        "VAR; other requests get 401 (default: no key)",
+    )
 
 
 def _add_answer_flags(ans: argparse._ArgumentGroup) -> None:
     """Canned or target answers (--target, --tokenizer, --model-name), reasoning and speculative metrics."""
-    ans.add_argument("--target", default=None, metavar="DIR",
-                     help="serve the causal LM at DIR (e.g. resources/demo-target) with its chat template, "
-                          "greedy, one request at a time (needs torch and transformers; meant for tiny "
-                          "models). Default: canned answers ('Answer <turn> to: <last user message>', one "
-                          "token per word)")
-    ans.add_argument("--tokenizer", default=None, metavar="DIR",
-                     help="canned mode: decode token-id prompts of /v1/completions (and tokenize string "
-                          "prompts) with the tokenizer at DIR (default: ids stand for themselves)")
-    ans.add_argument("--model-name", default=DEFAULT_MODEL_NAME,
-                     help="model id listed by /v1/models and echoed in answers to requests without "
-                          "'model' (default: %(default)s)")
-    ans.add_argument("--reasoning", action="store_true",
-                     help="canned mode: act like a thinking model behind a reasoning parser: chat answers "
-                          "carry reasoning unless the request sends chat_template_kwargs.enable_thinking="
-                          "false; completions text starts with a <think> block unless the prompt ends "
-                          "with </think>")
-    ans.add_argument("--reasoning-field", default="reasoning_content", choices=["reasoning_content", "reasoning"],
-                     help="response field that carries reasoning (default: %(default)s as SGLang and older "
-                          "vLLM; 'reasoning' as newer vLLM)")
-    ans.add_argument("--spec-accept-length", type=_accept_length, default=None, metavar="TAU",
-                     help="act like an engine with a drafter of acceptance length TAU (>= 1): answers carry "
-                          "SGLang meta_info.spec_accept_length/spec_verify_ct and /metrics vLLM's "
-                          "spec_decode counters (default: none)")
-    ans.add_argument("--no-spec-meta-info", action="store_true",
-                     help="with --spec-accept-length: leave meta_info out of answers (vLLM: /metrics only)")
-    ans.add_argument("--flavor", choices=FLAVORS, default="vllm",
-                     help="answer shapes: vllm (token ids as vLLM returns them), sglang (SGLang's: ids per choice "
-                          "and in sglext, meta_info per choice with return_meta_info, streaming, the 400 for ids "
-                          "on a streamed chat), sglang-legacy (an SGLang before PR #30917: no token ids; "
-                          "default: %(default)s)")
-    ans.add_argument("--spec-block-size", type=int, default=16, metavar="B",
-                     help="sglang flavors with --spec-accept-length: the drafter's block size of the spec_* "
-                          "histograms (SGLang's --speculative-num-draft-tokens; default: %(default)s)")
-    ans.add_argument("--return-input-ids", action="store_true",
-                     help="sglang flavor: the prompt ids in every answer's sglext (as SGLang's --return-input-ids)")
-    ans.add_argument("--return-output-ids", action="store_true",
-                     help="sglang flavor: the output ids in every answer's sglext (as SGLang's --return-output-ids)")
+    ans.add_argument(
+        "--target",
+        default=None,
+        metavar="DIR",
+        help="serve the causal LM at DIR (e.g. resources/demo-target) with its chat template, "
+        "greedy, one request at a time (needs torch and transformers; meant for tiny "
+        "models). Default: canned answers ('Answer <turn> to: <last user message>', one "
+        "token per word)",
+    )
+    ans.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="canned mode: decode token-id prompts of /v1/completions (and tokenize string "
+        "prompts) with the tokenizer at DIR (default: ids stand for themselves)",
+    )
+    ans.add_argument(
+        "--model-name",
+        default=DEFAULT_MODEL_NAME,
+        help="model id listed by /v1/models and echoed in answers to requests without 'model' (default: %(default)s)",
+    )
+    ans.add_argument(
+        "--reasoning",
+        action="store_true",
+        help="canned mode: act like a thinking model behind a reasoning parser: chat answers "
+        "carry reasoning unless the request sends chat_template_kwargs.enable_thinking="
+        "false; completions text starts with a <think> block unless the prompt ends "
+        "with </think>",
+    )
+    ans.add_argument(
+        "--reasoning-field",
+        default="reasoning_content",
+        choices=["reasoning_content", "reasoning"],
+        help="response field that carries reasoning (default: %(default)s as SGLang and older "
+        "vLLM; 'reasoning' as newer vLLM)",
+    )
+    ans.add_argument(
+        "--spec-accept-length",
+        type=_accept_length,
+        default=None,
+        metavar="TAU",
+        help="act like an engine with a drafter of acceptance length TAU (>= 1): answers carry "
+        "SGLang meta_info.spec_accept_length/spec_verify_ct and /metrics vLLM's "
+        "spec_decode counters (default: none)",
+    )
+    ans.add_argument(
+        "--no-spec-meta-info",
+        action="store_true",
+        help="with --spec-accept-length: leave meta_info out of answers (vLLM: /metrics only)",
+    )
+    ans.add_argument(
+        "--flavor",
+        choices=FLAVORS,
+        default="vllm",
+        help="answer shapes: vllm (token ids as vLLM returns them), sglang (SGLang's: ids per choice "
+        "and in sglext, meta_info per choice with return_meta_info, streaming, the 400 for ids "
+        "on a streamed chat), sglang-legacy (an SGLang before PR #30917: no token ids; "
+        "default: %(default)s)",
+    )
+    ans.add_argument(
+        "--spec-block-size",
+        type=int,
+        default=16,
+        metavar="B",
+        help="sglang flavors with --spec-accept-length: the drafter's block size of the spec_* "
+        "histograms (SGLang's --speculative-num-draft-tokens; default: %(default)s)",
+    )
+    ans.add_argument(
+        "--return-input-ids",
+        action="store_true",
+        help="sglang flavor: the prompt ids in every answer's sglext (as SGLang's --return-input-ids)",
+    )
+    ans.add_argument(
+        "--return-output-ids",
+        action="store_true",
+        help="sglang flavor: the output ids in every answer's sglext (as SGLang's --return-output-ids)",
+    )
 
 
 def _add_fault_plan_flags(flt: argparse._ArgumentGroup, d: Faults) -> None:
     """The drops, hangs, failures, delay and crash of :class:`Faults` (defaults from ``d``)."""
-    flt.add_argument("--delay-s", type=_seconds, default=d.delay_s, metavar="S",
-                     help="answer every non-faulted chat or completions request after S seconds "
-                          "(default: %(default)s)")
-    flt.add_argument("--drop-first", type=_count, default=d.drop_first, metavar="N",
-                     help="drop the connection of the first N requests without an answer (default: %(default)s)")
-    flt.add_argument("--hang-first", type=_count, default=d.hang_first, metavar="N",
-                     help="the N requests after the drops get no answer for --hang-s seconds, then a dropped "
-                          "connection (a client timeout shorter than --hang-s sees a timeout; default: %(default)s)")
-    flt.add_argument("--fail-first", type=_count, default=d.fail_first, metavar="N",
-                     help="the N requests after the drops and hangs get HTTP --fail-status (default: %(default)s)")
-    flt.add_argument("--drop-every", type=_count, default=d.drop_every, metavar="N",
-                     help="drop the connection of every request whose number is a multiple of N "
-                          "(default: %(default)s = off)")
-    flt.add_argument("--hang-every", type=_count, default=d.hang_every, metavar="N",
-                     help="hang every request whose number is a multiple of N, as --hang-first does "
-                          "(default: %(default)s = off)")
-    flt.add_argument("--fail-every", type=_count, default=d.fail_every, metavar="N",
-                     help="answer every request whose number is a multiple of N with HTTP --fail-status, "
-                          "i.e. a failure rate of 1/N (default: %(default)s = off)")
-    flt.add_argument("--hang-s", type=_seconds, default=d.hang_s, metavar="S",
-                     help="how long a hung request waits before its connection is dropped (seconds; "
-                          "default: %(default)s)")
-    flt.add_argument("--fail-status", type=_status, default=d.fail_status, metavar="CODE",
-                     help="HTTP status of --fail-first/--fail-every failures, e.g. 500, 503, or 429 for rate "
-                          "limiting (default: %(default)s); the body is an OpenAI error object")
-    flt.add_argument("--retry-after-s", type=_seconds, default=d.retry_after_s, metavar="S",
-                     help="send 'Retry-After: S' (seconds) with --fail-first/--fail-every failures "
-                          "(default: no header)")
-    flt.add_argument("--die-after", type=_count, default=d.die_after, metavar="N",
-                     help="after N requests, act crashed: drop every later connection, /v1/models and /health "
-                          "included (/metrics and /stats keep answering; default: never)")
+    flt.add_argument(
+        "--delay-s",
+        type=_seconds,
+        default=d.delay_s,
+        metavar="S",
+        help="answer every non-faulted chat or completions request after S seconds (default: %(default)s)",
+    )
+    flt.add_argument(
+        "--drop-first",
+        type=_count,
+        default=d.drop_first,
+        metavar="N",
+        help="drop the connection of the first N requests without an answer (default: %(default)s)",
+    )
+    flt.add_argument(
+        "--hang-first",
+        type=_count,
+        default=d.hang_first,
+        metavar="N",
+        help="the N requests after the drops get no answer for --hang-s seconds, then a dropped "
+        "connection (a client timeout shorter than --hang-s sees a timeout; default: %(default)s)",
+    )
+    flt.add_argument(
+        "--fail-first",
+        type=_count,
+        default=d.fail_first,
+        metavar="N",
+        help="the N requests after the drops and hangs get HTTP --fail-status (default: %(default)s)",
+    )
+    flt.add_argument(
+        "--drop-every",
+        type=_count,
+        default=d.drop_every,
+        metavar="N",
+        help="drop the connection of every request whose number is a multiple of N (default: %(default)s = off)",
+    )
+    flt.add_argument(
+        "--hang-every",
+        type=_count,
+        default=d.hang_every,
+        metavar="N",
+        help="hang every request whose number is a multiple of N, as --hang-first does (default: %(default)s = off)",
+    )
+    flt.add_argument(
+        "--fail-every",
+        type=_count,
+        default=d.fail_every,
+        metavar="N",
+        help="answer every request whose number is a multiple of N with HTTP --fail-status, "
+        "i.e. a failure rate of 1/N (default: %(default)s = off)",
+    )
+    flt.add_argument(
+        "--hang-s",
+        type=_seconds,
+        default=d.hang_s,
+        metavar="S",
+        help="how long a hung request waits before its connection is dropped (seconds; default: %(default)s)",
+    )
+    flt.add_argument(
+        "--fail-status",
+        type=_status,
+        default=d.fail_status,
+        metavar="CODE",
+        help="HTTP status of --fail-first/--fail-every failures, e.g. 500, 503, or 429 for rate "
+        "limiting (default: %(default)s); the body is an OpenAI error object",
+    )
+    flt.add_argument(
+        "--retry-after-s",
+        type=_seconds,
+        default=d.retry_after_s,
+        metavar="S",
+        help="send 'Retry-After: S' (seconds) with --fail-first/--fail-every failures (default: no header)",
+    )
+    flt.add_argument(
+        "--die-after",
+        type=_count,
+        default=d.die_after,
+        metavar="N",
+        help="after N requests, act crashed: drop every later connection, /v1/models and /health "
+        "included (/metrics and /stats keep answering; default: never)",
+    )
 
 
 def _add_marker_flags(flt: argparse._ArgumentGroup, d: Faults) -> None:
     """The marker strings of :class:`Faults` that force a 400, wrong content or a malformed body."""
-    flt.add_argument("--bad-request-marker", default=d.bad_request_marker, metavar="TEXT",
-                     help="a request whose last user message (completions: prompt) contains TEXT gets HTTP 400 "
-                          "'prompt is too long' (default: %(default)s; '' = off)")
-    flt.add_argument("--wrong-content-marker", default=d.wrong_content_marker, metavar="TEXT",
-                     help="a request whose last user message (completions: prompt) contains TEXT gets an answer "
-                          "that carries reasoning even though thinking was disabled (default: %(default)s; "
-                          "'' = off)")
-    flt.add_argument("--malformed-marker", default=d.malformed_marker, metavar="TEXT",
-                     help="a request whose last user message (completions: prompt) contains TEXT gets HTTP 200 "
-                          "with a truncated, unparsable JSON body (default: %(default)s; '' = off)")
+    flt.add_argument(
+        "--bad-request-marker",
+        default=d.bad_request_marker,
+        metavar="TEXT",
+        help="a request whose last user message (completions: prompt) contains TEXT gets HTTP 400 "
+        "'prompt is too long' (default: %(default)s; '' = off)",
+    )
+    flt.add_argument(
+        "--wrong-content-marker",
+        default=d.wrong_content_marker,
+        metavar="TEXT",
+        help="a request whose last user message (completions: prompt) contains TEXT gets an answer "
+        "that carries reasoning even though thinking was disabled (default: %(default)s; "
+        "'' = off)",
+    )
+    flt.add_argument(
+        "--malformed-marker",
+        default=d.malformed_marker,
+        metavar="TEXT",
+        help="a request whose last user message (completions: prompt) contains TEXT gets HTTP 200 "
+        "with a truncated, unparsable JSON body (default: %(default)s; '' = off)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,8 +346,12 @@ async def _serve(server: TestServer, args: argparse.Namespace) -> None:
         tmp.write_text(f"{server.port}\n")
         tmp.replace(args.port_file)
     print(f"READY {server.base_url}", flush=True)
-    print(f"test server {server.base_url}: model {server.model_name!r}, "
-          f"{'target ' + str(args.target) if args.target else 'canned answers'}, "
-          f"faults: {faults_summary(server.faults)}", file=sys.stderr, flush=True)
+    print(
+        f"test server {server.base_url}: model {server.model_name!r}, "
+        f"{'target ' + str(args.target) if args.target else 'canned answers'}, "
+        f"faults: {faults_summary(server.faults)}",
+        file=sys.stderr,
+        flush=True,
+    )
     await done.wait()
     await server.stop_async()

@@ -67,8 +67,9 @@ def drop(request: web.Request) -> web.Response:
     return web.Response(status=500)  # never reaches the client: the connection is gone
 
 
-async def inject_faults(request: web.Request, n: int, faults: Faults, stats: ServerStats,
-                        stopping: asyncio.Event) -> web.StreamResponse | None:
+async def inject_faults(
+    request: web.Request, n: int, faults: Faults, stats: ServerStats, stopping: asyncio.Event
+) -> web.StreamResponse | None:
     """The fault plan's answer to generation request number ``n`` (None: answer normally, after
     ``faults.delay_s`` seconds). Hangs and delays end early once ``stopping`` is set. Counts the fault in
     ``stats.statuses`` (``"dropped"``, ``"hung"`` or the failure status)."""

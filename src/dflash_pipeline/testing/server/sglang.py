@@ -39,19 +39,32 @@ from aiohttp import web
 
 #: The request flags a streamed SGLang chat refuses, in the order SGLang checks them, with its messages.
 STREAM_REFUSALS = (
-    ("return_prompt_token_ids", ("return_prompt_token_ids is not supported with streaming. Please set "
-                                 "stream=false when using return_prompt_token_ids=true.")),
-    ("return_token_ids", ("return_token_ids is not supported with streaming on /v1/chat/completions. Please set "
-                          "stream=false when using return_token_ids=true.")),
-    ("return_meta_info", ("return_meta_info is not supported with streaming. Please set stream=false when using "
-                          "return_meta_info=true.")),
+    (
+        "return_prompt_token_ids",
+        (
+            "return_prompt_token_ids is not supported with streaming. Please set "
+            "stream=false when using return_prompt_token_ids=true."
+        ),
+    ),
+    (
+        "return_token_ids",
+        (
+            "return_token_ids is not supported with streaming on /v1/chat/completions. Please set "
+            "stream=false when using return_token_ids=true."
+        ),
+    ),
+    (
+        "return_meta_info",
+        ("return_meta_info is not supported with streaming. Please set stream=false when using return_meta_info=true."),
+    ),
 )
 
 
 def error_response(message: str, status: int = 400, err_type: str = "BadRequestError") -> web.Response:
     """SGLang's error answer: ``{object: error, message, type, param: null, code}`` (``ErrorResponse``)."""
-    return web.json_response({"object": "error", "message": message, "type": err_type, "param": None,
-                              "code": status}, status=status)
+    return web.json_response(
+        {"object": "error", "message": message, "type": err_type, "param": None, "code": status}, status=status
+    )
 
 
 def stream_refusal(body: dict, *, legacy: bool = False) -> web.Response | None:
@@ -93,11 +106,15 @@ def spec_meta_info(num_tokens: int, verify: int, block_size: int) -> dict:
     correct = sum(n * c for n, c in enumerate(hist))
     proposed = verify * (block_size - 1)
     return {
-        "spec_verify_ct": verify, "spec_accept_length": num_tokens / verify if verify else 0.0,
+        "spec_verify_ct": verify,
+        "spec_accept_length": num_tokens / verify if verify else 0.0,
         "spec_accept_rate": correct / proposed if proposed else 0.0,
-        "spec_num_correct_drafts": correct, "spec_num_proposed_drafts": proposed,
-        "spec_accepted_drafts": correct, "spec_proposed_drafts": proposed,
-        "spec_correct_drafts_histogram": hist, "spec_accept_histogram": list(hist),
+        "spec_num_correct_drafts": correct,
+        "spec_num_proposed_drafts": proposed,
+        "spec_accepted_drafts": correct,
+        "spec_proposed_drafts": proposed,
+        "spec_correct_drafts_histogram": hist,
+        "spec_accept_histogram": list(hist),
     }
 
 
@@ -105,14 +122,20 @@ def meta_info(rid: str, finish: str, prompt_ids: Sequence[int], out_ids: Sequenc
     """A choice's ``meta_info`` (``return_meta_info``): request id, finish reason as SGLang records it
     (``matched``: the stop token id), token counts and the speculative figures."""
     matched = out_ids[-1] if finish == "stop" and out_ids else None
-    info = {"id": rid, "finish_reason": {"type": finish, **({"matched": matched} if finish == "stop" else {})},
-            "prompt_tokens": len(prompt_ids), "completion_tokens": len(out_ids), "cached_tokens": 0,
-            "weight_version": "default"}
+    info = {
+        "id": rid,
+        "finish_reason": {"type": finish, **({"matched": matched} if finish == "stop" else {})},
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": len(out_ids),
+        "cached_tokens": 0,
+        "weight_version": "default",
+    }
     return {**info, **(spec or {})}
 
 
-def chat_ids(tok, messages: list[dict], kwargs: dict, reasoning: str | None, content: str,
-             finish: str) -> tuple[list[int], list[int]]:
+def chat_ids(
+    tok, messages: list[dict], kwargs: dict, reasoning: str | None, content: str, finish: str
+) -> tuple[list[int], list[int]]:
     """``(prompt ids, output ids)`` of a canned chat answer with the tokenizer ``tok``: the request rendered
     with its chat template (``kwargs``: the request's ``chat_template_kwargs``), and the raw text the model
     wrote (``<think>\\n…\\n</think>\\n\\n`` before the content when it thought) plus the end-of-turn token
@@ -136,22 +159,32 @@ def text_ids(tok, text: str, finish: str) -> list[int]:
 def _pieces(text: str, n: int) -> list[str]:
     """``text`` in ``n`` consecutive pieces (the last ones may be empty)."""
     size = math.ceil(len(text) / n) if text else 0
-    return [text[i * size:(i + 1) * size] for i in range(n)] if size else [""] * n
+    return [text[i * size : (i + 1) * size] for i in range(n)] if size else [""] * n
 
 
 def _split(ids: Sequence[int], n: int) -> list[list[int]]:
     """``ids`` in ``n`` consecutive slices."""
     size = math.ceil(len(ids) / n) if ids else 0
-    return [list(ids[i * size:(i + 1) * size]) for i in range(n)] if size else [[] for _ in range(n)]
+    return [list(ids[i * size : (i + 1) * size]) for i in range(n)] if size else [[] for _ in range(n)]
 
 
 def _stream_chunk(rid: str, model: str, obj: str, choices: list[dict], **extra) -> dict:
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices, **extra}
 
 
-def chat_stream_events(rid: str, model: str, *, reasoning: str | None, content: str, finish: str,
-                       ext: dict | None, usage: dict | None, chunks: int = 3) -> list[bytes]:
+def chat_stream_events(
+    rid: str,
+    model: str,
+    *,
+    reasoning: str | None,
+    content: str,
+    finish: str,
+    ext: dict | None,
+    usage: dict | None,
+    chunks: int = 3,
+) -> list[bytes]:
     """The server-sent events of a streamed chat answer (see the module docstring), ``[DONE]`` last."""
+
     def choice(delta: dict, finish_reason=None) -> dict:
         return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason, "matched_stop": None}
 
@@ -171,16 +204,30 @@ def chat_stream_events(rid: str, model: str, *, reasoning: str | None, content: 
     return [f"data: {json.dumps(c)}\n\n".encode() for c in out] + [b"data: [DONE]\n\n"]
 
 
-def completion_stream_events(rid: str, model: str, *, text: str, finish: str, prompt_ids: Sequence[int],
-                             out_ids: Sequence[int], with_ids: bool, usage: dict | None,
-                             chunks: int = 3) -> list[bytes]:
+def completion_stream_events(
+    rid: str,
+    model: str,
+    *,
+    text: str,
+    finish: str,
+    prompt_ids: Sequence[int],
+    out_ids: Sequence[int],
+    with_ids: bool,
+    usage: dict | None,
+    chunks: int = 3,
+) -> list[bytes]:
     """The server-sent events of a streamed completion: text pieces, each chunk with the ids generated in it
     and the first with the prompt's ids (``with_ids``: ``return_token_ids``), the finish on the last."""
     n = max(1, min(chunks, len(out_ids) or 1))
     out = []
     for k, (piece, ids) in enumerate(zip(_pieces(text, n), _split(out_ids, n))):
-        ch: dict[str, Any] = {"index": 0, "text": piece, "logprobs": None,
-                              "finish_reason": finish if k == n - 1 else None, "matched_stop": None}
+        ch: dict[str, Any] = {
+            "index": 0,
+            "text": piece,
+            "logprobs": None,
+            "finish_reason": finish if k == n - 1 else None,
+            "matched_stop": None,
+        }
         if with_ids:
             ch["token_ids"] = ids
             if k == 0:
