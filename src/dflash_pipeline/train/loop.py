@@ -94,7 +94,7 @@ class TrainRun:
     val_batches: list
     val_counted: list
     zero_target_features: bool
-    streams: Any = None  # train.streams.RankStreams: the per-rank random streams state/ keeps
+    rng_streams: Any = None  # train.rng.RankStreams: the per-rank random streams state/ keeps
 
 
 # ---------------------------------------------------------------------------------------------------
