@@ -148,7 +148,8 @@ def test_config_key_order_reruns_nothing(built):
     """The same config with every mapping's keys in reverse order (as a script or another YAML writer may
     emit it) plans nothing; only the order of `datasets` (first source wins a duplicate) and `eval.sets`
     (table order) is meaningful and kept."""
-    work, cfg = built
+    work, _ = built
+    cfg = yaml.safe_load((work / "config.yaml").read_text())  # the order the run was planned with (as written)
 
     def reverse(obj, keep=False):
         if isinstance(obj, dict):
