@@ -355,7 +355,7 @@ def write_serve_md(
         from dflash_pipeline.drafter.families import serve_md
 
         out = d / "serve.md"
-        atomic_write_bytes(out, serve_md(cfg, Path(served_dir or d).resolve(), tgt).encode("utf-8"))
+        atomic_write_bytes(out, serve_md(cfg.to_dict(), Path(served_dir or d).resolve(), tgt).encode("utf-8"))
         return out
     cmds = serve_commands(Path(served_dir or d).resolve(), tgt, bs)
     text = f"""# Serving this DFlash drafter
