@@ -4,6 +4,13 @@ from dflash_pipeline.workflow.jobs import tokenize_args
 
 TOKENS = canonical(config["tokens"])
 TOKENIZE_ARGS = tokenize_args(TOKENS, config["target"]["chat_template"], config["target"]["trust_remote_code"])
+# the command with the settings written in (braces escaped for Snakemake's formatting), so the rule's shell names
+# no variable from outside the rule (snakemake --lint)
+TOKENIZE_SHELL = (
+    "python -m dflash_pipeline.workflow.jobs tokenize {input.completions:q} {output:q} --target {params.target:q} "
+    + TOKENIZE_ARGS.replace("{", "{{").replace("}", "}}")
+    + " --log {log:q}"
+)
 
 
 rule tokenize_completions:
@@ -27,5 +34,4 @@ rule tokenize_completions:
     conda:
         "../envs/tokens.yaml"
     shell:
-        "python -m dflash_pipeline.workflow.jobs tokenize {input.completions:q} {output:q} --target {params.target:q} "
-        "{TOKENIZE_ARGS} --log {log:q}"
+        TOKENIZE_SHELL
