@@ -50,13 +50,14 @@ def _plan_with_edited_package(work, targets, tmp_path, edit) -> dict[str, int]:
             os.environ["PYTHONPATH"] = old
 
 
-@pytest.mark.parametrize("module", ["tokens.py", "chat.py"])
+@pytest.mark.parametrize("module", ["tokens/shard.py", "target/chat.py"])
 def test_tokenization_code_edit_keeping_the_revision_reruns_nothing(built, tmp_path, module):
     """An edit of a tokenization module that keeps ``workflow.TOKENIZATION_REVISION`` (a refactor: the
     golden test, tests/unit/tokens/test_tokenization_golden.py, proves the shard bytes stay) plans nothing."""
     work, _, targets = built
 
     def edit(pkg):
+        assert (pkg / module).is_file()  # an edit of the module itself, not a new file beside its package
         with open(pkg / module, "a", encoding="utf-8") as fh:
             fh.write("\n# an edit of the tokenization code\n")
 
@@ -71,10 +72,12 @@ def test_tokenization_revision_bump_retokenizes_only(built, tmp_path):
     def edit(pkg):
         from dflash_pipeline.workflow.policy import TOKENIZATION_REVISION
 
-        text = (pkg / "workflow.py").read_text(encoding="utf-8")
+        text = (pkg / "workflow" / "policy.py").read_text(encoding="utf-8")
         line = f'TOKENIZATION_REVISION = "{TOKENIZATION_REVISION}"'
         assert line in text
-        (pkg / "workflow.py").write_text(text.replace(line, 'TOKENIZATION_REVISION = "bumped"'), encoding="utf-8")
+        (pkg / "workflow" / "policy.py").write_text(
+            text.replace(line, 'TOKENIZATION_REVISION = "bumped"'), encoding="utf-8"
+        )
 
     jobs = _plan_with_edited_package(work, targets, tmp_path, edit)
     assert jobs.get("tokenize_completions") == 2, jobs
