@@ -104,7 +104,18 @@ from .records import (
     take_reasoning,
 )
 from .resume import ERRORS_SUFFIX, PROGRESS_SUFFIX, ProgressLog, _drop_other_model, _fingerprint
-from .retry import AUTH_STATUS, RETRYABLE_STATUS, parse_retry_after, retry_delay, should_retry
+from .retry import (
+    AUTH,
+    AUTH_STATUS,
+    CLIENT,
+    RATE_LIMITED,
+    RETRYABLE_STATUS,
+    Failure,
+    parse_retry_after,
+    retry_delay,
+    should_retry,
+    status_failure,
+)
 from .stats import _Progress
 from .transformers_backend import TransformersBackend
 from .workers import _client_process, _split_caps, run_client_processes

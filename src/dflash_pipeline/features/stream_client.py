@@ -223,7 +223,8 @@ class FeatureClient:
         return [f.result() for f in futs]
 
     async def _fetch(self, ids: np.ndarray) -> Features:
-        from dflash_pipeline.completions import _auth_error, retry
+        from dflash_pipeline import completions as retry  # its retry classes, through the public face
+        from dflash_pipeline.completions import _auth_error
 
         if self.stats["first_request_t"] is None:
             self.stats["first_request_t"] = time.monotonic()
@@ -271,7 +272,8 @@ class FeatureClient:
         """One request on ``ep``: ``(Features, None)`` or ``(None, retry.Failure)``."""
         import openai
 
-        from dflash_pipeline.completions import _describe, retry
+        from dflash_pipeline import completions as retry  # its retry classes, through the public face
+        from dflash_pipeline.completions import _describe
 
         transport = self._transport_of[id(ep)]
         body = {

@@ -11,7 +11,7 @@ from any directory, or embedded in ``snakemake --report``'s landing page by ``re
   held-out τ, the training data's length histogram;
 * the data tables, and the long evaluation record folded away (``<details>``).
 
-The tables themselves are :mod:`dflash_pipeline.report`'s; the plots of τ per set, τ by context length and
+The tables themselves are :mod:`dflash_pipeline.report.tables`'s; the plots of τ per set, τ by context length and
 the length histogram are drawn here.
 """
 
@@ -184,7 +184,7 @@ def run_facts(
 
     ``checkpoint``: the drafter's ``final/`` (its ``config.json``; ``train_summary.json`` beside it).
     ``benchmark_dir``: ``results/benchmarks`` (wall time = the jobs' summed seconds, plus
-    ``extra_benchmarks`` such as the demo target's). Rows: the report tables (:func:`dflash_pipeline.report.read_tsv`).
+    ``extra_benchmarks`` such as the demo target's). Rows: the report tables (:func:`dflash_pipeline.report.tables.read_tsv`).
     """
     from dflash_pipeline.report.tables import _benchmark_seconds
 
@@ -405,8 +405,8 @@ def summary_page(
         figures: ``(figure id, PNG path, caption)``, embedded as data URIs in this order (missing ones left out).
         outputs: ``(what, path)`` rows of "where the outputs are".
     """
-    from dflash_pipeline import report as R
     from dflash_pipeline.core.shards import atomic_write_bytes, read_json
+    from dflash_pipeline.report import tables as R
 
     record = read_json(eval_json) if eval_json and Path(eval_json).is_file() else {}
     body = [header_html(run, facts)]
