@@ -21,7 +21,9 @@ import torch
 TRAINING_BYTES_PER_PARAM = 16
 
 #: The unit FSDP2 shards (one per draft layer); the fused ``fc``/norms stay in the root unit.
-WRAP_CLASSES = ("DFlashDecoderLayer", "DFlash2DecoderLayer")
+WRAP_CLASSES = (
+    "DFlashDecoderLayer",
+)  # accelerate requires each listed class in the model; FSDP2 is DFlash-only (drafter.families refuses the others at planning)
 
 
 def training_bytes(num_params: int, num_shards: int = 1) -> int:

@@ -46,8 +46,5 @@ def test_fsdp_sizing_and_plugin():
     assert fsdp.training_bytes(3_250_000_000) == 52_000_000_000
     assert fsdp.training_bytes(3_250_000_000, num_shards=8) == 6_500_000_000
     p = fsdp.fsdp_plugin(reshard_after_forward=False)
-    assert p.fsdp_version == 2 and p.transformer_cls_names_to_wrap == [
-        "DFlashDecoderLayer",
-        "DFlash2DecoderLayer",
-    ]  # every family's decoder layer
+    assert p.fsdp_version == 2 and p.transformer_cls_names_to_wrap == ["DFlashDecoderLayer"]  # FSDP2: DFlash only
     assert p.reshard_after_forward is False and "SHARDED" in str(p.state_dict_type)
