@@ -211,7 +211,8 @@ def planned_jobs(proc: subprocess.CompletedProcess) -> dict[str, int]:
         m = re.match(r"^(\w+)\s+(\d+)$", line.strip())
         if not m:
             break
-        counts[m.group(1)] = int(m.group(2))
+        if m.group(1) != "total":  # the table's last row sums the others; it is not a rule
+            counts[m.group(1)] = int(m.group(2))
     return counts
 
 

@@ -73,8 +73,8 @@ def test_family_trains_above_its_untrained_floor(family_runs, family):
 
 
 def test_families_share_the_data_stages(family_runs):
-    """The families' runs reuse one demo target, probe, completions and token shards; with all three built
-    nothing is left to do for any of them."""
+    """The families' runs reuse one demo target, its completions and token shards (each run writes its own
+    probe record); with all three built nothing is left to do for any of them."""
     work, _ = family_runs
     for family in FAMILIES:
         assert (
@@ -85,4 +85,7 @@ def test_families_share_the_data_stages(family_runs):
             )
             == {}
         )
-    assert len(list((work / "results/probe").glob("*.json"))) == 1
+    # one probe record per run (results/probe/<run>.json, README "Outputs"), each of the same target
+    records = [json.loads(p.read_text()) for p in sorted((work / "results/probe").glob("*.json"))]
+    assert len(records) == len(FAMILIES)
+    assert len({r["target_dir"] for r in records}) == 1, [r["target_dir"] for r in records]

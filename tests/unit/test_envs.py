@@ -78,10 +78,11 @@ def _guards_import_error(node: ast.Try) -> bool:
     return bool(names & {"ImportError", "ModuleNotFoundError"})
 
 
-def imports_of(path: Path, module: str | None = None) -> set[str]:
-    """Absolute module names imported anywhere in ``path``: lazy imports in functions count; optional
-    ones (in a ``try`` whose ``except`` catches ImportError) and ``if TYPE_CHECKING:`` blocks do not.
-    ``module`` is the file's dotted name, for relative imports."""
+def import_statements(path: Path, module: str | None = None, *, top_level_only: bool = False):
+    """``(module, names)`` for each absolute import in ``path`` (``names`` is None for ``import a.b``, the
+    imported names for ``from a.b import x, y``). Lazy imports in functions count unless ``top_level_only``
+    (what importing the module runs); optional ones (in a ``try`` whose ``except`` catches ImportError) and
+    ``if TYPE_CHECKING:`` blocks never do. ``module`` is the file's dotted name, for relative imports."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     skip: set[int] = set()
     for node in ast.walk(tree):
@@ -89,13 +90,15 @@ def imports_of(path: Path, module: str | None = None) -> set[str]:
             skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
         elif isinstance(node, ast.Try) and _guards_import_error(node):
             skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
-    found: set[str] = set()
+        elif top_level_only and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            skip.update(id(n) for n in ast.walk(node))
     package = (module if path.name == "__init__.py" else module.rpartition(".")[0]) if module else ""
     for node in ast.walk(tree):
         if id(node) in skip:
             continue
         if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
+            for a in node.names:
+                yield a.name, None
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 parts = package.split(".")
@@ -103,10 +106,12 @@ def imports_of(path: Path, module: str | None = None) -> set[str]:
                 mod = f"{base}.{node.module}" if node.module else base
             else:
                 mod = node.module or ""
-            found.add(mod)
-            # `from pkg import sub` may name a submodule
-            found.update(f"{mod}.{a.name}" for a in node.names if mod.split(".")[0] == PKG)
-    return found
+            yield mod, tuple(a.name for a in node.names)
+
+
+def imports_of(path: Path, module: str | None = None) -> set[str]:
+    """Absolute module names imported anywhere in ``path`` (see :func:`import_statements`)."""
+    return {mod for mod, _ in import_statements(path, module)}
 
 
 def package_module_file(name: str) -> Path | None:
@@ -119,40 +124,87 @@ def package_module_file(name: str) -> Path | None:
     return None
 
 
-def reached_imports(entry_files: list[Path], entry_modules: list[str]) -> tuple[set[str], set[str]]:
-    """(top-level third-party/stdlib modules, dflash_pipeline modules) reached from the entry points."""
-    external: set[str] = set()
-    seen: set[str] = set()
-    todo: list[str] = []
+def face_owner(package: str, name: str) -> str | None:
+    """The module that defines ``name`` of a package's public face: ``_OWNERS`` (loaded on first use) or the
+    face's own ``from .module import name``; None where the ``__init__`` defines it (core/faces.lazy_face)."""
+    init = package_module_file(package)
+    if init is None or init.name != "__init__.py":
+        return None
+    tree = ast.parse(init.read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_OWNERS" for t in node.targets):
+            owner = ast.literal_eval(node.value).get(name)
+            if owner:
+                return f"{package}.{owner}"
+    for mod, names in import_statements(init, package, top_level_only=True):
+        if names and name in names and mod.startswith(f"{package}."):
+            return mod
+    return None
 
-    def add(names: set[str]) -> None:
+
+def reached_imports(entry_files: list[Path], entry_modules: list[str]) -> tuple[set[str], set[str]]:
+    """(top-level third-party/stdlib modules, dflash_pipeline modules) reached from the entry points.
+
+    A module whose names the code uses counts with every import in it, lazy ones too (its functions may
+    run); a module only loaded on the way (a package ``__init__``, a public face's eager imports) counts
+    with what importing it runs. ``from pkg import name`` uses the module that owns ``name`` (:func:`face_owner`)."""
+    external: set[str] = set()
+    done: dict[str, bool] = {}  # module -> processed with its lazy imports
+    todo: list[tuple[str, bool]] = []
+
+    def enter(mod: str, names: tuple[str, ...] | None, used: bool) -> None:
+        if not mod:
+            return
+        parts = mod.split(".")
+        if parts[0] != PKG:
+            external.add(parts[0])
+            return
+        for i in range(1, len(parts)):  # importing a.b.c runs a/__init__ and a/b/__init__
+            todo.append((".".join(parts[:i]), False))
+        if not names:
+            todo.append((mod, used))
+            return
+        is_package = (f := package_module_file(mod)) is not None and f.name == "__init__.py"
+        todo.append((mod, used and not is_package))
         for n in names:
-            if n.split(".")[0] == PKG:
-                parts = n.split(".")
-                for i in range(1, len(parts) + 1):  # importing a.b.c runs a/__init__ and a/b/__init__
-                    todo.append(".".join(parts[:i]))
-            elif n:
-                external.add(n.split(".")[0])
+            sub = f"{mod}.{n}"
+            if package_module_file(sub) is not None:  # `from pkg import submodule`
+                todo.append((sub, used))
+            elif is_package:
+                todo.append((face_owner(mod, n) or mod, used))
 
     for f in entry_files:
-        add(imports_of(f))
-    add(set(entry_modules))
-    # `python -m pkg` runs pkg/__main__.py (a package's __init__ is a lazy public face)
-    add({f"{m}.__main__" for m in entry_modules if (PKG_DIR / Path(*m.split(".")[1:]) / "__main__.py").is_file()})
+        for mod, names in import_statements(f):
+            enter(mod, names, True)
+    for m in entry_modules:
+        enter(m, None, True)
+        # `python -m pkg` runs pkg/__main__.py
+        if (PKG_DIR / Path(*m.split(".")[1:]) / "__main__.py").is_file():
+            enter(f"{m}.__main__", None, True)
     while todo:
-        name = todo.pop()
-        if name in seen or name in ENGINE_SIDE_MODULES:
+        name, used = todo.pop()
+        if name in ENGINE_SIDE_MODULES or done.get(name) is True or (name in done and not used):
             continue
-        seen.add(name)
+        done[name] = used
         f = package_module_file(name)
         if f is not None:
-            add(imports_of(f, name))
-    return external, {m for m in seen if package_module_file(m)}
+            for mod, names in import_statements(f, name, top_level_only=not used):
+                enter(mod, names, used)
+    return external, {m for m in done if package_module_file(m)}
+
+
+def console_scripts() -> dict[str, str]:
+    """This package's console scripts (``[project.scripts]`` of pyproject.toml, as installed): command -> module."""
+    eps = importlib.metadata.entry_points(group="console_scripts")
+    return {ep.name: ep.module for ep in eps if ep.module.split(".")[0] == PKG}
 
 
 def shell_modules(cmd: str) -> list[str]:
-    """Modules a shell command runs with ``-m`` (``python -m accelerate.commands.launch … -m pkg.train``)."""
-    return re.findall(r"(?:^|\s)-m\s+([A-Za-z_][\w.]*)", cmd)
+    """Modules a shell command runs: ``-m``s (``python -m accelerate.commands.launch … -m pkg.train``) and
+    this package's console scripts (``… --no_python dflash-train``)."""
+    found = re.findall(r"(?:^|\s)-m\s+([A-Za-z_][\w.]*)", cmd)
+    words = set(re.split(r"[\s;|&()'\"]+", cmd))
+    return found + [module for script, module in console_scripts().items() if script in words]
 
 
 def env_packages(env_file: Path) -> tuple[set[str], bool]:
