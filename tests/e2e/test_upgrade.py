@@ -41,6 +41,10 @@ LAST_MAIN_RERUNS: dict[str, str] = {
     "evaluate_acceptance": _TRAIN_RERUN,
     "plot_training": _TRAIN_RERUN,
     "all": _TRAIN_RERUN,
+    # issue #26: the token shards' metadata counts the turns built from the server's ids (server_ids_used);
+    # TOKENIZATION_REVISION is bumped, so token shards are rewritten once (ids and loss masks unchanged)
+    "tokenize_completions": "TOKENIZATION_REVISION 7476b443b5dd66cc: server_ids_used counts turns (issue #26)",
+    "summarize_tokens": "its inputs, the token shards, are rewritten (tokenize_completions)",
     # issue #26: the landing page shows every plot inline, τ by context length and the data's lengths
     "plot_data_lengths": "new rule: the training data's length histogram (results/report/data_lengths.png)",
     "summarize_run": "the landing page reads the plots, the probe record and the checkpoint (new inputs) and draws "

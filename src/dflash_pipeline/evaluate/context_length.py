@@ -92,6 +92,46 @@ def tau_by_context_length(responses: Sequence[tuple[Sequence[int], Sequence[int]
     return out
 
 
+def tau_by_prompt_length(responses: Sequence[tuple[int, float, int | None]], edges: Sequence[int]) -> dict:
+    """τ per context-length bucket as a serving engine allows it: per request, not per verify step.
+
+    An engine reports acceptance per request (SGLang's ``meta_info.spec_accept_length``; vLLM's counters,
+    read around each request when requests go one at a time), so a request is put in the bucket of its
+    prompt length (``usage.prompt_tokens``: the context at its first verify step; its later steps are
+    ``max_new_tokens`` longer at most). τ of a bucket is the mean of its requests' a+1 means, as
+    :func:`tau_by_context_length` takes the mean over responses.
+
+    Args:
+        responses: per request ``(prompt tokens, a+1 mean, verify steps or None)``.
+        edges: bucket edges in tokens (:func:`bucket_labels`).
+
+    Returns:
+        label → ``{tau, num_responses, num_steps (None when the engine does not say), range: [lo, hi),
+        basis: "prompt_tokens"}`` for every bucket with a request, in bucket order.
+
+    Raises:
+        ConfigError: bad edges.
+    """
+    labels = bucket_labels(edges)
+    per: dict[int, list[tuple[float, int | None]]] = {}
+    for prompt_tokens, tau, steps in responses:
+        per.setdefault(bisect_right(edges, int(prompt_tokens)), []).append((float(tau), steps))
+    out = {}
+    for b, (label, rng) in enumerate(zip(labels, bucket_ranges(edges))):
+        if b not in per:
+            continue
+        taus = [t for t, _ in per[b]]
+        steps = [n for _, n in per[b]]
+        out[label] = {
+            "tau": sum(taus) / len(taus),
+            "num_responses": len(taus),
+            "num_steps": sum(steps) if all(n is not None for n in steps) else None,
+            "range": rng,
+            "basis": "prompt_tokens",
+        }
+    return out
+
+
 def length_buckets_of(eval_cfg: dict) -> list[int]:
     """The bucket edges of an ``eval`` section: ``context_length_buckets``, or the schema's default where the
     section leaves it out (the eval rule's params drop it at its default, so runs from before the key

@@ -32,7 +32,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, NamedTuple, Optional, Sequence
 
 from dflash_pipeline.core.contracts import EVAL_SCHEMA_VERSION
 from dflash_pipeline.core.shards import write_json
@@ -74,6 +74,7 @@ def server_acceptance(
     max_concurrency: int = 1,
     seed: Optional[int] = None,
     meta_info: bool = False,
+    context_length_buckets: Optional[Sequence[int]] = None,
 ) -> dict:
     """τ as the serving engine reports it for ``prompts`` (``load_eval_prompts`` records; dflash.md §7.1).
 
@@ -91,6 +92,11 @@ def server_acceptance(
     ``metrics_url`` is given (vLLM ``/metrics``), the figures come from the counter deltas
     (:func:`engine_acceptance_stats`, needs ``block_size`` for the per-position shares; without it only
     τ). Other traffic on the server during the run skews the pooled figures.
+
+    ``context_length_buckets`` (edges in tokens): ``by_context_length`` too, τ per bucket of each request's
+    prompt length (:func:`dflash_pipeline.evaluate.context_length.tau_by_prompt_length`), where the engine
+    says each request's acceptance: SGLang's ``meta_info``, or vLLM's counters read around each request when
+    ``max_concurrency`` is 1 (concurrent requests pool in the counters; ``by_context_length_note`` says so).
 
     Returns ``{tau, source (meta_info|metrics), num_responses, per_response, completion_tokens, seconds,
     base_url, model, thinking, temperature, max_tokens}`` plus, from metrics, ``per_position_acceptance``,
@@ -116,25 +122,31 @@ def server_acceptance(
         request["seed"] = seed
     if meta_info:
         request["return_meta_info"] = True
-    send = partial(_send_conversation, base, request=request, api_key=api_key, timeout_s=timeout_s)
+    one_at_a_time = int(max_concurrency) <= 1
+    per_request_metrics = metrics_url if (context_length_buckets is not None and one_at_a_time) else None
+    send = partial(
+        _send_conversation, base, request=request, api_key=api_key, timeout_s=timeout_s, metrics_url=per_request_metrics
+    )
 
     t0 = time.time()
     with ThreadPoolExecutor(max_workers=max(1, int(max_concurrency))) as pool:
         results = [r for conv in pool.map(send, prompts) for r in conv]
     seconds = time.time() - t0
-    per_response = [t for _, t, _ in results if t is not None]
-    hists = [h for _, _, h in results if h is not None]
+    per_response = [r.tau for r in results if r.tau is not None]
+    hists = [r.histogram for r in results if r.histogram is not None]
     out = {
         "base_url": base_url,
         "model": model,
         "thinking": thinking,
         "temperature": temperature,
         "max_tokens": max_tokens,
-        "completion_tokens": sum(n for n, _, _ in results),
+        "completion_tokens": sum(r.completion_tokens for r in results),
         "per_response": per_response,
         "num_responses": len(results),
         "seconds": seconds,
     }
+    if context_length_buckets is not None:
+        out.update(_engine_length_buckets(results, context_length_buckets, one_at_a_time=one_at_a_time))
     if hists:
         from dflash_pipeline.evaluate.sglang_engine import histogram_acceptance_stats
 
@@ -152,6 +164,22 @@ def server_acceptance(
     raise _no_acceptance(base_url, metrics_url)
 
 
+def _engine_length_buckets(results: Sequence[EngineResponse], edges: Sequence[int], *, one_at_a_time: bool) -> dict:
+    """``{by_context_length}`` of :func:`server_acceptance` from the requests whose acceptance is known, or
+    ``{by_context_length_note}`` saying why there is none."""
+    from dflash_pipeline.evaluate.context_length import tau_by_prompt_length
+
+    known = [(r.prompt_tokens, r.request_tau, r.request_steps) for r in results if r.request_tau is not None]
+    if known:
+        return {"by_context_length": tau_by_prompt_length(known, edges)}
+    why = (
+        "the engine's counters pool concurrent requests: set eval.engine_max_concurrency: 1 for τ by context length"
+        if not one_at_a_time
+        else "the engine reported no per-request acceptance"
+    )
+    return {"by_context_length_note": why}
+
+
 def _no_acceptance(base_url: str, metrics_url: Optional[str]) -> EngineComparisonError:
     """The error for a server that reported no speculative acceptance (is the drafter loaded?)."""
     return EngineComparisonError(
@@ -161,13 +189,34 @@ def _no_acceptance(base_url: str, metrics_url: Optional[str]) -> EngineCompariso
     )
 
 
+class EngineResponse(NamedTuple):
+    """One chat response of an engine τ run: ``completion_tokens``; ``tau`` (a+1 mean from SGLang's
+    ``meta_info``, None for vLLM) and ``histogram`` (SGLang's, or None) of
+    :func:`dflash_pipeline.evaluate.sglang_engine.response_acceptance`; ``prompt_tokens`` (``usage``);
+    ``request_tau`` / ``request_steps``: the request's a+1 mean and verify steps, from ``meta_info`` or from
+    vLLM's counter deltas around the request (None where neither is known)."""
+
+    completion_tokens: int
+    tau: Optional[float]
+    histogram: Optional[list[int]]
+    prompt_tokens: int
+    request_tau: Optional[float]
+    request_steps: Optional[int]
+
+
 def _send_conversation(
-    base: str, rec: dict, *, request: dict, api_key: Optional[str], timeout_s: float
-) -> list[tuple[int, Optional[float], Optional[list[int]]]]:
+    base: str,
+    rec: dict,
+    *,
+    request: dict,
+    api_key: Optional[str],
+    timeout_s: float,
+    metrics_url: Optional[str] = None,
+) -> list[EngineResponse]:
     """Every user turn of the eval record ``rec`` to ``{base}/chat/completions``, one after another, each
     carrying the engine's earlier answers; ``request`` holds the other body fields (model, max_tokens, …).
-    Returns per response ``(completion tokens, a+1 mean or None, SGLang histogram or None)``
-    (:func:`dflash_pipeline.evaluate.sglang_engine.response_acceptance`)."""
+    ``metrics_url`` (vLLM with requests one at a time): each request's acceptance from the counter deltas
+    around it (:class:`EngineResponse`)."""
     from dflash_pipeline.evaluate.sglang_engine import response_acceptance
 
     history: list[dict] = [{"role": "system", "content": rec["system"]}] if rec.get("system") else []
@@ -176,8 +225,17 @@ def _send_conversation(
     for turn in rec["turns"]:
         history.append({"role": "user", "content": turn})
         body = {"model": request["model"], "messages": list(history), **request}  # the fields in the usual order
+        before = spec_counters(_http_json(metrics_url, timeout_s=timeout_s)) if metrics_url else None
         resp = _http_json(f"{base}/chat/completions", body, api_key=api_key, timeout_s=timeout_s)
-        out.append(response_acceptance(resp))
+        n_out, tau, hist = response_acceptance(resp)
+        meta = (resp.get("choices") or [{}])[0].get("meta_info") or resp.get("meta_info") or {}
+        req_tau, req_steps = tau, (int(meta["spec_verify_ct"]) if meta.get("spec_verify_ct") else None)
+        if tau is None and before is not None:
+            delta = counters_delta(before, spec_counters(_http_json(metrics_url, timeout_s=timeout_s)))
+            if delta["drafts"] > 0:
+                req_tau, req_steps = 1.0 + delta["accepted"] / delta["drafts"], int(delta["drafts"])
+        prompt_tokens = int((resp.get("usage") or {}).get("prompt_tokens") or 0)
+        out.append(EngineResponse(n_out, tau, hist, prompt_tokens, req_tau, req_steps))
         history.append({"role": "assistant", "content": resp["choices"][0]["message"].get("content") or ""})
     return out
 
@@ -364,7 +422,9 @@ def _engine_set_acceptance(
     block_size: int,
 ) -> dict:
     """:func:`server_acceptance` of one eval set with the eval settings (the loop's ``max_new_tokens``,
-    temperature, seed, thinking mode), printed as one line."""
+    temperature, seed, thinking mode, context-length buckets), printed as one line."""
+    from dflash_pipeline.evaluate.context_length import length_buckets_of
+
     st = server_acceptance(
         base_url,
         prompts,
@@ -378,6 +438,7 @@ def _engine_set_acceptance(
         max_concurrency=eval_cfg["engine_max_concurrency"],
         seed=eval_cfg["seed"],
         meta_info=eval_cfg["engine"] == "sglang",
+        context_length_buckets=length_buckets_of(eval_cfg),
     )
     print(
         f"[eval-engine] {name:>10}: engine tau={st['tau']:.3f} ({st['source']}, "
@@ -460,6 +521,8 @@ def attach_engine_tau(record: dict, engine_record: dict, *, label: str = "traine
                 "source",
                 "completion_tokens",
                 "num_responses",
+                "by_context_length",
+                "by_context_length_note",
             )
             if k in e
         }

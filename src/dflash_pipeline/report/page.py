@@ -365,18 +365,29 @@ def plot_data_lengths(token_shards: Sequence[str | Path], path: str | Path) -> d
 
 def length_table_rows(record: Mapping) -> tuple[list[str], list[dict]]:
     """τ by context length as table rows: one per drafter and set (and ``all sets``), one column per bucket
-    (``τ (verify steps)``); empty when the record has no buckets."""
+    (``τ (verify steps)``), plus the engine's per set where it reported them (bucketed by each request's
+    prompt length, ``τ (requests)``); empty when the record has no buckets."""
     labels = (record.get("settings") or {}).get("context_length_buckets_labels") or []
     if not labels:
         return [], []
     rows = []
 
+    def cell(b):
+        return (
+            f"{b['tau']:.3f} ({b['num_steps']})"
+            if b.get("basis") is None
+            else f"{b['tau']:.3f} ({b['num_responses']} req.)"
+        )
+
     def cells(buckets):
-        return {lb: f"{buckets[lb]['tau']:.3f} ({buckets[lb]['num_steps']})" if lb in buckets else "" for lb in labels}
+        return {lb: cell(buckets[lb]) if lb in buckets else "" for lb in labels}
 
     for label, entry in (record.get("drafters") or {}).items():
         for set_name, s in (entry.get("sets") or {}).items():
             rows.append({"drafter": label, "set": set_name, **cells(s.get("by_context_length") or {})})
+            engine = (s.get("engine") or {}).get("by_context_length")
+            if engine:
+                rows.append({"drafter": f"{label} (engine)", "set": set_name, **cells(engine)})
         pooled = (record.get("by_context_length") or {}).get(label)
         if pooled:
             rows.append({"drafter": label, "set": "all sets", **cells(pooled)})

