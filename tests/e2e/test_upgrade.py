@@ -142,3 +142,42 @@ def test_last_main_workdir_plans_nothing(last_main_workdir):
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
         assert "Nothing to be done" in proc.stdout + proc.stderr
         assert {str(p): p.stat().st_mtime_ns for p in outputs} == before
+
+
+def _data_outputs(work) -> list:
+    """What a run is made of: prompt, completion and token shards, the probe record, the checkpoints' weights and
+    config.json (not logs, timings, plots or the report)."""
+    res = work / "results"
+    found = [*res.glob("prompts/**/*.parquet"), *res.glob("completions/**/*.parquet"), *res.glob("tokens/**/*.parquet")]
+    found += [*res.glob("probe/*.json"), *res.glob("checkpoints/*/final/model.safetensors")]
+    found += res.glob("checkpoints/*/final/config.json")
+    return sorted(found)
+
+
+def _taus(record: dict) -> dict:
+    return {(d, s): v["tau"] for d, e in record["drafters"].items() for s, v in e["sets"].items()}
+
+
+def test_last_main_reruns_rewrite_the_same_bytes(last_main_workdir, tmp_path):
+    """The reruns LAST_MAIN_RERUNS names change where a fact lives (params, the token-shard revision, the
+    report), not what is built: after running them, every shard, the probe record and every checkpoint's weights
+    and config.json have the last main's bytes (token shards rewritten, training rerun), prompt and completion
+    shards were never touched, and the eval's τ are the same numbers."""
+    import json
+    import shutil
+
+    work = tmp_path / "work"
+    shutil.copytree(last_main_workdir, work, symlinks=True)  # the plan test above keeps its own copy untouched
+    data = _data_outputs(work)
+    assert any(p.suffix == ".safetensors" for p in data) and any("tokens" in p.parts for p in data)
+    before = {p: p.read_bytes() for p in data}
+    kept = {p: p.stat().st_mtime_ns for p in data if {"prompts", "completions"} & set(p.parts)}
+    tau_before = _taus(json.loads((work / "results/eval/upgrade/acceptance.json").read_text()))
+
+    proc = snakemake(work, timeout=1800)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert planned_jobs(snakemake(work, "-n")) == {}
+    assert _data_outputs(work) == data
+    assert [str(p) for p in data if p.read_bytes() != before[p]] == []
+    assert {p: p.stat().st_mtime_ns for p in kept} == kept
+    assert _taus(json.loads((work / "results/eval/upgrade/acceptance.json").read_text())) == tau_before

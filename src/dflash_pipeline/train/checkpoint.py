@@ -1,13 +1,16 @@
 """What a training run leaves on disk besides its logs: Accelerate state for resume (``state/``) and servable
 drafter exports (``final/``, ``step_<N>/``), each written atomically (temp dir + rename).
 
-A killed run restarts at its last saved state (:func:`resume_state`); an export is the layout SGLang/vLLM
+A killed run restarts at its last saved state (:func:`resume_state`), and only the same run does: a state saved
+by another run (other settings or other data, :func:`run_identity`) is set aside and training starts from
+step 0; an export is the layout SGLang/vLLM
 load (:func:`dflash_pipeline.drafter.model.save_drafter`) plus its ``serve.md``. Driven by
 :mod:`dflash_pipeline.train.run`, which re-exports these names.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -22,10 +25,49 @@ from dflash_pipeline.train.rng import STATE_VERSION
 STEP_EXPORT_PREFIX = "step_"
 
 
-def save_state(accelerator, state_dir: Path, step: int, train_config: Optional[dict] = None) -> None:
+#: ``train`` keys that do not change what is trained (how often it logs, saves and measures held-out τ, where
+#: its trackers and rendezvous live): a resume under other values of these is the same run.
+NOT_RUN_IDENTITY = frozenset(
+    {
+        "log_every_steps",
+        "save_every_steps",
+        "trackers",
+        "tracker_project",
+        "trace_batches",
+        "validation_every_steps",
+        "validation_num_anchors",
+        "validation_max_records",
+        "main_process_ip",
+        "main_process_port",
+    }
+)
+
+
+def file_digest(path: str | Path) -> str:
+    """sha256 (hex) of a file's bytes, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def run_identity(cfg: dict, *, token_shards, **facts) -> dict:
+    """What makes a training run this run, saved with its state (``step.json["run"]``) and compared on resume:
+    the ``train`` settings except :data:`NOT_RUN_IDENTITY`, the content digest of every token shard in order
+    (a shard rewritten with the same bytes is the same data), and ``facts`` (JSON values: the target dtype, the
+    drafter's architecture and probe decisions, the zero-features baseline flag)."""
+    return {
+        "train": {k: v for k, v in json.loads(json.dumps(cfg)).items() if k not in NOT_RUN_IDENTITY},
+        "token_shards": [file_digest(p) for p in token_shards],
+        **json.loads(json.dumps(facts)),
+    }
+
+
+def save_state(accelerator, state_dir: Path, step: int, identity: Optional[dict] = None) -> None:
     """Save Accelerate state (model, optimizer, scheduler, RNG streams) and ``step.json`` (the step, the
-    state :data:`~dflash_pipeline.train.rng.STATE_VERSION`, the world size and ``train_config``, the
-    run's ``train`` settings, which :func:`resume_state` compares), atomically."""
+    state :data:`~dflash_pipeline.train.rng.STATE_VERSION`, the world size and ``run``, the run's
+    :func:`run_identity`, which :func:`resume_state` compares), atomically."""
     tmp = state_dir.with_name(state_dir.name + ".tmp")
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -34,20 +76,22 @@ def save_state(accelerator, state_dir: Path, step: int, train_config: Optional[d
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         meta = {"step": step, "version": STATE_VERSION, "world_size": accelerator.num_processes}
-        (tmp / "step.json").write_text(json.dumps({**meta, "train_config": train_config} if train_config else meta))
+        (tmp / "step.json").write_text(json.dumps({**meta, "run": identity} if identity else meta))
         replace_dir(tmp, state_dir)
     accelerator.wait_for_everyone()
 
 
-def resume_state(accelerator, out_dir: Path, total_steps: int, streams, train_config: Optional[dict] = None) -> int:
-    """Load ``state/`` when present and return its step; on a fresh start clear the old logs and exports.
+def resume_state(accelerator, out_dir: Path, total_steps: int, streams, identity: Optional[dict] = None) -> int:
+    """Load ``state/`` when it is this run's and return its step; on a fresh start clear the old logs and exports.
 
     ``streams`` (:class:`dflash_pipeline.train.rng.RankStreams`, the anchor generators) is registered
-    for checkpointing here, so every later :func:`save_state` holds it. A state of version 1 (saved before
-    the streams were, no ``version`` in ``step.json``) is loaded without them: it resumes, but the data order
-    and anchors after it are not the uninterrupted run's (a warning says so). A state saved under other
-    ``train`` settings than ``train_config`` resumes too (more epochs continue a run), with a warning that
-    names the keys that differ.
+    for checkpointing here, so every later :func:`save_state` holds it. A state saved by another run
+    (its ``run`` differs from ``identity``, :func:`run_identity`: other settings, data, dtype, drafter) is not
+    resumed: it moves to ``state.previous/`` (nothing is lost) and the run starts from step 0, saying which
+    parts differ; so a rule that reruns because its settings or inputs changed trains those settings, and a
+    run killed and rerun unchanged continues exactly. A state of version 1 (saved before the streams and the
+    identity were, no ``version`` in ``step.json``) is loaded without them: it resumes, but the data order
+    and anchors after it are not the uninterrupted run's (a warning says so).
 
     Raises:
         ValueError: ``state/`` was written by a newer trainer (version above :data:`STATE_VERSION`), or by
@@ -55,10 +99,21 @@ def resume_state(accelerator, out_dir: Path, total_steps: int, streams, train_co
     """
     state_dir = out_dir / "state"
     step = 0
-    if not (state_dir / "step.json").is_file():
+    meta = json.loads((state_dir / "step.json").read_text()) if (state_dir / "step.json").is_file() else None
+    changed = _changed_parts(meta.get("run") if meta else None, identity)
+    if meta is not None and changed:
+        accelerator.print(
+            f"[train] {state_dir} was saved by another run ({', '.join(changed)} differ): starting from step 0; "
+            f"that state moves to {state_dir.name}.previous/"
+        )
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            replace_dir(state_dir, state_dir.with_name(state_dir.name + ".previous"))
+        accelerator.wait_for_everyone()
+        meta = None
+    if meta is None:
         accelerator.register_for_checkpointing(streams)
     else:
-        meta = json.loads((state_dir / "step.json").read_text())
         version = int(meta.get("version", 1))
         if version > STATE_VERSION:
             raise ValueError(
@@ -76,12 +131,6 @@ def resume_state(accelerator, out_dir: Path, total_steps: int, streams, train_co
             )
         step = meta["step"]
         accelerator.print(f"[train] resumed from {state_dir} at step {step}/{total_steps}")
-        changed = _changed_keys(meta.get("train_config"), train_config)
-        if changed:
-            accelerator.print(
-                f"[train] warning: {state_dir} was saved under other train settings ({', '.join(changed)}): "
-                "the resumed run is not the run these settings give from step 0 (delete state/ for that)"
-            )
     if accelerator.is_main_process and step == 0:
         (out_dir / "train_log.jsonl").unlink(missing_ok=True)
         (out_dir / "val_log.jsonl").unlink(missing_ok=True)
@@ -91,13 +140,19 @@ def resume_state(accelerator, out_dir: Path, total_steps: int, streams, train_co
     return step
 
 
-def _changed_keys(saved: Optional[dict], current: Optional[dict]) -> list[str]:
-    """The ``train`` keys whose values differ between a state's settings and this run's (none when either is
-    unknown), compared as JSON."""
+def _changed_parts(saved: Optional[dict], current: Optional[dict]) -> list[str]:
+    """The parts of two :func:`run_identity` records that differ (``train.<key>`` per setting, else the part's
+    name); none when either is unknown (a version 1 state, a direct call without one)."""
     if not saved or not current:
         return []
-    now = json.loads(json.dumps(current))
-    return sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+    out = []
+    for part in sorted(set(saved) | set(current)):
+        a, b = saved.get(part), current.get(part)
+        if part == "train" and isinstance(a, dict) and isinstance(b, dict):
+            out += [f"train.{k}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        elif a != b:
+            out.append(part)
+    return out
 
 
 def export_module(accelerator, drafter):

@@ -95,6 +95,7 @@ class TrainRun:
     val_counted: list
     zero_target_features: bool
     rng_streams: Any = None  # train.rng.RankStreams: the per-rank random streams state/ keeps
+    identity: Optional[dict] = None  # train.checkpoint.run_identity: what makes this run this run (in state/)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -144,7 +145,7 @@ def _stream_guarded_step(run: TrainRun, batches, n_micro: int, step: int, window
         return _optimizer_step(run, batches, n_micro, step, window)
     except StreamError as exc:
         run.optimizer.zero_grad(set_to_none=True)  # the partial accumulation of this step is dropped
-        save_state(run.accelerator, run.out_dir / "state", step)
+        save_state(run.accelerator, run.out_dir / "state", step, run.identity)
         run.data.source.stream.close()
         run.accelerator.print(
             f"[stream] feature servers failed at step {step}; state saved at step {step} (rerun to resume): {exc}"
@@ -211,7 +212,7 @@ def _after_step(
     if run.val_batches and (step % cfg["validation_every_steps"] == 0 or step == sch.total_steps):
         _validate(acc, run.ctx, run.val_batches, run.val_counted, cfg, step, run.out_dir)
     if step % cfg["save_every_steps"] == 0 and step < sch.total_steps:
-        save_state(acc, run.out_dir / "state", step, run.cfg)
+        save_state(acc, run.out_dir / "state", step, run.identity)
         module = export_module(acc, run.drafter)
         if acc.is_main_process:
             export_step(module, run.out_dir, step, run.zero_target_features)

@@ -57,6 +57,7 @@ from dflash_pipeline.train.checkpoint import (  # noqa: F401 - STEP_EXPORT_PREFI
     export_module,
     export_step,
     resume_state,
+    run_identity,
     save_state,
 )
 from dflash_pipeline.train.loop import RunData, Schedule, TrainRun, run_steps, trace_batch  # noqa: F401 - trace_batch re-exported
@@ -172,7 +173,15 @@ def train(
         stream=stream,
     )
     run = _prepare_run(accelerator, cfg, out_dir, data, probe, drafter_arch or {}, zero_target_features)
-    step = resume_state(accelerator, out_dir, run.schedule.total_steps, run.rng_streams, cfg)
+    run.identity = run_identity(
+        cfg,
+        token_shards=token_shards,
+        target_dtype=target_dtype,
+        drafter=probe.get("drafter"),
+        drafter_arch=drafter_arch or {},
+        zero_target_features=bool(zero_target_features),
+    )
+    step = resume_state(accelerator, out_dir, run.schedule.total_steps, run.rng_streams, run.identity)
     if log_with:
         accelerator.init_trackers(
             cfg["tracker_project"], config=TR.flat_hparams({**cfg, "zero_target_features": zero_target_features})
@@ -496,7 +505,7 @@ def _finish(run: TrainRun, step: int, target_dir, summary: dict) -> dict:
             extra={"train_steps": summary["steps"], "zero_target_features": summary["zero_target_features"]},
         )
         write_json(out_dir / "train_summary.json", summary)
-    save_state(accelerator, out_dir / "state", step, run.cfg)
+    save_state(accelerator, out_dir / "state", step, run.identity)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return summary

@@ -25,6 +25,7 @@ import pytest
 import torch
 from conftest import counting_train_setup
 
+from dflash_pipeline.train.checkpoint import file_digest
 from dflash_pipeline.workflow.policy import accelerate_launch_args
 
 CFG = {
@@ -255,22 +256,18 @@ def test_state_saved_before_exact_resume_still_resumes_with_a_warning(setup, tmp
     state = tmp_path / "state"
     streams = [p for p in state.glob("custom_checkpoint_*.pkl") if "world_size" in torch.load(p, weights_only=False)]
     meta = json.loads((state / "step.json").read_text())
-    assert len(streams) == 1 and meta["step"] == 6 and meta["version"] == 2 and meta["train_config"]["epochs"] == 1
+    assert len(streams) == 1 and meta["step"] == 6 and meta["version"] == 2 and meta["run"]["train"]["epochs"] == 1
     streams[0].unlink()
     (state / "step.json").write_text(json.dumps({"step": 6}))
     capsys.readouterr()
     _train_in_process(root, tmp_path, epochs=2)
     out = capsys.readouterr().out
     assert "is a version 1 state" in out and "resumed from" in out and "at step 6/12" in out
-    assert "other train settings" not in out  # a version 1 state has none to compare
+    assert "saved by another run" not in out  # a version 1 state has no identity to compare
     steps = [json.loads(x)["step"] for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 13))
     meta = json.loads((state / "step.json").read_text())
     assert meta["step"] == 12 and meta["version"] == 2 and meta["world_size"] == 1  # saved in the new format
-    (state / "step.json").write_text(json.dumps({**meta, "step": 6}))
-    capsys.readouterr()
-    _train_in_process(root, tmp_path, epochs=2, learning_rate=1e-3)  # resumes the state of other settings: says so
-    assert "saved under other train settings (learning_rate)" in capsys.readouterr().out
     (state / "step.json").write_text(json.dumps({"step": 12, "version": 99}))
     with pytest.raises(ValueError, match="state version 99 is newer"):
         _train_in_process(root, tmp_path, epochs=2)
@@ -288,3 +285,32 @@ def test_streams_of_another_world_size_are_refused():
     second = RankStreams({"anchors": torch.Generator()}, rank=1, world_size=2)
     second.load_state_dict(saved)
     assert torch.equal(second.generators["anchors"].get_state(), g[1].get_state())  # rank 1 continues rank 1's stream
+
+
+def test_a_state_of_another_run_is_set_aside_and_training_starts_over(setup, tmp_path, capsys):
+    """A rule reruns because its settings or data changed: the state of the old run is not resumed (that would
+    export the old run's weights under the new settings). It moves to ``state.previous/`` and the run is the
+    one its settings give from step 0; an unchanged rerun (or one that changes only how often it logs) resumes."""
+    from safetensors.torch import load_file
+
+    root = setup
+    _train_in_process(root, tmp_path / "fresh", epochs=1, learning_rate=1e-3)
+    _train_in_process(root, tmp_path / "rerun", epochs=1)
+    capsys.readouterr()
+    _train_in_process(root, tmp_path / "rerun", epochs=1, learning_rate=1e-3)  # train.learning_rate changed
+    out = capsys.readouterr().out
+    assert "was saved by another run (train.learning_rate differ): starting from step 0" in out, out
+    assert "resumed from" not in out
+    assert json.loads((tmp_path / "rerun" / "state.previous" / "step.json").read_text())["step"] == 6
+    a = load_file(tmp_path / "fresh" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "rerun" / "final" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the run of the new settings, not the old weights
+    steps = [json.loads(x)["step"] for x in (tmp_path / "rerun" / "train_log.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 7))
+    capsys.readouterr()
+    _train_in_process(root, tmp_path / "rerun", epochs=1, learning_rate=1e-3, log_every_steps=3)
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "at step 6/6" in out and "another run" not in out
+    shard = root / "tokens.parquet"
+    meta = json.loads((tmp_path / "rerun" / "state" / "step.json").read_text())
+    assert meta["run"]["token_shards"] == [file_digest(shard)] and "log_every_steps" not in meta["run"]["train"]
