@@ -102,15 +102,20 @@ def preflight_template(
 
 
 def too_long_prompts(prompts: Sequence[dict], tok, gen_cfg: dict, limit: int) -> dict[str, dict]:
-    """Prompts that cannot fit the target's context: the render of all their system/user messages with
-    the generation prompt (a lower bound of the last turn's prompt: answers only add) plus
-    ``generation.max_tokens`` exceeds ``limit`` (``max_position_embeddings``). Returns ``{prompt_id:
-    example}`` (``prompt_tokens``, ``max_tokens``, ``max_position_embeddings``)."""
+    """Prompts that cannot fit the target's context: the render of the last turn's prompt with every answer
+    before it empty (a lower bound of that prompt: answers only add) plus ``generation.max_tokens`` exceeds
+    ``limit`` (``max_position_embeddings``). The empty answers keep user and assistant alternating, as the
+    regenerated conversation will, so templates that insist on it (Gemma's, Mistral's) render it. Returns
+    ``{prompt_id: example}`` (``prompt_tokens``, ``max_tokens``, ``max_position_embeddings``)."""
     from dflash_pipeline.target.chat import render
 
     out = {}
     for p in prompts:
-        msgs = [{"role": m["role"], "content": m["content"]} for m in p["messages"]]
+        msgs: list[dict] = []
+        for m in p["messages"]:
+            if m["role"] == "user" and msgs and msgs[-1]["role"] == "user":
+                msgs.append({"role": "assistant", "content": ""})  # the answer this turn will get
+            msgs.append({"role": m["role"], "content": m["content"]})
         n = len(render(tok, msgs, thinking=gen_cfg["thinking"], add_generation_prompt=True, tokenize=True))
         if n + gen_cfg["max_tokens"] > limit:
             out[p["prompt_id"]] = {

@@ -623,3 +623,22 @@ def test_later_turn_outgrowing_the_context_is_skipped_in_the_transformers_backen
     recs = read_records(tmp_path / "c.parquet")
     assert stats["skipped"]["too_long"] == 1 and stats["skipped_examples"]["too_long"][0]["turn"] == 1
     assert len(recs) == 2 and all(r["status"] in ("ok", "truncated") for r in recs)
+
+
+def test_length_check_renders_conversations_for_templates_that_insist_on_alternation(demo_target, real_models_dir):
+    """The over-long check renders a multi-turn prompt with empty answers between its user turns, as the
+    regenerated conversation alternates; Gemma's template (which raises on two user turns in a row) renders
+    it, and the bound stays below the real last-turn prompt (answers only add)."""
+    from dflash_pipeline.completions.generate import too_long_prompts
+
+    template = (real_models_dir / "gemma-3-4b-it" / "chat_template.jinja").read_text()
+    tok = chat.load_tokenizer(demo_target)
+    tok.chat_template = template
+    turns = [{"role": "user", "content": "Name a prime number."}, {"role": "user", "content": "And a larger one?"}]
+    prompts = [{"prompt_id": "p", "messages": [{"role": "system", "content": "You are terse."}, *turns]}]
+    gen = {"thinking": "none", "max_tokens": 4}
+    assert too_long_prompts(prompts, tok, gen, limit=10_000) == {}
+    (ex,) = too_long_prompts(prompts, tok, gen, limit=8).values()
+    answered = [prompts[0]["messages"][0], turns[0], {"role": "assistant", "content": "Seven."}, turns[1]]
+    real = chat.render(tok, answered, thinking="none", add_generation_prompt=True, tokenize=True)
+    assert 0 < ex["prompt_tokens"] < len(real)
