@@ -21,7 +21,7 @@ cannot serve DFlash2 or DSpark, README "Drafter families"). Then the insert-vs-d
 per-step standard error (verify steps treated as independent: a lower bound on the noise; one seed).
 
     python bench/bench_families.py --smoke --work /tmp/families          # tiny sizes, about a minute
-    nice -n 10 python bench/bench_families.py --size demo --epochs 2 --work bench-families   # the README table
+    nice -n 10 python bench/bench_families.py --size demo --epochs 2 --work bench-families  # README table
 
 A finished run is reused when the bench is run again (Snakemake has nothing to do).
 """
@@ -75,9 +75,17 @@ SIZES = {
         },
         "replace": ("datasets", "eval.sets"),
     },
-    "demo": {  # the embedded demo config, its long-conversation set and τ across checkpoints left out (time)
+    "demo": {  # the embedded demo config (target, data, drafter); lighter training and eval for a loaded 2-core box
         "base": "config/config.yaml",
-        "over": {"eval": {"checkpoint_samples": 0, "baselines": []}},
+        "over": {
+            "train": {"num_anchors": 32},
+            "eval": {
+                "checkpoint_samples": 0,
+                "baselines": [],
+                "max_new_tokens": 64,
+                "sets": {"gsm8k": {"num_samples": 16}, "humaneval": {"num_samples": 8}, "mt_bench": {"num_samples": 6}},
+            },
+        },
         "drop_sets": ("sharegpt_long",),
     },
 }
