@@ -21,7 +21,8 @@ cannot serve DFlash2 or DSpark, README "Drafter families"). Then the insert-vs-d
 per-step standard error (verify steps treated as independent: a lower bound on the noise; one seed).
 
     python bench/bench_families.py --smoke --work /tmp/families          # tiny sizes, about a minute
-    nice -n 10 python bench/bench_families.py --size demo --epochs 2 --work bench-families  # README table
+    nice -n 10 python bench/bench_families.py --size small --work bench-families   # the README table
+    nice -n 10 python bench/bench_families.py --size demo --epochs 2 --work bench-families-demo   # an idle box
 
 A finished run is reused when the bench is run again (Snakemake has nothing to do).
 """
@@ -71,6 +72,42 @@ SIZES = {
                 "baselines": [],
                 "checkpoint_samples": 0,
                 "sets": {"gsm8k": {"path": "data/gsm8k/test.jsonl", "num_samples": 1}},
+            },
+        },
+        "replace": ("datasets", "eval.sets"),
+    },
+    "small": {  # the README table on a loaded 2-core box: the e2e target, trained longer on more data
+        "base": "tests/e2e/e2e_config.yaml",
+        "over": {
+            "target": {"demo": {"train_steps": 80, "vocab_size": 600, "hidden_size": 64, "num_hidden_layers": 6}},
+            "drafter": {
+                "block_size": 4,
+                "num_draft_layers": 1,
+                "num_target_features": 2,
+                "dflash2": {"selector_rank": 16, "selector_top_k": 8},
+                "dspark": {"markov_rank": 16},
+            },
+            "datasets": {"gsm8k": {"path": "data/gsm8k/train.jsonl", "max_prompts": 160}},
+            "prompts": {"shard_size": 64},
+            "generation": {"max_tokens": 32, "batch_size": 16},
+            "tokens": {"max_length": 192},
+            "train": {
+                "epochs": 3,
+                "batch_size": 8,
+                "num_anchors": 16,
+                "learning_rate": 5.0e-3,
+                "log_every_steps": 5,
+                "save_every_steps": 1000,
+            },
+            "eval": {
+                "max_new_tokens": 32,
+                "baselines": [],
+                "checkpoint_samples": 0,
+                "sets": {
+                    "gsm8k": {"path": "data/gsm8k/test.jsonl", "num_samples": 12},
+                    "humaneval": {"path": "data/humaneval/HumanEval.jsonl.gz", "num_samples": 6},
+                    "mt_bench": {"path": "data/mt_bench/question.jsonl", "num_samples": 4},
+                },
             },
         },
         "replace": ("datasets", "eval.sets"),
