@@ -138,6 +138,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="train.seed for every variant")
     p.add_argument("--engine", action="store_true", help="also engine τ (eval.engine: vllm) for dflash")
     p.add_argument("--cores", type=int, default=2, help="snakemake --cores")
+    p.add_argument(
+        "--nolock",
+        action="store_true",
+        help="snakemake --nolock: several bench processes build different --variants in one --work at once "
+        "(after the shared stages are built)",
+    )
     a = p.parse_args(argv)
     if a.smoke:
         a.size = "smoke"
@@ -181,7 +187,7 @@ def variant_config(size: str, variant: str, *, epochs: int | None, seed: int, en
     return cfg
 
 
-def run_variant(work: Path, variant: str, cfg: dict, cores: int) -> float:
+def run_variant(work: Path, variant: str, cfg: dict, cores: int, *, nolock: bool = False) -> float:
     """Build ``results/eval/<run>/acceptance.json`` of one variant with Snakemake; returns its wall seconds.
     Raises RuntimeError with the log's tail when Snakemake fails."""
     path = work / f"config-{variant}.yaml"
@@ -198,7 +204,7 @@ def run_variant(work: Path, variant: str, cfg: dict, cores: int) -> float:
         str(REPO / "Snakefile"),
     ]
     cmd += ["-d", str(work), "--profile", str(REPO / "profiles" / "local"), "--cores", str(cores)]
-    cmd += ["--configfile", str(path), "--replace-workflow-config"]
+    cmd += ["--configfile", str(path), "--replace-workflow-config", *(["--nolock"] if nolock else [])]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, check=False)
     (work / f"snakemake-{variant}.log").write_text(proc.stdout + proc.stderr, encoding="utf-8")
@@ -290,7 +296,7 @@ def main(argv=None) -> int:
     walls, figs = {}, {}
     for variant in a.variants:
         cfg = variant_config(a.size, variant, epochs=a.epochs, seed=a.seed, engine=a.engine)
-        walls[variant] = run_variant(work, variant, cfg, a.cores)
+        walls[variant] = run_variant(work, variant, cfg, a.cores, nolock=a.nolock)
         figs[variant] = collect(work, cfg["run"])
         print(f"[bench] {variant}: {walls[variant]:.0f} s (snakemake, shared stages in the first)", flush=True)
     steps = {f["steps"] for f in figs.values()}

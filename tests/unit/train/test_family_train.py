@@ -156,6 +156,19 @@ def test_family_trains_under_bf16(setup, tmp_path, family):
     assert DB.load_drafter(tmp_path / "final").fc.weight.dtype == torch.float32
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_validates_on_held_out_records(setup, tmp_path, family):
+    """Held-out validation (train.validation_fraction, bucketed by context length) runs the family's own draft
+    rule: per-block τ within [1, drafts + 1] with DSpark's B drafts, and the context-length buckets filled.
+    (It raised on adding bucketed to unbucketed counts for DFlash2 / DSpark.)"""
+    _train(setup, tmp_path, family, cfg={"validation_fraction": 0.2, "validation_length_buckets": [16, 32]})
+    val = [json.loads(line) for line in (tmp_path / "val_log.jsonl").read_text().splitlines()]
+    drafts = 4 if family == "dspark" else 3  # block size 4
+    assert val and all(len(r["per_position_acceptance"]) == drafts for r in val)
+    assert all(1.0 <= r["tau"] <= drafts + 1 and r["num_blocks"] > 0 for r in val)
+    assert sum(b["num_blocks"] for b in val[-1]["by_context_length"].values()) == val[-1]["num_blocks"]
+
+
 def test_dflash2_trains_on_packed_rows(setup, tmp_path):
     _train(setup, tmp_path, "dflash2", cfg={"packing": True, "save_every_steps": 1000})
     assert all(np.isfinite(r["loss"]) for r in _log(tmp_path))
