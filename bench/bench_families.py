@@ -20,7 +20,7 @@ k = 1..4) and engine τ (``--engine``: ``eval.engine: vllm`` on the CPU build fo
 cannot serve DFlash2 or DSpark, README "Drafter families"). Then the insert-vs-drop difference with a
 per-step standard error (verify steps treated as independent: a lower bound on the noise; one seed).
 
-    python bench/bench_families.py --smoke --work /tmp/families   # tiny sizes: 4 min on 2 idle cores (16 jobs)
+    python bench/bench_families.py --smoke --work /tmp/families   # tiny sizes: 16 jobs, 250 s at load 2.5 on 2 cores
     nice -n 10 python bench/bench_families.py --size small --work bench-families   # the README table
     nice -n 10 python bench/bench_families.py --size demo --epochs 2 --work bench-families-demo   # an idle box
 
