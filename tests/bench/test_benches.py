@@ -6,6 +6,7 @@ exited cleanly and printed the lines its docstring promises, with numbers in the
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -97,6 +98,32 @@ def test_bench_train():
         rf"^train step: {NUM} ms  ->  {NUM} sequence tokens/s, {NUM} query slots/s",
         rf"^baseline \(target forward only\): {NUM} ms  ->  {NUM} tokens/s;  step/baseline = {NUM}x$",
     )
+
+
+def test_bench_families(tmp_path):
+    """Four variants trained in one working directory on the same shards: one table row each, the same steps."""
+    out = run_bench("bench_families", "--work", str(tmp_path))
+    assert_lines(
+        out,
+        r"^\| variant \| trainable params \| steps \| train tokens/s \| τ gsm8k \(floor\) \| acceptance ≥k, k=1,2,3 \| "
+        r"engine τ \|$",
+        *(
+            rf"^\| {v} \| {NUM} \| (\d+) \| {NUM} \| {NUM} \({NUM}\) \| {NUM} / {NUM} / {NUM} \| "
+            for v in ("dflash", "dflash2-insert", "dflash2-drop", "dspark")
+        ),
+        r"^\| dflash \| .* \| not run \(--engine\) \|$",
+        r"^\| dspark \| .* \| not on the CPU build \(V2-runner Triton speculator\) \|$",
+        rf"^insert vs drop .*: insert {NUM} \(\d+ steps\), drop {NUM} \(\d+ steps\), difference [+-]{NUM} ± {NUM}",
+    )
+    rec = json.loads((tmp_path / "families.json").read_text())
+    figs = rec["figures"]
+    assert list(figs) == ["dflash", "dflash2-insert", "dflash2-drop", "dspark"]
+    assert len({f["steps"] for f in figs.values()}) == 1 and figs["dflash"]["steps"] > 0
+    assert figs["dflash2-insert"]["params"] == figs["dflash2-drop"]["params"] > figs["dflash"]["params"]
+    assert len(figs["dspark"]["per_position"]) == 4 and len(figs["dflash"]["per_position"]) == 3  # B vs B − 1
+    # one demo target for the four runs (shared stages), one probe record per run
+    assert len(list((tmp_path / "resources").glob("demo-target*"))) == 1
+    assert len(list((tmp_path / "results" / "probe").glob("fam-*.json"))) == 4
 
 
 def test_every_bench_has_a_smoke_test():

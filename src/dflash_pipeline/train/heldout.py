@@ -216,12 +216,13 @@ def batch_acceptance(
     b = ids.shape[0]
     n = anchors.anchors.shape[1]
     keep = anchors.keep.reshape(-1)
+    contexts = pos.gather(1, anchors.anchors).reshape(-1)[keep]  # tokens of its record before each block's anchor
     if family != "dflash":  # the family's own draft rule (selector walk / Markov bias), teacher-forced
         prev = blk.prev if family == "dspark" else blk.labels.roll(1, dims=1)  # DFlash2: slot k − 1's gold token
         hits = FO.greedy_hits(core, lm_head, hidden, blk.labels, prev).view(b * n, bsz)
         valid = (blk.weights > 0).view(b * n, bsz)
         first = 0 if family == "dspark" else 1  # DSpark's slot 0 is its first draft
-        return block_acceptance(hits[:, first:][keep], valid[:, first:][keep])
+        return block_acceptance(hits[:, first:][keep], valid[:, first:][keep], contexts, length_buckets)
     hits = torch.zeros(b * n * bsz, dtype=torch.bool, device=ids.device)
     for i in range(0, hidden.shape[1], 4096):  # chunks of slots: never [Q, V] logits at once
         h = hidden[:, i : i + 4096]
@@ -229,8 +230,6 @@ def batch_acceptance(
             lm_head(h.to(lm_head.weight.dtype)).argmax(-1) == blk.labels[:, i : i + 4096]
         )
     valid = (blk.weights > 0).view(b * n, bsz)[:, 1:]
-    keep = anchors.keep.reshape(-1)
-    contexts = pos.gather(1, anchors.anchors).reshape(-1)[keep]  # tokens of its record before each block's anchor
     return block_acceptance(hits.view(b * n, bsz)[:, 1:][keep], valid[keep], contexts, length_buckets)
 
 

@@ -316,8 +316,8 @@ def _validate(accelerator, ctx: StepContext, batches, counted, cfg: dict, step: 
         return None
     d = ctx.probe["drafter"]
     edges = cfg.get("validation_length_buckets") or ()
-    total = V.AcceptanceCounts.zeros(ctx.block_size, edges)
     core = getattr(ctx.drafter, "module", ctx.drafter)
+    total = V.AcceptanceCounts.zeros(ctx.block_size + (getattr(core, "family", "dflash") == "dspark"), edges)
     core.eval()
     try:
         for batch, count in zip(batches, counted):
