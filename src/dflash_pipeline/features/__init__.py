@@ -4,7 +4,7 @@
 ``vllm`` (the serving engine's ``extract_hidden_states`` method: targets larger than one GPU, e.g. Kimi K2.6
 with TP8) or ``hf`` (transformers, ``device_map`` across the job's GPUs; the CPU default). With
 ``train.target_features: shards`` the trainer reads them memory-mapped and never loads the target
-(only its embedding and LM head, :mod:`.weights`).
+(only its embedding, LM head and, for ``kl``, final norm: :mod:`.weights`).
 
 Modules: :mod:`.format` (file format, writer, reader), :mod:`.extract` (one shard, resumable),
 :mod:`.hf_backend`, :mod:`.vllm_backend` + :mod:`.vllm_connector` (engine side), :mod:`.plan` (disk
@@ -26,7 +26,7 @@ from .plan import window_bytes
 from .stream_client import FeatureClient, Features, StreamError, fleet_config
 
 #: Names of the face loaded on first use from the module that owns them (their modules import more).
-_OWNERS = {"read_token_arrays": "extract", "load_embed_and_head": "weights"}
+_OWNERS = {"read_token_arrays": "extract", "load_embed_and_head": "weights", "load_final_norm": "weights"}
 
 __all__ = [
     "ENDPOINTS_ENV",

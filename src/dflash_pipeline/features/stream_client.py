@@ -318,7 +318,14 @@ class FeatureClient:
         hs = data["hidden_states"]
         want = (len(ids), self.k + (1 if self.last_hidden else 0), self.h)
         if tuple(hs.shape) != want:
-            raise ValueError(f"hidden_states {tuple(hs.shape)}, expected {want} (the server taps other layers)")
+            raise ValueError(
+                f"hidden_states {tuple(hs.shape)}, expected {want} (the server taps other layers"
+                + (
+                    "; train.loss: kl needs the last layer: start it with --last-hidden / aux id num_hidden_layers)"
+                    if self.last_hidden
+                    else ")"
+                )
+            )
         feats = as_stored(hs[:, : self.k].reshape(len(ids), -1), self.dtype)
         last = as_stored(hs[:, self.k], self.dtype) if self.last_hidden else None
         nbytes = hs.numel() * hs.element_size()

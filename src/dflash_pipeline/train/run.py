@@ -368,6 +368,7 @@ def _prepare_run(
         reduce_sum=lambda t: accelerator.reduce(t.to(accelerator.device), "sum"),
         embed=data.source.embed,
         lm_head=data.source.lm_head,
+        final_norm=data.source.final_norm,
         loss=cfg["loss"],
         kl_temperature=cfg["kl_temperature"],
         kl_ce_weight=cfg["kl_ce_weight"],

@@ -123,13 +123,24 @@ class FeatureStream:
         ids = p.batch["input_ids"]
         b, s = ids.shape
         feats = torch.zeros((b, s, results[0].features.shape[-1]), dtype=results[0].features.dtype) if results else None
+        has_last = bool(results) and results[0].last_hidden is not None
+        last = (
+            torch.zeros((b, s, results[0].last_hidden.shape[-1]), dtype=results[0].last_hidden.dtype)
+            if has_last
+            else None
+        )
         it = iter(results)
         for r, row in enumerate(p.spans):
             for a, e in row:
-                feats[r, a:e] = next(it).features
+                got = next(it)
+                feats[r, a:e] = got.features
+                if has_last:
+                    last[r, a:e] = got.last_hidden
         out = dict(p.batch)
         if feats is not None:
             out["features"] = feats.to(ids.device)
+        if has_last:  # pre-norm, zero padding: what data.collate builds from feature shards
+            out["target_last_hidden"] = last.to(ids.device)
         return out
 
     def batches(self, it: Iterator[dict]) -> Iterator[dict]:
@@ -297,7 +308,9 @@ def open_stream_data(
     from dflash_pipeline.train.data import (
         TrainingData,
         collate,
+        final_norm,
         frozen_head,
+        needs_teacher,
         token_records,
     )
 
@@ -318,10 +331,11 @@ def open_stream_data(
             "train.target_features: stream has no feature server: set features.stream.endpoints, or "
             f"run the trainer under the colocated launcher (${ENDPOINTS_ENV})"
         )
+    teacher = needs_teacher(cfg)  # kl: the servers send the last layer too (aux id num_hidden_layers)
     k, h, last = (
         len(probe["drafter"]["target_layer_ids"]),
         int(probe["hidden_size"]),
-        bool(st["last_hidden"]),
+        bool(st["last_hidden"]) or teacher,
     )
     wire = (k + int(last)) * h * int(st["wire_bytes_per_value"])
     longest = max((int(np.diff(s.offsets).max()) for s in ds._open() if len(s)), default=1)
@@ -358,10 +372,7 @@ def open_stream_data(
         wire_bytes_per_token=wire,
         num_servers=len(endpoints),
     )
-    return TrainingData(
-        ds,
-        collate,
-        True,
-        *frozen_head(target_dir, probe, target_dtype, device),
-        stream=fs,
-    )
+    data = TrainingData(ds, collate, True, *frozen_head(target_dir, probe, target_dtype, device), stream=fs)
+    if teacher:
+        data.final_norm = final_norm(target_dir, data.target_config, target_dtype, device)
+    return data
