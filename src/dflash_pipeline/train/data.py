@@ -111,6 +111,14 @@ class MappedRecords(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.record_of)
 
+    def lengths(self) -> np.ndarray:
+        """int64 [len(self)]: each record's token count, from the shards' offsets (no record is read)."""
+        out = np.zeros(len(self), dtype=np.int64)
+        for s, shard in enumerate(self._open()):
+            sel = self.shard_of == s
+            out[sel] = np.diff(shard.offsets)[self.record_of[sel]]
+        return out
+
     def __getitem__(self, i: int):
         shard = self._open()[int(self.shard_of[i])]
         r = int(self.record_of[i])

@@ -257,8 +257,7 @@ def _open_data(
     feature shards and the target is never instantiated (embedding + LM head only).
 
     Raises:
-        ValueError: ``train.packing`` with feature shards, or with a target that does not keep packed
-            records apart (:func:`dflash_pipeline.train.packing.check_target_isolates_records`).
+        ValueError: ``train.packing`` with a target that does not keep packed records apart (:func:`dflash_pipeline.train.packing.check_target_isolates_records`).
     """
     where = dict(
         target_dir=target_dir,
@@ -275,12 +274,7 @@ def _open_data(
         data = open_stream_data(cfg, token_shards, stream or {}, min_loss_tokens=train_data.MIN_LOSS_TOKENS, **where)
     else:
         data = train_data.open_training_data(cfg, token_shards, feature_shards, **where)
-    # a streamed record is computed by the server alone, so packed rows get each record's own features
-    if data.from_shards and data.stream is None and cfg["packing"]:
-        raise ValueError(
-            "train.packing is not supported with train.target_features: shards yet (packed rows would "
-            "need their records' features concatenated); set train.packing: false"
-        )
+    # a record from a feature shard or a server was computed alone: packed rows get each record's own features
     held = V.heldout_mask(
         train_data.record_prompt_ids(token_shards, data.dataset),
         cfg["validation_fraction"],
@@ -299,7 +293,7 @@ def _open_data(
             target_dir, dtype=target_dtype, device=accelerator.device, trust_remote_code=trust_remote_code
         )
     run_data = RunData(records, heldout, data, target)
-    if cfg["packing"] and data.stream is None:
+    if cfg["packing"] and target is not None:  # online: the target runs on packed rows
         P.check_target_isolates_records(run_data.target, probe["drafter"]["target_layer_ids"])
     return run_data
 
@@ -410,7 +404,13 @@ def _rows(records, cfg: dict):
     rows of up to ``train.pack_max_tokens`` tokens (default: the longest record; :class:`dflash_pipeline.train.packing.PackedDataset`)."""
     if not cfg["packing"]:
         return records
-    return P.PackedDataset(records, cfg["pack_max_tokens"] or max(len(r[0]) for r in records))
+    ds = getattr(records, "dataset", None)
+    lengths = (
+        ds.lengths()[np.asarray(records.indices, dtype=np.int64)].tolist()
+        if isinstance(ds, train_data.MappedRecords)
+        else [len(r[0]) for r in records]
+    )
+    return P.PackedDataset(records, cfg["pack_max_tokens"] or max(lengths), lengths)
 
 
 def _describe(run: TrainRun) -> str:

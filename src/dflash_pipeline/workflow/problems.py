@@ -99,8 +99,6 @@ def training_problems(cfg: Mapping[str, Any]) -> list[str]:
     """Combinations of the train / features / eval settings that cannot run, found before anything does."""
     out = []
     train, ev = cfg["train"], cfg["eval"]
-    if train["target_features"] == "shards" and train["packing"]:
-        out.append("train.packing is not supported with train.target_features: shards yet; set train.packing: false")
     stream = cfg["features"].get("stream") or {}  # partial configs (tests, direct calls) have none
     if ev["engine"] == "sglang" and not ev["engine_base_url"]:
         out.append(
