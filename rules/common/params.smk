@@ -145,6 +145,9 @@ def stream_job_config(run):
     features dtype / last_hidden, the generation fleet knobs, the scratch dir (default
     <results>/stream_scratch/<run>), the longest record (tokens.max_length) and the vLLM environment."""
     st = dict(FEATURES["stream"])
+    if st["cache"] == "none":  # the defaults stay out of the params (no rerun of existing stream runs)
+        for k in ("cache", "cache_max_bytes", "cache_dir"):
+            st.pop(k)
     st["scratch_dir"] = st["scratch_dir"] or f"{RESULTS}/stream_scratch/{run}"
     st.update(dtype=FEATURES["dtype"], last_hidden=features_last_hidden(), max_len=config["tokens"]["max_length"],
               fleet={k: config["generation"][k] for k in STREAM_FLEET_KEYS})

@@ -480,7 +480,7 @@ def _stream_summary(run: TrainRun) -> dict:
         return {}
     run.accelerator.print(stream.describe())
     out = stream.summary()
-    stream.close()
+    stream.close(finished=True)
     return {"stream": out}
 
 
