@@ -81,6 +81,11 @@ def _serve_parser(sub) -> None:
     s.add_argument("--target-dtype", default="auto")
     s.add_argument("--gpus", type=int, default=0, help="GPUs to spread the target over (device_map; 0 = CPU)")
     s.add_argument("--trust-remote-code", action="store_true")
+    s.add_argument(
+        "--hang-after",
+        type=int,
+        help="fault injection (tests, benches): accept and never answer feature requests after the first N",
+    )
 
 
 def _colocate_parser(sub) -> None:
@@ -110,6 +115,7 @@ def _serve(a) -> int:
         scratch_dir=a.scratch_dir,
         model_name=a.model_name,
         max_len=a.max_len,
+        hang_after=a.hang_after,
     )
     serve(server, a.host, a.port, a.url_file)
     return 0
