@@ -12,7 +12,8 @@ arithmetic at plan time), :mod:`.weights` (embedding / LM head from the target's
 Streaming (``train.target_features: stream``): :mod:`.server` (the hf feature server, vLLM's request
 contract), :mod:`.stream_client` (:class:`FeatureClient` over the completions fleet), :mod:`.colocate`
 (servers started beside the trainer).
-CLI: ``python -m dflash_pipeline.features extract|serve|colocate ...`` (what the rules run, in the backend's environment).
+CLI: ``python -m dflash_pipeline.features extract|extract-many|serve|colocate ...`` (what the rules run, in
+the backend's environment); :mod:`.extract_stream`: shards through the stream client, one server set per job.
 
 This package imports only numpy at the top (torch, transformers, vllm inside the functions that need them),
 so it loads in the vLLM venv, in the training env and in Snakemake's planning process.

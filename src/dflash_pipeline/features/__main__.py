@@ -94,7 +94,8 @@ def _serve_parser(sub) -> None:
 def _many_parser(sub) -> None:
     m = sub.add_parser(
         "extract-many",
-        help="write several feature shards through one set of feature servers (started once, or --stream-config endpoints)",
+        help="write several feature shards through one set of feature servers (started once, or the "
+        "--stream-config endpoints)",
     )
     m.add_argument("--probe", required=True)
     m.add_argument("--target", required=True)

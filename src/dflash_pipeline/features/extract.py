@@ -56,6 +56,38 @@ def chunks(lengths: np.ndarray, start: int, chunk_tokens: int) -> Iterator[list[
         yield cur
 
 
+def _engine(
+    backend,
+    target_dir,
+    layer_ids,
+    num_hidden_layers,
+    last_hidden,
+    gpus,
+    target_dtype,
+    trust_remote_code,
+    max_len,
+    vllm_options,
+    out,
+):
+    """A started extractor of ``backend`` (:class:`.hf_backend.HFExtractor` / :class:`.vllm_backend.VLLMExtractor`)."""
+    if backend == "hf":
+        from .hf_backend import HFExtractor as Engine
+    else:
+        from .vllm_backend import VLLMExtractor as Engine
+    return Engine(
+        target_dir,
+        layer_ids,
+        num_hidden_layers=num_hidden_layers,
+        last_hidden=last_hidden,
+        gpus=gpus,
+        target_dtype=target_dtype,
+        trust_remote_code=trust_remote_code,
+        max_len=max_len,
+        options=vllm_options or {},
+        scratch_dir=Path(out).with_name(f".{Path(out).name}.engine"),
+    )
+
+
 def extract_shard(
     token_shard: str | os.PathLike,
     out: str | os.PathLike,
@@ -120,21 +152,18 @@ def extract_shard(
     if start < layout.num_records:
         own = engine is None
         if own:
-            if backend == "hf":
-                from .hf_backend import HFExtractor as Engine
-            else:
-                from .vllm_backend import VLLMExtractor as Engine
-            engine = Engine(
+            engine = _engine(
+                backend,
                 target_dir,
                 layer_ids,
-                num_hidden_layers=num_hidden_layers,
-                last_hidden=last_hidden,
-                gpus=gpus,
-                target_dtype=target_dtype,
-                trust_remote_code=trust_remote_code,
-                max_len=int(lengths.max()) if len(lengths) else 1,
-                options=vllm_options or {},
-                scratch_dir=Path(out).with_name(f".{Path(out).name}.engine"),
+                num_hidden_layers,
+                last_hidden,
+                gpus,
+                target_dtype,
+                trust_remote_code,
+                int(lengths.max()) if len(lengths) else 1,
+                vllm_options,
+                out,
             )
         t_compute = time.time()
         try:

@@ -48,8 +48,8 @@ def extract_shards(
     """Write the feature shard of every ``(token shard, out)`` of ``pairs`` through one client; returns
     each shard's stats (:func:`.extract.extract_shard`) with ``server_requests`` (records sent).
 
-    ``stream``: the stream settings (``features.stream`` + ``fleet``; :func:`dflash_pipeline.train.stream.stream_settings`
-    shape). Without ``endpoints`` the job starts ``stream["servers"]`` servers once (with ``last_hidden``
+    ``stream``: the stream settings (``features.stream`` + ``fleet``; the shape of
+    :func:`dflash_pipeline.train.stream.stream_settings`). Without ``endpoints`` the job starts ``stream["servers"]`` servers once (with ``last_hidden``
     when asked) and stops them at the end, also on error.
 
     Raises:

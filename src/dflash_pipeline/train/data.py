@@ -178,7 +178,8 @@ class TrainingData:
     #: features (``from_shards`` is then True too: the target is never loaded).
     stream: Any = None
     #: ``shards`` / ``stream`` with a teacher loss (``kl``): the target's final norm, which turns the
-    #: carried pre-norm last hidden state into the LM head's input (:func:`dflash_pipeline.features.weights.load_final_norm`).
+    #: carried pre-norm last hidden state into the LM head's input
+    #: (:func:`dflash_pipeline.features.weights.load_final_norm`).
     final_norm: Any = None
 
 

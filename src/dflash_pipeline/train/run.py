@@ -257,7 +257,8 @@ def _open_data(
     feature shards and the target is never instantiated (embedding + LM head only).
 
     Raises:
-        ValueError: ``train.packing`` with a target that does not keep packed records apart (:func:`dflash_pipeline.train.packing.check_target_isolates_records`).
+        ValueError: ``train.packing`` with a target that does not keep packed records apart
+            (:func:`dflash_pipeline.train.packing.check_target_isolates_records`).
     """
     where = dict(
         target_dir=target_dir,

@@ -39,7 +39,7 @@ def distinct(setup):  # noqa: F811
     return root, probe, tokens, ()
 
 
-def test_first_epoch_cache_equals_uncached_and_epoch_two_streams_only_the_rest(distinct, server, tmp_path):  # noqa: F811
+def test_first_epoch_cache_equals_uncached_and_epoch_two_streams_the_rest(distinct, server, tmp_path):  # noqa: F811
     """TRAIN_CFG has 2 epochs. Uncached: the server computes every held-out record once and every training
     record twice. Cached without a cap: epoch 1 sends nothing (each training record computed once, epoch
     1's records all cache hits). With a cap: the cache stays under it and epoch 1 streams exactly the
