@@ -38,7 +38,7 @@ def test_collate_packed_places_each_records_features_at_its_segment():
 def test_shards_with_packing_equal_stream_and_online(setup, server, tmp_path):  # noqa: F811
     """shards + packing == stream + packing bit for bit (same rows, same bf16 features; tolerance 0:
     losses, validation and final weights); both end where online + packing ends (fp32 vs bf16 features:
-    the first loss within 1e-2 relative, the last within 5%)."""
+    each value within 2^-9 relative: the first and last losses within 1e-2 relative; measured 2e-5 / 4e-4)."""
     from safetensors.torch import load_file
 
     sh = _train(setup, tmp_path / "shards", "shards", **PACK)
@@ -56,4 +56,7 @@ def test_shards_with_packing_equal_stream_and_online(setup, server, tmp_path):  
     assert (tmp_path / "shards" / "val_log.jsonl").read_text() == (tmp_path / "stream" / "val_log.jsonl").read_text()
     a, b = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("shards", "stream"))
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert abs(ls[0] - lo[0]) <= 1e-2 * lo[0] and abs(ls[-1] - lo[-1]) <= 0.05 * lo[-1], (ls, lo)
+    print(
+        f"[figures] relative difference to online: first {abs(ls[0] - lo[0]) / lo[0]:.2e}, last {abs(ls[-1] - lo[-1]) / lo[-1]:.2e}"
+    )
+    assert abs(ls[0] - lo[0]) <= 1e-2 * lo[0] and abs(ls[-1] - lo[-1]) <= 1e-2 * lo[-1], (ls, lo)

@@ -100,8 +100,9 @@ def _train(setup, feats, out_dir, mode, stream=None):  # noqa: F811
 def test_kl_from_shards_and_from_a_server_equal_online(setup, kl_shards, tmp_path):  # noqa: F811
     """kl from feature shards == kl streamed from an hf server (started with --last-hidden) bit for bit
     (same batches, same bf16 bits; tolerance 0). Both equal the online kl run to bf16 storage: the online
-    path feeds fp32 features and teacher, the others bf16-rounded ones (relative error ≤ 2^-9 per value), so
-    the first step's loss (same initial weights and anchors) is held to 1e-2 relative and the last to 5%."""
+    path feeds fp32 features and teacher, the others bf16-rounded ones (relative error ≤ 2^-9 ≈ 2e-3 per
+    value; a loss averaged over tokens moves by about that), so the first and the last step's losses are held
+    to 1e-2 relative (5x that bound; measured here: 4e-4 and 3e-5)."""
     from safetensors.torch import load_file
 
     root = setup[0]
@@ -123,7 +124,10 @@ def test_kl_from_shards_and_from_a_server_equal_online(setup, kl_shards, tmp_pat
     assert ls == lt
     a, b = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("shards", "stream"))
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert abs(ls[0] - lo[0]) <= 1e-2 * lo[0] and abs(ls[-1] - lo[-1]) <= 0.05 * lo[-1], (ls, lo)
+    print(
+        f"[figures] relative difference to online: first {abs(ls[0] - lo[0]) / lo[0]:.2e}, last {abs(ls[-1] - lo[-1]) / lo[-1]:.2e}"
+    )
+    assert abs(ls[0] - lo[0]) <= 1e-2 * lo[0] and abs(ls[-1] - lo[-1]) <= 1e-2 * lo[-1], (ls, lo)
     assert ls[-1] < ls[0]
 
 
