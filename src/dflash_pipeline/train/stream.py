@@ -306,13 +306,17 @@ def stream_settings(stream: dict) -> dict:
 
 def _cache(st: dict, out_dir, probe: dict, k: int, h: int, last: bool):
     """The :class:`~dflash_pipeline.train.stream_cache.FeatureCache` of ``features.stream.cache:
-    first_epoch`` (under ``cache_dir``, default ``<out_dir>/stream_cache``), else None."""
+    first_epoch`` (under ``cache_dir``, default ``<out_dir>/stream_cache``, one ``rank<R>`` directory per
+    process: ``$RANK``), else None."""
     if st["cache"] == "none":
         return None
+    import os
+
     from dflash_pipeline.train.stream_cache import FeatureCache
 
+    base = Path(st.get("cache_dir") or Path(out_dir) / "stream_cache")
     cache = FeatureCache(
-        st.get("cache_dir") or Path(out_dir) / "stream_cache",
+        base / f"rank{int(os.environ.get('RANK', '0'))}",  # each rank caches the records of its own batches
         num_layers=k,
         hidden_size=h,
         last_hidden=last,

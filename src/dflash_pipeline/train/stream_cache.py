@@ -162,6 +162,10 @@ class FeatureCache:
         self._shards, self._index = [], {}
         if delete:
             shutil.rmtree(self.dir, ignore_errors=True)
+            try:  # the cache_dir itself once the last rank's directory is gone
+                self.dir.parent.rmdir()
+            except OSError:
+                pass
 
     def stats(self) -> dict:
         return {"cache_hits": self.hits, "cache_records": self.records, "cache_bytes": self.bytes}
