@@ -29,7 +29,7 @@ def check_feature_disk():
     shards = list_shards(manifest) if manifest.is_file() else None
     counts = prompt_counts_from_manifest(manifest) if manifest.is_file() else None
     k, h = feature_dims()
-    plan = plan_features(num_layers=k, hidden_size=h, dtype=FEATURES["dtype"], last_hidden=FEATURES["last_hidden"],
+    plan = plan_features(num_layers=k, hidden_size=h, dtype=FEATURES["dtype"], last_hidden=features_last_hidden(),
                          results_dir=RESULTS, shards=shards, max_length=config["tokens"]["max_length"], prompt_counts=counts)
     print(f"[plan] {plan.describe()}" + ("" if FEATURES["keep"] else " (deleted after training: features.keep false)"),
           file=sys.stderr)

@@ -120,10 +120,17 @@ def features_python_of(wildcards):
     return features_python()
 
 
+def features_last_hidden():
+    """features.last_hidden, or true when train.loss reads the teacher (kl, dspark_tv): shards and servers
+    then carry the last decoder layer's output (the trainer applies the target's final norm)."""
+    return bool(FEATURES["last_hidden"]) or config["train"]["loss"] in ("kl", "dspark_tv")
+
+
 def features_job_config():
     """The `features` settings the extraction job reads (a rerun trigger: operational keys keep/
     min_free_fraction/vllm.python are left out)."""
     cfg = {k: FEATURES[k] for k in ("backend", "dtype", "last_hidden", "chunk_tokens")}
+    cfg["last_hidden"] = features_last_hidden()
     cfg["vllm"] = {k: FEATURES["vllm"][k] for k in ("expert_parallel", "engine_args")}
     return canonical(cfg)
 
@@ -138,8 +145,11 @@ def stream_job_config(run):
     features dtype / last_hidden, the generation fleet knobs, the scratch dir (default
     <results>/stream_scratch/<run>), the longest record (tokens.max_length) and the vLLM environment."""
     st = dict(FEATURES["stream"])
+    if st["cache"] == "none":  # the defaults stay out of the params (no rerun of existing stream runs)
+        for k in ("cache", "cache_max_bytes", "cache_dir"):
+            st.pop(k)
     st["scratch_dir"] = st["scratch_dir"] or f"{RESULTS}/stream_scratch/{run}"
-    st.update(dtype=FEATURES["dtype"], last_hidden=FEATURES["last_hidden"], max_len=config["tokens"]["max_length"],
+    st.update(dtype=FEATURES["dtype"], last_hidden=features_last_hidden(), max_len=config["tokens"]["max_length"],
               fleet={k: config["generation"][k] for k in STREAM_FLEET_KEYS})
     if st["backend"] == "vllm" and not st["endpoints"]:
         from dflash_pipeline.core.vllm_env import require_vllm_python

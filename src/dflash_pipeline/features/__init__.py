@@ -4,7 +4,7 @@
 ``vllm`` (the serving engine's ``extract_hidden_states`` method: targets larger than one GPU, e.g. Kimi K2.6
 with TP8) or ``hf`` (transformers, ``device_map`` across the job's GPUs; the CPU default). With
 ``train.target_features: shards`` the trainer reads them memory-mapped and never loads the target
-(only its embedding and LM head, :mod:`.weights`).
+(only its embedding, LM head and, for ``kl``, final norm: :mod:`.weights`).
 
 Modules: :mod:`.format` (file format, writer, reader), :mod:`.extract` (one shard, resumable),
 :mod:`.hf_backend`, :mod:`.vllm_backend` + :mod:`.vllm_connector` (engine side), :mod:`.plan` (disk
@@ -12,7 +12,8 @@ arithmetic at plan time), :mod:`.weights` (embedding / LM head from the target's
 Streaming (``train.target_features: stream``): :mod:`.server` (the hf feature server, vLLM's request
 contract), :mod:`.stream_client` (:class:`FeatureClient` over the completions fleet), :mod:`.colocate`
 (servers started beside the trainer).
-CLI: ``python -m dflash_pipeline.features extract|serve|colocate ...`` (what the rules run, in the backend's environment).
+CLI: ``python -m dflash_pipeline.features extract|extract-many|serve|colocate ...`` (what the rules run, in
+the backend's environment); :mod:`.extract_stream`: shards through the stream client, one server set per job.
 
 This package imports only numpy at the top (torch, transformers, vllm inside the functions that need them),
 so it loads in the vLLM venv, in the training env and in Snakemake's planning process.
@@ -26,7 +27,7 @@ from .plan import window_bytes
 from .stream_client import FeatureClient, Features, StreamError, fleet_config
 
 #: Names of the face loaded on first use from the module that owns them (their modules import more).
-_OWNERS = {"read_token_arrays": "extract", "load_embed_and_head": "weights"}
+_OWNERS = {"read_token_arrays": "extract", "load_embed_and_head": "weights", "load_final_norm": "weights"}
 
 __all__ = [
     "ENDPOINTS_ENV",

@@ -31,9 +31,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     e.add_argument("--stats", help="write the extraction stats JSON here")
     _serve_parser(sub)
     _colocate_parser(sub)
+    _many_parser(sub)
     a = p.parse_args(argv)
     if a.cmd == "serve":
         return _serve(a)
+    if a.cmd == "extract-many":
+        return _extract_many(a)
     if a.cmd == "colocate":
         from .colocate import run_colocated
 
@@ -81,6 +84,48 @@ def _serve_parser(sub) -> None:
     s.add_argument("--target-dtype", default="auto")
     s.add_argument("--gpus", type=int, default=0, help="GPUs to spread the target over (device_map; 0 = CPU)")
     s.add_argument("--trust-remote-code", action="store_true")
+    s.add_argument(
+        "--hang-after",
+        type=int,
+        help="fault injection (tests, benches): accept and never answer feature requests after the first N",
+    )
+
+
+def _many_parser(sub) -> None:
+    m = sub.add_parser(
+        "extract-many",
+        help="write several feature shards through one set of feature servers (started once, or the "
+        "--stream-config endpoints)",
+    )
+    m.add_argument("--probe", required=True)
+    m.add_argument("--target", required=True)
+    m.add_argument("--token-shard", action="append", required=True, help="repeat; the i-th --out is its shard")
+    m.add_argument("--out", action="append", required=True)
+    m.add_argument("--features-config", required=True, help="JSON of the validated `features` config")
+    m.add_argument("--stream-config", required=True, help="JSON of the stream settings (servers or endpoints, fleet)")
+    m.add_argument("--target-dtype", default="auto")
+    m.add_argument("--trust-remote-code", action="store_true")
+
+
+def _extract_many(a) -> int:
+    from .extract_stream import extract_shards
+
+    if len(a.token_shard) != len(a.out):
+        raise SystemExit(f"extract-many: {len(a.token_shard)} --token-shard but {len(a.out)} --out")
+    cfg = json.loads(a.features_config)
+    stats = extract_shards(
+        list(zip(a.token_shard, a.out)),
+        json.loads(a.stream_config),
+        probe=json.loads(Path(a.probe).read_text(encoding="utf-8")),
+        target_dir=a.target,
+        dtype=cfg["dtype"],
+        last_hidden=cfg["last_hidden"],
+        chunk_tokens=cfg["chunk_tokens"],
+        target_dtype=a.target_dtype,
+        trust_remote_code=a.trust_remote_code,
+    )
+    print("[features] extract-many done " + json.dumps(stats), flush=True)
+    return 0
 
 
 def _colocate_parser(sub) -> None:
@@ -110,6 +155,7 @@ def _serve(a) -> int:
         scratch_dir=a.scratch_dir,
         model_name=a.model_name,
         max_len=a.max_len,
+        hang_after=a.hang_after,
     )
     serve(server, a.host, a.port, a.url_file)
     return 0

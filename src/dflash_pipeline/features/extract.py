@@ -56,6 +56,38 @@ def chunks(lengths: np.ndarray, start: int, chunk_tokens: int) -> Iterator[list[
         yield cur
 
 
+def _engine(
+    backend,
+    target_dir,
+    layer_ids,
+    num_hidden_layers,
+    last_hidden,
+    gpus,
+    target_dtype,
+    trust_remote_code,
+    max_len,
+    vllm_options,
+    out,
+):
+    """A started extractor of ``backend`` (:class:`.hf_backend.HFExtractor` / :class:`.vllm_backend.VLLMExtractor`)."""
+    if backend == "hf":
+        from .hf_backend import HFExtractor as Engine
+    else:
+        from .vllm_backend import VLLMExtractor as Engine
+    return Engine(
+        target_dir,
+        layer_ids,
+        num_hidden_layers=num_hidden_layers,
+        last_hidden=last_hidden,
+        gpus=gpus,
+        target_dtype=target_dtype,
+        trust_remote_code=trust_remote_code,
+        max_len=max_len,
+        options=vllm_options or {},
+        scratch_dir=Path(out).with_name(f".{Path(out).name}.engine"),
+    )
+
+
 def extract_shard(
     token_shard: str | os.PathLike,
     out: str | os.PathLike,
@@ -72,9 +104,13 @@ def extract_shard(
     target_dtype: str = "auto",
     trust_remote_code: bool = False,
     vllm_options: Optional[dict] = None,
+    engine=None,
 ) -> dict:
     """Write the feature shard ``out`` for ``token_shard`` (format: :mod:`.format`). Returns stats
     ``{records, tokens, resumed_from, seconds, tokens_per_s, bytes}``.
+
+    ``engine``: a running extractor to use instead of starting one of ``backend`` (it is not closed here;
+    :mod:`.extract_stream` passes one that sends the records to feature servers, reused for many shards).
 
     ``target_dtype``: the dtype the target runs in (``auto`` = float32 on CPU, bfloat16 on GPU); the stored
     dtype is ``dtype`` (``bfloat16`` or ``float8_e4m3``). ``gpus``: devices of the job (0 = CPU); vLLM uses
@@ -84,7 +120,7 @@ def extract_shard(
         ValueError: unknown backend; the engine returned other token ids than the shard's (names the record).
         OSError: ENOSPC when the filesystem cannot hold the shard (before any compute).
     """
-    if backend not in BACKENDS:
+    if engine is None and backend not in BACKENDS:
         raise ValueError(f"features.backend {backend!r}: expected one of {BACKENDS}")
     t0 = time.time()
     ids, mask, lengths = read_token_arrays(token_shard)
@@ -114,22 +150,21 @@ def extract_shard(
     todo = int(lengths[start:].sum())
     t_compute = time.time()
     if start < layout.num_records:
-        if backend == "hf":
-            from .hf_backend import HFExtractor as Engine
-        else:
-            from .vllm_backend import VLLMExtractor as Engine
-        engine = Engine(
-            target_dir,
-            layer_ids,
-            num_hidden_layers=num_hidden_layers,
-            last_hidden=last_hidden,
-            gpus=gpus,
-            target_dtype=target_dtype,
-            trust_remote_code=trust_remote_code,
-            max_len=int(lengths.max()) if len(lengths) else 1,
-            options=vllm_options or {},
-            scratch_dir=Path(out).with_name(f".{Path(out).name}.engine"),
-        )
+        own = engine is None
+        if own:
+            engine = _engine(
+                backend,
+                target_dir,
+                layer_ids,
+                num_hidden_layers,
+                last_hidden,
+                gpus,
+                target_dtype,
+                trust_remote_code,
+                int(lengths.max()) if len(lengths) else 1,
+                vllm_options,
+                out,
+            )
         t_compute = time.time()
         try:
             for recs in chunks(lengths, start, chunk_tokens):
@@ -138,7 +173,8 @@ def extract_shard(
                     writer.write(r, feats, last)
                 writer.commit(recs[-1] + 1)
         finally:
-            engine.close()
+            if own:
+                engine.close()
     dt = time.time() - t_compute
     path = writer.finish()
     stats = {

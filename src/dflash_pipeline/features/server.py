@@ -91,6 +91,7 @@ class FeatureServer:
         scratch_dir: str | os.PathLike = "feature-scratch",
         model_name: str | None = None,
         max_len: int = 1 << 20,
+        hang_after: int | None = None,
     ):
         from .hf_backend import HFExtractor
 
@@ -114,7 +115,25 @@ class FeatureServer:
         self.scratch = Path(scratch_dir).resolve()
         self.scratch.mkdir(parents=True, exist_ok=True)
         self.lock = threading.Lock()
-        self.stats = {"requests": 0, "tokens": 0, "compute_s": 0.0}
+        self.stats = {"requests": 0, "tokens": 0, "compute_s": 0.0, "hung": 0}
+        #: fault injection (tests, benches): feature requests after the first ``hang_after`` are accepted
+        #: and never answered, while ``GET /v1/models`` and ``/health`` still answer (a wedged engine
+        #: behind a live HTTP front end: only the client's request timeout detects it)
+        self.hang_after = hang_after
+        self._posts = 0
+        self._count_lock = threading.Lock()
+        self._never = threading.Event()
+
+    def maybe_hang(self) -> None:
+        """Block this request's thread forever once ``hang_after`` feature requests were taken."""
+        if self.hang_after is None:
+            return
+        with self._count_lock:
+            self._posts += 1
+            hang = self._posts > self.hang_after
+            self.stats["hung"] += int(hang)
+        if hang:
+            self._never.wait()  # never set: the request is accepted and never answered
 
     def tensors(self, ids: np.ndarray) -> dict:
         """``{"hidden_states": [T, n_aux, H], "token_ids": int64 [T]}`` of one record (torch, CPU)."""
@@ -223,6 +242,7 @@ def _handler(server: FeatureServer):
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             if route not in ("/completions", "/features"):
                 return self._error(404, f"no route POST {self.path}")
+            server.maybe_hang()
             try:
                 ids = parse_request(body, vocab_size=server.vocab_size, max_len=server.max_len)
                 if route == "/features":

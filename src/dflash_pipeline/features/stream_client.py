@@ -116,7 +116,8 @@ class FeatureClient:
 
     ``endpoints``: ``[{"base_url", "max_concurrency", "transport"}]``; ``fleet_cfg``: :func:`fleet_config`.
     ``num_layers`` (K), ``hidden_size`` (H), ``last_hidden`` describe what the servers send (``[T, K(+1), H]``);
-    ``dtype`` is ``features.dtype`` (the values are rounded as a feature shard stores them).
+    ``dtype`` is ``features.dtype`` (the values are rounded as a feature shard stores them; None: the
+    values as the server sent them, for a :class:`.format.FeatureShardWriter` that stores them itself).
 
     Raises (from :meth:`start` and the futures): :class:`StreamError` (breaker open, client error, answers
     that do not match the record), ConfigError (a rejected key, a 404 ``/models``).
@@ -318,9 +319,18 @@ class FeatureClient:
         hs = data["hidden_states"]
         want = (len(ids), self.k + (1 if self.last_hidden else 0), self.h)
         if tuple(hs.shape) != want:
-            raise ValueError(f"hidden_states {tuple(hs.shape)}, expected {want} (the server taps other layers)")
-        feats = as_stored(hs[:, : self.k].reshape(len(ids), -1), self.dtype)
-        last = as_stored(hs[:, self.k], self.dtype) if self.last_hidden else None
+            raise ValueError(
+                f"hidden_states {tuple(hs.shape)}, expected {want} (the server taps other layers"
+                + (
+                    "; train.loss: kl needs the last layer: start it with --last-hidden / aux id num_hidden_layers)"
+                    if self.last_hidden
+                    else ")"
+                )
+            )
+        feats = hs[:, : self.k].reshape(len(ids), -1)
+        last = hs[:, self.k] if self.last_hidden else None
+        if self.dtype is not None:  # None: the server's values as sent (a shard writer rounds them itself)
+            feats, last = as_stored(feats, self.dtype), (as_stored(last, self.dtype) if last is not None else None)
         nbytes = hs.numel() * hs.element_size()
         with self._lock:
             self.stats["wire_bytes"] += nbytes

@@ -117,3 +117,78 @@ def load_embed_and_head(
     embed.requires_grad_(False)
     lm_head.requires_grad_(False)
     return embed, lm_head
+
+
+#: Attribute names of a decoder's final norm (the LM head's input norm), in preference order.
+FINAL_NORM_ATTRS = ("norm", "final_layernorm", "ln_f", "final_norm")
+
+
+def final_norm_module(model):
+    """``(qualified name, module)`` of the final norm of ``model``'s decoder (``get_decoder()``'s ``norm`` /
+    ``final_layernorm`` / ``ln_f`` / ``final_norm``). Raises ValueError (names the class) when it has none."""
+    dec = model.get_decoder() if hasattr(model, "get_decoder") else model
+    norm = next((getattr(dec, a) for a in FINAL_NORM_ATTRS if getattr(dec, a, None) is not None), None)
+    name = next((n for n, m in model.named_modules() if m is norm), None) if norm is not None else None
+    if name is None:
+        raise ValueError(
+            f"{type(model).__name__}: no final norm on its decoder (looked for {', '.join(FINAL_NORM_ATTRS)}); "
+            "train.loss: kl without the target needs it"
+        )
+    return name, norm
+
+
+def load_final_norm(target_dir: str | Path, config, *, dtype=None, device="cpu"):
+    """The target's final norm (the module its LM head reads, frozen), built from its own class and read
+    from its safetensors without instantiating the target (the model is built on the meta device).
+
+    ``kl`` with ``shards`` / ``stream`` needs it: feature shards and feature servers carry the last decoder
+    layer's output *before* the final norm (HF: a forward hook on the last layer, :mod:`.hf_backend`; vLLM:
+    aux layer ``num_hidden_layers`` = ``hidden_states + residual`` after the last layer, before
+    ``self.norm``, ``vllm/model_executor/models/qwen2.py`` ``Qwen2Model.forward`` in vLLM 0.32), while the
+    teacher's logits are ``lm_head(norm(h))``: what transformers' last ``hidden_states`` entry is
+    (``transformers/utils/output_capturing.py`` replaces it by ``last_hidden_state``, the normed output,
+    transformers 5.24). The norm's own class keeps architecture details exact (Gemma's ``1 + weight``).
+
+    ``config``: the target's config (:func:`dflash_pipeline.target.loading.load_target_config`).
+    Returns the module: ``[..., H]`` → ``[..., H]`` in ``dtype`` (None keeps the checkpoint's).
+
+    Raises:
+        ValueError: no final norm on the decoder; KeyError: a norm tensor is not in the checkpoint.
+    """
+    import torch
+    from safetensors import safe_open
+
+    with torch.device("meta"):
+        model = _meta_model(config)
+    name, norm = final_norm_module(model)
+    wmap = weight_map(target_dir)
+    tail = name.split(".")
+    norm = norm.to_empty(device=device)
+    for pname, p in list(norm.named_parameters()) + list(norm.named_buffers()):
+        key = _norm_key(wmap, tail, pname)
+        if key is None:
+            raise KeyError(f"{target_dir}: no tensor for the final norm's {name}.{pname} in the checkpoint")
+        with safe_open(str(Path(target_dir) / wmap[key]), "pt") as fh:
+            t = fh.get_tensor(key)
+        p.data = t.to(dtype=dtype or t.dtype, device=device)
+    norm.requires_grad_(False)
+    return norm.eval()
+
+
+def _meta_model(config):
+    """The target's causal-LM class built from ``config`` (under a meta-device context: no memory)."""
+    from dflash_pipeline.target.loading import causal_lm_class
+
+    cls = causal_lm_class(config)
+    return cls._from_config(config) if hasattr(cls, "_from_config") else cls.from_config(config)
+
+
+def _norm_key(wmap, tail: list[str], pname: str) -> Optional[str]:
+    """The checkpoint key of the norm's ``pname``: its module path, else the longest suffix of it that one
+    non-layer key ends with (``model.norm`` ↔ ``model.language_model.norm``)."""
+    for i in range(len(tail)):
+        suf = ".".join(tail[i:] + [pname])
+        hits = sorted(k for k in wmap if (k == suf or k.endswith("." + suf)) and ".layers." not in k)
+        if hits:
+            return min(hits, key=lambda k: (k.count("."), k))
+    return None

@@ -67,12 +67,24 @@ class MappedRecords(torch.utils.data.Dataset):
     """Records of several mapped shards (token indexes or feature shards), filtered by supervised tokens.
 
     ``__getitem__`` returns ``(input_ids int32 [S], loss_mask uint8 [S])``, or with ``features=True``
-    ``(input_ids, loss_mask, features bfloat16 [S, K*H])``.
+    ``(input_ids, loss_mask, features bfloat16 [S, K*H])``, and with ``last_hidden=True`` also the last
+    decoder layer's output before the final norm, bfloat16 [S, H] (``kl``'s teacher input).
+
+    Raises:
+        FeatureShardError: ``features`` / ``last_hidden`` asked of a shard without that tensor.
     """
 
-    def __init__(self, paths: Sequence[str | Path], *, features: bool = False, min_loss_tokens: int = MIN_LOSS_TOKENS):
+    def __init__(
+        self,
+        paths: Sequence[str | Path],
+        *,
+        features: bool = False,
+        last_hidden: bool = False,
+        min_loss_tokens: int = MIN_LOSS_TOKENS,
+    ):
         self.paths = [str(p) for p in paths]
         self.features = features
+        self.last_hidden = last_hidden
         self._shards: Optional[list[FeatureShard]] = None
         sel_s, sel_r = [], []
         self.num_tokens = 0
@@ -83,6 +95,11 @@ class MappedRecords(torch.utils.data.Dataset):
             self.num_tokens += int(shard.offsets[-1])
             if features and not shard.has_features:
                 raise FeatureShardError(f"{shard.path}: no features tensor")
+            if last_hidden and "last_hidden" not in shard.arrays:
+                raise FeatureShardError(
+                    f"{shard.path}: no last_hidden tensor (train.loss: kl reads it); extract the feature shards "
+                    "again with it (features.last_hidden: true, or rerun extract_features with train.loss: kl)"
+                )
         self.shard_of = np.concatenate(sel_s) if sel_s else np.zeros(0, np.int32)
         self.record_of = np.concatenate(sel_r) if sel_r else np.zeros(0, np.int64)
 
@@ -94,12 +111,22 @@ class MappedRecords(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.record_of)
 
+    def lengths(self) -> np.ndarray:
+        """int64 [len(self)]: each record's token count, from the shards' offsets (no record is read)."""
+        out = np.zeros(len(self), dtype=np.int64)
+        for s, shard in enumerate(self._open()):
+            sel = self.shard_of == s
+            out[sel] = np.diff(shard.offsets)[self.record_of[sel]]
+        return out
+
     def __getitem__(self, i: int):
         shard = self._open()[int(self.shard_of[i])]
         r = int(self.record_of[i])
         ids, mask = shard.tokens(r)
         if not self.features:
             return ids, mask
+        if self.last_hidden:
+            return ids, mask, shard.features(r), shard.last_hidden(r)
         return ids, mask, shard.features(r)
 
     def __getstate__(self):  # DataLoader workers reopen the mappings
@@ -110,13 +137,15 @@ class MappedRecords(torch.utils.data.Dataset):
 
 def collate(batch, pad_id: int = 0) -> dict[str, torch.Tensor]:
     """Right-pad records to ``input_ids`` long / ``loss_mask`` uint8 / ``attention_mask`` long [b, S_max],
-    plus ``features`` [b, S_max, K*H] (bfloat16, zero padding) when the records carry them."""
+    plus ``features`` [b, S_max, K*H] (bfloat16, zero padding) when the records carry them, and
+    ``target_last_hidden`` [b, S_max, H] (pre-norm, zero padding) when they carry a fourth tensor."""
     s = max(len(x[0]) for x in batch)
     b = len(batch)
     ids = torch.full((b, s), pad_id, dtype=torch.long)
     lm = torch.zeros((b, s), dtype=torch.uint8)
     am = torch.zeros((b, s), dtype=torch.long)
     feats = torch.zeros((b, s, batch[0][2].shape[-1]), dtype=batch[0][2].dtype) if len(batch[0]) > 2 else None
+    last = torch.zeros((b, s, batch[0][3].shape[-1]), dtype=batch[0][3].dtype) if len(batch[0]) > 3 else None
     for r, rec in enumerate(batch):
         n = len(rec[0])
         ids[r, :n] = torch.from_numpy(rec[0].astype(np.int64))
@@ -124,9 +153,13 @@ def collate(batch, pad_id: int = 0) -> dict[str, torch.Tensor]:
         am[r, :n] = 1
         if feats is not None:
             feats[r, :n] = rec[2]
+        if last is not None:
+            last[r, :n] = rec[3]
     out = {"input_ids": ids, "loss_mask": lm, "attention_mask": am}
     if feats is not None:
         out["features"] = feats
+    if last is not None:
+        out["target_last_hidden"] = last
     return out
 
 
@@ -144,6 +177,10 @@ class TrainingData:
     #: ``stream`` only: the :class:`dflash_pipeline.train.stream.FeatureStream` that fills each batch's
     #: features (``from_shards`` is then True too: the target is never loaded).
     stream: Any = None
+    #: ``shards`` / ``stream`` with a teacher loss (``kl``): the target's final norm, which turns the
+    #: carried pre-norm last hidden state into the LM head's input
+    #: (:func:`dflash_pipeline.features.weights.load_final_norm`).
+    final_norm: Any = None
 
 
 class ConfigOnly:
@@ -151,6 +188,19 @@ class ConfigOnly:
 
     def __init__(self, config):
         self.config = config
+
+
+def needs_teacher(cfg: dict) -> bool:
+    """Whether ``train.loss`` reads the target's last hidden state (``kl``, DSpark's ``dspark_tv``)."""
+    return {**schema_defaults("train"), **cfg}["loss"] in ("kl", "dspark_tv")
+
+
+def final_norm(target_dir, config, target_dtype: str, device):
+    """The target's final norm in the target dtype (:func:`dflash_pipeline.features.weights.load_final_norm`)."""
+    from dflash_pipeline.features import load_final_norm
+    from dflash_pipeline.target.loading import resolve_dtype
+
+    return load_final_norm(target_dir, config, dtype=resolve_dtype(target_dtype, device), device=device)
 
 
 def frozen_head(target_dir, probe: dict, target_dtype: str, device) -> tuple:
@@ -233,8 +283,11 @@ def open_training_data(
                 fs.check_tokens(t)
                 fs.close()
         barrier()
-        ds = MappedRecords(feature_shards, features=True, min_loss_tokens=min_loss_tokens)
+        teacher = needs_teacher(cfg)
+        ds = MappedRecords(feature_shards, features=True, last_hidden=teacher, min_loss_tokens=min_loss_tokens)
         data = TrainingData(ds, collate, True, *frozen_head(target_dir, probe, target_dtype, device))
+        if teacher:
+            data.final_norm = final_norm(target_dir, data.target_config, target_dtype, device)
     else:
         data = TrainingData(
             token_records(token_shards, out_dir, is_main=is_main, barrier=barrier, min_loss_tokens=min_loss_tokens),

@@ -62,12 +62,14 @@ def pack_records(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
 
 class PackedDataset(torch.utils.data.Dataset):
     """Map-style dataset whose items are packed rows: lists of ``(input_ids int32 [S_i], loss_mask uint8
-    [S_i])`` records (see :func:`collate_packed`). Rows are fixed once (:func:`pack_records`); the
-    DataLoader shuffles rows per epoch."""
+    [S_i][, features [S_i, K*H][, last_hidden [S_i, H]]])`` records (see :func:`collate_packed`). Rows are
+    fixed once (:func:`pack_records`); the DataLoader shuffles rows per epoch. ``lengths``: the records'
+    token counts when known (feature shards: from their offsets, so no record is read to pack)."""
 
-    def __init__(self, records, max_tokens: int):
+    def __init__(self, records, max_tokens: int, lengths: Optional[Sequence[int]] = None):
         self.records = records
-        self.bins = pack_records([len(ids) for ids, _ in records], max_tokens)
+        lengths = [len(rec[0]) for rec in records] if lengths is None else [int(n) for n in lengths]
+        self.bins = pack_records(lengths, max_tokens)
 
     def __len__(self):
         return len(self.bins)
@@ -82,19 +84,25 @@ def collate_packed(rows, pad_id: int = 0) -> dict[str, torch.Tensor]:
     Returns ``input_ids`` long, ``loss_mask`` uint8, ``attention_mask`` long (1 on record tokens; for
     counting only, never passed to the target), ``position_ids`` long (0.. per record; padding continues
     as a segment of its own, 0..), ``segment_ids`` long (record slot in the row; −1 on padding), all
-    [b, S_max], and ``num_records`` long [b].
+    [b, S_max], and ``num_records`` long [b]. Records from feature shards also give ``features``
+    [b, S_max, K*H] (and ``target_last_hidden`` [b, S_max, H]), each record's own at its segment, zero on
+    padding: a shard record was computed by the target alone, so packed rows need no isolation check.
     """
-    s = max(sum(len(ids) for ids, _ in row) for row in rows)
+    s = max(sum(len(rec[0]) for rec in row) for row in rows)
     b = len(rows)
     ids = torch.full((b, s), pad_id, dtype=torch.long)
     lm = torch.zeros((b, s), dtype=torch.uint8)
     am = torch.zeros((b, s), dtype=torch.long)
     pos = torch.zeros((b, s), dtype=torch.long)
     seg = torch.full((b, s), -1, dtype=torch.long)
+    first = rows[0][0]
+    extra = [torch.zeros((b, s, t.shape[-1]), dtype=t.dtype) for t in first[2:]]  # features[, last hidden]
     for r, row in enumerate(rows):
         at = 0
-        for k, (i, m) in enumerate(row):
+        for k, (i, m, *tensors) in enumerate(row):
             n = len(i)
+            for dst, t in zip(extra, tensors):
+                dst[r, at : at + n] = t
             ids[r, at : at + n] = torch.from_numpy(np.asarray(i, dtype=np.int64))
             lm[r, at : at + n] = torch.from_numpy(np.asarray(m, dtype=np.uint8))
             am[r, at : at + n] = 1
@@ -109,6 +117,7 @@ def collate_packed(rows, pad_id: int = 0) -> dict[str, torch.Tensor]:
         "position_ids": pos,
         "segment_ids": seg,
         "num_records": torch.tensor([len(row) for row in rows], dtype=torch.long),
+        **dict(zip(("features", "target_last_hidden"), extra)),
     }
 
 

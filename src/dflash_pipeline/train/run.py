@@ -266,8 +266,8 @@ def _open_data(
     feature shards and the target is never instantiated (embedding + LM head only).
 
     Raises:
-        ValueError: ``train.packing`` with feature shards, or with a target that does not keep packed
-            records apart (:func:`dflash_pipeline.train.packing.check_target_isolates_records`).
+        ValueError: ``train.packing`` with a target that does not keep packed records apart
+            (:func:`dflash_pipeline.train.packing.check_target_isolates_records`).
     """
     where = dict(
         target_dir=target_dir,
@@ -284,12 +284,7 @@ def _open_data(
         data = open_stream_data(cfg, token_shards, stream or {}, min_loss_tokens=train_data.MIN_LOSS_TOKENS, **where)
     else:
         data = train_data.open_training_data(cfg, token_shards, feature_shards, **where)
-    # a streamed record is computed by the server alone, so packed rows get each record's own features
-    if data.from_shards and data.stream is None and cfg["packing"]:
-        raise ValueError(
-            "train.packing is not supported with train.target_features: shards yet (packed rows would "
-            "need their records' features concatenated); set train.packing: false"
-        )
+    # a record from a feature shard or a server was computed alone: packed rows get each record's own features
     held = V.heldout_mask(
         train_data.record_prompt_ids(token_shards, data.dataset),
         cfg["validation_fraction"],
@@ -308,7 +303,7 @@ def _open_data(
             target_dir, dtype=target_dtype, device=accelerator.device, trust_remote_code=trust_remote_code
         )
     run_data = RunData(records, heldout, data, target)
-    if cfg["packing"] and data.stream is None:
+    if cfg["packing"] and target is not None:  # online: the target runs on packed rows
         P.check_target_isolates_records(run_data.target, probe["drafter"]["target_layer_ids"])
     return run_data
 
@@ -377,6 +372,7 @@ def _prepare_run(
         reduce_sum=lambda t: accelerator.reduce(t.to(accelerator.device), "sum"),
         embed=data.source.embed,
         lm_head=data.source.lm_head,
+        final_norm=data.source.final_norm,
         loss=cfg["loss"],
         kl_temperature=cfg["kl_temperature"],
         kl_ce_weight=cfg["kl_ce_weight"],
@@ -418,7 +414,13 @@ def _rows(records, cfg: dict):
     rows of up to ``train.pack_max_tokens`` tokens (default: the longest record; :class:`dflash_pipeline.train.packing.PackedDataset`)."""
     if not cfg["packing"]:
         return records
-    return P.PackedDataset(records, cfg["pack_max_tokens"] or max(len(r[0]) for r in records))
+    ds = getattr(records, "dataset", None)
+    lengths = (
+        ds.lengths()[np.asarray(records.indices, dtype=np.int64)].tolist()
+        if isinstance(ds, train_data.MappedRecords)
+        else [len(r[0]) for r in records]
+    )
+    return P.PackedDataset(records, cfg["pack_max_tokens"] or max(lengths), lengths)
 
 
 def _describe(run: TrainRun) -> str:
@@ -488,7 +490,7 @@ def _stream_summary(run: TrainRun) -> dict:
         return {}
     run.accelerator.print(stream.describe())
     out = stream.summary()
-    stream.close()
+    stream.close(finished=True)
     return {"stream": out}
 
 

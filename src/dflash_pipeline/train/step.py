@@ -57,6 +57,9 @@ class StepContext:
     #: the target's ``final_logit_softcapping`` (kl's teacher is capped like the target); None = read it
     #: from ``target.config`` when a target is given
     logit_softcap: Optional[float] = None
+    #: ``shards`` / ``stream`` with a teacher loss: the target's final norm, applied to the batch's pre-norm
+    #: ``target_last_hidden`` (:func:`dflash_pipeline.features.weights.load_final_norm`)
+    final_norm: Any = None
 
     def __post_init__(self):
         if self.logit_softcap is None and self.target is not None:
@@ -71,7 +74,9 @@ def step_objective(ctx: StepContext, batch: dict) -> L.LossOutput:
     ``batch``: ``input_ids`` long [b, S], ``loss_mask`` uint8 [b, S], ``attention_mask`` long [b, S];
     packed rows (:func:`dflash_pipeline.train.packing.collate_packed`) add ``position_ids``/``segment_ids`` and
     anchors, labels and attention then stay inside each record. Precomputed ``features``
-    [b, S, K·H] (and ``target_last_hidden`` [b, S, H] for ``kl``) replace the target forward (feature shards).
+    [b, S, K·H] (and ``target_last_hidden`` [b, S, H] for ``kl``: the last decoder layer's output before the
+    final norm, as feature shards and servers carry it; ``ctx.final_norm`` is applied) replace the target
+    forward (feature shards, streamed features).
     Dtypes (dflash_pipeline.target.loading): the target runs in its dtype, the drafter in its parameter dtype
     (inputs cast; Accelerate's autocast, when on, covers the drafter forward), the LM head in its dtype,
     the loss in float32.
@@ -128,6 +133,7 @@ def step_objective(ctx: StepContext, batch: dict) -> L.LossOutput:
         ce_weight=ctx.kl_ce_weight,
         dpace_alpha=ctx.dpace_alpha,
         num_sequences=num_sequences,
+        logit_softcap=ctx.logit_softcap,
     )
     if getattr(core, "family", "dflash") == "dflash2":  # + the candidate selector's K-way CE
         out = FO.dflash2_objective(
@@ -142,37 +148,32 @@ def step_objective(ctx: StepContext, batch: dict) -> L.LossOutput:
             selector_weight=ctx.selector_weight,
         )
     return out
-    return L.compute_loss(
-        ctx.loss,
-        hidden,
-        ctx.lm_head.weight,
-        labels,
-        weights,
-        ctx.block_size,
-        teacher_hidden=teacher,
-        temperature=ctx.kl_temperature,
-        ce_weight=ctx.kl_ce_weight,
-        dpace_alpha=ctx.dpace_alpha,
-        num_sequences=num_sequences,
-        logit_softcap=ctx.logit_softcap,
-    )
 
 
 def _batch_features(ctx: StepContext, batch: dict) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``(features [b, S, K·H], target last hidden [b, S, H] or None)`` of ``batch``, without gradients:
-    the feature shards' when the batch carries them (``features``, ``target_last_hidden``), zeros for the
+    the feature shards' when the batch carries them (``features``, ``target_last_hidden`` pre-norm, passed
+    through ``ctx.final_norm``), zeros for the
     ablation (``zero_target_features``; the target runs only when ``kl`` needs its teacher), else the
     target's forward (packed rows keep records apart, :func:`dflash_pipeline.train.packing.packed_target_features`).
     The last hidden state (final-normed: the LM head's input) is kept for ``kl`` only.
 
     Raises:
-        ValueError: ``kl`` without the target's last hidden state (feature shards written without it).
+        ValueError: ``kl`` without the target's last hidden state (feature shards written without it), or a
+            carried last hidden state without ``ctx.final_norm``.
     """
     ids, am = batch["input_ids"], batch["attention_mask"]
     d = ctx.probe["drafter"]
     teacher_needed = ctx.loss in TEACHER_LOSSES
-    last = batch.get("target_last_hidden")
+    last = batch.get("target_last_hidden") if teacher_needed else None
     with torch.no_grad():
+        if last is not None:  # pre-norm (shards / servers): the final norm makes it the LM head's input
+            if ctx.final_norm is None:
+                raise ValueError(
+                    "a batch's target_last_hidden (pre-norm) needs the target's final norm (StepContext.final_norm)"
+                )
+            w = next(iter(ctx.final_norm.parameters()), None)
+            last = ctx.final_norm(last.to(w.dtype if w is not None else torch.float32))
         if "features" in batch:  # feature shards (train.target_features: shards): the target never runs here
             feats = batch["features"]
             if ctx.zero_target_features:  # the ablation baseline: same shapes, no target information

@@ -76,12 +76,16 @@ class _Pending:
     tokens: int
     est: int
     futures: list = field(default_factory=list)
+    #: per record: (token ids [T], streamed: True when it went to a server, False when the cache had it)
+    records: list = field(default_factory=list)
 
 
 class FeatureStream:
     """Features for the loader's batches from a :class:`~dflash_pipeline.features.FeatureClient` (module doc).
 
     ``wire_bytes_per_token``: ``n_aux * H * itemsize`` of the servers' answers (the in-flight estimate).
+    ``cache``: a :class:`dflash_pipeline.train.stream_cache.FeatureCache` (``features.stream.cache:
+    first_epoch``): records it holds are read from it instead of requested, streamed ones are handed to it.
     Counters since the last :meth:`window_stats`: seconds the step waited for features, tokens delivered.
     """
 
@@ -93,8 +97,10 @@ class FeatureStream:
         max_inflight_bytes: int,
         wire_bytes_per_token: int,
         num_servers: int = 1,
+        cache=None,
     ):
         self.client = client
+        self.cache = cache
         self.prefetch = max(1, int(prefetch_batches))
         self.max_bytes = int(max_inflight_bytes)
         self.bpt = int(wire_bytes_per_token)
@@ -114,8 +120,19 @@ class FeatureStream:
         return _Pending(batch, spans, tokens, tokens * self.bpt)
 
     def _submit(self, p: _Pending) -> None:
+        import concurrent.futures
+
         ids = p.batch["input_ids"].cpu().numpy()
-        p.futures = [self.client.submit(ids[r, s:e]) for r, row in enumerate(p.spans) for s, e in row]
+        for r, row in enumerate(p.spans):
+            for s, e in row:
+                rec = ids[r, s:e]
+                hit = self.cache.get(rec) if self.cache is not None else None
+                if hit is None:
+                    p.futures.append(self.client.submit(rec))
+                else:
+                    p.futures.append(concurrent.futures.Future())
+                    p.futures[-1].set_result(hit)
+                p.records.append((rec, hit is None))
         self.inflight += p.est
         self.peak_inflight = max(self.peak_inflight, self.inflight)
 
@@ -123,18 +140,30 @@ class FeatureStream:
         ids = p.batch["input_ids"]
         b, s = ids.shape
         feats = torch.zeros((b, s, results[0].features.shape[-1]), dtype=results[0].features.dtype) if results else None
+        has_last = bool(results) and results[0].last_hidden is not None
+        last = (
+            torch.zeros((b, s, results[0].last_hidden.shape[-1]), dtype=results[0].last_hidden.dtype)
+            if has_last
+            else None
+        )
         it = iter(results)
         for r, row in enumerate(p.spans):
             for a, e in row:
-                feats[r, a:e] = next(it).features
+                got = next(it)
+                feats[r, a:e] = got.features
+                if has_last:
+                    last[r, a:e] = got.last_hidden
         out = dict(p.batch)
         if feats is not None:
             out["features"] = feats.to(ids.device)
+        if has_last:  # pre-norm, zero padding: what data.collate builds from feature shards
+            out["target_last_hidden"] = last.to(ids.device)
         return out
 
-    def batches(self, it: Iterator[dict]) -> Iterator[dict]:
+    def batches(self, it: Iterator[dict], *, cache_writes: bool = True) -> Iterator[dict]:
         """The batches of ``it`` in order, each with its ``features`` (see the module docstring). Raises what
-        the client raises (:class:`dflash_pipeline.features.StreamError` once every server is gone)."""
+        the client raises (:class:`dflash_pipeline.features.StreamError` once every server is gone).
+        ``cache_writes``: hand streamed records to the cache (not for the held-out batches, fetched once)."""
         queue: deque[_Pending] = deque()
         held: _Pending | None = None
         done = False
@@ -163,16 +192,22 @@ class FeatureStream:
                 self.inflight -= p.est
                 self.tokens += p.tokens
                 self.total_tokens += p.tokens
+                if self.cache is not None and cache_writes:
+                    for (rec, streamed), got in zip(p.records, results):
+                        if streamed:
+                            self.cache.put(rec, got)
                 yield self._assemble(p, results)
         finally:
             for p in queue:
                 for f in p.futures:
                     f.cancel()
             self.inflight = 0
+            if self.cache is not None:  # the epoch's end (or an error): what is buffered becomes a shard
+                self.cache.flush()
 
     def fill(self, batches: Sequence[dict]) -> list[dict]:
         """``batches`` (e.g. the held-out ones) with their features, fetched now."""
-        return list(self.batches(iter(batches)))
+        return list(self.batches(iter(batches), cache_writes=False))
 
     def window_stats(self) -> dict:
         """Supply and demand since the last call (then reset): ``stream_wait_fraction`` of the wall time the
@@ -211,6 +246,7 @@ class FeatureStream:
             "peak_scratch_bytes": self.client.stats["peak_scratch_bytes"],
             "retries": self.client.stats["retries"],
             "requests": self.client.stats["requests"],
+            **(self.cache.stats() if self.cache is not None else {}),
         }
 
     def describe(self) -> str:
@@ -221,10 +257,18 @@ class FeatureStream:
             f"(demand {s['trainer_demand_tokens_per_s']:.0f}) waiting {100 * s['wait_fraction']:.1f}% of the time; "
             f"suggested servers per trainer rank: {s['suggested_servers_per_rank']}; peak in flight "
             f"{s['peak_inflight_bytes']:,} B, peak scratch {s['peak_scratch_bytes']:,} B, retries {s['retries']}"
+            + (
+                f"; cache {s['cache_records']} records, {s['cache_bytes']:,} B, {s['cache_hits']} hits"
+                if self.cache is not None
+                else ""
+            )
         )
 
-    def close(self) -> None:
+    def close(self, *, finished: bool = False) -> None:
+        """Close the client (and the cache; ``finished``: the run is over, the cache is deleted)."""
         self.client.close()
+        if self.cache is not None:
+            self.cache.close(delete=finished)
 
 
 def stream_settings(stream: dict) -> dict:
@@ -258,6 +302,30 @@ def stream_settings(stream: dict) -> dict:
     }
     out["endpoints"] = [{**ep_defaults, **e} for e in out.get("endpoints") or []]
     return out
+
+
+def _cache(st: dict, out_dir, probe: dict, k: int, h: int, last: bool):
+    """The :class:`~dflash_pipeline.train.stream_cache.FeatureCache` of ``features.stream.cache:
+    first_epoch`` (under ``cache_dir``, default ``<out_dir>/stream_cache``, one ``rank<R>`` directory per
+    process: ``$RANK``), else None."""
+    if st["cache"] == "none":
+        return None
+    import os
+
+    from dflash_pipeline.train.stream_cache import FeatureCache
+
+    base = Path(st.get("cache_dir") or Path(out_dir) / "stream_cache")
+    cache = FeatureCache(
+        base / f"rank{int(os.environ.get('RANK', '0'))}",  # each rank caches the records of its own batches
+        num_layers=k,
+        hidden_size=h,
+        last_hidden=last,
+        max_bytes=st.get("cache_max_bytes"),
+        target_layer_ids=probe["drafter"]["target_layer_ids"],
+    )
+    cap = f"{cache.max_bytes:,} B" if cache.max_bytes is not None else "no cap"
+    print(f"[stream] cache first_epoch in {cache.dir} ({cap}; {cache.records} records already cached)", flush=True)
+    return cache
 
 
 def open_stream_data(
@@ -297,7 +365,9 @@ def open_stream_data(
     from dflash_pipeline.train.data import (
         TrainingData,
         collate,
+        final_norm,
         frozen_head,
+        needs_teacher,
         token_records,
     )
 
@@ -318,10 +388,11 @@ def open_stream_data(
             "train.target_features: stream has no feature server: set features.stream.endpoints, or "
             f"run the trainer under the colocated launcher (${ENDPOINTS_ENV})"
         )
+    teacher = needs_teacher(cfg)  # kl: the servers send the last layer too (aux id num_hidden_layers)
     k, h, last = (
         len(probe["drafter"]["target_layer_ids"]),
         int(probe["hidden_size"]),
-        bool(st["last_hidden"]),
+        bool(st["last_hidden"]) or teacher,
     )
     wire = (k + int(last)) * h * int(st["wire_bytes_per_value"])
     longest = max((int(np.diff(s.offsets).max()) for s in ds._open() if len(s)), default=1)
@@ -357,11 +428,9 @@ def open_stream_data(
         max_inflight_bytes=st["max_inflight_bytes"],
         wire_bytes_per_token=wire,
         num_servers=len(endpoints),
+        cache=_cache(st, out_dir, probe, k, h, last),
     )
-    return TrainingData(
-        ds,
-        collate,
-        True,
-        *frozen_head(target_dir, probe, target_dtype, device),
-        stream=fs,
-    )
+    data = TrainingData(ds, collate, True, *frozen_head(target_dir, probe, target_dtype, device), stream=fs)
+    if teacher:
+        data.final_norm = final_norm(target_dir, data.target_config, target_dtype, device)
+    return data

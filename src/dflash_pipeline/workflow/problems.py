@@ -99,21 +99,7 @@ def training_problems(cfg: Mapping[str, Any]) -> list[str]:
     """Combinations of the train / features / eval settings that cannot run, found before anything does."""
     out = []
     train, ev = cfg["train"], cfg["eval"]
-    if train["target_features"] == "shards" and train["loss"] == "kl":
-        out.append(
-            "train.loss: kl needs the target's final-normed last hidden state, which feature shards do not "
-            "carry yet (features.last_hidden stores the pre-norm layer output); use train.loss: ce_decay or "
-            "dpace with train.target_features: shards, or kl with target_features: online"
-        )
-    if train["target_features"] == "shards" and train["packing"]:
-        out.append("train.packing is not supported with train.target_features: shards yet; set train.packing: false")
     stream = cfg["features"].get("stream") or {}  # partial configs (tests, direct calls) have none
-    if train["target_features"] == "stream" and train["loss"] == "kl":
-        out.append(
-            "train.loss: kl needs the target's final-normed last hidden state, which the feature servers do not "
-            "send yet (features.last_hidden is the pre-norm layer output); use ce_decay or dpace with "
-            "train.target_features: stream"
-        )
     if ev["engine"] == "sglang" and not ev["engine_base_url"]:
         out.append(
             "eval.engine: sglang measures τ on a running SGLang server, which the pipeline cannot start: "

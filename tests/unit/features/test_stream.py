@@ -46,6 +46,7 @@ class Server:
         layers=LAYERS,
         num_hidden_layers: int = 4,
         last_hidden: bool = False,
+        extra: tuple = (),
     ):
         cmd = [
             sys.executable,
@@ -63,6 +64,7 @@ class Server:
         ]
         if last_hidden:
             cmd.append("--last-hidden")
+        cmd += list(extra)
         env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.log = []
@@ -367,6 +369,46 @@ def test_server_sigkilled_mid_epoch_costs_only_time(setup, shards_run, tmp_path,
     assert b.proc.returncode == -signal.SIGKILL and len(seen) > 3
     assert [r["loss"] for r in _log(tmp_path / "run")] == [r["loss"] for r in _log(shards_run[0])]
     assert st["stream"]["retries"] >= 1
+
+
+def _health(url: str) -> dict:
+    import urllib.request
+
+    with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_a_server_that_hangs_costs_only_time(setup, shards_run, tmp_path):
+    """Two servers; the second accepts every feature request after its first 3 and never answers (its
+    GET /v1/models still does). The request timeout fails those requests, the fleet retries them on the
+    first server, and the run is the shards run: equal losses and final weights, no record lost or doubled
+    (the healthy server computed exactly the records the hung one did not answer)."""
+    from safetensors.torch import load_file
+
+    root = setup[0]
+    a = Server(root / "target", tmp_path / "sa")
+    b = Server(root / "target", tmp_path / "sb", extra=("--hang-after", "3"))
+    fleet = {**FAST_FLEET, "endpoint_reprobe_s": 600}  # the hung server stays out once its requests time out
+    try:
+        st = _train(
+            setup,
+            tmp_path / "run",
+            "stream",
+            stream={"endpoints": [{"base_url": a.url}, {"base_url": b.url}], "fleet": fleet},
+        )
+        ha, hb = _health(a.url), _health(b.url)
+    finally:
+        a.kill()
+        b.kill()
+    assert hb["requests"] == 3 and hb["hung"] >= 1
+    assert st["stream"]["retries"] == hb["hung"]
+    assert ha["requests"] + hb["requests"] == st["stream"]["requests"]  # each record computed once
+    assert [r["loss"] for r in _log(tmp_path / "run")] == [r["loss"] for r in _log(shards_run[0])]
+    w, ref = (
+        load_file(tmp_path / "run" / "final" / "model.safetensors"),
+        load_file(shards_run[0] / "final" / "model.safetensors"),
+    )
+    assert all(torch.equal(w[k], ref[k]) for k in ref)
 
 
 def test_all_servers_gone_saves_state_and_resume_continues(setup, shards_run, tmp_path, monkeypatch):

@@ -68,3 +68,28 @@ def test_plan_refuses_a_window_the_scratch_cannot_hold(tmp_path, real_models_dir
     )
     assert proc.returncode != 0
     assert "features.stream: the window needs" in proc.stdout + proc.stderr
+
+
+def test_kl_plans_with_the_last_layer_and_the_default_cache_stays_out_of_the_params(tmp_path, real_models_dir):
+    """train.loss: kl is planned with stream (no refusal): the servers are asked for the last layer too
+    (6 x 7168 x 2 B per token on the wire instead of 5 x); with features.stream.cache at its default the
+    trainer's --stream-config carries no cache key (existing stream runs keep their params)."""
+    import os
+
+    conf = _kimi_config(tmp_path, real_models_dir)
+    cfg = yaml.safe_load(conf.read_text())
+    cfg["train"]["loss"] = "kl"
+    conf.write_text(yaml.safe_dump(cfg))
+    proc = snakemake(
+        tmp_path,
+        "-n",
+        "-p",
+        "results/checkpoints/kimi-k2.6-b16/final",
+        configfile=conf,
+        env={**os.environ, "KIMI_API_KEY": "test-key"},
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    line = next(x for x in out.splitlines() if x.startswith("[plan] stream:"))
+    assert f"x {6 * 7168 * 2:,} B" in line, line
+    assert '"last_hidden": true' in out and '"cache"' not in out
