@@ -26,7 +26,9 @@ from .plan import window_bytes
 from .stream_client import FeatureClient, Features, StreamError, fleet_config
 
 #: Names of the face loaded on first use from the module that owns them (their modules import more).
-_OWNERS = {"read_token_arrays": "extract", "load_embed_and_head": "weights"}
+_OWNERS = {"extract": "read_token_arrays", "weights": "load_embed_and_head"}
+
+__getattr__, __dir__, _LAZY = lazy_face(__name__, _OWNERS, globals)
 
 __all__ = [
     "ENDPOINTS_ENV",
@@ -41,7 +43,5 @@ __all__ = [
     "colocated_servers",
     "fleet_config",
     "window_bytes",
-    *_OWNERS,
+    *_LAZY,
 ]
-
-__getattr__, __dir__ = lazy_face(__name__, _OWNERS, globals)
