@@ -5,19 +5,18 @@ from dflash_pipeline.core.faces import lazy_face
 
 _OWNERS = {
     "acceptance": (
-        "acceptance_stats answer_eval_set eval_set_stats long_set_token_counter checkpoint_info step_checkpoints"
-        " training_prompt_ids load_eval_sets run_eval_set EvalSession open_session load_eval_drafter run_drafters"
-        " run_checkpoint_series evaluate main"
+        "acceptance_stats answer_eval_set eval_set_stats checkpoint_info step_checkpoints run_eval_set EvalSession"
+        " open_session load_eval_drafter run_drafters run_checkpoint_series evaluate main"
     ),
+    "eval_sets": "training_prompt_ids load_eval_sets long_set_token_counter",
     "context_length": "bucket_labels bucket_ranges length_buckets_of tau_by_context_length",
     "long_conversations": "build_long_conversations load_long_conversations",
     "engine_metrics": (
         "VLLM_DRAFTS VLLM_DRAFT_TOKENS VLLM_ACCEPTED VLLM_ACCEPTED_PER_POS EngineComparisonError parse_prometheus"
         " parse_prometheus_by_label spec_counters counters_delta engine_acceptance_stats"
     ),
-    "engine_acceptance": (
-        "DISAGREEMENT_Z default_metrics_url server_acceptance evaluate_engine attach_engine_tau compare_tau"
-    ),
+    "engine_acceptance": "default_metrics_url server_acceptance evaluate_engine",
+    "engine_vs_loop": "DISAGREEMENT_Z attach_engine_tau compare_tau",
     "sglang_engine": "SGLANG_NEEDS_URL histogram_acceptance_stats response_acceptance sglang_server_facts",
     "outputs": (
         "EvalComparisonError check_comparable merge_eval_records TABLE_COLUMNS eval_table_rows write_eval_table"
