@@ -269,6 +269,88 @@ def stage_config(twin: Path, eval_set: Path, device: str = "cpu") -> dict:
     )
 
 
+class _TwinStages:
+    """The stages of :func:`run_stages` on one twin (``work/target``), each a method that raises on refusal;
+    ``cfg`` is the twins' config (:func:`stage_config`), filled when the twin is built."""
+
+    def __init__(self, models_dir: Path, family: str, work: Path, corpus_file: Path, eval_set: Path, device: str):
+        self.models_dir, self.family, self.work, self.corpus_file = models_dir, family, work, corpus_file
+        self.eval_set, self.device = eval_set, device
+        self.twin = work / "target"
+        self.cfg: dict = {}
+        self.probe_record: Any = None
+
+    def build(self):
+        build_any_twin(self.models_dir, self.family, self.twin, corpus_file=self.corpus_file)
+        self.cfg.update(stage_config(self.twin, self.eval_set, self.device))
+
+    def probe(self):
+        from ..probe import probe_target
+
+        n = json.loads((self.twin / "config.json").read_text())
+        n = (n.get("text_config") or n)["num_hidden_layers"]
+        self.probe_record = probe_target(self.twin, block_size=4, num_draft_layers=1, target_layer_ids=[1, n - 2])
+
+    def completions(self):
+        from dflash_pipeline.core import contracts, shards
+
+        from ..completions import generate_shard, preflight_template
+
+        gen = self.cfg["generation"]
+        preflight_template(self.twin, gen_cfg=gen, tokens_cfg=self.cfg["tokens"])  # as the rule does
+        recs = [
+            {"prompt_id": contracts.prompt_id(m), "dataset": "zoo", "messages": m, "metadata": "{}"}
+            for m in STAGE_PROMPTS
+        ]
+        prompts = self.work / "prompts.parquet"
+        shards.write_parquet(prompts, shards.table_from_records(recs, contracts.PROMPT_SCHEMA))
+        st = generate_shard(prompts, self.work / "completions.parquet", target_dir=self.twin, gen_cfg=gen)
+        if st.get("error"):
+            raise RuntimeError(f"{st['error']} completion record(s) in error")
+
+    def tokens(self):
+        from dflash_pipeline.tokens.shard import tokenize_shard
+
+        st = tokenize_shard(
+            self.work / "completions.parquet",
+            self.work / "tokens.parquet",
+            target_dir=self.twin,
+            tokens_cfg=self.cfg["tokens"],
+        )
+        if not st["records_out"]:
+            raise RuntimeError(f"no token rows: dropped {st['dropped']}")
+
+    def train(self, dtype: str, mp: str):
+        from dflash_pipeline.train.run import train
+
+        tcfg = {k: v for k, v in self.cfg["train"].items() if k != "device"}  # as the rule passes it
+        train(
+            token_shards=[self.work / "tokens.parquet"],
+            probe=self.probe_record,
+            target_dir=self.twin,
+            out_dir=self.work / f"train_{dtype}",
+            cfg=dict(tcfg, mixed_precision=mp),
+            target_dtype=dtype,
+            device=self.cfg["train"]["device"],
+        )
+
+    def eval(self):
+        from dflash_pipeline.evaluate.acceptance import evaluate
+
+        rec = evaluate(
+            target_dir=self.twin,
+            probe=self.probe_record,
+            eval_cfg=self.cfg["eval"],
+            thinking=self.cfg["generation"]["thinking"],
+            drafters={"trained": self.work / "train_bfloat16" / "final"},
+            out_json=self.work / "eval.json",
+            target_dtype="bfloat16",
+        )
+        tau = rec["tau"]["trained"]["gsm8k"]
+        if not 1.0 <= tau <= 4.0:
+            raise RuntimeError(f"τ {tau} outside [1, block_size]")
+
+
 def run_stages(
     models_dir: Path,
     family: str,
@@ -282,84 +364,15 @@ def run_stages(
     refused one are ``skipped``): twin build, probe, completions (transformers backend), tokens (the
     family's template), training fp32 and bf16 (bf16 target + ``mixed_precision: bf16`` through
     Accelerate, on CPU; both export ``final/``), eval τ of the bf16-trained drafter."""
-    from dflash_pipeline.core import contracts, shards
-    from dflash_pipeline.evaluate.acceptance import evaluate
-    from dflash_pipeline.tokens.shard import tokenize_shard
-    from dflash_pipeline.train.run import train
-
-    from ..completions import generate_shard, preflight_template
-    from ..probe import probe_target
-
-    twin = work / "target"
-    cfg: dict = {}
-    state: dict[str, Any] = {}
-
-    def build():
-        build_any_twin(models_dir, family, twin, corpus_file=corpus_file)
-        cfg.update(stage_config(twin, eval_set, device))
-
-    def probe():
-        n = json.loads((twin / "config.json").read_text())
-        n = (n.get("text_config") or n)["num_hidden_layers"]
-        state["probe"] = probe_target(twin, block_size=4, num_draft_layers=1, target_layer_ids=[1, n - 2])
-
-    def completions():
-        preflight_template(twin, gen_cfg=cfg["generation"], tokens_cfg=cfg["tokens"])  # as the rule does
-        recs = [
-            {"prompt_id": contracts.prompt_id(m), "dataset": "zoo", "messages": m, "metadata": "{}"}
-            for m in STAGE_PROMPTS
-        ]
-        shards.write_parquet(work / "prompts.parquet", shards.table_from_records(recs, contracts.PROMPT_SCHEMA))
-        st = generate_shard(
-            work / "prompts.parquet", work / "completions.parquet", target_dir=twin, gen_cfg=cfg["generation"]
-        )
-        if st.get("error"):
-            raise RuntimeError(f"{st['error']} completion record(s) in error")
-
-    def tokens():
-        st = tokenize_shard(
-            work / "completions.parquet", work / "tokens.parquet", target_dir=twin, tokens_cfg=cfg["tokens"]
-        )
-        if not st["records_out"]:
-            raise RuntimeError(f"no token rows: dropped {st['dropped']}")
-
-    def train_with(dtype: str, mp: str):
-        def run():
-            tcfg = {k: v for k, v in cfg["train"].items() if k != "device"}  # as the rule passes it
-            train(
-                token_shards=[work / "tokens.parquet"],
-                probe=state["probe"],
-                target_dir=twin,
-                out_dir=work / f"train_{dtype}",
-                cfg=dict(tcfg, mixed_precision=mp),
-                target_dtype=dtype,
-                device=cfg["train"]["device"],
-            )
-
-        return run
-
-    def eval_():
-        rec = evaluate(
-            target_dir=twin,
-            probe=state["probe"],
-            eval_cfg=cfg["eval"],
-            thinking=cfg["generation"]["thinking"],
-            drafters={"trained": work / "train_bfloat16" / "final"},
-            out_json=work / "eval.json",
-            target_dtype="bfloat16",
-        )
-        tau = rec["tau"]["trained"]["gsm8k"]
-        if not 1.0 <= tau <= 4.0:
-            raise RuntimeError(f"τ {tau} outside [1, block_size]")
-
+    run = _TwinStages(models_dir, family, work, corpus_file, eval_set, device)
     stages = {
-        "build": build,
-        "probe": probe,
-        "completions": completions,
-        "tokens": tokens,
-        "train_fp32": train_with("float32", "no"),
-        "train_bf16": train_with("bfloat16", "bf16"),
-        "eval": eval_,
+        "build": run.build,
+        "probe": run.probe,
+        "completions": run.completions,
+        "tokens": run.tokens,
+        "train_fp32": lambda: run.train("float32", "no"),
+        "train_bf16": lambda: run.train("bfloat16", "bf16"),
+        "eval": run.eval,
     }
     out: dict[str, str] = {}
     for name, fn in stages.items():

@@ -195,89 +195,84 @@ def _add_answer_flags(ans: argparse._ArgumentGroup) -> None:
     )
 
 
+#: The drops, hangs, failures, delay and crash of :class:`Faults`: flag -> (type, metavar, help). A flag names
+#: its field (``--drop-first``: ``drop_first``), whose value in the defaults is the flag's default.
+_FAULT_PLAN_FLAGS = {
+    "--delay-s": (
+        _seconds,
+        "S",
+        "answer every non-faulted chat or completions request after S seconds (default: %(default)s)",
+    ),
+    "--drop-first": (
+        _count,
+        "N",
+        "drop the connection of the first N requests without an answer (default: %(default)s)",
+    ),
+    "--hang-first": (
+        _count,
+        "N",
+        (
+            "the N requests after the drops get no answer for --hang-s seconds, then a dropped "
+            "connection (a client timeout shorter than --hang-s sees a timeout; default: %(default)s)"
+        ),
+    ),
+    "--fail-first": (
+        _count,
+        "N",
+        "the N requests after the drops and hangs get HTTP --fail-status (default: %(default)s)",
+    ),
+    "--drop-every": (
+        _count,
+        "N",
+        "drop the connection of every request whose number is a multiple of N (default: %(default)s = off)",
+    ),
+    "--hang-every": (
+        _count,
+        "N",
+        "hang every request whose number is a multiple of N, as --hang-first does (default: %(default)s = off)",
+    ),
+    "--fail-every": (
+        _count,
+        "N",
+        (
+            "answer every request whose number is a multiple of N with HTTP --fail-status, "
+            "i.e. a failure rate of 1/N (default: %(default)s = off)"
+        ),
+    ),
+    "--hang-s": (
+        _seconds,
+        "S",
+        "how long a hung request waits before its connection is dropped (seconds; default: %(default)s)",
+    ),
+    "--fail-status": (
+        _status,
+        "CODE",
+        (
+            "HTTP status of --fail-first/--fail-every failures, e.g. 500, 503, or 429 for rate "
+            "limiting (default: %(default)s); the body is an OpenAI error object"
+        ),
+    ),
+    "--retry-after-s": (
+        _seconds,
+        "S",
+        "send 'Retry-After: S' (seconds) with --fail-first/--fail-every failures (default: no header)",
+    ),
+    "--die-after": (
+        _count,
+        "N",
+        (
+            "after N requests, act crashed: drop every later connection, /v1/models and /health "
+            "included (/metrics and /stats keep answering; default: never)"
+        ),
+    ),
+}
+
+
 def _add_fault_plan_flags(flt: argparse._ArgumentGroup, d: Faults) -> None:
-    """The drops, hangs, failures, delay and crash of :class:`Faults` (defaults from ``d``)."""
-    flt.add_argument(
-        "--delay-s",
-        type=_seconds,
-        default=d.delay_s,
-        metavar="S",
-        help="answer every non-faulted chat or completions request after S seconds (default: %(default)s)",
-    )
-    flt.add_argument(
-        "--drop-first",
-        type=_count,
-        default=d.drop_first,
-        metavar="N",
-        help="drop the connection of the first N requests without an answer (default: %(default)s)",
-    )
-    flt.add_argument(
-        "--hang-first",
-        type=_count,
-        default=d.hang_first,
-        metavar="N",
-        help="the N requests after the drops get no answer for --hang-s seconds, then a dropped "
-        "connection (a client timeout shorter than --hang-s sees a timeout; default: %(default)s)",
-    )
-    flt.add_argument(
-        "--fail-first",
-        type=_count,
-        default=d.fail_first,
-        metavar="N",
-        help="the N requests after the drops and hangs get HTTP --fail-status (default: %(default)s)",
-    )
-    flt.add_argument(
-        "--drop-every",
-        type=_count,
-        default=d.drop_every,
-        metavar="N",
-        help="drop the connection of every request whose number is a multiple of N (default: %(default)s = off)",
-    )
-    flt.add_argument(
-        "--hang-every",
-        type=_count,
-        default=d.hang_every,
-        metavar="N",
-        help="hang every request whose number is a multiple of N, as --hang-first does (default: %(default)s = off)",
-    )
-    flt.add_argument(
-        "--fail-every",
-        type=_count,
-        default=d.fail_every,
-        metavar="N",
-        help="answer every request whose number is a multiple of N with HTTP --fail-status, "
-        "i.e. a failure rate of 1/N (default: %(default)s = off)",
-    )
-    flt.add_argument(
-        "--hang-s",
-        type=_seconds,
-        default=d.hang_s,
-        metavar="S",
-        help="how long a hung request waits before its connection is dropped (seconds; default: %(default)s)",
-    )
-    flt.add_argument(
-        "--fail-status",
-        type=_status,
-        default=d.fail_status,
-        metavar="CODE",
-        help="HTTP status of --fail-first/--fail-every failures, e.g. 500, 503, or 429 for rate "
-        "limiting (default: %(default)s); the body is an OpenAI error object",
-    )
-    flt.add_argument(
-        "--retry-after-s",
-        type=_seconds,
-        default=d.retry_after_s,
-        metavar="S",
-        help="send 'Retry-After: S' (seconds) with --fail-first/--fail-every failures (default: no header)",
-    )
-    flt.add_argument(
-        "--die-after",
-        type=_count,
-        default=d.die_after,
-        metavar="N",
-        help="after N requests, act crashed: drop every later connection, /v1/models and /health "
-        "included (/metrics and /stats keep answering; default: never)",
-    )
+    """The drops, hangs, failures, delay and crash of :class:`Faults` (:data:`_FAULT_PLAN_FLAGS`; defaults from
+    ``d``)."""
+    for flag, (kind, metavar, text) in _FAULT_PLAN_FLAGS.items():
+        flt.add_argument(flag, type=kind, default=getattr(d, flag[2:].replace("-", "_")), metavar=metavar, help=text)
 
 
 def _add_marker_flags(flt: argparse._ArgumentGroup, d: Faults) -> None:
