@@ -128,6 +128,7 @@ def step_objective(ctx: StepContext, batch: dict) -> L.LossOutput:
         ce_weight=ctx.kl_ce_weight,
         dpace_alpha=ctx.dpace_alpha,
         num_sequences=num_sequences,
+        logit_softcap=ctx.logit_softcap,
     )
     if getattr(core, "family", "dflash") == "dflash2":  # + the candidate selector's K-way CE
         out = FO.dflash2_objective(
@@ -142,20 +143,6 @@ def step_objective(ctx: StepContext, batch: dict) -> L.LossOutput:
             selector_weight=ctx.selector_weight,
         )
     return out
-    return L.compute_loss(
-        ctx.loss,
-        hidden,
-        ctx.lm_head.weight,
-        labels,
-        weights,
-        ctx.block_size,
-        teacher_hidden=teacher,
-        temperature=ctx.kl_temperature,
-        ce_weight=ctx.kl_ce_weight,
-        dpace_alpha=ctx.dpace_alpha,
-        num_sequences=num_sequences,
-        logit_softcap=ctx.logit_softcap,
-    )
 
 
 def _batch_features(ctx: StepContext, batch: dict) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -190,3 +190,35 @@ def test_compute_loss_passes_the_cap(cap):
     a = L.compute_loss("kl", h, w, y, wt, 4, teacher_hidden=t, logit_softcap=cap)
     b = L.kl(h, w, y, wt, t, logit_softcap=cap)
     assert torch.equal(a.total, b.total)
+
+
+def test_kl_step_caps_the_teacher_with_the_contexts_softcap():
+    """step_objective hands ``ctx.logit_softcap`` to the loss: the same kl step differs with a cap of 1 (every
+    teacher logit squeezed into (-1, 1)) and equals itself without one (a merge once dropped the argument)."""
+    from dflash_pipeline.train.step import StepContext, step_objective
+
+    target, drafter = tiny_target_and_drafter(num_hidden_layers=6, num_draft_layers=1, target_layer_ids=[1, 3])
+    batch = {
+        "input_ids": torch.randint(0, 90, (2, 16), generator=torch.Generator().manual_seed(0)),
+        "loss_mask": torch.ones(2, 16, dtype=torch.uint8),
+        "attention_mask": torch.ones(2, 16, dtype=torch.long),
+    }
+    probe = {"drafter": {"target_layer_ids": drafter.target_layer_ids, "mask_token_id": 95}}
+
+    def loss(cap):
+        ctx = StepContext(
+            drafter=drafter,
+            target=target,
+            probe=probe,
+            num_anchors=4,
+            block_size=4,
+            gamma=None,
+            generator=torch.Generator().manual_seed(0),
+            loss="kl",
+            logit_softcap=cap,
+        )
+        with torch.no_grad():
+            return step_objective(ctx, batch).total
+
+    assert torch.equal(loss(None), loss(None))
+    assert not torch.allclose(loss(None), loss(1.0), rtol=1e-3)
