@@ -260,6 +260,30 @@ def stream_settings(stream: dict) -> dict:
     return out
 
 
+def _stream_endpoints(st: dict) -> list[dict]:
+    """The feature servers of :func:`open_stream_data`: ``st["endpoints"]`` (:func:`stream_settings`), else those the
+    colocated launcher put in ``$DFLASH_STREAM_ENDPOINTS`` (JSON), each with the schema's endpoint defaults.
+
+    Raises:
+        StreamError: neither names a server.
+    """
+    import json
+    import os
+
+    from dflash_pipeline.features import ENDPOINTS_ENV, StreamError
+
+    endpoints = (
+        st["endpoints"]
+        or stream_settings({"endpoints": json.loads(os.environ.get(ENDPOINTS_ENV) or "[]")})["endpoints"]
+    )
+    if not endpoints:
+        raise StreamError(
+            "train.target_features: stream has no feature server: set features.stream.endpoints, or "
+            f"run the trainer under the colocated launcher (${ENDPOINTS_ENV})"
+        )
+    return endpoints
+
+
 def open_stream_data(
     cfg: dict,
     token_shards: Sequence[str | Path],
@@ -285,54 +309,17 @@ def open_stream_data(
     Raises:
         StreamError: no endpoint, or the breaker opened while probing. OSError (ENOSPC): scratch too small.
     """
-    import json
-    import os
-
-    from dflash_pipeline.features import (
-        ENDPOINTS_ENV,
-        FeatureClient,
-        StreamError,
-        fleet_config,
-    )
-    from dflash_pipeline.train.data import (
-        TrainingData,
-        collate,
-        frozen_head,
-        token_records,
-    )
+    from dflash_pipeline.features import FeatureClient, fleet_config
+    from dflash_pipeline.train.data import TrainingData, collate, frozen_head, token_records
 
     st = stream_settings(stream)
-    ds = token_records(
-        token_shards,
-        out_dir,
-        is_main=is_main,
-        barrier=barrier,
-        min_loss_tokens=min_loss_tokens,
-    )
-    endpoints = (
-        st["endpoints"]
-        or stream_settings({"endpoints": json.loads(os.environ.get(ENDPOINTS_ENV) or "[]")})["endpoints"]
-    )
-    if not endpoints:
-        raise StreamError(
-            "train.target_features: stream has no feature server: set features.stream.endpoints, or "
-            f"run the trainer under the colocated launcher (${ENDPOINTS_ENV})"
-        )
-    k, h, last = (
-        len(probe["drafter"]["target_layer_ids"]),
-        int(probe["hidden_size"]),
-        bool(st["last_hidden"]),
-    )
+    ds = token_records(token_shards, out_dir, is_main=is_main, barrier=barrier, min_loss_tokens=min_loss_tokens)
+    endpoints = _stream_endpoints(st)
+    k, h, last = len(probe["drafter"]["target_layer_ids"]), int(probe["hidden_size"]), bool(st["last_hidden"])
     wire = (k + int(last)) * h * int(st["wire_bytes_per_value"])
     longest = max((int(np.diff(s.offsets).max()) for s in ds._open() if len(s)), default=1)
     longest = max(longest, int(cfg.get("pack_max_tokens") or 0) if cfg.get("packing") else 0)
-    window = window_bytes(
-        st["prefetch_batches"],
-        int(cfg["batch_size"]),
-        longest,
-        wire,
-        st["max_inflight_bytes"],
-    )
+    window = window_bytes(st["prefetch_batches"], int(cfg["batch_size"]), longest, wire, st["max_inflight_bytes"])
     free = None
     if st.get("scratch_dir") and any(e["transport"] == "path" for e in endpoints):
         free = check_scratch(st["scratch_dir"], window)
