@@ -47,3 +47,24 @@ def lazy_face(package: str, owners: Mapping[str, str], namespace: Callable[[], d
         return sorted(set(namespace()) | set(table))
 
     return __getattr__, __dir__, sorted(table)
+
+
+def moved_module(old: str, *owners: str):
+    """``__getattr__`` of a deprecated module ``old`` (its ``__name__``) whose names now live in the modules
+    ``owners``, looked up in that order; warns with a DeprecationWarning naming them, once, when ``old`` is
+    imported (call it from the module's body). ``__getattr__`` raises AttributeError for a name none of them has.
+
+    The shims of the old flat layout (``dflash_pipeline.model``, ``.engine``, ``.evaluate_engine``, ``.chat``)
+    are this call, kept for one release."""
+    import warnings
+
+    warnings.warn(f"{old} is deprecated; import {' or '.join(owners)}", DeprecationWarning, stacklevel=3)
+    modules = [importlib.import_module(m) for m in owners]
+
+    def __getattr__(name: str):
+        for module in modules:
+            if hasattr(module, name):
+                return getattr(module, name)
+        raise AttributeError(f"module {old!r} has no attribute {name!r}")
+
+    return __getattr__

@@ -23,7 +23,7 @@ from dflash_pipeline.core.faces import lazy_face
 from .colocate import ENDPOINTS_ENV, colocated_servers
 from .format import FeatureLayout, FeatureShard, FeatureShardError, FeatureShardWriter, bytes_per_token
 from .plan import window_bytes
-from .stream_client import FeatureClient, Features, StreamError, fleet_config
+from .stream_client import FLEET_KEYS, FeatureClient, Features, StreamError, fleet_config
 
 #: Names of the face loaded on first use from the module that owns them (their modules import more).
 _OWNERS = {"extract": "read_token_arrays", "weights": "load_embed_and_head"}
@@ -32,6 +32,7 @@ __getattr__, __dir__, _LAZY = lazy_face(__name__, _OWNERS, globals)
 
 __all__ = [
     "ENDPOINTS_ENV",
+    "FLEET_KEYS",
     "FeatureClient",
     "FeatureLayout",
     "FeatureShard",

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_pipeline.features import window_bytes
+from dflash_pipeline.features import FLEET_KEYS, window_bytes
 
 
 def row_spans(batch: dict) -> list[list[tuple[int, int]]]:
@@ -238,17 +238,7 @@ def stream_settings(stream: dict) -> dict:
     out = {k: v["default"] for k, v in feats["stream"]["properties"].items() if "default" in v}
     out.update(dtype=feats["dtype"]["default"], last_hidden=feats["last_hidden"]["default"])
     gen = props["generation"]["properties"]
-    fleet = {
-        k: gen[k]["default"]
-        for k in (
-            "request_timeout_s",
-            "endpoint_max_failures",
-            "endpoint_reprobe_s",
-            "retry_backoff_s",
-            "retry_backoff_max_s",
-            "circuit_breaker_failures",
-        )
-    }
+    fleet = {k: gen[k]["default"] for k in FLEET_KEYS}
     out = {**out, **stream}
     out["fleet"] = {**fleet, **(stream.get("fleet") or {})}
     ep_defaults = {

@@ -62,3 +62,21 @@ def test_every_face_name_is_defined_by_its_owner_module():
         if name not in _defined(package / f"{module}.py")
     ]
     assert not missing, missing
+
+
+def test_moved_module_warns_and_finds_names_in_every_new_home(monkeypatch):
+    """The old ``dflash_pipeline.evaluate_engine`` path keeps serving the names that moved to two modules."""
+    import importlib
+    import sys
+
+    from dflash_pipeline.evaluate import engine_acceptance, engine_vs_loop
+
+    monkeypatch.delitem(sys.modules, "dflash_pipeline.evaluate_engine", raising=False)
+    with pytest.warns(
+        DeprecationWarning, match="dflash_pipeline.evaluate_engine is deprecated; import .*engine_vs_loop"
+    ):
+        old = importlib.import_module("dflash_pipeline.evaluate_engine")
+    assert old.server_acceptance is engine_acceptance.server_acceptance
+    assert old.attach_engine_tau is engine_vs_loop.attach_engine_tau and old.DISAGREEMENT_Z == 3.0
+    with pytest.raises(AttributeError, match="'dflash_pipeline.evaluate_engine' has no attribute 'nope'"):
+        _ = old.nope

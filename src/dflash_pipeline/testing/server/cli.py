@@ -20,32 +20,24 @@ from .app import DEFAULT_MODEL_NAME, FLAVORS, TestServer
 from .faults import Faults, faults_summary
 
 
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a count >= 0, got {text}")
-    return value
+def _checked(name: str, convert, ok, what: str):
+    """An argparse ``type`` called ``name``: ``convert(text)`` when ``ok`` of it, else ArgumentTypeError
+    "must be ``what``" (argparse reports a failed ``convert`` as "invalid ``name`` value")."""
+
+    def parse(text: str):
+        value = convert(text)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return value
+
+    parse.__name__ = name
+    return parse
 
 
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
-    return value
-
-
-def _status(text: str) -> int:
-    value = int(text)
-    if not 100 <= value <= 599:
-        raise argparse.ArgumentTypeError(f"must be an HTTP status 100-599, got {text}")
-    return value
-
-
-def _accept_length(text: str) -> float:
-    value = float(text)
-    if not (value >= 1 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be an acceptance length >= 1, got {text}")
-    return value
+_count = _checked("_count", int, lambda v: v >= 0, "a count >= 0")
+_seconds = _checked("_seconds", float, lambda v: v >= 0 and math.isfinite(v), "a number of seconds >= 0")
+_status = _checked("_status", int, lambda v: 100 <= v <= 599, "an HTTP status 100-599")
+_accept_length = _checked("_accept_length", float, lambda v: v >= 1 and math.isfinite(v), "an acceptance length >= 1")
 
 
 _CLI_EPILOG = """\
