@@ -100,6 +100,51 @@ rule tok:
     shell: "touch {output}"
 """
 
+
+def _drop(text: str, directive: str) -> str:
+    """``text`` without the lines of ``directive`` (``    conda: ...``) in every rule."""
+    return "".join(line for line in text.splitlines(keepends=True) if not line.startswith(f"    {directive}:"))
+
+
+_A_SHELL = 'shell: "python job.py {input.p:q} {output.s:q} --log {log:q}"'
+
+#: What each per-job directive of :data:`SAME_DIRECTIVES` costs: the same Snakefile with one thing changed
+#: (``--directives`` times each against it). name -> (what changes, Snakefile).
+DIRECTIVE_VARIANTS = {
+    "script -> shell": (
+        "rule a runs a shell: command instead of script:",
+        SAME_DIRECTIVES.replace('script: "job.py"', _A_SHELL),
+    ),
+    "no conda": ("no conda: env (its spec forces each job's params)", _drop(SAME_DIRECTIVES, "conda")),
+    "no benchmark": ("no benchmark: file", _drop(SAME_DIRECTIVES, "benchmark")),
+    "no log": ("no log: file", _drop(SAME_DIRECTIVES, "log").replace(" --log {log:q}", "")),
+    "params constant": (
+        "params.target a constant, not a function of the input",
+        SAME_DIRECTIVES.replace("params: target=target_dir,", 'params: target="target",'),
+    ),
+    "no params": ("no params: at all", _drop(SAME_DIRECTIVES, "params").replace(" --target {params.target:q}", "")),
+    "no threads/resources": (
+        "no threads: and no resources: gpu",
+        _drop(_drop(SAME_DIRECTIVES, "resources"), "threads"),
+    ),
+    "one input": (
+        "the per-shard rules without their second input (the target's config.json; params.target constant)",
+        SAME_DIRECTIVES.replace(', target="target/config.json"', "").replace(
+            "params: target=target_dir,", 'params: target="target",'
+        ),
+    ),
+    "gen: stats only": (
+        "the 2-files-per-shard aggregate reads 1 file per shard",
+        SAME_DIRECTIVES.replace('expand("completions/{shard}.txt", shard=shards(w)) + ', ""),
+    ),
+    "all five": (
+        "shell, no conda, no benchmark, no resources, params constant",
+        _drop(_drop(_drop(SAME_DIRECTIVES, "conda"), "benchmark"), "resources")
+        .replace('script: "job.py"', _A_SHELL)
+        .replace("params: target=target_dir,", 'params: target="target",'),
+    ),
+}
+
 #: Conversations the untrained target's tokenizer is fitted on (GSM8K-style lines; `demo.load_corpus`).
 CORPUS = [
     {"question": f"What is {i} plus {i + 1}?", "answer": f"{i} + {i + 1} = {2 * i + 1}\n#### {2 * i + 1}"}
@@ -214,13 +259,48 @@ def measure(n: int, target: Path | None, tmp: Path) -> dict[str, float]:
     return out
 
 
+def measure_directives(n: int, tmp: Path) -> dict[str, float]:
+    """CPU seconds of one dry run over ``n`` shards of :data:`SAME_DIRECTIVES` (``same``), of the trivial
+    Snakefile (``trivial``) and of each :data:`DIRECTIVE_VARIANTS` Snakefile."""
+    triv = tmp / "trivial"
+    (triv / "prompts").mkdir(parents=True)
+    for i in range(n):
+        (triv / "prompts" / f"{i:05d}.txt").touch()
+    (triv / "Snakefile").write_text(TRIVIAL)
+    snakemake = [sys.executable, "-m", "snakemake", "-n", "--quiet", "--cores", "2"]
+    out = {"trivial": timed([*snakemake, "--config", f"nshards={n}"], triv)[1]}
+    for k, (name, text) in enumerate(
+        [("same", SAME_DIRECTIVES)] + [(v, s) for v, (_, s) in DIRECTIVE_VARIANTS.items()]
+    ):
+        work = tmp / f"variant{k}"
+        same_directives_workdir(work, n)
+        (work / "Snakefile").write_text(text)
+        out[name] = timed(snakemake, work)[1]
+    return out
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shards", type=int, default=10_000)
     p.add_argument("--target", type=Path, help="a target directory (default: the demo target's files, untrained)")
     p.add_argument("--smoke", action="store_true", help="tiny size (20 shards), for the suite's smoke test")
+    p.add_argument(
+        "--directives",
+        action="store_true",
+        help="instead: CPU seconds of the same-directives Snakefile with one directive changed at a time",
+    )
     a = p.parse_args(argv)
     n = 20 if a.smoke else a.shards
+    if a.directives:
+        with tempfile.TemporaryDirectory() as tmp:
+            cpu = measure_directives(n, Path(tmp))
+        same, base = cpu["same"], cpu["trivial"]
+        print(f"directive costs over {n:,} shards, CPU seconds (same directives {same:.1f}, trivial {base:.1f}):")
+        for name, (what, _) in DIRECTIVE_VARIANTS.items():
+            print(
+                f"  {name:22s} {cpu[name]:6.1f}  {cpu[name] - same:+6.1f} vs same  {cpu[name] / base:5.2f}x trivial  ({what})"
+            )
+        return
     with tempfile.TemporaryDirectory() as tmp:
         t = measure(n, a.target, Path(tmp))
     (ours, ours_cpu), (base, base_cpu), (same, same_cpu) = t["ours"], t["trivial"], t["same"]
