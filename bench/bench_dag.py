@@ -111,6 +111,10 @@ _A_SHELL = 'shell: "python job.py {input.p:q} {output.s:q} --log {log:q}"'
 #: What each per-job directive of :data:`SAME_DIRECTIVES` costs: the same Snakefile with one thing changed
 #: (``--directives`` times each against it). name -> (what changes, Snakefile).
 DIRECTIVE_VARIANTS = {
+    "same again (noise)": (
+        "the same Snakefile timed again: its difference is the noise of one run",
+        SAME_DIRECTIVES + "# timed again\n",
+    ),
     "script -> shell": (
         "rule a runs a shell: command instead of script:",
         SAME_DIRECTIVES.replace('script: "job.py"', _A_SHELL),
