@@ -5,10 +5,10 @@ from dflash_pipeline.evaluate.acceptance import (
     checkpoint_info,
     evaluate,
     step_checkpoints,
-    training_prompt_ids,
     write_eval_table,
 )
-from dflash_pipeline.evaluate.engine_acceptance import attach_engine_tau
+from dflash_pipeline.evaluate.engine_vs_loop import attach_engine_tau
+from dflash_pipeline.evaluate.eval_sets import training_prompt_ids
 from dflash_pipeline.workflow.policy import claim_gpus, log_to
 
 with log_to(snakemake.log[0], snakemake.threads), claim_gpus(snakemake.resources.gpu):

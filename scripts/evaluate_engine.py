@@ -1,5 +1,5 @@
-from dflash_pipeline.evaluate.acceptance import training_prompt_ids
 from dflash_pipeline.evaluate.engine_acceptance import evaluate_engine
+from dflash_pipeline.evaluate.eval_sets import training_prompt_ids
 from dflash_pipeline.workflow.policy import claim_gpus, log_to
 
 with log_to(snakemake.log.job, snakemake.threads), claim_gpus(snakemake.resources.gpu):

@@ -135,22 +135,19 @@ def features_job_config():
     return canonical(cfg)
 
 
-#: The generation.* fleet knobs the stream client reuses (dflash_pipeline.features.stream_client).
-STREAM_FLEET_KEYS = ("request_timeout_s", "endpoint_max_failures", "endpoint_reprobe_s", "retry_backoff_s",
-                     "retry_backoff_max_s", "circuit_breaker_failures")
-
-
 def stream_job_config(run):
     """The stream settings the train job reads (train.target_features: stream): features.stream, the
     features dtype / last_hidden, the generation fleet knobs, the scratch dir (default
     <results>/stream_scratch/<run>), the longest record (tokens.max_length) and the vLLM environment."""
+    from dflash_pipeline.features.stream_client import FLEET_KEYS  # the knobs the stream client's fleet reuses
+
     st = dict(FEATURES["stream"])
     if st["cache"] == "none":  # the defaults stay out of the params (no rerun of existing stream runs)
         for k in ("cache", "cache_max_bytes", "cache_dir"):
             st.pop(k)
     st["scratch_dir"] = st["scratch_dir"] or f"{RESULTS}/stream_scratch/{run}"
     st.update(dtype=FEATURES["dtype"], last_hidden=features_last_hidden(), max_len=config["tokens"]["max_length"],
-              fleet={k: config["generation"][k] for k in STREAM_FLEET_KEYS})
+              fleet={k: config["generation"][k] for k in FLEET_KEYS})
     if st["backend"] == "vllm" and not st["endpoints"]:
         from dflash_pipeline.core.vllm_env import require_vllm_python
 

@@ -333,15 +333,8 @@ def build_demo_target(
             len_tokenizer=len(tokenizer),
             hidden_size=hidden_size,
             num_hidden_layers=num_hidden_layers,
+            asked_vocab_size=vocab_size,
         )
-        # the `target.demo` settings it was built with (workflow.keyed_paths reads them back: the directory's key)
-        facts["params"] = {
-            "seed": seed,
-            "vocab_size": vocab_size,
-            "hidden_size": hidden_size,
-            "num_hidden_layers": num_hidden_layers,
-            "train_steps": train_steps,
-        }
         _write_demo(out_dir, model, tokenizer, facts, t0)
         log(f"demo target written to {out_dir} in {facts['seconds']:.1f}s (final loss {facts['final_loss']})")
         return out_dir
@@ -403,9 +396,12 @@ def _build_facts(
     len_tokenizer: int,
     hidden_size: int,
     num_hidden_layers: int,
+    asked_vocab_size: int,
 ) -> dict:
     """The build facts written to ``demo_target.json`` (``seconds`` is set by :func:`_write_demo`);
-    ``final_loss`` is the mean of the last 20 training losses."""
+    ``final_loss`` is the mean of the last 20 training losses; ``params`` the ``target.demo`` settings it was
+    built with (``asked_vocab_size``: the vocabulary asked of the tokenizer trainer), which
+    :mod:`dflash_pipeline.workflow.keyed_paths` reads back as the directory's key."""
     import torch
 
     tail = losses[-20:]
@@ -428,6 +424,13 @@ def _build_facts(
         "num_hidden_layers": num_hidden_layers,
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "torch_threads": torch.get_num_threads(),
+        "params": {
+            "seed": seed,
+            "vocab_size": asked_vocab_size,
+            "hidden_size": hidden_size,
+            "num_hidden_layers": num_hidden_layers,
+            "train_steps": train_steps,
+        },
     }
 
 

@@ -1,15 +1,5 @@
 """Deprecated: ``dflash_pipeline.engine`` moved to :mod:`dflash_pipeline.evaluate.vllm_server` (kept for one release)."""
 
-import importlib
-import warnings
+from dflash_pipeline.core.faces import moved_module
 
-warnings.warn(
-    "dflash_pipeline.engine is deprecated; import dflash_pipeline.evaluate.vllm_server",
-    DeprecationWarning,
-    stacklevel=2,
-)
-_NEW = importlib.import_module("dflash_pipeline.evaluate.vllm_server")
-
-
-def __getattr__(name):
-    return getattr(_NEW, name)
+__getattr__ = moved_module(__name__, "dflash_pipeline.evaluate.vllm_server")

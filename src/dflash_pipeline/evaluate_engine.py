@@ -1,15 +1,8 @@
-"""Deprecated: ``dflash_pipeline.evaluate_engine`` moved to :mod:`dflash_pipeline.evaluate.engine_acceptance` (kept for one release)."""
+"""Deprecated: ``dflash_pipeline.evaluate_engine`` moved to :mod:`dflash_pipeline.evaluate.engine_acceptance`
+and :mod:`dflash_pipeline.evaluate.engine_vs_loop` (kept for one release)."""
 
-import importlib
-import warnings
+from dflash_pipeline.core.faces import moved_module
 
-warnings.warn(
-    "dflash_pipeline.evaluate_engine is deprecated; import dflash_pipeline.evaluate.engine_acceptance",
-    DeprecationWarning,
-    stacklevel=2,
+__getattr__ = moved_module(
+    __name__, "dflash_pipeline.evaluate.engine_acceptance", "dflash_pipeline.evaluate.engine_vs_loop"
 )
-_NEW = importlib.import_module("dflash_pipeline.evaluate.engine_acceptance")
-
-
-def __getattr__(name):
-    return getattr(_NEW, name)

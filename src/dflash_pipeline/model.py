@@ -1,13 +1,5 @@
 """Deprecated: ``dflash_pipeline.model`` moved to :mod:`dflash_pipeline.drafter.model` (kept for one release)."""
 
-import importlib
-import warnings
+from dflash_pipeline.core.faces import moved_module
 
-warnings.warn(
-    "dflash_pipeline.model is deprecated; import dflash_pipeline.drafter.model", DeprecationWarning, stacklevel=2
-)
-_NEW = importlib.import_module("dflash_pipeline.drafter.model")
-
-
-def __getattr__(name):
-    return getattr(_NEW, name)
+__getattr__ = moved_module(__name__, "dflash_pipeline.drafter.model")

@@ -51,6 +51,22 @@ def test_bench_dag():
     )
 
 
+def test_bench_dag_directive_costs():
+    """``--directives``: one line per variant, and each variant Snakefile differs from the same-directives one
+    (a variant whose change no longer applies would time the same Snakefile twice)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import bench_dag
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    for name, (_, text) in bench_dag.DIRECTIVE_VARIANTS.items():
+        assert text != bench_dag.SAME_DIRECTIVES and len(text) < len(bench_dag.SAME_DIRECTIVES) + 100, name
+    out = run_bench("bench_dag", "--directives")
+    assert_lines(out, rf"^directive costs over 20 shards, CPU seconds \(same directives {NUM}, trivial {NUM}\):$")
+    for name in bench_dag.DIRECTIVE_VARIANTS:
+        assert_lines(out, rf"^  {re.escape(name)} +{NUM} +[+-]{NUM} vs same +{NUM}x trivial  \(")
+
+
 def test_bench_completions():
     out = run_bench("bench_completions")
     assert_lines(

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dflash_pipeline.core.faces import face_table
+
 REPO = Path(__file__).resolve().parents[2]
 PKG = "dflash_pipeline"
 PKG_DIR = REPO / "src" / PKG
@@ -133,7 +135,7 @@ def face_owner(package: str, name: str) -> str | None:
     tree = ast.parse(init.read_text(encoding="utf-8"))
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_OWNERS" for t in node.targets):
-            owner = ast.literal_eval(node.value).get(name)
+            owner = face_table(ast.literal_eval(node.value)).get(name)
             if owner:
                 return f"{package}.{owner}"
     for mod, names in import_statements(init, package, top_level_only=True):

@@ -172,16 +172,9 @@ def generate_shard(
     template_kwargs(gen_cfg["thinking"])  # validates the mode
     progress = ProgressLog(paths.progress, _fingerprint(gen_cfg["backend"], gen_cfg, target_dir, chat_template))
     done = _resumable(progress, prompts)
+    kw = {"target_dir": target_dir, "dtype": dtype, "chat_template": chat_template}
     backend, model_name = _backend_and_model(
-        backend,
-        done,
-        prompts,
-        paths,
-        gen_cfg,
-        target_dir=target_dir,
-        dtype=dtype,
-        chat_template=chat_template,
-        trust_remote_code=trust_remote_code,
+        backend, done, prompts, paths, gen_cfg, trust_remote_code=trust_remote_code, **kw
     )
     pending = [p for p in prompts if p["prompt_id"] not in done]
     # conversations that cannot fit the target's context are skipped and counted, never sent
@@ -199,9 +192,7 @@ def generate_shard(
     records = _final_records(prompts, done, failed, gen_cfg, paths)
     skip_info = _skip_summary(skipped)
     _write_shard(paths.out, records, gen_cfg, model_name, prompt_shard, skip_info)
-    paths.progress.unlink(missing_ok=True)
-    if not failed:
-        paths.errors.unlink(missing_ok=True)
+    paths.finished(errors=bool(failed))
     stats = shard_stats(
         paths.out,
         backend=gen_cfg["backend"],
@@ -213,9 +204,7 @@ def generate_shard(
         backend_stats=backend_stats,
         skip_info=skip_info,
     )
-    _console_summary(paths, stats)
-    if stats_path is not None:
-        shards.write_json(stats_path, stats, skip_if_identical=False)
+    _report_stats(paths, stats, stats_path)
     return stats
 
 
@@ -239,6 +228,14 @@ def _backend_and_model(
 def _without(prompts: Sequence[dict], skipped: dict[str, dict]) -> list[dict]:
     """``prompts`` less those in ``skipped`` (by prompt_id), in order."""
     return [p for p in prompts if p["prompt_id"] not in skipped]
+
+
+def _report_stats(paths: _Paths, stats: dict, stats_path: str | Path | None) -> None:
+    """The shard's stats as the job reports them: its console line (:func:`_console_summary`) and, when
+    ``stats_path`` is given, the stats JSON there (the rule's ``stats`` output)."""
+    _console_summary(paths, stats)
+    if stats_path is not None:
+        shards.write_json(stats_path, stats, skip_if_identical=False)
 
 
 def _console_summary(paths: _Paths, stats: dict) -> None:
@@ -318,6 +315,12 @@ class _Paths:
             Path(progress_path) if progress_path else Path(str(out) + PROGRESS_SUFFIX),
             Path(errors_path) if errors_path else Path(str(out) + ERRORS_SUFFIX),
         )
+
+    def finished(self, *, errors: bool) -> None:
+        """The shard is written: its progress file goes, and its error sidecar too unless ``errors``."""
+        self.progress.unlink(missing_ok=True)
+        if not errors:
+            self.errors.unlink(missing_ok=True)
 
 
 def _resumable(progress: ProgressLog, prompts: Sequence[dict]) -> dict[str, dict]:

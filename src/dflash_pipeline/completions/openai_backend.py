@@ -58,6 +58,20 @@ def _first_present(*values):
     return next((v for v in values if v is not None), None)
 
 
+def _turn(resp: dict, choice: dict, content: str, reasoning, latency: float, ep: _Endpoint) -> Turn:
+    """The :class:`Turn` of one answered request: its text split into ``content`` and ``reasoning``, the
+    ``choice``'s finish reason (``stop`` when it gives none), the latency (seconds), the endpoint and the
+    response's facts (:func:`_response_facts`)."""
+    return Turn(
+        content=content,
+        reasoning_content=reasoning,
+        finish_reason=choice.get("finish_reason") or "stop",
+        latency_s=round(latency, 6),
+        endpoint=ep.url,
+        **_response_facts(resp, choice),
+    )
+
+
 def _response_facts(data: dict, choice: dict) -> dict:
     """``prompt_tokens``, ``completion_tokens`` (``usage``) and ``prompt_token_ids``, ``output_token_ids``
     of a response's JSON, as :class:`Turn` keywords; the ids None when absent. The ids are read where the
@@ -245,14 +259,7 @@ class OpenAIBackend:
         # reasoning parser); never a `</think>` later in the answer, never with thinking=disable
         reasoning, content = take_reasoning(content, self.cfg["thinking"], field=reasoning)
         reasoning = check_thinking(self.cfg["thinking"], reasoning, require_reasoning=True)
-        return Turn(
-            content=content,
-            reasoning_content=reasoning,
-            finish_reason=choice.get("finish_reason") or "stop",
-            latency_s=round(latency, 6),
-            endpoint=ep.url,
-            **_response_facts(resp, choice),
-        )
+        return _turn(resp, choice, content, reasoning, latency, ep)
 
     def _parse_text(self, resp, latency: float, ep: _Endpoint) -> Turn:
         """Turn from a ``/completions`` response (``generation.api: completions``): the reasoning is split
@@ -273,14 +280,7 @@ class OpenAIBackend:
         reasoning = check_thinking(
             self.cfg["thinking"], reasoning, require_reasoning=False, disable_hint=DISABLE_HINT_LOCAL
         )
-        return Turn(
-            content=content,
-            reasoning_content=reasoning,
-            finish_reason=choice.get("finish_reason") or "stop",
-            latency_s=round(latency, 6),
-            endpoint=ep.url,
-            **_response_facts(resp, choice),
-        )
+        return _turn(resp, choice, content, reasoning, latency, ep)
 
     def _request(self, history: list[dict]) -> tuple[str, dict]:
         """``(path, body)`` of the request answering ``history``'s last user turn.

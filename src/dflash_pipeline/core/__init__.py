@@ -4,77 +4,25 @@
 from dflash_pipeline.core.faces import lazy_face
 
 _OWNERS = {
-    "SCHEMA_PATH": "config",
-    "load_schema": "config",
-    "schema_problems": "config",
-    "normalize_numbers": "config",
-    "validate_config": "config",
-    "fill_defaults": "config",
-    "load_config": "config",
-    "deep_merge": "config",
-    "schema_default": "config",
-    "schema_defaults": "config",
-    "generation_problems": "config",
-    "resolve_path": "config",
-    "CONSOLE_LOGGER": "console",
-    "CONSOLE_PREFIXES": "console",
-    "console": "console",
-    "PROBE_SCHEMA_VERSION": "contracts",
-    "PROMPT_SCHEMA_VERSION": "contracts",
-    "COMPLETION_SCHEMA_VERSION": "contracts",
-    "TOKEN_SCHEMA_VERSION": "contracts",
-    "EVAL_SCHEMA_VERSION": "contracts",
-    "CHECKPOINT_FORMAT_VERSION": "contracts",
-    "FEATURE_SCHEMA_VERSION": "contracts",
-    "PROMPT_ROLES": "contracts",
-    "CONVERSATION_ROLES": "contracts",
-    "MESSAGE_TYPE": "contracts",
-    "PROMPT_SCHEMA": "contracts",
-    "CONV_MESSAGE_TYPE": "contracts",
-    "TURN_TYPE": "contracts",
-    "COMPLETION_SCHEMA": "contracts",
-    "COMPLETION_STATUSES": "contracts",
-    "THINKING_MODES": "contracts",
-    "TOKEN_SCHEMA": "contracts",
-    "canonical_json": "contracts",
-    "prompt_id": "contracts",
-    "sha256_text": "contracts",
-    "MANIFEST_SCHEMA_VERSION": "contracts",
-    "COMPLETION_STATS_VERSION": "contracts",
-    "ManifestShard": "contracts",
-    "ManifestSource": "contracts",
-    "PromptManifest": "contracts",
-    "RunStats": "contracts",
-    "CompletionStats": "contracts",
-    "STATS_V1_RUN_KEYS": "contracts",
-    "run_stats": "contracts",
-    "EvalSetStats": "contracts",
-    "EvalDrafter": "contracts",
-    "EvalRecord": "contracts",
-    "CheckpointMeta": "contracts",
-    "strip_url_credentials": "errors",
-    "PipelineError": "errors",
-    "ConfigError": "errors",
-    "ProbeError": "errors",
-    "DataError": "errors",
-    "GenerationError": "errors",
-    "TokenizationError": "errors",
-    "atomic_write_bytes": "shards",
-    "replace_dir": "shards",
-    "write_tsv": "shards",
-    "write_json": "shards",
-    "read_json": "shards",
-    "table_from_records": "shards",
-    "write_parquet": "shards",
-    "read_parquet": "shards",
-    "read_shard_metadata": "shards",
-    "ParquetStreamWriter": "shards",
-    "VLLM_PYTHON_ENV": "vllm_env",
-    "VLLMNotFound": "vllm_env",
-    "find_vllm_python": "vllm_env",
-    "require_vllm_python": "vllm_env",
+    "config": (
+        "SCHEMA_PATH load_schema schema_problems normalize_numbers validate_config fill_defaults load_config"
+        " deep_merge schema_default schema_defaults generation_problems resolve_path"
+    ),
+    "console": "CONSOLE_LOGGER CONSOLE_PREFIXES console",
+    "contracts": (
+        "PROBE_SCHEMA_VERSION PROMPT_SCHEMA_VERSION COMPLETION_SCHEMA_VERSION TOKEN_SCHEMA_VERSION"
+        " EVAL_SCHEMA_VERSION CHECKPOINT_FORMAT_VERSION FEATURE_SCHEMA_VERSION PROMPT_ROLES CONVERSATION_ROLES"
+        " MESSAGE_TYPE PROMPT_SCHEMA CONV_MESSAGE_TYPE TURN_TYPE COMPLETION_SCHEMA COMPLETION_STATUSES"
+        " THINKING_MODES TOKEN_SCHEMA canonical_json prompt_id sha256_text MANIFEST_SCHEMA_VERSION"
+        " COMPLETION_STATS_VERSION ManifestShard ManifestSource PromptManifest RunStats CompletionStats"
+        " STATS_V1_RUN_KEYS run_stats EvalSetStats EvalDrafter EvalRecord CheckpointMeta"
+    ),
+    "errors": "strip_url_credentials PipelineError ConfigError ProbeError DataError GenerationError TokenizationError",
+    "shards": (
+        "atomic_write_bytes replace_dir write_tsv write_json read_json table_from_records write_parquet"
+        " read_parquet read_shard_metadata ParquetStreamWriter"
+    ),
+    "vllm_env": "VLLM_PYTHON_ENV VLLMNotFound find_vllm_python require_vllm_python",
 }
 
-__all__ = sorted(_OWNERS)
-
-__getattr__, __dir__ = lazy_face(__name__, _OWNERS, globals)
+__getattr__, __dir__, __all__ = lazy_face(__name__, _OWNERS, globals)

@@ -1,26 +1,70 @@
-"""Lazy public faces: a package ``__init__`` that lists ``name -> owning module`` and loads each on first use.
+"""Lazy public faces: a package ``__init__`` that lists its owning modules and the names each one exports, and
+loads a module on the first use of one of its names.
 
 Every stage package's ``__init__`` is its public face (README "Layout"): other packages import a stage's
 names from the package, and the package imports the owning module only when a name is first used, so
 importing a package costs nothing (Snakemake's planning imports several).
+
+The face's table, ``_OWNERS``, maps each owning submodule to the names it exports, as one string of
+whitespace-separated names (the form of :func:`collections.namedtuple`'s field names)::
+
+    _OWNERS = {"config": "DFlashConfig checkpoint_meta", "block_size": "BlockSizeError check_block_size"}
+
+It is a literal, so tools read it without importing the package (tests/unit/test_layers.py, test_envs.py):
+:func:`face_table` turns it into ``name -> module``.
 """
 
 import importlib
 from typing import Callable, Mapping
 
 
+def face_table(owners: Mapping[str, str]) -> dict[str, str]:
+    """``name -> owning submodule`` of a face table ``{module: "name name ..."}``.
+
+    Raises ValueError naming both modules when a name is listed under two (a name has one owner)."""
+    table: dict[str, str] = {}
+    for module, names in owners.items():
+        for name in names.split():
+            if table.setdefault(name, module) != module:
+                raise ValueError(f"face table lists {name!r} under both {table[name]!r} and {module!r}")
+    return table
+
+
 def lazy_face(package: str, owners: Mapping[str, str], namespace: Callable[[], dict]):
-    """``(__getattr__, __dir__)`` for ``package`` (its ``__name__``) whose names ``owners`` maps to the
-    submodule that defines each (``{"DFlashConfig": "config"}``); ``namespace`` is the package's
-    ``globals``. ``__getattr__`` raises AttributeError for a name the face does not list."""
+    """``(__getattr__, __dir__, __all__)`` for ``package`` (its ``__name__``) whose face table ``owners`` maps
+    each submodule to the names it defines (:func:`face_table`); ``namespace`` is the package's ``globals``.
+    ``__getattr__`` raises AttributeError for a name the face does not list; ``__all__`` is the listed names,
+    sorted."""
+    table = face_table(owners)
 
     def __getattr__(name: str):
-        owner = owners.get(name)
+        owner = table.get(name)
         if owner is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         return getattr(importlib.import_module(f"{package}.{owner}"), name)
 
     def __dir__() -> list[str]:
-        return sorted(set(namespace()) | set(owners))
+        return sorted(set(namespace()) | set(table))
 
-    return __getattr__, __dir__
+    return __getattr__, __dir__, sorted(table)
+
+
+def moved_module(old: str, *owners: str):
+    """``__getattr__`` of a deprecated module ``old`` (its ``__name__``) whose names now live in the modules
+    ``owners``, looked up in that order; warns with a DeprecationWarning naming them, once, when ``old`` is
+    imported (call it from the module's body). ``__getattr__`` raises AttributeError for a name none of them has.
+
+    The shims of the old flat layout (``dflash_pipeline.model``, ``.engine``, ``.evaluate_engine``, ``.chat``)
+    are this call, kept for one release."""
+    import warnings
+
+    warnings.warn(f"{old} is deprecated; import {' or '.join(owners)}", DeprecationWarning, stacklevel=3)
+    modules = [importlib.import_module(m) for m in owners]
+
+    def __getattr__(name: str):
+        for module in modules:
+            if hasattr(module, name):
+                return getattr(module, name)
+        raise AttributeError(f"module {old!r} has no attribute {name!r}")
+
+    return __getattr__

@@ -5,43 +5,23 @@ DSpark families (``drafter.family``, :mod:`.families`). Names load on first use
 from dflash_pipeline.core.faces import lazy_face
 
 _OWNERS = {
-    "build_block_mask": "attention_masks",
-    "build_flex_block_mask": "attention_masks",
-    "build_training_masks": "attention_masks",
-    "masks_per_layer_type": "attention_masks",
-    "build_inference_sliding_mask": "attention_masks",
-    "AnchorBatch": "blocks",
-    "sample_anchors": "blocks",
-    "loss_decay_gamma": "blocks",
-    "block_inputs_and_labels": "blocks",
-    "decayed_cross_entropy": "blocks",
-    "loss_normalizer": "blocks",
-    "slot_accuracy": "blocks",
-    "expected_acceptance_length": "blocks",
-    "cosine_with_warmup": "blocks",
-    "ARCHITECTURE": "config",
-    "DFlashConfig": "config",
-    "checkpoint_meta": "config",
-    "BlockSizeError": "block_size",
-    "check_block_size": "block_size",
-    "resolve_block_size": "block_size",
-    "build_drafter": "build",
-    "drafter_config_from_target": "model",
-    "DraftContextCache": "model",
-    "DFlashAttention": "model",
-    "DFlashDecoderLayer": "model",
-    "DFlashDrafter": "model",
-    "save_drafter": "model",
-    "load_drafter": "build",
-    "count_parameters": "model",
-    "FAMILIES": "families",
-    "drafter_class": "families",
-    "family_of": "families",
-    "apply_family": "families",
-    "DFlash2Drafter": "dflash2",
-    "DSparkDrafter": "dspark",
+    "attention_masks": (
+        "build_block_mask build_flex_block_mask build_training_masks masks_per_layer_type build_inference_sliding_mask"
+    ),
+    "blocks": (
+        "AnchorBatch sample_anchors loss_decay_gamma block_inputs_and_labels decayed_cross_entropy"
+        " loss_normalizer slot_accuracy expected_acceptance_length cosine_with_warmup"
+    ),
+    "config": "ARCHITECTURE DFlashConfig checkpoint_meta",
+    "block_size": "BlockSizeError check_block_size resolve_block_size",
+    "build": "build_drafter load_drafter",
+    "model": (
+        "drafter_config_from_target DraftContextCache DFlashAttention DFlashDecoderLayer DFlashDrafter"
+        " save_drafter count_parameters"
+    ),
+    "families": "FAMILIES drafter_class family_of apply_family",
+    "dflash2": "DFlash2Drafter",
+    "dspark": "DSparkDrafter",
 }
 
-__all__ = sorted(_OWNERS)
-
-__getattr__, __dir__ = lazy_face(__name__, _OWNERS, globals)
+__getattr__, __dir__, __all__ = lazy_face(__name__, _OWNERS, globals)

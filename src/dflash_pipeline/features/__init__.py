@@ -24,13 +24,16 @@ from dflash_pipeline.core.faces import lazy_face
 from .colocate import ENDPOINTS_ENV, colocated_servers
 from .format import FeatureLayout, FeatureShard, FeatureShardError, FeatureShardWriter, bytes_per_token
 from .plan import window_bytes
-from .stream_client import FeatureClient, Features, StreamError, fleet_config
+from .stream_client import FLEET_KEYS, FeatureClient, Features, StreamError, fleet_config
 
 #: Names of the face loaded on first use from the module that owns them (their modules import more).
-_OWNERS = {"read_token_arrays": "extract", "load_embed_and_head": "weights", "load_final_norm": "weights"}
+_OWNERS = {"extract": "read_token_arrays", "weights": "load_embed_and_head load_final_norm"}
+
+__getattr__, __dir__, _LAZY = lazy_face(__name__, _OWNERS, globals)
 
 __all__ = [
     "ENDPOINTS_ENV",
+    "FLEET_KEYS",
     "FeatureClient",
     "FeatureLayout",
     "FeatureShard",
@@ -42,7 +45,5 @@ __all__ = [
     "colocated_servers",
     "fleet_config",
     "window_bytes",
-    *_OWNERS,
+    *_LAZY,
 ]
-
-__getattr__, __dir__ = lazy_face(__name__, _OWNERS, globals)

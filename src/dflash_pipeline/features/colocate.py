@@ -236,6 +236,46 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _server_cmd(
+    i: int, stream: dict, d: Path, env: dict, *, target: str, probe: dict, gpus: int, target_dtype: str, trust: bool
+) -> tuple[list[str], str | None, Path | None]:
+    """``(command, base_url, url_file)`` of feature server ``i`` of :func:`start_servers` (scratch dir ``d``):
+    vLLM on a free port (its URL known now; ``env`` gets the CPU KV-cache default), else the hf server, which
+    writes its URL to ``url_file`` once ready."""
+    if stream.get("backend") == "vllm":
+        port = _free_port()
+        cmd = vllm_server_cmd(
+            stream["vllm"]["python"],
+            target=target,
+            probe=probe,
+            stream=stream,
+            scratch=d,
+            port=port,
+            gpus=gpus,
+            target_dtype=target_dtype,
+            trust_remote_code=trust,
+            max_len=int(stream["max_len"]),
+        )
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        url, url_file = f"http://127.0.0.1:{port}/v1", None
+    else:
+        url_file = d.parent / f"server{i}.url"
+        url_file.unlink(missing_ok=True)
+        cmd = hf_server_cmd(
+            sys.executable,
+            target=target,
+            probe=probe,
+            stream=stream,
+            scratch=d,
+            url_file=url_file,
+            gpus=gpus,
+            target_dtype=target_dtype,
+            trust_remote_code=trust,
+        )
+        url = None
+    return cmd, url, url_file
+
+
 def start_servers(
     stream: dict,
     *,
@@ -248,7 +288,7 @@ def start_servers(
     """Start ``stream["servers"]`` feature servers of ``stream["backend"]`` on this machine and wait until
     each is ready; returns ``(processes, endpoints)`` (endpoints as ``features.stream.endpoints`` entries).
 
-    ``stream``: the stream settings (:func:`rules/features_helpers.smk` ``stream_job_config``): ``servers``,
+    ``stream``: the stream settings (``stream_job_config`` in rules/common/params.smk): ``servers``,
     ``gpus_per_server``, ``backend``, ``scratch_dir``, ``max_concurrency``, ``last_hidden``, ``max_len``,
     ``vllm`` (``python``, ``expert_parallel``, ``engine_args``). Raises RuntimeError (a server died or
     was not ready in ``timeout_s``; names its log), ValueError (too few GPUs)."""
@@ -264,37 +304,17 @@ def start_servers(
             env = dict(os.environ)
             if per:
                 env["CUDA_VISIBLE_DEVICES"] = per_env[i]
-            if stream.get("backend") == "vllm":
-                port = _free_port()
-                cmd = vllm_server_cmd(
-                    stream["vllm"]["python"],
-                    target=target,
-                    probe=probe,
-                    stream=stream,
-                    scratch=d,
-                    port=port,
-                    gpus=per,
-                    target_dtype=target_dtype,
-                    trust_remote_code=trust_remote_code,
-                    max_len=int(stream["max_len"]),
-                )
-                env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-                url, url_file = f"http://127.0.0.1:{port}/v1", None
-            else:
-                url_file = scratch / f"server{i}.url"
-                url_file.unlink(missing_ok=True)
-                cmd = hf_server_cmd(
-                    sys.executable,
-                    target=target,
-                    probe=probe,
-                    stream=stream,
-                    scratch=d,
-                    url_file=url_file,
-                    gpus=per,
-                    target_dtype=target_dtype,
-                    trust_remote_code=trust_remote_code,
-                )
-                url = None
+            cmd, url, url_file = _server_cmd(
+                i,
+                stream,
+                d,
+                env,
+                target=target,
+                probe=probe,
+                gpus=per,
+                target_dtype=target_dtype,
+                trust=trust_remote_code,
+            )
             with open(log, "wb") as fh:  # the child keeps its own copy of the descriptor
                 procs.append(
                     subprocess.Popen(

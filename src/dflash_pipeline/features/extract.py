@@ -56,36 +56,44 @@ def chunks(lengths: np.ndarray, start: int, chunk_tokens: int) -> Iterator[list[
         yield cur
 
 
-def _engine(
-    backend,
-    target_dir,
-    layer_ids,
-    num_hidden_layers,
-    last_hidden,
-    gpus,
-    target_dtype,
-    trust_remote_code,
-    max_len,
-    vllm_options,
-    out,
-):
-    """A started extractor of ``backend`` (:class:`.hf_backend.HFExtractor` / :class:`.vllm_backend.VLLMExtractor`)."""
+def _shard_meta(token_shard, lengths, layer_ids, hidden_size, dtype, last_hidden, backend, num_hidden_layers) -> dict:
+    """The feature shard's metadata (:mod:`.format`): the token shard it was extracted from (name, sha256), its
+    records and tokens (``lengths``: tokens per record), the layers, width, stored dtype and the backend."""
+    return {
+        "schema_version": FEATURE_SCHEMA_VERSION,
+        "token_shard": Path(token_shard).name,
+        "token_shard_sha256": sha256_file(token_shard),
+        "num_records": int(len(lengths)),
+        "num_tokens": int(lengths.sum()),
+        "target_layer_ids": layer_ids,
+        "hidden_size": int(hidden_size),
+        "dtype": dtype,
+        "last_hidden": bool(last_hidden),
+        "backend": backend,
+        "last_hidden_layer": int(num_hidden_layers) - 1 if last_hidden else None,
+    }
+
+
+def _engine(backend: str):
+    """The extractor class of ``backend`` (``hf``: :class:`.hf_backend.HFExtractor`, ``vllm``:
+    :class:`.vllm_backend.VLLMExtractor`), imported only when a shard has records left to extract."""
     if backend == "hf":
-        from .hf_backend import HFExtractor as Engine
-    else:
-        from .vllm_backend import VLLMExtractor as Engine
-    return Engine(
-        target_dir,
-        layer_ids,
-        num_hidden_layers=num_hidden_layers,
-        last_hidden=last_hidden,
-        gpus=gpus,
-        target_dtype=target_dtype,
-        trust_remote_code=trust_remote_code,
-        max_len=max_len,
-        options=vllm_options or {},
-        scratch_dir=Path(out).with_name(f".{Path(out).name}.engine"),
-    )
+        from .hf_backend import HFExtractor
+
+        return HFExtractor
+    from .vllm_backend import VLLMExtractor
+
+    return VLLMExtractor
+
+
+def _extract_records(engine, writer: FeatureShardWriter, lengths, start: int, chunk_tokens: int) -> None:
+    """Run ``engine`` over the records from ``start`` in chunks of about ``chunk_tokens`` tokens (:func:`chunks`),
+    writing each record's features and committing after every chunk (the resume point)."""
+    for recs in chunks(lengths, start, chunk_tokens):
+        todo_recs = [r for r in recs if lengths[r] > 0]  # empty records have nothing to write
+        for r, feats, last in engine.run(todo_recs, [writer.record_tokens(r) for r in todo_recs]):
+            writer.write(r, feats, last)
+        writer.commit(recs[-1] + 1)
 
 
 def extract_shard(
@@ -125,19 +133,7 @@ def extract_shard(
     t0 = time.time()
     ids, mask, lengths = read_token_arrays(token_shard)
     layer_ids = [int(x) for x in target_layer_ids]
-    meta = {
-        "schema_version": FEATURE_SCHEMA_VERSION,
-        "token_shard": Path(token_shard).name,
-        "token_shard_sha256": sha256_file(token_shard),
-        "num_records": int(len(lengths)),
-        "num_tokens": int(lengths.sum()),
-        "target_layer_ids": layer_ids,
-        "hidden_size": int(hidden_size),
-        "dtype": dtype,
-        "last_hidden": bool(last_hidden),
-        "backend": backend,
-        "last_hidden_layer": int(num_hidden_layers) - 1 if last_hidden else None,
-    }
+    meta = _shard_meta(token_shard, lengths, layer_ids, hidden_size, dtype, last_hidden, backend, num_hidden_layers)
     layout = FeatureLayout(lengths, len(layer_ids), int(hidden_size), dtype, bool(last_hidden), meta)
     writer = FeatureShardWriter(out, layout, ids, mask)
     start = writer.next_record
@@ -151,30 +147,30 @@ def extract_shard(
     t_compute = time.time()
     if start < layout.num_records:
         own = engine is None
-        if own:
-            engine = _engine(
-                backend,
-                target_dir,
-                layer_ids,
-                num_hidden_layers,
-                last_hidden,
-                gpus,
-                target_dtype,
-                trust_remote_code,
-                int(lengths.max()) if len(lengths) else 1,
-                vllm_options,
-                out,
-            )
+        engine = engine or _engine(backend)(
+            target_dir,
+            layer_ids,
+            num_hidden_layers=num_hidden_layers,
+            last_hidden=last_hidden,
+            gpus=gpus,
+            target_dtype=target_dtype,
+            trust_remote_code=trust_remote_code,
+            max_len=int(lengths.max()) if len(lengths) else 1,
+            options=vllm_options or {},
+            scratch_dir=Path(out).with_name(f".{Path(out).name}.engine"),
+        )
         t_compute = time.time()
         try:
-            for recs in chunks(lengths, start, chunk_tokens):
-                todo_recs = [r for r in recs if lengths[r] > 0]  # empty records have nothing to write
-                for r, feats, last in engine.run(todo_recs, [writer.record_tokens(r) for r in todo_recs]):
-                    writer.write(r, feats, last)
-                writer.commit(recs[-1] + 1)
+            _extract_records(engine, writer, lengths, start, chunk_tokens)
         finally:
             if own:
                 engine.close()
+    return _finish(writer, layout, backend, start=start, todo=todo, t0=t0, t_compute=t_compute)
+
+
+def _finish(writer: FeatureShardWriter, layout: FeatureLayout, backend: str, *, start, todo, t0, t_compute) -> dict:
+    """Finish the shard (rename it into place) and return :func:`extract_shard`'s stats (printed as one line):
+    ``todo`` tokens were extracted from record ``start`` on, since ``t_compute`` (``t0``: the job's start)."""
     dt = time.time() - t_compute
     path = writer.finish()
     stats = {

@@ -98,17 +98,21 @@ def read_scratch_file(path: str, on_size=None) -> tuple[dict, int]:
     return data, size
 
 
+#: The ``generation`` keys the stream client's fleet reuses (timeouts, failures, back-off, the breaker).
+FLEET_KEYS = (
+    "request_timeout_s",
+    "endpoint_max_failures",
+    "endpoint_reprobe_s",
+    "retry_backoff_s",
+    "retry_backoff_max_s",
+    "circuit_breaker_failures",
+)
+
+
 def fleet_config(gen_cfg: dict, model: str | None) -> dict:
-    """The fleet's knobs (:class:`dflash_pipeline.completions._Fleet`) from the ``generation`` section."""
-    keys = (
-        "request_timeout_s",
-        "endpoint_max_failures",
-        "endpoint_reprobe_s",
-        "retry_backoff_s",
-        "retry_backoff_max_s",
-        "circuit_breaker_failures",
-    )
-    return {**{k: gen_cfg[k] for k in keys}, "model": model}
+    """The fleet's knobs (:class:`dflash_pipeline.completions._Fleet`, :data:`FLEET_KEYS`) from the ``generation``
+    section."""
+    return {**{k: gen_cfg[k] for k in FLEET_KEYS}, "model": model}
 
 
 class FeatureClient:

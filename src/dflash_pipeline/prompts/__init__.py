@@ -61,6 +61,7 @@ source none of whose records has a prompt field (``no_prompt_field`` for every r
 """
 
 from .eval_prompts import EVAL_FORMATS, GSM8K_SUFFIX, HUMANEVAL_TEMPLATE, _eval_format, load_eval_prompts
+from .keep import keep_score
 from .language import (
     ANY_LANGUAGE,
     LANGUAGE_CODES,
@@ -99,7 +100,6 @@ from .readers import (
 from .sharding import (
     MANIFEST_SCHEMA_VERSION,
     build_prompt_shards,
-    keep_score,
     list_shards,
     shard_name,
     shard_paths,

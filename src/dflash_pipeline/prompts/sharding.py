@@ -3,16 +3,15 @@ length) into stable shards ``{out}/{dataset}/{NNNNN}.parquet`` and the manifest 
 docstring for why shard contents only depend on the records before them).
 
 :func:`build_prompt_shards` reads the sources in config order; each source is one :func:`_shard_source`
-call: records are normalized (:func:`_normalized`) and kept or dropped (:func:`_drop_reason`) one by one, written by a :class:`_ShardWriter`, and counted
+call: records are normalized (:func:`_normalized`) and kept or dropped (:func:`.keep._drop_reason`) one by one, written by a :class:`_ShardWriter`, and counted
 in a :class:`_SourceTally` that becomes the source's manifest entry (:func:`_source_entry`). Before any
-source is read :func:`_checked_filters` checks the options; after the last, :func:`_manifest` assembles
+source is read :func:`.keep._checked_filters` checks the options; after the last, :func:`_manifest` assembles
 the manifest (:class:`dflash_pipeline.core.contracts.PromptManifest`).
 """
 
 from __future__ import annotations
 
 import collections
-import hashlib
 import logging
 import os
 import re
@@ -27,15 +26,11 @@ from dflash_pipeline.core import shards
 from dflash_pipeline.core.config import schema_defaults
 from dflash_pipeline.core.contracts import MANIFEST_SCHEMA_VERSION, PROMPT_SCHEMA, PROMPT_SCHEMA_VERSION, prompt_id
 from dflash_pipeline.core.errors import ConfigError, DataError
-from dflash_pipeline.target.spans import control_token_strings, find_control_strings
 
+from .keep import _checked_filters, _drop_reason, _Filters
 from .language import (
     ANY_LANGUAGE,
     _language_detector,
-    _language_identifier,
-    _source_languages,
-    language_problems,
-    language_sample,
 )
 from .normalize import FORMATS, MissingField, RejectedRecord, _normalize, record_metadata
 from .readers import HF_PREFIX, MAX_EXAMPLES, Locator, read_records
@@ -43,23 +38,6 @@ from .readers import HF_PREFIX, MAX_EXAMPLES, Locator, read_records
 log = logging.getLogger(__package__)  # one logger for the whole prompts stage
 
 _SHARD_RE = re.compile(r"^(\d{5})\.parquet$")
-
-
-def keep_score(seed: int, pid: str) -> float:
-    """Uniform number in [0, 1) for the per-record ``fraction`` decision: sha256 of ``"{seed}:{pid}"``."""
-    digest = hashlib.sha256(f"{seed}:{pid}".encode("ascii")).digest()
-    return int.from_bytes(digest[:8], "big") / 2.0**64
-
-
-def _count_tokens(tokenizer, messages: Sequence[dict]) -> int:
-    total = 0
-    for m in messages:
-        try:
-            ids = tokenizer.encode(m["content"], add_special_tokens=False)
-        except TypeError:
-            ids = tokenizer.encode(m["content"])
-        total += len(ids)
-    return total
 
 
 def shard_name(index: int) -> str:
@@ -179,44 +157,6 @@ class _ShardWriter:
         self.rows = []
 
 
-@dataclass
-class _Filters:
-    """What every source shares: the seed of ``fraction``, the length limit, the language identifier and
-    the prompt ids kept so far (dedup across sources: the first source in config order wins)."""
-
-    seed: int
-    tokenizer: Any = None
-    max_prompt_tokens: int | None = None
-    identifier: Any = None
-    seen: dict[str, str] = field(default_factory=dict)  # prompt_id -> the source that kept it
-    control_strings: Sequence[str] = ()  # special-token strings of the target tokenizer (special_token_text)
-    special_token_text: str | None = None  # drop | keep | None (no check)
-
-
-def _language_filters(
-    datasets: Mapping[str, Mapping[str, Any]], languages: Sequence[str] | None, min_language_confidence: float
-) -> tuple[dict[str, tuple[frozenset, float] | None], Any]:
-    """Each source's ``(allowed languages, min confidence)`` (None: no filter) and the py3langid
-    identifier (None when no source filters). Raises ConfigError (see :func:`build_prompt_shards`)."""
-    problems = language_problems({"languages": languages, "min_language_confidence": min_language_confidence}, datasets)
-    if problems:
-        raise ConfigError("language filter: " + "; ".join(problems))
-    lang_filters: dict[str, tuple[frozenset, float] | None] = {}
-    identifier = None
-    for name, raw_cfg in datasets.items():
-        allowed, lang_key = _source_languages(languages, name, raw_cfg)
-        if allowed is None:
-            lang_filters[name] = None
-            continue
-        identifier = identifier or _language_identifier(lang_key)
-        missing = sorted(set(allowed) - set(identifier.labels))
-        if missing:  # a py3langid whose model differs from LANGUAGE_CODES
-            raise ConfigError(f"{lang_key}: the installed py3langid model does not know {missing}")
-        own_conf = raw_cfg.get("min_language_confidence")
-        lang_filters[name] = (frozenset(allowed), float(min_language_confidence if own_conf is None else own_conf))
-    return lang_filters, identifier
-
-
 def _source_config(name: str, raw_cfg: Mapping[str, Any]) -> dict:
     """``datasets.<name>`` with the keys it leaves out (or sets to null) taken from the schema's defaults;
     raises ConfigError for a bad fraction or format."""
@@ -259,44 +199,6 @@ def _normalized(
         tally.drop(reason, msg)
         return None
     return messages, pid, metadata
-
-
-def _drop_reason(
-    messages: list[dict],
-    pid: str,
-    fraction: float,
-    lang_filter: tuple[frozenset, float] | None,
-    filters: _Filters,
-    tally: _SourceTally,
-) -> tuple[str, str] | None:
-    """Why a normalized prompt is not kept (``sampled_out``, ``duplicate``, ``special_token_text``,
-    ``language``, ``low_language_confidence``, ``too_long``, checked in that order) and a detail for its
-    example, or None to keep it."""
-    if fraction < 1.0 and keep_score(filters.seed, pid) >= fraction:
-        return "sampled_out", f"fraction {fraction}"
-    if pid in filters.seen:
-        return "duplicate", f"same messages as a prompt kept from source {filters.seen[pid]}"
-    if filters.special_token_text is not None and filters.control_strings:
-        found = sorted({t for m in messages for t in find_control_strings(m["content"], filters.control_strings)})
-        if found:
-            role = next(m["role"] for m in messages if find_control_strings(m["content"], found))
-            if filters.special_token_text == "drop":
-                return "special_token_text", (
-                    f"{role} text contains {found}, which the target's tokenizer (and the "
-                    f"engines' chat rendering) would read as control tokens"
-                )
-            tally.special_kept += 1
-    if lang_filter is not None:
-        lang, prob = filters.identifier.classify(language_sample(messages))
-        if lang not in lang_filter[0] or prob < lang_filter[1]:
-            tally.dropped_langs[lang] += 1
-            reason = "language" if lang not in lang_filter[0] else "low_language_confidence"
-            return reason, f"detected {lang} (p={prob:.2f})"
-    if filters.max_prompt_tokens is not None:
-        n = _count_tokens(filters.tokenizer, messages)
-        if n > filters.max_prompt_tokens:
-            return "too_long", f"{n} tokens > prompts.max_prompt_tokens={filters.max_prompt_tokens}"
-    return None
 
 
 def _check_prompt_field(name: str, cfg: dict, tally: _SourceTally) -> bool:
@@ -427,45 +329,6 @@ def _inactive_datasets(out: Path, active: Mapping[str, Any]) -> dict[str, list[s
     return inactive
 
 
-def _checked_filters(
-    datasets: Mapping[str, Mapping[str, Any]],
-    *,
-    shard_size: int,
-    seed: int,
-    tokenizer,
-    max_prompt_tokens: int | None,
-    languages: Sequence[str] | None,
-    min_language_confidence: float,
-    special_token_text: str | None,
-) -> tuple[_Filters, dict[str, tuple[frozenset, float] | None]]:
-    """The options of :func:`build_prompt_shards` checked before any source is read: the shared
-    :class:`_Filters` and each source's language filter (:func:`_language_filters`).
-
-    Raises:
-        ConfigError: ``shard_size`` < 1, ``max_prompt_tokens`` without tokenizer, bad language settings
-            (every problem, by config key: :func:`language_problems`), a language filter without py3langid
-            installed, a ``special_token_text`` other than drop/keep/None or without tokenizer (in that order).
-    """
-    if shard_size < 1:
-        raise ConfigError(f"prompts.shard_size must be >= 1, got {shard_size}")
-    if max_prompt_tokens is not None and tokenizer is None:
-        raise ConfigError("prompts.max_prompt_tokens is set but no tokenizer was given (the probe's target tokenizer)")
-    lang_filters, identifier = _language_filters(datasets, languages, min_language_confidence)
-    if special_token_text not in (None, "drop", "keep"):
-        raise ConfigError(f"prompts.special_token_text: {special_token_text!r}; use drop or keep")
-    if special_token_text is not None and tokenizer is None:
-        raise ConfigError("prompts.special_token_text needs the target tokenizer (none was given)")
-    filters = _Filters(
-        seed=seed,
-        tokenizer=tokenizer,
-        max_prompt_tokens=max_prompt_tokens,
-        identifier=identifier,
-        control_strings=control_token_strings(tokenizer) if special_token_text else (),
-        special_token_text=special_token_text,
-    )
-    return filters, lang_filters
-
-
 def _manifest(
     filters: _Filters,
     ds_out: dict[str, dict],
@@ -549,7 +412,7 @@ def build_prompt_shards(
         DataError: malformed input in a ``strict`` source (names file, line/record and field), a ``strict``
             source none of whose records has a prompt field (names the source, its file, the first record's
             fields and the fix), or no prompt kept at all.
-        ConfigError: a bad option (:func:`_checked_filters`), ``fraction`` or ``format``; all but the last
+        ConfigError: a bad option (:func:`.keep._checked_filters`), ``fraction`` or ``format``; all but the last
             two raised before any source is read.
     """
     filters, lang_filters = _checked_filters(

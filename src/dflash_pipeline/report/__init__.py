@@ -6,38 +6,15 @@ The public face: names load lazily from the module that owns them."""
 from dflash_pipeline.core.faces import lazy_face
 
 _OWNERS = {
-    "probe_table": "tables",
-    "prompts_table": "tables",
-    "GENERATION_COLUMNS": "tables",
-    "generation_table": "tables",
-    "TOKEN_COUNTS": "tables",
-    "tokens_table": "tables",
-    "LABELS": "tables",
-    "label": "tables",
-    "read_tsv": "tables",
-    "html_table": "tables",
-    "SUMMARY_STYLE": "tables",
-    "eval_summary_rows": "tables",
-    "tau_pivot": "tables",
-    "ENGINE_VERDICTS": "tables",
-    "engine_summary_lines": "tables",
-    "console_summary": "tables",
-    "PAGE_STYLE": "page",
-    "png_data_uri": "page",
-    "figures_html": "page",
-    "header_html": "page",
-    "data_line": "page",
-    "run_facts": "page",
-    "plot_tau_per_set": "page",
-    "plot_tau_by_length": "page",
-    "data_length_histograms": "page",
-    "plot_data_lengths": "page",
-    "length_table_rows": "page",
-    "summary_page": "page",
-    "RUN_FIGURES": "page",
-    "run_figures": "page",
+    "tables": (
+        "probe_table prompts_table GENERATION_COLUMNS generation_table TOKEN_COUNTS tokens_table LABELS label"
+        " read_tsv html_table SUMMARY_STYLE eval_summary_rows tau_pivot ENGINE_VERDICTS engine_summary_lines"
+        " console_summary"
+    ),
+    "page": (
+        "PAGE_STYLE png_data_uri figures_html header_html data_line run_facts plot_tau_per_set plot_tau_by_length"
+        " data_length_histograms plot_data_lengths length_table_rows summary_page RUN_FIGURES run_figures"
+    ),
 }
 
-__all__ = sorted(_OWNERS)
-
-__getattr__, __dir__ = lazy_face(__name__, _OWNERS, globals)
+__getattr__, __dir__, __all__ = lazy_face(__name__, _OWNERS, globals)

@@ -394,6 +394,31 @@ def length_table_rows(record: Mapping) -> tuple[list[str], list[dict]]:
     return ["drafter", "set", *labels], rows
 
 
+def _eval_details_html(tau_tsv: str | Path | None, record: Mapping) -> str:
+    """The folded part of :func:`summary_page` (``id="eval-details"``): every column of ``acceptance.tsv`` and
+    the eval record's summary; "" when neither exists."""
+    from dflash_pipeline.report import tables as R
+
+    folded = []
+    if tau_tsv and Path(tau_tsv).is_file():
+        cols, rows = R.read_tsv(tau_tsv)
+        folded.append(
+            R.html_table(cols, rows, title="Evaluation table (every column of acceptance.tsv)", table_id="eval-table")
+        )
+    if record:
+        folded.append(
+            R.html_table(
+                ["key", "value"], R.eval_summary_rows(record), title="Evaluation record", table_id="eval-record"
+            )
+        )
+    if not folded:
+        return ""
+    return (
+        '<details id="eval-details" class="dflash-details"><summary>Evaluation record and full table'
+        "</summary>" + "".join(folded) + "</details>"
+    )
+
+
 def summary_page(
     out_html: str | Path,
     *,
@@ -460,23 +485,7 @@ def summary_page(
                 table_id="outputs",
             )
         )
-    folded = []
-    if tau_tsv and Path(tau_tsv).is_file():
-        cols, rows = R.read_tsv(tau_tsv)
-        folded.append(
-            R.html_table(cols, rows, title="Evaluation table (every column of acceptance.tsv)", table_id="eval-table")
-        )
-    if record:
-        folded.append(
-            R.html_table(
-                ["key", "value"], R.eval_summary_rows(record), title="Evaluation record", table_id="eval-record"
-            )
-        )
-    if folded:
-        body.append(
-            '<details id="eval-details" class="dflash-details"><summary>Evaluation record and full table'
-            "</summary>" + "".join(folded) + "</details>"
-        )
+    body.append(_eval_details_html(tau_tsv, record))
     page = (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>dflash-pipeline run {html.escape(run)}</title><style>{PAGE_STYLE}</style>{R.SUMMARY_STYLE}</head>"

@@ -4,47 +4,21 @@
 from dflash_pipeline.core.faces import lazy_face
 
 _OWNERS = {
-    "TOKENIZER_FILES": "chat",
-    "tokenizer_files_missing": "chat",
-    "THINKING_TEMPLATE_KWARGS": "chat",
-    "template_kwargs": "chat",
-    "template_messages": "chat",
-    "load_tokenizer": "chat",
-    "render_many": "chat",
-    "render": "chat",
-    "target_features": "hidden",
-    "build_target_layer_ids": "layer_ids",
-    "hf_hidden_state_index": "layer_ids",
-    "validate_target_layer_ids": "layer_ids",
-    "DTYPE_CHOICES": "loading",
-    "TargetLoadError": "loading",
-    "resolve_dtype": "loading",
-    "module_dtype": "loading",
-    "drafter_dtype": "loading",
-    "to_drafter_dtype": "loading",
-    "lm_head_logits": "loading",
-    "load_target_config": "loading",
-    "causal_lm_class": "loading",
-    "text_config": "loading",
-    "check_loadable": "loading",
-    "load_target": "loading",
-    "input_embeddings": "loading",
-    "lm_head": "loading",
-    "final_logit_softcap": "loading",
-    "BareEmbedding": "loading",
-    "num_decoder_layers": "loading",
-    "hidden_states_of": "loading",
-    "select_layers": "loading",
-    "TrainSequence": "spans",
-    "special_token_strings": "spans",
-    "control_token_strings": "spans",
-    "find_control_strings": "spans",
-    "supervised_length": "spans",
-    "render_messages": "spans",
-    "conversation_sequences": "spans",
-    "check_template": "spans",
+    "chat": (
+        "TOKENIZER_FILES tokenizer_files_missing THINKING_TEMPLATE_KWARGS template_kwargs template_messages"
+        " load_tokenizer render_many render"
+    ),
+    "hidden": "target_features",
+    "layer_ids": "build_target_layer_ids hf_hidden_state_index validate_target_layer_ids",
+    "loading": (
+        "DTYPE_CHOICES TargetLoadError resolve_dtype module_dtype drafter_dtype to_drafter_dtype lm_head_logits"
+        " load_target_config causal_lm_class text_config check_loadable load_target input_embeddings lm_head"
+        " final_logit_softcap BareEmbedding num_decoder_layers hidden_states_of select_layers"
+    ),
+    "spans": (
+        "TrainSequence special_token_strings control_token_strings find_control_strings supervised_length"
+        " render_messages conversation_sequences check_template"
+    ),
 }
 
-__all__ = sorted(_OWNERS)
-
-__getattr__, __dir__ = lazy_face(__name__, _OWNERS, globals)
+__getattr__, __dir__, __all__ = lazy_face(__name__, _OWNERS, globals)

@@ -1,11 +1,13 @@
 """A zoo of tiny twins: one random-weight model per real ``config.json`` under the model metadata corpus
 (``../shared/data/models/<family>/``), small enough to build, train and evaluate in seconds on a CPU.
 
-A twin keeps what makes its family distinct and shrinks the rest (:func:`shrink_config`): the config
+A twin keeps what makes its family distinct and shrinks the rest
+(:func:`dflash_pipeline.testing.zoo_shrink.shrink_config`): the config
 class and ``model_type`` (``auto_map`` and ``architectures`` too), nested ``text_config`` with its vision
 tower (Kimi-K2.5, Qwen3-VL, Qwen3.5, gemma-4), MLA and MoE routing fields (DeepSeek-V3, Kimi-K2, MiniMax-M2),
 the layer-type pattern (hybrid linear/full attention of Qwen3.5/Qwen3-Next, sliding windows of gemma and
-gpt-oss — the window shrinks to :data:`SLIDING_WINDOW` tokens so eval sequences cross it), tied vs untied
+gpt-oss — the window shrinks to :data:`~dflash_pipeline.testing.zoo_shrink.SLIDING_WINDOW` tokens so eval
+sequences cross it), tied vs untied
 embeddings, partial rotary, rope scaling. Quantization configs are dropped (the twin is dense bf16/fp32).
 
 Each twin gets a tokenizer that renders the family's real chat template (:func:`family_template`): the
@@ -29,12 +31,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from dflash_pipeline.testing.zoo_shrink import shrink_config
 from dflash_pipeline.testing.zoo_templates import TEMPLATE_FROM, family_template  # noqa: F401 (the zoo's API)
 
-#: Width of every twin's decoder (heads × head_dim = 4 × 16).
-HIDDEN = 64
-#: Sliding window of twins with sliding layers (tokens): short, so eval prompts cross it.
-SLIDING_WINDOW = 8
 #: Factor applied to the twin's LM head so greedy logits have margins (random init is ~uniform).
 HEAD_SCALE = 8.0
 
@@ -97,177 +96,6 @@ def extra_config_files(out: str | Path) -> list[Path]:
 # ---------------------------------------------------------------------------------------------------
 # config shrinking
 # ---------------------------------------------------------------------------------------------------
-
-
-def _shrunk_layer_types(types: list[str]) -> list[str]:
-    """Smallest prefix of ``types`` that repeats the family's pattern with every layer type in it,
-    at least 4 layers (the target_layer_ids formula's minimum)."""
-    kinds = set(types)
-    n = next((i + 1 for i in range(len(types)) if set(types[: i + 1]) == kinds), len(types))
-    n = max(n, 2)
-    out = (types[:n] * (4 // n + 1))[: max(4, n)]
-    return out
-
-
-def _scale_sections(sections: list[int], total: int) -> list[int]:
-    """Scale mrope sections to sum to ``total`` (each ≥ 0), remainder on the first."""
-    s = sum(sections) or 1
-    out = [int(x * total // s) for x in sections]
-    out[0] += total - sum(out)
-    return out
-
-
-def shrink_text(t: dict) -> dict:
-    """Shrink a decoder config dict in place of its sizes, keeping its structure (see module docstring)."""
-    t = dict(t)
-    t.pop("quantization_config", None)
-    heads = t.get("num_attention_heads") or 4
-    mha = t.get("num_key_value_heads") in (None, heads)
-    t.update(hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=4 if mha else 2)
-    if "head_dim" in t or "kv_lora_rank" not in t:
-        t["head_dim"] = 16
-    for k, v in (
-        ("intermediate_size", 96),
-        ("moe_intermediate_size", 32),
-        ("shared_expert_intermediate_size", 32),
-        ("global_head_dim", 32),
-        ("num_global_key_value_heads", 1),
-    ):
-        if t.get(k):
-            t[k] = v
-    if t.get("shared_intermediate_size"):
-        t["shared_intermediate_size"] = 32
-    for k in ("n_routed_experts", "num_experts", "num_local_experts"):
-        if isinstance(t.get(k), int) and t[k] > 1:
-            t[k] = 4
-    for k in ("num_experts_per_tok", "top_k_experts", "experts_per_token"):
-        if isinstance(t.get(k), int):
-            t[k] = min(t[k], 2)
-    if "n_group" in t:
-        t["n_group"], t["topk_group"] = 1, 1
-    if t.get("first_k_dense_replace"):
-        t["first_k_dense_replace"] = 1
-    if "kv_lora_rank" in t:  # MLA
-        t.update(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16)
-        if t.get("q_lora_rank"):
-            t["q_lora_rank"] = 24
-        if "head_dim" in t and t.get("model_type") == "longcat_flash":  # its rotary reads head_dim: the rope part
-            t["head_dim"] = t["qk_rope_head_dim"]
-        else:
-            t.pop("head_dim", None)
-    for k, v in (
-        ("linear_num_key_heads", 2),
-        ("linear_num_value_heads", 4),
-        ("linear_key_head_dim", 8),
-        ("linear_value_head_dim", 8),
-    ):
-        if k in t:
-            t[k] = v
-    if t.get("rotary_dim"):  # MiniMax partial rotary: keep the fraction of head_dim
-        t["rotary_dim"] = max(2, int(16 * t["rotary_dim"] / max(1, t.get("head_dim_orig", 128))) // 2 * 2)
-    if t.get("sliding_window"):
-        t["sliding_window"] = SLIDING_WINDOW
-    for k in ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_modules", "mtp_transformer_layers"):
-        if k in t:
-            t[k] = 0
-    t.pop("use_mtp", None)
-    if isinstance(t.get("mlp_only_layers"), list):
-        t["mlp_only_layers"] = []
-    n = 4
-    if isinstance(t.get("layer_types"), list) and t["layer_types"]:
-        t["layer_types"] = _shrunk_layer_types(t["layer_types"])
-        n = len(t["layer_types"])
-    elif isinstance(t.get("attn_type_list"), list):
-        t["attn_type_list"] = _shrunk_layer_types([str(x) for x in t["attn_type_list"]])
-        t["attn_type_list"] = [int(x) for x in t["attn_type_list"]]
-        n = len(t["attn_type_list"])
-    elif isinstance(t.get("full_attention_interval"), int):
-        n = max(4, t["full_attention_interval"])
-    t["num_hidden_layers"] = n
-    if "max_window_layers" in t:
-        t["max_window_layers"] = n
-    rp = t.get("rope_parameters") or t.get("rope_scaling")
-    if isinstance(rp, dict) and rp.get("mrope_section"):
-        frac = rp.get("partial_rotary_factor") or t.get("partial_rotary_factor") or 1.0
-        rp = dict(rp, mrope_section=_scale_sections(rp["mrope_section"], int(16 * frac) // 2))
-        t["rope_parameters" if t.get("rope_parameters") else "rope_scaling"] = rp
-    return t
-
-
-_VISION_SIZES = {
-    "depth": 1,
-    "num_hidden_layers": 1,
-    "vt_num_hidden_layers": 1,
-    "hidden_size": 32,
-    "vt_hidden_size": 32,
-    "mm_hidden_size": 32,
-    "intermediate_size": 64,
-    "vt_intermediate_size": 64,
-    "num_heads": 2,
-    "num_attention_heads": 2,
-    "vt_num_attention_heads": 2,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "global_head_dim": 16,
-    "out_hidden_size": HIDDEN,
-    "text_hidden_size": HIDDEN,
-}
-
-
-def shrink_vision(v: dict) -> dict:
-    """Shrink a vision/audio tower config to one tiny layer (its projector maps to the twin's width)."""
-    v = dict(v)
-    v.pop("_attn_implementation", None)  # e.g. flash_attention_2: not on a CPU box
-    for k, size in _VISION_SIZES.items():
-        if isinstance(v.get(k), int):
-            v[k] = size
-    if any(k.startswith("vt_") for k in v):  # Kimi-K2.5 names: its config class reads the plain names
-        v.update(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_hidden_layers=1)
-    if isinstance(v.get("deepstack_visual_indexes"), list):
-        v["deepstack_visual_indexes"] = [0] if v["deepstack_visual_indexes"] else []
-    return v
-
-
-def shrink_config(raw: dict, vocab_size: int, *, bos_id: Optional[int], eos_id: int, pad_id: Optional[int]) -> dict:
-    """The twin's ``config.json`` dict from the real one (structure kept, sizes shrunk, vocab replaced)."""
-    raw = copy.deepcopy(raw)
-    raw.pop("quantization_config", None)
-    ids = {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id}
-    nested = isinstance(raw.get("text_config"), dict)
-    for key in list(raw):
-        if isinstance(raw[key], dict) and any(h in key for h in ("vision", "audio")):
-            raw[key] = shrink_vision(raw[key])
-    if nested:
-        t = raw["text_config"]
-        t["head_dim_orig"] = t.get("head_dim") or 128
-        raw["text_config"] = shrink_text(t)
-        raw["text_config"].pop("head_dim_orig", None)
-        raw["text_config"].update(vocab_size=vocab_size, **ids)
-        if "vocab_size_per_layer_input" in raw["text_config"]:
-            raw["text_config"]["vocab_size_per_layer_input"] = vocab_size
-        for k in (
-            "image_token_id",
-            "video_token_id",
-            "audio_token_id",
-            "vision_start_token_id",
-            "vision_end_token_id",
-            "boi_token_id",
-            "eoi_token_id",
-            "boa_token_id",
-            "eoa_token_id",
-            "eoa_token_index",
-            "media_placeholder_token_id",
-            "image_token_index",
-        ):
-            if isinstance(raw.get(k), int):
-                raw[k] = vocab_size - 1  # never produced by the text tokenizer
-        raw.update({k: v for k, v in ids.items() if k in raw})
-    else:
-        raw["head_dim_orig"] = raw.get("head_dim") or 128
-        raw = shrink_text(raw)
-        raw.pop("head_dim_orig", None)
-        raw.update(vocab_size=vocab_size, **ids)
-    return raw
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -441,6 +269,88 @@ def stage_config(twin: Path, eval_set: Path, device: str = "cpu") -> dict:
     )
 
 
+class _TwinStages:
+    """The stages of :func:`run_stages` on one twin (``work/target``), each a method that raises on refusal;
+    ``cfg`` is the twins' config (:func:`stage_config`), filled when the twin is built."""
+
+    def __init__(self, models_dir: Path, family: str, work: Path, corpus_file: Path, eval_set: Path, device: str):
+        self.models_dir, self.family, self.work, self.corpus_file = models_dir, family, work, corpus_file
+        self.eval_set, self.device = eval_set, device
+        self.twin = work / "target"
+        self.cfg: dict = {}
+        self.probe_record: Any = None
+
+    def build(self):
+        build_any_twin(self.models_dir, self.family, self.twin, corpus_file=self.corpus_file)
+        self.cfg.update(stage_config(self.twin, self.eval_set, self.device))
+
+    def probe(self):
+        from ..probe import probe_target
+
+        n = json.loads((self.twin / "config.json").read_text())
+        n = (n.get("text_config") or n)["num_hidden_layers"]
+        self.probe_record = probe_target(self.twin, block_size=4, num_draft_layers=1, target_layer_ids=[1, n - 2])
+
+    def completions(self):
+        from dflash_pipeline.core import contracts, shards
+
+        from ..completions import generate_shard, preflight_template
+
+        gen = self.cfg["generation"]
+        preflight_template(self.twin, gen_cfg=gen, tokens_cfg=self.cfg["tokens"])  # as the rule does
+        recs = [
+            {"prompt_id": contracts.prompt_id(m), "dataset": "zoo", "messages": m, "metadata": "{}"}
+            for m in STAGE_PROMPTS
+        ]
+        prompts = self.work / "prompts.parquet"
+        shards.write_parquet(prompts, shards.table_from_records(recs, contracts.PROMPT_SCHEMA))
+        st = generate_shard(prompts, self.work / "completions.parquet", target_dir=self.twin, gen_cfg=gen)
+        if st.get("error"):
+            raise RuntimeError(f"{st['error']} completion record(s) in error")
+
+    def tokens(self):
+        from dflash_pipeline.tokens.shard import tokenize_shard
+
+        st = tokenize_shard(
+            self.work / "completions.parquet",
+            self.work / "tokens.parquet",
+            target_dir=self.twin,
+            tokens_cfg=self.cfg["tokens"],
+        )
+        if not st["records_out"]:
+            raise RuntimeError(f"no token rows: dropped {st['dropped']}")
+
+    def train(self, dtype: str, mp: str):
+        from dflash_pipeline.train.run import train
+
+        tcfg = {k: v for k, v in self.cfg["train"].items() if k != "device"}  # as the rule passes it
+        train(
+            token_shards=[self.work / "tokens.parquet"],
+            probe=self.probe_record,
+            target_dir=self.twin,
+            out_dir=self.work / f"train_{dtype}",
+            cfg=dict(tcfg, mixed_precision=mp),
+            target_dtype=dtype,
+            device=self.cfg["train"]["device"],
+        )
+
+    def eval(self):
+        from dflash_pipeline.evaluate.acceptance import evaluate
+
+        rec = evaluate(
+            target_dir=self.twin,
+            probe=self.probe_record,
+            eval_cfg=self.cfg["eval"],
+            thinking=self.cfg["generation"]["thinking"],
+            drafters={"trained": self.work / "train_bfloat16" / "final"},
+            out_json=self.work / "eval.json",
+            target_dtype="bfloat16",
+        )
+        tau = rec["tau"]["trained"]["gsm8k"]
+        if not 1.0 <= tau <= 4.0:
+            raise RuntimeError(f"τ {tau} outside [1, block_size]")
+
+
 def run_stages(
     models_dir: Path,
     family: str,
@@ -454,84 +364,15 @@ def run_stages(
     refused one are ``skipped``): twin build, probe, completions (transformers backend), tokens (the
     family's template), training fp32 and bf16 (bf16 target + ``mixed_precision: bf16`` through
     Accelerate, on CPU; both export ``final/``), eval τ of the bf16-trained drafter."""
-    from dflash_pipeline.core import contracts, shards
-    from dflash_pipeline.evaluate.acceptance import evaluate
-    from dflash_pipeline.tokens.shard import tokenize_shard
-    from dflash_pipeline.train.run import train
-
-    from ..completions import generate_shard, preflight_template
-    from ..probe import probe_target
-
-    twin = work / "target"
-    cfg: dict = {}
-    state: dict[str, Any] = {}
-
-    def build():
-        build_any_twin(models_dir, family, twin, corpus_file=corpus_file)
-        cfg.update(stage_config(twin, eval_set, device))
-
-    def probe():
-        n = json.loads((twin / "config.json").read_text())
-        n = (n.get("text_config") or n)["num_hidden_layers"]
-        state["probe"] = probe_target(twin, block_size=4, num_draft_layers=1, target_layer_ids=[1, n - 2])
-
-    def completions():
-        preflight_template(twin, gen_cfg=cfg["generation"], tokens_cfg=cfg["tokens"])  # as the rule does
-        recs = [
-            {"prompt_id": contracts.prompt_id(m), "dataset": "zoo", "messages": m, "metadata": "{}"}
-            for m in STAGE_PROMPTS
-        ]
-        shards.write_parquet(work / "prompts.parquet", shards.table_from_records(recs, contracts.PROMPT_SCHEMA))
-        st = generate_shard(
-            work / "prompts.parquet", work / "completions.parquet", target_dir=twin, gen_cfg=cfg["generation"]
-        )
-        if st.get("error"):
-            raise RuntimeError(f"{st['error']} completion record(s) in error")
-
-    def tokens():
-        st = tokenize_shard(
-            work / "completions.parquet", work / "tokens.parquet", target_dir=twin, tokens_cfg=cfg["tokens"]
-        )
-        if not st["records_out"]:
-            raise RuntimeError(f"no token rows: dropped {st['dropped']}")
-
-    def train_with(dtype: str, mp: str):
-        def run():
-            tcfg = {k: v for k, v in cfg["train"].items() if k != "device"}  # as the rule passes it
-            train(
-                token_shards=[work / "tokens.parquet"],
-                probe=state["probe"],
-                target_dir=twin,
-                out_dir=work / f"train_{dtype}",
-                cfg=dict(tcfg, mixed_precision=mp),
-                target_dtype=dtype,
-                device=cfg["train"]["device"],
-            )
-
-        return run
-
-    def eval_():
-        rec = evaluate(
-            target_dir=twin,
-            probe=state["probe"],
-            eval_cfg=cfg["eval"],
-            thinking=cfg["generation"]["thinking"],
-            drafters={"trained": work / "train_bfloat16" / "final"},
-            out_json=work / "eval.json",
-            target_dtype="bfloat16",
-        )
-        tau = rec["tau"]["trained"]["gsm8k"]
-        if not 1.0 <= tau <= 4.0:
-            raise RuntimeError(f"τ {tau} outside [1, block_size]")
-
+    run = _TwinStages(models_dir, family, work, corpus_file, eval_set, device)
     stages = {
-        "build": build,
-        "probe": probe,
-        "completions": completions,
-        "tokens": tokens,
-        "train_fp32": train_with("float32", "no"),
-        "train_bf16": train_with("bfloat16", "bf16"),
-        "eval": eval_,
+        "build": run.build,
+        "probe": run.probe,
+        "completions": run.completions,
+        "tokens": run.tokens,
+        "train_fp32": lambda: run.train("float32", "no"),
+        "train_bf16": lambda: run.train("bfloat16", "bf16"),
+        "eval": run.eval,
     }
     out: dict[str, str] = {}
     for name, fn in stages.items():

@@ -4,19 +4,8 @@
 from dflash_pipeline.core.faces import lazy_face
 
 _OWNERS = {
-    "mask_from_offsets": "loss_masks",
-    "span_token_ranges": "loss_masks",
-    "plain_text_tokenizer": "loss_masks",
-    "tokenize_sequences": "loss_masks",
-    "server_ids_sequence": "loss_masks",
-    "log": "shard",
-    "DROP_REASONS": "shard",
-    "tokenizer_hash": "shard",
-    "generated_texts": "shard",
-    "tokenize_records": "shard",
-    "tokenize_shard": "shard",
+    "loss_masks": "mask_from_offsets span_token_ranges plain_text_tokenizer tokenize_sequences server_ids_sequence",
+    "shard": "log DROP_REASONS tokenizer_hash generated_texts tokenize_records tokenize_shard",
 }
 
-__all__ = sorted(_OWNERS)
-
-__getattr__, __dir__ = lazy_face(__name__, _OWNERS, globals)
+__getattr__, __dir__, __all__ = lazy_face(__name__, _OWNERS, globals)

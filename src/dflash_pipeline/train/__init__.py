@@ -4,77 +4,26 @@
 from dflash_pipeline.core.faces import lazy_face
 
 _OWNERS = {
-    "STEP_EXPORT_PREFIX": "checkpoint",
-    "save_state": "checkpoint",
-    "resume_state": "checkpoint",
-    "export_module": "checkpoint",
-    "export_step": "checkpoint",
-    "export_drafter": "checkpoint",
-    "token_index_path": "data",
-    "build_token_index": "data",
-    "MappedRecords": "data",
-    "collate": "data",
-    "TrainingData": "data",
-    "ConfigOnly": "data",
-    "open_training_data": "data",
-    "record_prompt_ids": "data",
-    "TRAINING_BYTES_PER_PARAM": "fsdp",
-    "WRAP_CLASSES": "fsdp",
-    "training_bytes": "fsdp",
-    "fsdp_plugin": "fsdp",
-    "make_accelerator": "fsdp",
-    "full_drafter": "fsdp",
-    "AcceptanceCounts": "heldout",
-    "block_acceptance": "heldout",
-    "deterministic_anchors": "heldout",
-    "batch_acceptance": "heldout",
-    "heldout_acceptance": "heldout",
-    "heldout_mask": "heldout",
-    "RunData": "loop",
-    "Schedule": "loop",
-    "TrainRun": "loop",
-    "run_steps": "loop",
-    "trace_batch": "loop",
-    "LOSSES": "losses",
-    "LossOutput": "losses",
-    "ce_decay": "losses",
-    "slot_cross_entropy": "losses",
-    "dpace_weights": "losses",
-    "dpace": "losses",
-    "teacher_slot_hidden": "losses",
-    "kl": "losses",
-    "compute_loss": "losses",
-    "pack_records": "packing",
-    "PackedDataset": "packing",
-    "collate_packed": "packing",
-    "padded_segments": "packing",
-    "anchor_candidates": "packing",
-    "sample_packed_anchors": "packing",
-    "Blocks": "packing",
-    "packed_block_inputs_and_labels": "packing",
-    "build_packed_block_mask": "packing",
-    "build_packed_flex_block_mask": "packing",
-    "build_packed_training_masks": "packing",
-    "packed_target_features": "packing",
-    "check_target_isolates_records": "packing",
-    "load_token_shards": "run",
-    "with_schema_defaults": "run",
-    "load_target": "run",
-    "train": "run",
-    "main": "run",
-    "StepContext": "step",
-    "step_objective": "step",
-    "training_step": "step",
-    "STATE_VERSION": "rng",
-    "RankStreams": "rng",
-    "dataloader_config": "rng",
-    "TRACKERS": "trackers",
-    "resolve_trackers": "trackers",
-    "flat_hparams": "trackers",
-    "scalars": "trackers",
-    "progress_bar": "trackers",
+    "checkpoint": "STEP_EXPORT_PREFIX save_state resume_state export_module export_step export_drafter",
+    "data": (
+        "token_index_path build_token_index MappedRecords collate TrainingData ConfigOnly open_training_data"
+        " record_prompt_ids"
+    ),
+    "fsdp": "TRAINING_BYTES_PER_PARAM WRAP_CLASSES training_bytes fsdp_plugin make_accelerator full_drafter",
+    "heldout": (
+        "AcceptanceCounts block_acceptance deterministic_anchors batch_acceptance heldout_acceptance heldout_mask"
+    ),
+    "loop": "RunData Schedule TrainRun run_steps trace_batch",
+    "losses": "LOSSES LossOutput ce_decay slot_cross_entropy dpace_weights dpace teacher_slot_hidden kl compute_loss",
+    "packing": (
+        "pack_records PackedDataset collate_packed padded_segments anchor_candidates sample_packed_anchors Blocks"
+        " packed_block_inputs_and_labels build_packed_block_mask build_packed_flex_block_mask"
+        " build_packed_training_masks packed_target_features check_target_isolates_records"
+    ),
+    "run": "load_token_shards with_schema_defaults load_target train main",
+    "step": "StepContext step_objective training_step",
+    "rng": "STATE_VERSION RankStreams dataloader_config",
+    "trackers": "TRACKERS resolve_trackers flat_hparams scalars progress_bar",
 }
 
-__all__ = sorted(_OWNERS)
-
-__getattr__, __dir__ = lazy_face(__name__, _OWNERS, globals)
+__getattr__, __dir__, __all__ = lazy_face(__name__, _OWNERS, globals)

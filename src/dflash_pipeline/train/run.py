@@ -328,13 +328,7 @@ def _prepare_run(
         family=arch.get("family", FA.DEFAULT_FAMILY),
         family_settings=arch.get(arch.get("family", "")),
     )
-    backend = (
-        cfg["attention_backend"]
-        if cfg["attention_backend"] != "auto"
-        else ("flex" if accelerator.device.type == "cuda" else "sdpa")
-    )
-    block_size = drafter.block_size
-    gamma = cfg["loss_gamma"] or M.loss_decay_gamma(block_size)
+    block_size = drafter.block_size  # before Accelerate wraps it
     n_trainable = M.count_parameters(drafter)
     dataset = _rows(data.records, cfg)
     sch = Schedule.of(len(dataset), cfg, accelerator.num_processes)
@@ -358,7 +352,52 @@ def _prepare_run(
     accelerator.register_for_checkpointing(scheduler)
     anchors = torch.Generator(device="cpu").manual_seed(cfg["seed"] * 1000 + accelerator.process_index)
     streams = RS.RankStreams({"anchors": anchors}, rank=accelerator.process_index, world_size=accelerator.num_processes)
-    ctx = StepContext(
+    ctx = _step_context(accelerator, cfg, data, probe, arch, drafter, block_size, anchors, zero_target_features)
+    val_batches, val_counted = _heldout_batches(data.heldout, cfg, accelerator.process_index, accelerator.num_processes)
+    if data.source.stream is not None:  # the held-out batches' features, fetched once
+        val_batches = data.source.stream.fill(val_batches)
+    return TrainRun(
+        accelerator=accelerator,
+        cfg=cfg,
+        out_dir=out_dir,
+        data=data,
+        schedule=sch,
+        num_rows=len(dataset),
+        n_trainable=n_trainable,
+        drafter=drafter,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loader=loader,
+        ctx=ctx,
+        val_batches=val_batches,
+        val_counted=val_counted,
+        zero_target_features=zero_target_features,
+        rng_streams=streams,
+    )
+
+
+def _step_context(
+    accelerator,
+    cfg: dict,
+    data: RunData,
+    probe: dict,
+    arch: dict,
+    drafter,
+    block_size: int,
+    anchors,
+    zero_target_features: bool,
+) -> StepContext:
+    """The :class:`StepContext` of :func:`_prepare_run`: the prepared ``drafter`` (its ``block_size``), the target
+    or the feature source's frozen embedding / LM head, the ``anchors`` generator, the attention backend
+    (``auto``: flex on CUDA, else sdpa), γ (``train.loss_gamma`` or the block size's default), the loss
+    settings, the target's logit softcap, and the family's keys when the family is not DFlash."""
+    backend = (
+        cfg["attention_backend"]
+        if cfg["attention_backend"] != "auto"
+        else ("flex" if accelerator.device.type == "cuda" else "sdpa")
+    )
+    gamma = cfg["loss_gamma"] or M.loss_decay_gamma(block_size)
+    return StepContext(
         drafter=drafter,
         target=data.target,
         probe=probe,
@@ -385,27 +424,6 @@ def _prepare_run(
             if arch.get("family", FA.DEFAULT_FAMILY) != FA.DEFAULT_FAMILY
             else {}
         ),
-    )
-    val_batches, val_counted = _heldout_batches(data.heldout, cfg, accelerator.process_index, accelerator.num_processes)
-    if data.source.stream is not None:  # the held-out batches' features, fetched once
-        val_batches = data.source.stream.fill(val_batches)
-    return TrainRun(
-        accelerator=accelerator,
-        cfg=cfg,
-        out_dir=out_dir,
-        data=data,
-        schedule=sch,
-        num_rows=len(dataset),
-        n_trainable=n_trainable,
-        drafter=drafter,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        loader=loader,
-        ctx=ctx,
-        val_batches=val_batches,
-        val_counted=val_counted,
-        zero_target_features=zero_target_features,
-        rng_streams=streams,
     )
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_pipeline.features import window_bytes
+from dflash_pipeline.features import FLEET_KEYS, window_bytes
 
 
 def row_spans(batch: dict) -> list[list[tuple[int, int]]]:
@@ -282,17 +282,7 @@ def stream_settings(stream: dict) -> dict:
     out = {k: v["default"] for k, v in feats["stream"]["properties"].items() if "default" in v}
     out.update(dtype=feats["dtype"]["default"], last_hidden=feats["last_hidden"]["default"])
     gen = props["generation"]["properties"]
-    fleet = {
-        k: gen[k]["default"]
-        for k in (
-            "request_timeout_s",
-            "endpoint_max_failures",
-            "endpoint_reprobe_s",
-            "retry_backoff_s",
-            "retry_backoff_max_s",
-            "circuit_breaker_failures",
-        )
-    }
+    fleet = {k: gen[k]["default"] for k in FLEET_KEYS}
     out = {**out, **stream}
     out["fleet"] = {**fleet, **(stream.get("fleet") or {})}
     ep_defaults = {
@@ -328,6 +318,30 @@ def _cache(st: dict, out_dir, probe: dict, k: int, h: int, last: bool):
     return cache
 
 
+def _stream_endpoints(st: dict) -> list[dict]:
+    """The feature servers of :func:`open_stream_data`: ``st["endpoints"]`` (:func:`stream_settings`), else those the
+    colocated launcher put in ``$DFLASH_STREAM_ENDPOINTS`` (JSON), each with the schema's endpoint defaults.
+
+    Raises:
+        StreamError: neither names a server.
+    """
+    import json
+    import os
+
+    from dflash_pipeline.features import ENDPOINTS_ENV, StreamError
+
+    endpoints = (
+        st["endpoints"]
+        or stream_settings({"endpoints": json.loads(os.environ.get(ENDPOINTS_ENV) or "[]")})["endpoints"]
+    )
+    if not endpoints:
+        raise StreamError(
+            "train.target_features: stream has no feature server: set features.stream.endpoints, or "
+            f"run the trainer under the colocated launcher (${ENDPOINTS_ENV})"
+        )
+    return endpoints
+
+
 def open_stream_data(
     cfg: dict,
     token_shards: Sequence[str | Path],
@@ -353,57 +367,19 @@ def open_stream_data(
     Raises:
         StreamError: no endpoint, or the breaker opened while probing. OSError (ENOSPC): scratch too small.
     """
-    import json
-    import os
-
-    from dflash_pipeline.features import (
-        ENDPOINTS_ENV,
-        FeatureClient,
-        StreamError,
-        fleet_config,
-    )
-    from dflash_pipeline.train.data import (
-        TrainingData,
-        collate,
-        final_norm,
-        frozen_head,
-        needs_teacher,
-        token_records,
-    )
+    from dflash_pipeline.features import FeatureClient, fleet_config
+    from dflash_pipeline.train.data import TrainingData, collate, final_norm, frozen_head, needs_teacher, token_records
 
     st = stream_settings(stream)
-    ds = token_records(
-        token_shards,
-        out_dir,
-        is_main=is_main,
-        barrier=barrier,
-        min_loss_tokens=min_loss_tokens,
-    )
-    endpoints = (
-        st["endpoints"]
-        or stream_settings({"endpoints": json.loads(os.environ.get(ENDPOINTS_ENV) or "[]")})["endpoints"]
-    )
-    if not endpoints:
-        raise StreamError(
-            "train.target_features: stream has no feature server: set features.stream.endpoints, or "
-            f"run the trainer under the colocated launcher (${ENDPOINTS_ENV})"
-        )
+    ds = token_records(token_shards, out_dir, is_main=is_main, barrier=barrier, min_loss_tokens=min_loss_tokens)
+    endpoints = _stream_endpoints(st)
     teacher = needs_teacher(cfg)  # kl: the servers send the last layer too (aux id num_hidden_layers)
-    k, h, last = (
-        len(probe["drafter"]["target_layer_ids"]),
-        int(probe["hidden_size"]),
-        bool(st["last_hidden"]) or teacher,
-    )
+    k, h = len(probe["drafter"]["target_layer_ids"]), int(probe["hidden_size"])
+    last = bool(st["last_hidden"]) or teacher
     wire = (k + int(last)) * h * int(st["wire_bytes_per_value"])
     longest = max((int(np.diff(s.offsets).max()) for s in ds._open() if len(s)), default=1)
     longest = max(longest, int(cfg.get("pack_max_tokens") or 0) if cfg.get("packing") else 0)
-    window = window_bytes(
-        st["prefetch_batches"],
-        int(cfg["batch_size"]),
-        longest,
-        wire,
-        st["max_inflight_bytes"],
-    )
+    window = window_bytes(st["prefetch_batches"], int(cfg["batch_size"]), longest, wire, st["max_inflight_bytes"])
     free = None
     if st.get("scratch_dir") and any(e["transport"] == "path" for e in endpoints):
         free = check_scratch(st["scratch_dir"], window)

@@ -5,41 +5,17 @@ plan-time config problems of every stage (:mod:`.problems`). Names load on first
 from dflash_pipeline.core.faces import lazy_face
 
 _OWNERS = {
-    "accelerate_launch_args": "policy",
-    "job_label": "policy",
-    "first_slurm_host": "policy",
-    "LaunchTopology": "policy",
-    "launch_topology": "policy",
-    "run_accelerate": "policy",
-    "log_to": "policy",
-    "tee_log": "policy",
-    "GPU_RULES": "policy",
-    "job_gpus": "policy",
-    "claim_gpus": "policy",
-    "run_with_gpus": "policy",
-    "GENERATION_OUTPUT_KEYS": "policy",
-    "BASELINE_TRAIN_FLAGS": "policy",
-    "canonical": "policy",
-    "as_json": "policy",
-    "generation_output_params": "policy",
-    "baseline_runs": "policy",
-    "baseline_train_flags": "policy",
-    "TOKENIZATION_REVISION": "policy",
-    "problems": "problems",
-    "cross_field_problems": "problems",
-    "training_problems": "problems",
-    "language_block_problems": "problems",
-    "LEFT_OUT_AT_DEFAULT": "policy",
-    "without_new_defaults": "policy",
-    "DEMO_TARGET_DIR": "keyed_paths",
-    "params_digest": "keyed_paths",
-    "recorded_demo_params": "keyed_paths",
-    "demo_target_dir": "keyed_paths",
-    "embedded_demo_settings": "keyed_paths",
-    "probe_matches": "keyed_paths",
-    "probe_record_path": "keyed_paths",
+    "policy": (
+        "accelerate_launch_args job_label first_slurm_host LaunchTopology launch_topology run_accelerate log_to"
+        " tee_log GPU_RULES job_gpus claim_gpus run_with_gpus GENERATION_OUTPUT_KEYS BASELINE_TRAIN_FLAGS"
+        " canonical as_json generation_output_params baseline_runs baseline_train_flags TOKENIZATION_REVISION"
+        " LEFT_OUT_AT_DEFAULT without_new_defaults"
+    ),
+    "problems": "problems cross_field_problems training_problems language_block_problems",
+    "keyed_paths": (
+        "DEMO_TARGET_DIR params_digest recorded_demo_params demo_target_dir embedded_demo_settings probe_matches"
+        " probe_record_path"
+    ),
 }
 
-__all__ = sorted(_OWNERS)
-
-__getattr__, __dir__ = lazy_face(__name__, _OWNERS, globals)
+__getattr__, __dir__, __all__ = lazy_face(__name__, _OWNERS, globals)

@@ -15,6 +15,7 @@ import pytest
 from dflash_pipeline.core.config import validate_config
 from dflash_pipeline.core.errors import ConfigError
 from dflash_pipeline.evaluate import engine_acceptance as EE
+from dflash_pipeline.evaluate import engine_vs_loop as EV
 from dflash_pipeline.evaluate.outputs import write_eval_table
 from dflash_pipeline.evaluate.sglang_engine import histogram_acceptance_stats
 from dflash_pipeline.evaluate.vllm_server import loop_dtype, served_dtype_of_log
@@ -131,7 +132,7 @@ def test_eval_engine_sglang_writes_engine_tau_beside_ours(tmp_path, capsys):
     assert res["source"] == "meta_info" and len(res["per_position_acceptance"]) == 3 and res["num_steps"] > 0
 
     record = _loop_record(eng)
-    warnings = EE.attach_engine_tau(record, eng)
+    warnings = EV.attach_engine_tau(record, eng)
     s = record["drafters"]["trained"]["sets"]["gsm8k"]["engine"]
     assert s["tau"] == res["tau"] and s["per_position_acceptance"] == res["per_position_acceptance"]
     assert isinstance(s["agrees"], bool) and s["loop_tau_pooled"] == 2.0  # the histogram makes the test possible
@@ -242,7 +243,7 @@ def test_an_engine_in_another_dtype_than_the_loop_is_flagged():
             "engine": {"name": "vllm", "dtype": "float32", "served_dtype": served},
             "results": {"gsm8k": {"tau": 2.0, "histogram": {"2": 10}, "num_steps": 10, "source": "metrics"}},
         }
-        warnings = EE.attach_engine_tau(record, eng)
+        warnings = EV.attach_engine_tau(record, eng)
         expected = (
             "the engine served bfloat16, our loop ran the target in float32: the two τ differ by "
             "precision as well (eval.engine_args --dtype)"

@@ -10,6 +10,7 @@ import math
 import pytest
 
 from dflash_pipeline.evaluate import engine_acceptance as EE
+from dflash_pipeline.evaluate import engine_vs_loop as EV
 from dflash_pipeline.evaluate.vllm_server import dflash_speculative_config, serve_commands, write_serve_md
 
 METRICS = """\
@@ -62,20 +63,20 @@ def _loop_stats(hist: dict, n_resp: int = 2) -> dict:
 
 def test_compare_tau_uses_the_noise_of_both_sides():
     eng = {"tau": 2.4, "histogram": {"1": 3, "2": 2, "3": 3, "4": 2}}
-    same = EE.compare_tau(_loop_stats({"1": 3, "2": 2, "3": 3, "4": 2}), eng)
+    same = EV.compare_tau(_loop_stats({"1": 3, "2": 2, "3": 3, "4": 2}), eng)
     assert same["diff"] == pytest.approx(0.0) and same["z"] == 0.0 and same["agrees"] is True
     # ten steps: a 0.5 gap is inside the noise
-    small = EE.compare_tau(_loop_stats({"1": 5, "2": 2, "3": 2, "4": 1}), eng)
+    small = EV.compare_tau(_loop_stats({"1": 5, "2": 2, "3": 2, "4": 1}), eng)
     assert small["diff"] == pytest.approx(0.5) and small["agrees"] is True
     # many steps, the same 0.5 gap: far outside it
     eng_many = {"tau": 2.4, "histogram": {"1": 300, "2": 200, "3": 300, "4": 200}}
-    many = EE.compare_tau(_loop_stats({"1": 500, "2": 200, "3": 200, "4": 100}), eng_many)
-    assert many["agrees"] is False and many["z"] > EE.DISAGREEMENT_Z
+    many = EV.compare_tau(_loop_stats({"1": 500, "2": 200, "3": 200, "4": 100}), eng_many)
+    assert many["agrees"] is False and many["z"] > EV.DISAGREEMENT_Z
     # both constant and different: infinitely many standard errors
-    const = EE.compare_tau(_loop_stats({"4": 10}), {"tau": 3.0, "histogram": {"3": 10}})
+    const = EV.compare_tau(_loop_stats({"4": 10}), {"tau": 3.0, "histogram": {"3": 10}})
     assert const["agrees"] is False and const["z"] == "-inf"
     # SGLang meta_info: no histogram → undecided, never a false alarm
-    assert EE.compare_tau(_loop_stats({"2": 4}), {"tau": 2.0})["agrees"] is None
+    assert EV.compare_tau(_loop_stats({"2": 4}), {"tau": 2.0})["agrees"] is None
 
 
 def _records(engine_tau_hist: dict):
@@ -112,7 +113,7 @@ def test_attach_engine_tau_side_by_side_and_warnings(capsys):
     from dflash_pipeline.evaluate.acceptance import eval_table_rows
 
     record, eng = _records({"1": 300, "2": 200, "3": 300, "4": 200})
-    assert EE.attach_engine_tau(record, eng) == []
+    assert EV.attach_engine_tau(record, eng) == []
     s = record["drafters"]["trained"]["sets"]["gsm8k"]
     assert s["engine"]["tau"] == pytest.approx(2.4) and s["engine"]["agrees"] is True
     assert s["engine"]["per_position_acceptance"] == [0.7, 0.5, 0.2]
@@ -123,7 +124,7 @@ def test_attach_engine_tau_side_by_side_and_warnings(capsys):
 
     record, eng = _records({"1": 600, "2": 200, "3": 100, "4": 100})  # engine τ 1.7 vs 2.4 over 1000 steps
     eng["engine"].update(num_draft_layers=2, exact=False)
-    warnings = EE.attach_engine_tau(record, eng)
+    warnings = EV.attach_engine_tau(record, eng)
     assert len(warnings) == 2 and "engine τ 1.700 vs our loop's pooled τ 2.400" in warnings[0]
     assert "PR #56431" in warnings[1] and "WARNING" in capsys.readouterr().out
     assert {r["drafter"]: r for r in eval_table_rows(record)}["trained"]["engine_agrees"] == "NO"
@@ -133,11 +134,11 @@ def test_attach_engine_tau_refuses_other_settings_or_prompts():
     record, eng = _records({"1": 10})
     eng["settings"]["max_new_tokens"] = 99
     with pytest.raises(EE.EngineComparisonError, match="settings.max_new_tokens=99"):
-        EE.attach_engine_tau(record, eng)
+        EV.attach_engine_tau(record, eng)
     record, eng = _records({"1": 10})
     eng["sets"] = {"gsm8k": {"path": "g.jsonl", "num_prompts": 3}}
     with pytest.raises(EE.EngineComparisonError, match="no eval set 'gsm8k' with the same prompts"):
-        EE.attach_engine_tau(record, eng)
+        EV.attach_engine_tau(record, eng)
 
 
 def test_server_acceptance_from_meta_info_and_from_metrics():
@@ -191,7 +192,7 @@ def test_engine_tau_by_length_goes_beside_the_loops_and_into_the_report_table():
     record["drafters"]["trained"]["sets"]["gsm8k"]["by_context_length"] = {"<1K": loop_bucket}
     engine_bucket = {"tau": 1.75, "num_responses": 3, "num_steps": 12, "range": [1024, None], "basis": "prompt_tokens"}
     eng["results"]["gsm8k"]["by_context_length"] = {"≥1K": engine_bucket}
-    EE.attach_engine_tau(record, eng)
+    EV.attach_engine_tau(record, eng)
     assert record["drafters"]["trained"]["sets"]["gsm8k"]["engine"]["by_context_length"] == {"≥1K": engine_bucket}
     _, rows = length_table_rows(record)
     assert {"drafter": "trained", "set": "gsm8k", "<1K": "2.500 (20)", "≥1K": ""} in rows

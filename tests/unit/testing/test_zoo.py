@@ -7,7 +7,7 @@ invariants already proven for the demo target (tests/unit/drafter/test_model.py,
 * the training forward's block logits equal the inference draft's for the same context;
 * the speculative loop's output equals the target's greedy output, with rejections at every step (random
   drafter) and with partial / full acceptances (a noisy oracle), across sliding windows (prompts are longer
-  than ``zoo.SLIDING_WINDOW``) and linear-attention layers (cache policy ``recompute``);
+  than ``zoo_shrink.SLIDING_WINDOW``) and linear-attention layers (cache policy ``recompute``);
 * one real training step with the target in that dtype, through ``Accelerator(cpu=True,
   mixed_precision=bf16|no)``, gives a finite loss and a gradient on every drafter parameter.
 
@@ -29,7 +29,7 @@ from dflash_pipeline.drafter import model as M
 from dflash_pipeline.evaluate.acceptance import speculative_generate
 from dflash_pipeline.target import loading as T
 from dflash_pipeline.target.chat import load_tokenizer, render
-from dflash_pipeline.testing import zoo
+from dflash_pipeline.testing import zoo, zoo_shrink
 from dflash_pipeline.train.run import StepContext, build_drafter, make_accelerator, target_features, training_step
 
 MODELS = models_dir()
@@ -59,7 +59,7 @@ def _prompt(tok) -> list[int]:
         {"role": "user", "content": "Natalia sold 48 clips in April and half as many in May. How many in all?"},
     ]
     ids = render(tok, msgs, thinking="none", add_generation_prompt=True, tokenize=True)
-    assert len(ids) > 2 * zoo.SLIDING_WINDOW  # the sliding windows are crossed
+    assert len(ids) > 2 * zoo_shrink.SLIDING_WINDOW  # the sliding windows are crossed
     return ids
 
 
@@ -190,7 +190,7 @@ def test_twin_keeps_what_makes_the_family_distinct(twin):
     q35 = json.loads((twin("Qwen3.5-35B-A3B") / "config.json").read_text())["text_config"]
     assert q35["layer_types"] == ["linear_attention"] * 3 + ["full_attention"] and q35["num_experts"] == 4
     oss = json.loads((twin("gpt-oss-20b") / "config.json").read_text())
-    assert oss["sliding_window"] == zoo.SLIDING_WINDOW and set(oss["layer_types"]) == {
+    assert oss["sliding_window"] == zoo_shrink.SLIDING_WINDOW and set(oss["layer_types"]) == {
         "sliding_attention",
         "full_attention",
     }

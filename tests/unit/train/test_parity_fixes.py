@@ -192,41 +192,20 @@ def test_compute_loss_passes_the_cap(cap):
     assert torch.equal(a.total, b.total)
 
 
-def test_step_objective_caps_the_teacher_like_the_target():
-    """The step hands the target's ``final_logit_softcapping`` to the kl loss (an early return used to drop
-    it): on the same batch and anchors a capped teacher gives another objective, and no cap gives the
-    uncapped one."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from dflash_pipeline.drafter import model as M
+def test_kl_step_caps_the_teacher_with_the_contexts_softcap():
+    """step_objective hands ``ctx.logit_softcap`` to the loss: the same kl step differs with a cap of 1 (every
+    teacher logit squeezed into (-1, 1)) and equals itself without one (a merge once dropped the argument)."""
     from dflash_pipeline.train.step import StepContext, step_objective
 
-    torch.manual_seed(0)
-    tcfg = Qwen3Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        tie_word_embeddings=False,
-    )
-    target = Qwen3ForCausalLM(tcfg).eval().requires_grad_(False)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(40.0)  # logits well beyond the cap
-    drafter = M.DFlashDrafter(
-        M.drafter_config_from_target(tcfg, block_size=4, num_draft_layers=1, target_layer_ids=[1, 2], mask_token_id=63)
-    )
-    probe = {"drafter": {"target_layer_ids": [1, 2], "mask_token_id": 63}}
-    ids = torch.randint(0, 60, (2, 24), generator=torch.Generator().manual_seed(3))
+    target, drafter = tiny_target_and_drafter(num_hidden_layers=6, num_draft_layers=1, target_layer_ids=[1, 3])
     batch = {
-        "input_ids": ids,
-        "loss_mask": torch.ones_like(ids, dtype=torch.uint8),
-        "attention_mask": torch.ones_like(ids),
+        "input_ids": torch.randint(0, 90, (2, 16), generator=torch.Generator().manual_seed(0)),
+        "loss_mask": torch.ones(2, 16, dtype=torch.uint8),
+        "attention_mask": torch.ones(2, 16, dtype=torch.long),
     }
+    probe = {"drafter": {"target_layer_ids": drafter.target_layer_ids, "mask_token_id": 95}}
 
-    def total(cap):
+    def loss(cap):
         ctx = StepContext(
             drafter=drafter,
             target=target,
@@ -236,10 +215,10 @@ def test_step_objective_caps_the_teacher_like_the_target():
             gamma=None,
             generator=torch.Generator().manual_seed(0),
             loss="kl",
+            logit_softcap=cap,
         )
-        ctx.logit_softcap = cap
         with torch.no_grad():
             return step_objective(ctx, batch).total
 
-    assert torch.equal(total(None), total(None))
-    assert not torch.allclose(total(None), total(5.0), rtol=1e-3)
+    assert torch.equal(loss(None), loss(None))
+    assert not torch.allclose(loss(None), loss(1.0), rtol=1e-3)

@@ -20,32 +20,24 @@ from .app import DEFAULT_MODEL_NAME, FLAVORS, TestServer
 from .faults import Faults, faults_summary
 
 
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a count >= 0, got {text}")
-    return value
+def _checked(name: str, convert, ok, what: str):
+    """An argparse ``type`` called ``name``: ``convert(text)`` when ``ok`` of it, else ArgumentTypeError
+    "must be ``what``" (argparse reports a failed ``convert`` as "invalid ``name`` value")."""
+
+    def parse(text: str):
+        value = convert(text)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return value
+
+    parse.__name__ = name
+    return parse
 
 
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
-    return value
-
-
-def _status(text: str) -> int:
-    value = int(text)
-    if not 100 <= value <= 599:
-        raise argparse.ArgumentTypeError(f"must be an HTTP status 100-599, got {text}")
-    return value
-
-
-def _accept_length(text: str) -> float:
-    value = float(text)
-    if not (value >= 1 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be an acceptance length >= 1, got {text}")
-    return value
+_count = _checked("_count", int, lambda v: v >= 0, "a count >= 0")
+_seconds = _checked("_seconds", float, lambda v: v >= 0 and math.isfinite(v), "a number of seconds >= 0")
+_status = _checked("_status", int, lambda v: 100 <= v <= 599, "an HTTP status 100-599")
+_accept_length = _checked("_accept_length", float, lambda v: v >= 1 and math.isfinite(v), "an acceptance length >= 1")
 
 
 _CLI_EPILOG = """\
@@ -195,89 +187,84 @@ def _add_answer_flags(ans: argparse._ArgumentGroup) -> None:
     )
 
 
+#: The drops, hangs, failures, delay and crash of :class:`Faults`: flag -> (type, metavar, help). A flag names
+#: its field (``--drop-first``: ``drop_first``), whose value in the defaults is the flag's default.
+_FAULT_PLAN_FLAGS = {
+    "--delay-s": (
+        _seconds,
+        "S",
+        "answer every non-faulted chat or completions request after S seconds (default: %(default)s)",
+    ),
+    "--drop-first": (
+        _count,
+        "N",
+        "drop the connection of the first N requests without an answer (default: %(default)s)",
+    ),
+    "--hang-first": (
+        _count,
+        "N",
+        (
+            "the N requests after the drops get no answer for --hang-s seconds, then a dropped "
+            "connection (a client timeout shorter than --hang-s sees a timeout; default: %(default)s)"
+        ),
+    ),
+    "--fail-first": (
+        _count,
+        "N",
+        "the N requests after the drops and hangs get HTTP --fail-status (default: %(default)s)",
+    ),
+    "--drop-every": (
+        _count,
+        "N",
+        "drop the connection of every request whose number is a multiple of N (default: %(default)s = off)",
+    ),
+    "--hang-every": (
+        _count,
+        "N",
+        "hang every request whose number is a multiple of N, as --hang-first does (default: %(default)s = off)",
+    ),
+    "--fail-every": (
+        _count,
+        "N",
+        (
+            "answer every request whose number is a multiple of N with HTTP --fail-status, "
+            "i.e. a failure rate of 1/N (default: %(default)s = off)"
+        ),
+    ),
+    "--hang-s": (
+        _seconds,
+        "S",
+        "how long a hung request waits before its connection is dropped (seconds; default: %(default)s)",
+    ),
+    "--fail-status": (
+        _status,
+        "CODE",
+        (
+            "HTTP status of --fail-first/--fail-every failures, e.g. 500, 503, or 429 for rate "
+            "limiting (default: %(default)s); the body is an OpenAI error object"
+        ),
+    ),
+    "--retry-after-s": (
+        _seconds,
+        "S",
+        "send 'Retry-After: S' (seconds) with --fail-first/--fail-every failures (default: no header)",
+    ),
+    "--die-after": (
+        _count,
+        "N",
+        (
+            "after N requests, act crashed: drop every later connection, /v1/models and /health "
+            "included (/metrics and /stats keep answering; default: never)"
+        ),
+    ),
+}
+
+
 def _add_fault_plan_flags(flt: argparse._ArgumentGroup, d: Faults) -> None:
-    """The drops, hangs, failures, delay and crash of :class:`Faults` (defaults from ``d``)."""
-    flt.add_argument(
-        "--delay-s",
-        type=_seconds,
-        default=d.delay_s,
-        metavar="S",
-        help="answer every non-faulted chat or completions request after S seconds (default: %(default)s)",
-    )
-    flt.add_argument(
-        "--drop-first",
-        type=_count,
-        default=d.drop_first,
-        metavar="N",
-        help="drop the connection of the first N requests without an answer (default: %(default)s)",
-    )
-    flt.add_argument(
-        "--hang-first",
-        type=_count,
-        default=d.hang_first,
-        metavar="N",
-        help="the N requests after the drops get no answer for --hang-s seconds, then a dropped "
-        "connection (a client timeout shorter than --hang-s sees a timeout; default: %(default)s)",
-    )
-    flt.add_argument(
-        "--fail-first",
-        type=_count,
-        default=d.fail_first,
-        metavar="N",
-        help="the N requests after the drops and hangs get HTTP --fail-status (default: %(default)s)",
-    )
-    flt.add_argument(
-        "--drop-every",
-        type=_count,
-        default=d.drop_every,
-        metavar="N",
-        help="drop the connection of every request whose number is a multiple of N (default: %(default)s = off)",
-    )
-    flt.add_argument(
-        "--hang-every",
-        type=_count,
-        default=d.hang_every,
-        metavar="N",
-        help="hang every request whose number is a multiple of N, as --hang-first does (default: %(default)s = off)",
-    )
-    flt.add_argument(
-        "--fail-every",
-        type=_count,
-        default=d.fail_every,
-        metavar="N",
-        help="answer every request whose number is a multiple of N with HTTP --fail-status, "
-        "i.e. a failure rate of 1/N (default: %(default)s = off)",
-    )
-    flt.add_argument(
-        "--hang-s",
-        type=_seconds,
-        default=d.hang_s,
-        metavar="S",
-        help="how long a hung request waits before its connection is dropped (seconds; default: %(default)s)",
-    )
-    flt.add_argument(
-        "--fail-status",
-        type=_status,
-        default=d.fail_status,
-        metavar="CODE",
-        help="HTTP status of --fail-first/--fail-every failures, e.g. 500, 503, or 429 for rate "
-        "limiting (default: %(default)s); the body is an OpenAI error object",
-    )
-    flt.add_argument(
-        "--retry-after-s",
-        type=_seconds,
-        default=d.retry_after_s,
-        metavar="S",
-        help="send 'Retry-After: S' (seconds) with --fail-first/--fail-every failures (default: no header)",
-    )
-    flt.add_argument(
-        "--die-after",
-        type=_count,
-        default=d.die_after,
-        metavar="N",
-        help="after N requests, act crashed: drop every later connection, /v1/models and /health "
-        "included (/metrics and /stats keep answering; default: never)",
-    )
+    """The drops, hangs, failures, delay and crash of :class:`Faults` (:data:`_FAULT_PLAN_FLAGS`; defaults from
+    ``d``)."""
+    for flag, (kind, metavar, text) in _FAULT_PLAN_FLAGS.items():
+        flt.add_argument(flag, type=kind, default=getattr(d, flag[2:].replace("-", "_")), metavar=metavar, help=text)
 
 
 def _add_marker_flags(flt: argparse._ArgumentGroup, d: Faults) -> None:
