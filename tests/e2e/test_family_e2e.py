@@ -33,6 +33,7 @@ def family_runs(tmp_path_factory):
         for src in group.values():
             src["path"] = str(REPO / src["path"])
     base["eval"]["baselines"] = []
+    base["eval"]["sets"]["sharegpt_long"] = {"num_samples": 1}  # config/config.yaml's 8 long conversations: 1 here
     base["train"].update(TRAIN)
     records = {}
     for family, extra in FAMILIES.items():
