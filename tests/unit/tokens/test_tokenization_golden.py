@@ -29,6 +29,8 @@ if __name__ == "__main__":  # script mode (--regenerate): conftest lives in test
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import argparse
+import contextlib
+import datetime
 import hashlib
 import json
 import tempfile
@@ -331,9 +333,36 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(canonical_json(obj).encode("utf-8")).hexdigest()
 
 
+#: The day the golden was made: templates that print today's date (gpt-oss's ``strftime_now("%Y-%m-%d")``,
+#: Llama 3.1's ``date_string``) render this one, so the golden does not change with the calendar.
+GOLDEN_DAY = datetime.datetime(2026, 12, 1)
+
+
+@contextlib.contextmanager
+def _fixed_day():
+    """transformers' template ``strftime_now`` (``chat_template_utils.datetime.now``) returns :data:`GOLDEN_DAY`."""
+    from transformers.utils import chat_template_utils as ctu
+
+    class _Day(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return GOLDEN_DAY
+
+    real, ctu.datetime = ctu.datetime, _Day
+    try:
+        yield
+    finally:
+        ctu.datetime = real
+
+
 def tokenize_case(name: str, work: Path) -> tuple[dict, list[dict]]:
     """Tokenize the golden records for case ``name`` through ``tokenize_shard`` (tokenizer saved to and
-    loaded from ``work``). Returns ``(summary for the golden, the shard's rows as Python lists)``."""
+    loaded from ``work``) on :data:`GOLDEN_DAY`. Returns ``(summary for the golden, the shard's rows)``."""
+    with _fixed_day():
+        return _tokenize_case(name, work)
+
+
+def _tokenize_case(name: str, work: Path) -> tuple[dict, list[dict]]:
     factory, tokens_cfg, row_group_size = CASES[name]
     tok = factory()
     target = work / name / "target"
@@ -415,15 +444,18 @@ def test_token_shard_matches_golden(name, tmp_path):
     # the batching of tokenize_records decides no byte: small batches give the shard's rows
     tok = chat.load_tokenizer(tmp_path / name / "target")
     _, cfg, _ = CASES[name]
-    again = tokenize_records(
-        tok,
-        completion_records(tok),
-        max_length=cfg["max_length"],
-        last_turn_only=cfg["last_turn_only"],
-        strict=cfg["strict"],
-        use_server_token_ids=cfg.get("use_server_token_ids", False),
-        batch_size=3,
-    )
+    with _fixed_day():
+        again = list(
+            tokenize_records(
+                tok,
+                completion_records(tok),
+                max_length=cfg["max_length"],
+                last_turn_only=cfg["last_turn_only"],
+                strict=cfg["strict"],
+                use_server_token_ids=cfg.get("use_server_token_ids", False),
+                batch_size=3,
+            )
+        )
     assert [
         _digest({**r, "input_ids": r["input_ids"].tolist(), "loss_mask": r["loss_mask"].tolist()}) for r in again
     ] == [_digest(r) for r in rows]
