@@ -33,7 +33,10 @@ def family_runs(tmp_path_factory):
         for src in group.values():
             src["path"] = str(REPO / src["path"])
     base["eval"]["baselines"] = []
-    base["eval"]["sets"]["sharegpt_long"] = {"num_samples": 1}  # config/config.yaml's 8 long conversations: 1 here
+    # config/config.yaml's long-conversation set, one conversation instead of 8 (this workdir has no
+    # config/config.yaml to merge into: the set is given whole)
+    long_set = yaml.safe_load((REPO / "config" / "config.yaml").read_text())["eval"]["sets"]["sharegpt_long"]
+    base["eval"]["sets"]["sharegpt_long"] = {**long_set, "path": str(REPO / long_set["path"]), "num_samples": 1}
     base["train"].update(TRAIN)
     records = {}
     for family, extra in FAMILIES.items():
