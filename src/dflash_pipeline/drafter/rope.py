@@ -12,7 +12,7 @@ and served with another accept near nothing). vLLM builds the drafter's rotary f
   MiniMax-M2: 128 vs 64).
 * ``rope_type`` default / yarn / llama3 / linear / dynamic: the inverse frequencies and the attention
   scaling of transformers' ``ROPE_INIT_FUNCTIONS`` (which honour ``partial_rotary_factor``), equal to
-  vLLM's (checked against vLLM by ``tests/e2e/test_drafter_family_parity.py``).
+  vLLM's (checked against vLLM by ``tests/e2e/test_family_parity.py``).
 * ``mrope_section`` makes vLLM build an ``MRotaryEmbedding`` and the DFlash proposer refuse the drafter
   ("does not support M-RoPE yet", ``llm_base_proposer._raise_if_mrope``); for text the three M-RoPE
   sections carry the same position, so M-RoPE equals the plain rotary over the same channels. The drafter
