@@ -119,9 +119,32 @@ def header_html(run: str, facts: Mapping) -> str:
         f"(jobs summed; training {_human_seconds(facts.get('train_s'))}, eval {_human_seconds(facts.get('eval_s'))})",
         "<b>data</b> " + html.escape(data_line(facts.get("data") or {})),
     ]
+    if facts.get("stream"):
+        lines.append("<b>features streamed</b> " + html.escape(stream_line(facts["stream"])))
     return (
         f'<header id="run-header" class="dflash-header"><h1>Run {html.escape(run)}: a DFlash drafter for '
         f"{_v(target.get('path'))}</h1>" + "".join(f'<p class="dflash-facts">{ln}</p>' for ln in lines) + "</header>"
+    )
+
+
+def stream_line(stream: Mapping) -> str:
+    """Supply and demand of a ``target_features: stream`` run in one line, from ``train_summary.json``'s
+    ``stream`` (:meth:`dflash_pipeline.train.stream.FeatureStream.summary`): servers, the tokens/s they
+    served, the tokens/s the trainer consumed and would consume if it never waited, the share of the run spent
+    waiting for features, the suggested servers per trainer rank, and the peak scratch bytes."""
+
+    def rate(key):
+        x = stream.get(key)
+        return f"{x:,.0f}" if isinstance(x, (int, float)) else "?"
+
+    wait = stream.get("wait_fraction")
+    peak = stream.get("peak_scratch_bytes")
+    return (
+        f"{stream.get('servers', '?')} servers at {rate('server_tokens_per_s')} tokens/s; trainer "
+        f"{rate('trainer_tokens_per_s')} tokens/s (demand {rate('trainer_demand_tokens_per_s')}), waiting "
+        + (f"{100 * wait:.1f} %" if isinstance(wait, (int, float)) else "?")
+        + f" of the time; suggested servers per trainer rank: {stream.get('suggested_servers_per_rank', '?')}; "
+        + f"peak scratch {f'{peak:,} B' if isinstance(peak, int) else '?'}"
     )
 
 
@@ -217,6 +240,7 @@ def run_facts(
             "loss": summary.get("loss"),
         },
         "train_steps": trained.get("train_steps") or summary.get("steps"),
+        "stream": summary.get("stream"),  # supply and demand of streamed features (None unless streamed)
         "wall_s": (total or 0.0) + sum(extra) if total is not None or extra else None,
         "train_s": _benchmark_total(benchmark_dir, "train_drafter"),
         "eval_s": _benchmark_total(benchmark_dir, "evaluate_acceptance"),

@@ -187,6 +187,24 @@ def test_header_facts_come_from_the_run_records(tmp_path):
     assert facts["data"]["prompts_kept"] == 940 and facts["data"]["eval_prompts"] == {"gsm8k": 4, "long": 4}
     text = report_page.header_html("r1", facts)
     assert "1.23 M trainable parameters" in text and "7 min 28 s" in text and "940 conversations (938 ok)" in text
+    assert facts["stream"] is None and "features streamed" not in text  # not a streamed run
+    stream = {
+        "servers": 2,
+        "server_tokens_per_s": 5120.4,
+        "trainer_tokens_per_s": 3000.0,
+        "trainer_demand_tokens_per_s": 4000.0,
+        "wait_fraction": 0.25,
+        "suggested_servers_per_rank": 2,
+        "peak_scratch_bytes": 65536,
+    }
+    (ckpt.parent / "train_summary.json").write_text(json.dumps({"steps": 204, "stream": stream}))
+    facts = report_page.run_facts(checkpoint=ckpt)
+    assert facts["stream"] == stream
+    text = report_page.header_html("r1", facts)
+    assert (
+        "<b>features streamed</b> 2 servers at 5,120 tokens/s; trainer 3,000 tokens/s (demand 4,000), waiting "
+        "25.0 % of the time; suggested servers per trainer rank: 2; peak scratch 65,536 B"
+    ) in text
     # the job's named inputs and outputs give the figure files, in the page's order
     figs = report_page.run_figures(
         SimpleNamespace(
