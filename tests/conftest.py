@@ -3,7 +3,7 @@
 ``demo_target`` builds the tiny Qwen3 demo target once per session (few training steps, so it is fast but
 its continuations are only loosely structured); tests that need a well-trained target build their own.
 :func:`tiny_target_and_drafter` builds a random tiny target with a DFlash drafter on it (model and eval
-tests); :func:`snakemake` runs the repo's workflow in a working directory with the local profile and
+tests); :class:`FeatureServer` runs one ``features serve`` subprocess (stream tests); :func:`snakemake` runs the repo's workflow in a working directory with the local profile and
 :func:`planned_jobs` reads a dry run's job counts (e2e tests).
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -150,6 +151,70 @@ def tiny_target_and_drafter(
         mask_token_id=95,
     )
     return target, M.DFlashDrafter(dcfg).eval()
+
+
+#: Fleet knobs small enough that a dead server is taken out, and the breaker opens, within a second.
+FAST_FLEET = {
+    "request_timeout_s": 30,
+    "endpoint_max_failures": 1,
+    "endpoint_reprobe_s": 0.05,
+    "retry_backoff_s": 0.01,
+    "retry_backoff_max_s": 0.05,
+    "circuit_breaker_failures": 3,
+}
+
+
+class FeatureServer:
+    """One ``python -m dflash_pipeline.features serve`` subprocess (hf backend) on ``target``, serving the
+    hidden states of ``layers`` (of ``num_hidden_layers``) and writing path-transport replies under
+    ``scratch``; ``extra``: more CLI arguments (e.g. ``--hang-after``). The constructor returns once the
+    server printed ``[features] serving <url>`` (then ``url``; RuntimeError if it exits first); ``kill()``
+    SIGKILLs it (if still running) and reaps it."""
+
+    def __init__(
+        self,
+        target: Path,
+        scratch: Path,
+        *,
+        layers,
+        num_hidden_layers: int = 4,
+        last_hidden: bool = False,
+        extra: tuple = (),
+    ):
+        cmd = [
+            sys.executable,
+            "-m",
+            "dflash_pipeline.features",
+            "serve",
+            "--target",
+            str(target),
+            "--layer-ids",
+            ",".join(map(str, layers)),
+            "--num-hidden-layers",
+            str(num_hidden_layers),
+            "--scratch-dir",
+            str(scratch),
+        ]
+        if last_hidden:
+            cmd.append("--last-hidden")
+        cmd += list(extra)
+        env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.log = []
+        for line in self.proc.stdout:  # blocks until the server reports it is ready (or exits)
+            self.log.append(line)
+            if line.startswith("[features] serving "):
+                self.url = line.split()[2]
+                break
+        else:
+            raise RuntimeError("feature server exited before serving:\n" + "".join(self.log))
+        self.scratch = scratch
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+        self.proc.stdout.close()
 
 
 def snakemake(

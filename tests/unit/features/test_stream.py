@@ -5,17 +5,16 @@ rerun resumes at the same batch), and the server on an MLA twin (DeepSeek-V3).""
 
 from __future__ import annotations
 
+import functools
 import json
-import os
 import signal
-import subprocess
-import sys
 from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import FAST_FLEET, FeatureServer
 from test_features import LAYERS, TRAIN_CFG, token_shard
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -24,64 +23,8 @@ from dflash_pipeline.features.extract import extract_shard
 from dflash_pipeline.features.hf_backend import HFExtractor
 
 REPO = Path(__file__).resolve().parents[3]
-#: Fleet knobs small enough that a dead server is taken out, and the breaker opens, within a second.
-FAST_FLEET = {
-    "request_timeout_s": 30,
-    "endpoint_max_failures": 1,
-    "endpoint_reprobe_s": 0.05,
-    "retry_backoff_s": 0.01,
-    "retry_backoff_max_s": 0.05,
-    "circuit_breaker_failures": 3,
-}
-
-
-class Server:
-    """One ``features serve`` subprocess; ``url`` once it printed that it serves."""
-
-    def __init__(
-        self,
-        target: Path,
-        scratch: Path,
-        *,
-        layers=LAYERS,
-        num_hidden_layers: int = 4,
-        last_hidden: bool = False,
-        extra: tuple = (),
-    ):
-        cmd = [
-            sys.executable,
-            "-m",
-            "dflash_pipeline.features",
-            "serve",
-            "--target",
-            str(target),
-            "--layer-ids",
-            ",".join(map(str, layers)),
-            "--num-hidden-layers",
-            str(num_hidden_layers),
-            "--scratch-dir",
-            str(scratch),
-        ]
-        if last_hidden:
-            cmd.append("--last-hidden")
-        cmd += list(extra)
-        env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        self.log = []
-        for line in self.proc.stdout:  # blocks until the server reports it is ready (or exits)
-            self.log.append(line)
-            if line.startswith("[features] serving "):
-                self.url = line.split()[2]
-                break
-        else:
-            raise RuntimeError("feature server exited before serving:\n" + "".join(self.log))
-        self.scratch = scratch
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-        self.proc.stdout.close()
+#: A feature server serving LAYERS (:class:`conftest.FeatureServer`).
+Server = functools.partial(FeatureServer, layers=LAYERS)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,8 @@
 """Exact resume: a run SIGKILLed at an arbitrary step and resumed from its last ``state/`` ends with the fp32
 weights of an uninterrupted run, bit for bit (CPU), whether the resumed step is an epoch boundary or the
-middle of an epoch: plain, packed, from feature shards, on 2 gloo ranks (DDP) and under FSDP2.
+middle of an epoch: plain, packed, from feature shards, streamed from a feature server
+(``target_features: stream``: a real hf ``features serve`` subprocess, which outlives the killed trainers), on
+2 gloo ranks (DDP) and under FSDP2.
 
 Each setting trains 2 epochs of 6 optimizer steps, saving state every 2 steps. The killed run pauses after
 step 7 and is SIGKILLed (its whole process group); the rerun resumes at step 6 (an epoch boundary), pauses
@@ -23,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import counting_train_setup
+from conftest import FAST_FLEET, FeatureServer, counting_train_setup
 
 from dflash_pipeline.train.checkpoint import file_digest
 from dflash_pipeline.workflow.policy import accelerate_launch_args
@@ -95,6 +97,21 @@ def setup(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="module")
+def feature_server(setup):
+    """One hf feature server on the setup's target, serving the probe's layers, for the stream setting (only
+    it asks for this fixture); killed at the module's end."""
+    layers = json.loads((setup / "probe.json").read_text())["drafter"]["target_layer_ids"]
+    server = FeatureServer(setup / "target", setup / "scratch", layers=layers, num_hidden_layers=4)
+    yield server
+    server.kill()
+
+
+def _stream(server: FeatureServer) -> dict:
+    """The stream settings of a run fed by ``server`` (path transport into its scratch directory)."""
+    return {"endpoints": [{"base_url": server.url}], "scratch_dir": str(server.scratch), "fleet": FAST_FLEET}
+
+
 def _env(pause_at: int = 0) -> dict:
     return {
         **os.environ,
@@ -105,7 +122,7 @@ def _env(pause_at: int = 0) -> dict:
     }
 
 
-def _command(root: Path, out: Path, cfg: dict, port: int) -> list[str]:
+def _command(root: Path, out: Path, cfg: dict, port: int, stream: dict | None = None) -> list[str]:
     args = [
         str(root / "pausing_train.py"),
         "--probe",
@@ -121,6 +138,8 @@ def _command(root: Path, out: Path, cfg: dict, port: int) -> list[str]:
     ]
     if cfg.get("target_features") == "shards":
         args += ["--feature-shard", str(root / "features.safetensors")]
+    if stream is not None:
+        args += ["--stream-config", json.dumps(stream)]
     args.append(str(root / "tokens.parquet"))
     if cfg["num_processes"] == 1:
         return [sys.executable, *args]
@@ -184,12 +203,13 @@ SETTINGS = {
     "plain": {},
     "packing": {"packing": True, "pack_max_tokens": 64, "batch_size": 1, "gradient_accumulation_steps": 2},  # 11 rows
     "shards": {"target_features": "shards"},
+    "stream": {"target_features": "stream"},
     "ddp_2_ranks": {"num_processes": 2, "batch_size": 2},
     "fsdp2_2_ranks": {"num_processes": 2, "batch_size": 2, "fsdp": True},
 }
 
 
-def _in_process(root: Path, out: Path, cfg: dict) -> dict:
+def _in_process(root: Path, out: Path, cfg: dict, stream: dict | None = None) -> dict:
     """The run in this process on one thread, as the subprocesses run (``OMP_NUM_THREADS=1``: the same kernels,
     the same bits); a single-process run then needs no interpreter start for its uninterrupted and last runs."""
     from dflash_pipeline.train.run import train
@@ -206,21 +226,23 @@ def _in_process(root: Path, out: Path, cfg: dict) -> dict:
             cfg=cfg,
             device="cpu",
             feature_shards=shards,
+            stream=stream,
         )
     finally:
         torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
-def test_killed_and_resumed_run_ends_bit_identical(setup, tmp_path, capsys, setting):
+def test_killed_and_resumed_run_ends_bit_identical(setup, tmp_path, capsys, request, setting):
     root = setup
     cfg = {**CFG, **SETTINGS[setting]}
+    stream = _stream(request.getfixturevalue("feature_server")) if setting == "stream" else None
     port = 29600 + 2 * list(SETTINGS).index(setting)
     one = cfg["num_processes"] == 1
     if one:
-        _in_process(root, tmp_path / "whole", cfg)
+        _in_process(root, tmp_path / "whole", cfg, stream)
     else:
-        _run(_command(root, tmp_path / "whole", cfg, port), tmp_path / "whole")
+        _run(_command(root, tmp_path / "whole", cfg, port, stream), tmp_path / "whole")
     summary = json.loads((tmp_path / "whole" / "train_summary.json").read_text())
     assert summary["steps"] == 2 * STEPS_PER_EPOCH, summary
     killed = tmp_path / "killed"
@@ -228,10 +250,10 @@ def test_killed_and_resumed_run_ends_bit_identical(setup, tmp_path, capsys, sett
     for pause_at in (*PAUSES, 0):
         if one and not pause_at:  # the last, unkilled run
             capsys.readouterr()
-            _in_process(root, killed, cfg)
+            _in_process(root, killed, cfg, stream)
             text = capsys.readouterr().out
         else:
-            text = _run(_command(root, killed, cfg, port), killed, pause_at)
+            text = _run(_command(root, killed, cfg, port, stream), killed, pause_at)
         m = re.search(r"resumed from .* at step (\d+)/", text)
         resumed_at.append(int(m.group(1)) if m else 0)
     assert resumed_at == [0, STEPS_PER_EPOCH, STEPS_PER_EPOCH + 2]  # an epoch boundary, then mid-epoch
