@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -299,7 +300,9 @@ def start_servers(
     try:
         for i in range(n):
             d = scratch / f"server{i}"
-            d.mkdir(parents=True, exist_ok=True)
+            if d.is_dir():  # answers a killed job's trainer never read (a SIGKILL leaves its window behind)
+                shutil.rmtree(d)
+            d.mkdir(parents=True)
             log = scratch / f"server{i}.log"
             env = dict(os.environ)
             if per:

@@ -18,7 +18,7 @@ def test_extract_many_through_one_server_equals_hf_extraction(setup, tmp_path): 
     """Three token shards (the setup's two, with hf feature shards, and a third), last hidden state
     included, through one colocated server started by the job: every record's features equal the hf
     backend's shard bit for bit, each record is sent once, and the job starts exactly one server and
-    leaves none behind (its scratch dir is empty)."""
+    leaves none behind (its scratch dir is empty, a killed job's leftover answers included)."""
     from dflash_pipeline.features.extract import extract_shard
     from dflash_pipeline.train.stream import stream_settings
 
@@ -41,6 +41,9 @@ def test_extract_many_through_one_server_equals_hf_extraction(setup, tmp_path): 
     (tmp_path / "probe.json").write_text(json.dumps({**probe, "num_hidden_layers": 4}))
     stream = {**stream_settings({"fleet": FAST_FLEET}), "scratch_dir": str(tmp_path / "scratch"), "max_len": 4096}
     outs = [tmp_path / f"out-{t.stem}.safetensors" for t in tokens]
+    leftover = tmp_path / "scratch" / "server0" / "killed-job-answer.safetensors"  # a SIGKILLed job's window
+    leftover.parent.mkdir(parents=True)
+    leftover.write_bytes(b"x" * 1024)
     cmd = [sys.executable, "-m", "dflash_pipeline.features", "extract-many", "--probe", str(tmp_path / "probe.json")]
     cmd += ["--target", str(root / "target"), "--stream-config", json.dumps(stream)]
     cmd += ["--features-config", json.dumps({"dtype": "bfloat16", "last_hidden": True, "chunk_tokens": 64})]
