@@ -80,3 +80,34 @@ def test_moved_module_warns_and_finds_names_in_every_new_home(monkeypatch):
     assert old.attach_engine_tau is engine_vs_loop.attach_engine_tau and old.DISAGREEMENT_Z == 3.0
     with pytest.raises(AttributeError, match="'dflash_pipeline.evaluate_engine' has no attribute 'nope'"):
         _ = old.nope
+
+
+@pytest.mark.parametrize(
+    "old, new, name",
+    [
+        ("dflash_pipeline.model", "dflash_pipeline.drafter.model", "DFlashDrafter"),
+        ("dflash_pipeline.engine", "dflash_pipeline.evaluate.vllm_server", "VLLMServer"),
+        ("dflash_pipeline.chat", "dflash_pipeline.target.chat", "load_tokenizer"),
+    ],
+)
+def test_old_flat_module_paths_warn_and_forward(monkeypatch, old, new, name):
+    """The other flat modules of the last release keep working for one release: each warns when imported,
+    naming its new home, and gives the moved module's own object."""
+    import importlib
+    import sys
+
+    monkeypatch.delitem(sys.modules, old, raising=False)
+    with pytest.warns(DeprecationWarning, match=rf"{old} is deprecated; import {new}"):
+        module = importlib.import_module(old)
+    assert getattr(module, name) is getattr(importlib.import_module(new), name)
+
+
+def test_console_scripts_are_installed():
+    """``dflash-train`` (the train rule's entry point) and ``dflash-eval`` run from the environment's bin."""
+    import subprocess
+    import sys
+
+    bindir = Path(sys.executable).parent
+    for script, expect in (("dflash-train", "--train-config"), ("dflash-eval", "--drafter")):
+        proc = subprocess.run([str(bindir / script), "--help"], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and expect in proc.stdout, (script, proc.stdout[-2000:], proc.stderr[-2000:])
