@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from dflash_pipeline.features import FLEET_KEYS, window_bytes
+from dflash_pipeline.train.data import MIN_LOSS_TOKENS
 
 
 def row_spans(batch: dict) -> list[list[tuple[int, int]]]:
@@ -354,7 +355,7 @@ def open_stream_data(
     target_dtype: str = "auto",
     is_main: bool = True,
     barrier=lambda: None,
-    min_loss_tokens: int = 2,
+    min_loss_tokens: int = MIN_LOSS_TOKENS,
 ):
     """:class:`dflash_pipeline.train.data.TrainingData` for ``train.target_features: stream``: the token
     records (token indexes, as online), the frozen embedding / LM head (as ``shards``) and a started
