@@ -151,8 +151,9 @@ def speculative_config(family: str, drafter_dir: str | Path, block_size: int, *,
     Raises:
         ValueError: ``block_size`` < 2, or ``adaptive`` for a family without a confidence head.
     """
-    if int(block_size) < 2:
-        raise ValueError(f"block_size {block_size} must be ≥ 2")
+    from dflash_pipeline.drafter.block_size import check_block_size
+
+    check_block_size(block_size)  # BlockSizeError, a ValueError
     if adaptive and family != "dspark":
         raise ValueError("adaptive verification needs DSpark's confidence head (family dspark)")
     spec = {
@@ -191,11 +192,13 @@ def serve_md(cfg: Mapping[str, Any], drafter_dir: str | Path, target: str, *, po
             spec,
         ]
     )
+    from dflash_pipeline.target.layer_ids import hf_hidden_state_index
+
     layers = (cfg.get("dflash_config") or {}).get("target_layer_ids")
     head = (
         f"# Serving this {'DFlash2' if family == 'dflash2' else 'DSpark'} drafter\n\n"
         f"Block size {bs} ({n} drafts per step), {cfg.get('num_hidden_layers')} draft layer(s), target layers "
-        f"{layers} (aux hidden states {[i + 1 for i in layers or []]}), target `{target}`.\n\n"
+        f"{layers} (aux hidden states {[hf_hidden_state_index(i) for i in layers or []]}), target `{target}`.\n\n"
     )
     if family == "dflash2":
         return head + _dflash2_serving(cfg, n, vllm)
