@@ -41,6 +41,12 @@ class StreamError(GenerationError):
     """The feature servers cannot deliver (breaker open, a refused record, a mismatching answer)."""
 
 
+class AnswerMismatch(ValueError):
+    """An answer for other token ids or of another shape than the client was told to expect: the server taps
+    other layers, or serves another target. The same request gets the same answer, so it is never retried
+    (retrying it re-computed the record forever: a server that answers its health probe comes back in)."""
+
+
 @dataclass
 class Features:
     """One record's features: ``features`` torch [T, K*H] and ``last_hidden`` [T, H] | None in the storage
@@ -256,8 +262,8 @@ class FeatureClient:
             if failure.kind == retry.CLIENT:
                 self.fleet.success(ep)
                 raise StreamError(
-                    f"feature server {ep.url} refused a record of {len(ids)} tokens: {failure.error} "
-                    "(a client error is not retried)"
+                    f"feature server {ep.url} cannot serve a record of {len(ids)} tokens: {failure.error} "
+                    "(a client error or a mismatching answer is not retried)"
                 )
             if failure.kind != retry.RATE_LIMITED:
                 self.fleet.failure(ep, failure.error)
@@ -300,6 +306,8 @@ class FeatureClient:
             return None, retry.Failure(_describe(exc))
         try:
             return await asyncio.to_thread(self._decode, raw, ids, transport), None
+        except AnswerMismatch as exc:
+            return None, retry.Failure(f"unusable answer: {exc}", kind=retry.CLIENT)
         except (ValueError, KeyError, TypeError, OSError) as exc:
             return None, retry.Failure(f"unusable answer: {type(exc).__name__}: {exc}")
 
@@ -319,11 +327,11 @@ class FeatureClient:
             data, scratch = read_scratch_file(path, self._scratch_add)
         got = data["token_ids"].numpy().astype(np.int64)
         if not np.array_equal(got, ids):
-            raise ValueError(f"the server's token_ids ({len(got)}) differ from the record's ({len(ids)})")
+            raise AnswerMismatch(f"the server's token_ids ({len(got)}) differ from the record's ({len(ids)})")
         hs = data["hidden_states"]
         want = (len(ids), self.k + (1 if self.last_hidden else 0), self.h)
         if tuple(hs.shape) != want:
-            raise ValueError(
+            raise AnswerMismatch(
                 f"hidden_states {tuple(hs.shape)}, expected {want} (the server taps other layers"
                 + (
                     "; train.loss: kl needs the last layer: start it with --last-hidden / aux id num_hidden_layers)"

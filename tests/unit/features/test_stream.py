@@ -148,6 +148,21 @@ def test_server_contract_path_and_bytes(setup, server):
         assert (c.stats["peak_scratch_bytes"] > 0) == (transport == "path")
 
 
+def test_a_server_tapping_other_layers_stops_the_client_at_once(server):
+    """A client told to expect one more layer than the server taps (a server started for another drafter)
+    gets a StreamError naming both shapes at the first answer; the record is not re-sent (it was, forever:
+    the server answers its health probe, so the breaker never opened)."""
+    eps = [{"base_url": server.url, "max_concurrency": 1, "transport": "path"}]
+    c = FeatureClient(eps, fleet_config(FAST_FLEET, None), num_layers=len(LAYERS) + 1, hidden_size=32)
+    c.start()
+    try:
+        with pytest.raises(StreamError, match=r"hidden_states \(6, 2, 32\), expected \(6, 3, 32\)"):
+            c.submit(np.arange(6)).result(timeout=120)
+    finally:
+        c.close()
+    assert c.stats["requests"] == 1 and c.stats["retries"] == 0
+
+
 def test_stream_run_equals_shards_run(setup, server, shards_run, tmp_path):
     """Same token shards, seed and features: the stream run is the shards run (fp32 drafter, bf16 features
     on both sides, same batches) - every logged loss and the final weights are equal bit for bit, so the
@@ -413,8 +428,12 @@ def test_all_servers_gone_saves_state_and_resume_continues(setup, shards_run, tm
 
 def test_hf_server_on_an_mla_twin(real_models_dir, tmp_path):
     """DeepSeek-V3's MLA twin (the architecture of Kimi K2/K2.6): the server's features equal the hf
-    extractor's, with the last hidden state."""
+    extractor's, with the last hidden state; and a stream run on the twin through that server is the shards
+    run on the twin's hf feature shard, every logged loss and the final weights equal bit for bit."""
+    from safetensors.torch import load_file
+
     from dflash_pipeline.testing import zoo
+    from dflash_pipeline.train import train
 
     twin = zoo.build_twin(
         real_models_dir,
@@ -422,8 +441,41 @@ def test_hf_server_on_an_mla_twin(real_models_dir, tmp_path):
         tmp_path / "ds",
         corpus_file=REPO / "data/gsm8k/train.jsonl",
     )
-    n = json.loads((twin / "config.json").read_text())["num_hidden_layers"]
+    tcfg = json.loads((twin / "config.json").read_text())
+    n, hidden = tcfg["num_hidden_layers"], tcfg["hidden_size"]
     layers = [0, n - 1]
+    tokens = token_shard(tmp_path / "t.parquet", 12, 3)  # ids < 78, inside the twin's vocabulary
+    feats = tmp_path / "t.safetensors"
+    extract_shard(
+        tokens,
+        feats,
+        target_dir=twin,
+        target_layer_ids=layers,
+        hidden_size=hidden,
+        num_hidden_layers=n,
+        backend="hf",
+        dtype="bfloat16",
+        last_hidden=False,
+    )
+    probe = {
+        "hidden_size": hidden,
+        "num_hidden_layers": n,
+        "tie_word_embeddings": bool(tcfg.get("tie_word_embeddings", False)),
+        "drafter": {"block_size": 4, "num_draft_layers": 1, "target_layer_ids": layers, "mask_token_id": 79},
+    }
+
+    def run(mode, out, stream=None):
+        return train(
+            token_shards=[tokens],
+            feature_shards=[feats] if mode == "shards" else (),
+            probe=probe,
+            target_dir=twin,
+            out_dir=out,
+            cfg=dict(TRAIN_CFG, target_features=mode, epochs=1),
+            stream=stream,
+        )
+
+    ref = run("shards", tmp_path / "shards")
     s = Server(twin, tmp_path / "scratch", layers=layers, num_hidden_layers=n, last_hidden=True)
     try:
         eps = [{"base_url": s.url, "max_concurrency": 2, "transport": "path"}]
@@ -431,7 +483,7 @@ def test_hf_server_on_an_mla_twin(real_models_dir, tmp_path):
             eps,
             fleet_config(FAST_FLEET, None),
             num_layers=2,
-            hidden_size=64,
+            hidden_size=hidden,
             last_hidden=True,
         )
         c.start()
@@ -440,11 +492,29 @@ def test_hf_server_on_an_mla_twin(real_models_dir, tmp_path):
             (got,) = c.fetch_all([rec])
         finally:
             c.close()
+        st = run(
+            "stream",
+            tmp_path / "stream",
+            # the server sends the last hidden state too (the contract check above); the trainer takes it
+            {
+                "endpoints": [{"base_url": s.url}],
+                "scratch_dir": str(s.scratch),
+                "fleet": FAST_FLEET,
+                "last_hidden": True,
+            },
+        )
     finally:
         s.kill()
     h = HFExtractor(twin, layers, num_hidden_layers=n, last_hidden=True)
     ((_, f, last),) = list(h.run([0], [rec]))
     assert torch.equal(got.features, f.to(torch.bfloat16)) and torch.equal(got.last_hidden, last.to(torch.bfloat16))
+    assert st["steps"] == ref["steps"] >= 2
+    assert [r["loss"] for r in _log(tmp_path / "stream")] == [r["loss"] for r in _log(tmp_path / "shards")]
+    a, b = (
+        load_file(tmp_path / "shards/final/model.safetensors"),
+        load_file(tmp_path / "stream/final/model.safetensors"),
+    )
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_stream_with_packing_and_heldout_matches_online(setup, server, tmp_path):
