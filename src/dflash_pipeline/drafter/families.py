@@ -264,8 +264,10 @@ With the confidence head, vLLM can size each step's verification from it (`enabl
 {env} python -m vllm.entrypoints.openai.api_server --model {shlex.quote(target)} --port {port} --speculative-config {shlex.quote(adaptive)}
 ```
 
-SGLang (upstream `--speculative-algorithm DSPARK`, since mid-2026: the sglang DSpark blog, lm-sys PR #357; DSpark
-takes no `--speculative-num-draft-tokens`, the block comes from the checkpoint; check your release has it):
+SGLang (upstream `--speculative-algorithm DSPARK`: sgl-project/sglang PR #30261, released in v0.5.16 for
+DeepSeek-V4's DSpark, described in the lm-sys DSpark blog, PR #357; DSpark takes no
+`--speculative-num-draft-tokens`, the block comes from the checkpoint; check that your release loads a Qwen3
+DSpark drafter, `Qwen3DSparkModel`, before relying on it):
 
 ```bash
 {sglang}
