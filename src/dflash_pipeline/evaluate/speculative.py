@@ -50,25 +50,41 @@ def _cache_kw(target, cache) -> dict:
     return {"cache": cache} if "cache" in params else {"past_key_values": cache}
 
 
+def recurrent_rollback_kwargs(activate_past_recording, max_rollback: int) -> dict:
+    """Keywords for ``cache.activate_past_recording``: ``recurrent_states_to_keep=max_rollback`` where the
+    method takes it (transformers ≥ 5.25: linear-attention / SSM layers then keep the recurrent state after
+    each of a forward's last ``max_rollback`` tokens and ``crop`` can roll them back, so they are croppable;
+    its default None made their forward fail, ``min(None, seq_len)``). Older releases take no argument: those
+    layers are then not croppable and :class:`TargetCache` snapshots them (``recompute``)."""
+    import inspect
+
+    params = inspect.signature(activate_past_recording).parameters.values()
+    takes = any(p.kind is p.VAR_KEYWORD or p.name == "recurrent_states_to_keep" for p in params)
+    return {"recurrent_states_to_keep": int(max_rollback)} if takes else {}
+
+
 class TargetCache:
     """The target's cache in the verify loop, with one rollback policy for every cache type transformers
     ships (dflash.md §2.5: after a verify step only the bonus token and the accepted drafts stay).
 
     The cache is ``DynamicCache(config=target.config)``, so each layer gets its own type (full attention,
     sliding window, linear attention / recurrent state), with ``activate_past_recording`` so sliding and
-    conv states keep what a rollback needs. After the prefill, :attr:`policy` is
+    conv states keep what a rollback needs, and (transformers ≥ 5.25) recurrent states the last
+    ``max_rollback`` tokens of a forward (:func:`recurrent_rollback_kwargs`; the loop passes B + 1, one
+    verify forward). After the prefill, :attr:`policy` is
 
-    * ``crop``: every layer can be cut back (full and sliding attention: ``cache.is_croppable``) — the
-      rejected tokens are cropped;
+    * ``crop``: every layer can be cut back (``cache.is_croppable``: full and sliding attention, and linear
+      attention / SSM layers where transformers records their recurrent states) — the rejected tokens are
+      cropped;
     * ``recompute``: some layer holds a recurrent state that cannot be cut back (linear attention of
-      Qwen3.5/3.6 and Qwen3-Next): those layers are snapshotted before each verify forward; on a
-      rejection they are restored, the croppable layers cropped to the same point, and the target re-runs
-      the accepted tokens (one extra forward of a+1 tokens per rejecting step).
+      Qwen3.5/3.6 and Qwen3-Next before transformers 5.25): those layers are snapshotted before each verify
+      forward; on a rejection they are restored, the croppable layers cropped to the same point, and the
+      target re-runs the accepted tokens (one extra forward of a+1 tokens per rejecting step).
 
     Either way the cache afterwards equals the cache of a target that only ever saw the accepted tokens.
     """
 
-    def __init__(self, target):
+    def __init__(self, target, max_rollback: int = 0):
         from transformers import DynamicCache
 
         self.target = target
@@ -77,7 +93,8 @@ class TargetCache:
         except (TypeError, ValueError, AttributeError):  # older transformers: layers appear lazily
             self.cache = DynamicCache()
         if hasattr(self.cache, "activate_past_recording"):
-            self.cache.activate_past_recording()
+            rec = self.cache.activate_past_recording
+            rec(**recurrent_rollback_kwargs(rec, max_rollback))
         self.policy: Optional[str] = None
         self._snapshot: Optional[dict] = None
         self.recomputes = 0
@@ -210,7 +227,7 @@ def speculative_generate(
     stops = set(int(t) for t in stop_token_ids)
 
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=dev)
-    tcache = TargetCache(target)
+    tcache = TargetCache(target, max_rollback=block_size + 1)  # a verify forward: bonus + up to B drafts
     feats, out = tcache.forward(ids, layer_ids)
     bonus = _sample(out.logits[:, -1], temperature, generator)  # [1]
     result = SpecResult(output_ids=[int(bonus)], cache_policy=tcache.policy)
