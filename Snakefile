@@ -11,9 +11,10 @@ configfile: "config/config.yaml"
 
 # every problem on one line each: the schema's (Snakemake's validate prints the whole schema and the first
 # only), then the cross-field checks that would otherwise fail hours later (dflash_pipeline.workflow.problems)
-from dflash_pipeline.core.config import normalize_numbers
+from dflash_pipeline.core.config import coerce_cli_strings, normalize_numbers
 from dflash_pipeline.workflow.problems import problems
 
+coerce_cli_strings(config)  # `--config "drafter={block_size: 4}"` hands Snakemake's strings ('4') over
 config_problems = problems(config, base_dir=workflow.basedir)
 if config_problems:
     raise WorkflowError("config problems:\n  - " + "\n  - ".join(config_problems))

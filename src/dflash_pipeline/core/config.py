@@ -125,6 +125,60 @@ def normalize_numbers(config: dict, schema: Mapping[str, Any] | None = None) -> 
     return config
 
 
+_NULLS = ("null", "Null", "NULL", "~")
+
+
+def _typed_scalar(value: str, types: Sequence[str]) -> Any:
+    """``value`` as the first non-string type of ``types`` it spells (``"4"`` → 4 for integer, ``"0.7"`` →
+    0.7 for number, ``"true"`` → True for boolean, ``"null"`` → None for null); ``value`` unchanged when
+    ``types`` allows a string or it spells none of them."""
+    import re
+
+    if "string" in types:
+        return value
+    if "integer" in types and re.fullmatch(r"[+-]?\d+", value.strip()):
+        return int(value)
+    if "number" in types:
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if "boolean" in types and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    if "null" in types and value.strip() in _NULLS:
+        return None
+    return value
+
+
+def coerce_cli_strings(config: dict, schema: Mapping[str, Any] | None = None) -> dict:
+    """Give the scalars that arrived as strings the type their schema field asks for, in place, and return
+    ``config``. Snakemake reads a nested ``--config`` value with YAML's BaseLoader, so in
+    ``--config "drafter={block_size: 4}"`` every scalar is a string (``'4'``) and the schema refused it;
+    config files are unaffected (their scalars are typed already). Fields that allow a string stay as given;
+    list items follow the list's ``items`` schema."""
+    schema = _schema() if schema is None else schema
+
+    def types_of(sub: Mapping[str, Any]) -> list[str]:
+        t = sub.get("type")
+        return list(t) if isinstance(t, list) else [t] if t else []
+
+    def fix(value: Any, sub: Mapping[str, Any]) -> Any:
+        if isinstance(value, str):
+            return _typed_scalar(value, types_of(sub))
+        if isinstance(value, list) and isinstance(sub.get("items"), dict):
+            return [fix(v, sub["items"]) for v in value]
+        if isinstance(value, dict):
+            props, extra = sub.get("properties") or {}, sub.get("additionalProperties")
+            for key, v in value.items():
+                child = props.get(key, extra if isinstance(extra, dict) else None)
+                if isinstance(child, dict):
+                    value[key] = fix(v, child)
+        return value
+
+    fix(config, schema)
+    return config
+
+
 def validate_config(config: Mapping[str, Any]) -> dict:
     """Validate ``config`` against the schema and return a deep copy with every default filled in.
 

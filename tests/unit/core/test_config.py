@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from conftest import snakemake
+from conftest import REPO, snakemake
 
-from dflash_pipeline.core.config import schema_problems, validate_config
+from dflash_pipeline.core.config import coerce_cli_strings, schema_problems, validate_config
 from dflash_pipeline.core.errors import ConfigError
 
 
@@ -32,6 +32,38 @@ def test_schema_problems_lists_every_error_with_its_key():
     assert "sk-secret" not in leak and "http://host/v1" in leak  # a URL's credentials never reach a message
     with pytest.raises(ConfigError, match=r"`token`: unknown key.*`tokens.max_length`: -5"):
         validate_config({"token": {}, "tokens": {"max_length": -5}})
+
+
+def test_nested_cli_strings_take_their_schema_types():
+    """Snakemake reads nested --config values with YAML's BaseLoader (every scalar a string): they take the
+    type their field asks for; a field that allows a string, or a string that spells no number, is left."""
+    cfg = {
+        "run": "2024",  # a string field: stays
+        "drafter": {"block_size": "4", "target_layer_ids": ["1", "3"], "num_target_features": "null"},
+        "generation": {"temperature": "0.5", "max_tokens": "many"},
+        "train": {"packing": "true", "epochs": 2},
+    }
+    assert coerce_cli_strings(cfg) is cfg
+    assert cfg == {
+        "run": "2024",
+        "drafter": {"block_size": 4, "target_layer_ids": [1, 3], "num_target_features": None},
+        "generation": {"temperature": 0.5, "max_tokens": "many"},  # still refused by the schema, by name
+        "train": {"packing": True, "epochs": 2},
+    }
+
+
+def test_snakemake_plan_takes_numbers_in_nested_config_overrides(tmp_path):
+    proc = snakemake(
+        tmp_path,
+        "-n",
+        "--config",
+        "run=demo-b",
+        "drafter={block_size: 4, target_layer_ids: [1, 3]}",
+        configfile=REPO / "config" / "config.yaml",
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "train_drafter" in out and "expected type" not in out
 
 
 def test_snakemake_plan_reports_config_problems_in_a_few_lines(tmp_path):
