@@ -45,6 +45,8 @@ onsuccess:
     import sys
     from dflash_pipeline.report.tables import console_summary
 
-    text = console_summary(f"{eval_dir(RUN_NAME)}/acceptance.tsv", run_outputs())
+    # the landing page first (not in run_outputs(): that list is summarize_run's params, and the page lists it)
+    page = ("run summary (read first)", f"{RESULTS}/report/summary.html")
+    text = console_summary(f"{eval_dir(RUN_NAME)}/acceptance.tsv", [page, *run_outputs()])
     if text:
         print(text, file=sys.stderr, flush=True)

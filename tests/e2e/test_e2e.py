@@ -35,6 +35,7 @@ def built(tmp_path_factory):
     (work / "config.yaml").write_text(yaml.safe_dump(cfg))
     proc = snakemake(work)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    (work / "snakemake-console.txt").write_text(proc.stdout + proc.stderr)  # what the user saw
     return work, cfg
 
 
@@ -49,6 +50,11 @@ def test_full_build_outputs(built):
     assert ckpt["architectures"] == ["DFlashDraftModel"] and ckpt["block_size"] == 4
     assert ckpt["dflash_config"]["mask_token_id"] == probe["drafter"]["mask_token_id"]
     assert (final / "model.safetensors").stat().st_size > 0
+    console = (work / "snakemake-console.txt").read_text()  # the end-of-run summary names the page to read first
+    assert "τ per drafter and eval set" in console
+    assert re.search(r"^  run summary \(read first\)\s+results/report/summary\.html$", console, re.MULTILINE), console[
+        -2000:
+    ]
     ev = json.loads((work / "results/eval/e2e/acceptance.json").read_text())
     assert set(ev["drafters"]) == {"trained", "zero_features", "untrained"}
     for label in ev["drafters"]:

@@ -415,10 +415,11 @@ def claim_gpus(
 def run_with_gpus(argv: Optional[list[str]] = None) -> int:
     """``python -m dflash_pipeline.workflow gpus N -- CMD …``: run CMD holding N GPUs (see `claim_gpus`);
     also ``launch TRAIN_CONFIG_JSON -- ARGS`` (:func:`run_accelerate`) and ``tee LOG`` (:func:`tee_log`).
-    Returns CMD's exit status, 2 with a usage line for anything else."""
+    Returns CMD's exit status; 0 with the usage lines for ``-h``/``--help``, 2 with them for anything else."""
     import subprocess
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    asked = argv[:1] in (["-h"], ["--help"])
     if len(argv) == 2 and argv[0] == "tee":
         return tee_log(argv[1:])
     if argv[:1] == ["launch"]:
@@ -428,9 +429,9 @@ def run_with_gpus(argv: Optional[list[str]] = None) -> int:
             "usage: python -m dflash_pipeline.workflow gpus N -- CMD [ARGS...]\n"
             "       python -m dflash_pipeline.workflow launch TRAIN_CONFIG_JSON -- ARGS...\n"
             "       python -m dflash_pipeline.workflow tee LOG",
-            file=sys.stderr,
+            file=sys.stdout if asked else sys.stderr,
         )
-        return 2
+        return 0 if asked else 2
     with claim_gpus(int(argv[1])):
         return subprocess.call(argv[3:])
 

@@ -100,6 +100,9 @@ def test_wrapper_holds_devices_across_processes(pool):
         assert sorted(all3) == ["0", "1", "2"]
 
 
-def test_wrapper_usage_and_exit_code(pool):
+def test_wrapper_usage_and_exit_code(pool, capsys):
     assert run_with_gpus(["nope"]) == 2
+    assert "usage: python -m dflash_pipeline.workflow gpus N" in capsys.readouterr().err
+    assert run_with_gpus(["--help"]) == 0  # asked for: the usage on stdout, success
+    assert "python -m dflash_pipeline.workflow launch TRAIN_CONFIG_JSON" in capsys.readouterr().out
     assert run_with_gpus(["gpus", "1", "--", sys.executable, "-c", "raise SystemExit(3)"]) == 3
