@@ -84,7 +84,7 @@ class TargetCache:
     Either way the cache afterwards equals the cache of a target that only ever saw the accepted tokens.
     """
 
-    def __init__(self, target, max_rollback: int = 0):
+    def __init__(self, target, *, max_rollback: int):
         from transformers import DynamicCache
 
         self.target = target

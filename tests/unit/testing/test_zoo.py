@@ -110,6 +110,34 @@ def _records_recurrent_states() -> bool:
     return bool(recurrent_rollback_kwargs(DynamicCache().activate_past_recording, 1))
 
 
+def test_recompute_policy_still_equals_greedy(twin, monkeypatch):
+    """The snapshot + recompute rollback (transformers releases whose linear-attention layers cannot be
+    cropped) on the Qwen3.5 twin, forced by making those layers report themselves not croppable: the
+    speculative output still equals the target's greedy output, with rejections at every step."""
+    from transformers import cache_utils
+
+    monkeypatch.setattr(cache_utils.LinearAttentionCacheLayerMixin, "is_croppable", False)
+    path = twin("Qwen3.5-27B")
+    target = T.load_target(path, dtype="float32")
+    tok = load_tokenizer(path)
+    n_layers = T.num_decoder_layers(target)
+    probe = {
+        "drafter": {
+            "block_size": B,
+            "num_draft_layers": 1,
+            "target_layer_ids": [1, n_layers - 2],
+            "mask_token_id": len(tok),
+        }
+    }
+    drafter = build_drafter(target, probe).eval()
+    prompt = _prompt(tok)
+    greedy = _greedy(target, prompt, NEW_TOKENS)
+    head = T.lm_head(target)
+    for d in (drafter, NoisyOracle(drafter, greedy, len(prompt), head.weight.shape[0])):
+        res = speculative_generate(target, d, prompt, block_size=B, max_new_tokens=NEW_TOKENS)
+        assert res.cache_policy == "recompute" and res.output_ids == greedy, type(d).__name__
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_invariants(family, dtype, twin):
