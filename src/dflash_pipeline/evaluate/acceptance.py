@@ -112,20 +112,27 @@ def acceptance_stats(accept_lengths_per_response: Sequence[Sequence[int]], block
 
 def family_build_args(ckpt_dir: Optional[str | Path]) -> dict:
     """``build_drafter`` keywords that make an untrained drafter of the family of the export in ``ckpt_dir``
-    ({} for DFlash or none: the floor every DFlash run has always had)."""
+    ({} for DFlash or none: the floor every DFlash run has always had), from its
+    :class:`~dflash_pipeline.drafter.config.DFlashConfig`.
+
+    Raises:
+        FileNotFoundError / ValueError: as :meth:`DFlashConfig.from_checkpoint`.
+    """
+    from dflash_pipeline.drafter.config import DFlashConfig
     from dflash_pipeline.drafter.families import family_of, settings_of
 
     if ckpt_dir is None:
         return {}
-    raw = json.loads((Path(ckpt_dir) / "config.json").read_text(encoding="utf-8"))
-    family = family_of(raw)
+    cfg = DFlashConfig.from_checkpoint(ckpt_dir)
+    family = family_of(cfg)
     if family == "dflash":
         return {}
+    layer_types = cfg.layer_types
     return {
         "family": family,
-        "family_settings": settings_of(raw),
-        "layer_types": raw.get("layer_types"),
-        "sliding_window": raw.get("sliding_window") if "sliding_attention" in (raw.get("layer_types") or []) else None,
+        "family_settings": settings_of(cfg.to_dict()),
+        "layer_types": layer_types,
+        "sliding_window": cfg.sliding_window if "sliding_attention" in (layer_types or []) else None,
     }
 
 

@@ -276,3 +276,24 @@ def test_default_family_keeps_every_param():
     assert FA.arch_params(cfg["drafter"]) == {"layer_types": None, "sliding_window": None}
     assert not set(FA.FAMILY_TRAIN_KEYS) & set(FA.train_params(cfg["train"], "dflash"))
     assert FA.config_problems(cfg) == []
+
+
+@pytest.mark.parametrize("family", ["dflash", "dflash2", "dspark"])
+def test_untrained_floor_drafter_is_of_the_exports_family(tmp_path, family):
+    """eval's untrained floor (evaluate.acceptance.family_build_args, read through DFlashConfig) builds a drafter
+    of the export's family with its settings and layer types; DFlash gives no keywords (the floor it always had)."""
+    from dflash_pipeline.evaluate.acceptance import family_build_args
+
+    _, d = tiny(family, layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    M.save_drafter(d, tmp_path, dtype=torch.float32)
+    args = family_build_args(tmp_path)
+    if family == "dflash":
+        assert args == {}
+        return
+    assert args == {
+        "family": family,
+        "family_settings": DFLASH2 if family == "dflash2" else DSPARK,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 8,
+    }
+    assert family_build_args(None) == {}
