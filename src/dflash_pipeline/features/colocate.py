@@ -164,27 +164,12 @@ def vllm_server_cmd(
     CPU-safe one on CPU), prefix caching and chunked prefill off, aux layers as :mod:`.vllm_backend`."""
     from dflash_pipeline.target.layer_ids import hf_hidden_state_index
 
+    from .vllm_backend import hidden_states_engine_config
+
     aux = [hf_hidden_state_index(l) for l in probe["drafter"]["target_layer_ids"]]
     if stream.get("last_hidden"):
         aux.append(int(probe["num_hidden_layers"]))
-    connector = (
-        {"kv_connector": "ExampleHiddenStatesConnector"}
-        if gpus
-        else {
-            "kv_connector": "CPUHiddenStatesConnector",
-            "kv_connector_module_path": "dflash_pipeline.features.vllm_connector",
-        }
-    )
-    spec = {
-        "method": "extract_hidden_states",
-        "num_speculative_tokens": 1,
-        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": aux}},
-    }
-    kv = {
-        **connector,
-        "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"shared_storage_path": str(scratch)},
-    }
+    spec, kv = hidden_states_engine_config(aux, scratch, cuda=bool(gpus))
     vopts = stream.get("vllm") or {}
     dtype = {"auto": "float32" if not gpus else "bfloat16"}.get(target_dtype, target_dtype)
     raw = json.loads((Path(target) / "config.json").read_text(encoding="utf-8"))

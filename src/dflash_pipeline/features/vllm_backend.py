@@ -21,6 +21,33 @@ from typing import Iterator, Sequence
 import numpy as np
 
 
+def hidden_states_engine_config(aux: Sequence[int], scratch: str | os.PathLike, cuda: bool) -> tuple[dict, dict]:
+    """vLLM's ``(speculative_config, kv_transfer_config)`` for extracting hidden states: the
+    ``extract_hidden_states`` method on the HF hidden-state indices ``aux`` (ints), and the connector that
+    writes them under ``scratch`` (vLLM's ``ExampleHiddenStatesConnector`` when ``cuda``, else our CPU-safe
+    :mod:`.vllm_connector`). Shared by the in-process :class:`VLLMExtractor` and ``vllm serve``
+    (:func:`dflash_pipeline.features.colocate.vllm_server_cmd`). Pure; raises nothing."""
+    connector = (
+        {"kv_connector": "ExampleHiddenStatesConnector"}
+        if cuda
+        else {
+            "kv_connector": "CPUHiddenStatesConnector",
+            "kv_connector_module_path": "dflash_pipeline.features.vllm_connector",
+        }
+    )
+    spec = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(aux)}},
+    }
+    kv = {
+        **connector,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(scratch)},
+    }
+    return spec, kv
+
+
 class VLLMExtractor:
     """Yields ``(record, features [T, K*H], last_hidden [T, H] | None)`` for token-id prompts.
 
@@ -63,14 +90,6 @@ class VLLMExtractor:
         self.scratch = Path(scratch_dir or "vllm-hidden-states").resolve()
         shutil.rmtree(self.scratch, ignore_errors=True)
         self.scratch.mkdir(parents=True)
-        connector = (
-            {"kv_connector": "ExampleHiddenStatesConnector"}
-            if cuda
-            else {
-                "kv_connector": "CPUHiddenStatesConnector",
-                "kv_connector_module_path": "dflash_pipeline.features.vllm_connector",
-            }
-        )
         from dflash_pipeline.target.loading import resolve_dtype
 
         dtype = str(resolve_dtype(target_dtype, "cuda" if cuda else "cpu")).removeprefix("torch.")
@@ -86,17 +105,8 @@ class VLLMExtractor:
             max_model_len=max_model_len,
             max_num_batched_tokens=max(max_model_len, 2048),
             enforce_eager=not cuda,
-            speculative_config={
-                "method": "extract_hidden_states",
-                "num_speculative_tokens": 1,
-                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": aux}},
-            },
-            kv_transfer_config={
-                **connector,
-                "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"shared_storage_path": str(self.scratch)},
-            },
         )
+        args["speculative_config"], args["kv_transfer_config"] = hidden_states_engine_config(aux, self.scratch, cuda)
         args.update(options.get("engine_args") or {})
         self.llm = LLM(**args)
         self.engine_version = __import__("vllm").__version__

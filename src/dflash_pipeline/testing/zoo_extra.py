@@ -16,6 +16,16 @@ import json
 import shutil
 from pathlib import Path
 
+#: The tiny multi-head latent attention (low-rank q/kv) and routed-expert sizes the MLA twins share.
+_TINY_MLA_MOE = {
+    "kv_lora_rank": 16,
+    "q_lora_rank": 24,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "n_routed_experts": 4,
+}
+
 #: name → (transformers config class, architecture, kwargs, corpus family whose chat template it renders).
 EXTRA_FAMILIES: dict[str, tuple[str, str, dict, str]] = {
     "Jamba-twin": (
@@ -71,12 +81,7 @@ EXTRA_FAMILIES: dict[str, tuple[str, str, dict, str]] = {
         "DeepseekV32ForCausalLM",
         {
             "num_hidden_layers": 4,
-            "kv_lora_rank": 16,
-            "q_lora_rank": 24,
-            "qk_nope_head_dim": 8,
-            "qk_rope_head_dim": 8,
-            "v_head_dim": 16,
-            "n_routed_experts": 4,
+            **_TINY_MLA_MOE,
             "num_experts_per_tok": 2,
             "n_group": 1,
             "topk_group": 1,
@@ -91,12 +96,7 @@ EXTRA_FAMILIES: dict[str, tuple[str, str, dict, str]] = {
         "LongcatFlashConfig",
         "LongcatFlashForCausalLM",
         {
-            "kv_lora_rank": 16,
-            "q_lora_rank": 24,
-            "qk_nope_head_dim": 8,
-            "qk_rope_head_dim": 8,
-            "v_head_dim": 16,
-            "n_routed_experts": 4,
+            **_TINY_MLA_MOE,
             "moe_topk": 2,
             "zero_expert_num": 2,
             "ffn_hidden_size": 96,

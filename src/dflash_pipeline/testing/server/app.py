@@ -10,7 +10,7 @@ import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from aiohttp import web
 
@@ -319,17 +319,29 @@ class TestServer:
             return faulted
         return marker_response(marked_text, self.faults, self.stats)
 
+    async def _admitted_json(
+        self, request: web.Request, field: str, parse: Callable[[Any], Any], *, completions: bool
+    ) -> tuple[int, dict, Any, web.StreamResponse | None]:
+        """Admit generation request ``request`` (:meth:`_admit`), read its JSON body and ``parse(body[field])``:
+        ``(n, body, parsed, None)``, else ``(n, {}, None, answer)`` with the refusal, or a counted 400 when the
+        body is not JSON or ``field`` does not parse (the completions' message also says why)."""
+        n, refused = self._admit(request, completions=completions)
+        if refused is not None:
+            return n, {}, None, refused
+        try:
+            body = await request.json()
+            return n, body, parse(body[field]), None
+        except (ValueError, KeyError, TypeError) as exc:
+            self.stats.statuses[400] += 1
+            why = f": {exc}" if completions else ""
+            message = f"body must be JSON with `{field}`{why}"
+            return n, {}, None, web.json_response({"error": {"message": message}}, status=400)
+
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        n, refused = self._admit(request, completions=False)
+        n, body, messages, refused = await self._admitted_json(request, "messages", list, completions=False)
         if refused is not None:
             return refused
         stats, f = self.stats, self.faults
-        try:
-            body = await request.json()
-            messages = list(body["messages"])
-        except (ValueError, KeyError, TypeError):
-            stats.statuses[400] += 1
-            return web.json_response({"error": {"message": "body must be JSON with `messages`"}}, status=400)
         stats.record_request(body, first_user(messages), conversation_key(messages))
         if self.flavor != "vllm":  # SGLang refuses ids and meta_info on a streamed chat before generating
             refusal = sg.stream_refusal(body, legacy=self.flavor == "sglang-legacy")
@@ -381,16 +393,13 @@ class TestServer:
         return self._finish(resp, out_ids)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        n, refused = self._admit(request, completions=True)
+        n, body, parsed, refused = await self._admitted_json(
+            request, "prompt", lambda prompt: prompt_of(prompt, self._tok), completions=True
+        )
         if refused is not None:
             return refused
         stats, f = self.stats, self.faults
-        try:
-            body = await request.json()
-            text, prompt_ids = prompt_of(body["prompt"], self._tok)
-        except (ValueError, KeyError, TypeError) as exc:
-            stats.statuses[400] += 1
-            return web.json_response({"error": {"message": f"body must be JSON with `prompt`: {exc}"}}, status=400)
+        text, prompt_ids = parsed
         stats.record_request(body, text, text)
         faulted = await self._faulted(request, n, text)
         if faulted is not None:
@@ -453,8 +462,7 @@ class TestServer:
         out_ids: list[int],
     ) -> web.StreamResponse:
         """A chat answer in SGLang's shapes: ids per choice and in ``sglext``, ``meta_info``, or a stream."""
-        choice = resp["choices"][0]
-        choice["matched_stop"] = out_ids[-1] if finish == "stop" and out_ids else None
+        choice = sg.matched_choice(resp, finish, out_ids)
         if body.get("return_prompt_token_ids") or (body.get("return_token_ids") and not self._legacy):
             choice["prompt_token_ids"] = prompt_ids
         if body.get("return_token_ids") and not self._legacy:
@@ -492,8 +500,7 @@ class TestServer:
         out_ids: list[int],
     ) -> web.StreamResponse:
         """A completion in SGLang's shapes: both id lists in the choice (``return_token_ids``), or a stream."""
-        choice = resp["choices"][0]
-        choice["matched_stop"] = out_ids[-1] if finish == "stop" and out_ids else None
+        choice = sg.matched_choice(resp, finish, out_ids)
         with_ids = bool(body.get("return_token_ids")) and not self._legacy
         if with_ids:
             choice["token_ids"] = out_ids

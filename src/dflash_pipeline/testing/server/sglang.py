@@ -118,10 +118,23 @@ def spec_meta_info(num_tokens: int, verify: int, block_size: int) -> dict:
     }
 
 
+def matched_stop(finish: str, out_ids: Sequence[int]) -> int | None:
+    """The stop token id SGLang reports: the last output id when the answer ended on a stop (``finish``
+    ``"stop"``), else None."""
+    return out_ids[-1] if finish == "stop" and out_ids else None
+
+
+def matched_choice(resp: dict, finish: str, out_ids: Sequence[int]) -> dict:
+    """The one choice of answer ``resp``, given SGLang's ``matched_stop`` (:func:`matched_stop`) in place."""
+    choice = resp["choices"][0]
+    choice["matched_stop"] = matched_stop(finish, out_ids)
+    return choice
+
+
 def meta_info(rid: str, finish: str, prompt_ids: Sequence[int], out_ids: Sequence[int], spec: dict | None) -> dict:
     """A choice's ``meta_info`` (``return_meta_info``): request id, finish reason as SGLang records it
     (``matched``: the stop token id), token counts and the speculative figures."""
-    matched = out_ids[-1] if finish == "stop" and out_ids else None
+    matched = matched_stop(finish, out_ids)
     info = {
         "id": rid,
         "finish_reason": {"type": finish, **({"matched": matched} if finish == "stop" else {})},
