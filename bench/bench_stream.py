@@ -72,6 +72,7 @@ TRAIN = {
 #: Fleet knobs of the fault runs: a dead server is taken out at its first failure and re-probed at once.
 FLEET = {
     "request_timeout_s": 120,
+    "max_retries": 6,
     "endpoint_max_failures": 1,
     "endpoint_reprobe_s": 0.05,
     "retry_backoff_s": 0.01,

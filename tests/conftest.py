@@ -156,6 +156,7 @@ def tiny_target_and_drafter(
 #: Fleet knobs small enough that a dead server is taken out, and the breaker opens, within a second.
 FAST_FLEET = {
     "request_timeout_s": 30,
+    "max_retries": 6,
     "endpoint_max_failures": 1,
     "endpoint_reprobe_s": 0.05,
     "retry_backoff_s": 0.01,

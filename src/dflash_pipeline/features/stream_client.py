@@ -5,12 +5,16 @@ with ``extract_hidden_states``: the same contract, see :mod:`.server`) through t
 (:class:`dflash_pipeline.completions._Fleet`: least-outstanding-requests balancing under each server's
 ``max_concurrency``, take-out after ``endpoint_max_failures`` consecutive failures and re-probing with
 ``GET /models``, the circuit breaker) and its retry classes (:mod:`dflash_pipeline.completions.retry`). The
-fleet knobs are the ``generation.*`` ones (``request_timeout_s``, ``endpoint_max_failures``,
+fleet knobs are the ``generation.*`` ones (``request_timeout_s``, ``max_retries``, ``endpoint_max_failures``,
 ``endpoint_reprobe_s``, ``retry_backoff_s``, ``retry_backoff_max_s``, ``circuit_breaker_failures``).
 
-Unlike a completion, a record's features are never given up: a failed request is retried (on the least
-busy server that is up) until it succeeds or the breaker opens, so a server killed mid-epoch costs time
-only. A client error (HTTP 4xx but 408/409/425/429: the record does not fit the server) stops the job.
+Unlike a completion, a record's features are never skipped (the batches are the seed's, whatever happens): a
+failed request is retried on the least busy server that is up, so a server killed mid-epoch costs time only.
+The job stops (its state saved; the rerun resumes) when the breaker opens, at a client error (HTTP 4xx but
+408/409/425/429: the record does not fit the server), or when one record has failed ``max_retries`` + 1 times
+on servers that are up (a record every server fails, e.g. one that runs out of memory or past
+``request_timeout_s``: the servers answer their health probe, so the breaker alone never opens). Rate
+limiting (429) is back-pressure and does not count.
 
 The event loop runs in a background thread; :meth:`FeatureClient.submit` returns a
 ``concurrent.futures.Future`` of a :class:`Features`. ``transport``: ``path`` (the answer names a file in a
@@ -107,6 +111,7 @@ def read_scratch_file(path: str, on_size=None) -> tuple[dict, int]:
 #: The ``generation`` keys the stream client's fleet reuses (timeouts, failures, back-off, the breaker).
 FLEET_KEYS = (
     "request_timeout_s",
+    "max_retries",
     "endpoint_max_failures",
     "endpoint_reprobe_s",
     "retry_backoff_s",
@@ -240,7 +245,7 @@ class FeatureClient:
         if self.stats["first_request_t"] is None:
             self.stats["first_request_t"] = time.monotonic()
         self.stats["requests"] += 1
-        attempt = 0
+        attempt = failed = 0  # retries; failures that count against max_retries (not 429s)
         while True:
             try:
                 ep = await self.fleet.acquire()  # raises once the breaker is open
@@ -267,6 +272,12 @@ class FeatureClient:
                 )
             if failure.kind != retry.RATE_LIMITED:
                 self.fleet.failure(ep, failure.error)
+                failed += 1
+                if failed > int(self.cfg["max_retries"]):
+                    raise StreamError(
+                        f"a record of {len(ids)} tokens failed {failed} times (generation.max_retries "
+                        f"{self.cfg['max_retries']}); last: {failure.error} from {ep.url}"
+                    )
             attempt += 1
             self.stats["retries"] += 1
             await asyncio.sleep(

@@ -163,6 +163,65 @@ def test_a_server_tapping_other_layers_stops_the_client_at_once(server):
     assert c.stats["requests"] == 1 and c.stats["retries"] == 0
 
 
+class _FailingFeatureServer:
+    """An HTTP server that answers its health probe (``GET /v1/models``) and fails every feature request with
+    HTTP 500, as a server does for a record it runs out of memory on: the breaker alone never opens, because
+    each re-probe brings the server back in."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        self.posts = 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _send(self, code: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._send(200, {"object": "list", "data": [{"id": "target", "object": "model"}]})
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                outer.posts += 1
+                self._send(500, {"error": {"message": "CUDA out of memory", "code": 500}})
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_a_record_every_server_fails_stops_the_client_after_max_retries():
+    """A record that fails on every server that is up (HTTP 500 each time, health probes fine) is sent
+    max_retries + 1 times, then the client raises a StreamError naming the record, the count and the last
+    error (before, it was re-sent forever and the train job hung)."""
+    srv = _FailingFeatureServer()
+    try:
+        c = _client([srv.url], fleet={**FAST_FLEET, "max_retries": 2})
+        try:
+            with pytest.raises(StreamError, match=r"a record of 6 tokens failed 3 times \(generation\.max_retries 2\)"):
+                c.submit(np.arange(6)).result(timeout=120)
+        finally:
+            c.close()
+    finally:
+        srv.close()
+    assert srv.posts == 3 and c.stats["retries"] == 2
+
+
 def test_stream_run_equals_shards_run(setup, server, shards_run, tmp_path):
     """Same token shards, seed and features: the stream run is the shards run (fp32 drafter, bf16 features
     on both sides, same batches) - every logged loss and the final weights are equal bit for bit, so the
