@@ -30,26 +30,12 @@ pytestmark = pytest.mark.e2e
 #: An older main, from before the features/engine/trainer keys (override: $DFLASH_PREVIOUS_MAIN).
 PREVIOUS_MAIN = os.environ.get("DFLASH_PREVIOUS_MAIN", "77e52f4")
 #: The main this code was branched from (override: $DFLASH_LAST_MAIN, a commit or ref).
-LAST_MAIN = os.environ.get("DFLASH_LAST_MAIN", "5f1ed51")
+LAST_MAIN = os.environ.get("DFLASH_LAST_MAIN", "a2580b8")
 #: Rules this code reruns in a results directory of LAST_MAIN, with the reason ({} for a pure refactor).
-_TRAIN_RERUN = "its outputs' inputs: train_drafter reruns (issue #22)"
-LAST_MAIN_RERUNS: dict[str, str] = {
-    # issue #22: target.dtype (and the trust-remote-code flag) moved from the shell string into params, so a
-    # dtype change reruns training as it reruns features and eval; the shell runs `dflash-train` (console
-    # script) instead of `-m dflash_pipeline.train`. New shell text and params: the run and its baseline retrain.
-    "train_drafter": "target.dtype in params (a dtype change must rerun training) and the dflash-train entry point",
-    "evaluate_acceptance": _TRAIN_RERUN,
-    "plot_training": _TRAIN_RERUN,
-    "all": _TRAIN_RERUN,
-    # issue #26: the token shards' metadata counts the turns built from the server's ids (server_ids_used);
-    # TOKENIZATION_REVISION is bumped, so token shards are rewritten once (ids and loss masks unchanged)
-    "tokenize_completions": "TOKENIZATION_REVISION 7476b443b5dd66cc: server_ids_used counts turns (issue #26)",
-    "summarize_tokens": "its inputs, the token shards, are rewritten (tokenize_completions)",
-    # issue #26: the landing page shows every plot inline, τ by context length and the data's lengths
-    "plot_data_lengths": "new rule: the training data's length histogram (results/report/data_lengths.png)",
-    "summarize_run": "the landing page reads the plots, the probe record and the checkpoint (new inputs) and draws "
-    "tau_per_set.png / tau_by_length.png (new outputs); report only, nothing upstream reruns",
-}
+#: (Stop 27's reruns against 5f1ed51, issues #22 and #26, are in this file's history: train_drafter for target.dtype
+#: in params and the dflash-train entry point, tokenize_completions for TOKENIZATION_REVISION 7476b443b5dd66cc,
+#: and the report's new inputs and plots.)
+LAST_MAIN_RERUNS: dict[str, str] = {}
 
 
 def upgrade_config() -> dict:
