@@ -542,6 +542,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     )
     p.add_argument("--out", required=True)
     a = p.parse_args(list(argv) if argv is not None else None)
+    # the flags named as server_acceptance's keyword arguments
+    same_named = ("model", "max_tokens", "temperature", "thinking", "metrics_url", "block_size", "max_concurrency")
     record = {
         "schema_version": EVAL_SCHEMA_VERSION,
         "mode": "server",
@@ -560,15 +562,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         record["sets"][name] = server_acceptance(
             a.base_url,
             prompts,
-            model=a.model,
-            max_tokens=a.max_tokens,
-            temperature=a.temperature,
-            thinking=a.thinking,
-            metrics_url=a.metrics_url,
             api_key=os.environ[a.api_key_env] if a.api_key_env else None,
-            block_size=a.block_size,
-            max_concurrency=a.max_concurrency,
             meta_info=a.engine == "sglang",
+            **{flag: getattr(a, flag) for flag in same_named},
         )
         print(
             f"[eval-server] {name}: tau={record['sets'][name]['tau']:.3f} ({record['sets'][name]['source']})",

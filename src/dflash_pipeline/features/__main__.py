@@ -143,21 +143,11 @@ def _colocate_parser(sub) -> None:
 def _serve(a) -> int:
     from .server import FeatureServer, serve
 
-    layers = [int(x) for x in a.layer_ids.split(",") if x.strip()]
-    server = FeatureServer(
-        a.target,
-        layers,
-        num_hidden_layers=a.num_hidden_layers,
-        last_hidden=a.last_hidden,
-        gpus=a.gpus,
-        target_dtype=a.target_dtype,
-        trust_remote_code=a.trust_remote_code,
-        scratch_dir=a.scratch_dir,
-        model_name=a.model_name,
-        max_len=a.max_len,
-        hang_after=a.hang_after,
-    )
-    serve(server, a.host, a.port, a.url_file)
+    server_args = dict(vars(a))  # every serve flag but --host, --port, --url-file is FeatureServer's argument
+    del server_args["cmd"]
+    host, port, url_file = server_args.pop("host"), server_args.pop("port"), server_args.pop("url_file")
+    layers = [int(x) for x in server_args.pop("layer_ids").split(",") if x.strip()]
+    serve(FeatureServer(server_args.pop("target"), layers, **server_args), host, port, url_file)
     return 0
 
 

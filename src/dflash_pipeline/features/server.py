@@ -75,7 +75,8 @@ class FeatureServer:
 
     ``aux`` layout per token: the K layers of ``layer_ids`` (canonical), then the pre-norm last hidden state
     when ``last_hidden``. ``scratch_dir`` holds the files of answered ``/v1/completions`` requests until their
-    client deletes them.
+    client deletes them. ``extractor_kwargs`` go to the :class:`.hf_backend.HFExtractor` that runs the target
+    (``num_hidden_layers`` required; ``gpus``, ``target_dtype``, ``trust_remote_code``).
     """
 
     def __init__(
@@ -83,27 +84,16 @@ class FeatureServer:
         target_dir,
         layer_ids: Sequence[int],
         *,
-        num_hidden_layers: int,
         last_hidden: bool = False,
-        gpus: int = 0,
-        target_dtype: str = "auto",
-        trust_remote_code: bool = False,
         scratch_dir: str | os.PathLike = "feature-scratch",
         model_name: str | None = None,
         max_len: int = 1 << 20,
         hang_after: int | None = None,
+        **extractor_kwargs,
     ):
         from .hf_backend import HFExtractor
 
-        self.extractor = HFExtractor(
-            target_dir,
-            layer_ids,
-            num_hidden_layers=num_hidden_layers,
-            last_hidden=last_hidden,
-            gpus=gpus,
-            target_dtype=target_dtype,
-            trust_remote_code=trust_remote_code,
-        )
+        self.extractor = HFExtractor(target_dir, layer_ids, last_hidden=last_hidden, **extractor_kwargs)
         cfg = self.extractor.model.config
         cfg = getattr(cfg, "text_config", None) or cfg
         self.vocab_size = int(self.extractor.model.get_input_embeddings().weight.shape[0])

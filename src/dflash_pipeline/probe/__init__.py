@@ -194,26 +194,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--chat-template", default=None)
     ap.add_argument("-o", "--output", default=None, help="write the JSON record here instead of stdout")
     ap.add_argument("--json", action="store_true", help="print only the JSON record")
-    args = ap.parse_args(argv)
+    probe_args = vars(ap.parse_args(argv))  # every flag but -o and --json is probe_target's argument of its dest
+    output, json_only = probe_args.pop("output"), probe_args.pop("json")
     try:
-        rec = probe_target(
-            args.target_dir,
-            block_size=args.block_size,
-            num_draft_layers=args.num_draft_layers,
-            num_target_features=args.num_target_features,
-            target_layer_ids=args.target_layer_ids,
-            mask_token_id=args.mask_token_id,
-            trust_remote_code=args.trust_remote_code,
-            chat_template=args.chat_template,
-            strict=False,
-        )
+        rec = probe_target(**probe_args, strict=False)
     except (ProbeError, ConfigError) as exc:
         print(f"dflash-probe: error: {exc}", file=sys.stderr)
         return 2
-    if not args.json:
-        print(summary(rec), file=sys.stderr if args.output is None else sys.stdout)
-    if args.output:
-        write_probe(rec, args.output)
+    if not json_only:
+        print(summary(rec), file=sys.stderr if output is None else sys.stdout)
+    if output:
+        write_probe(rec, output)
     else:
         print(json.dumps(rec, indent=2, sort_keys=True))
     return 0

@@ -477,16 +477,14 @@ def shard_prompts(
         from dflash_pipeline.target.chat import load_tokenizer
 
         tokenizer = load_tokenizer(target_dir, trust_remote_code=trust_remote_code, chat_template=chat_template)
+    same_named = ("shard_size", "seed", "languages", "min_language_confidence")  # keys named as its arguments
     return build_prompt_shards(
         datasets,
         out_dir,
-        shard_size=prompts_cfg["shard_size"],
-        seed=prompts_cfg["seed"],
         tokenizer=tokenizer,
         max_prompt_tokens=max_tokens,
-        languages=prompts_cfg["languages"],
-        min_language_confidence=prompts_cfg["min_language_confidence"],
         special_token_text=special,
+        **{key: prompts_cfg[key] for key in same_named},
     )
 
 

@@ -293,6 +293,13 @@ def _add_marker_flags(flt: argparse._ArgumentGroup, d: Faults) -> None:
     )
 
 
+#: TestServer's arguments whose flag has the same name (``--reasoning-field`` → ``reasoning_field``).
+_SAME_NAMED = (
+    "model_name reasoning reasoning_field port host spec_accept_length flavor spec_block_size return_input_ids"
+    " return_output_ids"
+).split()
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI: serve until SIGINT/SIGTERM. Prints ``READY <base_url>`` on stdout once listening."""
     args = _parser().parse_args(argv)
@@ -300,20 +307,11 @@ def main(argv: list[str] | None = None) -> int:
     faults = Faults(**{f.name: getattr(args, f.name) for f in fields(Faults)})  # one flag per field
     server = TestServer(
         target_dir=args.target,
-        model_name=args.model_name,
-        faults=faults,
-        reasoning=args.reasoning,
-        reasoning_field=args.reasoning_field,
         tokenizer_dir=args.tokenizer,
+        faults=faults,
         api_key=api_key,
-        port=args.port,
-        host=args.host,
-        spec_accept_length=args.spec_accept_length,
         spec_meta_info=not args.no_spec_meta_info,
-        flavor=args.flavor,
-        spec_block_size=args.spec_block_size,
-        return_input_ids=args.return_input_ids,
-        return_output_ids=args.return_output_ids,
+        **{name: getattr(args, name) for name in _SAME_NAMED},  # the flags named as TestServer's arguments
     )
     asyncio.run(_serve(server, args))
     return 0
