@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -306,38 +307,29 @@ def build_demo_target(
     log = log or (lambda msg: None)
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
+    settings = _Settings(seed, vocab_size, hidden_size, num_hidden_layers, train_steps, batch_size, lr)
     with _seeded_deterministic_torch(seed, num_threads):
         convs = load_corpus(corpus_files)
-        tokenizer, model = _init_tokenizer_and_model(
-            convs,
-            seed=seed,
-            vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            num_hidden_layers=num_hidden_layers,
-            log=log,
-        )
+        tokenizer, model = _init_tokenizer_and_model(convs, settings, log)
         examples = _training_examples(tokenizer, convs)
-        losses, train_s = _train_demo(
-            model, tokenizer, examples, seed=seed, train_steps=train_steps, batch_size=batch_size, lr=lr, log=log
-        )
-        facts = _build_facts(
-            model,
-            losses,
-            train_s,
-            seed=seed,
-            train_steps=train_steps,
-            batch_size=batch_size,
-            lr=lr,
-            num_examples=len(examples),
-            corpus_files=corpus_files,
-            len_tokenizer=len(tokenizer),
-            hidden_size=hidden_size,
-            num_hidden_layers=num_hidden_layers,
-            asked_vocab_size=vocab_size,
-        )
+        losses, train_s = _train_demo(model, tokenizer, examples, settings, log)
+        facts = _build_facts(model, losses, train_s, settings, len(examples), corpus_files, len(tokenizer))
         _write_demo(out_dir, model, tokenizer, facts, t0)
         log(f"demo target written to {out_dir} in {facts['seconds']:.1f}s (final loss {facts['final_loss']})")
         return out_dir
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """The build settings of :func:`build_demo_target` (its arguments of the same names) that its steps share."""
+
+    seed: int
+    vocab_size: int  # asked of the BPE trainer (the model's is padded_vocab_size(len(tokenizer)))
+    hidden_size: int
+    num_hidden_layers: int
+    train_steps: int
+    batch_size: int
+    lr: float
 
 
 @contextlib.contextmanager
@@ -358,21 +350,19 @@ def _seeded_deterministic_torch(seed: int, num_threads: int | None) -> Iterator[
         torch.use_deterministic_algorithms(prev_det)
 
 
-def _init_tokenizer_and_model(
-    convs: list[list[dict]], *, seed: int, vocab_size: int, hidden_size: int, num_hidden_layers: int, log
-):
+def _init_tokenizer_and_model(convs: list[list[dict]], settings: _Settings, log):
     """Train the BPE tokenizer on every message of ``convs``, then build the randomly initialised
-    ``Qwen3ForCausalLM`` (torch re-seeded with ``seed`` first, so its init does not depend on the
+    ``Qwen3ForCausalLM`` (torch re-seeded with ``settings.seed`` first, so its init does not depend on the
     tokenizer training); returns ``(tokenizer, model)``."""
     import torch
 
-    tokenizer = train_tokenizer([m["content"] for c in convs for m in c], vocab_size=vocab_size)
+    tokenizer = train_tokenizer([m["content"] for c in convs for m in c], vocab_size=settings.vocab_size)
     n_tok = len(tokenizer)
     log(f"demo target: {len(convs)} conversations, len(tokenizer)={n_tok}, vocab_size={padded_vocab_size(n_tok)}")
-    torch.manual_seed(seed)
+    torch.manual_seed(settings.seed)
     from transformers import Qwen3ForCausalLM
 
-    return tokenizer, Qwen3ForCausalLM(_demo_config(tokenizer, hidden_size, num_hidden_layers))
+    return tokenizer, Qwen3ForCausalLM(_demo_config(tokenizer, settings.hidden_size, settings.num_hidden_layers))
 
 
 def _training_examples(tokenizer, convs: list[list[dict]]) -> list[tuple[list[int], list[int]]]:
@@ -386,31 +376,25 @@ def _build_facts(
     model,
     losses: list[float],
     train_s: float,
-    *,
-    seed: int,
-    train_steps: int,
-    batch_size: int,
-    lr: float,
+    settings: _Settings,
     num_examples: int,
     corpus_files: Sequence[str | os.PathLike],
     len_tokenizer: int,
-    hidden_size: int,
-    num_hidden_layers: int,
-    asked_vocab_size: int,
 ) -> dict:
     """The build facts written to ``demo_target.json`` (``seconds`` is set by :func:`_write_demo`);
     ``final_loss`` is the mean of the last 20 training losses; ``params`` the ``target.demo`` settings it was
-    built with (``asked_vocab_size``: the vocabulary asked of the tokenizer trainer), which
+    built with (``vocab_size`` there: the vocabulary asked of the tokenizer trainer), which
     :mod:`dflash_pipeline.workflow.keyed_paths` reads back as the directory's key."""
     import torch
 
     tail = losses[-20:]
+    s = settings
     return {
         "schema_version": DEMO_SCHEMA_VERSION,
-        "seed": seed,
-        "train_steps": train_steps,
-        "batch_size": batch_size,
-        "lr": lr,
+        "seed": s.seed,
+        "train_steps": s.train_steps,
+        "batch_size": s.batch_size,
+        "lr": s.lr,
         "max_seq_len": MAX_SEQ_LEN,
         "num_conversations": num_examples,
         "corpus_files": [str(f) for f in corpus_files],
@@ -420,16 +404,16 @@ def _build_facts(
         "seconds": None,  # set when written
         "len_tokenizer": len_tokenizer,
         "vocab_size": model.config.vocab_size,
-        "hidden_size": hidden_size,
-        "num_hidden_layers": num_hidden_layers,
+        "hidden_size": s.hidden_size,
+        "num_hidden_layers": s.num_hidden_layers,
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "torch_threads": torch.get_num_threads(),
         "params": {
-            "seed": seed,
-            "vocab_size": asked_vocab_size,
-            "hidden_size": hidden_size,
-            "num_hidden_layers": num_hidden_layers,
-            "train_steps": train_steps,
+            "seed": s.seed,
+            "vocab_size": s.vocab_size,
+            "hidden_size": s.hidden_size,
+            "num_hidden_layers": s.num_hidden_layers,
+            "train_steps": s.train_steps,
         },
     }
 
@@ -456,10 +440,11 @@ def _demo_config(tokenizer, hidden_size: int, num_hidden_layers: int):
     )
 
 
-def _train_demo(model, tokenizer, examples, *, seed: int, train_steps: int, batch_size: int, lr: float, log):
+def _train_demo(model, tokenizer, examples, settings: _Settings, log):
     """AdamW (5% warmup, cosine to 10%) on the assistant tokens; returns ``(losses, seconds)``; model in eval mode."""
     import torch
 
+    seed, train_steps, batch_size, lr = settings.seed, settings.train_steps, settings.batch_size, settings.lr
     model.train()
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -539,26 +524,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """CLI: ``python -m dflash_pipeline.demo OUT_DIR [--train-steps N] [--seed S] ...``."""
     ap = argparse.ArgumentParser(prog="python -m dflash_pipeline.demo", description=__doc__.split("\n")[0])
     ap.add_argument("out_dir")
-    ap.add_argument("--corpus", nargs="+", default=list(DEFAULT_CORPUS_FILES))
+    ap.add_argument("--corpus", nargs="+", default=list(DEFAULT_CORPUS_FILES), dest="corpus_files", metavar="CORPUS")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vocab-size", type=int, default=1024)
     ap.add_argument("--hidden-size", type=int, default=128)
     ap.add_argument("--num-hidden-layers", type=int, default=8)
     ap.add_argument("--train-steps", type=int, default=600)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None, dest="num_threads", metavar="THREADS")
     ap.add_argument("--sample", action="store_true", help="print a greedy answer to a GSM8K test question")
-    args = ap.parse_args(argv)
-    out = build_demo_target(
-        args.out_dir,
-        args.corpus,
-        seed=args.seed,
-        vocab_size=args.vocab_size,
-        hidden_size=args.hidden_size,
-        num_hidden_layers=args.num_hidden_layers,
-        train_steps=args.train_steps,
-        num_threads=args.threads,
-    )
-    if args.sample:
+    build_args = vars(ap.parse_args(argv))  # every flag but --sample is build_demo_target's argument of its dest
+    sample = build_args.pop("sample")
+    out = build_demo_target(**build_args)
+    if sample:
         q = (
             "Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins "
             "for her friends every day with four. She sells the remainder at the farmers' market daily for $2 "
