@@ -44,7 +44,7 @@ def stream_plan():
     never the dataset)."""
     import shutil
 
-    from dflash_pipeline.features.plan import human, window_bytes
+    from dflash_pipeline.features.plan import human, scratch_problem, window_bytes
 
     st = stream_job_config(RUN_NAME)
     k, h = feature_dims()
@@ -53,6 +53,11 @@ def stream_plan():
     window = window_bytes(st["prefetch_batches"], tr["batch_size"], config["tokens"]["max_length"], wire,
                           st["max_inflight_bytes"])
     scratch = Path(st["scratch_dir"])
+    path_transport = not st["endpoints"] or any(e.get("transport", "path") == "path" for e in st["endpoints"])
+    why = scratch_problem(scratch) if path_transport else None
+    if why:
+        raise WorkflowError(f"features.stream.scratch_dir: {why}; the feature servers write their answers there "
+                            "(transport: path)")
     probe_dir = next(p for p in [scratch, *scratch.parents] if p.exists())
     free = shutil.disk_usage(probe_dir).free
     ranks = tr["num_processes"] * (tr.get("num_machines") or 1)
@@ -62,10 +67,14 @@ def stream_plan():
         servers = f"{st['servers']} colocated {st['backend']} server(s) x {st['gpus_per_server']} GPU(s)"
     print(f"[plan] stream: {servers}; {ranks} trainer rank(s); window {human(window)} per rank "
           f"({st['prefetch_batches']} batches x {tr['batch_size']} x {config['tokens']['max_length']} tokens x "
-          f"{wire:,} B, cap {human(st['max_inflight_bytes'])}) against {human(free)} free on the scratch filesystem "
-          f"({scratch}); no feature shards",
+          f"{wire:,} B, cap {human(st['max_inflight_bytes'])}) "
+          + (f"against {human(free)} free on the scratch filesystem ({scratch}"
+             + ("; remote servers with transport path write there: it must be their --scratch-dir, seen from here"
+                if st["endpoints"] else "") + ")"
+             if path_transport else "in memory (transport bytes: no shared scratch)")
+          + "; no feature shards",
           file=sys.stderr)
-    if window * ranks > free:
+    if path_transport and window * ranks > free:
         raise WorkflowError(f"features.stream: the window needs {human(window * ranks)} on the scratch filesystem "
                             f"({scratch}) but only {human(free)} is free; lower features.stream.prefetch_batches / "
                             "max_inflight_bytes or point features.stream.scratch_dir elsewhere")

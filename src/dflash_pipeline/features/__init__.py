@@ -23,7 +23,7 @@ from dflash_pipeline.core.faces import lazy_face
 
 from .colocate import ENDPOINTS_ENV, colocated_servers
 from .format import FeatureLayout, FeatureShard, FeatureShardError, FeatureShardWriter, bytes_per_token
-from .plan import window_bytes
+from .plan import scratch_problem, window_bytes
 from .stream_client import FLEET_KEYS, FeatureClient, Features, StreamError, fleet_config
 
 #: Names of the face loaded on first use from the module that owns them (their modules import more).
@@ -44,6 +44,7 @@ __all__ = [
     "bytes_per_token",
     "colocated_servers",
     "fleet_config",
+    "scratch_problem",
     "window_bytes",
     *_LAZY,
 ]

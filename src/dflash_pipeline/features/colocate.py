@@ -162,13 +162,13 @@ def vllm_server_cmd(
 ) -> list[str]:
     """``vllm serve`` with ``extract_hidden_states`` and the hidden-states connector (vLLM's on GPUs, our
     CPU-safe one on CPU), prefix caching and chunked prefill off, aux layers as :mod:`.vllm_backend`."""
-    from dflash_pipeline.target.layer_ids import hf_hidden_state_index
+    from dflash_pipeline.target.layer_ids import aux_hidden_state_ids
 
     from .vllm_backend import hidden_states_engine_config
 
-    aux = [hf_hidden_state_index(l) for l in probe["drafter"]["target_layer_ids"]]
-    if stream.get("last_hidden"):
-        aux.append(int(probe["num_hidden_layers"]))
+    aux = aux_hidden_state_ids(
+        probe["drafter"]["target_layer_ids"], probe["num_hidden_layers"], bool(stream.get("last_hidden"))
+    )
     spec, kv = hidden_states_engine_config(aux, scratch, cuda=bool(gpus))
     vopts = stream.get("vllm") or {}
     dtype = {"auto": "float32" if not gpus else "bfloat16"}.get(target_dtype, target_dtype)

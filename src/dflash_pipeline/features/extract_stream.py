@@ -55,6 +55,8 @@ def extract_shards(
     Raises:
         StreamError: the servers cannot deliver (breaker open, a refused record); what extract_shard raises.
     """
+    from dflash_pipeline.target.layer_ids import aux_hidden_state_ids
+
     from .colocate import start_servers, stop
     from .extract import extract_shard
     from .stream_client import FeatureClient, fleet_config
@@ -81,6 +83,9 @@ def extract_shards(
             hidden_size=int(probe["hidden_size"]),
             last_hidden=last_hidden,
             dtype=None,
+            aux_layer_ids=aux_hidden_state_ids(
+                probe["drafter"]["target_layer_ids"], probe["num_hidden_layers"], last_hidden
+            ),
         )
         client.start()
         try:

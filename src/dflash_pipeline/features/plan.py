@@ -168,3 +168,16 @@ def window_bytes(
     size, capped by ``max_inflight_bytes`` (but never below one batch, which is always requested)."""
     one = batch_size * max_record_tokens * wire_bytes_per_token
     return max(one, min(prefetch_batches * one, int(max_inflight_bytes)))
+
+
+def scratch_problem(scratch_dir: str | os.PathLike) -> Optional[str]:
+    """Why ``features.stream.scratch_dir`` cannot hold the servers' answer files, or None: the nearest existing
+    path of it is not a directory (a file in the way), is not writable by this user, or sits on a filesystem
+    of no size (``/proc``, ``/sys``). Touches nothing (plan time)."""
+    p = Path(scratch_dir)
+    existing = _existing(p)
+    if not existing.is_dir():
+        return f"{existing} is a file, not a directory" + ("" if existing == p else f" (on the way to {p})")
+    if not os.access(existing, os.W_OK | os.X_OK) or shutil.disk_usage(existing).total == 0:
+        return f"{existing} is not a writable directory on a disk" + ("" if existing == p else f" (to create {p} in)")
+    return None

@@ -12,7 +12,9 @@ Contract (``features.stream``; peers: speculators' online mode, vLLM's ``Example
   ``--last-hidden``, ``num_hidden_layers`` for the last decoder layer's output *before* the final norm),
   exactly vLLM's ``eagle_aux_hidden_state_layer_ids``. The client reads the file and deletes it. vLLM writes
   a ``<path>.lock`` it holds while writing; this server writes the file atomically (temp + rename) before
-  it answers, so there is no lock file.
+  it answers, so there is no lock file. This server also names its aux ids in the file's metadata
+  (``__metadata__["aux_layer_ids"]``, e.g. ``"2,4"``), so a client expecting other layers of the same count
+  refuses the first answer (vLLM's connector writes no metadata: a shape check only).
 - ``POST /v1/features`` with the same JSON → the same safetensors file as the response body
   (``application/octet-stream``): for servers whose scratch directory the trainer cannot see (remote).
 - A bad body (no token ids, ids out of the vocabulary, a record longer than ``--max-len``) answers 400
@@ -91,9 +93,17 @@ class FeatureServer:
         hang_after: int | None = None,
         **extractor_kwargs,
     ):
+        from dflash_pipeline.target.layer_ids import aux_hidden_state_ids
+
         from .hf_backend import HFExtractor
 
         self.extractor = HFExtractor(target_dir, layer_ids, last_hidden=last_hidden, **extractor_kwargs)
+        #: safetensors metadata of every answer: the HF hidden_states indices this server taps
+        self.metadata = {
+            "aux_layer_ids": ",".join(
+                map(str, aux_hidden_state_ids(layer_ids, extractor_kwargs["num_hidden_layers"], last_hidden))
+            )
+        }
         cfg = self.extractor.model.config
         cfg = getattr(cfg, "text_config", None) or cfg
         self.vocab_size = int(self.extractor.model.get_input_embeddings().weight.shape[0])
@@ -146,7 +156,7 @@ class FeatureServer:
 
         path = self.scratch / f"{uuid.uuid4().hex}.safetensors"
         tmp = path.with_name(f".{path.name}.tmp")
-        save_file(tensors, str(tmp))
+        save_file(tensors, str(tmp), metadata=self.metadata)
         os.replace(tmp, path)
         return path
 
@@ -171,7 +181,7 @@ class FeatureServer:
         """The ``/v1/features`` answer: the safetensors bytes of one record."""
         from safetensors.torch import save
 
-        return save(self.tensors(ids))
+        return save(self.tensors(ids), metadata=self.metadata)
 
     def close(self) -> None:
         self.extractor.close()

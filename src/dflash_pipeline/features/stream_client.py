@@ -63,6 +63,18 @@ class Features:
     scratch_bytes: int
 
 
+def safetensors_metadata(raw: bytes) -> dict:
+    """The ``__metadata__`` of a safetensors file's bytes ({} when it has none): the header is an 8-byte
+    little-endian length, then that many bytes of JSON (safetensors format spec). Raises ValueError on bytes
+    too short for their header."""
+    if len(raw) < 8:
+        raise ValueError(f"a safetensors file of {len(raw)} bytes has no header")
+    n = int.from_bytes(raw[:8], "little")
+    if len(raw) < 8 + n:
+        raise ValueError(f"a safetensors header of {n} bytes in a file of {len(raw)}")
+    return json.loads(raw[8 : 8 + n]).get("__metadata__") or {}
+
+
 def as_stored(x, dtype: str):
     """``x`` [T, D] (any float) rounded as a feature shard of ``features.dtype`` stores and reads it back:
     bf16, or fp8 e4m3 with its per-token scale, dequantized to bf16 (:mod:`.format`)."""
@@ -77,16 +89,14 @@ def as_stored(x, dtype: str):
     return raw.view(torch.float8_e4m3fn).to(torch.bfloat16) * torch.from_numpy(scale)[:, None].to(torch.bfloat16)
 
 
-def read_scratch_file(path: str, on_size=None) -> tuple[dict, int]:
-    """Read a server's scratch file and delete it (and its ``.lock``): ``(tensors, size in bytes)``.
+def read_scratch_file(path: str, on_size=None) -> tuple[bytes, int]:
+    """Read a server's scratch file and delete it (and its ``.lock``): ``(safetensors bytes, size in bytes)``.
 
     Waits on ``<path>.lock`` (shared flock, as vLLM's ``load_hidden_states``) when the server holds one
     while writing (vLLM's connector; our hf server writes atomically and has none). ``on_size(n)`` is called
     with the file's size once it is complete and with ``-n`` once it is deleted (the scratch accounting).
     Raises OSError when the file is not there (the server's scratch directory is not visible here).
     """
-    from safetensors.torch import load_file
-
     lock = path + ".lock"
     size = 0
     try:
@@ -96,7 +106,8 @@ def read_scratch_file(path: str, on_size=None) -> tuple[dict, int]:
         size = os.path.getsize(path)
         if on_size:
             on_size(size)
-        data = load_file(path, device="cpu")
+        with open(path, "rb") as fh:
+            data = fh.read()
     finally:
         for p in (lock, path):
             try:
@@ -133,6 +144,9 @@ class FeatureClient:
     ``num_layers`` (K), ``hidden_size`` (H), ``last_hidden`` describe what the servers send (``[T, K(+1), H]``);
     ``dtype`` is ``features.dtype`` (the values are rounded as a feature shard stores them; None: the
     values as the server sent them, for a :class:`.format.FeatureShardWriter` that stores them itself).
+    ``aux_layer_ids``: the HF ``hidden_states`` indices expected
+    (:func:`dflash_pipeline.target.layer_ids.aux_hidden_state_ids`); an answer whose metadata names others
+    (our hf server writes them) stops the client. None: the shape check only.
 
     Raises (from :meth:`start` and the futures): :class:`StreamError` (breaker open, client error, answers
     that do not match the record), ConfigError (a rejected key, a 404 ``/models``).
@@ -147,6 +161,7 @@ class FeatureClient:
         hidden_size: int,
         last_hidden: bool = False,
         dtype: str = "bfloat16",
+        aux_layer_ids: Sequence[int] | None = None,
     ):
         if not endpoints:
             raise StreamError("features.stream: no feature server (set features.stream.endpoints, or servers > 0)")
@@ -158,6 +173,7 @@ class FeatureClient:
             bool(last_hidden),
             dtype,
         )
+        self.aux_layer_ids = [int(i) for i in aux_layer_ids] if aux_layer_ids is not None else None
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="feature-client", daemon=True)
         self.fleet = None
@@ -327,7 +343,7 @@ class FeatureClient:
         from safetensors.torch import load
 
         if transport == "bytes":
-            data, scratch = load(raw), 0
+            scratch = 0
         else:
             path = (json.loads(raw).get("kv_transfer_params") or {}).get("hidden_states_path")
             if not path:
@@ -335,7 +351,15 @@ class FeatureClient:
                     "the answer has no kv_transfer_params.hidden_states_path (is the server started "
                     "with extract_hidden_states and a hidden-states connector?)"
                 )
-            data, scratch = read_scratch_file(path, self._scratch_add)
+            raw, scratch = read_scratch_file(path, self._scratch_add)
+        data = load(raw)
+        served = safetensors_metadata(raw).get("aux_layer_ids")
+        if self.aux_layer_ids is not None and served is not None and served != ",".join(map(str, self.aux_layer_ids)):
+            raise AnswerMismatch(
+                f"the server taps hidden_states [{served}], expected {self.aux_layer_ids} (HF indices: "
+                "target_layer_ids + 1, then num_hidden_layers with the last layer); start it with the probe's "
+                "drafter.target_layer_ids as --layer-ids"
+            )
         got = data["token_ids"].numpy().astype(np.int64)
         if not np.array_equal(got, ids):
             raise AnswerMismatch(f"the server's token_ids ({len(got)}) differ from the record's ({len(ids)})")

@@ -140,7 +140,8 @@ def stream_line(stream: Mapping) -> str:
     wait = stream.get("wait_fraction")
     peak = stream.get("peak_scratch_bytes")
     return (
-        f"{stream.get('servers', '?')} servers at {rate('server_tokens_per_s')} tokens/s; trainer "
+        f"{stream.get('servers', '?')} server{'' if stream.get('servers') == 1 else 's'} at "
+        f"{rate('server_tokens_per_s')} tokens/s; trainer "
         f"{rate('trainer_tokens_per_s')} tokens/s (demand {rate('trainer_demand_tokens_per_s')}), waiting "
         + (f"{100 * wait:.1f} %" if isinstance(wait, (int, float)) else "?")
         + f" of the time; suggested servers per trainer rank: {stream.get('suggested_servers_per_rank', '?')}; "

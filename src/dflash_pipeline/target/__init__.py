@@ -9,7 +9,7 @@ _OWNERS = {
         " load_tokenizer render_many render"
     ),
     "hidden": "target_features",
-    "layer_ids": "build_target_layer_ids hf_hidden_state_index validate_target_layer_ids",
+    "layer_ids": "aux_hidden_state_ids build_target_layer_ids hf_hidden_state_index validate_target_layer_ids",
     "loading": (
         "DTYPE_CHOICES TargetLoadError resolve_dtype module_dtype drafter_dtype to_drafter_dtype lm_head_logits"
         " load_target_config causal_lm_class text_config check_loadable load_target input_embeddings lm_head"

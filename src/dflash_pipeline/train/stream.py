@@ -54,11 +54,15 @@ def row_spans(batch: dict) -> list[list[tuple[int, int]]]:
 
 
 def check_scratch(scratch_dir: str | Path, need: int) -> int:
-    """Free bytes of the filesystem of ``scratch_dir``; raises OSError (ENOSPC) when fewer than ``need``."""
+    """Free bytes of the filesystem of ``scratch_dir`` (created if missing); raises OSError (ENOSPC) when fewer
+    than ``need``, and an OSError naming ``features.stream.scratch_dir`` when it cannot be created."""
     import errno
 
     p = Path(scratch_dir)
-    p.mkdir(parents=True, exist_ok=True)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OSError(exc.errno, f"features.stream.scratch_dir {p}: cannot be created ({exc.strerror})") from exc
     free = shutil.disk_usage(p).free
     if free < need:
         raise OSError(
@@ -369,6 +373,7 @@ def open_stream_data(
         StreamError: no endpoint, or the breaker opened while probing. OSError (ENOSPC): scratch too small.
     """
     from dflash_pipeline.features import FeatureClient, fleet_config
+    from dflash_pipeline.target.layer_ids import aux_hidden_state_ids
     from dflash_pipeline.train.data import TrainingData, collate, final_norm, frozen_head, needs_teacher, token_records
 
     st = stream_settings(stream)
@@ -391,6 +396,7 @@ def open_stream_data(
         hidden_size=h,
         last_hidden=last,
         dtype=st["dtype"],
+        aux_layer_ids=aux_hidden_state_ids(probe["drafter"]["target_layer_ids"], probe["num_hidden_layers"], last),
     )
     model = client.start()
     print(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import signal
 from concurrent.futures import Future
 from pathlib import Path
@@ -161,6 +162,32 @@ def test_a_server_tapping_other_layers_stops_the_client_at_once(server):
     finally:
         c.close()
     assert c.stats["requests"] == 1 and c.stats["retries"] == 0
+
+
+def test_a_server_tapping_other_layers_of_the_same_count_stops_the_client_at_once(server):
+    """A server started with other --layer-ids of the same count (the shapes agree) names its aux ids in each
+    answer's metadata; a client expecting the probe's refuses the first answer, naming both (it trained on
+    the wrong layers before, and exported a config.json naming the right ones)."""
+    from dflash_pipeline.target.layer_ids import aux_hidden_state_ids
+
+    served = aux_hidden_state_ids(LAYERS, 4, False)
+    other = [i + 1 for i in served]
+    for expect, ok in ((served, True), (other, False)):
+        eps = [{"base_url": server.url, "max_concurrency": 1, "transport": "bytes"}]
+        c = FeatureClient(
+            eps, fleet_config(FAST_FLEET, None), num_layers=len(LAYERS), hidden_size=32, aux_layer_ids=expect
+        )
+        c.start()
+        try:
+            if ok:
+                assert c.submit(np.arange(6)).result(timeout=120).features.shape == (6, len(LAYERS) * 32)
+            else:
+                want = re.escape(f"the server taps hidden_states [{','.join(map(str, served))}], expected {other}")
+                with pytest.raises(StreamError, match=want):
+                    c.submit(np.arange(6)).result(timeout=120)
+                assert c.stats["retries"] == 0
+        finally:
+            c.close()
 
 
 class _FailingFeatureServer:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pytest
 import yaml
 from conftest import REPO, planned_jobs, snakemake
 
@@ -68,6 +69,68 @@ def test_plan_refuses_a_window_the_scratch_cannot_hold(tmp_path, real_models_dir
     )
     assert proc.returncode != 0
     assert "features.stream: the window needs" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "proc"])
+def test_plan_refuses_a_scratch_dir_servers_cannot_write(tmp_path, real_models_dir, where):
+    """A scratch_dir with a file in the way, or on /proc (no disk), is refused at planning by name (it was
+    planned, then failed the train job with a bare NotADirectoryError, or was reported as 0 B free)."""
+    import os
+
+    (tmp_path / "afile").write_text("x")
+    scratch = {"under_a_file": tmp_path / "afile" / "scratch", "proc": Path("/proc/dflash-scratch")}[where]
+    conf = _kimi_config(tmp_path, real_models_dir)
+    cfg = yaml.safe_load(conf.read_text())
+    cfg["features"]["stream"]["scratch_dir"] = str(scratch)
+    conf.write_text(yaml.safe_dump(cfg))
+    proc = snakemake(
+        tmp_path,
+        "-n",
+        "results/checkpoints/kimi-k2.6-b16/final",
+        configfile=conf,
+        env={**os.environ, "KIMI_API_KEY": "test-key"},
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    want = {
+        "under_a_file": f"{tmp_path / 'afile'} is a file, not a directory",
+        "proc": "/proc is not a writable directory",
+    }
+    assert f"features.stream.scratch_dir: {want[where]}" in out, out[-3000:]
+
+
+def test_bytes_transport_plans_no_scratch_window(tmp_path, real_models_dir):
+    """Remote servers that send the features in the answer body (transport: bytes) need no shared scratch: the
+    plan neither checks nor prints a scratch filesystem, even for a window no disk holds."""
+    import os
+
+    conf = _kimi_config(tmp_path, real_models_dir, prefetch_batches=10**9, max_inflight_bytes=2**62)
+    cfg = yaml.safe_load(conf.read_text())
+    for e in cfg["features"]["stream"]["endpoints"]:
+        e["transport"] = "bytes"
+    conf.write_text(yaml.safe_dump(cfg))
+    proc = snakemake(
+        tmp_path,
+        "-n",
+        "results/checkpoints/kimi-k2.6-b16/final",
+        configfile=conf,
+        env={**os.environ, "KIMI_API_KEY": "test-key"},
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    line = next(x for x in out.splitlines() if x.startswith("[plan] stream:"))
+    assert "transport bytes: no shared scratch" in line and "scratch filesystem" not in line, line
+
+
+def test_train_job_names_a_scratch_dir_it_cannot_create(tmp_path):
+    """At run time (a scratch_dir the plan did not see, e.g. given through the job's stream config) the error
+    names features.stream.scratch_dir and the reason, not a bare NotADirectoryError."""
+    from dflash_pipeline.train.stream import check_scratch
+
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(OSError, match=r"features.stream.scratch_dir .*afile/s: cannot be created \(Not a directory\)"):
+        check_scratch(tmp_path / "afile" / "s", 1)
+    assert check_scratch(tmp_path / "ok" / "s", 1) > 0 and (tmp_path / "ok" / "s").is_dir()
 
 
 def test_kl_plans_with_the_last_layer_and_the_default_cache_stays_out_of_the_params(tmp_path, real_models_dir):

@@ -205,6 +205,8 @@ def test_header_facts_come_from_the_run_records(tmp_path):
         "<b>features streamed</b> 2 servers at 5,120 tokens/s; trainer 3,000 tokens/s (demand 4,000), waiting "
         "25.0 % of the time; suggested servers per trainer rank: 2; peak scratch 65,536 B"
     ) in text
+    one = report_page.header_html("r1", {**facts, "stream": {**stream, "servers": 1}})
+    assert "<b>features streamed</b> 1 server at 5,120 tokens/s" in one
     # the job's named inputs and outputs give the figure files, in the page's order
     figs = report_page.run_figures(
         SimpleNamespace(
