@@ -34,17 +34,23 @@ def _kimi_config(tmp_path: Path, real_models_dir: Path, **stream) -> Path:
     return path
 
 
-def test_kimi_recipe_plans_the_stream_not_the_dataset(tmp_path, real_models_dir):
+def _plan(tmp_path: Path, conf: Path):
+    """`snakemake -n` of the recipe's final checkpoint (the eval key from the environment, as users set it)."""
     import os
 
-    conf = _kimi_config(tmp_path, real_models_dir)
-    proc = snakemake(
+    return snakemake(
         tmp_path,
         "-n",
         "results/checkpoints/kimi-k2.6-b16/final",
         configfile=conf,
         env={**os.environ, "KIMI_API_KEY": "test-key"},
     )
+
+
+def test_kimi_recipe_plans_the_stream_not_the_dataset(tmp_path, real_models_dir):
+
+    conf = _kimi_config(tmp_path, real_models_dir)
+    proc = _plan(tmp_path, conf)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     line = next(x for x in out.splitlines() if x.startswith("[plan] stream:"))
@@ -57,16 +63,9 @@ def test_kimi_recipe_plans_the_stream_not_the_dataset(tmp_path, real_models_dir)
 
 
 def test_plan_refuses_a_window_the_scratch_cannot_hold(tmp_path, real_models_dir):
-    import os
 
     conf = _kimi_config(tmp_path, real_models_dir, prefetch_batches=10**9, max_inflight_bytes=2**62)
-    proc = snakemake(
-        tmp_path,
-        "-n",
-        "results/checkpoints/kimi-k2.6-b16/final",
-        configfile=conf,
-        env={**os.environ, "KIMI_API_KEY": "test-key"},
-    )
+    proc = _plan(tmp_path, conf)
     assert proc.returncode != 0
     assert "features.stream: the window needs" in proc.stdout + proc.stderr
 
@@ -75,7 +74,6 @@ def test_plan_refuses_a_window_the_scratch_cannot_hold(tmp_path, real_models_dir
 def test_plan_refuses_a_scratch_dir_servers_cannot_write(tmp_path, real_models_dir, where):
     """A scratch_dir with a file in the way, or on /proc (no disk), is refused at planning by name (it was
     planned, then failed the train job with a bare NotADirectoryError, or was reported as 0 B free)."""
-    import os
 
     (tmp_path / "afile").write_text("x")
     scratch = {"under_a_file": tmp_path / "afile" / "scratch", "proc": Path("/proc/dflash-scratch")}[where]
@@ -83,13 +81,7 @@ def test_plan_refuses_a_scratch_dir_servers_cannot_write(tmp_path, real_models_d
     cfg = yaml.safe_load(conf.read_text())
     cfg["features"]["stream"]["scratch_dir"] = str(scratch)
     conf.write_text(yaml.safe_dump(cfg))
-    proc = snakemake(
-        tmp_path,
-        "-n",
-        "results/checkpoints/kimi-k2.6-b16/final",
-        configfile=conf,
-        env={**os.environ, "KIMI_API_KEY": "test-key"},
-    )
+    proc = _plan(tmp_path, conf)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     want = {
@@ -102,20 +94,13 @@ def test_plan_refuses_a_scratch_dir_servers_cannot_write(tmp_path, real_models_d
 def test_bytes_transport_plans_no_scratch_window(tmp_path, real_models_dir):
     """Remote servers that send the features in the answer body (transport: bytes) need no shared scratch: the
     plan neither checks nor prints a scratch filesystem, even for a window no disk holds."""
-    import os
 
     conf = _kimi_config(tmp_path, real_models_dir, prefetch_batches=10**9, max_inflight_bytes=2**62)
     cfg = yaml.safe_load(conf.read_text())
     for e in cfg["features"]["stream"]["endpoints"]:
         e["transport"] = "bytes"
     conf.write_text(yaml.safe_dump(cfg))
-    proc = snakemake(
-        tmp_path,
-        "-n",
-        "results/checkpoints/kimi-k2.6-b16/final",
-        configfile=conf,
-        env={**os.environ, "KIMI_API_KEY": "test-key"},
-    )
+    proc = _plan(tmp_path, conf)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     line = next(x for x in out.splitlines() if x.startswith("[plan] stream:"))
