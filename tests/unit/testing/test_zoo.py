@@ -110,6 +110,22 @@ def _records_recurrent_states() -> bool:
     return bool(recurrent_rollback_kwargs(DynamicCache().activate_past_recording, 1))
 
 
+def _target_and_drafter(path, dtype):
+    """``(target, tokenizer, probe, drafter)`` of the twin at ``path``: the target in ``dtype`` and a one-layer
+    float32 drafter (master weights, as in training) on layers 1 and L - 2, mask id one past the vocabulary."""
+    target = T.load_target(path, dtype=dtype)
+    tok = load_tokenizer(path)
+    probe = {
+        "drafter": {
+            "block_size": B,
+            "num_draft_layers": 1,
+            "target_layer_ids": [1, T.num_decoder_layers(target) - 2],
+            "mask_token_id": len(tok),
+        }
+    }
+    return target, tok, probe, build_drafter(target, probe).eval()
+
+
 def test_recompute_policy_still_equals_greedy(twin, monkeypatch):
     """The snapshot + recompute rollback (transformers releases whose linear-attention layers cannot be
     cropped) on the Qwen3.5 twin, forced by making those layers report themselves not croppable: the
@@ -117,19 +133,7 @@ def test_recompute_policy_still_equals_greedy(twin, monkeypatch):
     from transformers import cache_utils
 
     monkeypatch.setattr(cache_utils.LinearAttentionCacheLayerMixin, "is_croppable", False)
-    path = twin("Qwen3.5-27B")
-    target = T.load_target(path, dtype="float32")
-    tok = load_tokenizer(path)
-    n_layers = T.num_decoder_layers(target)
-    probe = {
-        "drafter": {
-            "block_size": B,
-            "num_draft_layers": 1,
-            "target_layer_ids": [1, n_layers - 2],
-            "mask_token_id": len(tok),
-        }
-    }
-    drafter = build_drafter(target, probe).eval()
+    target, tok, _, drafter = _target_and_drafter(twin("Qwen3.5-27B"), "float32")
     prompt = _prompt(tok)
     greedy = _greedy(target, prompt, NEW_TOKENS)
     head = T.lm_head(target)
@@ -141,19 +145,7 @@ def test_recompute_policy_still_equals_greedy(twin, monkeypatch):
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_invariants(family, dtype, twin):
-    path = twin(family)
-    target = T.load_target(path, dtype=DTYPES[dtype])
-    tok = load_tokenizer(path)
-    n_layers = T.num_decoder_layers(target)
-    probe = {
-        "drafter": {
-            "block_size": B,
-            "num_draft_layers": 1,
-            "target_layer_ids": [1, n_layers - 2],
-            "mask_token_id": len(tok),
-        }
-    }
-    drafter = build_drafter(target, probe).eval()  # float32 master weights, as in training
+    target, tok, probe, drafter = _target_and_drafter(twin(family), DTYPES[dtype])
     embed, head = T.input_embeddings(target), T.lm_head(target)
     prompt = _prompt(tok)
 
