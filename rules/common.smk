@@ -9,13 +9,19 @@ RESULTS = config["results_dir"]
 RUN_NAME = config["run"]
 # the demo target's directory names its settings (other settings: resources/demo-target-<digest>), and the
 # probe record is per run: two configs in one checkout never rebuild each other's (workflow.keyed_paths)
+from dflash_pipeline.core.config import resolve_path
 from dflash_pipeline.workflow import keyed_paths
 
 
 DEMO = config["target"]["demo"]
-DEMO_TARGET = keyed_paths.demo_target_dir(DEMO, keyed_paths.embedded_demo_settings(workflow.basedir))
-# "" for resources/demo-target, "-<digest>" else: the demo build's log and benchmark names
-DEMO_TAG = "" if DEMO_TARGET == keyed_paths.DEMO_TARGET_DIR else f"-{keyed_paths.params_digest(DEMO)}"
+# the committed demo target of the default settings (under -d elsewhere: the checkout's); no rule builds it
+SHIPPED_DEMO_TARGET = resolve_path(keyed_paths.SHIPPED_DEMO_TARGET, workflow.basedir)
+DEMO_TARGET = keyed_paths.demo_target_dir(
+    DEMO, keyed_paths.embedded_demo_settings(workflow.basedir), shipped=SHIPPED_DEMO_TARGET
+)
+DEMO_SHIPPED = DEMO_TARGET == SHIPPED_DEMO_TARGET
+# "" for resources/demo-target (and the shipped one), "-<digest>" else: the demo build's log and benchmark names
+DEMO_TAG = "" if DEMO_TARGET == keyed_paths.DEMO_TARGET_DIR or DEMO_SHIPPED else f"-{keyed_paths.params_digest(DEMO)}"
 FEATURES = config["features"]
 FEATURES_FROM_SHARDS = config["train"]["target_features"] == "shards"  # the features stage runs (train reads shards)
 FEATURES_STREAM = config["train"]["target_features"] == "stream"  # train streams features from servers

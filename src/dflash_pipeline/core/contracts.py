@@ -305,6 +305,7 @@ class EvalRecord(TypedDict, total=False):
     drafters: dict[str, EvalDrafter]
     tau: dict[str, dict[str, float]]  # label -> set -> τ
     tau_over_untrained: dict[str, dict[str, float]]
+    provenance: dict  # software, kernels, device, dtype, target digest (dflash_pipeline.core.provenance)
 
 
 class CheckpointMeta(TypedDict, total=False):

@@ -28,6 +28,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from dflash_pipeline.core.contracts import EVAL_SCHEMA_VERSION
+from dflash_pipeline.core.provenance import provenance
 from dflash_pipeline.core.shards import write_json
 from dflash_pipeline.drafter import build as DB
 from dflash_pipeline.drafter import model as M
@@ -375,6 +376,9 @@ def run_drafters(session: EvalSession, drafters: dict[str, Optional[str | Path]]
         "settings": session.settings,
         "sets": session.set_info,
         "drafters": {},
+        "provenance": provenance(
+            target_dir=target_dir, device=session.settings["device"], dtype=session.settings["dtype"]
+        ),
     }
     session.untrained_family = family_build_args(next((c for c in drafters.values() if c), None))
     for label, ckpt in drafters.items():

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Iterable, NamedTuple, Optional, Sequence
 
 from dflash_pipeline.core.contracts import EVAL_SCHEMA_VERSION
+from dflash_pipeline.core.provenance import provenance
 from dflash_pipeline.core.shards import write_json
 from dflash_pipeline.evaluate.engine_metrics import (
     VLLM_DRAFTS,
@@ -377,6 +378,12 @@ def evaluate_engine(
         if server is not None:
             server.stop()
     record["engine"]["exact"] = _served_exactly(record["engine"], drafter_cfg.num_hidden_layers)
+    # the engine's own release is in record["engine"] (asked of the server); this process's software beside it
+    record["provenance"] = provenance(
+        target_dir=target_dir,
+        dtype=record["engine"].get("served_dtype") or record["engine"].get("dtype"),
+        engine={k: record["engine"].get(k) for k in ("name", "version") if record["engine"].get(k) is not None},
+    )
     write_json(out_json, record, skip_if_identical=False)
     return record
 

@@ -22,6 +22,8 @@ import html
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
+from dflash_pipeline.core.provenance import provenance_line
+
 #: Scoped to the page's own elements: embedded in ``snakemake --report`` it must not restyle the report.
 PAGE_STYLE = """
 #dflash-run-summary{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:1.5em auto;
@@ -121,6 +123,9 @@ def header_html(run: str, facts: Mapping) -> str:
     ]
     if facts.get("stream"):
         lines.append("<b>features streamed</b> " + html.escape(stream_line(facts["stream"])))
+    for what, prov in (("training", facts.get("train_provenance")), ("eval", facts.get("eval_provenance"))):
+        if prov:
+            lines.append(f"<b>{what} made with</b> " + html.escape(provenance_line(prov)))
     return (
         f'<header id="run-header" class="dflash-header"><h1>Run {html.escape(run)}: a DFlash drafter for '
         f"{_v(target.get('path'))}</h1>" + "".join(f'<p class="dflash-facts">{ln}</p>' for ln in lines) + "</header>"
@@ -242,6 +247,8 @@ def run_facts(
         },
         "train_steps": trained.get("train_steps") or summary.get("steps"),
         "stream": summary.get("stream"),  # supply and demand of streamed features (None unless streamed)
+        "train_provenance": summary.get("provenance"),  # software, kernels, device, dtype, target digest
+        "eval_provenance": record.get("provenance"),
         "wall_s": (total or 0.0) + sum(extra) if total is not None or extra else None,
         "train_s": _benchmark_total(benchmark_dir, "train_drafter"),
         "eval_s": _benchmark_total(benchmark_dir, "evaluate_acceptance"),

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from dflash_pipeline.core.config import schema_defaults
+from dflash_pipeline.core.provenance import provenance
 from dflash_pipeline.core.shards import read_parquet, write_json
 from dflash_pipeline.drafter import families as FA
 from dflash_pipeline.drafter import model as M
@@ -192,7 +193,7 @@ def train(
         from dflash_pipeline.evaluate import plot_validation
 
         plot_validation(out_dir / "val_log.jsonl", out_dir / "val_tau.png")
-    return _finish(run, step, target_dir, _summary(run, log_with))
+    return _finish(run, step, target_dir, _summary(run, log_with, target_dir))
 
 
 def make_accelerator(
@@ -475,8 +476,9 @@ def _heldout_batches(records, cfg: dict, rank: int, world: int) -> tuple[list[di
 # ---------------------------------------------------------------------------------------------------
 
 
-def _summary(run: TrainRun, log_with) -> dict:
-    """``train_summary.json``: the run's size, schedule, objective, drafter and dtypes, and its ``train`` config."""
+def _summary(run: TrainRun, log_with, target_dir) -> dict:
+    """``train_summary.json``: the run's size, schedule, objective, drafter and dtypes, its ``train`` config, and
+    its provenance (software, kernels, device, dtype, the digest of the target at ``target_dir``)."""
     cfg, ctx, acc = run.cfg, run.ctx, run.accelerator
     return {
         "steps": run.schedule.total_steps,
@@ -497,6 +499,11 @@ def _summary(run: TrainRun, log_with) -> dict:
         "target_dtype": str(run.data.target_dtype).replace("torch.", ""),
         "train_config": cfg,
         **_stream_summary(run),
+        "provenance": provenance(
+            target_dir=target_dir,
+            device=str(acc.device),
+            dtype=str(acc.mixed_precision if acc.mixed_precision != "no" else run.data.target_dtype).replace("torch.", ""),
+        ),
     }
 
 

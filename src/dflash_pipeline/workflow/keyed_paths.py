@@ -23,6 +23,11 @@ from dflash_pipeline.workflow.policy import as_json, canonical
 
 #: Where the demo target of the default demo settings lives (and every demo target built before the key).
 DEMO_TARGET_DIR = "resources/demo-target"
+#: The shipped demo target, relative to the workflow's directory: built once by
+#: :func:`dflash_pipeline.demo.build_demo_target` with the embedded config's ``target.demo`` settings and
+#: committed, so every machine runs the default demo on the same weights (a target trained on the user's CPU
+#: differs with the CPU's kernels, and so does everything downstream).
+SHIPPED_DEMO_TARGET = "data/demo-target"
 
 
 def params_digest(obj) -> str:
@@ -66,20 +71,30 @@ def embedded_demo_settings(workflow_dir: str | os.PathLike) -> dict:
     return {**schema_defaults("target", "demo"), **((embedded.get("target") or {}).get("demo") or {})}
 
 
-def demo_target_dir(demo: dict, default_demo: dict, *, root: str | os.PathLike = ".") -> str:
-    """Directory of the demo target built with the ``target.demo`` settings ``demo`` (relative to ``root``, the
+def demo_target_dir(
+    demo: dict, default_demo: dict, *, root: str | os.PathLike = ".", shipped: str | os.PathLike | None = None
+) -> str:
+    """Directory of the demo target with the ``target.demo`` settings ``demo`` (relative to ``root``, the
     working directory), so two configs never rebuild each other's target:
 
-    * :data:`DEMO_TARGET_DIR` when the target there was built with ``demo``, or when there is none yet and
-      ``demo`` are the default config's settings ``default_demo`` (the path of every earlier release);
+    * :data:`DEMO_TARGET_DIR` when the target there was built with ``demo`` (a results directory of an earlier
+      release keeps the target its outputs were made from);
+    * ``shipped`` (the committed :data:`SHIPPED_DEMO_TARGET`, as the workflow resolves it) when it was built
+      with ``demo``: no rule builds it;
+    * :data:`DEMO_TARGET_DIR` when there is none there yet and ``demo`` are the default config's settings
+      ``default_demo`` (a checkout without the shipped target builds it);
     * else ``resources/demo-target-<digest of demo>`` (:func:`params_digest`).
     """
     legacy = Path(root) / DEMO_TARGET_DIR
     recorded = recorded_demo_params(legacy) if legacy.exists() else None
     mine = canonical(demo)
-    if (recorded is not None and canonical(recorded) == mine) or (
-        not legacy.exists() and mine == canonical(default_demo)
-    ):
+    if recorded is not None and canonical(recorded) == mine:
+        return DEMO_TARGET_DIR
+    if shipped is not None:
+        shipped_params = recorded_demo_params(Path(root) / shipped)
+        if shipped_params is not None and canonical(shipped_params) == mine:
+            return str(shipped)
+    if not legacy.exists() and mine == canonical(default_demo):
         return DEMO_TARGET_DIR
     return f"{DEMO_TARGET_DIR}-{params_digest(demo)}"
 

@@ -1,4 +1,4 @@
-"""Outputs keyed by what they are built from (issue #26): the demo target's directory and the probe record's
+"""Outputs keyed by what they are built from: the demo target's directory and the probe record's
 path (dflash_pipeline.workflow.keyed_paths). The Snakemake-level check (two configs in one checkout, then the
 default plans nothing) is tests/e2e/test_e2e.py::test_second_config_never_rebuilds_the_first."""
 
@@ -8,6 +8,7 @@ import json
 
 from dflash_pipeline.workflow.keyed_paths import (
     DEMO_TARGET_DIR,
+    SHIPPED_DEMO_TARGET,
     demo_target_dir,
     embedded_demo_settings,
     params_digest,
@@ -19,8 +20,8 @@ from dflash_pipeline.workflow.keyed_paths import (
 DEFAULT = {"seed": 0, "vocab_size": 1024, "hidden_size": 128, "num_hidden_layers": 8, "train_steps": 400}
 
 
-def _built(root, params, *, legacy_facts=False):
-    d = root / DEMO_TARGET_DIR
+def _built(root, params, *, legacy_facts=False, where=DEMO_TARGET_DIR):
+    d = root / where
     d.mkdir(parents=True)
     facts = {
         "seed": params["seed"],
@@ -53,6 +54,23 @@ def test_an_existing_target_keeps_its_path_for_its_settings_only(tmp_path):
     assert demo_target_dir(e2e, DEFAULT, root=tmp_path) == DEMO_TARGET_DIR  # an old results dir reruns nothing
     # the default settings no longer own today's path: they never rebuild the other config's target in place
     assert demo_target_dir(DEFAULT, DEFAULT, root=tmp_path) == f"{DEMO_TARGET_DIR}-{params_digest(DEFAULT)}"
+
+
+def test_the_shipped_target_serves_its_settings_unless_a_results_dir_holds_its_own(tmp_path):
+    from conftest import REPO
+
+    # the committed target was built with the embedded config's settings, and records them
+    assert recorded_demo_params(REPO / SHIPPED_DEMO_TARGET) == DEFAULT
+    shipped = tmp_path / "checkout" / SHIPPED_DEMO_TARGET
+    _built(tmp_path, DEFAULT, where="checkout/" + SHIPPED_DEMO_TARGET)
+    work = tmp_path / "work"
+    work.mkdir()
+    assert demo_target_dir(DEFAULT, DEFAULT, root=work, shipped=shipped) == str(shipped)  # a fresh dir builds nothing
+    other = {**DEFAULT, "train_steps": 600}
+    assert demo_target_dir(other, DEFAULT, root=work, shipped=shipped) == f"{DEMO_TARGET_DIR}-{params_digest(other)}"
+    # a results dir of an earlier release keeps the target its completions were made from
+    _built(work, DEFAULT)
+    assert demo_target_dir(DEFAULT, DEFAULT, root=work, shipped=shipped) == DEMO_TARGET_DIR
 
 
 def test_probe_record_is_per_run_unless_an_old_shared_one_holds_the_same_decisions(tmp_path):
