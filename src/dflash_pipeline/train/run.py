@@ -502,7 +502,9 @@ def _summary(run: TrainRun, log_with, target_dir) -> dict:
         "provenance": provenance(
             target_dir=target_dir,
             device=str(acc.device),
-            dtype=str(acc.mixed_precision if acc.mixed_precision != "no" else run.data.target_dtype).replace("torch.", ""),
+            dtype=str(acc.mixed_precision if acc.mixed_precision != "no" else run.data.target_dtype).replace(
+                "torch.", ""
+            ),
         ),
     }
 
