@@ -151,3 +151,19 @@ def test_every_bench_has_a_smoke_test():
     tested |= {p.stem.removeprefix("test_") for p in Path(__file__).parent.glob("test_bench_*.py")}  # own files
     gone = {t for t in tested - benches if not any(t.startswith(f"{b}_") for b in benches)}  # a bench's extra tests
     assert benches <= tested and not gone, f"untested: {sorted(benches - tested)}; gone: {sorted(gone)}"
+
+
+def test_bench_repro(tmp_path):
+    """Two clones of HEAD, native and AVX2 kernels, on a tiny config: the τ table, the largest difference and
+    where each stage stands (the shipped target's digest is the same in both)."""
+    out = run_bench("bench_repro", "--work", str(tmp_path))
+    assert_lines(
+        out,
+        r"^kernels: native \w+, avx2 run AVX2$",
+        r"^\| eval set \| τ native \| τ AVX2 \| difference \|$",
+        rf"^\| gsm8k \| {NUM} \| {NUM} \| [+-]{NUM} % \|$",
+        rf"^largest τ difference: {NUM} % \(limit 5 %\): (within|OVER)$",
+        r"^stages: target digest equal; completions \d+/\d+ equal; token records \d+/\d+ equal; final train loss ",
+    )
+    rec = json.loads((tmp_path / "repro.json").read_text())
+    assert rec["drift"]["target_digest_equal"] and rec["drift"]["completions"]["records"] == 8
