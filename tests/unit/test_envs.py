@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import importlib.util
 import json
 import re
 import subprocess
@@ -302,3 +303,75 @@ def test_env_files_are_pinned_conda_envs():
         for spec in pip:
             if not spec.startswith("-"):
                 assert re.search(r">=|==|~=", spec), f"{env_file.name}: `{spec}` has no version bound"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The lock (requirements/lock.txt, requirements/make-lock.sh)
+# ---------------------------------------------------------------------------------------------------------
+
+LOCK = REPO / "requirements" / "lock.txt"
+
+
+def _pin_envs():
+    spec = importlib.util.spec_from_file_location("pin_envs", REPO / "requirements" / "pin_envs.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_env_pins_the_locks_versions():
+    """envs/*.yaml name each pip package at the lock's version (requirements/make-lock.sh writes both)."""
+    pin = _pin_envs()
+    lock = pin.read_lock(LOCK)
+    for env in sorted((REPO / "envs").glob("*.yaml")):
+        text = env.read_text()
+        pinned, problems = pin.pin_env(text, lock, env=env.name)
+        assert not problems and pinned == text, (env.name, problems)
+        reqs = [d for d in yaml.safe_load(text)["dependencies"] if isinstance(d, dict)][0]["pip"]
+        assert all("==" in r for r in reqs if not r.startswith("-e")), (env.name, reqs)
+
+
+def test_pin_env_pins_and_names_what_the_lock_lacks(tmp_path):
+    pin = _pin_envs()
+    text = (
+        "dependencies:\n  - python>=3.10\n  - pip:\n      - torch>=2.4\n      - foo_bar[x]>=1  # why\n      - -e ..\n"
+    )
+    out, problems = pin.pin_env(text, {"torch": "2.13.0"}, env="e.yaml")
+    assert "      - torch==2.13.0\n" in out and "  - python>=3.10\n" in out and "      - -e ..\n" in out
+    assert problems == ["e.yaml: foo_bar is not in the lock"]
+    bad = tmp_path / "lock.txt"
+    bad.write_text("# header\na==1\nb>=2\n")
+    with pytest.raises(ValueError, match=r"lock.txt:3: not a name==version pin: 'b>=2'"):
+        pin.read_lock(bad)
+
+
+def test_the_lock_satisfies_pyproject_and_covers_every_dependency():
+    """Every direct dependency of the README install (pyproject's dependencies and the locked extras) is in the
+    lock at a version its range admits; every line is a name==version pin."""
+    import tomllib
+    from packaging.requirements import Requirement
+
+    lock = _pin_envs().read_lock(LOCK)
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = re.search(r"DFLASH_LOCK_EXTRAS:-([a-z,]+)\}", (REPO / "requirements" / "make-lock.sh").read_text()).group(1).split(",")
+    reqs = [Requirement(r) for r in project["dependencies"]]
+    reqs += [Requirement(r) for e in extras for r in project["optional-dependencies"][e]]
+    for r in reqs:
+        name = normalize(r.name)
+        assert name in lock, f"{r.name} is not in requirements/lock.txt: run requirements/make-lock.sh"
+        assert r.specifier.contains(lock[name], prereleases=True), f"lock {r.name}=={lock[name]} outside {r.specifier}"
+
+
+def test_installed_versions_equal_the_lock():
+    """The environment this suite runs in is the locked one (`.ci/run` and the README install from the lock):
+    every installed distribution the lock names has the lock's version (a local build label such as +cpu
+    aside). `.ci/run latest` deselects this test: there the newest releases are the point."""
+    from packaging.version import Version
+
+    lock = _pin_envs().read_lock(LOCK)
+    differ = {}
+    for dist in importlib.metadata.distributions():
+        name = normalize(dist.metadata["Name"])
+        if name in lock and Version(dist.version).public != Version(lock[name]).public:
+            differ[name] = (dist.version, lock[name])
+    assert not differ, f"installed != requirements/lock.txt (installed, locked): {differ}"
