@@ -39,7 +39,7 @@ AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "O
 #: ``--smoke``: the shipped target, a handful of prompts, one short eval set.
 SMOKE_CONFIG = {
     "run": "repro",
-    "target": {"path": "demo", "demo": {"train_steps": 400}},
+    "target": {"path": "demo"},
     "drafter": {"block_size": 4, "num_draft_layers": 1, "num_target_features": 2},
     "datasets": {"gsm8k": {"path": "data/gsm8k/train.jsonl", "max_prompts": 8}},
     "prompts": {"shard_size": 8},

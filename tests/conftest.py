@@ -1,7 +1,6 @@
 """Fixtures and helpers shared by tests/unit/ and tests/e2e/.
 
-``demo_target`` builds the tiny Qwen3 demo target once per session (few training steps, so it is fast but
-its continuations are only loosely structured); tests that need a well-trained target build their own.
+``demo_target`` is the shipped tiny Qwen3 demo target (``data/demo-target``, the default config's).
 :func:`tiny_target_and_drafter` builds a random tiny target with a DFlash drafter on it (model and eval
 tests); :class:`FeatureServer` runs one ``features serve`` subprocess (stream tests); :func:`snakemake` runs the repo's workflow in a working directory with the local profile and
 :func:`planned_jobs` reads a dry run's job counts (e2e tests).
@@ -28,8 +27,9 @@ REPO = REPO_ROOT
 SNAKEMAKE_CORES = 2
 GSM8K_TRAIN = REPO_ROOT / "data" / "gsm8k" / "train.jsonl"
 SHAREGPT = REPO_ROOT / "data" / "sharegpt" / "sharegpt.json"
-#: Steps of the session demo target: enough for the loss to fall clearly, cheap on 2 cores.
-DEMO_TEST_STEPS = 50
+#: The shipped demo target (dflash_pipeline.workflow.keyed_paths.SHIPPED_DEMO_TARGET) and the settings it was built with.
+SHIPPED_DEMO_TARGET = REPO_ROOT / "data" / "demo-target"
+SHIPPED_DEMO_SETTINGS = {"seed": 0, "vocab_size": 1024, "hidden_size": 128, "num_hidden_layers": 8, "train_steps": 600}
 
 
 #: ``../shared/data`` beside the checkout: the model metadata corpus (``models/``: configs, tokenizers, chat
@@ -88,12 +88,10 @@ def models_dir() -> Path | None:
 
 
 @pytest.fixture(scope="session")
-def demo_target(tmp_path_factory) -> Path:
-    """Path of a tiny demo target (tokenizer + Qwen3ForCausalLM + chat template), built once per session."""
-    from dflash_pipeline.demo import build_demo_target
-
-    out = tmp_path_factory.mktemp("demo") / "demo-target"
-    return build_demo_target(out, [GSM8K_TRAIN, SHAREGPT], seed=0, train_steps=DEMO_TEST_STEPS, log=None)
+def demo_target() -> Path:
+    """Path of the shipped demo target (tokenizer + Qwen3ForCausalLM + chat template, ``data/demo-target``): the
+    default config's target, committed, so no test builds it. Read-only: a test that changes a target copies it."""
+    return SHIPPED_DEMO_TARGET
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,6 @@ def test_killed_workflow_resumes_to_the_uninterrupted_bytes(tmp_path):
     cfg = yaml.safe_load((REPO / "tests" / "e2e" / "e2e_config.yaml").read_text())
     cfg["datasets"]["gsm8k"]["max_prompts"], cfg["datasets"]["mt_bench"]["max_prompts"] = 4, 2
     cfg["prompts"]["shard_size"] = 4
-    cfg["target"]["demo"]["train_steps"] = 0  # an untrained demo target: the drafter's run is what is tested
     # 4 training records one per step: 4 steps per epoch, 24 in all, state every 2 (the first save is mid-epoch)
     cfg["train"] = {**cfg["train"], "epochs": 6, "batch_size": 1}
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))

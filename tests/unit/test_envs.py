@@ -353,7 +353,11 @@ def test_the_lock_satisfies_pyproject_and_covers_every_dependency():
 
     lock = _pin_envs().read_lock(LOCK)
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    extras = re.search(r"DFLASH_LOCK_EXTRAS:-([a-z,]+)\}", (REPO / "requirements" / "make-lock.sh").read_text()).group(1).split(",")
+    extras = (
+        re.search(r"DFLASH_LOCK_EXTRAS:-([a-z,]+)\}", (REPO / "requirements" / "make-lock.sh").read_text())
+        .group(1)
+        .split(",")
+    )
     reqs = [Requirement(r) for r in project["dependencies"]]
     reqs += [Requirement(r) for e in extras for r in project["optional-dependencies"][e]]
     for r in reqs:

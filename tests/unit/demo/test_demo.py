@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import DEMO_TEST_STEPS, GSM8K_TRAIN, models_dir
+from conftest import GSM8K_TRAIN, SHIPPED_DEMO_SETTINGS, models_dir
 
 from dflash_pipeline import demo
 from dflash_pipeline.core.errors import DataError
@@ -57,7 +57,7 @@ def test_padded_vocab_size_is_strictly_greater_multiple_of_64():
 def test_build_facts_and_sizes(demo_target, tokenizer):
     facts = json.loads((demo_target / "demo_target.json").read_text())
     cfg = json.loads((demo_target / "config.json").read_text())
-    assert facts["train_steps"] == DEMO_TEST_STEPS and facts["seed"] == 0
+    assert facts["train_steps"] == SHIPPED_DEMO_SETTINGS["train_steps"] and facts["seed"] == 0
     assert facts["final_loss"] < facts["first_loss"] - 1.0  # it learned something
     assert facts["len_tokenizer"] == len(tokenizer)
     assert cfg["vocab_size"] == facts["vocab_size"] == padded_vocab_size(len(tokenizer))
@@ -130,15 +130,12 @@ def test_encode_conversation_masks_answer_only(tokenizer):
     )
 
 
-@pytest.mark.e2e
-def test_greedy_generation_is_not_degenerate(tmp_path):
-    """At the default train_steps the greedy answer has structure (the 50-step session target does not).
-    Slow (the full ≈2-3 minute build), hence the e2e marker."""
+def test_greedy_generation_is_not_degenerate(demo_target):
+    """The shipped target (the default settings) answers with structure."""
     import torch
-    from conftest import SHAREGPT
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target = build_demo_target(tmp_path / "full", [GSM8K_TRAIN, SHAREGPT], log=None)
+    target = demo_target
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     model = AutoModelForCausalLM.from_pretrained(str(target)).eval()
     questions = [
@@ -215,17 +212,15 @@ def test_bad_corpus_errors(tmp_path):
         demo.load_corpus([tmp_path / "nope.jsonl"])
 
 
-def test_build_records_the_settings_that_key_its_directory(demo_target):
-    """Issue #26: demo_target.json records the `target.demo` settings (workflow.keyed_paths keys the directory
-    by them); a target built before that key gives the same settings back from its build facts."""
-    from conftest import DEMO_TEST_STEPS
-
+def test_build_records_the_settings_that_key_its_directory(demo_target, tmp_path):
+    """demo_target.json records the `target.demo` settings (workflow.keyed_paths keys the directory by them); a
+    target built before that key gives the same settings back from its build facts."""
     from dflash_pipeline.workflow.keyed_paths import recorded_demo_params
 
     facts = json.loads((demo_target / "demo_target.json").read_text())
-    want = {"seed": 0, "vocab_size": 1024, "hidden_size": 128, "num_hidden_layers": 8, "train_steps": DEMO_TEST_STEPS}
+    want = SHIPPED_DEMO_SETTINGS
     assert facts["params"] == want and recorded_demo_params(demo_target) == want
-    old = demo_target.parent / "old-release"
+    old = tmp_path / "old-release"
     old.mkdir(exist_ok=True)
     (old / "demo_target.json").write_text(json.dumps({k: v for k, v in facts.items() if k != "params"}))
     assert recorded_demo_params(old) == want  # vocab_size asked = len(tokenizer) - the two think tokens

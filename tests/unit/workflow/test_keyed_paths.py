@@ -17,7 +17,7 @@ from dflash_pipeline.workflow.keyed_paths import (
     recorded_demo_params,
 )
 
-DEFAULT = {"seed": 0, "vocab_size": 1024, "hidden_size": 128, "num_hidden_layers": 8, "train_steps": 400}
+DEFAULT = {"seed": 0, "vocab_size": 1024, "hidden_size": 128, "num_hidden_layers": 8, "train_steps": 600}
 
 
 def _built(root, params, *, legacy_facts=False, where=DEMO_TARGET_DIR):
@@ -39,9 +39,9 @@ def _built(root, params, *, legacy_facts=False, where=DEMO_TARGET_DIR):
 def test_default_settings_keep_todays_path_and_others_get_their_digest(tmp_path):
     from conftest import REPO
 
-    assert embedded_demo_settings(REPO) == DEFAULT  # config/config.yaml's train_steps over the schema defaults
+    assert embedded_demo_settings(REPO) == DEFAULT  # config/config.yaml's settings over the schema defaults
     assert demo_target_dir(DEFAULT, DEFAULT, root=tmp_path) == DEMO_TARGET_DIR
-    other = {**DEFAULT, "train_steps": 600}
+    other = {**DEFAULT, "train_steps": 400}
     assert demo_target_dir(other, DEFAULT, root=tmp_path) == f"{DEMO_TARGET_DIR}-{params_digest(other)}"
     assert params_digest(other) != params_digest(DEFAULT)
     assert params_digest(dict(reversed(list(other.items())))) == params_digest(other)  # key order is no setting
@@ -66,7 +66,7 @@ def test_the_shipped_target_serves_its_settings_unless_a_results_dir_holds_its_o
     work = tmp_path / "work"
     work.mkdir()
     assert demo_target_dir(DEFAULT, DEFAULT, root=work, shipped=shipped) == str(shipped)  # a fresh dir builds nothing
-    other = {**DEFAULT, "train_steps": 600}
+    other = {**DEFAULT, "train_steps": 400}
     assert demo_target_dir(other, DEFAULT, root=work, shipped=shipped) == f"{DEMO_TARGET_DIR}-{params_digest(other)}"
     # a results dir of an earlier release keeps the target its completions were made from
     _built(work, DEFAULT)
