@@ -391,3 +391,39 @@ def artefact_dir() -> Path:
     d = Path(os.environ.get("DFLASH_TEST_ARTEFACTS", REPO / "tests" / "artefacts"))
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+#: A test that runs longer than this must say why in its docstring (a line starting ``Slow:``); the end of every
+#: run names the ones that do not (seconds of the call phase, on the machine that ran it).
+SLOW_TEST_S = 120.0
+_slow_calls: dict[str, float] = {}
+
+
+_items: list = []
+
+
+def pytest_collection_modifyitems(session, config, items):
+    _items[:] = items
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" and report.duration > SLOW_TEST_S:
+        _slow_calls[report.nodeid] = report.duration
+
+
+def unexplained_slow_tests(items, durations: dict[str, float]) -> list[str]:
+    """``nodeid (seconds)`` of the tests in ``durations`` whose docstring has no ``Slow:`` line."""
+    docs = {it.nodeid: (getattr(getattr(it, "function", None), "__doc__", None) or "") for it in items}
+    return [
+        f"{nid} ({secs:.0f} s)"
+        for nid, secs in sorted(durations.items(), key=lambda kv: -kv[1])
+        if not any(line.strip().startswith("Slow:") for line in docs.get(nid, "").splitlines())
+    ]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    unexplained = unexplained_slow_tests(_items, _slow_calls)
+    if unexplained:
+        terminalreporter.write_sep("=", f"tests over {SLOW_TEST_S:.0f} s without a 'Slow:' reason in their docstring")
+        for line in unexplained:
+            terminalreporter.write_line(line)

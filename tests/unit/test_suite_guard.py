@@ -60,3 +60,20 @@ def test_the_rule_names_shared_data_and_reads_ci_like_ci_systems(tmp_path):
         {"CI": "true", "DFLASH_MODELS_DIR": str(tmp_path / "x")}, shared=missing
     )
     assert SHARED_DATA == Path(REPO_ROOT).parent / "shared" / "data"
+
+
+def test_slow_tests_without_a_reason_are_named():
+    """The run's end names every test over 120 s whose docstring gives no ``Slow:`` reason (conftest)."""
+    from types import SimpleNamespace
+
+    from conftest import unexplained_slow_tests
+
+    def item(nid, doc):
+        def f():
+            pass
+
+        f.__doc__ = doc
+        return SimpleNamespace(nodeid=nid, function=f)
+
+    items = [item("a", "Checks a.\n    Slow: one full workflow build."), item("b", "Checks b."), item("c", None)]
+    assert unexplained_slow_tests(items, {"a": 200.0, "b": 130.0, "c": 300.0}) == ["c (300 s)", "b (130 s)"]
