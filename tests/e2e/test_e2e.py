@@ -57,6 +57,14 @@ def test_full_build_outputs(built):
     ]
     ev = json.loads((work / "results/eval/e2e/acceptance.json").read_text())
     assert set(ev["drafters"]) == {"trained", "zero_features", "untrained"}
+    # every result names what made it, the shipped demo target's digest included
+    from dflash_pipeline.core.provenance import target_digest
+
+    shipped = target_digest(REPO / "data" / "demo-target")["sha256"]
+    summary = json.loads((work / "results/checkpoints/e2e/train_summary.json").read_text())
+    for prov in (ev["provenance"], summary["provenance"]):
+        assert prov["target"]["digest"]["sha256"] == shipped and prov["packages"]["transformers"]
+        assert prov["device"] == "cpu" and prov["dtype"] and prov["torch_threads"] >= 1
     for label in ev["drafters"]:
         sets = ev["drafters"][label]["sets"]
         assert set(sets) == {"gsm8k", "humaneval", "mt_bench", "long"}

@@ -154,8 +154,11 @@ def test_header_facts_come_from_the_run_records(tmp_path):
     (ckpt / "config.json").write_text(
         json.dumps({"architectures": ["DFlashDraftModel"], "num_hidden_layers": 2, "block_size": 8})
     )
+    from dflash_pipeline.core.provenance import provenance
+
+    prov = provenance(target_dir=tmp_path, device="cpu", dtype="float32")
     (ckpt.parent / "train_summary.json").write_text(
-        json.dumps({"steps": 204, "trainable_params": 1_234_567, "loss": "ce_decay"})
+        json.dumps({"steps": 204, "trainable_params": 1_234_567, "loss": "ce_decay", "provenance": prov})
     )
     probe = tmp_path / "probe.json"
     probe.write_text(json.dumps({"model_type": "qwen3", "num_hidden_layers": 8}))
@@ -187,6 +190,10 @@ def test_header_facts_come_from_the_run_records(tmp_path):
     assert facts["data"]["prompts_kept"] == 940 and facts["data"]["eval_prompts"] == {"gsm8k": 4, "long": 4}
     text = report_page.header_html("r1", facts)
     assert "1.23 M trainable parameters" in text and "7 min 28 s" in text and "940 conversations (938 ok)" in text
+    # the software, kernels, device and dtype that made the drafter (the eval record here has none)
+    made = re.search(r"<b>training made with</b> ([^<]*)", text).group(1)
+    assert f"transformers {prov['packages']['transformers']}" in made and "float32" in made
+    assert "eval made with" not in text
     assert facts["stream"] is None and "features streamed" not in text  # not a streamed run
     stream = {
         "servers": 2,

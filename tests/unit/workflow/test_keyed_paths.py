@@ -107,3 +107,22 @@ def test_probe_record_is_per_run_unless_an_old_shared_one_holds_the_same_decisio
         assert probe_record_path("results", "other", {**drafter, **change}, root=tmp_path) == "results/probe/other.json"
     explicit = {"drafter": {**record["drafter"], "target_layer_ids_source": "explicit (drafter.target_layer_ids)"}}
     assert probe_matches(explicit, {**drafter, "target_layer_ids": [1, 4, 6]})
+
+
+def test_the_default_config_plans_no_demo_target_build(tmp_path):
+    """The default config in a fresh working directory: the plan reads the shipped target and builds none,
+    and `git ls-files` holds it (a fresh clone has it)."""
+    import subprocess
+
+    from conftest import REPO, planned_jobs, snakemake
+
+    proc = snakemake(tmp_path, "-n", configfile=REPO / "config" / "config.yaml")
+    jobs = planned_jobs(proc)
+    assert "build_demo_target" not in jobs and jobs["probe_target"] == 1, jobs
+    assert f"input: {REPO / SHIPPED_DEMO_TARGET}" in proc.stdout + proc.stderr
+    tracked = subprocess.run(
+        ["git", "-C", str(REPO), "ls-files", SHIPPED_DEMO_TARGET], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert {f"{SHIPPED_DEMO_TARGET}/{f}" for f in ("model.safetensors", "tokenizer.json", "config.json")} <= set(
+        tracked
+    )
