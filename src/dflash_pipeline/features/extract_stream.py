@@ -86,6 +86,7 @@ def extract_shards(
             aux_layer_ids=aux_hidden_state_ids(
                 probe["drafter"]["target_layer_ids"], probe["num_hidden_layers"], last_hidden
             ),
+            scratch_dir=stream.get("scratch_dir"),
         )
         client.start()
         try:

@@ -47,7 +47,7 @@ def test_shards_with_packing_equal_stream_and_online(setup, server, tmp_path):  
         tmp_path / "stream",
         "stream",
         **PACK,
-        stream={"endpoints": [{"base_url": server.url}], "fleet": FAST_FLEET},
+        stream={"endpoints": [{"base_url": server.url}], "scratch_dir": str(server.scratch), "fleet": FAST_FLEET},
     )
     on = _train(setup, tmp_path / "online", "online", **PACK)
     ls, lt, lo = ([r["loss"] for r in _log(tmp_path / d)] for d in ("shards", "stream", "online"))

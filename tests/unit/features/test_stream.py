@@ -89,7 +89,7 @@ def server(setup):
     s.kill()
 
 
-def _client(urls, transport="path", last_hidden=False, fleet=FAST_FLEET):
+def _client(urls, transport="path", last_hidden=False, fleet=FAST_FLEET, scratch=None):
     eps = [{"base_url": u, "max_concurrency": 4, "transport": transport} for u in urls]
     c = FeatureClient(
         eps,
@@ -97,6 +97,7 @@ def _client(urls, transport="path", last_hidden=False, fleet=FAST_FLEET):
         num_layers=len(LAYERS),
         hidden_size=32,
         last_hidden=last_hidden,
+        scratch_dir=scratch,
     )
     c.start()
     return c
@@ -136,7 +137,7 @@ def test_server_contract_path_and_bytes(setup, server):
     h = HFExtractor(root / "target", LAYERS, num_hidden_layers=4)
     want = [next(iter(h.run([0], [r])))[1].to(torch.bfloat16) for r in recs]
     for transport in ("path", "bytes"):
-        c = _client([server.url], transport)
+        c = _client([server.url], transport, scratch=server.scratch)
         try:
             got = c.fetch_all(recs)
             with pytest.raises(StreamError, match=r"HTTP 400.*token id 99 outside the vocabulary"):
@@ -154,7 +155,13 @@ def test_a_server_tapping_other_layers_stops_the_client_at_once(server):
     gets a StreamError naming both shapes at the first answer; the record is not re-sent (it was, forever:
     the server answers its health probe, so the breaker never opened)."""
     eps = [{"base_url": server.url, "max_concurrency": 1, "transport": "path"}]
-    c = FeatureClient(eps, fleet_config(FAST_FLEET, None), num_layers=len(LAYERS) + 1, hidden_size=32)
+    c = FeatureClient(
+        eps,
+        fleet_config(FAST_FLEET, None),
+        num_layers=len(LAYERS) + 1,
+        hidden_size=32,
+        scratch_dir=server.scratch,
+    )
     c.start()
     try:
         with pytest.raises(StreamError, match=r"hidden_states \(6, 2, 32\), expected \(6, 3, 32\)"):
@@ -238,7 +245,7 @@ def test_a_record_every_server_fails_stops_the_client_after_max_retries():
     error (before, it was re-sent forever and the train job hung)."""
     srv = _FailingFeatureServer()
     try:
-        c = _client([srv.url], fleet={**FAST_FLEET, "max_retries": 2})
+        c = _client([srv.url], "bytes", fleet={**FAST_FLEET, "max_retries": 2})
         try:
             with pytest.raises(StreamError, match=r"a record of 6 tokens failed 3 times \(generation\.max_retries 2\)"):
                 c.submit(np.arange(6)).result(timeout=120)
@@ -404,6 +411,7 @@ def test_server_sigkilled_mid_epoch_costs_only_time(setup, shards_run, tmp_path,
             "stream",
             stream={
                 "endpoints": [{"base_url": a.url}, {"base_url": b.url}],
+                "scratch_dir": str(tmp_path),
                 "fleet": FAST_FLEET,
             },
         )
@@ -438,7 +446,7 @@ def test_a_server_that_hangs_costs_only_time(setup, shards_run, tmp_path):
             setup,
             tmp_path / "run",
             "stream",
-            stream={"endpoints": [{"base_url": a.url}, {"base_url": b.url}], "fleet": fleet},
+            stream={"endpoints": [{"base_url": a.url}, {"base_url": b.url}], "scratch_dir": str(tmp_path), "fleet": fleet},
         )
         ha, hb = _health(a.url), _health(b.url)
     finally:
@@ -481,7 +489,7 @@ def test_all_servers_gone_saves_state_and_resume_continues(setup, shards_run, tm
             "stream",
             trace_batches=True,
             save_every_steps=1000,
-            stream={"endpoints": [{"base_url": a.url}], "fleet": FAST_FLEET},
+            stream={"endpoints": [{"base_url": a.url}], "scratch_dir": str(tmp_path), "fleet": FAST_FLEET},
         )
     a.kill()
     monkeypatch.setattr(S.FeatureStream, "_assemble", real)
@@ -497,7 +505,7 @@ def test_all_servers_gone_saves_state_and_resume_continues(setup, shards_run, tm
             "stream",
             trace_batches=True,
             save_every_steps=1000,
-            stream={"endpoints": [{"base_url": b.url}], "fleet": FAST_FLEET},
+            stream={"endpoints": [{"base_url": b.url}], "scratch_dir": str(tmp_path), "fleet": FAST_FLEET},
         )
     finally:
         b.kill()
@@ -571,6 +579,7 @@ def test_hf_server_on_an_mla_twin(real_models_dir, tmp_path):
             num_layers=2,
             hidden_size=hidden,
             last_hidden=True,
+            scratch_dir=s.scratch,
         )
         c.start()
         try:
@@ -613,7 +622,7 @@ def test_stream_with_packing_and_heldout_matches_online(setup, server, tmp_path)
         tmp_path / "stream",
         "stream",
         **extra,
-        stream={"endpoints": [{"base_url": server.url}], "fleet": FAST_FLEET},
+        stream={"endpoints": [{"base_url": server.url}], "scratch_dir": str(server.scratch), "fleet": FAST_FLEET},
     )
     assert st["steps"] == online["steps"] and st["heldout_records"] == online["heldout_records"] > 0
     lo, ls = (

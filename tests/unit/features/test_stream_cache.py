@@ -45,7 +45,7 @@ def test_first_epoch_cache_equals_uncached_and_epoch_two_streams_the_rest(distin
     1's records all cache hits). With a cap: the cache stays under it and epoch 1 streams exactly the
     records it could not keep. Losses and final weights equal the uncached run's in every case."""
     data = distinct
-    base = {"endpoints": [{"base_url": server.url}], "fleet": FAST_FLEET}
+    base = {"endpoints": [{"base_url": server.url}], "scratch_dir": str(server.scratch), "fleet": FAST_FLEET}
 
     n0 = _served(server.url)
     plain = _train(data, tmp_path / "plain", "stream", stream=base)
@@ -81,7 +81,7 @@ def test_cache_shards_are_feature_shards_read_back_bit_for_bit(setup, server, tm
 
     from dflash_pipeline.train.stream_cache import FeatureCache
 
-    c = _client([server.url])
+    c = _client([server.url], scratch=server.scratch)
     try:
         recs = [np.arange(3, 3 + n) % 80 for n in (5, 17, 9)]
         got = c.fetch_all(recs)
