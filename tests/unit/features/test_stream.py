@@ -446,7 +446,11 @@ def test_a_server_that_hangs_costs_only_time(setup, shards_run, tmp_path):
             setup,
             tmp_path / "run",
             "stream",
-            stream={"endpoints": [{"base_url": a.url}, {"base_url": b.url}], "scratch_dir": str(tmp_path), "fleet": fleet},
+            stream={
+                "endpoints": [{"base_url": a.url}, {"base_url": b.url}],
+                "scratch_dir": str(tmp_path),
+                "fleet": fleet,
+            },
         )
         ha, hb = _health(a.url), _health(b.url)
     finally:

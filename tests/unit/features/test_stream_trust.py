@@ -94,7 +94,7 @@ class FakeFeatureServer:
         self.httpd.server_close()
 
 
-def fetch(answer, scratch, transport="path", ids=np.arange(6), fleet=FAST_FLEET):
+def fetch(answer, scratch, transport="path", ids=None, fleet=FAST_FLEET):
     """``(result or exception, fake server)`` of one record through a FeatureClient."""
     srv = FakeFeatureServer(answer)
     c = FeatureClient(
@@ -107,7 +107,7 @@ def fetch(answer, scratch, transport="path", ids=np.arange(6), fleet=FAST_FLEET)
     try:
         c.start()
         try:
-            return c.submit(ids).result(timeout=60), srv, c
+            return c.submit(np.arange(6) if ids is None else ids).result(timeout=60), srv, c
         except Exception as exc:  # noqa: BLE001 - the test inspects it
             return exc, srv, c
     finally:
