@@ -29,6 +29,8 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from dflash_pipeline.core.errors import strip_url_credentials as redact_url
+
 #: The variable the trainer reads its colocated endpoints from (JSON list of endpoint dicts).
 ENDPOINTS_ENV = "DFLASH_STREAM_ENDPOINTS"
 #: The variable holding the colocated servers' per-job API key on the trainer's side.
@@ -394,7 +396,7 @@ def colocated_servers(trainer_args: Sequence[str]):
     )
     print(
         f"[stream] colocated: {len(eps)} {stream.get('backend', 'hf')} feature server(s) x "
-        f"{stream.get('gpus_per_server') or 0} GPU(s) at {', '.join(e['base_url'] for e in eps)}",
+        f"{stream.get('gpus_per_server') or 0} GPU(s) at {', '.join(redact_url(e['base_url']) for e in eps)}",
         flush=True,
     )
     old = os.environ.get(ENDPOINTS_ENV)
@@ -424,7 +426,7 @@ def run_colocated(a) -> int:
     )
     print(
         f"[stream] colocated: {len(eps)} {stream.get('backend', 'hf')} feature server(s) x "
-        f"{stream.get('gpus_per_server') or 0} GPU(s) at {', '.join(e['base_url'] for e in eps)}",
+        f"{stream.get('gpus_per_server') or 0} GPU(s) at {', '.join(redact_url(e['base_url']) for e in eps)}",
         flush=True,
     )
     try:

@@ -145,3 +145,24 @@ def test_stream_endpoints_take_an_api_key_env_by_name():
     assert schema_problems(ok) == []
     bad = {"features": {"stream": {"endpoints": [{"base_url": "http://n:8000/v1", "api_key_env": "sk-abc 123"}]}}}
     assert any("api_key_env" in p for p in schema_problems(bad))
+
+
+@pytest.mark.parametrize(
+    "url,want",
+    [
+        ("http://user:pw@host:8000/v1", "http://host:8000/v1"),
+        ("http://user:p@ss@host/v1", "http://host/v1"),  # a password holding @ goes whole
+        ("https://tok@host", "https://host"),
+        ("http://host:8000/v1?x=a@b", "http://host:8000/v1?x=a@b"),  # no credentials: unchanged
+        ("see http://u:s3cret@h/v1 and 'http://a:b@c'", "see http://h/v1 and 'http://c'"),
+    ],
+)
+def test_one_redaction_for_every_url(url, want):
+    from dflash_pipeline.completions import redact_url
+    from dflash_pipeline.core.errors import strip_url_credentials
+    from dflash_pipeline.evaluate.engine_acceptance import _no_acceptance
+
+    assert strip_url_credentials(url) == want
+    assert redact_url(url) == want
+    if url.startswith("http://user"):
+        assert "pw" not in str(_no_acceptance(url, url + "/metrics"))
