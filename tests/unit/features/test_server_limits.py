@@ -34,10 +34,12 @@ KEY = "test-key-0123456789"
 REPO = Path(__file__).resolve().parents[3]
 
 
-def stub_server(scratch: Path, *, api_key=KEY, limits=None, max_len=2048, vocab=80, k=2, h=8) -> FeatureServer:
+def stub_server(
+    scratch: Path, *, api_key=KEY, limits=None, max_len=2048, vocab=80, k=2, h=8, fail_id: int | None = 13
+) -> FeatureServer:
     """A :class:`FeatureServer` without a model: features of each record are ``arange`` values [T, k, h];
-    everything else (parsing, files, budget, auth) is the real code. ``raise_on`` in a prompt's first id
-    makes the forward fail (the server's own fault)."""
+    everything else (parsing, files, budget, auth) is the real code. ``fail_id`` as a prompt's first id
+    makes the forward fail (the server's own fault; None: never)."""
     s = object.__new__(FeatureServer)
     s.metadata, s.vocab_size, s.hidden_size, s.k, s.last_hidden = {"aux_layer_ids": "2,3"}, vocab, h, k, False
     s.model_name, s.max_len, s.max_body, s.itemsize = "stub", max_len, max_body_bytes(max_len, vocab), 4
@@ -50,7 +52,7 @@ def stub_server(scratch: Path, *, api_key=KEY, limits=None, max_len=2048, vocab=
     s.hang_after, s._posts, s._count_lock, s._never = None, 0, threading.Lock(), threading.Event()
 
     def tensors(ids):
-        if ids[0] == 13:  # a forward that fails: the server's own fault
+        if fail_id is not None and ids[0] == fail_id:  # a forward that fails: the server's own fault
             raise RuntimeError("CUDA out of memory (secret detail /srv/x)")
         s.stats["requests"] += 1
         t = len(ids)

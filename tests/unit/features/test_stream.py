@@ -81,16 +81,26 @@ def setup(tmp_path_factory):
     return root, probe, tokens, feats
 
 
+#: The key the module's server requires and the variable its clients read it from.
+KEY_ENV, KEY = "DFLASH_TEST_STREAM_KEY", "stream-test-key-3f9a"
+
+
 @pytest.fixture(scope="module")
 def server(setup):
+    """The module's feature server; it requires :data:`KEY` (clients name :data:`KEY_ENV`)."""
     root = setup[0]
-    s = Server(root / "target", root / "scratch0")
+    s = Server(root / "target", root / "scratch0", api_key=KEY)
     yield s
     s.kill()
 
 
+@pytest.fixture(autouse=True)
+def _key_env(monkeypatch):
+    monkeypatch.setenv(KEY_ENV, KEY)
+
+
 def _client(urls, transport="path", last_hidden=False, fleet=FAST_FLEET, scratch=None):
-    eps = [{"base_url": u, "max_concurrency": 4, "transport": transport} for u in urls]
+    eps = [{"base_url": u, "max_concurrency": 4, "transport": transport, "api_key_env": KEY_ENV} for u in urls]
     c = FeatureClient(
         eps,
         fleet_config(fleet, None),
@@ -154,7 +164,7 @@ def test_a_server_tapping_other_layers_stops_the_client_at_once(server):
     """A client told to expect one more layer than the server taps (a server started for another drafter)
     gets a StreamError naming both shapes at the first answer; the record is not re-sent (it was, forever:
     the server answers its health probe, so the breaker never opened)."""
-    eps = [{"base_url": server.url, "max_concurrency": 1, "transport": "path"}]
+    eps = [{"base_url": server.url, "max_concurrency": 1, "transport": "path", "api_key_env": KEY_ENV}]
     c = FeatureClient(
         eps,
         fleet_config(FAST_FLEET, None),
@@ -180,7 +190,7 @@ def test_a_server_tapping_other_layers_of_the_same_count_stops_the_client_at_onc
     served = aux_hidden_state_ids(LAYERS, 4, False)
     other = [i + 1 for i in served]
     for expect, ok in ((served, True), (other, False)):
-        eps = [{"base_url": server.url, "max_concurrency": 1, "transport": "bytes"}]
+        eps = [{"base_url": server.url, "max_concurrency": 1, "transport": "bytes", "api_key_env": KEY_ENV}]
         c = FeatureClient(
             eps, fleet_config(FAST_FLEET, None), num_layers=len(LAYERS), hidden_size=32, aux_layer_ids=expect
         )
@@ -269,7 +279,7 @@ def test_stream_run_equals_shards_run(setup, server, shards_run, tmp_path):
         "stream",
         trace_batches=True,
         stream={
-            "endpoints": [{"base_url": server.url}],
+            "endpoints": [{"base_url": server.url, "api_key_env": KEY_ENV}],
             "scratch_dir": str(server.scratch),
             "fleet": FAST_FLEET,
         },
@@ -375,7 +385,7 @@ def test_refuses_to_start_when_scratch_cannot_hold_the_window(setup, server, tmp
             tmp_path / "big",
             "stream",
             stream={
-                "endpoints": [{"base_url": server.url}],
+                "endpoints": [{"base_url": server.url, "api_key_env": KEY_ENV}],
                 "scratch_dir": str(server.scratch),
                 "fleet": FAST_FLEET,
                 "prefetch_batches": 10**12,
@@ -626,7 +636,11 @@ def test_stream_with_packing_and_heldout_matches_online(setup, server, tmp_path)
         tmp_path / "stream",
         "stream",
         **extra,
-        stream={"endpoints": [{"base_url": server.url}], "scratch_dir": str(server.scratch), "fleet": FAST_FLEET},
+        stream={
+            "endpoints": [{"base_url": server.url, "api_key_env": KEY_ENV}],
+            "scratch_dir": str(server.scratch),
+            "fleet": FAST_FLEET,
+        },
     )
     assert st["steps"] == online["steps"] and st["heldout_records"] == online["heldout_records"] > 0
     lo, ls = (
