@@ -122,6 +122,18 @@ def training_problems(cfg: Mapping[str, Any]) -> list[str]:
             require_vllm_python(python)
         except VLLMNotFound as exc:
             out.append(f"{setting} runs vLLM from its own environment: {exc}{alternative}")
+    urls = [
+        (f"features.stream.endpoints[{i}].base_url", "api_key_env", e.get("base_url") or "")
+        for i, e in enumerate(stream.get("endpoints") or [])
+    ]
+    urls.append(("eval.engine_base_url", "eval.engine_api_key_env", ev.get("engine_base_url") or ""))
+    for key, instead, url in urls:
+        if strip_url_credentials(url) != url:  # these URLs travel in job params and command lines
+            out.append(
+                f"{key}: {strip_url_credentials(url)} with user:password@ in it; the URL is stored in the "
+                f"job's params and passed on its command line, so credentials cannot go there: give the key "
+                f"through {instead} (the name of an environment variable)"
+            )
     if train["target_features"] == "stream":
         for i, ep in enumerate(stream.get("endpoints") or []):
             env = ep.get("api_key_env")
