@@ -523,6 +523,8 @@ class FeatureClient:
             return None, retry.Failure(_describe(exc))
         except AnswerMismatch as exc:
             return None, retry.Failure(f"unusable answer: {exc}", kind=retry.CLIENT)
+        except Exception as exc:  # noqa: BLE001 - the body's transport failing mid-read (httpx errors): retried
+            return None, retry.Failure(_describe(exc))
         try:
             return await asyncio.to_thread(self._decode, raw, ids, transport), None
         except AnswerMismatch as exc:

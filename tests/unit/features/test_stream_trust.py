@@ -36,7 +36,8 @@ def answer_bytes(ids: np.ndarray, *, k: int = K, dtype=torch.float32) -> bytes:
 
 class FakeFeatureServer:
     """A feature server that answers whatever ``answer(route, ids)`` says: ``("path", str)`` (a completion
-    naming that path), ``("bytes", bytes)`` (the body), ``("stream", n)`` (n zero bytes streamed without a
+    naming that path), ``("bytes", bytes)`` (the body), ``("short", bytes)`` (a tenth of it, then the
+    connection closed), ``("stream", n)`` (n zero bytes streamed without a
     Content-Length, 1 MiB at a time, never held whole) or ``("status", code)``. Counts feature requests."""
 
     def __init__(self, answer):
@@ -71,6 +72,14 @@ class FakeFeatureServer:
                     return self._send(200, val, "application/octet-stream")
                 if kind == "status":
                     return self._send(val, b'{"error": {"message": "no"}}')
+                if kind == "short":  # announces a body, sends a tenth of it, hangs up
+                    self.close_connection = True
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/octet-stream")
+                    self.send_header("Content-Length", str(len(val)))
+                    self.end_headers()
+                    self.wfile.write(val[: len(val) // 10])
+                    return
                 self.close_connection = True
                 self.send_response(200)
                 self.send_header("Content-Type", "application/octet-stream")
@@ -233,7 +242,7 @@ def test_a_file_whose_size_its_header_does_not_give_is_refused_and_kept(dirs):
 
 @pytest.mark.parametrize(
     "kind",
-    ["not_json", "no_path", "garbage_file", "bad_offsets"],
+    ["not_json", "no_path", "garbage_file", "bad_offsets", "cut_short"],
 )
 def test_malformed_answers_are_retried_then_stop_the_client(dirs, kind):
     """Malformed answers (not JSON, no path, garbage in a scratch file, a safetensors header whose offsets the
@@ -256,16 +265,19 @@ def test_malformed_answers_are_retried_then_stop_the_client(dirs, kind):
             return "bytes", b"<html>"
         if kind == "no_path":
             return "bytes", b'{"choices": []}'
+        if kind == "cut_short":
+            return "short", answer_bytes(ids)
         if kind == "garbage_file":
             f = scratch / "garbage.safetensors"
             f.write_bytes(b"\xff" * 64)
             return "path", str(f)
         return "bytes", bad_offsets(ids)
 
-    transport = "bytes" if kind == "bad_offsets" else "path"
+    transport = "bytes" if kind in ("bad_offsets", "cut_short") else "path"
     out, srv, c = fetch(answer, scratch, transport, fleet={**FAST_FLEET, "max_retries": 2})
     assert isinstance(out, StreamError), out
-    assert "failed 3 times" in str(out) and "unusable answer" in str(out), str(out)
+    assert "failed 3 times" in str(out), str(out)
+    assert ("unusable answer" in str(out)) != (kind == "cut_short"), str(out)
     if kind == "bad_offsets":
         assert "SafetensorError" in str(out), str(out)
     assert srv.posts == 3
