@@ -160,6 +160,22 @@ def test_server_contract_path_and_bytes(setup, server):
         assert (c.stats["peak_scratch_bytes"] > 0) == (transport == "path")
 
 
+def test_the_server_answers_401_without_its_key(server):
+    """The CLI server started with a key in its environment: 401 on the feature routes and the model list
+    without it or with a wrong one (the client's requests, with it, are the contract test above)."""
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps({"prompt": [1, 2, 3]}).encode()
+    for path, auth in [(p, a) for p in ("/completions", "/features", "/models") for a in (None, "Bearer wrong")]:
+        req = urllib.request.Request(server.url + path, data=None if path == "/models" else body)
+        if auth:
+            req.add_header("Authorization", auth)
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=30)
+        assert err.value.code == 401, (path, auth)
+
+
 def test_a_server_tapping_other_layers_stops_the_client_at_once(server):
     """A client told to expect one more layer than the server taps (a server started for another drafter)
     gets a StreamError naming both shapes at the first answer; the record is not re-sent (it was, forever:
