@@ -417,6 +417,22 @@ def _handler(server: FeatureServer):
         def _authorized(self) -> bool:
             return server.authorized(self.headers.get("Authorization"))
 
+        def handle_expect_100(self) -> bool:
+            # "Expect: 100-continue" asks whether to send the body: only with the key and a size we take
+            if not self._authorized():
+                self._deadline.cancel()
+                self.close_connection = True
+                self._refuse(401, "missing or wrong API key (Authorization: Bearer <key>)")
+                return False
+            try:
+                content_length(self.headers.get("Content-Length"), server.max_body)
+            except RequestRefused as exc:
+                self._deadline.cancel()
+                self.close_connection = True
+                self._refuse(exc.status, str(exc))
+                return False
+            return super().handle_expect_100()
+
         def do_GET(self):
             self._deadline.cancel()
             route = self.path.split("?", 1)[0].rstrip("/")

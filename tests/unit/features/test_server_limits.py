@@ -148,6 +148,14 @@ def test_content_length_must_be_a_non_negative_integer_within_the_cap(tmp_path, 
     assert seconds < 1.0
 
 
+def test_expect_100_continue_is_answered_before_the_body(tmp_path):
+    """A client asking whether to send its body hears 413 (too large) or 401 (no key) instead of 100."""
+    with running(stub_server(tmp_path)) as port:
+        big = post(port, headers={"Content-Length": str(1 << 30), "Expect": "100-continue"})
+        nokey = post(port, key=None, headers={"Content-Length": "10", "Expect": "100-continue"})
+    assert big[0] == 413 and nokey[0] == 401
+
+
 def _vm(pid: int, field: str) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(field + ":"):
