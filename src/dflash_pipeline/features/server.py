@@ -459,9 +459,11 @@ def _handler(server: FeatureServer):
             unread = int(declared) if declared and declared.strip().isdigit() and len(declared) <= 20 else 0
             if not self._authorized():
                 self._deadline.cancel()
+                self.close_connection = True  # its body is never read
                 return self._refuse(401, "missing or wrong API key (Authorization: Bearer <key>)", unread=unread)
             if route not in ("/completions", "/features"):
                 self._deadline.cancel()
+                self.close_connection = True
                 return self._refuse(404, f"no route POST {self.path[:200]}", unread=unread)
             try:
                 if self.headers.get("Transfer-Encoding"):
