@@ -31,14 +31,15 @@ def test_forwarded_keys_travel_on_stdin_not_argv(tmp_path):
     hosts = tmp_path / "hosts.yaml"
     hosts.write_text("hosts:\n  - {name: h1, ssh: h1, slots: 2, gpus: []}\n")
     seen = tmp_path / "seen.json"
+    probe = tmp_path / "probe.py"  # what the job saw: the key, and its own and its shell's argv
+    probe.write_text(
+        "import json, os, sys\n"
+        "argv = [open(f'/proc/{p}/cmdline', 'rb').read().decode(errors='replace') for p in (os.getpid(), os.getppid())]\n"
+        "json.dump({'key': os.environ.get('OPENAI_API_KEY'), 'argv': argv}, open(sys.argv[1], 'w'))\n"
+    )
     job = tmp_path / "job.sh"
     props = json.dumps({"rule": "r", "threads": 1, "resources": {}})
-    job.write_text(
-        f"#!/bin/bash\n# properties = {props}\n"
-        f'python3 -c "import json, os; json.dump({{\'key\': os.environ.get(\'OPENAI_API_KEY\'), '
-        f"'argv': [open(f'/proc/{{p}}/cmdline', 'rb').read().decode(errors='replace') for p in (os.getpid(), os.getppid())]}}, "
-        f"open('{seen}', 'w'))\"\n"
-    )
+    job.write_text(f"#!/bin/bash\n# properties = {props}\npython3 {probe} {seen}\n")
     env = {
         **os.environ,
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
