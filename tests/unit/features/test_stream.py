@@ -550,6 +550,43 @@ def test_all_servers_gone_saves_state_and_resume_continues(setup, shards_run, tm
     assert [t["batch"] for t in ref] == [b for s in sorted(by_step) for b in by_step[s][-1:]]
 
 
+def test_malformed_answers_save_state_before_the_job_fails(setup, tmp_path):
+    """A server that answers well for a while, then with bytes that are no safetensors file (the record
+    retried max_retries + 1 times, each answer as bad): the train job fails with a StreamError naming the
+    unusable answer, after saving the state of the steps done, as it does when every server is gone."""
+    from safetensors.torch import save
+    from test_stream_trust import FakeFeatureServer
+
+    posts = []
+
+    def answer(route, ids):
+        posts.append(1)
+        if len(posts) > 24:
+            return "bytes", b"\x08\x00\x00\x00\x00\x00\x00\x00not json" + bytes(64)
+        t = len(ids)
+        hs = torch.randn(t, len(LAYERS), 32, generator=torch.Generator().manual_seed(t))
+        return "bytes", save({"hidden_states": hs, "token_ids": torch.from_numpy(np.asarray(ids, dtype=np.int64))})
+
+    srv = FakeFeatureServer(answer)
+    out = tmp_path / "run"
+    try:
+        with pytest.raises(StreamError, match=r"failed 3 times.*unusable answer"):
+            _train(
+                setup,
+                out,
+                "stream",
+                save_every_steps=1000,
+                stream={
+                    "endpoints": [{"base_url": srv.url, "transport": "bytes"}],
+                    "fleet": {**FAST_FLEET, "max_retries": 2},
+                },
+            )
+    finally:
+        srv.close()
+    assert sorted((out / "state").glob("*")), "no state saved before the error"
+    assert len(_log(out)) >= 1
+
+
 def test_hf_server_on_an_mla_twin(real_models_dir, tmp_path):
     """DeepSeek-V3's MLA twin (the architecture of Kimi K2/K2.6): the server's features equal the hf
     extractor's, with the last hidden state; and a stream run on the twin through that server is the shards
