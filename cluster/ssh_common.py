@@ -54,9 +54,14 @@ def ssh_cmd(spec: dict, dest: str, remote: str) -> list[str]:
     return cmd + [dest, remote]
 
 
-def run_ssh(spec: dict, dest: str, remote: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def run_ssh(spec: dict, dest: str, remote: str, timeout: float = 60, script: str | None = None
+            ) -> subprocess.CompletedProcess:
+    """Run ``remote`` on ``dest``; ``script``: text for its standard input (how secrets travel: never argv)."""
+    if script is None:
+        return subprocess.run(ssh_cmd(spec, dest, remote), capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
     return subprocess.run(ssh_cmd(spec, dest, remote), capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+                          input=script)
 
 
 @contextlib.contextmanager
@@ -113,7 +118,15 @@ def now() -> float:
     return time.time()
 
 
-def quote_env(spec: dict, extra: dict) -> str:
+def export_env(spec: dict, extra: dict) -> str:
+    """``export K=V`` lines of the forwarded variables and ``extra``, for a script fed to the remote shell on
+    its standard input: the values (API keys among them) appear on no command line, here (ssh's argv) or
+    there (the remote shell's), so ``ps`` shows none of them."""
     pairs = {k: os.environ[k] for k in spec["forward_env"] if k in os.environ}
     pairs.update(extra)
-    return " ".join(f"{k}={shlex.quote(v)}" for k, v in pairs.items())
+    return "".join(f"export {k}={shlex.quote(v)}\n" for k, v in pairs.items())
+
+
+#: The remote command of a submission: a shell reading its script from standard input (no rc files, so a
+#: ~/.bashrc cannot put other pythons first on the forwarded PATH).
+REMOTE_SHELL = "bash --norc --noprofile -s"

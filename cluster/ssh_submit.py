@@ -80,10 +80,11 @@ def main() -> int:
             f"echo $? > {shlex.quote(str(rc))}.tmp && mv {shlex.quote(str(rc))}.tmp {shlex.quote(str(rc))}"
     # bash started under sshd reads ~/.bashrc (which may put other pythons first on PATH) whenever it
     # sees SSH_CLIENT: drop those variables so the forwarded PATH holds inside the job.
-    remote = (f"cd {shlex.quote(str(Path.cwd()))} || exit 1; unset SSH_CLIENT SSH2_CLIENT SSH_CONNECTION; "
-              f"{C.quote_env(spec, env)} setsid nohup bash --norc --noprofile -c {shlex.quote(inner)} "
-              f"> /dev/null 2>&1 < /dev/null & echo $!")
-    out = C.run_ssh(spec, host["ssh"], remote)
+    # The variables (API keys among them) go in the script on ssh's standard input, never on a command line.
+    script = (f"cd {shlex.quote(str(Path.cwd()))} || exit 1\nunset SSH_CLIENT SSH2_CLIENT SSH_CONNECTION\n"
+              f"{C.export_env(spec, env)}"
+              f"setsid nohup bash --norc --noprofile -c {shlex.quote(inner)} > /dev/null 2>&1 < /dev/null & echo $!\n")
+    out = C.run_ssh(spec, host["ssh"], C.REMOTE_SHELL, script=script)
     pid = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
     if out.returncode != 0 or not pid.isdigit():
         C.finish(job_id, 255)

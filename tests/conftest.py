@@ -166,7 +166,7 @@ FAST_FLEET = {
 class FeatureServer:
     """One ``python -m dflash_pipeline.features serve`` subprocess (hf backend) on ``target``, serving the
     hidden states of ``layers`` (of ``num_hidden_layers``) and writing path-transport replies under
-    ``scratch``; ``extra``: more CLI arguments (e.g. ``--hang-after``). The constructor returns once the
+    ``scratch``; ``extra``: more CLI arguments (e.g. ``--hang-after``); ``api_key``: the key it requires. The constructor returns once the
     server printed ``[features] serving <url>`` (then ``url``; RuntimeError if it exits first); ``kill()``
     SIGKILLs it (if still running) and reaps it."""
 
@@ -179,6 +179,7 @@ class FeatureServer:
         num_hidden_layers: int = 4,
         last_hidden: bool = False,
         extra: tuple = (),
+        api_key: str | None = None,
     ):
         cmd = [
             sys.executable,
@@ -198,6 +199,8 @@ class FeatureServer:
             cmd.append("--last-hidden")
         cmd += list(extra)
         env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+        if api_key:  # the server reads it from its environment (never its command line)
+            env["DFLASH_FEATURES_API_KEY"] = api_key
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.log = []
         for line in self.proc.stdout:  # blocks until the server reports it is ready (or exits)

@@ -62,7 +62,10 @@ def stream_plan():
     free = shutil.disk_usage(probe_dir).free
     ranks = tr["num_processes"] * (tr.get("num_machines") or 1)
     if st["endpoints"]:
-        servers = f"{len(st['endpoints'])} remote endpoint(s) ({', '.join(e['base_url'] for e in st['endpoints'])})"
+        from dflash_pipeline.core.errors import strip_url_credentials
+
+        urls = ", ".join(strip_url_credentials(e["base_url"]) for e in st["endpoints"])
+        servers = f"{len(st['endpoints'])} remote endpoint(s) ({urls})"
     else:
         servers = f"{st['servers']} colocated {st['backend']} server(s) x {st['gpus_per_server']} GPU(s)"
     print(f"[plan] stream: {servers}; {ranks} trainer rank(s); window {human(window)} per rank "

@@ -12,11 +12,13 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from conftest import snakemake_command
 from mini_workflow import REPO, mini_config, snakemake, token_targets, write_config
 
 pytestmark = pytest.mark.e2e
@@ -43,12 +45,35 @@ def start_server_process(tmp: Path, *args: str, env: dict) -> tuple[subprocess.P
     return proc, int(port_file.read_text())
 
 
+def _cmdlines() -> list[str]:
+    """The argv of every process now running (what ``ps`` shows)."""
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                out.append((p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+            except OSError:  # ended meanwhile
+                pass
+    return out
+
+
 def test_api_key_appears_nowhere(tmp_path, demo_target, monkeypatch):
+    """Planted: the endpoint's API key, an OPENAI_API_KEY in the environment (forwarded by the cluster
+    profiles) and a password in a second endpoint's URL (a keyless server: basic auth in the URL works with
+    the openai client only without a bearer key). None of them appears in any file of the working
+    directory (logs, params and metadata under .snakemake, benchmark TSVs, shards, the report), in what
+    Snakemake prints, or on the command line of any process while the run goes on (sampled from /proc)."""
     key = "sk-dflash-" + secrets.token_hex(16)
+    openai_key = "sk-openai-" + secrets.token_hex(16)
+    password = "pw-" + secrets.token_hex(12)
     monkeypatch.setenv(KEY_ENV, key)
+    monkeypatch.setenv("OPENAI_API_KEY", openai_key)
     server, port = start_server_process(
         tmp_path, "--target", str(demo_target), "--api-key-env", KEY_ENV, env=dict(os.environ)
     )
+    (tmp_path / "open").mkdir()
+    open_server, open_port = start_server_process(tmp_path / "open", "--target", str(demo_target), env=dict(os.environ))
+    secrets_planted = (key, openai_key, password)
     try:
         work = tmp_path / "work"
         work.mkdir()
@@ -57,24 +82,48 @@ def test_api_key_appears_nowhere(tmp_path, demo_target, monkeypatch):
             "max_tokens": 8,
             "max_retries": 1,
             "retry_backoff_s": 0.1,
-            "endpoints": [{"base_url": f"http://127.0.0.1:{port}/v1", "api_key_env": KEY_ENV, "max_concurrency": 4}],
+            "endpoints": [
+                {"base_url": f"http://127.0.0.1:{port}/v1", "api_key_env": KEY_ENV, "max_concurrency": 4},
+                {"base_url": f"http://dflash:{password}@127.0.0.1:{open_port}/v1", "max_concurrency": 4},
+            ],
         }
         write_config(work, mini_config(demo_target, generation=gen))
-        proc = snakemake(work, *token_targets(work))
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+        cmd, env = snakemake_command(work, *token_targets(work), configfile=work / "config.yaml")
+        argv_seen: set[str] = set()
+        proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        reader = threading.Thread(target=lambda: outs.extend(proc.communicate()), daemon=True)
+        outs: list[str] = []
+        reader.start()
+        while proc.poll() is None:  # sample every process's argv while the run goes on
+            argv_seen.update(_cmdlines())
+            time.sleep(0.02)  # the sampling period (a process living less may be missed)
+        reader.join(60)
+        assert proc.returncode == 0, "".join(outs)[-6000:]
         report = snakemake(work, "--report", str(work / "report.html"))
-        outputs = [proc.stdout, proc.stderr, report.stdout, report.stderr]
+        outputs = [*outs, report.stdout, report.stderr]
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(30)
+        for srv in (server, open_server):
+            srv.send_signal(signal.SIGTERM)
+            srv.wait(30)
 
     shard = pq.read_table(work / "results/completions/gsm8k/00000.parquet").to_pylist()
     assert shard and all(r["status"] in ("ok", "truncated") for r in shard)  # the key was accepted
-    assert {t["endpoint"] for r in shard for t in r["turns"]} == {f"http://127.0.0.1:{port}/v1"}
+    assert {t["endpoint"] for r in shard for t in r["turns"]} <= {
+        f"http://127.0.0.1:{port}/v1",
+        f"http://127.0.0.1:{open_port}/v1",  # recorded without its password
+    }
     assert list((work / ".snakemake").rglob("*")), "expected Snakemake metadata to grep"
-    leaks = [str(p.relative_to(work)) for p in work.rglob("*") if p.is_file() and key.encode() in p.read_bytes()]
-    assert leaks == [], f"API key found in {leaks}"
-    assert not any(key in text for text in outputs), "API key printed by snakemake"
+    assert list((work / "results").rglob("*.tsv")), "expected benchmark TSVs to grep"
+    assert any("snakemake" in a for a in argv_seen), "expected to have sampled the run's processes"
+    for planted in secrets_planted:
+        leaks = [
+            str(p.relative_to(work))
+            for p in work.rglob("*")
+            if p.is_file() and p.name != "config.yaml" and planted.encode() in p.read_bytes()
+        ]  # config.yaml: the user's own file, where the URL was written
+        assert leaks == [], f"{planted[:6]}... found in {leaks}"
+        assert not any(planted in text for text in outputs), f"{planted[:6]}... printed by snakemake"
+        assert not [a for a in argv_seen if planted in a], f"{planted[:6]}... on a command line"
     # the key reached the job through the environment only: the config names the variable, not the key
     assert KEY_ENV in (work / "config.yaml").read_text()
 

@@ -10,12 +10,11 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
-from urllib.parse import urlsplit, urlunsplit
 
 from dflash_pipeline.core import shards
 from dflash_pipeline.core.config import schema_default
 from dflash_pipeline.core.contracts import PROMPT_ROLES
-from dflash_pipeline.core.errors import DataError
+from dflash_pipeline.core.errors import DataError, strip_url_credentials
 
 #: Called once per finished conversation with its record (status ok/truncated/error).
 OnDone = Callable[[dict], None]
@@ -265,14 +264,9 @@ def read_prompts(path: str | Path) -> list[dict]:
 
 
 def redact_url(url: str) -> str:
-    """``url`` without ``user:password@`` (safe to record and log)."""
-    parts = urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+    """``url`` without ``user:password@`` (safe to record and log): the project's one redaction,
+    :func:`dflash_pipeline.core.errors.strip_url_credentials`."""
+    return strip_url_credentials(url)
 
 
 #: Loggers of the HTTP stack under the openai client; at INFO, httpx logs one line per request.

@@ -2,13 +2,15 @@
 
 import re
 
-#: The ``user:password@`` part of a URL (up to the host), as it may appear in any message text.
-_CREDENTIALS_IN_URL = re.compile(r"(?<=://)[^/@\s'\"]+@")
+#: The ``user:password@`` part of a URL (up to the host's last ``@``, so a password holding ``@`` goes
+#: whole), as it may appear in any message text.
+_CREDENTIALS_IN_URL = re.compile(r"(?<=://)[^/?#\s'\"]*@")
 
 
 def strip_url_credentials(text: str) -> str:
     """``text`` with the ``user:password@`` of every URL in it removed: safe for messages, logs and
-    outputs (secrets never leave the environment)."""
+    outputs (secrets never leave the environment). The one redaction of the project: every URL printed or
+    stored goes through it (``dflash_pipeline.completions.redact_url`` is this function)."""
     return _CREDENTIALS_IN_URL.sub("", text)
 
 

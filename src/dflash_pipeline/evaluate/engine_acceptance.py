@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Iterable, NamedTuple, Optional, Sequence
 
 from dflash_pipeline.core.contracts import EVAL_SCHEMA_VERSION
+from dflash_pipeline.core.errors import strip_url_credentials
 from dflash_pipeline.core.provenance import provenance
 from dflash_pipeline.core.shards import write_json
 from dflash_pipeline.evaluate.engine_metrics import (
@@ -115,7 +116,7 @@ def server_acceptance(
     with ThreadPoolExecutor(max_workers=max(1, int(max_concurrency))) as pool:
         results = [r for conv in pool.map(send, prompts) for r in conv]
     out = {
-        "base_url": base_url,
+        "base_url": strip_url_credentials(base_url),
         "model": model,
         "thinking": thinking,
         "temperature": temperature,
@@ -204,8 +205,8 @@ def _engine_length_buckets(results: Sequence[EngineResponse], edges: Sequence[in
 def _no_acceptance(base_url: str, metrics_url: Optional[str]) -> EngineComparisonError:
     """The error for a server that reported no speculative acceptance (is the drafter loaded?)."""
     return EngineComparisonError(
-        f"{base_url}: the server reported no speculative acceptance (no meta_info.spec_accept_length in the "
-        f"responses{', no ' + VLLM_DRAFTS + ' increase at ' + metrics_url if metrics_url else '; pass metrics_url for vLLM'}); "
+        f"{strip_url_credentials(base_url)}: the server reported no speculative acceptance (no meta_info.spec_accept_length in the "
+        f"responses{', no ' + VLLM_DRAFTS + ' increase at ' + strip_url_credentials(metrics_url) if metrics_url else '; pass metrics_url for vLLM'}); "
         "is the drafter loaded (SGLang --speculative-algorithm DFLASH, vLLM speculative_config)?"
     )
 
@@ -369,7 +370,10 @@ def evaluate_engine(
             record["engine"].update(sglang_server_facts(base_url, api_key))
         else:
             record["engine"]["version"] = _engine_version(base_url, api_key)
-        record["engine"].update(base_url=base_url, metrics_url=metrics_url)
+        record["engine"].update(
+            base_url=strip_url_credentials(base_url),
+            metrics_url=strip_url_credentials(metrics_url) if metrics_url else metrics_url,
+        )
         for name, prompts in sets.items():
             record["results"][name] = _engine_set_acceptance(
                 name, prompts, base_url, metrics_url, eval_cfg, thinking=thinking, api_key=api_key, block_size=bs
@@ -415,7 +419,10 @@ def _open_engine(
             ),
         )
         if eval_cfg["engine"] == "sglang":  # acceptance comes with each answer (meta_info), not from counters
-            print(f"[eval-engine] SGLang at {base_url}: acceptance from each answer's meta_info", flush=True)
+            print(
+                f"[eval-engine] SGLang at {strip_url_credentials(base_url)}: acceptance from each answer's meta_info",
+                flush=True,
+            )
             return None, base_url, None
         return None, base_url, eval_cfg.get("engine_metrics_url") or default_metrics_url(base_url)
     args = list(eval_cfg["engine_args"])

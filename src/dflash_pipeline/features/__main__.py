@@ -70,6 +70,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _serve_parser(sub) -> None:
+    from .server import DEFAULT_API_KEY_ENV, Limits
+
     s = sub.add_parser("serve", help="an hf feature server (features.stream; prints its URL when ready)")
     s.add_argument("--target", required=True, help="target model directory")
     s.add_argument("--layer-ids", required=True, help="canonical target_layer_ids, comma-separated (e.g. 1,3)")
@@ -80,7 +82,47 @@ def _serve_parser(sub) -> None:
     s.add_argument("--port", type=int, default=0, help="0 = a free port")
     s.add_argument("--url-file", help="write the URL here (atomically) once ready")
     s.add_argument("--model-name", help="the id GET /v1/models lists (default: the target directory's name)")
-    s.add_argument("--max-len", type=int, default=1 << 20, help="longest record accepted (tokens)")
+    s.add_argument(
+        "--max-len",
+        type=int,
+        help="longest record accepted (tokens; default and ceiling: the target's max_position_embeddings); "
+        "request bodies are capped from it",
+    )
+    s.add_argument(
+        "--api-key-env",
+        default=DEFAULT_API_KEY_ENV,
+        help=f"environment variable holding the API key every route but GET /health requires (default "
+        f"{DEFAULT_API_KEY_ENV}; unset or empty: no key). The key is never taken on the command line.",
+    )
+    s.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="allow a non-loopback --host without an API key (anyone who reaches the port can use it)",
+    )
+    s.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=Limits.request_timeout_s,
+        help="seconds a request's headers and body may take to arrive (and an idle connection may stay open)",
+    )
+    s.add_argument(
+        "--max-connections",
+        type=int,
+        default=Limits.max_connections,
+        help="connections served at once; more are answered 503 and closed",
+    )
+    s.add_argument(
+        "--scratch-max-bytes",
+        type=int,
+        default=Limits.scratch_max_bytes,
+        help="bytes of unread answer files this server keeps in --scratch-dir; past it /v1/completions answers 503",
+    )
+    s.add_argument(
+        "--scratch-max-age-s",
+        type=float,
+        default=Limits.scratch_max_age_s,
+        help="seconds after which an answer file nobody read is deleted",
+    )
     s.add_argument("--target-dtype", default="auto")
     s.add_argument("--gpus", type=int, default=0, help="GPUs to spread the target over (device_map; 0 = CPU)")
     s.add_argument("--trust-remote-code", action="store_true")
@@ -141,13 +183,20 @@ def _colocate_parser(sub) -> None:
 
 
 def _serve(a) -> int:
-    from .server import FeatureServer, serve
+    import os
 
-    server_args = dict(vars(a))  # every serve flag but --host, --port, --url-file is FeatureServer's argument
+    from .server import FeatureServer, Limits, check_bind, serve
+
+    server_args = dict(vars(a))  # every serve flag but these is FeatureServer's argument
     del server_args["cmd"]
     host, port, url_file = server_args.pop("host"), server_args.pop("port"), server_args.pop("url_file")
+    insecure = server_args.pop("insecure_no_auth")
+    key = os.environ.get(server_args.pop("api_key_env")) or None
+    limits = Limits(**{f: server_args.pop(f) for f in Limits.__dataclass_fields__})
+    check_bind(host, key, insecure)  # before the target is loaded: a refused start costs nothing
     layers = [int(x) for x in server_args.pop("layer_ids").split(",") if x.strip()]
-    serve(FeatureServer(server_args.pop("target"), layers, **server_args), host, port, url_file)
+    server = FeatureServer(server_args.pop("target"), layers, api_key=key, limits=limits, **server_args)
+    serve(server, host, port, url_file, insecure_no_auth=insecure)
     return 0
 
 

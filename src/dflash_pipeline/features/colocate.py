@@ -7,6 +7,11 @@ the job's GPUs (``CUDA_VISIBLE_DEVICES``) are split, the first ``servers * gpus_
 is ready (hf: ``--url-file``; vLLM: its ``GET /v1/models`` answers), the trainer gets the endpoints in
 ``$DFLASH_STREAM_ENDPOINTS`` (JSON) and the servers are terminated when it exits, whatever its status.
 A server that dies before it is ready fails the job with its log tail.
+
+The servers of one job share a random key made for that job: each server gets it in its environment
+(``$DFLASH_FEATURES_API_KEY`` for hf servers, ``$VLLM_API_KEY`` for ``vllm serve``), the trainer in
+``$DFLASH_STREAM_API_KEY`` (the endpoints name that variable); it is on no command line and in no file.
+hf servers also get ``--max-len`` (the longest record, ``tokens.max_length``).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -23,8 +29,12 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from dflash_pipeline.core.errors import strip_url_credentials as redact_url
+
 #: The variable the trainer reads its colocated endpoints from (JSON list of endpoint dicts).
 ENDPOINTS_ENV = "DFLASH_STREAM_ENDPOINTS"
+#: The variable holding the colocated servers' per-job API key on the trainer's side.
+STREAM_KEY_ENV = "DFLASH_STREAM_API_KEY"
 
 
 def split_gpus(visible: str | None, servers: int, per_server: int) -> tuple[list[str], str]:
@@ -57,8 +67,9 @@ def hf_server_cmd(
     gpus: int,
     target_dtype: str,
     trust_remote_code: bool,
+    max_len: int | None = None,
 ) -> list[str]:
-    """The command line of one hf feature server (:mod:`.server`)."""
+    """The command line of one hf feature server (:mod:`.server`); its key comes through the environment."""
     ids = ",".join(str(i) for i in probe["drafter"]["target_layer_ids"])
     cmd = [
         python,
@@ -80,6 +91,8 @@ def hf_server_cmd(
         "--target-dtype",
         target_dtype,
     ]
+    if max_len:
+        cmd += ["--max-len", str(int(max_len))]
     if stream.get("last_hidden"):
         cmd.append("--last-hidden")
     if trust_remote_code:
@@ -108,8 +121,9 @@ def _wait_ready(procs, url_files, logs, timeout_s: float) -> list[str]:
     return urls  # type: ignore[return-value]
 
 
-def _vllm_url_when_ready(url: str, proc, log: Path, timeout_s: float) -> None:
+def _vllm_url_when_ready(url: str, proc, log: Path, timeout_s: float, api_key: str | None = None) -> None:
     deadline = time.monotonic() + timeout_s
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     while True:
         if proc.poll() is not None:
             raise RuntimeError(
@@ -117,7 +131,7 @@ def _vllm_url_when_ready(url: str, proc, log: Path, timeout_s: float) -> None:
                 f"{log.read_text(errors='replace')[-3000:]}"
             )
         try:
-            with urllib.request.urlopen(url + "/models", timeout=5) as r:
+            with urllib.request.urlopen(urllib.request.Request(url + "/models", headers=headers), timeout=5) as r:
                 if r.status == 200:
                     return
         except OSError:
@@ -223,11 +237,23 @@ def _free_port() -> int:
 
 
 def _server_cmd(
-    i: int, stream: dict, d: Path, env: dict, *, target: str, probe: dict, gpus: int, target_dtype: str, trust: bool
+    i: int,
+    stream: dict,
+    d: Path,
+    env: dict,
+    *,
+    target: str,
+    probe: dict,
+    gpus: int,
+    target_dtype: str,
+    trust: bool,
+    key: str,
 ) -> tuple[list[str], str | None, Path | None]:
     """``(command, base_url, url_file)`` of feature server ``i`` of :func:`start_servers` (scratch dir ``d``):
     vLLM on a free port (its URL known now; ``env`` gets the CPU KV-cache default), else the hf server, which
-    writes its URL to ``url_file`` once ready."""
+    writes its URL to ``url_file`` once ready. ``env`` gets the job's API ``key`` (never the command)."""
+    from .server import DEFAULT_API_KEY_ENV
+
     if stream.get("backend") == "vllm":
         port = _free_port()
         cmd = vllm_server_cmd(
@@ -243,6 +269,7 @@ def _server_cmd(
             max_len=int(stream["max_len"]),
         )
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env["VLLM_API_KEY"] = key
         url, url_file = f"http://127.0.0.1:{port}/v1", None
     else:
         url_file = d.parent / f"server{i}.url"
@@ -257,7 +284,9 @@ def _server_cmd(
             gpus=gpus,
             target_dtype=target_dtype,
             trust_remote_code=trust,
+            max_len=stream.get("max_len"),
         )
+        env[DEFAULT_API_KEY_ENV] = key
         url = None
     return cmd, url, url_file
 
@@ -276,11 +305,14 @@ def start_servers(
 
     ``stream``: the stream settings (``stream_job_config`` in rules/common/params.smk): ``servers``,
     ``gpus_per_server``, ``backend``, ``scratch_dir``, ``max_concurrency``, ``last_hidden``, ``max_len``,
-    ``vllm`` (``python``, ``expert_parallel``, ``engine_args``). Raises RuntimeError (a server died or
-    was not ready in ``timeout_s``; names its log), ValueError (too few GPUs)."""
+    ``vllm`` (``python``, ``expert_parallel``, ``engine_args``). Every server requires a random key made
+    here; it is put into ``os.environ[STREAM_KEY_ENV]`` and the endpoints name that variable
+    (``api_key_env``). Raises RuntimeError (a server died or was not ready in ``timeout_s``; names its
+    log), ValueError (too few GPUs)."""
     n, per = int(stream["servers"]), int(stream.get("gpus_per_server") or 0)
     per_env, trainer_gpus = split_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), n, per)
     scratch = Path(stream["scratch_dir"]).resolve()
+    key = secrets.token_urlsafe(32)
     procs, logs, endpoints = [], [], []
     try:
         for i in range(n):
@@ -302,6 +334,7 @@ def start_servers(
                 gpus=per,
                 target_dtype=target_dtype,
                 trust=trust_remote_code,
+                key=key,
             )
             with open(log, "wb") as fh:  # the child keeps its own copy of the descriptor
                 procs.append(
@@ -317,7 +350,7 @@ def start_servers(
             endpoints.append({"base_url": url, "url_file": url_file})
         for i, (p, ep) in enumerate(zip(procs, endpoints)):
             if ep["url_file"] is None:
-                _vllm_url_when_ready(ep["base_url"], p, logs[i], timeout_s)
+                _vllm_url_when_ready(ep["base_url"], p, logs[i], timeout_s, key)
             else:
                 ep["base_url"] = _wait_ready([p], [ep["url_file"]], [logs[i]], timeout_s)[0]
     except BaseException:
@@ -328,9 +361,11 @@ def start_servers(
             "base_url": e["base_url"],
             "max_concurrency": int(stream.get("max_concurrency") or 4),
             "transport": "path",
+            "api_key_env": STREAM_KEY_ENV,
         }
         for e in endpoints
     ]
+    os.environ[STREAM_KEY_ENV] = key  # the trainer's side; inherited by the ranks it launches
     if per:
         os.environ["CUDA_VISIBLE_DEVICES"] = trainer_gpus
     return procs, eps
@@ -361,7 +396,7 @@ def colocated_servers(trainer_args: Sequence[str]):
     )
     print(
         f"[stream] colocated: {len(eps)} {stream.get('backend', 'hf')} feature server(s) x "
-        f"{stream.get('gpus_per_server') or 0} GPU(s) at {', '.join(e['base_url'] for e in eps)}",
+        f"{stream.get('gpus_per_server') or 0} GPU(s) at {', '.join(redact_url(e['base_url']) for e in eps)}",
         flush=True,
     )
     old = os.environ.get(ENDPOINTS_ENV)
@@ -370,6 +405,7 @@ def colocated_servers(trainer_args: Sequence[str]):
         yield eps
     finally:
         stop(procs)
+        os.environ.pop(STREAM_KEY_ENV, None)
         if old is None:
             os.environ.pop(ENDPOINTS_ENV, None)
         else:
@@ -390,7 +426,7 @@ def run_colocated(a) -> int:
     )
     print(
         f"[stream] colocated: {len(eps)} {stream.get('backend', 'hf')} feature server(s) x "
-        f"{stream.get('gpus_per_server') or 0} GPU(s) at {', '.join(e['base_url'] for e in eps)}",
+        f"{stream.get('gpus_per_server') or 0} GPU(s) at {', '.join(redact_url(e['base_url']) for e in eps)}",
         flush=True,
     )
     try:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from dflash_pipeline.core.errors import strip_url_credentials as redact_url
+
 
 class StreamExtractor:
     """An extractor (the :class:`.hf_backend.HFExtractor` interface) over a started FeatureClient: every
@@ -72,7 +74,7 @@ def extract_shards(
         )
     print(
         f"[features] extract-many: {len(pairs)} shard(s) through {len(eps)} feature server(s) "
-        f"({'started once by this job' if procs else 'running'}: {', '.join(e['base_url'] for e in eps)})",
+        f"({'started once by this job' if procs else 'running'}: {', '.join(redact_url(e['base_url']) for e in eps)})",
         flush=True,
     )
     try:
@@ -86,6 +88,7 @@ def extract_shards(
             aux_layer_ids=aux_hidden_state_ids(
                 probe["drafter"]["target_layer_ids"], probe["num_hidden_layers"], last_hidden
             ),
+            scratch_dir=stream.get("scratch_dir"),
         )
         client.start()
         try:

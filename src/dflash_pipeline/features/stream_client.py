@@ -21,6 +21,14 @@ The event loop runs in a background thread; :meth:`FeatureClient.submit` returns
 scratch directory both sides see: read, then deleted with its ``.lock``, following vLLM's
 ``load_hidden_states`` / ``cleanup_hidden_states``) or ``bytes`` (``POST /features``, the file in the
 answer body; hf servers only).
+
+No answer is trusted. A named file is read only when its real path lies under the client's ``scratch_dir``,
+it is a regular file (not a symlink, device or FIFO) and its size is the one its record's shape gives
+(T x n_aux x H values of 2 or 4 bytes, T token ids, the safetensors header); anything else is an
+:class:`UntrustedAnswer` (not retried, nothing deleted). Bodies are read up to that size and no further.
+A malformed answer (not JSON, not safetensors, a header that contradicts the file) is an ordinary failed
+attempt: retried on a server that is up, and after ``max_retries`` + 1 failures a :class:`StreamError` (the
+train job saves its state first, as for a dead fleet).
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import fcntl
 import json
 import os
 import random
+import stat
 import threading
 import time
 from collections.abc import Sequence
@@ -49,6 +58,65 @@ class AnswerMismatch(ValueError):
     """An answer for other token ids or of another shape than the client was told to expect: the server taps
     other layers, or serves another target. The same request gets the same answer, so it is never retried
     (retrying it re-computed the record forever: a server that answers its health probe comes back in)."""
+
+
+class UntrustedAnswer(AnswerMismatch):
+    """An answer the client refuses to act on: a path outside the scratch directory, a symlink, a device or
+    FIFO, a file or body larger than its record's shape allows. Nothing is read past the check and nothing is
+    deleted; never retried (a server that names such a file is broken or hostile)."""
+
+
+#: Largest safetensors header accepted (two tensors and a few metadata keys take about 300 bytes).
+MAX_HEADER_BYTES = 1 << 16
+#: Largest ``/completions`` JSON answer read (it names a file; the features are not in it).
+MAX_JSON_ANSWER_BYTES = 1 << 20
+#: Bytes per value of the tensors an answer may hold (safetensors dtype names).
+_ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4}
+_HIDDEN_DTYPES = ("F32", "BF16", "F16")
+_TOKEN_DTYPES = ("I64", "I32")
+
+
+def max_answer_bytes(num_tokens: int, n_aux: int, hidden: int) -> int:
+    """The largest answer file or body of a record of ``num_tokens`` tokens: ``hidden_states`` float32
+    [T, n_aux, H], ``token_ids`` int64 [T], the 8-byte length and a header of at most
+    :data:`MAX_HEADER_BYTES` (bytes)."""
+    return 8 + MAX_HEADER_BYTES + num_tokens * (n_aux * hidden * 4 + 8)
+
+
+def check_answer_header(raw: bytes, total: int, want: tuple[int, int, int], hint: str = "") -> int:
+    """Check the safetensors header at the start of ``raw`` against the expected ``hidden_states`` shape
+    ``want`` ([T, n_aux, H]) and the answer's ``total`` size in bytes; returns the header's end offset.
+
+    ``raw`` holds at least the 8-byte length (and the header, when that fits :data:`MAX_HEADER_BYTES`);
+    ``hint`` ends a shape mismatch's message. Raises AnswerMismatch (another shape: the server taps other layers), UntrustedAnswer (a size the shape
+    does not give), ValueError (a malformed header)."""
+    if len(raw) < 8:
+        raise ValueError(f"an answer of {total} bytes has no safetensors header")
+    n = int.from_bytes(raw[:8], "little")
+    if n > MAX_HEADER_BYTES or 8 + n > total:
+        raise ValueError(f"a safetensors header of {n} bytes in an answer of {total} (at most {MAX_HEADER_BYTES})")
+    if len(raw) < 8 + n:
+        raise ValueError(f"a safetensors header of {n} bytes, only {len(raw) - 8} read")
+    header = json.loads(raw[8 : 8 + n])
+    if not isinstance(header, dict):
+        raise ValueError("the safetensors header is not a JSON object")
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    if set(tensors) != {"hidden_states", "token_ids"} or not all(isinstance(v, dict) for v in tensors.values()):
+        raise ValueError(f"the answer holds tensors {sorted(tensors)}, expected hidden_states and token_ids")
+    hs, tok = tensors["hidden_states"], tensors["token_ids"]
+    if not isinstance(hs.get("shape"), list) or tuple(hs["shape"]) != tuple(want):
+        raise AnswerMismatch(f"hidden_states {tuple(hs.get('shape') or ())}, expected {tuple(want)}{hint}")
+    if tok.get("shape") != [want[0]]:
+        raise AnswerMismatch(f"token_ids of shape {tok.get('shape')}, expected [{want[0]}]")
+    if hs.get("dtype") not in _HIDDEN_DTYPES or tok.get("dtype") not in _TOKEN_DTYPES:
+        raise ValueError(f"hidden_states {hs.get('dtype')} / token_ids {tok.get('dtype')}: unexpected dtypes")
+    data = want[0] * want[1] * want[2] * _ITEMSIZE[hs["dtype"]] + want[0] * _ITEMSIZE[tok["dtype"]]
+    if total != 8 + n + data:
+        raise UntrustedAnswer(
+            f"an answer of {total} bytes; hidden_states {hs['dtype']} {list(want)} and {want[0]} token ids give "
+            f"{8 + n + data}"
+        )
+    return 8 + n
 
 
 @dataclass
@@ -89,34 +157,139 @@ def as_stored(x, dtype: str):
     return raw.view(torch.float8_e4m3fn).to(torch.bfloat16) * torch.from_numpy(scale)[:, None].to(torch.bfloat16)
 
 
-def read_scratch_file(path: str, on_size=None) -> tuple[bytes, int]:
-    """Read a server's scratch file and delete it (and its ``.lock``): ``(safetensors bytes, size in bytes)``.
+def _under(path: str, root: str) -> bool:
+    return path != root and os.path.commonpath([path, root]) == root
 
-    Waits on ``<path>.lock`` (shared flock, as vLLM's ``load_hidden_states``) when the server holds one
-    while writing (vLLM's connector; our hf server writes atomically and has none). ``on_size(n)`` is called
-    with the file's size once it is complete and with ``-n`` once it is deleted (the scratch accounting).
-    Raises OSError when the file is not there (the server's scratch directory is not visible here).
+
+def open_scratch_answer(path, scratch_dir: str | os.PathLike, max_bytes: int) -> tuple[int, int]:
+    """Open the answer file ``path`` a server named, after checking it may be trusted: ``(fd, size)``.
+
+    Accepted only when ``path`` is a non-empty string whose real path lies under the real path of
+    ``scratch_dir``, that names a regular file (not a symlink, device, FIFO or directory) of at most
+    ``max_bytes`` bytes, and the file opened is that one (no symlink swapped in between the check and the
+    open: ``O_NOFOLLOW`` and the same inode; on Linux the opened descriptor's own path is checked too).
+
+    Raises:
+        UntrustedAnswer: any check fails (nothing has been read or deleted).
+        FileNotFoundError: a path under the scratch directory that is not there (an answer that expired, or
+            a scratch directory this machine does not see): an ordinary failed attempt.
     """
-    lock = path + ".lock"
-    size = 0
+    if not isinstance(path, str) or not path or "\x00" in path:
+        raise UntrustedAnswer(f"hidden_states_path {path!r} is not a file path")
+    root = os.path.realpath(scratch_dir)
+    real = os.path.realpath(path)
+    if not _under(real, root):
+        raise UntrustedAnswer(
+            f"the answer names {path} (real path {real}), outside the scratch directory {root} "
+            "(features.stream.scratch_dir): refused, nothing read or deleted"
+        )
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise UntrustedAnswer(f"the answer names {path}, which is not a regular file (a symlink, device or FIFO)")
+    if st.st_size > max_bytes:
+        raise UntrustedAnswer(
+            f"the answer names {path} of {st.st_size:,} bytes; its record's shape allows at most {max_bytes:,}: "
+            "refused before reading"
+        )
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
-        if os.path.exists(lock):
-            with open(lock) as lf:
-                fcntl.flock(lf, fcntl.LOCK_SH)  # sleeps until the writer releases LOCK_EX
-        size = os.path.getsize(path)
+        fst = os.fstat(fd)
+        if (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino) or not stat.S_ISREG(fst.st_mode):
+            raise UntrustedAnswer(f"{path} changed between its check and its opening")
+        proc = f"/proc/self/fd/{fd}"
+        if os.path.islink(proc) and not _under(os.readlink(proc), root):
+            raise UntrustedAnswer(f"{path} opened as {os.readlink(proc)}, outside the scratch directory {root}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, fst.st_size
+
+
+def _wait_for_writer(lock: str) -> None:
+    """Wait on ``lock`` (shared flock, as vLLM's ``load_hidden_states``) when it is a regular file; anything
+    else there (a symlink, a FIFO) is not waited on."""
+    try:
+        if not stat.S_ISREG(os.lstat(lock).st_mode):
+            return
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # sleeps until the writer releases LOCK_EX
+    finally:
+        os.close(fd)
+
+
+def read_scratch_file(
+    path: str,
+    on_size=None,
+    *,
+    scratch_dir: str | os.PathLike,
+    want: tuple[int, int, int],
+    hint: str = "",
+) -> tuple[bytes, int]:
+    """Read a server's answer file and delete it (and its ``.lock``): ``(safetensors bytes, size in bytes)``.
+
+    ``want``: the record's ``hidden_states`` shape [T, n_aux, H]. The file is checked first
+    (:func:`open_scratch_answer`: under ``scratch_dir``, a regular file, at most :func:`max_answer_bytes`),
+    then its header (:func:`check_answer_header`: that shape, and exactly the size it gives) before the data
+    is read. Waits on ``<path>.lock`` (shared flock) when the server holds one while writing (vLLM's
+    connector; our hf server writes atomically and has none). ``on_size(n)`` is called with the file's size
+    once it is open and with ``-n`` once it is deleted (the scratch accounting).
+
+    Raises:
+        UntrustedAnswer: the path or the size cannot be trusted (nothing read or deleted).
+        AnswerMismatch: the header names another shape (the file is deleted: it is a real answer).
+        ValueError: a malformed header (the file is deleted). OSError: the file is not there.
+    """
+    max_bytes = max_answer_bytes(*want)
+    if isinstance(path, str) and _under(os.path.realpath(path), os.path.realpath(scratch_dir)):
+        _wait_for_writer(path + ".lock")
+    fd, size = open_scratch_answer(path, scratch_dir, max_bytes)  # raises before anything is read or deleted
+    checked = False
+    try:
         if on_size:
             on_size(size)
-        with open(path, "rb") as fh:
-            data = fh.read()
+        with os.fdopen(fd, "rb") as fh:
+            fd = -1
+            head = fh.read(min(size, 8 + MAX_HEADER_BYTES))
+            checked = True  # the path passed: a real answer in scratch, deleted whatever its contents
+            check_answer_header(head, size, want, hint)
+            data = head + fh.read(size - len(head)) if len(head) < size else head
+            if len(data) != size:
+                raise ValueError(f"{path}: read {len(data)} of {size} bytes (truncated while read)")
     finally:
-        for p in (lock, path):
-            try:
-                os.remove(p)
-            except FileNotFoundError:
-                pass
+        if fd >= 0:
+            os.close(fd)
+        if checked:
+            for p in (path + ".lock", path):
+                try:
+                    os.remove(p)
+                except (FileNotFoundError, IsADirectoryError, PermissionError):
+                    pass
         if on_size and size:
             on_size(-size)
     return data, size
+
+
+def endpoint_key(endpoint: dict) -> str | None:
+    """The API key of a stream endpoint: its ``api_key`` (colocated servers' per-job key, handed over in
+    memory or the environment), else the variable its ``api_key_env`` names, else None.
+
+    Raises StreamError naming the variable when ``api_key_env`` is set and the variable is not."""
+    if endpoint.get("api_key"):
+        return endpoint["api_key"]
+    env = endpoint.get("api_key_env")
+    if not env:
+        return None
+    if not os.environ.get(env):
+        from dflash_pipeline.completions import redact_url
+
+        raise StreamError(
+            f"features.stream.endpoints: ${env} (the key of {redact_url(endpoint['base_url'])}, its api_key_env) "
+            "is not set; export it (the key itself never goes into the config)"
+        )
+    return os.environ[env]
 
 
 #: The ``generation`` keys the stream client's fleet reuses (timeouts, failures, back-off, the breaker).
@@ -146,10 +319,15 @@ class FeatureClient:
     values as the server sent them, for a :class:`.format.FeatureShardWriter` that stores them itself).
     ``aux_layer_ids``: the HF ``hidden_states`` indices expected
     (:func:`dflash_pipeline.target.layer_ids.aux_hidden_state_ids`); an answer whose metadata names others
-    (our hf server writes them) stops the client. None: the shape check only.
+    (our hf server writes them) stops the client. None: the shape check only. ``scratch_dir``: where
+    path-transport servers write (required when an endpoint uses ``transport: path``); an answer naming a file
+    anywhere else is refused (:class:`UntrustedAnswer`). An endpoint's key: ``api_key`` (colocated servers'
+    per-job key, never logged) or ``api_key_env`` (the variable that holds it), sent as
+    ``Authorization: Bearer``.
 
     Raises (from :meth:`start` and the futures): :class:`StreamError` (breaker open, client error, answers
-    that do not match the record), ConfigError (a rejected key, a 404 ``/models``).
+    that do not match the record or cannot be trusted; also at construction: path transport without
+    ``scratch_dir``, an ``api_key_env`` that is not set), ConfigError (a rejected key, a 404 ``/models``).
     """
 
     def __init__(
@@ -162,6 +340,7 @@ class FeatureClient:
         last_hidden: bool = False,
         dtype: str = "bfloat16",
         aux_layer_ids: Sequence[int] | None = None,
+        scratch_dir: str | os.PathLike | None = None,
     ):
         if not endpoints:
             raise StreamError("features.stream: no feature server (set features.stream.endpoints, or servers > 0)")
@@ -174,6 +353,12 @@ class FeatureClient:
             dtype,
         )
         self.aux_layer_ids = [int(i) for i in aux_layer_ids] if aux_layer_ids is not None else None
+        self.scratch_dir = os.fspath(scratch_dir) if scratch_dir is not None else None
+        if self.scratch_dir is None and any(e.get("transport", "path") == "path" for e in self.endpoints):
+            raise StreamError(
+                "features.stream: path transport needs the scratch directory the servers write to "
+                "(features.stream.scratch_dir); answers naming files elsewhere are refused"
+            )
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="feature-client", daemon=True)
         self.fleet = None
@@ -209,7 +394,7 @@ class FeatureClient:
         for e in self.endpoints:
             client = openai.AsyncOpenAI(
                 base_url=e["base_url"],
-                api_key=e.get("api_key") or "EMPTY",
+                api_key=endpoint_key(e) or "EMPTY",
                 max_retries=0,
                 timeout=float(self.cfg["request_timeout_s"]),
             )
@@ -218,6 +403,7 @@ class FeatureClient:
                     url=redact_url(e["base_url"]),
                     client=client,
                     max_concurrency=int(e["max_concurrency"]),
+                    key_env=e.get("api_key_env"),
                 )
             )
             self._transport_of[id(eps[-1])] = e.get("transport", "path")
@@ -306,6 +492,9 @@ class FeatureClient:
                 )
             )
 
+    def _want(self, ids: np.ndarray) -> tuple[int, int, int]:
+        return (len(ids), self.k + (1 if self.last_hidden else 0), self.h)
+
     async def _attempt(self, ep, ids: np.ndarray):
         """One request on ``ep``: ``(Features, None)`` or ``(None, retry.Failure)``."""
         import openai
@@ -321,9 +510,10 @@ class FeatureClient:
             "temperature": 0.0,
         }
         path = "/features" if transport == "bytes" else "/completions"
+        limit = max_answer_bytes(*self._want(ids)) if transport == "bytes" else MAX_JSON_ANSWER_BYTES
         try:
             raw = await asyncio.wait_for(
-                ep.client.post(path, cast_to=bytes, body=body),
+                self._post_bounded(ep.client, path, body, limit),
                 float(self.cfg["request_timeout_s"]),
             )
         except openai.APIStatusError as exc:
@@ -331,27 +521,82 @@ class FeatureClient:
             return None, retry.status_failure(exc.status_code, _describe(exc), header, exc)
         except (openai.APIConnectionError, asyncio.TimeoutError) as exc:
             return None, retry.Failure(_describe(exc))
+        except AnswerMismatch as exc:
+            return None, retry.Failure(f"unusable answer: {exc}", kind=retry.CLIENT)
+        except Exception as exc:  # noqa: BLE001 - the body's transport failing mid-read (httpx errors): retried
+            return None, retry.Failure(_describe(exc))
         try:
             return await asyncio.to_thread(self._decode, raw, ids, transport), None
         except AnswerMismatch as exc:
             return None, retry.Failure(f"unusable answer: {exc}", kind=retry.CLIENT)
-        except (ValueError, KeyError, TypeError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any malformed answer (SafetensorError too) is a failed attempt
             return None, retry.Failure(f"unusable answer: {type(exc).__name__}: {exc}")
+
+    @staticmethod
+    async def _post_bounded(client, path: str, body: dict, limit: int) -> bytes:
+        """POST ``body`` and read the answer's body up to ``limit`` bytes: a ``Content-Length`` above it is
+        refused before reading, a body that runs past it is cut off there (UntrustedAnswer)."""
+        import openai
+
+        try:
+            import httpx2 as httpx
+        except ImportError:  # openai releases on httpx
+            import httpx
+        resp = await client.post(
+            path,
+            cast_to=httpx.Response,
+            body=body,
+            options={"headers": {openai._constants.RAW_RESPONSE_HEADER: "stream"}},
+        )
+        try:
+            declared = resp.headers.get("content-length")
+            if declared is not None and (not declared.isdigit() or int(declared) > limit):
+                raise UntrustedAnswer(
+                    f"an answer body of Content-Length {declared[:40]}; its record's shape allows at most "
+                    f"{limit:,} bytes: refused before reading"
+                )
+            chunks, n = [], 0
+            async for chunk in resp.aiter_bytes():
+                n += len(chunk)
+                if n > limit:
+                    raise UntrustedAnswer(
+                        f"an answer body of more than {limit:,} bytes (its record's shape allows no more): cut off"
+                    )
+                chunks.append(chunk)
+            return b"".join(chunks)
+        finally:
+            await resp.aclose()
 
     def _decode(self, raw: bytes, ids: np.ndarray, transport: str) -> Features:
         """The :class:`Features` of one answer (runs in a worker thread: file I/O and the dtype rounding)."""
         from safetensors.torch import load
 
+        want = self._want(ids)
+        hint = " (the server taps other layers" + (
+            "; train.loss: kl needs the last layer: start it with --last-hidden / aux id num_hidden_layers)"
+            if self.last_hidden
+            else ")"
+        )
         if transport == "bytes":
             scratch = 0
+            check_answer_header(raw[: 8 + MAX_HEADER_BYTES], len(raw), want, hint)
         else:
-            path = (json.loads(raw).get("kv_transfer_params") or {}).get("hidden_states_path")
+            answer = json.loads(raw)
+            params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+            path = params.get("hidden_states_path") if isinstance(params, dict) else None
             if not path:
                 raise ValueError(
                     "the answer has no kv_transfer_params.hidden_states_path (is the server started "
                     "with extract_hidden_states and a hidden-states connector?)"
                 )
-            raw, scratch = read_scratch_file(path, self._scratch_add)
+            if self.scratch_dir is None:
+                raise UntrustedAnswer(
+                    f"the answer names {path}, and this client has no scratch directory to check it against "
+                    "(features.stream.scratch_dir): refused"
+                )
+            raw, scratch = read_scratch_file(
+                path, self._scratch_add, scratch_dir=self.scratch_dir, want=want, hint=hint
+            )
         data = load(raw)
         served = safetensors_metadata(raw).get("aux_layer_ids")
         if self.aux_layer_ids is not None and served is not None and served != ",".join(map(str, self.aux_layer_ids)):
@@ -364,16 +609,8 @@ class FeatureClient:
         if not np.array_equal(got, ids):
             raise AnswerMismatch(f"the server's token_ids ({len(got)}) differ from the record's ({len(ids)})")
         hs = data["hidden_states"]
-        want = (len(ids), self.k + (1 if self.last_hidden else 0), self.h)
-        if tuple(hs.shape) != want:
-            raise AnswerMismatch(
-                f"hidden_states {tuple(hs.shape)}, expected {want} (the server taps other layers"
-                + (
-                    "; train.loss: kl needs the last layer: start it with --last-hidden / aux id num_hidden_layers)"
-                    if self.last_hidden
-                    else ")"
-                )
-            )
+        if tuple(hs.shape) != want:  # check_answer_header saw the same shape; kept as the decoder's own check
+            raise AnswerMismatch(f"hidden_states {tuple(hs.shape)}, expected {want}{hint}")
         feats = hs[:, : self.k].reshape(len(ids), -1)
         last = hs[:, self.k] if self.last_hidden else None
         if self.dtype is not None:  # None: the server's values as sent (a shard writer rounds them itself)

@@ -397,6 +397,7 @@ def open_stream_data(
         last_hidden=last,
         dtype=st["dtype"],
         aux_layer_ids=aux_hidden_state_ids(probe["drafter"]["target_layer_ids"], probe["num_hidden_layers"], last),
+        scratch_dir=st.get("scratch_dir"),
     )
     model = client.start()
     print(

@@ -12,10 +12,12 @@ not in core (core imports no other package).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Mapping
 
 from dflash_pipeline.core.config import fill_defaults, generation_problems, resolve_path, schema_problems
+from dflash_pipeline.core.errors import strip_url_credentials
 from dflash_pipeline.core.vllm_env import VLLMNotFound, require_vllm_python
 from dflash_pipeline.drafter.block_size import BlockSizeError, resolve_block_size
 from dflash_pipeline.drafter.families import config_problems as family_problems
@@ -120,6 +122,27 @@ def training_problems(cfg: Mapping[str, Any]) -> list[str]:
             require_vllm_python(python)
         except VLLMNotFound as exc:
             out.append(f"{setting} runs vLLM from its own environment: {exc}{alternative}")
+    urls = [
+        (f"features.stream.endpoints[{i}].base_url", "api_key_env", e.get("base_url") or "")
+        for i, e in enumerate(stream.get("endpoints") or [])
+    ]
+    urls.append(("eval.engine_base_url", "eval.engine_api_key_env", ev.get("engine_base_url") or ""))
+    for key, instead, url in urls:
+        if strip_url_credentials(url) != url:  # these URLs travel in job params and command lines
+            out.append(
+                f"{key}: {strip_url_credentials(url)} with user:password@ in it; the URL is stored in the "
+                f"job's params and passed on its command line, so credentials cannot go there: give the key "
+                f"through {instead} (the name of an environment variable)"
+            )
+    if train["target_features"] == "stream":
+        for i, ep in enumerate(stream.get("endpoints") or []):
+            env = ep.get("api_key_env")
+            if env and not os.environ.get(env):
+                out.append(
+                    f"features.stream.endpoints[{i}].api_key_env: ${env} (the key of "
+                    f"{strip_url_credentials(ep['base_url'])}) is not set; export it (the key itself never goes "
+                    "into the config)"
+                )
     return out + family_problems(cfg)  # drafter.family × settings (DFlash2 / DSpark)
 
 

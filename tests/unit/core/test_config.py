@@ -125,3 +125,44 @@ def test_snakemake_plan_rejects_a_transformers_target_without_weights(tmp_path):
     assert "no weights" not in (lambda p: p.stdout + p.stderr)(snakemake(tmp_path, "-n", configfile=server))
     (target / "model.safetensors").write_bytes(b"")
     assert "no weights" not in (lambda p: p.stdout + p.stderr)(snakemake(tmp_path, "-n", configfile=cfg))
+
+
+@pytest.mark.parametrize("name", [".", "..", "...", ".hidden", "a/b", "a\\b", "", "x" * 129, "a b"])
+def test_run_and_dataset_names_are_path_safe_tokens(name):
+    """Run and dataset names become directories under results/: `.`, `..`, separators and the like are
+    refused by the schema (outputs left the per-run directories before)."""
+    assert any(p.startswith("`run`") for p in schema_problems({"run": name})), name
+    assert schema_problems({"datasets": {name: {"path": "x.jsonl"}}}), name
+
+
+@pytest.mark.parametrize("name", ["demo", "qwen3-8b_v1.2", "a..b", "run-"])
+def test_path_safe_run_names_pass(name):
+    assert schema_problems({"run": name}) == []
+
+
+def test_stream_endpoints_take_an_api_key_env_by_name():
+    ok = {"features": {"stream": {"endpoints": [{"base_url": "http://n:8000/v1", "api_key_env": "MY_KEY"}]}}}
+    assert schema_problems(ok) == []
+    bad = {"features": {"stream": {"endpoints": [{"base_url": "http://n:8000/v1", "api_key_env": "sk-abc 123"}]}}}
+    assert any("api_key_env" in p for p in schema_problems(bad))
+
+
+@pytest.mark.parametrize(
+    "url,want",
+    [
+        ("http://user:pw@host:8000/v1", "http://host:8000/v1"),
+        ("http://user:p@ss@host/v1", "http://host/v1"),  # a password holding @ goes whole
+        ("https://tok@host", "https://host"),
+        ("http://host:8000/v1?x=a@b", "http://host:8000/v1?x=a@b"),  # no credentials: unchanged
+        ("see http://u:s3cret@h/v1 and 'http://a:b@c'", "see http://h/v1 and 'http://c'"),
+    ],
+)
+def test_one_redaction_for_every_url(url, want):
+    from dflash_pipeline.completions import redact_url
+    from dflash_pipeline.core.errors import strip_url_credentials
+    from dflash_pipeline.evaluate.engine_acceptance import _no_acceptance
+
+    assert strip_url_credentials(url) == want
+    assert redact_url(url) == want
+    if url.startswith("http://user"):
+        assert "pw" not in str(_no_acceptance(url, url + "/metrics"))

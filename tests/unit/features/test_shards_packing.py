@@ -5,7 +5,7 @@ stream run with packing bit for bit and the online packed run to bf16 storage.""
 from __future__ import annotations
 
 import torch
-from test_stream import FAST_FLEET, _log, _train, server, setup  # noqa: F401 - fixtures
+from test_stream import FAST_FLEET, KEY_ENV, _key_env, _log, _train, server, setup  # noqa: F401 - fixtures
 
 from dflash_pipeline.train import packing as P
 
@@ -47,7 +47,11 @@ def test_shards_with_packing_equal_stream_and_online(setup, server, tmp_path):  
         tmp_path / "stream",
         "stream",
         **PACK,
-        stream={"endpoints": [{"base_url": server.url}], "fleet": FAST_FLEET},
+        stream={
+            "endpoints": [{"base_url": server.url, "api_key_env": KEY_ENV}],
+            "scratch_dir": str(server.scratch),
+            "fleet": FAST_FLEET,
+        },
     )
     on = _train(setup, tmp_path / "online", "online", **PACK)
     ls, lt, lo = ([r["loss"] for r in _log(tmp_path / d)] for d in ("shards", "stream", "online"))

@@ -81,22 +81,33 @@ def setup(tmp_path_factory):
     return root, probe, tokens, feats
 
 
+#: The key the module's server requires and the variable its clients read it from.
+KEY_ENV, KEY = "DFLASH_TEST_STREAM_KEY", "stream-test-key-3f9a"
+
+
 @pytest.fixture(scope="module")
 def server(setup):
+    """The module's feature server; it requires :data:`KEY` (clients name :data:`KEY_ENV`)."""
     root = setup[0]
-    s = Server(root / "target", root / "scratch0")
+    s = Server(root / "target", root / "scratch0", api_key=KEY)
     yield s
     s.kill()
 
 
-def _client(urls, transport="path", last_hidden=False, fleet=FAST_FLEET):
-    eps = [{"base_url": u, "max_concurrency": 4, "transport": transport} for u in urls]
+@pytest.fixture(autouse=True)
+def _key_env(monkeypatch):
+    monkeypatch.setenv(KEY_ENV, KEY)
+
+
+def _client(urls, transport="path", last_hidden=False, fleet=FAST_FLEET, scratch=None):
+    eps = [{"base_url": u, "max_concurrency": 4, "transport": transport, "api_key_env": KEY_ENV} for u in urls]
     c = FeatureClient(
         eps,
         fleet_config(fleet, None),
         num_layers=len(LAYERS),
         hidden_size=32,
         last_hidden=last_hidden,
+        scratch_dir=scratch,
     )
     c.start()
     return c
@@ -136,7 +147,7 @@ def test_server_contract_path_and_bytes(setup, server):
     h = HFExtractor(root / "target", LAYERS, num_hidden_layers=4)
     want = [next(iter(h.run([0], [r])))[1].to(torch.bfloat16) for r in recs]
     for transport in ("path", "bytes"):
-        c = _client([server.url], transport)
+        c = _client([server.url], transport, scratch=server.scratch)
         try:
             got = c.fetch_all(recs)
             with pytest.raises(StreamError, match=r"HTTP 400.*token id 99 outside the vocabulary"):
@@ -149,12 +160,34 @@ def test_server_contract_path_and_bytes(setup, server):
         assert (c.stats["peak_scratch_bytes"] > 0) == (transport == "path")
 
 
+def test_the_server_answers_401_without_its_key(server):
+    """The CLI server started with a key in its environment: 401 on the feature routes and the model list
+    without it or with a wrong one (the client's requests, with it, are the contract test above)."""
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps({"prompt": [1, 2, 3]}).encode()
+    for path, auth in [(p, a) for p in ("/completions", "/features", "/models") for a in (None, "Bearer wrong")]:
+        req = urllib.request.Request(server.url + path, data=None if path == "/models" else body)
+        if auth:
+            req.add_header("Authorization", auth)
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=30)
+        assert err.value.code == 401, (path, auth)
+
+
 def test_a_server_tapping_other_layers_stops_the_client_at_once(server):
     """A client told to expect one more layer than the server taps (a server started for another drafter)
     gets a StreamError naming both shapes at the first answer; the record is not re-sent (it was, forever:
     the server answers its health probe, so the breaker never opened)."""
-    eps = [{"base_url": server.url, "max_concurrency": 1, "transport": "path"}]
-    c = FeatureClient(eps, fleet_config(FAST_FLEET, None), num_layers=len(LAYERS) + 1, hidden_size=32)
+    eps = [{"base_url": server.url, "max_concurrency": 1, "transport": "path", "api_key_env": KEY_ENV}]
+    c = FeatureClient(
+        eps,
+        fleet_config(FAST_FLEET, None),
+        num_layers=len(LAYERS) + 1,
+        hidden_size=32,
+        scratch_dir=server.scratch,
+    )
     c.start()
     try:
         with pytest.raises(StreamError, match=r"hidden_states \(6, 2, 32\), expected \(6, 3, 32\)"):
@@ -173,7 +206,7 @@ def test_a_server_tapping_other_layers_of_the_same_count_stops_the_client_at_onc
     served = aux_hidden_state_ids(LAYERS, 4, False)
     other = [i + 1 for i in served]
     for expect, ok in ((served, True), (other, False)):
-        eps = [{"base_url": server.url, "max_concurrency": 1, "transport": "bytes"}]
+        eps = [{"base_url": server.url, "max_concurrency": 1, "transport": "bytes", "api_key_env": KEY_ENV}]
         c = FeatureClient(
             eps, fleet_config(FAST_FLEET, None), num_layers=len(LAYERS), hidden_size=32, aux_layer_ids=expect
         )
@@ -238,7 +271,7 @@ def test_a_record_every_server_fails_stops_the_client_after_max_retries():
     error (before, it was re-sent forever and the train job hung)."""
     srv = _FailingFeatureServer()
     try:
-        c = _client([srv.url], fleet={**FAST_FLEET, "max_retries": 2})
+        c = _client([srv.url], "bytes", fleet={**FAST_FLEET, "max_retries": 2})
         try:
             with pytest.raises(StreamError, match=r"a record of 6 tokens failed 3 times \(generation\.max_retries 2\)"):
                 c.submit(np.arange(6)).result(timeout=120)
@@ -262,7 +295,7 @@ def test_stream_run_equals_shards_run(setup, server, shards_run, tmp_path):
         "stream",
         trace_batches=True,
         stream={
-            "endpoints": [{"base_url": server.url}],
+            "endpoints": [{"base_url": server.url, "api_key_env": KEY_ENV}],
             "scratch_dir": str(server.scratch),
             "fleet": FAST_FLEET,
         },
@@ -368,7 +401,7 @@ def test_refuses_to_start_when_scratch_cannot_hold_the_window(setup, server, tmp
             tmp_path / "big",
             "stream",
             stream={
-                "endpoints": [{"base_url": server.url}],
+                "endpoints": [{"base_url": server.url, "api_key_env": KEY_ENV}],
                 "scratch_dir": str(server.scratch),
                 "fleet": FAST_FLEET,
                 "prefetch_batches": 10**12,
@@ -404,6 +437,7 @@ def test_server_sigkilled_mid_epoch_costs_only_time(setup, shards_run, tmp_path,
             "stream",
             stream={
                 "endpoints": [{"base_url": a.url}, {"base_url": b.url}],
+                "scratch_dir": str(tmp_path),
                 "fleet": FAST_FLEET,
             },
         )
@@ -438,7 +472,11 @@ def test_a_server_that_hangs_costs_only_time(setup, shards_run, tmp_path):
             setup,
             tmp_path / "run",
             "stream",
-            stream={"endpoints": [{"base_url": a.url}, {"base_url": b.url}], "fleet": fleet},
+            stream={
+                "endpoints": [{"base_url": a.url}, {"base_url": b.url}],
+                "scratch_dir": str(tmp_path),
+                "fleet": fleet,
+            },
         )
         ha, hb = _health(a.url), _health(b.url)
     finally:
@@ -481,7 +519,7 @@ def test_all_servers_gone_saves_state_and_resume_continues(setup, shards_run, tm
             "stream",
             trace_batches=True,
             save_every_steps=1000,
-            stream={"endpoints": [{"base_url": a.url}], "fleet": FAST_FLEET},
+            stream={"endpoints": [{"base_url": a.url}], "scratch_dir": str(tmp_path), "fleet": FAST_FLEET},
         )
     a.kill()
     monkeypatch.setattr(S.FeatureStream, "_assemble", real)
@@ -497,7 +535,7 @@ def test_all_servers_gone_saves_state_and_resume_continues(setup, shards_run, tm
             "stream",
             trace_batches=True,
             save_every_steps=1000,
-            stream={"endpoints": [{"base_url": b.url}], "fleet": FAST_FLEET},
+            stream={"endpoints": [{"base_url": b.url}], "scratch_dir": str(tmp_path), "fleet": FAST_FLEET},
         )
     finally:
         b.kill()
@@ -510,6 +548,43 @@ def test_all_servers_gone_saves_state_and_resume_continues(setup, shards_run, tm
     for t in trace:  # the killed run may have traced batches of its unfinished step; the rerun's count
         by_step.setdefault(t["step"], []).append(t["batch"])
     assert [t["batch"] for t in ref] == [b for s in sorted(by_step) for b in by_step[s][-1:]]
+
+
+def test_malformed_answers_save_state_before_the_job_fails(setup, tmp_path):
+    """A server that answers well for a while, then with bytes that are no safetensors file (the record
+    retried max_retries + 1 times, each answer as bad): the train job fails with a StreamError naming the
+    unusable answer, after saving the state of the steps done, as it does when every server is gone."""
+    from safetensors.torch import save
+    from test_stream_trust import FakeFeatureServer
+
+    posts = []
+
+    def answer(route, ids):
+        posts.append(1)
+        if len(posts) > 24:
+            return "bytes", b"\x08\x00\x00\x00\x00\x00\x00\x00not json" + bytes(64)
+        t = len(ids)
+        hs = torch.randn(t, len(LAYERS), 32, generator=torch.Generator().manual_seed(t))
+        return "bytes", save({"hidden_states": hs, "token_ids": torch.from_numpy(np.asarray(ids, dtype=np.int64))})
+
+    srv = FakeFeatureServer(answer)
+    out = tmp_path / "run"
+    try:
+        with pytest.raises(StreamError, match=r"failed 3 times.*unusable answer"):
+            _train(
+                setup,
+                out,
+                "stream",
+                save_every_steps=1000,
+                stream={
+                    "endpoints": [{"base_url": srv.url, "transport": "bytes"}],
+                    "fleet": {**FAST_FLEET, "max_retries": 2},
+                },
+            )
+    finally:
+        srv.close()
+    assert sorted((out / "state").glob("*")), "no state saved before the error"
+    assert len(_log(out)) >= 1
 
 
 def test_hf_server_on_an_mla_twin(real_models_dir, tmp_path):
@@ -571,6 +646,7 @@ def test_hf_server_on_an_mla_twin(real_models_dir, tmp_path):
             num_layers=2,
             hidden_size=hidden,
             last_hidden=True,
+            scratch_dir=s.scratch,
         )
         c.start()
         try:
@@ -613,7 +689,11 @@ def test_stream_with_packing_and_heldout_matches_online(setup, server, tmp_path)
         tmp_path / "stream",
         "stream",
         **extra,
-        stream={"endpoints": [{"base_url": server.url}], "fleet": FAST_FLEET},
+        stream={
+            "endpoints": [{"base_url": server.url, "api_key_env": KEY_ENV}],
+            "scratch_dir": str(server.scratch),
+            "fleet": FAST_FLEET,
+        },
     )
     assert st["steps"] == online["steps"] and st["heldout_records"] == online["heldout_records"] > 0
     lo, ls = (

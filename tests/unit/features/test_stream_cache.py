@@ -11,14 +11,15 @@ import numpy as np
 import pytest
 import torch
 from test_features import token_shard
-from test_stream import FAST_FLEET, _log, _train, server, setup  # noqa: F401 - fixtures
+from test_stream import FAST_FLEET, KEY, KEY_ENV, _key_env, _log, _train, server, setup  # noqa: F401 - fixtures
 
 from dflash_pipeline.features import FeatureShard
 from dflash_pipeline.features.extract import read_token_arrays
 
 
 def _served(url: str) -> int:
-    with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=10) as r:
+    req = urllib.request.Request(url.removesuffix("/v1") + "/health", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=10) as r:  # the counters come with the key only
         return int(json.loads(r.read())["requests"])
 
 
@@ -45,7 +46,11 @@ def test_first_epoch_cache_equals_uncached_and_epoch_two_streams_the_rest(distin
     1's records all cache hits). With a cap: the cache stays under it and epoch 1 streams exactly the
     records it could not keep. Losses and final weights equal the uncached run's in every case."""
     data = distinct
-    base = {"endpoints": [{"base_url": server.url}], "fleet": FAST_FLEET}
+    base = {
+        "endpoints": [{"base_url": server.url, "api_key_env": KEY_ENV}],
+        "scratch_dir": str(server.scratch),
+        "fleet": FAST_FLEET,
+    }
 
     n0 = _served(server.url)
     plain = _train(data, tmp_path / "plain", "stream", stream=base)
@@ -81,7 +86,7 @@ def test_cache_shards_are_feature_shards_read_back_bit_for_bit(setup, server, tm
 
     from dflash_pipeline.train.stream_cache import FeatureCache
 
-    c = _client([server.url])
+    c = _client([server.url], scratch=server.scratch)
     try:
         recs = [np.arange(3, 3 + n) % 80 for n in (5, 17, 9)]
         got = c.fetch_all(recs)

@@ -114,7 +114,7 @@ def test_kl_from_shards_and_from_a_server_equal_online(setup, kl_shards, tmp_pat
             (),
             tmp_path / "stream",
             "stream",
-            stream={"endpoints": [{"base_url": server.url}], "fleet": FAST_FLEET},
+            stream={"endpoints": [{"base_url": server.url}], "scratch_dir": str(server.scratch), "fleet": FAST_FLEET},
         )
     finally:
         server.kill()

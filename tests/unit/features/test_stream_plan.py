@@ -35,7 +35,8 @@ def _kimi_config(tmp_path: Path, real_models_dir: Path, **stream) -> Path:
 
 
 def _plan(tmp_path: Path, conf: Path):
-    """`snakemake -n` of the recipe's final checkpoint (the eval key from the environment, as users set it)."""
+    """`snakemake -n` of the recipe's final checkpoint (the eval and feature servers' keys from the
+    environment, as users set them)."""
     import os
 
     return snakemake(
@@ -43,7 +44,7 @@ def _plan(tmp_path: Path, conf: Path):
         "-n",
         "results/checkpoints/kimi-k2.6-b16/final",
         configfile=conf,
-        env={**os.environ, "KIMI_API_KEY": "test-key"},
+        env={**os.environ, "KIMI_API_KEY": "test-key", "VLLM_API_KEY": "test-key"},
     )
 
 
@@ -134,7 +135,7 @@ def test_kl_plans_with_the_last_layer_and_the_default_cache_stays_out_of_the_par
         "-p",
         "results/checkpoints/kimi-k2.6-b16/final",
         configfile=conf,
-        env={**os.environ, "KIMI_API_KEY": "test-key"},
+        env={**os.environ, "KIMI_API_KEY": "test-key", "VLLM_API_KEY": "test-key"},
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]

@@ -75,3 +75,33 @@ def test_every_missing_vllm_environment_named_at_once(monkeypatch, tmp_path):
     cfg["features"]["vllm"] = {"python": sys.executable}
     cfg["eval"]["engine_base_url"] = "http://127.0.0.1:9/v1"
     assert [p for p in problems(cfg, base_dir=REPO) if "vLLM" in p] == []
+
+
+def test_stream_and_engine_urls_carry_no_credentials_and_keys_come_by_name(monkeypatch):
+    """A URL password on a stream endpoint or eval.engine_base_url would land in the job's params and argv:
+    refused at plan time (redacted in the message); an endpoint's api_key_env that is not set is named."""
+    monkeypatch.delenv("NOPE_STREAM_KEY", raising=False)
+    cfg = {
+        "train": {"target_features": "stream"},
+        "features": {
+            "stream": {
+                "endpoints": [
+                    {"base_url": "http://u:pw-secret@n1:8000/v1"},
+                    {"base_url": "http://n2:8000/v1", "api_key_env": "NOPE_STREAM_KEY"},
+                ]
+            }
+        },
+        "eval": {"engine": "sglang", "engine_base_url": "http://u:pw-secret@n3:30000/v1"},
+    }
+    found = problems(cfg, base_dir=REPO)
+    assert not any("pw-secret" in p for p in found)
+    mine = [p.split(":")[0] for p in found if "user:password@" in p or "NOPE_STREAM_KEY" in p]
+    assert mine == [
+        "features.stream.endpoints[0].base_url",
+        "eval.engine_base_url",
+        "features.stream.endpoints[1].api_key_env",
+    ], found
+    monkeypatch.setenv("NOPE_STREAM_KEY", "k")
+    cfg["features"]["stream"]["endpoints"][0]["base_url"] = "http://n1:8000/v1"
+    cfg["eval"]["engine_base_url"] = "http://n3:30000/v1"
+    assert not [p for p in problems(cfg, base_dir=REPO) if "base_url" in p.split(":")[0] or "api_key_env" in p]
