@@ -85,7 +85,7 @@ def _bounds(node: dict) -> str:
     for key, sign in (("minimum", "≥"), ("exclusiveMinimum", ">"), ("maximum", "≤"), ("exclusiveMaximum", "<")):
         if key in node:
             marks.append(f"{sign} {node[key]}")
-    return f" ({', '.join(marks)})" if marks else ""
+    return f"({', '.join(marks)})" if marks else ""
 
 
 def schema_keys(schema: dict, prefix: str = "") -> Iterator[tuple[str, dict]]:
@@ -146,7 +146,7 @@ def config_reference(schema: Optional[dict] = None) -> str:
             rows.append(
                 [
                     f"`{path}`",
-                    md_text(_type_of(sub)) + md_text(_bounds(sub)),
+                    " ".join(md_text(x) for x in (_type_of(sub), _bounds(sub)) if x),
                     f"`{default}`",
                     md_text(sub.get("description", "")),
                 ]
@@ -467,7 +467,7 @@ def demo_tau_table(record: Optional[dict]) -> str:
     settings it was measured under; a sentence saying how to produce it when there is none."""
     if record is None:
         return (
-            f"No demo result is committed yet (`{DEMO_RESULT}`). After `snakemake --profile local`, copy "
+            f"No demo result is committed yet ({DEMO_RESULT}). After `snakemake --profile local`, copy "
             f"`results/eval/demo/acceptance.json` there and run `python -m dflash_pipeline.docs_gen`."
         )
     drafters = record["drafters"]
