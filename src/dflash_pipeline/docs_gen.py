@@ -407,7 +407,7 @@ def rules_reference(repo: Path = REPO) -> str:
                 out += [md_text(doc).replace("\\|", "|"), ""]
             output = _rule_section(body, "output")
             if output:
-                out += ["```python", output, "```", ""]
+                out += ["```snakemake", output, "```", ""]
     return "\n".join(out)
 
 
