@@ -108,6 +108,7 @@ def _children(node: dict, path: str) -> Iterator[tuple[str, dict]]:
 
 
 def load_config_schema() -> dict:
+    """The config JSON Schema (``config/schema.yaml``) as a dict."""
     import yaml
 
     from dflash_pipeline.core.config import SCHEMA_PATH
@@ -540,6 +541,7 @@ def fill_blocks(text: str, blocks: dict[str, str]) -> str:
 
 
 def readme_blocks(repo: Path = REPO) -> dict[str, str]:
+    """The text of every generated block (name -> Markdown) of :data:`BLOCK_FILES`."""
     demo = repo / DEMO_RESULT
     return {
         "demo-tau": demo_tau_table(json.loads(demo.read_text(encoding="utf-8")) if demo.is_file() else None),
@@ -571,6 +573,7 @@ def stale_files(repo: Path = REPO) -> list[Path]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """CLI (module docstring): write every generated file, or with ``--check`` return 1 when one differs."""
     ap = argparse.ArgumentParser(prog="python -m dflash_pipeline.docs_gen", description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 listing the files that differ")
     ap.add_argument("--repo", default=str(REPO), help="repository root (default: this checkout)")
