@@ -271,6 +271,16 @@ def plot_validation(val_log: str | Path, path: str | Path, *, placeholder: bool 
             ]
             ax.plot([x for x, _ in pts], [y for _, y in pts], ls=":", marker=".", label=f"context {b}")
         ax.legend(fontsize=8)
+        if len(recs) == 1:  # one point is not a curve: say so on the figure
+            ax.text(
+                0.5,
+                0.6,
+                f"one validation (step {recs[0]['step']}): τ = {recs[0]['tau']:.2f}\n"
+                "set train.validation_every_steps below the run's steps for a curve",
+                ha="center",
+                transform=ax.transAxes,
+                fontsize=9,
+            )
     else:
         ax.text(
             0.5,
