@@ -445,14 +445,20 @@ def main(argv=None) -> int:
     for fam, r in rows.items():
         print(f"| {fam} | " + " | ".join(r.get(s, "skipped") for s in stages) + " |")
     if a.json:
-        write_table_json(a.json, rows, stages, device=a.device, models_dir=models)
+        import shlex
+
+        command = "python -m dflash_pipeline.testing.zoo " + shlex.join(sys.argv[1:] if argv is None else argv)
+        write_table_json(a.json, rows, stages, device=a.device, models_dir=models, command=command)
     return 0
 
 
-def write_table_json(path: str | Path, rows: dict, stages, *, device: str, models_dir: str | Path) -> None:
+def write_table_json(
+    path: str | Path, rows: dict, stages, *, device: str, models_dir: str | Path, command: str
+) -> None:
     """The family × stage table as JSON (atomic): ``{"source": {...}, "stages": [...], "families": [{"family",
     "kind", "cells": {stage: cell}}]}``; ``kind`` is ``corpus`` (a real ``config.json`` of ``models_dir``) or
-    ``transformers_config`` (:data:`dflash_pipeline.testing.zoo_extra.EXTRA_FAMILIES`)."""
+    ``transformers_config`` (:data:`dflash_pipeline.testing.zoo_extra.EXTRA_FAMILIES`); ``command`` is the
+    command line that produced it."""
     import datetime
 
     from dflash_pipeline.core.shards import write_json
@@ -462,7 +468,7 @@ def write_table_json(path: str | Path, rows: dict, stages, *, device: str, model
         path,
         {
             "source": {
-                "command": "python -m dflash_pipeline.testing.zoo --table --json " + str(path),
+                "command": command,
                 "date": datetime.date.today().isoformat(),
                 "device": device,
                 "models_dir": str(models_dir),
