@@ -353,7 +353,26 @@ def cli_reference() -> str:
 
 #: Rule files in the order data flows through them (others follow, sorted).
 RULE_FILE_ORDER = ("demo", "probe", "prompts", "completions", "tokens", "features", "train", "eval", "report")
-_RULE = re.compile(r"^(rule|checkpoint) (\w+):\n((?:[ \t]+.*\n|\n)*)", re.M)
+_RULE = re.compile(r"^([ \t]*)(rule|checkpoint) (\w+):\s*$")
+
+
+def rules_of(text: str) -> list[tuple[str, str, str]]:
+    """``(kind, name, body)`` of every rule of a Snakemake file, also rules defined inside an ``if`` block: the
+    body is every line after ``rule name:`` indented deeper than it (blank lines included)."""
+    lines = text.splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        m = _RULE.match(line)
+        if not m:
+            continue
+        indent = len(m.group(1).expandtabs())
+        body = []
+        for nxt in lines[i + 1 :]:
+            if nxt.strip() and len(nxt) - len(nxt.lstrip()) <= indent:
+                break
+            body.append(nxt)
+        found.append((m.group(2), m.group(3), "\n".join(body) + "\n"))
+    return found
 
 
 def _rule_section(body: str, name: str) -> str:
@@ -396,12 +415,11 @@ def rules_reference(repo: Path = REPO) -> str:
     for smk in files:
         if not smk.is_file():
             continue
-        rules = list(_RULE.finditer(smk.read_text(encoding="utf-8")))
+        rules = rules_of(smk.read_text(encoding="utf-8"))
         if not rules:
             continue
         out += [f"## `{smk.relative_to(repo)}`", ""]
-        for m in rules:
-            kind, name, body = m.group(1), m.group(2), m.group(3)
+        for kind, name, body in rules:
             out += [f"### `{name}`" + (" (checkpoint)" if kind == "checkpoint" else ""), ""]
             doc = _docstring(body)
             if doc:

@@ -150,3 +150,22 @@ def test_no_page_cites_the_work_history():
         if pattern.search(line)
     ]
     assert not hits, hits
+
+
+def test_rules_inside_an_if_block_are_listed():
+    text = (
+        "if not SHIPPED:\n\n"
+        "    rule build_it:\n"
+        '        """Builds it."""\n'
+        "        output:\n"
+        "            directory(OUT),\n"
+        "        script:\n"
+        '            "x.py"\n\n\n'
+        "rule top:\n"
+        "    output:\n"
+        '        "a.txt",\n'
+    )
+    rules = docs_gen.rules_of(text)
+    assert [(k, n) for k, n, _ in rules] == [("rule", "build_it"), ("rule", "top")]
+    assert docs_gen._rule_section(rules[0][2], "output") == "directory(OUT),"
+    assert docs_gen._docstring(rules[0][2]) == "Builds it."
