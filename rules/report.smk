@@ -106,8 +106,9 @@ rule plot_data_lengths:
 
 rule summarize_run:
     """The landing page a person reads first (results/report/summary.html, dflash_pipeline.report.page): a
-    header (target, drafter, steps, wall time, data counts), the τ tables, every plot inline, the data tables,
-    the eval record folded; report/workflow.rst embeds it in the `snakemake --report` landing page."""
+    header (target, drafter, steps, wall time, data counts), the findings (what is wrong, with the figure behind
+    each and the config key that changes it), the τ tables, every plot inline, the data tables, the eval record
+    folded; report/workflow.rst embeds it in the `snakemake --report` landing page."""
     input:
         probe=report_table("probe"),
         prompts=report_table("prompts"),
@@ -132,6 +133,7 @@ rule summarize_run:
         outputs=run_outputs(),
         benchmarks=f"{RESULTS}/benchmarks",
         demo_benchmark=f"benchmarks/build_demo_target{DEMO_TAG}.tsv" if config["target"]["path"] == "demo" else None,
+        **findings_params(),
     log:
         log_file("summarize_run"),
     conda:

@@ -20,6 +20,17 @@ def tokenization_code():
     return wf.TOKENIZATION_REVISION
 
 
+def findings_params():
+    """`{"findings": {...}}`: the `report.findings` thresholds that differ from their defaults, as a params entry
+    of summarize_run, or {} when all are at their defaults (a params entry that is absent at the defaults
+    reruns nothing in a results directory of an earlier release; a changed threshold rebuilds the page)."""
+    from dflash_pipeline.core.config import schema_defaults
+
+    defaults = schema_defaults("report", "findings")
+    changed = {k: v for k, v in config.get("report", {}).get("findings", {}).items() if defaults.get(k) != v}
+    return {"findings": canonical(changed)} if changed else {}
+
+
 def baseline_runs(run=RUN_NAME):
     """Label -> run name of each configured baseline drafter, e.g. {"zero_features": "demo.zero_features"}."""
     return wf.baseline_runs(run, config["eval"]["baselines"])

@@ -166,12 +166,17 @@ def _save(fig, path: str | Path) -> None:
 
 
 def plot_acceptance(record: dict, path: str | Path) -> None:
-    """PNG: per-position acceptance (k = 1..B−1), one panel per eval set, one line per drafter, τ in the legend."""
+    """PNG: per-position acceptance (k = 1..B−1), one panel per eval set (two panels per row, so each stays
+    readable at any number of sets), one line per drafter, τ in the legend."""
     plt = _pyplot()
     set_names = list(next(iter(record["drafters"].values()))["sets"]) if record["drafters"] else []
     n = max(1, len(set_names))
-    fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.8), dpi=110, squeeze=False)
-    for ax, set_name in zip(axes[0], set_names or [None]):
+    cols = min(2, n)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.0 * cols, 3.8 * rows), dpi=110, squeeze=False)
+    for ax in axes.flat[n:]:
+        ax.set_axis_off()
+    for ax, set_name in zip(axes.flat, set_names or [None]):
         for label, entry in record["drafters"].items():
             s = entry["sets"].get(set_name)
             if s is None:
@@ -182,8 +187,9 @@ def plot_acceptance(record: dict, path: str | Path) -> None:
         ax.set_xlabel("draft position k")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    axes[0][0].set_ylabel("P(accepted ≥ k)")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.set_ylabel("P(accepted ≥ k)")
+        ax.legend(fontsize=8)
     st = record["settings"]
     fig.suptitle(
         f"DFlash acceptance — block {st['block_size']}, T={st['temperature']}, thinking={st['thinking']}", fontsize=10
@@ -265,6 +271,16 @@ def plot_validation(val_log: str | Path, path: str | Path, *, placeholder: bool 
             ]
             ax.plot([x for x, _ in pts], [y for _, y in pts], ls=":", marker=".", label=f"context {b}")
         ax.legend(fontsize=8)
+        if len(recs) == 1:  # one point is not a curve: say so on the figure
+            ax.text(
+                0.5,
+                0.6,
+                f"one validation (step {recs[0]['step']}): τ = {recs[0]['tau']:.2f}\n"
+                "set train.validation_every_steps below the run's steps for a curve",
+                ha="center",
+                transform=ax.transAxes,
+                fontsize=9,
+            )
     else:
         ax.text(
             0.5,

@@ -5,6 +5,8 @@ from any directory, or embedded in ``snakemake --report``'s landing page by ``re
 
 * a header: the target, the drafter (family, layers, block size, trainable parameters), training steps, wall
   time, and the data counts in one line;
+* the findings: what the figures say is wrong, each naming the table or figure behind it and the config key
+  that changes it (:mod:`dflash_pipeline.report.findings`);
 * the τ table (drafter × eval set, the numbers of ``acceptance.json`` rounded as ``acceptance.tsv``) and τ by
   context length;
 * the plots inline: τ per set, per-position acceptance, τ by context length, τ vs step, training curves,
@@ -33,6 +35,10 @@ header.dflash-header h1{font-size:1.5em;margin:.2em 0}
 p.dflash-facts{font-size:.95em;margin:.3em 0 .8em}
 .dflash-figures{display:flex;flex-wrap:wrap;gap:1em}
 .dflash-figures figure{margin:0;flex:1 1 520px;max-width:100%}
+.dflash-figures figure.dflash-wide{flex-basis:100%}
+section.dflash-findings{border-left:4px solid #c0392b;background:#fdf3f2;padding:.3em 1em;margin:1em 0}
+section.dflash-findings h2{font-size:1.15em;margin:.4em 0}section.dflash-findings li{margin:.35em 0}
+.dflash-finding-refs{color:#444;font-size:.92em}
 .dflash-figures img{max-width:100%;height:auto;border:1px solid #dde}
 .dflash-figures figcaption{font-size:.85em;color:#444}
 details.dflash-details{margin:1em 0}details.dflash-details>summary{cursor:pointer;font-weight:600}
@@ -73,15 +79,20 @@ def png_data_uri(path: str | Path | bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode("ascii")
 
 
-def figures_html(figures: Sequence[tuple[str, str, str]]) -> str:
-    """``<section id="plots">`` of ``(figure id, PNG path, caption)`` figures, each image as a data URI;
-    figures whose file is missing are left out."""
+#: Figures drawn across the whole width of the page (several panels or many lines).
+WIDE_FIGURES = ("fig-acceptance", "fig-data-lengths")
+
+
+def figures_html(figures: Sequence[tuple[str, str | bytes, str]]) -> str:
+    """``<section id="plots">`` of ``(figure id, PNG path or PNG bytes, caption)`` figures, each image as a
+    data URI; figures whose file is missing are left out."""
     items = []
     for fig_id, path, caption in figures:
-        if not path or not Path(path).is_file():
+        if not path or (not isinstance(path, bytes) and not Path(path).is_file()):
             continue
+        wide = ' class="dflash-wide"' if fig_id in WIDE_FIGURES else ""
         items.append(
-            f'<figure id="{html.escape(fig_id)}"><img src="{png_data_uri(path)}" alt="{html.escape(caption)}">'
+            f'<figure id="{html.escape(fig_id)}"{wide}><img src="{png_data_uri(path)}" alt="{html.escape(caption)}">'
             f"<figcaption>{html.escape(caption)}</figcaption></figure>"
         )
     if not items:
@@ -121,6 +132,12 @@ def header_html(run: str, facts: Mapping) -> str:
         f"(jobs summed; training {_human_seconds(facts.get('train_s'))}, eval {_human_seconds(facts.get('eval_s'))})",
         "<b>data</b> " + html.escape(data_line(facts.get("data") or {})),
     ]
+    heldout = facts.get("heldout") or {}
+    if heldout.get("points") == 1:  # one validation: a line, not a plot of one point
+        lines.append(
+            f"<b>held-out τ</b> {heldout['tau']:.2f} at step {_v(heldout.get('step'))} (one validation, at the end of "
+            "training; set <code>train.validation_every_steps</code> below the run's steps for a curve)"
+        )
     if facts.get("stream"):
         lines.append("<b>features streamed</b> " + html.escape(stream_line(facts["stream"])))
     for what, prov in (("training", facts.get("train_provenance")), ("eval", facts.get("eval_provenance"))):
@@ -198,6 +215,15 @@ def _benchmark_total(benchmark_dir: Optional[str | Path], rule: Optional[str] = 
     return sum(secs) if secs else None
 
 
+def _val_records(path: Path) -> list[dict]:
+    """The records of a ``val_log.jsonl`` (held-out τ during training); [] when there is none."""
+    import json
+
+    if not path.is_file():
+        return []
+    return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+
+
 def run_facts(
     *,
     eval_json=None,
@@ -232,6 +258,7 @@ def run_facts(
         return next((r for r in rows if r.get("dataset") == "all"), rows[-1] if rows else {})
 
     gen, tok = all_row(generation_rows), all_row(tokens_rows)
+    val = _val_records(ckpt.parent / "val_log.jsonl") if ckpt else []
     return {
         "target": {
             "path": (record.get("target") or {}).get("path") or probe.get("path"),
@@ -246,6 +273,7 @@ def run_facts(
             "loss": summary.get("loss"),
         },
         "train_steps": trained.get("train_steps") or summary.get("steps"),
+        "heldout": {"points": len(val), "tau": val[-1]["tau"], "step": val[-1]["step"]} if val else None,
         "stream": summary.get("stream"),  # supply and demand of streamed features (None unless streamed)
         "train_provenance": summary.get("provenance"),  # software, kernels, device, dtype, target digest
         "eval_provenance": record.get("provenance"),
@@ -304,7 +332,7 @@ def plot_tau_by_length(record: Mapping, path: str | Path) -> None:
         ax.text(
             0.5,
             0.5,
-            "no τ by context length in this eval record\n(written by the eval stage from issue #26 on)",
+            "no τ by context length in this eval record\n(rerun the eval stage: -R evaluate_acceptance)",
             ha="center",
             va="center",
             transform=ax.transAxes,
@@ -461,6 +489,7 @@ def summary_page(
     tables: Sequence[tuple[str | Path | None, str, str]] = (),
     figures: Sequence[tuple[str, str, str]] = (),
     outputs: Sequence[tuple[str, str]] = (),
+    findings: Sequence = (),
 ) -> str:
     """Write the landing page (module docstring) atomically and return it.
 
@@ -472,12 +501,14 @@ def summary_page(
         tables: ``(TSV path, title, table id)`` of the data tables (missing files left out).
         figures: ``(figure id, PNG path, caption)``, embedded as data URIs in this order (missing ones left out).
         outputs: ``(what, path)`` rows of "where the outputs are".
+        findings: :class:`dflash_pipeline.report.findings.Finding` s, listed under the header.
     """
     from dflash_pipeline.core.shards import atomic_write_bytes, read_json
     from dflash_pipeline.report import tables as R
+    from dflash_pipeline.report.findings import findings_html
 
     record = read_json(eval_json) if eval_json and Path(eval_json).is_file() else {}
-    body = [header_html(run, facts)]
+    body = [header_html(run, facts), findings_html(findings)]
     if tau_tsv and Path(tau_tsv).is_file():
         pcols, prows = R.tau_pivot(R.read_tsv(tau_tsv)[1])
         body.append(
@@ -539,11 +570,63 @@ RUN_FIGURES = (
 )
 
 
-def run_figures(inputs, outputs) -> list[tuple[str, str, str]]:
-    """:data:`RUN_FIGURES` as ``(figure id, path, caption)``, the path taken from the job's named ``inputs``
-    or ``outputs`` (Snakemake's namedlists of rules/report.smk ``summarize_run``)."""
+def run_figures(inputs, outputs, record: Optional[Mapping] = None) -> list[tuple[str, str | bytes, str]]:
+    """:data:`RUN_FIGURES` as ``(figure id, path or PNG bytes, caption)``, the path taken from the job's named
+    ``inputs`` or ``outputs`` (Snakemake's namedlists of rules/report.smk ``summarize_run``).
+
+    With the eval ``record`` the per-position acceptance is drawn here (:func:`plot_per_position`: one
+    readable panel) instead of the eval stage's per-set panels. Held-out τ is left out when the run validated
+    fewer than twice (the header gives the one value)."""
     out = []
+    drafter = getattr(inputs, "drafter", None)
+    val_points = len(_val_records(Path(str(drafter)).parent / "val_log.jsonl")) if drafter else 0
     for fig_id, name, caption in RUN_FIGURES:
         path = getattr(outputs, name, None) or getattr(inputs, name, None)
+        if fig_id == "fig-val-tau" and drafter and val_points < 2:
+            continue
+        if fig_id == "fig-acceptance" and record and record.get("drafters"):
+            out.append((fig_id, plot_per_position(record), caption))
+            continue
         out.append((fig_id, str(path) if path else "", caption))
     return out
+
+
+def plot_per_position(record: Mapping) -> bytes:
+    """PNG bytes: per-position acceptance P(accepted ≥ k) against draft position k, one line per eval set of
+    the trained drafter (solid) and the untrained floor pooled over sets (grey, dashed); τ in the legend."""
+    import io
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 4.2), dpi=110)
+    drafters = record.get("drafters") or {}
+    main = drafters.get("trained") or next(iter(drafters.values()))
+    for set_name, s in (main.get("sets") or {}).items():
+        pos = s.get("per_position_acceptance") or []
+        ax.plot(range(1, len(pos) + 1), pos, marker="o", lw=2, label=f"{set_name} (τ={s['tau']:.2f})")
+    for label, entry in drafters.items():
+        if entry is main:
+            continue
+        sets = [s.get("per_position_acceptance") or [] for s in (entry.get("sets") or {}).values()]
+        sets = [p for p in sets if p]
+        if sets:
+            k = min(len(p) for p in sets)
+            mean = [sum(p[i] for p in sets) / len(sets) for i in range(k)]
+            ax.plot(range(1, k + 1), mean, ls="--", color="gray", lw=1.2, label=f"{label} (mean over sets)")
+    st = record.get("settings") or {}
+    ax.set_xlabel("draft position k", fontsize=11)
+    ax.set_ylabel("P(accepted ≥ k)", fontsize=11)
+    ax.set_ylim(0, 1.02)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.tick_params(labelsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=9, loc="upper right")
+    ax.set_title(
+        f"Per-position acceptance of the trained drafter: block {st.get('block_size')}, T={st.get('temperature')}, "
+        f"thinking={st.get('thinking')}",
+        fontsize=11,
+    )
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()

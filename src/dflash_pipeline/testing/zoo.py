@@ -403,6 +403,10 @@ def main(argv=None) -> int:
     ap.add_argument("--table", action="store_true", help="run every stage and print the family × stage table")
     ap.add_argument("--out", help="build the twins into this directory (default: a temp dir)")
     ap.add_argument("--no-engine", action="store_true", help="--table without the engine_parity column (vLLM)")
+    ap.add_argument(
+        "--json",
+        help="also write the table as JSON here (docs/results/zoo.json renders the docs' supported-families table)",
+    )
     a = ap.parse_args(argv)
     models = Path(a.models)
     fams = a.family or all_families(models)
@@ -440,7 +444,47 @@ def main(argv=None) -> int:
     print("|---" * (len(stages) + 1) + "|")
     for fam, r in rows.items():
         print(f"| {fam} | " + " | ".join(r.get(s, "skipped") for s in stages) + " |")
+    if a.json:
+        import shlex
+
+        command = "python -m dflash_pipeline.testing.zoo " + shlex.join(sys.argv[1:] if argv is None else argv)
+        write_table_json(a.json, rows, stages, device=a.device, models_dir=models, command=command)
     return 0
+
+
+def write_table_json(
+    path: str | Path, rows: dict, stages, *, device: str, models_dir: str | Path, command: str
+) -> None:
+    """The family × stage table as JSON (atomic): ``{"source": {...}, "stages": [...], "families": [{"family",
+    "kind", "cells": {stage: cell}}]}``; ``kind`` is ``corpus`` (a real ``config.json`` of ``models_dir``) or
+    ``transformers_config`` (:data:`dflash_pipeline.testing.zoo_extra.EXTRA_FAMILIES`); ``command`` is the
+    command line that produced it."""
+    import datetime
+
+    from dflash_pipeline.core.shards import write_json
+    from dflash_pipeline.testing.zoo_extra import EXTRA_FAMILIES
+
+    write_json(
+        path,
+        {
+            "source": {
+                "command": command,
+                "date": datetime.date.today().isoformat(),
+                "device": device,
+                "models_dir": str(models_dir),
+            },
+            "stages": list(stages),
+            "families": [
+                {
+                    "family": fam,
+                    "kind": "transformers_config" if fam in EXTRA_FAMILIES else "corpus",
+                    "cells": {s: r.get(s, "skipped") for s in stages},
+                }
+                for fam, r in rows.items()
+            ],
+        },
+        skip_if_identical=False,
+    )
 
 
 if __name__ == "__main__":
