@@ -2,7 +2,8 @@
 weights of an uninterrupted run, bit for bit (CPU), whether the resumed step is an epoch boundary or the
 middle of an epoch: plain, packed, from feature shards, streamed from a feature server
 (``target_features: stream``: a real hf ``features serve`` subprocess, which outlives the killed trainers), on
-2 gloo ranks (DDP) and under FSDP2.
+2 gloo ranks (DDP) and under FSDP2, and with the Muon optimizer (alone, and under FSDP2 with gradient
+checkpointing).
 
 Each setting trains 2 epochs of 6 optimizer steps, saving state every 2 steps. The killed run pauses after
 step 7 and is SIGKILLed (its whole process group); the rerun resumes at step 6 (an epoch boundary), pauses
@@ -206,6 +207,15 @@ SETTINGS = {
     "stream": {"target_features": "stream"},
     "ddp_2_ranks": {"num_processes": 2, "batch_size": 2},
     "fsdp2_2_ranks": {"num_processes": 2, "batch_size": 2, "fsdp": True},
+    "muon": {"optimizer": "muon"},  # Muon's momentum (and AdamW's moments of the rest) in state/
+    # sharded Muon state, with the draft layers recomputed in backward
+    "muon_fsdp2_2_ranks": {
+        "num_processes": 2,
+        "batch_size": 2,
+        "fsdp": True,
+        "optimizer": "muon",
+        "gradient_checkpointing": True,
+    },
 }
 
 
