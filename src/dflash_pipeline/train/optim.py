@@ -112,7 +112,9 @@ def make_optimizer(module: nn.Module, name: str, *, lr: float, weight_decay: flo
         ValueError: an unknown ``name``.
     """
     if name == "adamw":
-        return torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=weight_decay, betas=ADAMW_BETAS, eps=ADAMW_EPS)
+        return torch.optim.AdamW(
+            module.parameters(), lr=lr, weight_decay=weight_decay, betas=ADAMW_BETAS, eps=ADAMW_EPS
+        )
     if name == "muon":
         matrices, rest = muon_parameters(module)
         return MuonWithAdamW(matrices, rest, lr=lr, weight_decay=weight_decay)

@@ -60,8 +60,9 @@ def test_gradient_checkpointing_gives_bit_identical_losses_and_weights(setup, tm
 def test_gradient_checkpointing_recomputes_the_layers_in_backward(setup):
     """Each draft layer runs twice per training step with checkpointing (forward, then recompute), once without."""
     root, probe = setup
-    from dflash_pipeline.train.data import ConfigOnly
     from transformers import AutoConfig
+
+    from dflash_pipeline.train.data import ConfigOnly
 
     drafter = DB.build_drafter(ConfigOnly(AutoConfig.from_pretrained(root / "target")), probe)
     calls = []
