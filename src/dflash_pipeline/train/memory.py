@@ -14,6 +14,12 @@ embedding and LM head, every activation and the attention masks are fake; the in
 sampling and the loss's slot selection read values. The plan is the worst case of a batch: every row
 ``seq_len`` tokens long, ``num_anchors`` anchors per row, every draft slot supervised.
 
+Attention is planned with SDPA's fused kernel (on CPU ``_scaled_dot_product_flash_attention_for_cpu``) for
+``flex`` runs too: the tracker cannot follow FlexAttention's higher-order operator (torch ≤ 2.13), and both
+fused kernels keep the same tensors for backward (queries, keys, values, output, log-sum-exp). The SDPA path
+also builds the dense [b, 1, N·B, S + N·B] mask (one per layer type), which flex does not: a flex plan errs high
+by those bytes.
+
 What the plan covers: the drafter step of one rank. With ``train.fsdp`` the weights, gradients and optimizer
 state at the peak are divided over the ranks and one gathered draft layer is added (FSDP2 holds its shard of
 each and gathers one layer at a time); with ``train.target_features: online`` the target's weights (counted on
@@ -160,7 +166,7 @@ def plan_step_memory(target_config, st: StepSettings, *, fake: bool = True) -> M
                 ids, lmask, anchors, st.block_size, 0, gamma
             )
             anchor_pos = mode.from_tensor(anchors.anchors) if fake else anchors.anchors  # masks: fake, never dense-real
-            mask = M.build_training_masks(drafter, anchor_pos, s, st.backend)
+            mask = M.build_training_masks(drafter, anchor_pos, s, "sdpa")  # flex too: see the module docstring
             with torch.no_grad():
                 noise = F.embedding(block_ids, embed)  # the frozen embedding (a tensor: the tracker hooks modules)
             noise, x = T.to_drafter_dtype(drafter, noise, feats)
@@ -219,12 +225,29 @@ def plan_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash-pipeline" / "memory-plans"
 
 
+def _code_digest() -> str:
+    """sha256 of the sources a plan steps through (drafter, masks, blocks, objectives, optimizer, this module):
+    a cached plan is one of this code."""
+    from dflash_pipeline.drafter import attention_masks, blocks, config, model, rope
+    from dflash_pipeline.train import losses, optim
+
+    h = hashlib.sha256()
+    for mod in (attention_masks, blocks, config, model, rope, losses, optim):
+        h.update(Path(mod.__file__).read_bytes())
+    h.update(Path(__file__).read_bytes())
+    return h.hexdigest()[:16]
+
+
 def _cached(cache_dir: Optional[str | Path], key: dict, compute):
     """``compute()`` (a JSON value), kept in ``cache_dir`` under the digest of ``key`` (with the plan revision
     and torch's version); None = no cache. A cache file that does not parse is computed again."""
     if cache_dir is None:
         return compute()
-    text = json.dumps({"revision": PLAN_REVISION, "torch": torch.__version__, **key}, sort_keys=True, default=str)
+    text = json.dumps(
+        {"revision": PLAN_REVISION, "torch": torch.__version__, "code": _code_digest(), **key},
+        sort_keys=True,
+        default=str,
+    )
     path = Path(cache_dir) / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
     if path.is_file():
         try:
@@ -300,7 +323,8 @@ def describe(plan: MemoryPlan, other: Optional[MemoryPlan] = None) -> str:
         f"device memory: {plan.peak_gb:.2f} GB peak per trainer rank ({parts} GB) for batch {st.batch_size} x "
         f"{st.seq_len} tokens, {st.num_anchors} anchors x block {st.block_size}, {st.num_draft_layers} draft layers, "
         f"{st.mixed_precision if st.mixed_precision != 'no' else 'fp32'} autocast, {st.head_dtype} target features/head, "
-        f"{st.optimizer}, {st.backend} attention, " + (f"FSDP over {st.shards} ranks" if st.shards > 1 else "no FSDP")
+        f"{st.optimizer}, {st.backend} attention{' (planned with the SDPA kernel)' if st.backend == 'flex' else ''}, "
+        + (f"FSDP over {st.shards} ranks" if st.shards > 1 else "no FSDP")
     )
     if other is not None:
         on, off = (plan, other) if st.gradient_checkpointing else (other, plan)
@@ -365,11 +389,14 @@ def plan_for_workflow(
             None,
             "device memory: planned once the target's config.json exists (the demo target is built first)",
         )
-    from transformers import AutoConfig
+    from dflash_pipeline.target.loading import TargetLoadError, load_target_config
 
-    tcfg = text_config(
-        AutoConfig.from_pretrained(str(target_dir), trust_remote_code=cfg["target"].get("trust_remote_code", False))
-    )
+    try:
+        tcfg = text_config(
+            load_target_config(target_dir, trust_remote_code=cfg["target"].get("trust_remote_code", False))
+        )
+    except TargetLoadError as exc:  # the probe stage fails on it with the fix; the plan says why it is missing
+        return None, None, f"device memory: not planned ({exc})"
     tbytes = 0
     if cfg["train"]["target_features"] == "online":
         tbytes = _cached(
