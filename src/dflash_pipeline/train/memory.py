@@ -14,11 +14,10 @@ embedding and LM head, every activation and the attention masks are fake; the in
 sampling and the loss's slot selection read values. The plan is the worst case of a batch: every row
 ``seq_len`` tokens long, ``num_anchors`` anchors per row, every draft slot supervised.
 
-Attention is planned with SDPA's fused kernel (on CPU ``_scaled_dot_product_flash_attention_for_cpu``) for
-``flex`` runs too: the tracker cannot follow FlexAttention's higher-order operator (torch ≤ 2.13), and both
-fused kernels keep the same tensors for backward (queries, keys, values, output, log-sum-exp). The SDPA path
-also builds the dense [b, 1, N·B, S + N·B] mask (one per layer type), which flex does not: a flex plan errs high
-by those bytes.
+A ``flex`` run is planned with SDPA's fused kernel (on CPU ``_scaled_dot_product_flash_attention_for_cpu``)
+without a mask: the tracker cannot follow FlexAttention's higher-order operator (torch ≤ 2.13), both fused
+kernels keep the same tensors for backward (queries, keys, values, output, log-sum-exp), and flex's BlockMask
+(a few MB of block indices) replaces the dense [b, 1, N·B, S + N·B] masks an ``sdpa`` run builds (planned).
 
 What the plan covers: the drafter step of one rank. With ``train.fsdp`` the weights, gradients and optimizer
 state at the peak are divided over the ranks and one gathered draft layer is added (FSDP2 holds its shard of
@@ -46,7 +45,7 @@ import torch.nn.functional as F
 #: Bytes per GB in plans and in ``train.device_memory_gb`` (decimal, as GPU data sheets count).
 GB = 1e9
 #: Revision of what the plan measures; a new value invalidates cached plans.
-PLAN_REVISION = 1
+PLAN_REVISION = 2
 
 
 @dataclass(frozen=True)
@@ -166,7 +165,8 @@ def plan_step_memory(target_config, st: StepSettings, *, fake: bool = True) -> M
                 ids, lmask, anchors, st.block_size, 0, gamma
             )
             anchor_pos = mode.from_tensor(anchors.anchors) if fake else anchors.anchors  # masks: fake, never dense-real
-            mask = M.build_training_masks(drafter, anchor_pos, s, "sdpa")  # flex too: see the module docstring
+            # flex: SDPA's fused kernel without a mask stands in (module docstring); sdpa: the dense masks it builds
+            mask = None if st.backend == "flex" else M.build_training_masks(drafter, anchor_pos, s, "sdpa")
             with torch.no_grad():
                 noise = F.embedding(block_ids, embed)  # the frozen embedding (a tensor: the tracker hooks modules)
             noise, x = T.to_drafter_dtype(drafter, noise, feats)
