@@ -119,3 +119,20 @@ def test_muon_state_round_trips_through_state_dict():
     assert [g["lr"] for g in twin.param_groups] == [5e-3, 5e-3]  # the scheduler's lr travels with the groups
     with pytest.raises(ValueError, match="muon needs 2-D"):
         OPT.make_optimizer(torch.nn.LayerNorm(3), "muon", lr=1e-2, weight_decay=0.0)
+
+
+def test_new_keys_at_their_default_rerun_and_restart_nothing():
+    """The train rule's params leave the new keys out at their default (an upgraded results directory reruns no
+    training), and a state saved before the keys existed is this run's state (a killed run resumes)."""
+    from dflash_pipeline.core.config import schema_defaults
+    from dflash_pipeline.train.checkpoint import NOT_RUN_IDENTITY, _changed_parts
+    from dflash_pipeline.workflow.policy import without_new_defaults
+
+    train = schema_defaults("train")
+    new = ("optimizer", "gradient_checkpointing", "loss_chunk_tokens")
+    assert not set(new) & set(without_new_defaults("train", train))
+    assert without_new_defaults("train", {**train, "optimizer": "muon"})["optimizer"] == "muon"
+    assert {"gradient_checkpointing", "loss_chunk_tokens", "device_memory_gb"} <= NOT_RUN_IDENTITY
+    old = {"train": {"epochs": 6}}
+    assert _changed_parts(old, {"train": {"epochs": 6, "optimizer": "adamw"}}) == []
+    assert _changed_parts(old, {"train": {"epochs": 6, "optimizer": "muon"}}) == ["train.optimizer"]
