@@ -50,7 +50,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
     scheduler's change to a group reaches the optimizer that steps it.
 
     Raises:
-        ValueError: no 2-D parameter for Muon.
+        ValueError: no 2-D parameter for Muon, or a torch without ``torch.optim.Muon`` (before 2.9).
     """
 
     def __init__(
@@ -65,6 +65,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
         eps: float = ADAMW_EPS,
     ):
         matrices, rest = list(matrices), list(rest)
+        if not hasattr(torch.optim, "Muon"):
+            raise ValueError(
+                f"train.optimizer: muon needs torch >= 2.9 (torch.optim.Muon); this is torch {torch.__version__}"
+            )
         if not matrices:
             raise ValueError("train.optimizer: muon needs 2-D weight matrices; the drafter has none")
         self._muon = torch.optim.Muon(
