@@ -112,12 +112,10 @@ def part_workflow(a) -> dict:
         tail = " ".join((proc.stdout + proc.stderr).strip().splitlines()[-3:])[:300]
         return {"status": "FAIL", "figures": f"snakemake exit {proc.returncode}: {tail}"}
     taus = {}
-    for acc in (work / "results/eval").glob("*/acceptance.json"):
-        rec = json.loads(acc.read_text())
-        sets = rec.get("sets") or rec.get("benchmarks") or {}
-        for name, s in sets.items():
-            if isinstance(s, dict) and "tau" in s:
-                taus[f"{acc.parent.name}/{name}"] = round(float(s["tau"]), 2)
+    for acc in (work / "results/eval").glob("*/acceptance.json"):  # τ per drafter and eval set
+        for drafter, per_set in json.loads(acc.read_text()).get("tau", {}).items():
+            for name, tau in per_set.items():
+                taus[f"{drafter} {name}"] = round(float(tau), 2)
     plan = next((x for x in (proc.stdout + proc.stderr).splitlines() if "[plan] device memory" in x), "")
     return {
         "status": "ok",
