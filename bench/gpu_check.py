@@ -102,7 +102,8 @@ def part_workflow(a) -> dict:
     work = Path(a.workflow_workdir) if a.workflow_workdir else Path(tempfile.mkdtemp(prefix="gpu-check-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     mp = "bf16" if a.device == "cuda" else "no"
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(work), "--profile"]
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(work)]
+    cmd += ["--configfile", str(REPO / "config/config.yaml"), "--profile"]
     cmd += [str(REPO / "profiles/local"), "--cores", str(os.cpu_count() or 2), "--scheduler", "greedy"]
     cmd += ["--config", f"train={{device: auto, mixed_precision: {mp}}}"]
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
