@@ -142,14 +142,15 @@ def test_bench_families(tmp_path):
     assert len(list((tmp_path / "results" / "probe").glob("fam-*.json"))) == 4
 
 
-def test_gpu_check_runs_end_to_end_on_cpu(tmp_path):
+def test_gpu_check_runs_end_to_end_on_cpu(tmp_path, real_models_dir):
     """``bench/gpu_check.sh --device cpu``: the GPU check's parts at tiny sizes, one table. The demo workflow
     part is skipped with its reason (a Snakemake run of its own; tests/e2e runs the demo workflow)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))}
     env["PYTHON"] = sys.executable
     table = tmp_path / "gpu_check.json"
     proc = subprocess.run(
-        ["bash", str(REPO / "bench" / "gpu_check.sh"), "--device", "cpu", "--skip", "workflow", "--json", str(table)],
+        ["bash", str(REPO / "bench" / "gpu_check.sh"), "--device", "cpu", "--skip", "workflow", "--json", str(table)]
+        + ["--models", str(real_models_dir)],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -168,7 +169,7 @@ def test_gpu_check_runs_end_to_end_on_cpu(tmp_path):
     )
     rows = json.loads(table.read_text())["rows"]
     assert list(rows) == ["zoo", "workflow", "stream", "fsdp", "steps"]
-    assert rows["zoo"]["status"] in ("ok", "skipped"), rows["zoo"]  # skipped: no model-config corpus here
+    assert rows["zoo"]["status"] == "ok" and "1/1 families" in rows["zoo"]["figures"], rows["zoo"]
     assert all(r["plan_gb"] > 0 for r in rows["steps"]["rows"])
 
 
