@@ -1,29 +1,35 @@
 #!/usr/bin/env bash
-# One-shot GPU check (< 5 min on one H200): bf16 + FlexAttention training step of a Qwen3-8B-sized drafter
-# (H=4096, 5 draft layers, B=16, 512 anchors, S=3072) with a random 36-layer-config target shrunk to its
-# embedding/head cost, plus the CPU-vs-GPU agreement of the mask paths. Prints tokens/s, memory and MFU.
+# The GPU check for a machine as we can borrow it (docs/explanation/gpu-check.md): one GPU with torch, transformers,
+# accelerate and triton, no vLLM, no SGLang, no Snakemake, no network. Under 8 minutes in one go:
+#   bench/gpu_check.sh                 # --device auto: the GPU when one is visible
+#   bench/gpu_check.sh --device cpu    # the same parts end to end at tiny sizes (the suite runs it)
+# Missing packages (snakemake, pyarrow, ...) are installed offline from bench/gpu_carry/wheels, which
+# bench/gpu_prepare.sh fills on a networked machine (<= 64 MiB; carry bench/gpu_carry with the run).
+# It prints one table: the zoo's families (bf16 train + eval), the demo workflow through Snakemake with
+# train.device auto (its τ), training fed by an hf feature server, one FSDP2 rank, and timed Qwen3-8B-sized and
+# Kimi-K2.6-width drafter steps (tokens/s, MFU, peak memory against the memory plan). Other arguments go to
+# bench/gpu_check.py (--skip PART, --family NAME, --models DIR, --workflow-workdir DIR, --json FILE).
+# Checks that need vLLM or SGLang: bench/gpu_check_engines.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pytest -q tests/unit/drafter/test_model.py -k "flex or alignment or matches_inference"
-python bench/bench_train.py --device cuda --bf16 --backend flex --hidden 4096 --target-layers 8 --draft-layers 5 \
-    --vocab 151936 --block-size 16 --num-anchors 512 --batch 1 --seq 3072 --steps 5
-python bench/bench_train.py --device cuda --bf16 --backend sdpa --hidden 4096 --target-layers 8 --draft-layers 5 \
-    --vocab 151936 --block-size 16 --num-anchors 128 --batch 1 --seq 1024 --steps 5
-# bf16 training (bf16 target + accelerate bf16 autocast + FlexAttention) and bf16 eval (drafter in the target's
-# dtype, speculative loop on CUDA) of real-architecture twins: the story's hybrid linear-attention MoE family,
-# the sliding-window + sinks family and the nested kimi_k25 family (tests/unit/testing/test_zoo.py covers the CPU side).
-python -m dflash_pipeline.testing.zoo --table --device auto --models "${DFLASH_MODELS_DIR:-../shared/data/models}" \
-    --family Qwen3.5-35B-A3B --family gpt-oss-20b --family Kimi-K2.5
-# DFlash2's Triton kernels (grouped convolution, candidate walk) against our plain-torch versions, in the CUDA vLLM
-# environment (the CPU parity of tests/e2e/test_drafter_family_parity.py follows the kernels' arithmetic; this runs them).
-"${DFLASH_VLLM_PYTHON:-.venv-vllm/bin/python}" bench/gpu_family_kernels.py
-# SGLang (README "SGLang"; it needs CUDA, so the CPU suite checks its shapes on the test server's sglang flavor):
-# token ids from SGLang in each thinking mode, the streamed-chat refusal, engine τ of a DFlash drafter from
-# meta_info. SGLang >= v0.5.18 must be installed in $DFLASH_SGLANG_PYTHON (default: this python); the check
-# fails, saying so, when it is not.
-SGLANG_PY="${DFLASH_SGLANG_PYTHON:-python}"
-if ! "$SGLANG_PY" -c "import sglang" 2>/dev/null; then
-    echo "SGLang is not installed for $SGLANG_PY: pip install 'sglang>=0.5.18' (or set DFLASH_SGLANG_PYTHON)" >&2
-    exit 1
+PY="${PYTHON:-python}"
+echo "[gpu-check] $("$PY" -V 2>&1); $("$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())')"
+missing=$("$PY" - <<'PY'
+import importlib.util
+need = {"snakemake": "snakemake", "pyarrow": "pyarrow", "jsonschema": "jsonschema", "openai": "openai", "matplotlib": "matplotlib"}
+print(" ".join(pkg for mod, pkg in need.items() if importlib.util.find_spec(mod) is None))
+PY
+)
+if [ -n "$missing" ]; then
+    if [ -d bench/gpu_carry/wheels ]; then
+        echo "[gpu-check] installing offline from bench/gpu_carry/wheels: $missing"
+        for pkg in $missing; do  # one at a time: a package not carried (matplotlib by default) is reported, not fatal
+            "$PY" -m pip install -q --no-index --find-links bench/gpu_carry/wheels "$pkg" \
+                || echo "[gpu-check] $pkg is not installed and not carried: the parts that import it fail, naming it"
+        done
+    else
+        echo "[gpu-check] missing $missing and no bench/gpu_carry/wheels (bench/gpu_prepare.sh): the parts that need them fail"
+    fi
 fi
-python bench/sglang_check.py --python "$SGLANG_PY" ${DFLASH_SGLANG_DRAFTER:+--drafter "$DFLASH_SGLANG_DRAFTER"}
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+exec "$PY" bench/gpu_check.py "$@"

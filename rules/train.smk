@@ -42,3 +42,9 @@ rule train_drafter:
         "{params.trust} --out-dir {params.run_dir:q} --train-config {params.train:q} {params.baseline} "
         "--drafter-arch {params.arch:q} {input.tokens:q} "
         "2>&1 | python -m dflash_pipeline.workflow tee {log:q}"  # the log, and [train] lines on the console
+
+
+# --- plan-time check (common/checks.smk) ---------------------------------------------------------
+
+
+device_memory_plan()  # one step's peak per trainer rank against train.device_memory_gb

@@ -81,3 +81,25 @@ def stream_plan():
         raise WorkflowError(f"features.stream: the window needs {human(window * ranks)} on the scratch filesystem "
                             f"({scratch}) but only {human(free)} is free; lower features.stream.prefetch_batches / "
                             "max_inflight_bytes or point features.stream.scratch_dir elsewhere")
+
+
+def device_memory_plan():
+    """The `[plan] device memory:` line: the peak of one training step per trainer rank, planned on fake tensors
+    by torch's memory tracker (dflash_pipeline.train.memory; cached per config under the user's cache dir), with
+    what gradient checkpointing saves; fails the plan when it exceeds train.device_memory_gb, naming the knobs
+    that help. Skipped in jobs (the main process planned it)."""
+    if not workflow.is_main_process:
+        return
+    from dflash_pipeline.train.memory import over_budget, plan_cache_dir, plan_for_workflow
+
+    k, _ = feature_dims()
+    probe = Path(probe_json())
+    block = (json.loads(probe.read_text())["drafter"]["block_size"] if probe.is_file()
+             else config["drafter"]["block_size"])
+    target = Path(wf.target_dir_of(target_input()))
+    plan, other, line = plan_for_workflow(config, target_dir=target, num_target_features=k, block_size=block,
+                                          cache_dir=plan_cache_dir())
+    print(f"[plan] {line}", file=sys.stderr)
+    why = over_budget(plan, config["train"]["device_memory_gb"], other) if plan is not None else None
+    if why:
+        raise WorkflowError(why)

@@ -80,12 +80,12 @@ def baseline_labels_of(wildcards):
 
 
 def train_params():
-    """`config["train"]` for the train rule's params, without `device` (where, not what: `--device`) and
-    without `target_features` when it is `online` (the key's default: runs trained before the key existed
-    keep their params, so they are not retrained)."""
+    """`config["train"]` for the train rule's params, without `device` (where, not what: `--device`),
+    `device_memory_gb` (a planning bound, checked by `snakemake -n`) and `target_features` when it is `online`
+    (the key's default: runs trained before the key existed keep their params, so they are not retrained)."""
     train = drafter_families.train_params(config["train"], config["drafter"]["family"])  # family keys: non-default only
     return {k: v for k, v in wf.without_new_defaults("train", train).items()
-            if k != "device" and not (k == "target_features" and v == "online")}
+            if k not in ("device", "device_memory_gb") and not (k == "target_features" and v == "online")}
 
 
 def train_arch():

@@ -142,10 +142,41 @@ def test_bench_families(tmp_path):
     assert len(list((tmp_path / "results" / "probe").glob("fam-*.json"))) == 4
 
 
+def test_gpu_check_runs_end_to_end_on_cpu(tmp_path, real_models_dir):
+    """``bench/gpu_check.sh --device cpu``: the GPU check's parts at tiny sizes, one table. The demo workflow
+    part is skipped with its reason (a Snakemake run of its own; tests/e2e runs the demo workflow)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))}
+    env["PYTHON"] = sys.executable
+    table = tmp_path / "gpu_check.json"
+    proc = subprocess.run(
+        ["bash", str(REPO / "bench" / "gpu_check.sh"), "--device", "cpu", "--skip", "workflow", "--json", str(table)]
+        + ["--models", str(real_models_dir)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert_lines(
+        out,
+        r"^\| check \| status \| s \| figures \|$",
+        r"^\| workflow \| skipped \| 0 \| --skip workflow \(the suite",
+        r"^\| stream \| ok \| \d+ \| \d+ steps in .* from an hf server \(CPU\)",
+        rf"^\| fsdp \| ok \| \d+ \| 1 rank, fully_shard .* adamw loss {NUM} -> {NUM} .* muon loss {NUM} -> {NUM}",
+        rf"^\| steps \| ok \| \d+ \| tiny \(Qwen3-8B shape\): {NUM} tok/s .* plan {NUM} GB; tiny \(Kimi shape\)",
+    )
+    rows = json.loads(table.read_text())["rows"]
+    assert list(rows) == ["zoo", "workflow", "stream", "fsdp", "steps"]
+    assert rows["zoo"]["status"] == "ok" and "1/1 families" in rows["zoo"]["figures"], rows["zoo"]
+    assert all(r["plan_gb"] > 0 for r in rows["steps"]["rows"])
+
+
 def test_every_bench_has_a_smoke_test():
     """A new bench/bench_*.py gets a ``--smoke`` mode and a ``test_<its name>`` here or in its own
-    tests/bench/test_<its name>.py. (bench/*_check.py and
-    gpu_check.sh are hardware checks, CUDA and SGLang/vLLM on a GPU box: they cannot run in this suite.)"""
+    tests/bench/test_<its name>.py. (bench/*_check.py, gpu_check_engines.sh and gpu_family_kernels.py need CUDA
+    and SGLang/vLLM on a GPU box: they cannot run in this suite; gpu_check.sh runs here with --device cpu.)"""
     benches = {p.stem for p in (REPO / "bench").glob("bench_*.py")}
     tested = {name.removeprefix("test_") for name in globals() if name.startswith("test_bench_")}
     tested |= {p.stem.removeprefix("test_") for p in Path(__file__).parent.glob("test_bench_*.py")}  # own files

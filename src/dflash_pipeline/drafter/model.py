@@ -206,6 +206,9 @@ class DFlashDrafter(nn.Module):
     architecture = ARCHITECTURE
     #: Sliding layers are causal inside the block (SpecForge/vLLM DFlash semantics, dflash.md §2.3).
     sliding_block_causal = True
+    #: ``train.gradient_checkpointing``: in training, each draft layer keeps only its input and recomputes its
+    #: activations in backward (same values, bit for bit: the layers draw no random numbers).
+    gradient_checkpointing = False
 
     def __init__(self, config: DFlashConfig, layer_cls: type = None):
         super().__init__()
@@ -248,8 +251,14 @@ class DFlashDrafter(nn.Module):
         ctx_rope = self.rotary_emb(context, ctx_position_ids)
         block_rope = self.rotary_emb(noise_embedding, block_position_ids)
         x = noise_embedding
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layers:
-            x = layer(x, context, ctx_rope, block_rope, attn_mask, cache)
+            if recompute:  # keep only each layer's input; its activations are recomputed in backward
+                x = torch.utils.checkpoint.checkpoint(
+                    layer, x, context, ctx_rope, block_rope, attn_mask, cache, use_reentrant=False
+                )
+            else:
+                x = layer(x, context, ctx_rope, block_rope, attn_mask, cache)
         return self.norm(x)
 
     @torch.no_grad()

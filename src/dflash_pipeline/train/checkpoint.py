@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
+from dflash_pipeline.core.config import schema_defaults
 from dflash_pipeline.core.shards import replace_dir
 from dflash_pipeline.drafter import model as M
 from dflash_pipeline.train import fsdp as FS
@@ -39,6 +40,9 @@ NOT_RUN_IDENTITY = frozenset(
         "validation_max_records",
         "main_process_ip",
         "main_process_port",
+        "gradient_checkpointing",  # the same values recomputed, bit for bit
+        "loss_chunk_tokens",  # how many logits are formed at once, not which
+        "device_memory_gb",  # a planning bound
     }
 )
 
@@ -151,14 +155,18 @@ def resume_state(accelerator, out_dir: Path, total_steps: int, streams, identity
 
 def _changed_parts(saved: Optional[dict], current: Optional[dict]) -> list[str]:
     """The parts of two :func:`run_identity` records that differ (``train.<key>`` per setting, else the part's
-    name); none when either is unknown (a version 1 state, a direct call without one)."""
+    name); none when either is unknown (a version 1 state, a direct call without one). A ``train`` key one side
+    lacks counts as its schema default (a state saved before the key existed is the run of its default)."""
     if not saved or not current:
         return []
     out = []
+    defaults = schema_defaults("train")
     for part in sorted(set(saved) | set(current)):
         a, b = saved.get(part), current.get(part)
         if part == "train" and isinstance(a, dict) and isinstance(b, dict):
-            out += [f"train.{k}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+            out += [
+                f"train.{k}" for k in sorted(set(a) | set(b)) if a.get(k, defaults.get(k)) != b.get(k, defaults.get(k))
+            ]
         elif a != b:
             out.append(part)
     return out

@@ -49,6 +49,7 @@ from dflash_pipeline.target import loading as T
 from dflash_pipeline.train import data as train_data
 from dflash_pipeline.train import fsdp as FS
 from dflash_pipeline.train import heldout as V
+from dflash_pipeline.train import optim as OPT
 from dflash_pipeline.train import packing as P
 from dflash_pipeline.train import rng as RS
 from dflash_pipeline.train import trackers as TR
@@ -313,7 +314,9 @@ def _prepare_run(
     accelerator, cfg: dict, out_dir: Path, data: RunData, probe: dict, arch: dict, zero_target_features: bool
 ) -> TrainRun:
     """The drafter (seeded, sized by the probe and ``arch``: ``drafter.layer_types`` / ``sliding_window``),
-    its rows (packed or not) and schedule, AdamW, warmup + cosine (dflash.md §4.7) and the shuffled loader,
+    its rows (packed or not) and schedule, the optimizer (``train.optimizer``: AdamW, or Muon + AdamW,
+    :mod:`dflash_pipeline.train.optim`) with gradient checkpointing of the draft layers when
+    ``train.gradient_checkpointing``, warmup + cosine (dflash.md §4.7) and the shuffled loader,
     prepared by Accelerate (the scheduler registered for checkpointing), the :class:`StepContext` and this
     rank's held-out batches.
 
@@ -333,9 +336,8 @@ def _prepare_run(
     n_trainable = M.count_parameters(drafter)
     dataset = _rows(data.records, cfg)
     sch = Schedule.of(len(dataset), cfg, accelerator.num_processes)
-    optimizer = torch.optim.AdamW(
-        drafter.parameters(), lr=cfg["learning_rate"], weight_decay=cfg["weight_decay"], betas=(0.9, 0.999), eps=1e-8
-    )
+    drafter.gradient_checkpointing = cfg["gradient_checkpointing"]  # recompute each draft layer in backward
+    optimizer = OPT.make_optimizer(drafter, cfg["optimizer"], lr=cfg["learning_rate"], weight_decay=cfg["weight_decay"])
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: M.cosine_with_warmup(s, sch.total_steps, sch.warmup)
     )
@@ -417,6 +419,7 @@ def _step_context(
         kl_temperature=cfg["kl_temperature"],
         kl_ce_weight=cfg["kl_ce_weight"],
         dpace_alpha=cfg["dpace_alpha"],
+        loss_chunk_tokens=cfg["loss_chunk_tokens"],
         logit_softcap=T.final_logit_softcap(
             data.target.config if data.target is not None else data.source.target_config
         ),

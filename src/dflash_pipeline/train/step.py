@@ -51,6 +51,7 @@ class StepContext:
     kl_temperature: float = 1.0
     kl_ce_weight: float = 0.0
     dpace_alpha: float = 0.5
+    loss_chunk_tokens: int = 4096  # train.loss_chunk_tokens: block slots whose logits are formed at once
     selector_gold: str = "insert"  # DFlash2 (train.selector_gold, dflash_pipeline.train.family_objectives)
     selector_weight: float = 1.0
     confidence_weight: float = 1.0  # DSpark's confidence head (train.confidence_weight)
@@ -133,6 +134,7 @@ def step_objective(ctx: StepContext, batch: dict) -> L.LossOutput:
         ce_weight=ctx.kl_ce_weight,
         dpace_alpha=ctx.dpace_alpha,
         num_sequences=num_sequences,
+        chunk_tokens=ctx.loss_chunk_tokens,
         logit_softcap=ctx.logit_softcap,
     )
     if getattr(core, "family", "dflash") == "dflash2":  # + the candidate selector's K-way CE

@@ -518,7 +518,10 @@ def as_json(obj) -> str:
 #: Keys added after results directories existed whose default changes no output the rule's params fingerprint:
 #: left out of the params while at their default, so those directories rerun nothing (the code reading the
 #: section fills the schema default back in).
-LEFT_OUT_AT_DEFAULT = {"eval": ("context_length_buckets",), "train": ("validation_length_buckets",)}
+LEFT_OUT_AT_DEFAULT = {
+    "eval": ("context_length_buckets",),
+    "train": ("validation_length_buckets", "optimizer", "gradient_checkpointing", "loss_chunk_tokens"),
+}
 
 
 def without_new_defaults(section: str, values: dict) -> dict:

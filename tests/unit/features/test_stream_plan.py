@@ -1,7 +1,8 @@
 """`snakemake -n` on the Kimi K2.6 recipe (train.target_features: stream) with a K2.6-shaped target
 directory (Kimi-K2.5's config.json from the model corpus: hidden 7168, 61 layers, MLA; no weights): the
-plan states the stream (servers, trainer ranks, window against free disk), plans no feature extraction, and
-refuses a window the scratch filesystem cannot hold."""
+plan states the stream (servers, trainer ranks, window against free disk) and one training step's device memory
+per rank, plans no feature extraction, and refuses a window the scratch filesystem cannot hold or a step over
+train.device_memory_gb."""
 
 from __future__ import annotations
 
@@ -59,8 +60,23 @@ def test_kimi_recipe_plans_the_stream_not_the_dataset(tmp_path, real_models_dir)
     assert "2 remote endpoint(s)" in line and "8 trainer rank(s)" in line, line
     assert "window 4.3 GB per rank" in line and "cap 4.3 GB" in line and "no feature shards" in line, line
     assert "in feature shards" not in out  # the shards path's 172 TB line is not printed
+    mem = next(x for x in out.splitlines() if x.startswith("[plan] device memory:"))
+    assert "peak per trainer rank" in mem and "512 anchors x block 16, 5 draft layers" in mem, mem
+    assert "gradient checkpointing on (saves" in mem and "muon" in mem, mem
     jobs = planned_jobs(proc)
     assert "extract_features" not in jobs and jobs.get("train_drafter") == 1
+
+
+def test_plan_refuses_a_step_over_the_device_memory_and_names_the_knobs(tmp_path, real_models_dir):
+    conf = _kimi_config(tmp_path, real_models_dir)
+    cfg = yaml.safe_load(conf.read_text())
+    cfg["train"].update(device_memory_gb=40, gradient_checkpointing=False)
+    conf.write_text(yaml.safe_dump(cfg))
+    proc = _plan(tmp_path, conf)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "train.device_memory_gb: one training step needs" in out and "above the 40 GB set" in out, out[-3000:]
+    assert "train.gradient_checkpointing: true" in out and "train.num_anchors" in out and "train.fsdp" in out
 
 
 def test_plan_refuses_a_window_the_scratch_cannot_hold(tmp_path, real_models_dir):

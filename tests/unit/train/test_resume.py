@@ -2,7 +2,7 @@
 weights of an uninterrupted run, bit for bit (CPU), whether the resumed step is an epoch boundary or the
 middle of an epoch: plain, packed, from feature shards, streamed from a feature server
 (``target_features: stream``: a real hf ``features serve`` subprocess, which outlives the killed trainers), on
-2 gloo ranks (DDP) and under FSDP2.
+2 gloo ranks (DDP), under FSDP2 (with the Muon optimizer and gradient checkpointing) and with Muon alone.
 
 Each setting trains 2 epochs of 6 optimizer steps, saving state every 2 steps. The killed run pauses after
 step 7 and is SIGKILLed (its whole process group); the rerun resumes at step 6 (an epoch boundary), pauses
@@ -205,7 +205,16 @@ SETTINGS = {
     "shards": {"target_features": "shards"},
     "stream": {"target_features": "stream"},
     "ddp_2_ranks": {"num_processes": 2, "batch_size": 2},
-    "fsdp2_2_ranks": {"num_processes": 2, "batch_size": 2, "fsdp": True},
+    # FSDP2 with Muon's sharded momentum (AdamW's under FSDP2: tests/unit/train/test_train_scale.py) and the draft
+    # layers recomputed in backward: one 2-rank setting for both, the slowest kind here
+    "fsdp2_2_ranks_muon": {
+        "num_processes": 2,
+        "batch_size": 2,
+        "fsdp": True,
+        "optimizer": "muon",
+        "gradient_checkpointing": True,
+    },
+    "muon": {"optimizer": "muon"},  # Muon's momentum (and AdamW's moments of the rest) in state/
 }
 
 

@@ -1,0 +1,415 @@
+"""The memory plan: peak device memory of one training step per trainer rank, known at planning.
+
+:func:`plan_step_memory` runs two training steps of the configured drafter (forward, loss, backward, optimizer
+step: the second one holds the optimizer state) under torch's own memory tracker
+(``torch.distributed._tools.mem_tracker.MemTracker``) with every floating-point tensor a fake tensor
+(``torch._subclasses.FakeTensorMode``): shapes, dtypes and storages are real, no value is computed and no byte
+is allocated, so a Kimi-K2.6-width step is planned on a laptop in seconds. The step calls the trainer's own
+functions (anchors, block inputs and labels, the training masks, the drafter, the objective, the optimizer),
+so the plan follows the code: a new buffer in the drafter shows in the plan.
+
+What is fake and what is real: the drafter's weights, gradients and optimizer state, the target features, the
+embedding and LM head, every activation and the attention masks are fake; the integer bookkeeping of a batch
+(token ids, loss mask, anchors, block labels and weights: O(b·S + b·N·B) integers) is real, because anchor
+sampling and the loss's slot selection read values. The plan is the worst case of a batch: every row
+``seq_len`` tokens long, ``num_anchors`` anchors per row, every draft slot supervised.
+
+A ``flex`` run is planned with SDPA's fused kernel (on CPU ``_scaled_dot_product_flash_attention_for_cpu``)
+without a mask: the tracker cannot follow FlexAttention's higher-order operator (torch ≤ 2.13), both fused
+kernels keep the same tensors for backward (queries, keys, values, output, log-sum-exp), and flex's BlockMask
+(a few MB of block indices) replaces the dense [b, 1, N·B, S + N·B] masks an ``sdpa`` run builds (planned).
+
+What the plan covers: the drafter step of one rank. With ``train.fsdp`` the weights, gradients and optimizer
+state at the peak are divided over the ranks and one gathered draft layer is added (FSDP2 holds its shard of
+each and gathers one layer at a time); with ``train.target_features: online`` the target's weights (counted on
+the meta device, in its dtype) are added, its no-grad forward's transient activations are not.
+
+Checked against the same tracker on a real CPU step (tests/unit/train/test_memory_plan.py, within 10 %) and
+against ``torch.cuda.max_memory_allocated`` by ``bench/gpu_check.sh``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+#: Bytes per GB in plans and in ``train.device_memory_gb`` (decimal, as GPU data sheets count).
+GB = 1e9
+#: Revision of what the plan measures; a new value invalidates cached plans.
+PLAN_REVISION = 2
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """What sizes one training step of one rank (the ``train`` keys and the probe's drafter decisions).
+
+    ``seq_len``: tokens per row (``tokens.max_length``, or ``train.pack_max_tokens`` with packing);
+    ``head_dtype``: dtype of the target features, embedding and LM head (the target's); ``shards``: the FSDP
+    degree (1 without ``train.fsdp``); ``backend``: ``sdpa`` or ``flex``; ``target_params_bytes``: the frozen
+    target's weights on the rank (``target_features: online``), else 0.
+    """
+
+    batch_size: int
+    seq_len: int
+    num_anchors: int
+    block_size: int
+    num_draft_layers: int
+    num_target_features: int
+    layer_types: Optional[tuple] = None
+    sliding_window: Optional[int] = None
+    mixed_precision: str = "no"
+    head_dtype: str = "float32"
+    optimizer: str = "adamw"
+    gradient_checkpointing: bool = False
+    shards: int = 1
+    loss: str = "ce_decay"
+    loss_chunk_tokens: int = 4096
+    backend: str = "sdpa"
+    target_params_bytes: int = 0
+
+
+@dataclass
+class MemoryPlan:
+    """One rank's planned peak (bytes) and what it is made of at the peak (``by_kind``: the tracker's
+    categories, Parameter / Gradient / Optstate / Activation / Temp / Buffer / Other, plus ``target`` for an
+    online target's weights)."""
+
+    peak_bytes: int
+    by_kind: dict
+    settings: StepSettings
+
+    @property
+    def peak_gb(self) -> float:
+        return self.peak_bytes / GB
+
+    def to_json(self) -> dict:
+        return {"peak_bytes": self.peak_bytes, "by_kind": self.by_kind, "settings": dataclasses.asdict(self.settings)}
+
+    @classmethod
+    def from_json(cls, rec: dict) -> "MemoryPlan":
+        st = dict(rec["settings"])
+        st["layer_types"] = tuple(st["layer_types"]) if st.get("layer_types") else None
+        return cls(int(rec["peak_bytes"]), dict(rec["by_kind"]), StepSettings(**st))
+
+
+def plan_step_memory(target_config, st: StepSettings, *, fake: bool = True) -> MemoryPlan:
+    """The peak memory of one training step of one rank (module docstring). ``target_config``: the target's
+    text config (a ``transformers`` config). ``fake=False`` runs the same two steps on real tensors (CPU),
+    the reference the plan is checked against at small sizes.
+
+    Raises:
+        ValueError: settings the trainer would refuse too (sliding layers without a window, an unknown
+            optimizer or loss).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from dflash_pipeline.drafter import model as M
+    from dflash_pipeline.drafter.build import build_drafter
+    from dflash_pipeline.target import loading as T
+    from dflash_pipeline.train import losses as L
+    from dflash_pipeline.train import optim as OPT
+    from dflash_pipeline.train.data import ConfigOnly
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
+    b, s, k = st.batch_size, st.seq_len, st.num_target_features
+    h, v = target_config.hidden_size, target_config.vocab_size
+    head_dtype = getattr(torch, st.head_dtype)
+    probe = {
+        "drafter": {
+            "block_size": st.block_size,
+            "num_draft_layers": st.num_draft_layers,
+            "target_layer_ids": list(range(k)),
+            "mask_token_id": 0,
+        }
+    }
+    with mode if fake else contextlib.nullcontext():
+        drafter = build_drafter(
+            ConfigOnly(target_config),
+            probe,
+            layer_types=list(st.layer_types) if st.layer_types else None,
+            sliding_window=st.sliding_window,
+        )
+        drafter.gradient_checkpointing = st.gradient_checkpointing
+        embed = torch.zeros(v, h, dtype=head_dtype)
+        head = embed if getattr(target_config, "tie_word_embeddings", False) else torch.zeros(v, h, dtype=head_dtype)
+        feats = torch.zeros(b, s, k * h, dtype=head_dtype)  # [b, S, K·H]
+        last = torch.zeros(b, s, h, dtype=head_dtype) if st.loss in ("kl",) else None  # the teacher's input
+    drafter.train()
+    optimizer = OPT.make_optimizer(drafter, st.optimizer, lr=1e-4, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, v, (b, s), generator=gen)
+    lmask = torch.ones(b, s, dtype=torch.uint8)
+    lmask[:, : max(1, s // 8)] = 0  # a prompt, then the answer: every anchor candidate is supervised
+    gamma = M.loss_decay_gamma(st.block_size)
+    autocast = (
+        torch.autocast("cpu", dtype=getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[st.mixed_precision]))
+        if st.mixed_precision != "no"
+        else contextlib.nullcontext()
+    )
+    tracker = MemTracker()
+    tracker.track_external(drafter, optimizer, embed, head, feats, *([last] if last is not None else []))
+    with tracker:
+        for _ in range(2):  # the second step holds the optimizer state the first one created
+            anchors = M.sample_anchors(lmask, st.num_anchors, generator=gen)
+            block_ids, block_pos, labels, weights = M.block_inputs_and_labels(
+                ids, lmask, anchors, st.block_size, 0, gamma
+            )
+            anchor_pos = mode.from_tensor(anchors.anchors) if fake else anchors.anchors  # masks: fake, never dense-real
+            # flex: SDPA's fused kernel without a mask stands in (module docstring); sdpa: the dense masks it builds
+            mask = None if st.backend == "flex" else M.build_training_masks(drafter, anchor_pos, s, "sdpa")
+            with torch.no_grad():
+                noise = F.embedding(block_ids, embed)  # the frozen embedding (a tensor: the tracker hooks modules)
+            noise, x = T.to_drafter_dtype(drafter, noise, feats)
+            ctx_pos = torch.arange(s).expand(b, -1)
+            with autocast:
+                hidden = drafter(noise, x, ctx_pos, block_pos, attn_mask=mask)
+            teacher = L.teacher_slot_hidden(last, block_pos) if last is not None else None
+            out = L.compute_loss(
+                st.loss,
+                hidden,
+                head,
+                labels,
+                weights,
+                st.block_size,
+                teacher_hidden=teacher,
+                chunk_tokens=st.loss_chunk_tokens,
+            )
+            out.total.backward()
+            del out, hidden, noise, x, mask, teacher
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            tracker.reset_mod_stats()
+    snap = tracker.get_tracker_snapshot("peak")
+    dev = next(iter(snap))
+    kinds = {str(getattr(key, "value", key)): int(val) for key, val in snap[dev].items() if key != "Total"}
+    peak = int(snap[dev]["Total"])
+    if st.shards > 1:  # FSDP2: a 1/D shard of each, and one gathered draft layer at a time
+        sharded = sum(kinds.get(x, 0) for x in ("Parameter", "Gradient", "Optstate"))
+        layer = sum(p.numel() * p.element_size() for p in drafter.layers[0].parameters())
+        for x in ("Parameter", "Gradient", "Optstate"):
+            kinds[x] = kinds.get(x, 0) // st.shards
+        kinds["gathered layer"] = layer
+        peak = peak - sharded + sharded // st.shards + layer
+    if st.target_params_bytes:
+        kinds["target"] = int(st.target_params_bytes)
+        peak += int(st.target_params_bytes)
+    return MemoryPlan(peak, kinds, st)
+
+
+def target_params_bytes(target_config, dtype: str) -> int:
+    """Bytes of the target's weights in ``dtype`` (counted on the meta device: nothing is allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(target_config)
+    return sum(p.numel() for p in model.parameters()) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def plan_cache_dir() -> Path:
+    """Where :func:`cached_plan` keeps plans: ``$DFLASH_CACHE_DIR/memory-plans``, else
+    ``$XDG_CACHE_HOME/dflash-pipeline/memory-plans`` (``~/.cache`` by default); shared by every workdir of the user,
+    so a config planned once is never planned again."""
+    root = os.environ.get("DFLASH_CACHE_DIR")
+    if root:
+        return Path(root) / "memory-plans"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash-pipeline" / "memory-plans"
+
+
+def _code_digest() -> str:
+    """sha256 of the sources a plan steps through (drafter, masks, blocks, objectives, optimizer, this module):
+    a cached plan is one of this code."""
+    from dflash_pipeline.drafter import attention_masks, blocks, config, model, rope
+    from dflash_pipeline.train import losses, optim
+
+    h = hashlib.sha256()
+    for mod in (attention_masks, blocks, config, model, rope, losses, optim):
+        h.update(Path(mod.__file__).read_bytes())
+    h.update(Path(__file__).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _cached(cache_dir: Optional[str | Path], key: dict, compute):
+    """``compute()`` (a JSON value), kept in ``cache_dir`` under the digest of ``key`` (with the plan revision
+    and torch's version); None = no cache. A cache file that does not parse is computed again."""
+    if cache_dir is None:
+        return compute()
+    text = json.dumps(
+        {"revision": PLAN_REVISION, "torch": torch.__version__, "code": _code_digest(), **key},
+        sort_keys=True,
+        default=str,
+    )
+    path = Path(cache_dir) / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
+    if path.is_file():
+        try:
+            return json.loads(path.read_text())["value"]
+        except (ValueError, KeyError):
+            pass
+    value = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"value": value}))
+    tmp.replace(path)  # atomic: concurrent planners write the same value
+    return value
+
+
+def cached_plan(target_config, st: StepSettings, cache_dir: Optional[str | Path]) -> MemoryPlan:
+    """:func:`plan_step_memory`, cached in ``cache_dir`` (one JSON per target config and settings; None =
+    no cache), so a repeated ``snakemake -n`` pays nothing."""
+    key = {"target": target_config.to_dict(), "settings": dataclasses.asdict(st)}
+    try:
+        return MemoryPlan.from_json(_cached(cache_dir, key, lambda: plan_step_memory(target_config, st).to_json()))
+    except (KeyError, TypeError):  # a cache entry of another shape: plan again
+        return plan_step_memory(target_config, st)
+
+
+def head_dtype_of(cfg: dict) -> str:
+    """The dtype of the target features, embedding and LM head of a validated config's run: ``target.dtype``, or
+    with ``auto`` bf16 when the run trains on GPUs (``train.device`` auto with mixed precision), else float32."""
+    gpu = cfg["train"]["device"] == "auto" and cfg["train"]["mixed_precision"] != "no"
+    dtype = cfg["target"]["dtype"]
+    return dtype if dtype != "auto" else ("bfloat16" if gpu else "float32")
+
+
+def settings_from_config(
+    cfg: dict, *, num_target_features: int, block_size: int, target_params: int = 0
+) -> StepSettings:
+    """:class:`StepSettings` of a validated config (``cfg``: the whole config): ``train.*``, ``tokens.max_length``,
+    ``drafter.*``, and where the run trains (``train.device`` auto with mixed precision: GPUs, so ``flex``
+    attention and a bf16 target unless set; else CPU, ``sdpa`` and float32). ``target_params``: the bytes of
+    the target's weights, counted with ``train.target_features: online`` only."""
+    tr, dr = cfg["train"], cfg["drafter"]
+    gpu = tr["device"] == "auto" and tr["mixed_precision"] != "no"
+    backend = tr["attention_backend"] if tr["attention_backend"] != "auto" else ("flex" if gpu else "sdpa")
+    head_dtype = head_dtype_of(cfg)
+    ranks = tr["num_processes"] * (tr.get("num_machines") or 1)
+    seq = (tr.get("pack_max_tokens") or cfg["tokens"]["max_length"]) if tr["packing"] else cfg["tokens"]["max_length"]
+    return StepSettings(
+        batch_size=tr["batch_size"],
+        seq_len=int(seq),
+        num_anchors=tr["num_anchors"],
+        block_size=int(block_size),
+        num_draft_layers=dr["num_draft_layers"],
+        num_target_features=int(num_target_features),
+        layer_types=tuple(dr["layer_types"]) if dr.get("layer_types") else None,
+        sliding_window=dr.get("sliding_window"),
+        mixed_precision=tr["mixed_precision"],
+        head_dtype=head_dtype,
+        optimizer=tr.get("optimizer", "adamw"),
+        gradient_checkpointing=bool(tr.get("gradient_checkpointing", False)),
+        shards=ranks if tr["fsdp"] else 1,
+        loss=tr["loss"] if tr["loss"] in ("ce_decay", "dpace", "kl") else "ce_decay",
+        loss_chunk_tokens=tr.get("loss_chunk_tokens", 4096),
+        backend=backend,
+        target_params_bytes=int(target_params) if tr["target_features"] == "online" else 0,
+    )
+
+
+def describe(plan: MemoryPlan, other: Optional[MemoryPlan] = None) -> str:
+    """The ``[plan] device memory`` line: the peak per rank, what it is made of, the settings that size it, and
+    (``other``: the same step with gradient checkpointing toggled) what checkpointing saves."""
+    st = plan.settings
+    parts = ", ".join(f"{k.lower()} {v / GB:.2f}" for k, v in sorted(plan.by_kind.items(), key=lambda kv: -kv[1]) if v)
+    line = (
+        f"device memory: {plan.peak_gb:.2f} GB peak per trainer rank ({parts} GB) for batch {st.batch_size} x "
+        f"{st.seq_len} tokens, {st.num_anchors} anchors x block {st.block_size}, {st.num_draft_layers} draft layers, "
+        f"{st.mixed_precision if st.mixed_precision != 'no' else 'fp32'} autocast, {st.head_dtype} target features/head, "
+        f"{st.optimizer}, {st.backend} attention{' (planned with the SDPA kernel)' if st.backend == 'flex' else ''}, "
+        + (f"FSDP over {st.shards} ranks" if st.shards > 1 else "no FSDP")
+    )
+    if other is not None:
+        on, off = (plan, other) if st.gradient_checkpointing else (other, plan)
+        saved = (off.peak_bytes - on.peak_bytes) / GB
+        line += (
+            f"; gradient checkpointing {'on' if st.gradient_checkpointing else 'off'} "
+            f"({'saves' if st.gradient_checkpointing else 'on would save'} {saved:.2f} GB)"
+        )
+    return line
+
+
+def over_budget(plan: MemoryPlan, budget_gb: Optional[float], other: Optional[MemoryPlan] = None) -> Optional[str]:
+    """Why ``plan`` does not fit ``budget_gb`` (``train.device_memory_gb``) and which knobs help, or None when it
+    fits (or no budget is set). ``other``: the same step with gradient checkpointing toggled."""
+    if budget_gb is None or plan.peak_bytes <= budget_gb * GB:
+        return None
+    st, kinds = plan.settings, plan.by_kind
+    state = sum(kinds.get(x, 0) for x in ("Parameter", "Gradient", "Optstate"))
+    knobs = []
+    if not st.gradient_checkpointing and other is not None:
+        fits = "fits" if other.peak_bytes <= budget_gb * GB else "not enough alone"
+        knobs.append(f"train.gradient_checkpointing: true ({other.peak_gb:.2f} GB: {fits})")
+    knobs.append(f"a lower train.num_anchors (now {st.num_anchors}; the N·B block slots size the activations)")
+    knobs.append(
+        f"a lower train.loss_chunk_tokens (now {st.loss_chunk_tokens}; each chunk holds [slots, vocabulary] logits)"
+    )
+    knobs.append(
+        f"train.fsdp with more ranks (train.num_processes; {state / GB:.2f} GB of weights, gradients and optimizer "
+        f"state {'over ' + str(st.shards) + ' ranks' if st.shards > 1 else 'on every rank'})"
+    )
+    if st.optimizer == "adamw":
+        knobs.append("train.optimizer: muon (one state tensor per matrix instead of two)")
+    if kinds.get("target"):
+        knobs.append(
+            f"train.target_features: shards or stream (the online target's {kinds['target'] / GB:.2f} GB leave the rank)"
+        )
+    return (
+        f"train.device_memory_gb: one training step needs {plan.peak_gb:.2f} GB per trainer rank, above the "
+        f"{budget_gb:g} GB set; what helps: " + "; ".join(knobs)
+    )
+
+
+def plan_for_workflow(
+    cfg: dict,
+    *,
+    target_dir: Optional[str | Path],
+    num_target_features: int,
+    block_size: int,
+    cache_dir: Optional[str | Path],
+) -> tuple[Optional[MemoryPlan], Optional[MemoryPlan], str]:
+    """The plan of a validated config's training step and its gradient-checkpointing twin, with the
+    ``[plan]`` line; ``(None, None, why)`` when the target's config is not there yet (the demo target before it
+    is built) or the family is not planned."""
+    from dflash_pipeline.target.loading import text_config
+
+    family = cfg["drafter"].get("family", "dflash")
+    if family != "dflash":
+        return None, None, f"device memory: not planned for drafter.family {family} (the plan steps DFlash's objective)"
+    if target_dir is None or not (Path(target_dir) / "config.json").is_file():
+        return (
+            None,
+            None,
+            "device memory: planned once the target's config.json exists (the demo target is built first)",
+        )
+    from dflash_pipeline.target.loading import TargetLoadError, load_target_config
+
+    try:
+        tcfg = text_config(
+            load_target_config(target_dir, trust_remote_code=cfg["target"].get("trust_remote_code", False))
+        )
+    except TargetLoadError as exc:  # the probe stage fails on it with the fix; the plan says why it is missing
+        return None, None, f"device memory: not planned ({exc})"
+    tbytes = 0
+    if cfg["train"]["target_features"] == "online":
+        tbytes = _cached(
+            cache_dir,
+            {"target_bytes": tcfg.to_dict(), "dtype": head_dtype_of(cfg)},
+            lambda: target_params_bytes(tcfg, head_dtype_of(cfg)),
+        )
+    st = settings_from_config(cfg, num_target_features=num_target_features, block_size=block_size, target_params=tbytes)
+    plan = cached_plan(tcfg, st, cache_dir)
+    other = cached_plan(tcfg, dataclasses.replace(st, gradient_checkpointing=not st.gradient_checkpointing), cache_dir)
+    return plan, other, describe(plan, other)
+
+
+def summary_row(plan: MemoryPlan) -> dict[str, Any]:
+    """A flat record of a plan (peak GB and the kinds in GB), for tables."""
+    return {"peak_gb": round(plan.peak_gb, 3), **{k: round(v / GB, 3) for k, v in plan.by_kind.items()}}
