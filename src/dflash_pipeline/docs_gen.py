@@ -544,8 +544,8 @@ def repro_table(record: Optional[dict]) -> str:
     (``bench/bench_repro.py``'s ``repro.json``), the relative difference per set, and where the stages part."""
     if record is None:
         return (
-            f"No result is committed yet ({REPRO_RESULT}): run `python bench/bench_repro.py --work DIR`, copy "
-            f"`DIR/repro.json` there and run `python -m dflash_pipeline.docs_gen`."
+            f"No result is committed yet ({REPRO_RESULT}): run `python bench/bench_repro.py --work /tmp/repro`, "
+            f"copy the `repro.json` it writes there and run `python -m dflash_pipeline.docs_gen`."
         )
     rows = [[r["set"], f"{r['native']:.3f}", f"{r['avx2']:.3f}", f"{r['diff_pct']:+.1f} %"] for r in record["tau"]]
     d = record["drift"]

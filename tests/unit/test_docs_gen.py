@@ -102,7 +102,7 @@ def test_check_mode_fails_on_a_stale_page(tmp_path, capsys):
     with a hand edit in the families page)."""
     for rel in (
         "README.md",
-        "docs/tutorial/demo.md",
+        *docs_gen.BLOCK_FILES,
         "docs/results/zoo.json",
         *(f"rules/{p.name}" for p in (REPO / "rules").glob("*.smk")),
         "Snakefile",
