@@ -588,7 +588,9 @@ def readme_blocks(repo: Path = REPO) -> dict[str, str]:
     return {
         "demo-tau": demo_tau_table(json.loads(demo.read_text(encoding="utf-8")) if demo.is_file() else None),
         "families": families_summary(repo),
-        "repro": repro_table(json.loads((repo / REPRO_RESULT).read_text()) if (repo / REPRO_RESULT).is_file() else None),
+        "repro": repro_table(
+            json.loads((repo / REPRO_RESULT).read_text()) if (repo / REPRO_RESULT).is_file() else None
+        ),
     }
 
 

@@ -73,13 +73,18 @@ def target_digest(target_dir: str | os.PathLike) -> Optional[dict]:
     return {"sha256": h.hexdigest(), "files": len(files), "weights": weights}
 
 
+def _torch():
+    """torch if this process has imported it (the jobs whose results carry provenance have), else None: reading
+    provenance never loads torch into a job that does not use it."""
+    return sys.modules.get("torch")
+
+
 def cpu_capability() -> Optional[str]:
     """The CPU kernel level torch dispatches to (``"AVX512"``, ``"AVX2"``, ``"DEFAULT"``...), None without torch."""
+    torch = _torch()
     try:
-        import torch
-
-        return torch.backends.cpu.get_cpu_capability()
-    except Exception:  # torch missing, or a build without the query
+        return torch.backends.cpu.get_cpu_capability() if torch is not None else None
+    except AttributeError:  # a build without the query
         return None
 
 
@@ -104,12 +109,8 @@ def provenance(
         ``{"python", "packages", "platform", "cpu_capability", "torch_threads", "kernel_env", "device",
         "dtype", "target", "engine"?}``; JSON-serialisable.
     """
-    try:
-        import torch
-
-        threads: Optional[int] = torch.get_num_threads()
-    except ImportError:
-        threads = None
+    torch = _torch()
+    threads = torch.get_num_threads() if torch is not None else None
     out = {
         "python": platform.python_version(),
         "packages": package_versions((*CORE_PACKAGES, *extra_packages)),

@@ -31,6 +31,9 @@ from pathlib import Path
 
 from dflash_pipeline.core.errors import strip_url_credentials as redact_url
 
+#: The variable a feature server (``features serve``) reads its key from, and colocated servers are given theirs in.
+DEFAULT_API_KEY_ENV = "DFLASH_FEATURES_API_KEY"
+
 #: The variable the trainer reads its colocated endpoints from (JSON list of endpoint dicts).
 ENDPOINTS_ENV = "DFLASH_STREAM_ENDPOINTS"
 #: The variable holding the colocated servers' per-job API key on the trainer's side.
@@ -252,7 +255,6 @@ def _server_cmd(
     """``(command, base_url, url_file)`` of feature server ``i`` of :func:`start_servers` (scratch dir ``d``):
     vLLM on a free port (its URL known now; ``env`` gets the CPU KV-cache default), else the hf server, which
     writes its URL to ``url_file`` once ready. ``env`` gets the job's API ``key`` (never the command)."""
-    from .server import DEFAULT_API_KEY_ENV
 
     if stream.get("backend") == "vllm":
         port = _free_port()

@@ -60,8 +60,8 @@ from pathlib import Path
 
 import numpy as np
 
-#: The variable ``features serve`` reads its API key from unless ``--api-key-env`` names another.
-DEFAULT_API_KEY_ENV = "DFLASH_FEATURES_API_KEY"
+from .colocate import DEFAULT_API_KEY_ENV  # noqa: F401 - the variable `features serve` reads its key from
+
 #: Bytes of a request body besides its token ids (model name, sampling fields, whitespace).
 BODY_OVERHEAD_BYTES = 64 << 10
 

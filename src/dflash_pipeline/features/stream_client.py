@@ -536,12 +536,12 @@ class FeatureClient:
     async def _post_bounded(client, path: str, body: dict, limit: int) -> bytes:
         """POST ``body`` and read the answer's body up to ``limit`` bytes: a ``Content-Length`` above it is
         refused before reading, a body that runs past it is cut off there (UntrustedAnswer)."""
+        import importlib.util
+
         import openai
 
-        try:
-            import httpx2 as httpx
-        except ImportError:  # openai releases on httpx
-            import httpx
+        # openai's own transport: httpx2 in the releases that moved to it, httpx before (either is its dependency)
+        httpx = importlib.import_module("httpx2" if importlib.util.find_spec("httpx2") else "httpx")
         resp = await client.post(
             path,
             cast_to=httpx.Response,
