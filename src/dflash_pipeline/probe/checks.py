@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from dflash_pipeline.core.errors import ConfigError, ProbeError
+from dflash_pipeline.core.errors import ConfigError, ProbeRefusal
+from dflash_pipeline.probe.architecture import NO_CONTEXT_LENGTH, NOT_SERVABLE, SUBLAYERS, UNSIZABLE
 
 
 def _preflight_tokenizer(
@@ -60,7 +61,8 @@ def _check_drafter_config(
     drafter cannot be sized from fails here with the reason, not at training step 1.
 
     Raises:
-        ProbeError: naming the target and transformers' / the drafter's complaint.
+        ProbeRefusal: naming the target and transformers' / the drafter's complaint (``reason``
+            ``sublayer count``, ``drafter cannot be sized`` or ``rotary not servable``).
     """
     from dflash_pipeline.drafter.config import DFlashConfig
     from dflash_pipeline.drafter.rope import DFlashRotaryEmbedding, servable_rope_problems
@@ -69,12 +71,21 @@ def _check_drafter_config(
     tc = text_config(load_target_config(target_dir, trust_remote_code=trust_remote_code))
     depth = getattr(tc, "num_layers", None)
     if isinstance(depth, int) and depth != tc.num_hidden_layers:  # LongCat-Flash: two attention sublayers a layer
-        raise ProbeError(
+        raise ProbeRefusal(
+            SUBLAYERS,
             f"{target_dir}: config num_hidden_layers {tc.num_hidden_layers} counts sublayers of "
             f"{depth} decoder layers (num_layers; {tc.model_type}'s double-attention layers); the target "
             "returns one hidden state per decoder layer, so canonical target_layer_ids cannot be "
-            "placed: not supported"
+            "placed: not supported",
         )
+    from dflash_pipeline.drafter.config import target_context_length
+
+    try:
+        target_context_length(tc)
+    except ValueError as exc:
+        raise ProbeRefusal(
+            NO_CONTEXT_LENGTH, f"{target_dir}: {NO_CONTEXT_LENGTH} ({tc.model_type!r}): {exc}; not supported"
+        ) from None
     try:
         cfg = DFlashConfig.from_target(
             tc,
@@ -87,12 +98,14 @@ def _check_drafter_config(
         if not problems:
             DFlashRotaryEmbedding(cfg)  # the rotary training builds (rope init formulas)
     except Exception as exc:  # noqa: BLE001 - any failure here would otherwise surface at training step 1
-        raise ProbeError(
+        raise ProbeRefusal(
+            UNSIZABLE,
             f"{target_dir}: the drafter cannot be sized from this target's config: "
-            f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+            f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}",
         ) from exc
     if problems:  # what vLLM's DFlash drafter would refuse or serve differently (dflash_pipeline.drafter.rope)
-        raise ProbeError(
+        raise ProbeRefusal(
+            NOT_SERVABLE,
             f"{target_dir}: vLLM cannot serve the drafter this target gets: {'; '.join(problems)}; "
-            f"rope_parameters {cfg.rope_parameters}"
+            f"rope_parameters {cfg.rope_parameters}",
         )

@@ -30,14 +30,18 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from dflash_pipeline.core.errors import ProbeError
+from dflash_pipeline.core.errors import ProbeRefusal
 
 #: ``target.dtype`` / ``--target-dtype`` values.
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 
-class TargetLoadError(ProbeError):
-    """The target cannot be loaded as a causal LM (the message says why and what to set)."""
+class TargetLoadError(ProbeRefusal):
+    """The target cannot be loaded as a causal LM (the message says why and what to set); a
+    :class:`ProbeRefusal` with ``reason`` ``"not loadable"`` unless given another."""
+
+    def __init__(self, message: str, reason: str = "not loadable"):
+        super().__init__(reason, message)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -205,11 +209,16 @@ def check_loadable(target_dir: str | Path, *, trust_remote_code: bool = False) -
     """
     cfg = load_target_config(target_dir, trust_remote_code=trust_remote_code)
     cls = causal_lm_class(cfg, trust_remote_code=trust_remote_code)
-    return {
-        "class": cls.__name__,
-        "config_class": type(cfg).__name__,
-        "num_hidden_layers": int(text_config(cfg).num_hidden_layers),
-    }
+    tc = text_config(cfg)
+    layers = getattr(tc, "num_hidden_layers", None)
+    if not isinstance(layers, int):  # e.g. PI0: the language model sits in a sub-config transformers does not return
+        raise TargetLoadError(
+            f"{target_dir}/config.json: {type(cfg).__name__} gives no decoder with num_hidden_layers "
+            f"(get_text_config() is {type(tc).__name__}); the drafter needs one decoder whose layers see "
+            "every token",
+            reason="no language-model config",
+        )
+    return {"class": cls.__name__, "config_class": type(cfg).__name__, "num_hidden_layers": layers}
 
 
 # ---------------------------------------------------------------------------------------------------

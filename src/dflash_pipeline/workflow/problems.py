@@ -6,7 +6,8 @@ its defaults are :mod:`dflash_pipeline.core.config`'s; the checks gathered here 
 them (the language block: :func:`dflash_pipeline.prompts.language_problems`; generation:
 :func:`dflash_pipeline.core.config.generation_problems`; block sizes:
 :func:`dflash_pipeline.drafter.block_size.resolve_block_size`; the target's files:
-:func:`dflash_pipeline.target.chat.tokenizer_files_missing`), which is why this lives above the stages and
+:func:`dflash_pipeline.target.chat.tokenizer_files_missing`; the target's architecture:
+:func:`dflash_pipeline.probe.architecture.raw_config_refusal`), which is why this lives above the stages and
 not in core (core imports no other package).
 """
 
@@ -46,6 +47,7 @@ def cross_field_problems(cfg: Mapping[str, Any], *, base_dir: str | Path | None 
     if path != "demo" and not (Path(path) / "config.json").is_file():
         out.append(f"target.path: {path}/config.json not found (a model directory, or `demo`)")
     elif path != "demo":
+        out += target_architecture_problems(path)
         why = tokenizer_files_missing(Path(path))
         if why:
             out.append(
@@ -93,6 +95,22 @@ def cross_field_problems(cfg: Mapping[str, Any], *, base_dir: str | Path | None 
     out += language_block_problems(cfg)
     out += training_problems(cfg)
     return out
+
+
+def target_architecture_problems(target_dir: str | Path) -> list[str]:
+    """The probe's refusal of the target's architecture, read from ``<target_dir>/config.json`` alone
+    (:func:`dflash_pipeline.probe.architecture.raw_config_refusal`: attention-free, looped layers, per-layer
+    sizes, no context length …), as one ``target.path`` line; [] when the probe would not refuse it there.
+
+    The probe rule runs the same check, but completions do not wait for it (the probe record is not their
+    input, so that upgrading never reruns them): refusing at plan time stops ``snakemake`` before the first
+    completion is requested. Imports no transformers (planning stays fast)."""
+    from dflash_pipeline.probe.architecture import raw_config_refusal
+
+    refusal = raw_config_refusal(target_dir)
+    if refusal is None:
+        return []
+    return [f"target.path: the probe refuses this target ({refusal.reason}): {refusal}"]
 
 
 def training_problems(cfg: Mapping[str, Any]) -> list[str]:

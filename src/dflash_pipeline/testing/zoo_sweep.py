@@ -1,0 +1,302 @@
+"""The sweep over every causal LM transformers ships: each model type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``
+and each image-text-to-text wrapper around a decoder (:func:`sweep_types`) probes right or is refused with
+the reason.
+
+Probe only, from ``config.json`` (:func:`probe_type`): the config class's own defaults, written as
+transformers writes them (:func:`type_config`), probed as the pipeline probes a target. A type is ``ok`` when
+the record's layer count, width and vocabulary are the ones transformers builds (the config class's text
+config); ``refused`` when the probe raises a :class:`~dflash_pipeline.core.errors.ProbeRefusal` (its
+``reason``) or a :class:`~dflash_pipeline.core.errors.ConfigError`; anything else is a ``crash``. No model is
+built, so the whole sweep takes seconds.
+
+The full pipeline (twin build, probe, completions, tokens, train fp32 / bf16, eval) runs on a sample
+(:data:`PIPELINE_SAMPLE`, plus a rotating pick of :func:`rotating_sample`) through
+:func:`dflash_pipeline.testing.zoo.run_stages`, whose twins of a type are built from the same config class,
+shrunk (zoo family name ``type:<model_type>``, :func:`type_source_dir`).
+
+``python -m dflash_pipeline.testing.zoo_sweep`` prints the supported-types table (docs/reference/model-types.md;
+``--write`` writes it there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: Config-class keyword overrides where the defaults do not validate or do not make a decoder the
+#: formula can place layers in (the reason each is needed in the comment).
+TYPE_OVERRIDES: dict[str, dict] = {
+    "bloom": {"n_layer": 4},  # defaults to 2 layers; the layer-id formula needs 4
+    "gemma4_assistant": {  # the class's own validator rejects its default text config
+        "text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0, "enable_moe_block": False}
+    },
+}
+
+#: Types that always run the full in-process pipeline in the sample: a hyper-connection target (DeepSeek-V4),
+#: a hybrid cache with linear-attention layers (ZAYA), Nemotron-H's block list, and a plain decoder.
+PIPELINE_SAMPLE = ("deepseek_v4", "zaya", "nemotron_h", "qwen3")
+#: Model types whose twin is refused at planning by design (the probe's reason in the table).
+ROTATION_SIZE = 1
+
+#: Chat template family the twins of swept types render (the zoo corpus's Qwen3 template).
+TEMPLATE_FAMILY = "Qwen3-8B"
+#: Prefix of zoo family names that stand for a transformers model type (``type:deepseek_v4``).
+TYPE_PREFIX = "type:"
+
+
+@dataclass(frozen=True)
+class SweepRow:
+    """One model type's probe: ``status`` ``ok`` / ``refused`` / ``crash``; ``reason`` the refusal's kind
+    (:data:`dflash_pipeline.probe.architecture.REASONS`, or ``settings``) or what the probe found; ``detail``
+    the message (one line)."""
+
+    model_type: str
+    kind: str
+    architecture: str
+    status: str
+    reason: str
+    detail: str
+
+
+def _arch(name: Any) -> str:
+    return name[0] if isinstance(name, (list, tuple)) else str(name)
+
+
+def sweep_types() -> list[tuple[str, str, str]]:
+    """``(model_type, kind, architecture)`` for every causal-LM type (``causal-lm``) and every image-text-to-text
+    type outside it whose config holds a decoder text config (``image-text``): not encoder-decoder, and
+    ``get_text_config(decoder=True)`` a sub-config of its own. Sorted by kind, then type."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    out = [(mt, "causal-lm", _arch(a)) for mt, a in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items())]
+    for mt, a in sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.items()):
+        if mt in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or mt not in CONFIG_MAPPING:
+            continue
+        try:
+            cfg = CONFIG_MAPPING[mt](**TYPE_OVERRIDES.get(mt, {}))
+            text = cfg.get_text_config(decoder=True)
+        except Exception:  # noqa: BLE001 - a wrapper whose defaults do not build is no decoder to sweep
+            continue
+        if text is not cfg and not getattr(cfg, "is_encoder_decoder", False):
+            out.append((mt, "image-text", _arch(a)))
+    return out
+
+
+def type_config(model_type: str, architecture: str) -> dict:
+    """The ``config.json`` dict of ``model_type`` as its config class writes it with its defaults (plus
+    :data:`TYPE_OVERRIDES` and ``architectures``; ``transformers_version`` kept, as in every saved config).
+
+    Raises:
+        Exception: whatever the config class raises on its defaults (the sweep reports it as ``crash``).
+    """
+    from transformers import CONFIG_MAPPING
+
+    raw = CONFIG_MAPPING[model_type](**json.loads(json.dumps(TYPE_OVERRIDES.get(model_type, {})))).to_dict()
+    raw["architectures"] = [architecture]
+    raw.pop("_name_or_path", None)
+    return raw
+
+
+def _one_line(text: str, limit: int = 400) -> str:
+    return " ".join(str(text).split())[:limit]
+
+
+def probe_type(model_type: str, kind: str, architecture: str, work: Path) -> SweepRow:
+    """Probe ``model_type``'s defaults config in ``work/<model_type>`` (config.json only, no tokenizer, mask id
+    given) and check the record against the config class (see the module docstring)."""
+    from transformers import AutoConfig
+
+    from dflash_pipeline.core.errors import ConfigError, ProbeRefusal
+    from dflash_pipeline.probe import probe_target
+
+    def row(status: str, reason: str, detail: str) -> SweepRow:
+        return SweepRow(model_type, kind, architecture, status, reason, _one_line(detail))
+
+    d = work / model_type
+    d.mkdir(parents=True, exist_ok=True)
+    try:
+        raw = type_config(model_type, architecture)
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        return row("crash", "config class defaults", f"{type(exc).__name__}: {exc}")
+    (d / "config.json").write_text(json.dumps(raw, indent=1, default=str) + "\n", encoding="utf-8")
+    try:
+        rec = probe_target(d, block_size=4, num_draft_layers=1, mask_token_id=0, strict=False)
+    except ProbeRefusal as exc:
+        return row("refused", exc.reason, str(exc).replace(str(d), model_type))
+    except ConfigError as exc:
+        return row("refused", "settings", str(exc).replace(str(d), model_type))
+    except Exception as exc:  # noqa: BLE001 - a crash is what the sweep exists to catch
+        return row("crash", type(exc).__name__, f"{type(exc).__name__}: {exc}")
+    if rec["target_loader"]["error"]:
+        return row("refused", "not loadable", rec["target_loader"]["error"].replace(str(d), model_type))
+    text = AutoConfig.from_pretrained(str(d), local_files_only=True).get_text_config(decoder=True)
+    facts = {k: rec[k] for k in ("num_hidden_layers", "hidden_size", "vocab_size")}
+    built = {k: getattr(text, k, None) for k in facts}
+    if facts != built:
+        return row("crash", "wrong facts", f"probe {facts}, transformers builds {built}")
+    return row(
+        "ok",
+        "",
+        f"{rec['num_hidden_layers']} layers, hidden {rec['hidden_size']}, {rec['attention']['kind']}"
+        + (f", {len(set(rec['layer_types']))} layer types" if rec.get("layer_types") else "")
+        + (", MoE" if rec.get("moe") else ""),
+    )
+
+
+def sweep(work: Path | None = None) -> list[SweepRow]:
+    """:func:`probe_type` of every :func:`sweep_types` type, in that order (``work``: a temp dir when None)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # config classes warn about their own defaults
+    tmp = None
+    if work is None:
+        tmp = work = Path(tempfile.mkdtemp(prefix="dflash-sweep-"))
+    try:
+        return [probe_type(mt, kind, arch, work) for mt, kind, arch in sweep_types()]
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def rotating_sample(ok_types: list[str], *, day: datetime.date | None = None, size: int = ROTATION_SIZE) -> list[str]:
+    """``size`` types of ``ok_types`` beyond :data:`PIPELINE_SAMPLE`, a different pick each day (the day's
+    ordinal indexes the sorted list), so successive runs walk every type through the full pipeline."""
+    pool = sorted(t for t in ok_types if t not in PIPELINE_SAMPLE)
+    if not pool:
+        return []
+    start = (day or datetime.date.today()).toordinal() * size
+    return [pool[(start + i) % len(pool)] for i in range(min(size, len(pool)))]
+
+
+# ---------------------------------------------------------------------------------------------------
+# twins of a model type for the zoo's full-pipeline stages
+# ---------------------------------------------------------------------------------------------------
+
+#: Config keys set on a swept type's twin so it builds and trains on CPU in seconds (the rest of the
+#: shrinking is the zoo's :func:`dflash_pipeline.testing.zoo_shrink.shrink_config`).
+TWIN_OVERRIDES: dict[str, dict] = {
+    "deepseek_v4": {"num_hidden_layers": 4, "tie_word_embeddings": False},
+    "zaya": {"tie_word_embeddings": False},
+    "nemotron_h": {
+        "layers_block_type": ["linear_attention", "mlp", "full_attention", "moe"],
+        "n_routed_experts": 4,
+        "moe_intermediate_size": 32,
+        "moe_shared_expert_intermediate_size": 32,
+        "mamba_num_heads": 4,
+        "mamba_head_dim": 16,
+        "ssm_state_size": 8,
+        "n_groups": 1,
+        "chunk_size": 16,
+        "use_mamba_kernels": False,
+        "tie_word_embeddings": False,
+    },
+}
+
+
+def type_source_dir(models_dir: str | Path, model_type: str, out: str | Path) -> Path:
+    """A corpus-style directory ``out/type:<model_type>`` for a swept type (its defaults config with
+    :data:`TWIN_OVERRIDES`, the :data:`TEMPLATE_FAMILY` chat template and tokenizer config); returns ``out``
+    (the ``models_dir`` :func:`dflash_pipeline.testing.zoo.build_twin` builds the twin from).
+
+    Raises:
+        KeyError: ``model_type`` is not a swept type.
+    """
+    from dflash_pipeline.testing.zoo_templates import family_template
+
+    arch = {mt: a for mt, _, a in sweep_types()}[model_type]
+    raw = type_config(model_type, arch)
+    raw.update(json.loads(json.dumps(TWIN_OVERRIDES.get(model_type, {}))))
+    root = Path(out)
+    d = root / f"{TYPE_PREFIX}{model_type}"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(raw, indent=1, default=str) + "\n", encoding="utf-8")
+    shutil.copyfile(family_template(models_dir, TEMPLATE_FAMILY), d / "chat_template.jinja")
+    tc = Path(models_dir) / TEMPLATE_FAMILY / "tokenizer_config.json"
+    if tc.is_file():
+        shutil.copyfile(tc, d / "tokenizer_config.json")
+    return root
+
+
+# ---------------------------------------------------------------------------------------------------
+# the supported-types table
+# ---------------------------------------------------------------------------------------------------
+
+PAGE = Path("docs/reference/model-types.md")
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def table_markdown(rows: list[SweepRow], transformers_version: str) -> str:
+    """The supported-types page: a header, counts per status, and one row per type (status, reason, what the
+    probe found or why it refused). Types of :data:`PIPELINE_SAMPLE` are marked as run through the full
+    pipeline in the tests. Deterministic in ``rows``."""
+    counts = {s: sum(r.status == s for r in rows) for s in ("ok", "refused", "crash")}
+    lines = [
+        "# Supported model types",
+        "",
+        "<!-- generated by `python -m dflash_pipeline.testing.zoo_sweep --write`; do not edit by hand -->",
+        "",
+        f"Every causal-LM model type transformers {transformers_version} ships (`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`)",
+        "and every image-text-to-text wrapper around a decoder, probed as the pipeline probes a target: the",
+        "config class's defaults written as `config.json`. **ok**: the probe reads the layers, width and",
+        "vocabulary transformers builds, and sizes the drafter. **refused**: `snakemake` stops at planning",
+        "(or the probe stops) with the reason below, before any completion is generated. Types marked",
+        "**(full pipeline)** also build a tiny twin that runs completions, tokens, training (fp32 and",
+        "bf16) and evaluation in the test suite; a rotating pick of the other ok types joins them each day.",
+        "",
+        "Refusal reasons: *attention-free* (state-space / recurrent: no attention heads to size the",
+        "drafter from), *looped layers* (layers run more than once per token), *per-layer values* (a size",
+        "the drafter copies differs per layer), *no context length*, *encoder-decoder* (the decoder of an",
+        "encoder-decoder model), *not a causal LM*, *no language-model config*, *sublayer count*,",
+        "*drafter cannot be sized*, *rotary not servable* (vLLM would serve the drafter's rotary",
+        "differently), *not loadable*. A refused architecture can still be an ok one with other settings",
+        "(e.g. Dory with `n_recurrent_loops: 1`).",
+        "",
+        f"{len(rows)} types: {counts['ok']} ok, {counts['refused']} refused, {counts['crash']} crash.",
+        "",
+        "| model type | kind | architecture | status | reason | probe |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        status = r.status + (" (full pipeline)" if r.model_type in PIPELINE_SAMPLE and r.status == "ok" else "")
+        lines.append(
+            f"| `{r.model_type}` | {r.kind} | `{r.architecture}` | {status} | {_cell(r.reason)} | {_cell(r.detail)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    """CLI: print the supported-types table (``--write``: write it to :data:`PAGE` under ``--repo``)."""
+    import transformers
+
+    ap = argparse.ArgumentParser(prog="python -m dflash_pipeline.testing.zoo_sweep", description=__doc__.split("\n")[0])
+    ap.add_argument("--write", action="store_true", help=f"write {PAGE} instead of printing it")
+    ap.add_argument("--repo", default=".", help="repository root for --write")
+    a = ap.parse_args(argv)
+    text = table_markdown(sweep(), transformers.__version__)
+    if a.write:
+        from dflash_pipeline.core.shards import atomic_write_bytes
+
+        atomic_write_bytes(Path(a.repo) / PAGE, text.encode("utf-8"))
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
