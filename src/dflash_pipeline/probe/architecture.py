@@ -21,6 +21,10 @@ assumptions does not hold and says which, in a :class:`~dflash_pipeline.core.err
   window, CPM-Ant's relative position buckets, BLOOM's ALiBi; the drafter's config states the context it
   serves. (A hand-written config without one is left to the probe's drafter check, which reads the config
   class's default.)
+- ``embedding width``: a factorized embedding narrower than the layers (ELECTRA's ``embedding_size``, OPT's
+  ``word_embed_proj_dim``): the drafter embeds its noise tokens with the target's embedding, H wide.
+- ``sublayer count``: ``num_hidden_layers`` counts sublayers of fewer ``num_layers`` decoder layers
+  (LongCat-Flash).
 - ``no language-model config``: no one decoder whose layers see every token (BLT: a byte patcher, a local
   encoder, a global transformer over patches and a local decoder).
 
@@ -45,10 +49,12 @@ PER_LAYER_VALUES = "per-layer values"
 NO_CONTEXT_LENGTH = "no context length"
 NO_TEXT_CONFIG = "no language-model config"
 SUBLAYERS = "sublayer count"
+EMBEDDING_WIDTH = "embedding width"
 UNSIZABLE = "drafter cannot be sized"
 NOT_SERVABLE = "rotary not servable"
 NOT_LOADABLE = "not loadable"
-#: Every ``ProbeRefusal.reason`` the probe gives (the first seven from config.json alone).
+#: Every ``ProbeRefusal.reason`` the probe gives (up to ``embedding width`` from config.json alone, at plan time
+#: too).
 REASONS = (
     ENCODER_DECODER,
     NOT_CAUSAL,
@@ -58,6 +64,7 @@ REASONS = (
     NO_CONTEXT_LENGTH,
     NO_TEXT_CONFIG,
     SUBLAYERS,
+    EMBEDDING_WIDTH,
     UNSIZABLE,
     NOT_SERVABLE,
     NOT_LOADABLE,
@@ -79,6 +86,8 @@ ATTENTION_HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads", "attention_he
 #: Fields only state-space / recurrent mixers have (Mamba's ``state_size``, RWKV's ``attention_hidden_size``,
 #: xLSTM's ``qk_dim_factor`` …): with them, ``num_heads`` counts SSM heads, not attention heads.
 RECURRENT_KEYS = ("state_size", "ssm_state_size", "time_step_rank", "attention_hidden_size", "qk_dim_factor")
+#: Widths of a factorized token embedding (ALBERT / ELECTRA ``embedding_size``, OPT's ``word_embed_proj_dim``).
+EMBEDDING_WIDTH_KEYS = ("embedding_size", "word_embed_proj_dim", "embedding_dim")
 #: Sizes the drafter copies from the target: one value each, never a per-layer list.
 COPIED_SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
 
@@ -158,6 +167,14 @@ def architecture_refusal(raw: Mapping[str, Any], where: str = "config.json") -> 
             "no decoder with hidden_size and num_hidden_layers at the top level or in a text sub-config"
             + (f" (sub-models: {', '.join(subs)}: not one decoder whose layers see every token)" if subs else ""),
         )
+    depth, counted = t.get("num_layers"), t.get("num_hidden_layers")
+    if isinstance(depth, int) and isinstance(counted, int) and depth != counted:
+        return refuse(
+            SUBLAYERS,
+            f"{at}num_hidden_layers` {counted} counts sublayers of {depth} decoder layers ({at}num_layers`, "
+            "e.g. LongCat-Flash's two attention sublayers a layer); the target returns one hidden state per "
+            "decoder layer, so layer ids cannot be placed",
+        )
     if attention_heads(t)[1] is None:
         return refuse(
             ATTENTION_FREE,
@@ -165,6 +182,15 @@ def architecture_refusal(raw: Mapping[str, Any], where: str = "config.json") -> 
             "the drafter's attention is sized from the target's heads and head_dim",
             "not supported (hybrids with attention layers, e.g. Jamba, Falcon-H1, Nemotron-H, are)",
         )
+    hidden = _first(t, ("hidden_size", "n_embd", "d_model"))[1]
+    for k in EMBEDDING_WIDTH_KEYS:
+        if isinstance(t.get(k), int) and isinstance(hidden, int) and t[k] != hidden:
+            return refuse(
+                EMBEDDING_WIDTH,
+                f"{at}{k}` {t[k]} differs from the hidden size {hidden}: a factorized embedding projected up to "
+                "the layers; the drafter looks its noise tokens up in the target's embedding and needs them "
+                "hidden-size wide",
+            )
     listed = [k for k in COPIED_SIZES if isinstance(t.get(k), (list, Mapping))]
     if listed:
         return refuse(

@@ -39,10 +39,10 @@ TYPE_OVERRIDES: dict[str, dict] = {
     },
 }
 
-#: Types that always run the full in-process pipeline in the sample: a hyper-connection target (DeepSeek-V4),
-#: a hybrid cache with linear-attention layers (ZAYA), Nemotron-H's block list, and a plain decoder.
-PIPELINE_SAMPLE = ("deepseek_v4", "zaya", "nemotron_h", "qwen3")
-#: Model types whose twin is refused at planning by design (the probe's reason in the table).
+#: Types that always run the full in-process pipeline in the tests: a hyper-connection target (DeepSeek-V4:
+#: hidden states [b, t, 4, h]) and a hybrid cache whose linear-attention layers record only their last state
+#: (ZAYA). :func:`rotating_sample` adds :data:`ROTATION_SIZE` more each day.
+PIPELINE_SAMPLE = ("deepseek_v4", "zaya")
 ROTATION_SIZE = 1
 
 #: Chat template family the twins of swept types render (the zoo corpus's Qwen3 template).
@@ -54,8 +54,9 @@ TYPE_PREFIX = "type:"
 @dataclass(frozen=True)
 class SweepRow:
     """One model type's probe: ``status`` ``ok`` / ``refused`` / ``crash``; ``reason`` the refusal's kind
-    (:data:`dflash_pipeline.probe.architecture.REASONS`, or ``settings``) or what the probe found; ``detail``
-    the message (one line)."""
+    (:data:`dflash_pipeline.probe.architecture.REASONS`, or ``settings``); ``refused_at`` ``planning`` (found in
+    config.json alone, ``snakemake`` stops before any job) or ``probe`` (the probe rule, which needs the
+    config class); ``detail`` the message, or what the probe found (one line)."""
 
     model_type: str
     kind: str
@@ -63,6 +64,7 @@ class SweepRow:
     status: str
     reason: str
     detail: str
+    refused_at: str = ""
 
 
 def _arch(name: Any) -> str:
@@ -119,9 +121,13 @@ def probe_type(model_type: str, kind: str, architecture: str, work: Path) -> Swe
 
     from dflash_pipeline.core.errors import ConfigError, ProbeRefusal
     from dflash_pipeline.probe import probe_target
+    from dflash_pipeline.probe.architecture import raw_config_refusal
 
     def row(status: str, reason: str, detail: str) -> SweepRow:
-        return SweepRow(model_type, kind, architecture, status, reason, _one_line(detail))
+        at = ""
+        if status == "refused":
+            at = "planning" if raw_config_refusal(d) is not None else "probe"
+        return SweepRow(model_type, kind, architecture, status, reason, _one_line(detail), at)
 
     d = work / model_type
     d.mkdir(parents=True, exist_ok=True)
@@ -188,8 +194,7 @@ def rotating_sample(ok_types: list[str], *, day: datetime.date | None = None, si
 #: Config keys set on a swept type's twin so it builds and trains on CPU in seconds (the rest of the
 #: shrinking is the zoo's :func:`dflash_pipeline.testing.zoo_shrink.shrink_config`).
 TWIN_OVERRIDES: dict[str, dict] = {
-    "deepseek_v4": {"num_hidden_layers": 4, "tie_word_embeddings": False},
-    "zaya": {"tie_word_embeddings": False},
+    "deepseek_v4": {"num_hidden_layers": 4},
     "nemotron_h": {
         "layers_block_type": ["linear_attention", "mlp", "full_attention", "moe"],
         "n_routed_experts": 4,
@@ -201,7 +206,6 @@ TWIN_OVERRIDES: dict[str, dict] = {
         "n_groups": 1,
         "chunk_size": 16,
         "use_mamba_kernels": False,
-        "tie_word_embeddings": False,
     },
 }
 
@@ -218,6 +222,11 @@ def type_source_dir(models_dir: str | Path, model_type: str, out: str | Path) ->
 
     arch = {mt: a for mt, _, a in sweep_types()}[model_type]
     raw = type_config(model_type, arch)
+    # untied, as the zoo's extra twins: a tied twin's scaled head also scales its input embedding, and its
+    # greedy completions are then one token repeated (nothing to supervise: the random weights, not the type)
+    for d in (raw, raw.get("text_config")):
+        if isinstance(d, dict) and "tie_word_embeddings" in d:
+            d["tie_word_embeddings"] = False
     raw.update(json.loads(json.dumps(TWIN_OVERRIDES.get(model_type, {}))))
     root = Path(out)
     d = root / f"{TYPE_PREFIX}{model_type}"
@@ -253,29 +262,36 @@ def table_markdown(rows: list[SweepRow], transformers_version: str) -> str:
         "",
         f"Every causal-LM model type transformers {transformers_version} ships (`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`)",
         "and every image-text-to-text wrapper around a decoder, probed as the pipeline probes a target: the",
-        "config class's defaults written as `config.json`. **ok**: the probe reads the layers, width and",
-        "vocabulary transformers builds, and sizes the drafter. **refused**: `snakemake` stops at planning",
-        "(or the probe stops) with the reason below, before any completion is generated. Types marked",
-        "**(full pipeline)** also build a tiny twin that runs completions, tokens, training (fp32 and",
-        "bf16) and evaluation in the test suite; a rotating pick of the other ok types joins them each day.",
+        "config class's defaults written as `config.json`.",
         "",
-        "Refusal reasons: *attention-free* (state-space / recurrent: no attention heads to size the",
-        "drafter from), *looped layers* (layers run more than once per token), *per-layer values* (a size",
-        "the drafter copies differs per layer), *no context length*, *encoder-decoder* (the decoder of an",
-        "encoder-decoder model), *not a causal LM*, *no language-model config*, *sublayer count*,",
-        "*drafter cannot be sized*, *rotary not servable* (vLLM would serve the drafter's rotary",
-        "differently), *not loadable*. A refused architecture can still be an ok one with other settings",
-        "(e.g. Dory with `n_recurrent_loops: 1`).",
+        "- **ok**: the probe reads the layers, width and vocabulary transformers builds, and sizes the drafter.",
+        "  Types marked **(full pipeline)** also build a tiny twin (the same config class, shrunk) that runs",
+        "  completions, tokens, training (fp32 and bf16) and evaluation in the test suite",
+        "  (`tests/unit/testing/test_zoo_sweep.py`); a rotating pick of the other ok types joins them each day.",
+        "- **refused** at **planning**: the reason is in `config.json` alone, so `snakemake` (and `snakemake -n`)",
+        "  stops while planning, before any job runs and before any completion is requested.",
+        "- **refused** at **probe**: the reason needs the config class (e.g. a layer count it derives); the",
+        "  `probe_target` job stops the run, before training.",
+        "",
+        "Refusal reasons: *attention-free* (state-space / recurrent: no attention heads to size the drafter",
+        "from), *looped layers* (layers run more than once per token), *per-layer values* (a size the drafter",
+        "copies differs per layer), *no context length*, *encoder-decoder* (the decoder of an encoder-decoder",
+        "model), *not a causal LM*, *no language-model config*, *embedding width* (a factorized embedding",
+        "narrower than the layers), *sublayer count*, *drafter cannot be sized*, *rotary not servable* (vLLM",
+        "would serve the drafter's rotary differently), *not loadable*, *settings* (a drafter setting to change).",
+        "A refused default can be an ok model with other values (Dory with `n_recurrent_loops: 1`; a real",
+        "GLM-4.5 config, whose head_dim differs from the class default).",
         "",
         f"{len(rows)} types: {counts['ok']} ok, {counts['refused']} refused, {counts['crash']} crash.",
         "",
-        "| model type | kind | architecture | status | reason | probe |",
-        "|---|---|---|---|---|---|",
+        "| model type | kind | architecture | status | refused at | reason | probe |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         status = r.status + (" (full pipeline)" if r.model_type in PIPELINE_SAMPLE and r.status == "ok" else "")
         lines.append(
-            f"| `{r.model_type}` | {r.kind} | `{r.architecture}` | {status} | {_cell(r.reason)} | {_cell(r.detail)} |"
+            f"| `{r.model_type}` | {r.kind} | `{r.architecture}` | {status} | {r.refused_at} | {_cell(r.reason)} "
+            f"| {_cell(r.detail)} |"
         )
     return "\n".join(lines) + "\n"
 

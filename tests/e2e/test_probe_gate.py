@@ -1,0 +1,36 @@
+"""A target the probe refuses stops ``snakemake`` before any job runs: the refusal is found while the workflow is
+planned (from config.json alone), so no prompt shard is written and no completion is requested."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+import yaml
+from conftest import GSM8K_TRAIN, snakemake
+
+from dflash_pipeline.testing import zoo
+
+pytestmark = pytest.mark.e2e
+
+
+def test_refused_target_fails_before_any_completion(tmp_path, real_models_dir):
+    target = tmp_path / "mamba"  # a complete model directory: weights, tokenizer with a chat template
+    cfg = transformers.MambaConfig(vocab_size=512, hidden_size=32, state_size=4, num_hidden_layers=4)
+    torch.manual_seed(0)
+    transformers.MambaForCausalLM(cfg).save_pretrained(target)
+    template = zoo.family_template(real_models_dir, "Qwen3-8B").read_text(encoding="utf-8")
+    zoo.family_tokenizer(template, GSM8K_TRAIN).save_pretrained(target)
+    work = tmp_path / "work"
+    work.mkdir()
+    config = {
+        "target": {"path": str(target)},
+        "datasets": {"gsm8k": {"path": str(GSM8K_TRAIN), "max_prompts": 4}},
+        "generation": {"backend": "transformers", "max_tokens": 8},
+    }
+    (work / "config.yaml").write_text(yaml.safe_dump(config))
+    proc = snakemake(work, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "target.path: the probe refuses this target (attention-free)" in out, out[-3000:]
+    assert not (work / "results").exists()  # not even the prompts checkpoint ran
