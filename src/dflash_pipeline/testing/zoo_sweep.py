@@ -54,9 +54,10 @@ TYPE_PREFIX = "type:"
 @dataclass(frozen=True)
 class SweepRow:
     """One model type's probe: ``status`` ``ok`` / ``refused`` / ``crash``; ``reason`` the refusal's kind
-    (:data:`dflash_pipeline.probe.architecture.REASONS`, or ``settings``); ``refused_at`` ``planning`` (found in
-    config.json alone, ``snakemake`` stops before any job) or ``probe`` (the probe rule, which needs the
-    config class); ``detail`` the message, or what the probe found (one line)."""
+    (:data:`dflash_pipeline.probe.architecture.REASONS`, or ``settings``); ``refused_at`` ``config.json`` (found
+    in it alone: every plan lists it with the config problems) or ``config class`` (the plan-time gate and
+    the probe job find it through the config class); ``detail`` the message, or what the probe found (one
+    line)."""
 
     model_type: str
     kind: str
@@ -126,7 +127,7 @@ def probe_type(model_type: str, kind: str, architecture: str, work: Path) -> Swe
     def row(status: str, reason: str, detail: str) -> SweepRow:
         at = ""
         if status == "refused":
-            at = "planning" if raw_config_refusal(d) is not None else "probe"
+            at = "config.json" if raw_config_refusal(d) is not None else "config class"
         return SweepRow(model_type, kind, architecture, status, reason, _one_line(detail), at)
 
     d = work / model_type
@@ -268,10 +269,10 @@ def table_markdown(rows: list[SweepRow], transformers_version: str) -> str:
         "  Types marked **(full pipeline)** also build a tiny twin (the same config class, shrunk) that runs",
         "  completions, tokens, training (fp32 and bf16) and evaluation in the test suite",
         "  (`tests/unit/testing/test_zoo_sweep.py`); a rotating pick of the other ok types joins them each day.",
-        "- **refused** at **planning**: the reason is in `config.json` alone, so `snakemake` (and `snakemake -n`)",
-        "  stops while planning, before any job runs and before any completion is requested.",
-        "- **refused** at **probe**: the reason needs the config class (e.g. a layer count it derives); the",
-        "  `probe_target` job stops the run, before training.",
+        "- **refused**: `snakemake` (and `snakemake -n`) stops while it plans the run, before any job runs and",
+        "  before any completion is requested. *config.json*: the reason is in `config.json` alone and is listed",
+        "  with the other config problems; *config class*: the reason shows through the config class (e.g. a",
+        "  layer count it derives), found by the plan-time gate while no probe record has accepted the target.",
         "",
         "Refusal reasons: *attention-free* (state-space / recurrent: no attention heads to size the drafter",
         "from), *looped layers* (layers run more than once per token), *per-layer values* (a size the drafter",

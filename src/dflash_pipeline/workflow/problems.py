@@ -113,6 +113,36 @@ def target_architecture_problems(target_dir: str | Path) -> list[str]:
     return [f"target.path: the probe refuses this target ({refusal.reason}): {refusal}"]
 
 
+def probe_gate_problems(cfg: Mapping[str, Any], probe_record: str | Path) -> list[str]:
+    """The probe's config-only checks (:func:`dflash_pipeline.probe.check_target_config`) of a local target
+    that has no probe record yet, or one older than its ``config.json``: one ``target.path`` line when the
+    probe would refuse it (reasons that need the config class, beyond :func:`target_architecture_problems`:
+    a layer count the class derives, a drafter it cannot size, a rotary vLLM would serve differently). []
+    for the demo target and for a target the probe record already accepted (then nothing is imported:
+    planning an existing run stays fast; the first plan of a target pays the transformers import, ~2 s).
+
+    The Snakefile raises it while planning, before any job: completions do not wait for the probe job (its
+    record is not their input, so upgrading never reruns them), and a refused target must not cost a
+    generation pass first."""
+    from dflash_pipeline.core.errors import ConfigError, ProbeError
+
+    path = cfg["target"]["path"]
+    config_json = Path(path) / "config.json"
+    record = Path(probe_record)
+    if path == "demo" or not config_json.is_file():
+        return []
+    if record.is_file() and record.stat().st_mtime >= config_json.stat().st_mtime:
+        return []
+    from dflash_pipeline.probe import check_target_config
+
+    try:
+        check_target_config(path, **cfg["drafter"], trust_remote_code=cfg["target"]["trust_remote_code"])
+    except (ProbeError, ConfigError) as exc:
+        reason = getattr(exc, "reason", None)
+        return [f"target.path: the probe refuses this target{f' ({reason})' if reason else ''}: {exc}"]
+    return []
+
+
 def training_problems(cfg: Mapping[str, Any]) -> list[str]:
     """Combinations of the train / features / eval settings that cannot run, found before anything does."""
     out = []

@@ -14,7 +14,7 @@ from dflash_pipeline.core.errors import ProbeRefusal
 from dflash_pipeline.probe import probe_target
 from dflash_pipeline.probe.architecture import REASONS, architecture_refusal, raw_config_refusal
 from dflash_pipeline.testing.zoo_sweep import type_config
-from dflash_pipeline.workflow.problems import target_architecture_problems
+from dflash_pipeline.workflow.problems import probe_gate_problems, target_architecture_problems
 
 TINY_DORY = dict(
     vocab_size=128,
@@ -129,3 +129,21 @@ def test_hand_written_config_without_a_context_length_is_left_to_the_config_clas
     raw.pop("transformers_version")
     assert architecture_refusal(raw) is None
     assert probe(write(tmp_path, raw))["max_position_embeddings"] == 32768  # Qwen3Config's default
+
+
+def test_plan_time_gate_runs_the_config_class_checks_until_a_probe_record_accepts_the_target(tmp_path):
+    """LongCat is refused at plan time by the gate (the config class's checks) while no probe record exists;
+    a record newer than config.json means the probe accepted this target, and the gate reads nothing."""
+    from dflash_pipeline.core.config import validate_config
+
+    target = write(tmp_path, type_config("longcat_flash", "LongcatFlashForCausalLM"))
+    cfg = validate_config({"target": {"path": str(target)}, "drafter": {"block_size": 4, "num_draft_layers": 1}})
+    record = tmp_path / "probe.json"
+    (found,) = probe_gate_problems(cfg, record)
+    assert found.startswith("target.path: the probe refuses this target (sublayer count): ")
+    record.write_text("{}")
+    assert probe_gate_problems(cfg, record) == []
+    (tmp_path / "qwen").mkdir()
+    qwen = write(tmp_path / "qwen", type_config("qwen3", "Qwen3ForCausalLM"))
+    assert probe_gate_problems({**cfg, "target": {**cfg["target"], "path": str(qwen)}}, tmp_path / "none") == []
+    assert probe_gate_problems({**cfg, "target": {**cfg["target"], "path": "demo"}}, tmp_path / "none") == []
