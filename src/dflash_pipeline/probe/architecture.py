@@ -15,7 +15,8 @@ assumptions does not hold and says which, in a :class:`~dflash_pipeline.core.err
   drafter's attention is sized from them (hybrids with attention layers, Jamba, Falcon-H1, Nemotron-H, are
   fine).
 - ``per-layer values``: a size the drafter copies (``intermediate_size`` …) is a list per layer (Gemma-3n,
-  whose layers also carry AltUp's parallel streams).
+  whose layers also carry AltUp's parallel streams). Per-layer overrides beside a global value
+  (``per_layer_config``: dots3's heads, gemma-4's head_dim) are fine: the drafter takes the global value.
 - ``no context length``: no ``max_position_embeddings`` nor a field of the same meaning
   (:data:`CONTEXT_LENGTH_KEYS`) in a config transformers wrote, e.g. RecurrentGemma's local-attention
   window, CPM-Ant's relative position buckets, BLOOM's ALiBi; the drafter's config states the context it
@@ -23,14 +24,15 @@ assumptions does not hold and says which, in a :class:`~dflash_pipeline.core.err
   class's default.)
 - ``embedding width``: a factorized embedding narrower than the layers (ELECTRA's ``embedding_size``, OPT's
   ``word_embed_proj_dim``): the drafter embeds its noise tokens with the target's embedding, H wide.
-- ``sublayer count``: ``num_hidden_layers`` counts sublayers of fewer ``num_layers`` decoder layers
-  (LongCat-Flash).
 - ``no language-model config``: no one decoder whose layers see every token (BLT: a byte patcher, a local
   encoder, a global transformer over patches and a local decoder).
 
 Reading only the JSON (no transformers import), it runs both in the probe and at plan time
 (:func:`dflash_pipeline.workflow.problems.cross_field_problems`), so a refused target stops ``snakemake``
-before the first completion is requested.
+before the first completion is requested. The reasons that show only through the config class (``sublayer
+count``, ``drafter cannot be sized``, ``rotary not servable``, ``not loadable``) come from
+:mod:`dflash_pipeline.probe.checks`, which the plan-time gate runs too
+(:func:`dflash_pipeline.workflow.problems.probe_gate_problems`).
 """
 
 from __future__ import annotations
@@ -48,13 +50,14 @@ ATTENTION_FREE = "attention-free"
 PER_LAYER_VALUES = "per-layer values"
 NO_CONTEXT_LENGTH = "no context length"
 NO_TEXT_CONFIG = "no language-model config"
-SUBLAYERS = "sublayer count"
 EMBEDDING_WIDTH = "embedding width"
+SUBLAYERS = "sublayer count"
 UNSIZABLE = "drafter cannot be sized"
 NOT_SERVABLE = "rotary not servable"
 NOT_LOADABLE = "not loadable"
-#: Every ``ProbeRefusal.reason`` the probe gives (up to ``embedding width`` from config.json alone, at plan time
-#: too).
+#: Every ``ProbeRefusal.reason`` the probe gives: up to ``embedding width`` from config.json alone
+#: (:func:`architecture_refusal`), the others through the config class (``sublayer count``: LongCat-Flash's
+#: config class counts two attention sublayers per decoder layer, which config.json does not show).
 REASONS = (
     ENCODER_DECODER,
     NOT_CAUSAL,
@@ -63,8 +66,8 @@ REASONS = (
     PER_LAYER_VALUES,
     NO_CONTEXT_LENGTH,
     NO_TEXT_CONFIG,
-    SUBLAYERS,
     EMBEDDING_WIDTH,
+    SUBLAYERS,
     UNSIZABLE,
     NOT_SERVABLE,
     NOT_LOADABLE,
@@ -166,14 +169,6 @@ def architecture_refusal(raw: Mapping[str, Any], where: str = "config.json") -> 
             NO_TEXT_CONFIG,
             "no decoder with hidden_size and num_hidden_layers at the top level or in a text sub-config"
             + (f" (sub-models: {', '.join(subs)}: not one decoder whose layers see every token)" if subs else ""),
-        )
-    depth, counted = t.get("num_layers"), t.get("num_hidden_layers")
-    if isinstance(depth, int) and isinstance(counted, int) and depth != counted:
-        return refuse(
-            SUBLAYERS,
-            f"{at}num_hidden_layers` {counted} counts sublayers of {depth} decoder layers ({at}num_layers`, "
-            "e.g. LongCat-Flash's two attention sublayers a layer); the target returns one hidden state per "
-            "decoder layer, so layer ids cannot be placed",
         )
     if attention_heads(t)[1] is None:
         return refuse(

@@ -10,7 +10,7 @@ config); ``refused`` when the probe raises a :class:`~dflash_pipeline.core.error
 built, so the whole sweep takes seconds.
 
 The full pipeline (twin build, probe, completions, tokens, train fp32 / bf16, eval) runs on a sample
-(:data:`PIPELINE_SAMPLE`, plus a rotating pick of :func:`rotating_sample`) through
+(:data:`PIPELINE_SAMPLE`, plus a rotating pick of :data:`PIPELINE_VERIFIED`, :func:`rotating_sample`) through
 :func:`dflash_pipeline.testing.zoo.run_stages`, whose twins of a type are built from the same config class,
 shrunk (zoo family name ``type:<model_type>``, :func:`type_source_dir`).
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -41,8 +42,20 @@ TYPE_OVERRIDES: dict[str, dict] = {
 
 #: Types that always run the full in-process pipeline in the tests: a hyper-connection target (DeepSeek-V4:
 #: hidden states [b, t, 4, h]) and a hybrid cache whose linear-attention layers record only their last state
-#: (ZAYA). :func:`rotating_sample` adds :data:`ROTATION_SIZE` more each day.
+#: (ZAYA). :func:`rotating_sample` adds :data:`ROTATION_SIZE` of :data:`PIPELINE_VERIFIED` each day.
 PIPELINE_SAMPLE = ("deepseek_v4", "zaya")
+#: Types whose twin ran every stage (``python -m dflash_pipeline.testing.zoo --table --family type:<type>``):
+#: the rotation walks them, so each stays verified; add a type here once its run is clean.
+PIPELINE_VERIFIED = (
+    "codegen",
+    "deepseek_v4",
+    "gpt2",
+    "idefics2",
+    "minicpmv4_6",
+    "nemotron_h",
+    "qwen3_next",
+    "zaya",
+)
 ROTATION_SIZE = 1
 
 #: Chat template family the twins of swept types render (the zoo corpus's Qwen3 template).
@@ -178,13 +191,19 @@ def sweep(work: Path | None = None) -> list[SweepRow]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def rotating_sample(ok_types: list[str], *, day: datetime.date | None = None, size: int = ROTATION_SIZE) -> list[str]:
-    """``size`` types of ``ok_types`` beyond :data:`PIPELINE_SAMPLE`, a different pick each day (the day's
-    ordinal indexes the sorted list), so successive runs walk every type through the full pipeline."""
-    pool = sorted(t for t in ok_types if t not in PIPELINE_SAMPLE)
+def rotating_sample(
+    verified: tuple[str, ...] = PIPELINE_VERIFIED, *, day: datetime.date | None = None, size: int = ROTATION_SIZE
+) -> list[str]:
+    """``size`` types of ``verified`` beyond :data:`PIPELINE_SAMPLE`, a different pick each day (the day's
+    ordinal indexes the sorted list; ``$DFLASH_SWEEP_DAY`` = ``YYYY-MM-DD`` replays a day), so successive runs
+    walk every verified type through the full pipeline."""
+    pool = sorted(t for t in verified if t not in PIPELINE_SAMPLE)
     if not pool:
         return []
-    start = (day or datetime.date.today()).toordinal() * size
+    if day is None:
+        named = os.environ.get("DFLASH_SWEEP_DAY")
+        day = datetime.date.fromisoformat(named) if named else datetime.date.today()
+    start = day.toordinal() * size
     return [pool[(start + i) % len(pool)] for i in range(min(size, len(pool)))]
 
 
@@ -268,7 +287,7 @@ def table_markdown(rows: list[SweepRow], transformers_version: str) -> str:
         "- **ok**: the probe reads the layers, width and vocabulary transformers builds, and sizes the drafter.",
         "  Types marked **(full pipeline)** also build a tiny twin (the same config class, shrunk) that runs",
         "  completions, tokens, training (fp32 and bf16) and evaluation in the test suite",
-        "  (`tests/unit/testing/test_zoo_sweep.py`); a rotating pick of the other ok types joins them each day.",
+        "  (`tests/unit/testing/test_zoo_sweep.py`: DeepSeek-V4 and ZAYA always, one of the others each day).",
         "- **refused**: `snakemake` (and `snakemake -n`) stops while it plans the run, before any job runs and",
         "  before any completion is requested. *config.json*: the reason is in `config.json` alone and is listed",
         "  with the other config problems; *config class*: the reason shows through the config class (e.g. a",
@@ -289,7 +308,8 @@ def table_markdown(rows: list[SweepRow], transformers_version: str) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        status = r.status + (" (full pipeline)" if r.model_type in PIPELINE_SAMPLE and r.status == "ok" else "")
+        full = r.model_type in PIPELINE_SAMPLE + PIPELINE_VERIFIED and r.status == "ok"
+        status = r.status + (" (full pipeline)" if full else "")
         lines.append(
             f"| `{r.model_type}` | {r.kind} | `{r.architecture}` | {status} | {r.refused_at} | {_cell(r.reason)} "
             f"| {_cell(r.detail)} |"

@@ -64,18 +64,20 @@ def test_model_types_page_is_the_generators_output(rows):
     assert "| `deepseek_v4` | causal-lm | `DeepseekV4ForCausalLM` | ok (full pipeline) |" in page
 
 
-def test_rotating_sample_walks_the_ok_types():
-    pool = ["a", "b", "c", "deepseek_v4"]
+def test_rotating_sample_walks_the_verified_types(rows, monkeypatch):
+    pool = ("a", "b", "c", "deepseek_v4")
     picks = {tuple(zoo_sweep.rotating_sample(pool, day=datetime.date(2026, 1, d))) for d in range(1, 4)}
     assert picks == {("a",), ("b",), ("c",)}
+    monkeypatch.setenv("DFLASH_SWEEP_DAY", "2026-01-02")
+    assert zoo_sweep.rotating_sample(pool) == zoo_sweep.rotating_sample(pool, day=datetime.date(2026, 1, 2))
+    ok = {r.model_type for r in rows if r.status == "ok"}
+    assert set(zoo_sweep.PIPELINE_SAMPLE + zoo_sweep.PIPELINE_VERIFIED) <= ok
 
 
 def _sample() -> list[str]:
-    """The full-pipeline sample: :data:`~dflash_pipeline.testing.zoo_sweep.PIPELINE_SAMPLE` and today's
-    rotating pick among the types the page lists as ok."""
-    page = (REPO_ROOT / zoo_sweep.PAGE).read_text(encoding="utf-8")
-    ok = [line.split("`")[1] for line in page.splitlines() if line.startswith("| `") and "| ok" in line]
-    return list(zoo_sweep.PIPELINE_SAMPLE) + zoo_sweep.rotating_sample(ok)
+    """The full-pipeline sample: :data:`~dflash_pipeline.testing.zoo_sweep.PIPELINE_SAMPLE` and today's pick
+    (``$DFLASH_SWEEP_DAY`` replays a day) of the verified types."""
+    return list(zoo_sweep.PIPELINE_SAMPLE) + zoo_sweep.rotating_sample()
 
 
 @pytest.fixture(scope="module")
