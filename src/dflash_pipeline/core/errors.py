@@ -26,7 +26,7 @@ class ProbeError(PipelineError):
 
 class ProbeRefusal(ProbeError):
     """The target is a model the drafter cannot be built for; ``reason`` names the kind in a few words
-    (``"attention-free"``, ``"looped layers"`` …, :data:`dflash_pipeline.probe.architecture.REASONS`) and
+    (``"attention-free"``, ``"looped layers"`` …, :data:`dflash_pipeline.probe.checks.REASONS`) and
     the message says which config field shows it and what (if anything) to set."""
 
     def __init__(self, reason: str, message: str):

@@ -17,8 +17,8 @@ The package, one module per concern; :func:`probe_target` runs their steps in or
   rope), the embedding's rows from the safetensors header, ``generation_config.json``'s eos ids;
 - :mod:`.tokenizer` — the tokenizer (fast, sentencepiece, tiktoken, remote code) and its facts;
 - :mod:`.drafter` — drafter sizing: ``block_size``, ``target_layer_ids``, ``mask_token_id``;
-- :mod:`.architecture` — architectures refused from ``config.json`` alone, with the reason (also at plan time);
-- :mod:`.checks` — plan-time checks: the target loads, the drafter can be sized, the chat template exists;
+- :mod:`.checks` — plan-time checks: architectures refused from ``config.json`` alone, with the reason
+  (also while the workflow is planned), the target loads, the drafter can be sized, the chat template exists;
 - :mod:`.record` — the record's schema, validation, atomic write and readable summary.
 
 Every name this module had before it became a package is importable from here.
@@ -119,7 +119,7 @@ def probe_target(
 
     Raises:
         ProbeRefusal: a target the drafter cannot be built for, with the reason (attention-free, looped
-            layers …, :data:`dflash_pipeline.probe.architecture.REASONS`); a ProbeError.
+            layers …, :data:`dflash_pipeline.probe.checks.REASONS`); a ProbeError.
         ProbeError: missing/unusable config.json, tokenizer that cannot load (message says which package
             to install or which key to set), missing tokenizer (strict).
         ConfigError: no chat template and no ``chat_template`` override (strict; names
@@ -182,7 +182,7 @@ def check_target_config(
     **_ignored,
 ) -> None:
     """Every check of :func:`probe_target` that reads only ``config.json`` (no tokenizer, no weights): the
-    architecture (:func:`~dflash_pipeline.probe.architecture.architecture_refusal`), the config class and
+    architecture (:func:`~dflash_pipeline.probe.checks.architecture_refusal`), the config class and
     the causal-LM class it loads with, the target layers, and the drafter sized from the config (rotary
     included). The plan-time gate of the workflow runs it before the probe job exists, so a refused target
     stops ``snakemake`` before the first completion. Extra keyword arguments (``mask_token_id`` …, the

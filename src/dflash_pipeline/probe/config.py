@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from dflash_pipeline.core.errors import ProbeError
-from dflash_pipeline.probe.architecture import CONTEXT_LENGTH_KEYS, architecture_refusal, block_type_count
+from dflash_pipeline.probe.checks import CONTEXT_LENGTH_KEYS, architecture_refusal, block_type_count
 
 #: Keys under which multimodal / wrapper configs keep the language model's config, in search order.
 TEXT_CONFIG_KEYS = (
@@ -305,7 +305,7 @@ def _size_facts(
     and KV heads (default: the attention heads) with the KV heads' source, in the record's key order.
 
     ``num_hidden_layers`` is the number of decoder layers transformers builds: the config's count, else the
-    length of its per-layer block list (:func:`~dflash_pipeline.probe.architecture.block_type_count`); when
+    length of its per-layer block list (:func:`~dflash_pipeline.probe.checks.block_type_count`); when
     ``AutoConfig`` (``auto_text``) builds a different number, its count, with a warning appended to
     ``warnings``.
 
@@ -358,7 +358,7 @@ def _probe_config(target_dir: Path, trust_remote_code: bool) -> tuple[dict, list
 
     Raises:
         ProbeRefusal: an architecture the drafter cannot be built for
-            (:func:`~dflash_pipeline.probe.architecture.architecture_refusal`, with the reason).
+            (:func:`~dflash_pipeline.probe.checks.architecture_refusal`, with the reason).
         ProbeError: a missing/unusable config.
     """
     path = target_dir / "config.json"

@@ -71,9 +71,14 @@ def build_any_twin(
 ) -> Path:
     """:func:`build_twin` for a corpus family, an extra one (its source directory written next to
     ``out_dir`` first, :func:`dflash_pipeline.testing.zoo_extra.extra_source_dir`) or a transformers model type
-    named ``type:<model_type>`` (:func:`dflash_pipeline.testing.zoo_sweep.type_source_dir`)."""
-    from dflash_pipeline.testing.zoo_extra import EXTRA_FAMILIES, TWIN_SEEDS, extra_source_dir
-    from dflash_pipeline.testing.zoo_sweep import TYPE_PREFIX, type_source_dir
+    named ``type:<model_type>`` (:func:`dflash_pipeline.testing.zoo_extra.type_source_dir`)."""
+    from dflash_pipeline.testing.zoo_extra import (
+        EXTRA_FAMILIES,
+        TWIN_SEEDS,
+        TYPE_PREFIX,
+        extra_source_dir,
+        type_source_dir,
+    )
 
     if family.startswith(TYPE_PREFIX):  # a transformers model type, from its config class's defaults
         src = type_source_dir(

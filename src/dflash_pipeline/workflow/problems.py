@@ -7,7 +7,7 @@ them (the language block: :func:`dflash_pipeline.prompts.language_problems`; gen
 :func:`dflash_pipeline.core.config.generation_problems`; block sizes:
 :func:`dflash_pipeline.drafter.block_size.resolve_block_size`; the target's files:
 :func:`dflash_pipeline.target.chat.tokenizer_files_missing`; the target's architecture:
-:func:`dflash_pipeline.probe.architecture.raw_config_refusal`), which is why this lives above the stages and
+:func:`dflash_pipeline.probe.checks.raw_config_refusal`), which is why this lives above the stages and
 not in core (core imports no other package).
 """
 
@@ -99,13 +99,13 @@ def cross_field_problems(cfg: Mapping[str, Any], *, base_dir: str | Path | None 
 
 def target_architecture_problems(target_dir: str | Path) -> list[str]:
     """The probe's refusal of the target's architecture, read from ``<target_dir>/config.json`` alone
-    (:func:`dflash_pipeline.probe.architecture.raw_config_refusal`: attention-free, looped layers, per-layer
+    (:func:`dflash_pipeline.probe.checks.raw_config_refusal`: attention-free, looped layers, per-layer
     sizes, no context length …), as one ``target.path`` line; [] when the probe would not refuse it there.
 
     The probe rule runs the same check, but completions do not wait for it (the probe record is not their
     input, so that upgrading never reruns them): refusing at plan time stops ``snakemake`` before the first
     completion is requested. Imports no transformers (planning stays fast)."""
-    from dflash_pipeline.probe.architecture import raw_config_refusal
+    from dflash_pipeline.probe.checks import raw_config_refusal
 
     refusal = raw_config_refusal(target_dir)
     if refusal is None:

@@ -12,8 +12,8 @@ import transformers
 
 from dflash_pipeline.core.errors import ProbeRefusal
 from dflash_pipeline.probe import probe_target
-from dflash_pipeline.probe.architecture import REASONS, architecture_refusal, raw_config_refusal
-from dflash_pipeline.testing.zoo_sweep import type_config
+from dflash_pipeline.probe.checks import REASONS, architecture_refusal, raw_config_refusal
+from dflash_pipeline.testing.zoo_extra import type_config
 from dflash_pipeline.workflow.problems import probe_gate_problems, target_architecture_problems
 
 TINY_DORY = dict(
