@@ -140,6 +140,8 @@ def probe_gate_problems(cfg: Mapping[str, Any], probe_record: str | Path) -> lis
     except (ProbeError, ConfigError) as exc:
         reason = getattr(exc, "reason", None)
         return [f"target.path: the probe refuses this target{f' ({reason})' if reason else ''}: {exc}"]
+    except Exception:  # noqa: BLE001 - not a refusal: the probe job reports it, with its traceback in the log
+        return []
     return []
 
 
