@@ -51,6 +51,8 @@ def test_every_causal_lm_type_probes_right_or_is_refused_with_a_reason(rows):
         "longcat_flash": "sublayer count",
     }
     assert {t: by_type[t].reason for t in expected} == expected
+    # found in config.json alone (listed with the config problems) vs through the config class (the gate)
+    assert by_type["mamba"].refused_at == "config.json" and by_type["longcat_flash"].refused_at == "config class"
     for ok in ("deepseek_v4", "zaya", "nemotron_h", "mpt", "qwen3", "kimi_k25", "dots3_note"):
         assert by_type[ok].status == "ok", by_type[ok]
     assert by_type["nemotron_h"].detail.startswith("4 layers")  # len(layers_block_type)
@@ -60,7 +62,8 @@ def test_model_types_page_is_the_generators_output(rows):
     """docs/reference/model-types.md is what ``python -m dflash_pipeline.testing.zoo_extra --write`` writes
     (regenerate it after a transformers upgrade or a probe change)."""
     page = (REPO_ROOT / zoo_extra.PAGE).read_text(encoding="utf-8")
-    assert page == zoo_extra.table_markdown(rows, transformers.__version__)
+    expected = zoo_extra.table_markdown(rows, transformers.__version__)
+    assert page == expected, f"regenerate it: python -m dflash_pipeline.testing.zoo_extra --write ({zoo_extra.PAGE})"
     assert "| `deepseek_v4` | causal-lm | `DeepseekV4ForCausalLM` | ok (full pipeline) |" in page
 
 
