@@ -45,6 +45,8 @@ def test_refused_target_fails_before_any_completion(tmp_path, real_models_dir, b
     work.mkdir()
     config = {
         "target": {"path": str(target)},
+        # 5 target layers cannot be placed in the 4-layer twins either: the architecture's refusal comes first
+        "drafter": {"block_size": 4, "num_draft_layers": 5, "num_target_features": 5},
         "datasets": {"gsm8k": {"path": str(GSM8K_TRAIN), "max_prompts": 4}},
         "generation": {"backend": "transformers", "max_tokens": 8},
     }

@@ -199,12 +199,16 @@ def check_target_config(
     _check_drafter_sizes(block_size, num_draft_layers)
     cfg, _, _ = _probe_config(target_dir, trust_remote_code)
     check_loadable(target_dir, trust_remote_code=trust_remote_code)
-    ids, _ = _choose_target_layer_ids(
-        cfg["num_hidden_layers"],
-        num_draft_layers=num_draft_layers,
-        num_target_features=num_target_features,
-        target_layer_ids=target_layer_ids,
-    )
+    try:
+        ids, _ = _choose_target_layer_ids(
+            cfg["num_hidden_layers"],
+            num_draft_layers=num_draft_layers,
+            num_target_features=num_target_features,
+            target_layer_ids=target_layer_ids,
+        )
+    except ConfigError:  # the architecture's refusal first: no drafter setting fixes that one
+        _check_drafter_config(target_dir, trust_remote_code, block_size, num_draft_layers, [0], None)
+        raise
     _check_drafter_config(target_dir, trust_remote_code, block_size, num_draft_layers, ids, None)
 
 
