@@ -17,7 +17,7 @@ _OWNERS = {
         " COMPLETION_STATS_VERSION ManifestShard ManifestSource PromptManifest RunStats CompletionStats"
         " STATS_V1_RUN_KEYS run_stats EvalSetStats EvalDrafter EvalRecord CheckpointMeta"
     ),
-    "errors": "strip_url_credentials PipelineError ConfigError ProbeError DataError GenerationError TokenizationError",
+    "errors": "strip_url_credentials PipelineError ConfigError ProbeError ProbeRefusal DataError GenerationError TokenizationError",
     "shards": (
         "atomic_write_bytes replace_dir write_tsv write_json read_json table_from_records write_parquet"
         " read_parquet read_shard_metadata ParquetStreamWriter"

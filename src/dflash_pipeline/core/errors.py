@@ -26,6 +26,16 @@ class ProbeError(PipelineError):
     """The target directory cannot be probed (message names the file and what to install or set)."""
 
 
+class ProbeRefusal(ProbeError):
+    """The target is a model the drafter cannot be built for; ``reason`` names the kind in a few words
+    (``"attention-free"``, ``"looped layers"`` …, :data:`dflash_pipeline.probe.checks.REASONS`) and
+    the message says which config field shows it and what (if anything) to set."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
 class DataError(PipelineError):
     """A dataset record is malformed (message names file, line/record and field)."""
 

@@ -94,7 +94,8 @@ class DFlashConfig(Qwen3Config):
         if sliding and not sliding_window:
             raise ValueError("drafter.layer_types has sliding_attention layers: set drafter.sliding_window (tokens)")
         t = target_config
-        head_dim = _target_attr(t, "head_dim") or t.hidden_size // t.num_attention_heads
+        heads = _target_attr(t, "num_attention_heads")  # a per-layer count (dots3): its global value
+        head_dim = _target_attr(t, "head_dim") or t.hidden_size // heads
         # the rotary vLLM serves (drafter.rope: partial rotary kept, M-RoPE sections dropped)
         rope = drafter_rope_parameters(
             _target_attr(t, "rope_parameters") or _target_attr(t, "rope_scaling"),
@@ -108,11 +109,11 @@ class DFlashConfig(Qwen3Config):
             hidden_size=t.hidden_size,
             intermediate_size=_target_attr(t, "intermediate_size", 4 * t.hidden_size),
             num_hidden_layers=num_draft_layers,
-            num_attention_heads=t.num_attention_heads,
-            num_key_value_heads=_target_attr(t, "num_key_value_heads", t.num_attention_heads),
+            num_attention_heads=heads,
+            num_key_value_heads=_target_attr(t, "num_key_value_heads", heads),
             head_dim=head_dim,
             hidden_act="silu",
-            max_position_embeddings=t.max_position_embeddings,
+            max_position_embeddings=target_context_length(t),
             rms_norm_eps=_target_attr(t, "rms_norm_eps", 1e-6),
             rope_parameters=rope,
             attention_bias=False,
@@ -209,6 +210,23 @@ def _read_config_json(ckpt_dir: str | Path) -> tuple[Path, dict]:
         if key not in dc:
             raise ValueError(f"{path}: `dflash_config.{key}` is missing")
     return path, raw
+
+
+def target_context_length(config) -> int:
+    """The target's context length in tokens: ``max_position_embeddings``, or the field of the same meaning
+    its family names otherwise (MPT's ``max_seq_len``, GPT-2's ``n_positions`` …,
+    :data:`dflash_pipeline.probe.checks.CONTEXT_LENGTH_KEYS`).
+
+    Raises:
+        ValueError: the config states none, or a bound ≤ 0 (the probe refuses such targets, with the reason).
+    """
+    from dflash_pipeline.probe.checks import CONTEXT_LENGTH_KEYS
+
+    for key in CONTEXT_LENGTH_KEYS:
+        value = _target_attr(config, key)
+        if isinstance(value, int) and value > 0:  # XLNet's -1: no bound
+            return value
+    raise ValueError(f"{type(config).__name__} states no context length ({', '.join(CONTEXT_LENGTH_KEYS)})")
 
 
 def _target_attr(config, name: str, default=None):

@@ -63,6 +63,19 @@ def recurrent_rollback_kwargs(activate_past_recording, max_rollback: int) -> dic
     return {"recurrent_states_to_keep": int(max_rollback)} if takes else {}
 
 
+def _unrecorded(layer, n_tokens: int, max_rollback: int) -> bool:
+    """Whether ``layer``, which claims to be croppable, kept fewer recurrent states over the forward of
+    ``n_tokens`` than a rollback of ``min(n_tokens, max_rollback)`` tokens needs: a model that hands its
+    cache only the last state (ZAYA's linear attention, ``update_recurrent_state(state[:, -1])``) leaves one
+    entry, and ``crop`` would index past it."""
+    history = getattr(layer, "recurrent_states_history", None)
+    if not isinstance(history, dict) or n_tokens < 2:
+        return False
+    started = getattr(layer, "is_recurrent_states_initialized", {})
+    need = min(n_tokens, max_rollback)
+    return any(started.get(i) and len(states) < need for i, states in history.items())
+
+
 class TargetCache:
     """The target's cache in the verify loop, with one rollback policy for every cache type transformers
     ships (dflash.md §2.5: after a verify step only the bonus token and the accepted drafts stay).
@@ -77,7 +90,9 @@ class TargetCache:
       attention / SSM layers where transformers records their recurrent states) — the rejected tokens are
       cropped;
     * ``recompute``: some layer holds a recurrent state that cannot be cut back (linear attention of
-      Qwen3.5/3.6 and Qwen3-Next before transformers 5.25): those layers are snapshotted before each verify
+      Qwen3.5/3.6 and Qwen3-Next before transformers 5.25; a layer that claims to be croppable but whose
+      model records only its last recurrent state, ZAYA's, found after the prefill by
+      :func:`_unrecorded`): those layers are snapshotted before each verify
       forward; on a rejection they are restored, the croppable layers cropped to the same point, and the
       target re-runs the accepted tokens (one extra forward of a+1 tokens per rejecting step).
 
@@ -96,6 +111,8 @@ class TargetCache:
             rec = self.cache.activate_past_recording
             rec(**recurrent_rollback_kwargs(rec, max_rollback))
         self.policy: Optional[str] = None
+        self.max_rollback = int(max_rollback)
+        self._uncroppable: list[int] = []  # layers the recompute policy snapshots
         self._snapshot: Optional[dict] = None
         self.recomputes = 0
 
@@ -106,16 +123,18 @@ class TargetCache:
         if self.policy == "recompute":
             import copy
 
-            self._snapshot = {
-                i: copy.deepcopy(layer)
-                for i, layer in enumerate(self.cache.layers)
-                if not getattr(layer, "is_croppable", False)
-            }
+            self._snapshot = {i: copy.deepcopy(self.cache.layers[i]) for i in self._uncroppable}
         feats, out = target_features(
             self.target, ids, None, layer_ids, use_cache=True, need_logits=True, **_cache_kw(self.target, self.cache)
         )
         if self.policy is None:  # after the prefill every layer type is known
-            self.policy = "crop" if getattr(self.cache, "is_croppable", True) else "recompute"
+            self._uncroppable = [
+                i
+                for i, layer in enumerate(getattr(self.cache, "layers", []))
+                if not getattr(layer, "is_croppable", False) or _unrecorded(layer, ids.shape[1], self.max_rollback)
+            ]
+            croppable = getattr(self.cache, "is_croppable", True) and not self._uncroppable
+            self.policy = "crop" if croppable else "recompute"
         return feats, out
 
     def keep(self, ids: torch.Tensor, n_keep: int, layer_ids: Sequence[int]) -> None:

@@ -17,7 +17,8 @@ The package, one module per concern; :func:`probe_target` runs their steps in or
   rope), the embedding's rows from the safetensors header, ``generation_config.json``'s eos ids;
 - :mod:`.tokenizer` — the tokenizer (fast, sentencepiece, tiktoken, remote code) and its facts;
 - :mod:`.drafter` — drafter sizing: ``block_size``, ``target_layer_ids``, ``mask_token_id``;
-- :mod:`.checks` — plan-time checks: the target loads, the drafter can be sized, the chat template exists;
+- :mod:`.checks` — plan-time checks: architectures refused from ``config.json`` alone, with the reason
+  (also while the workflow is planned), the target loads, the drafter can be sized, the chat template exists;
 - :mod:`.record` — the record's schema, validation, atomic write and readable summary.
 
 Every name this module had before it became a package is importable from here.
@@ -117,6 +118,8 @@ def probe_target(
             reason in ``mask_token_source``; a missing chat template is a warning.
 
     Raises:
+        ProbeRefusal: a target the drafter cannot be built for, with the reason (attention-free, looped
+            layers …, :data:`dflash_pipeline.probe.checks.REASONS`); a ProbeError.
         ProbeError: missing/unusable config.json, tokenizer that cannot load (message says which package
             to install or which key to set), missing tokenizer (strict).
         ConfigError: no chat template and no ``chat_template`` override (strict; names
@@ -166,6 +169,47 @@ def probe_target(
         "warnings": warnings,
         "probe_seconds": round(time.perf_counter() - t0, 3),
     }
+
+
+def check_target_config(
+    target_dir: str | os.PathLike,
+    *,
+    block_size: int,
+    num_draft_layers: int,
+    num_target_features: int | None = None,
+    target_layer_ids: Sequence[int] | None = None,
+    trust_remote_code: bool = False,
+    **_ignored,
+) -> None:
+    """Every check of :func:`probe_target` that reads only ``config.json`` (no tokenizer, no weights): the
+    architecture (:func:`~dflash_pipeline.probe.checks.architecture_refusal`), the config class and
+    the causal-LM class it loads with, the target layers, and the drafter sized from the config (rotary
+    included). The plan-time gate of the workflow runs it before the probe job exists, so a refused target
+    stops ``snakemake`` before the first completion. Extra keyword arguments (``mask_token_id`` …, the
+    other ``drafter`` keys) are accepted and ignored.
+
+    Raises:
+        ProbeRefusal: the target cannot get a drafter (``reason`` says why).
+        ProbeError: a missing or unreadable config.json.
+        ConfigError: drafter settings the target cannot take (layer ids out of range …).
+    """
+    from dflash_pipeline.target.loading import check_loadable
+
+    target_dir = Path(target_dir)
+    _check_drafter_sizes(block_size, num_draft_layers)
+    cfg, _, _ = _probe_config(target_dir, trust_remote_code)
+    check_loadable(target_dir, trust_remote_code=trust_remote_code)
+    try:
+        ids, _ = _choose_target_layer_ids(
+            cfg["num_hidden_layers"],
+            num_draft_layers=num_draft_layers,
+            num_target_features=num_target_features,
+            target_layer_ids=target_layer_ids,
+        )
+    except ConfigError:  # the architecture's refusal first: no drafter setting fixes that one
+        _check_drafter_config(target_dir, trust_remote_code, block_size, num_draft_layers, [0], None)
+        raise
+    _check_drafter_config(target_dir, trust_remote_code, block_size, num_draft_layers, ids, None)
 
 
 def _merged_eos_ids(*sources: Sequence[int]) -> list[int]:

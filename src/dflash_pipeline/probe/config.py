@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from dflash_pipeline.core.errors import ProbeError
+from dflash_pipeline.probe.checks import CONTEXT_LENGTH_KEYS, architecture_refusal, block_type_count
 
 #: Keys under which multimodal / wrapper configs keep the language model's config, in search order.
 TEXT_CONFIG_KEYS = (
@@ -49,11 +50,11 @@ _NON_TEXT_HINTS = (
 )
 
 _ALIASES = {
-    "hidden_size": ("hidden_size", "n_embd", "d_model", "dim"),
-    "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
-    "num_attention_heads": ("num_attention_heads", "n_head", "num_heads", "n_heads"),
+    "hidden_size": ("hidden_size", "n_embd", "d_model", "dim", "embed_dim"),
+    "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "layers"),
+    "num_attention_heads": ("num_attention_heads", "n_head", "num_heads", "n_heads", "attention_heads"),
     "num_key_value_heads": ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num"),
-    "max_position_embeddings": ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"),
+    "max_position_embeddings": CONTEXT_LENGTH_KEYS,
 }
 #: MoE expert-count keys seen in the wild → normalized ``num_experts``.
 EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts", "n_experts")
@@ -77,7 +78,8 @@ def _find_text_config(cfg: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
     dotted key path such as ``"text_config"`` or ``"thinker_config.text_config"``."""
 
     def has_core(d: Mapping[str, Any]) -> bool:
-        return _first(d, _ALIASES["hidden_size"]) is not None and _first(d, _ALIASES["num_hidden_layers"]) is not None
+        layers = _first(d, _ALIASES["num_hidden_layers"]) if block_type_count(d)[1] is None else True
+        return _first(d, _ALIASES["hidden_size"]) is not None and layers is not None
 
     if has_core(cfg):
         return "", cfg
@@ -296,15 +298,33 @@ def _picker(raw: Mapping[str, Any], text_path: str, text: Mapping[str, Any], aut
     return pick
 
 
-def _size_facts(path: Path, text_path: str, pick: Picker) -> dict:
+def _size_facts(
+    path: Path, text_path: str, text: Mapping[str, Any], pick: Picker, auto_text: Any, warnings: list[str]
+) -> dict:
     """``hidden_size``, ``num_hidden_layers``, ``vocab_size`` (as the config states it), the attention heads
     and KV heads (default: the attention heads) with the KV heads' source, in the record's key order.
+
+    ``num_hidden_layers`` is the number of decoder layers transformers builds: the config's count, else the
+    length of its per-layer block list (:func:`~dflash_pipeline.probe.checks.block_type_count`); when
+    ``AutoConfig`` (``auto_text``) builds a different number, its count, with a warning appended to
+    ``warnings``.
 
     Raises:
         ProbeError: no ``vocab_size`` (names the file and where it looked).
     """
     hidden, _ = pick("hidden_size")
-    n_layers, _ = pick("num_hidden_layers")
+    n_layers, n_layers_src = pick("num_hidden_layers")
+    if n_layers is None or (n_layers_src or "").startswith("AutoConfig"):
+        src, count = block_type_count(text)
+        n_layers, n_layers_src = (count, src) if count is not None else (n_layers, n_layers_src)
+    built = getattr(auto_text, "num_hidden_layers", None) if auto_text is not None else None
+    if isinstance(built, int) and isinstance(n_layers, int) and built != n_layers:
+        # the layers transformers builds (Dory's config.json counts attention and MLP blocks as layers)
+        warnings.append(
+            f"config.json states {n_layers} layers ({n_layers_src}), transformers builds {built} "
+            f"({type(auto_text).__name__}.num_hidden_layers): using {built}"
+        )
+        n_layers, n_layers_src = built, f"AutoConfig ({type(auto_text).__name__}.num_hidden_layers)"
     vocab, _ = pick("vocab_size", top_fallback=True)
     if vocab is None:
         raise ProbeError(f"{path}: no vocab_size at {text_path or 'the top level'}; the config is unusable")
@@ -334,16 +354,25 @@ def _config_source(auto_cfg: Any, auto_err: str | None) -> dict:
 
 def _probe_config(target_dir: Path, trust_remote_code: bool) -> tuple[dict, list[str], Any]:
     """The config part of the record, warnings, and the ``AutoConfig`` object (None when it could not
-    load). Raises ProbeError on a missing/unusable config."""
+    load).
+
+    Raises:
+        ProbeRefusal: an architecture the drafter cannot be built for
+            (:func:`~dflash_pipeline.probe.checks.architecture_refusal`, with the reason).
+        ProbeError: a missing/unusable config.
+    """
     path = target_dir / "config.json"
     raw = _read_config_json(path)
+    refusal = architecture_refusal(raw, str(path))
+    if refusal is not None:
+        raise refusal
     warnings: list[str] = []
     text_path, text = _find_text_config(raw)
     auto_cfg, auto_err = _try_autoconfig(target_dir, trust_remote_code)
     auto_text = _auto_text_config(auto_cfg)
     pick = _picker(raw, text_path, text, auto_text)
 
-    size = _size_facts(path, text_path, pick)
+    size = _size_facts(path, text_path, text, pick, auto_text, warnings)
     hidden, n_layers = size["hidden_size"], size["num_hidden_layers"]
     attention, head_dim, head_dim_src = _attention_facts(
         text, pick, hidden, size["num_attention_heads"], size["num_key_value_heads"]

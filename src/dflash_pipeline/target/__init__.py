@@ -13,7 +13,7 @@ _OWNERS = {
     "loading": (
         "DTYPE_CHOICES TargetLoadError resolve_dtype module_dtype drafter_dtype to_drafter_dtype lm_head_logits"
         " load_target_config causal_lm_class text_config check_loadable load_target input_embeddings lm_head"
-        " final_logit_softcap BareEmbedding num_decoder_layers hidden_states_of select_layers"
+        " final_logit_softcap BareEmbedding num_decoder_layers hidden_states_of select_layers stream_head collapse_streams"
     ),
     "spans": (
         "TrainSequence special_token_strings control_token_strings find_control_strings supervised_length"

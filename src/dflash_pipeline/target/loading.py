@@ -30,14 +30,18 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from dflash_pipeline.core.errors import ProbeError
+from dflash_pipeline.core.errors import ProbeRefusal
 
 #: ``target.dtype`` / ``--target-dtype`` values.
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 
-class TargetLoadError(ProbeError):
-    """The target cannot be loaded as a causal LM (the message says why and what to set)."""
+class TargetLoadError(ProbeRefusal):
+    """The target cannot be loaded as a causal LM (the message says why and what to set); a
+    :class:`ProbeRefusal` with ``reason`` ``"not loadable"`` unless given another."""
+
+    def __init__(self, message: str, reason: str = "not loadable"):
+        super().__init__(reason, message)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -205,11 +209,16 @@ def check_loadable(target_dir: str | Path, *, trust_remote_code: bool = False) -
     """
     cfg = load_target_config(target_dir, trust_remote_code=trust_remote_code)
     cls = causal_lm_class(cfg, trust_remote_code=trust_remote_code)
-    return {
-        "class": cls.__name__,
-        "config_class": type(cfg).__name__,
-        "num_hidden_layers": int(text_config(cfg).num_hidden_layers),
-    }
+    tc = text_config(cfg)
+    layers = getattr(tc, "num_hidden_layers", None)
+    if not isinstance(layers, int):  # e.g. PI0: the language model sits in a sub-config transformers does not return
+        raise TargetLoadError(
+            f"{target_dir}/config.json: {type(cfg).__name__} gives no decoder with num_hidden_layers "
+            f"(get_text_config() is {type(tc).__name__}); the drafter needs one decoder whose layers see "
+            "every token",
+            reason="no language-model config",
+        )
+    return {"class": cls.__name__, "config_class": type(cfg).__name__, "num_hidden_layers": layers}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -304,7 +313,7 @@ def hidden_states_of(
 ):
     """Forward the target with ``output_hidden_states``; returns the model output, whose
     ``hidden_states`` is the (L + 1)-tuple of [b, S, H] (index 0 the embeddings, index L after the final
-    norm) and ``logits`` [b, S, V] with ``need_logits`` (the eval loop's verification), else at most
+    norm; a hyper-connection target's ``[b, S, n, H]`` streams collapsed by :func:`collapse_streams`) and ``logits`` [b, S, V] with ``need_logits`` (the eval loop's verification), else at most
     [b, 1, V]: ``logits_to_keep=1`` (transformers' causal LMs apply the LM head to the last position only),
     so training never materialises full-vocabulary logits it throws away (4 × 3,072 tokens × 152k vocab
     is ~3.7 GB of bf16 per step)."""
@@ -318,7 +327,47 @@ def hidden_states_of(
             f"{type(target).__name__} returned {n} hidden states for {num_decoder_layers(target)} decoder layers "
             "(expected L + 1)"
         )
+    if any(h.dim() == 4 for h in hs):
+        out.hidden_states = tuple(collapse_streams(target, h) for h in hs)
     return out
+
+
+def stream_head(target) -> Optional[torch.nn.Module]:
+    """The module that collapses a hyper-connection target's parallel residual streams into one hidden state
+    before its final norm (DeepSeek-V4's ``hc_head``), None for a target without one."""
+    decoder = target.get_decoder() if hasattr(target, "get_decoder") else None
+    for owner in (decoder, getattr(target, "model", None), target):
+        head = getattr(owner, "hc_head", None) if owner is not None else None
+        if isinstance(head, torch.nn.Module):
+            return head
+    return None
+
+
+def collapse_streams(target, hidden: torch.Tensor) -> torch.Tensor:
+    """One hidden state ``[b, S, H]`` from a layer output: ``hidden`` itself when it is ``[b, S, H]``; for a
+    hyper-connection target, whose decoder layers carry ``n`` parallel residual streams ``[b, S, n, H]``
+    (DeepSeek-V4's mHC, ``hc_mult`` = 4), the target's own stream collapse (:func:`stream_head`).
+
+    Why that collapse: it is the one learned map the model has from its streams to a single H-wide state,
+    the one its final norm and LM head read (``norm(hc_head(streams))``), and it weighs the streams per
+    token as the model learned to. A parameter-free reduction (the mean, or stream 0) ignores that
+    weighting; the flattened ``n·H`` streams (what SGLang hands its DeepSeek-V4 MTP head) would change the
+    drafter's input width away from the K·H every engine's DFlash drafter expects. The final norm is not
+    applied, as for every other family's intermediate layers (the drafter's ``hidden_norm`` normalises the
+    fused features). The collapsed state is in ``hidden``'s dtype.
+
+    Raises:
+        TargetLoadError: ``hidden`` has parallel streams but the target has no stream collapse.
+    """
+    if hidden.dim() != 4:
+        return hidden
+    head = stream_head(target)
+    if head is None:
+        raise TargetLoadError(
+            f"{type(target).__name__} returns hidden states of shape {tuple(hidden.shape)} ([b, S, streams, H]) "
+            "and has no stream collapse (hc_head) to reduce them to one hidden state per token"
+        )
+    return head(hidden).to(hidden.dtype)
 
 
 def _forward_params(target) -> frozenset:

@@ -69,10 +69,22 @@ def all_families(models_dir: str | Path) -> list[str]:
 def build_any_twin(
     models_dir: str | Path, family: str, out_dir: str | Path, *, corpus_file: str | Path, seed: int = 0
 ) -> Path:
-    """:func:`build_twin` for a corpus family or an extra one (its source directory written next to
-    ``out_dir`` first, :func:`dflash_pipeline.testing.zoo_extra.extra_source_dir`)."""
-    from dflash_pipeline.testing.zoo_extra import EXTRA_FAMILIES, TWIN_SEEDS, extra_source_dir
+    """:func:`build_twin` for a corpus family, an extra one (its source directory written next to
+    ``out_dir`` first, :func:`dflash_pipeline.testing.zoo_extra.extra_source_dir`) or a transformers model type
+    named ``type:<model_type>`` (:func:`dflash_pipeline.testing.zoo_extra.type_source_dir`)."""
+    from dflash_pipeline.testing.zoo_extra import (
+        EXTRA_FAMILIES,
+        TWIN_SEEDS,
+        TYPE_PREFIX,
+        extra_source_dir,
+        type_source_dir,
+    )
 
+    if family.startswith(TYPE_PREFIX):  # a transformers model type, from its config class's defaults
+        src = type_source_dir(
+            models_dir, family[len(TYPE_PREFIX) :], Path(out_dir).parent / f".{Path(out_dir).name}-source"
+        )
+        return build_twin(src, family, out_dir, corpus_file=corpus_file, seed=seed)
     if family in EXTRA_FAMILIES:
         src = extra_source_dir(models_dir, family, Path(out_dir).parent / f".{Path(out_dir).name}-source")
         return build_twin(src, family, out_dir, corpus_file=corpus_file, seed=seed + TWIN_SEEDS.get(family, 0))

@@ -6,7 +6,8 @@ its defaults are :mod:`dflash_pipeline.core.config`'s; the checks gathered here 
 them (the language block: :func:`dflash_pipeline.prompts.language_problems`; generation:
 :func:`dflash_pipeline.core.config.generation_problems`; block sizes:
 :func:`dflash_pipeline.drafter.block_size.resolve_block_size`; the target's files:
-:func:`dflash_pipeline.target.chat.tokenizer_files_missing`), which is why this lives above the stages and
+:func:`dflash_pipeline.target.chat.tokenizer_files_missing`; the target's architecture:
+:func:`dflash_pipeline.probe.checks.raw_config_refusal`), which is why this lives above the stages and
 not in core (core imports no other package).
 """
 
@@ -48,6 +49,7 @@ def cross_field_problems(cfg: Mapping[str, Any], *, base_dir: str | Path | None 
     if path != "demo" and not (Path(path) / "config.json").is_file():
         out.append(f"target.path: {path}/config.json not found (a model directory, or `demo`)")
     elif path != "demo":
+        out += target_architecture_problems(path)
         why = tokenizer_files_missing(Path(path))
         if why:
             out.append(
@@ -95,6 +97,54 @@ def cross_field_problems(cfg: Mapping[str, Any], *, base_dir: str | Path | None 
     out += language_block_problems(cfg)
     out += training_problems(cfg)
     return out
+
+
+def target_architecture_problems(target_dir: str | Path) -> list[str]:
+    """The probe's refusal of the target's architecture, read from ``<target_dir>/config.json`` alone
+    (:func:`dflash_pipeline.probe.checks.raw_config_refusal`: attention-free, looped layers, per-layer
+    sizes, no context length …), as one ``target.path`` line; [] when the probe would not refuse it there.
+
+    The probe rule runs the same check, but completions do not wait for it (the probe record is not their
+    input, so that upgrading never reruns them): refusing at plan time stops ``snakemake`` before the first
+    completion is requested. Imports no transformers (planning stays fast)."""
+    from dflash_pipeline.probe.checks import raw_config_refusal
+
+    refusal = raw_config_refusal(target_dir)
+    if refusal is None:
+        return []
+    return [f"target.path: the probe refuses this target ({refusal.reason}): {refusal}"]
+
+
+def probe_gate_problems(cfg: Mapping[str, Any], probe_record: str | Path) -> list[str]:
+    """The probe's config-only checks (:func:`dflash_pipeline.probe.check_target_config`) of a local target
+    that has no probe record yet, or one older than its ``config.json``: one ``target.path`` line when the
+    probe would refuse it (reasons that need the config class, beyond :func:`target_architecture_problems`:
+    a layer count the class derives, a drafter it cannot size, a rotary vLLM would serve differently). []
+    for the demo target and for a target the probe record already accepted (then nothing is imported:
+    planning an existing run stays fast; the first plan of a target pays the transformers import, ~2 s).
+
+    The Snakefile raises it while planning, before any job: completions do not wait for the probe job (its
+    record is not their input, so upgrading never reruns them), and a refused target must not cost a
+    generation pass first."""
+    from dflash_pipeline.core.errors import ConfigError, ProbeError
+
+    path = cfg["target"]["path"]
+    config_json = Path(path) / "config.json"
+    record = Path(probe_record)
+    if path == "demo" or not config_json.is_file():
+        return []
+    if record.is_file() and record.stat().st_mtime >= config_json.stat().st_mtime:
+        return []
+    from dflash_pipeline.probe import check_target_config
+
+    try:
+        check_target_config(path, **cfg["drafter"], trust_remote_code=cfg["target"]["trust_remote_code"])
+    except (ProbeError, ConfigError) as exc:
+        reason = getattr(exc, "reason", None)
+        return [f"target.path: the probe refuses this target{f' ({reason})' if reason else ''}: {exc}"]
+    except Exception:  # noqa: BLE001 - not a refusal: the probe job reports it, with its traceback in the log
+        return []
+    return []
 
 
 def training_problems(cfg: Mapping[str, Any]) -> list[str]:
