@@ -195,9 +195,12 @@ def conversation_sequences(
 
 
 def _control_ids(tokenizer, controls: Sequence[str]) -> dict[int, str]:
-    """Token id -> control string, for the control strings that are one token of ``tokenizer``."""
+    """Token id -> control string, for the control strings the model could emit mid-answer as one token:
+    those that are one token of ``tokenizer``, less its ``eos_token`` (generation stops at it, so an
+    ``<|im_end|>`` inside an answer's text was written as text)."""
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-    return {vocab[s]: s for s in controls if s in vocab}
+    eos = getattr(tokenizer, "eos_token", None)
+    return {vocab[s]: s for s in controls if s in vocab and s != eos}
 
 
 def _at(per_turn: Sequence | None, k: int):
@@ -319,9 +322,11 @@ def _check_markup_was_text(
         MarkupWithoutIdsError: no output ids (emitted markup and quoted text look alike), or the output ids
             hold the string's control id (the model emitted it as markup; the render does not reproduce it).
     """
-    found = find_control_strings(
-        (message.get("content") or "") + "\n" + (message.get("reasoning_content") or ""), controls
-    )
+    emittable = set(control_ids.values())
+    text = (message.get("content") or "") + "\n" + (message.get("reasoning_content") or "")
+    found = [c for c in find_control_strings(text, controls) if c in emittable]
+    if not found:
+        return
     if not generated_ids:
         raise MarkupWithoutIdsError(
             f"prompt_id={prompt_id} turn={k}: the answer holds {found[:4]} and the record has no output token "
