@@ -144,15 +144,11 @@ def conversation_sequences(
             as a ``verbatim`` entry: the supervised tokens are then the ids the target generated, not a
             re-tokenization (``output_ids_spliced``).
         control_strings: strings that would become control ids if tokenized as template text (default:
-            :func:`control_token_strings`). A turn whose content or reasoning contains one and whose output
-            ids are not spliced in: when its output ids hold none of those control ids, they show the model
-            wrote the string as text, and that text is a ``verbatim`` entry encoded as ordinary text (an
-            answer quoting ``<|im_end|>`` is never trained as a mid-answer end of turn;
-            ``control_text_kept``); without output ids, or when they hold the control id (the model emitted
-            the markup, the render differs), it fails closed (:class:`MarkupWithoutIdsError`).
-        tools: the function schemas offered to the model (the template's ``tools``); assistant turns with
-            ``tool_calls`` are supervised with the template's tool-call markup and arguments, ``tool``
-            results never (they are not assistant turns).
+            :func:`control_token_strings`). Content or reasoning holding one (ids not spliced) is encoded as
+            plain text (``control_text_kept``) when the output ids show it was text, else fails closed
+            (:func:`_check_markup_was_text`).
+        tools: the function schemas (the template's ``tools``); ``tool_calls`` of assistant turns are
+            supervised as the template writes them, ``tool`` results never.
 
     Returns:
         Sequences in turn order (empty if there is no assistant turn).
@@ -172,22 +168,18 @@ def conversation_sequences(
     prompts, renders = _render_turns(
         tokenizer, msgs, a_idx, selected, thinking=thinking, prompt_id=prompt_id, tools=tools
     )
-    control_ids = _control_ids(tokenizer, controls)
+    shared = {"thinking": thinking, "prompt_id": prompt_id, "specials": specials, "controls": controls}
+    shared.update(counts=counts, control_ids=_control_ids(tokenizer, controls))
     turn_spans = {
         k: _turn_span(
             p,
             q,
             msgs[a_idx[k]],
             k,
-            thinking=thinking,
-            prompt_id=prompt_id,
-            specials=specials,
-            controls=controls,
             cut=_at(finish_reasons, k) == "length",
             generated=_at(generated, k),
             generated_ids=_at(generated_ids, k),
-            counts=counts,
-            control_ids=control_ids,
+            **shared,
         )
         for k, p, q in zip(selected, prompts, renders)
     }
