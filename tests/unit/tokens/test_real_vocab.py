@@ -271,3 +271,40 @@ def test_specforge_qwen3_tool_use_reference():
     want_ids, want_mask = ref["input_ids"], ref["loss_mask"]
     assert ids.tolist() == want_ids and want_ids[-2:] == [151645, 198]
     assert mask.tolist()[:-1] == want_mask[:-1] and (mask[-1], want_mask[-1]) == (0, 1)  # the "\n" after <|im_end|>
+
+
+def test_tool_call_shard_keeps_the_old_schema_for_data_without_tools(tmp_path):
+    """A completion shard with tool calls is written with COMPLETION_TOOLS_SCHEMA and tokenized from disk
+    (the ``tools`` column reaches the template); records without tools keep COMPLETION_SCHEMA."""
+    import pyarrow.parquet as pq
+    from real_vocab import unpacked_dir
+
+    from dflash_pipeline.core import shards
+    from dflash_pipeline.core.contracts import COMPLETION_SCHEMA, COMPLETION_TOOLS_SCHEMA, completion_schema
+    from dflash_pipeline.tokens.shard import tokenize_shard
+
+    tok = _tok("qwen3")
+    rec = _tool_record(tok)
+    base = {"dataset": "t", "model": "m", "sampling": "{}", "error": None}
+    turns = [{"finish_reason": "stop", "output_token_ids": t["output_token_ids"]} for t in rec["turns"]]
+    row = {**base, **rec, "turns": turns}
+    plain = {k: v for k, v in row.items() if k != "tools"}
+    plain["messages"] = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert (
+        completion_schema([plain]) is COMPLETION_SCHEMA and completion_schema([plain, row]) is COMPLETION_TOOLS_SCHEMA
+    )
+    path = tmp_path / "c.parquet"
+    shards.write_parquet(path, shards.table_from_records([row], COMPLETION_TOOLS_SCHEMA))
+    out = tmp_path / "t.parquet"
+    stats = tokenize_shard(
+        path,
+        out,
+        target_dir=unpacked_dir("qwen3"),
+        chat_template=MODELS / REAL_VOCABULARIES["qwen3"][1],
+        tokens_cfg={"max_length": 4096, "last_turn_only": False},
+    )
+    assert stats["output_ids_spliced"] == 2
+    runs = [
+        r for x in pq.read_table(out).to_pylist() for r in _runs(np.array(x["input_ids"]), np.array(x["loss_mask"]))
+    ]
+    assert runs == [t["output_token_ids"] for t in rec["turns"]]
