@@ -381,8 +381,8 @@ def test_special_token_strings_in_answers_stay_text(base_bpe_json, name, mode):
     with pytest.raises(MarkupWithoutIdsError, match=r"prompt_id=p1 turn=0: the answer holds .*no output token ids"):
         conversation_sequences(tok, quoted, thinking=mode, prompt_id="p1")
     # output ids that spell the strings as text (what a server returns for a quote) show they were text
-    plain = plain_text_tokenizer(tok)
-    text_ids = [plain.encode(m["content"], add_special_tokens=False).ids for m in quoted if m["role"] == "assistant"]
+    as_text = plain_text_tokenizer(tok)
+    text_ids = [as_text.encode(m["content"], add_special_tokens=False).ids for m in quoted if m["role"] == "assistant"]
     counts: dict = {}
     got = conversation_sequences(tok, quoted, thinking=mode, prompt_id="p1", counts=counts, generated_ids=text_ids)
     ref = conversation_sequences(tok, plain, thinking=mode, prompt_id="p1")
