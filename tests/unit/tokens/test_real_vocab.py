@@ -308,3 +308,24 @@ def test_tool_call_shard_keeps_the_old_schema_for_data_without_tools(tmp_path):
         r for x in pq.read_table(out).to_pylist() for r in _runs(np.array(x["input_ids"]), np.array(x["loss_mask"]))
     ]
     assert runs == [t["output_token_ids"] for t in rec["turns"]]
+
+
+MARKUP = {"qwen3": "<think>", "deepseek_v3": "<｜tool▁call▁begin｜>", "gptoss": "<|channel|>"}
+
+
+@pytest.mark.parametrize("vocab", list(REAL_VOCABULARIES))
+def test_emittable_markup_in_text_needs_ids_on_every_vocabulary(vocab):
+    """Each real vocabulary's markup token (one added id, not the eos) in an answer without output ids is
+    refused; its eos token quoted alone is text (the model stops at a real one)."""
+    tok = _tok(vocab)
+    markup = MARKUP[vocab]
+    assert len(tok(markup, add_special_tokens=False)["input_ids"]) == 1 and markup != tok.eos_token
+    msgs = [{"role": "user", "content": "Tags?"}, {"role": "assistant", "content": f"Use {markup} here."}]
+    with pytest.raises(MarkupWithoutIdsError, match=f"the answer holds \\['{markup}'\\]"):
+        conversation_sequences(tok, msgs, thinking="disable", prompt_id="m")
+    msgs[1]["content"] = f"Write {tok.eos_token} to stop."
+    counts: dict = {}
+    (seq,) = conversation_sequences(tok, msgs, thinking="disable", prompt_id="m", counts=counts)
+    ((ids, mask, _),) = tokenize_sequences(tok, [seq])
+    eos = tok.convert_tokens_to_ids(tok.eos_token)
+    assert counts["control_text_kept"] == 1 and _runs(ids, mask)[0].count(eos) <= 1
