@@ -35,7 +35,18 @@ LAST_MAIN = os.environ.get("DFLASH_LAST_MAIN", "a2580b8")
 #: (Stop 27's reruns against 5f1ed51, issues #22 and #26, are in this file's history: train_drafter for target.dtype
 #: in params and the dflash-train entry point, tokenize_completions for TOKENIZATION_REVISION 7476b443b5dd66cc,
 #: and the report's new inputs and plots.)
-LAST_MAIN_RERUNS: dict[str, str] = {}
+_TOKENS_RERUN = "its inputs, the token shards, are rewritten (tokenize_completions)"
+LAST_MAIN_RERUNS: dict[str, str] = {
+    "tokenize_completions": "TOKENIZATION_REVISION 3b1f0c9e5a7d2e48: markup in answer text without output ids is "
+    "refused (markup_without_ids), tool calls render with tools",
+    "summarize_tokens": _TOKENS_RERUN,
+    "plot_data_lengths": _TOKENS_RERUN,
+    "train_drafter": _TOKENS_RERUN,
+    "evaluate_acceptance": _TOKENS_RERUN,
+    "plot_training": _TOKENS_RERUN,
+    "summarize_run": _TOKENS_RERUN,
+    "all": _TOKENS_RERUN,
+}
 
 
 def upgrade_config() -> dict:

@@ -73,6 +73,49 @@ COMPLETION_SCHEMA = pa.schema(
     ]
 )
 
+#: Completion messages of a conversation with tool calls: ``tool_calls`` (JSON text of the OpenAI list
+#: ``[{id, type, function: {name, arguments}}]`` on assistant turns), ``tool_call_id`` and ``name`` (on
+#: ``tool`` results, role ``tool``).
+CONV_TOOL_MESSAGE_TYPE = pa.struct(
+    [
+        ("role", pa.string()),
+        ("content", pa.string()),
+        ("reasoning_content", pa.string()),
+        ("tool_calls", pa.string()),
+        ("tool_call_id", pa.string()),
+        ("name", pa.string()),
+    ]
+)
+#: :data:`COMPLETION_SCHEMA` of a shard that holds tool calls: messages of :data:`CONV_TOOL_MESSAGE_TYPE` and
+#: ``tools`` (JSON text of the function schemas offered to the model, null when none). Shards without tool
+#: calls keep :data:`COMPLETION_SCHEMA` (:func:`completion_schema`), so their bytes never change.
+COMPLETION_TOOLS_SCHEMA = pa.schema(
+    [
+        ("prompt_id", pa.string()),
+        ("dataset", pa.string()),
+        ("messages", pa.list_(CONV_TOOL_MESSAGE_TYPE)),
+        ("turns", pa.list_(TURN_TYPE)),
+        ("model", pa.string()),
+        ("sampling", pa.string()),
+        ("thinking", pa.string()),
+        ("status", pa.string()),
+        ("error", pa.string()),
+        ("tools", pa.string()),
+    ]
+)
+
+
+def completion_schema(records: Iterable[dict]) -> pa.Schema:
+    """:data:`COMPLETION_TOOLS_SCHEMA` when a record offers tools or has a message with tool fields, else
+    :data:`COMPLETION_SCHEMA`."""
+    for r in records:
+        if r.get("tools") or any(
+            m.get("tool_calls") or m.get("tool_call_id") or m.get("role") == "tool" for m in r.get("messages") or []
+        ):
+            return COMPLETION_TOOLS_SCHEMA
+    return COMPLETION_SCHEMA
+
+
 COMPLETION_STATUSES = ("ok", "truncated", "error")
 THINKING_MODES = ("none", "save", "disable")
 

@@ -46,3 +46,9 @@ class GenerationError(PipelineError):
 
 class TokenizationError(PipelineError):
     """A conversation cannot be rendered or masked exactly (message names the prompt_id and turn)."""
+
+
+class MarkupWithoutIdsError(TokenizationError):
+    """An answer's text holds a template's control-token string (``<think>``, ``<tool_call>``,
+    ``<|channel|>`` ...) and no output token ids say whether the model emitted it as one token (markup) or
+    wrote it as text (a quote): the turn cannot be supervised as what the model emitted."""

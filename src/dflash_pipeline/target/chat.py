@@ -85,7 +85,9 @@ def template_kwargs(thinking: str) -> dict[str, Any]:
 def template_messages(messages: Iterable[Mapping[str, Any]]) -> list[dict]:
     """Messages as the chat template sees them: ``{role, content}`` (``None`` content -> ``""``), plus
     ``thinking`` and ``reasoning_content`` on assistant turns whose reasoning is non-empty (gpt-oss
-    templates read ``thinking``, Qwen3-style ones ``reasoning_content``). Other keys are dropped.
+    templates read ``thinking``, Qwen3-style ones ``reasoning_content``), ``tool_calls`` on assistant turns
+    that called tools and ``tool_call_id`` / ``name`` on ``tool`` results (:func:`tool_calls_of`). Other keys
+    are dropped.
 
     An assistant turn without reasoning whose content contains ``</think>`` (an answer that explains chat
     templates) gets ``reasoning_content: ""``: Qwen3/3.5/3.6 and GLM templates otherwise take everything
@@ -99,8 +101,56 @@ def template_messages(messages: Iterable[Mapping[str, Any]]) -> list[dict]:
             msg = {"thinking": rc, **msg, "reasoning_content": rc}  # the key order transformers uses
         elif m["role"] == "assistant" and "</think>" in msg["content"]:
             msg["reasoning_content"] = ""
+        calls = tool_calls_of(m) if m["role"] == "assistant" else None
+        if calls:
+            msg["tool_calls"] = calls
+        if m["role"] == "tool":
+            for key in ("tool_call_id", "name"):
+                if m.get(key):
+                    msg[key] = m[key]
         out.append(msg)
     return out
+
+
+def tool_calls_of(message: Mapping[str, Any]) -> list[dict] | None:
+    """A message's tool calls in the OpenAI shape ``[{"id", "type": "function", "function": {"name",
+    "arguments"}}]`` with ``arguments`` parsed into an object (templates such as Qwen3's write an object with
+    ``tojson`` and a string verbatim; a parsed object renders as the servers render it). ``tool_calls`` may be
+    a list or its JSON text (the shard column); None when the message has none.
+
+    Raises:
+        ValueError: ``tool_calls`` is not a list of calls with a function name (names the field).
+    """
+    calls = message.get("tool_calls")
+    if isinstance(calls, str):
+        calls = json.loads(calls) if calls.strip() else None
+    if not calls:
+        return None
+    if not isinstance(calls, list):
+        raise ValueError(f"field `tool_calls`: expected a list of calls, got {type(calls).__name__}")
+    out = []
+    for i, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"field `tool_calls[{i}]`: expected {{function: {{name, arguments}}}}, got {call!r}")
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                pass  # not JSON: the text the model wrote, rendered as it is
+        entry = {"type": call.get("type") or "function", "function": {"name": fn["name"], "arguments": args}}
+        if call.get("id"):
+            entry = {"id": call["id"], **entry}
+        out.append(entry)
+    return out
+
+
+def tools_of(value: Any) -> list[dict] | None:
+    """The function schemas offered to the model (``tools`` of a record: a list or its JSON text), or None."""
+    if isinstance(value, str):
+        value = json.loads(value) if value.strip() else None
+    return list(value) if value else None
 
 
 def load_tokenizer(target_dir: str | Path, *, chat_template: str | Path | None = None, trust_remote_code: bool = False):
@@ -156,15 +206,22 @@ def render_many(
     *,
     thinking: str,
     add_generation_prompt: bool,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[str]:
     """Render each conversation with the tokenizer's own chat template (strings, as
-    ``apply_chat_template(tokenize=False)``), messages passed through :func:`template_messages`."""
+    ``apply_chat_template(tokenize=False)``), messages passed through :func:`template_messages`, ``tools``
+    (function schemas, the same for every conversation) as the template's ``tools`` variable."""
     kwargs = template_kwargs(thinking)
+    tools = list(tools) if tools else None
     fast = _compiled_template(tokenizer)
     if fast is None:
         return [
             tokenizer.apply_chat_template(
-                template_messages(c), tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+                template_messages(c),
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **kwargs,
             )
             for c in conversations
         ]
@@ -173,7 +230,7 @@ def render_many(
     return [
         compiled.render(
             messages=template_messages(c),
-            tools=None,
+            tools=tools,
             documents=None,
             add_generation_prompt=add_generation_prompt,
             **variables,
@@ -189,13 +246,16 @@ def render(
     thinking: str,
     add_generation_prompt: bool,
     tokenize: bool = False,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ):
     """Render ``messages`` with the tokenizer's own chat template (see :func:`render_many`).
 
     Returns the rendered string (``tokenize=False``) or a list of token ids (``tokenize=True``, no extra
     special tokens are added beyond what the template writes).
     """
-    text = render_many(tokenizer, [messages], thinking=thinking, add_generation_prompt=add_generation_prompt)[0]
+    text = render_many(
+        tokenizer, [messages], thinking=thinking, add_generation_prompt=add_generation_prompt, tools=tools
+    )[0]
     if not tokenize:
         return text
     return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from dflash_pipeline.core.errors import ConfigError, TokenizationError
+from dflash_pipeline.core.errors import ConfigError, MarkupWithoutIdsError, TokenizationError
 from dflash_pipeline.target import chat
 
 # --------------------------------------------------------------------------------------------------
@@ -117,6 +117,7 @@ def conversation_sequences(
     counts: dict | None = None,
     generated_ids: Sequence[Sequence[int] | None] | None = None,
     control_strings: Sequence[str] | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[TrainSequence]:
     """Training sequences and supervised character spans for one conversation (see module docstring).
 
@@ -143,16 +144,19 @@ def conversation_sequences(
             as a ``verbatim`` entry: the supervised tokens are then the ids the target generated, not a
             re-tokenization (``output_ids_spliced``).
         control_strings: strings that would become control ids if tokenized as template text (default:
-            :func:`control_token_strings`). Otherwise, a turn's content or reasoning that contains one is a
-            ``verbatim`` entry without ids: encoded as ordinary text, so an answer quoting ``<|im_end|>``
-            is never trained as a mid-answer end of turn (``control_text_kept``).
+            :func:`control_token_strings`). Content or reasoning holding one (ids not spliced) is encoded as
+            plain text (``control_text_kept``) when the output ids show it was text, else fails closed
+            (:func:`_check_markup_was_text`).
+        tools: the function schemas (the template's ``tools``); ``tool_calls`` of assistant turns are
+            supervised as the template writes them, ``tool`` results never.
 
     Returns:
         Sequences in turn order (empty if there is no assistant turn).
 
     Raises:
         TokenizationError: the generation-prompt render is not a prefix of the render with the turn, or
-            the template drops the turn's content or reasoning (message names prompt_id and turn).
+            the template drops the turn's content or reasoning (message names prompt_id and turn);
+            :class:`MarkupWithoutIdsError` (see ``control_strings``).
     """
     specials = special_token_strings(tokenizer) if specials is None else specials
     controls = control_token_strings(tokenizer) if control_strings is None else control_strings
@@ -161,25 +165,34 @@ def conversation_sequences(
     if not a_idx:
         return []
     selected = list(range(len(a_idx)))[-1:] if last_turn_only else list(range(len(a_idx)))
-    prompts, renders = _render_turns(tokenizer, msgs, a_idx, selected, thinking=thinking, prompt_id=prompt_id)
+    prompts, renders = _render_turns(
+        tokenizer, msgs, a_idx, selected, thinking=thinking, prompt_id=prompt_id, tools=tools
+    )
+    shared = {"thinking": thinking, "prompt_id": prompt_id, "specials": specials, "controls": controls}
+    shared.update(counts=counts, control_ids=_control_ids(tokenizer, controls))
     turn_spans = {
         k: _turn_span(
             p,
             q,
             msgs[a_idx[k]],
             k,
-            thinking=thinking,
-            prompt_id=prompt_id,
-            specials=specials,
-            controls=controls,
             cut=_at(finish_reasons, k) == "length",
             generated=_at(generated, k),
             generated_ids=_at(generated_ids, k),
-            counts=counts,
+            **shared,
         )
         for k, p, q in zip(selected, prompts, renders)
     }
     return _fewest_sequences(turn_spans)
+
+
+def _control_ids(tokenizer, controls: Sequence[str]) -> dict[int, str]:
+    """Token id -> control string, for the control strings the model could emit mid-answer as one token:
+    those that are one token of ``tokenizer``, less its ``eos_token`` (generation stops at it, so an
+    ``<|im_end|>`` inside an answer's text was written as text)."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    eos = getattr(tokenizer, "eos_token", None)
+    return {vocab[s]: s for s in controls if s in vocab and s != eos}
 
 
 def _at(per_turn: Sequence | None, k: int):
@@ -194,7 +207,14 @@ def _count(counts: dict | None, key: str) -> None:
 
 
 def _render_turns(
-    tokenizer, msgs: list[dict], a_idx: list[int], selected: list[int], *, thinking: str, prompt_id: str
+    tokenizer,
+    msgs: list[dict],
+    a_idx: list[int],
+    selected: list[int],
+    *,
+    thinking: str,
+    prompt_id: str,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> tuple[list[str], list[str]]:
     """Per selected assistant turn ``k`` (message ``a_idx[k]``): the generation-prompt render ``P`` of the
     messages before it and the render ``Q`` with it (both batched, :func:`chat.render_many`).
@@ -205,16 +225,20 @@ def _render_turns(
     """
     try:
         ps = chat.render_many(
-            tokenizer, [msgs[: a_idx[k]] for k in selected], thinking=thinking, add_generation_prompt=True
+            tokenizer, [msgs[: a_idx[k]] for k in selected], thinking=thinking, add_generation_prompt=True, tools=tools
         )
         qs = chat.render_many(
-            tokenizer, [msgs[: a_idx[k] + 1] for k in selected], thinking=thinking, add_generation_prompt=False
+            tokenizer,
+            [msgs[: a_idx[k] + 1] for k in selected],
+            thinking=thinking,
+            add_generation_prompt=False,
+            tools=tools,
         )
     except Exception:  # jinja raise_exception, missing keys, ...: find the turn that fails, for the message
         for k in selected:
             for sub, gen in ((msgs[: a_idx[k]], True), (msgs[: a_idx[k] + 1], False)):
                 try:
-                    chat.render(tokenizer, sub, thinking=thinking, add_generation_prompt=gen)
+                    chat.render(tokenizer, sub, thinking=thinking, add_generation_prompt=gen, tools=tools)
                 except Exception as exc:
                     raise TokenizationError(
                         f"prompt_id={prompt_id} turn={k}: chat template failed to render: {exc}"
@@ -237,6 +261,7 @@ def _turn_span(
     generated: str | None,
     generated_ids: Sequence[int] | None,
     counts: dict | None,
+    control_ids: Mapping[int, str] | None = None,
 ) -> tuple[str, int, int, list]:
     """``(Q, span_start, span_end, verbatim)`` of assistant turn ``k`` from its generation-prompt render ``p``
     and its render ``q`` (steps 1-2 and 5 of the :mod:`dflash_pipeline.tokens.shard` method); ``message`` is the
@@ -268,7 +293,46 @@ def _turn_span(
         controls=controls,
         counts=counts,
     )
+    if any(ids is None for _, _, ids in verbatim):
+        _check_markup_was_text(message, generated_ids, controls, control_ids or {}, prompt_id=prompt_id, k=k)
     return q, start, end, verbatim
+
+
+def _check_markup_was_text(
+    message: Mapping[str, Any],
+    generated_ids: Sequence[int] | None,
+    controls: Sequence[str],
+    control_ids: Mapping[int, str],
+    *,
+    prompt_id: str,
+    k: int,
+) -> None:
+    """Turn ``k``'s content or reasoning holds control-token strings that will be encoded as text: allowed
+    only when its output ids show the model wrote them as text (none of their ids among the output ids).
+
+    Raises:
+        MarkupWithoutIdsError: no output ids (emitted markup and quoted text look alike), or the output ids
+            hold the string's control id (the model emitted it as markup; the render does not reproduce it).
+    """
+    emittable = set(control_ids.values())
+    text = (message.get("content") or "") + "\n" + (message.get("reasoning_content") or "")
+    found = [c for c in find_control_strings(text, controls) if c in emittable]
+    if not found:
+        return
+    if not generated_ids:
+        raise MarkupWithoutIdsError(
+            f"prompt_id={prompt_id} turn={k}: the answer holds {found[:4]} and the record has no output token "
+            f"ids, so whether the model emitted them as markup tokens or wrote them as text cannot be told; "
+            f"generate with token ids (vLLM/SGLang: generation.extra_body return_token_ids: true; the "
+            f"transformers backend always records them) or drop the record (tokens.strict: false)"
+        )
+    emitted = sorted({control_ids[t] for t in generated_ids if t in control_ids and control_ids[t] in found})
+    if emitted:
+        raise MarkupWithoutIdsError(
+            f"prompt_id={prompt_id} turn={k}: the model emitted {emitted} as markup tokens (its output ids say "
+            f"so) but the template's render of the turn differs from its output; train from the server ids "
+            f"(tokens.use_server_token_ids: true)"
+        )
 
 
 def _check_prefix(p: str, q: str, *, prompt_id: str, k: int) -> None:

@@ -32,7 +32,11 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from dflash_pipeline.testing.zoo_shrink import shrink_config
-from dflash_pipeline.testing.zoo_templates import TEMPLATE_FROM, family_template  # noqa: F401 (the zoo's API)
+from dflash_pipeline.testing.zoo_templates import (  # noqa: F401 (the zoo's API)
+    TEMPLATE_FROM,
+    family_template,
+    family_template_text,
+)
 
 #: Factor applied to the twin's LM head so greedy logits have margins (random init is ~uniform).
 HEAD_SCALE = 8.0
@@ -188,7 +192,7 @@ def build_twin(
 
     src = Path(models_dir) / family
     raw = json.loads((src / "config.json").read_text(encoding="utf-8"))
-    template = family_template(models_dir, family).read_text(encoding="utf-8")
+    template = family_template_text(models_dir, family)
     tc_path = src / "tokenizer_config.json"
     tc = json.loads(tc_path.read_text(encoding="utf-8")) if tc_path.is_file() else None
     tok = family_tokenizer(template, corpus_file, tc)

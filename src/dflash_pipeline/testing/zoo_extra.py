@@ -170,14 +170,14 @@ def extra_config(name: str) -> dict:
 def extra_source_dir(models_dir: str | Path, name: str, out: str | Path) -> Path:
     """A corpus-style directory ``out/<name>`` for an extra family (config.json + the template family's chat
     template and tokenizer_config.json); returns ``out`` (the ``models_dir`` to build the twin from)."""
-    from dflash_pipeline.testing.zoo_templates import family_template
+    from dflash_pipeline.testing.zoo_templates import family_template_text
 
     root = Path(out)
     d = root / name
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(extra_config(name), indent=1) + "\n", encoding="utf-8")
     tmpl_family = EXTRA_FAMILIES[name][3]
-    shutil.copyfile(family_template(models_dir, tmpl_family), d / "chat_template.jinja")
+    (d / "chat_template.jinja").write_text(family_template_text(models_dir, tmpl_family), encoding="utf-8")
     tc = Path(models_dir) / tmpl_family / "tokenizer_config.json"
     if tc.is_file():
         shutil.copyfile(tc, d / "tokenizer_config.json")

@@ -39,13 +39,19 @@ thinking mode used for generation:
    ``trim_offsets`` shift a leading space out of a token's span, which can only turn a straddling token
    into an inside one).
 
-5. **Text is data.** Supervised tokens are what the target generated. When a turn's ``output_token_ids``
-   decode to exactly its supervised text, those ids are the supervised tokens (``output_ids_spliced``).
-   Otherwise a content or reasoning that contains a control-token string (``<|im_end|>``, ``<think>``,
-   tool markers; :func:`~dflash_pipeline.target.spans.control_token_strings`) is encoded without parsing added
-   tokens (:func:`plain_text_tokenizer`): the target wrote those characters as text (it would have stopped
-   at a real ``<|im_end|>``), so they are never trained as a mid-answer end of turn
-   (``control_text_kept``). The template text around keeps the usual tokenization.
+5. **Text is data, markup is ids.** Supervised tokens are what the target generated. When a turn's
+   ``output_token_ids`` decode to exactly its supervised text, those ids are the supervised tokens
+   (``output_ids_spliced``). Otherwise a content or reasoning that contains a control-token string
+   (``<|im_end|>``, ``<think>``, tool markers; :func:`~dflash_pipeline.target.spans.control_token_strings`)
+   is encoded without parsing added tokens (:func:`plain_text_tokenizer`) when the turn's output ids show
+   the target wrote those characters as text (none of the strings' ids among them; ``control_text_kept``);
+   without output ids, emitted markup and quoted text look alike, and the record is refused
+   (:class:`~dflash_pipeline.core.errors.MarkupWithoutIdsError`; dropped as ``markup_without_ids`` with
+   ``strict: false``). The template text around keeps the usual tokenization.
+6. **Tool calls.** A record's ``tools`` (function schemas) go to the template as its ``tools``; assistant
+   turns carry ``tool_calls`` and are supervised with the markup and arguments the template writes for them
+   (Qwen3's ``<tool_call>`` is then its added token, as the model emits it); ``tool`` results are context,
+   never supervised.
 
 Server token ids (``turns[k].prompt_token_ids`` / ``output_token_ids``) are the exact trained tokens when
 present. With ``tokens.use_server_token_ids`` a record whose selected turns all carry both lists becomes one
@@ -73,7 +79,7 @@ from dflash_pipeline.core import shards
 from dflash_pipeline.core.config import schema_defaults
 from dflash_pipeline.core.console import console
 from dflash_pipeline.core.contracts import TOKEN_SCHEMA, TOKEN_SCHEMA_VERSION, sha256_text
-from dflash_pipeline.core.errors import TokenizationError
+from dflash_pipeline.core.errors import MarkupWithoutIdsError, TokenizationError
 from dflash_pipeline.target import chat
 from dflash_pipeline.target.spans import (  # noqa: F401 (the string level; re-exported)
     TrainSequence,
@@ -95,7 +101,14 @@ from dflash_pipeline.tokens.loss_masks import (  # noqa: F401 (the token level; 
 log = logging.getLogger(__name__)
 
 #: Drop reasons counted in the shard metadata and the returned stats.
-DROP_REASONS = ("status_error", "no_assistant_turn", "no_loss_tokens", "truncated_no_loss", "tokenization_error")
+DROP_REASONS = (
+    "status_error",
+    "no_assistant_turn",
+    "no_loss_tokens",
+    "truncated_no_loss",
+    "tokenization_error",
+    "markup_without_ids",
+)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -257,11 +270,12 @@ def _rendered_sequences(
             counts=stats,
             generated_ids=[(t or {}).get("output_token_ids") for t in turns],
             control_strings=controls,
+            tools=chat.tools_of(rec.get("tools")),
         )
-    except TokenizationError:
+    except TokenizationError as exc:
         if strict:
             raise
-        stats["dropped"]["tokenization_error"] += 1
+        stats["dropped"]["markup_without_ids" if isinstance(exc, MarkupWithoutIdsError) else "tokenization_error"] += 1
         return []
     if not seqs:
         stats["dropped"]["no_assistant_turn"] += 1
@@ -412,7 +426,7 @@ def _completion_records(completion_shard: str | Path, thinking_modes: set[str]) 
     """The records of a completion shard, read in batches of 512 (only the columns tokenization reads);
     adds each record's thinking mode to ``thinking_modes``."""
     pf = pq.ParquetFile(str(completion_shard))
-    cols = [c for c in ("prompt_id", "messages", "turns", "thinking", "status") if c in pf.schema_arrow.names]
+    cols = [c for c in ("prompt_id", "messages", "turns", "thinking", "status", "tools") if c in pf.schema_arrow.names]
     for batch in pf.iter_batches(batch_size=512, columns=cols):
         for rec in batch.to_pylist():
             if rec.get("thinking"):

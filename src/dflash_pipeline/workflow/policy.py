@@ -567,8 +567,11 @@ def baseline_train_flags(run: str) -> str:
 #: tokenizes fixed conversations with several chat templates and fails when their token shards differ
 #: from the golden made at this revision (it says how to regenerate). Revisions: ``"10a26998a0e76dbe"`` (the
 #: first); ``"7476b443b5dd66cc"``: the shard metadata's ``server_ids_used`` counts the turns (rows) built from the
-#: server's token ids, not the records (issue #26); token ids and loss masks are unchanged.
-TOKENIZATION_REVISION = "7476b443b5dd66cc"
+#: server's token ids, not the records; token ids and loss masks are unchanged. ``"3b1f0c9e5a7d2e48"``: an
+#: answer whose text holds a control-token string the model could emit as one token (``<think>``,
+#: ``<tool_call>``, ...) and that has no output ids is refused (``markup_without_ids`` drop reason in the
+#: shard metadata) instead of being supervised as text pieces; records with tool calls render with ``tools``.
+TOKENIZATION_REVISION = "3b1f0c9e5a7d2e48"
 
 
 if __name__ == "__main__":

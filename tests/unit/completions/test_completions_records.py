@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from dflash_pipeline.completions import (
@@ -152,3 +154,18 @@ def test_answer_with_think_tags_keeps_every_character_chat_raw_transformers(thin
     tb.cfg, tb.tok, tb.eos_ids, tb._opens_think = {"thinking": thinking}, Tok(), [2], False
     turn = tb._turn([1, 1], [5, 6, 2], 0.1)
     assert turn.content == ANSWER and turn.reasoning_content == ("R" if thinking == "save" else None)
+
+
+def test_same_tool_calls_compares_names_and_parsed_arguments():
+    from dflash_pipeline.completions.records import same_tool_calls
+
+    def call(name, args, cid="c0"):
+        return {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
+
+    a = [call("get_weather", '{"city": "Paris", "unit": "C"}')]
+    assert same_tool_calls(a, [call("get_weather", '{"unit":"C","city":"Paris"}', cid="other")])
+    assert same_tool_calls(json.dumps(a), [call("get_weather", {"city": "Paris", "unit": "C"})])
+    assert not same_tool_calls(a, [call("get_weather", '{"city": "Lyon", "unit": "C"}')])
+    assert not same_tool_calls(a, [call("get_time", '{"city": "Paris", "unit": "C"}')])
+    assert not same_tool_calls(a, a + a) and not same_tool_calls(a, None)
+    assert same_tool_calls(None, "[]")

@@ -89,3 +89,31 @@ def test_probe_refuses_an_unloadable_target_at_plan_time(remote_dir):
         remote_dir, block_size=4, num_draft_layers=1, target_layer_ids=[1, 2], strict=False, trust_remote_code=True
     )
     assert ok["target_loader"]["class"] == "AutoModelForCausalLM" and ok["target_loader"]["error"] is None
+
+
+def test_template_messages_keep_tool_calls_and_tool_results():
+    """Assistant ``tool_calls`` (JSON text or list; arguments parsed into objects) and a tool result's
+    ``tool_call_id``/``name`` reach the template; records without them render as before."""
+    from dflash_pipeline.target.chat import template_messages, tool_calls_of, tools_of
+
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    msgs = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": None, "reasoning_content": None, "tool_calls": json.dumps([call])},
+        {"role": "tool", "content": "42", "tool_call_id": "c1", "name": "f", "reasoning_content": None},
+        {"role": "assistant", "content": "done", "tool_calls": None},
+    ]
+    got = template_messages(msgs)
+    assert got[1] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}],
+    }
+    assert got[2] == {"role": "tool", "content": "42", "tool_call_id": "c1", "name": "f"}
+    assert got[3] == {"role": "assistant", "content": "done"}
+    assert tool_calls_of({"tool_calls": [{"function": {"name": "g", "arguments": "not json"}}]}) == [
+        {"type": "function", "function": {"name": "g", "arguments": "not json"}}
+    ]
+    with pytest.raises(ValueError, match=r"tool_calls\[0\]"):
+        tool_calls_of({"tool_calls": [{"name": "g"}]})
+    assert tools_of(None) is None and tools_of('[{"type": "function"}]') == [{"type": "function"}]

@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_pipeline.core.errors import TokenizationError
+from dflash_pipeline.core.errors import MarkupWithoutIdsError, TokenizationError
 from dflash_pipeline.target import chat
-from dflash_pipeline.tokens.shard import conversation_sequences, tokenize_sequences
+from dflash_pipeline.tokens.shard import conversation_sequences, plain_text_tokenizer, tokenize_sequences
 
 _REPO = Path(__file__).resolve().parents[3]
 # same resolution order as conftest.models_dir(): $DFLASH_MODELS_DIR, tests/data/models, ../shared/data/models
@@ -356,7 +356,9 @@ CONTROL_CASES = [
 
 @pytest.mark.parametrize("name,mode", CONTROL_CASES, ids=[f"{n}-{t}" for n, t in CONTROL_CASES])
 def test_special_token_strings_in_answers_stay_text(base_bpe_json, name, mode):
-    """Every control string quoted in an answer (and in its reasoning) is encoded as ordinary text: the
+    """Without output ids, an answer quoting control strings is refused (markup it may have emitted and a
+    quote look alike). With output ids that show them as text, every control string quoted in an answer
+    (and in its reasoning) is encoded as ordinary text: the
     supervised run holds exactly the added-token ids the same conversation with a plain answer holds (the
     template's own markers, the end of turn), it decodes to the answer verbatim, and every turn is
     supervised exactly once."""
@@ -376,8 +378,13 @@ def test_special_token_strings_in_answers_stay_text(base_bpe_json, name, mode):
             conversation_sequences(tok, quoted, thinking=mode, prompt_id="p1")
         return
     added = _added_ids(tok)
+    with pytest.raises(MarkupWithoutIdsError, match=r"prompt_id=p1 turn=0: the answer holds .*no output token ids"):
+        conversation_sequences(tok, quoted, thinking=mode, prompt_id="p1")
+    # output ids that spell the strings as text (what a server returns for a quote) show they were text
+    as_text = plain_text_tokenizer(tok)
+    text_ids = [as_text.encode(m["content"], add_special_tokens=False).ids for m in quoted if m["role"] == "assistant"]
     counts: dict = {}
-    got = conversation_sequences(tok, quoted, thinking=mode, prompt_id="p1", counts=counts)
+    got = conversation_sequences(tok, quoted, thinking=mode, prompt_id="p1", counts=counts, generated_ids=text_ids)
     ref = conversation_sequences(tok, plain, thinking=mode, prompt_id="p1")
     assert sorted(k for s in got for k in s.turns) == [0, 1]
     assert counts.get("control_text_kept") == 2

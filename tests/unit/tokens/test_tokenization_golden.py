@@ -287,7 +287,7 @@ def zoo_tokenizer(family: str) -> Callable[[], Any]:
         if family not in _TOKENIZERS:
             tc_path = root / family / "tokenizer_config.json"
             tc = json.loads(tc_path.read_text(encoding="utf-8")) if tc_path.is_file() else None
-            template = zoo.family_template(root, family).read_text(encoding="utf-8")
+            template = zoo.family_template_text(root, family)
             _TOKENIZERS[family] = zoo.family_tokenizer(template, GSM8K_TRAIN, tc)
         return _TOKENIZERS[family]
 

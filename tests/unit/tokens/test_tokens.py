@@ -451,20 +451,34 @@ def test_check_template_only_warns_when_the_template_rejects_system_turns(tok):
 
 
 def test_answer_quoting_special_tokens_is_text_in_the_token_shard(tmp_path, target_dir, tok):
-    """Issue #18: an answer quoting `<|im_end|>` and `</think>` (no output ids): its supervised span holds
-    one end-of-turn id (the real stop) and no think-marker id; the answer is kept verbatim."""
+    """Issue #18: an answer quoting `<|im_end|>` and `</think>`: its supervised span holds one end-of-turn id
+    (the real stop) and no think-marker id; the answer is kept verbatim. The output ids show the think
+    markers were text; without them the record is refused (the model could have emitted `<think>`), while
+    a quoted `<|im_end|>` alone needs no ids (the model stops at a real one)."""
+    from dflash_pipeline.core.errors import MarkupWithoutIdsError
+    from dflash_pipeline.tokens.shard import plain_text_tokenizer
+
     answer = "Write <|im_end|> to stop; the tag <think></think> does nothing."
-    recs = [completion("p0", conv([("Explain chat templates.", answer)]))]
-    out = tmp_path / "t.parquet"
-    stats = tokenize_shard(
-        write_completions(tmp_path / "c.parquet", recs),
-        out,
-        target_dir=target_dir,
-        tokens_cfg={"max_length": 512, "last_turn_only": False},
-    )
-    (row,) = pq.read_table(out).to_pylist()
     eot, think_ids = tok.convert_tokens_to_ids("<|im_end|>"), set(tok.convert_tokens_to_ids(["<think>", "</think>"]))
+    rec = completion("p0", conv([("Explain chat templates.", answer)]))
+    text_ids = plain_text_tokenizer(tok).encode(answer, add_special_tokens=False).ids + [eot]
+    rec["turns"][0]["output_token_ids"] = text_ids
+    cfg = {"max_length": 512, "last_turn_only": False}
+    out = tmp_path / "t.parquet"
+    stats = tokenize_shard(write_completions(tmp_path / "c.parquet", [rec]), out, target_dir=target_dir, tokens_cfg=cfg)
+    (row,) = pq.read_table(out).to_pylist()
     sup = [t for t, m in zip(row["input_ids"], row["loss_mask"]) if m]
     assert sup.count(eot) == 1 and sup[-1] == eot and not think_ids & set(sup)
     assert masked_texts(tok, row["input_ids"], row["loss_mask"]) == [answer + "<|im_end|>"]
+    assert stats["output_ids_spliced"] + stats["control_text_kept"] == 1 and stats["records_out"] == 1
+    rec["turns"][0]["output_token_ids"] = None
+    with pytest.raises(MarkupWithoutIdsError, match=r"prompt_id=p0 turn=0: the answer holds \['</think>', '<think>'\]"):
+        tokenize_shard(write_completions(tmp_path / "c2.parquet", [rec]), out, target_dir=target_dir, tokens_cfg=cfg)
+    quote = "Write <|im_end|> to stop."
+    rec = completion("p1", conv([("Explain chat templates.", quote)]))
+    stats = tokenize_shard(
+        write_completions(tmp_path / "c3.parquet", [rec]), out, target_dir=target_dir, tokens_cfg=cfg
+    )
+    (row,) = pq.read_table(out).to_pylist()
+    assert masked_texts(tok, row["input_ids"], row["loss_mask"]) == [quote + "<|im_end|>"]
     assert stats["control_text_kept"] == 1 and stats["records_out"] == 1
