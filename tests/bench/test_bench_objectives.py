@@ -1,4 +1,4 @@
-"""Smoke test of bench/bench_objectives.py (issue #26): at its tiny size it trains every objective with two
+"""Smoke test of bench/bench_objectives.py: at its tiny size it trains every objective with two
 seeds on the same token shard, evaluates them on the same prompts and prints τ with its bootstrap standard
 error and 95 % interval per set; a second run reuses the finished runs. The bootstrap itself is checked on
 hand-made numbers."""

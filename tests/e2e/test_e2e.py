@@ -23,7 +23,7 @@ def built(tmp_path_factory):
     """The reduced workflow, built once for this module."""
     work = tmp_path_factory.mktemp("e2e")
     cfg = yaml.safe_load((REPO / "tests" / "e2e" / "e2e_config.yaml").read_text())
-    # τ by context length (issue #26) on a set of long conversations; not in e2e_config.yaml, which
+    # τ by context length on a set of long conversations; not in e2e_config.yaml, which
     # test_upgrade also gives to earlier mains that do not know these keys
     cfg["eval"]["context_length_buckets"] = [128]
     cfg["eval"]["sets"]["long"] = {

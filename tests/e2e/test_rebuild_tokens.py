@@ -1,5 +1,5 @@
-"""A new tokenization revision or settings change -> token shards rerun, completions never (DESIGN.md §3,
-issue #6); an edit of the tokenization code that keeps the revision reruns nothing (issue #13).
+"""A new tokenization revision or settings change -> token shards rerun, completions never (DESIGN.md §3);
+an edit of the tokenization code that keeps the revision reruns nothing.
 
 Real Snakemake on a tiny workdir built up to the token shards (transformers backend on the session demo
 target); every assertion is on the job counts of `snakemake -n`.

@@ -1,4 +1,4 @@
-"""Real Snakemake + the openai backend against test servers (issue #5): the API key never leaks, and a
+"""Real Snakemake + the openai backend against test servers: the API key never leaks, and a
 generation job killed with SIGKILL resumes through Snakemake sending only the unfinished prompts.
 
 Both run the workflow up to the token shards on the session demo target.

@@ -32,9 +32,7 @@ PREVIOUS_MAIN = os.environ.get("DFLASH_PREVIOUS_MAIN", "77e52f4")
 #: The main this code was branched from (override: $DFLASH_LAST_MAIN, a commit or ref).
 LAST_MAIN = os.environ.get("DFLASH_LAST_MAIN", "a2580b8")
 #: Rules this code reruns in a results directory of LAST_MAIN, with the reason ({} for a pure refactor).
-#: (Stop 27's reruns against 5f1ed51, issues #22 and #26, are in this file's history: train_drafter for target.dtype
-#: in params and the dflash-train entry point, tokenize_completions for TOKENIZATION_REVISION 7476b443b5dd66cc,
-#: and the report's new inputs and plots.)
+#: Earlier releases' reruns are in CHANGELOG.md ("Reruns on upgrade").
 _TOKENS_RERUN = "its inputs, the token shards, are rewritten (tokenize_completions)"
 LAST_MAIN_RERUNS: dict[str, str] = {
     "tokenize_completions": "TOKENIZATION_REVISION 3b1f0c9e5a7d2e48: markup in answer text without output ids is "

@@ -1,4 +1,4 @@
-"""Size limits of the source (STYLE.md, issue #22): no module in src/ over 600 lines, no function over 80
+"""Size limits of the source (STYLE.md): no module in src/ over 600 lines, no function over 80
 (docstring included: the whole ``def`` to its last line, as :mod:`ast` spans it)."""
 
 import ast

@@ -1,4 +1,4 @@
-"""Outputs keyed by what they are built from (issue #26), so two configs in one checkout never undo each other.
+"""Outputs keyed by what they are built from, so two configs in one checkout never undo each other.
 
 * The demo target (``target.path: demo``) is shared by every config of a checkout; its directory names the
   settings it was built with (:func:`demo_target_dir`), so a config with other ``target.demo`` settings builds

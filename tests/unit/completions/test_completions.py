@@ -548,7 +548,7 @@ def test_server_cli_serves_models_and_stops_on_sigterm():
 
 
 # ----------------------------------------------------------------------------------------------
-# over-long conversations (issue #18)
+# over-long conversations
 
 
 def _too_long_prompts(tok, limit: int) -> list[list[dict]]:

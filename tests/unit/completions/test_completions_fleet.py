@@ -157,7 +157,7 @@ def test_describe_names_the_cause_without_credentials():
     mapped.__cause__ = connector
     top = APITimeoutError("Request timed out.")
     top.__cause__ = mapped
-    # a refused connection says so first (issue #18), the client's label after it
+    # a refused connection says so first, the client's label after it
     assert _describe(top) == (
         "connection refused: Cannot connect to host http://127.0.0.1:9/v1 "
         "(reported as APITimeoutError: Request timed out.)"
@@ -197,7 +197,7 @@ def test_refused_connection_says_cannot_connect(tmp_path, caplog):
     msg = str(info.value)
     port = url.rsplit(":", 1)[1].split("/")[0]
     # aiohttp transport: "Cannot connect to host 127.0.0.1:<port>"; httpx transport: "All connection attempts failed"
-    # issue #18: the refusal comes first, the client's "APITimeoutError: Request timed out." after it
+    # the refusal comes first, the client's "APITimeoutError: Request timed out." after it
     cause = re.compile(
         rf"connection refused: (Cannot connect to host 127\.0\.0\.1:{port}|All connection attempts "
         rf"failed).* \(reported as \w+: "

@@ -1,4 +1,4 @@
-"""The drafter's rotary is the one vLLM serves (issue #23, 1): partial rotary trained, M-RoPE dropped,
+"""The drafter's rotary is the one vLLM serves: partial rotary trained, M-RoPE dropped,
 and a rope vLLM cannot serve refused at planning. (Against vLLM's own ``get_rope`` on every real config:
 tests/e2e/test_family_parity.py.)"""
 

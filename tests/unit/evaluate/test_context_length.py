@@ -1,4 +1,4 @@
-"""τ by context length (issue #26): the buckets, the loop's per-step context lengths, long conversations built
+"""τ by context length: the buckets, the loop's per-step context lengths, long conversations built
 up to a length with the training prompts left out, and held-out τ per bucket during training."""
 
 from __future__ import annotations

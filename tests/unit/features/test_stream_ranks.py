@@ -1,6 +1,6 @@
 """``train.target_features: stream`` on several ranks: two gloo ranks under FSDP2 (Accelerate's launcher, CPU),
 each rank with its own :class:`~dflash_pipeline.features.FeatureClient` against one hf feature server, train
-the same run as two ranks reading the feature shards (issue #24: "several ranks and machines, FSDP2 work with
+the same run as two ranks reading the feature shards ("several ranks and machines, FSDP2 work with
 stream")."""
 
 from __future__ import annotations

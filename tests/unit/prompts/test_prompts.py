@@ -452,7 +452,7 @@ def test_dedup_across_sources_first_wins_and_counts(tmp_path):
     assert m["datasets"]["a"]["kept"] == 2 and m["datasets"]["a"]["dropped"] == {"duplicate": 1}
     assert m["datasets"]["b"]["kept"] == 1 and m["datasets"]["b"]["dropped"] == {"duplicate": 1}
     assert m["total_prompts"] == 3
-    # every drop has a located example naming the prompt and the source that kept its twin (issue #18)
+    # every drop has a located example naming the prompt and the source that kept its twin
     (ex_a,) = m["datasets"]["a"]["skipped_examples"]
     (ex_b,) = m["datasets"]["b"]["skipped_examples"]
     assert "a.jsonl: line 3" in ex_a and "kept from source a" in ex_a
@@ -747,7 +747,7 @@ def test_shard_prompts_max_prompt_tokens_uses_target_tokenizer(tmp_path):
     assert m["datasets"]["g"]["kept"] == 21 and m["tokenizer"] is None  # no filter: no tokenizer loaded
 
 
-# ---------------------------------------------------------------------- text is data (issue #18)
+# ---------------------------------------------------------------------- text is data
 
 
 def test_strict_mode_lists_every_malformed_line_in_one_error(tmp_path):

@@ -1,4 +1,4 @@
-"""Report tables (report.py): the run summary's HTML tables and the end-of-run console summary (issue #18).
+"""Report tables (report.py): the run summary's HTML tables and the end-of-run console summary.
 The rendered report itself is checked with headless Chromium in tests/e2e/test_e2e.py."""
 
 from __future__ import annotations

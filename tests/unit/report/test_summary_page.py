@@ -1,4 +1,4 @@
-"""The report's landing page (dflash_pipeline.report.page, issue #26) in headless Chromium: the header, every
+"""The report's landing page (dflash_pipeline.report.page) in headless Chromium: the header, every
 image loading (natural width > 0), the τ table equal to acceptance.json, the long record folded; the
 screenshot is kept as a test artefact ($DFLASH_TEST_ARTEFACTS, default tests/artefacts/)."""
 

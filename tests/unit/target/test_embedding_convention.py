@@ -1,4 +1,4 @@
-"""One embedding convention on every path, the one vLLM serves (issue #23, 2): vLLM's DFlash
+"""One embedding convention on every path, the one vLLM serves: vLLM's DFlash
 ``embed_input_ids`` is the bare shared ``embed_tokens`` (Gemma's ×√H normaliser lives outside it), so
 online training, the feature-shard path and the eval loop all look the table up bare."""
 

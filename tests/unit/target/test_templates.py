@@ -1,4 +1,4 @@
-"""Loss-mask invariant over every real chat template (DESIGN.md, Token record; issue #6).
+"""Loss-mask invariant over every real chat template (DESIGN.md, Token record).
 
 For each template in ``<shared>/data/models/*/chat_template*.jinja`` and ``_trl_training_templates/``,
 with a tiny ByteLevel BPE tokenizer carrying that template and its special tokens, for single- and
@@ -325,7 +325,7 @@ def test_check_template_before_generation_agrees_with_the_invariant(base_bpe_jso
 
 
 # --------------------------------------------------------------------------------------------------
-# Text is data (issue #18): special-token strings in an answer are ordinary text in its supervised span
+# Text is data: special-token strings in an answer are ordinary text in its supervised span
 # --------------------------------------------------------------------------------------------------
 
 #: (template, mode) -> why an answer quoting every control string cannot be masked (fails closed).

@@ -97,7 +97,7 @@ def test_packed_training_validates_and_writes_tensorboard(setup, tmp_path):
     for r in val:
         assert 1.0 <= r["tau"] <= 4.0 and len(r["per_position_acceptance"]) == 3 and r["num_blocks"] > 0
         assert all(a >= b for a, b in zip(r["per_position_acceptance"], r["per_position_acceptance"][1:]))
-        # held-out τ per context-length bucket (issue #26): every block in one bucket, by its anchor's position
+        # held-out τ per context-length bucket: every block in one bucket, by its anchor's position
         # in its record (packed rows restart positions per record)
         buckets = r["by_context_length"]
         assert set(buckets) <= {"<24", "24–48", "≥48"}

@@ -1,4 +1,4 @@
-"""What a run shows on the console (issue #18): job summaries and [train]/[eval] progress lines reach the
+"""What a run shows on the console: job summaries and [train]/[eval] progress lines reach the
 job's stderr besides its log file (workflow.log_to, `workflow tee`)."""
 
 from __future__ import annotations
