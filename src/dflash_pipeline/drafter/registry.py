@@ -1,0 +1,227 @@
+"""The registry of drafter families (config ``drafter.family``): every other module asks it, or the family object
+it returns, what differs per family; no other module compares a family's name.
+
+A family is a subclass of :class:`dflash_pipeline.drafter.dflash.DFlashFamily` in a module of its own that
+registers itself with :func:`register` when imported (``@register`` on the class). The families this package ships
+(:data:`BUILTIN`) are imported on the first question; a family defined elsewhere (a plugin, a test) is registered
+by importing its module before the pipeline asks for it. docs/how-to/add-a-drafter-family.md walks through one.
+
+Lookups:
+
+* :func:`get` — by name (``drafter.family``); :func:`names` — every registered name;
+* :func:`of_drafter` — the family of a drafter module (unwrapping DDP/FSDP's ``.module``);
+* :func:`of_config` / :func:`of_checkpoint` — the family a ``config.json`` (dict or config object) or an export
+  directory belongs to, from its ``architectures`` (what the engines dispatch on).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:  # pragma: no cover
+    from dflash_pipeline.drafter.dflash import DFlashFamily
+
+#: Modules of the families this package ships (each registers its family when imported).
+BUILTIN = ("dflash_pipeline.drafter.dflash", "dflash_pipeline.drafter.dflash2", "dflash_pipeline.drafter.dspark")
+#: ``drafter.family`` when a config does not say (the family every run had before there were others).
+DEFAULT = "dflash"
+
+_FAMILIES: dict[str, "DFlashFamily"] = {}
+_loaded = False
+
+
+class UnknownFamily(ValueError):
+    """A family name, architecture or drafter class no registered family owns."""
+
+
+def register(cls):
+    """Class decorator: register an instance of family class ``cls`` under ``cls.name``; returns ``cls``.
+
+    Raises:
+        ValueError: another class already registered under the same name or architecture.
+    """
+    fam = cls()
+    for other in _FAMILIES.values():
+        if type(other) is cls:
+            continue
+        if other.name == fam.name or other.architecture == fam.architecture:
+            raise ValueError(
+                f"drafter family {cls.__qualname__}: name {fam.name!r} / architecture {fam.architecture!r} "
+                f"already registered by {type(other).__qualname__}"
+            )
+    _FAMILIES[fam.name] = fam
+    return cls
+
+
+def unregister(name: str) -> None:
+    """Remove the family ``name`` (a test's own family, after the test); built-in families stay."""
+    _load_builtin()
+    if name == DEFAULT or type(_FAMILIES.get(name)).__module__ in BUILTIN:
+        raise ValueError(f"drafter family {name!r} is built in; it cannot be unregistered")
+    _FAMILIES.pop(name, None)
+
+
+def _load_builtin() -> None:
+    """Import the :data:`BUILTIN` family modules once (each registers its family). By name, as a plugin registry
+    loads its plugins: the family modules import the registry, never the other way round."""
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for module in BUILTIN:
+            importlib.import_module(module)
+
+
+def names() -> tuple[str, ...]:
+    """Names of the registered families, the default first."""
+    _load_builtin()
+    return (DEFAULT, *sorted(n for n in _FAMILIES if n != DEFAULT))
+
+
+def get(name: Optional[str] = None) -> "DFlashFamily":
+    """The family registered as ``name`` (None: the default).
+
+    Raises:
+        UnknownFamily: no family of that name.
+    """
+    _load_builtin()
+    key = DEFAULT if name is None else name
+    if key not in _FAMILIES:
+        raise UnknownFamily(f"drafter.family: unknown family {name!r}; expected one of {', '.join(names())}")
+    return _FAMILIES[key]
+
+
+def default() -> "DFlashFamily":
+    """The default family (:data:`DEFAULT`)."""
+    return get(DEFAULT)
+
+
+def of_drafter(drafter) -> "DFlashFamily":
+    """The family of ``drafter`` (a drafter module, or a DDP/FSDP wrapper with ``.module``): the registered family
+    whose drafter class is the closest base of its type.
+
+    Raises:
+        UnknownFamily: a module no family's drafter class is a base of.
+    """
+    _load_builtin()
+    core = getattr(drafter, "module", drafter)
+    by_class = {f.drafter_class: f for f in _FAMILIES.values()}
+    for klass in type(core).__mro__:
+        if klass in by_class:
+            return by_class[klass]
+    raise UnknownFamily(f"{type(core).__qualname__}: not the drafter of a registered family ({', '.join(names())})")
+
+
+def find_by_architectures(archs) -> Optional["DFlashFamily"]:
+    """The family whose architecture is first in ``archs`` (a ``config.json`` ``architectures`` list), None when
+    none is."""
+    _load_builtin()
+    by_arch = {f.architecture: f for f in _FAMILIES.values()}
+    return next((by_arch[a] for a in archs or () if a in by_arch), None)
+
+
+def of_config(config) -> "DFlashFamily":
+    """The family of a drafter config (a config object or a ``config.json`` dict), from its ``architectures``
+    (none: the default family, as for checkpoints written before families).
+
+    Raises:
+        UnknownFamily: an ``architectures`` list no family serves.
+    """
+    archs = config.get("architectures") if isinstance(config, Mapping) else getattr(config, "architectures", None)
+    if not archs:
+        return default()
+    fam = find_by_architectures(archs)
+    if fam is None:
+        raise UnknownFamily(
+            f"config.json architectures {archs}: not a drafter family this pipeline trains "
+            f"({', '.join(get(n).architecture for n in names())})"
+        )
+    return fam
+
+
+def of_checkpoint(ckpt_dir: Optional[str | Path]) -> "DFlashFamily":
+    """The family of the export in ``ckpt_dir`` (the default family when there is none or no ``config.json``).
+
+    Raises:
+        UnknownFamily: as :func:`of_config`; json.JSONDecodeError: a malformed ``config.json``.
+    """
+    cfg = Path(ckpt_dir or "") / "config.json"
+    if not ckpt_dir or not cfg.is_file():
+        return default()
+    return of_config(json.loads(cfg.read_text(encoding="utf-8")))
+
+
+def load_config(ckpt_dir: str | Path):
+    """The config of the export in ``ckpt_dir`` as its family's config class (:func:`of_checkpoint`,
+    ``config_class.from_checkpoint``).
+
+    Raises:
+        FileNotFoundError / ValueError: no or a malformed ``config.json`` (naming file and field); UnknownFamily.
+    """
+    from dflash_pipeline.drafter.config import DFlashConfig
+
+    path = Path(ckpt_dir) / "config.json"
+    if not path.is_file():
+        return DFlashConfig.from_checkpoint(ckpt_dir)  # its FileNotFoundError names what a checkpoint holds
+    try:
+        family = of_checkpoint(ckpt_dir)
+    except json.JSONDecodeError:
+        return DFlashConfig.from_checkpoint(ckpt_dir)  # its ValueError names the file
+    return family.config_class.from_checkpoint(ckpt_dir)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Planning and the Snakemake params (asked of the configured family)
+# ---------------------------------------------------------------------------------------------------
+
+
+def of_settings(drafter: Mapping[str, Any]) -> "DFlashFamily":
+    """The family a config's validated ``drafter`` section names (``drafter.family``, default :data:`DEFAULT`)."""
+    return get(drafter.get("family", DEFAULT))
+
+
+def config_problems(cfg: Mapping[str, Any]) -> list[str]:
+    """Family × setting combinations refused at planning, one line each (``cfg`` validated, defaults filled):
+    the configured family's :meth:`~dflash_pipeline.drafter.dflash.DFlashFamily.config_problems`."""
+    return of_settings(cfg["drafter"]).config_problems(cfg)
+
+
+def section_keys() -> tuple[str, ...]:
+    """The ``drafter.*`` keys that belong to families (``family`` and one section per non-default family)."""
+    return ("family", *(n for n in names() if n != DEFAULT))
+
+
+def family_train_keys() -> tuple[str, ...]:
+    """``train.*`` keys some family reads (each family's :attr:`~dflash_pipeline.drafter.dflash.DFlashFamily.
+    train_keys`, in registration order)."""
+    out: list[str] = []
+    for n in names():
+        out += [k for k in get(n).train_keys if k not in out]
+    return tuple(out)
+
+
+def probe_params(drafter: Mapping[str, Any]) -> dict:
+    """``drafter`` without the family keys (the probe does not depend on the family), so runs configured before
+    ``drafter.family`` existed keep their probe params."""
+    drop = set(section_keys())
+    return {k: v for k, v in drafter.items() if k not in drop}
+
+
+def arch_params(drafter: Mapping[str, Any]) -> dict:
+    """The train rule's ``arch`` param (the configured family's :meth:`~dflash_pipeline.drafter.dflash.
+    DFlashFamily.arch_params`)."""
+    return of_settings(drafter).arch_params(drafter)
+
+
+def train_params(train: Mapping[str, Any], family: str) -> dict:
+    """The train rule's ``train`` param for ``family`` (its :meth:`~dflash_pipeline.drafter.dflash.DFlashFamily.
+    train_params`)."""
+    return get(family).train_params(train)
+
+
+def eval_params(ev: Mapping[str, Any]) -> dict:
+    """``eval`` without ``confidence_threshold`` at its default 0 (runs evaluated before the key keep their params)."""
+    return {k: v for k, v in ev.items() if not (k == "confidence_threshold" and not v)}
