@@ -445,7 +445,9 @@ class DFlash2Family(DFlashFamily):
 
     def confidence_problems(self, settings, ev) -> list[str]:
         if ev.get("confidence_threshold", 0.0):
-            return ["eval.confidence_threshold gates DSpark's verify length; drafter.family dflash2 has no confidence head"]
+            return [
+                "eval.confidence_threshold gates DSpark's verify length; drafter.family dflash2 has no confidence head"
+            ]
         return []
 
     def serve_md(self, cfg, meta, drafter_dir, target) -> str:
@@ -455,7 +457,9 @@ class DFlash2Family(DFlashFamily):
         d = cfg["dflash_config"]
         env = " ".join(f"{k}={v}" for k, v in self.engine_env().items())
         vllm = f"{env} " + self.serve_commands(drafter_dir, target, bs)["vllm"]
-        return _serve_head(self, cfg, drafter_dir, target) + f"""vLLM ≥ 0.32 serves DFlash2 only on the V2 model runner (its candidate walk is a V2 speculator,
+        return (
+            _serve_head(self, cfg, drafter_dir, target)
+            + f"""vLLM ≥ 0.32 serves DFlash2 only on the V2 model runner (its candidate walk is a V2 speculator,
 `vllm/v1/worker/gpu/spec_decode/dflash2/`), with method `dflash` and `num_speculative_tokens` = block size − 1
 (the grouped convolutions' block is 1 + that number, so it must be {n}). The selector's codebooks cover the full
 target vocabulary: serve it without a reduced draft vocabulary (no `d2t`). Selector: top-{d["selector_top_k"]},
@@ -471,6 +475,7 @@ the V2 runner's speculators, so it does not serve DFlash2.
 SGLang: no upstream release serves DFlash2 (searched: sglang PRs add DFLASH #22077 and DSPARK; DFlash2 is in
 forks only, e.g. wejoncy/sfllm #42). Use vLLM.
 """
+        )
 
 
 def _serve_head(family: DFlashFamily, cfg: Mapping[str, Any], drafter_dir, target: str) -> str:

