@@ -6,7 +6,7 @@ import shlex
 
 from dflash_pipeline.workflow import policy as wf
 from dflash_pipeline.workflow.policy import as_json, canonical
-from dflash_pipeline.drafter import registry as drafter_families
+from dflash_pipeline.drafter import families as drafter_families
 
 
 def generation_output_params():

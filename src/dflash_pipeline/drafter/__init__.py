@@ -1,5 +1,5 @@
 """The DFlash drafter: model, blocks (anchors, labels, decayed CE) and attention masks; the drafter families
-(``drafter.family``: :mod:`.dflash`, :mod:`.dflash2`, :mod:`.dspark`, asked through :mod:`.registry`). Names load
+(``drafter.family``: :mod:`.dflash`, :mod:`.dflash2`, :mod:`.dspark`, asked through the registry :mod:`.families`). Names load
 on first use
 (``_OWNERS``: :func:`dflash_pipeline.core.faces.lazy_face`)."""
 
@@ -20,7 +20,7 @@ _OWNERS = {
         "drafter_config_from_target DraftContextCache DFlashAttention DFlashDecoderLayer DFlashDrafter"
         " save_drafter count_parameters"
     ),
-    "registry": "register get of_drafter of_config of_checkpoint load_config",
+    "families": "register get of_drafter of_config of_checkpoint load_config",
     "dflash": "DFlashFamily",
     "dflash2": "DFlash2Drafter DFlash2Config DFlash2Family",
     "dspark": "DSparkDrafter DSparkConfig DSparkFamily",

@@ -1,4 +1,4 @@
-"""A drafter of any family (:mod:`dflash_pipeline.drafter.registry`), freshly initialised from the target
+"""A drafter of any family (:mod:`dflash_pipeline.drafter.families`), freshly initialised from the target
 (:func:`build_drafter`) or loaded from an export (:func:`load_drafter`)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from dflash_pipeline.drafter import registry as FR
+from dflash_pipeline.drafter import families as FR
 from dflash_pipeline.drafter.model import DFlashDrafter
 from dflash_pipeline.target.loading import text_config
 
@@ -27,7 +27,7 @@ def build_drafter(
     decisions (``probe["drafter"]``: block_size, num_draft_layers, target_layer_ids, mask_token_id);
     ``layer_types``/``sliding_window``: optional sliding-window draft layers (config ``drafter.*``).
     ``family``/``family_settings``: ``drafter.family`` (None: the default) and its ``drafter.<family>`` section
-    (:mod:`dflash_pipeline.drafter.registry`). The train stage's initial drafter and the eval stage's
+    (:mod:`dflash_pipeline.drafter.families`). The train stage's initial drafter and the eval stage's
     untrained floor; ``seed`` seeds the init."""
     d = probe["drafter"]
     fam = FR.get(family)
@@ -50,7 +50,7 @@ def load_drafter(
 ) -> DFlashDrafter:
     """Load a drafter written by :func:`save_drafter` (or any unprefixed DFlash checkpoint) in ``dtype``
     (eval passes the target's, :func:`dflash_pipeline.target.loading.drafter_dtype`); its config is
-    :meth:`DFlashConfig.from_checkpoint` of its family's config class (:func:`dflash_pipeline.drafter.registry.load_config`).
+    :meth:`DFlashConfig.from_checkpoint` of its family's config class (:func:`dflash_pipeline.drafter.families.load_config`).
 
     Raises:
         FileNotFoundError / ValueError: no or a malformed ``config.json`` (:meth:`DFlashConfig.from_checkpoint`);

@@ -191,7 +191,7 @@ class DFlashConfig(Qwen3Config):
     def from_checkpoint(cls, ckpt_dir: str | Path) -> "DFlashConfig":
         """The config of the drafter checkpoint at ``ckpt_dir`` (written by :meth:`save`, or any DFlash
         checkpoint in the served layout: ``block_size`` and ``dflash_config`` at the top level), as this class
-        (:func:`dflash_pipeline.drafter.registry.load_config` picks the family's config class).
+        (:func:`dflash_pipeline.drafter.families.load_config` picks the family's config class).
 
         Raises:
             FileNotFoundError: no ``config.json`` in ``ckpt_dir``.

@@ -1,6 +1,6 @@
 """The DFlash family (``drafter.family: dflash``, the default) and the base class of every drafter family.
 
-A family is a :class:`DFlashFamily` subclass registered with :func:`dflash_pipeline.drafter.registry.register`.
+A family is a :class:`DFlashFamily` subclass registered with :func:`dflash_pipeline.drafter.families.register`.
 It owns, in its own module:
 
 * its config class (a subclass of :class:`~dflash_pipeline.drafter.config.DFlashConfig` that round-trips through
@@ -33,8 +33,8 @@ import torch
 
 from dflash_pipeline.drafter.block_size import check_block_size
 from dflash_pipeline.drafter.config import DFlashConfig
+from dflash_pipeline.drafter.families import DEFAULT, register
 from dflash_pipeline.drafter.model import DFlashDrafter
-from dflash_pipeline.drafter.registry import DEFAULT, register
 from dflash_pipeline.target.layer_ids import hf_hidden_state_index
 
 #: ``Blocks`` builder the training step and held-out acceptance hand to :meth:`DFlashFamily.training_blocks`:
@@ -330,7 +330,7 @@ with more than one layer is served with lower acceptance there. CUDA builds are 
         the keys only other families read (so default runs keep their params)."""
         if self.name != DEFAULT:
             return dict(train)
-        from dflash_pipeline.drafter.registry import family_train_keys
+        from dflash_pipeline.drafter.families import family_train_keys
 
         drop = set(family_train_keys())
         return {k: v for k, v in train.items() if k not in drop}

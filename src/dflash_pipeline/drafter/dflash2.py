@@ -38,8 +38,8 @@ from torch import nn
 
 from dflash_pipeline.drafter.config import DFlashConfig
 from dflash_pipeline.drafter.dflash import DFlashFamily
+from dflash_pipeline.drafter.families import register
 from dflash_pipeline.drafter.model import DFlashDecoderLayer, DFlashDrafter
-from dflash_pipeline.drafter.registry import register
 from dflash_pipeline.target.loading import lm_head_logits
 
 ARCHITECTURE = "DFlash2DraftModel"

@@ -35,8 +35,8 @@ from dflash_pipeline.drafter import blocks as BL
 from dflash_pipeline.drafter.config import DFlashConfig
 from dflash_pipeline.drafter.dflash import DFlashFamily
 from dflash_pipeline.drafter.dflash2 import _chunks, _serve_head
+from dflash_pipeline.drafter.families import register
 from dflash_pipeline.drafter.model import DFlashDrafter
-from dflash_pipeline.drafter.registry import register
 from dflash_pipeline.target.loading import lm_head_logits
 
 ARCHITECTURE = "Qwen3DSparkModel"

@@ -201,7 +201,7 @@ class DFlashDrafter(nn.Module):
     (``fc``, ``hidden_norm``, ``norm``, ``layers.N.*``; §8.3).
     """
 
-    #: The architecture vLLM loads (the family, :mod:`dflash_pipeline.drafter.registry`, knows the rest).
+    #: The architecture vLLM loads (the family, :mod:`dflash_pipeline.drafter.families`, knows the rest).
     architecture = ARCHITECTURE
     #: Sliding layers are causal inside the block (SpecForge/vLLM DFlash semantics, dflash.md §2.3).
     sliding_block_causal = True
@@ -331,7 +331,7 @@ def save_drafter(
         if not k.startswith("rotary_emb.")
     }
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    drafter.config.architectures = [drafter.architecture]  # the family's (dflash_pipeline.drafter.registry)
+    drafter.config.architectures = [drafter.architecture]  # the family's (dflash_pipeline.drafter.families)
     drafter.config.save(out, dtype=str(dtype).replace("torch.", ""), meta=extra)
 
 

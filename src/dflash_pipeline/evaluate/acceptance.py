@@ -30,8 +30,8 @@ import torch
 from dflash_pipeline.core.contracts import EVAL_SCHEMA_VERSION
 from dflash_pipeline.core.shards import write_json
 from dflash_pipeline.drafter import build as DB
+from dflash_pipeline.drafter import families as FR
 from dflash_pipeline.drafter import model as M
-from dflash_pipeline.drafter import registry as FR
 from dflash_pipeline.drafter.block_size import resolve_block_size
 from dflash_pipeline.evaluate.context_length import tau_by_context_length
 from dflash_pipeline.evaluate.eval_sets import load_eval_sets

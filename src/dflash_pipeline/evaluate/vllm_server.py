@@ -31,7 +31,7 @@ from typing import Mapping, Optional, Sequence
 
 from dflash_pipeline.core.errors import PipelineError
 from dflash_pipeline.core.vllm_env import require_vllm_python
-from dflash_pipeline.drafter import registry as FR
+from dflash_pipeline.drafter import families as FR
 
 
 class EngineError(PipelineError):

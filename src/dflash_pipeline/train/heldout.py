@@ -21,8 +21,8 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
+from dflash_pipeline.drafter import families as FR
 from dflash_pipeline.drafter import model as M
-from dflash_pipeline.drafter import registry as FR
 from dflash_pipeline.target import loading as T
 from dflash_pipeline.train import packing as P
 

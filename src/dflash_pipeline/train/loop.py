@@ -19,8 +19,8 @@ from typing import Any, Optional
 
 import torch
 
+from dflash_pipeline.drafter import families as FR
 from dflash_pipeline.drafter import model as M
-from dflash_pipeline.drafter import registry as FR
 from dflash_pipeline.target import loading as T
 from dflash_pipeline.train import heldout as V
 from dflash_pipeline.train import trackers as TR

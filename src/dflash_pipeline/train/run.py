@@ -41,8 +41,8 @@ import torch
 
 from dflash_pipeline.core.config import schema_defaults
 from dflash_pipeline.core.shards import read_parquet, write_json
+from dflash_pipeline.drafter import families as FR
 from dflash_pipeline.drafter import model as M
-from dflash_pipeline.drafter import registry as FR
 from dflash_pipeline.drafter.build import build_drafter  # train.run.build_drafter: the name tests and benches use
 from dflash_pipeline.target import loading as T
 from dflash_pipeline.train import data as train_data

@@ -14,8 +14,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from dflash_pipeline.drafter import families as FR
 from dflash_pipeline.drafter import model as M
-from dflash_pipeline.drafter import registry as FR
 from dflash_pipeline.target import loading as T
 from dflash_pipeline.target.hidden import target_features
 from dflash_pipeline.train import losses as L

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 from dflash_pipeline.core.config import fill_defaults, generation_problems, resolve_path, schema_problems
 from dflash_pipeline.core.vllm_env import VLLMNotFound, require_vllm_python
 from dflash_pipeline.drafter.block_size import BlockSizeError, resolve_block_size
-from dflash_pipeline.drafter.registry import config_problems as family_problems
+from dflash_pipeline.drafter.families import config_problems as family_problems
 from dflash_pipeline.target.chat import tokenizer_files_missing
 
 

@@ -13,8 +13,8 @@ from conftest import tiny_target_and_drafter
 from dflash_pipeline.drafter import build as DB
 from dflash_pipeline.drafter import dflash2 as D2
 from dflash_pipeline.drafter import dspark as DS
+from dflash_pipeline.drafter import families as FR
 from dflash_pipeline.drafter import model as M
-from dflash_pipeline.drafter import registry as FR
 
 DFLASH2 = {
     "conv_kernel_size": 2,

@@ -1,5 +1,5 @@
 """No module outside the family registry and the family modules tells families apart by name: every other module
-asks the registry (dflash_pipeline.drafter.registry) or the family object. Checked on the syntax tree of every
+asks the registry (dflash_pipeline.drafter.families) or the family object. Checked on the syntax tree of every
 module under src/: a comparison (``==``, ``!=``, ``in``, ``not in``, ``is``) with a family's name, a ``match`` case
 on one, or ``getattr(x, "family", ...)``."""
 
@@ -8,12 +8,12 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from dflash_pipeline.drafter import registry as FR
+from dflash_pipeline.drafter import families as FR
 
 SRC = Path(__file__).resolve().parents[3] / "src"
 #: The registry and the modules of the families this package ships: the only places a family's name is compared.
 ALLOWED = {
-    "dflash_pipeline/drafter/registry.py",
+    "dflash_pipeline/drafter/families.py",
     "dflash_pipeline/drafter/dflash.py",
     "dflash_pipeline/drafter/dflash2.py",
     "dflash_pipeline/drafter/dspark.py",
@@ -58,7 +58,7 @@ def test_no_family_name_is_compared_outside_the_registry():
         if rel in ALLOWED:
             continue
         offences += [f"{rel}:{line}: {what}" for line, what in name_comparisons(path.read_text(encoding="utf-8"))]
-    assert not offences, "ask dflash_pipeline.drafter.registry or the family object instead:\n" + "\n".join(offences)
+    assert not offences, "ask dflash_pipeline.drafter.families or the family object instead:\n" + "\n".join(offences)
 
 
 def test_the_check_sees_each_kind_of_comparison():

@@ -13,8 +13,8 @@ import pytest
 import torch
 from test_families import tiny
 
+from dflash_pipeline.drafter import families as FR
 from dflash_pipeline.drafter import model as M
-from dflash_pipeline.drafter import registry as FR
 
 SCHEMA = json.loads(
     (Path(__file__).resolve().parents[2] / "data" / "open_spec_config" / "dflash.schema.json").read_text()
