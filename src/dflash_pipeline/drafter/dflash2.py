@@ -21,6 +21,9 @@ The serving engine's model file is the specification (read, not copied; vLLM 0.3
 * Attention: every layer non-causal (``dflash_config.causal: false``, ``qwen3_dflash.py:86-97``); sliding
   layers limit the context to the window but see the whole block (the "non-causal sliding window").
 
+Training (:class:`DFlash2Family`'s objective hook): the ``train.loss`` objective on the unary logits plus
+``train.selector_weight`` × the selector's K-way CE (:func:`selector_term`, teacher-forced).
+
 Serving: block B = 1 + ``num_speculative_tokens`` (``qd2:255-256``), so a DFlash2 drafter proposes B − 1
 tokens from the anchor, as DFlash does. Notation as in :mod:`dflash_pipeline.drafter.model`.
 """

@@ -15,7 +15,11 @@ The serving engine's files are the specification (read, not copied; vLLM 0.32
   when ``confidence_head_with_markov`` is false), in float32: the probability that draft k is accepted given
   the ones before it. vLLM verifies while the running product stays high (``adaptive_verification.py:46-70``).
 
-Config keys (``config.json``): ``markov_rank`` at the top level (``qds:212``), ``markov_head_type``
+Training (:class:`DSparkFamily`'s hooks): blocks of B + 1 label slots read shifted by one (:func:`dspark_view`) and
+:func:`dspark_objective` (CE or 0.1·CE + 0.9·TV with the Markov bias, plus the confidence head's BCE; DSpark,
+arXiv 2607.05147; speculators docs ``algorithms/dspark.md``).
+
+Config keys (``config.json``, :class:`DSparkConfig`): ``markov_rank`` at the top level (``qds:212``), ``markov_head_type``
 (``vanilla``), ``enable_confidence_head``, ``confidence_head_with_markov``, ``sample_from_anchor: true``.
 """
 
