@@ -219,6 +219,17 @@ class DFlashFamily:
         )
         return {"vllm": vllm, "sglang": sglang}
 
+    def serve_head(self, cfg: Mapping[str, Any], target: str) -> str:
+        """The first lines of a family's ``serve.md`` (:attr:`title`): block, drafts per step, layers, target."""
+        bs = int(cfg["block_size"])
+        layers = (cfg.get("dflash_config") or {}).get("target_layer_ids")
+        return (
+            f"# Serving this {self.title} drafter\n\n"
+            f"Block size {bs} ({self.drafts_per_block(bs)} drafts per step), {cfg.get('num_hidden_layers')} draft "
+            f"layer(s), target layers {layers} (aux hidden states {[hf_hidden_state_index(i) for i in layers or []]}), "
+            f"target `{target}`.\n\n"
+        )
+
     def serve_md(self, cfg: Mapping[str, Any], meta: Mapping[str, Any], drafter_dir: str | Path, target: str) -> str:
         """``serve.md`` of an export: how to serve it with vLLM and SGLang. ``cfg``: its ``config.json`` dict;
         ``meta``: its ``dflash_pipeline`` block; ``drafter_dir``: its path in the commands; ``target``: the

@@ -461,7 +461,7 @@ class DFlash2Family(DFlashFamily):
         env = " ".join(f"{k}={v}" for k, v in self.engine_env().items())
         vllm = f"{env} " + self.serve_commands(drafter_dir, target, bs)["vllm"]
         return (
-            _serve_head(self, cfg, drafter_dir, target)
+            self.serve_head(cfg, target)
             + f"""vLLM ≥ 0.32 serves DFlash2 only on the V2 model runner (its candidate walk is a V2 speculator,
 `vllm/v1/worker/gpu/spec_decode/dflash2/`), with method `dflash` and `num_speculative_tokens` = block size − 1
 (the grouped convolutions' block is 1 + that number, so it must be {n}). The selector's codebooks cover the full
@@ -479,17 +479,3 @@ SGLang: no upstream release serves DFlash2 (searched: sglang PRs add DFLASH #220
 forks only, e.g. wejoncy/sfllm #42). Use vLLM.
 """
         )
-
-
-def _serve_head(family: DFlashFamily, cfg: Mapping[str, Any], drafter_dir, target: str) -> str:
-    """The first lines of a DFlash2 / DSpark ``serve.md``: block, drafts, layers, target."""
-    from dflash_pipeline.target.layer_ids import hf_hidden_state_index
-
-    bs = int(cfg["block_size"])
-    layers = (cfg.get("dflash_config") or {}).get("target_layer_ids")
-    return (
-        f"# Serving this {family.title} drafter\n\n"
-        f"Block size {bs} ({family.drafts_per_block(bs)} drafts per step), {cfg.get('num_hidden_layers')} draft "
-        f"layer(s), target layers {layers} (aux hidden states {[hf_hidden_state_index(i) for i in layers or []]}), "
-        f"target `{target}`.\n\n"
-    )

@@ -38,7 +38,7 @@ from torch import nn
 from dflash_pipeline.drafter import blocks as BL
 from dflash_pipeline.drafter.config import DFlashConfig
 from dflash_pipeline.drafter.dflash import DFlashFamily
-from dflash_pipeline.drafter.dflash2 import _chunks, _serve_head
+from dflash_pipeline.drafter.dflash2 import _chunks
 from dflash_pipeline.drafter.families import register
 from dflash_pipeline.drafter.model import DFlashDrafter
 from dflash_pipeline.target.loading import lm_head_logits
@@ -390,7 +390,7 @@ class DSparkFamily(DFlashFamily):
             ]
         )
         return (
-            _serve_head(self, cfg, drafter_dir, target)
+            self.serve_head(cfg, target)
             + f"""vLLM ≥ 0.32 serves DSpark with method `dspark` on the V2 model runner
 (`vllm/v1/worker/gpu/spec_decode/dspark/`); a block proposes all {n} tokens from the anchor, so
 `num_speculative_tokens` = block size (its default for DSpark; more than the block size is refused).
