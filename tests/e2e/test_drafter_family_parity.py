@@ -76,9 +76,10 @@ def make_drafter(target_dir: Path, out: Path, family: str, seed: int) -> Path:
         layer_types=["sliding_attention"] * 2 if two else None,
         sliding_window=6 if two else None,
     )
-    FA.apply_family(cfg, family, DFLASH2 if two else DSPARK)
+    fam = FA.get(family)
+    cfg = fam.make_config(cfg, DFLASH2 if two else DSPARK)
     torch.manual_seed(seed)
-    drafter = FA.drafter_class(family)(cfg)
+    drafter = fam.build(cfg)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in drafter.named_parameters():

@@ -1,5 +1,6 @@
-"""The DFlash drafter: model, blocks (anchors, labels, decayed CE) and attention masks; the DFlash2 and
-DSpark families (``drafter.family``, :mod:`.families`). Names load on first use
+"""The DFlash drafter: model, blocks (anchors, labels, decayed CE) and attention masks; the drafter families
+(``drafter.family``: :mod:`.dflash`, :mod:`.dflash2`, :mod:`.dspark`, asked through the registry :mod:`.families`). Names load
+on first use
 (``_OWNERS``: :func:`dflash_pipeline.core.faces.lazy_face`)."""
 
 from dflash_pipeline.core.faces import lazy_face
@@ -9,7 +10,7 @@ _OWNERS = {
         "build_block_mask build_flex_block_mask build_training_masks masks_per_layer_type build_inference_sliding_mask"
     ),
     "blocks": (
-        "AnchorBatch sample_anchors loss_decay_gamma block_inputs_and_labels decayed_cross_entropy"
+        "LossOutput AnchorBatch sample_anchors loss_decay_gamma block_inputs_and_labels decayed_cross_entropy"
         " loss_normalizer slot_accuracy expected_acceptance_length cosine_with_warmup"
     ),
     "config": "ARCHITECTURE DFlashConfig checkpoint_meta",
@@ -19,9 +20,10 @@ _OWNERS = {
         "drafter_config_from_target DraftContextCache DFlashAttention DFlashDecoderLayer DFlashDrafter"
         " save_drafter count_parameters"
     ),
-    "families": "FAMILIES drafter_class family_of apply_family",
-    "dflash2": "DFlash2Drafter",
-    "dspark": "DSparkDrafter",
+    "families": "register get of_drafter of_config of_checkpoint load_config",
+    "dflash": "DFlashFamily",
+    "dflash2": "DFlash2Drafter DFlash2Config DFlash2Family",
+    "dspark": "DSparkDrafter DSparkConfig DSparkFamily",
 }
 
 __getattr__, __dir__, __all__ = lazy_face(__name__, _OWNERS, globals)

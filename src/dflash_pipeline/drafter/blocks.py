@@ -10,13 +10,35 @@ these names). Notation as there: B block size, S sequence length, N anchors per 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from dflash_pipeline.target.loading import lm_head_logits
+
+
+@dataclass
+class LossOutput:
+    """One micro-batch's objective on one rank.
+
+    ``total``: float32 scalar with grad, Σ of the per-slot terms (not normalised).
+    ``normalizer``: float32 scalar, this micro-batch's share of the denominator (Σ slot weights for
+    ``ce_decay``/``kl``; the number of sequences for ``dpace``). The loss to report is
+    Σ total / Σ normalizer over every rank and micro-step; :meth:`local` is this micro-batch's alone.
+    ``stats``: ``num_slots`` (supervised slots), ``correct`` bool [num_slots] (argmax == label) and
+    ``index`` long [num_slots] (flat slot index into [b·Q]) — the format of
+    :func:`dflash_pipeline.drafter.model.slot_accuracy`.
+    """
+
+    total: torch.Tensor
+    normalizer: torch.Tensor
+    stats: dict = field(default_factory=dict)
+
+    def local(self) -> torch.Tensor:
+        """``total / normalizer`` (0 when nothing is supervised)."""
+        return self.total / self.normalizer.clamp(min=1e-12)
 
 
 @dataclass

@@ -8,8 +8,7 @@ from typing import Optional
 
 import torch
 
-from dflash_pipeline.drafter import families as FA
-from dflash_pipeline.drafter.config import DFlashConfig
+from dflash_pipeline.drafter import families as FR
 from dflash_pipeline.drafter.model import DFlashDrafter
 from dflash_pipeline.target.loading import text_config
 
@@ -21,17 +20,18 @@ def build_drafter(
     seed: int = 0,
     layer_types=None,
     sliding_window=None,
-    family: str = "dflash",
+    family: Optional[str] = None,
     family_settings: Optional[dict] = None,
 ) -> "DFlashDrafter":
     """Random-init float32 drafter sized from ``target.config`` (its text config) and the probe's drafter
     decisions (``probe["drafter"]``: block_size, num_draft_layers, target_layer_ids, mask_token_id);
     ``layer_types``/``sliding_window``: optional sliding-window draft layers (config ``drafter.*``).
-    ``family``/``family_settings``: ``drafter.family`` and its ``drafter.<family>`` section
+    ``family``/``family_settings``: ``drafter.family`` (None: the default) and its ``drafter.<family>`` section
     (:mod:`dflash_pipeline.drafter.families`). The train stage's initial drafter and the eval stage's
     untrained floor; ``seed`` seeds the init."""
     d = probe["drafter"]
-    cfg = DFlashConfig.from_target(
+    fam = FR.get(family)
+    cfg = fam.config_class.from_target(
         text_config(target.config),
         block_size=d["block_size"],
         num_draft_layers=d["num_draft_layers"],
@@ -40,9 +40,9 @@ def build_drafter(
         layer_types=layer_types,
         sliding_window=sliding_window,
     )
-    FA.apply_family(cfg, family, family_settings)
+    cfg = fam.make_config(cfg, family_settings)
     torch.manual_seed(seed)
-    return FA.drafter_class(family)(cfg)
+    return fam.build(cfg)
 
 
 def load_drafter(
@@ -50,7 +50,7 @@ def load_drafter(
 ) -> DFlashDrafter:
     """Load a drafter written by :func:`save_drafter` (or any unprefixed DFlash checkpoint) in ``dtype``
     (eval passes the target's, :func:`dflash_pipeline.target.loading.drafter_dtype`); its config is
-    :meth:`DFlashConfig.from_checkpoint`.
+    :meth:`DFlashConfig.from_checkpoint` of its family's config class (:func:`dflash_pipeline.drafter.families.load_config`).
 
     Raises:
         FileNotFoundError / ValueError: no or a malformed ``config.json`` (:meth:`DFlashConfig.from_checkpoint`);
@@ -59,8 +59,8 @@ def load_drafter(
     from safetensors.torch import load_file
 
     ckpt = Path(ckpt_dir)
-    cfg = DFlashConfig.from_checkpoint(ckpt)
-    drafter = FA.drafter_class(FA.family_of(cfg))(cfg)
+    cfg = FR.load_config(ckpt)
+    drafter = FR.of_config(cfg).build(cfg)
     state = load_file(str(ckpt / "model.safetensors"))
     state = {k.removeprefix("model."): v for k, v in state.items()}
     missing, unexpected = drafter.load_state_dict(state, strict=False)

@@ -37,6 +37,11 @@ ARCHITECTURE = "DFlashDraftModel"
 CONFIG_FILE = "config.json"
 #: The pipeline's own block in ``config.json`` (:class:`CheckpointMeta`); never passed to the config class.
 META_KEY = "dflash_pipeline"
+#: The Open Spec Config version the export speaks (speculators' ``open_spec_config_version``; the vendored
+#: schema tests/data/open_spec_config/dflash.schema.json validates exactly this one).
+OPEN_SPEC_CONFIG_VERSION = "0.0.0"
+#: Written by the export, never read back as config fields (the config class derives them).
+DERIVED_KEYS = ("open_spec_config_version", "speculative_config")
 
 
 @strict
@@ -48,6 +53,15 @@ class DFlashConfig(Qwen3Config):
     block_size: int = 16
     num_target_layers: int | None = None
     dflash_config: dict | None = None
+
+    # The served identity of the family this config class belongs to (class attributes, not config fields;
+    # a family's config class overrides them): ``architectures`` the engines dispatch on, vLLM's
+    # ``speculative_config.method``, whether slot 0 already drafts (B drafts per block instead of B − 1) and
+    # whether sliding layers see the whole block.
+    architecture = ARCHITECTURE
+    speculative_method = "dflash"
+    drafts_from_anchor = False
+    sliding_window_non_causal = False
 
     @property
     def target_layer_ids(self) -> list[int]:
@@ -135,7 +149,7 @@ class DFlashConfig(Qwen3Config):
         embeddings, and the ``dflash_pipeline`` block: ``format_version`` plus ``meta``
         (:class:`CheckpointMeta` keys: ``train_steps``, ``zero_target_features``)."""
         cfg = self.to_dict()
-        cfg["architectures"] = list(getattr(self, "architectures", None) or [ARCHITECTURE])  # a family's own
+        cfg["architectures"] = list(getattr(self, "architectures", None) or [self.architecture])
         cfg["model_type"] = "qwen3"
         cfg["block_size"] = self.block_size
         cfg["num_target_layers"] = self.num_target_layers
@@ -144,8 +158,27 @@ class DFlashConfig(Qwen3Config):
         cfg["dtype"] = dtype
         cfg["tie_word_embeddings"] = False
         cfg[META_KEY] = {"format_version": CHECKPOINT_FORMAT_VERSION, **(meta or {})}
+        cfg["open_spec_config_version"] = OPEN_SPEC_CONFIG_VERSION
+        cfg["speculative_config"] = self.open_spec_speculative_config()
         cfg.pop("auto_map", None)
         return cfg
+
+    def open_spec_speculative_config(self) -> dict:
+        """``speculative_config`` of speculators' Open Spec Config (the vendored DFlash schema,
+        tests/data/open_spec_config/): ``method``; ``speculative_tokens`` (drafts per block: B − 1, or B when
+        slot 0 drafts); ``target_layer_ids`` (the canonical ids, 0-based decoder layers whose output feeds the
+        drafter, so ``target_layer_start_idx`` 0); ``sample_from_anchor``; ``mask_token_id``;
+        ``sliding_window_non_causal``. The engines read none of it (they read ``dflash_config``)."""
+        drafts = int(self.block_size) - (0 if self.drafts_from_anchor else 1)
+        return {
+            "method": self.speculative_method,
+            "speculative_tokens": drafts,
+            "target_layer_ids": self.target_layer_ids,
+            "target_layer_start_idx": 0,
+            "sample_from_anchor": bool(self.drafts_from_anchor),
+            "mask_token_id": self.mask_token_id,
+            "sliding_window_non_causal": bool(self.sliding_window_non_causal),
+        }
 
     def save(self, out_dir: str | Path, *, dtype: str, meta: Optional[dict] = None) -> Path:
         """Write ``<out_dir>/config.json`` (:meth:`to_checkpoint_dict`; sorted keys, 2-space indent, one
@@ -158,14 +191,15 @@ class DFlashConfig(Qwen3Config):
     @classmethod
     def from_checkpoint(cls, ckpt_dir: str | Path) -> "DFlashConfig":
         """The config of the drafter checkpoint at ``ckpt_dir`` (written by :meth:`save`, or any DFlash
-        checkpoint in the served layout: ``block_size`` and ``dflash_config`` at the top level).
+        checkpoint in the served layout: ``block_size`` and ``dflash_config`` at the top level), as this class
+        (:func:`dflash_pipeline.drafter.families.load_config` picks the family's config class).
 
         Raises:
             FileNotFoundError: no ``config.json`` in ``ckpt_dir``.
             ValueError: not a JSON object, or a DFlash field missing or malformed (naming file and field).
         """
         path, raw = _read_config_json(ckpt_dir)
-        fields = {k: v for k, v in raw.items() if k != META_KEY}
+        fields = {k: v for k, v in raw.items() if k != META_KEY and k not in DERIVED_KEYS}
         try:
             return cls(**fields)
         except (StrictDataclassError, TypeError, ValueError) as exc:  # a field of the wrong type (@strict)

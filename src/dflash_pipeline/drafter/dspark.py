@@ -15,19 +15,55 @@ The serving engine's files are the specification (read, not copied; vLLM 0.32
   when ``confidence_head_with_markov`` is false), in float32: the probability that draft k is accepted given
   the ones before it. vLLM verifies while the running product stays high (``adaptive_verification.py:46-70``).
 
-Config keys (``config.json``): ``markov_rank`` at the top level (``qds:212``), ``markov_head_type``
+Training (:class:`DSparkFamily`'s hooks): blocks of B + 1 label slots read shifted by one (:func:`dspark_view`) and
+:func:`dspark_objective` (CE or 0.1·CE + 0.9·TV with the Markov bias, plus the confidence head's BCE; DSpark,
+arXiv 2607.05147; speculators docs ``algorithms/dspark.md``).
+
+Config keys (``config.json``, :class:`DSparkConfig`): ``markov_rank`` at the top level (``qds:212``), ``markov_head_type``
 (``vanilla``), ``enable_confidence_head``, ``confidence_head_with_markov``, ``sample_from_anchor: true``.
 """
 
-from __future__ import annotations
+# no `from __future__ import annotations`: @strict validates DSparkConfig's fields against their evaluated types
+import json
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.nn.functional as F
+from huggingface_hub.dataclasses import strict
 from torch import nn
 
+from dflash_pipeline.drafter import blocks as BL
+from dflash_pipeline.drafter.config import DFlashConfig
+from dflash_pipeline.drafter.dflash import DFlashFamily
+from dflash_pipeline.drafter.dflash2 import _chunks
+from dflash_pipeline.drafter.families import register
 from dflash_pipeline.drafter.model import DFlashDrafter
+from dflash_pipeline.target.loading import lm_head_logits
 
 ARCHITECTURE = "Qwen3DSparkModel"
 MARKOV_HEAD_TYPES = ("vanilla",)
+#: ``drafter.dspark.*`` keys, written at the top level of ``config.json`` (``qwen3_dspark.py:205-231``).
+SETTINGS_KEYS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
+
+
+@strict
+class DSparkConfig(DFlashConfig):
+    """A DSpark drafter's config: :class:`~dflash_pipeline.drafter.config.DFlashConfig` plus the top-level keys
+    vLLM reads (:data:`SETTINGS_KEYS`, ``sample_from_anchor: true``), served as ``Qwen3DSparkModel`` with method
+    ``dspark``, B drafts per block."""
+
+    markov_rank: int | None = None
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = False
+    confidence_head_with_markov: bool = False
+    sample_from_anchor: bool = True
+
+    architecture = ARCHITECTURE
+    speculative_method = "dspark"
+    drafts_from_anchor = True
 
 
 class MarkovHead(nn.Module):
@@ -68,9 +104,7 @@ class DSparkDrafter(DFlashDrafter):
     """DSpark (module docstring). Extra parameters ``markov_head.markov_w{1,2}.weight`` and, with the
     confidence head, ``confidence_head.proj.{weight,bias}`` — the names vLLM loads (``qds:312-372``)."""
 
-    family = "dspark"
     architecture = ARCHITECTURE
-    drafts_from_anchor = True  # B drafts per block (slot k predicts position p+k+1)
 
     def __init__(self, config):
         rank = getattr(config, "markov_rank", None)
@@ -127,3 +161,259 @@ def verify_length(confidence: torch.Tensor | None, threshold: float, num_drafts:
         return num_drafts
     survival = torch.cumprod(confidence[0, :num_drafts].double(), dim=0)
     return max(1, int((survival >= threshold).sum()))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Training: blocks drafted from the anchor, CE / TV with the Markov bias, the confidence head's BCE
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DSparkBlocks:
+    """DSpark training blocks (all [b, N·B]): ``ids`` (anchor + MASK), ``pos`` (p..p+B−1), ``labels`` (token
+    at p+k+1), ``prev`` (gold token at p+k: the Markov head's input), ``rows`` (label positions p+k+1, for the
+    teacher), ``weights`` (float, decayed ``exp(−k/γ)``, 0 = not supervised)."""
+
+    ids: torch.Tensor
+    pos: torch.Tensor
+    labels: torch.Tensor
+    prev: torch.Tensor
+    rows: torch.Tensor
+    weights: torch.Tensor
+
+
+def dspark_view(ids, pos, labels, weights, block_size: int, gamma: float | None = None, rows=None) -> DSparkBlocks:
+    """DSpark blocks from DFlash-layout blocks of B + 1 slots (each [b, N·(B+1)]): slot j ≥ 1's label is DSpark
+    slot j − 1's (:func:`dspark_blocks`; also packed blocks). ``rows``: the row index of each slot (default
+    ``pos``, as in unpacked rows)."""
+    b = ids.shape[0]
+
+    def view(t):
+        return t.reshape(b, -1, block_size + 1)
+
+    def flat(t):
+        return t.reshape(b, -1)
+
+    rows = pos if rows is None else rows
+    ids, pos, labels, weights, rows = view(ids), view(pos), view(labels), view(weights), view(rows)
+    k = torch.arange(block_size, device=ids.device, dtype=torch.float32)
+    decay = torch.ones_like(k) if gamma is None else torch.exp(-k / gamma)
+    return DSparkBlocks(
+        ids=flat(ids[..., :block_size]),
+        pos=flat(pos[..., :block_size]),
+        labels=flat(labels[..., 1:]),
+        prev=flat(labels[..., :block_size]),
+        rows=flat(rows[..., 1:]),
+        weights=flat((weights[..., 1:] > 0).float() * decay),
+    )
+
+
+def dspark_blocks(
+    input_ids, loss_mask, anchors: BL.AnchorBatch, block_size: int, mask_token_id: int, gamma: float | None
+) -> DSparkBlocks:
+    """Blocks drafted from the anchor (``qwen3_dspark.py`` / ``dspark/speculator.py:10-17``): slot k of the
+    block anchored at p sits at p+k and predicts ``input_ids[p+k+1]``; weight = keep · [p+k+1 < S] ·
+    loss_mask[p+k+1] · exp(−k/γ) (γ None → 1). Built from :func:`dflash_pipeline.drafter.blocks.block_inputs_and_labels`
+    with B + 1 slots (its slot j ≥ 1 is DSpark's label of slot j − 1)."""
+    ids, pos, labels, weights = BL.block_inputs_and_labels(
+        input_ids, loss_mask, anchors, block_size + 1, mask_token_id, None
+    )
+    return dspark_view(ids, pos, labels, weights, block_size, gamma)
+
+
+def dspark_objective(
+    drafter,
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    blocks: DSparkBlocks,
+    *,
+    loss: str = "dspark_tv",
+    teacher_hidden: torch.Tensor | None = None,
+    ce_weight: float = 0.1,
+    tv_weight: float = 0.9,
+    confidence_weight: float = 1.0,
+    chunk_tokens: int = 4096,
+    logit_softcap: float | None = None,
+) -> BL.LossOutput:
+    """Σ_k w_k·[a·CE_k + c·TV_k + λ·BCE_k] with normaliser Σ w_k; ``loss`` ``ce_decay``: a = 1, c = 0;
+    ``dspark_tv``: a = ``ce_weight``, c = ``tv_weight`` (0.1·CE + 0.9·TV(p_target, p_draft); TV = ½ Σ_v |p_T − p_D|
+    is one minus the acceptance rate of speculative sampling, Leviathan et al. 2023 §3). λ = ``confidence_weight``
+    when the drafter has a confidence head (BCE against "the draft's argmax is the gold token"), else 0.
+    Logits = ``lm_head(h_k)`` + the Markov bias of the gold previous token.
+
+    Args:
+        drafter: a :class:`DSparkDrafter` (unwrapped).
+        hidden: [b, N·B, H]; lm_head_weight: [V, H]; blocks: :func:`dspark_blocks`.
+        teacher_hidden: [b, N·B, H] target final hidden state predicting each label (required for ``dspark_tv``).
+        logit_softcap: the target's ``final_logit_softcapping``: its teacher logits are capped as the target's are.
+    Raises:
+        ValueError: unknown ``loss``, or ``dspark_tv`` without ``teacher_hidden``.
+    """
+    if loss not in ("ce_decay", "dspark_tv"):
+        raise ValueError(f"train.loss: {loss} cannot train a DSpark drafter (ce_decay or dspark_tv)")
+    if loss == "dspark_tv" and teacher_hidden is None:
+        raise ValueError("train.loss: dspark_tv needs the target's last hidden state (teacher_hidden)")
+    a, c = (1.0, 0.0) if loss == "ce_decay" else (ce_weight, tv_weight)
+    conf_head = drafter.confidence_head
+    lam = confidence_weight if conf_head is not None else 0.0
+    w = blocks.weights.reshape(-1)
+    index = (w > 0).nonzero(as_tuple=True)[0]
+    norm = w.detach().float().sum()
+    if index.numel() == 0:
+        return BL.LossOutput(total=hidden.sum() * 0.0, normalizer=norm, stats={"num_slots": 0})
+    h = hidden.reshape(-1, hidden.shape[-1])[index]
+    y, prev, ws = blocks.labels.reshape(-1)[index], blocks.prev.reshape(-1)[index], w[index].float()
+    t = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])[index].detach() if c else None
+
+    def chunk(hc, yc, pc, wc, tc):
+        logits, e = drafter.step_logits(lm_head_logits(hc, lm_head_weight), pc)  # [n, V] float32, [n, r]
+        term = a * F.cross_entropy(logits, yc, reduction="none")
+        if c:
+            with torch.no_grad():
+                z_t = lm_head_logits(tc, lm_head_weight)
+                if logit_softcap:
+                    z_t = torch.tanh(z_t / logit_softcap) * logit_softcap
+                p_t = torch.softmax(z_t, dim=-1)
+            term = term + c * 0.5 * (torch.softmax(logits, dim=-1) - p_t).abs().sum(-1)
+        ok = logits.argmax(-1) == yc
+        if lam:
+            conf = conf_head(hc, e.to(hc.dtype))
+            term = term + lam * F.binary_cross_entropy_with_logits(conf, ok.float(), reduction="none")
+        return (term * wc).sum(), ok
+
+    total = hidden.new_zeros((), dtype=torch.float32)
+    oks = []
+    for s in _chunks(index.numel(), chunk_tokens):
+        tc = t[s] if t is not None else h[s][:, :0]
+        part, ok = torch.utils.checkpoint.checkpoint(chunk, h[s], y[s], prev[s], ws[s], tc, use_reentrant=False)
+        total = total + part
+        oks.append(ok)
+    return BL.LossOutput(
+        total=total, normalizer=norm, stats={"num_slots": int(index.numel()), "correct": torch.cat(oks), "index": index}
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# The family
+# ---------------------------------------------------------------------------------------------------
+
+
+@register
+class DSparkFamily(DFlashFamily):
+    """DSpark (``drafter.family: dspark``): B drafts per block from the anchor, the Markov bias and the
+    confidence head (``train.confidence_weight``), trained with ``ce_decay`` or ``dspark_tv``; served by vLLM's
+    V2 model runner (method ``dspark``, not by the CPU build) and SGLang's ``DSPARK``."""
+
+    name = "dspark"
+    title = "DSpark"
+    config_class = DSparkConfig
+    drafter_class = DSparkDrafter
+    losses = ("ce_decay", "dspark_tv")
+    loss_hint = " (DSpark's logits carry the Markov bias the plain objectives leave out)"
+    settings_keys = SETTINGS_KEYS
+    train_keys = ("confidence_weight",)
+    supports_fsdp = False
+    supports_packing = False
+    served_by_vllm_cpu = False
+    adaptive_verification = True
+
+    def apply_settings(self, cfg, settings: Mapping[str, Any]) -> None:
+        for k in SETTINGS_KEYS:
+            setattr(cfg, k, settings[k])
+        cfg.sample_from_anchor = True
+
+    def settings_of(self, raw: Mapping[str, Any]) -> dict:
+        return {k: raw[k] for k in SETTINGS_KEYS}
+
+    def has_confidence_head(self, settings: Mapping[str, Any]) -> bool:
+        return bool(settings.get("enable_confidence_head"))
+
+    def training_blocks(self, build, block_size, gamma):
+        """Blocks of B + 1 label slots read shifted by one (:func:`dspark_view`): slot k predicts p+k+1, weight
+        ``exp(−k/γ)``, ``prev`` the gold token at p+k."""
+        blk = build(self.label_slots(block_size), None)
+        return dspark_view(blk.ids, blk.pos, blk.labels, blk.weights, block_size, gamma, rows=blk.rows)
+
+    def objective(self, ctx, core, hidden, blocks, teacher, base):
+        """:func:`dspark_objective` (the plain objectives leave out the Markov bias: ``base`` is not used)."""
+        return dspark_objective(
+            core,
+            hidden,
+            ctx.lm_head.weight,
+            blocks,
+            loss=ctx.loss,
+            teacher_hidden=teacher,
+            confidence_weight=ctx.confidence_weight,
+            logit_softcap=ctx.logit_softcap,
+        )
+
+    def teacher_forced_hits(self, core, lm_head, hidden, blocks) -> torch.Tensor:
+        """The argmax of the Markov-biased logits after the gold token at p+k (``blocks.prev``)."""
+        labels, prev = blocks.labels, blocks.prev
+        hits = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
+        for i in range(0, hidden.shape[1], 4096):  # chunks of slots: never [Q, V] logits at once
+            h, y, p = hidden[:, i : i + 4096], labels[:, i : i + 4096], prev[:, i : i + 4096]
+            logits = lm_head(h.to(lm_head.weight.dtype)).float()
+            hits[:, i : i + 4096] = core.step_logits(logits, p)[0].argmax(-1) == y
+        return hits
+
+    def engine_env(self) -> dict[str, str]:
+        return {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+
+    def confidence_problems(self, settings, ev) -> list[str]:
+        if ev.get("confidence_threshold", 0.0) and not settings.get("enable_confidence_head"):
+            return ["eval.confidence_threshold needs drafter.dspark.enable_confidence_head: true"]
+        return []
+
+    def serve_md(self, cfg, meta, drafter_dir, target, port: int = 8000) -> str:
+        """vLLM's V2-runner command (with adaptive verification from the confidence head) and SGLang's ``DSPARK``."""
+        bs = int(cfg["block_size"])
+        n = self.drafts_per_block(bs)
+        env = " ".join(f"{k}={v}" for k, v in self.engine_env().items())
+        vllm = f"{env} " + self.serve_commands(drafter_dir, target, bs, port=port)["vllm"]
+        adaptive = json.dumps(
+            self.speculative_config(drafter_dir, bs, adaptive=bool(cfg.get("enable_confidence_head")))
+        )
+        sglang = shlex.join(
+            [
+                "python",
+                "-m",
+                "sglang.launch_server",
+                "--model-path",
+                target,
+                "--port",
+                str(port),
+                "--speculative-algorithm",
+                "DSPARK",
+                "--speculative-draft-model-path",
+                str(drafter_dir),
+            ]
+        )
+        return (
+            self.serve_head(cfg, target)
+            + f"""vLLM ≥ 0.32 serves DSpark with method `dspark` on the V2 model runner
+(`vllm/v1/worker/gpu/spec_decode/dspark/`); a block proposes all {n} tokens from the anchor, so
+`num_speculative_tokens` = block size (its default for DSpark; more than the block size is refused).
+
+```bash
+{vllm}
+```
+
+With the confidence head, vLLM can size each step's verification from it (`enable_adaptive_verification`):
+
+```bash
+{env} python -m vllm.entrypoints.openai.api_server --model {shlex.quote(target)} --port {port} --speculative-config {shlex.quote(adaptive)}
+```
+
+SGLang (upstream `--speculative-algorithm DSPARK`: sgl-project/sglang PR #30261, released in v0.5.16 for
+DeepSeek-V4's DSpark, described in the lm-sys DSpark blog, PR #357; DSpark takes no
+`--speculative-num-draft-tokens`, the block comes from the checkpoint; check that your release loads a Qwen3
+DSpark drafter, `Qwen3DSparkModel`, before relying on it):
+
+```bash
+{sglang}
+```
+
+The CPU build (vllm-cpu 0.32.0, no Triton) cannot run the V2 runner's speculators, so it does not serve DSpark.
+"""
+        )

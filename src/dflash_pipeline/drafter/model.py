@@ -201,8 +201,7 @@ class DFlashDrafter(nn.Module):
     (``fc``, ``hidden_norm``, ``norm``, ``layers.N.*``; §8.3).
     """
 
-    #: ``drafter.family`` of this class (:mod:`dflash_pipeline.drafter.families`) and the architecture vLLM loads.
-    family = "dflash"
+    #: The architecture vLLM loads (the family, :mod:`dflash_pipeline.drafter.families`, knows the rest).
     architecture = ARCHITECTURE
     #: Sliding layers are causal inside the block (SpecForge/vLLM DFlash semantics, dflash.md §2.3).
     sliding_block_causal = True

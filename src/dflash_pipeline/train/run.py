@@ -42,7 +42,7 @@ import torch
 from dflash_pipeline.core.config import schema_defaults
 from dflash_pipeline.core.provenance import provenance
 from dflash_pipeline.core.shards import read_parquet, write_json
-from dflash_pipeline.drafter import families as FA
+from dflash_pipeline.drafter import families as FR
 from dflash_pipeline.drafter import model as M
 from dflash_pipeline.drafter.build import build_drafter  # train.run.build_drafter: the name tests and benches use
 from dflash_pipeline.target import loading as T
@@ -329,7 +329,7 @@ def _prepare_run(
         seed=cfg["seed"],
         layer_types=arch.get("layer_types"),
         sliding_window=arch.get("sliding_window"),
-        family=arch.get("family", FA.DEFAULT_FAMILY),
+        family=arch.get("family"),
         family_settings=arch.get(arch.get("family", "")),
     )
     block_size = drafter.block_size  # before Accelerate wraps it
@@ -423,11 +423,7 @@ def _step_context(
         logit_softcap=T.final_logit_softcap(
             data.target.config if data.target is not None else data.source.target_config
         ),
-        **(
-            {k: cfg[k] for k in FA.FAMILY_TRAIN_KEYS}
-            if arch.get("family", FA.DEFAULT_FAMILY) != FA.DEFAULT_FAMILY
-            else {}
-        ),
+        **{k: cfg[k] for k in FR.get(arch.get("family")).train_keys},  # the family's own train.* keys
     )
 
 

@@ -14,10 +14,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from dflash_pipeline.drafter import families as FR
 from dflash_pipeline.drafter import model as M
 from dflash_pipeline.target import loading as T
 from dflash_pipeline.target.hidden import target_features
-from dflash_pipeline.train import family_objectives as FO
 from dflash_pipeline.train import losses as L
 from dflash_pipeline.train import packing as P
 
@@ -52,7 +52,7 @@ class StepContext:
     kl_ce_weight: float = 0.0
     dpace_alpha: float = 0.5
     loss_chunk_tokens: int = 4096  # train.loss_chunk_tokens: block slots whose logits are formed at once
-    selector_gold: str = "insert"  # DFlash2 (train.selector_gold, dflash_pipeline.train.family_objectives)
+    selector_gold: str = "insert"  # DFlash2 (train.selector_gold, dflash_pipeline.drafter.dflash2)
     selector_weight: float = 1.0
     confidence_weight: float = 1.0  # DSpark's confidence head (train.confidence_weight)
     #: the target's ``final_logit_softcapping`` (kl's teacher is capped like the target); None = read it
@@ -70,7 +70,9 @@ class StepContext:
 
 
 def step_objective(ctx: StepContext, batch: dict) -> L.LossOutput:
-    """One forward pass: target features → anchors → blocks → drafter → ``ctx.loss`` (dflash.md §4).
+    """One forward pass: target features → anchors → blocks → drafter → ``ctx.loss`` (dflash.md §4). What differs
+    per drafter family comes from its hooks (:class:`dflash_pipeline.drafter.dflash.DFlashFamily`):
+    ``training_blocks`` (how a block reads the anchor's labels) and ``objective`` (given the plain objective).
 
     ``batch``: ``input_ids`` long [b, S], ``loss_mask`` uint8 [b, S], ``attention_mask`` long [b, S];
     packed rows (:func:`dflash_pipeline.train.packing.collate_packed`) add ``position_ids``/``segment_ids`` and
@@ -90,66 +92,59 @@ def step_objective(ctx: StepContext, batch: dict) -> L.LossOutput:
     ids, lmask = batch["input_ids"], batch["loss_mask"]
     packed = "segment_ids" in batch
     d = ctx.probe["drafter"]
-    teacher_needed = ctx.loss in TEACHER_LOSSES
     feats, last = _batch_features(ctx, batch)
     core = getattr(ctx.drafter, "module", ctx.drafter)
-    if getattr(core, "family", "dflash") == "dspark":
-        return FO.dspark_step(ctx, core, ids, lmask, feats, last)
+    family = FR.of_drafter(core)  # its hooks: blocks and objective
     b, s = ids.shape
     if packed:
         pos, seg = batch["position_ids"], batch["segment_ids"]
         anchors = P.sample_packed_anchors(lmask.cpu(), seg.cpu(), ctx.num_anchors, generator=ctx.generator)
         anchors = M.AnchorBatch(anchors.anchors.to(ids.device), anchors.keep.to(ids.device))
-        blk = P.packed_block_inputs_and_labels(
-            ids, lmask, pos, seg, anchors, ctx.block_size, d["mask_token_id"], ctx.gamma
-        )
-        block_ids, block_pos, rows, labels, weights = blk.ids, blk.pos, blk.rows, blk.labels, blk.weights
+
+        def build(slots, gamma):
+            return P.packed_block_inputs_and_labels(ids, lmask, pos, seg, anchors, slots, d["mask_token_id"], gamma)
+
         mask = P.build_packed_training_masks(core, anchors.anchors, seg, ctx.backend)
         ctx_pos = pos
         num_sequences = int(batch["num_records"].sum())
     else:
         anchors = M.sample_anchors(lmask.cpu(), ctx.num_anchors, generator=ctx.generator)
         anchors = M.AnchorBatch(anchors.anchors.to(ids.device), anchors.keep.to(ids.device))
-        block_ids, block_pos, labels, weights = M.block_inputs_and_labels(
-            ids, lmask, anchors, ctx.block_size, d["mask_token_id"], ctx.gamma
-        )
-        rows = block_pos
+
+        def build(slots, gamma):
+            block_ids, block_pos, labels, weights = M.block_inputs_and_labels(
+                ids, lmask, anchors, slots, d["mask_token_id"], gamma
+            )
+            return P.Blocks(ids=block_ids, pos=block_pos, rows=block_pos, labels=labels, weights=weights)
+
         mask = M.build_training_masks(core, anchors.anchors, s, ctx.backend)
         ctx_pos = torch.arange(s, device=ids.device).expand(b, -1)
         num_sequences = b
+    blk = family.training_blocks(build, ctx.block_size, ctx.gamma)
     with torch.no_grad():
-        noise = ctx.embed(block_ids)
+        noise = ctx.embed(blk.ids)
     noise, feats = T.to_drafter_dtype(ctx.drafter, noise, feats)
-    hidden = ctx.drafter(noise, feats, ctx_pos, block_pos, attn_mask=mask)
-    teacher = L.teacher_slot_hidden(last, rows) if teacher_needed else None
-    out = L.compute_loss(
-        ctx.loss,
-        hidden,
-        ctx.lm_head.weight,
-        labels,
-        weights,
-        ctx.block_size,
-        teacher_hidden=teacher,
-        temperature=ctx.kl_temperature,
-        ce_weight=ctx.kl_ce_weight,
-        dpace_alpha=ctx.dpace_alpha,
-        num_sequences=num_sequences,
-        chunk_tokens=ctx.loss_chunk_tokens,
-        logit_softcap=ctx.logit_softcap,
-    )
-    if getattr(core, "family", "dflash") == "dflash2":  # + the candidate selector's K-way CE
-        out = FO.dflash2_objective(
-            out,
-            core,
+    hidden = ctx.drafter(noise, feats, ctx_pos, blk.pos, attn_mask=mask)
+    teacher = L.teacher_slot_hidden(last, blk.rows) if ctx.loss in TEACHER_LOSSES else None
+
+    def base() -> L.LossOutput:  # the plain train.loss objective on the LM head's logits
+        return L.compute_loss(
+            ctx.loss,
             hidden,
             ctx.lm_head.weight,
-            labels,
-            weights,
+            blk.labels,
+            blk.weights,
             ctx.block_size,
-            gold=ctx.selector_gold,
-            selector_weight=ctx.selector_weight,
+            teacher_hidden=teacher,
+            temperature=ctx.kl_temperature,
+            ce_weight=ctx.kl_ce_weight,
+            dpace_alpha=ctx.dpace_alpha,
+            num_sequences=num_sequences,
+            chunk_tokens=ctx.loss_chunk_tokens,
+            logit_softcap=ctx.logit_softcap,
         )
-    return out
+
+    return family.objective(ctx, core, hidden, blk, teacher, base)
 
 
 def _batch_features(ctx: StepContext, batch: dict) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

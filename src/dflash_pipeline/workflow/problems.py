@@ -193,7 +193,7 @@ def training_problems(cfg: Mapping[str, Any]) -> list[str]:
                     f"{strip_url_credentials(ep['base_url'])}) is not set; export it (the key itself never goes "
                     "into the config)"
                 )
-    return out + family_problems(cfg)  # drafter.family × settings (DFlash2 / DSpark)
+    return out + family_problems(cfg)  # drafter.family × settings (the family decides)
 
 
 def problems(config: Mapping[str, Any], *, base_dir: str | Path | None = None) -> list[str]:

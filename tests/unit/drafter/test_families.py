@@ -13,7 +13,7 @@ from conftest import tiny_target_and_drafter
 from dflash_pipeline.drafter import build as DB
 from dflash_pipeline.drafter import dflash2 as D2
 from dflash_pipeline.drafter import dspark as DS
-from dflash_pipeline.drafter import families as FA
+from dflash_pipeline.drafter import families as FR
 from dflash_pipeline.drafter import model as M
 
 DFLASH2 = {
@@ -42,9 +42,10 @@ def tiny(family: str, block_size: int = 4, layers: int = 2, **kw):
     cfg = M.drafter_config_from_target(
         target.config, block_size=block_size, num_draft_layers=layers, target_layer_ids=[1, 4], mask_token_id=95, **kw
     )
-    FA.apply_family(cfg, family, DFLASH2 if family == "dflash2" else DSPARK)
+    fam = FR.get(family)
+    cfg = fam.make_config(cfg, DFLASH2 if family == "dflash2" else DSPARK)
     torch.manual_seed(0)
-    return target, FA.drafter_class(family)(cfg).eval()
+    return target, fam.build(cfg).eval()
 
 
 def test_grouped_conv_never_reaches_across_a_block_boundary():
@@ -111,13 +112,12 @@ def test_selector_scores_and_walk_by_hand():
 
 def test_dspark_blocks_draft_from_the_anchor():
     from dflash_pipeline.drafter import blocks as BL
-    from dflash_pipeline.train import family_objectives as FO
 
     ids = torch.arange(10, 20).unsqueeze(0)
     lm = torch.ones(1, 10, dtype=torch.uint8)
     lm[0, 8] = 0
     anchors = BL.AnchorBatch(torch.tensor([[2, 6]]), torch.tensor([[True, True]]))
-    blk = FO.dspark_blocks(ids, lm, anchors, 4, 99, gamma=2.0)
+    blk = DS.dspark_blocks(ids, lm, anchors, 4, 99, gamma=2.0)
     assert blk.ids.tolist() == [[12, 99, 99, 99, 16, 99, 99, 99]]
     assert blk.pos.tolist() == [[2, 3, 4, 5, 6, 7, 8, 9]]
     assert blk.labels[0, :4].tolist() == [13, 14, 15, 16]  # slot k predicts p+k+1
@@ -135,7 +135,6 @@ def test_dspark_blocks_draft_from_the_anchor():
 def test_selector_gold_insert_and_drop():
     """A gold token outside the top-K: ``insert`` trains the selector on it (it covers every slot), ``drop``
     leaves those slots out; a gold token inside the top-K counts for both."""
-    from dflash_pipeline.train import family_objectives as FO
 
     _, d = tiny("dflash2")
     head = torch.nn.Linear(32, 96, bias=False)
@@ -145,24 +144,23 @@ def test_selector_gold_insert_and_drop():
     out = logits.argmin(dim=-1)  # never in the top-5
     labels = torch.where(torch.arange(8) % 2 == 0, top[:, 0], out).unsqueeze(0)
     weights = torch.tensor([[0.0, 1, 1, 1, 0, 1, 1, 1]])
-    _, cov_insert, st_insert = FO.selector_term(d, hidden, head.weight, labels, weights, 4, gold="insert")
-    _, cov_drop, st_drop = FO.selector_term(d, hidden, head.weight, labels, weights, 4, gold="drop")
+    _, cov_insert, st_insert = D2.selector_term(d, hidden, head.weight, labels, weights, 4, gold="insert")
+    _, cov_drop, st_drop = D2.selector_term(d, hidden, head.weight, labels, weights, 4, gold="drop")
     assert st_insert["gold_in_top_k"] == st_drop["gold_in_top_k"] == 2  # slots 2 and 6
     assert float(cov_insert) == 6.0 and float(cov_drop) == 2.0
     with pytest.raises(ValueError, match="selector_gold"):
-        FO.selector_term(d, hidden, head.weight, labels, weights, 4, gold="keep")
+        D2.selector_term(d, hidden, head.weight, labels, weights, 4, gold="keep")
 
 
 def test_dspark_tv_is_zero_when_the_drafter_is_the_target():
     """TV(p_target, p_draft) vanishes when the drafter's logits are the target's (no Markov bias), and the
     CE part alone is then 0.1 · CE."""
-    from dflash_pipeline.train import family_objectives as FO
 
     _, d = tiny("dspark")
     d.confidence_head = None
     head = torch.nn.Linear(32, 96, bias=False)
     hidden = torch.randn(1, 4, 32)
-    blk = FO.DSparkBlocks(
+    blk = DS.DSparkBlocks(
         ids=None,
         pos=None,
         labels=torch.tensor([[3, 4, 5, 6]]),
@@ -170,10 +168,10 @@ def test_dspark_tv_is_zero_when_the_drafter_is_the_target():
         rows=None,
         weights=torch.ones(1, 4),
     )
-    tv = FO.dspark_objective(d, hidden, head.weight, blk, loss="dspark_tv", teacher_hidden=hidden)
-    ce = FO.dspark_objective(d, hidden, head.weight, blk, loss="ce_decay")
+    tv = DS.dspark_objective(d, hidden, head.weight, blk, loss="dspark_tv", teacher_hidden=hidden)
+    ce = DS.dspark_objective(d, hidden, head.weight, blk, loss="ce_decay")
     torch.testing.assert_close(tv.total, 0.1 * ce.total)
-    other = FO.dspark_objective(d, hidden, head.weight, blk, loss="dspark_tv", teacher_hidden=torch.randn(1, 4, 32))
+    other = DS.dspark_objective(d, hidden, head.weight, blk, loss="dspark_tv", teacher_hidden=torch.randn(1, 4, 32))
     assert float(other.total.detach()) > float(tv.total.detach())
 
 
@@ -265,17 +263,17 @@ def _cfg(**over):
     ],
 )
 def test_family_combinations_refused_at_planning(over, needle):
-    found = FA.config_problems(_cfg(**over))
+    found = FR.config_problems(_cfg(**over))
     assert any(needle in p for p in found), found
 
 
 def test_default_family_keeps_every_param():
     """A config without the family keys plans exactly what it planned before they existed."""
     cfg = _cfg()
-    assert "family" not in FA.probe_params(cfg["drafter"])
-    assert FA.arch_params(cfg["drafter"]) == {"layer_types": None, "sliding_window": None}
-    assert not set(FA.FAMILY_TRAIN_KEYS) & set(FA.train_params(cfg["train"], "dflash"))
-    assert FA.config_problems(cfg) == []
+    assert "family" not in FR.probe_params(cfg["drafter"])
+    assert FR.arch_params(cfg["drafter"]) == {"layer_types": None, "sliding_window": None}
+    assert not set(FR.family_train_keys()) & set(FR.train_params(cfg["train"], "dflash"))
+    assert FR.config_problems(cfg) == []
 
 
 @pytest.mark.parametrize("family", ["dflash", "dflash2", "dspark"])
