@@ -360,3 +360,15 @@ class CheckpointMeta(TypedDict, total=False):
     format_version: int  # always written
     train_steps: int
     zero_target_features: bool
+
+
+#: Fields of a target's ``config.json`` that state its context length in tokens, under the names families give it
+#: (same meaning): the probe, the drafter's config and the feature server read the first one present.
+CONTEXT_LENGTH_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "max_sequence_length",
+    "model_max_length",
+)

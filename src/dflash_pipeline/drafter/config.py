@@ -249,12 +249,12 @@ def _read_config_json(ckpt_dir: str | Path) -> tuple[Path, dict]:
 def target_context_length(config) -> int:
     """The target's context length in tokens: ``max_position_embeddings``, or the field of the same meaning
     its family names otherwise (MPT's ``max_seq_len``, GPT-2's ``n_positions`` …,
-    :data:`dflash_pipeline.probe.checks.CONTEXT_LENGTH_KEYS`).
+    :data:`dflash_pipeline.core.contracts.CONTEXT_LENGTH_KEYS`).
 
     Raises:
         ValueError: the config states none, or a bound ≤ 0 (the probe refuses such targets, with the reason).
     """
-    from dflash_pipeline.probe.checks import CONTEXT_LENGTH_KEYS
+    from dflash_pipeline.core.contracts import CONTEXT_LENGTH_KEYS
 
     for key in CONTEXT_LENGTH_KEYS:
         value = _target_attr(config, key)

@@ -40,6 +40,7 @@ count``, ``drafter cannot be sized``, ``rotary not servable``, ``not loadable``)
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -79,15 +80,8 @@ REASONS = (
     NOT_LOADABLE,
 )
 
-#: Fields that state the context length in tokens, under the names families give it (same meaning).
-CONTEXT_LENGTH_KEYS = (
-    "max_position_embeddings",
-    "n_positions",
-    "max_seq_len",
-    "seq_length",
-    "max_sequence_length",
-    "model_max_length",
-)
+from dflash_pipeline.core.contracts import CONTEXT_LENGTH_KEYS  # noqa: E402 - re-exported: probe.config reads it here
+
 #: Fields that run a stack of layers more than once per token.
 LOOP_KEYS = ("n_recurrent_loops", "num_recurrent_loops", "num_loops", "n_loops")
 #: Attention-head counts of attention models (``num_heads`` is also a state-space head count: see below).
@@ -137,7 +131,8 @@ def architecture_refusal(raw: Mapping[str, Any], where: str = "config.json") -> 
     """The :class:`ProbeRefusal` for a target whose ``config.json`` (``raw``) shows an architecture the
     drafter cannot be built for (see the module docstring), None when none shows. ``where`` names the file
     in the message. Reads only ``raw``; never raises."""
-    from dflash_pipeline.probe.config import _find_text_config  # here: config imports this module
+    # the config reader imports this module's checks, so it is looked up when a check runs, not at import
+    _find_text_config = importlib.import_module("dflash_pipeline.probe.config")._find_text_config
 
     def refuse(reason: str, why: str, fix: str = "not supported") -> ProbeRefusal:
         return ProbeRefusal(reason, f"{where}: {reason} ({raw.get('model_type')!r}): {why}; {fix}")

@@ -378,11 +378,16 @@ def plan_for_workflow(
     """The plan of a validated config's training step and its gradient-checkpointing twin, with the
     ``[plan]`` line; ``(None, None, why)`` when the target's config is not there yet (the demo target before it
     is built) or the family is not planned."""
+    from dflash_pipeline.drafter import families as FR
     from dflash_pipeline.target.loading import text_config
 
-    family = cfg["drafter"].get("family", "dflash")
-    if family != "dflash":
-        return None, None, f"device memory: not planned for drafter.family {family} (the plan steps DFlash's objective)"
+    family = FR.of_settings(cfg["drafter"])
+    if type(family) is not type(FR.default()):  # DFlash2/DSpark add heads and objectives the plan does not step
+        return (
+            None,
+            None,
+            f"device memory: not planned for drafter.family {family.name} (the plan steps DFlash's objective)",
+        )
     if target_dir is None or not (Path(target_dir) / "config.json").is_file():
         return (
             None,
