@@ -141,7 +141,8 @@ def _open_binary(path: Path) -> BinaryIO:
         except ImportError:
             zstandard = None
         if zstandard is not None:
-            return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+            # buffered like the other readers: line iteration and peeking need more than the raw stream gives
+            return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
         try:  # pyarrow ships a zstd codec; use it when the `zstandard` package is absent
             return io.BufferedReader(_ArrowRaw(pa.CompressedInputStream(pa.OSFile(str(path), "rb"), "zstd")))
         except (pa.ArrowNotImplementedError, pa.ArrowInvalid) as exc:
