@@ -37,7 +37,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -101,26 +101,22 @@ class MemoryPlan:
         return cls(int(rec["peak_bytes"]), dict(rec["by_kind"]), StepSettings(**st))
 
 
-def plan_step_memory(target_config, st: StepSettings, *, fake: bool = True) -> MemoryPlan:
-    """The peak memory of one training step of one rank (module docstring). ``target_config``: the target's
-    text config (a ``transformers`` config). ``fake=False`` runs the same two steps on real tensors (CPU),
-    the reference the plan is checked against at small sizes.
+class _FrozenInputs(NamedTuple):
+    """The frozen tensors a step reads: embedding, LM head (the embedding when tied), target features
+    [b, S, K·H] and (``kl`` only) the teacher's input, the target's last hidden state."""
 
-    Raises:
-        ValueError: settings the trainer would refuse too (sliding layers without a window, an unknown
-            optimizer or loss).
-    """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
+    embed: torch.Tensor
+    head: torch.Tensor
+    feats: torch.Tensor
+    last: Optional[torch.Tensor]
 
-    from dflash_pipeline.drafter import model as M
+
+def _build_step_model(target_config, st: StepSettings, mode) -> tuple[torch.nn.Module, _FrozenInputs]:
+    """The drafter of ``st`` and the frozen tensors of one step, built under ``mode`` (a fake tensor mode; None:
+    real tensors)."""
     from dflash_pipeline.drafter.build import build_drafter
-    from dflash_pipeline.target import loading as T
-    from dflash_pipeline.train import losses as L
-    from dflash_pipeline.train import optim as OPT
     from dflash_pipeline.train.data import ConfigOnly
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
     b, s, k = st.batch_size, st.seq_len, st.num_target_features
     h, v = target_config.hidden_size, target_config.vocab_size
     head_dtype = getattr(torch, st.head_dtype)
@@ -132,7 +128,7 @@ def plan_step_memory(target_config, st: StepSettings, *, fake: bool = True) -> M
             "mask_token_id": 0,
         }
     }
-    with mode if fake else contextlib.nullcontext():
+    with mode if mode is not None else contextlib.nullcontext():
         drafter = build_drafter(
             ConfigOnly(target_config),
             probe,
@@ -144,40 +140,69 @@ def plan_step_memory(target_config, st: StepSettings, *, fake: bool = True) -> M
         head = embed if getattr(target_config, "tie_word_embeddings", False) else torch.zeros(v, h, dtype=head_dtype)
         feats = torch.zeros(b, s, k * h, dtype=head_dtype)  # [b, S, K·H]
         last = torch.zeros(b, s, h, dtype=head_dtype) if st.loss in ("kl",) else None  # the teacher's input
-    drafter.train()
-    optimizer = OPT.make_optimizer(drafter, st.optimizer, lr=1e-4, weight_decay=0.0)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, v, (b, s), generator=gen)
+    return drafter, _FrozenInputs(embed, head, feats, last)
+
+
+def _worst_case_batch(st: StepSettings, vocab_size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """The real token ids and loss mask of a worst-case batch: every row ``seq_len`` tokens, a short prompt
+    unsupervised, then an answer in which every anchor candidate is supervised."""
+    b, s = st.batch_size, st.seq_len
+    ids = torch.randint(1, vocab_size, (b, s), generator=gen)
     lmask = torch.ones(b, s, dtype=torch.uint8)
     lmask[:, : max(1, s // 8)] = 0  # a prompt, then the answer: every anchor candidate is supervised
+    return ids, lmask
+
+
+def _autocast_context(st: StepSettings):
+    """The CPU autocast of ``st.mixed_precision`` (bf16 / fp16), or a null context for ``no``."""
+    if st.mixed_precision == "no":
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[st.mixed_precision]))
+
+
+def _run_tracked_steps(
+    tracker,
+    st: StepSettings,
+    mode,
+    drafter: torch.nn.Module,
+    optimizer,
+    frozen: _FrozenInputs,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    gen: torch.Generator,
+) -> None:
+    """Two training steps (anchors, block inputs, masks, drafter, loss, backward, optimizer step) under
+    ``tracker``; the second holds the optimizer state the first one created. ``mode``: the fake tensor mode
+    (None: real tensors)."""
+    from dflash_pipeline.drafter import model as M
+    from dflash_pipeline.target import loading as T
+    from dflash_pipeline.train import losses as L
+
+    ids, lmask = batch
+    b, s = ids.shape
     gamma = M.loss_decay_gamma(st.block_size)
-    autocast = (
-        torch.autocast("cpu", dtype=getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[st.mixed_precision]))
-        if st.mixed_precision != "no"
-        else contextlib.nullcontext()
-    )
-    tracker = MemTracker()
-    tracker.track_external(drafter, optimizer, embed, head, feats, *([last] if last is not None else []))
+    autocast = _autocast_context(st)
     with tracker:
         for _ in range(2):  # the second step holds the optimizer state the first one created
             anchors = M.sample_anchors(lmask, st.num_anchors, generator=gen)
             block_ids, block_pos, labels, weights = M.block_inputs_and_labels(
                 ids, lmask, anchors, st.block_size, 0, gamma
             )
-            anchor_pos = mode.from_tensor(anchors.anchors) if fake else anchors.anchors  # masks: fake, never dense-real
+            # masks: fake, never dense-real
+            anchor_pos = mode.from_tensor(anchors.anchors) if mode is not None else anchors.anchors
             # flex: SDPA's fused kernel without a mask stands in (module docstring); sdpa: the dense masks it builds
             mask = None if st.backend == "flex" else M.build_training_masks(drafter, anchor_pos, s, "sdpa")
             with torch.no_grad():
-                noise = F.embedding(block_ids, embed)  # the frozen embedding (a tensor: the tracker hooks modules)
-            noise, x = T.to_drafter_dtype(drafter, noise, feats)
+                # the frozen embedding (a tensor: the tracker hooks modules)
+                noise = F.embedding(block_ids, frozen.embed)
+            noise, x = T.to_drafter_dtype(drafter, noise, frozen.feats)
             ctx_pos = torch.arange(s).expand(b, -1)
             with autocast:
                 hidden = drafter(noise, x, ctx_pos, block_pos, attn_mask=mask)
-            teacher = L.teacher_slot_hidden(last, block_pos) if last is not None else None
+            teacher = L.teacher_slot_hidden(frozen.last, block_pos) if frozen.last is not None else None
             out = L.compute_loss(
                 st.loss,
                 hidden,
-                head,
+                frozen.head,
                 labels,
                 weights,
                 st.block_size,
@@ -189,7 +214,11 @@ def plan_step_memory(target_config, st: StepSettings, *, fake: bool = True) -> M
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             tracker.reset_mod_stats()
-    snap = tracker.get_tracker_snapshot("peak")
+
+
+def _plan_from_snapshot(snap: dict, drafter: torch.nn.Module, st: StepSettings) -> MemoryPlan:
+    """The :class:`MemoryPlan` of the tracker's peak snapshot, with FSDP2 sharding (a 1/D shard of weights,
+    gradients and optimizer state plus one gathered draft layer) and an online target's weights applied."""
     dev = next(iter(snap))
     kinds = {str(getattr(key, "value", key)): int(val) for key, val in snap[dev].items() if key != "Total"}
     peak = int(snap[dev]["Total"])
@@ -204,6 +233,33 @@ def plan_step_memory(target_config, st: StepSettings, *, fake: bool = True) -> M
         kinds["target"] = int(st.target_params_bytes)
         peak += int(st.target_params_bytes)
     return MemoryPlan(peak, kinds, st)
+
+
+def plan_step_memory(target_config, st: StepSettings, *, fake: bool = True) -> MemoryPlan:
+    """The peak memory of one training step of one rank (module docstring). ``target_config``: the target's
+    text config (a ``transformers`` config). ``fake=False`` runs the same two steps on real tensors (CPU),
+    the reference the plan is checked against at small sizes.
+
+    Raises:
+        ValueError: settings the trainer would refuse too (sliding layers without a window, an unknown
+            optimizer or loss).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from dflash_pipeline.train import optim as OPT
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
+    drafter, frozen = _build_step_model(target_config, st, mode)
+    drafter.train()
+    optimizer = OPT.make_optimizer(drafter, st.optimizer, lr=1e-4, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(0)
+    batch = _worst_case_batch(st, target_config.vocab_size, gen)
+    tracker = MemTracker()
+    extra = [frozen.last] if frozen.last is not None else []
+    tracker.track_external(drafter, optimizer, frozen.embed, frozen.head, frozen.feats, *extra)
+    _run_tracked_steps(tracker, st, mode, drafter, optimizer, frozen, batch, gen)
+    return _plan_from_snapshot(tracker.get_tracker_snapshot("peak"), drafter, st)
 
 
 def target_params_bytes(target_config, dtype: str) -> int:
