@@ -54,7 +54,6 @@ import time
 import traceback
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -62,128 +61,17 @@ import numpy as np
 
 from .colocate import DEFAULT_API_KEY_ENV  # noqa: F401 - the variable `features serve` reads its key from
 
-#: Bytes of a request body besides its token ids (model name, sampling fields, whitespace).
-BODY_OVERHEAD_BYTES = 64 << 10
-
-
-class RequestRefused(Exception):
-    """A request the server refuses with ``status`` (4xx/503); the message names the field or limit."""
-
-    status = 400
-
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
-        if status is not None:
-            self.status = status
-
-
-class BadRequest(RequestRefused, ValueError):
-    """A request the server refuses (HTTP 400): the message names the field."""
-
-
-def max_body_bytes(max_len: int, vocab_size: int) -> int:
-    """The largest request body accepted: ``max_len`` token ids of the vocabulary's widest decimal
-    spelling, each with a separator (``", "``), plus :data:`BODY_OVERHEAD_BYTES` (bytes)."""
-    return int(max_len) * (len(str(max(int(vocab_size) - 1, 0))) + 2) + BODY_OVERHEAD_BYTES
-
-
-def content_length(value: str | None, cap: int) -> int:
-    """The body size a ``Content-Length`` header announces. Raises RequestRefused: 411 without one, 400 when it
-    is not a non-negative decimal integer, 413 when it exceeds ``cap`` bytes."""
-    if value is None:
-        raise RequestRefused("Content-Length: required (chunked bodies are not accepted)", 411)
-    v = value.strip()
-    if not v or len(v) > 20 or not v.isascii() or not v.isdigit():
-        raise BadRequest(f"Content-Length: {value[:40]!r} is not a non-negative integer")
-    n = int(v)
-    if n > cap:
-        raise RequestRefused(f"Content-Length: {n} bytes, more than this server accepts ({cap}; --max-len)", 413)
-    return n
-
-
-def parse_request(body: bytes, *, vocab_size: int, max_len: int) -> np.ndarray:
-    """Token ids int64 [T] of a request body (``prompt``: a list of ints, or a one-element list of such a
-    list, as the OpenAI API allows). Raises BadRequest naming the field (bodies too deeply nested for the
-    JSON parser and integers of any size included)."""
-    try:
-        req = json.loads(body or b"{}")
-    except (ValueError, RecursionError) as exc:
-        raise BadRequest(f"request body is not JSON the server can read: {str(exc)[:200]}") from None
-    if not isinstance(req, dict):
-        raise BadRequest("request body: expected a JSON object")
-    prompt = req.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
-        prompt = prompt[0]
-    if not isinstance(prompt, list) or not prompt or not all(type(t) is int for t in prompt):
-        raise BadRequest("prompt: expected a non-empty list of token ids (ints)")
-    if len(prompt) > max_len:
-        raise BadRequest(f"prompt: {len(prompt)} tokens, more than this server's --max-len {max_len}")
-    lo, hi = min(prompt), max(prompt)  # Python ints: any size compares, none reaches numpy out of range
-    if lo < 0 or hi >= vocab_size:
-        bad = hi if hi >= vocab_size else lo
-        shown = str(bad) if abs(bad) < 10**30 else f"{str(bad)[:12]}... ({len(str(abs(bad)))} digits)"
-        raise BadRequest(f"prompt: token id {shown} outside the vocabulary [0, {vocab_size})")
-    if "max_tokens" in req and (type(req["max_tokens"]) is not int or not 0 <= req["max_tokens"] <= 1 << 31):
-        raise BadRequest("max_tokens: expected a non-negative integer")
-    if "model" in req and not isinstance(req["model"], str):
-        raise BadRequest("model: expected a string")
-    return np.asarray(prompt, dtype=np.int64)
-
-
-class ScratchBudget:
-    """The answer files this server wrote and nobody has read yet: those older than ``max_age_s`` are
-    deleted, and a new answer is admitted only while the files still there and it fit ``max_bytes``.
-
-    Only files this server wrote are ever deleted (the scratch directory may be shared). Thread-safe."""
-
-    def __init__(self, max_bytes: int, max_age_s: float):
-        self.max_bytes, self.max_age_s = int(max_bytes), float(max_age_s)
-        self._files: dict[Path, tuple[int, float]] = {}
-        self._lock = threading.Lock()
-        self.expired = 0
-
-    def sweep(self, now: float | None = None) -> int:
-        """Forget files their client deleted, delete expired ones; returns the bytes still held."""
-        now = time.monotonic() if now is None else now
-        held = 0
-        with self._lock:
-            for path, (size, t) in list(self._files.items()):
-                if not path.exists():
-                    del self._files[path]
-                elif now - t > self.max_age_s:
-                    path.unlink(missing_ok=True)
-                    del self._files[path]
-                    self.expired += 1
-                else:
-                    held += size
-        return held
-
-    def admit(self, size: int, now: float | None = None) -> None:
-        """Raise RequestRefused (503) when an answer of ``size`` bytes would take the files held past
-        ``max_bytes``."""
-        held = self.sweep(now)
-        if held + size > self.max_bytes:
-            raise RequestRefused(
-                f"scratch budget: {held:,} bytes of unread answers held, this one needs {size:,}, the budget is "
-                f"{self.max_bytes:,} (--scratch-max-bytes); retry once clients have read theirs",
-                503,
-            )
-
-    def add(self, path: Path, size: int, now: float | None = None) -> None:
-        with self._lock:
-            self._files[path] = (int(size), time.monotonic() if now is None else now)
-
-
-@dataclass
-class Limits:
-    """What one server accepts (``features serve`` flags): ``request_timeout_s`` (a request's headers and
-    body, and an idle keep-alive connection, seconds), ``max_connections`` (served at once; more get 503),
-    ``scratch_max_bytes`` / ``scratch_max_age_s`` (:class:`ScratchBudget`)."""
-
-    request_timeout_s: float = 30.0
-    max_connections: int = 64
-    scratch_max_bytes: int = 16 << 30
-    scratch_max_age_s: float = 600.0
+# the request limits and checks live in .server_limits; re-exported: callers and tests import them from here
+from .server_limits import (  # noqa: F401
+    BODY_OVERHEAD_BYTES,
+    BadRequest,
+    Limits,
+    RequestRefused,
+    ScratchBudget,
+    content_length,
+    max_body_bytes,
+    parse_request,
+)
 
 
 class FeatureServer:
@@ -338,164 +226,176 @@ def _error_body(status: int, msg: str) -> bytes:
     return json.dumps({"error": {"message": msg, "type": kind, "code": status}}).encode()
 
 
-def _handler(server: FeatureServer):
-    limits = server.limits
+_UNAUTHORIZED = "missing or wrong API key (Authorization: Bearer <key>)"
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
 
-        def log_message(self, fmt, *args):  # one line per request would flood the job log
+class _FeatureHandler(BaseHTTPRequestHandler):
+    """The HTTP side of one :class:`FeatureServer` (``features``: set by :func:`_handler`): the routes of the
+    module docstring, each request's deadline, and the refusals of :mod:`.server_limits`."""
+
+    protocol_version = "HTTP/1.1"
+    features: FeatureServer
+
+    def log_message(self, fmt, *args):  # one line per request would flood the job log
+        pass
+
+    # -- deadlines and answers -----------------------------------------------------------------------
+
+    def _expire(self) -> None:
+        """The request deadline passed: shut the socket, so a blocked read returns and the thread ends."""
+        self.close_connection = True
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
             pass
 
-        def _expire(self) -> None:
-            """The request deadline passed: shut the socket, so a blocked read returns and the thread ends."""
+    def _arm(self, seconds: float) -> threading.Timer:
+        timer = threading.Timer(seconds, self._expire)
+        timer.daemon = True
+        timer.start()
+        return timer
+
+    def handle_one_request(self):
+        # the deadline covers the wait for the request line, the headers and the body (an idle
+        # keep-alive connection included); do_GET / do_POST cancel it once the request is in
+        self._deadline = self._arm(self.features.limits.request_timeout_s)
+        try:
+            super().handle_one_request()
+        finally:
+            self._deadline.cancel()
+
+    def _send(self, status: int, body: bytes, ctype: str = "application/json", headers=()) -> None:
+        send = self._arm(self.features.limits.request_timeout_s + len(body) / 1e7)  # a reader of >= 10 MB/s
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            for k, v in headers:
+                self.send_header(k, v)
+            if self.close_connection:
+                self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(body)
+        finally:
+            send.cancel()
+
+    def _refuse(self, status: int, msg: str, *, unread: int = 0) -> None:
+        """Answer an error; with a body left unread, close the connection after a bounded drain (the
+        client's send then ends in our answer rather than a reset)."""
+        self.features.stats["refused"] += int(status != 404)
+        headers = []
+        if status == 401:
+            headers.append(("WWW-Authenticate", "Bearer"))
+        if status == 503:
+            headers.append(("Retry-After", "1"))
+        if unread:
             self.close_connection = True
-            try:
-                self.connection.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        self._send(status, _error_body(status, msg), headers=headers)
+        if unread:
+            self._drain(unread)
 
-        def _arm(self, seconds: float) -> threading.Timer:
-            timer = threading.Timer(seconds, self._expire)
-            timer.daemon = True
-            timer.start()
-            return timer
+    def _refuse_unread(self, status: int, msg: str, *, unread: int = 0) -> None:
+        """Refuse a request before its body is read: the deadline stops, the connection closes after."""
+        self._deadline.cancel()
+        self.close_connection = True
+        self._refuse(status, msg, unread=unread)
 
-        def handle_one_request(self):
-            # the deadline covers the wait for the request line, the headers and the body (an idle
-            # keep-alive connection included); do_GET / do_POST cancel it once the request is in
-            self._deadline = self._arm(limits.request_timeout_s)
-            try:
-                super().handle_one_request()
-            finally:
-                self._deadline.cancel()
+    def _drain(self, n: int, seconds: float = 1.0) -> None:
+        try:
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_WR)
+            self.connection.settimeout(0.2)
+            deadline = time.monotonic() + seconds
+            while n > 0 and time.monotonic() < deadline:
+                got = self.connection.recv(min(n, 1 << 16))  # discarded: never held
+                if not got:
+                    break
+                n -= len(got)
+        except OSError:
+            pass
 
-        def _send(self, status: int, body: bytes, ctype: str = "application/json", headers=()) -> None:
-            send = self._arm(limits.request_timeout_s + len(body) / 1e7)  # a reader of >= 10 MB/s
-            try:
-                self.send_response(status)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                for k, v in headers:
-                    self.send_header(k, v)
-                if self.close_connection:
-                    self.send_header("Connection", "close")
-                self.end_headers()
-                self.wfile.write(body)
-            finally:
-                send.cancel()
+    def _authorized(self) -> bool:
+        return self.features.authorized(self.headers.get("Authorization"))
 
-        def _refuse(self, status: int, msg: str, *, unread: int = 0) -> None:
-            """Answer an error; with a body left unread, close the connection after a bounded drain (the
-            client's send then ends in our answer rather than a reset)."""
-            server.stats["refused"] += int(status != 404)
-            headers = []
-            if status == 401:
-                headers.append(("WWW-Authenticate", "Bearer"))
-            if status == 503:
-                headers.append(("Retry-After", "1"))
-            if unread:
-                self.close_connection = True
-            self._send(status, _error_body(status, msg), headers=headers)
-            if unread:
-                self._drain(unread)
+    # -- routes --------------------------------------------------------------------------------------
 
-        def _drain(self, n: int, seconds: float = 1.0) -> None:
-            try:
-                self.wfile.flush()
-                self.connection.shutdown(socket.SHUT_WR)
-                self.connection.settimeout(0.2)
-                deadline = time.monotonic() + seconds
-                while n > 0 and time.monotonic() < deadline:
-                    got = self.connection.recv(min(n, 1 << 16))  # discarded: never held
-                    if not got:
-                        break
-                    n -= len(got)
-            except OSError:
-                pass
+    def handle_expect_100(self) -> bool:
+        # "Expect: 100-continue" asks whether to send the body: only with the key and a size we take
+        if not self._authorized():
+            self._refuse_unread(401, _UNAUTHORIZED)
+            return False
+        try:
+            content_length(self.headers.get("Content-Length"), self.features.max_body)
+        except RequestRefused as exc:
+            self._refuse_unread(exc.status, str(exc))
+            return False
+        return super().handle_expect_100()
 
-        def _authorized(self) -> bool:
-            return server.authorized(self.headers.get("Authorization"))
+    def do_GET(self):
+        self._deadline.cancel()
+        route = self.path.split("?", 1)[0].rstrip("/")
+        if route in ("/health", "/v1/health"):
+            body = {"status": "ok", **(self.features.stats if self._authorized() else {})}
+            return self._send(200, json.dumps(body).encode())
+        if not self._authorized():
+            return self._refuse(401, _UNAUTHORIZED)
+        if route in ("/v1/models", "/models"):
+            model = {"id": self.features.model_name, "object": "model", "owned_by": "dflash-pipeline"}
+            return self._send(200, json.dumps({"object": "list", "data": [model]}).encode())
+        return self._refuse(404, f"no route GET {self.path[:200]}")
 
-        def handle_expect_100(self) -> bool:
-            # "Expect: 100-continue" asks whether to send the body: only with the key and a size we take
-            if not self._authorized():
-                self._deadline.cancel()
-                self.close_connection = True
-                self._refuse(401, "missing or wrong API key (Authorization: Bearer <key>)")
-                return False
-            try:
-                content_length(self.headers.get("Content-Length"), server.max_body)
-            except RequestRefused as exc:
-                self._deadline.cancel()
-                self.close_connection = True
-                self._refuse(exc.status, str(exc))
-                return False
-            return super().handle_expect_100()
+    def _body_size(self, route: str, declared: str | None, unread: int) -> int | None:
+        """The size of the body to read (the key, the route and ``Content-Length`` checked first); None when
+        the request was refused before its body."""
+        if not self._authorized():  # its body is never read
+            return self._refuse_unread(401, _UNAUTHORIZED, unread=unread)
+        if route not in ("/completions", "/features"):
+            return self._refuse_unread(404, f"no route POST {self.path[:200]}", unread=unread)
+        try:
+            if self.headers.get("Transfer-Encoding"):
+                raise BadRequest("Transfer-Encoding: not accepted; send the body with a Content-Length")
+            return content_length(declared, self.features.max_body)
+        except RequestRefused as exc:
+            return self._refuse_unread(exc.status, str(exc), unread=unread)
 
-        def do_GET(self):
-            self._deadline.cancel()
-            route = self.path.split("?", 1)[0].rstrip("/")
-            if route in ("/health", "/v1/health"):
-                body = {"status": "ok", **(server.stats if self._authorized() else {})}
-                return self._send(200, json.dumps(body).encode())
-            if not self._authorized():
-                return self._refuse(401, "missing or wrong API key (Authorization: Bearer <key>)")
-            if route in ("/v1/models", "/models"):
-                return self._send(
-                    200,
-                    json.dumps(
-                        {
-                            "object": "list",
-                            "data": [{"id": server.model_name, "object": "model", "owned_by": "dflash-pipeline"}],
-                        }
-                    ).encode(),
-                )
-            return self._refuse(404, f"no route GET {self.path[:200]}")
+    def do_POST(self):
+        route = self.path.split("?", 1)[0].rstrip("/").removeprefix("/v1")
+        declared = self.headers.get("Content-Length")
+        unread = int(declared) if declared and declared.strip().isdigit() and len(declared) <= 20 else 0
+        n = self._body_size(route, declared, unread)
+        if n is not None:
+            self._answer(route, n)
 
-        def do_POST(self):
-            route = self.path.split("?", 1)[0].rstrip("/").removeprefix("/v1")
-            declared = self.headers.get("Content-Length")
-            unread = int(declared) if declared and declared.strip().isdigit() and len(declared) <= 20 else 0
-            if not self._authorized():
-                self._deadline.cancel()
-                self.close_connection = True  # its body is never read
-                return self._refuse(401, "missing or wrong API key (Authorization: Bearer <key>)", unread=unread)
-            if route not in ("/completions", "/features"):
-                self._deadline.cancel()
-                self.close_connection = True
-                return self._refuse(404, f"no route POST {self.path[:200]}", unread=unread)
-            try:
-                if self.headers.get("Transfer-Encoding"):
-                    raise BadRequest("Transfer-Encoding: not accepted; send the body with a Content-Length")
-                n = content_length(declared, server.max_body)
-            except RequestRefused as exc:
-                self._deadline.cancel()
-                self.close_connection = True
-                return self._refuse(exc.status, str(exc), unread=unread)
-            body = self.rfile.read(n)
-            self._deadline.cancel()
-            if len(body) < n:  # the deadline or the client cut the body short: nobody to answer
-                self.close_connection = True
-                return
-            server.maybe_hang()
-            try:
-                ids = parse_request(body, vocab_size=server.vocab_size, max_len=server.max_len)
-                del body
-                if route == "/features":
-                    return self._send(200, server.feature_bytes(ids), "application/octet-stream")
-                return self._send(200, json.dumps(server.completion(ids)).encode())
-            except RequestRefused as exc:
-                return self._refuse(exc.status, str(exc))
-            except Exception:  # noqa: BLE001 - the server's own fault: details to the log, a generic answer
-                server.stats["errors"] += 1
-                print(f"[features] error answering POST {route}:", file=sys.stderr, flush=True)
-                traceback.print_exc()
-                return self._send(
-                    500, _error_body(500, "internal error computing the features (details in the server log)")
-                )
+    def _answer(self, route: str, n: int) -> None:
+        """Read a feature request's body of ``n`` bytes and answer it (its features, the refusal, or a
+        generic 500)."""
+        body = self.rfile.read(n)
+        self._deadline.cancel()
+        if len(body) < n:  # the deadline or the client cut the body short: nobody to answer
+            self.close_connection = True
+            return
+        self.features.maybe_hang()
+        server = self.features
+        try:
+            ids = parse_request(body, vocab_size=server.vocab_size, max_len=server.max_len)
+            del body
+            if route == "/features":
+                return self._send(200, server.feature_bytes(ids), "application/octet-stream")
+            return self._send(200, json.dumps(server.completion(ids)).encode())
+        except RequestRefused as exc:
+            return self._refuse(exc.status, str(exc))
+        except Exception:  # noqa: BLE001 - the server's own fault: details to the log, a generic answer
+            server.stats["errors"] += 1
+            print(f"[features] error answering POST {route}:", file=sys.stderr, flush=True)
+            traceback.print_exc()
+            return self._send(
+                500, _error_body(500, "internal error computing the features (details in the server log)")
+            )
 
-    return Handler
+
+def _handler(server: FeatureServer) -> type[_FeatureHandler]:
+    """The request handler class of ``server`` (for :class:`_BoundedHTTPServer`)."""
+    return type("Handler", (_FeatureHandler,), {"features": server})
 
 
 class _BoundedHTTPServer(ThreadingHTTPServer):
