@@ -1,5 +1,5 @@
 """The report: summary tables (:mod:`.tables`: TSV tables of every stage, the console summary) and the
-landing page a person reads first (:mod:`.page`: results/report/summary.html with the plots inline).
+landing page a person reads first (:mod:`.page`: results/report/summary.html with the plots inline, drawn by :mod:`.plots`).
 
 The public face: names load lazily from the module that owns them."""
 
@@ -12,9 +12,10 @@ _OWNERS = {
         " console_summary"
     ),
     "page": (
-        "PAGE_STYLE png_data_uri figures_html header_html data_line run_facts plot_tau_per_set plot_tau_by_length"
-        " data_length_histograms plot_data_lengths length_table_rows summary_page RUN_FIGURES run_figures"
+        "PAGE_STYLE png_data_uri figures_html header_html data_line run_facts length_table_rows summary_page"
+        " RUN_FIGURES run_figures"
     ),
+    "plots": "plot_tau_per_set plot_tau_by_length data_length_histograms plot_data_lengths",
 }
 
 __getattr__, __dir__, __all__ = lazy_face(__name__, _OWNERS, globals)
