@@ -138,6 +138,10 @@ def built_with_vllm(completions_server, demo_target, tmp_path_factory):
         "endpoints": [{"base_url": completions_server.base_url, "max_concurrency": 8}],
     }
     cfg["tokens"] = {**cfg["tokens"], "use_server_token_ids": True}
+    # trained long enough on the shipped target to accept drafts, and evaluated on prompts it trained on: the
+    # engine must show the drafter is served (τ above the untrained floor), not how well it generalizes
+    cfg["datasets"] = {"gsm8k": {"path": str(REPO / "data/gsm8k/train.jsonl"), "max_prompts": 8}}
+    cfg["train"] = {**cfg["train"], "epochs": 25, "batch_size": 2, "learning_rate": 2.0e-3, "save_every_steps": 1000}
     # no --dtype for the eval engine: the job passes the loop's (float32 on CPU), vLLM's auto would serve bf16
     cfg["eval"] = {
         **cfg["eval"],
@@ -145,6 +149,9 @@ def built_with_vllm(completions_server, demo_target, tmp_path_factory):
         "engine": "vllm",
         "engine_args": ["--max-model-len", "1024"],
         "engine_start_timeout_s": 600,
+        "checkpoint_samples": 0,
+        "exclude_training_prompts": False,
+        "sets": {"gsm8k": {"path": str(REPO / "data/gsm8k/train.jsonl"), "num_samples": 4}},
     }
     (work / "config.yaml").write_text(yaml.safe_dump(cfg))
     from mini_workflow import token_targets
