@@ -160,12 +160,20 @@ OPEN_SPEC_KEYS = ("open_spec_config_version", "speculative_config")
 
 
 def _comparable(path):
-    """A data output's bytes, or for a checkpoint's config.json its JSON without :data:`OPEN_SPEC_KEYS`."""
+    """A data output's bytes; for a checkpoint's config.json its JSON without :data:`OPEN_SPEC_KEYS`; for a token
+    shard its table and its ``dflash`` metadata without the drop counters (their set of reasons grew:
+    ``markup_without_ids``, counted 0 here), the rest byte for byte."""
     import json
 
-    if path.name != "config.json":
-        return path.read_bytes()
-    return {k: v for k, v in json.loads(path.read_text()).items() if k not in OPEN_SPEC_KEYS}
+    import pyarrow.parquet as pq
+
+    if path.name == "config.json":
+        return {k: v for k, v in json.loads(path.read_text()).items() if k not in OPEN_SPEC_KEYS}
+    if "tokens" in path.parts and path.suffix == ".parquet":
+        meta = json.loads(pq.read_metadata(path).metadata[b"dflash"])
+        dropped = {k: v for k, v in meta["counts"].pop("dropped").items() if v}  # reasons that dropped a record
+        return pq.read_table(path).replace_schema_metadata(None).to_pydict(), meta, dropped
+    return path.read_bytes()
 
 
 def _taus(record: dict) -> dict:
