@@ -117,7 +117,9 @@ def test_bench_train():
 
 
 def test_bench_families(tmp_path):
-    """Four variants trained in one working directory on the same shards: one table row each, the same steps."""
+    """Four variants trained in one working directory on the same shards: one table row each, the same steps.
+
+    Slow: four trained and evaluated runs of the workflow (about 2 min on 2 cores)."""
     out = run_bench("bench_families", "--work", str(tmp_path))
     assert_lines(
         out,

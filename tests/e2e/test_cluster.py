@@ -181,6 +181,9 @@ def ssh_ready() -> None:
 
 
 def test_reduced_workflow_through_slurm(slurm_python, cluster_target, tmp_path):
+    """The reduced workflow, every rule a SLURM job on the one-node CI cluster.
+
+    Slow: one whole workflow through sbatch and the plugin's status polling (about 5 min on 2 cores)."""
     env, python = _service_env(), slurm_python
     wd = _workdir(tmp_path, "ci-slurm", CI_SLURM_OVERLAY, cluster_target)
     started = time.monotonic()
@@ -209,6 +212,9 @@ def test_reduced_workflow_through_slurm(slurm_python, cluster_target, tmp_path):
 
 
 def test_reduced_workflow_through_ssh_hosts(ssh_ready, cluster_target, tmp_path):
+    """The reduced workflow, every job over ssh on the loopback host.
+
+    Slow: one whole workflow, each job a remote shell (about 2.5 min on 2 cores)."""
     env = _service_env()
     wd = _workdir(tmp_path, "ci-ssh", CI_SSH_OVERLAY, cluster_target)
     hosts = {"hosts": [{"name": "loopback", "ssh": env.get("DFLASH_SSH_HOST", "dflash-ci"), "slots": 2, "gpus": []}]}

@@ -55,6 +55,9 @@ def dry(work: Path, *targets: str, config: str = "config.yaml") -> dict[str, int
 
 
 def test_append_and_new_source_regenerate_only_new_or_changed_shards(tmp_path, demo_target):
+    """Appending prompts to a source and adding a new source regenerate only the new or changed shards.
+
+    Slow: three workflow builds (the first, an append, a new source; about 2 min on 2 cores)."""
     work = tmp_path
     target = work / "target"  # a copy: its config.json is edited below
     shutil.copytree(demo_target, target)
