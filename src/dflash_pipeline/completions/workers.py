@@ -25,6 +25,7 @@ import time
 from typing import TYPE_CHECKING, Sequence
 
 from dflash_pipeline.core.errors import ConfigError, GenerationError
+from dflash_pipeline.core.procs import die_with_parent
 
 from .records import OnDone, RunInfo, _raise_http_log_levels, redact_url
 from .stats import fleet_stats, merge_fleet_stats
@@ -173,35 +174,11 @@ class _ForwardLog(logging.Handler):
             pass
 
 
-def _die_with_parent(ppid: int) -> None:
-    """End this process as soon as its parent is gone (a kill -9 of the job must not leave clients
-    sending requests): PR_SET_PDEATHSIG on Linux, and a watchdog thread polling ``os.getppid()``."""
-    import signal
-
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-        except Exception:  # the watchdog still covers it
-            pass
-    if os.getppid() != ppid:  # the parent died before the prctl
-        os._exit(1)
-
-    def watch() -> None:
-        while True:
-            time.sleep(0.5)
-            if os.getppid() != ppid:
-                os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
-
-
 def _client_process(
     wid: int, ppid: int, gen_cfg: dict, init_kw: dict, info: RunInfo, tasks, results, stop, log_level: int
 ) -> None:
     """Entry point of client process ``wid`` (spawned by :func:`run_client_processes`)."""
-    _die_with_parent(ppid)
+    die_with_parent(ppid)
     root = logging.getLogger()
     root.handlers[:] = [_ForwardLog(results, wid)]
     root.setLevel(log_level)

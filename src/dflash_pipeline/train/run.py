@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -40,6 +41,7 @@ import numpy as np
 import torch
 
 from dflash_pipeline.core.config import schema_defaults
+from dflash_pipeline.core.procs import die_with_parent
 from dflash_pipeline.core.provenance import provenance
 from dflash_pipeline.core.shards import read_parquet, write_json
 from dflash_pipeline.drafter import families as FR
@@ -567,6 +569,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--stream-config", help="JSON of the stream settings (train.target_features: stream)")
     p.add_argument("token_shards", nargs="+")
     a = p.parse_args(argv)
+    if (
+        "LOCAL_RANK" in os.environ
+    ):  # a rank of torchrun (accelerate launch): its own session, so end it with the launcher
+        die_with_parent(os.getppid())
     probe = json.loads(Path(a.probe).read_text(encoding="utf-8"))
     train(
         token_shards=a.token_shards,

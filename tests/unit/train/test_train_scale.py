@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -153,21 +154,54 @@ def _train_args(root, out, cfg):
     ]
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (from /proc), the ranks torchrun started in sessions of their own."""
+    parents = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        kids = [c for c, pp in parents.items() if pp == parent]
+        out += kids
+        todo += kids
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _kill_when_saved(main: subprocess.Popen, others: list, out: Path, at_least: int) -> int:
     """Read the main launcher's output lines until state/ holds a step ≥ ``at_least``; SIGKILL every
-    launcher's process group (launcher + its ranks). Returns the saved step."""
+    launcher's process group (launcher + its ranks). Returns the saved step. The ranks (torchrun starts each
+    in a session of its own, out of the killed group) must end with their launcher: a rank living on would
+    write state/ under the resumed run."""
     saved = None
     for line in main.stdout:
         if line.startswith("[train] step ") and (out / "state" / "step.json").is_file():
             saved = json.loads((out / "state" / "step.json").read_text())["step"]
             if saved >= at_least:
                 break
+    ranks = [r for p in [main, *others] for r in _descendants(p.pid)]
+    assert ranks, "no rank processes under the launchers"
     for p in [main, *others]:
         try:
             os.killpg(p.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         p.wait(timeout=60)
+    deadline = time.monotonic() + 60
+    while any(_alive(r) for r in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [r for r in ranks if _alive(r)], "ranks outlived their killed launcher"
     assert saved is not None and saved >= at_least, "the run ended before saving state"
     return saved
 

@@ -1,0 +1,42 @@
+"""Child processes that end with their parent.
+
+A ``kill -9`` of a job (by Snakemake, SLURM, a user) reaches only the processes it names. Children started in
+a session of their own (torchrun starts every training rank that way) or by ``multiprocessing`` would live on:
+training ranks kept writing ``state/`` and ``final/`` under the next run, client processes kept sending
+requests. :func:`die_with_parent` ends such a child when its parent goes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+
+def die_with_parent(ppid: int, *, poll_s: float = 0.5) -> None:
+    """End this process as soon as its parent ``ppid`` is gone: ``PR_SET_PDEATHSIG`` (SIGKILL, Linux), and a
+    daemon thread polling ``os.getppid()`` every ``poll_s`` seconds where the prctl is missing or failed.
+
+    Exits at once (status 1) when the parent died before the call. Call it first thing in the child: the
+    signal is delivered when the thread that started the child ends, which for every launcher we use is the
+    launcher's main thread.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+        except Exception:  # the watchdog still covers it
+            pass
+    if os.getppid() != ppid:  # the parent died before the prctl
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != ppid:
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
