@@ -4,6 +4,18 @@
 report: "../report/workflow.rst"
 
 
+# Summaries and plots take a second each: on a cluster profile they run on the submitting host, not as
+# jobs that wait in the queue (and each start a Python) for that second.
+localrules:
+    summarize_probe,
+    summarize_prompts,
+    summarize_generation,
+    summarize_tokens,
+    plot_training,
+    plot_data_lengths,
+    summarize_run,
+
+
 rule summarize_probe:
     """The config probe record as a key/value table."""
     input:

@@ -396,36 +396,53 @@ def artefact_dir() -> Path:
     return d
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """End-to-end and bench modules first, each module's tests in their order: under pytest-xdist
+    (``--dist loadfile``, one module to a worker) the long modules start first and the short unit modules fill
+    the gaps at the end, so the workers finish together."""
+    items.sort(key=lambda it: 0 if it.nodeid.startswith(("tests/e2e/", "tests/bench/")) else 1)
+
+
 #: A test that runs longer than this must say why in its docstring (a line starting ``Slow:``); the end of every
 #: run names the ones that do not (seconds of the call phase, on the machine that ran it).
 SLOW_TEST_S = 120.0
-_slow_calls: dict[str, float] = {}
+#: nodeid -> (seconds, has a ``Slow:`` reason) of the calls over SLOW_TEST_S. Filled from the reports, which
+#: carry the reason (``user_properties``): under pytest-xdist the controller that prints the summary holds no
+#: test items, only the workers' reports.
+_slow_calls: dict[str, tuple[float, bool]] = {}
 
 
-_items: list = []
+def has_slow_reason(item) -> bool:
+    """Whether the test function's docstring has a line starting ``Slow:``."""
+    doc = getattr(getattr(item, "function", None), "__doc__", None) or ""
+    return any(line.strip().startswith("Slow:") for line in doc.splitlines())
 
 
-def pytest_collection_modifyitems(session, config, items):
-    _items[:] = items
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.when == "call":
+        report.user_properties.append(("slow_reason", has_slow_reason(item)))
+    return report
 
 
 def pytest_runtest_logreport(report):
     if report.when == "call" and report.duration > SLOW_TEST_S:
-        _slow_calls[report.nodeid] = report.duration
+        _slow_calls[report.nodeid] = (report.duration, dict(report.user_properties).get("slow_reason", False))
 
 
-def unexplained_slow_tests(items, durations: dict[str, float]) -> list[str]:
-    """``nodeid (seconds)`` of the tests in ``durations`` whose docstring has no ``Slow:`` line."""
-    docs = {it.nodeid: (getattr(getattr(it, "function", None), "__doc__", None) or "") for it in items}
+def unexplained_slow_tests(calls: dict[str, tuple[float, bool]]) -> list[str]:
+    """``nodeid (seconds)`` of the slow ``calls`` (nodeid -> seconds, has a reason) without a ``Slow:`` reason,
+    slowest first."""
     return [
         f"{nid} ({secs:.0f} s)"
-        for nid, secs in sorted(durations.items(), key=lambda kv: -kv[1])
-        if not any(line.strip().startswith("Slow:") for line in docs.get(nid, "").splitlines())
+        for nid, (secs, explained) in sorted(calls.items(), key=lambda kv: -kv[1][0])
+        if not explained
     ]
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    unexplained = unexplained_slow_tests(_items, _slow_calls)
+    unexplained = unexplained_slow_tests(_slow_calls)
     if unexplained:
         terminalreporter.write_sep("=", f"tests over {SLOW_TEST_S:.0f} s without a 'Slow:' reason in their docstring")
         for line in unexplained:

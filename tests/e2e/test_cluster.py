@@ -22,26 +22,33 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 STATE = Path(os.environ.get("DFLASH_CI_STATE", "/tmp/dflash-ci-services"))
 EXPECTED = os.environ.get("DFLASH_CI_SERVICES") == "1"
-RUN_TIMEOUT_S = 480  # the reduced workflow takes 3–5 min through the one-node CI cluster
+RUN_TIMEOUT_S = 480  # the reduced workflow takes 1–2 min through the one-node CI cluster
 
 pytestmark = pytest.mark.e2e
 
-#: The end-to-end test's reduced config (tests/e2e/e2e_config.yaml) under its own run name, one shard per
-#: dataset, on a demo target built once for both tests (the build is the local e2e test's business).
+#: The end-to-end test's reduced config (tests/e2e/e2e_config.yaml) under its own run name: each of the three
+#: datasets (config/config.yaml's, merged in) one small shard, every eval set one sample, no baseline run and
+#: no τ across checkpoints. Every rule that does work runs on the cluster (summaries and plots are local
+#: rules), in 10 jobs. τ itself is the local end-to-end test's business.
 E2E_CONFIG = yaml.safe_load((REPO / "tests" / "e2e" / "e2e_config.yaml").read_text())
 REDUCED_CONFIG = {
     **E2E_CONFIG,
     "run": "cluster",
     "drafter": {**E2E_CONFIG.get("drafter", {}), "target_layer_ids": [1, 2]},
-    "datasets": {**E2E_CONFIG["datasets"], "sharegpt": {"path": "data/sharegpt/sharegpt.json", "max_prompts": 4}},
-    "prompts": {**E2E_CONFIG.get("prompts", {}), "shard_size": 16},
-    # config/config.yaml's long-conversation set is merged in (8 conversations of 640 tokens): one is enough here
-    # no baseline run and no τ across checkpoints: every rule still runs on the cluster, in half the jobs
+    "datasets": {
+        "gsm8k": {**E2E_CONFIG["datasets"]["gsm8k"], "max_prompts": 4},
+        "mt_bench": {**E2E_CONFIG["datasets"]["mt_bench"], "max_prompts": 2},
+        "sharegpt": {"path": "data/sharegpt/sharegpt.json", "max_prompts": 2},
+    },
+    "generation": {**E2E_CONFIG["generation"], "max_tokens": 12},
     "eval": {
         **E2E_CONFIG["eval"],
+        "max_new_tokens": 6,
         "baselines": [],
         "checkpoint_samples": 0,
-        "sets": {**E2E_CONFIG["eval"]["sets"], "sharegpt_long": {"num_samples": 1}},
+        "sets": {
+            name: {**s, "num_samples": 1} for name, s in {**E2E_CONFIG["eval"]["sets"], "sharegpt_long": {}}.items()
+        },
     },
 }
 #: CPUs of the one CI node: every job fits it.

@@ -55,7 +55,7 @@ def upgrade_config() -> dict:
     # a small demo target that every main builds itself (the shipped one is newer than the earlier mains)
     cfg["target"] = {
         "path": "demo",
-        "demo": {"train_steps": 150, "vocab_size": 600, "hidden_size": 64, "num_hidden_layers": 6},
+        "demo": {"train_steps": 40, "vocab_size": 600, "hidden_size": 64, "num_hidden_layers": 6},
     }
     cfg["datasets"]["gsm8k"]["max_prompts"] = 4
     cfg["datasets"]["mt_bench"]["max_prompts"] = 2

@@ -66,7 +66,7 @@ def test_slow_tests_without_a_reason_are_named():
     """The run's end names every test over 120 s whose docstring gives no ``Slow:`` reason (conftest)."""
     from types import SimpleNamespace
 
-    from conftest import unexplained_slow_tests
+    from conftest import has_slow_reason, unexplained_slow_tests
 
     def item(nid, doc):
         def f():
@@ -76,4 +76,6 @@ def test_slow_tests_without_a_reason_are_named():
         return SimpleNamespace(nodeid=nid, function=f)
 
     items = [item("a", "Checks a.\n    Slow: one full workflow build."), item("b", "Checks b."), item("c", None)]
-    assert unexplained_slow_tests(items, {"a": 200.0, "b": 130.0, "c": 300.0}) == ["c (300 s)", "b (130 s)"]
+    assert [has_slow_reason(it) for it in items] == [True, False, False]
+    calls = {it.nodeid: (secs, has_slow_reason(it)) for it, secs in zip(items, (200.0, 130.0, 300.0))}
+    assert unexplained_slow_tests(calls) == ["c (300 s)", "b (130 s)"]

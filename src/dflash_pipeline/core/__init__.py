@@ -18,7 +18,7 @@ _OWNERS = {
         " STATS_V1_RUN_KEYS run_stats EvalSetStats EvalDrafter EvalRecord CheckpointMeta"
     ),
     "errors": "strip_url_credentials PipelineError ConfigError ProbeError ProbeRefusal DataError GenerationError TokenizationError",
-    "procs": "die_with_parent",
+    "procs": "die_with_parent free_port",
     "shards": (
         "atomic_write_bytes replace_dir write_tsv write_json read_json table_from_records write_parquet"
         " read_parquet read_shard_metadata ParquetStreamWriter"

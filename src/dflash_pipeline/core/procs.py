@@ -1,4 +1,4 @@
-"""Child processes that end with their parent.
+"""Processes: children that end with their parent, and ports for the servers and ranks they start.
 
 A ``kill -9`` of a job (by Snakemake, SLURM, a user) reaches only the processes it names. Children started in
 a session of their own (torchrun starts every training rank that way) or by ``multiprocessing`` would live on:
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -40,3 +41,11 @@ def die_with_parent(ppid: int, *, poll_s: float = 0.5) -> None:
                 os._exit(1)
 
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (the OS picks it): for a server or a rendezvous this process
+    starts, so two runs on one host (two jobs, two test workers) never meet on a fixed port."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

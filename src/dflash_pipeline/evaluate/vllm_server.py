@@ -21,7 +21,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 from dflash_pipeline.core.errors import PipelineError
+from dflash_pipeline.core.procs import free_port
 from dflash_pipeline.core.vllm_env import require_vllm_python
 from dflash_pipeline.drafter import families as FR
 
@@ -70,13 +70,6 @@ def _cpu_only() -> bool:
         return not torch.cuda.is_available()
     except ImportError:  # pragma: no cover - the project always has torch
         return True
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def http_get(url: str, *, timeout_s: float = 10.0, api_key: Optional[str] = None) -> str:

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dflash_pipeline.core.errors import strip_url_credentials as redact_url
+from dflash_pipeline.core.procs import free_port
 
 #: The variable a feature server (``features serve``) reads its key from, and colocated servers are given theirs in.
 DEFAULT_API_KEY_ENV = "DFLASH_FEATURES_API_KEY"
@@ -231,14 +232,6 @@ def vllm_server_cmd(
     return cmd
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _server_cmd(
     i: int,
     stream: dict,
@@ -257,7 +250,7 @@ def _server_cmd(
     writes its URL to ``url_file`` once ready. ``env`` gets the job's API ``key`` (never the command)."""
 
     if stream.get("backend") == "vllm":
-        port = _free_port()
+        port = free_port()
         cmd = vllm_server_cmd(
             stream["vllm"]["python"],
             target=target,

@@ -43,6 +43,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from dflash_pipeline.core.procs import free_port
+
 
 class ContextKV:
     """Stands in for a layer's attention impl: keeps the context K/V vLLM writes to the cache."""
@@ -95,18 +97,10 @@ def _init_dist(vc) -> None:
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
     init_distributed_environment(
-        world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{_free_port()}"
+        world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{free_port()}"
     )
     initialize_model_parallel(1, 1)
     _DIST["done"] = True
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_case(case: dict, default_target: str, out_dir: str) -> dict:

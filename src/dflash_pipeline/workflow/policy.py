@@ -13,6 +13,7 @@ from typing import Iterator, Optional
 
 from dflash_pipeline.core.config import schema_defaults
 from dflash_pipeline.core.console import CONSOLE_LOGGER, CONSOLE_PREFIXES, console  # noqa: F401 (used by the tee)
+from dflash_pipeline.core.procs import free_port
 
 
 def accelerate_launch_args(
@@ -30,7 +31,7 @@ def accelerate_launch_args(
     total ``num_processes · num_machines``. One process in all: a plain single-process launch (GPU if
     present, else CPU). Several: ``--multi_gpu``, which on a CPU-only machine gives real gloo ranks because
     the training script builds ``Accelerator(cpu=not torch.cuda.is_available())`` (plain ``--cpu`` would
-    silently run ONE process). Several machines add ``--machine_rank``/``--main_process_ip``/
+    silently run ONE process), on the given port or one free now. Several machines add ``--machine_rank``/``--main_process_ip``/
     ``--main_process_port`` (static rendezvous, torchrun ``--nnodes``); see :func:`launch_topology`.
 
     Raises:
@@ -63,8 +64,10 @@ def accelerate_launch_args(
             "--main_process_port",
             str(main_process_port or 29500),
         ]
-    elif main_process_port:
-        args += ["--main_process_port", str(main_process_port)]
+    elif main_process_port or total > 1:
+        # one machine, several ranks: a port free now, not torchrun's fixed 29500, which a second job on
+        # this host (or a run still ending) holds
+        args += ["--main_process_port", str(main_process_port or free_port())]
     if total > 1:
         args = ["--multi_gpu"] + args
     return args

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from test_stream import FAST_FLEET, Server, setup  # noqa: F401 (setup: the module fixture)
 
+from dflash_pipeline.core.procs import free_port
 from dflash_pipeline.workflow.policy import accelerate_launch_args
 
 REPO = Path(__file__).resolve().parents[3]
@@ -73,14 +74,14 @@ def test_two_fsdp2_ranks_stream_the_shards_run(setup, tmp_path):  # noqa: F811
     two-rank stream run equal the two-rank shards run's, bit for bit; each rank streamed its own records."""
     from safetensors.torch import load_file
 
-    ref = _launch(setup, tmp_path / "shards", "shards", port=29541)
+    ref = _launch(setup, tmp_path / "shards", "shards", port=free_port())
     server = Server(setup[0] / "target", tmp_path / "scratch")
     try:
         st = _launch(
             setup,
             tmp_path / "stream",
             "stream",
-            port=29542,
+            port=free_port(),
             stream={"endpoints": [{"base_url": server.url}], "scratch_dir": str(server.scratch), "fleet": FAST_FLEET},
         )
     finally:

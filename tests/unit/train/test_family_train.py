@@ -23,6 +23,7 @@ import yaml
 from conftest import REPO, counting_train_setup
 from safetensors.torch import load_file
 
+from dflash_pipeline.core.procs import free_port
 from dflash_pipeline.drafter import build as DB
 from dflash_pipeline.drafter import model as M
 from dflash_pipeline.train import loop as L
@@ -211,7 +212,7 @@ def test_family_trains_on_two_gloo_ranks(setup, tmp_path, family):
         "OMP_NUM_THREADS": "1",
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
     }
-    port = {"dflash": "29525", "dflash2": "29527", "dspark": "29529"}[family]
+    port = str(free_port())
     cmd = [
         sys.executable,
         "-m",

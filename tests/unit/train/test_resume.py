@@ -27,6 +27,7 @@ import pytest
 import torch
 from conftest import FAST_FLEET, FeatureServer, counting_train_setup
 
+from dflash_pipeline.core.procs import free_port
 from dflash_pipeline.train.checkpoint import file_digest
 from dflash_pipeline.workflow.policy import accelerate_launch_args
 
@@ -246,7 +247,7 @@ def test_killed_and_resumed_run_ends_bit_identical(setup, tmp_path, capsys, requ
     root = setup
     cfg = {**CFG, **SETTINGS[setting]}
     stream = _stream(request.getfixturevalue("feature_server")) if setting == "stream" else None
-    port = 29600 + 2 * list(SETTINGS).index(setting)
+    port = free_port()
     one = cfg["num_processes"] == 1
     if one:
         _in_process(root, tmp_path / "whole", cfg, stream)

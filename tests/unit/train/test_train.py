@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import counting_train_setup
 
+from dflash_pipeline.core.procs import free_port
 from dflash_pipeline.drafter import build as DB
 from dflash_pipeline.drafter import model as M
 from dflash_pipeline.train.run import train
@@ -87,7 +88,7 @@ def test_two_cpu_ranks_really_train_as_two_processes(setup, tmp_path):
         "accelerate.commands.launch",
         *accelerate_launch_args(2),
         "--main_process_port",
-        "29517",
+        str(free_port()),
         "-m",
         "dflash_pipeline.train.run",
         "--probe",
@@ -173,7 +174,7 @@ def test_two_ranks_follow_the_one_process_loss_curve(setup, tmp_path):
         "accelerate.commands.launch",
         *accelerate_launch_args(2),
         "--main_process_port",
-        "29519",
+        str(free_port()),
         "-m",
         "dflash_pipeline.train.run",
         "--probe",
@@ -239,7 +240,7 @@ def test_loss_is_normalised_by_the_global_weight_sum_across_ranks(tmp_path):
         "--nproc_per_node",
         "2",
         "--master_port",
-        "29531",
+        str(free_port()),
         str(script),
         str(tmp_path / "out"),
     ]

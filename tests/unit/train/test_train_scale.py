@@ -18,6 +18,7 @@ import pytest
 import torch
 from conftest import counting_train_setup
 
+from dflash_pipeline.core.procs import free_port
 from dflash_pipeline.drafter import build as DB
 from dflash_pipeline.drafter import model as M
 from dflash_pipeline.train.run import train
@@ -229,7 +230,7 @@ def test_fsdp_two_cpu_ranks_train_save_kill_resume(setup, tmp_path):
         "-m",
         "dflash_pipeline.workflow.policy",
         "launch",
-        json.dumps({**cfg, "main_process_port": 29541}),
+        json.dumps({**cfg, "main_process_port": free_port()}),
         "--",
     ]
     cmd = launch + _train_args(root, tmp_path, cfg)
@@ -257,7 +258,7 @@ def test_two_machines_one_process_each_on_loopback_kill_resume(setup, tmp_path):
         "num_processes": 1,
         "num_machines": 2,
         "main_process_ip": "127.0.0.1",
-        "main_process_port": 29543,
+        "main_process_port": free_port(),
         "epochs": 30,
         "save_every_steps": 3,
         "trace_batches": True,
