@@ -6,6 +6,7 @@ their schema and bytes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -306,3 +307,25 @@ def test_dialogue_pairs_results_to_regenerated_ids_and_text_turns_that_call_dive
     ]
     assert "tools" not in rec and "end_reason" not in rec
     assert contracts.completion_schema([rec]) is contracts.COMPLETION_SCHEMA
+
+
+@pytest.mark.parametrize("backend", ["transformers", "openai-completions"])
+def test_backends_without_a_tool_call_parser_refuse_tool_conversations(tmp_path, demo_target, backend):
+    """The transformers backend and ``api: completions`` render and decode locally, with no tool-call parser:
+    a shard with tool conversations stops the job before any request, saying what to use instead."""
+    from dflash_pipeline.core.errors import ConfigError
+
+    prompt_shard = _prompt_shard(tmp_path, [_openai("Find", "Find")])
+    if backend == "transformers":
+        cfg = validate_config({"generation": {"max_tokens": 4}})["generation"]
+        ctx = contextlib.nullcontext()
+    else:
+        ctx = start_test_server()
+    with ctx as srv:
+        if srv is not None:
+            cfg = _gen_cfg(srv.base_url, api="completions", extra_body={}, max_tokens=4)
+        with pytest.raises(ConfigError, match=r"tool calls.*generation.backend: openai and generation.api: chat"):
+            generate_shard(prompt_shard, tmp_path / "c.parquet", target_dir=demo_target, gen_cfg=cfg)
+        if srv is not None:
+            assert srv.stats.chat_requests == 0
+    assert not (tmp_path / "c.parquet").exists()
