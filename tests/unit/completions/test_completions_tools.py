@@ -22,7 +22,8 @@ from dflash_pipeline.completions.records import Dialogue, RunInfo, Turn, build_r
 from dflash_pipeline.core import contracts, shards
 from dflash_pipeline.core.config import validate_config
 from dflash_pipeline.prompts import build_prompt_shards
-from dflash_pipeline.testing.server import start_test_server
+from dflash_pipeline.target import chat
+from dflash_pipeline.testing.server import Faults, start_test_server
 from dflash_pipeline.tokens.shard import tokenize_records
 
 MODELS = models_dir()
@@ -202,11 +203,16 @@ def test_tool_conversation_prompts_to_completions_to_tokens_supervises_the_outpu
     plain = {"messages": [{"role": "user", "content": "Say hi"}]}
     prompt_shard = _prompt_shard(tmp_path, [_openai("Find DFlash", "Find DFlash"), plain])
     out = tmp_path / "c.parquet"
-    with start_test_server(tokenizer_dir=tok_dir, flavor="sglang") as srv:
+    # the first request fails (503): the retry sends the same body, tools included
+    faults = Faults(fail_first=1, fail_status=503)
+    with start_test_server(tokenizer_dir=tok_dir, flavor="sglang", faults=faults) as srv:
         stats = generate_shard(prompt_shard, out, target_dir=None, gen_cfg=_gen_cfg(srv.base_url))
         sent = list(srv.stats.requests)
+        served = srv.stats_json()
+    assert stats["run"]["retries"] == 1 and served["statuses"] == {"503": 1, "200": 3}
     with_tools = [b for b in sent if "tools" in b]
-    assert len(with_tools) == 2 and all(b["tools"] == TOOLS for b in with_tools)
+    assert served["tool_requests"] == len(with_tools) >= 2 and served["tools_seen"] == [TOOLS]
+    assert all(b["tools"] == TOOLS for b in with_tools)
     assert not any("tools" in b for b in sent if b["messages"][-1]["content"] == "Say hi")
     # the second request carries the regenerated call and the tool result paired to its id
     second = next(b for b in with_tools if b["messages"][-1]["role"] == "tool")
@@ -228,7 +234,17 @@ def test_tool_conversation_prompts_to_completions_to_tokens_supervises_the_outpu
 
     from real_vocab import real_tokenizer
 
+    from dflash_pipeline.completions.generate import too_long_prompts
+    from dflash_pipeline.completions.records import read_prompts
+
     tok = real_tokenizer("qwen3", MODELS / "Qwen3-8B" / "chat_template.jinja")
+    # the context check renders the prompt with its tools and the source's call (a lower bound that counts them)
+    (tooled, _) = read_prompts(prompt_shard)
+    bare = {**tooled, "tools": None, "messages": [m for m in tooled["messages"] if m["role"] in ("system", "user")]}
+    n_bare = len(chat.render(tok, bare["messages"], thinking="disable", add_generation_prompt=True, tokenize=True))
+    check = {"thinking": "disable", "max_tokens": 0}
+    assert too_long_prompts([bare], tok, check, n_bare) == {}
+    assert too_long_prompts([tooled], tok, check, n_bare)[tooled["prompt_id"]]["prompt_tokens"] > n_bare + 50
     tstats: dict = {}
     rows = list(tokenize_records(tok, table.to_pylist(), max_length=4096, stats=tstats))
     assert tstats["output_ids_spliced"] == 3 and not any(tstats["dropped"].values())

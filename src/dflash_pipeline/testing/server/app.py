@@ -269,6 +269,8 @@ class TestServer:
             "statuses": {str(k): v for k, v in s.statuses.items()},
             "spec_drafts": s.spec_drafts,
             "spec_accepted_tokens": s.spec_accepted_tokens,
+            "tool_requests": s.tool_requests,
+            "tools_seen": [json.loads(t) for t in s.tools_seen],
             "by_prompt": dict(s.by_prompt),
             "by_conversation": dict(s.by_conversation),
         }
