@@ -41,11 +41,11 @@ ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "1024"]
 
 @pytest.fixture(scope="module")
 def completions_server(demo_target, vllm_python, tmp_path_factory):
-    """vLLM serving the demo target with the qwen3 reasoning parser (once for this module)."""
+    """vLLM serving the demo target with the qwen3 reasoning parser and the hermes tool-call parser (once for
+    this module)."""
     log = tmp_path_factory.mktemp("vllm-completions") / "vllm.log"
-    srv = VLLMServer(
-        demo_target, log_path=log, python=vllm_python, extra_args=[*ENGINE_ARGS, "--reasoning-parser", "qwen3"]
-    )
+    args = [*ENGINE_ARGS, "--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    srv = VLLMServer(demo_target, log_path=log, python=vllm_python, extra_args=args)
     srv.start(timeout_s=600)
     yield srv
     srv.stop()
@@ -113,6 +113,55 @@ def test_completions_from_vllm_thinking_off_and_on(tmp_path, demo_target, comple
             assert prompt_text.endswith("<|im_start|>assistant\n")  # thinking on: no empty think block
     off_prompt = tok.decode(records["disable"][1]["turns"][0]["prompt_token_ids"])
     assert off_prompt.endswith("<think>\n\n</think>\n\n")
+
+
+def test_completions_from_vllm_with_tools(tmp_path, demo_target, completions_server):
+    """A tool-calling OpenAI conversation from the prompt source through vLLM with ``tools``: the engine takes
+    them (its hermes parser on), the regenerated turn is recorded with vLLM's output ids and the tokens stage
+    supervises exactly those; the demo target does not make the source's call, so the conversation ends there
+    (``tool_call_diverged``, counted) instead of pairing the source's tool result with a call never made."""
+    import json
+
+    from dflash_pipeline.prompts import build_prompt_shards
+    from dflash_pipeline.tokens.shard import tokenize_records
+
+    tools = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {}}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "search", "arguments": '{"query": "clips"}'}}
+    rec = {
+        "messages": [
+            {"role": "user", "content": "Natalia sold 48 clips in April. Search how many in May."},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": '{"may": 24}'},
+            {"role": "assistant", "content": "24."},
+        ],
+        "tools": tools,
+    }
+    (tmp_path / "src.jsonl").write_text(json.dumps(rec) + "\n", encoding="utf-8")
+    build_prompt_shards({"t": {"path": str(tmp_path / "src.jsonl")}}, tmp_path / "p", shard_size=4, seed=0)
+    cfg = validate_config(
+        {
+            "generation": {
+                "max_tokens": 8,
+                "request_timeout_s": 120.0,
+                "backend": "openai",
+                "thinking": "disable",
+                "extra_body": {"return_token_ids": True},
+                "endpoints": [{"base_url": completions_server.base_url, "max_concurrency": 2}],
+            }
+        }
+    )["generation"]
+    stats = generate_shard(tmp_path / "p" / "t" / "00000.parquet", tmp_path / "c.parquet", target_dir=None, gen_cfg=cfg)
+    (out,) = shards.read_parquet(tmp_path / "c.parquet").to_pylist()
+    assert out["status"] in ("ok", "truncated") and json.loads(out["tools"]) == tools
+    assert stats["tool_conversations"] == 1 and stats["ended_early"] == {"tool_call_diverged": 1}
+    assert out["end_reason"] == "tool_call_diverged" and [m["role"] for m in out["messages"]] == ["user", "assistant"]
+    (turn,) = out["turns"]
+    assert turn["output_token_ids"] and turn["prompt_token_ids"]
+    tok = chat.load_tokenizer(demo_target)
+    rows = list(tokenize_records(tok, [out], max_length=1024))
+    (row,) = rows
+    mask = list(row["loss_mask"])
+    assert [int(t) for t, m in zip(row["input_ids"], mask) if m] == turn["output_token_ids"]
 
 
 def _snakemake(work: Path, *args: str, timeout: int = 1200):

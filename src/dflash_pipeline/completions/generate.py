@@ -13,7 +13,7 @@ from typing import Protocol, Sequence
 
 from dflash_pipeline.core import shards
 from dflash_pipeline.core.config import generation_problems
-from dflash_pipeline.core.contracts import COMPLETION_SCHEMA, COMPLETION_SCHEMA_VERSION, canonical_json
+from dflash_pipeline.core.contracts import COMPLETION_SCHEMA_VERSION, canonical_json, completion_schema
 from dflash_pipeline.core.errors import ConfigError, GenerationError
 from dflash_pipeline.target.chat import load_tokenizer, template_kwargs
 
@@ -28,7 +28,7 @@ from .records import (
     sampling_params,
 )
 from .resume import ERRORS_SUFFIX, PROGRESS_SUFFIX, ProgressLog, _drop_other_model, _fingerprint
-from .stats import _Progress, shard_stats
+from .stats import _Progress, ended_early, shard_stats
 from .transformers_backend import TransformersBackend
 
 log = logging.getLogger(__package__)  # one logger for the whole completions stage
@@ -107,16 +107,17 @@ def too_long_prompts(prompts: Sequence[dict], tok, gen_cfg: dict, limit: int) ->
     ``limit`` (``max_position_embeddings``). The empty answers keep user and assistant alternating, as the
     regenerated conversation will, so templates that insist on it (Gemma's, Mistral's) render it. Returns
     ``{prompt_id: example}`` (``prompt_tokens``, ``max_tokens``, ``max_position_embeddings``)."""
-    from dflash_pipeline.target.chat import render
+    from dflash_pipeline.target.chat import render, tools_of
 
     out = {}
     for p in prompts:
         msgs: list[dict] = []
         for m in p["messages"]:
-            if m["role"] == "user" and msgs and msgs[-1]["role"] == "user":
+            if m["role"] == "user" and msgs and msgs[-1]["role"] in ("user", "tool"):
                 msgs.append({"role": "assistant", "content": ""})  # the answer this turn will get
-            msgs.append({"role": m["role"], "content": m["content"]})
-        n = len(render(tok, msgs, thinking=gen_cfg["thinking"], add_generation_prompt=True, tokenize=True))
+            msgs.append({k: v for k, v in m.items() if v is not None})  # a source tool call: the call it will make
+        tools = tools_of(p.get("tools"))
+        n = len(render(tok, msgs, thinking=gen_cfg["thinking"], add_generation_prompt=True, tokenize=True, tools=tools))
         if n + gen_cfg["max_tokens"] > limit:
             out[p["prompt_id"]] = {
                 "prompt_id": p["prompt_id"],
@@ -244,13 +245,16 @@ def _console_summary(paths: _Paths, stats: dict) -> None:
 
     run = stats["run"]
     console(
-        "%s: %d ok, %d truncated, %d error, %d skipped as too_long; %d turns, %d completion tokens; this run "
+        "%s: %d ok, %d truncated, %d error, %d skipped as too_long%s; %d turns, %d completion tokens; this run "
         "%d generated, %d resumed in %.1f s",
         paths.out,
         stats["ok"],
         stats["truncated"],
         stats["error"],
         stats["skipped"]["too_long"],
+        f", {stats['ended_early']['tool_call_diverged']} ended at a diverged tool call"
+        if "ended_early" in stats
+        else "",
         stats["turns"],
         stats["completion_tokens"],
         run["generated"],
@@ -455,4 +459,8 @@ def _write_shard(
         "status_counts": {k: counts.get(k, 0) for k in ("ok", "truncated", "error")},
         **(skip_info if skip_info and any(skip_info["skipped"].values()) else {}),
     }
-    shards.write_parquet(out_path, shards.table_from_records(records, COMPLETION_SCHEMA), metadata=meta)
+    ended = ended_early(records)
+    if ended and any(ended["ended_early"].values()):
+        meta["ended_early"] = ended["ended_early"]
+    schema = completion_schema(records)  # the tools schema only when a record has tools: other shards' bytes stay
+    shards.write_parquet(out_path, shards.table_from_records(records, schema), metadata=meta)

@@ -21,6 +21,7 @@ from collections import Counter
 from typing import Any, Sequence
 
 from dflash_pipeline.core.config import generation_problems
+from dflash_pipeline.core.contracts import has_tools
 from dflash_pipeline.core.errors import ConfigError
 from dflash_pipeline.target.chat import load_tokenizer, render, template_kwargs
 
@@ -29,6 +30,8 @@ from .describe import _describe
 from .fleet import _auth_error, _Endpoint, _Fleet
 from .records import (
     DISABLE_HINT_LOCAL,
+    TOOLS_NEED_CHAT,
+    Dialogue,
     OnDone,
     RowError,
     RunInfo,
@@ -93,6 +96,20 @@ def _response_facts(data: dict, choice: dict) -> dict:
         "prompt_token_ids": list(prompt_ids) if prompt_ids is not None else None,
         "output_token_ids": list(out_ids) if out_ids is not None else None,
     }
+
+
+def _answer_calls(calls: Any) -> list[dict] | None:
+    """The ``tool_calls`` of an answer's message as a list of OpenAI calls (None: no call). Raises ValueError
+    (malformed: retried) when it is not a list of calls with a function name."""
+    if not calls:
+        return None
+    if not isinstance(calls, list):
+        raise ValueError("message tool_calls is not a list")
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"message tool_calls holds no function call: {call!r}")
+    return calls
 
 
 #: ``generation.extra_body`` fields that ask the server for token ids: vLLM's and SGLang's per-choice ids
@@ -217,7 +234,7 @@ class OpenAIBackend:
             )
         return _Fleet(eps, self.cfg, model=self.model or None)
 
-    def _request_kwargs(self, history: list[dict]) -> dict:
+    def _request_kwargs(self, history: list[dict], tools: list[dict] | None = None) -> dict:
         cfg = self.cfg
         kw: dict[str, Any] = {
             "model": self.model,
@@ -226,6 +243,8 @@ class OpenAIBackend:
             "temperature": cfg["temperature"],
             "top_p": cfg["top_p"],
         }
+        if tools:  # the function schemas the source offered (OpenAI `tools`; the server's default tool_choice)
+            kw["tools"] = tools
         if self.api == "completions":  # token ids of the local render (no second BOS; see the module doc)
             del kw["messages"]
             kw["prompt"] = render(
@@ -259,7 +278,9 @@ class OpenAIBackend:
         # reasoning parser); never a `</think>` later in the answer, never with thinking=disable
         reasoning, content = take_reasoning(content, self.cfg["thinking"], field=reasoning)
         reasoning = check_thinking(self.cfg["thinking"], reasoning, require_reasoning=True)
-        return _turn(resp, choice, content, reasoning, latency, ep)
+        turn = _turn(resp, choice, content, reasoning, latency, ep)
+        turn.tool_calls = _answer_calls(msg.get("tool_calls"))
+        return turn
 
     def _parse_text(self, resp, latency: float, ep: _Endpoint) -> Turn:
         """Turn from a ``/completions`` response (``generation.api: completions``): the reasoning is split
@@ -282,7 +303,7 @@ class OpenAIBackend:
         )
         return _turn(resp, choice, content, reasoning, latency, ep)
 
-    def _request(self, history: list[dict]) -> tuple[str, dict]:
+    def _request(self, history: list[dict], tools: list[dict] | None = None) -> tuple[str, dict]:
         """``(path, body)`` of the request answering ``history``'s last user turn.
 
         Sent with the client's generic post (its documented way to call any endpoint: same auth, headers,
@@ -290,7 +311,7 @@ class OpenAIBackend:
         ``create`` spends about half of a request's client CPU transforming the parameters and building
         pydantic models of the answer (bench/bench_completions.py), which caps the requests/s on few cores.
         """
-        kw = self._request_kwargs(history)
+        kw = self._request_kwargs(history, tools)
         body = {k: v for k, v in kw.items() if k != "extra_body"}
         body.update(kw.get("extra_body") or {})  # merged over the body, as the SDK does with extra_body
         return ("/completions" if self.api == "completions" else "/chat/completions"), body
@@ -322,11 +343,11 @@ class OpenAIBackend:
             raise _ids_ignored_error(ep, self._asks_ids)
         return turn, None
 
-    async def _complete(self, fleet: _Fleet, history: list[dict]) -> Turn:
-        """The assistant turn answering ``history``, retried per :mod:`.retry` on the fleet's least busy
-        endpoint. Raises RowError (client error, retries exhausted, wrong thinking) or ConfigError (the
-        key was rejected)."""
-        path, body = self._request(history)
+    async def _complete(self, fleet: _Fleet, history: list[dict], tools: list[dict] | None = None) -> Turn:
+        """The assistant turn answering ``history`` (``tools`` offered), retried per :mod:`.retry` on the fleet's
+        least busy endpoint. Raises RowError (client error, retries exhausted, wrong thinking) or ConfigError
+        (the key was rejected)."""
+        path, body = self._request(history, tools)
         attempt = 0
         while True:
             ep = await fleet.acquire()
@@ -362,12 +383,9 @@ class OpenAIBackend:
             )
 
     async def _conversation(self, fleet: _Fleet, prompt: dict, info: RunInfo) -> dict:
-        history: list[dict] = []
-        turns: list[Turn] = []
-        for m in prompt["messages"]:
-            history.append({"role": m["role"], "content": m["content"]})
-            if m["role"] != "user":
-                continue
+        walk = Dialogue(prompt)
+        while walk.advance():
+            history = walk.history
             if self.context_limit:
                 n = len(
                     render(self.tok, history, thinking=self.cfg["thinking"], add_generation_prompt=True, tokenize=True)
@@ -376,18 +394,17 @@ class OpenAIBackend:
                     return skipped_record(
                         prompt,
                         "too_long",
-                        turn=len(turns),
+                        turn=len(walk.turns),
                         prompt_tokens=n,
                         max_tokens=self.cfg["max_tokens"],
                         max_position_embeddings=self.context_limit,
                     )
             try:
-                turn = await self._complete(fleet, list(history))
+                turn = await self._complete(fleet, list(history), walk.tools)
             except RowError as exc:
-                return build_record(prompt, turns, info, error=f"turn {len(turns) + 1}: {exc}")
-            turns.append(turn)
-            history.append(turn.history_message())
-        return build_record(prompt, turns, info)
+                return build_record(prompt, walk.turns, info, error=f"turn {len(walk.turns) + 1}: {exc}")
+            walk.add(turn)
+        return build_record(prompt, walk.turns, info)
 
     async def _run(self, prompts: Sequence[dict], on_done: OnDone, info: RunInfo) -> dict:
         fleet = self._make_fleet()
@@ -424,6 +441,8 @@ class OpenAIBackend:
     def run(self, prompts: Sequence[dict], on_done: OnDone, info: RunInfo) -> dict:
         if not prompts:
             return {"requests": 0, "attempts": 0, "retries": 0}
+        if self.api == "completions" and any(has_tools(p) for p in prompts):
+            raise ConfigError(f"generation.api: completions: {TOOLS_NEED_CHAT}")
         procs = self._client_processes(len(prompts))
         if procs > 1:
             from .workers import run_client_processes

@@ -13,9 +13,33 @@ from typing import Iterable, Sequence
 from dflash_pipeline.core.contracts import (
     COMPLETION_SCHEMA_VERSION,
     COMPLETION_STATS_VERSION,
+    TOOL_CALL_DIVERGED,
     CompletionStats,
     RunStats,
+    has_tools,
 )
+
+#: Examples kept per ``ended_early`` reason in a shard's stats.
+MAX_ENDED_EXAMPLES = 3
+
+
+def ended_early(records: Sequence[dict]) -> dict:
+    """``{"tool_conversations": n, "ended_early": {reason: n}, "ended_early_examples": {reason: [...]}}`` of a
+    shard's records when any has tools ({} otherwise, so the stats of shards without tools keep their keys):
+    conversations with tools, and those that ended before the source's last turn because a regenerated turn's
+    tool calls differ from the source's (``tool_call_diverged``: the later turns were dropped), the first
+    :data:`MAX_ENDED_EXAMPLES` of them as ``{prompt_id, turn}`` (0-based assistant turn they end at)."""
+    tooled = [r for r in records if "end_reason" in r or has_tools(r)]
+    if not tooled:
+        return {}
+    diverged = [r for r in tooled if r.get("end_reason") == TOOL_CALL_DIVERGED]
+    examples = [{"prompt_id": r["prompt_id"], "turn": len(r["turns"]) - 1} for r in diverged[:MAX_ENDED_EXAMPLES]]
+    return {
+        "tool_conversations": len(tooled),
+        "ended_early": {TOOL_CALL_DIVERGED: len(diverged)},
+        "ended_early_examples": {TOOL_CALL_DIVERGED: examples},
+    }
+
 
 #: The per-endpoint counters of a fleet (summed over client processes).
 ENDPOINT_COUNTERS = ("attempts", "failures", "taken_out")
@@ -191,5 +215,6 @@ def shard_stats(
         "prompt_tokens": _tokens(all_turns, "prompt_tokens"),
         "completion_tokens": _tokens(all_turns, "completion_tokens"),
         **(skip_info or {}),
+        **ended_early(records),
         "run": run,
     }

@@ -15,11 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from dflash_pipeline.core.contracts import has_tools
 from dflash_pipeline.core.errors import ConfigError
 from dflash_pipeline.target.chat import load_tokenizer, render
 
 from .records import (
     DISABLE_HINT_LOCAL,
+    TOOLS_NEED_CHAT,
+    Dialogue,
     OnDone,
     RowError,
     RunInfo,
@@ -34,24 +37,26 @@ from .records import (
 
 @dataclass
 class _Conversation:
-    """One prompt being answered turn by turn: the history so far and the token ids of its next request."""
+    """One prompt being answered turn by turn (:class:`Dialogue`) and the token ids of its next request."""
 
     prompt: dict
-    pos: int = 0  # next message of prompt["messages"] to add
-    history: list = field(default_factory=list)
-    turns: list = field(default_factory=list)
+    walk: Dialogue = field(init=False)
     ids: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.walk = Dialogue(self.prompt)
+
+    @property
+    def turns(self) -> list:
+        return self.walk.turns
+
+    @property
+    def history(self) -> list:
+        return self.walk.history
 
     def advance(self) -> bool:
         """Add messages up to the next user turn; False when no user turn is left."""
-        msgs = self.prompt["messages"]
-        while self.pos < len(msgs):
-            m = msgs[self.pos]
-            self.pos += 1
-            self.history.append({"role": m["role"], "content": m["content"]})
-            if m["role"] == "user":
-                return True
-        return False
+        return self.walk.advance()
 
 
 class TransformersBackend:
@@ -182,8 +187,7 @@ class TransformersBackend:
                 except RowError as exc:
                     on_done(build_record(c.prompt, c.turns, info, error=f"turn {len(c.turns) + 1}: {exc}"))
                     continue
-                c.turns.append(turn)
-                c.history.append(turn.history_message())
+                c.walk.add(turn)
                 if c.advance():
                     self._prepare(c)
                     still.append(c)
@@ -193,7 +197,13 @@ class TransformersBackend:
 
     def run(self, prompts: Sequence[dict], on_done: OnDone, info: RunInfo) -> dict:
         """Generate every prompt in chunks of ``4 * batch_size`` conversations (each chunk round by round
-        until its conversations are done). Returns ``{requests, attempts, retries}`` (no retries here)."""
+        until its conversations are done). Returns ``{requests, attempts, retries}`` (no retries here).
+
+        Raises:
+            ConfigError: a prompt has tool calls (their parsing needs a server's tool-call parser).
+        """
+        if any(has_tools(p) for p in prompts):
+            raise ConfigError(f"generation.backend: transformers: {TOOLS_NEED_CHAT}")
         convs = [_Conversation(p) for p in prompts]
         for c in convs:
             c.advance()

@@ -15,7 +15,9 @@ _OWNERS = {
         " MESSAGE_TYPE PROMPT_SCHEMA CONV_MESSAGE_TYPE TURN_TYPE COMPLETION_SCHEMA COMPLETION_STATUSES"
         " THINKING_MODES TOKEN_SCHEMA canonical_json prompt_id sha256_text MANIFEST_SCHEMA_VERSION"
         " COMPLETION_STATS_VERSION ManifestShard ManifestSource PromptManifest RunStats CompletionStats"
-        " STATS_V1_RUN_KEYS run_stats EvalSetStats EvalDrafter EvalRecord CheckpointMeta"
+        " STATS_V1_RUN_KEYS run_stats EvalSetStats EvalDrafter EvalRecord CheckpointMeta PROMPT_TOOL_ROLES"
+        " PROMPT_TOOL_MESSAGE_TYPE PROMPT_TOOLS_SCHEMA has_tools prompt_schema CONV_TOOL_MESSAGE_TYPE"
+        " COMPLETION_TOOLS_SCHEMA TOOL_CALL_DIVERGED completion_schema TOOL_MESSAGE_FIELDS"
     ),
     "errors": "strip_url_credentials PipelineError ConfigError ProbeError ProbeRefusal DataError GenerationError TokenizationError",
     "procs": "die_with_parent free_port",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import pyarrow as pa
 
@@ -24,6 +24,10 @@ FEATURE_SCHEMA_VERSION = 2  # 2: fp8 feature_scale per token per layer [N, K] (1
 
 #: Roles allowed in a normalized prompt conversation.
 PROMPT_ROLES = ("system", "user")
+#: Roles allowed in a normalized prompt conversation with tool calls (:data:`PROMPT_TOOLS_SCHEMA`): ``assistant``
+#: only for a source turn that called tools (its ``tool_calls``, compared with the regenerated turn's), ``tool``
+#: for the tool results.
+PROMPT_TOOL_ROLES = ("system", "user", "assistant", "tool")
 #: Roles allowed in a completed conversation.
 CONVERSATION_ROLES = ("system", "user", "assistant")
 
@@ -40,6 +44,47 @@ PROMPT_SCHEMA = pa.schema(
         ("metadata", pa.string()),
     ]
 )
+
+#: Prompt messages of a conversation with tool calls: ``tool_calls`` (JSON text of the OpenAI list
+#: ``[{id, type, function: {name, arguments}}]``, on the source's assistant turns that called tools: the calls the
+#: regenerated turn is compared with; their content is not kept), ``tool_call_id`` and ``name`` (on ``tool``
+#: results).
+PROMPT_TOOL_MESSAGE_TYPE = pa.struct(
+    [
+        ("role", pa.string()),
+        ("content", pa.string()),
+        ("tool_calls", pa.string()),
+        ("tool_call_id", pa.string()),
+        ("name", pa.string()),
+    ]
+)
+#: :data:`PROMPT_SCHEMA` of a shard that holds a conversation with tools or tool calls: messages of
+#: :data:`PROMPT_TOOL_MESSAGE_TYPE` and ``tools`` (canonical JSON text of the OpenAI ``tools`` list offered to the
+#: model, null when none). Shards without them keep :data:`PROMPT_SCHEMA` (:func:`prompt_schema`), so their bytes
+#: never change.
+PROMPT_TOOLS_SCHEMA = pa.schema(
+    [
+        ("prompt_id", pa.string()),
+        ("dataset", pa.string()),
+        ("messages", pa.list_(PROMPT_TOOL_MESSAGE_TYPE)),
+        ("metadata", pa.string()),
+        ("tools", pa.string()),
+    ]
+)
+
+
+def has_tools(record: Mapping[str, Any]) -> bool:
+    """Whether a prompt or completion record offers tools or has a message with tool fields (a ``tool`` result,
+    ``tool_calls``, a ``tool_call_id``)."""
+    return bool(record.get("tools")) or any(
+        m.get("tool_calls") or m.get("tool_call_id") or m.get("role") == "tool" for m in record.get("messages") or []
+    )
+
+
+def prompt_schema(records: Iterable[Mapping[str, Any]]) -> pa.Schema:
+    """:data:`PROMPT_TOOLS_SCHEMA` when a record has tools (:func:`has_tools`), else :data:`PROMPT_SCHEMA`."""
+    return PROMPT_TOOLS_SCHEMA if any(has_tools(r) for r in records) else PROMPT_SCHEMA
+
 
 CONV_MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())])
 TURN_TYPE = pa.struct(
@@ -86,9 +131,11 @@ CONV_TOOL_MESSAGE_TYPE = pa.struct(
         ("name", pa.string()),
     ]
 )
-#: :data:`COMPLETION_SCHEMA` of a shard that holds tool calls: messages of :data:`CONV_TOOL_MESSAGE_TYPE` and
-#: ``tools`` (JSON text of the function schemas offered to the model, null when none). Shards without tool
-#: calls keep :data:`COMPLETION_SCHEMA` (:func:`completion_schema`), so their bytes never change.
+#: :data:`COMPLETION_SCHEMA` of a shard that holds tool calls: messages of :data:`CONV_TOOL_MESSAGE_TYPE`,
+#: ``tools`` (JSON text of the function schemas offered to the model, null when none) and ``end_reason`` (null
+#: when every turn of the source conversation was regenerated; ``tool_call_diverged`` when the conversation ends
+#: at a regenerated turn whose tool calls differ from the source's, see docs/how-to/tool-calls.md). Shards without
+#: tool calls keep :data:`COMPLETION_SCHEMA` (:func:`completion_schema`), so their bytes never change.
 COMPLETION_TOOLS_SCHEMA = pa.schema(
     [
         ("prompt_id", pa.string()),
@@ -101,19 +148,17 @@ COMPLETION_TOOLS_SCHEMA = pa.schema(
         ("status", pa.string()),
         ("error", pa.string()),
         ("tools", pa.string()),
+        ("end_reason", pa.string()),
     ]
 )
+#: ``end_reason`` of a conversation that ends at a regenerated turn whose tool calls differ from the source's.
+TOOL_CALL_DIVERGED = "tool_call_diverged"
 
 
 def completion_schema(records: Iterable[dict]) -> pa.Schema:
-    """:data:`COMPLETION_TOOLS_SCHEMA` when a record offers tools or has a message with tool fields, else
-    :data:`COMPLETION_SCHEMA`."""
-    for r in records:
-        if r.get("tools") or any(
-            m.get("tool_calls") or m.get("tool_call_id") or m.get("role") == "tool" for m in r.get("messages") or []
-        ):
-            return COMPLETION_TOOLS_SCHEMA
-    return COMPLETION_SCHEMA
+    """:data:`COMPLETION_TOOLS_SCHEMA` when a record offers tools or has a message with tool fields
+    (:func:`has_tools`), else :data:`COMPLETION_SCHEMA`."""
+    return COMPLETION_TOOLS_SCHEMA if any(has_tools(r) for r in records) else COMPLETION_SCHEMA
 
 
 COMPLETION_STATUSES = ("ok", "truncated", "error")
@@ -142,14 +187,24 @@ def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def prompt_id(messages: Iterable[dict]) -> str:
-    """Stable id of a normalized conversation: sha256 over the canonical JSON of ``[{role, content}]``.
+#: Message fields of a conversation with tool calls that enter :func:`prompt_id` (when not null).
+TOOL_MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "name")
+
+
+def prompt_id(messages: Iterable[Mapping[str, Any]], tools: str | None = None) -> str:
+    """Stable id of a normalized conversation: sha256 over the canonical JSON of ``[{role, content}]``, each
+    message with its :data:`TOOL_MESSAGE_FIELDS` that are not null, and with ``tools`` (the record's JSON text)
+    ``{"messages": [...], "tools": tools}``. A conversation without tools hashes as ``[{role, content}]`` alone.
 
     Returns the first 24 hex chars (96 bits). The dataset name is *not* part of the hash, so the same
     prompt in two sources dedups to one record.
     """
-    norm = [{"role": m["role"], "content": m["content"]} for m in messages]
-    return hashlib.sha256(canonical_json(norm).encode("utf-8")).hexdigest()[:24]
+    norm = [
+        {"role": m["role"], "content": m["content"], **{k: m[k] for k in TOOL_MESSAGE_FIELDS if m.get(k) is not None}}
+        for m in messages
+    ]
+    payload: Any = {"messages": norm, "tools": tools} if tools else norm
+    return hashlib.sha256(canonical_json(payload).encode("utf-8")).hexdigest()[:24]
 
 
 def sha256_text(text: str) -> str:
@@ -164,7 +219,7 @@ def sha256_text(text: str) -> str:
 # The JSON records the stages write, typed (TypedDict: what readers may index), each with its version.
 # Writers set ``schema_version``; a reader that needs a newer shape checks it.
 
-from typing import Literal, Mapping, TypedDict  # noqa: E402
+from typing import Literal, TypedDict  # noqa: E402
 
 # Keys only some records carry are declared in a ``total=False`` base class (``NotRequired`` is 3.11+).
 
@@ -264,6 +319,10 @@ class RunStats(_RunStatsOptional):
 class _CompletionStatsOptional(TypedDict, total=False):
     skipped: dict[str, int]  # reason (too_long) -> prompts never sent, not in the shard
     skipped_examples: dict[str, list[dict]]  # reason -> the first examples
+    # only in the stats of a shard with tool conversations:
+    tool_conversations: int
+    ended_early: dict[str, int]  # reason (tool_call_diverged) -> conversations ended before the source's last turn
+    ended_early_examples: dict[str, list[dict]]  # reason -> the first {prompt_id, turn}
 
 
 class CompletionStats(_CompletionStatsOptional):

@@ -40,7 +40,7 @@ deterministic for a given py3langid install; only the decision, never the score,
 
 Drop reasons counted per source in the manifest: ``malformed_json``, ``invalid_utf8``, ``not_an_object``,
 ``empty_file``, ``wrong_type`` (the last five only with ``strict: false``; otherwise they raise
-:class:`DataError`), ``empty``, ``starts_with_assistant``, ``multimodal``, ``unsupported_role``,
+:class:`DataError`), ``empty``, ``starts_with_assistant``, ``multimodal``, ``unsupported_role``, ``bad_tool_turns``,
 ``no_prompt_field``, ``sampled_out``, ``duplicate``, ``language`` (top language not allowed),
 ``low_language_confidence`` (allowed, but below ``min_language_confidence``), ``too_long``; with a
 language filter, ``dropped_languages`` breaks both language reasons down by detected language. For every

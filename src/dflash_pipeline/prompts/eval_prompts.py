@@ -72,6 +72,8 @@ def load_eval_prompts(path: str | os.PathLike, *, fmt: str = "auto", num_samples
                 turns = [HUMANEVAL_TEMPLATE.format(prompt=p)]
             else:
                 messages = normalize_record(rec, fmt=kind)
+                if any(m["role"] not in ("system", "user") for m in messages):
+                    raise RejectedRecord("tool_conversation", "tool calls are not replayed by the eval loop")
                 turns = [m["content"] for m in messages if m["role"] == "user"]
                 systems = [m["content"] for m in messages if m["role"] == "system"]
                 system = "\n\n".join(systems) if systems else None

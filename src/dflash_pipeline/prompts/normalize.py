@@ -1,6 +1,7 @@
 """Normalization of raw source records into prompt messages (``[{role, content}]``, system and user
-turns only): format detection (ShareGPT, OpenAI messages, Alpaca, plain prompt, MT-Bench), per-source
-field ``mapping``, role aliases, and the policy rejections counted as drop reasons
+turns; in a conversation with tool calls also the source's tool-calling assistant turns and the ``tool``
+results, see :func:`normalize_record`): format detection (ShareGPT, OpenAI messages, Alpaca, plain prompt,
+MT-Bench), per-source field ``mapping``, role aliases, and the policy rejections counted as drop reasons
 (:class:`RejectedRecord`)."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
+from dflash_pipeline.core.contracts import canonical_json
 from dflash_pipeline.core.errors import ConfigError, DataError
 
 #: Record formats understood by :func:`normalize_record` (``auto`` detects per record).
@@ -29,6 +31,16 @@ ROLE_ALIASES = {
     "model": "assistant",
     "bot": "assistant",
 }
+#: Source role names of tool turns -> normalized role: ``tool`` results (OpenAI ``tool``, its legacy ``function``,
+#: ShareGPT ``observation`` as LLaMA-Factory writes it, Llama 3.1's ``ipython``), and ShareGPT ``function_call``
+#: (an assistant turn whose ``value`` is the JSON of one call ``{name, arguments}`` or of a list of them).
+TOOL_ROLE_ALIASES = {
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+    "ipython": "tool",
+    "function_call": "function_call",
+}
 #: Canonical field names a per-source ``mapping`` may redirect to other source fields.
 MAPPABLE_FIELDS = (
     "conversations",
@@ -44,6 +56,8 @@ MAPPABLE_FIELDS = (
     "value",
     "role",
     "content",
+    "tools",
+    "tool_calls",
 )
 #: Stands for an absent field in type checks (an absent field is reported as missing, not as null).
 _MISSING = object()
@@ -59,6 +73,72 @@ class RejectedRecord(DataError):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+
+
+def _bad_tools(where: str, detail: str) -> RejectedRecord:
+    """The drop of a record whose tools or tool turns cannot be used (``bad_tool_turns``; names the field)."""
+    return RejectedRecord("bad_tool_turns", f"`{where}` {detail}")
+
+
+def _tool_schemas(value: Any, where: str) -> str | None:
+    """A record's ``tools`` (a list, or its JSON text as LLaMA-Factory and some SpecForge sources write it) as the
+    canonical JSON text of the OpenAI ``tools`` list: ``[{type: function, function: {name, description?,
+    parameters?}}]``; a bare function schema ``{name, ...}`` is wrapped. None when empty or absent.
+
+    Raises:
+        RejectedRecord: ``bad_tool_turns``: not JSON, not a list, or an entry without a function name.
+    """
+    if value is None or value == "" or value == []:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise _bad_tools(where, f"is not JSON ({exc})") from None
+        if not value:
+            return None
+    if not isinstance(value, list):
+        raise _bad_tools(where, f"must be a list of function schemas, got {type(value).__name__}")
+    out = []
+    for i, tool in enumerate(value):
+        fn = tool.get("function") if isinstance(tool, dict) and "function" in tool else tool
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise _bad_tools(f"{where}[{i}]", "is no function schema with a `name`")
+        out.append({"type": (tool.get("type") if fn is not tool else None) or "function", "function": fn})
+    return canonical_json(out)
+
+
+def _tool_calls(value: Any, where: str) -> list[dict]:
+    """Tool calls of a source turn as the OpenAI list ``[{id?, type: function, function: {name, arguments}}]``
+    (``arguments`` as the source wrote it: JSON text or an object). ``value``: the OpenAI ``tool_calls`` list, a
+    legacy ``function_call`` object, a ShareGPT ``function_call`` value (the JSON text of one call ``{name,
+    arguments}`` or of a list of them), or the JSON text of any of these.
+
+    Raises:
+        RejectedRecord: ``bad_tool_turns``: not JSON, or a call without a function name.
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise _bad_tools(where, f"is not JSON ({exc})") from None
+    calls = value if isinstance(value, list) else [value]
+    if not calls:
+        raise _bad_tools(where, "holds no call")
+    out = []
+    for i, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) and isinstance(call.get("function"), dict) else call
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise _bad_tools(
+                f"{where}[{i}]" if len(calls) > 1 or isinstance(value, list) else where,
+                "is no call with a function `name`",
+            )
+        args = fn.get("arguments", fn.get("parameters", {}))
+        entry: dict[str, Any] = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if isinstance(call, dict) and isinstance(call.get("id"), str) and call["id"]:
+            entry = {"id": call["id"], **entry}
+        out.append(entry)
+    return out
 
 
 class MissingField(DataError):
@@ -154,31 +234,79 @@ def _chat_messages(
         raw_role = msg.get(role_key, _MISSING)
         if not isinstance(raw_role, str):
             raise _type_error(f"{where}.{role_key}", raw_role, "a role string", msg, "message")
-        role = role_map.get(raw_role, ROLE_ALIASES.get(raw_role.lower()))
+        role = role_map.get(raw_role, ROLE_ALIASES.get(raw_role.lower(), TOOL_ROLE_ALIASES.get(raw_role.lower())))
         if role is None:
             raise RejectedRecord(
                 "unsupported_role",
-                f"`{where}.{role_key}` is {raw_role!r} (tool/function turns "
-                "cannot be regenerated from user turns; map it with `mapping.roles`)",
+                f"`{where}.{role_key}` is {raw_role!r} (map it to system/user/assistant/tool with `mapping.roles`)",
             )
-        if role == "assistant":
+        if role in ("assistant", "function_call"):
             if not seen_user:
                 raise RejectedRecord("starts_with_assistant", f"`{where}` is an assistant turn before any user turn")
-            continue  # regenerated by the target
+            calls = _source_calls(msg, role, where, content_key)
+            if calls is None:
+                continue  # a text answer: regenerated by the target
+            if out[-1]["role"] == "assistant":  # parallel calls written as consecutive turns
+                out[-1]["tool_calls"] = canonical_json(json.loads(out[-1]["tool_calls"]) + calls)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": canonical_json(calls)})
+            continue
         if content_key not in msg:
             raise _type_error(f"{where}.{content_key}", _MISSING, "a string", msg, "message")
+        if role == "tool":
+            if not out or out[-1]["role"] not in ("assistant", "tool"):
+                raise _bad_tools(where, "is a tool result that answers no tool call of an assistant turn before it")
+            out.append(_tool_result(msg, where, content_key))
+            continue
         content = _text_content(msg[content_key], f"{where}.{content_key}")
         if role == "system" and not content.strip():
             continue  # an empty system slot carries nothing the user wrote
+        if role == "user" and out and out[-1]["role"] == "assistant":
+            raise _bad_tools(
+                f"{list_field}[{i - 1}]", "calls tools, but no tool result follows before the next user turn"
+            )
         seen_user = seen_user or role == "user"
         out.append({"role": role, "content": content})
+    return out
+
+
+def _source_calls(msg: Mapping[str, Any], role: str, where: str, content_key: str) -> list[dict] | None:
+    """The tool calls of a source assistant turn (OpenAI ``tool_calls`` or legacy ``function_call``; a ShareGPT
+    ``function_call`` turn's value), None for a text answer. Raises RejectedRecord (``bad_tool_turns``)."""
+    if role == "function_call":
+        return _tool_calls(msg.get(content_key), f"{where}.{content_key}")
+    for key in ("tool_calls", "function_call"):
+        value = msg.get(key)
+        if value not in (None, "", []):
+            return _tool_calls(value, f"{where}.{key}")
+    return None
+
+
+def _tool_result(msg: Mapping[str, Any], where: str, content_key: str) -> dict:
+    """A normalized ``tool`` message: ``content`` (text; an object or list as its JSON text), and
+    ``tool_call_id`` and ``name`` when the source gives them."""
+    value = msg[content_key]
+    if isinstance(value, (dict, list)) and not (
+        isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in value)
+    ):
+        content = json.dumps(value, ensure_ascii=False)
+    else:
+        content = _text_content(value, f"{where}.{content_key}")
+    out: dict[str, Any] = {"role": "tool", "content": content}
+    for key in ("tool_call_id", "name"):
+        v = msg.get(key)
+        if v is not None:
+            if not isinstance(v, str):
+                raise _type_error(f"{where}.{key}", v, "a string")
+            out[key] = v
     return out
 
 
 def normalize_record(
     record: Mapping[str, Any], *, fmt: str = "auto", mapping: Mapping[str, Any] | None = None
 ) -> list[dict]:
-    """Normalize one source record to prompt messages ``[{role, content}]`` (system and user turns only).
+    """Normalize one source record to prompt messages ``[{role, content}]`` (system and user turns; with tool
+    calls, see below).
 
     Formats (``fmt``; ``auto`` uses :func:`detect_format`):
         * ``sharegpt``: ``conversations`` of ``{from, value}`` (``human``/``gpt``/``system`` and aliases;
@@ -195,14 +323,32 @@ def normalize_record(
     values to ``system``/``user``/``assistant``. Text is never stripped or rewritten; assistant turns are
     dropped (the target regenerates them); empty system messages are dropped.
 
+    Tool calls (``sharegpt`` and ``openai``, SpecForge's ``conversations`` of ``{role, content, tool_calls}``
+    included): an assistant turn that called tools (OpenAI ``tool_calls`` or legacy ``function_call``; a
+    ShareGPT ``function_call`` turn, whose value is the JSON of ``{name, arguments}`` or of a list of them)
+    is kept as ``{role: assistant, content: "", tool_calls}`` (canonical JSON of the OpenAI list; consecutive
+    such turns are one turn with all their calls): the regenerated turn is compared with these calls. Tool
+    results (roles ``tool``, ``function``, ``observation``, ``ipython``) are kept as ``{role: tool, content,
+    tool_call_id?, name?}``. The record's ``tools`` (function schemas: a list or its JSON text, OpenAI-wrapped
+    or bare) are returned by :func:`record_tools`.
+
     Raises:
         RejectedRecord: policy drops, with ``.reason``: ``empty`` (no user turn, or a blank user turn),
             ``starts_with_assistant``, ``multimodal`` (a non-text content part, an image field),
-            ``unsupported_role`` (tool/function/unknown roles), ``no_prompt_field``.
+            ``unsupported_role`` (an unknown role), ``no_prompt_field``, ``bad_tool_turns`` (``tools`` or a
+            tool call that is not JSON or names no function, a tool result that answers no call, a tool call
+            followed by a user turn without a result; names the field).
         DataError: a field has the wrong type (message names the field, e.g. ``conversations[2].value``);
             :class:`MissingField` when a field the format needs is absent (names it and the fields present).
     """
     return _normalize(record, fmt, mapping)[0]
+
+
+def record_tools(record: Mapping[str, Any], *, mapping: Mapping[str, Any] | None = None) -> str | None:
+    """The canonical JSON text of a record's ``tools`` (the OpenAI ``tools`` list, see :func:`_tool_schemas`), or
+    None. Raises RejectedRecord (``bad_tool_turns``)."""
+    name = _field({k: v for k, v in (mapping or {}).items() if k != "roles"}, "tools")
+    return _tool_schemas(record.get(name), name)
 
 
 def _normalize(record: Mapping[str, Any], fmt: str, mapping: Mapping[str, Any] | None) -> tuple[list[dict], str]:
@@ -284,6 +430,8 @@ def record_metadata(record: Mapping[str, Any], fmt: str, mapping: Mapping[str, A
     if fmt == "auto":
         fmt = detect_format(record, mapping)
     consumed = _consumed_fields(record, fmt, mapping)
+    if record_tools(record, mapping=mapping) is not None:  # an empty `tools` field stays metadata, as it always was
+        consumed.add(_field(mapping, "tools"))
     meta = {k: v for k, v in record.items() if k not in consumed}
     meta["_source"] = source
     return json.dumps(meta, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)

@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 
 from dflash_pipeline.core import shards
 from dflash_pipeline.core.config import schema_defaults
-from dflash_pipeline.core.contracts import MANIFEST_SCHEMA_VERSION, PROMPT_SCHEMA, PROMPT_SCHEMA_VERSION, prompt_id
+from dflash_pipeline.core.contracts import MANIFEST_SCHEMA_VERSION, PROMPT_SCHEMA_VERSION, prompt_id, prompt_schema
 from dflash_pipeline.core.errors import ConfigError, DataError
 
 from .keep import _checked_filters, _drop_reason, _Filters
@@ -32,7 +32,7 @@ from .language import (
     ANY_LANGUAGE,
     _language_detector,
 )
-from .normalize import FORMATS, MissingField, RejectedRecord, _normalize, record_metadata
+from .normalize import FORMATS, MissingField, RejectedRecord, _normalize, record_metadata, record_tools
 from .readers import HF_PREFIX, MAX_EXAMPLES, Locator, read_records
 
 log = logging.getLogger(__package__)  # one logger for the whole prompts stage
@@ -46,13 +46,15 @@ def shard_name(index: int) -> str:
 
 
 def _write_shard(path: Path, rows: list[dict], meta: dict) -> bool:
-    """Write a shard unless an existing file already holds the same rows and metadata (mtime kept)."""
-    table = shards.table_from_records(rows, PROMPT_SCHEMA)
+    """Write a shard unless an existing file already holds the same rows and metadata (mtime kept). Schema:
+    :func:`contracts.prompt_schema` of the rows (the tools schema only when a row has tools)."""
+    schema = prompt_schema(rows)
+    table = shards.table_from_records(rows, schema)
     if path.is_file():
         try:
             old = pq.read_table(path)
             if (
-                old.schema.remove_metadata().equals(PROMPT_SCHEMA)
+                old.schema.remove_metadata().equals(schema)
                 and old.equals(table)
                 and shards.read_shard_metadata(path) == meta
             ):
@@ -172,12 +174,13 @@ def _source_config(name: str, raw_cfg: Mapping[str, Any]) -> dict:
 
 def _normalized(
     rec: dict, loc: Locator, name: str, cfg: dict, root: Path, rel_cache: dict, tally: _SourceTally
-) -> tuple[list[dict], str, str] | None:
-    """``(messages, prompt_id, metadata)`` of a raw record, or None when it is dropped (counted in
-    ``tally``). Raises DataError for a bad record in a ``strict`` source."""
+) -> tuple[list[dict], str, str, str | None] | None:
+    """``(messages, prompt_id, metadata, tools)`` of a raw record (``tools``: JSON text, None without), or None
+    when it is dropped (counted in ``tally``). Raises DataError for a bad record in a ``strict`` source."""
     try:
         messages, used_fmt = _normalize(rec, cfg["format"], cfg["mapping"])
-        pid = prompt_id(messages)
+        tools = record_tools(rec, mapping=cfg["mapping"])
+        pid = prompt_id(messages, tools)
         metadata = record_metadata(rec, used_fmt, cfg["mapping"], _source_ref(root, loc, rel_cache))
         metadata.encode("utf-8")
     except RejectedRecord as rej:
@@ -198,7 +201,7 @@ def _normalized(
         log.warning("skipped %s", msg)
         tally.drop(reason, msg)
         return None
-    return messages, pid, metadata
+    return messages, pid, metadata, tools
 
 
 def _check_prompt_field(name: str, cfg: dict, tally: _SourceTally) -> bool:
@@ -297,13 +300,16 @@ def _shard_source(
         normalized = _normalized(rec, loc, name, cfg, root, rel_cache, tally)
         if normalized is None:
             continue
-        messages, pid, metadata = normalized
+        messages, pid, metadata, tools = normalized
         why = _drop_reason(messages, pid, fraction, lang_filter, filters, tally)
         if why is not None:
             tally.drop(why[0], f"{loc}: prompt {pid}: {why[1]}")
             continue
         filters.seen[pid] = name
-        writer.add({"prompt_id": pid, "dataset": name, "messages": messages, "metadata": metadata})
+        row = {"prompt_id": pid, "dataset": name, "messages": messages, "metadata": metadata}
+        if tools is not None:
+            row["tools"] = tools
+        writer.add(row)
         tally.kept += 1
         if cap is not None and tally.kept >= cap:
             tally.stopped = True

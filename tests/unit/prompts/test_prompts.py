@@ -117,7 +117,8 @@ def test_normalize_mapping_and_role_map():
         ),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "multimodal"),
         ({"conversations": [{"from": "human", "value": "<image>\nwhat?"}], "image": "a.png"}, "multimodal"),
-        ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "r"}]}, "unsupported_role"),
+        ({"messages": [{"role": "user", "content": "x"}, {"role": "narrator", "content": "r"}]}, "unsupported_role"),
+        ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "r"}]}, "bad_tool_turns"),
         ({"prompt": "   "}, "empty"),
         ({"conversations": [{"from": "system", "value": "s"}]}, "empty"),
         ({"text": "no known field"}, "no_prompt_field"),
@@ -392,7 +393,7 @@ def test_policy_drops_leave_bounded_examples_with_their_location(tmp_path):
     asst = {"conversations": [{"from": "gpt", "value": "hi"}, {"from": "human", "value": "x"}]}
     recs = [asst] * 7 + [
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-        {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "r"}]},
+        {"messages": [{"role": "user", "content": "x"}, {"role": "narrator", "content": "r"}]},
         {"text": "no known field"},
         {"prompt": "  "},
         q(0),

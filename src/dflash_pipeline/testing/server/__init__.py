@@ -16,6 +16,12 @@ Two answer modes:
   ``chat_template_kwargs``) and decoded greedily; ``<think>…</think>`` is split into ``reasoning_content``
   like SGLang's ``--reasoning-parser qwen3``.
 
+Tools: a canned-mode chat request that offers ``tools`` and ends with a user turn is answered with a call of
+the first tool, ``{"query": <last user message>}`` (``finish_reason: tool_calls``, ``content: ""``), as a server
+with a tool-call parser answers; with a tokenizer its output ids are the chat template's render of that call
+(Qwen3: ``<tool_call>`` as its added token). After the tool results it answers in text. ``/stats`` counts the
+requests that offered tools (``tool_requests``) and lists the distinct ``tools`` it received (``tools_seen``).
+
 Token ids are returned as vLLM does when the request body has ``return_token_ids: true``
 (``prompt_token_ids`` at the top level, ``choices[0].token_ids``; on ``/v1/completions`` both in
 ``choices[0]``). ``flavor="sglang"`` answers in SGLang's exact shapes instead (:mod:`.sglang`): ids per choice

@@ -8,6 +8,7 @@ Canned answers count one "token" per whitespace-separated word; their token ids 
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,36 @@ def canned_chat(messages: list[dict], kwargs: dict, max_tokens: int, *, reasonin
     prompt_words = " ".join(f"{m.get('role')}: {m.get('content') or ''}" for m in messages).split()
     out_ids = [fake_id(w) for w in words] + ([2] if finish == "stop" else [])
     return thought, " ".join(words), finish, [fake_id(w) for w in prompt_words], out_ids
+
+
+def canned_tool_call(messages: list[dict], tools: list[dict], n: int) -> list[dict]:
+    """The canned tool call of a request that offers ``tools`` and ends with a user turn: the first tool, called
+    with ``{"query": <last user message>}`` (arguments as JSON text, id ``call_<n>_0`` for request ``n``), as an
+    OpenAI ``tool_calls`` list."""
+    name = (tools[0].get("function") or tools[0])["name"]
+    args = json.dumps({"query": last_user(messages)}, ensure_ascii=False)
+    return [{"id": f"call_{n}_0", "type": "function", "function": {"name": name, "arguments": args}}]
+
+
+def tool_turn_ids(tok, messages: list[dict], tools: list[dict], calls: list[dict], kwargs: dict) -> list[int]:
+    """The output ids of an assistant turn that makes ``calls``, as the chat template writes it (``tok``'s
+    template, ``tools`` and ``kwargs`` as the request sends them): the render of the conversation with the turn,
+    less the render of the prompt, without the whitespace after the end-of-turn token (Qwen3:
+    ``<tool_call>\n{...}\n</tool_call><|im_end|>``, the added tokens as the model emits them)."""
+    msgs = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    prompt = tok.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs)
+    turn = {"role": "assistant", "content": "", "tool_calls": [_parsed_args(c) for c in calls]}
+    full = tok.apply_chat_template(msgs + [turn], tools=tools, tokenize=False, **kwargs)
+    if not full.startswith(prompt):
+        raise ValueError("the chat template rewrites the prompt when a tool call follows")
+    return list(tok(full[len(prompt) :].rstrip(), add_special_tokens=False)["input_ids"])
+
+
+def _parsed_args(call: dict) -> dict:
+    fn = dict(call["function"])
+    if isinstance(fn.get("arguments"), str):
+        fn["arguments"] = json.loads(fn["arguments"])
+    return {**call, "function": fn}
 
 
 def canned_text(prompt: str, max_tokens: int, wrong: bool, *, reasoning: bool) -> tuple[str, str, list[int]]:

@@ -19,6 +19,7 @@ from .answers import (
     TargetModel,
     canned_chat,
     canned_text,
+    canned_tool_call,
     last_user,
     prompt_of,
     split_think,
@@ -268,6 +269,8 @@ class TestServer:
             "statuses": {str(k): v for k, v in s.statuses.items()},
             "spec_drafts": s.spec_drafts,
             "spec_accepted_tokens": s.spec_accepted_tokens,
+            "tool_requests": s.tool_requests,
+            "tools_seen": [json.loads(t) for t in s.tools_seen],
             "by_prompt": dict(s.by_prompt),
             "by_conversation": dict(s.by_conversation),
         }
@@ -355,6 +358,9 @@ class TestServer:
 
         kwargs = dict(body.get("chat_template_kwargs") or {})
         max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 256)
+        tools = body.get("tools")
+        if tools and self._target is None and messages and messages[-1].get("role") == "user":
+            return self._tool_call_answer(n, body, messages, tools, kwargs)
         if self._target is not None:
             text, finish, prompt_ids, out_ids = await asyncio.get_running_loop().run_in_executor(
                 self._executor, self._target.answer, messages, kwargs, max_tokens
@@ -389,6 +395,38 @@ class TestServer:
             )
         if body.get("return_token_ids"):
             resp["prompt_token_ids"] = prompt_ids
+            choice["token_ids"] = out_ids
+        return self._finish(resp, out_ids)
+
+    def _tool_call_answer(self, n: int, body: dict, messages: list, tools: list, kwargs: dict) -> web.Response:
+        """Canned mode, a request that offers ``tools`` and ends with a user turn: the answer calls the first tool
+        (:func:`.answers.canned_tool_call`), ``finish_reason: tool_calls``, as a server with a tool-call parser
+        answers. Output ids: with a tokenizer, the template's render of the call (:func:`.answers.tool_turn_ids`),
+        else fake ones; returned as the flavor returns ids."""
+        from .answers import fake_id, tool_turn_ids
+
+        calls = canned_tool_call(messages, tools, n)
+        if self._tok is not None:
+            out_ids = tool_turn_ids(self._tok, messages, tools, calls, kwargs)
+            text = self._tok.apply_chat_template(
+                [{k: v for k, v in m.items() if v is not None} for m in messages],
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=True,
+                **kwargs,
+            )
+            prompt_ids = list(self._tok(text, add_special_tokens=False)["input_ids"])
+        else:
+            out_ids = [fake_id(c["function"]["arguments"]) for c in calls] + [2]
+            prompt_ids = [fake_id(str(m.get("content"))) for m in messages]
+        message = {"role": "assistant", "content": "", "tool_calls": calls}
+        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": "tool_calls", "logprobs": None}
+        resp = self._envelope("chatcmpl", "chat.completion", n, body, choice, prompt_ids, out_ids)
+        if body.get("return_token_ids") and not self._legacy:
+            if self.flavor == "vllm":
+                resp["prompt_token_ids"] = prompt_ids
+            else:
+                choice["prompt_token_ids"] = prompt_ids
             choice["token_ids"] = out_ids
         return self._finish(resp, out_ids)
 

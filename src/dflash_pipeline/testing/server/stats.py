@@ -15,7 +15,8 @@ class ServerStats:
     """What the server saw. ``by_prompt`` is keyed by the first user message of the request,
     ``by_conversation`` by the canonical JSON of the messages sent (role + content); for completions
     requests both by the prompt text. ``chat_requests`` counts chat and completions requests,
-    ``completions_requests`` the latter alone."""
+    ``completions_requests`` the latter alone, ``tool_requests`` the chat requests that offered ``tools``
+    (``tools_seen``: the distinct ``tools`` lists, canonical JSON, in first-arrival order)."""
 
     chat_requests: int = 0
     completions_requests: int = 0
@@ -28,10 +29,17 @@ class ServerStats:
     unauthorized: int = 0
     spec_drafts: int = 0  # verify steps (vLLM spec_decode_num_drafts), when spec_accept_length is set
     spec_accepted_tokens: int = 0  # accepted draft tokens (vLLM spec_decode_num_accepted_tokens)
+    tool_requests: int = 0
+    tools_seen: list = field(default_factory=list)
 
     def record_request(self, body: dict, prompt_key: str, conversation_key: str) -> None:
         """Keep a generation request's ``body`` and count it under its prompt and conversation keys."""
         self.requests.append(body)
+        if body.get("tools"):
+            self.tool_requests += 1
+            key = json.dumps(body["tools"], sort_keys=True, ensure_ascii=False)
+            if key not in self.tools_seen:
+                self.tools_seen.append(key)
         self.by_prompt[prompt_key] += 1
         self.by_conversation[conversation_key] += 1
 
