@@ -3,127 +3,30 @@
 Two results directories are built with the reduced e2e config by earlier mains, each from git (`git archive`,
 no checkout is touched) with its own Snakefile, profile and package:
 
-- :data:`LAST_MAIN`, the main this code was branched from: this code plans *nothing* there (`snakemake -n`).
+- ``LAST_MAIN``, the main this code was branched from: this code plans *nothing* there (`snakemake -n`).
   A refactor keeps every rule's shell text, params and env files, and the token-shard revision
   (``contracts.TOKENIZATION_REVISION``), so no job is out of date.
-- :data:`PREVIOUS_MAIN`, an older main from before the features/engine/trainer keys: every completion shard
+- ``PREVIOUS_MAIN``, an older main from before the features/engine/trainer keys: every completion shard
   and prompt shard is kept byte- and mtime-identical. What may rerun there is the cheap part, and only where
   its inputs changed: the prompts checkpoint (new `prompts` keys; it rewrites only shards whose bytes change,
   and none do here), tokenization, training and eval (new `train`/`eval` keys). README "Upgrading" lists it.
 
-When a release does change an output on purpose, move :data:`LAST_MAIN` to the main it is branched from only
-after saying in :data:`LAST_MAIN_RERUNS` which rules rerun and why."""
+When a release does change an output on purpose, move ``LAST_MAIN`` (tests/e2e/upgrade_run.py) to the main it
+is branched from only after saying in ``LAST_MAIN_RERUNS`` which rules rerun and why. The older main's test is
+tests/e2e/test_upgrade_previous.py."""
 
 from __future__ import annotations
 
-import io
-import os
-import subprocess
-import tarfile
-
 import pytest
-import yaml
-from conftest import REPO, planned_jobs, snakemake
+from conftest import planned_jobs, snakemake
+from upgrade_run import LAST_MAIN, LAST_MAIN_RERUNS, built_by
 
 pytestmark = pytest.mark.e2e
-
-#: An older main, from before the features/engine/trainer keys (override: $DFLASH_PREVIOUS_MAIN).
-PREVIOUS_MAIN = os.environ.get("DFLASH_PREVIOUS_MAIN", "77e52f4")
-#: The main this code was branched from (override: $DFLASH_LAST_MAIN, a commit or ref).
-LAST_MAIN = os.environ.get("DFLASH_LAST_MAIN", "a2580b8")
-#: Rules this code reruns in a results directory of LAST_MAIN, with the reason ({} for a pure refactor).
-#: Earlier releases' reruns are in CHANGELOG.md ("Reruns on upgrade").
-_TOKENS_RERUN = "its inputs, the token shards, are rewritten (tokenize_completions)"
-LAST_MAIN_RERUNS: dict[str, str] = {
-    "tokenize_completions": "TOKENIZATION_REVISION 3b1f0c9e5a7d2e48: markup in answer text without output ids is "
-    "refused (markup_without_ids), tool calls render with tools",
-    "summarize_tokens": _TOKENS_RERUN,
-    "plot_data_lengths": _TOKENS_RERUN,
-    "train_drafter": _TOKENS_RERUN,
-    "evaluate_acceptance": _TOKENS_RERUN,
-    "plot_training": _TOKENS_RERUN,
-    "summarize_run": _TOKENS_RERUN,
-    "all": _TOKENS_RERUN,
-}
-
-
-def upgrade_config() -> dict:
-    """The e2e config with fewer prompts and eval samples (every stage and a baseline run). Data paths stay
-    relative: the workdir links ``data/`` to this repo's, so both trees resolve them the same."""
-    cfg = yaml.safe_load((REPO / "tests" / "e2e" / "e2e_config.yaml").read_text())
-    cfg["run"] = "upgrade"
-    # a small demo target that every main builds itself (the shipped one is newer than the earlier mains)
-    cfg["target"] = {
-        "path": "demo",
-        "demo": {"train_steps": 40, "vocab_size": 600, "hidden_size": 64, "num_hidden_layers": 6},
-    }
-    cfg["datasets"]["gsm8k"]["max_prompts"] = 4
-    cfg["datasets"]["mt_bench"]["max_prompts"] = 2
-    cfg["prompts"]["shard_size"] = 4
-    cfg["eval"]["max_new_tokens"] = 4
-    for s in cfg["eval"]["sets"].values():
-        s["num_samples"] = 1
-    return cfg
-
-
-def built_by(ref: str, tmp_path_factory):
-    """A workdir fully built by the main at ``ref`` (its Snakefile, profile and src on PYTHONPATH)."""
-
-    def archive_of(ref):
-        return subprocess.run(
-            ["git", "-C", str(REPO), "archive", "--format=tar", ref], capture_output=True, timeout=120
-        )
-
-    archive = archive_of(ref)
-    if archive.returncode != 0:  # a shallow clone: deepen it from its origin, then try again
-        subprocess.run(["git", "-C", str(REPO), "fetch", "--quiet", "--unshallow"], capture_output=True, timeout=300)
-        archive = archive_of(ref)
-    assert archive.returncode == 0, (
-        f"earlier main {ref} is not in this clone (fetch it, or set "
-        f"DFLASH_PREVIOUS_MAIN / DFLASH_LAST_MAIN): {archive.stderr.decode()[-500:]}"
-    )
-    old = tmp_path_factory.mktemp(f"main-{ref}")
-    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
-        tar.extractall(old, filter="data")
-    work = tmp_path_factory.mktemp(f"upgrade-from-{ref}")
-    (work / "data").symlink_to(REPO / "data")  # relative data paths: the same params under both trees
-    (work / "config.yaml").write_text(yaml.safe_dump(upgrade_config()))
-    env = {**os.environ, "PYTHONPATH": str(old / "src")}
-    proc = snakemake(work, snakefile=old / "Snakefile", profile=old / "profiles" / "local", env=env, timeout=1800)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    return work
-
-
-@pytest.fixture(scope="module")
-def previous_main_workdir(tmp_path_factory):
-    return built_by(PREVIOUS_MAIN, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def last_main_workdir(tmp_path_factory):
     return built_by(LAST_MAIN, tmp_path_factory)
-
-
-def _snapshot(paths):
-    return {str(p): (p.stat().st_mtime_ns, p.read_bytes()) for p in paths}
-
-
-def test_upgrade_never_regenerates_completions(previous_main_workdir):
-    work = previous_main_workdir
-    completions = sorted((work / "results" / "completions").rglob("*.parquet"))
-    prompt_shards = sorted((work / "results" / "prompts").rglob("*.parquet"))
-    assert completions and prompt_shards
-    before, prompts_before = _snapshot(completions), _snapshot(prompt_shards)
-
-    plan = planned_jobs(snakemake(work, "-n"))
-    assert "generate_completions" not in plan, plan
-    # the prompts checkpoint reruns under the new code when its params changed; the DAG past it is known after
-    proc = snakemake(work, "results/prompts/manifest.json")
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert _snapshot(prompt_shards) == prompts_before  # identical shards are never rewritten
-    plan = planned_jobs(snakemake(work, "-n"))
-    assert "generate_completions" not in plan and "shard_prompts" not in plan, plan
-    assert _snapshot(completions) == before
 
 
 def test_last_main_workdir_plans_nothing(last_main_workdir):
