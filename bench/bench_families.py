@@ -1,8 +1,9 @@
 """Compare the drafter families (``drafter.family``: DFlash, DFlash2 with either selector objective, DSpark)
 trained and evaluated the way the pipeline does it, on the same data, in one run (issue #25, "Measured").
 
-One Snakemake working directory holds one run per variant (``run: fam-<variant>``, as
-tests/e2e/test_family_e2e.py does): the demo target, probe, completions and token shards are built once and
+One Snakemake working directory holds one run per variant (``run: fam-<variant>``; at ``--smoke`` it is the
+suite's family test, tests/bench/test_bench_families.py): the target, probe, completions and token shards are
+built once and
 shared (the family keys do not enter their params), and every variant trains the same ``train`` config (the
 same epochs, batch size, seed and so the same optimizer steps over the same shards). Each run's eval stage
 then measures τ with our speculative loop (``evaluate/speculative.py``, the family's own verify rule) on the
@@ -20,7 +21,7 @@ k = 1..4) and engine τ (``--engine``: ``eval.engine: vllm`` on the CPU build fo
 cannot serve DFlash2 or DSpark, README "Drafter families"). Then the insert-vs-drop difference with a
 per-step standard error (verify steps treated as independent: a lower bound on the noise; one seed).
 
-    python bench/bench_families.py --smoke --work /tmp/families   # tiny sizes: 16 jobs, 250 s at load 2.5 on 2 cores
+    python bench/bench_families.py --smoke --work /tmp/families   # the e2e config, shipped target: ~2.5 min
     nice -n 10 python bench/bench_families.py --size small --work bench-families   # the README table
     nice -n 10 python bench/bench_families.py --size demo --epochs 2 --work bench-families-demo   # an idle box
 
@@ -52,29 +53,13 @@ VARIANTS = {
 
 #: ``--size``: the base config file and what is changed in it for every variant alike.
 SIZES = {
-    "smoke": {
+    "smoke": {  # the suite's family test (tests/bench/test_bench_families.py): the e2e config on the shipped target
         "base": "tests/e2e/e2e_config.yaml",
         "over": {
-            "target": {"demo": {"train_steps": 3, "vocab_size": 300, "hidden_size": 32, "num_hidden_layers": 6}},
-            "drafter": {
-                "block_size": 4,
-                "num_draft_layers": 1,
-                "num_target_features": 2,
-                "dflash2": {"selector_rank": 8, "selector_top_k": 4},
-                "dspark": {"markov_rank": 8},
-            },
-            "datasets": {"gsm8k": {"path": "data/gsm8k/train.jsonl", "max_prompts": 8}},
-            "generation": {"max_tokens": 12, "temperature": 1.0},
-            "tokens": {"max_length": 256},
-            "train": {"epochs": 1, "batch_size": 4, "save_every_steps": 1000},
-            "eval": {
-                "max_new_tokens": 6,
-                "baselines": [],
-                "checkpoint_samples": 0,
-                "sets": {"gsm8k": {"path": "data/gsm8k/test.jsonl", "num_samples": 1}},
-            },
+            "drafter": {"dflash2": {"selector_rank": 16, "selector_top_k": 8}, "dspark": {"markov_rank": 16}},
+            "train": {"epochs": 4, "learning_rate": 5.0e-3, "save_every_steps": 1000},
+            "eval": {"baselines": [], "checkpoint_samples": 0},
         },
-        "replace": ("datasets", "eval.sets"),
     },
     "small": {  # the README table on a loaded 2-core box: the e2e target, trained longer on more data
         "base": "tests/e2e/e2e_config.yaml",

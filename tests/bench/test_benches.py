@@ -116,34 +116,6 @@ def test_bench_train():
     )
 
 
-def test_bench_families(tmp_path):
-    """Four variants trained in one working directory on the same shards: one table row each, the same steps.
-
-    Slow: four trained and evaluated runs of the workflow (about 2 min on 2 cores)."""
-    out = run_bench("bench_families", "--work", str(tmp_path))
-    assert_lines(
-        out,
-        r"^\| variant \| trainable params \| steps \| train tokens/s \| τ gsm8k \(floor\) \| acceptance ≥k, k=1,2,3 \| "
-        r"engine τ \|$",
-        *(
-            rf"^\| {v} \| {NUM} \| (\d+) \| {NUM} \| {NUM} \({NUM}\) \| {NUM} / {NUM} / {NUM} \| "
-            for v in ("dflash", "dflash2-insert", "dflash2-drop", "dspark")
-        ),
-        r"^\| dflash \| .* \| not run \(--engine\) \|$",
-        r"^\| dspark \| .* \| not on the CPU build \(V2-runner Triton speculator\) \|$",
-        rf"^insert vs drop .*: insert {NUM} \(\d+ steps\), drop {NUM} \(\d+ steps\), difference [+-]{NUM} ± {NUM}",
-    )
-    rec = json.loads((tmp_path / "families.json").read_text())
-    figs = rec["figures"]
-    assert list(figs) == ["dflash", "dflash2-insert", "dflash2-drop", "dspark"]
-    assert len({f["steps"] for f in figs.values()}) == 1 and figs["dflash"]["steps"] > 0
-    assert figs["dflash2-insert"]["params"] == figs["dflash2-drop"]["params"] > figs["dflash"]["params"]
-    assert len(figs["dspark"]["per_position"]) == 4 and len(figs["dflash"]["per_position"]) == 3  # B vs B − 1
-    # one demo target for the four runs (shared stages), one probe record per run
-    assert len(list((tmp_path / "resources").glob("demo-target*"))) == 1
-    assert len(list((tmp_path / "results" / "probe").glob("fam-*.json"))) == 4
-
-
 def test_gpu_check_runs_end_to_end_on_cpu(tmp_path, real_models_dir):
     """``bench/gpu_check.sh --device cpu``: the GPU check's parts at tiny sizes, one table. The demo workflow
     part is skipped with its reason (a Snakemake run of its own; tests/e2e runs the demo workflow)."""

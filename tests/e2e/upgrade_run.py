@@ -37,11 +37,9 @@ def upgrade_config() -> dict:
     relative: the workdir links ``data/`` to this repo's, so both trees resolve them the same."""
     cfg = yaml.safe_load((REPO / "tests" / "e2e" / "e2e_config.yaml").read_text())
     cfg["run"] = "upgrade"
-    # a small demo target that every main builds itself (the shipped one is newer than the earlier mains)
-    cfg["target"] = {
-        "path": "demo",
-        "demo": {"train_steps": 40, "vocab_size": 600, "hidden_size": 64, "num_hidden_layers": 6},
-    }
+    # the shipped demo target as a plain model directory (through the workdir's data/ link): every main loads
+    # it as it loads a user's target, and none builds a demo target of its own
+    cfg["target"] = {"path": "data/demo-target"}
     cfg["datasets"]["gsm8k"]["max_prompts"] = 4
     cfg["datasets"]["mt_bench"]["max_prompts"] = 2
     cfg["prompts"]["shard_size"] = 4
