@@ -1,7 +1,7 @@
 """What made a result: the software, the machine's kernels, the device and dtype, and the target's digest.
 
-Every result file (``train_summary.json``, ``acceptance.json``, ``engine.json``) carries a ``provenance``
-block from :func:`provenance`, and the report header shows it. Snakemake's rerun triggers ignore it: a new
+Every result file (`train_summary.json`, `acceptance.json`, `engine.json`) carries a `provenance`
+block from `provenance`, and the report header shows it. Snakemake's rerun triggers ignore it: a new
 release of a dependency does not rebuild a result by itself, it shows up here instead.
 """
 
@@ -36,7 +36,7 @@ DIGEST_MAX_BYTES = 256 * 2**20
 
 
 def package_versions(names: Iterable[str] = CORE_PACKAGES) -> dict[str, Optional[str]]:
-    """``{distribution: version}`` from the installed metadata (``None`` for one that is not installed)."""
+    """`{distribution: version}` from the installed metadata (`None` for one that is not installed)."""
     out: dict[str, Optional[str]] = {}
     for name in names:
         try:
@@ -48,9 +48,9 @@ def package_versions(names: Iterable[str] = CORE_PACKAGES) -> dict[str, Optional
 
 def target_digest(target_dir: str | os.PathLike) -> Optional[dict]:
     """sha256 over a target directory's files (sorted by relative path; each file's path and bytes), without
-    build facts (``demo_target.json``) and ``LICENSE*`` files. A directory over :data:`DIGEST_MAX_BYTES` is
+    build facts (`demo_target.json`) and `LICENSE*` files. A directory over `DIGEST_MAX_BYTES` is
     digested over its files under 1 MiB only (config, tokenizer, template), and says so with
-    ``"weights": false``. Returns ``{"sha256", "files", "weights"}``, or None for a missing directory."""
+    `"weights": false`. Returns `{"sha256", "files", "weights"}`, or None for a missing directory."""
     root = Path(target_dir)
     if not root.is_dir():
         return None
@@ -80,7 +80,7 @@ def _torch():
 
 
 def cpu_capability() -> Optional[str]:
-    """The CPU kernel level torch dispatches to (``"AVX512"``, ``"AVX2"``, ``"DEFAULT"``...), None without torch."""
+    """The CPU kernel level torch dispatches to (`"AVX512"`, `"AVX2"`, `"DEFAULT"`...), None without torch."""
     torch = _torch()
     try:
         return torch.backends.cpu.get_cpu_capability() if torch is not None else None
@@ -99,10 +99,10 @@ def provenance(
     """The provenance block of a result.
 
     Args:
-        target_dir: the target the result was made with; its :func:`target_digest` is recorded.
-        device: the device the result was computed on (``"cpu"``, ``"cuda:0"``...).
-        dtype: the compute dtype (``"float32"``, ``"bfloat16"``...).
-        extra_packages: more distributions to name (``vllm``, ``sglang`` where a job used them).
+        target_dir: the target the result was made with; its `target_digest` is recorded.
+        device: the device the result was computed on (`"cpu"`, `"cuda:0"`...).
+        dtype: the compute dtype (`"float32"`, `"bfloat16"`...).
+        extra_packages: more distributions to name (`vllm`, `sglang` where a job used them).
         engine: facts of a serving engine (name, version) the result came from.
 
     Returns:

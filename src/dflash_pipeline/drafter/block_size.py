@@ -18,10 +18,10 @@ class BlockSizeError(ConfigError, ValueError):
 
 
 def check_block_size(block_size: int, *, key: str = "block_size") -> int:
-    """``block_size`` as an int when it is ≥ 2 (slot 0 is the bonus token, dflash.md §2.5).
+    """`block_size` as an int when it is ≥ 2 (slot 0 is the bonus token, dflash.md §2.5).
 
     Raises:
-        BlockSizeError: ``block_size`` < 2, naming ``key`` (e.g. ``drafter.block_size``).
+        BlockSizeError: `block_size` < 2, naming `key` (e.g. `drafter.block_size`).
     """
     if isinstance(block_size, bool) or int(block_size) != block_size or int(block_size) < 2:
         raise BlockSizeError(f"{key} {block_size} must be >= 2 (slot 0 of a block is the bonus token)")
@@ -29,11 +29,11 @@ def check_block_size(block_size: int, *, key: str = "block_size") -> int:
 
 
 def resolve_block_size(requested: Optional[int], trained: int, *, key: str = "eval.block_size") -> int:
-    """The block size to run: ``requested`` (``eval.block_size``; None = the trained one), never more than
-    ``trained`` (the drafter's ``block_size``, as trained).
+    """The block size to run: `requested` (`eval.block_size`; None = the trained one), never more than
+    `trained` (the drafter's `block_size`, as trained).
 
     Raises:
-        BlockSizeError: the result is < 2, or ``requested`` exceeds ``trained`` (naming ``key``).
+        BlockSizeError: the result is < 2, or `requested` exceeds `trained` (naming `key`).
     """
     trained = check_block_size(trained, key="drafter.block_size")
     if requested is None:

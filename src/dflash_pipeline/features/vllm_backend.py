@@ -1,14 +1,14 @@
-"""``features.backend: vllm``: target features from vLLM's offline ``LLM`` engine.
+"""`features.backend: vllm`: target features from vLLM's offline `LLM` engine.
 
-The engine runs the ``extract_hidden_states`` speculative method (aux layer ids = canonical
-``target_layer_ids`` + 1, via :func:`dflash_pipeline.probe.hf_hidden_state_index`; plus ``num_hidden_layers``
+The engine runs the `extract_hidden_states` speculative method (aux layer ids = canonical
+`target_layer_ids` + 1, via `dflash_pipeline.probe.hf_hidden_state_index`; plus `num_hidden_layers`
 for the last layer's pre-norm output) with a hidden-states KV connector that writes one safetensors file per
-request (``hidden_states`` [T, n_aux, H], ``token_ids`` [T]) into a scratch directory next to the shard. On
-GPUs that is vLLM's own ``ExampleHiddenStatesConnector``; on CPU our
-:class:`~.vllm_connector.CPUHiddenStatesConnector` (no pinned memory). Tensor parallel size = the job's GPUs,
-expert parallel on request (``features.vllm.expert_parallel``), prefix caching off (a cached prefix is never
+request (`hidden_states` [T, n_aux, H], `token_ids` [T]) into a scratch directory next to the shard. On
+GPUs that is vLLM's own `ExampleHiddenStatesConnector`; on CPU our
+`CPUHiddenStatesConnector` (no pinned memory). Tensor parallel size = the job's GPUs,
+expert parallel on request (`features.vllm.expert_parallel`), prefix caching off (a cached prefix is never
 recomputed, so its hidden states would be missing), one output token per request, prompts as token ids
-(no tokenizer in the engine). Runs in the vLLM environment (:func:`dflash_pipeline.core.vllm_env.require_vllm_python`).
+(no tokenizer in the engine). Runs in the vLLM environment (`dflash_pipeline.core.vllm_env.require_vllm_python`).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import numpy as np
 
 
 def hidden_states_engine_config(aux: Sequence[int], scratch: str | os.PathLike, cuda: bool) -> tuple[dict, dict]:
-    """vLLM's ``(speculative_config, kv_transfer_config)`` for extracting hidden states: the
-    ``extract_hidden_states`` method on the HF hidden-state indices ``aux`` (ints), and the connector that
-    writes them under ``scratch`` (vLLM's ``ExampleHiddenStatesConnector`` when ``cuda``, else our CPU-safe
-    :mod:`.vllm_connector`). Shared by the in-process :class:`VLLMExtractor` and ``vllm serve``
-    (:func:`dflash_pipeline.features.colocate.vllm_server_cmd`). Pure; raises nothing."""
+    """vLLM's `(speculative_config, kv_transfer_config)` for extracting hidden states: the
+    `extract_hidden_states` method on the HF hidden-state indices `aux` (ints), and the connector that
+    writes them under `scratch` (vLLM's `ExampleHiddenStatesConnector` when `cuda`, else our CPU-safe
+    `.vllm_connector`). Shared by the in-process `VLLMExtractor` and `vllm serve`
+    (`dflash_pipeline.features.colocate.vllm_server_cmd`). Pure; raises nothing."""
     connector = (
         {"kv_connector": "ExampleHiddenStatesConnector"}
         if cuda
@@ -49,10 +49,10 @@ def hidden_states_engine_config(aux: Sequence[int], scratch: str | os.PathLike, 
 
 
 class VLLMExtractor:
-    """Yields ``(record, features [T, K*H], last_hidden [T, H] | None)`` for token-id prompts.
+    """Yields `(record, features [T, K*H], last_hidden [T, H] | None)` for token-id prompts.
 
-    ``options`` (config ``features.vllm``): ``expert_parallel`` (bool) and ``engine_args`` (extra ``LLM(...)``
-    keyword arguments, e.g. ``gpu_memory_utilization``, ``max_num_seqs``, ``quantization``).
+    `options` (config `features.vllm`): `expert_parallel` (bool) and `engine_args` (extra `LLM(...)`
+    keyword arguments, e.g. `gpu_memory_utilization`, `max_num_seqs`, `quantization`).
 
     Raises:
         ValueError: the engine returned token ids that differ from the record's (names the record).
