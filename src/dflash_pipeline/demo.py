@@ -1,23 +1,18 @@
 """The tiny demo target: a Qwen3-architecture causal LM with its own BPE tokenizer and chat template.
 
-Used when `target.path: demo` (DESIGN.md §1). `build_demo_target` trains a byte-level BPE
-tokenizer on the bundled corpus, builds a small `Qwen3ForCausalLM` and trains it briefly (≈2 minutes
-on 2 CPU cores at the defaults) on GSM8K train Q/A pairs (+ ShareGPT first exchanges) rendered as chat
-conversations with thinking disabled, with the loss on assistant tokens only. Greedy continuations then
-look like GSM8K answers, which gives the drafter something structured to learn.
+Used when `target.path: demo`. `build_demo_target` trains a byte-level BPE tokenizer on the bundled
+corpus and a small `Qwen3ForCausalLM` (≈2 minutes on 2 CPU cores) on GSM8K and ShareGPT exchanges
+rendered as chat with thinking disabled, loss on assistant tokens only.
 
-Facts of the result that other stages rely on:
+Facts other stages rely on:
 
-* The chat template behaves like Qwen3's (system message, multi-turn, `reasoning_content`,
-  `enable_thinking`): with `enable_thinking=False` the generation prompt ends in
-  `<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n`, and the last assistant turn of a rendered
-  conversation carries a `<think>…</think>` block exactly as Qwen3 renders it.
-* `config.vocab_size` = `len(tokenizer)` rounded **up** to a multiple of 64 and strictly greater, so
-  at least one embedding row lies past the real tokens (row `len(tokenizer)` becomes the drafter's mask
-  token, like Qwen3-8B's 151669).
-* eos is `<|im_end|>`; `generation_config.eos_token_id` is `[<|im_end|>, <|endoftext|>]` (several
-  eos ids, as Qwen3 ships); pad is `<|endoftext|>`.
-* Same arguments (and same `num_threads`) → byte-identical tokenizer and weights.
+* The chat template behaves like Qwen3's: with `enable_thinking=False` the generation prompt ends in
+  `<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n`.
+* `config.vocab_size` = `len(tokenizer)` rounded up to a multiple of 64 and strictly greater (row
+  `len(tokenizer)` becomes the drafter's mask token).
+* eos is `<|im_end|>`; `generation_config.eos_token_id` is `[<|im_end|>, <|endoftext|>]`; pad is
+  `<|endoftext|>`.
+* Same arguments (and `num_threads`) → byte-identical tokenizer and weights.
 """
 
 from __future__ import annotations

@@ -5,27 +5,23 @@ The serving engine's model file is the specification (read, not copied; vLLM 0.3
 `vllm/model_executor/models/qwen3_dflash2.py`, abbreviated `qd2`, and its V2-runner speculator
 `vllm/v1/worker/gpu/spec_decode/dflash2/speculator.py`, abbreviated `sd2`):
 
-* `GroupedConv` — `qd2:170-226` (`DFlashGroupedConv`) and its arithmetic `qd2:25-78` (the Triton
-  kernel) = `qd2:144-167` (the CPU path): per query row r at block offset `o = r mod B` and channel c of
-  group `g = c // group_size`, `out[r, c] = Σ_{t < taps, t ≤ o} (base[t, c] + delta[r, t, g]) · x[r − t, c]`;
-  taps never reach across a block boundary. `delta` comes from `kernel_projection` of the sublayer's
-  (normed) input, one half for the input side (`prepare`) and one for the output side (`finish`).
+* `GroupedConv` — `qd2:170-226`, arithmetic `qd2:25-78` (Triton) = `qd2:144-167` (CPU): per query row r at
+  block offset `o = r mod B` and channel c of group `g = c // group_size`,
+  `out[r, c] = Σ_{t < taps, t ≤ o} (base[t, c] + delta[r, t, g]) · x[r − t, c]`; taps never cross a block.
+  `delta` comes from `kernel_projection` of the sublayer's normed input (`prepare` / `finish` halves).
 * `DFlash2DecoderLayer` — `qd2:267-287`: `x += finish_a(attn(prepare_a(ln1(x))))`, then
-  `x += finish_m(mlp(prepare_m(ln2(x))))`. The injected context K/V do not pass through the convolution.
+  `x += finish_m(mlp(prepare_m(ln2(x))))`. The injected context K/V skip the convolution.
 * `CandidateSelector` — `qd2:290-358`: for mask slot l with top-K candidates c_{l,·} of the unary
   logits u, `score[l, i, j] = u[l, j] + ⟨pred[c_{l−1,i}] ⊙ W_h h_l, succ[c_{l,j}]⟩` with `c_{0,·}` = the
-  anchor. Unary logits are `softcap(output_multiplier · lm_head(h))` on the top-K only
-  (`vllm/model_executor/layers/logits_processor.py:253-318`, `get_top_k_tokens`: scale, then cap).
-* `walk` — `sd2:15-75` at temperature 0: start at candidate 0 of the anchor row, at each slot take the
-  best-scoring candidate given the previous slot's chosen candidate.
-* Attention: every layer non-causal (`dflash_config.causal: false`, `qwen3_dflash.py:86-97`); sliding
-  layers limit the context to the window but see the whole block (the "non-causal sliding window").
+  anchor; unary logits are `softcap(output_multiplier · lm_head(h))` on the top-K only
+  (`vllm/model_executor/layers/logits_processor.py:253-318`).
+* `walk` — `sd2:15-75` at temperature 0: from candidate 0 of the anchor row, each slot takes the
+  best-scoring candidate given the previous slot's choice.
+* Attention: every layer non-causal (`qwen3_dflash.py:86-97`); sliding layers see the window of the
+  context and the whole block.
 
-Training (`DFlash2Family`'s objective hook): the `train.loss` objective on the unary logits plus
-`train.selector_weight` × the selector's K-way CE (`selector_term`, teacher-forced).
-
-Serving: block B = 1 + `num_speculative_tokens` (`qd2:255-256`), so a DFlash2 drafter proposes B − 1
-tokens from the anchor, as DFlash does. Notation as in `dflash_pipeline.drafter.model`.
+Training: the `train.loss` objective on the unary logits plus `train.selector_weight` × the selector's
+K-way CE (`selector_term`, teacher-forced). Block B = 1 + `num_speculative_tokens` (`qd2:255-256`).
 """
 
 from __future__ import annotations

@@ -5,22 +5,18 @@ The serving engine's files are the specification (read, not copied; vLLM 0.32
 `vllm/model_executor/models/qwen3_dspark.py`, abbreviated `qds`, and the V2-runner speculator
 `vllm/v1/worker/gpu/spec_decode/dspark/speculator.py`, abbreviated `sds`):
 
-* Layout (`sds:10-17`, `sample_from_anchor`): B query slots [anchor, MASK×(B−1)] at positions p..p+B−1 see
-  the context < p and each other (the DFlash backbone, `qds:192-231`); slot k predicts the token at p+k+1,
-  so a block proposes B tokens (DFlash: B − 1). vLLM serves it with `num_speculative_tokens` = B.
-* `MarkovHead` (`qds:48-93`): `markov_w1` [V, r] embeds the previous token, `markov_w2` [V, r]
-  maps it to a vocabulary bias added to the base logits `lm_head(h_k)`. Drafting is sequential
-  (`sds:156-199`): slot 0's previous token is the anchor, slot k's the token drafted at slot k − 1.
-* `ConfidenceHead` (`qds:164-189`): `σ(proj([h_k ‖ markov_w1(prev_k)]))` (without the Markov part
-  when `confidence_head_with_markov` is false), in float32: the probability that draft k is accepted given
-  the ones before it. vLLM verifies while the running product stays high (`adaptive_verification.py:46-70`).
+* Layout (`sds:10-17`): B query slots [anchor, MASK×(B−1)] at positions p..p+B−1 see the context < p and
+  each other (`qds:192-231`); slot k predicts the token at p+k+1, so a block proposes B tokens (DFlash:
+  B − 1). vLLM serves it with `num_speculative_tokens` = B.
+* `MarkovHead` (`qds:48-93`): `markov_w1` [V, r] embeds the previous token, `markov_w2` [V, r] maps it to
+  a vocabulary bias added to `lm_head(h_k)`. Drafting is sequential (`sds:156-199`).
+* `ConfidenceHead` (`qds:164-189`): `σ(proj([h_k ‖ markov_w1(prev_k)]))` in float32, the probability
+  that draft k is accepted given the ones before it (`adaptive_verification.py:46-70`).
 
-Training (`DSparkFamily`'s hooks): blocks of B + 1 label slots read shifted by one (`dspark_view`) and
-`dspark_objective` (CE or 0.1·CE + 0.9·TV with the Markov bias, plus the confidence head's BCE; DSpark,
-arXiv 2607.05147; speculators docs `algorithms/dspark.md`).
-
-Config keys (`config.json`, `DSparkConfig`): `markov_rank` at the top level (`qds:212`), `markov_head_type`
-(`vanilla`), `enable_confidence_head`, `confidence_head_with_markov`, `sample_from_anchor: true`.
+Training: blocks of B + 1 label slots (`dspark_view`) and `dspark_objective` (CE or 0.1·CE + 0.9·TV with
+the Markov bias, plus the confidence head's BCE; DSpark, arXiv 2607.05147; speculators
+`algorithms/dspark.md`). Config keys: `markov_rank` (`qds:212`), `markov_head_type`,
+`enable_confidence_head`, `confidence_head_with_markov`, `sample_from_anchor: true`.
 """
 
 # no `from __future__ import annotations`: @strict validates DSparkConfig's fields against their evaluated types

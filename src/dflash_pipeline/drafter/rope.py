@@ -1,23 +1,15 @@
 """The drafter's rotary position embedding, the one vLLM serves (`get_rope` in
 `vllm/model_executor/layers/rotary_embedding/__init__.py`, built by `qwen3_dflash.DFlashQwen3Attention`).
 
-What is trained must be what is served (speculators #613, vLLM #46301: drafters trained with one rotary
-and served with another accept near nothing). vLLM builds the drafter's rotary from its
-`config.json` `rope_parameters` alone:
+A drafter trained with one rotary and served with another accepts near nothing (speculators #613, vLLM
+#46301). vLLM builds the drafter's rotary from `config.json` `rope_parameters` alone:
 
-* `rotary_dim = rope_dim` if set, else `int(head_dim × partial_rotary_factor)`; only the first
-  `rotary_dim` channels of each head are rotated (neox style: halves of those channels), the rest pass
-  through. Training does the same here (`apply_rope`); transformers' `Qwen3RotaryEmbedding` would
-  rotate the whole head with the default rope type (Qwen3.5 / Qwen3.6 / Qwen3-Next: 256 vs 64 channels,
-  MiniMax-M2: 128 vs 64).
-* `rope_type` default / yarn / llama3 / linear / dynamic: the inverse frequencies and the attention
-  scaling of transformers' `ROPE_INIT_FUNCTIONS` (which honour `partial_rotary_factor`), equal to
-  vLLM's (checked against vLLM by `tests/e2e/test_family_parity.py`).
-* `mrope_section` makes vLLM build an `MRotaryEmbedding` and the DFlash proposer refuse the drafter
-  ("does not support M-RoPE yet", `llm_base_proposer._raise_if_mrope`); for text the three M-RoPE
-  sections carry the same position, so M-RoPE equals the plain rotary over the same channels. The drafter
-  therefore drops `mrope_section` / `mrope_interleaved` (`drafter_rope_parameters`), keeping
-  the target's partial rotary, theta and scaling.
+* `rotary_dim = rope_dim` if set, else `int(head_dim × partial_rotary_factor)`; only those channels are
+  rotated (neox style), the rest pass through (`apply_rope`), unlike transformers' `Qwen3RotaryEmbedding`.
+* `rope_type` default / yarn / llama3 / linear / dynamic: transformers' `ROPE_INIT_FUNCTIONS`, equal to
+  vLLM's (`tests/e2e/test_family_parity.py`).
+* `mrope_section` makes the DFlash proposer refuse the drafter (`llm_base_proposer._raise_if_mrope`); for
+  text M-RoPE equals the plain rotary, so `drafter_rope_parameters` drops it.
 
 `servable_rope_problems` lists what vLLM cannot serve (the probe refuses it at planning).
 """

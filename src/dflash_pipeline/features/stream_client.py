@@ -1,34 +1,22 @@
 """The feature client: token ids to a fleet of feature servers, target features back (`features.stream`).
 
-One client talks to every server of `features.stream` (our hf server, `.server`, or `vllm serve`
-with `extract_hidden_states`: the same contract, see `.server`) through the completions stage's fleet
-(`dflash_pipeline.completions._Fleet`: least-outstanding-requests balancing under each server's
-`max_concurrency`, take-out after `endpoint_max_failures` consecutive failures and re-probing with
-`GET /models`, the circuit breaker) and its retry classes (`dflash_pipeline.completions.retry`). The
-fleet knobs are the `generation.*` ones (`request_timeout_s`, `max_retries`, `endpoint_max_failures`,
-`endpoint_reprobe_s`, `retry_backoff_s`, `retry_backoff_max_s`, `circuit_breaker_failures`).
+One client talks to every server of `features.stream` (our hf server, `.server`, or `vllm serve` with
+`extract_hidden_states`: the same contract) through the completions stage's fleet and retry classes; the
+fleet knobs are the `generation.*` ones (`request_timeout_s`, `max_retries`, `endpoint_max_failures`, ...).
 
-Unlike a completion, a record's features are never skipped (the batches are the seed's, whatever happens): a
-failed request is retried on the least busy server that is up, so a server killed mid-epoch costs time only.
-The job stops (its state saved; the rerun resumes) when the breaker opens, at a client error (HTTP 4xx but
-408/409/425/429: the record does not fit the server), or when one record has failed `max_retries` + 1 times
-on servers that are up (a record every server fails, e.g. one that runs out of memory or past
-`request_timeout_s`: the servers answer their health probe, so the breaker alone never opens). Rate
-limiting (429) is back-pressure and does not count.
+A record's features are never skipped: a failed request is retried on the least busy server that is up, so
+a server killed mid-epoch costs time only. The job stops (state saved; the rerun resumes) when the breaker
+opens, at a client error (4xx but 408/409/425/429), or when one record has failed `max_retries` + 1 times on
+servers that are up. A 429 is back-pressure and does not count.
 
-The event loop runs in a background thread; `FeatureClient.submit` returns a
-`concurrent.futures.Future` of a `Features`. `transport`: `path` (the answer names a file in a
-scratch directory both sides see: read, then deleted with its `.lock`, following vLLM's
-`load_hidden_states` / `cleanup_hidden_states`) or `bytes` (`POST /features`, the file in the
-answer body; hf servers only).
+`FeatureClient.submit` returns a `concurrent.futures.Future` of a `Features` (the event loop runs in a
+background thread). `transport`: `path` (the answer names a file in a scratch directory both sides see:
+read, then deleted with its `.lock`, as vLLM's `load_hidden_states` / `cleanup_hidden_states`) or `bytes`
+(`POST /features`; hf servers only).
 
-No answer is trusted (the checks: `.stream_answers`). A named file is read only when its real path lies
-under the client's `scratch_dir`, it is a regular file (not a symlink, device or FIFO) and its size is the one
-its record's shape gives (T x n_aux x H values of 2 or 4 bytes, T token ids, the safetensors header); anything
-else is an `UntrustedAnswer` (not retried, nothing deleted). Bodies are read up to that size and no further.
-A malformed answer (not JSON, not safetensors, a header that contradicts the file) is an ordinary failed
-attempt: retried on a server that is up, and after `max_retries` + 1 failures a `StreamError` (the
-train job saves its state first, as for a dead fleet).
+No answer is trusted (`.stream_answers`): a named file is read only when it is a regular file under the
+client's `scratch_dir` of the size its record's shape gives, else `UntrustedAnswer` (not retried, nothing
+deleted). A malformed answer is a failed attempt, and after `max_retries` + 1 failures a `StreamError`.
 """
 
 from __future__ import annotations

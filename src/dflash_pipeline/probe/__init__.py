@@ -1,27 +1,15 @@
 """Config probe: what the drafter needs to know about a target, read from its metadata only.
 
-`probe_target` reads `config.json` (raw JSON, cross-checked with `AutoConfig` when it can load
-it), the tokenizer files (`AutoTokenizer`) and `generation_config.json`, and never loads weights; the
-only bytes it reads from a weight file are the safetensors JSON header that states the embedding's shape.
+`probe_target` reads `config.json` (cross-checked with `AutoConfig` when it loads), the tokenizer and
+`generation_config.json`, never weights (only the safetensors header that states the embedding's shape).
 The result is the probe record of DESIGN.md §2 (`results/probe/<run>.json`), validated against
 `schemas/probe.schema.json`.
 
-Layer ids. Canonical ids are 0-based indices of the target decoder layer whose *output* feeds the
-drafter (`dflash_config.target_layer_ids`). The Hugging Face `output_hidden_states` tuple has the
-embedding output at index 0, so the output of layer `l` is index `l + 1`. `hf_hidden_state_index`
-is the one place that converts; every other module calls it.
+Canonical layer ids are 0-based indices of the decoder layer whose *output* feeds the drafter; the HF
+`output_hidden_states` index of layer `l` is `l + 1` (`hf_hidden_state_index`, the one place that converts).
 
-The package, one module per concern; `probe_target` runs their steps in order:
-
-- `.config` — `config.json` normalisation (nested text config, MLA, MoE, hybrid layer types,
-  rope), the embedding's rows from the safetensors header, `generation_config.json`'s eos ids;
-- `.tokenizer` — the tokenizer (fast, sentencepiece, tiktoken, remote code) and its facts;
-- `.drafter` — drafter sizing: `block_size`, `target_layer_ids`, `mask_token_id`;
-- `.checks` — plan-time checks: architectures refused from `config.json` alone, with the reason
-  (also while the workflow is planned), the target loads, the drafter can be sized, the chat template exists;
-- `.record` — the record's schema, validation, atomic write and readable summary.
-
-Every name this module had before it became a package is importable from here.
+Modules, in the order `probe_target` runs them: `.config`, `.tokenizer`, `.drafter` (sizing), `.checks`
+(plan-time refusals), `.record` (schema, validation, atomic write).
 """
 
 from __future__ import annotations

@@ -1,41 +1,15 @@
 """Plan-time checks of the probe: the target loads as a causal LM, the drafter can be sized from its
 config, and the tokenizer has a chat template and fits the embedding. Each reads metadata only (no
-weights), so a target the pipeline cannot use is refused when the workflow is planned, with the reason,
-rather than at completions or training step 1.
+weights), so a target the pipeline cannot use is refused when the workflow is planned, with the reason.
 
-Architectures. A DFlash drafter reads the outputs of chosen target decoder layers, attends with its own attention sized
-like the target's (hidden size, heads, head_dim, context length), and is served by engines that tap one
-hidden state per decoder layer. `architecture_refusal` finds the configs where one of those
-assumptions does not hold and says which, in a `ProbeRefusal` whose
-`reason` is one of `REASONS`:
-
-- `encoder-decoder`: the `*ForCausalLM` of an encoder-decoder family (BART, Marian, TrOCR …) is its
-  decoder alone, with cross-attention to an encoder the pipeline never runs.
-- `not a causal LM`: a masked LM under a causal-LM class (XLM: `causal: false`).
-- `looped layers`: the same decoder layers run several times per token (Dory's `n_recurrent_loops`), so
-  a layer id does not name one hidden state and the engines' per-layer taps do not apply.
-- `attention-free`: state-space / recurrent models (Mamba, RWKV, xLSTM) state no attention heads; the
-  drafter's attention is sized from them (hybrids with attention layers, Jamba, Falcon-H1, Nemotron-H, are
-  fine).
-- `per-layer values`: a size the drafter copies (`intermediate_size` …) is a list per layer (Gemma-3n,
-  whose layers also carry AltUp's parallel streams). Per-layer overrides beside a global value
-  (`per_layer_config`: dots3's heads, gemma-4's head_dim) are fine: the drafter takes the global value.
-- `no context length`: no `max_position_embeddings` nor a field of the same meaning
-  (`CONTEXT_LENGTH_KEYS`) in a config transformers wrote, e.g. RecurrentGemma's local-attention
-  window, CPM-Ant's relative position buckets, BLOOM's ALiBi; the drafter's config states the context it
-  serves. (A hand-written config without one is left to the probe's drafter check, which reads the config
-  class's default.)
-- `embedding width`: a factorized embedding narrower than the layers (ELECTRA's `embedding_size`, OPT's
-  `word_embed_proj_dim`): the drafter embeds its noise tokens with the target's embedding, H wide.
-- `no language-model config`: no one decoder whose layers see every token (BLT: a byte patcher, a local
-  encoder, a global transformer over patches and a local decoder).
-
-Reading only the JSON (no transformers import), it runs both in the probe and at plan time
-(`dflash_pipeline.workflow.problems.cross_field_problems`), so a refused target stops `snakemake`
-before the first completion is requested. The reasons that show only through the config class (``sublayer
-count`, `drafter cannot be sized`, `rotary not servable`, `not loadable``) come from
-`_check_drafter_config` and `_probe_loader`, which the plan-time gate runs too
-(`dflash_pipeline.probe.check_target_config`, `dflash_pipeline.workflow.problems.probe_gate_problems`).
+`architecture_refusal` reads only the JSON config and returns a `ProbeRefusal` whose `reason` is one of
+`REASONS` when an assumption of a DFlash drafter does not hold (it reads the outputs of single target
+decoder layers, attends with attention sized like the target's, embeds with the target's H-wide
+embedding): `encoder-decoder`, `not a causal LM`, `looped layers`, `attention-free`, `per-layer values`,
+`no context length`, `embedding width`, `no language-model config` (each explained, with examples, in
+docs/reference/model-types.md). The reasons that show only through the config class (`sublayer count`,
+`drafter cannot be sized`, `rotary not servable`, `not loadable`) come from `_check_drafter_config` and
+`_probe_loader`; the plan-time gate runs both (`dflash_pipeline.workflow.problems.probe_gate_problems`).
 """
 
 from __future__ import annotations

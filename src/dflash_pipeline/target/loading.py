@@ -1,25 +1,17 @@
-"""The frozen target, loaded the same way for every family: train, eval and the transformers completions
-backend all call `load_target`.
+"""The frozen target, loaded the same way for every family by `load_target` (train, eval, completions).
 
 Three policies live here and nowhere else:
 
-* **dtype** (`resolve_dtype`): `auto` → float32 on CPU, bfloat16 on CUDA; `float32`,
-  `bfloat16`, `float16` as named. The drafter keeps float32 master weights in training and computes
-  in its parameter dtype (inputs cast to it, `to_drafter_dtype`); the drafter output meets the
-  target's LM head in the head's dtype (`lm_head_logits`), and the loss is float32 cross-entropy
-  on those logits. In eval the drafter is loaded in the target's dtype (`drafter_dtype`).
-* **model class** (`causal_lm_class`): the class named by `config.architectures` when transformers
-  ships it (`Qwen3_5ForConditionalGeneration`, `Gemma4ForConditionalGeneration` …, so checkpoints load
-  with their own key layout), else `AutoModelForCausalLM`, else `AutoModelForImageTextToText` for
-  nested `text_config` targets (`kimi_k25`, Qwen3-VL), with `trust_remote_code` honoured
-  (`auto_map` code first when allowed). A config whose `model_type` transformers does not know (remote
-  code absent or not allowed, e.g. `kimi_k2`) but whose `architectures` names a class transformers
-  ships (`DeepseekV3ForCausalLM`) is read with that class's config (what vLLM and SGLang do too).
-* **accessors**: `input_embeddings`, `lm_head`, `num_decoder_layers` and
-  `hidden_states_of` hide where each family keeps them (`model.language_model` …).
+* **dtype** (`resolve_dtype`): `auto` → float32 on CPU, bfloat16 on CUDA. The drafter computes in its
+  parameter dtype (`to_drafter_dtype`), meets the LM head in the head's dtype (`lm_head_logits`), and the
+  loss is float32 cross-entropy; in eval the drafter takes the target's dtype (`drafter_dtype`).
+* **model class** (`causal_lm_class`): the class `config.architectures` names when transformers ships it,
+  else `AutoModelForCausalLM`, else `AutoModelForImageTextToText` for nested `text_config` targets;
+  a `model_type` transformers does not know whose `architectures` it ships (`kimi_k2`) is read with that
+  class's config, as vLLM and SGLang do.
+* **accessors**: `input_embeddings`, `lm_head`, `num_decoder_layers`, `hidden_states_of`.
 
-`check_loadable` runs the class and config resolution without weights, so the probe refuses a
-family that cannot load at plan time, with the reason.
+`check_loadable` resolves class and config without weights, for the probe at plan time.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Engine parity for every family: our drafter's logits against vLLM's own DFlash drafter code.
 
-For one target (a zoo twin, any family) `family_case` exports the drafter the pipeline builds for
-it (the probe's decisions, `dflash_pipeline.train.run.build_drafter`, every RMSNorm weight
-randomised so a norm mix-up shows, fp32) and runs our eval loop's path on recorded-style inputs:
-`DFlashDrafter.draft_block` with its context cache, the target's embedding as
-`dflash_pipeline.target.loading.input_embeddings` gives it and the target's LM head. vLLM's side
-(`dflash_pipeline.testing.vllm_replay`, one process for every family) loads the same export with
-`DFlashQwen3ForCausalLM` and the target checkpoint's own `embed_tokens` / `lm_head` tensors (what
-vLLM shares with the drafter) and computes the same draft steps. `compare` checks max |Δlogit| <
-`ATOL` (the tolerance of `tests/e2e/test_engine_parity.py`) and equal argmax.
-
-Rope cases (`rope_case`) compare `dflash_pipeline.drafter.rope.DFlashRotaryEmbedding` with
-vLLM's `get_rope` on real `config.json` files (partial rotary, M-RoPE, yarn, llama3 …) at long positions.
-
-Negative controls (`mistake`): `full_rotary` (rotate the whole head: the trained-vs-served bug of
-partial-rotary targets), `scaled_embedding` (the target module's own forward, e.g. Gemma's ×√H),
-`ctx_pos_off_by_one`. Each must miss by more than `CONTROL_MIN_DIFF` where it applies.
+`family_case` exports the drafter the pipeline builds for a zoo twin (every RMSNorm weight randomised,
+fp32) and runs our eval path (`DFlashDrafter.draft_block`); `.vllm_replay` loads the same export with
+`DFlashQwen3ForCausalLM` and computes the same steps. `compare` checks max |Δlogit| < `ATOL` and equal
+argmax. `rope_case` compares `DFlashRotaryEmbedding` with vLLM's `get_rope` on real configs.
+Negative controls (`mistake`: `full_rotary`, `scaled_embedding`, `ctx_pos_off_by_one`) must miss by more
+than `CONTROL_MIN_DIFF`.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """A zoo of tiny twins: one random-weight model per real `config.json` under the model metadata corpus
 (`../shared/data/models/<family>/`), small enough to build, train and evaluate in seconds on a CPU.
 
-A twin keeps what makes its family distinct and shrinks the rest
-(`dflash_pipeline.testing.zoo_shrink.shrink_config`): the config
-class and `model_type` (`auto_map` and `architectures` too), nested `text_config` with its vision
-tower (Kimi-K2.5, Qwen3-VL, Qwen3.5, gemma-4), MLA and MoE routing fields (DeepSeek-V3, Kimi-K2, MiniMax-M2),
-the layer-type pattern (hybrid linear/full attention of Qwen3.5/Qwen3-Next, sliding windows of gemma and
-gpt-oss — the window shrinks to `SLIDING_WINDOW` tokens so eval
-sequences cross it), tied vs untied
-embeddings, partial rotary, rope scaling. Quantization configs are dropped (the twin is dense bf16/fp32).
-
-Each twin gets a tokenizer that renders the family's real chat template (`family_template`): the
-demo byte-level BPE (`dflash_pipeline.demo.train_tokenizer`) plus the special tokens the template
-writes, with the family's bos/eos. `config.vocab_size` leaves free rows past the tokenizer (mask token).
-
-Built deterministically from `(family, seed)`; `build_twin` is called once per test session
-(`tests/unit/testing/test_zoo.py`). `python -m dflash_pipeline.testing.zoo --table` runs every stage on every twin
-and prints the family × stage table (ok / refused with the reason).
+A twin keeps what makes its family distinct and shrinks the rest (`.zoo_shrink.shrink_config`): config
+class, `model_type`, nested `text_config`, MLA and MoE routing, the layer-type pattern (sliding windows
+shrink to `SLIDING_WINDOW` tokens), tied embeddings, partial rotary, rope scaling; quantization is
+dropped. Its tokenizer renders the family's real chat template (`family_template`) with the family's
+special tokens; `config.vocab_size` leaves free rows (mask token). Built deterministically from
+`(family, seed)`. `python -m dflash_pipeline.testing.zoo --table` runs every stage on every twin.
 """
 
 from __future__ import annotations

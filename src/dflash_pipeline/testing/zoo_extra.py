@@ -1,32 +1,17 @@
 """Zoo twins of architectures the model corpus has no `config.json` for, built from transformers' own
-config classes (`transformers.JambaConfig(...)` …): a state-space hybrid (Jamba, Falcon-H1), a
-short-convolution hybrid (LFM2), NoPE layers (SmolLM3), sparse-attention MLA (DeepSeek-V3.2), LongCat's
-double-attention layers, an image-text wrapper one level deeper (Mistral-3 around Mistral). Each must
-either run every zoo stage (train fp32/bf16, eval) or be refused at planning (the probe) with the
-reason — never crash mid-run (`tests/unit/testing/test_zoo_extra.py`).
+config classes: a state-space hybrid (Jamba, Falcon-H1), a short-convolution hybrid (LFM2), NoPE layers
+(SmolLM3), sparse-attention MLA (DeepSeek-V3.2), LongCat's double-attention layers, an image-text wrapper
+one level deeper (Mistral-3). Each must run every zoo stage or be refused at planning with the reason,
+never crash mid-run. `extra_source_dir` writes a corpus-style directory for `zoo.build_twin`.
 
-`extra_source_dir` writes a corpus-style directory (`config.json` from the class, the chat
-template of `EXTRA_FAMILIES`' template family) so `dflash_pipeline.testing.zoo.build_twin`
-shrinks and builds it like any corpus family.
+The sweep goes over every causal LM transformers ships (`sweep_types`): `probe_type` probes the config
+class's defaults as the pipeline probes a target; a type is `ok` when layer count, width and vocabulary
+match what transformers builds, `refused` on a `ProbeRefusal` or `ConfigError`, else a `crash`. No model
+is built. The full pipeline runs on a sample (`PIPELINE_SAMPLE` plus a rotating pick of
+`PIPELINE_VERIFIED`) through `zoo.run_stages`.
 
-The sweep (the second half of this module) goes over every causal LM transformers ships: each model type of
-`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` and each image-text-to-text wrapper around a decoder (`sweep_types`)
-probes right or is refused with the reason.
-
-Probe only, from `config.json` (`probe_type`): the config class's own defaults, written as
-transformers writes them (`type_config`), probed as the pipeline probes a target. A type is `ok` when
-the record's layer count, width and vocabulary are the ones transformers builds (the config class's text
-config); `refused` when the probe raises a `ProbeRefusal` (its
-`reason`) or a `ConfigError`; anything else is a `crash`. No model is
-built, so the whole sweep takes seconds.
-
-The full pipeline (twin build, probe, completions, tokens, train fp32 / bf16, eval) runs on a sample
-(`PIPELINE_SAMPLE`, plus a rotating pick of `PIPELINE_VERIFIED`, `rotating_sample`) through
-`dflash_pipeline.testing.zoo.run_stages`, whose twins of a type are built from the same config class,
-shrunk (zoo family name `type:<model_type>`, `type_source_dir`).
-
-`python -m dflash_pipeline.testing.zoo_extra` prints the supported-types table (docs/reference/model-types.md;
-`--write` writes it there).
+`python -m dflash_pipeline.testing.zoo_extra` prints the supported-types table
+(docs/reference/model-types.md; `--write` writes it there).
 """
 
 from __future__ import annotations

@@ -1,67 +1,13 @@
 """Tokens stage: completion shard -> token shard (`input_ids` int32, `loss_mask` uint8).
 
-The loss mask says which tokens the target *generated*. It is built without any regex over decoded text,
-from differences of renders made with the target's own chat template (`chat.render`) and the same
-thinking mode used for generation:
+The loss mask marks the tokens the target generated, from differences of renders with the target's own
+chat template (`chat.render`) and the generation's thinking mode; a template that rewrites the turn being
+trained fails closed with `TokenizationError`, a turn whose markup cannot be told from text without ids
+with `MarkupWithoutIdsError`. The steps are in docs/DESIGN.md ("How the loss mask is built").
 
-1. For assistant turn `k` (message index `i`) render `P = render(messages[:i], add_generation_prompt=True)`
-   (exactly the prompt the server rendered) and `Q = render(messages[:i+1], add_generation_prompt=False)`.
-   `Q` must start with `P`; otherwise the template rewrites the turn being trained (e.g. DeepSeek-R1
-   drops the `<think>\\n` its generation prompt opens) and we fail closed with
-   `TokenizationError` naming the prompt_id and the turn.
-2. `X = Q[len(P):]` is what the target produced after the prompt, plus what the template writes after
-   the end-of-turn marker. Supervised text = `X` without trailing whitespace (the `\\n` after
-   `<|im_end|>`) and, when `X` ends with a run of special tokens, only the first of them (the model
-   stops at its first stop token). So the end-of-turn token is supervised, the newline after it is not,
-   and scaffolding the template puts in the generation prompt (Qwen3's empty `<think>\\n\\n</think>\\n\\n`
-   with `enable_thinking=False`, DeepSeek-V3.1's `</think>`, Qwen3.5's opening `<think>\\n`) is 0.
-   Sanity checks that also fail closed: the turn's content (stripped) and, when present, its reasoning
-   (stripped) must occur in the supervised text, else the template dropped what the target generated.
-3. **Templates that rewrite earlier turns.** Qwen3/3.5/3.6, GLM, MiniMax and gpt-oss render an earlier
-   assistant turn differently once a later user turn exists (reasoning dropped, empty think block
-   omitted, `<|return|>` becomes `<|end|>`). Then `Q_k` is not a prefix of the full render, and in
-   the full render turn `k` no longer sits in the context the target generated it in. We never train a
-   turn in a context it was not generated in: a conversation becomes the fewest sequences such that each
-   selected turn is supervised exactly once, inside a sequence that starts with its own `Q_k[:end_k]`.
-   Greedy from the last turn: sequence `Q_j` of the latest pending turn supervises every pending turn
-   whose `Q_i[:end_i]` is a prefix of `Q_j`. Prefix-stable templates (Llama 3, Qwen2.5, Kimi-K2,
-   gemma 3, the TRL training templates, ...) give one sequence per conversation; rewriting templates give
-   one per turn (the SpecForge "expand reasoning conversations" layout). Rows split this way share the
-   `prompt_id` and are written in turn order; `stats["split_conversations"]` counts them.
-4. Strings -> tokens: each sequence is tokenized once (batched, fast tokenizer, character offsets).
-   A token is supervised iff its character span `[start, end)` lies entirely inside a supervised span.
-   A token that straddles a span boundary (BPE merged prompt text with generated text) is **0** - its
-   text was partly never generated - and counted in `stats["straddling_tokens"]`. Offsets are
-   non-decreasing, so only the tokens at the two span boundaries are looked up
-   (`span_token_ranges`); a zero-width token between them is supervised, one outside is not
-   (`mask_from_offsets`, the per-token reference, is used when a boundary maps to no token). This
-   needs offsets relative to the original string (fast tokenizers; ByteLevel post-processors with
-   `trim_offsets` shift a leading space out of a token's span, which can only turn a straddling token
-   into an inside one).
-
-5. **Text is data, markup is ids.** Supervised tokens are what the target generated. When a turn's
-   `output_token_ids` decode to exactly its supervised text, those ids are the supervised tokens
-   (`output_ids_spliced`). Otherwise a content or reasoning that contains a control-token string
-   (`<|im_end|>`, `<think>`, tool markers; `control_token_strings`)
-   is encoded without parsing added tokens (`plain_text_tokenizer`) when the turn's output ids show
-   the target wrote those characters as text (none of the strings' ids among them; `control_text_kept`);
-   without output ids, emitted markup and quoted text look alike, and the record is refused
-   (`MarkupWithoutIdsError`; dropped as `markup_without_ids` with
-   `strict: false`). The template text around keeps the usual tokenization.
-6. **Tool calls.** A record's `tools` (function schemas) go to the template as its `tools`; assistant
-   turns carry `tool_calls` and are supervised with the markup and arguments the template writes for them
-   (Qwen3's `<tool_call>` is then its added token, as the model emits it); `tool` results are context,
-   never supervised.
-
-Server token ids (`turns[k].prompt_token_ids` / `output_token_ids`) are the exact trained tokens when
-present. With `tokens.use_server_token_ids` a record whose selected turns all carry both lists becomes one
-row per turn, `prompt_token_ids + output_token_ids` with 1 on the output ids (`server_ids_sequence`);
-records without ids fall back to the render path. Off by default until the ids of each backend are
-checked against the render path on a real server.
-
-Layers: `dflash_pipeline.target.spans` (strings: steps 1-3 and the verbatim ranges of step 5),
-`dflash_pipeline.tokens.loss_masks` (tokens: steps 4-5, server ids), this module (records and shards:
-drops, truncation, counts, the Parquet file); the names of both are re-exported here.
+Layers: `dflash_pipeline.target.spans` (strings: render diffs, supervised spans),
+`dflash_pipeline.tokens.loss_masks` (tokens: offsets, server ids), this module (records and shards: drops,
+truncation, counts, the Parquet file); the names of both are re-exported here.
 """
 
 from __future__ import annotations

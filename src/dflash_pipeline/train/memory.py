@@ -1,31 +1,17 @@
 """The memory plan: peak device memory of one training step per trainer rank, known at planning.
 
-`plan_step_memory` runs two training steps of the configured drafter (forward, loss, backward, optimizer
-step: the second one holds the optimizer state) under torch's own memory tracker
-(`torch.distributed._tools.mem_tracker.MemTracker`) with every floating-point tensor a fake tensor
-(`torch._subclasses.FakeTensorMode`): shapes, dtypes and storages are real, no value is computed and no byte
-is allocated, so a Kimi-K2.6-width step is planned on a laptop in seconds. The step calls the trainer's own
-functions (anchors, block inputs and labels, the training masks, the drafter, the objective, the optimizer),
-so the plan follows the code: a new buffer in the drafter shows in the plan.
+`plan_step_memory` runs two training steps of the configured drafter (the second holds the optimizer
+state) under torch's memory tracker (`torch.distributed._tools.mem_tracker.MemTracker`) with every
+floating-point tensor a fake tensor (`FakeTensorMode`): shapes, dtypes and storages are real, nothing is
+computed or allocated. The step calls the trainer's own functions, so the plan follows the code. The
+integer bookkeeping of a batch is real (anchor sampling reads values). The plan is the worst case: every
+row `seq_len` tokens, `num_anchors` anchors, every draft slot supervised.
 
-What is fake and what is real: the drafter's weights, gradients and optimizer state, the target features, the
-embedding and LM head, every activation and the attention masks are fake; the integer bookkeeping of a batch
-(token ids, loss mask, anchors, block labels and weights: O(b·S + b·N·B) integers) is real, because anchor
-sampling and the loss's slot selection read values. The plan is the worst case of a batch: every row
-`seq_len` tokens long, `num_anchors` anchors per row, every draft slot supervised.
-
-A `flex` run is planned with SDPA's fused kernel (on CPU `_scaled_dot_product_flash_attention_for_cpu`)
-without a mask: the tracker cannot follow FlexAttention's higher-order operator (torch ≤ 2.13), both fused
-kernels keep the same tensors for backward (queries, keys, values, output, log-sum-exp), and flex's BlockMask
-(a few MB of block indices) replaces the dense [b, 1, N·B, S + N·B] masks an `sdpa` run builds (planned).
-
-What the plan covers: the drafter step of one rank. With `train.fsdp` the weights, gradients and optimizer
-state at the peak are divided over the ranks and one gathered draft layer is added (FSDP2 holds its shard of
-each and gathers one layer at a time); with `train.target_features: online` the target's weights (counted on
-the meta device, in its dtype) are added, its no-grad forward's transient activations are not.
-
-Checked against the same tracker on a real CPU step (tests/unit/train/test_memory_plan.py, within 10 %) and
-against `torch.cuda.max_memory_allocated` by `bench/gpu_check.sh`.
+A `flex` run is planned with SDPA's fused kernel without a mask (the tracker cannot follow FlexAttention's
+higher-order operator; both keep the same tensors for backward). With `train.fsdp` weights, gradients and
+optimizer state are divided over the ranks plus one gathered layer; with `train.target_features: online`
+the target's weights are added, its no-grad activations are not. Checked against a real CPU step (within
+10 %, tests/unit/train/test_memory_plan.py) and `torch.cuda.max_memory_allocated` (`bench/gpu_check.sh`).
 """
 
 from __future__ import annotations

@@ -1,24 +1,17 @@
 """The random streams of a training run, and how `state/` keeps them: a resumed run is the run.
 
 Killed at any step and restarted from its last `state/`, a run ends with the weights of an uninterrupted
-run (bit-identical in fp32 on CPU, plain, packed, from feature shards, on 2 gloo ranks and under FSDP2:
-`tests/unit/train/test_resume.py`). So every random stream the trainer draws from is a function of
-`train.seed` and of what `state/` holds:
+run (bit-identical in fp32 on CPU: `tests/unit/train/test_resume.py`). Every random stream is a function
+of `train.seed` and of `state/`:
 
-- **the data order**: Accelerate's `SeedableRandomSampler` (`dataloader_config`). Epoch e's
-  permutation is `randperm` under a generator seeded `train.seed + e`, the same on every rank (each takes
-  its own batches of it): a function of (seed, epoch) only, so `skip_first_batches` on a resume skips the
-  batches of the right permutation, and `DataLoaderShard.set_epoch` reshuffles each epoch. A plain
-  `RandomSampler` is neither reseeded by `set_epoch` nor saved: after a resume, epoch 1 repeated epoch 0.
-- **the anchor generator** of each rank (`RankStreams`), registered with
-  `Accelerator.register_for_checkpointing`: `state/custom_checkpoint_<i>.pkl` holds every rank's
-  generator state, and a resumed rank continues its own stream where it stopped.
-- **the global generators** (python `random`, numpy, torch CPU and CUDA): Accelerate's own
-  `state/random_states_<rank>.pkl`.
+- **the data order**: Accelerate's `SeedableRandomSampler`; epoch e's permutation is seeded
+  `train.seed + e` on every rank, so `skip_first_batches` on a resume skips the right batches (a plain
+  `RandomSampler` is neither reseeded by `set_epoch` nor saved).
+- **the anchor generator** of each rank (`RankStreams`), registered for checkpointing
+  (`state/custom_checkpoint_<i>.pkl`).
+- **the global generators** (python, numpy, torch CPU and CUDA): `state/random_states_<rank>.pkl`.
 
-`state/step.json` carries `STATE_VERSION`; a state saved before it (no anchor streams) still
-resumes, with a warning that the run will not match an uninterrupted one
-(`dflash_pipeline.train.checkpoint.resume_state`).
+A state without `STATE_VERSION` in `state/step.json` resumes with a warning that the run will not match.
 """
 
 from __future__ import annotations

@@ -1,30 +1,17 @@
 """Train a DFlash drafter with HF Accelerate from a frozen target's features: the target run online
-(`train.target_features: online`), or its feature shards read from disk (`shards`, the features stage).
+(`train.target_features: online`), or its feature shards read from disk (`shards`).
 
-Launched by the `train_drafter` rule as `accelerate launch … -m dflash_pipeline.train …` (1..N GPUs,
-or N CPU ranks over gloo; see `dflash_pipeline.workflow.policy.accelerate_launch_args`). Method: reference/dflash.md §4 (anchors,
-block mask, same-position labels, decayed CE), §4.7 (AdamW, warmup + cosine, clipping, fp32 master
+Launched by the `train_drafter` rule as `accelerate launch … -m dflash_pipeline.train …`. Method:
+reference/dflash.md §4 (anchors, block mask, labels, decayed CE), §4.7 (optimizer, schedule, fp32 master
 weights under bf16 autocast), §5.3 (online target features).
 
-`train` reads top to bottom as the run's steps: start Accelerate → open the data (token records,
-held-out split, the target or its embedding + LM head) → build the drafter, optimizer, scheduler and
-loader and `accelerator.prepare` them into a `dflash_pipeline.train.loop.TrainRun` → resume from
-`state/` → the step loop (`dflash_pipeline.train.loop.run_steps`) → export. One step's objective
-is `dflash_pipeline.train.step`; state and exports `dflash_pipeline.train.checkpoint` (the names
-tests, benches and other modules import from here are re-exported).
+`train` reads top to bottom as the run's steps: Accelerate → data → drafter, optimizer, scheduler, loader
+(`accelerator.prepare` into a `.loop.TrainRun`) → resume from `state/` → the step loop
+(`.loop.run_steps`) → export. One step's objective is `.step`; state and exports `.checkpoint`.
 
-Objectives (`train.loss`): `ce_decay`, `dpace`, `kl` (`dflash_pipeline.train.losses`), normalised
-globally over ranks and gradient-accumulation micro-steps. Optional sequence packing
-(`dflash_pipeline.train.packing`), FSDP2 (`dflash_pipeline.train.fsdp`), multi-node launch
-(`dflash_pipeline.workflow.policy.launch_topology`), held-out validation τ (`dflash_pipeline.train.heldout`),
-trackers (`dflash_pipeline.train.trackers`).
-
-Outputs under `out_dir`: `final/` (servable checkpoint, written atomically), `state/` (Accelerate
-state for resume; a killed run restarts at its last saved step), `train_log.jsonl` (one JSON per
-logged step), `val_log.jsonl` (one JSON per held-out validation: per-block τ, per-position acceptance),
-`val_tau.png` (validation τ vs step), `trackers/` (TensorBoard event files), `train_summary.json` and
-`step_<N>/` (an intermediate servable export at every state save, `save_every_steps`; the eval stage
-charts τ across them).
+Outputs under `out_dir`: `final/` (servable checkpoint, atomic), `state/` (for resume), `train_log.jsonl`,
+`val_log.jsonl` (held-out τ per validation), `val_tau.png`, `trackers/`, `train_summary.json` and
+`step_<N>/` (a servable export at every state save).
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """`train.target_features: stream`: the trainer's target features from running feature servers.
 
-The token records are the online path's token indexes (`.data`), so the record set, the held-out
-split and the shuffled batch order are those of a `shards` run on the same token shards: a function of
-`train.seed` and the epoch only. `FeatureStream` sits between the loader and the step
-(`dflash_pipeline.train.loop.run_steps`): it pulls up to `features.stream.prefetch_batches`
-batches ahead, sends every record of them to the servers (`dflash_pipeline.features.FeatureClient`,
-the completions fleet underneath), and hands each batch to the step, in loader order, once all its
-records are back (replies that arrive out of order wait in memory). The batch then carries `features`
-[b, S, K*H] bf16 with zero padding, exactly what `.data.collate` builds from feature shards; packed
-rows (`dflash_pipeline.train.packing`) get each record's features at its segment, computed by the
-server for the record alone (records never see each other, so packing needs no isolation check here).
-
-Bounded: at most `prefetch_batches` batches are requested ahead and at most `max_inflight_bytes` of
-their features (estimated at the wire size, `[T, n_aux, H]` in the servers' dtype) are in flight or in
-memory; a batch larger than the budget alone is still requested (one at a time). Scratch files are deleted
-as soon as they are read. The trainer never loads the target: the embedding and LM head come from its
-safetensors (`dflash_pipeline.features.weights`), as with `shards`.
+The record set, held-out split and batch order are those of a `shards` run on the same token shards.
+`FeatureStream` sits between the loader and the step: it requests up to `features.stream.prefetch_batches`
+batches ahead from the servers (`dflash_pipeline.features.FeatureClient`) and hands each batch on, in
+loader order, with `features` [b, S, K*H] bf16 zero-padded, as `.data.collate` builds from feature shards
+(packed rows get each record's features at its segment). At most `max_inflight_bytes` of features are in
+flight or in memory (one oversized batch still goes alone). The trainer never loads the target.
 """
 
 from __future__ import annotations

@@ -1,30 +1,19 @@
 """SGLang's answer shapes for the test server (`TestServer(flavor="sglang")`), as SGLang's OpenAI layer
-gives them (sgl-project/sglang `python/sglang/srt/entrypoints/openai/`: `protocol.py`,
-`serving_chat.py`, `serving_completions.py`):
+gives them (sgl-project/sglang `python/sglang/srt/entrypoints/openai/`: `protocol.py`, `serving_chat.py`,
+`serving_completions.py`):
 
-* **chat, not streamed**: `return_token_ids` puts `prompt_token_ids` and `token_ids` (the raw
-  generated ids, before reasoning and tool-call parsing) in each choice (PR #30917);
-  `return_prompt_token_ids` the first alone. `return_input_ids_in_sglext` /
-  `return_output_ids_in_sglext` (also the request headers `x-sglext-return-input-ids: 1` /
-  `x-sglext-return-output-ids: 1`, or the server's `--return-input-ids` / `--return-output-ids`) put
-  the response-level `sglext.input_ids` (the prompt, shared by the choices) and `sglext.output_ids`
-  (one list per choice) (PR #34488). `return_meta_info` puts the request's `meta_info` in each choice
-  (`id`, `finish_reason`, token counts and, with a drafter, the `spec_*` acceptance figures).
-* **chat, streamed**: `return_prompt_token_ids`, `return_token_ids` or `return_meta_info` with
-  `stream: true` is refused with HTTP 400 and SGLang's error object (`STREAM_REFUSALS`); otherwise
-  server-sent events: a role chunk, reasoning and content deltas, the finish chunk, the `sglext` ids once
-  in a chunk with `choices: []`, a usage chunk when `stream_options.include_usage`, then `[DONE]`.
-* **completions**: `return_token_ids` puts both id lists in the choice; streamed, each chunk carries the
-  ids generated in it and the first chunk the prompt's ids.
+* **chat**: `return_token_ids` puts `prompt_token_ids` and the raw generated `token_ids` in each choice
+  (PR #30917); `return_input_ids_in_sglext` / `return_output_ids_in_sglext` (or the `x-sglext-*` headers,
+  or the server flags) put `sglext.input_ids` / `sglext.output_ids` in the response (PR #34488);
+  `return_meta_info` puts `meta_info` in each choice. Streamed, asking for ids or meta info is refused
+  with HTTP 400 (`STREAM_REFUSALS`); otherwise server-sent events end with the `sglext` chunk, usage and
+  `[DONE]`.
+* **completions**: `return_token_ids` puts both id lists in the choice; streamed, per chunk.
 
-`legacy=True` is an SGLang from before PR #30917 (e.g. v0.5.9): `return_token_ids` is ignored (no ids
-come back) and only `return_prompt_token_ids` is refused on a streamed chat.
-
-Speculative figures (`spec_meta_info`) follow SGLang's `tokenizer_manager`: `spec_verify_ct`
-verify steps, `spec_correct_drafts_histogram[n]` = steps that accepted exactly n drafts (alias
-`spec_accept_histogram`), `spec_num_correct_drafts` / `spec_num_proposed_drafts` (aliases
-`spec_accepted_drafts` / `spec_proposed_drafts`), `spec_accept_rate` and `spec_accept_length` =
-completion tokens / verify steps.
+`legacy=True` is an SGLang before PR #30917 (e.g. v0.5.9): `return_token_ids` is ignored. Speculative
+figures follow SGLang's `tokenizer_manager`: `spec_verify_ct`, `spec_correct_drafts_histogram`,
+`spec_num_correct_drafts` / `spec_num_proposed_drafts` (and their aliases), `spec_accept_rate` and
+`spec_accept_length` = completion tokens / verify steps.
 """
 
 from __future__ import annotations
