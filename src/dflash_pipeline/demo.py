@@ -273,32 +273,26 @@ def build_demo_target(
     num_threads: int | None = None,
     log=lambda msg: print(msg, flush=True),
 ) -> Path:
-    """Build the tiny demo target into `out_dir` and return `out_dir`.
+    """Build the tiny demo target into `out_dir` (atomically: a sibling temp dir renamed into place,
+    replacing an existing one) and return `out_dir`.
 
     Args:
-        out_dir: destination directory; written via a sibling temp dir and renamed into place, so a
-            crash never leaves a half target (an existing `out_dir` is replaced).
-        corpus_files: GSM8K-style `.jsonl` and/or ShareGPT `.json` files (see `load_corpus`).
+        corpus_files: GSM8K-style `.jsonl` and/or ShareGPT `.json` files (`load_corpus`).
         seed: seeds corpus shuffling, model init and batch order.
-        vocab_size: BPE vocabulary asked of the trainer (incl. 3 special tokens; `<think>`/`</think>`
-            come on top). The model's `vocab_size` is `padded_vocab_size(len(tokenizer))`.
-        hidden_size: model width; heads = hidden_size // 32 (head_dim 32), KV heads = heads // 2,
-            intermediate = 3 * hidden_size.
+        vocab_size: BPE vocabulary (incl. 3 special tokens; `<think>`/`</think>` on top); the model's is
+            `padded_vocab_size(len(tokenizer))`.
+        hidden_size: model width; head_dim 32, KV heads = heads // 2, intermediate = 3 * hidden_size.
         num_hidden_layers: decoder layers (≥ 4 so the DFlash layer formula applies).
-        train_steps: AdamW steps (lr `lr`, 5% warmup then cosine to 10%) on batches of `batch_size`
-            conversations of ≤ 256 tokens; 0 leaves the random init.
-        num_threads: torch intra-op threads (None = leave torch's setting). Determinism holds for a
-            fixed thread count.
+        train_steps: AdamW steps (5% warmup then cosine to 10% of `lr`) on `batch_size` conversations of
+            ≤ 256 tokens; 0 leaves the random init.
+        num_threads: torch intra-op threads (None = torch's); determinism holds for a fixed count.
         log: callable for progress lines (None = silent).
 
-    Writes: `config.json`, `model.safetensors`, `generation_config.json`, `tokenizer.json`,
-    `tokenizer_config.json`, `chat_template.jinja` and `demo_target.json` (build facts: seed,
-    steps, final loss, seconds, `len(tokenizer)`, `vocab_size`, ..., and `params`: the settings asked
-    for, as config `target.demo` names them).
+    Writes the model and tokenizer files, `chat_template.jinja` and `demo_target.json` (build facts and
+    `params`, the settings asked for as config `target.demo` names them).
 
     Raises:
-        DataError: unreadable corpus (see `load_corpus`).
-    """
+        DataError: unreadable corpus."""
     log = log or (lambda msg: None)
     t0 = time.perf_counter()
     out_dir = Path(out_dir)

@@ -147,26 +147,21 @@ def generate_shard(
     Args:
         prompt_shard: Parquet file with `contracts.PROMPT_SCHEMA`.
         out_path: completion shard to write (`contracts.COMPLETION_SCHEMA`, atomic).
-        target_dir: the target (weights for the transformers backend; tokenizer and template for openai
-            with `api: completions`; else unused by openai).
-        gen_cfg: validated `config["generation"]` (all defaults filled).
-        chat_template, trust_remote_code, dtype: as `target.*` (transformers backend; the first two also
-            for `api: completions`).
+        target_dir: the target (transformers backend; tokenizer and template for `api: completions`).
+        gen_cfg: validated `config["generation"]`.
+        chat_template, trust_remote_code, dtype: as `target.*`.
         progress_path: resume file (default `<out_path>.progress.jsonl`), removed once the shard is written.
-        errors_path: error sidecar (default `<out_path>.errors.jsonl`), rewritten each run; removed when
-            a run ends with no errors.
+        errors_path: error sidecar (default `<out_path>.errors.jsonl`), rewritten each run.
         stats_path: if given, the stats are written there as JSON.
-        backend: an already built backend (tests, benchmarks); default from `gen_cfg["backend"]`.
+        backend: an already built backend; default from `gen_cfg["backend"]`.
 
     Returns:
-        The stats (`stats.shard_stats`, `contracts.CompletionStats`): the whole shard's counts
-        at the top level, this run's (resumed, generated, seconds, rates, request counters) in `run`.
+        The stats (`contracts.CompletionStats`): the whole shard's counts, this run's in `run`.
 
     Raises:
         GenerationError: the circuit breaker opened, or more than `max_error_fraction` of the shard
             failed (the shard is not written; finished conversations stay in the progress file).
-        DataError: malformed prompt shard. ConfigError: bad generation settings.
-    """
+        DataError: malformed prompt shard. ConfigError: bad generation settings."""
     t_start = time.monotonic()
     paths = _Paths.of(out_path, progress_path, errors_path)
     prompts = read_prompts(prompt_shard)

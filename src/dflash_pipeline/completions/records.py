@@ -106,18 +106,10 @@ class Dialogue:
     """One prompt regenerated turn by turn: the history sent to the target (`history`), the record's
     messages (`messages`) and where the next assistant turn is generated.
 
-    An assistant turn is generated after every user turn and, in a conversation with tool calls, after every
-    run of `tool` results. There the source's turn is the assistant message with `tool_calls` that follows
-    in the prompt (None: the source answered in text). A regenerated turn whose tool calls differ from the
-    source's (`same_tool_calls`) while source turns are left ends the conversation there
-    (`end_reason` `tool_call_diverged`): the source's tool results would answer calls never made. A
-    turn whose calls match keeps them; the `tool_call_id` of the results that follow is rewritten to the
-    regenerated calls' ids (same position, or by the source call's id), so the history pairs as the target
-    wrote it.
-
-    Conversations without tools walk exactly as before: history `{role, content}` messages, a turn after
-    each user turn, record messages `{role, content, reasoning_content}`.
-    """
+    A turn is generated after every user turn and after every run of `tool` results. A regenerated turn whose
+    tool calls differ from the source's (`same_tool_calls`) while source turns are left ends the
+    conversation (`end_reason` `tool_call_diverged`); a matching turn keeps its calls, and the results'
+    `tool_call_id` are rewritten to the regenerated ids."""
 
     def __init__(self, prompt: dict):
         from dflash_pipeline.target.chat import tools_of

@@ -291,25 +291,21 @@ def selector_term(
     gold: str = "insert",
     chunk_tokens: int = 4096,
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Σ_k w_k · CE_K(selector scores, gold) over mask slots: the selector trained teacher-forced (slot k's
-    predecessor is the gold token of slot k − 1, the anchor for k = 1; its candidates the unary top-K). When the
-    gold token is not among them, `gold` decides: `insert` puts it in place of the K-th candidate, for the
-    loss only (speculators #1006, SpecForge #772), `drop` leaves the slot out (NeMo Automodel).
-
-    Scores of slot k: `unary_j + ⟨pred[y_{k−1}] ⊙ W_h h_k, succ[c_j]⟩` over its candidates c (the unary
-    top-K, `softcap(multiplier · logits)`), as `CandidateSelector.scores` with the gold predecessor.
+    """Σ_k w_k · CE_K(selector scores, gold) over mask slots, teacher-forced: slot k's predecessor is the
+    gold token of slot k − 1 (the anchor for k = 1), its candidates the unary top-K. A gold token outside
+    them: `insert` replaces the K-th candidate for the loss (speculators #1006, SpecForge #772), `drop`
+    leaves the slot out (NeMo Automodel). Scores as `CandidateSelector.scores` with the gold predecessor.
 
     Args:
         drafter: a `DFlash2Drafter` (unwrapped).
-        hidden: [b, N·B, H]; lm_head_weight: [V, H]; labels: long [b, N·B] (same-position labels, slot 0 =
-            the anchor); weights: float [b, N·B] (0 = not supervised; slot 0 always 0).
+        hidden: [b, N·B, H]; lm_head_weight: [V, H]; labels: long [b, N·B] (slot 0 = the anchor);
+            weights: float [b, N·B] (0 = not supervised; slot 0 always 0).
         gold: `insert` or `drop`.
     Returns:
         `(Σ w·CE float32 with grad, Σ w of the slots it covers, stats)`; stats: `selector_slots`,
-        `selector_correct` (argmax = gold), `gold_in_top_k` (slots whose gold token was a candidate).
+        `selector_correct`, `gold_in_top_k`.
     Raises:
-        ValueError: unknown `gold`.
-    """
+        ValueError: unknown `gold`."""
     if gold not in SELECTOR_GOLD:
         raise ValueError(f"train.selector_gold: {gold!r}; expected one of {', '.join(SELECTOR_GOLD)}")
     b, q = labels.shape

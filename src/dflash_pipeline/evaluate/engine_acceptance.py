@@ -63,34 +63,24 @@ def server_acceptance(
 ) -> dict:
     """τ as the serving engine reports it for `prompts` (`load_eval_prompts` records; dflash.md §7.1).
 
-    Every conversation's turns go to `{base_url}/chat/completions` one after another (later turns carry
-    the engine's earlier answers); up to `max_concurrency` conversations at a time. `meta_info`: ask
-    for SGLang's per-request `meta_info` (`return_meta_info: true`; SGLang puts it in each choice only
-    when asked). When the responses carry SGLang's acceptance histograms
-    (`meta_info.spec_correct_drafts_histogram`, older `spec_accept_histogram`), the figures are pooled
-    over every verify step of the set
-    (`dflash_pipeline.evaluate.sglang_engine.histogram_acceptance_stats`: τ, per-position
-    acceptance, histogram, as vLLM's counters give them) and `tau_mean_response` is the mean of the responses'
-    `spec_accept_length`. Else per response it reads `meta_info.spec_accept_length` (or
-    `completion_tokens / meta_info.spec_verify_ct`); τ is then the mean over responses, as the loop's
-    headline τ. When responses carry no meta_info and
-    `metrics_url` is given (vLLM `/metrics`), the figures come from the counter deltas
-    (`engine_acceptance_stats`, needs `block_size` for the per-position shares; without it only
-    τ). Other traffic on the server during the run skews the pooled figures.
+    Each conversation's turns go to `{base_url}/chat/completions` in order (later turns carry the engine's
+    answers), `max_concurrency` conversations at a time; `meta_info` asks SGLang for `return_meta_info`.
+    Sources, first that applies: SGLang's acceptance histograms, pooled over the set's verify steps
+    (`sglang_engine.histogram_acceptance_stats`; `tau_mean_response` the mean of `spec_accept_length`);
+    per-response `meta_info.spec_accept_length` (τ = mean over responses); vLLM's `/metrics` counter deltas
+    at `metrics_url` (`engine_acceptance_stats`; per-position shares need `block_size`). Other traffic on
+    the server skews pooled figures.
 
-    `context_length_buckets` (edges in tokens): `by_context_length` too, τ per bucket of each request's
-    prompt length (`dflash_pipeline.evaluate.context_length.tau_by_prompt_length`), where the engine
-    says each request's acceptance: SGLang's `meta_info`, or vLLM's counters read around each request when
-    `max_concurrency` is 1 (concurrent requests pool in the counters; `by_context_length_note` says so).
+    `context_length_buckets` (edges in tokens) adds `by_context_length`, τ per prompt-length bucket where the
+    engine reports each request (SGLang, or vLLM with `max_concurrency` 1).
 
-    Returns ``{tau, source (meta_info|metrics), num_responses, per_response, completion_tokens, seconds,
-    base_url, model, thinking, temperature, max_tokens}` plus, from metrics, `per_position_acceptance``,
+    Returns `{tau, source (meta_info|metrics), num_responses, per_response, completion_tokens, seconds,
+    base_url, model, thinking, temperature, max_tokens}` plus, from metrics, `per_position_acceptance`,
     `histogram`, `num_steps`, `accepted_tokens`, `tau_sd`, `drafts`.
 
     Raises:
         EngineComparisonError: the server reported no acceptance (no meta_info, no usable metrics).
-        urllib.error.URLError / HTTPError: the server could not be reached or refused a request.
-    """
+        urllib.error.URLError / HTTPError: the server could not be reached or refused a request."""
     base = base_url.rstrip("/")
     if model is None:
         model = _http_json(f"{base}/models", api_key=api_key, timeout_s=timeout_s)["data"][0]["id"]
@@ -313,25 +303,19 @@ def evaluate_engine(
     target_dtype: str = "auto",
 ) -> dict:
     """Engine τ of the drafter at `drafter_dir` on every eval set (`eval.engine: vllm | sglang`); writes
-    the engine record JSON (`out_json`) that
-    `dflash_pipeline.evaluate.engine_vs_loop.attach_engine_tau` puts beside the loop's τ.
+    the engine record JSON (`out_json`) that `engine_vs_loop.attach_engine_tau` puts beside the loop's τ.
 
-    `eval.engine_base_url` set: that running server is used as is (it must serve the target with this
-    drafter; key from `eval.engine_api_key_env`). vLLM: τ from `eval.engine_metrics_url` or
-    `<host>/metrics`. SGLang (always a running server: the user starts it with the drafter, see the
-    export's `serve.md`): τ from each response's `meta_info` (asked with `return_meta_info`).
-    Otherwise vLLM is started here with the target, the drafter (`num_speculative_tokens` =
-    block_size − 1), `--dtype` of the loop (`target_dtype` resolved as the loop does, unless
-    `eval.engine_args` names one) and `eval.engine_args`, its output logged to `log_path`, and
-    stopped at the end. The block size is `eval.block_size` or the drafter's trained one. The record's
-    `engine` says the dtype asked and the one the engine reports serving (`dtype`, `served_dtype`),
-    or why it is not known (`dtype_note`), beside the loop's (`loop_dtype`).
+    With `eval.engine_base_url` that running server is used as is (key from `eval.engine_api_key_env`;
+    vLLM: τ from `eval.engine_metrics_url` or `<host>/metrics`; SGLang, always a running server: τ from each
+    response's `meta_info`). Otherwise vLLM is started here with the target, the drafter
+    (`num_speculative_tokens` = block_size − 1), the loop's `--dtype` (unless `eval.engine_args` names one)
+    and `eval.engine_args`, logged to `log_path` and stopped at the end. The record's `engine` gives the
+    dtype asked and served (`dtype`, `served_dtype`, or `dtype_note`) beside the loop's (`loop_dtype`).
 
     Raises:
         EngineComparisonError: the engine reported no acceptance.
         ConfigError: `eval.engine: sglang` without `eval.engine_base_url`.
-        dflash_pipeline.evaluate.vllm_server.EngineError / VLLMNotFound: the engine could not be started.
-    """
+        dflash_pipeline.evaluate.vllm_server.EngineError / VLLMNotFound: the engine could not be started."""
     import os
 
     from dflash_pipeline.drafter.block_size import resolve_block_size

@@ -80,24 +80,16 @@ class TargetCache:
     """The target's cache in the verify loop, with one rollback policy for every cache type transformers
     ships (dflash.md §2.5: after a verify step only the bonus token and the accepted drafts stay).
 
-    The cache is `DynamicCache(config=target.config)`, so each layer gets its own type (full attention,
-    sliding window, linear attention / recurrent state), with `activate_past_recording` so sliding and
-    conv states keep what a rollback needs, and (transformers ≥ 5.25) recurrent states the last
-    `max_rollback` tokens of a forward (`recurrent_rollback_kwargs`; the loop passes B + 1, one
-    verify forward). After the prefill, `policy` is
+    The cache is `DynamicCache(config=target.config)` (a type per layer) with `activate_past_recording`, and
+    recurrent states recorded for the last `max_rollback` tokens (transformers ≥ 5.25). After the prefill,
+    `policy` is
 
-    * `crop`: every layer can be cut back (`cache.is_croppable`: full and sliding attention, and linear
-      attention / SSM layers where transformers records their recurrent states) — the rejected tokens are
-      cropped;
-    * `recompute`: some layer holds a recurrent state that cannot be cut back (linear attention of
-      Qwen3.5/3.6 and Qwen3-Next before transformers 5.25; a layer that claims to be croppable but whose
-      model records only its last recurrent state, ZAYA's, found after the prefill by
-      `_unrecorded`): those layers are snapshotted before each verify
-      forward; on a rejection they are restored, the croppable layers cropped to the same point, and the
-      target re-runs the accepted tokens (one extra forward of a+1 tokens per rejecting step).
+    * `crop`: every layer can be cut back (`cache.is_croppable`): the rejected tokens are cropped;
+    * `recompute`: some layer holds a recurrent state that cannot (Qwen3.5/3.6 and Qwen3-Next before
+      transformers 5.25; ZAYA's, found by `_unrecorded`): those layers are snapshotted before each verify
+      forward and restored on a rejection, and the target re-runs the accepted tokens.
 
-    Either way the cache afterwards equals the cache of a target that only ever saw the accepted tokens.
-    """
+    Either way the cache afterwards equals the cache of a target that only ever saw the accepted tokens."""
 
     def __init__(self, target, *, max_rollback: int):
         from transformers import DynamicCache

@@ -121,21 +121,15 @@ class FeatureClient:
     """Target features of token-id records from a fleet of feature servers (see the module docstring).
 
     `endpoints`: `[{"base_url", "max_concurrency", "transport"}]`; `fleet_cfg`: `fleet_config`.
-    `num_layers` (K), `hidden_size` (H), `last_hidden` describe what the servers send (`[T, K(+1), H]`);
-    `dtype` is `features.dtype` (the values are rounded as a feature shard stores them; None: the
-    values as the server sent them, for a `.format.FeatureShardWriter` that stores them itself).
-    `aux_layer_ids`: the HF `hidden_states` indices expected
-    (`dflash_pipeline.target.layer_ids.aux_hidden_state_ids`); an answer whose metadata names others
-    (our hf server writes them) stops the client. None: the shape check only. `scratch_dir`: where
-    path-transport servers write (required when an endpoint uses `transport: path`); an answer naming a file
-    anywhere else is refused (`UntrustedAnswer`). An endpoint's key: `api_key` (colocated servers'
-    per-job key, never logged) or `api_key_env` (the variable that holds it), sent as
-    `Authorization: Bearer`.
+    `num_layers` (K), `hidden_size` (H), `last_hidden`: what the servers send (`[T, K(+1), H]`); `dtype`:
+    `features.dtype` (values rounded as a feature shard stores them; None: as sent). `aux_layer_ids`: the HF
+    `hidden_states` indices expected; an answer naming others stops the client (None: shape check only).
+    `scratch_dir`: where path-transport servers write (required for `transport: path`). An endpoint's key:
+    `api_key` (never logged) or `api_key_env`, sent as `Authorization: Bearer`.
 
-    Raises (from `start` and the futures): `StreamError` (breaker open, client error, answers
-    that do not match the record or cannot be trusted; also at construction: path transport without
-    `scratch_dir`, an `api_key_env` that is not set), ConfigError (a rejected key, a 404 `/models`).
-    """
+    Raises (from `start` and the futures): `StreamError` (breaker open, client error, answers that do not
+    match the record or cannot be trusted; at construction: path transport without `scratch_dir`, an unset
+    `api_key_env`), ConfigError (a rejected key, a 404 `/models`)."""
 
     def __init__(
         self,

@@ -138,23 +138,18 @@ def final_norm_module(model):
 
 
 def load_final_norm(target_dir: str | Path, config, *, dtype=None, device="cpu"):
-    """The target's final norm (the module its LM head reads, frozen), built from its own class and read
-    from its safetensors without instantiating the target (the model is built on the meta device).
+    """The target's final norm (frozen), built from its own class on the meta device and read from its
+    safetensors without instantiating the target.
 
-    `kl` with `shards` / `stream` needs it: feature shards and feature servers carry the last decoder
-    layer's output *before* the final norm (HF: a forward hook on the last layer, `.hf_backend`; vLLM:
-    aux layer `num_hidden_layers` = `hidden_states + residual` after the last layer, before
-    `self.norm`, `vllm/model_executor/models/qwen2.py` `Qwen2Model.forward` in vLLM 0.32), while the
-    teacher's logits are `lm_head(norm(h))`: what transformers' last `hidden_states` entry is
-    (`transformers/utils/output_capturing.py` replaces it by `last_hidden_state`, the normed output,
-    transformers 5.24). The norm's own class keeps architecture details exact (Gemma's `1 + weight`).
+    `kl` with `shards` / `stream` needs it: feature shards and servers carry the last decoder layer's output
+    before the final norm (vLLM: aux layer `num_hidden_layers`, `Qwen2Model.forward` in vLLM 0.32), while the
+    teacher's logits are `lm_head(norm(h))`. The norm's own class keeps details exact (Gemma's `1 + weight`).
 
-    `config`: the target's config (`dflash_pipeline.target.loading.load_target_config`).
-    Returns the module: `[..., H]` → `[..., H]` in `dtype` (None keeps the checkpoint's).
+    `config`: the target's config (`load_target_config`). Returns the module: `[..., H]` → `[..., H]` in
+    `dtype` (None keeps the checkpoint's).
 
     Raises:
-        ValueError: no final norm on the decoder; KeyError: a norm tensor is not in the checkpoint.
-    """
+        ValueError: no final norm on the decoder; KeyError: a norm tensor is not in the checkpoint."""
     import torch
     from safetensors import safe_open
 

@@ -95,26 +95,21 @@ def probe_target(
         target_dir: directory with `config.json` and (normally) tokenizer files; weights optional.
         block_size: drafter block size B (≥ 2).
         num_draft_layers: drafter decoder layers L (≥ 1).
-        num_target_features: K target layers fused by the drafter (default L, as the reference).
+        num_target_features: K target layers fused by the drafter (default L).
         target_layer_ids: canonical (0-based, layer-output) ids overriding the formula.
-        mask_token_id: explicit mask token id (see `resolve_mask_token_id`).
-        trust_remote_code: allow the target's own tokenizer/config code (`target.trust_remote_code`).
+        mask_token_id: explicit mask token id (`resolve_mask_token_id`).
+        trust_remote_code: allow the target's own tokenizer/config code.
         chat_template: a .jinja file overriding the tokenizer's chat template.
-        strict: True (the pipeline rule): a missing tokenizer or chat template is an error. False (the
-            CLI, inspecting config-only directories): a missing tokenizer gives ``tokenizer.present =
-            false` and, unless `mask_token_id` is given, `drafter.mask_token_id = null`` with the
-            reason in `mask_token_source`; a missing chat template is a warning.
+        strict: True (the pipeline rule): a missing tokenizer or chat template is an error. False (the CLI):
+            `tokenizer.present = false` and a null `drafter.mask_token_id` with the reason; a missing
+            template is a warning.
 
     Raises:
-        ProbeRefusal: a target the drafter cannot be built for, with the reason (attention-free, looped
-            layers …, `dflash_pipeline.probe.checks.REASONS`); a ProbeError.
-        ProbeError: missing/unusable config.json, tokenizer that cannot load (message says which package
-            to install or which key to set), missing tokenizer (strict).
-        ConfigError: no chat template and no `chat_template` override (strict; names
-            `target.chat_template`).
-        ConfigError: bad drafter settings (layer ids out of range or repeated, mask id outside the
-            embedding, block_size < 2, ...), naming the `drafter.*` key.
-    """
+        ProbeRefusal: a target the drafter cannot be built for, with the reason (`checks.REASONS`).
+        ProbeError: missing/unusable config.json, a tokenizer that cannot load (names the package or key),
+            missing tokenizer (strict).
+        ConfigError: no chat template and no override (strict); bad drafter settings (layer ids, mask id,
+            block_size < 2, ...), naming the `drafter.*` key."""
     t0 = time.perf_counter()
     target_dir = Path(target_dir)
     if not target_dir.is_dir():

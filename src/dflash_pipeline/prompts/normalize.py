@@ -305,42 +305,25 @@ def _tool_result(msg: Mapping[str, Any], where: str, content_key: str) -> dict:
 def normalize_record(
     record: Mapping[str, Any], *, fmt: str = "auto", mapping: Mapping[str, Any] | None = None
 ) -> list[dict]:
-    """Normalize one source record to prompt messages `[{role, content}]` (system and user turns; with tool
-    calls, see below).
+    """Normalize one source record to prompt messages `[{role, content}]` (system and user turns, and
+    the tool turns below).
 
-    Formats (`fmt`; `auto` uses `detect_format`):
-        * `sharegpt`: `conversations` of `{from, value}` (`human`/`gpt`/`system` and aliases;
-          `{role, content}` items are accepted too).
-        * `openai`: `messages` of `{role, content}`; `content` may be a list of text parts.
-        * `mt_bench`: `turns`, a list of user strings.
-        * `alpaca`: `instruction` plus, when non-empty, `"\\n\\nInput:\\n" + input`.
-        * `prompt`: one user turn from `prompt`, `question` or `problem` (first present);
-          a `prompt` that is a list of messages is read as `openai`.
-        A top-level `system` string becomes a leading system message in every format.
+    Formats (`fmt`; `auto` uses `detect_format`): `sharegpt` (`conversations` of `{from, value}` or
+    `{role, content}`), `openai` (`messages`; `content` may be a list of text parts), `mt_bench` (`turns`),
+    `alpaca` (`instruction` plus `"\\n\\nInput:\\n" + input` when non-empty), `prompt` (one user turn from
+    `prompt`, `question` or `problem`). A top-level `system` string becomes a leading system message.
 
-    `mapping` redirects canonical field names to the source's (e.g. `{"prompt": "query"}`, or
-    `{"messages": "dialog", "role": "speaker", "content": "text"}`); `mapping["roles"]` maps source role
-    values to `system`/`user`/`assistant`. Text is never stripped or rewritten; assistant turns are
-    dropped (the target regenerates them); empty system messages are dropped.
-
-    Tool calls (`sharegpt` and `openai`, SpecForge's `conversations` of `{role, content, tool_calls}`
-    included): an assistant turn that called tools (OpenAI `tool_calls` or legacy `function_call`; a
-    ShareGPT `function_call` turn, whose value is the JSON of `{name, arguments}` or of a list of them)
-    is kept as `{role: assistant, content: "", tool_calls}` (canonical JSON of the OpenAI list; consecutive
-    such turns are one turn with all their calls): the regenerated turn is compared with these calls. Tool
-    results (roles `tool`, `function`, `observation`, `ipython`) are kept as ``{role: tool, content,
-    tool_call_id?, name?}`. The record's `tools`` (function schemas: a list or its JSON text, OpenAI-wrapped
-    or bare) are returned by `record_tools`.
+    `mapping` redirects canonical field names to the source's (e.g. `{"prompt": "query"}`);
+    `mapping["roles"]` maps role values. Text is never rewritten; assistant turns and empty system messages
+    are dropped. An assistant turn that called tools is kept as `{role: assistant, content: "", tool_calls}`
+    (consecutive ones merged) and tool results as `{role: tool, content, tool_call_id?, name?}`; the
+    record's `tools` come from `record_tools`.
 
     Raises:
-        RejectedRecord: policy drops, with `.reason`: `empty` (no user turn, or a blank user turn),
-            `starts_with_assistant`, `multimodal` (a non-text content part, an image field),
-            `unsupported_role` (an unknown role), `no_prompt_field`, `bad_tool_turns` (`tools` or a
-            tool call that is not JSON or names no function, a tool result that answers no call, a tool call
-            followed by a user turn without a result; names the field).
-        DataError: a field has the wrong type (message names the field, e.g. `conversations[2].value`);
-            `MissingField` when a field the format needs is absent (names it and the fields present).
-    """
+        RejectedRecord: with `.reason` `empty`, `starts_with_assistant`, `multimodal`, `unsupported_role`,
+            `no_prompt_field` or `bad_tool_turns` (names the field).
+        DataError: a field has the wrong type (names it, e.g. `conversations[2].value`); `MissingField`
+            when a field the format needs is absent (names it and the fields present)."""
     return _normalize(record, fmt, mapping)[0]
 
 

@@ -182,28 +182,22 @@ def read_records(
     subset: str | None = None,
     source: str | None = None,
 ) -> Iterator[tuple[Locator, dict]]:
-    """Stream `(locator, record)` pairs from a source file or directory (see `list_source_files`),
-    or from a Hugging Face Hub dataset id `hf:owner/name` (`split`, default `train`; `subset` = the
-    dataset's config name) streamed through the optional `datasets` library.
+    """Stream `(locator, record)` pairs from a source file or directory (`list_source_files`), or from a
+    Hugging Face Hub dataset `hf:owner/name` (`split`, default `train`; `subset`) through `datasets`.
 
-    Formats: `.jsonl` (one JSON object a line; blank lines ignored), `.json` (one JSON array of
-    objects, parsed incrementally), `.parquet` and `.arrow` (rows as dicts, read in batches), each
-    optionally `.gz` or `.zst` compressed (`.zst` through the `zstandard` package, or pyarrow's
-    zstd codec when that is missing). Memory: one record (JSON) or one batch of 1024 rows (Parquet/Arrow)
-    at a time plus a 1 MiB read buffer.
+    Formats: `.jsonl`, `.json` (one array, parsed incrementally), `.parquet` and `.arrow` (in batches), each
+    optionally `.gz` or `.zst`. Memory: one record or one batch of 1024 rows at a time plus a 1 MiB buffer.
 
     Args:
         source: the source's name in `datasets`, for the config key named in errors.
         strict: True raises on the first malformed record; False skips it and counts it in `counts`
-            under `malformed_json`, `invalid_utf8`, `not_an_object` or `empty_file`.
+            (`malformed_json`, `invalid_utf8`, `not_an_object`, `empty_file`).
         counts: receives skip counts (only with `strict=False`).
-        examples: receives the first `max_examples` skip messages of each reason (appended, in file order).
+        examples: receives the first `max_examples` skip messages of each reason, in file order.
 
     Raises:
-        DataError: naming file, line/record and what is wrong: invalid JSON, invalid UTF-8, a record that
-            is not an object, an empty file, an unreadable/corrupt file. A JSON array that is not valid
-            JSON raises even with `strict=False` (it cannot be resynchronized; fix or convert to jsonl).
-    """
+        DataError: naming file, line/record and what is wrong (invalid JSON or UTF-8, not an object, an empty
+            or corrupt file). An invalid JSON array raises even with `strict=False` (no resynchronizing)."""
     if isinstance(path, str) and path.startswith(HF_PREFIX):
         yield from _read_hf_dataset(path[len(HF_PREFIX) :], split=split, subset=subset)
         return

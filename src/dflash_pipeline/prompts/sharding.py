@@ -383,44 +383,30 @@ def build_prompt_shards(
     """Normalize, filter, dedup and shard every prompt source; write shards and the manifest.
 
     Args:
-        datasets: validated `config["datasets"]`: name -> ``{path, format, max_prompts, fraction, strict,
-            mapping, languages, min_language_confidence}`` (missing optional keys take the schema defaults).
-            Processed in mapping order. A source's `languages` (a list, or `"any"` for no filter) and
-            `min_language_confidence` override the two arguments below when not None.
-        out_dir: shards go to `{out_dir}/{name}/{NNNNN}.parquet` (schema `contracts.PROMPT_SCHEMA`,
-            `dflash` metadata `{schema_version, dataset, shard}`).
+        datasets: validated `config["datasets"]`, processed in mapping order: name -> `{path, format,
+            max_prompts, fraction, strict, mapping, languages, min_language_confidence}`; a source's
+            `languages` (a list, or `"any"`) and `min_language_confidence` override the arguments below.
+        out_dir: shards go to `{out_dir}/{name}/{NNNNN}.parquet` (`contracts.PROMPT_SCHEMA`).
         shard_size: prompts per shard (the last shard of a source may be smaller).
-        seed: seed of the per-record `fraction` decision (see module docstring).
-        tokenizer: object with `encode(text, add_special_tokens=False)`; needed when `max_prompt_tokens`
-            is set. Length = sum of the message contents' token counts (no chat template scaffolding).
-        max_prompt_tokens: drop prompts longer than this (counted as `too_long`).
-        languages: language allow-list (py3langid codes, `LANGUAGE_CODES`) for every source; None =
-            no language filter. See the module docstring for what is classified.
-        min_language_confidence: with a language filter, also drop prompts whose top language has a lower
-            probability than this (counted as `low_language_confidence`).
+        seed: seed of the per-record `fraction` decision.
+        tokenizer: has `encode(text, add_special_tokens=False)`; needed for `max_prompt_tokens` (length =
+            the message contents' token counts, no template) and `special_token_text`.
+        max_prompt_tokens: drop longer prompts (`too_long`).
+        languages: language allow-list (`LANGUAGE_CODES`) for every source; None = no filter.
+        min_language_confidence: also drop prompts whose top language is less likely
+            (`low_language_confidence`).
         manifest_path: default `{out_dir}/manifest.json`.
-        special_token_text: `prompts.special_token_text` (needs `tokenizer`): `drop` counts and drops
-            prompts whose system/user text contains a special-token string of the target tokenizer
-            (`dflash_pipeline.target.spans.control_token_strings`: `<|im_end|>`, `<think>`, tool markers;
-            the engines would parse them as control tokens, breaking the conversation's structure) as
-            `special_token_text`; `keep` keeps them and counts `kept_with_special_token_text`; None =
-            no check.
+        special_token_text: `drop` drops prompts whose system/user text holds a special-token string of the
+            target tokenizer (`special_token_text`); `keep` counts them; None = no check.
 
     Returns:
-        The manifest, also written as key-sorted JSON: `contracts.PromptManifest` (its docstring
-        says what each entry holds); shard `path` is relative to `out_dir`.
-
-    Side effects: shard files whose content is unchanged are not rewritten (mtime kept); no shard file is
-    ever deleted (inactive ones are listed, logged at INFO). A source that keeps no prompt is logged as a
-    WARNING with its drop counts.
+        The manifest (`contracts.PromptManifest`), also written as key-sorted JSON. Unchanged shard files
+        are not rewritten, and none is ever deleted (inactive ones are listed).
 
     Raises:
         DataError: malformed input in a `strict` source (names file, line/record and field), a `strict`
-            source none of whose records has a prompt field (names the source, its file, the first record's
-            fields and the fix), or no prompt kept at all.
-        ConfigError: a bad option (`.keep._checked_filters`), `fraction` or `format`; all but the last
-            two raised before any source is read.
-    """
+            source none of whose records has a prompt field, or no prompt kept at all.
+        ConfigError: a bad option, `fraction` or `format`."""
     filters, lang_filters = _checked_filters(
         datasets,
         shard_size=shard_size,

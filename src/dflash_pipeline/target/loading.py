@@ -337,20 +337,12 @@ def stream_head(target) -> Optional[torch.nn.Module]:
 
 def collapse_streams(target, hidden: torch.Tensor) -> torch.Tensor:
     """One hidden state `[b, S, H]` from a layer output: `hidden` itself when it is `[b, S, H]`; for a
-    hyper-connection target, whose decoder layers carry `n` parallel residual streams `[b, S, n, H]`
-    (DeepSeek-V4's mHC, `hc_mult` = 4), the target's own stream collapse (`stream_head`).
-
-    Why that collapse: it is the one learned map the model has from its streams to a single H-wide state,
-    the one its final norm and LM head read (`norm(hc_head(streams))`), and it weighs the streams per
-    token as the model learned to. A parameter-free reduction (the mean, or stream 0) ignores that
-    weighting; the flattened `n·H` streams (what SGLang hands its DeepSeek-V4 MTP head) would change the
-    drafter's input width away from the K·H every engine's DFlash drafter expects. The final norm is not
-    applied, as for every other family's intermediate layers (the drafter's `hidden_norm` normalises the
-    fused features). The collapsed state is in `hidden`'s dtype.
+    hyper-connection target with `n` parallel residual streams `[b, S, n, H]` (DeepSeek-V4's mHC), the
+    target's own learned stream collapse (`stream_head`, what its final norm and LM head read), without the
+    final norm, in `hidden`'s dtype.
 
     Raises:
-        TargetLoadError: `hidden` has parallel streams but the target has no stream collapse.
-    """
+        TargetLoadError: `hidden` has parallel streams but the target has no stream collapse."""
     if hidden.dim() != 4:
         return hidden
     head = stream_head(target)

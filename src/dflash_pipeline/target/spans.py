@@ -119,7 +119,7 @@ def conversation_sequences(
     control_strings: Sequence[str] | None = None,
     tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[TrainSequence]:
-    """Training sequences and supervised character spans for one conversation (see module docstring).
+    """Training sequences and supervised character spans for one conversation (docs/DESIGN.md §5).
 
     Args:
         tokenizer: HF tokenizer carrying the target's chat template.
@@ -128,36 +128,23 @@ def conversation_sequences(
         last_turn_only: supervise only the last assistant turn.
         prompt_id: used in error messages.
         specials: special-token strings (default: `special_token_strings`).
-        finish_reasons: per assistant turn; a turn with `"length"` (cut at max_tokens) gets no supervised
-            end-of-turn token, since the target never emitted one.
-        generated: per assistant turn, the text of the ids the target produced (`output_token_ids`
-            decoded with special tokens; None when unknown). When the rendered turn ends with that text
-            (end-of-turn and whitespace aside) but the template put non-whitespace text before it - e.g.
-            the empty `<think>\n\n</think>\n\n` Qwen3 renders for a turn without reasoning, which a
-            target that emitted no think block never generated - that leading text is scaffolding: 0.
-        counts: optional dict; `scaffolding_excluded` (turns where that happened) and
-            `render_differs_from_output_ids` (turns whose render does not end with the generated text,
-            e.g. a template that normalizes whitespace; their mask is left as the render gives it) are
-            incremented, and `output_ids_spliced` / `control_text_kept` (see below).
-        generated_ids: per assistant turn, the target's `output_token_ids` (None when unknown). When
-            their text (`generated[k]`) is exactly the turn's supervised text, the sequence carries them
-            as a `verbatim` entry: the supervised tokens are then the ids the target generated, not a
-            re-tokenization (`output_ids_spliced`).
-        control_strings: strings that would become control ids if tokenized as template text (default:
-            `control_token_strings`). Content or reasoning holding one (ids not spliced) is encoded as
-            plain text (`control_text_kept`) when the output ids show it was text, else fails closed
-            (`_check_markup_was_text`).
-        tools: the function schemas (the template's `tools`); `tool_calls` of assistant turns are
-            supervised as the template writes them, `tool` results never.
+        finish_reasons: per assistant turn; a `"length"` turn gets no supervised end-of-turn token.
+        generated: per assistant turn, the decoded `output_token_ids` (None when unknown); template text
+            before it in the rendered turn (Qwen3's empty think block) is scaffolding: 0.
+        counts: optional dict; increments `scaffolding_excluded`, `render_differs_from_output_ids`,
+            `output_ids_spliced` and `control_text_kept`.
+        generated_ids: per assistant turn, the target's `output_token_ids`; spliced in as the supervised
+            tokens when their text is exactly the turn's supervised text.
+        control_strings: strings that tokenize to control ids (default: `control_token_strings`).
+        tools: the function schemas (the template's `tools`); `tool` results are never supervised.
 
     Returns:
         Sequences in turn order (empty if there is no assistant turn).
 
     Raises:
         TokenizationError: the generation-prompt render is not a prefix of the render with the turn, or
-            the template drops the turn's content or reasoning (message names prompt_id and turn);
-            `MarkupWithoutIdsError` (see `control_strings`).
-    """
+            the template drops the turn's content or reasoning (names prompt_id and turn);
+            `MarkupWithoutIdsError`: control strings in a turn without ids to tell text from markup."""
     specials = special_token_strings(tokenizer) if specials is None else specials
     controls = control_token_strings(tokenizer) if control_strings is None else control_strings
     msgs = render_messages(messages)
@@ -457,22 +444,15 @@ _CHECK_TURNS = [
 
 def check_template(tokenizer, thinking: str, *, template_name: str = "the target's chat template") -> list[str]:
     """Check, before anything is generated, that the tokens stage can mask conversations of this template
-    in this thinking mode (single- and multi-turn, reasoning present for `save`; a system turn is tried
-    too, and a template that rejects it only warns).
-
-    The completions job runs it first, so a template/thinking combination the render path rejects
-    (DeepSeek-R1's `<think>` generation prompt, an always-thinking template with `disable`, reasoning
-    a template drops with `save`, ...) fails in seconds instead of after hours of generation.
+    in this thinking mode (single- and multi-turn, reasoning for `save`; a rejected system turn only warns).
 
     Returns:
-        Warnings (strings), e.g. when a rendered assistant turn does not end with a special token of the
-        tokenizer (the template's end-of-turn text is not one token: wrong template for this tokenizer,
-        or a template without an end-of-turn marker such as GLM's), so the drafter never learns the stop.
+        Warnings, e.g. a rendered assistant turn that does not end with a special token (the drafter would
+        never learn the stop).
 
     Raises:
-        ConfigError: the render path cannot derive exact masks (the message carries the render error and
-            names `target.chat_template`, `generation.thinking` and `tokens.use_server_token_ids`).
-    """
+        ConfigError: the render path cannot derive exact masks (names `target.chat_template`,
+            `generation.thinking` and `tokens.use_server_token_ids`)."""
     specials = special_token_strings(tokenizer)
     warnings: list[str] = []
     # (label, system turn, user turns); a template that rejects system turns (gemma-2) only warns

@@ -119,22 +119,20 @@ def tokenize_records(
     Args:
         tokenizer: the target tokenizer with its chat template.
         records: dicts with `prompt_id, messages, turns, thinking, status`.
-        max_length: keep at most this many tokens per sequence (`truncated` flag set when cut).
+        max_length: keep at most this many tokens per sequence (`truncated` set when cut).
         last_turn_only: supervise only the last assistant turn.
         strict: re-raise `TokenizationError`; `False` drops the record and counts it.
-        use_server_token_ids: records whose selected turns all carry prompt/output token ids become one
-            row per turn built from exactly those ids (`server_ids_used` counts those rows: every turn
-            trained from the server's ids, not the records).
-        stats: dict updated in place (see `_new_stats` for keys).
+        use_server_token_ids: records whose selected turns all carry server token ids become one row per
+            turn from exactly those ids (counted in `server_ids_used`).
+        stats: dict updated in place (keys: `_new_stats`).
         batch_size: sequences per batched tokenizer call.
 
     Yields:
-        ``{prompt_id, turn, input_ids: int32 ndarray [n], loss_mask: uint8 ndarray [n], num_tokens,
-        num_loss_tokens, truncated}` in input order (`turn``: last assistant turn the row supervises).
+        `{prompt_id, turn, input_ids: int32 [n], loss_mask: uint8 [n], num_tokens, num_loss_tokens,
+        truncated}` in input order (`turn`: the last assistant turn the row supervises).
 
     Raises:
-        TokenizationError: a conversation cannot be masked exactly and `strict` is set.
-    """
+        TokenizationError: a conversation cannot be masked exactly and `strict` is set."""
     stats = {} if stats is None else stats
     for key, value in _new_stats().items():
         stats.setdefault(key, value)
@@ -293,27 +291,24 @@ def tokenize_shard(
 
     Args:
         completion_shard: Parquet file with `contracts.COMPLETION_SCHEMA`.
-        out_path: token shard to write (Parquet, `contracts.TOKEN_SCHEMA`), atomically.
+        out_path: token shard to write (`contracts.TOKEN_SCHEMA`), atomically.
         target_dir: target model directory (tokenizer files).
-        tokens_cfg: validated `config["tokens"]` (`max_length`, `last_turn_only`; optional
-            `strict` default True, `use_server_token_ids` default False).
+        tokens_cfg: validated `config["tokens"]` (`max_length`, `last_turn_only`, `strict`,
+            `use_server_token_ids`).
         chat_template: optional .jinja file overriding the tokenizer's template.
         trust_remote_code: passed to `AutoTokenizer`.
-        tokenizer: an already loaded tokenizer (tests, benchmarks); overrides `target_dir`.
-        row_group_size: rows per Parquet row group; the shard is written one group at a time (bounded
-            memory) to a temporary file renamed into place at the end.
+        tokenizer: an already loaded tokenizer; overrides `target_dir`.
+        row_group_size: rows per Parquet row group (written one at a time: bounded memory).
 
     Returns:
-        Stats dict: ``records_in, records_out, conversations_kept, split_conversations, turns_supervised,
-        truncated, num_tokens, num_loss_tokens, straddling_tokens, dropped{reason: n}``, ...
-
-    File metadata (`shards.read_shard_metadata`): `schema_version`, `tokenizer_sha256`,
-    `chat_template_sha256`, `thinking` (modes seen), `max_length`, `last_turn_only`, `counts`.
+        Stats dict: `records_in, records_out, conversations_kept, split_conversations, turns_supervised,
+        truncated, num_tokens, num_loss_tokens, straddling_tokens, dropped{reason: n}`, ... File metadata:
+        `schema_version`, `tokenizer_sha256`, `chat_template_sha256`, `thinking`, `max_length`,
+        `last_turn_only`, `counts`.
 
     Raises:
         TokenizationError: a record cannot be masked exactly (names prompt_id and turn; `strict`).
-        ConfigError: the tokenizer has no chat template.
-    """
+        ConfigError: the tokenizer has no chat template."""
     if tokenizer is None:
         tokenizer = chat.load_tokenizer(target_dir, chat_template=chat_template, trust_remote_code=trust_remote_code)
     tokens_cfg = {**schema_defaults("tokens"), **tokens_cfg}  # a partial section (tests, benches): the schema's

@@ -97,19 +97,13 @@ def save_state(accelerator, state_dir: Path, step: int, identity: Optional[dict]
 def resume_state(accelerator, out_dir: Path, total_steps: int, streams, identity: Optional[dict] = None) -> int:
     """Load `state/` when it is this run's and return its step; on a fresh start clear the old logs and exports.
 
-    `streams` (`dflash_pipeline.train.rng.RankStreams`, the anchor generators) is registered
-    for checkpointing here, so every later `save_state` holds it. A state saved by another run
-    (its `run` differs from `identity`, `run_identity`: other settings, data, dtype, drafter) is not
-    resumed: it moves to `state.previous/` (nothing is lost) and the run starts from step 0, saying which
-    parts differ; so a rule that reruns because its settings or inputs changed trains those settings, and a
-    run killed and rerun unchanged continues exactly. A state of version 1 (saved before the streams and the
-    identity were, no `version` in `step.json`) is loaded without them: it resumes, but the data order
-    and anchors after it are not the uninterrupted run's (a warning says so).
+    Registers `streams` (`RankStreams`) for checkpointing. A state of another run (`run_identity` differs:
+    settings, data, dtype, drafter) moves to `state.previous/` and the run starts from step 0, saying which
+    parts differ. A version-1 state resumes without streams and identity, with a warning.
 
     Raises:
         ValueError: `state/` was written by a newer trainer (version above `STATE_VERSION`), or by
-            another number of ranks (`RankStreams.load_state_dict`).
-    """
+            another number of ranks."""
     state_dir = out_dir / "state"
     step = 0
     meta = json.loads((state_dir / "step.json").read_text()) if (state_dir / "step.json").is_file() else None

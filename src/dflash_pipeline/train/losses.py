@@ -180,22 +180,19 @@ def kl(
 ) -> LossOutput:
     """Soft-label distillation to the target: Σ_k w_k·[(1−λ)·T²·KL(p_T ‖ p_S) + λ·CE_k], normaliser Σ w_k.
 
-    p_T = softmax(z_target / T), p_S = softmax(z_drafter / T) over the full vocabulary, with
-    z_target = lm_head(teacher_hidden) and z_drafter = lm_head(hidden); T² keeps the gradient scale
-    independent of T (Hinton et al. 2015 §2). λ = `ce_weight` mixes in the hard-label CE (at T = 1).
-    w_k are the decayed slot weights ("KD + decay", Model-Optimizer `dflash_self_logit_distillation`).
+    p_T = softmax(lm_head(teacher_hidden) / T), p_S = softmax(lm_head(hidden) / T) over the full vocabulary;
+    T² keeps the gradient scale independent of T (Hinton et al. 2015 §2). w_k are the decayed slot weights
+    ("KD + decay", Model-Optimizer `dflash_self_logit_distillation`).
 
     Args:
         hidden: [b, Q, H] drafter output; lm_head_weight: [V, H] frozen target LM head.
         labels: long [b, Q]; weights: float [b, Q].
         teacher_hidden: [b, Q, H] target final hidden state per slot (`teacher_slot_hidden`).
         temperature: T > 0. ce_weight: λ in [0, 1].
-        logit_softcap: the target's `final_logit_softcapping` c (gemma: 30): teacher logits are
-            c·tanh(z/c) as the target computes them (HF `Gemma3ForCausalLM.forward`); the student's
-            stay uncapped, as vLLM's DFlash `compute_logits` serves them. None: no cap.
+        logit_softcap: the target's `final_logit_softcapping` c: teacher logits c·tanh(z/c) (HF
+            `Gemma3ForCausalLM.forward`); the student's stay uncapped, as vLLM serves them. None: no cap.
     Raises:
-        ValueError: T ≤ 0 or λ outside [0, 1].
-    """
+        ValueError: T ≤ 0 or λ outside [0, 1]."""
     if temperature <= 0:
         raise ValueError(f"kl: temperature must be > 0, got {temperature}")
     if not 0.0 <= ce_weight <= 1.0:

@@ -123,31 +123,23 @@ def train(
     feature_shards: Sequence[str | Path] = (),
     stream: Optional[dict] = None,
 ) -> dict:
-    """Train the drafter; see the module docstring for outputs. `cfg` is the validated `train` config
-    (missing keys take the schema defaults, `with_schema_defaults`).
+    """Train the drafter; outputs in the module docstring. Returns the summary dict (also written to
+    `train_summary.json`).
 
-    `target_dtype` / `trust_remote_code`: `target.dtype` / `target.trust_remote_code`
-    (`dflash_pipeline.target.loading.load_target`; `auto` = bf16 on CUDA, fp32 on CPU). The drafter keeps
-    float32 master weights; `train.mixed_precision` sets Accelerate's autocast. `device`:
-    `train.device` (`cpu`: CPU ranks whatever GPUs are visible; not part of `cfg`, which is the
-    rule's rerun fingerprint). `feature_shards` (one per token shard, same order) are read when
-    `cfg["target_features"]` is `shards`: the target is then never instantiated (embedding and LM head
-    only, `dflash_pipeline.train.data`). `stream`: the stream settings for `target_features: stream`
-    (`dflash_pipeline.train.stream.open_stream_data`; features from running feature servers, the
-    target never instantiated either).
-    `drafter_arch` holds the optional `layer_types`/`sliding_window` (config `drafter.*`).
-    `zero_target_features` trains the ablation baseline whose fused features are all zero (what the
-    target features buy). Returns the summary dict (also written to `train_summary.json`).
+    `cfg` is the validated `train` config (`with_schema_defaults`). `target_dtype` / `trust_remote_code`:
+    `target.dtype` / `target.trust_remote_code`. `device`: `train.device` (kept out of `cfg`, the rule's
+    rerun fingerprint). `feature_shards` (one per token shard, same order) are read when
+    `cfg["target_features"]` is `shards`; `stream` holds the settings for `stream`; in both the target is
+    never instantiated. `drafter_arch`: the optional `layer_types`/`sliding_window`. `zero_target_features`
+    trains the ablation baseline with all-zero fused features.
 
     Gradients: each micro-step backpropagates its unnormalised objective; after
-    `gradient_accumulation_steps` micro-steps the gradients are multiplied by world_size / Σ normaliser
-    (summed over ranks and micro-steps; DDP/FSDP average over ranks), so the update is that of the global
-    Σ terms / Σ normaliser whatever the split across ranks and micro-steps.
+    `gradient_accumulation_steps` micro-steps they are multiplied by world_size / Σ normaliser (over ranks
+    and micro-steps), so the update is that of the global Σ terms / Σ normaliser.
 
     Raises:
         ValueError: no token record has an anchor candidate; `train.packing` with a target that does
-            not keep packed records apart.
-    """
+            not keep packed records apart."""
     cfg = with_schema_defaults(cfg)
     out_dir = Path(out_dir)
     accelerator, log_with = _start_run(cfg, out_dir, device)

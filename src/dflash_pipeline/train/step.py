@@ -70,25 +70,18 @@ class StepContext:
 
 
 def step_objective(ctx: StepContext, batch: dict) -> L.LossOutput:
-    """One forward pass: target features → anchors → blocks → drafter → `ctx.loss` (dflash.md §4). What differs
-    per drafter family comes from its hooks (`dflash_pipeline.drafter.dflash.DFlashFamily`):
-    `training_blocks` (how a block reads the anchor's labels) and `objective` (given the plain objective).
+    """One forward pass: target features → anchors → blocks → drafter → `ctx.loss` (dflash.md §4). The
+    drafter family's hooks set how a block reads the anchor's labels (`training_blocks`) and the objective.
 
-    `batch`: `input_ids` long [b, S], `loss_mask` uint8 [b, S], `attention_mask` long [b, S];
-    packed rows (`dflash_pipeline.train.packing.collate_packed`) add `position_ids`/`segment_ids` and
-    anchors, labels and attention then stay inside each record. Precomputed `features`
-    [b, S, K·H] (and `target_last_hidden` [b, S, H] for `kl`: the last decoder layer's output before the
-    final norm, as feature shards and servers carry it; `ctx.final_norm` is applied) replace the target
-    forward (feature shards, streamed features).
-    Dtypes (dflash_pipeline.target.loading): the target runs in its dtype, the drafter in its parameter dtype
-    (inputs cast; Accelerate's autocast, when on, covers the drafter forward), the LM head in its dtype,
-    the loss in float32.
+    `batch`: `input_ids` long [b, S], `loss_mask` uint8 [b, S], `attention_mask` long [b, S]; packed rows add
+    `position_ids`/`segment_ids`. Precomputed `features` [b, S, K·H] (and `target_last_hidden` [b, S, H]
+    for `kl`, before the final norm) replace the target forward. Dtypes: the target in its dtype, the
+    drafter in its parameter dtype, the LM head in its dtype, the loss in float32.
 
-    Returns the unnormalised `dflash_pipeline.train.losses.LossOutput` (the caller normalises globally).
+    Returns the unnormalised `LossOutput` (the caller normalises globally).
 
     Raises:
-        ValueError: `kl` without the target's last hidden state (`_batch_features`).
-    """
+        ValueError: `kl` without the target's last hidden state."""
     ids, lmask = batch["input_ids"], batch["loss_mask"]
     packed = "segment_ids" in batch
     d = ctx.probe["drafter"]

@@ -39,30 +39,20 @@ class TestServer:
     Args:
         target_dir: serve the tiny target at this path (greedy); None = canned answers.
         model_name: id listed by `/v1/models` and echoed in answers.
-        faults: the fault plan (mutable while running; see `Faults`).
-        reasoning: canned mode only: act like a thinking model behind a reasoning parser (on
-            `/v1/completions`: write a `<think>` block into the text).
+        faults: the fault plan (`Faults`, mutable while running).
+        reasoning: canned mode: act like a thinking model behind a reasoning parser.
         tokenizer_dir: canned mode: decode token-id prompts of `/v1/completions` with this tokenizer.
-        reasoning_field: response field that carries reasoning (`reasoning_content` as SGLang and
-            older vLLM, `reasoning` as newer vLLM).
+        reasoning_field: `reasoning_content` (SGLang, older vLLM) or `reasoning` (newer vLLM).
         api_key: if set, requests without `Authorization: Bearer <api_key>` get 401.
         port: TCP port (0 = a free one).
-        host: address to bind (`0.0.0.0` = every interface; `base_url` then names 127.0.0.1).
-        spec_accept_length: act like an engine with a drafter loaded that reports this acceptance
-            length (canned speculative metrics; see the module docstring). None = no such metrics.
-        spec_meta_info: with `spec_accept_length`, also put `meta_info` in each answer (SGLang);
-            False = counters on `/metrics` only (vLLM). Flavor vllm only (the sglang flavors answer
-            `meta_info` per choice when the request asks, as SGLang does).
-        flavor: answer shapes: `vllm` (token ids as vLLM returns them), `sglang` (SGLang's shapes and
-            streaming, `.sglang`), `sglang-legacy` (an SGLang before PR #30917: no token ids).
-        spec_block_size: sglang flavors: the drafter's block size (SGLang's `--speculative-num-draft-tokens`)
-            of the `spec_*` histograms.
-        return_input_ids, return_output_ids: sglang flavor: put the ids in every answer's `sglext`, as
-            SGLang's `--return-input-ids` / `--return-output-ids` do.
-        spec_long_context: `(prompt tokens, τ)`: answers to prompts of at least that many tokens report
-            this acceptance length instead of `spec_accept_length` (acceptance collapsing at long context,
-            vllm-ascend#15237), in `meta_info` and in the counters alike.
-    """
+        host: address to bind (`base_url` names 127.0.0.1 for `0.0.0.0`).
+        spec_accept_length: report this acceptance length as an engine with a drafter; None = no metrics.
+        spec_meta_info: with `spec_accept_length`, also `meta_info` in each answer (flavor vllm only).
+        flavor: `vllm`, `sglang` (`.sglang`) or `sglang-legacy` (no token ids).
+        spec_block_size: sglang flavors: the block size of the `spec_*` histograms.
+        return_input_ids, return_output_ids: sglang flavor: ids in every answer's `sglext`.
+        spec_long_context: `(prompt tokens, τ)`: longer prompts report this τ instead (acceptance
+            collapsing at long context, vllm-ascend#15237)."""
 
     __test__ = False  # not a pytest test class
 
