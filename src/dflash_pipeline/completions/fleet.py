@@ -72,24 +72,13 @@ def _model_list(ids: Sequence[str], limit: int = 8) -> str:
 
 
 def _settle_model(model: str | None, served: Sequence[tuple[str, list[str]]], *, configured: bool) -> str | None:
-    """The model to send, checked against what the endpoints list.
-
-    Args:
-        model: `generation.model`, or the model settled earlier in this job; None = pick one.
-        served: `(url, ids)` of every endpoint whose `GET /models` answered, in config order (urls
-            redacted). An endpoint listing no model is not judged (some servers list nothing).
-        configured: `model` comes from `generation.model` (else from an earlier `/models`), for the
-            message.
-
-    Returns:
-        `model` when given; else the first id of the first endpoint listing one; None when no endpoint
-        lists a model.
+    """The model to send: `model` (`generation.model` when `configured`, or settled earlier) when given,
+    else the first id the endpoints list (`served`: `(url, ids)` per answering endpoint; an empty list is
+    not judged); None when none lists one.
 
     Raises:
-        ConfigError: `model` is not among the ids an endpoint lists (names each such endpoint, what it
-            lists, and `generation.model`), or no model is given and the endpoints list different ones
-            (names each endpoint and what it serves).
-    """
+        ConfigError: `model` is not listed by an endpoint, or none is given and the endpoints list
+            different ones (names each endpoint and what it lists)."""
     listing = [(url, list(ids)) for url, ids in served if ids]
     if model:
         bad = [(url, ids) for url, ids in listing if model not in ids]

@@ -165,19 +165,16 @@ def shard_stats(
     backend_stats: dict,
     skip_info: dict | None = None,
 ) -> CompletionStats:
-    """The stats JSON of one completion shard (`contracts.CompletionStats`, version
-    `contracts.COMPLETION_STATS_VERSION`; see `dflash_pipeline.completions.generate_shard`):
-    the whole shard's counts at the top level, this run's in `run`.
+    """The stats JSON of one completion shard (`contracts.CompletionStats`): the whole shard's counts at the
+    top level, this run's in `run`.
 
     Args:
         records: the shard's final records (resumed ones included), in shard order.
-        generated_ids: prompt_ids of the conversations sent in this run.
+        generated_ids: prompt_ids sent in this run.
         resumed: conversations taken from the progress file.
-        wall_s: seconds of this run (the rates divide this run's counts by it).
-        backend_stats: the backend's counters of this run (`requests, attempts, retries`, for openai
-            `rate_limited`, `endpoints`, `client_processes`), merged last into `run`.
-        skip_info: `skipped` and `skipped_examples` of the shard (generate.py's `_skip_summary`).
-    """
+        wall_s: seconds of this run (the rates' denominator).
+        backend_stats: the backend's counters of this run, merged last into `run`.
+        skip_info: `skipped` and `skipped_examples` of the shard."""
     counts = Counter(r["status"] for r in records)
     all_turns = [t for r in records for t in r["turns"]]
     gen_turns = [t for r in records if r["prompt_id"] in generated_ids for t in r["turns"]]

@@ -27,21 +27,18 @@ def build_block_mask(
 ) -> torch.Tensor:
     """Dense training attention mask (dflash.md §4.4), True = attend.
 
-    KV layout is [context (S) ‖ block_0 (B) ‖ … ‖ block_{N−1} (B)]; queries are the N·B block slots.
-    Query slot q of block n = q // B may see context key j iff j < anchors[n] (strictly before the
-    anchor, by *position*, so overlapping anchors never leak), and every key of its own block
-    (bidirectional). It never sees other blocks. Every row has ≥ 1 visible key (its own anchor).
+    KV layout [context (S) ‖ block_0 (B) ‖ … ‖ block_{N−1} (B)]; queries are the N·B block slots. Slot q of
+    block n = q // B sees context key j iff j < anchors[n] (by position, so overlapping anchors never leak)
+    and every key of its own block, never other blocks.
 
-    `sliding_window` (sliding-attention layers, dflash.md §2.3, SpecForge semantics): the context is
-    further limited to keys with `query_position − j < sliding_window`, and inside the block a slot
-    sees only slots at or before it (causal; `block_causal=False`: the whole block, DFlash2's non-causal
-    sliding window, `dflash_pipeline.drafter.dflash2`).
+    `sliding_window` (dflash.md §2.3, SpecForge semantics) also limits the context to
+    `query_position − j < sliding_window`, and the block to slots at or before the query (`block_causal=False`:
+    the whole block, DFlash2).
 
     Args:
         anchors: long [b, N].
     Returns:
-        bool [b, 1, N·B, S + N·B].
-    """
+        bool [b, 1, N·B, S + N·B]."""
     b, n = anchors.shape
     dev = anchors.device
     q_block = torch.arange(n * block_size, device=dev) // block_size  # [Q]

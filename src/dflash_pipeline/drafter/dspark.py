@@ -232,19 +232,18 @@ def dspark_objective(
     logit_softcap: float | None = None,
 ) -> BL.LossOutput:
     """Σ_k w_k·[a·CE_k + c·TV_k + λ·BCE_k] with normaliser Σ w_k; `loss` `ce_decay`: a = 1, c = 0;
-    `dspark_tv`: a = `ce_weight`, c = `tv_weight` (0.1·CE + 0.9·TV(p_target, p_draft); TV = ½ Σ_v |p_T − p_D|
-    is one minus the acceptance rate of speculative sampling, Leviathan et al. 2023 §3). λ = `confidence_weight`
-    when the drafter has a confidence head (BCE against "the draft's argmax is the gold token"), else 0.
-    Logits = `lm_head(h_k)` + the Markov bias of the gold previous token.
+    `dspark_tv`: a = `ce_weight`, c = `tv_weight`, TV = ½ Σ_v |p_T − p_D| (one minus the acceptance rate of
+    speculative sampling, Leviathan et al. 2023 §3). λ = `confidence_weight` with a confidence head (BCE
+    against "the draft's argmax is the gold token"), else 0. Logits = `lm_head(h_k)` + the Markov bias of
+    the gold previous token.
 
     Args:
         drafter: a `DSparkDrafter` (unwrapped).
         hidden: [b, N·B, H]; lm_head_weight: [V, H]; blocks: `dspark_blocks`.
-        teacher_hidden: [b, N·B, H] target final hidden state predicting each label (required for `dspark_tv`).
-        logit_softcap: the target's `final_logit_softcapping`: its teacher logits are capped as the target's are.
+        teacher_hidden: [b, N·B, H] target final hidden state per label (required for `dspark_tv`).
+        logit_softcap: the target's `final_logit_softcapping`, applied to the teacher logits.
     Raises:
-        ValueError: unknown `loss`, or `dspark_tv` without `teacher_hidden`.
-    """
+        ValueError: unknown `loss`, or `dspark_tv` without `teacher_hidden`."""
     if loss not in ("ce_decay", "dspark_tv"):
         raise ValueError(f"train.loss: {loss} cannot train a DSpark drafter (ce_decay or dspark_tv)")
     if loss == "dspark_tv" and teacher_hidden is None:

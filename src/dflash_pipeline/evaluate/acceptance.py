@@ -478,16 +478,10 @@ def evaluate(
     train_log: Optional[str | Path] = None,
 ) -> dict:
     """Run the speculative loop for every drafter (label → checkpoint dir, or None for an untrained
-    random-init drafter as a floor) on every eval set; write the eval record JSON (+ a PNG plot, a TSV
-    table). A checkpoint trained with zeroed target features (`checkpoint_info`) is fed zeros here too.
+    drafter as a floor) on every eval set; write the eval record JSON (+ a PNG plot, a TSV table).
 
-    `exclude_prompt_ids`: training prompts, never drawn as eval prompts (see `load_eval_sets`).
-    `checkpoint_series` (step → checkpoint, e.g. `step_checkpoints` plus `final`): τ of each on
-    the first `eval.checkpoint_samples` prompts of every set, written to `series_json` and plotted to
-    `series_png` (with the train-time EAL proxy from `train_log` when given).
-    Running: `open_session`, `run_drafters`, `run_checkpoint_series`; writing (`.eval_outputs`):
-    `write_eval_outputs`, `plot_tau_vs_step`.
-    """
+    `exclude_prompt_ids`: training prompts, never drawn. `checkpoint_series` (step → checkpoint): τ of each
+    on the first `eval.checkpoint_samples` prompts of every set, to `series_json` and `series_png`."""
     session = open_session(
         target_dir=target_dir,
         probe=probe,

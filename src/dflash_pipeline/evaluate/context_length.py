@@ -93,25 +93,19 @@ def tau_by_context_length(responses: Sequence[tuple[Sequence[int], Sequence[int]
 
 
 def tau_by_prompt_length(responses: Sequence[tuple[int, float, int | None]], edges: Sequence[int]) -> dict:
-    """τ per context-length bucket as a serving engine allows it: per request, not per verify step.
-
-    An engine reports acceptance per request (SGLang's `meta_info.spec_accept_length`; vLLM's counters,
-    read around each request when requests go one at a time), so a request is put in the bucket of its
-    prompt length (`usage.prompt_tokens`: the context at its first verify step; its later steps are
-    `max_new_tokens` longer at most). τ of a bucket is the mean of its requests' a+1 means, as
-    `tau_by_context_length` takes the mean over responses.
+    """τ per context-length bucket per request (engines report acceptance per request, not per verify step):
+    a request goes to the bucket of its prompt length; a bucket's τ is the mean of its requests' a+1 means.
 
     Args:
         responses: per request `(prompt tokens, a+1 mean, verify steps or None)`.
         edges: bucket edges in tokens (`bucket_labels`).
 
     Returns:
-        label → ``{tau, num_responses, num_steps (None when the engine does not say), range: [lo, hi),
-        basis: "prompt_tokens"}`` for every bucket with a request, in bucket order.
+        label → `{tau, num_responses, num_steps (or None), range: [lo, hi), basis: "prompt_tokens"}` for
+        every bucket with a request, in bucket order.
 
     Raises:
-        ConfigError: bad edges.
-    """
+        ConfigError: bad edges."""
     labels = bucket_labels(edges)
     per: dict[int, list[tuple[float, int | None]]] = {}
     for prompt_tokens, tau, steps in responses:

@@ -32,18 +32,15 @@ ENGINE_FIGURES = (
 def attach_engine_tau(record: dict, engine_record: dict, *, label: str = "trained") -> list[str]:
     """Put the engine's figures beside drafter `label`'s loop figures in the eval `record` (in place).
 
-    Per set, `record["drafters"][label]["sets"][set]["engine"]` gets the engine's `tau` (pooled),
-    `per_position_acceptance`, `histogram`, `num_steps`, plus `loop_tau_pooled` (the loop's
-    `tokens_per_step`), `diff` (engine − loop), `z` and `agrees` (|z| ≤ `DISAGREEMENT_Z`;
-    see the module docstring). `record["engine"]` gets the engine's settings and `warnings`.
+    Per set, `...["sets"][set]["engine"]` gets the engine's `tau` (pooled), `per_position_acceptance`,
+    `histogram`, `num_steps`, `loop_tau_pooled`, `diff` (engine − loop), `z` and `agrees`
+    (|z| ≤ `DISAGREEMENT_Z`); `record["engine"]` gets the engine's settings and `warnings`.
 
-    Returns the warnings (also printed): one per set that disagrees beyond the noise, one when the
-    engine serves this drafter inexactly (`engine.exact` False), and one when it served another dtype than
-    the loop's (`engine.served_dtype` or `dtype` against the record's `settings.dtype`).
+    Returns the warnings (also printed): a set that disagrees beyond the noise, an engine that serves this
+    drafter inexactly, or one that served another dtype than the loop's.
 
     Raises:
-        EngineComparisonError: the two records were measured under different settings or prompts.
-    """
+        EngineComparisonError: the two records were measured under different settings or prompts."""
     st, est = record["settings"], engine_record["settings"]
     for key in ("block_size", "max_new_tokens", "temperature", "thinking"):
         if st.get(key) != est.get(key):

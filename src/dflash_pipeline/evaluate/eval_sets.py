@@ -24,20 +24,15 @@ def training_prompt_ids(manifest_path: str | Path) -> set[str]:
 def load_eval_sets(
     eval_cfg: dict, exclude_prompt_ids: Iterable[str] = (), *, count_tokens=None
 ) -> tuple[dict[str, list[dict]], dict[str, dict]]:
-    """Each eval set's prompts (`prompts.load_eval_prompts`), with prompts seen in training removed
-    *before* the seeded draw of `num_samples` (so the count holds when enough held-out prompts exist).
-    A set with `build_to_tokens` is a set of long conversations built up to that many tokens
-    (`dflash_pipeline.evaluate.long_conversations.load_long_conversations`; `count_tokens(messages)`
-    is the rendered length, required then).
+    """Each eval set's prompts (`load_eval_prompts`), training prompts removed before the seeded draw of
+    `num_samples`. A set with `build_to_tokens` is built of long conversations
+    (`load_long_conversations`; needs `count_tokens(messages)`, the rendered length).
 
-    Returns `(sets, info)`: name → records, and name → ``{path, format, num_samples, available,
-    excluded_training_prompts, num_prompts, num_turns}` (+ `build_to_tokens` and `context_tokens``, the
-    mean rendered tokens before the answered turn, for long conversations).
+    Returns `(sets, info)`: name → records, and name → `{path, format, num_samples, available,
+    excluded_training_prompts, num_prompts, num_turns}` (+ `build_to_tokens`, `context_tokens`).
 
     Raises:
-        ConfigError: a set left with no prompt (every one of them was also a training prompt), which would
-            otherwise report τ = 0.
-    """
+        ConfigError: a set left with no prompt (every one was a training prompt)."""
     from dflash_pipeline.core.errors import ConfigError
     from dflash_pipeline.prompts import load_eval_prompts
 

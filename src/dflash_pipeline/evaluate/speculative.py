@@ -217,18 +217,13 @@ def speculative_generate(
 ) -> SpecResult:
     """Generate up to `max_new_tokens` tokens for one prompt with DFlash speculative decoding (batch 1).
 
-    `block_size` ≤ the drafter's trained block size. The drafts and their verify rule are the drafter
-    family's (`dflash_pipeline.drafter.model.DFlashDrafter.propose`): DFlash drafts B − 1 tokens
-    greedily, DFlash2 walks its candidate selector, DSpark drafts B tokens left to right and verifies the
-    prefix its confidence admits at `confidence_threshold` (0: all). `zero_target_features` feeds the drafter zeros
-    instead of the target's features (for the baseline trained that way; the target still verifies).
-    The target cache follows `TargetCache` (any cache type); the drafter runs in its own dtype
-    (eval loads it in the target's, `dflash_pipeline.target.loading.drafter_dtype`).
-    Returns a `SpecResult`.
+    `block_size` ≤ the drafter's trained one. Drafts and verify rule are the family's
+    (`DFlashDrafter.propose`); DSpark verifies the prefix its confidence admits at `confidence_threshold`
+    (0: all). `zero_target_features` feeds the drafter zeros (the baseline trained that way). The target
+    cache follows `TargetCache`; the drafter runs in its own dtype. Returns a `SpecResult`.
 
     Raises:
-        ValueError: `block_size` larger than the drafter's, or an empty prompt.
-    """
+        ValueError: `block_size` larger than the drafter's, or an empty prompt."""
     from dflash_pipeline.target.loading import input_embeddings, lm_head
 
     _check_loop_args(drafter, prompt_ids, block_size)

@@ -117,17 +117,13 @@ def extract_shard(
     """Write the feature shard `out` for `token_shard` (format: `.format`). Returns stats
     `{records, tokens, resumed_from, seconds, tokens_per_s, bytes}`.
 
-    `engine`: a running extractor to use instead of starting one of `backend` (it is not closed here;
-    `.extract_stream` passes one that sends the records to feature servers, reused for many shards).
-
-    `target_dtype`: the dtype the target runs in (`auto` = float32 on CPU, bfloat16 on GPU); the stored
-    dtype is `dtype` (`bfloat16` or `float8_e4m3`). `gpus`: devices of the job (0 = CPU); vLLM uses
-    them for tensor parallelism, transformers spreads the layers over them (`device_map`).
+    `engine`: a running extractor to use instead of starting one of `backend` (not closed here).
+    `target_dtype`: the target's compute dtype (`auto` = float32 on CPU, bfloat16 on GPU); `dtype`: the
+    stored one (`bfloat16` or `float8_e4m3`). `gpus`: the job's devices (0 = CPU).
 
     Raises:
         ValueError: unknown backend; the engine returned other token ids than the shard's (names the record).
-        OSError: ENOSPC when the filesystem cannot hold the shard (before any compute).
-    """
+        OSError: ENOSPC when the filesystem cannot hold the shard (before any compute)."""
     if engine is None and backend not in BACKENDS:
         raise ValueError(f"features.backend {backend!r}: expected one of {BACKENDS}")
     t0 = time.time()

@@ -166,18 +166,14 @@ def read_scratch_file(
 ) -> tuple[bytes, int]:
     """Read a server's answer file and delete it (and its `.lock`): `(safetensors bytes, size in bytes)`.
 
-    `want`: the record's `hidden_states` shape [T, n_aux, H]. The file is checked first
-    (`open_scratch_answer`: under `scratch_dir`, a regular file, at most `max_answer_bytes`),
-    then its header (`check_answer_header`: that shape, and exactly the size it gives) before the data
-    is read. Waits on `<path>.lock` (shared flock) when the server holds one while writing (vLLM's
-    connector; our hf server writes atomically and has none). `on_size(n)` is called with the file's size
-    once it is open and with `-n` once it is deleted (the scratch accounting).
+    `want`: the record's `hidden_states` shape [T, n_aux, H]. The file (`open_scratch_answer`) and its header
+    (`check_answer_header`: that shape and exactly its size) are checked before the data is read; a
+    `<path>.lock` (vLLM's connector) is waited on. `on_size(n)` gets the size once open and `-n` once deleted.
 
     Raises:
         UntrustedAnswer: the path or the size cannot be trusted (nothing read or deleted).
-        AnswerMismatch: the header names another shape (the file is deleted: it is a real answer).
-        ValueError: a malformed header (the file is deleted). OSError: the file is not there.
-    """
+        AnswerMismatch: the header names another shape (the file is deleted).
+        ValueError: a malformed header (the file is deleted). OSError: the file is not there."""
     max_bytes = max_answer_bytes(*want)
     if isinstance(path, str) and _under(os.path.realpath(path), os.path.realpath(scratch_dir)):
         _wait_for_writer(path + ".lock")

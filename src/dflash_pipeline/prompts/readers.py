@@ -77,20 +77,14 @@ def _record_kind(path: Path) -> str | None:
 
 
 def list_source_files(path: str | os.PathLike, split: str | None = None) -> list[Path]:
-    """Files of a source, in the order they are read.
-
-    A file is returned as is. A directory yields every supported file below it (recursively, hidden
-    files and folders skipped) sorted by relative POSIX path, so `part-00010` after `part-00009` with
-    zero-padded names. A Hugging Face `save_to_disk` directory (`state.json` + `*.arrow`) yields only
-    its `.arrow` files (read with pyarrow: no `datasets` install needed). A saved `DatasetDict`
-    (`dataset_dict.json` + one directory per split) yields the files of `split` (default `train`,
-    or its only split).
+    """Files of a source, in the order they are read: a file as is; a directory's supported files
+    (recursively, hidden ones skipped) sorted by relative POSIX path; a `save_to_disk` directory's `.arrow`
+    files; a saved `DatasetDict`'s files of `split` (default `train`, or its only split).
 
     Raises:
-        DataError: the path does not exist, has an unsupported suffix, the directory holds no supported
-            file, or a DatasetDict has no such split (the message lists its splits).
-        ConfigError: `split` given for a source that is not a saved DatasetDict.
-    """
+        DataError: the path does not exist, has an unsupported suffix, holds no supported file, or a
+            DatasetDict has no such split (lists its splits).
+        ConfigError: `split` given for a source that is not a saved DatasetDict."""
     p = Path(path)
     if not p.exists():
         raise DataError(f"{p}: no such file or directory (check `datasets.<name>.path` / `eval.sets.<name>.path`)")

@@ -1,9 +1,6 @@
-"""String level of the tokens stage: supervised character spans from render differences.
-
-The method (prefix diffs of generation-prompt and turn renders, end-of-turn rules, splitting templates
-that rewrite earlier turns, scaffolding the target never generated) is described in the docstring of
-`dflash_pipeline.tokens.shard`, which turns these spans into token masks. This module needs no numpy or
-pyarrow, so the completions job can run `check_template` before generating (its conda env).
+"""String level of the tokens stage: supervised character spans from render differences (the method:
+docs/DESIGN.md §5; `dflash_pipeline.tokens.shard` turns the spans into token masks). No numpy or pyarrow,
+so the completions job can run `check_template` before generating.
 """
 
 from __future__ import annotations
@@ -251,7 +248,7 @@ def _turn_span(
     control_ids: Mapping[int, str] | None = None,
 ) -> tuple[str, int, int, list]:
     """`(Q, span_start, span_end, verbatim)` of assistant turn `k` from its generation-prompt render `p`
-    and its render `q` (steps 1-2 and 5 of the `dflash_pipeline.tokens.shard` method); `message` is the
+    and its render `q` (steps 1-2 and 5 of docs/DESIGN.md §5); `message` is the
     turn as the template saw it, `cut`: generation stopped at max_tokens (no end-of-turn supervised).
 
     Raises:
@@ -411,8 +408,8 @@ def _verbatim_ranges(
 
 
 def _fewest_sequences(turn_spans: dict[int, tuple[str, int, int, list]]) -> list[TrainSequence]:
-    """The fewest sequences that supervise each turn once, in a context it was generated in (step 3 of the
-    `dflash_pipeline.tokens.shard` method): greedy from the last pending turn `j`, whose render `Q_j`
+    """The fewest sequences that supervise each turn once, in a context it was generated in (step 3 of
+    docs/DESIGN.md §5): greedy from the last pending turn `j`, whose render `Q_j`
     supervises every pending turn `k` with `Q_j.startswith(Q_k[:end_k])`. Returned in turn order."""
     pending = sorted(turn_spans)
     seqs: list[TrainSequence] = []

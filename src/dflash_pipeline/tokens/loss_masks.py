@@ -56,13 +56,8 @@ def mask_from_offsets(offsets: np.ndarray, spans: Sequence[tuple[int, int]]) -> 
 def span_token_ranges(
     encoding, spans: Sequence[tuple[int, int]], n_chars: int
 ) -> tuple[list[tuple[int, int]], int] | None:
-    """Token index ranges of supervised character spans, from the span boundaries only.
-
-    Equivalent to `mask_from_offsets` for tokenizers whose token offsets are non-decreasing (every
-    fast tokenizer on text without added post-processor tokens), at two `char_to_token` lookups per
-    span instead of converting every token's offsets: a token is inside `[s, e)` iff it starts at or
-    after `s` and ends at or before `e`; the token containing `s` (`e`) straddles when it starts
-    before `s` (`e`).
+    """Token index ranges of supervised character spans, from the span boundaries only: the same as
+    `mask_from_offsets` when offsets are non-decreasing, at two `char_to_token` lookups per span.
 
     Args:
         encoding: a `tokenizers.Encoding` of the sequence text (`add_special_tokens=False`).
@@ -71,8 +66,7 @@ def span_token_ranges(
 
     Returns:
         `([(first_token, end_token), ...], straddling_tokens)`, or None when a boundary character maps to
-        no token (a normalizer dropped it): callers then use `mask_from_offsets`.
-    """
+        no token: callers then use `mask_from_offsets`."""
     ranges: list[tuple[int, int]] = []
     straddlers: set[int] = set()  # a token can straddle two spans (or both ends of one): count it once
     n_tokens = len(encoding.ids)

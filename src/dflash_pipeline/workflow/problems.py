@@ -116,16 +116,10 @@ def target_architecture_problems(target_dir: str | Path) -> list[str]:
 
 
 def probe_gate_problems(cfg: Mapping[str, Any], probe_record: str | Path) -> list[str]:
-    """The probe's config-only checks (`dflash_pipeline.probe.check_target_config`) of a local target
-    that has no probe record yet, or one older than its `config.json`: one `target.path` line when the
-    probe would refuse it (reasons that need the config class, beyond `target_architecture_problems`:
-    a layer count the class derives, a drafter it cannot size, a rotary vLLM would serve differently). []
-    for the demo target and for a target the probe record already accepted (then nothing is imported:
-    planning an existing run stays fast; the first plan of a target pays the transformers import, ~2 s).
-
-    The Snakefile raises it while planning, before any job: completions do not wait for the probe job (its
-    record is not their input, so upgrading never reruns them), and a refused target must not cost a
-    generation pass first."""
+    """The probe's config-only checks (`probe.check_target_config`) of a local target without a probe
+    record, or with one older than its `config.json`: one `target.path` line when the probe would refuse it.
+    [] for the demo target and for a target its probe record accepted (nothing imported then). The Snakefile
+    raises it while planning: a refused target must not cost a generation pass first."""
     from dflash_pipeline.core.errors import ConfigError, ProbeError
 
     path = cfg["target"]["path"]
