@@ -1,15 +1,11 @@
 """Several client processes for one shard (`generation.client_processes > 1`).
 
-The openai client costs about 0.7-1 ms of CPU per request, so one event loop fills one core at about
-1,000-1,400 requests/s. With client_processes = P the parent starts P "spawn" processes, each with its
-own event loop and fleet (every endpoint's max_concurrency split between them, the shares summing to
-the cap, `_split_caps`); they take batches of prompts from one shared queue (dynamic: a long
-conversation does not hold up a static part) and send each finished record back. The parent stays the
-only writer: it calls `on_done` per record (progress file, error sidecar, bar), so a killed job re-sends
-its in-flight conversations plus those still in the results pipe, never one the progress file holds.
-Each process has its own take-out/re-probe state and circuit breaker.
+One event loop fills a core at about 1,000-1,400 requests/s. With P processes each has its own event
+loop, fleet (every endpoint's `max_concurrency` split, `_split_caps`), take-out state and breaker; they
+take prompt batches from one shared queue and send finished records back. The parent is the only writer
+(`on_done`: progress file, sidecar, bar), so a killed job re-sends only in-flight conversations.
 
-Messages on the results queue: `("recs", [record, ...])`, `("log", wid, logger, level, text)`,
+Results queue messages: `("recs", [record, ...])`, `("log", wid, logger, level, text)`,
 `("done", wid, stats)`, `("error", wid, message, "ConfigError" | "GenerationError")`.
 """
 

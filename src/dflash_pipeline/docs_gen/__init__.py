@@ -1,18 +1,10 @@
 """Writes the generated pages of the documentation site and the README's generated tables.
 
-`python -m dflash_pipeline.docs_gen` (run from the repo root) rewrites:
-
-* `docs/reference/config.md`: every config key with its type, default and description, from the JSON Schema
-  (`config/schema.yaml`);
-* `docs/reference/cli.md`: the `--help` of every entry point, from its argparse parser;
-* `docs/reference/rules.md`: every rule with its description and outputs, from `rules/*.smk`;
-* `docs/reference/families.md`: the supported-families table, from `docs/results/zoo.json` (written by
-  `python -m dflash_pipeline.testing.zoo --table --json docs/results/zoo.json`);
-* the blocks of the README and the tutorial between `<!-- BEGIN GENERATED name -->` and `<!-- END GENERATED name -->`: the demo's
-  τ table (from `docs/results/demo/acceptance.json`, an eval record of a default demo run) and the
-  supported-families summary.
-
-`--check` writes nothing and exits 1 listing the files that differ (`tests/unit/test_docs_gen.py` runs it).
+`python -m dflash_pipeline.docs_gen` (from the repo root) rewrites `docs/reference/config.md` (from the
+JSON Schema), `cli.md` (every entry point's argparse), `rules.md` (`rules/*.smk`), `families.md`
+(`docs/results/zoo.json`) and the blocks between `<!-- BEGIN GENERATED name -->` and
+`<!-- END GENERATED name -->` in the README and the tutorial. `--check` writes nothing and exits 1
+listing the files that differ.
 """
 
 from __future__ import annotations

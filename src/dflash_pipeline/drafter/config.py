@@ -1,20 +1,11 @@
 """The drafter's configuration, `DFlashConfig`: the only reader and writer of a drafter checkpoint's
 `config.json` (reference/dflash.md §8.2).
 
-HF style (like `transformers/models/qwen3/configuration_qwen3.py`): a strict dataclass config. It extends
-`Qwen3Config` because the drafter's layers are Qwen3 layers and SGLang/vLLM load the checkpoint as a
-`model_type: qwen3` config with the DFlash fields beside it; the DFlash fields are declared here rather
-than patched onto a `Qwen3Config` instance:
-
-- `block_size` B: tokens per draft block as trained (slot 0 the bonus token, B − 1 drafts; §2.5);
-- `num_target_layers`: decoder layers of the target the drafter was sized from;
-- `dflash_config`: `{"target_layer_ids": [...], "mask_token_id": int}` (the engines' key names):
-  canonical target layer ids (0-based decoder layer whose output feeds the drafter,
-  `dflash_pipeline.target.layer_ids`) and the token id of the block's mask slots.
-
-Written beside them: `eagle_aux_hidden_state_layer_ids` (the engine layer ids, `engine_layer_ids`),
-`dtype`, and the pipeline's own `dflash_pipeline` block (:class:`dflash_pipeline.core.contracts.
-CheckpointMeta`, read back by `checkpoint_meta`).
+A strict dataclass config extending `Qwen3Config` (SGLang/vLLM load the checkpoint as `model_type: qwen3`
+with the DFlash fields beside it): `block_size` B (slot 0 the bonus token, B − 1 drafts),
+`num_target_layers`, and `dflash_config` `{"target_layer_ids": [...], "mask_token_id": int}`. Written
+beside them: `eagle_aux_hidden_state_layer_ids` (`engine_layer_ids`), `dtype`, and the pipeline's
+`dflash_pipeline` block (`contracts.CheckpointMeta`, read back by `checkpoint_meta`).
 """
 
 # no `from __future__ import annotations`: @strict validates the fields against their (evaluated) types

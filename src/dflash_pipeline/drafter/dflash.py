@@ -1,24 +1,14 @@
 """The DFlash family (`drafter.family: dflash`, the default) and the base class of every drafter family.
 
-A family is a `DFlashFamily` subclass registered with `dflash_pipeline.drafter.families.register`.
-It owns, in its own module:
+A family is a `DFlashFamily` subclass registered with `.families.register`; its module owns its config
+class and model, its anchors and slots (`drafts_per_block`, `label_slots`, `first_draft_slot`), its
+training hooks (`training_blocks`, `objective`), its verify rule (`teacher_forced_hits`) and proposal,
+its export (`speculative_config`, `engine_env`, `serve_md`) and its planning checks and params
+(docs/how-to/add-a-drafter-family.md).
 
-* its config class (a subclass of `DFlashConfig` that round-trips through
-  `config.json`; it also names the served identity: `architecture`, `speculative_method`,
-  `drafts_from_anchor`) and its model (`DFlashFamily.drafter_class`);
-* its anchors and slots: `DFlashFamily.drafts_per_block`, `label_slots`,
-  `first_draft_slot`;
-* its objective, as the hooks the one training step (`dflash_pipeline.train.step.step_objective`) calls:
-  `training_blocks` and `objective`; its teacher-forced verify rule
-  (`teacher_forced_hits`, held-out acceptance) and its proposal (the drafter's `propose`);
-* its export: `config.json` (the config class), `speculative_config`,
-  `engine_env` and `serve_md`;
-* its planning checks (`config_problems`) and Snakemake params
-  (`arch_params`, `train_params`).
-
-DFlash (reference/dflash.md): block [anchor, MASK×(B−1)], slot k predicts the token at p+k, so a block proposes
-B − 1 drafts; vLLM serves it with method `dflash` and `num_speculative_tokens` B − 1 (V1 and V2 runners),
-SGLang with `--speculative-algorithm DFLASH`.
+DFlash (reference/dflash.md): block [anchor, MASK×(B−1)], slot k predicts the token at p+k, so a block
+proposes B − 1 drafts; vLLM serves it with method `dflash` and `num_speculative_tokens` B − 1, SGLang with
+`--speculative-algorithm DFLASH`.
 """
 
 from __future__ import annotations

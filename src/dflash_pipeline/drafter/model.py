@@ -1,16 +1,12 @@
 """The DFlash drafter: Qwen3-style layers with KV injection of fused target features.
 
-Read top to bottom like a Hugging Face `modeling_*.py`:
-builders (the config itself, `dflash_pipeline.drafter.config.DFlashConfig`, owns `config.json`)
--> attention with KV injection -> decoder layer -> drafter -> export/load in the format SGLang and vLLM serve. The training side lives beside it and is re-exported here (`M.sample_anchors`,
-`M.build_block_mask`, … keep working): `dflash_pipeline.drafter.blocks` (anchors, block inputs and
-same-position labels, decayed CE, its normaliser, slot accuracy, LR schedule) and
-`dflash_pipeline.drafter.attention_masks` (training and inference attention masks).
+Read top to bottom like a Hugging Face `modeling_*.py`: builders → attention with KV injection → decoder
+layer → drafter → export/load in the format SGLang and vLLM serve. The training side (`.blocks`,
+`.attention_masks`) is re-exported here.
 
-Method source: `reference/dflash.md` (DFlash, arXiv 2602.06036; SpecForge as the public reference):
-§2 architecture, §2.5 inference loop, §3 target layers, §4 training objective, §8 checkpoint format.
-Notation: H hidden size (= target hidden size), K number of fused target layers, B block size,
-S sequence length, N anchors per sequence, V vocabulary.
+Method: `reference/dflash.md` (DFlash, arXiv 2602.06036): §2 architecture, §2.5 inference loop, §3 target
+layers, §4 training objective, §8 checkpoint format. Notation: H hidden size, K fused target layers,
+B block size, S sequence length, N anchors per sequence, V vocabulary.
 """
 
 from __future__ import annotations

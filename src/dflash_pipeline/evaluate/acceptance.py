@@ -1,20 +1,10 @@
 """Acceptance evaluation: τ of every drafter on every eval set, with a real speculative-decoding loop.
 
-Running (this module): `evaluate` opens an `EvalSession` (the target, its tokenizer and the
-held-out eval sets, `load_eval_sets`), answers every prompt of every set with each drafter
-(`run_eval_set`, one response per user turn) and aggregates the a+1 values per set
-(`acceptance_stats`, reference/dflash.md §7.1: a response's τ is the mean over its verify steps; the
-reported τ is the mean over responses), then τ across the intermediate `step_<N>/` exports
-(`run_checkpoint_series`).
-
-The loop itself (draft + verify, the target's cache policy): `dflash_pipeline.evaluate.speculative`. Writing
-the record JSON, the τ table and the plots, and comparing records (`merge_eval_records` refuses
-records produced under different thinking modes): `dflash_pipeline.evaluate.outputs`. Engine τ (τ
-reported by a running SGLang/vLLM): `dflash_pipeline.evaluate.engine_acceptance`. The names of both modules are
-importable from here too.
-
-Response = one generated assistant turn: a multi-turn conversation (MT-Bench) contributes one response
-per turn, each generated against the history of the drafter's own earlier answers.
+`evaluate` opens an `EvalSession` (target, tokenizer, eval sets), answers every prompt with each drafter
+(`run_eval_set`, one response per user turn, against the drafter's own earlier answers) and aggregates
+the a+1 values per set (`acceptance_stats`, reference/dflash.md §7.1: τ is the mean over responses of
+each response's mean over verify steps), then τ across the `step_<N>/` exports. The loop:
+`.speculative`; record, table and plots: `.outputs`; engine τ: `.engine_acceptance`.
 """
 
 from __future__ import annotations

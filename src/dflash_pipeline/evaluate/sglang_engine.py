@@ -1,14 +1,10 @@
 """SGLang as the eval engine (`eval.engine: sglang`): what its answers and its server say.
 
-SGLang reports acceptance per request in `meta_info` (sgl-project/sglang `tokenizer_manager`;
-`return_meta_info: true` puts it in each choice of an OpenAI chat answer, non-streaming only):
-`spec_verify_ct` verify steps, `spec_accept_length` = completion tokens / verify steps, and
-`spec_correct_drafts_histogram` (older `spec_accept_histogram`), `h[n]` = verify steps that accepted
-exactly n drafts. SpecForge and z-lab's benchmark read the same fields. `histogram_acceptance_stats`
-pools the histograms of a set into the figures vLLM's counters give (τ over verify steps, per-position
-acceptance, the a+1 histogram), so `dflash_pipeline.evaluate.engine_vs_loop.compare_tau` can test
-the agreement with our loop. SGLang cannot run on the CPU machines this project is tested on: the tests use
-the SGLang-shaped test server (`dflash_pipeline.testing.server`, `flavor="sglang"`), and
+SGLang reports acceptance per request in `meta_info` (`tokenizer_manager`; asked with
+`return_meta_info: true`, non-streaming): `spec_verify_ct`, `spec_accept_length` = completion tokens /
+verify steps, and `spec_correct_drafts_histogram` (older `spec_accept_histogram`), `h[n]` = steps that
+accepted exactly n drafts. `histogram_acceptance_stats` pools a set's histograms into vLLM's figures, so
+`engine_vs_loop.compare_tau` can test the agreement. Tested with the SGLang-shaped test server;
 `bench/gpu_check.sh` runs the real check.
 """
 

@@ -1,18 +1,12 @@
 """The serving engine as users run it: a vLLM OpenAI server with (or without) our drafter, and the launch
 lines written beside every export.
 
-* `VLLMServer` starts `python -m vllm.entrypoints.openai.api_server` in vLLM's own environment
-  (`dflash_pipeline.core.vllm_env.require_vllm_python`), waits until `/v1/models` answers, captures the
-  engine's output in a log file and stops the whole process group (the API server and its engine-core
-  child) on exit. On a CPU-only machine it adds `--enforce-eager` (start-up ~30 s instead of ~80 s) and
-  sets `VLLM_CPU_KVCACHE_SPACE=1` (GiB) unless the environment already sets it (`reference/feasibility.md`
-  §9; without it the KV cache is sized from all memory).
-* `dflash_speculative_config` is the `--speculative-config` of a DFlash drafter: vLLM ignores the
-  checkpoint's `block_size` and needs `num_speculative_tokens = block_size − 1` (dflash.md §8.4).
-* `serve_commands` / `write_serve_md`: the exact vLLM and SGLang launch lines of an export
-  (`final/serve.md`; the one writer, with the text of the export's family: its `serve_md`).
-
-The engine's acceptance counters are read by `dflash_pipeline.evaluate.engine_acceptance`.
+* `VLLMServer` runs `vllm.entrypoints.openai.api_server` in vLLM's environment, waits for `/v1/models`,
+  logs its output and stops its process group on exit; on CPU it adds `--enforce-eager` and
+  `VLLM_CPU_KVCACHE_SPACE=1` (GiB) unless set (`reference/feasibility.md` §9).
+* `dflash_speculative_config`: vLLM ignores the checkpoint's `block_size` and needs
+  `num_speculative_tokens = block_size − 1` (dflash.md §8.4).
+* `serve_commands` / `write_serve_md`: the vLLM and SGLang launch lines of an export (`final/serve.md`).
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Colocated streaming: start `features.stream.servers` feature servers, run the trainer, stop them.
 
-`python -m dflash_pipeline.features colocate --stream-config JSON --probe P --target DIR -- CMD...` is how
-the `train_drafter` rule runs a `train.target_features: stream` job without `features.stream.endpoints`:
-the job's GPUs (`CUDA_VISIBLE_DEVICES`) are split, the first `servers * gpus_per_server` to the servers
-(`gpus_per_server` each; 0 = CPU servers), the rest to the trainer; every server writes its URL when it
-is ready (hf: `--url-file`; vLLM: its `GET /v1/models` answers), the trainer gets the endpoints in
-`$DFLASH_STREAM_ENDPOINTS` (JSON) and the servers are terminated when it exits, whatever its status.
-A server that dies before it is ready fails the job with its log tail.
-
-The servers of one job share a random key made for that job: each server gets it in its environment
-(`$DFLASH_FEATURES_API_KEY` for hf servers, `$VLLM_API_KEY` for `vllm serve`), the trainer in
-`$DFLASH_STREAM_API_KEY` (the endpoints name that variable); it is on no command line and in no file.
-hf servers also get `--max-len` (the longest record, `tokens.max_length`).
+`python -m dflash_pipeline.features colocate --stream-config JSON --probe P --target DIR -- CMD...` runs a
+`train.target_features: stream` job without `features.stream.endpoints`: the first
+`servers * gpus_per_server` of the job's GPUs go to the servers, the rest to the trainer, which gets the
+endpoints in `$DFLASH_STREAM_ENDPOINTS`; the servers stop when it exits. A server that dies before it is
+ready fails the job with its log tail. The servers share a random per-job key, passed only through the
+environment (`$DFLASH_FEATURES_API_KEY` / `$VLLM_API_KEY`; the trainer's `$DFLASH_STREAM_API_KEY`).
 """
 
 from __future__ import annotations

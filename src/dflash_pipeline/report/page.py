@@ -1,20 +1,9 @@
 """The report's landing page (`results/report/summary.html`): the page a person reads first after a run.
 
-A self-contained HTML document (every plot embedded as a `data:` URI, so the file can be mailed, opened
-from any directory, or embedded in `snakemake --report`'s landing page by `report/workflow.rst`):
-
-* a header: the target, the drafter (family, layers, block size, trainable parameters), training steps, wall
-  time, and the data counts in one line;
-* the findings: what the figures say is wrong, each naming the table or figure behind it and the config key
-  that changes it (`dflash_pipeline.report.findings`);
-* the τ table (drafter × eval set, the numbers of `acceptance.json` rounded as `acceptance.tsv`) and τ by
-  context length;
-* the plots inline: τ per set, per-position acceptance, τ by context length, τ vs step, training curves,
-  held-out τ, the training data's length histogram;
-* the data tables, and the long evaluation record folded away (`<details>`).
-
-The tables themselves are `dflash_pipeline.report.tables`'s; the plots of τ per set, τ by context length and
-the length histogram are drawn here.
+A self-contained HTML document (plots embedded as `data:` URIs): a header (target, drafter, steps, wall
+time, data counts), the findings (`.findings`), the τ tables, the plots, the data tables, and the eval
+record folded away. Tables are `.tables`'s; the plots of τ per set, τ by context length and the length
+histogram are drawn here.
 """
 
 from __future__ import annotations

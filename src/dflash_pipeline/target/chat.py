@@ -1,18 +1,11 @@
 """Tokenizer loading and chat-template rendering shared by generation, tokenization and eval.
 
-One place decides how a run's settings map onto the chat template, so generation and training render
-alike (reference/dflash.md §4.8.5: a train/serve template mismatch is the #1 cause of low acceptance):
-
-* `template_kwargs` — thinking mode -> template kwargs (also sent to servers as
-  `chat_template_kwargs`). `enable_thinking` is what Qwen3/3.5, GLM, MiniMax and most templates read;
-  DeepSeek-V3.1 reads `thinking`. Both are passed; templates ignore the one they do not use.
-* `template_messages` — completion messages -> the messages a template sees: `{role, content}`
-  plus, on assistant turns that carry non-empty reasoning, `reasoning_content` and its gpt-oss name
-  `thinking` (empty reasoning is dropped, so `""` and "none" render alike).
-* `render` / `render_many` — the target's own template, rendered exactly as
-  `apply_chat_template(tokenize=False)` renders it (same sandboxed, cached, compiled Jinja template from
-  transformers, same variables: the special-token strings, `add_generation_prompt`, the kwargs above),
-  without its per-call overhead. `tests/unit/target/test_templates.py` checks the equality on every real template.
+One place maps a run's settings onto the chat template, so generation and training render alike
+(reference/dflash.md §4.8.5: a train/serve template mismatch is the #1 cause of low acceptance):
+`template_kwargs` (thinking mode → `enable_thinking` and `thinking`), `template_messages` (completion
+messages → what a template sees) and `render` / `render_many` (exactly
+`apply_chat_template(tokenize=False)`, without its per-call overhead;
+`tests/unit/target/test_templates.py` checks the equality on every real template).
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """Training data for the drafter: memory-mapped token records and target features from feature shards.
 
-Two sources of target features (config `train.target_features`):
-
-- `online`: the trainer runs the frozen target on each batch (today's colocated path). Token records come
-  from a *token index*: each token shard's flat `input_ids` / `loss_mask` + offsets, converted once into
-  an uncompressed safetensors file under `<run>/token_index/` (same layout as a feature shard without
-  `features`; `dflash_pipeline.features.format`) and memory-mapped. No Python list per record.
-- `shards`: token ids, loss masks and features all come from the feature shards (checked against their
-  token shards: record count, lengths, sha256); the target is never instantiated, only its embedding and LM
-  head are read (`dflash_pipeline.features.weights`).
-
-Either way the dataset holds only open mappings and a small per-record index (`int64` shard / record ids
-of the records with ≥ `MIN_LOSS_TOKENS` supervised tokens); a rank reads only the records of its own
-batches (Accelerate shards the batch sampler), and pages it read are dropped again, so resident memory does
-not grow with the dataset.
+`train.target_features: online`: token records come from a token index (each token shard's flat
+`input_ids` / `loss_mask` + offsets in a safetensors file under `<run>/token_index/`, memory-mapped);
+the trainer runs the target per batch. `shards`: ids, masks and features come from the feature shards
+(checked against their token shards: count, lengths, sha256); only the target's embedding and LM head
+are read. The dataset holds open mappings and a per-record index of the records with ≥
+`MIN_LOSS_TOKENS` supervised tokens, so resident memory does not grow with the dataset.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Held-out validation during training: expected acceptance per block, not marginal slot accuracy.
 
-Speculative decoding accepts a block's draft up to its first miss, so a block's accepted length is
-1 (the target's bonus token) + Σ_k Π_{i≤k} a_i, the cumulative product of per-slot acceptance *inside
-the block* (speculators counts accepted length per block, anchors.md §F SP#1032; SpecForge's
-`simulated_acc_len`, NeMo Automodel#2959; users asked for it because accuracy alone misleads: z-lab#41,
-accuracy 0.99 with acceptance 0.12). The product of *marginal* slot accuracies
-(`dflash_pipeline.drafter.model.expected_acceptance_length`) is the same only when misses are independent
-across slots, and is logged beside it for comparison.
-
-Validation runs the training forward (teacher-forced target features, the real block structure of
-dflash.md §4.3–4.4) on records never trained on (`heldout_mask`), with deterministic anchors, and
-greedy acceptance a_k = [argmax drafter logits == label] (what greedy verification accepts).
+A block's accepted length is 1 + Σ_k Π_{i≤k} a_i, the cumulative product of per-slot acceptance inside the
+block (speculators SP#1032, SpecForge's `simulated_acc_len`; accuracy alone misleads, z-lab#41). The
+product of marginal accuracies (`expected_acceptance_length`) is logged beside it. Validation runs the
+training forward on records never trained on (`heldout_mask`) with deterministic anchors and greedy
+acceptance a_k = [argmax drafter logits == label].
 """
 
 from __future__ import annotations

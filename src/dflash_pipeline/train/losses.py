@@ -1,22 +1,12 @@
 """Training objectives of the DFlash drafter: `ce_decay`, `dpace` and `kl` (config `train.loss`).
 
-Every objective returns a `LossOutput` holding an *unnormalised* sum and its own normaliser, so
-the trainer can divide by the normaliser summed over ranks and accumulation micro-steps (global
-normalisation: a rank or micro-batch with few supervised slots weighs what its slots weigh, not what a
-full one does; the bug filed against a peer's D-PACE denominator, anchors.md §F Automodel#2572).
+Each returns a `LossOutput` holding an unnormalised sum and its own normaliser, so the trainer divides by
+the normaliser summed over ranks and micro-steps (anchors.md §F Automodel#2572). Notation as in
+`model.py`; slot k predicts its own position's token (dflash.md §4.3); slot 0 carries no loss.
 
-Notation (as in `model.py`): b batch rows, N anchors per row, B block size, Q = N·B block slots,
-H hidden size, V vocabulary. Slot k of a block is trained to predict its own position's token
-(same-position labels, dflash.md §4.3); slot 0 carries no loss (its weight is 0).
-
-Sources:
-- `ce_decay`: dflash.md §4.5 (SpecForge's decayed CE, DFlash paper App. A.1); wraps
-  `dflash_pipeline.drafter.model.decayed_cross_entropy`.
-- `dpace`: dflash.md §4.6 (D-PACE, arXiv 2605.18810; SpecForge `--loss-type dpace`, speculators'
-  default since #980, Model-Optimizer 0.46 default).
-- `kl`: dflash.md §4.6 / anchors.md §F (Model-Optimizer `dflash_self_logit_distillation`, "KD + decay";
-  speculators DFlash2 "KL + decay"); temperature scaling T² from Hinton et al. 2015, "Distilling the
-  knowledge in a neural network", §2.
+Sources: `ce_decay` dflash.md §4.5 (SpecForge's decayed CE, DFlash paper App. A.1); `dpace` dflash.md
+§4.6 (D-PACE, arXiv 2605.18810; SpecForge `--loss-type dpace`); `kl` dflash.md §4.6 / anchors.md §F
+(Model-Optimizer `dflash_self_logit_distillation`), T² from Hinton et al. 2015 §2.
 """
 
 from __future__ import annotations

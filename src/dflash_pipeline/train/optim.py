@@ -1,16 +1,10 @@
 """The drafter's optimizer (`train.optimizer`): AdamW (dflash.md §4.7), or torch's Muon on the 2-D weight
 matrices with AdamW on the rest, as speculators and Moonlight run it.
 
-Muon (`torch.optim.Muon`, torch ≥ 2.9) orthogonalises each 2-D update with a Newton–Schulz iteration;
-it is defined for matrices only, so norms, biases and any embedding keep AdamW. Its learning rate is
-scaled per matrix to AdamW's update RMS (`adjust_lr_fn="match_rms_adamw"`, Moonlight's 0.2·√max(A, B)),
-so one `train.learning_rate` serves both halves and a run switches optimizer without retuning. It keeps one
-momentum buffer per matrix (4 bytes per parameter in fp32) where AdamW keeps two (8 bytes).
-
-`MuonWithAdamW` is one `torch.optim.Optimizer` over both halves: one `state`, one list of
-`param_groups` (Muon's first, each group flagged `use_muon`), so Accelerate's checkpointing (plain and
-FSDP2's sharded optimizer state), the LR scheduler and gradient clipping see a single optimizer and a
-resumed run restores Muon's momentum like AdamW's moments.
+Muon (`torch.optim.Muon`, torch ≥ 2.9) scales its learning rate per matrix to AdamW's update RMS
+(`adjust_lr_fn="match_rms_adamw"`), so one `train.learning_rate` serves both, and keeps one momentum
+buffer per matrix where AdamW keeps two. `MuonWithAdamW` is one `torch.optim.Optimizer` over both
+halves, so checkpointing, the scheduler and clipping see a single optimizer.
 """
 
 from __future__ import annotations

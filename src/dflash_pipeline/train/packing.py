@@ -1,20 +1,11 @@
 """Sequence packing for drafter training: several token records per row, never a token across records.
 
-A packed row is `[record_a ‖ record_b ‖ … ‖ pad]`. Per token it carries `segment_ids` (the record's
-slot in the row, 0, 1, …; −1 on padding) and `position_ids` (restarting at 0 in every record), so:
-
-- the target runs once per row with `position_ids` and no 2-D attention mask; Hugging Face then
-  detects the packed format from the position restarts and builds a block-diagonal causal mask
-  (`transformers.masking_utils.find_packed_sequence_indices`; requires `use_cache=False`).
-  `check_target_isolates_records` proves it for the actual target before training;
-- anchors are drawn only where the anchor and its first label are in the same record;
-- a block sees the context of its own record only, strictly before its anchor (dflash.md §4.4 with a
-  record predicate), and slots past its record's end carry no loss;
-- block positions are record-relative (RoPE sees what inference sees).
-
-A padded batch is the special case of one record per row (`padded_segments`), so the same block
-builders serve both. SpecForge measured 1.39× step speedup for DFlash with packing (anchors.md §F,
-`docs/sections/benchmarks/dflash-sequence-packing.md`); `bench/bench_train.py` measures ours.
+A packed row is `[record_a ‖ record_b ‖ … ‖ pad]` with per-token `segment_ids` (−1 on padding) and
+`position_ids` restarting at 0 in every record, so the target builds a block-diagonal causal mask from
+the position restarts (`transformers.masking_utils.find_packed_sequence_indices`; proved per target by
+`check_target_isolates_records`), anchors and block contexts stay inside their record (dflash.md §4.4)
+and block positions are record-relative. A padded batch is one record per row (`padded_segments`).
+`bench/bench_train.py` measures the speedup.
 """
 
 from __future__ import annotations

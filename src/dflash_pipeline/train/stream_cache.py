@@ -1,17 +1,11 @@
 """`features.stream.cache: first_epoch`: what epoch 0 streamed, kept in feature shards for later epochs.
 
-The first epoch (of this job: after a resume, the first epoch it runs) writes each streamed record's
-features into feature shards of today's format (`dflash_pipeline.features.FeatureShardWriter`:
-preallocated, fsynced, renamed into place, so a killed job leaves only whole shards) under
-`features.stream.cache_dir` (default `<run>/stream_cache`), until `cache_max_bytes` of them are on
-disk; later epochs read a cached record from there and stream only the rest.
-
-Records are keyed by their token ids (BLAKE2b of the int32 ids; a hit is checked against the stored ids):
-the servers compute every record alone, so its features are a function of its ids, and a cached record is
-the streamed one bit for bit (the shard stores the values the client returned: bf16, also for a
-`float8_e4m3` stream, whose dequantized values bf16 holds exactly). Records are buffered in memory until
-`FLUSH_BYTES` of them (or the epoch's end), then written as one shard; the buffer counts against the
-budget too. Shards of another layer set / hidden size (another config) are ignored, not read.
+The first epoch this job runs writes each streamed record's features into feature shards
+(`FeatureShardWriter`: a killed job leaves only whole shards) under `features.stream.cache_dir`, up to
+`cache_max_bytes`; later epochs read cached records and stream only the rest. Records are keyed by the
+BLAKE2b of their int32 ids (a hit is checked against the stored ids) and are the streamed ones bit for
+bit (bf16, also for an fp8 stream). Records are buffered up to `FLUSH_BYTES` (counted in the budget);
+shards of another layer set or hidden size are ignored.
 """
 
 from __future__ import annotations
