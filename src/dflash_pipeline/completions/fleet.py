@@ -1,9 +1,8 @@
 """The fleet of OpenAI-compatible endpoints: least-outstanding-requests selection under each endpoint's
 `max_concurrency`, take-out after `endpoint_max_failures` consecutive failures and re-probing
-(`GET /models`, backoff doubling up to `retry_backoff_max_s`), a warning every `OUTAGE_LOG_S`
-seconds while none is available, and the circuit breaker (every endpoint `circuit_breaker_failures`
-consecutive failures: the job stops). The model sent is settled and checked here
-(`_settle_model`). Single event loop, no locks: state changes happen between awaits.
+(`GET /models`, backoff doubling up to `retry_backoff_max_s`), a warning every `OUTAGE_LOG_S` seconds while
+none is available, the circuit breaker, and the model check (`_settle_model`). Single event loop, no
+locks: state changes happen between awaits.
 """
 
 from __future__ import annotations

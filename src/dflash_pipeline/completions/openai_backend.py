@@ -1,12 +1,9 @@
-"""The openai backend (`generation.backend: openai`): `AsyncOpenAI` clients against the fleet of
-OpenAI-compatible servers (SGLang, vLLM), `POST /chat/completions` (`generation.api: chat`) or
-`POST /completions` with token ids of the local render (`api: completions`).
+"""The openai backend (`generation.backend: openai`): `AsyncOpenAI` clients against the fleet, `POST
+/chat/completions` (`generation.api: chat`) or `POST /completions` with token ids (`api: completions`).
 
-One request is `OpenAIBackend._complete`: acquire an endpoint, one attempt
-(`OpenAIBackend._attempt`), release it, then act on the `retry.Failure` (see
-`.retry`). A conversation is its user turns answered in order against the regenerated history
-(`OpenAIBackend._conversation`); `OpenAIBackend.run` runs them on one event loop, or on
-several client processes (`.workers`) with `generation.client_processes > 1`.
+One request (`_complete`): acquire an endpoint, one attempt, release it, act on the `retry.Failure`. A
+conversation answers its user turns in order; `run` runs them on one event loop or on client processes
+(`.workers`).
 """
 
 from __future__ import annotations

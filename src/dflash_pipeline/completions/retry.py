@@ -1,15 +1,11 @@
 """Retry policy of the openai backend, as small pure functions (after openai-python's `_should_retry`,
 `_parse_retry_after_header` and `_calculate_retry_timeout`, `openai/_base_client.py`).
 
-A failed attempt becomes a `Failure` of one of four kinds:
-
-* `auth` (401/403): the key is wrong; the job stops with a ConfigError (retrying cannot help);
-* `client` (any other 4xx but 408/409/425/429): the request is at fault; the conversation becomes an
-  error row at once, and the endpoint counts as alive;
-* `rate_limited` (429): backpressure; retried after `retry_delay` (at least the server's
-  `Retry-After`, capped), the endpoint stays in;
-* `endpoint` (5xx, 408/409/425, connection errors, timeouts, malformed answers): retried, and counted
-  against the endpoint (`endpoint_max_failures` take it out; the circuit breaker counts them too).
+A failed attempt is a `Failure` of one kind: `auth` (401/403: the job stops with a ConfigError),
+`client` (other 4xx but 408/409/425/429: an error row at once, the endpoint stays alive),
+`rate_limited` (429: retried after at least `Retry-After`, capped) or `endpoint` (5xx, 408/409/425,
+connection errors, timeouts, malformed answers: retried and counted against the endpoint and the
+breaker).
 """
 
 from __future__ import annotations

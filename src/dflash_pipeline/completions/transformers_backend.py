@@ -1,11 +1,8 @@
 """The transformers backend (`generation.backend: transformers`): the target generates in-process.
 
-Each conversation's history is rendered with `chat.render` (the thinking mapping the tokens stage
-uses), conversations are sorted by prompt length into left-padded batches of `generation.batch_size`,
-and decoding is greedy when `temperature == 0`, else sampled (seeded per batch). Multi-turn prompts go
-round by round: a conversation whose next user turn is left re-enters the next round with its grown
-history. The target is loaded by `dflash_pipeline.target.loading.load_target` (one loader and dtype policy for
-generation, training and eval).
+Histories are rendered with `chat.render`, sorted by prompt length into left-padded batches of
+`generation.batch_size`, decoded greedily at `temperature == 0`, else sampled (seeded per batch).
+Multi-turn prompts go round by round. The target comes from `target.loading.load_target`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """Lazy public faces: a package `__init__` that lists its owning modules and the names each one exports, and
-loads a module on the first use of one of its names.
+loads a module on the first use of one of its names, so importing a package costs nothing.
 
-Every stage package's `__init__` is its public face (README "Layout"): other packages import a stage's
-names from the package, and the package imports the owning module only when a name is first used, so
-importing a package costs nothing (Snakemake's planning imports several).
-
-The face's table, `_OWNERS`, maps each owning submodule to the names it exports, as one string of
-whitespace-separated names (the form of `collections.namedtuple`'s field names)::
+The face's table, `_OWNERS`, maps each owning submodule to its names as one whitespace-separated string::
 
     _OWNERS = {"config": "DFlashConfig checkpoint_meta", "block_size": "BlockSizeError check_block_size"}
 
-It is a literal, so tools read it without importing the package (tests/unit/test_layers.py, test_envs.py):
-`face_table` turns it into `name -> module`.
+It is a literal, so tools read it without importing the package: `face_table` turns it into
+`name -> module`.
 """
 
 import importlib

@@ -1,10 +1,6 @@
 """DFlash training blocks and their base loss (dflash.md §4): anchors, block inputs with same-position
 labels and decayed weights, the chunked decayed cross-entropy with its global normaliser, per-slot
-accuracy and the EAL proxy, the LR schedule.
-
-The objectives built on these (`ce_decay`, `dpace`, `kl`) are `dflash_pipeline.train.losses`; the
-attention masks `dflash_pipeline.drafter.attention_masks`; the drafter `dflash_pipeline.drafter.model` (which re-exports
-these names). Notation as there: B block size, S sequence length, N anchors per sequence, V vocabulary.
+accuracy and the EAL proxy, the LR schedule. Notation as in `.model`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""The registry of drafter families (config `drafter.family`): every other module asks it, or the family object
-it returns, what differs per family; no other module compares a family's name.
+"""The registry of drafter families (config `drafter.family`): every other module asks it, or the family
+object it returns, what differs per family; no other module compares a family's name.
 
-A family is a subclass of `dflash_pipeline.drafter.dflash.DFlashFamily` in a module of its own that
-registers itself with `register` when imported (`@register` on the class). The families this package ships
-(`BUILTIN`) are imported on the first question; a family defined elsewhere (a plugin, a test) is registered
-by importing its module before the pipeline asks for it. docs/how-to/add-a-drafter-family.md walks through one.
-
-Lookups:
-
-* `get` — by name (`drafter.family`); `names` — every registered name;
-* `of_drafter` — the family of a drafter module (unwrapping DDP/FSDP's `.module`);
-* `of_config` / `of_checkpoint` — the family a `config.json` (dict or config object) or an export
-  directory belongs to, from its `architectures` (what the engines dispatch on).
+A family is a `DFlashFamily` subclass that registers itself with `@register` when its module is imported;
+`BUILTIN` families are imported on the first question (docs/how-to/add-a-drafter-family.md). Lookups:
+`get` (by name), `names`, `of_drafter` (unwrapping DDP/FSDP), `of_config` / `of_checkpoint` (from
+`architectures`, what the engines dispatch on).
 """
 
 from __future__ import annotations

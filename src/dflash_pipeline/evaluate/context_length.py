@@ -1,16 +1,10 @@
-"""τ by context length: acceptance where it collapses (long contexts), per bucket of the context length at
-verify time.
+"""τ by context length: acceptance where it collapses (long contexts; vllm-ascend#15237, speculators#613).
 
-A verify step's context length is the number of tokens before its verify block: the prompt (with the
-conversation's earlier turns) plus the tokens generated so far in the response (`SpecResult`
-`context_lengths`). Buckets are half-open ranges of context length from the edges of
-`eval.context_length_buckets` (tokens, ascending): edges `[1024, 4096, 16384]` give `<1K`, `1K–4K`,
-`4K–16K` and `≥16K`.
-
-τ of a bucket is computed as the eval stage's τ (reference/dflash.md §7.1), restricted to the bucket's verify
-steps: per response the mean a+1 over its steps in the bucket, then the mean over the responses that have
-any; so a set whose steps all fall in one bucket has that bucket's τ equal to its τ. Users report
-acceptance collapsing at long context (vllm-ascend#15237, speculators#613); one τ per set hides it.
+A verify step's context length is the number of tokens before its verify block (`SpecResult`
+`context_lengths`). Buckets are half-open ranges from the edges of `eval.context_length_buckets`:
+`[1024, 4096, 16384]` gives `<1K`, `1K–4K`, `4K–16K` and `≥16K`. A bucket's τ is the eval stage's τ
+(reference/dflash.md §7.1) over the bucket's verify steps: per response the mean a+1 of its steps there,
+then the mean over the responses that have any.
 """
 
 from __future__ import annotations

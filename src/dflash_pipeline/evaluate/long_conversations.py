@@ -1,13 +1,9 @@
 """Long eval conversations: multi-turn chats built up to a context length, to measure τ where it collapses.
 
-An eval set with `build_to_tokens: N` (config `eval.sets.<name>`) reads a chat file whose records carry
-assistant turns (ShareGPT `conversations` of `{from, value}`, or OpenAI `messages` of ``{role,
-content}``: the bundled ShareGPT sample, or any user file), leaves out every record that is a training prompt
-(the prompts stage's `prompt_id` of the record), shuffles the rest with `eval.seed`, and strings their
-exchanges (a user turn and the assistant answer in the file) together into a history until the history,
-rendered with the target's chat template, reaches `N` tokens. The next exchange's user turn is then the
-turn the speculative loop answers, at a context of about `N` tokens (`num_samples` such records, each from
-the next exchanges of the stream).
+An eval set with `build_to_tokens: N` reads a chat file with assistant turns (ShareGPT or OpenAI
+messages), leaves out training prompts, shuffles the rest with `eval.seed` and strings their exchanges
+together until the history, rendered with the target's template, reaches `N` tokens; the next user turn
+is the one the loop answers.
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
 """Writing and reading the eval stage's outputs: the eval record JSON, the τ table (TSV), the plots, and
-comparisons of eval records.
-
-`write_eval_outputs` (`acceptance.json` + `acceptance.png` + `acceptance.tsv`),
-`eval_table_rows` / `write_eval_table` (one row per drafter and eval set, `TABLE_COLUMNS`),
-`merge_eval_records` (side-by-side comparison that refuses records produced under different thinking
-modes), and the plots: per-position acceptance, τ across the `step_<N>/` exports, held-out validation τ
-and the training curves (`train_log.jsonl`). The records themselves are computed by
-`dflash_pipeline.evaluate.acceptance`.
+comparisons of eval records (`merge_eval_records` refuses records of different thinking modes).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The speculative-decoding loop of the eval stage: the drafter drafts a block, the target verifies it.
 
-Loop: reference/dflash.md §2.5 (z-lab `dflash_generate`), batch 1. The draft is always greedy; the target
-samples at `temperature` (greedy when 0), so the output distribution is the target's. Per verify step the
-loop records a+1 (the accepted drafts plus the bonus token; §7.1); `TargetCache` keeps the target's
-cache equal to that of a target that only ever saw the accepted tokens, for every cache type transformers
-ships. τ over responses and eval sets: `dflash_pipeline.evaluate.acceptance`.
+Loop: reference/dflash.md §2.5 (z-lab `dflash_generate`), batch 1. The draft is greedy; the target samples
+at `temperature` (greedy at 0), so the output distribution is the target's. Each verify step records a+1
+(§7.1); `TargetCache` keeps the target's cache as if it had only seen the accepted tokens.
 """
 
 from __future__ import annotations

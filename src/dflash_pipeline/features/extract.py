@@ -1,12 +1,9 @@
 """Extract one feature shard from one token shard with a backend (`hf` or `vllm`), resumably.
 
-`extract_shard` reads the token shard's flat `input_ids` / `loss_mask` (Arrow buffers, no Python
-lists), opens a `FeatureShardWriter` (which resumes a killed run), hands the pending
-records to the backend in chunks of about `chunk_tokens` tokens, writes and commits each chunk, and
-renames the finished shard into place. Layer numbering: canonical `target_layer_ids` (the output of
-decoder layer `l`) are HF `hidden_states` index `l + 1` and vLLM `extract_hidden_states` aux id
-`l + 1` (the state entering layer `l + 1`; measured in reference/feasibility.md §9), both through
-`dflash_pipeline.probe.hf_hidden_state_index`.
+`extract_shard` reads the shard's flat `input_ids` / `loss_mask`, hands pending records to the backend in
+chunks of about `chunk_tokens` tokens, writes and commits each chunk (`FeatureShardWriter`) and renames
+the finished shard into place. Canonical layer `l` is HF `hidden_states` index and vLLM aux id `l + 1`
+(reference/feasibility.md §9; `probe.hf_hidden_state_index`).
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Feature shards through the stream client: one set of feature servers for many shards.
 
-`extract_features` with its own engine starts the target once per token shard. `extract_shards`
-instead writes every shard of a job through one `.stream_client.FeatureClient` (the completions
-fleet: balancing, retries, the breaker) to feature servers that stay up for the whole job: the job's own
-(`.colocate.start_servers`, started once, stopped at the end) or running ones
-(`stream["endpoints"]`). Each shard is written by `.extract.extract_shard` (resumable, atomic,
-today's format); the client hands the servers' values over unrounded (`dtype=None`) and the shard writer
-stores them as `features.dtype` says, so a shard equals the one `features.backend: hf` writes with the
-same target dtype (bf16 and fp8 alike). CLI: `python -m dflash_pipeline.features extract-many`.
+`extract_shards` writes every shard of a job through one `.stream_client.FeatureClient` to feature
+servers that stay up for the whole job: its own (`.colocate.start_servers`) or running ones
+(`stream["endpoints"]`). Each shard is written by `.extract.extract_shard`; the client hands the values
+over unrounded and the writer stores them as `features.dtype` says, so a shard equals the one
+`features.backend: hf` writes. CLI: `python -m dflash_pipeline.features extract-many`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Disk before compute: what the feature shards of a run will take, stated and checked at plan time.
-
-Called from `rules/features.smk` while Snakemake parses the workflow (so `snakemake -n` prints it and
-fails early); imports no torch. Bytes per token: `dflash_pipeline.features.format.bytes_per_token`
-(K·H values at the storage dtype, + scales, + 5 B of ids/mask; Kimi K2.6 bf16: 5 × 7168 × 2 B ≈ 72 KB).
-Tokens: exact for shards already tokenized (the `num_tokens` column), the mean of those times the prompt
-count for the rest, or — before any token shard exists — an upper bound of `tokens.max_length` per prompt.
+"""Disk before compute: what the feature shards of a run will take, stated and checked at plan time
+(`rules/features.smk`; imports no torch). Bytes per token: `format.bytes_per_token` (Kimi K2.6 bf16:
+5 × 7168 × 2 B ≈ 72 KB). Tokens: exact for tokenized shards, their mean times the prompt count for the
+rest, or `tokens.max_length` per prompt before any token shard exists.
 """
 
 from __future__ import annotations

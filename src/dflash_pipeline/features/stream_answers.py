@@ -1,11 +1,7 @@
-"""The trust checks on a feature server's answer (`.stream_client`): where a named file may lie, what it
-may be, how large it and its safetensors header may be for the record's shape.
-
-No answer is trusted. A named file is read only when its real path lies under the client's `scratch_dir`,
-it is a regular file (not a symlink, device or FIFO) and its size is the one its record's shape gives
-(T x n_aux x H values of 2 or 4 bytes, T token ids, the safetensors header); anything else is an
-`UntrustedAnswer` (not retried, nothing deleted). A header that names another shape is an
-`AnswerMismatch`; a malformed one a ValueError (an ordinary failed attempt).
+"""The trust checks on a feature server's answer (`.stream_client`): a named file is read only when its
+real path lies under the client's `scratch_dir`, it is a regular file and its size is the one the record's
+shape gives; anything else is an `UntrustedAnswer` (not retried, nothing deleted). A header naming
+another shape is an `AnswerMismatch`; a malformed one a ValueError (an ordinary failed attempt).
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """`features.backend: vllm`: target features from vLLM's offline `LLM` engine.
 
 The engine runs the `extract_hidden_states` speculative method (aux layer ids = canonical
-`target_layer_ids` + 1, via `dflash_pipeline.probe.hf_hidden_state_index`; plus `num_hidden_layers`
-for the last layer's pre-norm output) with a hidden-states KV connector that writes one safetensors file per
-request (`hidden_states` [T, n_aux, H], `token_ids` [T]) into a scratch directory next to the shard. On
-GPUs that is vLLM's own `ExampleHiddenStatesConnector`; on CPU our
-`CPUHiddenStatesConnector` (no pinned memory). Tensor parallel size = the job's GPUs,
-expert parallel on request (`features.vllm.expert_parallel`), prefix caching off (a cached prefix is never
-recomputed, so its hidden states would be missing), one output token per request, prompts as token ids
-(no tokenizer in the engine). Runs in the vLLM environment (`dflash_pipeline.core.vllm_env.require_vllm_python`).
+`target_layer_ids` + 1, plus `num_hidden_layers` for the last layer's pre-norm output) with a
+hidden-states KV connector that writes one safetensors file per request (`hidden_states` [T, n_aux, H],
+`token_ids` [T]) into a scratch directory: vLLM's `ExampleHiddenStatesConnector` on GPUs, our
+`CPUHiddenStatesConnector` on CPU. Tensor parallel over the job's GPUs, prefix caching off (a cached
+prefix's hidden states would be missing), prompts as token ids. Runs in the vLLM environment.
 """
 
 from __future__ import annotations

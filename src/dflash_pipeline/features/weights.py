@@ -1,11 +1,6 @@
-"""The target's embedding and LM head, read from its safetensors files without instantiating the target.
-
-With `train.target_features: shards` the drafter still needs the target's input embedding (noise tokens
-are embedded with it) and LM head (draft logits; dflash.md §4.3 shares both). A 1T-parameter MoE cannot be
-loaded for that, so `load_embed_and_head` finds the two tensors' keys in the checkpoint index
-(`model.embed_tokens.weight`, `model.language_model.embed_tokens.weight`, `language_model.model...`,
-`lm_head.weight`, `language_model.lm_head.weight`, ...) and reads just those bytes (safetensors maps the
-file). A target with tied embeddings (`tie_word_embeddings`, or no LM-head tensor) uses the embedding for both.
+"""The target's embedding and LM head (and final norm), read from its safetensors without instantiating the
+target: with `train.target_features: shards` the drafter still needs them (dflash.md §4.3), and a
+1T-parameter MoE cannot be loaded for that. Tied embeddings use the embedding for both.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """config.json normalisation: the text model's sizes, attention (MHA/GQA/MLA), MoE, layer types, rope.
 
-Real configs keep the language model at the top level or nested under a multimodal / wrapper key
-(`text_config`, `thinker_config.text_config` …) and name the same field in several ways
-(`n_layer`, `num_layers` …; `n_routed_experts`, `num_local_experts` …). `_probe_config`
-finds the text config, reads each field from it (then the top level, then `AutoConfig`'s default) and
-records where each value came from. Also here: the embedding's row count from the safetensors header
-(`_embedding_rows`) and the eos ids of `generation_config.json` (`_generation_eos`), the
-other target files the probe reads besides the tokenizer's.
+`_probe_config` finds the text config (top level or nested: `text_config`, `thinker_config.text_config`
+…), reads each field under its several names (then the top level, then `AutoConfig`'s default) and
+records where each value came from. Also the embedding's rows from the safetensors header and the eos ids
+of `generation_config.json`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""Tokenizer probing: load the target's tokenizer as the pipeline will (fast `tokenizer.json`, a
-sentencepiece or tiktoken vocabulary, or the model's own remote code) and record its facts.
-
-`_tokenizer_facts` is the probe's tokenizer step: the facts of `_probe_tokenizer` when the
-tokenizer files are there, else a `present: false` record (lenient) or an error (strict). A tokenizer
-that cannot load is refused with the fix: the package to install (and add to `PROBE_ENV_FILE`) or
-the key to set (`target.trust_remote_code`). The mask token's id is recorded here; the choice of
-`drafter.mask_token_id` is in `.drafter`.
+"""Tokenizer probing: load the target's tokenizer as the pipeline will (fast, sentencepiece, tiktoken or
+remote code) and record its facts. A tokenizer that cannot load is refused with the fix: the package to
+install (and add to `PROBE_ENV_FILE`) or `target.trust_remote_code`.
 """
 
 from __future__ import annotations

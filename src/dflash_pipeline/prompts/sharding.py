@@ -1,12 +1,9 @@
 """Sharding: every prompt source through normalization and the keep decisions (fraction, dedup, language,
-length) into stable shards `{out}/{dataset}/{NNNNN}.parquet` and the manifest (see the package
-docstring for why shard contents only depend on the records before them).
+length) into stable shards `{out}/{dataset}/{NNNNN}.parquet` and the manifest.
 
-`build_prompt_shards` reads the sources in config order; each source is one `_shard_source`
-call: records are normalized (`_normalized`) and kept or dropped (`.keep._drop_reason`) one by one, written by a `_ShardWriter`, and counted
-in a `_SourceTally` that becomes the source's manifest entry (`_source_entry`). Before any
-source is read `.keep._checked_filters` checks the options; after the last, `_manifest` assembles
-the manifest (`dflash_pipeline.core.contracts.PromptManifest`).
+Each source is one `_shard_source` call: records are normalized and kept or dropped one by one
+(`.keep._drop_reason`), written by a `_ShardWriter`, and counted in a `_SourceTally` (the source's
+manifest entry); `_manifest` assembles the manifest.
 """
 
 from __future__ import annotations

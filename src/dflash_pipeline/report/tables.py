@@ -1,14 +1,8 @@
 """Tables for the Snakemake HTML report (`snakemake --report report.html`; rules/report.smk).
 
-Each function turns one stage's record into a TSV the report shows as a table: the config probe, the
-prompts manifest (kept / dropped per reason), generation stats (ok / truncated / error, tokens, tokens/s),
-token shards (sequences, supervised tokens, truncation and drops per reason).
-The eval tables are written by `dflash_pipeline.evaluate.outputs`.
-
-`html_table` renders a table with readable labels; the landing page (`results/report/summary.html`,
-header, τ tables, plots, data tables) is assembled by `dflash_pipeline.report.page` and embedded by
-`report/workflow.rst` in the report's landing page, so nothing an ML engineer looks for first is a
-download-only link.
+Each function turns one stage's record into a TSV: the config probe, the prompts manifest, generation
+stats, token shards (the eval tables: `evaluate.outputs`). `html_table` renders a table with readable
+labels for the landing page (`.page`).
 """
 
 from __future__ import annotations

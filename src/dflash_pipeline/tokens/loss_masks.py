@@ -1,11 +1,9 @@
 """Token level of the tokens stage: training sequences -> `input_ids` int32 and `loss_mask` uint8.
 
-Step 4 (strings -> tokens) and step 5 (text is data) of the method in `dflash_pipeline.tokens.shard`: each
-`TrainSequence` is tokenized once, and a token is supervised iff its
-character span lies inside a supervised span (`span_token_ranges`, the per-token reference
-`mask_from_offsets`); text the target generated is spliced in as its output ids or encoded without
-parsing special tokens (`plain_text_tokenizer`). `server_ids_sequence` builds a row from
-server token ids instead. `dflash_pipeline.tokens.shard` re-exports every public name here.
+Steps 4 and 5 of docs/DESIGN.md §5: each `TrainSequence` is tokenized once; a token is supervised iff its
+character span lies inside a supervised span (`span_token_ranges`; reference `mask_from_offsets`); text
+the target generated is spliced in as its output ids or encoded without parsing special tokens
+(`plain_text_tokenizer`). `server_ids_sequence` builds a row from server token ids.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """What a training run leaves on disk besides its logs: Accelerate state for resume (`state/`) and servable
-drafter exports (`final/`, `step_<N>/`), each written atomically (temp dir + rename).
-
-A killed run restarts at its last saved state (`resume_state`), and only the same run does: a state saved
-by another run (other settings or other data, `run_identity`) is set aside and training starts from
-step 0; an export is the layout SGLang/vLLM
-load (`dflash_pipeline.drafter.model.save_drafter`) plus its `serve.md`. Driven by
-`dflash_pipeline.train.run`, which re-exports these names.
+drafter exports (`final/`, `step_<N>/`), each written atomically (temp dir + rename). Only the same run
+resumes a state (`resume_state`, `run_identity`).
 """
 
 from __future__ import annotations

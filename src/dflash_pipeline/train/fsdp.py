@@ -1,14 +1,9 @@
 """FSDP2 (Accelerate `fsdp_version=2`) for drafters whose weights + Adam state do not fit one rank.
 
-Under DDP every rank holds the fp32 master weights, their gradients and Adam's two moments: 16 bytes per
-parameter (dflash.md §4.7), ≈ 52 GB for a ~3B-parameter drafter sized from Kimi K2.6 (anchors.md §F).
-FSDP2 shards all four across ranks (per decoder layer, `DFlashDecoderLayer`), which is what
-SpecForge does (FSDP, per-decoder-layer wrap; dflash.md §4.7). State is saved sharded (torch distributed
-checkpoint) so resume needs no full gather; the servable export gathers the full weights once on rank 0.
-
-On CPU (tests, gloo), Accelerate classifies the ranks as `MULTI_CPU` and ignores an FSDP plugin;
-torch's FSDP2 itself runs on CPU/gloo, so `make_accelerator` switches Accelerate's shared state to
-FSDP there (the same code path then runs on GPUs without the switch).
+Under DDP every rank holds 16 bytes per parameter (dflash.md §4.7; ≈ 52 GB for a ~3B drafter sized from
+Kimi K2.6). FSDP2 shards them per decoder layer, as SpecForge does. State is saved sharded; the servable
+export gathers the full weights once on rank 0. On CPU (gloo) Accelerate ignores an FSDP plugin, so
+`make_accelerator` switches its shared state to FSDP there.
 """
 
 from __future__ import annotations

@@ -2,9 +2,7 @@
 (reference/dflash.md §4, §5.3), normalised globally over ranks.
 
 `StepContext` holds what a step needs besides the batch; `step_objective` is the forward pass
-(unnormalised), `training_step` the normalised loss of one micro-step. The loop that drives them
-(accumulation, optimizer, logging, checkpoints) is `dflash_pipeline.train.loop`, started by
-`dflash_pipeline.train.run.train`, which re-exports these names; packed rows: `dflash_pipeline.train.packing`; objectives: `dflash_pipeline.train.losses`.
+(unnormalised), `training_step` the normalised loss of one micro-step; `.loop` drives them.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Shell entry points of per-shard rules: `python -m dflash_pipeline.workflow.jobs tokenize ...`.
 
-A `script:` rule costs Snakemake a read of the script and three source-cache look-ups per job at plan
-time, about a quarter of a dry run over 10,000 shards (bench/bench_dag.py); a `shell:` rule costs none.
-So the rules run once per shard call these instead of a script. Each takes what the script took from the
-`snakemake` object: the same params values (the rule keeps them as its rerun triggers), its input and
-output paths, its log (the same `dflash_pipeline.workflow.policy.log_to`: the job's output in the
-log, its console lines on stderr).
-
-`generate_completions` stays a script rule: its job reads the whole `generation` section, endpoints
-included, which would otherwise be printed in its command line.
+A `shell:` rule costs Snakemake nothing at plan time where a `script:` rule costs a quarter of a dry run
+over 10,000 shards (bench/bench_dag.py). Each command takes what the script took from the `snakemake`
+object: the same params values, input, output and log paths. `generate_completions` stays a script rule,
+so its endpoints never appear in a command line.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Every problem of a config, found at plan time: the schema's, then each stage's cross-field checks.
 
-The Snakefile calls `problems` before Snakemake's `validate`, so `snakemake -n` names every
-problem (one line each, config key first) in seconds instead of a job failing hours later. The schema and
-its defaults are `dflash_pipeline.core.config`'s; the checks gathered here read the stages that own
-them (the language block: `dflash_pipeline.prompts.language_problems`; generation:
-`dflash_pipeline.core.config.generation_problems`; block sizes:
-`dflash_pipeline.drafter.block_size.resolve_block_size`; the target's files:
-`dflash_pipeline.target.chat.tokenizer_files_missing`; the target's architecture:
-`dflash_pipeline.probe.checks.raw_config_refusal`), which is why this lives above the stages and
-not in core (core imports no other package).
+The Snakefile calls `problems` before Snakemake's `validate`, so `snakemake -n` names every problem (one
+line each, config key first). The checks live in the stages that own them and are gathered here, above
+the stages (core imports no other package).
 """
 
 from __future__ import annotations
