@@ -58,12 +58,9 @@ def _refused(exc: BaseException) -> bool:
 
 
 def _describe(exc: BaseException) -> str:
-    """One line for logs, take-out lines, error rows and the breaker message: `HTTP <status>: <message>`
-    or `<Type>: <message>`, plus `(cause: <Type>: <message>)` from the exception's cause chain. The
-    cause matters: openai's aiohttp transport reports a refused connection as ``APITimeoutError: Request
-    timed out.`, whose cause says `Cannot connect to host ...``: a refused connection is therefore
-    described cause first, `connection refused: <cause> (reported as APITimeoutError: ...)`. Credentials in
-    URLs are removed."""
+    """One line for logs, take-out lines, error rows and the breaker message: `HTTP <status>: <message>` or
+    `<Type>: <message>`, plus `(cause: ...)` from the cause chain; a refused connection (which openai's aiohttp
+    transport reports as `APITimeoutError`) is described cause first. Credentials in URLs are removed."""
     if isinstance(exc, asyncio.TimeoutError):
         return "timeout"
     if _refused(exc):

@@ -289,8 +289,6 @@ class _Fleet:
 
     async def start(self) -> str:
         """Probe every endpoint (`GET /models`) and settle the model to send (see `_settle_model`).
-        Endpoints that do not answer start taken out (re-probed, and judged once they answer); waits for
-        one to answer or the breaker.
 
         Returns:
             The model id.

@@ -102,11 +102,9 @@ def preflight_template(
 
 
 def too_long_prompts(prompts: Sequence[dict], tok, gen_cfg: dict, limit: int) -> dict[str, dict]:
-    """Prompts that cannot fit the target's context: the render of the last turn's prompt with every answer
-    before it empty (a lower bound of that prompt: answers only add) plus `generation.max_tokens` exceeds
-    `limit` (`max_position_embeddings`). The empty answers keep user and assistant alternating, as the
-    regenerated conversation will, so templates that insist on it (Gemma's, Mistral's) render it. Returns
-    `{prompt_id: example}` (`prompt_tokens`, `max_tokens`, `max_position_embeddings`)."""
+    """Prompts that cannot fit the target's context: the render of the last turn's prompt with every answer before it
+    empty plus `generation.max_tokens` exceeds `limit` (`max_position_embeddings`). Returns `{prompt_id: example}`
+    (`prompt_tokens`, `max_tokens`, `max_position_embeddings`)."""
     from dflash_pipeline.target.chat import render, tools_of
 
     out = {}

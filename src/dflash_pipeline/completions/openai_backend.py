@@ -73,13 +73,10 @@ def _turn(resp: dict, choice: dict, content: str, reasoning, latency: float, ep:
 
 
 def _response_facts(data: dict, choice: dict) -> dict:
-    """`prompt_tokens`, `completion_tokens` (`usage`) and `prompt_token_ids`, `output_token_ids`
-    of a response's JSON, as `Turn` keywords; the ids None when absent. The ids are read where the
-    engines put them: vLLM with `return_token_ids` (prompt at the top level of a chat answer, in the choice
-    of a completion; output `choice.token_ids`), SGLang with `return_token_ids` (both in the choice,
-    the raw generated ids before reasoning parsing; sgl-project/sglang PR #30917), and SGLang's
-    response-level `sglext` (`input_ids`, `output_ids[choice index]`: `return_input_ids_in_sglext` /
-    `return_output_ids_in_sglext` or its `--return-input-ids` / `--return-output-ids`; PR #34488)."""
+    """`prompt_tokens`, `completion_tokens` (`usage`) and `prompt_token_ids`, `output_token_ids` of a response's
+    JSON, as `Turn` keywords (ids None when absent), read where the engines put them: vLLM's
+    `return_token_ids`, SGLang's `return_token_ids` (the raw ids before reasoning parsing; sgl-project/sglang
+    PR #30917) and SGLang's response-level `sglext` (PR #34488)."""
     usage = data.get("usage") or {}
     ext = data.get("sglext") if isinstance(data.get("sglext"), dict) else {}
     ext_out = ext.get("output_ids")
@@ -303,10 +300,9 @@ class OpenAIBackend:
     def _request(self, history: list[dict], tools: list[dict] | None = None) -> tuple[str, dict]:
         """`(path, body)` of the request answering `history`'s last user turn.
 
-        Sent with the client's generic post (its documented way to call any endpoint: same auth, headers,
-        transport and APIStatusError/APIConnectionError mapping) and the JSON parsed here: the typed
-        `create` spends about half of a request's client CPU transforming the parameters and building
-        pydantic models of the answer (bench/bench_completions.py), which caps the requests/s on few cores.
+        Sent with the client's generic post and the JSON parsed here: the typed `create` spends about half of a
+        request's client CPU transforming the parameters and building pydantic models of the answer, which caps the
+        requests/s on few cores.
         """
         kw = self._request_kwargs(history, tools)
         body = {k: v for k, v in kw.items() if k != "extra_body"}

@@ -283,9 +283,8 @@ def split_reasoning(text: str, *, opened: bool = False) -> tuple[str | None, str
     first `</think>`. A `</think>` later in an answer is answer text (an answer that explains chat
     templates), never the end of reasoning.
 
-    `"<think>\\nR\\n</think>\\n\\nC"` → `("R", "C")`; cut off while thinking (`<think>` without
-    `</think>`) → `(rest, "")`; no leading `<think>` and not `opened` → `(None, text)`, whatever
-    follows. Callers with `generation.thinking=disable` use `take_reasoning` (never split).
+    `"<think>\\nR\\n</think>\\n\\nC"` → `("R", "C")`; cut off while thinking (`<think>` without `</think>`) → `(rest,
+    "")`; no leading `<think>` and not `opened` → `(None, text)`, whatever follows.
     """
     body = text.lstrip()
     if body.startswith("<think>"):

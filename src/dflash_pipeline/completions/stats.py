@@ -24,11 +24,10 @@ MAX_ENDED_EXAMPLES = 3
 
 
 def ended_early(records: Sequence[dict]) -> dict:
-    """`{"tool_conversations": n, "ended_early": {reason: n}, "ended_early_examples": {reason: [...]}}` of a
-    shard's records when any has tools ({} otherwise, so the stats of shards without tools keep their keys):
-    conversations with tools, and those that ended before the source's last turn because a regenerated turn's
-    tool calls differ from the source's (`tool_call_diverged`: the later turns were dropped), the first
-    `MAX_ENDED_EXAMPLES` of them as `{prompt_id, turn}` (0-based assistant turn they end at)."""
+    """`{"tool_conversations": n, "ended_early": {reason: n}, "ended_early_examples": {reason: [...]}}` of a shard's
+    records when any has tools: conversations with tools, and those that ended before the source's last turn because a
+    regenerated turn's tool calls differ from the source's, the first `MAX_ENDED_EXAMPLES` of them as `{prompt_id,
+    turn}`."""
     tooled = [r for r in records if "end_reason" in r or has_tools(r)]
     if not tooled:
         return {}

@@ -268,12 +268,11 @@ class _PromptManifestOptional(TypedDict, total=False):
 class PromptManifest(_PromptManifestOptional):
     """`results/prompts/manifest.json`, written by `dflash_pipeline.prompts.build_prompt_shards`.
 
-    Per source (`ManifestSource`), `skipped_examples` holds up to `prompts.MAX_EXAMPLES`
-    located messages per drop reason (malformed and rejected records, in file order);
-    `inactive_shards` are its shard files beyond its current shard count, `inactive_datasets` the
-    shard files of sources no longer configured: on disk, in no `shards` list. A source with a
-    language filter also has `config.languages`, `config.min_language_confidence` and
-    `dropped_languages`; `language_detector` is `"py3langid <version>"` when any source used it.
+    Per source (`ManifestSource`), `skipped_examples` holds up to `prompts.MAX_EXAMPLES` located messages per drop
+    reason; `inactive_shards` are its shard files beyond its current shard count, `inactive_datasets` the shard files of
+    sources no longer configured: on disk, in no `shards` list. A source with a language filter also has
+    `config.languages`, `config.min_language_confidence` and `dropped_languages`; `language_detector` is `"py3langid
+    <version>"` when any source used it.
     """
 
     schema_version: int  # MANIFEST_SCHEMA_VERSION

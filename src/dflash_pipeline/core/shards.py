@@ -146,12 +146,8 @@ def _same_file_bytes(a: Path, b: Path, chunk: int = 1 << 20) -> bool:
 class ParquetStreamWriter:
     """Write a Parquet shard one record batch (= one row group) at a time, with bounded memory.
 
-    Same file format as `write_parquet` (zstd, no statistics, Arrow schema stored, `metadata` as
-    canonical JSON under `dflash` - given at `close`, since counts are known only at the end;
-    Parquet keeps key-value metadata in the footer). Rows go to a temporary file in the destination
-    directory that is fsynced and renamed into place on `close`; an exception inside the `with`
-    block removes it. The bytes depend only on the rows, the batch boundaries and the metadata, so a
-    rerun with the same input writes the same file, and then the existing file is kept (mtime unchanged).
+    Same file format as `write_parquet`. Rows go to a temporary file in the destination directory that is fsynced and
+    renamed into place on `close`; an exception inside the `with` block removes it.
     """
 
     def __init__(self, path: str | os.PathLike, schema: pa.Schema):

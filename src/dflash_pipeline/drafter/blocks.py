@@ -24,8 +24,7 @@ class LossOutput:
     `ce_decay`/`kl`; the number of sequences for `dpace`). The loss to report is
     Σ total / Σ normalizer over every rank and micro-step; `local` is this micro-batch's alone.
     `stats`: `num_slots` (supervised slots), `correct` bool [num_slots] (argmax == label) and
-    `index` long [num_slots] (flat slot index into [b·Q]) — the format of
-    `dflash_pipeline.drafter.model.slot_accuracy`.
+    `index` long [num_slots] (flat slot index into [b·Q]).
     """
 
     total: torch.Tensor
@@ -135,14 +134,12 @@ def decayed_cross_entropy(
     """Weighted CE Σ w·CE / Σ w over slots with w > 0, computed in chunks of `chunk_tokens` slots
     under activation checkpointing so memory never holds [N·B, V] logits at once (dflash.md §4.5, §4.7).
 
-    `normalizer` (float scalar) replaces the local Σ w as the divisor: `loss_normalizer` makes
-    data-parallel ranks average to the global Σ w·CE / Σ w. Logits are computed in the LM head's dtype
-    and upcast to float32 for the cross-entropy (`dflash_pipeline.target.loading.lm_head_logits`), so a
-    bf16 head works with or without autocast.
+    `normalizer` (float scalar) replaces the local Σ w as the divisor: `loss_normalizer` makes data-parallel ranks
+    average to the global Σ w·CE / Σ w. Logits are computed in the LM head's dtype and upcast to float32 for the
+    cross-entropy, so a bf16 head works with or without autocast.
 
-    Returns `(loss, stats)`; `stats` holds per-slot correct/total counts (for accuracy and the EAL
-    proxy) and `weight_sum` (local Σ w). With no supervised slot the loss is `0 * hidden.sum()` so
-    every rank still runs backward.
+    Returns `(loss, stats)`; `stats` holds per-slot correct/total counts and `weight_sum` (local Σ w). With no
+    supervised slot the loss is `0 * hidden.sum()` so every rank still runs backward.
     """
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
@@ -182,10 +179,9 @@ def decayed_cross_entropy(
 def loss_normalizer(local_weight_sum: torch.Tensor, world_size: int, all_reduce_sum=None) -> torch.Tensor:
     """Divisor for `decayed_cross_entropy` on one of `world_size` data-parallel ranks.
 
-    DDP averages gradients over ranks, so rank r's loss Σ_r w·CE / (Σ_all w / world_size) averages to
-    the global Σ_all w·CE / Σ_all w: every supervised slot weighs the same whichever rank holds it (a
-    rank with few supervised tokens no longer weighs as much as a full one). `all_reduce_sum` sums a
-    float32 scalar over ranks (`accelerator.reduce(t, "sum")`); None = one process.
+    DDP averages gradients over ranks, so rank r's loss Σ_r w·CE / (Σ_all w / world_size) averages to the global Σ_all
+    w·CE / Σ_all w: every supervised slot weighs the same whichever rank holds it. `all_reduce_sum` sums a float32
+    scalar over ranks (`accelerator.reduce(t, "sum")`); None = one process.
     """
     total = local_weight_sum.detach().to(torch.float32).reshape(())
     if all_reduce_sum is not None and world_size > 1:

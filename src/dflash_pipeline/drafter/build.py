@@ -23,12 +23,9 @@ def build_drafter(
     family: Optional[str] = None,
     family_settings: Optional[dict] = None,
 ) -> "DFlashDrafter":
-    """Random-init float32 drafter sized from `target.config` (its text config) and the probe's drafter
-    decisions (`probe["drafter"]`: block_size, num_draft_layers, target_layer_ids, mask_token_id);
+    """Random-init float32 drafter sized from `target.config` (its text config) and the probe's drafter decisions;
     `layer_types`/`sliding_window`: optional sliding-window draft layers (config `drafter.*`).
-    `family`/`family_settings`: `drafter.family` (None: the default) and its `drafter.<family>` section
-    (`dflash_pipeline.drafter.families`). The train stage's initial drafter and the eval stage's
-    untrained floor; `seed` seeds the init."""
+    `family`/`family_settings`: `drafter.family` (None: the default) and its `drafter.<family>` section; `seed` seeds the init."""
     d = probe["drafter"]
     fam = FR.get(family)
     cfg = fam.config_class.from_target(
@@ -48,9 +45,8 @@ def build_drafter(
 def load_drafter(
     ckpt_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> DFlashDrafter:
-    """Load a drafter written by `save_drafter` (or any unprefixed DFlash checkpoint) in `dtype`
-    (eval passes the target's, `dflash_pipeline.target.loading.drafter_dtype`); its config is
-    `DFlashConfig.from_checkpoint` of its family's config class (`dflash_pipeline.drafter.families.load_config`).
+    """Load a drafter written by `save_drafter` (or any unprefixed DFlash checkpoint) in `dtype`; its config is
+    `DFlashConfig.from_checkpoint` of its family's config class.
 
     Raises:
         FileNotFoundError / ValueError: no or a malformed `config.json` (`DFlashConfig.from_checkpoint`);

@@ -155,10 +155,8 @@ class DFlashConfig(Qwen3Config):
         return cfg
 
     def open_spec_speculative_config(self) -> dict:
-        """`speculative_config` of speculators' Open Spec Config (the vendored DFlash schema,
-        tests/data/open_spec_config/): `method`; `speculative_tokens` (drafts per block: B − 1, or B when
-        slot 0 drafts); `target_layer_ids` (the canonical ids, 0-based decoder layers whose output feeds the
-        drafter, so `target_layer_start_idx` 0); `sample_from_anchor`; `mask_token_id`;
+        """`speculative_config` of speculators' Open Spec Config: `method`; `speculative_tokens` (drafts per block: B
+        − 1, or B when slot 0 drafts); `target_layer_ids`; `sample_from_anchor`; `mask_token_id`;
         `sliding_window_non_causal`. The engines read none of it (they read `dflash_config`)."""
         drafts = int(self.block_size) - (0 if self.drafts_from_anchor else 1)
         return {

@@ -266,12 +266,10 @@ class DFlashDrafter(nn.Module):
         cache: DraftContextCache,
         block_size: Optional[int] = None,
     ) -> torch.Tensor:
-        """Final-normed hidden states [b, B, H] of block [bonus, MASK×(B−1)] (one inference step of
-        dflash.md §2.5, before the LM head; every family's drafts start from these).
+        """Final-normed hidden states [b, B, H] of block [bonus, MASK×(B−1)].
 
-        The block sees every cached context position (< `start`) and itself, bidirectionally (sliding
-        layers: within their window). `new_context` covers positions `cache.length .. start-1` and is
-        appended to `cache`. Inputs are cast to the drafter's dtype (dflash_pipeline.target.loading).
+        The block sees every cached context position (< `start`) and itself, bidirectionally (sliding layers: within
+        their window). `new_context` covers positions `cache.length .. start-1` and is appended to `cache`.
         """
         bs = block_size or self.block_size
         b = bonus_token.shape[0]

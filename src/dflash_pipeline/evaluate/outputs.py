@@ -231,9 +231,9 @@ def plot_tau_vs_step(series: dict, path: str | Path, *, train_log: Optional[str 
 
 
 def plot_validation(val_log: str | Path, path: str | Path, *, placeholder: bool = False) -> None:
-    """PNG of held-out τ vs optimizer step from the trainer's `val_log.jsonl`: the per-block simulator
-    (`dflash_pipeline.train.heldout`), the product of marginal slot accuracies beside it and, when the
-    records hold more than one context-length bucket, held-out τ per bucket (dotted).
+    """PNG of held-out τ vs optimizer step from the trainer's `val_log.jsonl`: the per-block simulator, the product
+    of marginal slot accuracies beside it and, when the records hold more than one context-length bucket, held-out τ per
+    bucket (dotted).
 
     Without records nothing is written, unless `placeholder` (the report's figure): then a figure saying
     that the run had no held-out validation (`train.validation_fraction: 0`)."""

@@ -18,11 +18,9 @@ from dflash_pipeline.drafter.block_size import resolve_block_size
 
 @dataclass
 class SpecResult:
-    """One response: `output_ids` (generated tokens, prompt excluded, eos kept), `accept_lengths`
-    (a+1 per verify step), `context_lengths` (per verify step, the tokens before its verify block: prompt
-    plus the tokens generated so far; τ by context length, `dflash_pipeline.evaluate.context_length`),
-    `target_forwards` (verify forwards, prefill excluded; the re-runs of the `recompute` cache policy not
-    counted), `cache_policy` (`TargetCache`)."""
+    """One response: `output_ids` (generated tokens, prompt excluded, eos kept), `accept_lengths` (a+1 per verify
+    step), `context_lengths` (per verify step, the tokens before its verify block), `target_forwards` (verify
+    forwards, prefill and `recompute` re-runs excluded), `cache_policy` (`TargetCache`)."""
 
     output_ids: list[int]
     accept_lengths: list[int] = field(default_factory=list)
@@ -83,8 +81,7 @@ class TargetCache:
     `policy` is
 
     * `crop`: every layer can be cut back (`cache.is_croppable`): the rejected tokens are cropped;
-    * `recompute`: some layer holds a recurrent state that cannot (Qwen3.5/3.6 and Qwen3-Next before
-      transformers 5.25; ZAYA's, found by `_unrecorded`): those layers are snapshotted before each verify
+    * `recompute`: some layer holds a recurrent state that cannot: those layers are snapshotted before each verify
       forward and restored on a rejection, and the target re-runs the accepted tokens.
 
     Either way the cache afterwards equals the cache of a target that only ever saw the accepted tokens."""

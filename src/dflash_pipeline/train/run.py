@@ -294,12 +294,9 @@ def _open_data(
 def _prepare_run(
     accelerator, cfg: dict, out_dir: Path, data: RunData, probe: dict, arch: dict, zero_target_features: bool
 ) -> TrainRun:
-    """The drafter (seeded, sized by the probe and `arch`: `drafter.layer_types` / `sliding_window`),
-    its rows (packed or not) and schedule, the optimizer (`train.optimizer`: AdamW, or Muon + AdamW,
-    `dflash_pipeline.train.optim`) with gradient checkpointing of the draft layers when
-    `train.gradient_checkpointing`, warmup + cosine (dflash.md §4.7) and the shuffled loader,
-    prepared by Accelerate (the scheduler registered for checkpointing), the `StepContext` and this
-    rank's held-out batches.
+    """The drafter, its rows (packed or not) and schedule, the optimizer with gradient checkpointing of the draft
+    layers when `train.gradient_checkpointing`, warmup + cosine and the shuffled loader, prepared by Accelerate, the
+    `StepContext` and this rank's held-out batches.
 
     Raises:
         RuntimeError: the prepared per-rank loader has another length than the schedule assumes.
