@@ -19,11 +19,9 @@ import numpy as np
 
 
 def hidden_states_engine_config(aux: Sequence[int], scratch: str | os.PathLike, cuda: bool) -> tuple[dict, dict]:
-    """vLLM's `(speculative_config, kv_transfer_config)` for extracting hidden states: the
-    `extract_hidden_states` method on the HF hidden-state indices `aux` (ints), and the connector that
-    writes them under `scratch` (vLLM's `ExampleHiddenStatesConnector` when `cuda`, else our CPU-safe
-    `.vllm_connector`). Shared by the in-process `VLLMExtractor` and `vllm serve`
-    (`dflash_pipeline.features.colocate.vllm_server_cmd`). Pure; raises nothing."""
+    """vLLM's `(speculative_config, kv_transfer_config)` for extracting hidden states: the `extract_hidden_states`
+    method on the HF hidden-state indices `aux` (ints), and the connector that writes them under `scratch`. Pure; raises
+    nothing."""
     connector = (
         {"kv_connector": "ExampleHiddenStatesConnector"}
         if cuda

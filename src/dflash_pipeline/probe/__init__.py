@@ -164,12 +164,10 @@ def check_target_config(
     trust_remote_code: bool = False,
     **_ignored,
 ) -> None:
-    """Every check of `probe_target` that reads only `config.json` (no tokenizer, no weights): the
-    architecture (`architecture_refusal`), the config class and
-    the causal-LM class it loads with, the target layers, and the drafter sized from the config (rotary
-    included). The plan-time gate of the workflow runs it before the probe job exists, so a refused target
-    stops `snakemake` before the first completion. Extra keyword arguments (`mask_token_id` …, the
-    other `drafter` keys) are accepted and ignored.
+    """Every check of `probe_target` that reads only `config.json` (no tokenizer, no weights): the architecture
+    (`architecture_refusal`), the config class and the causal-LM class it loads with, the target layers, and the drafter
+    sized from the config. Extra keyword arguments (`mask_token_id` …, the other `drafter` keys) are accepted and
+    ignored.
 
     Raises:
         ProbeRefusal: the target cannot get a drafter (`reason` says why).

@@ -298,13 +298,12 @@ def _picker(raw: Mapping[str, Any], text_path: str, text: Mapping[str, Any], aut
 def _size_facts(
     path: Path, text_path: str, text: Mapping[str, Any], pick: Picker, auto_text: Any, warnings: list[str]
 ) -> dict:
-    """`hidden_size`, `num_hidden_layers`, `vocab_size` (as the config states it), the attention heads
-    and KV heads (default: the attention heads) with the KV heads' source, in the record's key order.
+    """`hidden_size`, `num_hidden_layers`, `vocab_size` (as the config states it), the attention heads and KV heads
+    with the KV heads' source, in the record's key order.
 
-    `num_hidden_layers` is the number of decoder layers transformers builds: the config's count, else the
-    length of its per-layer block list (`block_type_count`); when
-    `AutoConfig` (`auto_text`) builds a different number, its count, with a warning appended to
-    `warnings`.
+    `num_hidden_layers` is the number of decoder layers transformers builds: the config's count, else the length of its
+    per-layer block list; when `AutoConfig` (`auto_text`) builds a different number, its count, with a warning appended
+    to `warnings`.
 
     Raises:
         ProbeError: no `vocab_size` (names the file and where it looked).

@@ -118,9 +118,8 @@ def _check_sentencepiece_deps(target_dir: Path) -> None:
 def _load_tokenizer(target_dir: Path, *, trust_remote_code: bool, config: Any = None) -> Any:
     """`AutoTokenizer` of `target_dir` (offline), refused with the fix when it cannot load.
 
-    `config` is the `AutoConfig` the probe already loaded (None when it could not): it is handed to
-    `AutoTokenizer` so that a config whose own remote code is absent (a directory with only config.json
-    and the tokenizer files, as often copied around) does not stop the tokenizer from loading.
+    `config` is the `AutoConfig` the probe already loaded (None when it could not): it is handed to `AutoTokenizer` so
+    that a config whose own remote code is absent does not stop the tokenizer from loading.
 
     Raises:
         ProbeError: remote tokenizer code without `trust_remote_code`, a missing package (names it and

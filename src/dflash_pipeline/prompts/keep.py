@@ -126,9 +126,8 @@ def _checked_filters(
     `_Filters` and each source's language filter (`_language_filters`).
 
     Raises:
-        ConfigError: `shard_size` < 1, `max_prompt_tokens` without tokenizer, bad language settings
-            (every problem, by config key: `language_problems`), a language filter without py3langid
-            installed, a `special_token_text` other than drop/keep/None or without tokenizer (in that order).
+        ConfigError: `shard_size` < 1, `max_prompt_tokens` without tokenizer, bad language settings, a language filter
+            without py3langid installed, a `special_token_text` other than drop/keep/None or without tokenizer.
     """
     if shard_size < 1:
         raise ConfigError(f"prompts.shard_size must be >= 1, got {shard_size}")

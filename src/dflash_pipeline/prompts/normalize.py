@@ -110,9 +110,8 @@ def _tool_schemas(value: Any, where: str) -> str | None:
 
 def _tool_calls(value: Any, where: str) -> list[dict]:
     """Tool calls of a source turn as the OpenAI list `[{id?, type: function, function: {name, arguments}}]`
-    (`arguments` as the source wrote it: JSON text or an object). `value`: the OpenAI `tool_calls` list, a
-    legacy `function_call` object, a ShareGPT `function_call` value (the JSON text of one call ``{name,
-    arguments}`` or of a list of them), or the JSON text of any of these.
+    (`arguments` as the source wrote it: JSON text or an object). `value`: the OpenAI `tool_calls` list, a legacy
+    `function_call` object, a ShareGPT `function_call` value, or the JSON text of any of these.
 
     Raises:
         RejectedRecord: `bad_tool_turns`: not JSON, or a call without a function name.

@@ -443,15 +443,12 @@ def shard_prompts(
 ) -> dict:
     """The `shard_prompts` rule: `build_prompt_shards` with the validated `prompts` config section.
 
-    The target tokenizer is loaded (from `target_dir`, `chat.load_tokenizer`) only when
-    `prompts.max_prompt_tokens` is set or `prompts.special_token_text` is `drop` (the default) — the
-    rule depends on the target only then. A new target then re-runs the checkpoint, which rewrites only
-    the shards whose bytes change (prompts holding the new tokenizer's special-token strings). `prompts.languages` / `prompts.min_language_confidence`
-    are the default language filter of every source (py3langid is imported only when one applies).
+    The target tokenizer (`target_dir`) is loaded only when `prompts.max_prompt_tokens` is set or
+    `prompts.special_token_text` is `drop` (the default): the rule depends on the target only then.
+    `prompts.languages` / `prompts.min_language_confidence` are every source's default language filter.
 
     Raises:
-        ConfigError: `max_prompt_tokens` set but no `target_dir`; see `build_prompt_shards`.
-    """
+        ConfigError: `max_prompt_tokens` set but no `target_dir`; see `build_prompt_shards`."""
     prompts_cfg = {**schema_defaults("prompts"), **prompts_cfg}  # a partial section (tests) takes the defaults
     max_tokens = prompts_cfg["max_prompt_tokens"]
     # `keep` needs no tokenizer (nothing is checked), so the target is then no input of the checkpoint

@@ -344,8 +344,8 @@ def summary_page(
     Args:
         out_html: the page.
         run: run name. facts: `run_facts`.
-        tau_tsv: `acceptance.tsv` (the τ table `id="tau"`: drafter × set; the full table folded).
-        eval_json: `acceptance.json` (τ by context length; its summary folded, `id="eval-record"`).
+        tau_tsv: `acceptance.tsv`.
+        eval_json: `acceptance.json`.
         tables: `(TSV path, title, table id)` of the data tables (missing files left out).
         figures: `(figure id, PNG path, caption)`, embedded as data URIs in this order (missing ones left out).
         outputs: `(what, path)` rows of "where the outputs are".

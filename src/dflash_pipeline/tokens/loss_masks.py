@@ -105,13 +105,11 @@ def _encoding_mask(encoding, spans: Sequence[tuple[int, int]], n_chars: int) -> 
 
 
 def plain_text_tokenizer(tokenizer):
-    """The target's Rust tokenizer without its added-token vocabulary, so special-token strings in text
-    are encoded as the ordinary characters they are (`<|im_end|>` -> `<`, `|`, `im`, ...), and with
-    no prefix space prepended (the text it encodes continues a sequence). Cached on the tokenizer.
+    """The target's Rust tokenizer without its added-token vocabulary, so special-token strings in text are encoded
+    as the ordinary characters they are, and with no prefix space prepended (the text it encodes continues a sequence).
+    Cached on the tokenizer.
 
-    This is what "the answer's text encoded without parsing special tokens" means for the tokens stage;
-    unlike `split_special_tokens=True` it also leaves non-special added tokens (Qwen3's `<think>`) as
-    text. Returns None for a tokenizer without `backend_tokenizer`.
+    Returns None for a tokenizer without `backend_tokenizer`.
     """
     cached = getattr(tokenizer, "_dflash_plain_backend", None)
     if cached is not None:
@@ -225,10 +223,9 @@ def tokenize_sequences(tokenizer, seqs: Sequence[TrainSequence]) -> list[tuple[n
 def server_ids_sequence(turn: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray] | None:
     """Exact sequence from server token ids for one turn: `prompt_token_ids + output_token_ids`.
 
-    Returns `(input_ids int32 [n], loss_mask uint8 [n])` with 1 on the output ids, or None when either
-    list is missing. These are exactly the tokens the target saw and produced, so no template is
-    involved (works for templates the render path rejects, e.g. DeepSeek-R1). The end-of-turn token is
-    supervised when the server included it in the output ids (vLLM does on `finish_reason == "stop"`).
+    Returns `(input_ids int32 [n], loss_mask uint8 [n])` with 1 on the output ids, or None when either list is missing.
+    No template is involved (it works for templates the render path rejects). The end-of-turn token is supervised when the server included it in the output ids (vLLM does on
+    `finish_reason == "stop"`).
     """
     p, o = turn.get("prompt_token_ids"), turn.get("output_token_ids")
     if not p or not o:

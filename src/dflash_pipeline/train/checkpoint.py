@@ -56,11 +56,8 @@ def file_digest(path: str | Path) -> str:
 
 
 def run_identity(cfg: dict, *, token_shards, **facts) -> dict:
-    """What makes a training run this run, saved with its state (`step.json["run"]`) and compared on resume:
-    the `train` settings except `NOT_RUN_IDENTITY`, the content digest of every token shard in order
-    (a shard rewritten with the same bytes is the same data), and `facts` (JSON values: the target dtype, the
-    drafter's architecture and probe decisions, the zero-features baseline flag). Every rank computes it (it
-    reads each token shard once, ~1 GB/s); its values are JSON (`step.json`).
+    """What makes a training run this run, saved with its state (`step.json["run"]`) and compared on resume: the
+    `train` settings except `NOT_RUN_IDENTITY`, the content digest of every token shard in order, and `facts`.
 
     Raises:
         OSError: a token shard cannot be read.

@@ -243,7 +243,7 @@ def open_training_data(
 ) -> TrainingData:
     """The dataset, collate function and (`shards`) embedding / LM head for `cfg["target_features"]`.
 
-    `target_features: stream` is opened by `dflash_pipeline.train.stream.open_stream_data` instead.
+
 
     `online`: the main process writes missing token indexes under `<out_dir>/token_index/`, then
     `barrier()`. `shards`: `feature_shards[i]` belongs to `token_shards[i]` and is checked against it;

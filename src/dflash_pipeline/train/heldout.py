@@ -110,12 +110,10 @@ def block_acceptance(
 ) -> AcceptanceCounts:
     """Per-block acceptance simulator: chain_k = Π_{i≤k} a_i·m_i inside each block.
 
-    A slot that is not supervised (past the record's end, outside the response) ends the block's chain:
-    generation cannot accept a token past the response.
+    A slot that is not supervised ends the block's chain: generation cannot accept a token past the response.
 
     Args:
-        accept: [n_blocks, B−1] bool or float in [0, 1] (a_k for slots k = 1..B−1; probabilities give the
-            expected count).
+        accept: [n_blocks, B−1] bool or float in [0, 1].
         valid: bool [n_blocks, B−1] (m_k).
         contexts: long [n_blocks], the tokens of each block's record before its anchor (with `edges`).
         edges: context-length bucket edges (tokens, ascending); () = no buckets.

@@ -34,8 +34,7 @@ def ce_decay(
 ) -> LossOutput:
     """Decayed cross-entropy Σ_k w_k·CE_k with normaliser Σ_k w_k (dflash.md §4.5).
 
-    `w_k = exp(−(k−1)/γ)` on supervised slots (from `dflash_pipeline.drafter.model.block_inputs_and_labels`).
-    Computed by `dflash_pipeline.drafter.model.decayed_cross_entropy` (chunked, checkpointed).
+    `w_k = exp(−(k−1)/γ)` on supervised slots. Computed by `dflash_pipeline.drafter.model.decayed_cross_entropy`.
 
     Args:
         hidden: [b, Q, H] drafter output (any float dtype).
@@ -114,8 +113,7 @@ def dpace(
     (not weight-normalised; dflash.md §4.6, SpecForge `--loss-type dpace`). `num_sequences` defaults to
     the rows b; packed rows pass their record count, so packing does not change the loss scale.
 
-    The position decay is not applied: `weights > 0` only marks the valid slots m_k (pass the
-    weights of `dflash_pipeline.drafter.model.block_inputs_and_labels`, decayed or not).
+    The position decay is not applied: `weights > 0` only marks the valid slots m_k.
 
     Args:
         hidden: [b, N·B, H]; lm_head_weight: [V, H]; labels: long [b, N·B]; weights: float [b, N·B].
@@ -146,8 +144,7 @@ def teacher_slot_hidden(last_hidden: torch.Tensor, block_pos: torch.Tensor) -> t
     (same-position labels, dflash.md §4.3). Slot 0 (no loss) is clamped to position 0.
 
     Args:
-        last_hidden: [b, S, H] target's final-normed hidden state (HF `hidden_states[-1]`, the input of
-            `lm_head`; the features issue stores it in feature shards).
+        last_hidden: [b, S, H] target's final-normed hidden state.
         block_pos: long [b, Q] slot positions (from `block_inputs_and_labels`), < S.
     Returns:
         [b, Q, H] in `last_hidden`'s dtype.

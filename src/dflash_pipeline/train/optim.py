@@ -39,9 +39,8 @@ def muon_parameters(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Para
 class MuonWithAdamW(torch.optim.Optimizer):
     """`torch.optim.Muon` over `matrices` and `torch.optim.AdamW` over `rest` as one optimizer.
 
-    Both inner optimizers share this optimizer's `state` and its group dicts, so `state_dict` /
-    `load_state_dict` (and torch.distributed.checkpoint's optimizer state) cover both, and an LR
-    scheduler's change to a group reaches the optimizer that steps it.
+    Both inner optimizers share this optimizer's `state` and its group dicts, so `state_dict` / `load_state_dict` cover
+    both, and an LR scheduler's change to a group reaches the optimizer that steps it.
 
     Raises:
         ValueError: no 2-D parameter for Muon, or a torch without `torch.optim.Muon` (before 2.9).

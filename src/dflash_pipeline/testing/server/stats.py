@@ -12,11 +12,10 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ServerStats:
-    """What the server saw. `by_prompt` is keyed by the first user message of the request,
-    `by_conversation` by the canonical JSON of the messages sent (role + content); for completions
-    requests both by the prompt text. `chat_requests` counts chat and completions requests,
-    `completions_requests` the latter alone, `tool_requests` the chat requests that offered `tools`
-    (`tools_seen`: the distinct `tools` lists, canonical JSON, in first-arrival order)."""
+    """What the server saw. `by_prompt` is keyed by the first user message of the request, `by_conversation` by the
+    canonical JSON of the messages sent (role + content); for completions requests both by the prompt text.
+    `chat_requests` counts chat and completions requests, `completions_requests` the latter alone, `tool_requests` the
+    chat requests that offered `tools`."""
 
     chat_requests: int = 0
     completions_requests: int = 0
