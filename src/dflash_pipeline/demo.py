@@ -100,8 +100,7 @@ CHAT_TEMPLATE = """\
 """
 
 
-# --------------------------------------------------------------------------------------------------
-# corpus
+# --- corpus
 
 
 def load_corpus(corpus_files: Sequence[str | os.PathLike]) -> list[list[dict]]:
@@ -148,8 +147,7 @@ def load_corpus(corpus_files: Sequence[str | os.PathLike]) -> list[list[dict]]:
     return convs
 
 
-# --------------------------------------------------------------------------------------------------
-# tokenizer
+# --- tokenizer
 
 
 def train_tokenizer(texts: Iterable[str], *, vocab_size: int = 1024):
@@ -197,8 +195,7 @@ def padded_vocab_size(num_tokens: int, multiple: int = 64) -> int:
     return (num_tokens // multiple + 1) * multiple
 
 
-# --------------------------------------------------------------------------------------------------
-# training data
+# --- training data
 
 
 def encode_conversation(tokenizer, messages: list[dict], max_len: int = MAX_SEQ_LEN) -> tuple[list[int], list[int]]:
@@ -255,8 +252,7 @@ def _collate(batch, pad_id: int):
     return input_ids, attn, labels
 
 
-# --------------------------------------------------------------------------------------------------
-# build
+# --- build
 
 
 def build_demo_target(

@@ -52,8 +52,7 @@ def _split_caps(gen_cfg: dict, n: int) -> list[dict]:
     return out
 
 
-# ------------------------------------------------------------------------------------------------
-# the client process
+# --- the client process
 
 
 class _PromptFeed:
@@ -225,8 +224,7 @@ class _BareMain:
             sys.modules["__main__"] = self.saved
 
 
-# ------------------------------------------------------------------------------------------------
-# the parent
+# --- the parent
 
 
 class _Parent:

@@ -223,8 +223,7 @@ def deep_merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict:
     return out
 
 
-# ------------------------------------------------------------------------------------------------
-# cross-field checks: one place for the plan (Snakefile) and the library
+# --- cross-field checks: one place for the plan (Snakefile) and the library
 
 
 @functools.lru_cache(maxsize=1)

@@ -27,9 +27,7 @@ BLOCK_FILES = ("README.md", "docs/tutorial/demo.md", "docs/explanation/reproduci
 REPRO_RESULT = Path("docs/results/repro.json")
 
 
-# --------------------------------------------------------------------------------------------------
-# Config reference (JSON Schema)
-# --------------------------------------------------------------------------------------------------
+# --- Config reference (JSON Schema)
 
 
 def _type_of(node: dict) -> str:
@@ -123,9 +121,7 @@ def config_reference(schema: Optional[dict] = None) -> str:
     return "\n".join(out)
 
 
-# --------------------------------------------------------------------------------------------------
-# Rules reference (rules/*.smk)
-# --------------------------------------------------------------------------------------------------
+# --- Rules reference (rules/*.smk)
 
 #: Rule files in the order data flows through them (others follow, sorted).
 RULE_FILE_ORDER = ("demo", "probe", "prompts", "completions", "tokens", "features", "train", "eval", "report")
@@ -206,9 +202,7 @@ def rules_reference(repo: Path = REPO) -> str:
     return "\n".join(out)
 
 
-# --------------------------------------------------------------------------------------------------
-# Supported families (docs/results/zoo.json)
-# --------------------------------------------------------------------------------------------------
+# --- Supported families (docs/results/zoo.json)
 
 
 def _zoo(repo: Path) -> Optional[dict]:
@@ -282,9 +276,7 @@ def families_summary(repo: Path = REPO) -> str:
     )
 
 
-# --------------------------------------------------------------------------------------------------
-# The demo's τ table (docs/results/demo/acceptance.json)
-# --------------------------------------------------------------------------------------------------
+# --- The demo's τ table (docs/results/demo/acceptance.json)
 
 
 def demo_tau_table(record: Optional[dict]) -> str:
@@ -335,9 +327,7 @@ def repro_table(record: Optional[dict]) -> str:
     )
 
 
-# --------------------------------------------------------------------------------------------------
-# Writing and checking
-# --------------------------------------------------------------------------------------------------
+# --- Writing and checking
 
 _BLOCK = re.compile(r"(<!-- BEGIN GENERATED (\S+)[^\n]*-->\n)(.*?)(<!-- END GENERATED \2 -->)", re.S)
 

@@ -10,9 +10,7 @@ from typing import Callable, Iterator, Sequence
 
 from dflash_pipeline.docs_gen.markdown import GENERATED_NOTE, md_table, md_text
 
-# --------------------------------------------------------------------------------------------------
-# CLI reference (argparse)
-# --------------------------------------------------------------------------------------------------
+# --- CLI reference (argparse)
 
 
 class _Captured(Exception):

@@ -270,9 +270,7 @@ class DFlash2Drafter(DFlashDrafter):
         return walk(scores, cand), None
 
 
-# ---------------------------------------------------------------------------------------------------
-# Training: the selector's objective (teacher-forced walk)
-# ---------------------------------------------------------------------------------------------------
+# --- Training: the selector's objective (teacher-forced walk)
 
 
 def _chunks(n: int, size: int):
@@ -380,9 +378,7 @@ def dflash2_objective(
     )
 
 
-# ---------------------------------------------------------------------------------------------------
-# The family
-# ---------------------------------------------------------------------------------------------------
+# --- The family
 
 
 @register

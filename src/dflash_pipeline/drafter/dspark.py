@@ -159,9 +159,7 @@ def verify_length(confidence: torch.Tensor | None, threshold: float, num_drafts:
     return max(1, int((survival >= threshold).sum()))
 
 
-# ---------------------------------------------------------------------------------------------------
-# Training: blocks drafted from the anchor, CE / TV with the Markov bias, the confidence head's BCE
-# ---------------------------------------------------------------------------------------------------
+# --- Training: blocks drafted from the anchor, CE / TV with the Markov bias, the confidence head's BCE
 
 
 @dataclass
@@ -288,9 +286,7 @@ def dspark_objective(
     )
 
 
-# ---------------------------------------------------------------------------------------------------
-# The family
-# ---------------------------------------------------------------------------------------------------
+# --- The family
 
 
 @register

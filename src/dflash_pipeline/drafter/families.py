@@ -166,9 +166,7 @@ def load_config(ckpt_dir: str | Path):
     return family.config_class.from_checkpoint(ckpt_dir)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Planning and the Snakemake params (asked of the configured family)
-# ---------------------------------------------------------------------------------------------------
+# --- Planning and the Snakemake params (asked of the configured family)
 
 
 def of_settings(drafter: Mapping[str, Any]) -> "DFlashFamily":

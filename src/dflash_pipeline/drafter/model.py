@@ -44,9 +44,7 @@ from dflash_pipeline.drafter.config import ARCHITECTURE, DFlashConfig
 from dflash_pipeline.drafter.rope import DFlashRotaryEmbedding, apply_rope
 from dflash_pipeline.target.loading import module_dtype
 
-# ---------------------------------------------------------------------------------------------------
-# Config (the class and the checkpoint's config.json: dflash_pipeline.drafter.config)
-# ---------------------------------------------------------------------------------------------------
+# --- Config (the class and the checkpoint's config.json: dflash_pipeline.drafter.config)
 
 
 def drafter_config_from_target(target_config, **sizes) -> DFlashConfig:
@@ -56,9 +54,7 @@ def drafter_config_from_target(target_config, **sizes) -> DFlashConfig:
     return DFlashConfig.from_target(target_config, **sizes)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Attention with KV injection (dflash.md §2.2)
-# ---------------------------------------------------------------------------------------------------
+# --- Attention with KV injection (dflash.md §2.2)
 
 
 class DraftContextCache:
@@ -184,9 +180,7 @@ class DFlashDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-# ---------------------------------------------------------------------------------------------------
-# The drafter
-# ---------------------------------------------------------------------------------------------------
+# --- The drafter
 
 
 class DFlashDrafter(nn.Module):
@@ -309,9 +303,7 @@ class DFlashDrafter(nn.Module):
         return logits[:, 1:].argmax(dim=-1), None
 
 
-# ---------------------------------------------------------------------------------------------------
-# Checkpoint export / load (dflash.md §8)
-# ---------------------------------------------------------------------------------------------------
+# --- Checkpoint export / load (dflash.md §8)
 
 
 def save_drafter(

@@ -34,9 +34,7 @@ from dflash_pipeline.evaluate.engine_metrics import (
     spec_counters,
 )
 
-# ---------------------------------------------------------------------------------------------------
-# Sending the eval sets
-# ---------------------------------------------------------------------------------------------------
+# --- Sending the eval sets
 
 
 def default_metrics_url(base_url: str) -> str:
@@ -259,9 +257,7 @@ def _metrics_acceptance(before: dict, metrics_url: str, block_size: Optional[int
     return {**engine_acceptance_stats(delta, block_size), "source": "metrics", "drafts": delta["drafts"]}
 
 
-# ---------------------------------------------------------------------------------------------------
-# The eval-stage backend
-# ---------------------------------------------------------------------------------------------------
+# --- The eval-stage backend
 
 
 def _engine_record(
@@ -492,9 +488,7 @@ def _cpu_only() -> bool:
     return f()
 
 
-# ---------------------------------------------------------------------------------------------------
-# CLI: τ of a running server (or of one started here)
-# ---------------------------------------------------------------------------------------------------
+# --- CLI: τ of a running server (or of one started here)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:

@@ -23,9 +23,7 @@ class EngineComparisonError(PipelineError):
     """The engine reported no acceptance, or its record does not match the eval record it is compared with."""
 
 
-# ---------------------------------------------------------------------------------------------------
-# Prometheus counters
-# ---------------------------------------------------------------------------------------------------
+# --- Prometheus counters
 
 
 def _split_sample(line: str) -> Optional[tuple[str, dict[str, str], float]]:

@@ -17,9 +17,7 @@ class EvalComparisonError(PipelineError):
     """Eval records that must not be compared (e.g. produced under different thinking modes)."""
 
 
-# ---------------------------------------------------------------------------------------------------
-# Comparing records
-# ---------------------------------------------------------------------------------------------------
+# --- Comparing records
 
 
 def check_comparable(records: Mapping[str, dict]) -> str:
@@ -55,9 +53,7 @@ def merge_eval_records(records: Mapping[str, dict]) -> dict:
     return merged
 
 
-# ---------------------------------------------------------------------------------------------------
-# The τ table and the record's files
-# ---------------------------------------------------------------------------------------------------
+# --- The τ table and the record's files
 
 
 TABLE_COLUMNS = (
@@ -137,9 +133,7 @@ def write_eval_outputs(record: dict, out_json: str | Path, *, plot_png=None, tab
         write_eval_table(record, table_tsv)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Plots
-# ---------------------------------------------------------------------------------------------------
+# --- Plots
 
 
 def _pyplot():

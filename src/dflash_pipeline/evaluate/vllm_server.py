@@ -258,9 +258,7 @@ def served_dtype_of_log(log_text: str) -> Optional[str]:
     return found[-1] if found else None
 
 
-# ---------------------------------------------------------------------------------------------------
-# Launch lines of an export (final/serve.md)
-# ---------------------------------------------------------------------------------------------------
+# --- Launch lines of an export (final/serve.md)
 
 
 def serve_commands(drafter_dir: str | Path, target: str | Path, block_size: int, *, port: int = 8000) -> dict[str, str]:

@@ -21,8 +21,7 @@ from typing import Any, Mapping, Sequence
 
 from dflash_pipeline.core.errors import ConfigError, ProbeError, ProbeRefusal
 
-# --------------------------------------------------------------------------------------------------
-# architectures refused from config.json alone
+# --- architectures refused from config.json alone
 
 ENCODER_DECODER = "encoder-decoder"
 NOT_CAUSAL = "not a causal LM"
@@ -189,8 +188,7 @@ def raw_config_refusal(target_dir: str | Path) -> ProbeRefusal | None:
     return architecture_refusal(raw, str(path)) if isinstance(raw, dict) else None
 
 
-# --------------------------------------------------------------------------------------------------
-# the tokenizer, the loader and the drafter
+# --- the tokenizer, the loader and the drafter
 
 
 def _preflight_tokenizer(

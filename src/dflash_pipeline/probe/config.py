@@ -66,8 +66,7 @@ EXPERTS_PER_TOKEN_KEYS = (
 )
 
 
-# --------------------------------------------------------------------------------------------------
-# config.json
+# --- config.json
 
 
 def _find_text_config(cfg: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
@@ -409,8 +408,7 @@ def _probe_config(target_dir: Path, trust_remote_code: bool) -> tuple[dict, list
     return record, warnings, auto_cfg
 
 
-# --------------------------------------------------------------------------------------------------
-# the embedding and generation_config.json
+# --- the embedding and generation_config.json
 
 
 def _embedding_rows(target_dir: Path, vocab_size: int) -> tuple[int, str]:

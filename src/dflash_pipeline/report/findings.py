@@ -49,9 +49,7 @@ def _all_row(rows: Sequence[Mapping]) -> Mapping:
     return next((r for r in rows if r.get("dataset") == "all"), rows[-1] if rows else {})
 
 
-# --------------------------------------------------------------------------------------------------
-# The checks (each returns a list: none, one or several findings)
-# --------------------------------------------------------------------------------------------------
+# --- The checks (each returns a list: none, one or several findings)
 
 
 def truncated_completions(generation_rows: Sequence[Mapping], th: Mapping) -> list[Finding]:
@@ -235,9 +233,7 @@ def failing_servers(endpoints: Mapping[str, Mapping], th: Mapping) -> list[Findi
     return out
 
 
-# --------------------------------------------------------------------------------------------------
-# Gathering the inputs
-# --------------------------------------------------------------------------------------------------
+# --- Gathering the inputs
 
 #: A warning line of the completions job's chat-template check (dflash_pipeline.target.spans.check_template).
 _TEMPLATE_WARNING = re.compile(r"^(chat template .*?: .*)$", re.M)

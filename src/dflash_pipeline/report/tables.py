@@ -268,9 +268,7 @@ def tokens_table(token_shards: Sequence[str | Path], out_tsv: str | Path) -> lis
     return rows
 
 
-# --------------------------------------------------------------------------------------------------
-# HTML tables for the report's landing page
-# --------------------------------------------------------------------------------------------------
+# --- HTML tables for the report's landing page
 
 #: Column name -> readable label (other names: underscores become spaces, `dropped_x` -> "dropped: x").
 LABELS = {

@@ -36,9 +36,7 @@ class TargetLoadError(ProbeRefusal):
         super().__init__(reason, message)
 
 
-# ---------------------------------------------------------------------------------------------------
-# dtype policy
-# ---------------------------------------------------------------------------------------------------
+# --- dtype policy
 
 
 def resolve_dtype(spec: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
@@ -87,9 +85,7 @@ def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(hidden.to(weight.dtype), weight).float()
 
 
-# ---------------------------------------------------------------------------------------------------
-# config and class resolution
-# ---------------------------------------------------------------------------------------------------
+# --- config and class resolution
 
 
 def _raw_config(target_dir: Path) -> dict:
@@ -213,9 +209,7 @@ def check_loadable(target_dir: str | Path, *, trust_remote_code: bool = False) -
     return {"class": cls.__name__, "config_class": type(cfg).__name__, "num_hidden_layers": layers}
 
 
-# ---------------------------------------------------------------------------------------------------
-# loading
-# ---------------------------------------------------------------------------------------------------
+# --- loading
 
 
 def load_target(

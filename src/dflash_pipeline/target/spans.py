@@ -12,9 +12,7 @@ from typing import Any, Mapping, Sequence
 from dflash_pipeline.core.errors import ConfigError, MarkupWithoutIdsError, TokenizationError
 from dflash_pipeline.target import chat
 
-# --------------------------------------------------------------------------------------------------
-# String level: supervised character spans from render differences
-# --------------------------------------------------------------------------------------------------
+# --- String level: supervised character spans from render differences
 
 
 @dataclass

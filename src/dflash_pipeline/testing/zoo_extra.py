@@ -169,9 +169,7 @@ def extra_source_dir(models_dir: str | Path, name: str, out: str | Path) -> Path
     return root
 
 
-# ---------------------------------------------------------------------------------------------------
-# the sweep over every causal-LM model type
-# ---------------------------------------------------------------------------------------------------
+# --- the sweep over every causal-LM model type
 
 #: Config-class keyword overrides where the defaults do not validate or do not make a decoder the
 #: formula can place layers in (the reason each is needed in the comment).
@@ -349,9 +347,7 @@ def rotating_sample(
     return [pool[(start + i) % len(pool)] for i in range(min(size, len(pool)))]
 
 
-# ---------------------------------------------------------------------------------------------------
-# twins of a model type for the zoo's full-pipeline stages
-# ---------------------------------------------------------------------------------------------------
+# --- twins of a model type for the zoo's full-pipeline stages
 
 #: Config keys set on a swept type's twin so it builds and trains on CPU in seconds (the rest of the
 #: shrinking is the zoo's `dflash_pipeline.testing.zoo_shrink.shrink_config`).
@@ -401,9 +397,7 @@ def type_source_dir(models_dir: str | Path, model_type: str, out: str | Path) ->
     return root
 
 
-# ---------------------------------------------------------------------------------------------------
-# the supported-types table
-# ---------------------------------------------------------------------------------------------------
+# --- the supported-types table
 
 PAGE = Path("docs/reference/model-types.md")
 

@@ -28,9 +28,7 @@ from dflash_pipeline.train.checkpoint import export_module, export_step, save_st
 from dflash_pipeline.train.data import TrainingData
 from dflash_pipeline.train.step import StepContext, step_objective
 
-# ---------------------------------------------------------------------------------------------------
-# The run's state
-# ---------------------------------------------------------------------------------------------------
+# --- The run's state
 
 
 @dataclass
@@ -99,9 +97,7 @@ class TrainRun:
     identity: Optional[dict] = None  # train.checkpoint.run_identity: what makes this run this run (in state/)
 
 
-# ---------------------------------------------------------------------------------------------------
-# The step loop
-# ---------------------------------------------------------------------------------------------------
+# --- The step loop
 
 
 def run_steps(run: TrainRun, step: int) -> int:
@@ -305,9 +301,7 @@ def trace_batch(out_dir: Path, rank: int, step: int, batch: dict) -> None:
         fh.write(json.dumps({"step": step, "batch": digest}) + "\n")
 
 
-# ---------------------------------------------------------------------------------------------------
-# Held-out validation
-# ---------------------------------------------------------------------------------------------------
+# --- Held-out validation
 
 
 def _validate(accelerator, ctx: StepContext, batches, counted, cfg: dict, step: int, out_dir: Path) -> Optional[dict]:

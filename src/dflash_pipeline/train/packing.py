@@ -18,9 +18,7 @@ import torch
 
 from dflash_pipeline.drafter import model as M
 
-# ---------------------------------------------------------------------------------------------------
-# Packing records into rows
-# ---------------------------------------------------------------------------------------------------
+# --- Packing records into rows
 
 
 def pack_records(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -118,9 +116,7 @@ def padded_segments(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return pos, seg
 
 
-# ---------------------------------------------------------------------------------------------------
-# Anchors, blocks and masks that respect record boundaries
-# ---------------------------------------------------------------------------------------------------
+# --- Anchors, blocks and masks that respect record boundaries
 
 
 def anchor_candidates(loss_mask: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
@@ -247,9 +243,7 @@ def build_packed_training_masks(drafter, anchors: torch.Tensor, segment_ids: tor
     return M.masks_per_layer_type(drafter, lambda **kw: build(anchors, segment_ids, drafter.block_size, **kw))
 
 
-# ---------------------------------------------------------------------------------------------------
-# The target on packed rows
-# ---------------------------------------------------------------------------------------------------
+# --- The target on packed rows
 
 
 def packed_target_features(target, input_ids: torch.Tensor, position_ids: torch.Tensor, layer_ids: Sequence[int]):

@@ -54,9 +54,7 @@ from dflash_pipeline.train.checkpoint import (  # noqa: F401 - STEP_EXPORT_PREFI
 from dflash_pipeline.train.loop import RunData, Schedule, TrainRun, run_steps, trace_batch  # noqa: F401 - trace_batch re-exported
 from dflash_pipeline.train.step import StepContext, step_objective, target_features, training_step  # noqa: F401 - re-exported
 
-# ---------------------------------------------------------------------------------------------------
-# Data
-# ---------------------------------------------------------------------------------------------------
+# --- Data
 
 
 def load_token_shards(
@@ -96,16 +94,12 @@ def collate(batch, pad_id: int = 0) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "loss_mask": lm, "attention_mask": am}
 
 
-# ---------------------------------------------------------------------------------------------------
-# Target (the drafter is built by dflash_pipeline.drafter.build.build_drafter)
-# ---------------------------------------------------------------------------------------------------
+# --- Target (the drafter is built by dflash_pipeline.drafter.build.build_drafter)
 
 load_target = T.load_target  # one loader for every family (dflash_pipeline.target.loading); re-exported here
 
 
-# ---------------------------------------------------------------------------------------------------
-# The run: train() and the steps it reads as
-# ---------------------------------------------------------------------------------------------------
+# --- The run: train() and the steps it reads as
 
 
 def train(
@@ -448,9 +442,7 @@ def _heldout_batches(records, cfg: dict, rank: int, world: int) -> tuple[list[di
     return mine + [batches[0]] * (n - len(mine)), [True] * len(mine) + [False] * (n - len(mine))
 
 
-# ---------------------------------------------------------------------------------------------------
-# End of the run
-# ---------------------------------------------------------------------------------------------------
+# --- End of the run
 
 
 def _summary(run: TrainRun, log_with, target_dir) -> dict:
