@@ -24,9 +24,8 @@ FEATURE_SCHEMA_VERSION = 2  # 2: fp8 feature_scale per token per layer [N, K] (1
 
 #: Roles allowed in a normalized prompt conversation.
 PROMPT_ROLES = ("system", "user")
-#: Roles allowed in a normalized prompt conversation with tool calls (`PROMPT_TOOLS_SCHEMA`): `assistant`
-#: only for a source turn that called tools (its `tool_calls`, compared with the regenerated turn's), `tool`
-#: for the tool results.
+#: Roles allowed in a normalized prompt conversation with tool calls: `assistant` only for a source turn that
+#: called tools, `tool` for the tool results.
 PROMPT_TOOL_ROLES = ("system", "user", "assistant", "tool")
 #: Roles allowed in a completed conversation.
 CONVERSATION_ROLES = ("system", "user", "assistant")
@@ -45,10 +44,8 @@ PROMPT_SCHEMA = pa.schema(
     ]
 )
 
-#: Prompt messages of a conversation with tool calls: `tool_calls` (JSON text of the OpenAI list
-#: `[{id, type, function: {name, arguments}}]`, on the source's assistant turns that called tools: the calls the
-#: regenerated turn is compared with; their content is not kept), `tool_call_id` and `name` (on `tool`
-#: results).
+#: Prompt messages of a conversation with tool calls: `tool_calls` (JSON text of the OpenAI list, on the
+#: source's assistant turns that called tools), `tool_call_id` and `name` (on `tool` results).
 PROMPT_TOOL_MESSAGE_TYPE = pa.struct(
     [
         ("role", pa.string()),
@@ -58,10 +55,8 @@ PROMPT_TOOL_MESSAGE_TYPE = pa.struct(
         ("name", pa.string()),
     ]
 )
-#: `PROMPT_SCHEMA` of a shard that holds a conversation with tools or tool calls: messages of
-#: `PROMPT_TOOL_MESSAGE_TYPE` and `tools` (canonical JSON text of the OpenAI `tools` list offered to the
-#: model, null when none). Shards without them keep `PROMPT_SCHEMA` (`prompt_schema`), so their bytes
-#: never change.
+#: `PROMPT_SCHEMA` of a shard with tools or tool calls: messages of `PROMPT_TOOL_MESSAGE_TYPE` and `tools`
+#: (canonical JSON text of the OpenAI `tools` list, null when none). Other shards keep `PROMPT_SCHEMA`.
 PROMPT_TOOLS_SCHEMA = pa.schema(
     [
         ("prompt_id", pa.string()),
@@ -131,11 +126,9 @@ CONV_TOOL_MESSAGE_TYPE = pa.struct(
         ("name", pa.string()),
     ]
 )
-#: `COMPLETION_SCHEMA` of a shard that holds tool calls: messages of `CONV_TOOL_MESSAGE_TYPE`,
-#: `tools` (JSON text of the function schemas offered to the model, null when none) and `end_reason` (null
-#: when every turn of the source conversation was regenerated; `tool_call_diverged` when the conversation ends
-#: at a regenerated turn whose tool calls differ from the source's, see docs/how-to/tool-calls.md). Shards without
-#: tool calls keep `COMPLETION_SCHEMA` (`completion_schema`), so their bytes never change.
+#: `COMPLETION_SCHEMA` of a shard that holds tool calls: messages of `CONV_TOOL_MESSAGE_TYPE`, `tools` (JSON
+#: text of the function schemas, null when none) and `end_reason` (`tool_call_diverged`, or null;
+#: docs/how-to/tool-calls.md). Shards without tool calls keep `COMPLETION_SCHEMA`, so their bytes never change.
 COMPLETION_TOOLS_SCHEMA = pa.schema(
     [
         ("prompt_id", pa.string()),
@@ -216,8 +209,7 @@ def sha256_text(text: str) -> str:
 # that alters them bumps dflash_pipeline.workflow.policy.TOKENIZATION_REVISION, which re-tokenizes and retrains
 # every workdir); the record shapes below decide none.
 #
-# The JSON records the stages write, typed (TypedDict: what readers may index), each with its version.
-# Writers set `schema_version`; a reader that needs a newer shape checks it.
+# The JSON records the stages write, typed, each with its `schema_version`.
 
 from typing import Literal, TypedDict  # noqa: E402
 
@@ -225,11 +217,9 @@ from typing import Literal, TypedDict  # noqa: E402
 
 #: `results/prompts/manifest.json` (`PromptManifest`).
 MANIFEST_SCHEMA_VERSION = 1
-#: `results/completions/<dataset>/<shard>.stats.json` (`CompletionStats`, in `stats_version`;
-#: `schema_version` is the shard's). 2: the whole shard's counts at the top level, this run's figures once,
-#: in `run`. 1 (no `stats_version`): this run's `generated`, `wall_s` and rates at the top level and
-#: again in `run`, its `resumed` and request counters at the top level only. Read `run` of either with
-#: `run_stats` (a workdir keeps the stats files of shards it does not regenerate).
+#: `results/completions/<dataset>/<shard>.stats.json` (`CompletionStats`). 2: the whole shard's counts at the
+#: top level, this run's in `run`; 1 (no `stats_version`): this run's figures at the top level. Read `run` of
+#: either with `run_stats`.
 COMPLETION_STATS_VERSION = 2
 
 
