@@ -128,9 +128,8 @@ EXTRA_FAMILIES: dict[str, tuple[str, str, dict, str]] = {
 }
 
 
-#: Weight seed offsets per extra twin (none needed today). The extras untie their embeddings: a tied twin's
-#: ×HEAD_SCALE head also scales its input embedding, and its greedy completions are then one whitespace
-#: token repeated (no supervised token to train on: a property of the random weights, not the architecture).
+#: Weight seed offsets per extra twin. The extras untie their embeddings: a tied twin's scaled head also scales
+#: its input embedding, and its greedy completions are one token repeated (nothing to supervise).
 TWIN_SEEDS: dict[str, int] = {}
 
 

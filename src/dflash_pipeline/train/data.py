@@ -23,7 +23,7 @@ from dflash_pipeline.features import FeatureLayout, FeatureShard, FeatureShardEr
 
 #: Supervised (loss-mask) tokens a record needs to be trained on: an anchor is a supervised position and its
 #: block's labels are the supervised tokens after it (reference/dflash.md §4.1), so a record with fewer has
-#: no anchor with anything to predict. The trainer's constant, not a config key (it never changes params).
+#: no anchor with anything to predict.
 MIN_LOSS_TOKENS = 2
 
 

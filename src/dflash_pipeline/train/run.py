@@ -505,10 +505,8 @@ def _finish(run: TrainRun, step: int, target_dir, summary: dict) -> dict:
         write_json(out_dir / "train_summary.json", summary)
     save_state(accelerator, out_dir / "state", step, run.identity)
     accelerator.wait_for_everyone()
-    # The DDP wrapper's Reducer holds the process group. Free it while the group is still registered, so the
-    # group ends in destroy_process_group (end_training), whose destructor releases the GIL, and not in the
-    # Reducer's dealloc, which joins Gloo's worker threads holding it: a worker finishing the last barrier
-    # needs the GIL, and the rank hung at exit (py-spy: ~ProcessGroupGloo under Reducer dealloc; pytorch#56297).
+    # Free the DDP Reducer while the process group is registered: ending the group in the Reducer's dealloc
+    # joins Gloo's workers while holding the GIL, and the rank hangs at exit (pytorch#56297).
     run.drafter = run.ctx.drafter = None
     accelerator.free_memory()
     accelerator.end_training()

@@ -25,8 +25,7 @@ from dflash_pipeline.workflow.policy import as_json, canonical
 DEMO_TARGET_DIR = "resources/demo-target"
 #: The shipped demo target, relative to the workflow's directory: built once by
 #: `dflash_pipeline.demo.build_demo_target` with the embedded config's `target.demo` settings and
-#: committed, so every machine runs the default demo on the same weights (a target trained on the user's CPU
-#: differs with the CPU's kernels, and so does everything downstream).
+#: committed, so every machine runs the default demo on the same weights.
 SHIPPED_DEMO_TARGET = "data/demo-target"
 
 

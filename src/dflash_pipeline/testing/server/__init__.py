@@ -25,10 +25,7 @@ Use `start_test_server` (a context manager; a background thread) or the CLI::
 
 from __future__ import annotations
 
-# The package by concern: `faults` (the fault plan and its injection), `stats` (what is counted:
-# requests, statuses, speculative-decoding counters), `answers` (canned and target answers, prompt
-# tokenization), `sglang` (SGLang's answer shapes and streams), `app` (`TestServer`: lifecycle
-# and HTTP handlers), `cli` (the command line; `__main__` runs it).
+# Modules: `faults`, `stats`, `answers`, `sglang`, `app` (`TestServer`), `cli`.
 from .answers import split_think
 from .app import DEFAULT_MODEL_NAME, FLAVORS, TestServer, start_test_server
 from .cli import _parser, main  # noqa: F401  (_parser: tests build the CLI parser)
