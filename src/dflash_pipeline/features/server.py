@@ -115,9 +115,8 @@ class FeatureServer:
         self.budget = ScratchBudget(self.limits.scratch_max_bytes, self.limits.scratch_max_age_s)
         self.lock = threading.Lock()
         self.stats = {"requests": 0, "tokens": 0, "compute_s": 0.0, "hung": 0, "refused": 0, "errors": 0}
-        #: fault injection (tests, benches): feature requests after the first `hang_after` are accepted
-        #: and never answered, while `GET /v1/models` and `/health` still answer (a wedged engine
-        #: behind a live HTTP front end: only the client's request timeout detects it)
+        #: fault injection (tests, benches): feature requests after the first `hang_after` are never answered
+        #: while `/v1/models` and `/health` still answer (a wedged engine)
         self.hang_after = hang_after
         self._posts = 0
         self._count_lock = threading.Lock()

@@ -379,8 +379,7 @@ def type_source_dir(models_dir: str | Path, model_type: str, out: str | Path) ->
 
     arch = {mt: a for mt, _, a in sweep_types()}[model_type]
     raw = type_config(model_type, arch)
-    # untied, as the zoo's extra twins: a tied twin's scaled head also scales its input embedding, and its
-    # greedy completions are then one token repeated (nothing to supervise: the random weights, not the type)
+    # untied, as the zoo's extra twins (see TWIN_SEEDS)
     for d in (raw, raw.get("text_config")):
         if isinstance(d, dict) and "tie_word_embeddings" in d:
             d["tie_word_embeddings"] = False
