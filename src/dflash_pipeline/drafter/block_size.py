@@ -1,9 +1,8 @@
 """The block sizes a drafter runs with: the one rule for "B ≥ 2" and for "no more than the trained B".
 
-A block is [bonus token, MASK × (B − 1)] (reference/dflash.md §2.5): slot 0 is the last committed token, so
-a block of fewer than 2 slots drafts nothing; the drafter saw blocks of its trained size only, and its
-attention masks, position ids and decay weights (§4) are laid out for at most that many slots, so a larger
-block at inference is refused. Kept free of heavy imports: the plan-time config checks call it.
+A block is [bonus token, MASK × (B − 1)] (reference/dflash.md §2.5), so fewer than 2 slots draft nothing,
+and the drafter's masks, positions and decay weights (§4) are laid out for at most its trained size. Free
+of heavy imports: the plan-time config checks call it.
 """
 
 from __future__ import annotations

@@ -127,8 +127,8 @@ class DSparkDrafter(DFlashDrafter):
     @torch.no_grad()
     def propose(self, embed_tokens, lm_head, bonus_token, new_context, start, cache, block_size=None):
         """DSpark's draft: block [bonus, MASK×(B−1)] → B tokens drafted left to right with the Markov bias
-        (greedy), and each draft's confidence. Returns ``(drafts long [b, B], confidence float32 [b, B] or
-        None)``."""
+        (greedy), and each draft's confidence. Returns `(drafts long [b, B], confidence float32 [b, B] or
+        None)`."""
         hidden = self.block_hidden(embed_tokens, bonus_token, new_context, start, cache, block_size)  # [b, B, H]
         base = lm_head(hidden.to(lm_head.weight.dtype))  # [b, B, V]
         prev = bonus_token.view(-1)

@@ -1,8 +1,7 @@
-"""Engine τ beside the loop's: `attach_engine_tau` puts the engine record's figures
-(`dflash_pipeline.evaluate.engine_acceptance`) beside the loop's in the eval record and flags disagreement
-beyond the noise. The engine's τ is pooled over verify steps, so it is compared with the loop's pooled τ
-(`tokens_per_step`, the mean a+1 over verify steps), and z = Δ / √(var_loop/n_loop + var_engine/n_engine) with
-the per-step variances from both histograms (`compare_tau`); |z| > `DISAGREEMENT_Z` warns.
+"""Engine τ beside the loop's: `attach_engine_tau` puts the engine record's figures beside the loop's in the eval
+record and flags disagreement beyond the noise. The engine's τ is pooled over verify steps, so it is compared with the
+loop's pooled τ, and z = Δ / √(var_loop/n_loop + var_engine/n_engine) with the per-step variances from both histograms
+(`compare_tau`); |z| > `DISAGREEMENT_Z` warns.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """The held-out eval sets: each set's prompts drawn with the eval seed after the training prompts are left out
-(`load_eval_sets`), long conversations built up to a token count (`build_to_tokens`), and the
-training prompt ids those draws exclude. The loop (`dflash_pipeline.evaluate.acceptance`) and engine τ
-(`dflash_pipeline.evaluate.engine_acceptance`) draw the same prompts from here."""
+(`load_eval_sets`), long conversations built up to a token count (`build_to_tokens`), and the training prompt ids those
+draws exclude."""
 
 from __future__ import annotations
 

@@ -78,8 +78,8 @@ class VLLMServer:
     a DFlash `drafter` (an export directory) as speculative decoder.
 
     Use as a context manager (`with VLLMServer(...) as srv: srv.base_url`) or `start()`/`stop()`.
-    `extra_args` are appended to the command line (e.g. ``["--dtype", "float32", "--reasoning-parser",
-    "qwen3"]`). The engine's stdout and stderr go to `log_path`` (appended; a start failure quotes its
+    `extra_args` are appended to the command line (e.g. `["--dtype", "float32", "--reasoning-parser",
+    "qwen3"]`). The engine's stdout and stderr go to `log_path` (appended; a start failure quotes its
     tail). The server runs in its own session, so `stop` ends the API server and its engine-core
     process together.
     """
@@ -294,8 +294,8 @@ def write_serve_md(
 
 
 def _main(argv: Optional[Sequence[str]] = None) -> None:
-    """CLI: `dflash-eval serve-md DRAFTER_DIR [--target T]` (or ``python -m dflash_pipeline.evaluate.vllm_server
-    serve-md …``) writes serve.md."""
+    """CLI: `dflash-eval serve-md DRAFTER_DIR [--target T]` (or `python -m dflash_pipeline.evaluate.vllm_server
+    serve-md …`) writes serve.md."""
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m dflash_pipeline.evaluate.vllm_server")

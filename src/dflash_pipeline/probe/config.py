@@ -275,8 +275,8 @@ Picker = Callable[..., "tuple[Any, str | None]"]
 def _picker(raw: Mapping[str, Any], text_path: str, text: Mapping[str, Any], auto_text: Any) -> Picker:
     """A lookup of one config field by its aliases: the text config first, then (`top_fallback`, for a
     nested text config) the top level, then `AutoConfig`'s default. `pick` returns `(value, source)`,
-    the source a key path (`"text_config.num_experts"`) or `"AutoConfig default (name)"`; ``(None,
-    None)`` when nothing states the field."""
+    the source a key path (`"text_config.num_experts"`) or `"AutoConfig default (name)"`; `(None,
+    None)` when nothing states the field."""
 
     def pick(name: str, keys: Sequence[str] | None = None, *, top_fallback: bool = True) -> tuple[Any, str | None]:
         keys = keys or _ALIASES.get(name, (name,))

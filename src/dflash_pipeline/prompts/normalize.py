@@ -1,8 +1,7 @@
-"""Normalization of raw source records into prompt messages (`[{role, content}]`, system and user
-turns; in a conversation with tool calls also the source's tool-calling assistant turns and the `tool`
-results, see `normalize_record`): format detection (ShareGPT, OpenAI messages, Alpaca, plain prompt,
-MT-Bench), per-source field `mapping`, role aliases, and the policy rejections counted as drop reasons
-(`RejectedRecord`)."""
+"""Normalization of raw source records into prompt messages (`[{role, content}]`, system and user turns, and
+the tool turns of a conversation with tool calls): format detection, per-source field `mapping`, role
+aliases, and the policy rejections counted as drop reasons (`RejectedRecord`).
+"""
 
 from __future__ import annotations
 
@@ -82,8 +81,8 @@ def _bad_tools(where: str, detail: str) -> RejectedRecord:
 
 def _tool_schemas(value: Any, where: str) -> str | None:
     """A record's `tools` (a list, or its JSON text as LLaMA-Factory and some SpecForge sources write it) as the
-    canonical JSON text of the OpenAI `tools` list: ``[{type: function, function: {name, description?,
-    parameters?}}]`; a bare function schema `{name, ...}`` is wrapped. None when empty or absent.
+    canonical JSON text of the OpenAI `tools` list: `[{type: function, function: {name, description?,
+    parameters?}}]`; a bare function schema `{name, ...}` is wrapped. None when empty or absent.
 
     Raises:
         RejectedRecord: `bad_tool_turns`: not JSON, not a list, or an entry without a function name.

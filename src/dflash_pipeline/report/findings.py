@@ -1,9 +1,8 @@
 """What is wrong with a run, in words: the findings the landing page opens with.
 
-Each check reads figures the run already holds (the report tables, the eval record, the training logs, the
-completion stats and job logs) and, past a threshold of the config's `report.findings` section, returns a
-`Finding` that names the table or figure behind it (its element id on the page) and the config key that
-changes it. `run_findings` runs every check; `findings_html` renders them.
+Each check reads figures the run already holds and, past a threshold of the config's `report.findings` section, returns
+a `Finding` that names the table or figure behind it (its element id on the page) and the config key that changes it.
+`run_findings` runs every check; `findings_html` renders them.
 """
 
 from __future__ import annotations

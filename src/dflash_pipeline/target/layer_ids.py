@@ -1,9 +1,8 @@
 """Target layer ids: the canonical convention, the reference choice, validation, and the one conversion.
 
-Canonical id `l`: the 0-based decoder layer whose *output* feeds the drafter (``dflash_config.
-target_layer_ids`). HF `output_hidden_states` index = `l + 1`` (`hf_hidden_state_index`, the only
-conversion in the package; vLLM's aux hidden-state ids use the same numbering, `reference/feasibility.md`
-§9). Kept free of heavy imports: the probe, the target loader and the features backends all use it.
+Canonical id `l`: the 0-based decoder layer whose *output* feeds the drafter (`dflash_config.target_layer_ids`). HF
+`output_hidden_states` index = `l + 1` (`hf_hidden_state_index`, the only conversion in the package; vLLM's aux
+hidden-state ids use the same numbering, `reference/feasibility.md` §9).
 """
 
 from __future__ import annotations

@@ -64,8 +64,8 @@ def family_case(
     twin: Path, work: Path, *, name: str, seed: int = 0, drafter_dir: Path | None = None, mistakes: tuple[str, ...] = ()
 ) -> dict:
     """Export the family's drafter (or use `drafter_dir`, e.g. a trained `final/`), compute our logits
-    and write vLLM's inputs. Returns ``{"case": spec entry, "ours": [logits [B, V]…], "controls": {mistake:
-    [logits…]}, "facts": {...}}``.
+    and write vLLM's inputs. Returns `{"case": spec entry, "ours": [logits [B, V]…], "controls": {mistake:
+    [logits…]}, "facts": {...}}`.
 
     Raises whatever the probe or the target loader raise for a family the pipeline refuses.
     """

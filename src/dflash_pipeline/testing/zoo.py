@@ -453,8 +453,8 @@ def main(argv=None) -> int:
 def write_table_json(
     path: str | Path, rows: dict, stages, *, device: str, models_dir: str | Path, command: str
 ) -> None:
-    """The family × stage table as JSON (atomic): ``{"source": {...}, "stages": [...], "families": [{"family",
-    "kind", "cells": {stage: cell}}]}`; `kind` is `corpus` (a real `config.json` of `models_dir``) or
+    """The family × stage table as JSON (atomic): `{"source": {...}, "stages": [...], "families": [{"family",
+    "kind", "cells": {stage: cell}}]}`; `kind` is `corpus` (a real `config.json` of `models_dir`) or
     `transformers_config` (`dflash_pipeline.testing.zoo_extra.EXTRA_FAMILIES`); `command` is the
     command line that produced it."""
     import datetime

@@ -1,9 +1,8 @@
-"""The step loop of a training run (`dflash_pipeline.train.run.train` builds the run and calls
-`run_steps`): optimizer steps over accumulated micro-steps, each followed by its `train_log.jsonl`
-window, held-out validation and periodic saves. The state they share is a `TrainRun`.
+"""The step loop of a training run (`dflash_pipeline.train.run.train` builds the run and calls `run_steps`):
+optimizer steps over accumulated micro-steps, each followed by its `train_log.jsonl` window, held-out validation and
+periodic saves. The state they share is a `TrainRun`.
 
-Gradients are normalised globally (reference/dflash.md §4.7): see `_optimizer_step` and the
-`Gradients` paragraph of `dflash_pipeline.train.run.train`.
+
 """
 
 from __future__ import annotations

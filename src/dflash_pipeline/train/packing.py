@@ -50,8 +50,8 @@ def pack_records(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
 
 
 class PackedDataset(torch.utils.data.Dataset):
-    """Map-style dataset whose items are packed rows: lists of ``(input_ids int32 [S_i], loss_mask uint8
-    [S_i][, features [S_i, K*H][, last_hidden [S_i, H]]])`` records (see `collate_packed`). Rows are
+    """Map-style dataset whose items are packed rows: lists of `(input_ids int32 [S_i], loss_mask uint8
+    [S_i][, features [S_i, K*H][, last_hidden [S_i, H]]])` records (see `collate_packed`). Rows are
     fixed once (`pack_records`); the DataLoader shuffles rows per epoch. `lengths`: the records'
     token counts when known (feature shards: from their offsets, so no record is read to pack)."""
 
@@ -207,8 +207,8 @@ def build_packed_block_mask(
     block_causal: bool = True,
 ) -> torch.Tensor:
     """Dense training mask of `dflash_pipeline.drafter.model.build_block_mask` (True = attend) restricted to
-    the anchor's record: context key j is visible iff `j < anchor` and ``segment_ids[j] ==
-    segment_ids[anchor]`` (and, on sliding layers, within the window). bool [b, 1, N·B, S + N·B]."""
+    the anchor's record: context key j is visible iff `j < anchor` and `segment_ids[j] ==
+    segment_ids[anchor]` (and, on sliding layers, within the window). bool [b, 1, N·B, S + N·B]."""
     s = segment_ids.shape[1]
     mask = M.build_block_mask(anchors, s, block_size, sliding_window=sliding_window, block_causal=block_causal)
     q_seg = segment_ids.gather(1, anchors).repeat_interleave(block_size, dim=1)  # [b, Q]

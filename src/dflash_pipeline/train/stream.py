@@ -79,8 +79,8 @@ class FeatureStream:
     """Features for the loader's batches from a `FeatureClient` (module doc).
 
     `wire_bytes_per_token`: `n_aux * H * itemsize` of the servers' answers (the in-flight estimate).
-    `cache`: a `dflash_pipeline.train.stream_cache.FeatureCache` (``features.stream.cache:
-    first_epoch``): records it holds are read from it instead of requested, streamed ones are handed to it.
+    `cache`: a `dflash_pipeline.train.stream_cache.FeatureCache` (`features.stream.cache:
+    first_epoch`): records it holds are read from it instead of requested, streamed ones are handed to it.
     Counters since the last `window_stats`: seconds the step waited for features, tokens delivered.
     """
 
@@ -290,8 +290,8 @@ def stream_settings(stream: dict) -> dict:
 
 
 def _cache(st: dict, out_dir, probe: dict, k: int, h: int, last: bool):
-    """The `FeatureCache` of ``features.stream.cache:
-    first_epoch` (under `cache_dir`, default `<out_dir>/stream_cache`, one `rank<R>`` directory per
+    """The `FeatureCache` of `features.stream.cache:
+    first_epoch` (under `cache_dir`, default `<out_dir>/stream_cache`, one `rank<R>` directory per
     process: `$RANK`), else None."""
     if st["cache"] == "none":
         return None

@@ -1,8 +1,7 @@
 """Experiment trackers and the progress bar of the trainer (Accelerate `log_with`).
 
-TensorBoard is the default: offline event files under `<run_dir>/trackers/<project>/` (open with
-`tensorboard --logdir <run_dir>/trackers`). wandb and trackio are used only when installed *and*
-configured (named in `train.trackers`; wandb also needs `WANDB_API_KEY` or `WANDB_MODE=offline`);
+TensorBoard is the default: offline event files under `<run_dir>/trackers/<project>/`. wandb and trackio are used only
+when installed *and* configured (named in `train.trackers`; wandb also needs `WANDB_API_KEY` or `WANDB_MODE=offline`);
 otherwise they are skipped with a note, never a crash. The JSONL log (`train_log.jsonl`) is always written.
 """
 

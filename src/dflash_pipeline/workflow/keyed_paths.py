@@ -1,14 +1,7 @@
-"""Outputs keyed by what they are built from, so two configs in one checkout never undo each other.
-
-* The demo target (`target.path: demo`) is shared by every config of a checkout; its directory names the
-  settings it was built with (`demo_target_dir`), so a config with other `target.demo` settings builds
-  its own instead of rebuilding the first one's in place.
-* The probe record holds the target's facts and one run's drafter decisions; it is per run
-  (`probe_record_path`), so a run with another block size or depth in the same results directory never
-  rewrites the record another run's checkpoints were trained from.
-
-Both keep the paths of earlier releases where those still hold what the config asks for, so an existing
-results directory reruns nothing (tests/e2e/test_upgrade.py).
+"""Outputs keyed by what they are built from, so two configs in one checkout never undo each other: the
+demo target's directory names the settings it was built with (`demo_target_dir`), and the probe record is
+per run (`probe_record_path`). Existing results directories keep their paths where those still hold what
+the config asks for, so they rerun nothing (tests/e2e/test_upgrade.py).
 """
 
 from __future__ import annotations

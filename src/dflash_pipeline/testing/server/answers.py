@@ -79,8 +79,8 @@ class TargetModel:
 
 
 def canned_chat(messages: list[dict], kwargs: dict, max_tokens: int, *, reasoning: bool):
-    """Canned chat answer `"Answer <n> to: <last user message>"` (n = user turns): ``(reasoning, content,
-    finish_reason, prompt ids, output ids)`; with `reasoning` a thought unless `kwargs`` (the
+    """Canned chat answer `"Answer <n> to: <last user message>"` (n = user turns): `(reasoning, content,
+    finish_reason, prompt ids, output ids)`; with `reasoning` a thought unless `kwargs` (the
     request's `chat_template_kwargs`) disable thinking."""
     n_user = sum(1 for m in messages if m.get("role") == "user")
     words = f"Answer {n_user} to: {last_user(messages)}".split()

@@ -1,9 +1,8 @@
 """The test server's fault plan (`Faults`) and how it answers a generation request.
 
-Generation requests (chat and completions, counted together) are numbered 1, 2, … in order of arrival;
-`Faults.fault_of` says which of them the plan drops, hangs or fails, `inject_faults` gives
-that answer (or waits `delay_s`), and `marker_response` the 400 or malformed 200 that a marker
-string in the prompt forces (the package docstring has the whole behaviour).
+Generation requests (chat and completions, counted together) are numbered 1, 2, … in order of arrival; `Faults.fault_of`
+says which of them the plan drops, hangs or fails, `inject_faults` gives that answer (or waits `delay_s`), and
+`marker_response` the 400 or malformed 200 that a marker string in the prompt forces.
 """
 
 from __future__ import annotations
