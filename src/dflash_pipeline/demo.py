@@ -153,10 +153,9 @@ def load_corpus(corpus_files: Sequence[str | os.PathLike]) -> list[list[dict]]:
 def train_tokenizer(texts: Iterable[str], *, vocab_size: int = 1024):
     """Train a byte-level BPE tokenizer and wrap it as a transformers fast tokenizer.
 
-    `vocab_size` counts the 3 special tokens; `<think>`/`</think>` are added on top (not special),
-    so `len(tokenizer) == vocab_size + 2` when the corpus yields enough merges (fewer otherwise).
-    Returns a `PreTrainedTokenizerFast` with eos `<|im_end|>`, pad `<|endoftext|>`, no bos, the
-    demo chat template and `model_max_length` = 1024.
+    `vocab_size` counts the 3 special tokens; `<think>`/`</think>` are added on top (not special), so `len(tokenizer) ==
+    vocab_size + 2` when the corpus yields enough merges. Returns a `PreTrainedTokenizerFast` with eos `<|im_end|>`, pad
+    `<|endoftext|>`, no bos, the demo chat template and `model_max_length` = 1024.
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

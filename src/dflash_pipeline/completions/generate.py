@@ -77,10 +77,8 @@ def preflight_template(
     chat_template: str | Path | None = None,
     trust_remote_code: bool = False,
 ) -> list[str]:
-    """Before a completions job generates anything: `dflash_pipeline.target.spans.check_template` on the
-    target's tokenizer and template in `gen_cfg["thinking"]` (skipped, with a warning, when
-    `tokens_cfg["use_server_token_ids"]` is set: those records need no render). Warnings are logged and
-    returned.
+    """Before a completions job generates anything: `dflash_pipeline.target.spans.check_template` on the target's
+    tokenizer and template in `gen_cfg["thinking"]`. Warnings are logged and returned.
 
     Raises:
         ConfigError: the tokens stage could not mask conversations of this template in this mode.

@@ -121,10 +121,9 @@ def asked_token_ids(extra_body: dict) -> str:
 
 
 def _ids_ignored_error(ep: _Endpoint, fields: str) -> ConfigError:
-    """The endpoint answered without the token ids `generation.extra_body` asks for (`fields`): it does
-    not know the field (an SGLang before PR #30917 ignores `return_token_ids`). A configuration error, so
-    the run stops at the first answer instead of generating a fleet's worth of records the tokens stage
-    then has to render (which fails closed for templates like Kimi's in `thinking: save`)."""
+    """The endpoint answered without the token ids `generation.extra_body` asks for (`fields`): it does not know the
+    field (an SGLang before PR #30917 ignores `return_token_ids`). A configuration error, so the run stops at the first
+    answer instead of generating a fleet's worth of records the tokens stage then has to render."""
     return ConfigError(
         f"{ep.url} answered without token ids although generation.extra_body sets {fields}: the server ignores "
         f"the field. SGLang returns them per choice from v0.5.18 (sgl-project/sglang PR #30917, return_token_ids; "

@@ -445,11 +445,9 @@ def _quiet_http_logs():
 
 
 def same_tool_calls(original, regenerated) -> bool:
-    """Whether a regenerated assistant turn calls the same tools as the source's turn: same number of calls,
-    in order the same function names and equal arguments compared as parsed JSON (whitespace, key order and
-    call ids do not matter). Either side is a list of OpenAI calls or its JSON text (None: no calls). When
-    this is False the conversation ends at that turn (docs/how-to/tool-calls.md): the source's tool result
-    answers a call that was never made."""
+    """Whether a regenerated assistant turn calls the same tools as the source's turn: same number of calls, in order
+    the same function names and equal arguments compared as parsed JSON. Either side is a list of OpenAI calls or its
+    JSON text (None: no calls)."""
     from dflash_pipeline.target.chat import tool_calls_of
 
     a = tool_calls_of({"tool_calls": original}) or []

@@ -61,10 +61,9 @@ def parse_retry_after(value: str | None, *, now: float | None = None) -> float |
 def retry_delay(attempt: int, *, base_s: float, max_s: float, retry_after: float | None, jitter: float) -> float:
     """Seconds to sleep before retry `attempt` (1 = the first retry).
 
-    Exponential backoff `min(max_s, base_s * 2**(attempt - 1))` scaled by `0.5 + 0.5 * jitter`
-    (`jitter` in [0, 1): `random.random()`, so the delay lies in [half, full] of the step), and at least
-    the server's `retry_after` capped at `max_s` (`generation.retry_backoff_s` /
-    `retry_backoff_max_s`)."""
+    Exponential backoff `min(max_s, base_s * 2**(attempt - 1))` scaled by `0.5 + 0.5 * jitter` (`jitter` in
+    [0, 1), so the delay lies in [half, full] of the step), and at least the server's `retry_after` capped at `max_s`
+    (`generation.retry_backoff_s` / `retry_backoff_max_s`)."""
     d = min(max_s, base_s * 2 ** (attempt - 1))
     d = d * (0.5 + 0.5 * jitter)
     if retry_after is not None:

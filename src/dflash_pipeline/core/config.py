@@ -151,11 +151,9 @@ def _typed_scalar(value: str, types: Sequence[str]) -> Any:
 
 
 def coerce_cli_strings(config: dict, schema: Mapping[str, Any] | None = None) -> dict:
-    """Give the scalars that arrived as strings the type their schema field asks for, in place, and return
-    `config`. Snakemake reads a nested `--config` value with YAML's BaseLoader, so in
-    `--config "drafter={block_size: 4}"` every scalar is a string (`'4'`) and the schema refused it;
-    config files are unaffected (their scalars are typed already). Fields that allow a string stay as given;
-    list items follow the list's `items` schema."""
+    """Give the scalars that arrived as strings the type their schema field asks for, in place, and return `config`.
+    Snakemake reads a nested `--config` value with YAML's BaseLoader, so in `--config "drafter={block_size: 4}"` every
+    scalar is a string (`'4'`) and the schema would refuse it."""
     schema = _schema() if schema is None else schema
 
     def types_of(sub: Mapping[str, Any]) -> list[str]:
@@ -182,8 +180,7 @@ def coerce_cli_strings(config: dict, schema: Mapping[str, Any] | None = None) ->
 def validate_config(config: Mapping[str, Any]) -> dict:
     """Validate `config` against the schema and return a deep copy with every default filled in.
 
-    The stages' cross-field checks (language codes the schema's pattern lets through, files that must
-    exist, …) are gathered by `dflash_pipeline.workflow.problems.problems`, which the Snakefile runs.
+
 
     Raises:
         ConfigError: naming the offending key path and the schema's complaint.

@@ -286,10 +286,9 @@ class _RunStatsOptional(TypedDict, total=False):
 
 
 class RunStats(_RunStatsOptional):
-    """`run` of `CompletionStats`: the shard's last run (the `generate_shard` call that wrote
-    the file). Conversations taken from the progress file (`resumed`) and sent (`generated`); the
-    turns and tokens of those sent; `wall_s` (seconds of the call) and the rates (this run's counts per
-    second of `wall_s`, None when 0 s); the backend's request counters of this run."""
+    """`run` of `CompletionStats`: the shard's last run. Conversations taken from the progress file (`resumed`) and
+    sent (`generated`); the turns and tokens of those sent; `wall_s` (seconds of the call) and the rates; the backend's
+    request counters of this run."""
 
     resumed: int
     generated: int

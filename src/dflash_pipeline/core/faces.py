@@ -45,12 +45,11 @@ def lazy_face(package: str, owners: Mapping[str, str], namespace: Callable[[], d
 
 
 def moved_module(old: str, *owners: str):
-    """`__getattr__` of a deprecated module `old` (its `__name__`) whose names now live in the modules
-    `owners`, looked up in that order; warns with a DeprecationWarning naming them, once, when `old` is
-    imported (call it from the module's body). `__getattr__` raises AttributeError for a name none of them has.
+    """`__getattr__` of a deprecated module `old` (its `__name__`) whose names now live in the modules `owners`,
+    looked up in that order; warns with a DeprecationWarning naming them, once, when `old` is imported (call it from the
+    module's body). `__getattr__` raises AttributeError for a name none of them has.
 
-    The shims of the old flat layout (`dflash_pipeline.model`, `.engine`, `.evaluate_engine`, `.chat`)
-    are this call, kept for one release."""
+    """
     import warnings
 
     warnings.warn(f"{old} is deprecated; import {' or '.join(owners)}", DeprecationWarning, stacklevel=3)

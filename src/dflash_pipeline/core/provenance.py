@@ -46,10 +46,10 @@ def package_versions(names: Iterable[str] = CORE_PACKAGES) -> dict[str, Optional
 
 
 def target_digest(target_dir: str | os.PathLike) -> Optional[dict]:
-    """sha256 over a target directory's files (sorted by relative path; each file's path and bytes), without
-    build facts (`demo_target.json`) and `LICENSE*` files. A directory over `DIGEST_MAX_BYTES` is
-    digested over its files under 1 MiB only (config, tokenizer, template), and says so with
-    `"weights": false`. Returns `{"sha256", "files", "weights"}`, or None for a missing directory."""
+    """sha256 over a target directory's files (sorted by relative path; each file's path and bytes), without build
+    facts (`demo_target.json`) and `LICENSE*` files. A directory over `DIGEST_MAX_BYTES` is digested over its files
+    under 1 MiB only, and says so with `"weights": false`. Returns `{"sha256", "files", "weights"}`, or None for a
+    missing directory."""
     root = Path(target_dir)
     if not root.is_dir():
         return None

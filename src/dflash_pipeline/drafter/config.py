@@ -134,11 +134,10 @@ class DFlashConfig(Qwen3Config):
         return cfg
 
     def to_checkpoint_dict(self, *, dtype: str, meta: Optional[dict] = None) -> dict:
-        """The `config.json` content (dflash.md §8.2): this config's fields, `architectures`
-        `[DFlashDraftModel]`, `model_type` `qwen3`, `eagle_aux_hidden_state_layer_ids`
-        (`engine_layer_ids`), `dtype` (the tensors' dtype name, e.g. `bfloat16`), untied
-        embeddings, and the `dflash_pipeline` block: `format_version` plus `meta`
-        (`CheckpointMeta` keys: `train_steps`, `zero_target_features`)."""
+        """The `config.json` content (dflash.md §8.2): this config's fields, `architectures` `[DFlashDraftModel]`,
+        `model_type` `qwen3`, `eagle_aux_hidden_state_layer_ids` (`engine_layer_ids`), `dtype`, untied embeddings, and
+        the `dflash_pipeline` block: `format_version` plus `meta` (`CheckpointMeta` keys: `train_steps`,
+        `zero_target_features`)."""
         cfg = self.to_dict()
         cfg["architectures"] = list(getattr(self, "architectures", None) or [self.architecture])
         cfg["model_type"] = "qwen3"
@@ -179,9 +178,8 @@ class DFlashConfig(Qwen3Config):
 
     @classmethod
     def from_checkpoint(cls, ckpt_dir: str | Path) -> "DFlashConfig":
-        """The config of the drafter checkpoint at `ckpt_dir` (written by `save`, or any DFlash
-        checkpoint in the served layout: `block_size` and `dflash_config` at the top level), as this class
-        (`dflash_pipeline.drafter.families.load_config` picks the family's config class).
+        """The config of the drafter checkpoint at `ckpt_dir` (written by `save`, or any DFlash checkpoint in the
+        served layout: `block_size` and `dflash_config` at the top level), as this class.
 
         Raises:
             FileNotFoundError: no `config.json` in `ckpt_dir`.

@@ -118,18 +118,16 @@ class DFlashFamily:
     # -- training hooks (dflash_pipeline.train.step.step_objective) --------------------------------
 
     def training_blocks(self, build: BlockBuilder, block_size: int, gamma: Optional[float]):
-        """The blocks a training step (or held-out acceptance, `gamma` None) feeds the drafter: `build`'s
-        blocks of `label_slots` slots, as this family reads them. DFlash: `build(B, gamma)` (slot 0 the
-        anchor, slot k ≥ 1 weighted `exp(−(k−1)/γ)`). The result has `ids`, `pos`, `rows`, `labels`,
-        `weights` [b, N·B] (and `prev` when the objective reads the previous gold token)."""
+        """The blocks a training step (or held-out acceptance, `gamma` None) feeds the drafter: `build`'s blocks of
+        `label_slots` slots, as this family reads them. DFlash: `build(B, gamma)` (slot 0 the anchor, slot k ≥ 1
+        weighted `exp(−(k−1)/γ)`). The result has `ids`, `pos`, `rows`, `labels`, `weights` [b, N·B]."""
         return build(block_size, gamma)
 
     def objective(self, ctx, core, hidden: torch.Tensor, blocks, teacher: Optional[torch.Tensor], base: Callable):
-        """The step's objective (a `LossOutput`, unnormalised) from the
-        drafter's final-normed `hidden` [b, N·B, H] on `blocks`. `ctx`: the step's settings
-        (`dflash_pipeline.train.step.StepContext`); `core`: the unwrapped drafter; `teacher`: the
-        target's last hidden state per slot [b, N·B, H] (teacher losses) or None; `base()`: the plain
-        `train.loss` objective on the LM head's logits. DFlash: `base()`."""
+        """The step's objective (a `LossOutput`, unnormalised) from the drafter's final-normed `hidden` [b, N·B, H]
+        on `blocks`. `ctx`: the step's settings; `core`: the unwrapped drafter; `teacher`: the target's last hidden
+        state per slot [b, N·B, H] (teacher losses) or None; `base()`: the plain `train.loss` objective on the LM head's
+        logits. DFlash: `base()`."""
         return base()
 
     def teacher_forced_hits(self, core, lm_head, hidden: torch.Tensor, blocks) -> torch.Tensor:

@@ -145,10 +145,9 @@ class DSparkDrafter(DFlashDrafter):
 
 
 def verify_length(confidence: torch.Tensor | None, threshold: float, num_drafts: int) -> int:
-    """How many of `num_drafts` drafts to verify: all when `threshold` ≤ 0 or there is no confidence
-    head, else the longest prefix whose survival Π_{i≤k} conf_i stays ≥ `threshold` (at least 1).
-    vLLM's adaptive verification ranks slots by the same survival product (`adaptive_verification.py:56-70`)
-    under a cost model; batch 1 with a fixed threshold is its simplest case.
+    """How many of `num_drafts` drafts to verify: all when `threshold` ≤ 0 or there is no confidence head, else the
+    longest prefix whose survival Π_{i≤k} conf_i stays ≥ `threshold` (at least 1). vLLM's adaptive verification ranks
+    slots by the same survival product (`adaptive_verification.py:56-70`) under a cost model.
 
     Args:
         confidence: float [1, B] or None.

@@ -311,10 +311,9 @@ def save_drafter(
 ) -> None:
     """Write `model.safetensors` + `config.json` in the layout SGLang/vLLM load (dflash.md §8.1–8.3).
 
-    Tensor names are unprefixed (`fc.weight`, `layers.0.self_attn.q_proj.weight`, …); no embedding
-    or LM head (they are the target's); tensors in `dtype`. `config.json` is written by
-    `DFlashConfig.save` (`extra`: the `CheckpointMeta` keys).
-    Writes into `out_dir` (created); callers make the directory atomic.
+    Tensor names are unprefixed (`fc.weight`, `layers.0.self_attn.q_proj.weight`, …); no embedding or LM head (they are
+    the target's); tensors in `dtype`. `config.json` is written by `DFlashConfig.save`. Writes into `out_dir` (created);
+    callers make the directory atomic.
     """
     from safetensors.torch import save_file
 

@@ -35,10 +35,8 @@ def drafter_rope_parameters(
 ) -> dict:
     """The drafter's `rope_parameters` from the target's (its text config's `rope_parameters`).
 
-    `target_rope`: a flat dict, or one per layer type (gemma: the `default`-type entry is used).
-    `partial_rotary_factor` / `rotary_dim` (a top-level target attribute, e.g. MiniMax-M2's
-    `rotary_dim` of a `head_dim` head) apply when the dict has no factor. Drops `DROPPED_KEYS`;
-    `type` is renamed `rope_type`.
+    `target_rope`: a flat dict, or one per layer type (gemma: the `default`-type entry is used). `partial_rotary_factor`
+    / `rotary_dim` apply when the dict has no factor. Drops `DROPPED_KEYS`; `type` is renamed `rope_type`.
     """
     rope = dict(target_rope or {})
     if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type (gemma): the plain one

@@ -365,9 +365,8 @@ def evaluate_engine(
 def _open_engine(
     engine: dict, eval_cfg: dict, *, target_dir, drafter_dir, block_size: int, chat_template, log_path
 ) -> tuple[Any, str, str]:
-    """`(server, base_url, metrics_url)`: the running server of `eval.engine_base_url` (server None), or
-    vLLM started here with the target and the drafter (`dflash_pipeline.evaluate.vllm_server.VLLMServer`, its
-    output in `log_path`). Records `started` (and the start time and args) in the `engine` dict.
+    """`(server, base_url, metrics_url)`: the running server of `eval.engine_base_url` (server None), or vLLM started
+    here with the target and the drafter. Records `started` (and the start time and args) in the `engine` dict.
 
     Raises:
         dflash_pipeline.evaluate.vllm_server.EngineError / VLLMNotFound: the engine could not be started.

@@ -108,9 +108,8 @@ def _hist_moments(hist: dict) -> tuple[int, float, float]:
 def compare_tau(loop_stats: dict, engine_stats: dict) -> dict:
     """Engine τ (pooled over verify steps) against the loop's pooled τ for one eval set.
 
-    Returns `{loop_tau_pooled, diff, rel_diff, z, agrees}`: `z` = diff / √(var_l/n_l + var_e/n_e)
-    from the two per-step histograms (inf when both are constant and differ, 0 when equal); `agrees`
-    is |z| ≤ `DISAGREEMENT_Z`, or None when the engine gave no histogram (SGLang meta_info).
+    Returns `{loop_tau_pooled, diff, rel_diff, z, agrees}`: `z` = diff / √(var_l/n_l + var_e/n_e) from the two per-step
+    histograms; `agrees` is |z| ≤ `DISAGREEMENT_Z`, or None when the engine gave no histogram (SGLang meta_info).
     """
     n_l, mean_l, var_l = _hist_moments(loop_stats.get("histogram") or {})
     mean_l = loop_stats.get("tokens_per_step", mean_l)

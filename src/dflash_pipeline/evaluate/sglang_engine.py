@@ -27,11 +27,9 @@ SGLANG_NEEDS_URL = (
 
 
 def response_acceptance(resp: dict) -> tuple[int, float | None, list[int] | None]:
-    """`(completion tokens, a+1 mean, histogram)` of one chat response: SGLang's
-    `meta_info.spec_accept_length` (or `completion_tokens / meta_info.spec_verify_ct`) and its
-    `spec_correct_drafts_histogram` (older `spec_accept_histogram`: verify steps per number of accepted
-    drafts 0, 1, …); None for what the response does not carry (vLLM: neither). The `meta_info` is the
-    choice's (`return_meta_info`) or the response's."""
+    """`(completion tokens, a+1 mean, histogram)` of one chat response: SGLang's `meta_info.spec_accept_length` (or
+    `completion_tokens / meta_info.spec_verify_ct`) and its `spec_correct_drafts_histogram`; None for what the response
+    does not carry (vLLM: neither)."""
     n_out = int((resp.get("usage") or {}).get("completion_tokens") or 0)
     meta = (resp.get("choices") or [{}])[0].get("meta_info") or resp.get("meta_info") or {}
     hist = meta.get("spec_correct_drafts_histogram")

@@ -170,9 +170,7 @@ def _accepted_drafts(draft: torch.Tensor, tgt: torch.Tensor, block_size: int) ->
 def _propose(drafter, embed, head, bonus, pending, start, dcache, block_size: int, confidence_threshold: float):
     """The family's drafts for one verify step, cut to the verify length: `drafts` long [1, n].
 
-    DFlash and DFlash2 propose B − 1 tokens, DSpark B, of which it verifies the prefix its confidence head
-    admits (`dflash_pipeline.drafter.dspark.verify_length`; all at `confidence_threshold` 0). A drafter
-    without `propose` (a test double) drafts greedily from `draft_block`'s logits."""
+    DFlash and DFlash2 propose B − 1 tokens, DSpark B, of which it verifies the prefix its confidence head admits."""
     if not hasattr(drafter, "propose"):
         return drafter.draft_block(embed, head, bonus, pending, start, dcache, block_size)[:, 1:].argmax(dim=-1)
     drafts, conf = drafter.propose(embed, head, bonus, pending, start, dcache, block_size)

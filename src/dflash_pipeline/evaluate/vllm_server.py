@@ -262,10 +262,9 @@ def served_dtype_of_log(log_text: str) -> Optional[str]:
 
 
 def serve_commands(drafter_dir: str | Path, target: str | Path, block_size: int, *, port: int = 8000) -> dict[str, str]:
-    """The launch lines that serve the DFlash export `drafter_dir` beside `target` (dflash.md §8.4):
-    `{"vllm": ..., "sglang": ...}`, vLLM with `num_speculative_tokens = block_size − 1`
-    (`dflash_speculative_config`), SGLang with `--speculative-num-draft-tokens = block_size` (it
-    counts the bonus slot); `dflash_pipeline.drafter.dflash.DFlashFamily.serve_commands`.
+    """The launch lines that serve the DFlash export `drafter_dir` beside `target` (dflash.md §8.4): `{"vllm": ...,
+    "sglang": ...}`, vLLM with `num_speculative_tokens = block_size − 1`, SGLang with `--speculative-num-draft-tokens =
+    block_size` (it counts the bonus slot).
     """
     return FR.default().serve_commands(drafter_dir, target, block_size, port=port)
 

@@ -366,10 +366,9 @@ def _arg(args: Sequence[str], name: str) -> str | None:
 
 @contextlib.contextmanager
 def colocated_servers(trainer_args: Sequence[str]):
-    """Around the trainer's launch (`dflash_pipeline.workflow.policy.run_accelerate`): when its
-    arguments carry `--stream-config` without endpoints, start the servers (`start_servers`; on
-    this machine, on the first of its GPUs), put their endpoints into `$DFLASH_STREAM_ENDPOINTS` for the
-    trainer, and stop them when the block exits. Anything else: nothing."""
+    """Around the trainer's launch: when its arguments carry `--stream-config` without endpoints, start the servers,
+    put their endpoints into `$DFLASH_STREAM_ENDPOINTS` for the trainer, and stop them when the block exits. Anything
+    else: nothing."""
     raw = _arg(trainer_args, "--stream-config")
     stream = json.loads(raw) if raw else None
     if not stream or stream.get("endpoints"):

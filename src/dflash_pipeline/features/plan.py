@@ -97,8 +97,8 @@ def plan_features(
     """Plan the feature disk of a run. `shards`: the `(dataset, shard)` pairs of the prompts manifest
     (None before the checkpoint); `prompt_counts`: prompts per `(dataset, shard)` when known.
 
-    Token shards are read at `<results_dir>/tokens/<dataset>/<shard>.parquet` (only their `num_tokens`
-    column), feature shards at `<results_dir>/features/<dataset>/<shard>.safetensors`.
+    Token shards are read at `<results_dir>/tokens/<dataset>/<shard>.parquet`, feature shards at
+    `<results_dir>/features/<dataset>/<shard>.safetensors`.
     """
     bpt = bytes_per_token(num_layers, hidden_size, dtype, last_hidden)
     results = Path(results_dir)

@@ -46,8 +46,7 @@ def hidden_states_engine_config(aux: Sequence[int], scratch: str | os.PathLike, 
 class VLLMExtractor:
     """Yields `(record, features [T, K*H], last_hidden [T, H] | None)` for token-id prompts.
 
-    `options` (config `features.vllm`): `expert_parallel` (bool) and `engine_args` (extra `LLM(...)`
-    keyword arguments, e.g. `gpu_memory_utilization`, `max_num_seqs`, `quantization`).
+    `options` (config `features.vllm`): `expert_parallel` (bool) and `engine_args`.
 
     Raises:
         ValueError: the engine returned token ids that differ from the record's (names the record).

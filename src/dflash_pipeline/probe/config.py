@@ -164,8 +164,7 @@ def _derive_layer_types(text: Mapping[str, Any], n_layers: int, auto_text: Any) 
 
 
 def text_hidden_size(target_dir: str | Path) -> int:
-    """Hidden size H of the target's language model from `<target_dir>/config.json`, read as the probe
-    reads it (the text config `_find_text_config` finds, the synonyms of `_ALIASES["hidden_size"]`):
+    """Hidden size H of the target's language model from `<target_dir>/config.json`, read as the probe reads it:
     plan-time sizing before the probe record exists (the features stage's disk check).
 
     Raises:

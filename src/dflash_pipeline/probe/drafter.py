@@ -37,7 +37,7 @@ def _choose_target_layer_ids(
     K = `num_target_features` (default `num_draft_layers`) of `n_layers` (reference/dflash.md §3.1).
 
     Raises:
-        ConfigError: ids out of range, repeated or unordered (`validate_target_layer_ids`), K that does
+        ConfigError: ids out of range, repeated or unordered, K that does
             not match the explicit ids, or a K the formula cannot place.
     """
     k = num_target_features if num_target_features is not None else num_draft_layers

@@ -80,9 +80,8 @@ def _bad_tools(where: str, detail: str) -> RejectedRecord:
 
 
 def _tool_schemas(value: Any, where: str) -> str | None:
-    """A record's `tools` (a list, or its JSON text as LLaMA-Factory and some SpecForge sources write it) as the
-    canonical JSON text of the OpenAI `tools` list: `[{type: function, function: {name, description?,
-    parameters?}}]`; a bare function schema `{name, ...}` is wrapped. None when empty or absent.
+    """A record's `tools` as the canonical JSON text of the OpenAI `tools` list: `[{type: function, function: {name,
+    description?, parameters?}}]`; a bare function schema `{name, ...}` is wrapped. None when empty or absent.
 
     Raises:
         RejectedRecord: `bad_tool_turns`: not JSON, not a list, or an entry without a function name.

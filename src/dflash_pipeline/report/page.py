@@ -124,10 +124,9 @@ def header_html(run: str, facts: Mapping) -> str:
 
 
 def stream_line(stream: Mapping) -> str:
-    """Supply and demand of a `target_features: stream` run in one line, from `train_summary.json`'s
-    `stream` (`dflash_pipeline.train.stream.FeatureStream.summary`): servers, the tokens/s they
-    served, the tokens/s the trainer consumed and would consume if it never waited, the share of the run spent
-    waiting for features, the suggested servers per trainer rank, and the peak scratch bytes."""
+    """Supply and demand of a `target_features: stream` run in one line, from `train_summary.json`'s `stream`:
+    servers, the tokens/s they served, the tokens/s the trainer consumed and would consume if it never waited, the share
+    of the run spent waiting for features, the suggested servers per trainer rank, and the peak scratch bytes."""
 
     def rate(key):
         x = stream.get(key)
@@ -210,8 +209,7 @@ def run_facts(
     """What the header shows, from the run's records (any may be missing; its facts are then None).
 
     `checkpoint`: the drafter's `final/` (its `config.json`; `train_summary.json` beside it).
-    `benchmark_dir`: `results/benchmarks` (wall time = the jobs' summed seconds, plus
-    `extra_benchmarks` such as the demo target's). Rows: the report tables (`dflash_pipeline.report.tables.read_tsv`).
+    `benchmark_dir`: `results/benchmarks`. Rows: the report tables.
     """
     from dflash_pipeline.report.tables import _benchmark_seconds
 
@@ -415,12 +413,11 @@ RUN_FIGURES = (
 
 
 def run_figures(inputs, outputs, record: Optional[Mapping] = None) -> list[tuple[str, str | bytes, str]]:
-    """`RUN_FIGURES` as `(figure id, path or PNG bytes, caption)`, the path taken from the job's named
-    `inputs` or `outputs` (Snakemake's namedlists of rules/report.smk `summarize_run`).
+    """`RUN_FIGURES` as `(figure id, path or PNG bytes, caption)`, the path taken from the job's named `inputs` or
+    `outputs`.
 
-    With the eval `record` the per-position acceptance is drawn here (`plot_per_position`: one
-    readable panel) instead of the eval stage's per-set panels. Held-out τ is left out when the run validated
-    fewer than twice (the header gives the one value)."""
+    With the eval `record` the per-position acceptance is drawn here instead of the eval stage's per-set panels.
+    Held-out τ is left out when the run validated fewer than twice (the header gives the one value)."""
     out = []
     drafter = getattr(inputs, "drafter", None)
     val_points = len(_val_records(Path(str(drafter)).parent / "val_log.jsonl")) if drafter else 0

@@ -223,8 +223,8 @@ def load_target(
 ):
     """Load the target (eval mode; `frozen`: `requires_grad=False`) in `resolve_dtype` `dtype`.
 
-    `device_map` (e.g. `"auto"`): spread the layers over the visible GPUs (accelerate's big-model
-    loading) instead of moving the whole model to `device`; `device` then only picks the dtype.
+    `device_map` (e.g. `"auto"`): spread the layers over the visible GPUs instead of moving the whole model to
+    `device`; `device` then only picks the dtype.
 
     Raises:
         TargetLoadError: the config or class cannot be resolved (see `check_loadable`).

@@ -202,7 +202,7 @@ def _render_turns(
     messages before it and the render `Q` with it (both batched, `chat.render_many`).
 
     Raises:
-        TokenizationError: the template fails on one of them (jinja `raise_exception`, a missing key);
+        TokenizationError: the template fails on one of them;
             the message names prompt_id and the first turn that fails, rendered alone.
     """
     try:
@@ -294,7 +294,7 @@ def _check_markup_was_text(
 
     Raises:
         MarkupWithoutIdsError: no output ids (emitted markup and quoted text look alike), or the output ids
-            hold the string's control id (the model emitted it as markup; the render does not reproduce it).
+            hold the string's control id.
     """
     emittable = set(control_ids.values())
     text = (message.get("content") or "") + "\n" + (message.get("reasoning_content") or "")

@@ -358,10 +358,9 @@ def run_stages(
     log: Callable[[str], None] = lambda m: None,
     device: str = "cpu",
 ) -> dict[str, str]:
-    """Every stage on one twin, in-process; each `ok` or `refused: <reason>` (the stages after a
-    refused one are `skipped`): twin build, probe, completions (transformers backend), tokens (the
-    family's template), training fp32 and bf16 (bf16 target + `mixed_precision: bf16` through
-    Accelerate, on CPU; both export `final/`), eval τ of the bf16-trained drafter."""
+    """Every stage on one twin, in-process; each `ok` or `refused: <reason>` (the stages after a refused one are
+    `skipped`): twin build, probe, completions (transformers backend), tokens (the family's template), training fp32 and
+    bf16, eval τ of the bf16-trained drafter."""
     run = _TwinStages(models_dir, family, work, corpus_file, eval_set, device)
     stages = {
         "build": run.build,

@@ -206,10 +206,8 @@ TYPE_PREFIX = "type:"
 @dataclass(frozen=True)
 class SweepRow:
     """One model type's probe: `status` `ok` / `refused` / `crash`; `reason` the refusal's kind
-    (`dflash_pipeline.probe.checks.REASONS`, or `settings`); `refused_at` `config.json` (found
-    in it alone: every plan lists it with the config problems) or `config class` (the plan-time gate and
-    the probe job find it through the config class); `detail` the message, or what the probe found (one
-    line)."""
+    (`dflash_pipeline.probe.checks.REASONS`, or `settings`); `refused_at` `config.json` or `config class`; `detail` the
+    message, or what the probe found (one line)."""
 
     model_type: str
     kind: str

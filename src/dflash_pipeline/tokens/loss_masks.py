@@ -223,9 +223,9 @@ def tokenize_sequences(tokenizer, seqs: Sequence[TrainSequence]) -> list[tuple[n
 def server_ids_sequence(turn: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray] | None:
     """Exact sequence from server token ids for one turn: `prompt_token_ids + output_token_ids`.
 
-    Returns `(input_ids int32 [n], loss_mask uint8 [n])` with 1 on the output ids, or None when either list is missing.
-    No template is involved (it works for templates the render path rejects). The end-of-turn token is supervised when the server included it in the output ids (vLLM does on
-    `finish_reason == "stop"`).
+    Returns `(input_ids int32 [n], loss_mask uint8 [n])` with 1 on the output ids, or None when either list is
+    missing. No template is involved. The end-of-turn token is supervised when the server included it in the output
+    ids (vLLM does on `finish_reason == "stop"`).
     """
     p, o = turn.get("prompt_token_ids"), turn.get("output_token_ids")
     if not p or not o:

@@ -376,10 +376,9 @@ def _completion_records(completion_shard: str | Path, thinking_modes: set[str]) 
 def _write_token_shard(
     out_path: str | Path, rows: Iterable[dict], *, row_group_size: int, metadata: Callable[[], dict]
 ) -> None:
-    """Stream token rows into a token shard, one row group per `row_group_size` rows (memory bounded by one
-    group plus the reader's batch, whatever the shard size), with `metadata()` (called once the rows are
-    written) in the footer. Row-group boundaries depend only on the input, so a rerun writes identical
-    bytes (and leaves an identical existing file untouched); the file is renamed into place at the end."""
+    """Stream token rows into a token shard, one row group per `row_group_size` rows, with `metadata()` (called once
+    the rows are written) in the footer. Row-group boundaries depend only on the input, so a rerun writes identical
+    bytes; the file is renamed into place at the end."""
     with shards.ParquetStreamWriter(out_path, TOKEN_SCHEMA) as writer:
         group: list[dict] = []
         for r in rows:

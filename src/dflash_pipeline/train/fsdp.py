@@ -32,9 +32,9 @@ def fsdp_plugin(
 ):
     """The `FullyShardedDataParallelPlugin` (FSDP2) the trainer uses.
 
-    `reshard_after_forward`: True frees gathered layer weights after each forward (ZeRO-3 / FULL_SHARD);
-    False keeps them to the backward (SHARD_GRAD_OP, SpecForge's choice: faster, more memory).
-    State dicts are `SHARDED_STATE_DICT` (resume), the export asks for a full one (`full_drafter`).
+    `reshard_after_forward`: True frees gathered layer weights after each forward; False keeps them to the backward
+    (SHARD_GRAD_OP, SpecForge's choice: faster, more memory). State dicts are `SHARDED_STATE_DICT` (resume), the export
+    asks for a full one (`full_drafter`).
     """
     from accelerate.utils import FullyShardedDataParallelPlugin
 

@@ -261,9 +261,8 @@ def heldout_acceptance(
 def heldout_mask(
     prompt_ids: Sequence[str], fraction: float, *, seed: int = 0, max_records: Optional[int] = None
 ) -> list[bool]:
-    """Which records are held out: whole prompts (every row of a prompt_id goes the same way, so turns of
-    one conversation never straddle the split), chosen by sha1(seed, prompt_id) < fraction — stable when
-    shards are reordered or added. `max_records` caps the held-out rows (whole prompts, lowest hashes first; the others train).
+    """Which records are held out: whole prompts, chosen by sha1(seed, prompt_id) < fraction — stable when shards are
+    reordered or added. `max_records` caps the held-out rows.
 
     Raises:
         ValueError: `fraction` outside [0, 1).

@@ -389,10 +389,9 @@ class TestServer:
         return self._finish(resp, out_ids)
 
     def _tool_call_answer(self, n: int, body: dict, messages: list, tools: list, kwargs: dict) -> web.Response:
-        """Canned mode, a request that offers `tools` and ends with a user turn: the answer calls the first tool
-        (`.answers.canned_tool_call`), `finish_reason: tool_calls`, as a server with a tool-call parser
-        answers. Output ids: with a tokenizer, the template's render of the call (`.answers.tool_turn_ids`),
-        else fake ones; returned as the flavor returns ids."""
+        """Canned mode, a request that offers `tools` and ends with a user turn: the answer calls the first tool,
+        `finish_reason: tool_calls`, as a server with a tool-call parser answers. Output ids: with a tokenizer, the
+        template's render of the call, else fake ones; returned as the flavor returns ids."""
         from .answers import fake_id, tool_turn_ids
 
         calls = canned_tool_call(messages, tools, n)

@@ -138,10 +138,9 @@ def meta_info(rid: str, finish: str, prompt_ids: Sequence[int], out_ids: Sequenc
 def chat_ids(
     tok, messages: list[dict], kwargs: dict, reasoning: str | None, content: str, finish: str
 ) -> tuple[list[int], list[int]]:
-    """`(prompt ids, output ids)` of a canned chat answer with the tokenizer `tok`: the request rendered
-    with its chat template (`kwargs`: the request's `chat_template_kwargs`), and the raw text the model
-    wrote (`<think>\\n…\\n</think>\\n\\n` before the content when it thought) plus the end-of-turn token
-    when it stopped, as a model behind a Qwen3-style reasoning parser generates it."""
+    """`(prompt ids, output ids)` of a canned chat answer with the tokenizer `tok`: the request rendered with its
+    chat template, and the raw text the model wrote (`<think>\\n…\\n</think>\\n\\n` before the content when it thought)
+    plus the end-of-turn token when it stopped, as a model behind a Qwen3-style reasoning parser generates it."""
     msgs = [{k: v for k, v in m.items() if v is not None} for m in messages]
     text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kwargs)
     prompt = list(tok(text, add_special_tokens=False)["input_ids"])
