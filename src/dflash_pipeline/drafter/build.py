@@ -25,7 +25,8 @@ def build_drafter(
 ) -> "DFlashDrafter":
     """Random-init float32 drafter sized from `target.config` (its text config) and the probe's drafter decisions;
     `layer_types`/`sliding_window`: optional sliding-window draft layers (config `drafter.*`).
-    `family`/`family_settings`: `drafter.family` (None: the default) and its `drafter.<family>` section; `seed` seeds the init."""
+    `family`/`family_settings`: `drafter.family` (None: the default) and its `drafter.<family>` section; `seed` seeds
+    the init."""
     d = probe["drafter"]
     fam = FR.get(family)
     cfg = fam.config_class.from_target(

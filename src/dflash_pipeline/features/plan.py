@@ -33,7 +33,8 @@ class FeaturePlan:
     fs_bytes: int
 
     def describe(self) -> str:
-        """One line for the plan, e.g. `features: 5 x 7168 x 2 B = 71,685 B/token; 1.2e9 tokens (exact) -> 86.0 TB; ...`."""
+        """One line for the plan, e.g. `features: 5 x 7168 x 2 B = 71,685 B/token; 1.2e9 tokens (exact) -> 86.0 TB;
+        ...`."""
         per = STORAGE_NAMES.get(self.dtype, self.dtype)
         s = (
             f"features: {self.num_layers} layers x {self.hidden_size} x {per} (+ids/mask{', +last hidden' if self.last_hidden else ''}) "

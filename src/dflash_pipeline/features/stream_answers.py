@@ -46,7 +46,8 @@ def check_answer_header(raw: bytes, total: int, want: tuple[int, int, int], hint
     `want` ([T, n_aux, H]) and the answer's `total` size in bytes; returns the header's end offset.
 
     `raw` holds at least the 8-byte length (and the header, when that fits `MAX_HEADER_BYTES`);
-    `hint` ends a shape mismatch's message. Raises AnswerMismatch (another shape: the server taps other layers), UntrustedAnswer (a size the shape
+    `hint` ends a shape mismatch's message. Raises AnswerMismatch (another shape: the server taps other layers),
+    UntrustedAnswer (a size the shape
     does not give), ValueError (a malformed header)."""
     if len(raw) < 8:
         raise ValueError(f"an answer of {total} bytes has no safetensors header")

@@ -299,7 +299,8 @@ def hidden_states_of(
 ):
     """Forward the target with `output_hidden_states`; returns the model output, whose
     `hidden_states` is the (L + 1)-tuple of [b, S, H] (index 0 the embeddings, index L after the final
-    norm; a hyper-connection target's `[b, S, n, H]` streams collapsed by `collapse_streams`) and `logits` [b, S, V] with `need_logits` (the eval loop's verification), else at most
+    norm; a hyper-connection target's `[b, S, n, H]` streams collapsed by `collapse_streams`) and `logits` [b, S, V]
+    with `need_logits` (the eval loop's verification), else at most
     [b, 1, V]: `logits_to_keep=1` (transformers' causal LMs apply the LM head to the last position only),
     so training never materialises full-vocabulary logits it throws away (4 × 3,072 tokens × 152k vocab
     is ~3.7 GB of bf16 per step)."""

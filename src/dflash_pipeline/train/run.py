@@ -401,7 +401,8 @@ def _step_context(
 
 def _rows(records, cfg: dict):
     """The rows a loader batches: `records` themselves, or with `train.packing` the records packed into
-    rows of up to `train.pack_max_tokens` tokens (default: the longest record; `dflash_pipeline.train.packing.PackedDataset`)."""
+    rows of up to `train.pack_max_tokens` tokens (default: the longest record;
+    `dflash_pipeline.train.packing.PackedDataset`)."""
     if not cfg["packing"]:
         return records
     ds = getattr(records, "dataset", None)
@@ -491,7 +492,8 @@ def _stream_summary(run: TrainRun) -> dict:
 
 
 def _finish(run: TrainRun, step: int, target_dir, summary: dict) -> dict:
-    """Export `final/` (atomic, with its `serve.md` naming `target_dir`), write `train_summary.json`, save the last state; returns `summary`."""
+    """Export `final/` (atomic, with its `serve.md` naming `target_dir`), write `train_summary.json`, save the last
+    state; returns `summary`."""
     accelerator, out_dir = run.accelerator, run.out_dir
     accelerator.wait_for_everyone()
     module = export_module(accelerator, run.drafter)
