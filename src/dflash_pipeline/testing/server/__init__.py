@@ -1,5 +1,4 @@
-"""A local OpenAI-compatible server (chat and raw completions) for tests, benchmarks and end-to-end runs, with fault
-injection.
+"""A local OpenAI-compatible server (chat and raw completions) for tests, benchmarks and end-to-end runs, with fault injection.
 
 It stands in for SGLang/vLLM: `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions` (a
 string or token ids), `GET /health`, `GET /metrics` (Prometheus-style counters, vLLM's spec-decode counters
