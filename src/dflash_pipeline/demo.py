@@ -365,10 +365,9 @@ def _build_facts(
     corpus_files: Sequence[str | os.PathLike],
     len_tokenizer: int,
 ) -> dict:
-    """The build facts written to `demo_target.json` (`seconds` is set by `_write_demo`);
-    `final_loss` is the mean of the last 20 training losses; `params` the `target.demo` settings it was
-    built with (`vocab_size` there: the vocabulary asked of the tokenizer trainer), which
-    `dflash_pipeline.workflow.keyed_paths` reads back as the directory's key."""
+    """The build facts written to `demo_target.json`; `final_loss` is the mean of the last 20 training losses;
+    `params` the `target.demo` settings it was built with, which `dflash_pipeline.workflow.keyed_paths` reads back as
+    the directory's key."""
     import torch
 
     tail = losses[-20:]

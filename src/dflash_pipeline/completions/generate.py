@@ -203,10 +203,8 @@ def generate_shard(
 def _backend_and_model(
     backend: Backend | None, done: dict, prompts: Sequence[dict], paths: _Paths, gen_cfg: dict, **backend_kw
 ) -> tuple[Backend | None, str | None]:
-    """The backend that generates what `done` lacks (built by `make_backend` with `backend_kw`
-    unless given; none is built when nothing is left) and the shard's model name so far: the one this
-    run sends when records were resumed (`_resumed_model`, which drops from `done` the records
-    of another model), else that of the resumed records (None when there are none)."""
+    """The backend that generates what `done` lacks and the shard's model name so far: the one this run sends when
+    records were resumed, else that of the resumed records (None when there are none)."""
     model_name = next(iter(done.values())).get("model") if done else None
     if all(p["prompt_id"] in done for p in prompts):
         return backend, model_name

@@ -55,10 +55,9 @@ class Turn:
         }
 
     def history_message(self) -> dict:
-        """The assistant message appended to the history for the next user turn. An answer without
-        reasoning that contains `</think>` carries `reasoning_content: ""`, so the template renders it
-        verbatim instead of splitting it there (as `dflash_pipeline.target.chat.template_messages` does for
-        the local renders and the tokens stage)."""
+        """The assistant message appended to the history for the next user turn. An answer without reasoning that
+        contains `</think>` carries `reasoning_content: ""`, so the template renders it verbatim instead of splitting it
+        there."""
         msg = {"role": "assistant", "content": self.content}
         if self.reasoning_content is not None:
             msg["reasoning_content"] = self.reasoning_content
@@ -195,9 +194,8 @@ def _parsed_calls(calls) -> list[dict]:
 
 
 def build_record(prompt: dict, turns: Sequence[Turn], info: RunInfo, error: str | None = None) -> dict:
-    """Completion record (`COMPLETION_SCHEMA` as a dict) from a prompt and its generated turns (walked as
-    `Dialogue` walks them); a prompt with tools gives a `COMPLETION_TOOLS_SCHEMA` record (`tools`,
-    `end_reason`, messages with their tool fields).
+    """Completion record (`COMPLETION_SCHEMA` as a dict) from a prompt and its generated turns; a prompt with tools
+    gives a `COMPLETION_TOOLS_SCHEMA` record (`tools`, `end_reason`, messages with their tool fields).
 
     With `error` set, the record holds the turns generated before the failure and `status: error`.
     """

@@ -34,9 +34,8 @@ TOKENIZER_SUFFIXES = (".json", ".jinja", ".model", ".txt", ".tiktoken")
 class ProgressLog:
     """Append-only JSON-lines file of finished conversations, keyed by `prompt_id`.
 
-    Line 1 is `{"header": {...}}` with the run's fingerprint (generation settings and target identity).
-    A file with another fingerprint is discarded on `open` (its conversations were generated
-    under other settings); an unreadable line (the tail of a killed write) is skipped.
+    Line 1 is `{"header": {...}}` with the run's fingerprint (generation settings and target identity). A file with
+    another fingerprint is discarded on `open`; an unreadable line (the tail of a killed write) is skipped.
     """
 
     def __init__(self, path: str | Path, fingerprint: dict):

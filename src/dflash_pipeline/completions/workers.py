@@ -56,10 +56,9 @@ def _split_caps(gen_cfg: dict, n: int) -> list[dict]:
 
 
 class _PromptFeed:
-    """Prompts from the shared `tasks` queue into this process's asyncio queue. A daemon thread does
-    the blocking gets (off the event loop; a stop never waits on it), one batch ahead: the next batch is
-    fetched once no more prompts are waiting locally than the last batch held. `None` (no more) becomes
-    one `None` per worker."""
+    """Prompts from the shared `tasks` queue into this process's asyncio queue. A daemon thread does the blocking
+    gets, one batch ahead: the next batch is fetched once no more prompts are waiting locally than the last batch held.
+    `None` (no more) becomes one `None` per worker."""
 
     def __init__(self, tasks, loop: asyncio.AbstractEventLoop, workers: int):
         self.tasks, self.loop, self.workers = tasks, loop, workers

@@ -315,8 +315,7 @@ class _CompletionStatsOptional(TypedDict, total=False):
 
 class CompletionStats(_CompletionStatsOptional):
     """`<shard>.stats.json` (`stats_version` `COMPLETION_STATS_VERSION`), written by
-    `dflash_pipeline.completions.generate_shard` (which returns the same dict). Top level: the
-    whole shard (its final records, resumed ones included): prompts, status counts, turns, tokens,
+    `dflash_pipeline.completions.generate_shard`. Top level: the whole shard: prompts, status counts, turns, tokens,
     skips. `run`: the last run's figures (`RunStats`)."""
 
     stats_version: int  # COMPLETION_STATS_VERSION
@@ -352,10 +351,9 @@ STATS_V1_RUN_KEYS = (
 
 
 def run_stats(stats: Mapping[str, Any]) -> dict:
-    """The last run's figures (`RunStats` keys) of a completion stats file of any version: `run`
-    of version 2; of version 1 its `run` with the `STATS_V1_RUN_KEYS` of its top level; of a file
-    from before the `run` block its top level (whose turns and tokens were that run's). Keys a file
-    lacks are absent ({} for `{}`, no stats file)."""
+    """The last run's figures (`RunStats` keys) of a completion stats file of any version: `run` of version 2; of
+    version 1 its `run` with the `STATS_V1_RUN_KEYS` of its top level; of a file from before the `run` block its top
+    level. Keys a file lacks are absent ({} for `{}`, no stats file)."""
     if stats.get("stats_version", 1) >= 2:
         return dict(stats["run"])
     run = stats.get("run")
@@ -399,10 +397,8 @@ class EvalRecord(TypedDict, total=False):
 
 
 class CheckpointMeta(TypedDict, total=False):
-    """`dflash_pipeline` block of a drafter checkpoint's `config.json` (format
-    `CHECKPOINT_FORMAT_VERSION`, written by `dflash_pipeline.drafter.model.save_drafter`; the rest of
-    the file is the Hugging Face config SGLang/vLLM read: architectures, block_size, dflash_config with
-    target_layer_ids and mask_token_id)."""
+    """`dflash_pipeline` block of a drafter checkpoint's `config.json` (format `CHECKPOINT_FORMAT_VERSION`, written
+    by `dflash_pipeline.drafter.model.save_drafter`."""
 
     format_version: int  # always written
     train_steps: int

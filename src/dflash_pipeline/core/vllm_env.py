@@ -25,9 +25,8 @@ class VLLMNotFound(PipelineError):
 def find_vllm_python(explicit: Optional[str] = None) -> Optional[str]:
     """The interpreter to run vLLM with, or None when none is configured.
 
-    Order: `explicit` (a config value), `$DFLASH_VLLM_PYTHON`, `<repo>/.venv-vllm/bin/python` (what
-    `.ci/run` creates). A path that does not exist is returned as is by the first two (the caller's error
-    names it); the last is used only when present.
+    Order: `explicit` (a config value), `$DFLASH_VLLM_PYTHON`, `<repo>/.venv-vllm/bin/python`. A path that does not
+    exist is returned as is by the first two (the caller's error names it); the last is used only when present.
     """
     for cand in (explicit, os.environ.get(VLLM_PYTHON_ENV)):
         if cand:

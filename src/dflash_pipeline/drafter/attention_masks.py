@@ -64,8 +64,8 @@ def build_flex_block_mask(
     segment_ids: Optional[torch.Tensor] = None,
     block_causal: bool = True,
 ):
-    """The same predicate as `build_block_mask` as a FlexAttention `BlockMask` (no dense
-    [b, Q, S+Q] tensor; dflash.md §4.4). The block index is clamped before the anchor gather.
+    """The same predicate as `build_block_mask` as a FlexAttention `BlockMask` (no dense [b, Q, S+Q] tensor;
+    dflash.md §4.4).
 
     `segment_ids` long [b, S] (packed rows, `dflash_pipeline.train.packing`): context key j is visible
     only when it lies in the anchor's record as well."""

@@ -239,7 +239,7 @@ def target_context_length(config) -> int:
     `dflash_pipeline.core.contracts.CONTEXT_LENGTH_KEYS`).
 
     Raises:
-        ValueError: the config states none, or a bound ≤ 0 (the probe refuses such targets, with the reason).
+        ValueError: the config states none, or a bound ≤ 0.
     """
     from dflash_pipeline.core.contracts import CONTEXT_LENGTH_KEYS
 

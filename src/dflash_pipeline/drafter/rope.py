@@ -124,9 +124,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the first `rotary_dim` channels of each head (neox halves), pass the rest through.
 
-    `x` [b, heads, T, head_dim]; `cos`/`sin` [b, T, rotary_dim] (`DFlashRotaryEmbedding`).
-    vLLM `RotaryEmbedding.forward_native`: `query_rot = query[..., :rotary_dim]`, neox rotation,
-    `cat(query_rot, query_pass)`.
+    `x` [b, heads, T, head_dim]; `cos`/`sin` [b, T, rotary_dim]. vLLM `RotaryEmbedding.forward_native`: `query_rot =
+    query[..., :rotary_dim]`, neox rotation, `cat(query_rot, query_pass)`.
     """
     rd = cos.shape[-1]
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)

@@ -126,13 +126,10 @@ def family_build_args(ckpt_dir: Optional[str | Path]) -> dict:
 
 def checkpoint_info(ckpt_dir: str | Path) -> dict:
     """What a drafter checkpoint says about itself: `train_steps` (None when it does not say),
-    `zero_target_features` (False when it does not say) from its
-    `checkpoint_meta`, and its trained `block_size`
-    (`DFlashConfig`).
+    `zero_target_features` (False when it does not say) and its trained `block_size`.
 
     Raises:
-        FileNotFoundError / ValueError: no or a malformed `config.json` (naming the file and field).
-    """
+        FileNotFoundError / ValueError: no or a malformed `config.json` (naming the file and field)."""
     from dflash_pipeline.drafter.config import DFlashConfig, checkpoint_meta
 
     meta = checkpoint_meta(ckpt_dir)
@@ -173,9 +170,8 @@ def answer_eval_set(
     """Answer every user turn of every eval record with the speculative loop: per record, one
     `SpecResult` per user turn.
 
-    Each turn is answered against the record's `history` (fixed earlier messages: long conversations,
-    `dflash_pipeline.evaluate.long_conversations`), its earlier turns and the loop's own answers to them
-    (MT-Bench multi-turn).
+    Each turn is answered against the record's `history`, its earlier turns and the loop's own answers to them (MT-Bench
+    multi-turn).
     """
     from dflash_pipeline.target.chat import render
 
@@ -215,10 +211,9 @@ def eval_set_stats(
     length_buckets: Sequence[int] = (),
     family: Optional[str] = None,
 ) -> dict:
-    """`acceptance_stats` of a set's answers (`answer_eval_set`) plus `num_conversations`,
-    `new_tokens`, `target_forwards`, `tokens_per_target_forward`, `seconds`, `tokens_per_s` and,
-    with `length_buckets` (edges in tokens), `by_context_length`
-    (`dflash_pipeline.evaluate.context_length.tau_by_context_length`)."""
+    """`acceptance_stats` of a set's answers (`answer_eval_set`) plus `num_conversations`, `new_tokens`,
+    `target_forwards`, `tokens_per_target_forward`, `seconds`, `tokens_per_s` and, with `length_buckets` (edges in
+    tokens), `by_context_length`."""
     responses = [r for conv in answers for r in conv]
     new_tokens = sum(len(r.output_ids) for r in responses)
     forwards = sum(r.target_forwards for r in responses)

@@ -213,10 +213,9 @@ def _send_conversation(
     timeout_s: float,
     metrics_url: Optional[str] = None,
 ) -> list[EngineResponse]:
-    """Every user turn of the eval record `rec` to `{base}/chat/completions`, one after another, each
-    carrying the engine's earlier answers; `request` holds the other body fields (model, max_tokens, …).
-    `metrics_url` (vLLM with requests one at a time): each request's acceptance from the counter deltas
-    around it (`EngineResponse`)."""
+    """Every user turn of the eval record `rec` to `{base}/chat/completions`, one after another, each carrying the
+    engine's earlier answers; `request` holds the other body fields (model, max_tokens, …). `metrics_url` (vLLM with
+    requests one at a time): each request's acceptance from the counter deltas around it."""
     from dflash_pipeline.evaluate.sglang_engine import response_acceptance
 
     history: list[dict] = [{"role": "system", "content": rec["system"]}] if rec.get("system") else []

@@ -63,10 +63,9 @@ def build_long_conversations(
     num_samples: int,
     count_tokens: Callable[[list[dict]], int],
 ) -> list[dict]:
-    """Up to `num_samples` eval records `{prompt_id, system: None, history, turns: [user turn]}` whose
-    `history` (user/assistant messages) renders to at least `build_to_tokens` tokens
-    (`count_tokens(history + [final user turn])`), built from the exchanges of `chats` in order
-    (module docstring). `prompt_id` hashes the whole conversation sent."""
+    """Up to `num_samples` eval records `{prompt_id, system: None, history, turns: [user turn]}` whose `history`
+    (user/assistant messages) renders to at least `build_to_tokens` tokens (`count_tokens(history + [final user
+    turn])`), built from the exchanges of `chats` in order. `prompt_id` hashes the whole conversation sent."""
     if build_to_tokens < 1:
         raise ConfigError(f"eval.sets.*.build_to_tokens must be >= 1, got {build_to_tokens}")
     stream = (ex for chat in chats for ex in exchanges(chat))

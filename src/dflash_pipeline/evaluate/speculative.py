@@ -60,10 +60,9 @@ def recurrent_rollback_kwargs(activate_past_recording, max_rollback: int) -> dic
 
 
 def _unrecorded(layer, n_tokens: int, max_rollback: int) -> bool:
-    """Whether `layer`, which claims to be croppable, kept fewer recurrent states over the forward of
-    `n_tokens` than a rollback of `min(n_tokens, max_rollback)` tokens needs: a model that hands its
-    cache only the last state (ZAYA's linear attention, `update_recurrent_state(state[:, -1])`) leaves one
-    entry, and `crop` would index past it."""
+    """Whether `layer`, which claims to be croppable, kept fewer recurrent states over the forward of `n_tokens` than
+    a rollback of `min(n_tokens, max_rollback)` tokens needs: a model that hands its cache only the last state leaves
+    one entry, and `crop` would index past it."""
     history = getattr(layer, "recurrent_states_history", None)
     if not isinstance(history, dict) or n_tokens < 2:
         return False

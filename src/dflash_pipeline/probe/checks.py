@@ -239,8 +239,7 @@ def _check_drafter_config(
     drafter cannot be sized from fails here with the reason, not at training step 1.
 
     Raises:
-        ProbeRefusal: naming the target and transformers' / the drafter's complaint (`reason`
-            `sublayer count`, `drafter cannot be sized` or `rotary not servable`).
+        ProbeRefusal: naming the target and transformers' / the drafter's complaint.
     """
     from dflash_pipeline.drafter.config import DFlashConfig
     from dflash_pipeline.drafter.rope import DFlashRotaryEmbedding, servable_rope_problems

@@ -68,10 +68,8 @@ def _vocab_file(tok: Any, target_dir: Path) -> Path | None:
 
 
 def _backend(tok: Any, vocab_file: Path | None) -> str:
-    """Where the tokenization rules come from: `tiktoken` (a tiktoken BPE ranks file, run by tiktoken in
-    remote code, or converted), `sentencepiece` (a sentencepiece model: a slow `sp_model` tokenizer, or
-    transformers' conversion of `tokenizer.model` into a fast tokenizer), `fast` (`tokenizer.json`),
-    `python` (any other slow tokenizer)."""
+    """Where the tokenization rules come from: `tiktoken`, `sentencepiece`, `fast` (`tokenizer.json`), `python` (any
+    other slow tokenizer)."""
     mods = type(tok).__module__ + " " + " ".join(type(v).__module__ for v in vars(tok).values() if v is not None)
     if "tiktoken" in mods:
         return "tiktoken"

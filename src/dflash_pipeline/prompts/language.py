@@ -80,10 +80,9 @@ def detect_language(text: str, *, key: str = "prompts.languages") -> tuple[str, 
 
 
 def language_problems(prompts_cfg: Mapping[str, Any], datasets: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    """Problems with the language-filter settings, each naming its config key (empty when fine): unknown
-    language codes (not in `LANGUAGE_CODES`), an empty list, a confidence outside [0, 1], or a
-    source's `min_language_confidence` with no language filter applying to that source. Does not need
-    py3langid, so the Snakefile checks this at planning time."""
+    """Problems with the language-filter settings, each naming its config key (empty when fine): unknown language
+    codes (not in `LANGUAGE_CODES`), an empty list, a confidence outside [0, 1], or a source's `min_language_confidence`
+    with no language filter applying to that source."""
     problems: list[str] = []
 
     def check_codes(key: str, value: Any, allow_any: bool) -> None:

@@ -17,10 +17,9 @@ from typing import Mapping, Optional, Sequence
 
 @dataclass(frozen=True)
 class Finding:
-    """One finding: `kind` (a stable name, e.g. `truncated_completions`), `message` (what the figures
-    say, with the numbers), `figure` (element id of the table or figure behind it on the landing page; ""
-    when it lives elsewhere), `figure_label` (that table or figure in words), `config_key` (the key that
-    changes it)."""
+    """One finding: `kind` (a stable name, e.g. `truncated_completions`), `message` (what the figures say, with the
+    numbers), `figure` (element id of the table or figure behind it on the landing page; "" when it lives elsewhere),
+    `figure_label`, `config_key` (the key that changes it)."""
 
     kind: str
     message: str

@@ -171,9 +171,9 @@ def _add_generation_shard(d: dict, path: Path, benchmark_dir: Optional[str | Pat
 
 
 def _last_run_of_shard(path: Path, table, benchmark_dir: Optional[str | Path]) -> tuple[int, int, Optional[float]]:
-    """`(completion tokens, retries, wall seconds or None)` of the run that last wrote the completion shard
-    `path` (its pyarrow `table`): from `<shard>.stats.json` (written by `generate_shard(stats_path=...)`),
-    else the shard's own tokens and the Snakemake benchmark `benchmark_dir/<dataset>/<shard>.tsv`."""
+    """`(completion tokens, retries, wall seconds or None)` of the run that last wrote the completion shard `path`:
+    from `<shard>.stats.json`, else the shard's own tokens and the Snakemake benchmark
+    `benchmark_dir/<dataset>/<shard>.tsv`."""
     stats_file = path.with_name(f"{path.stem}.stats.json")
     # the last run's figures, from a stats file of any version (a workdir keeps old ones): {} if none
     run = run_stats(read_json(stats_file)) if stats_file.is_file() else {}

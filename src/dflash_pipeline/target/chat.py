@@ -170,10 +170,9 @@ def load_tokenizer(target_dir: str | Path, *, chat_template: str | Path | None =
 
 
 def _compiled_template(tokenizer):
-    """`(compiled template, special-token variables)` for the tokenizer's current template, cached on the
-    tokenizer (recompiled when its template or special tokens change); None when the fast path does not
-    apply (several named templates, or a transformers without the compiler), then callers use
-    `apply_chat_template`."""
+    """`(compiled template, special-token variables)` for the tokenizer's current template, cached on the tokenizer;
+    None when the fast path does not apply (several named templates, or a transformers without the compiler), then
+    callers use `apply_chat_template`."""
     template = getattr(tokenizer, "chat_template", None)
     if not isinstance(template, str):
         return None

@@ -44,9 +44,8 @@ def build_target_layer_ids(num_layers: int, k: int) -> list[int]:
 def hf_hidden_state_index(layer_id: int) -> int:
     """HF `output_hidden_states` index holding the output of canonical target layer `layer_id`.
 
-    Index 0 of `outputs.hidden_states` is the embedding output, index `l + 1` the output of decoder
-    layer `l` (raw residual stream; the last entry is final-normed, which the formula never picks).
-    This is the only conversion between the two conventions in the package.
+    Index 0 of `outputs.hidden_states` is the embedding output, index `l + 1` the output of decoder layer `l`. This is
+    the only conversion between the two conventions in the package.
     """
     if layer_id < 0:
         raise ValueError(f"layer id must be >= 0, got {layer_id}")

@@ -382,10 +382,9 @@ def _verbatim_ranges(
     controls: Sequence[str],
     counts: dict | None,
 ) -> list:
-    """`TrainSequence.verbatim` entries of one turn supervised on `q[start:end]`: the target's output
-    ids when their text is exactly that span (`output_ids_spliced`); else the content (its last
-    occurrence: it ends the turn) and the reasoning before it, each when it holds a control-token string,
-    to be encoded as plain text (`control_text_kept`)."""
+    """`TrainSequence.verbatim` entries of one turn supervised on `q[start:end]`: the target's output ids when their
+    text is exactly that span (`output_ids_spliced`); else the content and the reasoning before it, each when it holds a
+    control-token string, to be encoded as plain text (`control_text_kept`)."""
     verbatim: list = []
     if generated_ids and generated is not None and q[start:end] == generated:
         verbatim.append((start, end, tuple(int(t) for t in generated_ids)))

@@ -63,9 +63,8 @@ def surrogate_target(out: Path, *, hidden_size: int, vocab_size: int, num_layers
 def family_case(
     twin: Path, work: Path, *, name: str, seed: int = 0, drafter_dir: Path | None = None, mistakes: tuple[str, ...] = ()
 ) -> dict:
-    """Export the family's drafter (or use `drafter_dir`, e.g. a trained `final/`), compute our logits
-    and write vLLM's inputs. Returns `{"case": spec entry, "ours": [logits [B, V]…], "controls": {mistake:
-    [logits…]}, "facts": {...}}`.
+    """Export the family's drafter, compute our logits and write vLLM's inputs. Returns `{"case": spec entry, "ours":
+    [logits [B, V]…], "controls": {mistake: [logits…]}, "facts": {...}}`.
 
     Raises whatever the probe or the target loader raise for a family the pipeline refuses.
     """
