@@ -95,7 +95,8 @@ def grouped_conv(
 
 
 class GroupedConv(nn.Module):
-    """`base_kernel` [2, taps, H] and `kernel_projection` (H → 2·taps·G), the weight names vLLM loads. Side 0 wraps a sublayer's input, side 1 its output.
+    """`base_kernel` [2, taps, H] and `kernel_projection` (H → 2·taps·G), the weight names vLLM loads. Side 0 wraps a
+    sublayer's input, side 1 its output.
 
     Init: tap 0 of both sides 1, the rest 0, and a zero projection — the convolution starts as the identity,
     so an untrained DFlash2 layer is a DFlash layer."""
