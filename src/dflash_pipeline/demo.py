@@ -366,7 +366,7 @@ def _build_facts(
     len_tokenizer: int,
 ) -> dict:
     """The build facts written to `demo_target.json`; `final_loss` is the mean of the last 20 training losses;
-    `params` the `target.demo` settings it was built with, which `dflash_pipeline.workflow.keyed_paths` reads back as
+    `params` the `target.demo` settings it was built with, which `workflow.keyed_paths` reads back as
     the directory's key."""
     import torch
 

@@ -77,7 +77,7 @@ def preflight_template(
     chat_template: str | Path | None = None,
     trust_remote_code: bool = False,
 ) -> list[str]:
-    """Before a completions job generates anything: `dflash_pipeline.target.spans.check_template` on the target's
+    """Before a completions job generates anything: `target.spans.check_template` on the target's
     tokenizer and template in `gen_cfg["thinking"]`. Warnings are logged and returned.
 
     Raises:
@@ -229,7 +229,7 @@ def _report_stats(paths: _Paths, stats: dict, stats_path: str | Path | None) -> 
 
 
 def _console_summary(paths: _Paths, stats: dict) -> None:
-    """The job's one console line (`dflash_pipeline.workflow.policy.console`): the shard's counts, this run's."""
+    """The job's one console line (`workflow.policy.console`): the shard's counts, this run's."""
     from dflash_pipeline.core.console import console
 
     run = stats["run"]

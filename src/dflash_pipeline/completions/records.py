@@ -253,7 +253,7 @@ MAX_SKIPPED_EXAMPLES = 3
 def skipped_record(prompt: dict, reason: str, **example) -> dict:
     """The marker a backend reports (`on_done`) for a conversation it skipped without generating it
     (`reason`, e.g. `too_long`; `example`: why, e.g. `prompt_tokens`, `limit`). It never goes into
-    the shard: `dflash_pipeline.completions.generate_shard` counts it in the stats with an example."""
+    the shard: `completions.generate_shard` counts it in the stats with an example."""
     return {
         "prompt_id": prompt["prompt_id"],
         "dataset": prompt["dataset"],
@@ -366,7 +366,7 @@ def read_prompts(path: str | Path) -> list[dict]:
         if pid in seen:
             raise DataError(f"{path}: prompt_id {pid} appears twice; rebuild the prompt shards (they dedup)")
         seen.add(pid)
-        if "tools" in r:  # a shard with tool conversations: its tool-free rows read as before
+        if "tools" in r:  # a shard with tool conversations: its tool-free rows read as plain ones
             if not has_tools(r):
                 r.pop("tools")
                 r["messages"] = [{"role": m["role"], "content": m["content"]} for m in r["messages"]]
@@ -410,7 +410,7 @@ def _check_tool_prompt(path, r: dict) -> None:
 
 def redact_url(url: str) -> str:
     """`url` without `user:password@` (safe to record and log): the project's one redaction,
-    `dflash_pipeline.core.errors.strip_url_credentials`."""
+    `core.errors.strip_url_credentials`."""
     return strip_url_credentials(url)
 
 

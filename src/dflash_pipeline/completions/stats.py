@@ -1,6 +1,6 @@
 """Stats of a completions job: the live progress bar, the backends' request counts (merged over client
 processes) and the stats JSON of a shard (`generate_completions`' `stats` output, read by
-`report.py` through `dflash_pipeline.core.contracts.run_stats`)."""
+`report.py` through `core.contracts.run_stats`)."""
 
 from __future__ import annotations
 

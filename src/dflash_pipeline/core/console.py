@@ -1,5 +1,5 @@
 """The console: one-line progress of long jobs and each job's summary, shown on the stderr Snakemake
-shows as well as in the job's log (the tee lives in `dflash_pipeline.workflow.policy`)."""
+shows as well as in the job's log (the tee lives in `workflow.policy`)."""
 
 import logging
 

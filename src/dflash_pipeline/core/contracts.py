@@ -19,7 +19,7 @@ TOKEN_SCHEMA_VERSION = 2  # 2: + turn
 EVAL_SCHEMA_VERSION = 1
 CHECKPOINT_FORMAT_VERSION = 1
 #: Feature shards (`results/features/{dataset}/{shard}.safetensors`): a safetensors file per token shard with
-#: an offsets index, memory-mapped on read; tensors, dtypes and metadata in `dflash_pipeline.features.format`.
+#: an offsets index, memory-mapped on read; tensors, dtypes and metadata in `features.format`.
 FEATURE_SCHEMA_VERSION = 2  # 2: fp8 feature_scale per token per layer [N, K] (1: per token [N], still read)
 
 #: Roles allowed in a normalized prompt conversation.
@@ -256,7 +256,7 @@ class _PromptManifestOptional(TypedDict, total=False):
 
 
 class PromptManifest(_PromptManifestOptional):
-    """`results/prompts/manifest.json`, written by `dflash_pipeline.prompts.build_prompt_shards`.
+    """`results/prompts/manifest.json`, written by `prompts.build_prompt_shards`.
 
     Per source (`ManifestSource`), `skipped_examples` holds up to `prompts.MAX_EXAMPLES` located messages per drop
     reason; `inactive_shards` are its shard files beyond its current shard count, `inactive_datasets` the shard files of
@@ -315,7 +315,7 @@ class _CompletionStatsOptional(TypedDict, total=False):
 
 class CompletionStats(_CompletionStatsOptional):
     """`<shard>.stats.json` (`stats_version` `COMPLETION_STATS_VERSION`), written by
-    `dflash_pipeline.completions.generate_shard`. Top level: the whole shard: prompts, status counts, turns, tokens,
+    `completions.generate_shard`. Top level: the whole shard: prompts, status counts, turns, tokens,
     skips. `run`: the last run's figures (`RunStats`)."""
 
     stats_version: int  # COMPLETION_STATS_VERSION
@@ -352,7 +352,7 @@ STATS_V1_RUN_KEYS = (
 
 def run_stats(stats: Mapping[str, Any]) -> dict:
     """The last run's figures (`RunStats` keys) of a completion stats file of any version: `run` of version 2; of
-    version 1 its `run` with the `STATS_V1_RUN_KEYS` of its top level; of a file from before the `run` block its top
+    version 1 its `run` with the `STATS_V1_RUN_KEYS` of its top level; of a file without a `run` block its top
     level. Keys a file lacks are absent ({} for `{}`, no stats file)."""
     if stats.get("stats_version", 1) >= 2:
         return dict(stats["run"])
@@ -384,7 +384,7 @@ class EvalDrafter(TypedDict, total=False):
 
 class EvalRecord(TypedDict, total=False):
     """`results/eval/<run>/acceptance.json` (version `EVAL_SCHEMA_VERSION`), written by
-    `dflash_pipeline.evaluate.acceptance.evaluate`."""
+    `evaluate.acceptance.evaluate`."""
 
     schema_version: int
     target: dict  # path, model_type, architectures
@@ -398,7 +398,7 @@ class EvalRecord(TypedDict, total=False):
 
 class CheckpointMeta(TypedDict, total=False):
     """`dflash_pipeline` block of a drafter checkpoint's `config.json` (format `CHECKPOINT_FORMAT_VERSION`, written
-    by `dflash_pipeline.drafter.model.save_drafter`."""
+    by `drafter.model.save_drafter`."""
 
     format_version: int  # always written
     train_steps: int

@@ -67,7 +67,7 @@ def build_flex_block_mask(
     """The same predicate as `build_block_mask` as a FlexAttention `BlockMask` (no dense [b, Q, S+Q] tensor;
     dflash.md §4.4).
 
-    `segment_ids` long [b, S] (packed rows, `dflash_pipeline.train.packing`): context key j is visible
+    `segment_ids` long [b, S] (packed rows, `train.packing`): context key j is visible
     only when it lies in the anchor's record as well."""
     from torch.nn.attention.flex_attention import create_block_mask
 

@@ -1,4 +1,4 @@
-"""A drafter of any family (`dflash_pipeline.drafter.families`), freshly initialised from the target
+"""A drafter of any family (`drafter.families`), freshly initialised from the target
 (`build_drafter`) or loaded from an export (`load_drafter`)."""
 
 from __future__ import annotations

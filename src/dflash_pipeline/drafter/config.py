@@ -67,8 +67,8 @@ class DFlashConfig(Qwen3Config):
     @property
     def engine_layer_ids(self) -> list[int]:
         """The layer ids SGLang/vLLM capture as aux hidden states (`eagle_aux_hidden_state_layer_ids`): the
-        HF `output_hidden_states` index of each canonical id (:func:`dflash_pipeline.target.layer_ids.
-        hf_hidden_state_index`, the one conversion; reference/feasibility.md §9)."""
+        HF `output_hidden_states` index of each canonical id (`target.layer_ids.hf_hidden_state_index`, the one
+        conversion; reference/feasibility.md §9)."""
         return [hf_hidden_state_index(i) for i in self.target_layer_ids]
 
     @classmethod
@@ -236,7 +236,7 @@ def _read_config_json(ckpt_dir: str | Path) -> tuple[Path, dict]:
 def target_context_length(config) -> int:
     """The target's context length in tokens: `max_position_embeddings`, or the field of the same meaning
     its family names otherwise (MPT's `max_seq_len`, GPT-2's `n_positions` …,
-    `dflash_pipeline.core.contracts.CONTEXT_LENGTH_KEYS`).
+    `core.contracts.CONTEXT_LENGTH_KEYS`).
 
     Raises:
         ValueError: the config states none, or a bound ≤ 0.

@@ -127,7 +127,7 @@ class GroupedConv(nn.Module):
 
 
 class DFlash2DecoderLayer(DFlashDecoderLayer):
-    """`dflash_pipeline.drafter.model.DFlashDecoderLayer` with `attention_conv` and `mlp_conv`
+    """`drafter.model.DFlashDecoderLayer` with `attention_conv` and `mlp_conv`
     (`qd2:229-287`)."""
 
     def __init__(self, config, layer_idx: int):

@@ -206,7 +206,7 @@ def dspark_blocks(
 ) -> DSparkBlocks:
     """Blocks drafted from the anchor (`qwen3_dspark.py` / `dspark/speculator.py:10-17`): slot k of the
     block anchored at p sits at p+k and predicts `input_ids[p+k+1]`; weight = keep · [p+k+1 < S] ·
-    loss_mask[p+k+1] · exp(−k/γ) (γ None → 1). Built from `dflash_pipeline.drafter.blocks.block_inputs_and_labels`
+    loss_mask[p+k+1] · exp(−k/γ) (γ None → 1). Built from `drafter.blocks.block_inputs_and_labels`
     with B + 1 slots (its slot j ≥ 1 is DSpark's label of slot j − 1)."""
     ids, pos, labels, weights = BL.block_inputs_and_labels(
         input_ids, loss_mask, anchors, block_size + 1, mask_token_id, None

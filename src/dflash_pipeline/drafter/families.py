@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: Modules of the families this package ships (each registers its family when imported).
 BUILTIN = ("dflash_pipeline.drafter.dflash", "dflash_pipeline.drafter.dflash2", "dflash_pipeline.drafter.dspark")
-#: `drafter.family` when a config does not say (the family every run had before there were others).
+#: `drafter.family` when a config does not say.
 DEFAULT = "dflash"
 
 _FAMILIES: dict[str, "DFlashFamily"] = {}
@@ -118,7 +118,7 @@ def find_by_architectures(archs) -> Optional["DFlashFamily"]:
 
 def of_config(config) -> "DFlashFamily":
     """The family of a drafter config (a config object or a `config.json` dict), from its `architectures`
-    (none: the default family, as for checkpoints written before families).
+    (none: the default family).
 
     Raises:
         UnknownFamily: an `architectures` list no family serves.
@@ -186,8 +186,7 @@ def section_keys() -> tuple[str, ...]:
 
 
 def family_train_keys() -> tuple[str, ...]:
-    """`train.*` keys some family reads (each family's :attr:`~dflash_pipeline.drafter.dflash.DFlashFamily.
-    train_keys`, in registration order)."""
+    """`train.*` keys some family reads (each family's `train_keys`, in registration order)."""
     out: list[str] = []
     for n in names():
         out += [k for k in get(n).train_keys if k not in out]
@@ -195,24 +194,21 @@ def family_train_keys() -> tuple[str, ...]:
 
 
 def probe_params(drafter: Mapping[str, Any]) -> dict:
-    """`drafter` without the family keys (the probe does not depend on the family), so runs configured before
-    `drafter.family` existed keep their probe params."""
+    """`drafter` without the family keys: the probe does not depend on the family."""
     drop = set(section_keys())
     return {k: v for k, v in drafter.items() if k not in drop}
 
 
 def arch_params(drafter: Mapping[str, Any]) -> dict:
-    """The train rule's `arch` param (the configured family's :meth:`~dflash_pipeline.drafter.dflash.
-    DFlashFamily.arch_params`)."""
+    """The train rule's `arch` param (the configured family's `arch_params`)."""
     return of_settings(drafter).arch_params(drafter)
 
 
 def train_params(train: Mapping[str, Any], family: str) -> dict:
-    """The train rule's `train` param for `family` (its :meth:`~dflash_pipeline.drafter.dflash.DFlashFamily.
-    train_params`)."""
+    """The train rule's `train` param for `family` (its `train_params`)."""
     return get(family).train_params(train)
 
 
 def eval_params(ev: Mapping[str, Any]) -> dict:
-    """`eval` without `confidence_threshold` at its default 0 (runs evaluated before the key keep their params)."""
+    """`eval` without `confidence_threshold` at its default 0, so the default leaves the params unchanged."""
     return {k: v for k, v in ev.items() if not (k == "confidence_threshold" and not v)}

@@ -191,7 +191,7 @@ class DFlashDrafter(nn.Module):
     (`fc`, `hidden_norm`, `norm`, `layers.N.*`; §8.3).
     """
 
-    #: The architecture vLLM loads (the family, `dflash_pipeline.drafter.families`, knows the rest).
+    #: The architecture vLLM loads (the family, `drafter.families`, knows the rest).
     architecture = ARCHITECTURE
     #: Sliding layers are causal inside the block (SpecForge/vLLM DFlash semantics, dflash.md §2.3).
     sliding_block_causal = True

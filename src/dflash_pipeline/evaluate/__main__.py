@@ -1,11 +1,11 @@
 """`dflash-eval` (console script) / `python -m dflash_pipeline.evaluate`: the eval stage's commands.
 
 - `dflash-eval --probe P --target T --eval-config JSON --out X [--drafter label=dir]…`: τ of each drafter
-  with our speculative loop (`dflash_pipeline.evaluate.acceptance.main`);
+  with our speculative loop (`evaluate.acceptance.main`);
 - `dflash-eval server --base-url URL --set NAME=PATH …`: τ as a running SGLang/vLLM server reports it
-  (`dflash_pipeline.evaluate.engine_acceptance.main`);
+  (`evaluate.engine_acceptance.main`);
 - `dflash-eval serve-md DRAFTER_DIR [--target T]`: write the export's `serve.md`
-  (`dflash_pipeline.evaluate.vllm_server.write_serve_md`).
+  (`evaluate.vllm_server.write_serve_md`).
 """
 
 from __future__ import annotations

@@ -276,7 +276,7 @@ def open_session(
     target_dtype: str = "auto",
     exclude_prompt_ids: Iterable[str] = (),
 ) -> EvalSession:
-    """Load the target (`dflash_pipeline.target.loading.load_target`), its tokenizer and the eval sets."""
+    """Load the target (`target.loading.load_target`), its tokenizer and the eval sets."""
     from dflash_pipeline.target.chat import load_tokenizer, render
     from dflash_pipeline.target.loading import load_target, module_dtype
 
@@ -489,7 +489,7 @@ def evaluate(
 
 def main(argv=None) -> None:
     """CLI: `dflash-eval --probe P --target T --eval-config JSON --out X [--drafter label=dir]…` (also
-    `python -m dflash_pipeline.evaluate`; `dflash_pipeline.evaluate.__main__` dispatches `server`)."""
+    `python -m dflash_pipeline.evaluate`; `evaluate.__main__` dispatches `server`)."""
     import argparse
 
     p = argparse.ArgumentParser(

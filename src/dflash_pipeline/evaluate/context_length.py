@@ -122,8 +122,7 @@ def tau_by_prompt_length(responses: Sequence[tuple[int, float, int | None]], edg
 
 def length_buckets_of(eval_cfg: dict) -> list[int]:
     """The bucket edges of an `eval` section: `context_length_buckets`, or the schema's default where the
-    section leaves it out (the eval rule's params drop it at its default, so runs from before the key
-    rerun nothing)."""
+    section leaves it out (the eval rule's params drop it at its default)."""
     from dflash_pipeline.core.config import schema_default
 
     edges = eval_cfg.get("context_length_buckets")

@@ -34,7 +34,7 @@ class EngineError(PipelineError):
 
 def dflash_speculative_config(drafter_dir: str | Path, block_size: int) -> dict:
     """vLLM's `--speculative-config` for a DFlash drafter export (dflash.md §8.4, feasibility.md §9): the default
-    family's (`dflash_pipeline.drafter.dflash.DFlashFamily.speculative_config`).
+    family's (`drafter.dflash.DFlashFamily.speculative_config`).
 
     `num_speculative_tokens` = `block_size − 1`: the block's slot 0 is the bonus token, the other
     `block_size − 1` slots are the drafts (vLLM reads no `block_size` from the checkpoint).
@@ -47,7 +47,7 @@ def dflash_speculative_config(drafter_dir: str | Path, block_size: int) -> dict:
 
 def drafter_speculative_config(drafter_dir: str | Path, block_size: int) -> dict:
     """`--speculative-config` of the export in `drafter_dir`, by its family
-    (`dflash_pipeline.drafter.dflash.DFlashFamily.speculative_config`)."""
+    (`drafter.dflash.DFlashFamily.speculative_config`)."""
     return FR.of_checkpoint(drafter_dir).speculative_config(drafter_dir, block_size)
 
 
@@ -240,7 +240,7 @@ class VLLMServer:
 
 def loop_dtype(target_dtype: str) -> str:
     """The dtype our speculative loop runs the target in for `target.dtype` = `target_dtype` on this
-    machine (`dflash_pipeline.target.loading.resolve_dtype`: `auto` → float32 on CPU, bfloat16 on
+    machine (`target.loading.resolve_dtype`: `auto` → float32 on CPU, bfloat16 on
     CUDA), as vLLM's `--dtype` value (`float32`, `bfloat16`, `float16`)."""
     import torch
 
@@ -278,7 +278,7 @@ def write_serve_md(
     in the commands when `drafter_dir` is a temp dir renamed into place afterwards (default: its own).
 
     Returns the path written. Raises `FileNotFoundError` when the export has no `config.json`
-    (`dflash_pipeline.drafter.config.DFlashConfig.from_checkpoint` reads it).
+    (`drafter.config.DFlashConfig.from_checkpoint` reads it).
     """
     from dflash_pipeline.core.shards import atomic_write_bytes
     from dflash_pipeline.drafter.config import checkpoint_meta

@@ -48,7 +48,7 @@ def extract_shards(
     each shard's stats (`.extract.extract_shard`) with `server_requests` (records sent).
 
     `stream`: the stream settings (`features.stream` + `fleet`; the shape of
-    `dflash_pipeline.train.stream.stream_settings`). Without `endpoints` the job starts `stream["servers"]` servers once
+    `train.stream.stream_settings`). Without `endpoints` the job starts `stream["servers"]` servers once
     (with `last_hidden`
     when asked) and stops them at the end, also on error.
 

@@ -112,7 +112,7 @@ FLEET_KEYS = (
 
 
 def fleet_config(gen_cfg: dict, model: str | None) -> dict:
-    """The fleet's knobs (`dflash_pipeline.completions._Fleet`, `FLEET_KEYS`) from the `generation`
+    """The fleet's knobs (`completions._Fleet`, `FLEET_KEYS`) from the `generation`
     section."""
     return {**{k: gen_cfg[k] for k in FLEET_KEYS}, "model": model}
 

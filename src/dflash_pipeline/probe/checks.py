@@ -9,7 +9,7 @@ embedding): `encoder-decoder`, `not a causal LM`, `looped layers`, `attention-fr
 `no context length`, `embedding width`, `no language-model config` (each explained, with examples, in
 docs/reference/model-types.md). The reasons that show only through the config class (`sublayer count`,
 `drafter cannot be sized`, `rotary not servable`, `not loadable`) come from `_check_drafter_config` and
-`_probe_loader`; the plan-time gate runs both (`dflash_pipeline.workflow.problems.probe_gate_problems`).
+`_probe_loader`; the plan-time gate runs both (`workflow.problems.probe_gate_problems`).
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ def _preflight_tokenizer(
 
 
 def _probe_loader(target_dir: Path, trust_remote_code: bool, *, strict: bool, warnings: list[str]) -> dict:
-    """How train/eval/completions will load the target (`dflash_pipeline.target.loading.check_loadable`,
+    """How train/eval/completions will load the target (`target.loading.check_loadable`,
     no weights read): `{class, config_class, error}`. A target that cannot load is refused here, at plan
     time, with the reason (strict), or recorded with a warning (CLI)."""
     from dflash_pipeline.target.loading import TargetLoadError, check_loadable

@@ -343,7 +343,7 @@ def summary_page(
         tables: `(TSV path, title, table id)` of the data tables (missing files left out).
         figures: `(figure id, PNG path, caption)`, embedded as data URIs in this order (missing ones left out).
         outputs: `(what, path)` rows of "where the outputs are".
-        findings: `dflash_pipeline.report.findings.Finding` s, listed under the header.
+        findings: `report.findings.Finding` s, listed under the header.
     """
     from dflash_pipeline.core.shards import atomic_write_bytes, read_json
     from dflash_pipeline.report import tables as R

@@ -14,7 +14,7 @@ def target_features(
 ):
     """Run the frozen target and concatenate the outputs of decoder layers `layer_ids`.
 
-    Uses `dflash_pipeline.probe.hf_hidden_state_index` (the one canonical→HF conversion: id+1).
+    Uses `probe.hf_hidden_state_index` (the one canonical→HF conversion: id+1).
     Returns `(features [b, S, K·H] in the target dtype, model output)`.
     """
     out = T.hidden_states_of(target, input_ids, attention_mask, **kw)

@@ -1,5 +1,5 @@
 """String level of the tokens stage: supervised character spans from render differences (the method:
-docs/DESIGN.md §5; `dflash_pipeline.tokens.shard` turns the spans into token masks). No numpy or pyarrow,
+docs/DESIGN.md §5; `tokens.shard` turns the spans into token masks). No numpy or pyarrow,
 so the completions job can run `check_template` before generating.
 """
 
@@ -31,7 +31,7 @@ class TrainSequence:
     #: `[(start, end, ids), ...]` sorted, non-overlapping, each inside a span: text the target generated
     #: that the tokens stage must not re-tokenize like template text. `ids` = the target's output ids of
     #: exactly `text[start:end]`; None = encode that text as ordinary text (special-token strings in it
-    #: stay plain characters, `dflash_pipeline.tokens.loss_masks.tokenize_sequences`).
+    #: stay plain characters, `tokens.loss_masks.tokenize_sequences`).
     verbatim: list[tuple[int, int, tuple[int, ...] | None]] = field(default_factory=list)
 
 

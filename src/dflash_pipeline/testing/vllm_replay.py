@@ -1,7 +1,7 @@
 """vLLM's own DFlash drafter code on recorded inputs, many drafters in one process, no engine.
 
 Run in vLLM's environment as a file (`.venv-vllm/bin/python …/vllm_replay.py SPEC.json`): it imports
-only the standard library, torch, safetensors and vLLM. Used by `dflash_pipeline.testing.engine_parity`.
+only the standard library, torch, safetensors and vLLM. Used by `testing.engine_parity`.
 
 Each drafter case builds vLLM's `DFlashQwen3ForCausalLM` as the engine does (`EngineArgs` with
 `speculative_config={"method": "dflash", ...}`, `load_weights` + `process_weights_after_loading`), shares

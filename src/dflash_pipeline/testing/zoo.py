@@ -54,7 +54,7 @@ def families(models_dir: str | Path) -> list[str]:
 
 def all_families(models_dir: str | Path) -> list[str]:
     """`families` plus the twins built from transformers' config classes
-    (`dflash_pipeline.testing.zoo_extra.EXTRA_FAMILIES`)."""
+    (`testing.zoo_extra.EXTRA_FAMILIES`)."""
     from dflash_pipeline.testing.zoo_extra import EXTRA_FAMILIES
 
     return families(models_dir) + sorted(EXTRA_FAMILIES)
@@ -64,8 +64,8 @@ def build_any_twin(
     models_dir: str | Path, family: str, out_dir: str | Path, *, corpus_file: str | Path, seed: int = 0
 ) -> Path:
     """`build_twin` for a corpus family, an extra one (its source directory written next to
-    `out_dir` first, `dflash_pipeline.testing.zoo_extra.extra_source_dir`) or a transformers model type
-    named `type:<model_type>` (`dflash_pipeline.testing.zoo_extra.type_source_dir`)."""
+    `out_dir` first, `testing.zoo_extra.extra_source_dir`) or a transformers model type
+    named `type:<model_type>` (`testing.zoo_extra.type_source_dir`)."""
     from dflash_pipeline.testing.zoo_extra import (
         EXTRA_FAMILIES,
         TWIN_SEEDS,
@@ -454,7 +454,7 @@ def write_table_json(
 ) -> None:
     """The family × stage table as JSON (atomic): `{"source": {...}, "stages": [...], "families": [{"family",
     "kind", "cells": {stage: cell}}]}`; `kind` is `corpus` (a real `config.json` of `models_dir`) or
-    `transformers_config` (`dflash_pipeline.testing.zoo_extra.EXTRA_FAMILIES`); `command` is the
+    `transformers_config` (`testing.zoo_extra.EXTRA_FAMILIES`); `command` is the
     command line that produced it."""
     import datetime
 

@@ -206,7 +206,7 @@ TYPE_PREFIX = "type:"
 @dataclass(frozen=True)
 class SweepRow:
     """One model type's probe: `status` `ok` / `refused` / `crash`; `reason` the refusal's kind
-    (`dflash_pipeline.probe.checks.REASONS`, or `settings`); `refused_at` `config.json` or `config class`; `detail` the
+    (`probe.checks.REASONS`, or `settings`); `refused_at` `config.json` or `config class`; `detail` the
     message, or what the probe found (one line)."""
 
     model_type: str
@@ -347,7 +347,7 @@ def rotating_sample(
 # --- twins of a model type for the zoo's full-pipeline stages
 
 #: Config keys set on a swept type's twin so it builds and trains on CPU in seconds (the rest of the
-#: shrinking is the zoo's `dflash_pipeline.testing.zoo_shrink.shrink_config`).
+#: shrinking is the zoo's `testing.zoo_shrink.shrink_config`).
 TWIN_OVERRIDES: dict[str, dict] = {
     "deepseek_v4": {"num_hidden_layers": 4},
     "nemotron_h": {
@@ -368,7 +368,7 @@ TWIN_OVERRIDES: dict[str, dict] = {
 def type_source_dir(models_dir: str | Path, model_type: str, out: str | Path) -> Path:
     """A corpus-style directory `out/type:<model_type>` for a swept type (its defaults config with
     `TWIN_OVERRIDES`, the `TEMPLATE_FAMILY` chat template and tokenizer config); returns `out`
-    (the `models_dir` `dflash_pipeline.testing.zoo.build_twin` builds the twin from).
+    (the `models_dir` `testing.zoo.build_twin` builds the twin from).
 
     Raises:
         KeyError: `model_type` is not a swept type.

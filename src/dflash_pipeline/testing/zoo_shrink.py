@@ -1,7 +1,7 @@
 """Shrinking a family's config to its twin's (`shrink_config`): the text decoder to `HIDDEN` wide and a
 few layers, keeping what makes the family distinct (layer types, sliding windows of `SLIDING_WINDOW`
 tokens, MoE, MLA, rope sections), and a vision tower to its smallest sizes. Used by
-`dflash_pipeline.testing.zoo.build_twin`."""
+`testing.zoo.build_twin`."""
 
 from __future__ import annotations
 

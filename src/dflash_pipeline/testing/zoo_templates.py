@@ -1,5 +1,5 @@
 """Which chat template each zoo family's twin renders (its own from the corpus, else a sibling's):
-shared by `dflash_pipeline.testing.zoo` and `dflash_pipeline.testing.zoo_extra`."""
+shared by `testing.zoo` and `testing.zoo_extra`."""
 
 from __future__ import annotations
 

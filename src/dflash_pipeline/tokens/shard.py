@@ -5,8 +5,8 @@ chat template (`chat.render`) and the generation's thinking mode; a template tha
 trained fails closed with `TokenizationError`, a turn whose markup cannot be told from text without ids
 with `MarkupWithoutIdsError`. The steps are in docs/DESIGN.md ("How the loss mask is built").
 
-Layers: `dflash_pipeline.target.spans` (strings: render diffs, supervised spans),
-`dflash_pipeline.tokens.loss_masks` (tokens: offsets, server ids), this module (records and shards: drops,
+Layers: `target.spans` (strings: render diffs, supervised spans),
+`tokens.loss_masks` (tokens: offsets, server ids), this module (records and shards: drops,
 truncation, counts, the Parquet file); the names of both are re-exported here.
 """
 

@@ -142,7 +142,7 @@ def resume_state(accelerator, out_dir: Path, total_steps: int, streams, identity
 def _changed_parts(saved: Optional[dict], current: Optional[dict]) -> list[str]:
     """The parts of two `run_identity` records that differ (`train.<key>` per setting, else the part's
     name); none when either is unknown (a version 1 state, a direct call without one). A `train` key one side
-    lacks counts as its schema default (a state saved before the key existed is the run of its default)."""
+    lacks counts as its schema default."""
     if not saved or not current:
         return []
     out = []
@@ -174,7 +174,7 @@ def export_step(drafter, out_dir: Path, step: int, zero_target_features: bool = 
 
 
 def export_drafter(drafter, final: Path, *, extra: dict, target: Optional[Path] = None) -> Path:
-    """Write `drafter` (bf16, `dflash_pipeline.drafter.model.save_drafter` with `extra` in its config)
+    """Write `drafter` (bf16, `drafter.model.save_drafter` with `extra` in its config)
     and its `serve.md` (naming `target` when given) to `<final>.tmp`, then rename it to `final`."""
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -166,17 +166,17 @@ class TrainingData:
     embed: Any = None
     lm_head: Any = None
     target_config: Any = None
-    #: `stream` only: the `dflash_pipeline.train.stream.FeatureStream` that fills each batch's
+    #: `stream` only: the `train.stream.FeatureStream` that fills each batch's
     #: features (`from_shards` is then True too: the target is never loaded).
     stream: Any = None
     #: `shards` / `stream` with a teacher loss (`kl`): the target's final norm, which turns the
     #: carried pre-norm last hidden state into the LM head's input
-    #: (`dflash_pipeline.features.weights.load_final_norm`).
+    #: (`features.weights.load_final_norm`).
     final_norm: Any = None
 
 
 class ConfigOnly:
-    """Stands in for the target where only `.config` is read (`dflash_pipeline.drafter.build.build_drafter`)."""
+    """Stands in for the target where only `.config` is read (`drafter.build.build_drafter`)."""
 
     def __init__(self, config):
         self.config = config
@@ -188,7 +188,7 @@ def needs_teacher(cfg: dict) -> bool:
 
 
 def final_norm(target_dir, config, target_dtype: str, device):
-    """The target's final norm in the target dtype (`dflash_pipeline.features.weights.load_final_norm`)."""
+    """The target's final norm in the target dtype (`features.weights.load_final_norm`)."""
     from dflash_pipeline.features import load_final_norm
     from dflash_pipeline.target.loading import resolve_dtype
 
@@ -197,7 +197,7 @@ def final_norm(target_dir, config, target_dtype: str, device):
 
 def frozen_head(target_dir, probe: dict, target_dtype: str, device) -> tuple:
     """`(embedding, LM head, target config)` read from the target's safetensors and config, without
-    instantiating the target (`dflash_pipeline.features.weights`)."""
+    instantiating the target (`features.weights`)."""
     from dflash_pipeline.features import load_embed_and_head
     from dflash_pipeline.target.loading import load_target_config, resolve_dtype
 
@@ -293,7 +293,7 @@ def open_training_data(
 
 def record_prompt_ids(token_shards: Sequence[str | Path], dataset: MappedRecords) -> list[str]:
     """`prompt_id` of every record of `dataset` (its order), for the held-out split
-    (`dflash_pipeline.train.heldout.heldout_mask`). Reads only the `prompt_id` column of each token
+    (`train.heldout.heldout_mask`). Reads only the `prompt_id` column of each token
     shard (`token_shards[s]` is the shard behind `dataset`'s shard `s`, a token index or a feature
     shard checked against it); a shard without the column gives `<path>:<row>`."""
     import pyarrow.parquet as pq

@@ -81,7 +81,7 @@ class AcceptanceCounts:
         `per_position_acceptance` [B−1] (fraction of blocks whose slot k is accepted, chain included),
         `slot_acc` [B−1] (marginal accuracy), `tau_marginal` (the product-of-marginals proxy),
         `num_blocks`; with bucket edges `by_context_length`: label → `{tau, num_blocks, range}` of the
-        buckets with blocks (labels and ranges of `dflash_pipeline.evaluate.context_length`)."""
+        buckets with blocks (labels and ranges of `evaluate.context_length`)."""
         n = max(1.0, float(self.blocks))
         per_pos = (self.chain / n).tolist()
         acc = (self.correct / self.valid.clamp(min=1)).tolist()
@@ -138,7 +138,7 @@ def block_acceptance(
 
 def deterministic_anchors(loss_mask: torch.Tensor, segment_ids: torch.Tensor, num_anchors: int) -> M.AnchorBatch:
     """Up to `num_anchors` anchors per record, evenly spaced over its candidates (the training rule,
-    `dflash_pipeline.train.packing.anchor_candidates`), the same every time; a packed row gets what its
+    `train.packing.anchor_candidates`), the same every time; a packed row gets what its
     records would get alone. Shapes as `sample_anchors`: `anchors` long [b, N], `keep` bool [b, N]."""
     cand = P.anchor_candidates(loss_mask, segment_ids)
     rows = []
@@ -178,7 +178,7 @@ def batch_acceptance(
     """Teacher-forced acceptance of one (padded or packed) batch.
 
     `batch`: `input_ids`/`loss_mask` [b, S] and either `attention_mask` (padded) or
-    `position_ids` + `segment_ids` (packed, `dflash_pipeline.train.packing.collate_packed`).
+    `position_ids` + `segment_ids` (packed, `train.packing.collate_packed`).
     `features`: precomputed target features [b, S, K·H] (feature shards) instead of running `target`.
     """
     core = drafter.module if hasattr(drafter, "module") else drafter

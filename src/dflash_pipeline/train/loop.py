@@ -1,4 +1,4 @@
-"""The step loop of a training run (`dflash_pipeline.train.run.train` builds the run and calls `run_steps`):
+"""The step loop of a training run (`train.run.train` builds the run and calls `run_steps`):
 optimizer steps over accumulated micro-steps, each followed by its `train_log.jsonl` window, held-out validation and
 periodic saves. The state they share is a `TrainRun`.
 
@@ -32,9 +32,9 @@ from dflash_pipeline.train.step import StepContext, step_objective
 
 @dataclass
 class RunData:
-    """What a run trains and validates on (opened by `dflash_pipeline.train.run.train`): `records` (the
+    """What a run trains and validates on (opened by `train.run.train`): `records` (the
     training split of `source.dataset`, a `Subset`), `heldout` (the held-out records, a list),
-    `source` (the `dflash_pipeline.train.data.TrainingData` they come from: their collate function
+    `source` (the `train.data.TrainingData` they come from: their collate function
     and, with feature shards, the embedding / LM head / target config) and the frozen `target` (None with
     feature shards)."""
 
@@ -72,7 +72,7 @@ class Schedule:
 
 @dataclass
 class TrainRun:
-    """One run's state, built once by `dflash_pipeline.train.run.train` and read by the loop's steps
+    """One run's state, built once by `train.run.train` and read by the loop's steps
     (instead of long argument lists). `drafter`, `optimizer` and `loader` are Accelerate-prepared
     (`ctx.drafter` is the same `drafter`); `num_rows`: training rows (packed or not); `val_batches`
     / `val_counted`: this rank's held-out batches and whether each one counts."""
@@ -131,7 +131,7 @@ def run_steps(run: TrainRun, step: int) -> int:
 
 def _stream_guarded_step(run: TrainRun, batches, n_micro: int, step: int, window: "_Window") -> float:
     """`_optimizer_step`; when the feature servers fail for good (`train.target_features: stream`,
-    `dflash_pipeline.features.StreamError`: every server gone), the state of the `step` steps done
+    `features.StreamError`: every server gone), the state of the `step` steps done
     is saved first (a rerun resumes there exactly), then the error is raised."""
     if run.data.source.stream is None:
         return _optimizer_step(run, batches, n_micro, step, window)
@@ -257,7 +257,7 @@ def _log_window(
 ) -> dict:
     """Reduce the window's slot counts over ranks, append one `train_log.jsonl` record and log it to the
     trackers (main rank); the `[train]` line carries the ETA. `extra`: more fields of the record (the
-    main rank's stream supply and demand, `dflash_pipeline.train.stream.FeatureStream.window_stats`).
+    main rank's stream supply and demand, `train.stream.FeatureStream.window_stats`).
     Returns the record."""
     totals = accelerator.reduce(torch.stack([w.correct, w.total]).to(accelerator.device), "sum").cpu()
     tokens = int(accelerator.reduce(torch.tensor(float(w.tokens), device=accelerator.device), "sum"))

@@ -34,7 +34,7 @@ def ce_decay(
 ) -> LossOutput:
     """Decayed cross-entropy Σ_k w_k·CE_k with normaliser Σ_k w_k (dflash.md §4.5).
 
-    `w_k = exp(−(k−1)/γ)` on supervised slots. Computed by `dflash_pipeline.drafter.model.decayed_cross_entropy`.
+    `w_k = exp(−(k−1)/γ)` on supervised slots. Computed by `drafter.model.decayed_cross_entropy`.
 
     Args:
         hidden: [b, Q, H] drafter output (any float dtype).
@@ -56,7 +56,7 @@ def slot_cross_entropy(
     """Per-slot CE (float32, with grad) and argmax correctness of the slots `index` (flat into [b·Q]).
 
     Logits are formed `chunk_tokens` slots at a time under activation checkpointing, as in
-    `dflash_pipeline.drafter.model.decayed_cross_entropy` (dflash.md §4.7), so [Q, V] never exists at once.
+    `drafter.model.decayed_cross_entropy` (dflash.md §4.7), so [Q, V] never exists at once.
     Returns `(ce float32 [n], correct bool [n])`.
     """
     h = hidden.reshape(-1, hidden.shape[-1])[index]

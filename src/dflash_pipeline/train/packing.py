@@ -121,7 +121,7 @@ def padded_segments(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 def anchor_candidates(loss_mask: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
     """bool [b, S]: p ≤ S−2 with `loss_mask[p] = loss_mask[p+1] = 1` in the same record (the
-    SpecForge HEAD rule of `dflash_pipeline.drafter.model.sample_anchors`, plus the record predicate)."""
+    SpecForge HEAD rule of `drafter.model.sample_anchors`, plus the record predicate)."""
     lm = loss_mask.bool()
     cand = torch.zeros_like(lm)
     cand[:, :-1] = lm[:, :-1] & lm[:, 1:] & (segment_ids[:, :-1] == segment_ids[:, 1:]) & (segment_ids[:, :-1] >= 0)
@@ -134,7 +134,7 @@ def sample_packed_anchors(
     """Up to `num_anchors` random anchors *per record* among `anchor_candidates`, redrawn every
     call (dflash.md §4.2): a packed record gets the blocks it would get alone in a padded row, so packing
     changes the step time, not the training signal. Per row N = max kept; anchors sorted by position,
-    `keep` False fill-ins (anchor 0) after them, as `dflash_pipeline.drafter.model.sample_anchors`.
+    `keep` False fill-ins (anchor 0) after them, as `drafter.model.sample_anchors`.
 
     Returns AnchorBatch `anchors` long [b, N], `keep` bool [b, N] (N ≥ 1).
     """
@@ -164,7 +164,7 @@ class Blocks:
     """Block inputs of a (packed) batch. All long/float [b, N·B].
 
     `ids` block tokens; `pos` record-relative positions (RoPE); `rows` row indices a+k (to gather
-    per-slot row data, e.g. `dflash_pipeline.train.losses.teacher_slot_hidden`); `labels`; `weights`.
+    per-slot row data, e.g. `train.losses.teacher_slot_hidden`); `labels`; `weights`.
     """
 
     ids: torch.Tensor
@@ -184,7 +184,7 @@ def packed_block_inputs_and_labels(
     mask_token_id: int,
     gamma: Optional[float],
 ) -> Blocks:
-    """`dflash_pipeline.drafter.model.block_inputs_and_labels` with slots outside the anchor's record
+    """`drafter.model.block_inputs_and_labels` with slots outside the anchor's record
     weighted 0 and positions made record-relative (`position_ids[anchor] + k`)."""
     ids, rows, labels, weights = M.block_inputs_and_labels(
         input_ids, loss_mask, anchors, block_size, mask_token_id, gamma
@@ -206,7 +206,7 @@ def build_packed_block_mask(
     sliding_window: Optional[int] = None,
     block_causal: bool = True,
 ) -> torch.Tensor:
-    """Dense training mask of `dflash_pipeline.drafter.model.build_block_mask` (True = attend) restricted to
+    """Dense training mask of `drafter.model.build_block_mask` (True = attend) restricted to
     the anchor's record: context key j is visible iff `j < anchor` and `segment_ids[j] ==
     segment_ids[anchor]` (and, on sliding layers, within the window). bool [b, 1, N·B, S + N·B]."""
     s = segment_ids.shape[1]
@@ -226,7 +226,7 @@ def build_packed_flex_block_mask(
     block_causal: bool = True,
 ):
     """`build_packed_block_mask`'s predicate as a FlexAttention `BlockMask` (no dense tensor):
-    `dflash_pipeline.drafter.model.build_flex_block_mask` with the record test."""
+    `drafter.model.build_flex_block_mask` with the record test."""
     return M.build_flex_block_mask(
         anchors,
         segment_ids.shape[1],
@@ -238,7 +238,7 @@ def build_packed_flex_block_mask(
 
 
 def build_packed_training_masks(drafter, anchors: torch.Tensor, segment_ids: torch.Tensor, backend: str = "sdpa"):
-    """Masks per layer type, as `dflash_pipeline.drafter.model.build_training_masks` (one mask or a dict)."""
+    """Masks per layer type, as `drafter.model.build_training_masks` (one mask or a dict)."""
     build = build_packed_flex_block_mask if backend == "flex" else build_packed_block_mask
     return M.masks_per_layer_type(drafter, lambda **kw: build(anchors, segment_ids, drafter.block_size, **kw))
 
@@ -247,7 +247,7 @@ def build_packed_training_masks(drafter, anchors: torch.Tensor, segment_ids: tor
 
 
 def packed_target_features(target, input_ids: torch.Tensor, position_ids: torch.Tensor, layer_ids: Sequence[int]):
-    """`dflash_pipeline.train.run.target_features` on packed rows: `position_ids` restart per record,
+    """`train.run.target_features` on packed rows: `position_ids` restart per record,
     no 2-D attention mask and no cache, so Hugging Face builds the block-diagonal causal mask.
     Returns `(features [b, S, K·H], model output)`."""
     from dflash_pipeline.target.hidden import target_features

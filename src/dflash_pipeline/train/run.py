@@ -62,7 +62,7 @@ def load_token_shards(
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Read token shards eagerly into `(input_ids int32 [S], loss_mask uint8 [S])` pairs, in path order.
 
-    Not the trainer's path (it memory-maps them: `dflash_pipeline.train.data`, resident memory flat as
+    Not the trainer's path (it memory-maps them: `train.data`, resident memory flat as
     the dataset grows); kept as the baseline of `bench/bench_features.py` / `bench/bench_train.py` and for
     small in-memory uses. Records with fewer than `min_loss_tokens` supervised tokens are skipped.
     """
@@ -184,7 +184,7 @@ def make_accelerator(
 ):
     """The run's `Accelerator`: CPU when `device` (`train.device`) is `cpu` or no CUDA device is
     visible, with `mixed_precision` (`train.mixed_precision`; bf16 autocast works on CPU too, which is
-    how the tests exercise it); FSDP2 when `fsdp` (`train.fsdp`, `dflash_pipeline.train.fsdp.make_accelerator`);
+    how the tests exercise it); FSDP2 when `fsdp` (`train.fsdp`, `train.fsdp.make_accelerator`);
     trackers `log_with` writing under `<out_dir>/trackers`."""
     from accelerate.state import AcceleratorState
 
@@ -237,14 +237,14 @@ def _open_data(
     trust_remote_code: bool,
     stream: Optional[dict] = None,
 ) -> RunData:
-    """Token records memory-mapped (`dflash_pipeline.train.data`), split into training and held-out
-    records by prompt (`dflash_pipeline.train.heldout.heldout_mask`; all held out = train on all, no
+    """Token records memory-mapped (`train.data`), split into training and held-out
+    records by prompt (`train.heldout.heldout_mask`; all held out = train on all, no
     validation), and the target loaded; with `train.target_features: shards` the features come from the
     feature shards and the target is never instantiated (embedding + LM head only).
 
     Raises:
         ValueError: `train.packing` with a target that does not keep packed records apart
-            (`dflash_pipeline.train.packing.check_target_isolates_records`).
+            (`train.packing.check_target_isolates_records`).
     """
     where = dict(
         target_dir=target_dir,
@@ -402,7 +402,7 @@ def _step_context(
 def _rows(records, cfg: dict):
     """The rows a loader batches: `records` themselves, or with `train.packing` the records packed into
     rows of up to `train.pack_max_tokens` tokens (default: the longest record;
-    `dflash_pipeline.train.packing.PackedDataset`)."""
+    `train.packing.PackedDataset`)."""
     if not cfg["packing"]:
         return records
     ds = getattr(records, "dataset", None)

@@ -25,11 +25,11 @@ TEACHER_LOSSES = ("kl", "dspark_tv")
 
 @dataclass
 class StepContext:
-    """What `training_step` needs besides the batch (built once per run by `dflash_pipeline.train.run.train`).
+    """What `training_step` needs besides the batch (built once per run by `train.run.train`).
 
     `reduce_sum` sums a scalar over data-parallel ranks (None = one process) for the global loss
-    normalisation (`dflash_pipeline.drafter.model.loss_normalizer`). `loss`/`kl_*`/`dpace_alpha`:
-    the objective (`train.loss`, `dflash_pipeline.train.losses.compute_loss`).
+    normalisation (`drafter.model.loss_normalizer`). `loss`/`kl_*`/`dpace_alpha`:
+    the objective (`train.loss`, `train.losses.compute_loss`).
     """
 
     drafter: Any
@@ -57,7 +57,7 @@ class StepContext:
     #: from `target.config` when a target is given
     logit_softcap: Optional[float] = None
     #: `shards` / `stream` with a teacher loss: the target's final norm, applied to the batch's pre-norm
-    #: `target_last_hidden` (`dflash_pipeline.features.weights.load_final_norm`)
+    #: `target_last_hidden` (`features.weights.load_final_norm`)
     final_norm: Any = None
 
     def __post_init__(self):
@@ -143,7 +143,7 @@ def _batch_features(ctx: StepContext, batch: dict) -> tuple[torch.Tensor, Option
     the feature shards' when the batch carries them (`features`, `target_last_hidden` pre-norm, passed
     through `ctx.final_norm`), zeros for the
     ablation (`zero_target_features`; the target runs only when `kl` needs its teacher), else the
-    target's forward (packed rows keep records apart, `dflash_pipeline.train.packing.packed_target_features`).
+    target's forward (packed rows keep records apart, `train.packing.packed_target_features`).
     The last hidden state (final-normed: the LM head's input) is kept for `kl` only.
 
     Raises:
@@ -184,7 +184,7 @@ def _batch_features(ctx: StepContext, batch: dict) -> tuple[torch.Tensor, Option
 
 def training_step(ctx: StepContext, batch: dict) -> tuple[torch.Tensor, dict]:
     """`step_objective` normalised for one micro-step: its total divided by the global normaliser
-    over ranks / world size (`dflash_pipeline.drafter.model.loss_normalizer`), so DDP's gradient average is
+    over ranks / world size (`drafter.model.loss_normalizer`), so DDP's gradient average is
     the global Σ terms / Σ normaliser. Returns `(loss scalar float32, stats)`."""
     out = step_objective(ctx, batch)
     norm = M.loss_normalizer(out.normalizer, ctx.world_size, ctx.reduce_sum)

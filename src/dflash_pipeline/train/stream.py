@@ -2,7 +2,7 @@
 
 The record set, held-out split and batch order are those of a `shards` run on the same token shards.
 `FeatureStream` sits between the loader and the step: it requests up to `features.stream.prefetch_batches`
-batches ahead from the servers (`dflash_pipeline.features.FeatureClient`) and hands each batch on, in
+batches ahead from the servers (`features.FeatureClient`) and hands each batch on, in
 loader order, with `features` [b, S, K*H] bf16 zero-padded, as `.data.collate` builds from feature shards
 (packed rows get each record's features at its segment). At most `max_inflight_bytes` of features are in
 flight or in memory (one oversized batch still goes alone). The trainer never loads the target.
@@ -79,7 +79,7 @@ class FeatureStream:
     """Features for the loader's batches from a `FeatureClient` (module doc).
 
     `wire_bytes_per_token`: `n_aux * H * itemsize` of the servers' answers (the in-flight estimate).
-    `cache`: a `dflash_pipeline.train.stream_cache.FeatureCache` (`features.stream.cache:
+    `cache`: a `train.stream_cache.FeatureCache` (`features.stream.cache:
     first_epoch`): records it holds are read from it instead of requested, streamed ones are handed to it.
     Counters since the last `window_stats`: seconds the step waited for features, tokens delivered.
     """
@@ -157,7 +157,7 @@ class FeatureStream:
 
     def batches(self, it: Iterator[dict], *, cache_writes: bool = True) -> Iterator[dict]:
         """The batches of `it` in order, each with its `features` (see the module docstring). Raises what
-        the client raises (`dflash_pipeline.features.StreamError` once every server is gone).
+        the client raises (`features.StreamError` once every server is gone).
         `cache_writes`: hand streamed records to the cache (not for the held-out batches, fetched once)."""
         queue: deque[_Pending] = deque()
         held: _Pending | None = None
@@ -351,12 +351,12 @@ def open_stream_data(
     barrier=lambda: None,
     min_loss_tokens: int = MIN_LOSS_TOKENS,
 ):
-    """`dflash_pipeline.train.data.TrainingData` for `train.target_features: stream`: the token
+    """`train.data.TrainingData` for `train.target_features: stream`: the token
     records (token indexes, as online), the frozen embedding / LM head (as `shards`) and a started
     `FeatureStream` (every server probed; the model they serve settled).
 
     Endpoints: `stream["endpoints"]`, else `$DFLASH_STREAM_ENDPOINTS` (set by the colocated launcher,
-    `dflash_pipeline.features.colocate`). The scratch directory (`scratch_dir`, where path-transport
+    `features.colocate`). The scratch directory (`scratch_dir`, where path-transport
     servers write) must hold the window (`window_bytes`).
 
     Raises:

@@ -29,7 +29,7 @@ def tokenize_args(tokens_cfg: Mapping[str, Any], chat_template: Optional[str], t
 
 def tokenize(argv: Sequence[str]) -> int:
     """`tokenize COMPLETION_SHARD TOKEN_SHARD --target DIR --tokens JSON [--chat-template F]
-    [--trust-remote-code] [--log LOG]`: `dflash_pipeline.tokens.tokenize_shard` of one shard."""
+    [--trust-remote-code] [--log LOG]`: `tokens.tokenize_shard` of one shard."""
     p = argparse.ArgumentParser(
         prog="python -m dflash_pipeline.workflow.jobs tokenize",
         description="tokenize one completion shard into one token shard",

@@ -14,10 +14,10 @@ from typing import Optional
 
 from dflash_pipeline.workflow.policy import as_json, canonical
 
-#: Where the demo target of the default demo settings lives (and every demo target built before the key).
+#: Where the demo target of the default demo settings lives.
 DEMO_TARGET_DIR = "resources/demo-target"
 #: The shipped demo target, relative to the workflow's directory: built once by
-#: `dflash_pipeline.demo.build_demo_target` with the embedded config's `target.demo` settings and
+#: `demo.build_demo_target` with the embedded config's `target.demo` settings and
 #: committed, so every machine runs the default demo on the same weights.
 SHIPPED_DEMO_TARGET = "data/demo-target"
 
@@ -113,8 +113,8 @@ def probe_matches(record: dict, drafter: dict) -> bool:
 def probe_record_path(results: str, run: str, drafter: dict, *, root: str | os.PathLike = ".") -> str:
     """The probe record of run `run`: `<results>/probe/<run>.json` (the target's facts and this run's
     drafter decisions, so another run in the same results directory never rewrites it), or the shared
-    `<results>/probe/target.json` of earlier releases while it holds this run's decisions
-    (`probe_matches`), so an existing results directory reruns nothing."""
+    `<results>/probe/target.json` while it holds this run's decisions (`probe_matches`), so an existing results
+    directory reruns nothing."""
     legacy = Path(root) / results / "probe" / "target.json"
     try:
         record = json.loads(legacy.read_text(encoding="utf-8"))

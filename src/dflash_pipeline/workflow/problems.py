@@ -95,7 +95,7 @@ def cross_field_problems(cfg: Mapping[str, Any], *, base_dir: str | Path | None 
 
 def target_architecture_problems(target_dir: str | Path) -> list[str]:
     """The probe's refusal of the target's architecture, read from `<target_dir>/config.json` alone
-    (`dflash_pipeline.probe.checks.raw_config_refusal`: attention-free, looped layers, per-layer
+    (`probe.checks.raw_config_refusal`: attention-free, looped layers, per-layer
     sizes, no context length …), as one `target.path` line; [] when the probe would not refuse it there.
 
     The probe rule runs the same check, but completions do not wait for it (the probe record is not their

@@ -21,7 +21,7 @@ def fake_id(word: str) -> int:
 
 def split_think(text: str) -> tuple[str | None, str]:
     """Split generated text into (reasoning, content) like a Qwen3 reasoning parser (the pipeline's own
-    `dflash_pipeline.completions.split_reasoning`)."""
+    `completions.split_reasoning`)."""
     from ...completions import split_reasoning
 
     return split_reasoning(text)
