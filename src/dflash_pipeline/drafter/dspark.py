@@ -204,10 +204,9 @@ def dspark_view(ids, pos, labels, weights, block_size: int, gamma: float | None 
 def dspark_blocks(
     input_ids, loss_mask, anchors: BL.AnchorBatch, block_size: int, mask_token_id: int, gamma: float | None
 ) -> DSparkBlocks:
-    """Blocks drafted from the anchor (`qwen3_dspark.py` / `dspark/speculator.py:10-17`): slot k of the
-    block anchored at p sits at p+k and predicts `input_ids[p+k+1]`; weight = keep · [p+k+1 < S] ·
-    loss_mask[p+k+1] · exp(−k/γ) (γ None → 1). Built from `drafter.blocks.block_inputs_and_labels`
-    with B + 1 slots (its slot j ≥ 1 is DSpark's label of slot j − 1)."""
+    """Blocks drafted from the anchor (`qwen3_dspark.py` / `dspark/speculator.py:10-17`): slot k of the block
+    anchored at p sits at p+k and predicts `input_ids[p+k+1]`; weight = keep · [p+k+1 < S] · loss_mask[p+k+1] ·
+    exp(−k/γ) (γ None → 1). Built from `drafter.blocks.block_inputs_and_labels` with B + 1 slots."""
     ids, pos, labels, weights = BL.block_inputs_and_labels(
         input_ids, loss_mask, anchors, block_size + 1, mask_token_id, None
     )

@@ -48,9 +48,8 @@ from dflash_pipeline.target.loading import module_dtype
 
 
 def drafter_config_from_target(target_config, **sizes) -> DFlashConfig:
-    """The drafter's config from the target's text config: `DFlashConfig.from_target` (same keyword
-    arguments: `block_size`, `num_draft_layers`, `target_layer_ids`, `mask_token_id`, optional
-    `layer_types` / `sliding_window`), the name tests and benches build drafters with."""
+    """The drafter's config from the target's text config: `DFlashConfig.from_target`, the name tests and benches build
+    drafters with."""
     return DFlashConfig.from_target(target_config, **sizes)
 
 

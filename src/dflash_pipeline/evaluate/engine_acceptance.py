@@ -262,9 +262,8 @@ def _metrics_acceptance(before: dict, metrics_url: str, block_size: Optional[int
 def _engine_record(
     drafter_dir, num_layers: int, bs: int, eval_cfg: dict, thinking: str, set_info: dict, target_dtype: str
 ) -> dict:
-    """The engine record of `evaluate_engine` before any set ran: the loop's settings (block size `bs`),
-    the sets' info (`dflash_pipeline.evaluate.eval_sets.load_eval_sets`), the engine's name, draft layers
-    and the loop's dtype (`target_dtype` resolved as the loop does); `results` is filled per set."""
+    """The engine record of `evaluate_engine` before any set ran: the loop's settings (block size `bs`), the sets'
+    info, the engine's name, draft layers and the loop's dtype; `results` is filled per set."""
     from dflash_pipeline.evaluate.vllm_server import loop_dtype
 
     return {
@@ -490,7 +489,8 @@ def _cpu_only() -> bool:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
-    """CLI: `python -m dflash_pipeline.evaluate.engine_acceptance --base-url URL --set NAME=PATH[:FORMAT] … --out X.json`
+    """CLI: `python -m dflash_pipeline.evaluate.engine_acceptance --base-url URL --set NAME=PATH[:FORMAT] … --out
+    X.json`
     (also `dflash-eval server …`)."""
     import argparse
     import os

@@ -239,9 +239,9 @@ def _server_cmd(
     trust: bool,
     key: str,
 ) -> tuple[list[str], str | None, Path | None]:
-    """`(command, base_url, url_file)` of feature server `i` of `start_servers` (scratch dir `d`):
-    vLLM on a free port (its URL known now; `env` gets the CPU KV-cache default), else the hf server, which
-    writes its URL to `url_file` once ready. `env` gets the job's API `key` (never the command)."""
+    """`(command, base_url, url_file)` of feature server `i` of `start_servers` (scratch dir `d`): vLLM on a free
+    port, else the hf server, which writes its URL to `url_file` once ready. `env` gets the job's API `key` (never the
+    command)."""
 
     if stream.get("backend") == "vllm":
         port = free_port()

@@ -446,8 +446,8 @@ class FeatureShard:
         return self._dense("last_hidden", "last_hidden_scale", a, b)
 
     def check_tokens(self, token_shard: str | os.PathLike, *, hash_check: bool = True) -> None:
-        """Check this shard against its token shard: same record count, same per-record lengths (the
-        `num_tokens` column), and (`hash_check`) the token shard's sha256 recorded at extraction.
+        """Check this shard against its token shard: same record count, same per-record lengths, and (`hash_check`) the
+        token shard's sha256 recorded at extraction.
 
         Raises:
             FeatureShardError: naming both files and the first mismatching field / record.

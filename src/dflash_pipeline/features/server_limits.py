@@ -85,7 +85,7 @@ class ScratchBudget:
     """The answer files this server wrote and nobody has read yet: those older than `max_age_s` are
     deleted, and a new answer is admitted only while the files still there and it fit `max_bytes`.
 
-    Only files this server wrote are ever deleted (the scratch directory may be shared). Thread-safe."""
+    Only files this server wrote are ever deleted. Thread-safe."""
 
     def __init__(self, max_bytes: int, max_age_s: float):
         self.max_bytes, self.max_age_s = int(max_bytes), float(max_age_s)

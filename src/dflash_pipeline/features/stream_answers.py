@@ -13,15 +13,14 @@ import stat
 
 
 class AnswerMismatch(ValueError):
-    """An answer for other token ids or of another shape than the client was told to expect: the server taps
-    other layers, or serves another target. The same request gets the same answer, so it is never retried
-    (retrying it re-computed the record forever: a server that answers its health probe comes back in)."""
+    """An answer for other token ids or of another shape than the client was told to expect: the server taps other
+    layers, or serves another target. The same request gets the same answer, so it is never retried."""
 
 
 class UntrustedAnswer(AnswerMismatch):
-    """An answer the client refuses to act on: a path outside the scratch directory, a symlink, a device or
-    FIFO, a file or body larger than its record's shape allows. Nothing is read past the check and nothing is
-    deleted; never retried (a server that names such a file is broken or hostile)."""
+    """An answer the client refuses to act on: a path outside the scratch directory, a symlink, a device or FIFO, a
+    file or body larger than its record's shape allows. Nothing is read past the check and nothing is deleted; never
+    retried."""
 
 
 #: Largest safetensors header accepted (two tensors and a few metadata keys take about 300 bytes).

@@ -55,9 +55,9 @@ class StreamError(GenerationError):
 
 @dataclass
 class Features:
-    """One record's features: `features` torch [T, K*H] and `last_hidden` [T, H] | None in the storage
-    dtype's values (bf16; fp8 values dequantized exactly as a feature shard stores them), `wire_bytes`
-    (bytes the server sent or wrote) and `scratch_bytes` (of those, bytes that sat in the scratch dir)."""
+    """One record's features: `features` torch [T, K*H] and `last_hidden` [T, H] | None in the storage dtype's
+    values, `wire_bytes` (bytes the server sent or wrote) and `scratch_bytes` (of those, bytes that sat in the scratch
+    dir)."""
 
     features: object
     last_hidden: object

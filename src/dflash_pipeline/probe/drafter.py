@@ -21,9 +21,9 @@ def _check_drafter_sizes(block_size: int, num_draft_layers: int) -> None:
 
 
 def target_feature_count(drafter_cfg: Mapping[str, Any]) -> int:
-    """K, the number of target layers the drafter fuses, as the probe chooses it from the validated
-    `drafter` config section (`_choose_target_layer_ids`): the length of `target_layer_ids` when
-    given, else `num_target_features`, else `num_draft_layers` (reference/dflash.md §3.1)."""
+    """K, the number of target layers the drafter fuses, as the probe chooses it from the validated `drafter` config
+    section: the length of `target_layer_ids` when given, else `num_target_features`, else `num_draft_layers`
+    (reference/dflash.md §3.1)."""
     if drafter_cfg["target_layer_ids"]:
         return len(drafter_cfg["target_layer_ids"])
     k = drafter_cfg["num_target_features"]

@@ -66,8 +66,8 @@ def _language_detector() -> str:
 
 
 def detect_language(text: str, *, key: str = "prompts.languages") -> tuple[str, float]:
-    """Most likely language of `text` and its probability in [0, 1], by py3langid's bundled model
-    (e.g. `("fr", 0.99)`; text without letters tends to `zxx`). Deterministic for a given install.
+    """Most likely language of `text` and its probability in [0, 1], by py3langid's bundled model. Deterministic for a
+    given install.
 
     Args:
         key: config key named in the error when py3langid is missing.

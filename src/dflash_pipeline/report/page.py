@@ -417,7 +417,7 @@ def run_figures(inputs, outputs, record: Optional[Mapping] = None) -> list[tuple
     `outputs`.
 
     With the eval `record` the per-position acceptance is drawn here instead of the eval stage's per-set panels.
-    Held-out τ is left out when the run validated fewer than twice (the header gives the one value)."""
+    Held-out τ is left out when the run validated fewer than twice."""
     out = []
     drafter = getattr(inputs, "drafter", None)
     val_points = len(_val_records(Path(str(drafter)).parent / "val_log.jsonl")) if drafter else 0

@@ -236,9 +236,9 @@ TOKEN_COUNTS = (
 
 
 def tokens_table(token_shards: Sequence[str | Path], out_tsv: str | Path) -> list[dict]:
-    """Per dataset (and `all`) from the token shards' metadata: completion records in, sequences out,
-    turns supervised, tokens, supervised tokens and their fraction, truncated sequences, and every drop
-    reason with its count (`dropped_<reason>`, see `tokens.DROP_REASONS`)."""
+    """Per dataset (and `all`) from the token shards' metadata: completion records in, sequences out, turns
+    supervised, tokens, supervised tokens and their fraction, truncated sequences, and every drop reason with its
+    count."""
     per: dict[str, Counter] = {}
     for path in token_shards:
         path = Path(path)
@@ -407,9 +407,8 @@ def engine_summary_lines(rows: Sequence[dict]) -> list[str]:
 
 
 def console_summary(tau_tsv: str | Path, outputs: Sequence[tuple[str, str]] = ()) -> str:
-    """Plain-text end-of-run summary: the drafter × set τ table, engine τ beside ours with the agreement
-    verdict when the run measured it (`engine_summary_lines`), and where the outputs are (the
-    Snakefile's `onsuccess` handler prints it). Empty string when the eval table does not exist."""
+    """Plain-text end-of-run summary: the drafter × set τ table, engine τ beside ours with the agreement verdict when
+    the run measured it, and where the outputs are. Empty string when the eval table does not exist."""
     lines = []
     if Path(tau_tsv).is_file():
         _, rows = read_tsv(tau_tsv)

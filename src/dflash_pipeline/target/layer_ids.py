@@ -53,10 +53,9 @@ def hf_hidden_state_index(layer_id: int) -> int:
 
 
 def aux_hidden_state_ids(target_layer_ids: Sequence[int], num_hidden_layers: int, last_hidden: bool) -> list[int]:
-    """The HF `hidden_states` indices a feature server taps, in order (vLLM's
-    `eagle_aux_hidden_state_layer_ids`): `hf_hidden_state_index` of each canonical target layer, then,
-    with `last_hidden`, `num_hidden_layers` (the last decoder layer's output; the server sends it before
-    the final norm). Raises ValueError on a negative layer id."""
+    """The HF `hidden_states` indices a feature server taps, in order: `hf_hidden_state_index` of each canonical
+    target layer, then, with `last_hidden`, `num_hidden_layers` (the last decoder layer's output; the server sends it
+    before the final norm). Raises ValueError on a negative layer id."""
     aux = [hf_hidden_state_index(int(i)) for i in target_layer_ids]
     return aux + [int(num_hidden_layers)] if last_hidden else aux
 
