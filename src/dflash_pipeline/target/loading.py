@@ -68,11 +68,7 @@ def drafter_dtype(target: torch.nn.Module) -> torch.dtype:
 
 
 def to_drafter_dtype(drafter: torch.nn.Module, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Cast drafter inputs (target embeddings, target features) to the drafter's parameter dtype.
-
-    Under Accelerate's autocast the matmuls then run in the autocast dtype anyway; without autocast a
-    bf16 target's features meet fp32 master weights in fp32 instead of failing on mixed dtypes.
-    """
+    """Cast drafter inputs (target embeddings, target features) to the drafter's parameter dtype."""
     core = getattr(drafter, "module", drafter)
     dt = module_dtype(core)
     return tuple(t.to(dt) for t in tensors)
@@ -263,14 +259,10 @@ class BareEmbedding(torch.nn.Module):
 
 
 def input_embeddings(target) -> torch.nn.Module:
-    """The drafter's token embedding: the target's embedding table looked up *bare* (ids → [b, S, H]).
-
-    One convention on every path (online training, feature shards' `features.weights`, the eval loop),
-    the one vLLM serves: its DFlash `embed_input_ids` is the shared `embed_tokens` module alone
-    (`vllm/model_executor/models/qwen3_dflash.py`, `llm_base_proposer._maybe_share_embeddings`), and
-    vLLM's Gemma keeps the √H normaliser outside it (`gemma3.py` `embed_input_ids`). So Gemma's
-    `Gemma3TextScaledWordEmbedding` ×√H is *not* applied here; a plain `nn.Embedding` is returned as is.
-    """
+    """The drafter's token embedding: the target's embedding table looked up *bare* (ids → [b, S, H]), on every
+    path, as vLLM serves it (its DFlash `embed_input_ids` is the shared `embed_tokens` alone,
+    `vllm/model_executor/models/qwen3_dflash.py`; Gemma's √H normaliser stays outside, `gemma3.py`). A plain
+    `nn.Embedding` is returned as is."""
     emb = target.get_input_embeddings()
     return emb if type(emb) is torch.nn.Embedding else BareEmbedding(emb)
 
@@ -297,13 +289,10 @@ def num_decoder_layers(target) -> int:
 def hidden_states_of(
     target, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *, need_logits: bool = False, **kw
 ):
-    """Forward the target with `output_hidden_states`; returns the model output, whose
-    `hidden_states` is the (L + 1)-tuple of [b, S, H] (index 0 the embeddings, index L after the final
-    norm; a hyper-connection target's `[b, S, n, H]` streams collapsed by `collapse_streams`) and `logits` [b, S, V]
-    with `need_logits` (the eval loop's verification), else at most
-    [b, 1, V]: `logits_to_keep=1` (transformers' causal LMs apply the LM head to the last position only),
-    so training never materialises full-vocabulary logits it throws away (4 × 3,072 tokens × 152k vocab
-    is ~3.7 GB of bf16 per step)."""
+    """Forward the target with `output_hidden_states`; returns the model output, whose `hidden_states` is the
+    (L + 1)-tuple of [b, S, H] (index 0 the embeddings, index L after the final norm; parallel streams collapsed
+    by `collapse_streams`) and `logits` [b, S, V] with `need_logits`, else at most [b, 1, V]
+    (`logits_to_keep=1`: training never materialises full-vocabulary logits)."""
     if not need_logits and "logits_to_keep" in _forward_params(target):
         kw.setdefault("logits_to_keep", 1)
     out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, **kw)

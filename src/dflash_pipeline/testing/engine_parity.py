@@ -260,9 +260,8 @@ if __name__ == "__main__":  # pragma: no cover - the zoo table drives this modul
 
 
 def engine_parity_column(families: dict[str, Path], work: Path, vllm_python: str | None) -> dict[str, str]:
-    """The zoo table's `engine_parity` cell per family: `families` maps a family to its run directory
-    (`target/` twin, `train_float32/final` the fp32-trained export). One vLLM process for all.
-    Cells: `ok (max |Δlogit| …)`, `failed: …`, `skipped: …` (no export / no vLLM environment)."""
+    """The zoo table's `engine_parity` cell per family: `families` maps a family to its run directory. One vLLM
+    process for all. Cells: `ok (max |Δlogit| …)`, `failed: …`, `skipped: …` (no export / no vLLM environment)."""
     if vllm_python is None:
         return {f: "skipped: no vLLM environment (DFLASH_VLLM_PYTHON)" for f in families}
     out, cases = {}, {}

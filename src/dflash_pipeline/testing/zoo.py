@@ -63,9 +63,7 @@ def all_families(models_dir: str | Path) -> list[str]:
 def build_any_twin(
     models_dir: str | Path, family: str, out_dir: str | Path, *, corpus_file: str | Path, seed: int = 0
 ) -> Path:
-    """`build_twin` for a corpus family, an extra one (its source directory written next to
-    `out_dir` first, `testing.zoo_extra.extra_source_dir`) or a transformers model type
-    named `type:<model_type>` (`testing.zoo_extra.type_source_dir`)."""
+    """`build_twin` for a corpus family, an extra one or a transformers model type named `type:<model_type>`."""
     from dflash_pipeline.testing.zoo_extra import (
         EXTRA_FAMILIES,
         TWIN_SEEDS,
@@ -452,10 +450,9 @@ def main(argv=None) -> int:
 def write_table_json(
     path: str | Path, rows: dict, stages, *, device: str, models_dir: str | Path, command: str
 ) -> None:
-    """The family × stage table as JSON (atomic): `{"source": {...}, "stages": [...], "families": [{"family",
-    "kind", "cells": {stage: cell}}]}`; `kind` is `corpus` (a real `config.json` of `models_dir`) or
-    `transformers_config` (`testing.zoo_extra.EXTRA_FAMILIES`); `command` is the
-    command line that produced it."""
+    """The family × stage table as JSON (atomic): `{"source": {...}, "stages": [...], "families": [{"family", "kind",
+    "cells": {stage: cell}}]}`; `kind` is `corpus` (a real `config.json` of `models_dir`) or `transformers_config`;
+    `command` is the command line that produced it."""
     import datetime
 
     from dflash_pipeline.core.shards import write_json

@@ -152,8 +152,8 @@ def extra_config(name: str) -> dict:
 
 
 def extra_source_dir(models_dir: str | Path, name: str, out: str | Path) -> Path:
-    """A corpus-style directory `out/<name>` for an extra family (config.json + the template family's chat
-    template and tokenizer_config.json); returns `out` (the `models_dir` to build the twin from)."""
+    """A corpus-style directory `out/<name>` for an extra family (config.json + the template family's chat template
+    and tokenizer_config.json); returns `out`."""
     from dflash_pipeline.testing.zoo_templates import family_template_text
 
     root = Path(out)
@@ -223,9 +223,8 @@ def _arch(name: Any) -> str:
 
 
 def sweep_types() -> list[tuple[str, str, str]]:
-    """`(model_type, kind, architecture)` for every causal-LM type (`causal-lm`) and every image-text-to-text
-    type outside it whose config holds a decoder text config (`image-text`): not encoder-decoder, and
-    `get_text_config(decoder=True)` a sub-config of its own. Sorted by kind, then type."""
+    """`(model_type, kind, architecture)` for every causal-LM type (`causal-lm`) and every image-text-to-text type
+    outside it whose config holds a decoder text config (`image-text`). Sorted by kind, then type."""
     from transformers import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
@@ -247,8 +246,7 @@ def sweep_types() -> list[tuple[str, str, str]]:
 
 
 def type_config(model_type: str, architecture: str) -> dict:
-    """The `config.json` dict of `model_type` as its config class writes it with its defaults (plus
-    `TYPE_OVERRIDES` and `architectures`; `transformers_version` kept, as in every saved config).
+    """The `config.json` dict of `model_type` as its config class writes it with its defaults.
 
     Raises:
         Exception: whatever the config class raises on its defaults (the sweep reports it as `crash`).
@@ -331,9 +329,8 @@ def sweep(work: Path | None = None) -> list[SweepRow]:
 def rotating_sample(
     verified: tuple[str, ...] = PIPELINE_VERIFIED, *, day: datetime.date | None = None, size: int = ROTATION_SIZE
 ) -> list[str]:
-    """`size` types of `verified` beyond `PIPELINE_SAMPLE`, a different pick each day (the day's
-    ordinal indexes the sorted list; `$DFLASH_SWEEP_DAY` = `YYYY-MM-DD` replays a day), so successive runs
-    walk every verified type through the full pipeline."""
+    """`size` types of `verified` beyond `PIPELINE_SAMPLE`, a different pick each day, so successive runs walk every
+    verified type through the full pipeline."""
     pool = sorted(t for t in verified if t not in PIPELINE_SAMPLE)
     if not pool:
         return []
@@ -366,9 +363,8 @@ TWIN_OVERRIDES: dict[str, dict] = {
 
 
 def type_source_dir(models_dir: str | Path, model_type: str, out: str | Path) -> Path:
-    """A corpus-style directory `out/type:<model_type>` for a swept type (its defaults config with
-    `TWIN_OVERRIDES`, the `TEMPLATE_FAMILY` chat template and tokenizer config); returns `out`
-    (the `models_dir` `testing.zoo.build_twin` builds the twin from).
+    """A corpus-style directory `out/type:<model_type>` for a swept type (its defaults config with `TWIN_OVERRIDES`,
+    the `TEMPLATE_FAMILY` chat template and tokenizer config); returns `out`.
 
     Raises:
         KeyError: `model_type` is not a swept type.

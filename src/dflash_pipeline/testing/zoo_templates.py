@@ -44,7 +44,7 @@ def family_template_text(models_dir: str | Path, family: str) -> str:
 
     Raises:
         FileNotFoundError: no template for the family. ValueError: an edit's text is not in the sibling's
-            template exactly once (the corpus template changed; update `TEMPLATE_EDITS`).
+            template exactly once.
     """
     path = family_template(models_dir, family)
     text = path.read_text(encoding="utf-8")

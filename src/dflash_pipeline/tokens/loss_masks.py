@@ -183,9 +183,8 @@ def _segmented(tokenizer, seq: TrainSequence) -> tuple[np.ndarray, np.ndarray, i
 def tokenize_sequences(tokenizer, seqs: Sequence[TrainSequence]) -> list[tuple[np.ndarray, np.ndarray, int]]:
     """Tokenize sequences (one batched call) and build their masks.
 
-    A sequence with `verbatim` entries (output ids to splice in, or generated text that holds
-    special-token strings) is tokenized piece by piece (`_segmented`): the target's output ids, or the
-    text encoded without parsing special tokens, with loss 1; the template text around as usual.
+    A sequence with `verbatim` entries is tokenized piece by piece (`_segmented`): the target's output ids, or the text
+    encoded without parsing special tokens, with loss 1; the template text around as usual.
 
     Returns:
         Per sequence `(input_ids int32 [n], loss_mask uint8 [n], straddling_tokens)`.

@@ -192,8 +192,8 @@ def _rendered_sequences(
     controls: Sequence[str],
     stats: dict,
 ) -> list[TrainSequence]:
-    """The record's training sequences from the chat-template render (`conversation_sequences`);
-    `[]` when it is dropped (`tokenization_error` without `strict`, `no_assistant_turn`: counted).
+    """The record's training sequences from the chat-template render (`conversation_sequences`); `[]` when it is
+    dropped.
 
     Raises:
         TokenizationError: the conversation cannot be masked exactly and `strict` is set.

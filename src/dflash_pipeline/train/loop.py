@@ -1,8 +1,6 @@
 """The step loop of a training run (`train.run.train` builds the run and calls `run_steps`):
 optimizer steps over accumulated micro-steps, each followed by its `train_log.jsonl` window, held-out validation and
 periodic saves. The state they share is a `TrainRun`.
-
-
 """
 
 from __future__ import annotations

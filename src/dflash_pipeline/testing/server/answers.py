@@ -96,9 +96,8 @@ def canned_chat(messages: list[dict], kwargs: dict, max_tokens: int, *, reasonin
 
 
 def canned_tool_call(messages: list[dict], tools: list[dict], n: int) -> list[dict]:
-    """The canned tool call of a request that offers `tools` and ends with a user turn: the first tool, called
-    with `{"query": <last user message>}` (arguments as JSON text, id `call_<n>_0` for request `n`), as an
-    OpenAI `tool_calls` list."""
+    """The canned tool call of a request that offers `tools` and ends with a user turn: the first tool, called with
+    `{"query": <last user message>}`, as an OpenAI `tool_calls` list."""
     name = (tools[0].get("function") or tools[0])["name"]
     args = json.dumps({"query": last_user(messages)}, ensure_ascii=False)
     return [{"id": f"call_{n}_0", "type": "function", "function": {"name": name, "arguments": args}}]
@@ -126,9 +125,8 @@ def _parsed_args(call: dict) -> dict:
 
 
 def canned_text(prompt: str, max_tokens: int, wrong: bool, *, reasoning: bool) -> tuple[str, str, list[int]]:
-    """Canned continuation of a raw prompt: `(text, finish_reason, output ids)`; one "token" per
-    whitespace-separated piece (whitespace kept, so a cut inside the think block looks like one).
-    `wrong` (or `reasoning`, unless the prompt ends with `</think>`) puts a think block first."""
+    """Canned continuation of a raw prompt: `(text, finish_reason, output ids)`; one "token" per whitespace-separated
+    piece. `wrong` (or `reasoning`, unless the prompt ends with `</think>`) puts a think block first."""
     digest = hashlib.sha256(prompt.encode("utf-8")).hexdigest()[:8]
     answer = f"Completion {digest} of a {len(prompt.split())}-word prompt."
     tail = prompt.rstrip()

@@ -244,9 +244,8 @@ class TestServer:
         return web.Response(text="\n".join(lines) + "\n")
 
     def stats_json(self) -> dict[str, Any]:
-        """What `GET /stats` answers: every `ServerStats` counter (statuses keyed by their string),
-        `by_prompt` and `by_conversation` as `{key: requests}` in first-arrival order, and `dead`
-        (`die_after` reached). Request bodies are left out."""
+        """What `GET /stats` answers: every `ServerStats` counter (statuses keyed by their string), `by_prompt` and
+        `by_conversation` as `{key: requests}` in first-arrival order, and `dead` (`die_after` reached)."""
         s = self.stats
         return {
             "model": self.model_name,
@@ -315,9 +314,9 @@ class TestServer:
     async def _admitted_json(
         self, request: web.Request, field: str, parse: Callable[[Any], Any], *, completions: bool
     ) -> tuple[int, dict, Any, web.StreamResponse | None]:
-        """Admit generation request `request` (`_admit`), read its JSON body and `parse(body[field])`:
-        `(n, body, parsed, None)`, else `(n, {}, None, answer)` with the refusal, or a counted 400 when the
-        body is not JSON or `field` does not parse (the completions' message also says why)."""
+        """Admit generation request `request` (`_admit`), read its JSON body and `parse(body[field])`: `(n, body,
+        parsed, None)`, else `(n, {}, None, answer)` with the refusal, or a counted 400 when the body is not JSON or
+        `field` does not parse."""
         n, refused = self._admit(request, completions=completions)
         if refused is not None:
             return n, {}, None, refused

@@ -318,9 +318,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _serve(server: TestServer, args: argparse.Namespace) -> None:
-    """Start `server`, write `--port-file` (atomically), print READY (stdout) and the plan (stderr),
-    then serve until SIGINT/SIGTERM. The signal handlers are installed before the server is announced: a
-    SIGTERM sent as soon as READY (or the port file) appears stops it cleanly (exit 0), never kills it."""
+    """Start `server`, write `--port-file` (atomically), print READY (stdout) and the plan (stderr), then serve until
+    SIGINT/SIGTERM (handlers installed before READY, so an early SIGTERM exits 0)."""
     done = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

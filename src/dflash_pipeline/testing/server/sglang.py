@@ -84,9 +84,9 @@ def sglext(prompt_ids: list[int], out_ids: list[int], want: tuple[bool, bool]) -
 
 
 def spec_meta_info(num_tokens: int, verify: int, block_size: int) -> dict:
-    """SGLang's per-request speculative figures for `num_tokens` completion tokens produced in `verify`
-    steps of a drafter with `block_size` (draft tokens per step + 1): the accepted drafts
-    (`num_tokens − verify`) spread as evenly as the steps allow, each step at most `block_size − 1`."""
+    """SGLang's per-request speculative figures for `num_tokens` completion tokens produced in `verify` steps of a
+    drafter with `block_size`: the accepted drafts (`num_tokens − verify`) spread as evenly as the steps allow, each
+    step at most `block_size − 1`."""
     accepted = max(0, num_tokens - verify)
     base, extra = divmod(accepted, max(1, verify))
     hist = [0] * block_size
