@@ -335,9 +335,8 @@ def _seeded_deterministic_torch(seed: int, num_threads: int | None) -> Iterator[
 
 
 def _init_tokenizer_and_model(convs: list[list[dict]], settings: _Settings, log):
-    """Train the BPE tokenizer on every message of `convs`, then build the randomly initialised
-    `Qwen3ForCausalLM` (torch re-seeded with `settings.seed` first, so its init does not depend on the
-    tokenizer training); returns `(tokenizer, model)`."""
+    """Train the BPE tokenizer on every message of `convs`, then build the randomly initialised `Qwen3ForCausalLM`;
+    returns `(tokenizer, model)`."""
     import torch
 
     tokenizer = train_tokenizer([m["content"] for c in convs for m in c], vocab_size=settings.vocab_size)

@@ -59,9 +59,8 @@ def _first_present(*values):
 
 
 def _turn(resp: dict, choice: dict, content: str, reasoning, latency: float, ep: _Endpoint) -> Turn:
-    """The `Turn` of one answered request: its text split into `content` and `reasoning`, the
-    `choice`'s finish reason (`stop` when it gives none), the latency (seconds), the endpoint and the
-    response's facts (`_response_facts`)."""
+    """The `Turn` of one answered request: its text split into `content` and `reasoning`, the `choice`'s finish
+    reason (`stop` when it gives none), the latency (seconds), the endpoint and the response's facts."""
     return Turn(
         content=content,
         reasoning_content=reasoning,
@@ -445,9 +444,8 @@ class OpenAIBackend:
     # -- several client processes (generation.client_processes > 1) --------------------------------
 
     def _client_processes(self, n_prompts: int) -> int:
-        """Client processes for `n_prompts`: `generation.client_processes`, at most one per prompt and
-        at most the smallest per-endpoint cap (every process keeps a slot on every endpoint, so each one's
-        fleet, take-out and breaker see the whole fleet)."""
+        """Client processes for `n_prompts`: `generation.client_processes`, at most one per prompt and at most the
+        smallest per-endpoint cap."""
         want = int(self.cfg["client_processes"])
         if want <= 1:
             return 1

@@ -251,9 +251,8 @@ MAX_SKIPPED_EXAMPLES = 3
 
 
 def skipped_record(prompt: dict, reason: str, **example) -> dict:
-    """The marker a backend reports (`on_done`) for a conversation it skipped without generating it
-    (`reason`, e.g. `too_long`; `example`: why, e.g. `prompt_tokens`, `limit`). It never goes into
-    the shard: `completions.generate_shard` counts it in the stats with an example."""
+    """The marker a backend reports (`on_done`) for a conversation it skipped without generating it. It never goes
+    into the shard: `completions.generate_shard` counts it in the stats with an example."""
     return {
         "prompt_id": prompt["prompt_id"],
         "dataset": prompt["dataset"],
@@ -419,8 +418,7 @@ HTTP_LOGGERS = ("httpx", "httpx2", "httpcore", "httpcore2", "openai", "aiohttp")
 
 
 def _raise_http_log_levels() -> dict[str, int]:
-    """Set the `HTTP_LOGGERS` to WARNING (`HTTP Request: POST ... "HTTP/1.1 200 OK"` per request
-    would flood the job log); a logger already stricter keeps its level, this module's own logger is
+    """Set the `HTTP_LOGGERS` to WARNING; a logger already stricter keeps its level, this module's own logger is
     untouched. Returns the levels changed (name: previous level)."""
     saved = {}
     for name in HTTP_LOGGERS:

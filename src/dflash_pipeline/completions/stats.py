@@ -122,9 +122,8 @@ class _Progress:
 
 
 def fleet_stats(counts: Counter, endpoints: Sequence) -> dict:
-    """The openai backend's stats: `requests` (conversation turns sent: attempts less retries),
-    `attempts`, `retries`, `rate_limited` (429 answers) from `counts`, and per endpoint (base URL
-    without credentials) its `attempts, failures, taken_out`."""
+    """The openai backend's stats: `requests`, `attempts`, `retries`, `rate_limited` (429 answers) from `counts`, and
+    per endpoint (base URL without credentials) its `attempts, failures, taken_out`."""
     return {
         "requests": counts["attempts"] - counts["retries"],
         "attempts": counts["attempts"],

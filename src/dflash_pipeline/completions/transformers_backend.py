@@ -150,9 +150,8 @@ class TransformersBackend:
         c.ids = render(self.tok, c.history, thinking=self.cfg["thinking"], add_generation_prompt=True, tokenize=True)
 
     def _round(self, active: list[_Conversation], on_done: OnDone, info: RunInfo) -> list[_Conversation]:
-        """Answer the next user turn of every conversation in `active` (batches of `batch_size`,
-        longest first); finished or failed conversations go to `on_done`. Returns those with a user turn
-        left (their next request prepared)."""
+        """Answer the next user turn of every conversation in `active` (batches of `batch_size`, longest first);
+        finished or failed conversations go to `on_done`. Returns those with a user turn left."""
         bs = self.cfg["batch_size"]
         limit = self.context_limit
         if limit:  # a later turn can outgrow the context (earlier answers): skip that conversation

@@ -227,9 +227,8 @@ class _BareMain:
 
 
 class _Parent:
-    """The parent's side of the results queue: records to `on_done`, log lines to its own loggers, each
-    process's end (stats or error); a process that exited without a word counts as crashed after 1 s
-    (its last messages may still be in the pipe)."""
+    """The parent's side of the results queue: records to `on_done`, log lines to its own loggers, each process's end
+    (stats or error); a process that exited without a word counts as crashed after 1 s."""
 
     def __init__(self, procs: list, on_done: OnDone):
         self.procs, self.on_done = procs, on_done
@@ -308,9 +307,8 @@ def _shutdown(procs: list, stop, tasks, results) -> None:
 def run_client_processes(
     backend: OpenAIBackend, prompts: Sequence[dict], on_done: OnDone, info: RunInfo, n: int
 ) -> dict:
-    """`OpenAIBackend.run` over `n` client processes (see the module doc). Returns the merged
-    `stats.fleet_stats` plus `client_processes`. Raises the first process's ConfigError or
-    GenerationError (a crashed process: GenerationError)."""
+    """`OpenAIBackend.run` over `n` client processes. Returns the merged `stats.fleet_stats` plus `client_processes`.
+    Raises the first process's ConfigError or GenerationError."""
     import multiprocessing
 
     if not backend._probed:  # once here: every process sends and records the same, checked model, and a

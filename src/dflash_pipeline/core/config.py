@@ -129,9 +129,8 @@ _NULLS = ("null", "Null", "NULL", "~")
 
 
 def _typed_scalar(value: str, types: Sequence[str]) -> Any:
-    """`value` as the first non-string type of `types` it spells (`"4"` → 4 for integer, `"0.7"` →
-    0.7 for number, `"true"` → True for boolean, `"null"` → None for null); `value` unchanged when
-    `types` allows a string or it spells none of them."""
+    """`value` as the first non-string type of `types` it spells; `value` unchanged when `types` allows a string or
+    it spells none of them."""
     import re
 
     if "string" in types:
@@ -249,9 +248,8 @@ def schema_default(*path: str) -> Any:
 
 
 def schema_defaults(*path: str) -> dict:
-    """`{key: default}` of every key with a default in the object at `path` (as `schema_default`),
-    for library entry points that accept a partial section (tests, notebooks): they fill it from the
-    schema rather than re-stating a default."""
+    """`{key: default}` of every key with a default in the object at `path` (as `schema_default`), for library entry
+    points that accept a partial section: they fill it from the schema rather than re-stating a default."""
     props = _schema_node(path).get("properties") or {}
     return {k: copy.deepcopy(v["default"]) for k, v in props.items() if "default" in v}
 
@@ -308,9 +306,8 @@ def generation_problems(
 
 
 def resolve_path(path: str, base_dir: str | Path | None) -> str:
-    """A relative `path` missing from the working directory but present under `base_dir` (the
-    workflow's own directory: bundled data under `data/`) resolves there, so `snakemake -d elsewhere`
-    works; any other path is returned as given."""
+    """A relative `path` missing from the working directory but present under `base_dir` resolves there, so
+    `snakemake -d elsewhere` works; any other path is returned as given."""
     p = Path(path)
     if base_dir is None or p.is_absolute() or p.exists():
         return str(path)

@@ -8,9 +8,7 @@ _CREDENTIALS_IN_URL = re.compile(r"(?<=://)[^/?#\s'\"]*@")
 
 
 def strip_url_credentials(text: str) -> str:
-    """`text` with the `user:password@` of every URL in it removed: safe for messages, logs and
-    outputs (secrets never leave the environment). The one redaction of the project: every URL printed or
-    stored goes through it (`completions.redact_url` is this function)."""
+    """`text` with the `user:password@` of every URL in it removed: safe for messages, logs and outputs."""
     return _CREDENTIALS_IN_URL.sub("", text)
 
 
@@ -27,9 +25,8 @@ class ProbeError(PipelineError):
 
 
 class ProbeRefusal(ProbeError):
-    """The target is a model the drafter cannot be built for; `reason` names the kind in a few words
-    (`"attention-free"`, `"looped layers"` …, `probe.checks.REASONS`) and
-    the message says which config field shows it and what (if anything) to set."""
+    """The target is a model the drafter cannot be built for; `reason` names the kind in a few words and the message
+    says which config field shows it and what (if anything) to set."""
 
     def __init__(self, reason: str, message: str):
         super().__init__(message)

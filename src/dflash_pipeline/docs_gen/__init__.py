@@ -54,9 +54,7 @@ def _bounds(node: dict) -> str:
 
 
 def schema_keys(schema: dict, prefix: str = "") -> Iterator[tuple[str, dict]]:
-    """Every key of the config schema as `(dotted path, schema node)`, depth first in schema order: a map
-    of user-named entries (`datasets`) is `datasets.<name>`, the items of an array of objects
-    (`generation.endpoints`) `generation.endpoints[]`."""
+    """Every key of the config schema as `(dotted path, schema node)`, depth first in schema order."""
     for name, node in (schema.get("properties") or {}).items():
         path = f"{prefix}{name}"
         yield path, node

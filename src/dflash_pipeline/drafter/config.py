@@ -66,9 +66,8 @@ class DFlashConfig(Qwen3Config):
 
     @property
     def engine_layer_ids(self) -> list[int]:
-        """The layer ids SGLang/vLLM capture as aux hidden states (`eagle_aux_hidden_state_layer_ids`): the
-        HF `output_hidden_states` index of each canonical id (`target.layer_ids.hf_hidden_state_index`, the one
-        conversion; reference/feasibility.md §9)."""
+        """The layer ids SGLang/vLLM capture as aux hidden states (`eagle_aux_hidden_state_layer_ids`): the HF
+        `output_hidden_states` index of each canonical id."""
         return [hf_hidden_state_index(i) for i in self.target_layer_ids]
 
     @classmethod

@@ -219,9 +219,7 @@ class DFlashFamily:
         )
 
     def serve_md(self, cfg: Mapping[str, Any], meta: Mapping[str, Any], drafter_dir: str | Path, target: str) -> str:
-        """`serve.md` of an export: how to serve it with vLLM and SGLang. `cfg`: its `config.json` dict;
-        `meta`: its `dflash_pipeline` block; `drafter_dir`: its path in the commands; `target`: the
-        target's path or hub id as the user passes it to the engine."""
+        """`serve.md` of an export: how to serve it with vLLM and SGLang."""
         bs = int(cfg["block_size"])
         layers = [int(i) for i in cfg["dflash_config"]["target_layer_ids"]]
         cmds = self.serve_commands(drafter_dir, target, bs)

@@ -176,9 +176,8 @@ class DSparkBlocks:
 
 
 def dspark_view(ids, pos, labels, weights, block_size: int, gamma: float | None = None, rows=None) -> DSparkBlocks:
-    """DSpark blocks from DFlash-layout blocks of B + 1 slots (each [b, N·(B+1)]): slot j ≥ 1's label is DSpark
-    slot j − 1's (`dspark_blocks`; also packed blocks). `rows`: the row index of each slot (default
-    `pos`, as in unpacked rows)."""
+    """DSpark blocks from DFlash-layout blocks of B + 1 slots (each [b, N·(B+1)]): slot j ≥ 1's label is DSpark slot
+    j − 1's. `rows`: the row index of each slot (default `pos`, as in unpacked rows)."""
     b = ids.shape[0]
 
     def view(t):

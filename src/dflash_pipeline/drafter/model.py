@@ -59,8 +59,7 @@ def drafter_config_from_target(target_config, **sizes) -> DFlashConfig:
 class DraftContextCache:
     """Per-layer keys/values of the injected context, for the inference loop (dflash.md §2.5).
 
-    Only context K/V are cached (block K/V are recomputed each step), so "crop to start" is implicit.
-    `keys[i]`/`values[i]`: [batch, kv_heads, C, head_dim].
+    Only context K/V are cached, so "crop to start" is implicit. `keys[i]`/`values[i]`: [batch, kv_heads, C, head_dim].
     """
 
     def __init__(self, num_layers: int):

@@ -102,8 +102,7 @@ def acceptance_stats(accept_lengths_per_response: Sequence[Sequence[int]], block
 
 
 def family_build_args(ckpt_dir: Optional[str | Path]) -> dict:
-    """`build_drafter` keywords that make an untrained drafter of the family of the export in `ckpt_dir`
-    ({} for DFlash or none: the floor every DFlash run has always had), from its
+    """`build_drafter` keywords that make an untrained drafter of the family of the export in `ckpt_dir`, from its
     `DFlashConfig`.
 
     Raises:

@@ -241,8 +241,7 @@ def _send_conversation(
 
 def _metrics_acceptance(before: dict, metrics_url: str, block_size: Optional[int], timeout_s: float) -> Optional[dict]:
     """Pooled acceptance from the counter deltas since `before` (`spec_counters` of `metrics_url`):
-    `engine_acceptance_stats` with `source` and `drafts` (only `tau` and `accepted_tokens`
-    without `block_size`); None when the engine counted no verify step."""
+    `engine_acceptance_stats` with `source` and `drafts`; None when the engine counted no verify step."""
     delta = counters_delta(before, spec_counters(_http_json(metrics_url, timeout_s=timeout_s)))
     if delta["drafts"] <= 0:
         return None
@@ -470,9 +469,8 @@ def _engine_version(base_url: str, api_key: Optional[str]) -> Optional[str]:
 
 
 def _served_exactly(engine: dict, num_layers: int) -> Optional[bool]:
-    """Whether the engine computes this drafter's logits as we do: False for ≥ 2 draft layers on the CPU
-    build of vLLM (its `rms_norm` kernel uses layer 0's `k_norm` for every layer's context keys;
-    vLLM PR #56431 fixed it for XPU), None when unknown."""
+    """Whether the engine computes this drafter's logits as we do: False for ≥ 2 draft layers on the CPU build of
+    vLLM, None when unknown."""
     version = engine.get("version") or ""
     if "cpu" in version.lower() or (engine.get("started") and _cpu_only()):
         return num_layers == 1

@@ -66,9 +66,8 @@ def load_eval_sets(
 def long_set_token_counter(
     eval_cfg: dict, target_dir, *, thinking: str, chat_template=None, trust_remote_code: bool = False
 ):
-    """`count_tokens(messages)` for `load_eval_sets` (the rendered length with the target's chat
-    template and the generation prompt), or None when no eval set has `build_to_tokens` (no tokenizer
-    loaded). For callers without an `EvalSession` (engine τ)."""
+    """`count_tokens(messages)` for `load_eval_sets`, or None when no eval set has `build_to_tokens` (no tokenizer
+    loaded)."""
     if not any(s.get("build_to_tokens") is not None for s in eval_cfg["sets"].values()):
         return None
     from dflash_pipeline.target.chat import load_tokenizer, render

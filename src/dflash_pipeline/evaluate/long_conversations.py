@@ -94,8 +94,7 @@ def load_long_conversations(
     count_tokens: Callable[[list[dict]], int],
     exclude_prompt_ids: Iterable[str] = (),
 ) -> tuple[list[dict], dict]:
-    """The long eval records of one set (module docstring) and `{available, excluded_training_prompts}`
-    (source records, and those left out as training prompts).
+    """The long eval records of one set (module docstring) and `{available, excluded_training_prompts}`.
 
     Raises:
         DataError: unreadable file or a record of neither chat shape (`chat_messages`).

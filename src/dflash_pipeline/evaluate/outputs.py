@@ -24,8 +24,7 @@ def check_comparable(records: Mapping[str, dict]) -> str:
     """Return the common thinking mode of eval records (name → record).
 
     Raises:
-        EvalComparisonError: the records were produced under different thinking modes (τ with and without
-            thinking measure different text; comparing them is meaningless), or one does not say.
+        EvalComparisonError: the records were produced under different thinking modes, or one does not say.
     """
     modes = {name: (r.get("settings") or {}).get("thinking") for name, r in records.items()}
     missing = [n for n, m in modes.items() if m is None]

@@ -239,9 +239,8 @@ class VLLMServer:
 
 
 def loop_dtype(target_dtype: str) -> str:
-    """The dtype our speculative loop runs the target in for `target.dtype` = `target_dtype` on this
-    machine (`target.loading.resolve_dtype`: `auto` → float32 on CPU, bfloat16 on
-    CUDA), as vLLM's `--dtype` value (`float32`, `bfloat16`, `float16`)."""
+    """The dtype our speculative loop runs the target in for `target.dtype` = `target_dtype` on this machine, as
+    vLLM's `--dtype` value (`float32`, `bfloat16`, `float16`)."""
     import torch
 
     from dflash_pipeline.target.loading import resolve_dtype

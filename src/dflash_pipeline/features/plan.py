@@ -169,9 +169,9 @@ def window_bytes(
 
 
 def scratch_problem(scratch_dir: str | os.PathLike) -> Optional[str]:
-    """Why `features.stream.scratch_dir` cannot hold the servers' answer files, or None: the nearest existing
-    path of it is not a directory (a file in the way), is not writable by this user, or sits on a filesystem
-    of no size (`/proc`, `/sys`). Touches nothing (plan time)."""
+    """Why `features.stream.scratch_dir` cannot hold the servers' answer files, or None: the nearest existing path of
+    it is not a directory, is not writable by this user, or sits on a filesystem of no size. Touches nothing (plan
+    time)."""
     p = Path(scratch_dir)
     existing = _existing(p)
     if not existing.is_dir():

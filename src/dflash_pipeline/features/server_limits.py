@@ -127,9 +127,8 @@ class ScratchBudget:
 
 @dataclass
 class Limits:
-    """What one server accepts (`features serve` flags): `request_timeout_s` (a request's headers and
-    body, and an idle keep-alive connection, seconds), `max_connections` (served at once; more get 503),
-    `scratch_max_bytes` / `scratch_max_age_s` (`ScratchBudget`)."""
+    """What one server accepts (`features serve` flags): `request_timeout_s` (seconds for a request's headers and body,
+    and for an idle keep-alive connection), `max_connections` (served at once; more get 503), `scratch_max_bytes` / `scratch_max_age_s` (`ScratchBudget`)."""
 
     request_timeout_s: float = 30.0
     max_connections: int = 64
