@@ -128,7 +128,8 @@ class ScratchBudget:
 @dataclass
 class Limits:
     """What one server accepts (`features serve` flags): `request_timeout_s` (seconds for a request's headers and body,
-    and for an idle keep-alive connection), `max_connections` (served at once; more get 503), `scratch_max_bytes` / `scratch_max_age_s` (`ScratchBudget`)."""
+    and for an idle keep-alive connection), `max_connections` (served at once; more get 503), `scratch_max_bytes` /
+    `scratch_max_age_s` (`ScratchBudget`)."""
 
     request_timeout_s: float = 30.0
     max_connections: int = 64

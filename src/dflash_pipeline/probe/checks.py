@@ -101,9 +101,8 @@ def block_type_count(d: Mapping[str, Any]) -> tuple[str | None, int | None]:
 
 
 def architecture_refusal(raw: Mapping[str, Any], where: str = "config.json") -> ProbeRefusal | None:
-    """The `ProbeRefusal` for a target whose `config.json` (`raw`) shows an architecture the
-    drafter cannot be built for (see the module docstring), None when none shows. `where` names the file
-    in the message. Reads only `raw`; never raises."""
+    """The `ProbeRefusal` for a target whose `config.json` (`raw`) shows an architecture the drafter cannot be built
+    for, None when none shows. `where` names the file in the message. Reads only `raw`; never raises."""
     # the config reader imports this module's checks, so it is looked up when a check runs, not at import
     _find_text_config = importlib.import_module("dflash_pipeline.probe.config")._find_text_config
 
@@ -212,9 +211,8 @@ def _preflight_tokenizer(
 
 
 def _probe_loader(target_dir: Path, trust_remote_code: bool, *, strict: bool, warnings: list[str]) -> dict:
-    """How train/eval/completions will load the target (`target.loading.check_loadable`,
-    no weights read): `{class, config_class, error}`. A target that cannot load is refused here, at plan
-    time, with the reason (strict), or recorded with a warning (CLI)."""
+    """How train/eval/completions will load the target: `{class, config_class, error}`. A target that cannot load is
+    refused here, at plan time, with the reason (strict), or recorded with a warning (CLI)."""
     from dflash_pipeline.target.loading import TargetLoadError, check_loadable
 
     try:

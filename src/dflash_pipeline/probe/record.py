@@ -15,10 +15,10 @@ SCHEMA_PATH = Path(__file__).parent.parent / "core" / "schemas" / "probe.schema.
 
 
 def write_probe(record: Mapping[str, Any], path: str | os.PathLike) -> bool:
-    """Validate `record` against the probe schema and write it atomically (see shards.write_json).
+    """Validate `record` against the probe schema and write it atomically.
 
-    `probe_seconds` is dropped from the file so equal targets give byte-identical files (and the
-    Snakemake output keeps its mtime). Returns True when the file was (re)written.
+    `probe_seconds` is dropped from the file so equal targets give byte-identical files. Returns True when the file was
+    (re)written.
     """
     rec = {k: v for k, v in record.items() if k != "probe_seconds"}
     validate_probe(rec)

@@ -176,8 +176,7 @@ def _probe_tokenizer(
 ) -> dict:
     """Tokenizer facts; raises ProbeError (what to install / set) when the files exist but cannot load.
 
-    `config` is the `AutoConfig` the probe already loaded (None when it could not), handed to
-    `AutoTokenizer` (see `_load_tokenizer`)."""
+    `config` is the `AutoConfig` the probe already loaded (None when it could not), handed to `AutoTokenizer`."""
     tok = _load_tokenizer(target_dir, trust_remote_code=trust_remote_code, config=config)
     cls = type(tok)
     remote = not cls.__module__.startswith("transformers.")

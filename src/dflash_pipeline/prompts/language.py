@@ -30,9 +30,8 @@ _LANGUAGE_IDENTIFIER = None  # loaded once per process (~1 s), only when a langu
 
 
 def language_sample(messages: Sequence[Mapping[str, str]]) -> str:
-    """The text the language filter classifies: the user turns' contents joined by newlines, cut to the
-    first `LANGUAGE_SAMPLE_CHARS` characters (system turns are often boilerplate in another
-    language than the user's, so they are left out)."""
+    """The text the language filter classifies: the user turns' contents joined by newlines, cut to the first
+    `LANGUAGE_SAMPLE_CHARS` characters."""
     return "\n".join(m["content"] for m in messages if m["role"] == "user")[:LANGUAGE_SAMPLE_CHARS]
 
 

@@ -325,9 +325,8 @@ def _read_jsonl(path: Path, shown: str):
 
 
 class _ArrayScanner:
-    """Incremental scanner over one top-level JSON array in a binary file: reads `_READ_CHUNK`
-    characters at a time (doubling while one element does not fit), forgets consumed text, and keeps
-    the 1-based line of each element (each character counted once)."""
+    """Incremental scanner over one top-level JSON array in a binary file: reads `_READ_CHUNK` characters at a time,
+    forgets consumed text, and keeps the 1-based line of each element."""
 
     def __init__(self, fh: BinaryIO, shown: str):
         self.fh, self.shown = fh, shown

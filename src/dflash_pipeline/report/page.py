@@ -266,9 +266,8 @@ def run_facts(
 
 
 def length_table_rows(record: Mapping) -> tuple[list[str], list[dict]]:
-    """τ by context length as table rows: one per drafter and set (and `all sets`), one column per bucket
-    (`τ (verify steps)`), plus the engine's per set where it reported them (bucketed by each request's
-    prompt length, `τ (requests)`); empty when the record has no buckets."""
+    """τ by context length as table rows: one per drafter and set (and `all sets`), one column per bucket (`τ (verify
+    steps)`), plus the engine's per set where it reported them; empty when the record has no buckets."""
     labels = (record.get("settings") or {}).get("context_length_buckets_labels") or []
     if not labels:
         return [], []

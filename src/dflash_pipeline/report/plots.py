@@ -115,9 +115,8 @@ def data_length_histograms(token_shards: Sequence[str | Path]) -> dict:
 
 
 def plot_data_lengths(token_shards: Sequence[str | Path], path: str | Path) -> dict:
-    """PNG: histograms of tokens per training sequence and supervised tokens per sequence (two panels; the
-    mean and max in each title). Returns the summary `{num_sequences, tokens: {mean, p50, p95, max},
-    supervised: {...}}`."""
+    """PNG: histograms of tokens per training sequence and supervised tokens per sequence. Returns the summary
+    `{num_sequences, tokens: {mean, p50, p95, max}, supervised: {...}}`."""
     import numpy as np
 
     h = data_length_histograms(token_shards)

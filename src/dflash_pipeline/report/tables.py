@@ -147,9 +147,8 @@ def generation_table(
 
 
 def _add_generation_shard(d: dict, path: Path, benchmark_dir: Optional[str | Path]) -> None:
-    """Add one completion shard to its dataset's counts `d` (in place): record statuses, turns, tokens and
-    request latency from the shard; its last run's tokens, wall seconds and retries from
-    `_last_run_of_shard`."""
+    """Add one completion shard to its dataset's counts `d` (in place): record statuses, turns, tokens and request
+    latency from the shard; its last run's tokens, wall seconds and retries."""
     table = read_parquet(path)
     d["shards"] += 1
     for rec in table.select(["status", "turns", "thinking", "model"]).to_pylist():
@@ -331,9 +330,7 @@ def read_tsv(path: str | Path) -> tuple[list[str], list[dict]]:
 def html_table(
     columns: Sequence[str], rows: Sequence[dict], *, title: str, table_id: str, note: str = "", relabel: bool = True
 ) -> str:
-    """One `<section>` with a heading and a table (`<table id=table_id>`), headers from `label`
-    (`relabel=False`: the column names as they are, e.g. eval set names; the raw name is always in the
-    `title` attribute), every value escaped."""
+    """One `<section>` with a heading and a table (`<table id=table_id>`), headers from `label`, every value escaped."""
     head = "".join(f'<th title="{html.escape(c)}">{html.escape(label(c) if relabel else c)}</th>' for c in columns)
     body = (
         "".join(

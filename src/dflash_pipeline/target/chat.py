@@ -200,9 +200,8 @@ def render_many(
     add_generation_prompt: bool,
     tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[str]:
-    """Render each conversation with the tokenizer's own chat template (strings, as
-    `apply_chat_template(tokenize=False)`), messages passed through `template_messages`, `tools`
-    (function schemas, the same for every conversation) as the template's `tools` variable."""
+    """Render each conversation with the tokenizer's own chat template, messages passed through `template_messages`,
+    `tools` (function schemas, the same for every conversation) as the template's `tools` variable."""
     kwargs = template_kwargs(thinking)
     tools = list(tools) if tools else None
     fast = _compiled_template(tokenizer)

@@ -14,8 +14,7 @@ def target_features(
 ):
     """Run the frozen target and concatenate the outputs of decoder layers `layer_ids`.
 
-    Uses `probe.hf_hidden_state_index` (the one canonical→HF conversion: id+1).
-    Returns `(features [b, S, K·H] in the target dtype, model output)`.
+    Uses `probe.hf_hidden_state_index`. Returns `(features [b, S, K·H] in the target dtype, model output)`.
     """
     out = T.hidden_states_of(target, input_ids, attention_mask, **kw)
     return T.select_layers(out.hidden_states, layer_ids), out

@@ -169,9 +169,8 @@ def conversation_sequences(
 
 
 def _control_ids(tokenizer, controls: Sequence[str]) -> dict[int, str]:
-    """Token id -> control string, for the control strings the model could emit mid-answer as one token:
-    those that are one token of `tokenizer`, less its `eos_token` (generation stops at it, so an
-    `<|im_end|>` inside an answer's text was written as text)."""
+    """Token id -> control string, for the control strings the model could emit mid-answer as one token: those that
+    are one token of `tokenizer`, less its `eos_token`."""
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
     eos = getattr(tokenizer, "eos_token", None)
     return {vocab[s]: s for s in controls if s in vocab and s != eos}

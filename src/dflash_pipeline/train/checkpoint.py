@@ -70,9 +70,7 @@ def run_identity(cfg: dict, *, token_shards, **facts) -> dict:
 
 
 def save_state(accelerator, state_dir: Path, step: int, identity: Optional[dict] = None) -> None:
-    """Save Accelerate state (model, optimizer, scheduler, RNG streams) and `step.json` (the step, the
-    state `STATE_VERSION`, the world size and `run`, the run's
-    `run_identity`, which `resume_state` compares), atomically."""
+    """Save Accelerate state (model, optimizer, scheduler, RNG streams) and `step.json`, atomically."""
     tmp = state_dir.with_name(state_dir.name + ".tmp")
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)

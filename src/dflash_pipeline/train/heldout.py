@@ -229,9 +229,8 @@ def heldout_acceptance(
     reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
     length_buckets: Sequence[int] = (),
 ) -> dict:
-    """`batch_acceptance` summed over `batches` (this rank's share of the held-out rows), then
-    summed over ranks with `reduce` (e.g. `lambda t: accelerator.reduce(t, "sum")`), summarised
-    (`AcceptanceCounts.summary`). Puts the drafter in eval mode and back."""
+    """`batch_acceptance` summed over `batches` (this rank's share of the held-out rows), then summed over ranks with
+    `reduce`, summarised. Puts the drafter in eval mode and back."""
     core = drafter.module if hasattr(drafter, "module") else drafter
     was_training = core.training
     drafter.eval()

@@ -128,9 +128,8 @@ def run_steps(run: TrainRun, step: int) -> int:
 
 
 def _stream_guarded_step(run: TrainRun, batches, n_micro: int, step: int, window: "_Window") -> float:
-    """`_optimizer_step`; when the feature servers fail for good (`train.target_features: stream`,
-    `features.StreamError`: every server gone), the state of the `step` steps done
-    is saved first (a rerun resumes there exactly), then the error is raised."""
+    """`_optimizer_step`; when the feature servers fail for good, the state of the `step` steps done is saved first
+    (a rerun resumes there exactly), then the error is raised."""
     if run.data.source.stream is None:
         return _optimizer_step(run, batches, n_micro, step, window)
     from dflash_pipeline.features import StreamError

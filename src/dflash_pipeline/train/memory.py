@@ -65,9 +65,7 @@ class StepSettings:
 
 @dataclass
 class MemoryPlan:
-    """One rank's planned peak (bytes) and what it is made of at the peak (`by_kind`: the tracker's
-    categories, Parameter / Gradient / Optstate / Activation / Temp / Buffer / Other, plus `target` for an
-    online target's weights)."""
+    """One rank's planned peak (bytes) and what it is made of at the peak."""
 
     peak_bytes: int
     by_kind: dict
@@ -259,8 +257,8 @@ def target_params_bytes(target_config, dtype: str) -> int:
 
 def plan_cache_dir() -> Path:
     """Where `cached_plan` keeps plans: `$DFLASH_CACHE_DIR/memory-plans`, else
-    `$XDG_CACHE_HOME/dflash-pipeline/memory-plans` (`~/.cache` by default); shared by every workdir of the user,
-    so a config planned once is never planned again."""
+    `$XDG_CACHE_HOME/dflash-pipeline/memory-plans`; shared by every workdir of the user, so a config planned once is
+    never planned again."""
     root = os.environ.get("DFLASH_CACHE_DIR")
     if root:
         return Path(root) / "memory-plans"
@@ -417,9 +415,8 @@ def plan_for_workflow(
     block_size: int,
     cache_dir: Optional[str | Path],
 ) -> tuple[Optional[MemoryPlan], Optional[MemoryPlan], str]:
-    """The plan of a validated config's training step and its gradient-checkpointing twin, with the
-    `[plan]` line; `(None, None, why)` when the target's config is not there yet (the demo target before it
-    is built) or the family is not planned."""
+    """The plan of a validated config's training step and its gradient-checkpointing twin, with the `[plan]` line;
+    `(None, None, why)` when the target's config is not there yet or the family is not planned."""
     from dflash_pipeline.drafter import families as FR
     from dflash_pipeline.target.loading import text_config
 

@@ -25,9 +25,8 @@ MUON_ADJUST_LR = "match_rms_adamw"
 
 
 def muon_parameters(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """`(matrices, rest)` of `module`'s trainable parameters: the 2-D weights of its `nn.Linear`
-    layers go to Muon; every other parameter (norm scales, biases, embeddings, convolution kernels) to AdamW.
-    Order follows `module.parameters()`."""
+    """`(matrices, rest)` of `module`'s trainable parameters: the 2-D weights of its `nn.Linear` layers go to Muon;
+    every other parameter to AdamW. Order follows `module.parameters()`."""
     linear = {id(m.weight) for m in module.modules() if isinstance(m, nn.Linear)}
     matrices, rest = [], []
     for p in module.parameters():

@@ -163,8 +163,7 @@ def sample_packed_anchors(
 class Blocks:
     """Block inputs of a (packed) batch. All long/float [b, N·B].
 
-    `ids` block tokens; `pos` record-relative positions (RoPE); `rows` row indices a+k (to gather
-    per-slot row data, e.g. `train.losses.teacher_slot_hidden`); `labels`; `weights`.
+    `ids` block tokens; `pos` record-relative positions (RoPE); `rows` row indices a+k; `labels`; `weights`.
     """
 
     ids: torch.Tensor

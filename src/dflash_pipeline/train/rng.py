@@ -59,8 +59,7 @@ class RankStreams:
         """Set this rank's generators to their saved states.
 
         Raises:
-            ValueError: the state was saved by another number of ranks, or lacks one of the generators
-                (the streams are per rank: such a state cannot continue them).
+            ValueError: the state was saved by another number of ranks, or lacks one of the generators.
         """
         saved = int(state.get("world_size", -1))
         if saved != self.world_size:

@@ -400,9 +400,8 @@ def _step_context(
 
 
 def _rows(records, cfg: dict):
-    """The rows a loader batches: `records` themselves, or with `train.packing` the records packed into
-    rows of up to `train.pack_max_tokens` tokens (default: the longest record;
-    `train.packing.PackedDataset`)."""
+    """The rows a loader batches: `records` themselves, or with `train.packing` the records packed into rows of up to
+    `train.pack_max_tokens` tokens."""
     if not cfg["packing"]:
         return records
     ds = getattr(records, "dataset", None)
@@ -447,8 +446,8 @@ def _heldout_batches(records, cfg: dict, rank: int, world: int) -> tuple[list[di
 
 
 def _summary(run: TrainRun, log_with, target_dir) -> dict:
-    """`train_summary.json`: the run's size, schedule, objective, drafter and dtypes, its `train` config, and
-    its provenance (software, kernels, device, dtype, the digest of the target at `target_dir`)."""
+    """`train_summary.json`: the run's size, schedule, objective, drafter and dtypes, its `train` config, and its
+    provenance."""
     cfg, ctx, acc = run.cfg, run.ctx, run.accelerator
     return {
         "steps": run.schedule.total_steps,

@@ -183,9 +183,8 @@ def _batch_features(ctx: StepContext, batch: dict) -> tuple[torch.Tensor, Option
 
 
 def training_step(ctx: StepContext, batch: dict) -> tuple[torch.Tensor, dict]:
-    """`step_objective` normalised for one micro-step: its total divided by the global normaliser
-    over ranks / world size (`drafter.model.loss_normalizer`), so DDP's gradient average is
-    the global Σ terms / Σ normaliser. Returns `(loss scalar float32, stats)`."""
+    """`step_objective` normalised for one micro-step: its total divided by the global normaliser over ranks / world
+    size, so DDP's gradient average is the global Σ terms / Σ normaliser. Returns `(loss scalar float32, stats)`."""
     out = step_objective(ctx, batch)
     norm = M.loss_normalizer(out.normalizer, ctx.world_size, ctx.reduce_sum)
     return out.total / norm.to(out.total.device).clamp(min=1e-12), out.stats
