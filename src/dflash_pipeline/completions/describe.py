@@ -10,8 +10,7 @@ from dflash_pipeline.core.errors import strip_url_credentials
 
 
 def _first_line(exc: BaseException | str) -> str:
-    """The first line of `exc`'s message (or of a server's message string; 300 characters at most,
-    `user:pass@` removed from any URL in it), or its type name when it has none."""
+    """The first line of `exc`'s message, or its type name when it has none."""
     text = str(exc)
     if text.strip():
         msg = next(line for line in text.splitlines() if line.strip())[:300]
@@ -43,8 +42,7 @@ def _root_cause(exc: BaseException) -> BaseException | None:
 
 
 def _refused(exc: BaseException) -> bool:
-    """Whether `exc`'s cause chain holds a refused connection (`ConnectionRefusedError` / errno
-    ECONNREFUSED: nothing listens at the endpoint's host and port)."""
+    """Whether `exc`'s cause chain holds a refused connection."""
     import errno
 
     seen: set[int] = set()

@@ -171,8 +171,7 @@ class _Fleet:
         ep.consecutive_failures = 0
 
     def failure(self, ep: _Endpoint, err: str) -> None:
-        """A failed request on `ep`: counted while `ep` is in (failures of requests already in flight
-        when it was taken out are the same outage); takes it out at `endpoint_max_failures`."""
+        """A failed request on `ep`: counted while `ep` is in; takes it out at `endpoint_max_failures`."""
         ep.failures += 1
         ep.last_error = err
         if not ep.up:

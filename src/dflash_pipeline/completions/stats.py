@@ -50,8 +50,7 @@ class _Progress:
     """Live bar (stderr) with ok/truncated/error counts, requests/s and output tokens/s."""
 
     def __init__(self, total: int, initial: int, desc: str, resumed_records: Iterable[dict] = ()):
-        """`initial` conversations are already finished (`resumed_records`: their records, counted in
-        ok/truncated; the rates count this run's only)."""
+        """`initial` conversations are already finished."""
         from tqdm import tqdm
 
         tty = sys.stderr.isatty()
@@ -134,8 +133,7 @@ def fleet_stats(counts: Counter, endpoints: Sequence) -> dict:
 
 
 def merge_fleet_stats(parts: Iterable[dict], urls: Sequence[str]) -> dict:
-    """The sum of several client processes' `fleet_stats` (`urls`: every endpoint, in config
-    order, so one that no process reached still shows zeros)."""
+    """The sum of several client processes' `fleet_stats`."""
     total: dict = {key: 0 for key in REQUEST_COUNTERS}
     total["endpoints"] = {url: {key: 0 for key in ENDPOINT_COUNTERS} for url in urls}
     for part in parts:

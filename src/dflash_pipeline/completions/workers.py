@@ -264,8 +264,7 @@ class _Parent:
                 self._fail(f"client process {i} exited with code {p.exitcode} before finishing (see the log above)")
 
     def loop(self, results, stop) -> None:
-        """Until every process finished, or `_STOP_GRACE_S` after the first error (`stop` set then:
-        the others end their in-flight conversations and hand back what finished)."""
+        """Until every process finished, or `_STOP_GRACE_S` after the first error."""
         next_check = time.monotonic() + 0.5
         stop_deadline = None
         while True:

@@ -224,8 +224,7 @@ def deep_merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict:
 
 @functools.lru_cache(maxsize=1)
 def _schema() -> dict:
-    """The parsed schema file, shared (never mutate it): libyaml's parser when PyYAML has it (~10x faster
-    than the pure-Python one; the same safe constructors, so the same dict)."""
+    """The parsed schema file, shared (never mutate it): libyaml's parser when PyYAML has it."""
     with open(SCHEMA_PATH, "r", encoding="utf-8") as fh:
         return yaml.load(fh, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 

@@ -169,7 +169,7 @@ class DFlashConfig(Qwen3Config):
 
     def save(self, out_dir: str | Path, *, dtype: str, meta: Optional[dict] = None) -> Path:
         """Write `<out_dir>/config.json` (`to_checkpoint_dict`; sorted keys, 2-space indent, one
-        trailing newline: the bytes the engines have loaded since format 1), atomically; returns its path."""
+        trailing newline), atomically; returns its path."""
         path = Path(out_dir) / CONFIG_FILE
         text = json.dumps(self.to_checkpoint_dict(dtype=dtype, meta=meta), indent=2, sort_keys=True) + "\n"
         atomic_write_bytes(path, text.encode("utf-8"), skip_if_identical=False)

@@ -487,8 +487,7 @@ def evaluate(
 
 
 def main(argv=None) -> None:
-    """CLI: `dflash-eval --probe P --target T --eval-config JSON --out X [--drafter label=dir]…` (also
-    `python -m dflash_pipeline.evaluate`; `evaluate.__main__` dispatches `server`)."""
+    """CLI: `dflash-eval --probe P --target T --eval-config JSON --out X [--drafter label=dir]…`."""
     import argparse
 
     p = argparse.ArgumentParser(

@@ -431,8 +431,7 @@ def _engine_set_acceptance(
     api_key: Optional[str],
     block_size: int,
 ) -> dict:
-    """`server_acceptance` of one eval set with the eval settings (the loop's `max_new_tokens`,
-    temperature, seed, thinking mode, context-length buckets), printed as one line."""
+    """`server_acceptance` of one eval set with the eval settings, printed as one line."""
     from dflash_pipeline.evaluate.context_length import length_buckets_of
 
     st = server_acceptance(

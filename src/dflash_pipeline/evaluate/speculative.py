@@ -47,11 +47,10 @@ def _cache_kw(target, cache) -> dict:
 
 
 def recurrent_rollback_kwargs(activate_past_recording, max_rollback: int) -> dict:
-    """Keywords for `cache.activate_past_recording`: `recurrent_states_to_keep=max_rollback` where the
-    method takes it (transformers ≥ 5.25: linear-attention / SSM layers then keep the recurrent state after
-    each of a forward's last `max_rollback` tokens and `crop` can roll them back, so they are croppable;
-    its default None made their forward fail, `min(None, seq_len)`). Older releases take no argument: those
-    layers are then not croppable and `TargetCache` snapshots them (`recompute`)."""
+    """Keywords for `cache.activate_past_recording`: `recurrent_states_to_keep=max_rollback` where the method
+    takes it (transformers ≥ 5.25: linear-attention / SSM layers then keep their recurrent states for the last
+    `max_rollback` tokens of a forward and are croppable). Where it takes no argument those layers are not
+    croppable and `TargetCache` snapshots them (`recompute`)."""
     import inspect
 
     params = inspect.signature(activate_past_recording).parameters.values()

@@ -227,11 +227,9 @@ def _to_storage(x, dtype: str, groups: Optional[int] = None) -> tuple[np.ndarray
 class FeatureShardWriter:
     """Resumable, atomic writer of one feature shard (see the module docstring for the format).
 
-    `input_ids` / `loss_mask` are the token shard's flat arrays and `lengths` its per-record token
-    counts; they are written at open. `next_record` is where extraction continues (0 for a fresh file,
-    the committed count after a killed run whose partial file has the same header). Call `write` for
-    records in order, `commit` to make them survive a
-    kill, `finish` to verify and rename the file into place.
+    `input_ids` / `loss_mask` are the token shard's flat arrays and `lengths` its per-record token counts; they are
+    written at open. `next_record` is where extraction continues. Call `write` for records in order, `commit` to make
+    them survive a kill, `finish` to verify and rename the file into place.
 
     Raises:
         OSError: `ENOSPC` at open when the filesystem cannot hold the whole shard.

@@ -91,8 +91,7 @@ def attention_heads(d: Mapping[str, Any]) -> tuple[str | None, Any]:
 
 
 def block_type_count(d: Mapping[str, Any]) -> tuple[str | None, int | None]:
-    """`(source, layers)` from a per-layer block list when the config states no layer count (Nemotron-H as
-    transformers ≥ 5 saves it: `layers_block_type`, `num_hidden_layers` derived from its length)."""
+    """`(source, layers)` from a per-layer block list when the config states no layer count."""
     if isinstance(d.get("layers_block_type"), list) and d["layers_block_type"]:
         return "len(layers_block_type)", len(d["layers_block_type"])
     if isinstance(d.get("hybrid_override_pattern"), str) and d["hybrid_override_pattern"]:

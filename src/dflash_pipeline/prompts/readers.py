@@ -232,8 +232,7 @@ MAX_LISTED_MALFORMED = 20
 
 
 def _all_malformed(first: "_Skip", rest, strict_key: str) -> str:
-    """The strict-mode error for a file: `first` and every further malformed record of the file (read on,
-    records skipped; the first `MAX_LISTED_MALFORMED` listed, the others counted)."""
+    """The strict-mode error for a file: `first` and every further malformed record of the file."""
     found = [str(first)]
     total = 1
     try:

@@ -322,8 +322,7 @@ def _shard_source(
 
 
 def _inactive_datasets(out: Path, active: Mapping[str, Any]) -> dict[str, list[str]]:
-    """Shards of sources that left the config, found on disk (inside the workflow Snakemake deletes the
-    checkpoint's manifest before the job runs, so the previous one is often absent)."""
+    """Shards of sources that left the config, found on disk."""
     inactive = {}
     for d in sorted(out.iterdir()) if out.is_dir() else []:
         if d.is_dir() and d.name not in active and (left := _inactive_shards(d, 0)):

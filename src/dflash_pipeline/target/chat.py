@@ -106,10 +106,9 @@ def template_messages(messages: Iterable[Mapping[str, Any]]) -> list[dict]:
 
 
 def tool_calls_of(message: Mapping[str, Any]) -> list[dict] | None:
-    """A message's tool calls in the OpenAI shape `[{"id", "type": "function", "function": {"name",
-    "arguments"}}]` with `arguments` parsed into an object (templates such as Qwen3's write an object with
-    `tojson` and a string verbatim; a parsed object renders as the servers render it). `tool_calls` may be
-    a list or its JSON text (the shard column); None when the message has none.
+    """A message's tool calls in the OpenAI shape `[{"id", "type": "function", "function": {"name", "arguments"}}]`
+    with `arguments` parsed into an object. `tool_calls` may be a list or its JSON text (the shard column); None when
+    the message has none.
 
     Raises:
         ValueError: `tool_calls` is not a list of calls with a function name (names the field).

@@ -39,8 +39,7 @@ def _randomise_norms(drafter, seed: int) -> None:
 
 
 def surrogate_target(out: Path, *, hidden_size: int, vocab_size: int, num_layers: int) -> Path:
-    """A config-only Qwen3 target for vLLM's `ModelConfig` (vLLM reads only its vocab, width and depth
-    for the drafter; the target's weights never load). Returns `out`."""
+    """A config-only Qwen3 target for vLLM's `ModelConfig`. Returns `out`."""
     out.mkdir(parents=True, exist_ok=True)
     cfg = {
         "architectures": ["Qwen3ForCausalLM"],

@@ -155,8 +155,7 @@ def family_tokenizer(template_text: str, corpus_file: str | Path, tokenizer_conf
 def build_twin(
     models_dir: str | Path, family: str, out_dir: str | Path, *, corpus_file: str | Path, seed: int = 0
 ) -> Path:
-    """Write the tiny twin of `family` into `out_dir` (config.json as the family writes it, shrunk;
-    model.safetensors; tokenizer files with the family's chat template; generation_config.json).
+    """Write the tiny twin of `family` into `out_dir`.
 
     Deterministic in `(family, seed)`. Returns `out_dir`.
 
@@ -237,8 +236,7 @@ STAGE_PROMPTS = (
 
 
 def stage_config(twin: Path, eval_set: Path, device: str = "cpu") -> dict:
-    """The validated pipeline config the stages run under (tiny sizes; `device` = `train.device`:
-    `cpu` runs the bf16 training on CPU, `auto` on a GPU when one is visible)."""
+    """The validated pipeline config the stages run under."""
     from dflash_pipeline.core.config import validate_config
 
     return validate_config(

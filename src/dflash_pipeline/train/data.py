@@ -292,10 +292,8 @@ def open_training_data(
 
 
 def record_prompt_ids(token_shards: Sequence[str | Path], dataset: MappedRecords) -> list[str]:
-    """`prompt_id` of every record of `dataset` (its order), for the held-out split
-    (`train.heldout.heldout_mask`). Reads only the `prompt_id` column of each token
-    shard (`token_shards[s]` is the shard behind `dataset`'s shard `s`, a token index or a feature
-    shard checked against it); a shard without the column gives `<path>:<row>`."""
+    """`prompt_id` of every record of `dataset` (its order), for the held-out split (`train.heldout.heldout_mask`).
+    Reads only the `prompt_id` column of each token shard; a shard without the column gives `<path>:<row>`."""
     import pyarrow.parquet as pq
 
     per_shard = []

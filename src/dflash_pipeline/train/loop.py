@@ -30,10 +30,8 @@ from dflash_pipeline.train.step import StepContext, step_objective
 
 @dataclass
 class RunData:
-    """What a run trains and validates on (opened by `train.run.train`): `records` (the
-    training split of `source.dataset`, a `Subset`), `heldout` (the held-out records, a list),
-    `source` (the `train.data.TrainingData` they come from: their collate function
-    and, with feature shards, the embedding / LM head / target config) and the frozen `target` (None with
+    """What a run trains and validates on (opened by `train.run.train`): `records` (the training split of
+    `source.dataset`, a `Subset`), `heldout` (the held-out records, a list), `source` and the frozen `target` (None with
     feature shards)."""
 
     records: Any
@@ -252,10 +250,8 @@ def _log_window(
     start_step: int,
     extra: Optional[dict] = None,
 ) -> dict:
-    """Reduce the window's slot counts over ranks, append one `train_log.jsonl` record and log it to the
-    trackers (main rank); the `[train]` line carries the ETA. `extra`: more fields of the record (the
-    main rank's stream supply and demand, `train.stream.FeatureStream.window_stats`).
-    Returns the record."""
+    """Reduce the window's slot counts over ranks, append one `train_log.jsonl` record and log it to the trackers
+    (main rank); the `[train]` line carries the ETA. `extra`: more fields of the record. Returns the record."""
     totals = accelerator.reduce(torch.stack([w.correct, w.total]).to(accelerator.device), "sum").cpu()
     tokens = int(accelerator.reduce(torch.tensor(float(w.tokens), device=accelerator.device), "sum"))
     acc = (totals[0] / totals[1].clamp(min=1)).tolist()

@@ -323,10 +323,9 @@ def head_dtype_of(cfg: dict) -> str:
 def settings_from_config(
     cfg: dict, *, num_target_features: int, block_size: int, target_params: int = 0
 ) -> StepSettings:
-    """`StepSettings` of a validated config (`cfg`: the whole config): `train.*`, `tokens.max_length`,
-    `drafter.*`, and where the run trains (`train.device` auto with mixed precision: GPUs, so `flex`
-    attention and a bf16 target unless set; else CPU, `sdpa` and float32). `target_params`: the bytes of
-    the target's weights, counted with `train.target_features: online` only."""
+    """`StepSettings` of a validated config (`cfg`: the whole config): `train.*`, `tokens.max_length`, `drafter.*`,
+    and where the run trains. `target_params`: the bytes of the target's weights, counted with `train.target_features:
+    online` only."""
     tr, dr = cfg["train"], cfg["drafter"]
     gpu = tr["device"] == "auto" and tr["mixed_precision"] != "no"
     backend = tr["attention_backend"] if tr["attention_backend"] != "auto" else ("flex" if gpu else "sdpa")

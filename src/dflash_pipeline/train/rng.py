@@ -26,8 +26,7 @@ STATE_VERSION = 2
 
 
 def dataloader_config(seed: int):
-    """Accelerate's `DataLoaderConfiguration` of the run: the seedable sampler (permutation of epoch e
-    drawn from `seed + e`, identical on every rank; see the module docstring)."""
+    """Accelerate's `DataLoaderConfiguration` of the run: the seedable sampler."""
     from accelerate import DataLoaderConfiguration
 
     return DataLoaderConfiguration(use_seedable_sampler=True, data_seed=int(seed))

@@ -62,9 +62,8 @@ def load_token_shards(
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Read token shards eagerly into `(input_ids int32 [S], loss_mask uint8 [S])` pairs, in path order.
 
-    Not the trainer's path (it memory-maps them: `train.data`, resident memory flat as
-    the dataset grows); kept as the baseline of `bench/bench_features.py` / `bench/bench_train.py` and for
-    small in-memory uses. Records with fewer than `min_loss_tokens` supervised tokens are skipped.
+    Not the trainer's path; kept as the baseline of `bench/bench_features.py` / `bench/bench_train.py` and for small
+    in-memory uses. Records with fewer than `min_loss_tokens` supervised tokens are skipped.
     """
     out = []
     for p in paths:
@@ -76,8 +75,7 @@ def load_token_shards(
 
 
 def with_schema_defaults(cfg: dict) -> dict:
-    """`cfg` (the `train` section) with every key it lacks taken from the config schema's defaults
-    (callers such as tests and benches pass partial dicts; the schema stays the one place for defaults)."""
+    """`cfg` (the `train` section) with every key it lacks taken from the config schema's defaults."""
     return {**schema_defaults("train"), **cfg}
 
 
@@ -182,10 +180,9 @@ def make_accelerator(
     log_with: Optional[list] = None,
     data_seed: int = 0,
 ):
-    """The run's `Accelerator`: CPU when `device` (`train.device`) is `cpu` or no CUDA device is
-    visible, with `mixed_precision` (`train.mixed_precision`; bf16 autocast works on CPU too, which is
-    how the tests exercise it); FSDP2 when `fsdp` (`train.fsdp`, `train.fsdp.make_accelerator`);
-    trackers `log_with` writing under `<out_dir>/trackers`."""
+    """The run's `Accelerator`: CPU when `device` (`train.device`) is `cpu` or no CUDA device is visible, with
+    `mixed_precision`; FSDP2 when `fsdp` (`train.fsdp`, `train.fsdp.make_accelerator`); trackers `log_with` writing
+    under `<out_dir>/trackers`."""
     from accelerate.state import AcceleratorState
 
     cpu = device == "cpu" or not torch.cuda.is_available()
@@ -479,8 +476,7 @@ def _summary(run: TrainRun, log_with, target_dir) -> dict:
 
 
 def _stream_summary(run: TrainRun) -> dict:
-    """`{"stream": supply and demand, peak scratch}` of a `target_features: stream` run (printed as the
-    `[stream]` line; the client is closed here, the last thing that needs it), else `{}`."""
+    """`{"stream": supply and demand, peak scratch}` of a `target_features: stream` run, else `{}`."""
     stream = run.data.source.stream
     if stream is None:
         return {}

@@ -267,9 +267,8 @@ class FeatureStream:
 
 
 def stream_settings(stream: dict) -> dict:
-    """`stream` (the job's stream settings: `features.stream` plus `dtype`, `last_hidden` and the
-    `fleet` knobs) with every key it lacks from the config schema's defaults (tests and direct calls pass
-    partial dicts; the schema stays the one place for defaults)."""
+    """`stream` (the job's stream settings: `features.stream` plus `dtype`, `last_hidden` and the `fleet` knobs) with
+    every key it lacks from the config schema's defaults."""
     from dflash_pipeline.core.config import load_schema
 
     props = load_schema()["properties"]

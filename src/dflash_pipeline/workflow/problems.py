@@ -20,9 +20,8 @@ from dflash_pipeline.target.chat import tokenizer_files_missing
 
 
 def language_block_problems(cfg: Mapping[str, Any]) -> list[str]:
-    """Problems of the language block (`prompts.languages`, `prompts.min_language_confidence` and the
-    per-source `languages`/`min_language_confidence`) of a validated config: codes the language filter
-    does not know, confidences out of range. Imports the prompts stage only when a filter is configured."""
+    """Problems of the language block of a validated config: codes the language filter does not know, confidences out
+    of range. Imports the prompts stage only when a filter is configured."""
     if not cfg["prompts"].get("languages") and not any(
         src.get("languages") is not None or src.get("min_language_confidence") is not None
         for src in cfg["datasets"].values()
@@ -34,10 +33,8 @@ def language_block_problems(cfg: Mapping[str, Any]) -> list[str]:
 
 
 def cross_field_problems(cfg: Mapping[str, Any], *, base_dir: str | Path | None = None) -> list[str]:
-    """Problems of a validated config that no single key shows, one line each: files that must exist (the
-    target and its tokenizer, the chat template, local dataset and eval set paths, resolved against
-    `base_dir` like the workflow does), no dataset, an eval block size above the trained one,
-    `generation_problems` and `language_block_problems`."""
+    """Problems of a validated config that no single key shows, one line each: files that must exist, no dataset, an
+    eval block size above the trained one, `generation_problems` and `language_block_problems`."""
     out = []
     path = cfg["target"]["path"]
     if path != "demo" and not (Path(path) / "config.json").is_file():
@@ -94,9 +91,8 @@ def cross_field_problems(cfg: Mapping[str, Any], *, base_dir: str | Path | None 
 
 
 def target_architecture_problems(target_dir: str | Path) -> list[str]:
-    """The probe's refusal of the target's architecture, read from `<target_dir>/config.json` alone
-    (`probe.checks.raw_config_refusal`: attention-free, looped layers, per-layer
-    sizes, no context length …), as one `target.path` line; [] when the probe would not refuse it there.
+    """The probe's refusal of the target's architecture, read from `<target_dir>/config.json` alone, as one
+    `target.path` line; [] when the probe would not refuse it there.
 
     The probe rule runs the same check, but completions do not wait for it (the probe record is not their
     input, so that upgrading never reruns them): refusing at plan time stops `snakemake` before the first
