@@ -108,9 +108,7 @@ def _settle_model(model: str | None, served: Sequence[tuple[str, list[str]]], *,
 class _Fleet:
     """Endpoints with least-outstanding-requests selection, take-out/re-probe and a circuit breaker.
 
-    `model` is the model id sent (`generation.model`, one settled earlier in the job, or None until
-    `start` settles it from `GET /models`). Single event loop, no locks: state changes happen
-    between awaits.
+    `model` is the model id sent. Single event loop, no locks: state changes happen between awaits.
     """
 
     def __init__(self, endpoints: list[_Endpoint], gen_cfg: dict, model: str | None = None):

@@ -42,9 +42,8 @@ def should_retry(status: int) -> bool:
 
 
 def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
-    """Seconds to wait from a `Retry-After` header value (RFC 9110 §10.2.3): delay-seconds (`"2"`,
-    `"0.5"`, as given) or an HTTP-date (`"Wed, 21 Oct 2015 07:28:00 GMT"`: the seconds from `now`,
-    Unix time, default `time.time()`, to it; 0.0 when it has passed). None when absent or unparseable."""
+    """Seconds to wait from a `Retry-After` header value (RFC 9110 §10.2.3): delay-seconds (`"2"`, `"0.5"`, as given)
+    or an HTTP-date. None when absent or unparseable."""
     if value is None:
         return None
     try:

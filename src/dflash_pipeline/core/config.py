@@ -237,8 +237,7 @@ def _schema_node(path: Sequence[str]) -> Mapping[str, Any]:
 
 
 def schema_default(*path: str) -> Any:
-    """The schema's default of the key at `path` (`schema_default("generation", "api")` -> `"chat"`; `"*"` steps into
-    `additionalProperties`, e.g. `("datasets", "*", "format")`), for code that compares a value with its default.
+    """The schema's default of the key at `path`, for code that compares a value with its default.
 
     Raises:
         KeyError: no such key, or it has no default.

@@ -66,8 +66,7 @@ def replace_dir(src: str | os.PathLike, dst: str | os.PathLike) -> None:
 
 
 def write_tsv(path: str | os.PathLike, columns: Sequence[str], rows: Iterable[Mapping[str, Any]]) -> None:
-    """Write `rows` as a tab-separated table with a header of `columns` (atomic; `None` and missing
-    values are empty cells; keys not in `columns` are ignored)."""
+    """Write `rows` as a tab-separated table with a header of `columns`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     buf = io.StringIO(newline="")

@@ -73,8 +73,7 @@ class DFlashFamily:
         return int(block_size) if self.drafts_from_anchor else int(block_size) - 1
 
     def label_slots(self, block_size: int) -> int:
-        """Same-position label slots a training block of `block_size` reads (one past the block when drafting
-        from the anchor: slot k's label is the token at p+k+1)."""
+        """Same-position label slots a training block of `block_size` reads."""
         return int(block_size) + int(self.drafts_from_anchor)
 
     @property

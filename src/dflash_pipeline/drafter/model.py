@@ -288,8 +288,7 @@ class DFlashDrafter(nn.Module):
     def draft_block(
         self, embed_tokens, lm_head, bonus_token, new_context, start, cache, block_size=None
     ) -> torch.Tensor:
-        """Logits [b, B, V] of `block_hidden`'s block (the output meets `lm_head` in the head's dtype;
-        logits come back in the head's dtype)."""
+        """Logits [b, B, V] of `block_hidden`'s block."""
         hidden = self.block_hidden(embed_tokens, bonus_token, new_context, start, cache, block_size)
         return lm_head(hidden.to(lm_head.weight.dtype))
 

@@ -249,8 +249,7 @@ def loop_dtype(target_dtype: str) -> str:
 
 
 def served_dtype_of_log(log_text: str) -> Optional[str]:
-    """The dtype vLLM says it serves in its start-up log (`… dtype=torch.bfloat16, …` of the engine
-    config line; the last one, after any downcast), None when the log does not say."""
+    """The dtype vLLM says it serves in its start-up log, None when the log does not say."""
     import re
 
     found = re.findall(r"\bdtype=torch\.(\w+)", log_text)

@@ -53,9 +53,8 @@ def content_length(value: str | None, cap: int) -> int:
 
 
 def parse_request(body: bytes, *, vocab_size: int, max_len: int) -> np.ndarray:
-    """Token ids int64 [T] of a request body (`prompt`: a list of ints, or a one-element list of such a
-    list, as the OpenAI API allows). Raises BadRequest naming the field (bodies too deeply nested for the
-    JSON parser and integers of any size included)."""
+    """Token ids int64 [T] of a request body (`prompt`: a list of ints, or a one-element list of such a list, as the
+    OpenAI API allows). Raises BadRequest naming the field."""
     try:
         req = json.loads(body or b"{}")
     except (ValueError, RecursionError) as exc:

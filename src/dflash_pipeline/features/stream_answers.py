@@ -96,10 +96,9 @@ def _under(path: str, root: str) -> bool:
 def open_scratch_answer(path, scratch_dir: str | os.PathLike, max_bytes: int) -> tuple[int, int]:
     """Open the answer file `path` a server named, after checking it may be trusted: `(fd, size)`.
 
-    Accepted only when `path` is a non-empty string whose real path lies under the real path of
-    `scratch_dir`, that names a regular file (not a symlink, device, FIFO or directory) of at most
-    `max_bytes` bytes, and the file opened is that one (no symlink swapped in between the check and the
-    open: `O_NOFOLLOW` and the same inode; on Linux the opened descriptor's own path is checked too).
+    Accepted only when `path` is a non-empty string whose real path lies under the real path of `scratch_dir`, that
+    names a regular file (not a symlink, device, FIFO or directory) of at most `max_bytes` bytes, and the file opened is
+    that one.
 
     Raises:
         UntrustedAnswer: any check fails (nothing has been read or deleted).

@@ -18,8 +18,7 @@ _SKIP = ("vision", "visual", "audio", "image", "mtp", "speech", "talker", "draft
 
 
 def weight_map(target_dir: str | Path) -> dict[str, str]:
-    """Tensor name → file name of a target checkpoint (`model.safetensors.index.json`, else the headers
-    of every `*.safetensors` file in the directory).
+    """Tensor name → file name of a target checkpoint.
 
     Raises:
         FileNotFoundError: no safetensors weights in `target_dir`.

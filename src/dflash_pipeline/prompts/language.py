@@ -124,7 +124,7 @@ def language_problems(prompts_cfg: Mapping[str, Any], datasets: Mapping[str, Map
 
 
 def _source_languages(default: Sequence[str] | None, name: str, src: Mapping[str, Any]) -> tuple[list[str] | None, str]:
-    """(effective allow-list of source `name` or None for no filter, the config key it comes from)."""
+    """`(allow-list or None, config key)` of source `name`."""
     own = src.get("languages")
     if own == ANY_LANGUAGE:
         return None, f"datasets.{name}.languages"

@@ -152,8 +152,7 @@ def extra_config(name: str) -> dict:
 
 
 def extra_source_dir(models_dir: str | Path, name: str, out: str | Path) -> Path:
-    """A corpus-style directory `out/<name>` for an extra family (config.json + the template family's chat template
-    and tokenizer_config.json); returns `out`."""
+    """A corpus-style directory `out/<name>` for an extra family; returns `out`."""
     from dflash_pipeline.testing.zoo_templates import family_template_text
 
     root = Path(out)
@@ -363,8 +362,7 @@ TWIN_OVERRIDES: dict[str, dict] = {
 
 
 def type_source_dir(models_dir: str | Path, model_type: str, out: str | Path) -> Path:
-    """A corpus-style directory `out/type:<model_type>` for a swept type (its defaults config with `TWIN_OVERRIDES`,
-    the `TEMPLATE_FAMILY` chat template and tokenizer config); returns `out`.
+    """A corpus-style directory `out/type:<model_type>` for a swept type; returns `out`.
 
     Raises:
         KeyError: `model_type` is not a swept type.

@@ -139,12 +139,11 @@ def step_objective(ctx: StepContext, batch: dict) -> L.LossOutput:
 
 
 def _batch_features(ctx: StepContext, batch: dict) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """`(features [b, S, K·H], target last hidden [b, S, H] or None)` of `batch`, without gradients:
-    the feature shards' when the batch carries them (`features`, `target_last_hidden` pre-norm, passed
-    through `ctx.final_norm`), zeros for the
-    ablation (`zero_target_features`; the target runs only when `kl` needs its teacher), else the
-    target's forward (packed rows keep records apart, `train.packing.packed_target_features`).
-    The last hidden state (final-normed: the LM head's input) is kept for `kl` only.
+    """`(features [b, S, K·H], target last hidden [b, S, H] or None)` of `batch`, without gradients: the feature
+    shards' when the batch carries them, zeros for the ablation (`zero_target_features`; the target runs only when `kl`
+    needs its teacher), else the target's forward (packed rows keep records apart,
+    `train.packing.packed_target_features`). The last hidden state (final-normed: the LM head's input) is kept for `kl`
+    only.
 
     Raises:
         ValueError: `kl` without the target's last hidden state (feature shards written without it), or a

@@ -289,9 +289,7 @@ def stream_settings(stream: dict) -> dict:
 
 
 def _cache(st: dict, out_dir, probe: dict, k: int, h: int, last: bool):
-    """The `FeatureCache` of `features.stream.cache:
-    first_epoch` (under `cache_dir`, default `<out_dir>/stream_cache`, one `rank<R>` directory per
-    process: `$RANK`), else None."""
+    """The `FeatureCache` of `features.stream.cache: first_epoch`, else None."""
     if st["cache"] == "none":
         return None
     import os

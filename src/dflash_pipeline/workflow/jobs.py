@@ -16,9 +16,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 
 def tokenize_args(tokens_cfg: Mapping[str, Any], chat_template: Optional[str], trust_remote_code: bool) -> str:
-    """The settings part of the `tokenize` command line, shell-quoted: `--tokens JSON` (key order kept,
-    so the job sees the dict the rule's `params.tokens` holds), `--chat-template FILE` when one is set,
-    `--trust-remote-code` when on."""
+    """The settings part of the `tokenize` command line, shell-quoted: `--tokens JSON`, `--chat-template FILE` when
+    one is set, `--trust-remote-code` when on."""
     args = ["--tokens", json.dumps(dict(tokens_cfg))]
     if chat_template is not None:
         args += ["--chat-template", str(chat_template)]

@@ -111,10 +111,8 @@ def probe_matches(record: dict, drafter: dict) -> bool:
 
 
 def probe_record_path(results: str, run: str, drafter: dict, *, root: str | os.PathLike = ".") -> str:
-    """The probe record of run `run`: `<results>/probe/<run>.json` (the target's facts and this run's
-    drafter decisions, so another run in the same results directory never rewrites it), or the shared
-    `<results>/probe/target.json` while it holds this run's decisions (`probe_matches`), so an existing results
-    directory reruns nothing."""
+    """The probe record of run `run`: `<results>/probe/<run>.json`, or the shared `<results>/probe/target.json` while
+    it holds this run's decisions (`probe_matches`), so an existing results directory reruns nothing."""
     legacy = Path(root) / results / "probe" / "target.json"
     try:
         record = json.loads(legacy.read_text(encoding="utf-8"))

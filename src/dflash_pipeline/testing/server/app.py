@@ -105,8 +105,7 @@ class TestServer:
     # -- lifecycle ------------------------------------------------------------------------------
     @property
     def base_url(self) -> str:
-        """`http://<host>:<port>/v1` (what a client passes as `base_url`; 127.0.0.1 when bound to
-        every interface)."""
+        """`http://<host>:<port>/v1`."""
         host = "127.0.0.1" if self.host in ("", "0.0.0.0", "::") else self.host
         return f"http://[{host}]:{self.port}/v1" if ":" in host else f"http://{host}:{self.port}/v1"
 
