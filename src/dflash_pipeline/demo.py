@@ -283,8 +283,9 @@ def build_demo_target(
         num_threads: torch intra-op threads (None = torch's); determinism holds for a fixed count.
         log: callable for progress lines (None = silent).
 
-    Writes the model and tokenizer files, `chat_template.jinja` and `demo_target.json` (build facts and
-    `params`, the settings asked for as config `target.demo` names them).
+    Writes the model and tokenizer files, `chat_template.jinja` and `demo_target.json` (build facts: seed,
+    steps, final loss, seconds, `len(tokenizer)`, `vocab_size`, ...; and `params`, the settings asked for as config
+    `target.demo` names them).
 
     Raises:
         DataError: unreadable corpus."""

@@ -152,7 +152,8 @@ def generate_shard(
         backend: an already built backend; default from `gen_cfg["backend"]`.
 
     Returns:
-        The stats (`contracts.CompletionStats`): the whole shard's counts, this run's in `run`.
+        The stats (`contracts.CompletionStats`): the whole shard's counts, this run's (resumed,
+        generated, seconds, rates, request counters) in `run`.
 
     Raises:
         GenerationError: the circuit breaker opened, or more than `max_error_fraction` of the shard

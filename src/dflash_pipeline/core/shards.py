@@ -147,6 +147,8 @@ class ParquetStreamWriter:
 
     Same file format as `write_parquet`. Rows go to a temporary file in the destination directory that is fsynced and
     renamed into place on `close`; an exception inside the `with` block removes it.
+    Equal rows, batch boundaries and metadata give equal bytes, and an identical existing file is kept (mtime
+    unchanged).
     """
 
     def __init__(self, path: str | os.PathLike, schema: pa.Schema):

@@ -28,7 +28,8 @@ def load_eval_sets(
     (`load_long_conversations`; needs `count_tokens(messages)`, the rendered length).
 
     Returns `(sets, info)`: name → records, and name → `{path, format, num_samples, available,
-    excluded_training_prompts, num_prompts, num_turns}` (+ `build_to_tokens`, `context_tokens`).
+    excluded_training_prompts, num_prompts, num_turns}` (+ `build_to_tokens` and `context_tokens`, the mean
+    rendered tokens before the answered turn).
 
     Raises:
         ConfigError: a set left with no prompt (every one was a training prompt)."""

@@ -209,7 +209,7 @@ def run_facts(
     """What the header shows, from the run's records (any may be missing; its facts are then None).
 
     `checkpoint`: the drafter's `final/` (its `config.json`; `train_summary.json` beside it).
-    `benchmark_dir`: `results/benchmarks`. Rows: the report tables.
+    `benchmark_dir`: `results/benchmarks` (wall time: the jobs' summed seconds). Rows: the report tables.
     """
     from dflash_pipeline.report.tables import _benchmark_seconds
 

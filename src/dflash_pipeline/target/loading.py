@@ -290,8 +290,8 @@ def hidden_states_of(
     target, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *, need_logits: bool = False, **kw
 ):
     """Forward the target with `output_hidden_states`; returns the model output, whose `hidden_states` is the
-    (L + 1)-tuple of [b, S, H] (index 0 the embeddings, index L after the final norm; parallel streams collapsed
-    by `collapse_streams`) and `logits` [b, S, V] with `need_logits`, else at most [b, 1, V]
+    (L + 1)-tuple of [b, S, H] (index 0 the embeddings, index L after the final norm; `[b, S, n, H]`
+    parallel streams collapsed by `collapse_streams`) and `logits` [b, S, V] with `need_logits`, else at most [b, 1, V]
     (`logits_to_keep=1`: training never materialises full-vocabulary logits)."""
     if not need_logits and "logits_to_keep" in _forward_params(target):
         kw.setdefault("logits_to_keep", 1)

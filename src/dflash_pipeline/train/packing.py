@@ -70,7 +70,8 @@ class PackedDataset(torch.utils.data.Dataset):
 def collate_packed(rows, pad_id: int = 0) -> dict[str, torch.Tensor]:
     """Concatenate each row's records and right-pad rows to the longest.
 
-    Returns `input_ids` long, `loss_mask` uint8, `attention_mask` long, `position_ids` long, `segment_ids` long (record
+    Returns `input_ids` long, `loss_mask` uint8, `attention_mask` long (1 on record tokens), `position_ids` long,
+    `segment_ids` long (record
     slot in the row; −1 on padding), all [b, S_max], and `num_records` long [b]. Records from feature shards also give
     `features` [b, S_max, K*H] (and `target_last_hidden` [b, S_max, H]), each record's own at its segment, zero on
     padding.
