@@ -380,7 +380,7 @@ def stale_files(repo: Path = REPO) -> list[Path]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """CLI (module docstring): write every generated file, or with `--check` return 1 when one differs."""
+    """CLI (module docstring): write every generated file, or with `--check` exit with 1 when one differs."""
     ap = argparse.ArgumentParser(prog="python -m dflash_pipeline.docs_gen", description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 listing the files that differ")
     ap.add_argument("--repo", default=str(REPO), help="repository root (default: this checkout)")
