@@ -1,10 +1,8 @@
 """dflash-pipeline: build a servable DFlash drafter from a target LLM, prompt datasets and endpoints.
 
-Stages (a module or package each, data flows one way; README "Layout" maps them to rules, contracts, tests):
-``demo`` (tiny target) -> ``probe`` -> ``prompts`` -> ``completions`` -> ``tokens`` -> [``features``] ->
-``train`` -> ``evaluate`` (+ ``evaluate_engine``) -> ``report``.
-The drafter itself lives in :mod:`dflash_pipeline.drafter.model`; record schemas in :mod:`dflash_pipeline.core.contracts`;
-atomic shard I/O in :mod:`dflash_pipeline.core.shards`.
+Stages (data flows one way; docs/reference/layout.md): `demo` -> `probe` -> `prompts` -> `completions` ->
+`tokens` -> [`features`] -> `train` -> `evaluate` -> `report`. The drafter is `drafter.model`; record
+schemas are in `core.contracts`.
 """
 
 __version__ = "0.1.0"

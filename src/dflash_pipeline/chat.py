@@ -1,4 +1,4 @@
-"""Deprecated: ``dflash_pipeline.chat`` moved to :mod:`dflash_pipeline.target.chat` (kept for one release)."""
+"""Deprecated: `dflash_pipeline.chat` moved to `target.chat` (kept for one release)."""
 
 from dflash_pipeline.core.faces import moved_module
 

@@ -1,23 +1,18 @@
 """The tiny demo target: a Qwen3-architecture causal LM with its own BPE tokenizer and chat template.
 
-Used when ``target.path: demo`` (DESIGN.md §1). :func:`build_demo_target` trains a byte-level BPE
-tokenizer on the bundled corpus, builds a small ``Qwen3ForCausalLM`` and trains it briefly (≈2 minutes
-on 2 CPU cores at the defaults) on GSM8K train Q/A pairs (+ ShareGPT first exchanges) rendered as chat
-conversations with thinking disabled, with the loss on assistant tokens only. Greedy continuations then
-look like GSM8K answers, which gives the drafter something structured to learn.
+Used when `target.path: demo`. `build_demo_target` trains a byte-level BPE tokenizer on the bundled
+corpus and a small `Qwen3ForCausalLM` (≈2 minutes on 2 CPU cores) on GSM8K and ShareGPT exchanges
+rendered as chat with thinking disabled, loss on assistant tokens only.
 
-Facts of the result that other stages rely on:
+Facts other stages rely on:
 
-* The chat template behaves like Qwen3's (system message, multi-turn, ``reasoning_content``,
-  ``enable_thinking``): with ``enable_thinking=False`` the generation prompt ends in
-  ``<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n``, and the last assistant turn of a rendered
-  conversation carries a ``<think>…</think>`` block exactly as Qwen3 renders it.
-* ``config.vocab_size`` = ``len(tokenizer)`` rounded **up** to a multiple of 64 and strictly greater, so
-  at least one embedding row lies past the real tokens (row ``len(tokenizer)`` becomes the drafter's mask
-  token, like Qwen3-8B's 151669).
-* eos is ``<|im_end|>``; ``generation_config.eos_token_id`` is ``[<|im_end|>, <|endoftext|>]`` (several
-  eos ids, as Qwen3 ships); pad is ``<|endoftext|>``.
-* Same arguments (and same ``num_threads``) → byte-identical tokenizer and weights.
+* The chat template behaves like Qwen3's: with `enable_thinking=False` the generation prompt ends in
+  `<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n`.
+* `config.vocab_size` = `len(tokenizer)` rounded up to a multiple of 64 and strictly greater (row
+  `len(tokenizer)` becomes the drafter's mask token).
+* eos is `<|im_end|>`; `generation_config.eos_token_id` is `[<|im_end|>, <|endoftext|>]`; pad is
+  `<|endoftext|>`.
+* Same arguments (and `num_threads`) → byte-identical tokenizer and weights.
 """
 
 from __future__ import annotations
@@ -57,7 +52,7 @@ MAX_SEQ_LEN = 256  # training sequence length and the tokenizer's model_max_leng
 MODEL_MAX_LENGTH = 1024
 
 #: Qwen3's chat template without the tool-calling branches; same output for system/user/assistant
-#: messages, ``reasoning_content``, multi-turn and ``enable_thinking`` (checked in tests/unit/demo/test_demo.py).
+#: messages, `reasoning_content`, multi-turn and `enable_thinking` (checked in tests/unit/demo/test_demo.py).
 CHAT_TEMPLATE = """\
 {%- if messages[0].role == 'system' %}
     {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
@@ -105,16 +100,15 @@ CHAT_TEMPLATE = """\
 """
 
 
-# --------------------------------------------------------------------------------------------------
-# corpus
+# --- corpus
 
 
 def load_corpus(corpus_files: Sequence[str | os.PathLike]) -> list[list[dict]]:
     """Read chat conversations from the bundled corpus files.
 
-    Accepted shapes: ``.jsonl`` with ``question``/``answer`` (GSM8K) → ``[user, assistant]``;
-    ``.json`` list of ShareGPT records (``conversations`` of ``{from, value}``) → the first
-    human/gpt exchange. Returns conversations as lists of ``{role, content}`` in file order.
+    Accepted shapes: `.jsonl` with `question`/`answer` (GSM8K) → `[user, assistant]`;
+    `.json` list of ShareGPT records (`conversations` of `{from, value}`) → the first
+    human/gpt exchange. Returns conversations as lists of `{role, content}` in file order.
 
     Raises:
         DataError: unreadable file or a record of neither shape (names file and line/index).
@@ -153,17 +147,15 @@ def load_corpus(corpus_files: Sequence[str | os.PathLike]) -> list[list[dict]]:
     return convs
 
 
-# --------------------------------------------------------------------------------------------------
-# tokenizer
+# --- tokenizer
 
 
 def train_tokenizer(texts: Iterable[str], *, vocab_size: int = 1024):
     """Train a byte-level BPE tokenizer and wrap it as a transformers fast tokenizer.
 
-    ``vocab_size`` counts the 3 special tokens; ``<think>``/``</think>`` are added on top (not special),
-    so ``len(tokenizer) == vocab_size + 2`` when the corpus yields enough merges (fewer otherwise).
-    Returns a ``PreTrainedTokenizerFast`` with eos ``<|im_end|>``, pad ``<|endoftext|>``, no bos, the
-    demo chat template and ``model_max_length`` = 1024.
+    `vocab_size` counts the 3 special tokens; `<think>`/`</think>` are added on top (not special), so `len(tokenizer) ==
+    vocab_size + 2` when the corpus yields enough merges. Returns a `PreTrainedTokenizerFast` with eos `<|im_end|>`, pad
+    `<|endoftext|>`, no bos, the demo chat template and `model_max_length` = 1024.
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -194,7 +186,7 @@ def train_tokenizer(texts: Iterable[str], *, vocab_size: int = 1024):
 
 
 def padded_vocab_size(num_tokens: int, multiple: int = 64) -> int:
-    """Embedding rows for ``num_tokens`` real tokens: next multiple of ``multiple`` strictly above it.
+    """Embedding rows for `num_tokens` real tokens: next multiple of `multiple` strictly above it.
 
     >>> padded_vocab_size(1026), padded_vocab_size(1024)
     (1088, 1088)
@@ -202,16 +194,15 @@ def padded_vocab_size(num_tokens: int, multiple: int = 64) -> int:
     return (num_tokens // multiple + 1) * multiple
 
 
-# --------------------------------------------------------------------------------------------------
-# training data
+# --- training data
 
 
 def encode_conversation(tokenizer, messages: list[dict], max_len: int = MAX_SEQ_LEN) -> tuple[list[int], list[int]]:
-    """Render ``messages`` (thinking disabled, i.e. an empty think block before the last answer) and
-    return ``(input_ids, loss_mask)``, both of length ≤ ``max_len``.
+    """Render `messages` (thinking disabled, i.e. an empty think block before the last answer) and
+    return `(input_ids, loss_mask)`, both of length ≤ `max_len`.
 
-    The mask is 1 on the tokens of the assistant's answer text and its ``<|im_end|>``, 0 on the prompt
-    and the template scaffolding (``<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n``).
+    The mask is 1 on the tokens of the assistant's answer text and its `<|im_end|>`, 0 on the prompt
+    and the template scaffolding (`<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n`).
     """
     prompt = tokenizer.apply_chat_template(
         messages[:-1], tokenize=False, add_generation_prompt=True, enable_thinking=False
@@ -225,7 +216,7 @@ def encode_conversation(tokenizer, messages: list[dict], max_len: int = MAX_SEQ_
 
 
 def _batches(examples: list[tuple[list[int], list[int]]], batch_size: int, steps: int, rng: random.Random):
-    """Yield ``steps`` batches; each epoch shuffles, then groups by length so padding stays small."""
+    """Yield `steps` batches; each epoch shuffles, then groups by length so padding stays small."""
     emitted = 0
     while True:
         order = list(range(len(examples)))
@@ -260,8 +251,7 @@ def _collate(batch, pad_id: int):
     return input_ids, attn, labels
 
 
-# --------------------------------------------------------------------------------------------------
-# build
+# --- build
 
 
 def build_demo_target(
@@ -278,32 +268,27 @@ def build_demo_target(
     num_threads: int | None = None,
     log=lambda msg: print(msg, flush=True),
 ) -> Path:
-    """Build the tiny demo target into ``out_dir`` and return ``out_dir``.
+    """Build the tiny demo target into `out_dir` (atomically: a sibling temp dir renamed into place,
+    replacing an existing one) and return `out_dir`.
 
     Args:
-        out_dir: destination directory; written via a sibling temp dir and renamed into place, so a
-            crash never leaves a half target (an existing ``out_dir`` is replaced).
-        corpus_files: GSM8K-style ``.jsonl`` and/or ShareGPT ``.json`` files (see :func:`load_corpus`).
+        corpus_files: GSM8K-style `.jsonl` and/or ShareGPT `.json` files (`load_corpus`).
         seed: seeds corpus shuffling, model init and batch order.
-        vocab_size: BPE vocabulary asked of the trainer (incl. 3 special tokens; ``<think>``/``</think>``
-            come on top). The model's ``vocab_size`` is ``padded_vocab_size(len(tokenizer))``.
-        hidden_size: model width; heads = hidden_size // 32 (head_dim 32), KV heads = heads // 2,
-            intermediate = 3 * hidden_size.
+        vocab_size: BPE vocabulary (incl. 3 special tokens; `<think>`/`</think>` on top); the model's is
+            `padded_vocab_size(len(tokenizer))`.
+        hidden_size: model width; head_dim 32, KV heads = heads // 2, intermediate = 3 * hidden_size.
         num_hidden_layers: decoder layers (≥ 4 so the DFlash layer formula applies).
-        train_steps: AdamW steps (lr ``lr``, 5% warmup then cosine to 10%) on batches of ``batch_size``
-            conversations of ≤ 256 tokens; 0 leaves the random init.
-        num_threads: torch intra-op threads (None = leave torch's setting). Determinism holds for a
-            fixed thread count.
+        train_steps: AdamW steps (5% warmup then cosine to 10% of `lr`) on `batch_size` conversations of
+            ≤ 256 tokens; 0 leaves the random init.
+        num_threads: torch intra-op threads (None = torch's); determinism holds for a fixed count.
         log: callable for progress lines (None = silent).
 
-    Writes: ``config.json``, ``model.safetensors``, ``generation_config.json``, ``tokenizer.json``,
-    ``tokenizer_config.json``, ``chat_template.jinja`` and ``demo_target.json`` (build facts: seed,
-    steps, final loss, seconds, ``len(tokenizer)``, ``vocab_size``, ..., and ``params``: the settings asked
-    for, as config ``target.demo`` names them).
+    Writes the model and tokenizer files, `chat_template.jinja` and `demo_target.json` (build facts: seed,
+    steps, final loss, seconds, `len(tokenizer)`, `vocab_size`, ...; and `params`, the settings asked for as config
+    `target.demo` names them).
 
     Raises:
-        DataError: unreadable corpus (see :func:`load_corpus`).
-    """
+        DataError: unreadable corpus."""
     log = log or (lambda msg: None)
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
@@ -321,7 +306,7 @@ def build_demo_target(
 
 @dataclasses.dataclass(frozen=True)
 class _Settings:
-    """The build settings of :func:`build_demo_target` (its arguments of the same names) that its steps share."""
+    """The build settings of `build_demo_target` (its arguments of the same names) that its steps share."""
 
     seed: int
     vocab_size: int  # asked of the BPE trainer (the model's is padded_vocab_size(len(tokenizer)))
@@ -334,8 +319,8 @@ class _Settings:
 
 @contextlib.contextmanager
 def _seeded_deterministic_torch(seed: int, num_threads: int | None) -> Iterator[None]:
-    """Set torch's intra-op threads (when given; left so afterwards), seed ``random`` and torch with ``seed``
-    and turn on torch's deterministic algorithms for the ``with`` block (the previous setting is restored)."""
+    """Set torch's intra-op threads (when given; left so afterwards), seed `random` and torch with `seed`
+    and turn on torch's deterministic algorithms for the `with` block (the previous setting is restored)."""
     import torch
 
     if num_threads is not None:
@@ -351,9 +336,8 @@ def _seeded_deterministic_torch(seed: int, num_threads: int | None) -> Iterator[
 
 
 def _init_tokenizer_and_model(convs: list[list[dict]], settings: _Settings, log):
-    """Train the BPE tokenizer on every message of ``convs``, then build the randomly initialised
-    ``Qwen3ForCausalLM`` (torch re-seeded with ``settings.seed`` first, so its init does not depend on the
-    tokenizer training); returns ``(tokenizer, model)``."""
+    """Train the BPE tokenizer on every message of `convs`, then build the randomly initialised `Qwen3ForCausalLM`;
+    returns `(tokenizer, model)`."""
     import torch
 
     tokenizer = train_tokenizer([m["content"] for c in convs for m in c], vocab_size=settings.vocab_size)
@@ -366,7 +350,7 @@ def _init_tokenizer_and_model(convs: list[list[dict]], settings: _Settings, log)
 
 
 def _training_examples(tokenizer, convs: list[list[dict]]) -> list[tuple[list[int], list[int]]]:
-    """``(input_ids, loss_mask)`` of every conversation (:func:`encode_conversation`), leaving out those
+    """`(input_ids, loss_mask)` of every conversation (`encode_conversation`), leaving out those
     whose answer was cut off entirely (no loss token)."""
     examples = [encode_conversation(tokenizer, c) for c in convs]
     return [e for e in examples if sum(e[1]) > 0]
@@ -381,10 +365,9 @@ def _build_facts(
     corpus_files: Sequence[str | os.PathLike],
     len_tokenizer: int,
 ) -> dict:
-    """The build facts written to ``demo_target.json`` (``seconds`` is set by :func:`_write_demo`);
-    ``final_loss`` is the mean of the last 20 training losses; ``params`` the ``target.demo`` settings it was
-    built with (``vocab_size`` there: the vocabulary asked of the tokenizer trainer), which
-    :mod:`dflash_pipeline.workflow.keyed_paths` reads back as the directory's key."""
+    """The build facts written to `demo_target.json`; `final_loss` is the mean of the last 20 training losses;
+    `params` the `target.demo` settings it was built with, which `workflow.keyed_paths` reads back as
+    the directory's key."""
     import torch
 
     tail = losses[-20:]
@@ -419,7 +402,7 @@ def _build_facts(
 
 
 def _demo_config(tokenizer, hidden_size: int, num_hidden_layers: int):
-    """The demo's ``Qwen3Config``: head_dim 32, GQA 2:1, tied embeddings, padded vocab (module docstring)."""
+    """The demo's `Qwen3Config`: head_dim 32, GQA 2:1, tied embeddings, padded vocab (module docstring)."""
     from transformers import Qwen3Config
 
     heads = max(1, hidden_size // 32)
@@ -441,7 +424,7 @@ def _demo_config(tokenizer, hidden_size: int, num_hidden_layers: int):
 
 
 def _train_demo(model, tokenizer, examples, settings: _Settings, log):
-    """AdamW (5% warmup, cosine to 10%) on the assistant tokens; returns ``(losses, seconds)``; model in eval mode."""
+    """AdamW (5% warmup, cosine to 10%) on the assistant tokens; returns `(losses, seconds)`; model in eval mode."""
     import torch
 
     seed, train_steps, batch_size, lr = settings.seed, settings.train_steps, settings.batch_size, settings.lr
@@ -475,7 +458,7 @@ def _train_demo(model, tokenizer, examples, settings: _Settings, log):
 
 
 def _write_demo(out_dir: Path, model, tokenizer, facts: dict, t0: float) -> None:
-    """Write model, tokenizer, generation config and ``demo_target.json`` via a sibling temp dir + rename."""
+    """Write model, tokenizer, generation config and `demo_target.json` via a sibling temp dir + rename."""
     from transformers import GenerationConfig
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -501,7 +484,7 @@ def _write_demo(out_dir: Path, model, tokenizer, facts: dict, t0: float) -> None
 
 
 def greedy_answer(target_dir: str | os.PathLike, question: str, *, max_new_tokens: int = 96) -> str:
-    """Greedy answer of the target at ``target_dir`` to one user ``question`` (thinking disabled).
+    """Greedy answer of the target at `target_dir` to one user `question` (thinking disabled).
 
     A convenience for eyeballing the demo target; returns the decoded new text without special tokens.
     """
@@ -521,7 +504,7 @@ def greedy_answer(target_dir: str | os.PathLike, question: str, *, max_new_token
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI: ``python -m dflash_pipeline.demo OUT_DIR [--train-steps N] [--seed S] ...``."""
+    """CLI: `python -m dflash_pipeline.demo OUT_DIR [--train-steps N] [--seed S] ...`."""
     ap = argparse.ArgumentParser(prog="python -m dflash_pipeline.demo", description=__doc__.split("\n")[0])
     ap.add_argument("out_dir")
     ap.add_argument("--corpus", nargs="+", default=list(DEFAULT_CORPUS_FILES), dest="corpus_files", metavar="CORPUS")

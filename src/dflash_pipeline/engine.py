@@ -1,4 +1,4 @@
-"""Deprecated: ``dflash_pipeline.engine`` moved to :mod:`dflash_pipeline.evaluate.vllm_server` (kept for one release)."""
+"""Deprecated: `dflash_pipeline.engine` moved to `evaluate.vllm_server` (kept for one release)."""
 
 from dflash_pipeline.core.faces import moved_module
 

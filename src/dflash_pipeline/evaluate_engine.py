@@ -1,5 +1,5 @@
-"""Deprecated: ``dflash_pipeline.evaluate_engine`` moved to :mod:`dflash_pipeline.evaluate.engine_acceptance`
-and :mod:`dflash_pipeline.evaluate.engine_vs_loop` (kept for one release)."""
+"""Deprecated: `dflash_pipeline.evaluate_engine` moved to `evaluate.engine_acceptance`
+and `evaluate.engine_vs_loop` (kept for one release)."""
 
 from dflash_pipeline.core.faces import moved_module
 

@@ -1,4 +1,4 @@
-"""Deprecated: ``dflash_pipeline.model`` moved to :mod:`dflash_pipeline.drafter.model` (kept for one release)."""
+"""Deprecated: `dflash_pipeline.model` moved to `drafter.model` (kept for one release)."""
 
 from dflash_pipeline.core.faces import moved_module
 

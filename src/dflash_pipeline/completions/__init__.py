@@ -1,83 +1,15 @@
 """Completions stage: regenerate every assistant turn of a prompt shard with the target.
 
-One prompt shard (``contracts.PROMPT_SCHEMA``) becomes one completion shard
-(``contracts.COMPLETION_SCHEMA``), via :func:`generate_shard`. Each user turn is answered against the
-*regenerated* history, as a serving client would send it: ``system?, user1, assistant1, user2,
-assistant2, ...`` where every assistant message (its ``content``, plus ``reasoning_content`` when there is
-one, which Qwen3-style templates read) was produced by the target in this run.
+One prompt shard (`contracts.PROMPT_SCHEMA`) becomes one completion shard (`contracts.COMPLETION_SCHEMA`)
+via `generate_shard`; each user turn is answered against the regenerated history. Backends
+(`generation.backend`) share one interface (`Backend`): `transformers` (the target in-process, batched,
+greedy at `temperature == 0`) and `openai` (`AsyncOpenAI` clients over a fleet of SGLang/vLLM servers:
+balancing, retries, take-out and re-probe, a circuit breaker, the served-model check; `generation.api:
+completions` sends token ids rendered here). The API key comes from the variable named by `api_key_env`;
+records, sidecars, stats and logs carry base URLs without credentials.
 
-Backends (``generation.backend``), behind one interface (:class:`Backend`):
-
-* ``transformers`` (default): the target in-process; rendered with :func:`chat.render` (the same thinking
-  mapping the tokens stage uses), left-padded batches sorted by prompt length, greedy when
-  ``temperature == 0`` else sampled (seeded per batch).
-* ``openai``: ``AsyncOpenAI`` clients against one or more OpenAI-compatible servers (SGLang, vLLM), with
-  least-outstanding-requests balancing under a per-endpoint concurrency cap, retries with exponential
-  backoff and jitter, endpoints taken out after repeated failures and re-probed (``GET /models``; a warning
-  every 30 s while none is available), and a circuit breaker (see the ``generation.*`` keys in the config
-  schema for every knob). The model sent is checked against each endpoint's ``GET /models`` at start and
-  when a taken-out endpoint answers again: ``generation.model`` must be listed by every endpoint that lists
-  models; unset, the endpoints must list the same models (the first is sent). A rejected key (401/403) or a
-  ``/models`` that answers 404 (a base_url without ``/v1``) is a configuration error, not an outage. Error
-  messages carry the cause chain (a refused connection reads ``Cannot connect to host``), and the HTTP
-  client's per-request INFO lines are silenced while generating.
-  ``generation.api: completions`` (default ``chat``) is the raw mode for servers without a chat endpoint:
-  the same fleet, but each turn's history is rendered here with the target's own template
-  (:func:`chat.render`, the thinking mapping above) and sent to ``POST /completions`` as **token ids**
-  (the render tokenized with ``add_special_tokens=False``, exactly what the transformers backend and the
-  tokens stage use). A string prompt would be tokenized by vLLM/SGLang with special tokens added, so
-  templates that write their own BOS would get it twice. Reasoning is split from ``<think>…</think>`` in
-  the returned text (a generation prompt that already opens ``<think>`` counts as its start).
-
-**Record.** ``messages`` holds the system/user messages as given and each generated assistant message
-with ``content`` (the answer; special tokens skipped, as servers decode) and ``reasoning_content`` (the
-text between ``<think>`` and ``</think>`` when the target thought, else null). ``turns[i]`` describes
-assistant turn ``i``: ``finish_reason`` (``stop|length``), ``prompt_tokens``/``completion_tokens``,
-``prompt_token_ids``/``output_token_ids`` (transformers: always, ``output_token_ids`` including the
-end-of-turn token when generated; openai: only when the server returns them, e.g. vLLM with
-``extra_body: {return_token_ids: true}``), ``latency_s`` (seconds of the successful request; the whole
-batch for transformers) and ``endpoint`` (base URL without credentials, or ``transformers``). ``status``
-is ``truncated`` if any turn hit ``max_tokens`` (later user turns are still answered), ``error`` with
-``error`` naming the turn and cause, else ``ok``.
-
-**Thinking.** ``disable`` sends/renders ``enable_thinking=False`` and rejects (error row, not retried) an
-answer that still carries reasoning; ``save`` sends ``enable_thinking=True`` and, on the openai backend,
-requires ``reasoning_content`` (or ``reasoning``, newer vLLM; or a raw ``<think>…</think>`` in the content,
-which is split locally) — a missing one means the server runs without a reasoning parser; ``none`` uses
-the template's default and keeps whatever reasoning comes back.
-
-**Resume.** Every finished conversation (ok or truncated) is appended as one JSON line, flushed, to the
-progress file (default ``<out>.progress.jsonl``; its first line is a header with the generation settings,
-and a file written under other settings is discarded; so are finished conversations of another model
-than the one the endpoints serve now, with ``generation.model`` unset). A rerun sends only prompts not in
-it, so a killed job re-sends at most its in-flight conversations (with ``client_processes > 1``, also those a client
-process had finished but the parent had not yet written: at most one event-loop turn's worth each). The shard is written atomically in prompt-shard order
-with each prompt exactly once, then the progress file is removed.
-
-**Errors.** A conversation that fails after retries (other 4xx, retries exhausted, reasoning in disable
-mode, ...) goes to the sidecar ``<out>.errors.jsonl`` (rewritten each run), never to the progress file, so
-the next run retries it. If more than ``generation.max_error_fraction`` (default 0) of the shard failed,
-:func:`generate_shard` raises :class:`GenerationError` without writing the shard (finished conversations
-stay in the progress file); otherwise the failed conversations are written as ``status: error`` rows
-with their message, and the sidecar stays next to the shard. Rows never vanish.
-
-**Secrets.** The API key is read from the environment variable named by ``api_key_env`` and handed only
-to the HTTP client; records, sidecars, stats and logs carry base URLs with any ``user:pass@`` removed.
-
-**Layout** (one module per concern; this package re-exports every name the stage's callers use):
-
-========================  ====================================================================
-``records``               :class:`Turn`, :func:`build_record`, thinking checks, :func:`read_prompts`
-``resume``                :class:`ProgressLog` and the progress header's fingerprint
-``retry``                 retry policy: should-retry, retry delay with jitter, ``Retry-After``
-``describe``              one-line descriptions of failures (cause chain, no credentials)
-``fleet``                 endpoints, least-outstanding selection, take-out/re-probe, breaker, model check
-``openai_backend``        :class:`OpenAIBackend` (one request, one conversation, one event loop)
-``workers``               ``generation.client_processes > 1``: client processes and their parent
-``transformers_backend``  :class:`TransformersBackend` (in-process batched generation)
-``stats``                 progress bar, request counters, the shard's stats JSON
-``generate``              :func:`generate_shard` (the orchestrator), :func:`make_backend`
-========================  ====================================================================
+The record, thinking modes, resume and error rows: docs/how-to/server-fleet.md. This package re-exports
+every name the stage's callers use from its modules (docs/reference/layout.md).
 """
 
 from .describe import _describe, _first_line, _root_cause

@@ -10,8 +10,7 @@ from dflash_pipeline.core.errors import strip_url_credentials
 
 
 def _first_line(exc: BaseException | str) -> str:
-    """The first line of ``exc``'s message (or of a server's message string; 300 characters at most,
-    ``user:pass@`` removed from any URL in it), or its type name when it has none."""
+    """The first line of `exc`'s message, or its type name when it has none."""
     text = str(exc)
     if text.strip():
         msg = next(line for line in text.splitlines() if line.strip())[:300]
@@ -21,8 +20,8 @@ def _first_line(exc: BaseException | str) -> str:
 
 
 def _root_cause(exc: BaseException) -> BaseException | None:
-    """The first exception in ``exc``'s cause chain (``__cause__``, else an unsuppressed ``__context__``)
-    whose message differs from ``exc``'s: the deepest of those sharing that message (the most specific
+    """The first exception in `exc`'s cause chain (`__cause__`, else an unsuppressed `__context__`)
+    whose message differs from `exc`'s: the deepest of those sharing that message (the most specific
     type). None when the chain adds nothing."""
     top = _first_line(exc)
     found = None
@@ -43,8 +42,7 @@ def _root_cause(exc: BaseException) -> BaseException | None:
 
 
 def _refused(exc: BaseException) -> bool:
-    """Whether ``exc``'s cause chain holds a refused connection (``ConnectionRefusedError`` / errno
-    ECONNREFUSED: nothing listens at the endpoint's host and port)."""
+    """Whether `exc`'s cause chain holds a refused connection."""
     import errno
 
     seen: set[int] = set()
@@ -58,12 +56,9 @@ def _refused(exc: BaseException) -> bool:
 
 
 def _describe(exc: BaseException) -> str:
-    """One line for logs, take-out lines, error rows and the breaker message: ``HTTP <status>: <message>``
-    or ``<Type>: <message>``, plus ``(cause: <Type>: <message>)`` from the exception's cause chain. The
-    cause matters: openai's aiohttp transport reports a refused connection as ``APITimeoutError: Request
-    timed out.``, whose cause says ``Cannot connect to host ...``: a refused connection is therefore
-    described cause first, ``connection refused: <cause> (reported as APITimeoutError: ...)``. Credentials in
-    URLs are removed."""
+    """One line for logs, take-out lines, error rows and the breaker message: `HTTP <status>: <message>` or
+    `<Type>: <message>`, plus `(cause: ...)` from the cause chain; a refused connection (which openai's aiohttp
+    transport reports as `APITimeoutError`) is described cause first. Credentials in URLs are removed."""
     if isinstance(exc, asyncio.TimeoutError):
         return "timeout"
     if _refused(exc):

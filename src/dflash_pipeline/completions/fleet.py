@@ -1,9 +1,8 @@
 """The fleet of OpenAI-compatible endpoints: least-outstanding-requests selection under each endpoint's
-``max_concurrency``, take-out after ``endpoint_max_failures`` consecutive failures and re-probing
-(``GET /models``, backoff doubling up to ``retry_backoff_max_s``), a warning every :data:`OUTAGE_LOG_S`
-seconds while none is available, and the circuit breaker (every endpoint ``circuit_breaker_failures``
-consecutive failures: the job stops). The model sent is settled and checked here
-(:func:`_settle_model`). Single event loop, no locks: state changes happen between awaits.
+`max_concurrency`, take-out after `endpoint_max_failures` consecutive failures and re-probing
+(`GET /models`, backoff doubling up to `retry_backoff_max_s`), a warning every `OUTAGE_LOG_S` seconds while
+none is available, the circuit breaker, and the model check (`_settle_model`). Single event loop, no
+locks: state changes happen between awaits.
 """
 
 from __future__ import annotations
@@ -58,7 +57,7 @@ def _auth_error(ep: _Endpoint, exc: BaseException) -> ConfigError:
 
 
 def _not_found_error(ep: _Endpoint, exc: BaseException) -> ConfigError:
-    """The error for an endpoint whose ``GET /models`` answers 404: its base_url is not an API root."""
+    """The error for an endpoint whose `GET /models` answers 404: its base_url is not an API root."""
     return ConfigError(
         f"endpoint {ep.url}: GET {ep.url.rstrip('/')}/models answered {_describe(exc)}; base_url usually ends "
         f"with /v1 (e.g. http://host:30000/v1); fix its base_url in generation.endpoints - retrying cannot help"
@@ -66,30 +65,19 @@ def _not_found_error(ep: _Endpoint, exc: BaseException) -> ConfigError:
 
 
 def _model_list(ids: Sequence[str], limit: int = 8) -> str:
-    """``'a', 'b'`` (the first ``limit`` ids, then how many more)."""
+    """`'a', 'b'` (the first `limit` ids, then how many more)."""
     shown = ", ".join(repr(i) for i in ids[:limit])
     return shown + (f" and {len(ids) - limit} more" if len(ids) > limit else "")
 
 
 def _settle_model(model: str | None, served: Sequence[tuple[str, list[str]]], *, configured: bool) -> str | None:
-    """The model to send, checked against what the endpoints list.
-
-    Args:
-        model: ``generation.model``, or the model settled earlier in this job; None = pick one.
-        served: ``(url, ids)`` of every endpoint whose ``GET /models`` answered, in config order (urls
-            redacted). An endpoint listing no model is not judged (some servers list nothing).
-        configured: ``model`` comes from ``generation.model`` (else from an earlier ``/models``), for the
-            message.
-
-    Returns:
-        ``model`` when given; else the first id of the first endpoint listing one; None when no endpoint
-        lists a model.
+    """The model to send: `model` (`generation.model` when `configured`, or settled earlier) when given,
+    else the first id the endpoints list (`served`: `(url, ids)` per answering endpoint; an empty list is
+    not judged); None when none lists one.
 
     Raises:
-        ConfigError: ``model`` is not among the ids an endpoint lists (names each such endpoint, what it
-            lists, and ``generation.model``), or no model is given and the endpoints list different ones
-            (names each endpoint and what it serves).
-    """
+        ConfigError: `model` is not listed by an endpoint, or none is given and the endpoints list
+            different ones (names each endpoint and what it lists)."""
     listing = [(url, list(ids)) for url, ids in served if ids]
     if model:
         bad = [(url, ids) for url, ids in listing if model not in ids]
@@ -120,9 +108,7 @@ def _settle_model(model: str | None, served: Sequence[tuple[str, list[str]]], *,
 class _Fleet:
     """Endpoints with least-outstanding-requests selection, take-out/re-probe and a circuit breaker.
 
-    ``model`` is the model id sent (``generation.model``, one settled earlier in the job, or None until
-    :meth:`start` settles it from ``GET /models``). Single event loop, no locks: state changes happen
-    between awaits.
+    `model` is the model id sent. Single event loop, no locks: state changes happen between awaits.
     """
 
     def __init__(self, endpoints: list[_Endpoint], gen_cfg: dict, model: str | None = None):
@@ -148,7 +134,7 @@ class _Fleet:
             raise self.tripped
 
     def _trip(self, exc: GenerationError | ConfigError) -> None:
-        """Stop the job with ``exc`` (every waiter wakes and raises it)."""
+        """Stop the job with `exc` (every waiter wakes and raises it)."""
         if self.tripped is None:
             self.tripped = exc
         self._wake()
@@ -183,8 +169,7 @@ class _Fleet:
         ep.consecutive_failures = 0
 
     def failure(self, ep: _Endpoint, err: str) -> None:
-        """A failed request on ``ep``: counted while ``ep`` is in (failures of requests already in flight
-        when it was taken out are the same outage); takes it out at ``endpoint_max_failures``."""
+        """A failed request on `ep`: counted while `ep` is in; takes it out at `endpoint_max_failures`."""
         ep.failures += 1
         ep.last_error = err
         if not ep.up:
@@ -217,7 +202,7 @@ class _Fleet:
             )
 
     def _watch_outage(self) -> None:
-        """While every endpoint is taken out, warn every :data:`OUTAGE_LOG_S` seconds (the wait for the
+        """While every endpoint is taken out, warn every `OUTAGE_LOG_S` seconds (the wait for the
         breaker is otherwise silent between re-probes)."""
         if self.tripped is None and not any(ep.up for ep in self.eps):
             if self._outage_since is None:
@@ -251,16 +236,16 @@ class _Fleet:
             self._outage_task = None
 
     async def probe(self, ep: _Endpoint) -> list[str]:
-        """``GET /models`` on ``ep``; records and returns the model ids. Raises what the client raises."""
+        """`GET /models` on `ep`; records and returns the model ids. Raises what the client raises."""
         timeout = min(float(self.cfg["request_timeout_s"]), 30.0)
         page = await asyncio.wait_for(ep.client.with_options(timeout=timeout).models.list(), timeout)
         ep.served = [m.id for m in page.data]
         return ep.served
 
     def _config_error(self, ep: _Endpoint, exc: BaseException) -> ConfigError | None:
-        """The error when ``exc`` from a probe of ``ep`` is a configuration fault retrying cannot fix: the
-        key rejected (401/403), or 404 from an endpoint that never answered ``/models`` (a base_url
-        without ``/v1``); None for an outage."""
+        """The error when `exc` from a probe of `ep` is a configuration fault retrying cannot fix: the
+        key rejected (401/403), or 404 from an endpoint that never answered `/models` (a base_url
+        without `/v1`); None for an outage."""
         status = getattr(exc, "status_code", None)
         if status in AUTH_STATUS:
             return _auth_error(ep, exc)
@@ -300,19 +285,17 @@ class _Fleet:
             return
 
     async def start(self) -> str:
-        """Probe every endpoint (``GET /models``) and settle the model to send (see :func:`_settle_model`).
-        Endpoints that do not answer start taken out (re-probed, and judged once they answer); waits for
-        one to answer or the breaker.
+        """Probe every endpoint (`GET /models`) and settle the model to send (see `_settle_model`).
 
         Returns:
             The model id.
 
         Raises:
-            ConfigError: an endpoint rejects the API key, answers 404 (base_url without ``/v1``), or lists
+            ConfigError: an endpoint rejects the API key, answers 404 (base_url without `/v1`), or lists
                 other models than the one to send, or the endpoints list different models and
-                ``generation.model`` is not set.
+                `generation.model` is not set.
             GenerationError: the breaker opened, or no answering endpoint lists a model and
-                ``generation.model`` is not set.
+                `generation.model` is not set.
         """
         results = await asyncio.gather(*(self.probe(ep) for ep in self.eps), return_exceptions=True)
         for ep, res in zip(self.eps, results):

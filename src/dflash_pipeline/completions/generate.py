@@ -1,5 +1,5 @@
-"""The ``generate_completions`` rule's entry: :func:`generate_shard` (resume, generate what is left, write
-the shard and its stats), :func:`make_backend` and the pre-generation chat-template check."""
+"""The `generate_completions` rule's entry: `generate_shard` (resume, generate what is left, write
+the shard and its stats), `make_backend` and the pre-generation chat-template check."""
 
 from __future__ import annotations
 
@@ -42,11 +42,11 @@ class Backend(Protocol):
 
     def resolve_model(self) -> str:
         """The model name this backend sends and records (may ask the servers). Optional: without it
-        :func:`generate_shard` uses ``model``."""
+        `generate_shard` uses `model`."""
         ...
 
     def run(self, prompts: Sequence[dict], on_done: OnDone, info: RunInfo) -> dict:
-        """Generate all ``prompts``; call ``on_done(record)`` once per conversation as it finishes
+        """Generate all `prompts`; call `on_done(record)` once per conversation as it finishes
         (status ok/truncated/error). Returns backend stats (JSON-able). Raises GenerationError to stop."""
         ...
 
@@ -54,7 +54,7 @@ class Backend(Protocol):
 def make_backend(
     gen_cfg: dict, *, target_dir=None, chat_template=None, trust_remote_code=False, dtype="auto"
 ) -> Backend:
-    """The backend named by ``gen_cfg["backend"]``. Raises ConfigError for an unknown one."""
+    """The backend named by `gen_cfg["backend"]`. Raises ConfigError for an unknown one."""
     if gen_cfg["backend"] == "transformers":
         problems = generation_problems(gen_cfg, target_dir=target_dir)
         if problems:
@@ -77,10 +77,8 @@ def preflight_template(
     chat_template: str | Path | None = None,
     trust_remote_code: bool = False,
 ) -> list[str]:
-    """Before a completions job generates anything: :func:`dflash_pipeline.target.spans.check_template` on the
-    target's tokenizer and template in ``gen_cfg["thinking"]`` (skipped, with a warning, when
-    ``tokens_cfg["use_server_token_ids"]`` is set: those records need no render). Warnings are logged and
-    returned.
+    """Before a completions job generates anything: `target.spans.check_template` on the target's
+    tokenizer and template in `gen_cfg["thinking"]`. Warnings are logged and returned.
 
     Raises:
         ConfigError: the tokens stage could not mask conversations of this template in this mode.
@@ -102,11 +100,9 @@ def preflight_template(
 
 
 def too_long_prompts(prompts: Sequence[dict], tok, gen_cfg: dict, limit: int) -> dict[str, dict]:
-    """Prompts that cannot fit the target's context: the render of the last turn's prompt with every answer
-    before it empty (a lower bound of that prompt: answers only add) plus ``generation.max_tokens`` exceeds
-    ``limit`` (``max_position_embeddings``). The empty answers keep user and assistant alternating, as the
-    regenerated conversation will, so templates that insist on it (Gemma's, Mistral's) render it. Returns
-    ``{prompt_id: example}`` (``prompt_tokens``, ``max_tokens``, ``max_position_embeddings``)."""
+    """Prompts that cannot fit the target's context: the render of the last turn's prompt with every answer before it
+    empty plus `generation.max_tokens` exceeds `limit` (`max_position_embeddings`). Returns `{prompt_id: example}`
+    (`prompt_tokens`, `max_tokens`, `max_position_embeddings`)."""
     from dflash_pipeline.target.chat import render, tools_of
 
     out = {}
@@ -142,31 +138,27 @@ def generate_shard(
     dtype: str = "auto",
     backend: Backend | None = None,
 ) -> dict:
-    """Generate the completion shard for one prompt shard (the ``generate_completions`` rule's entry).
+    """Generate the completion shard for one prompt shard (the `generate_completions` rule's entry).
 
     Args:
-        prompt_shard: Parquet file with ``contracts.PROMPT_SCHEMA``.
-        out_path: completion shard to write (``contracts.COMPLETION_SCHEMA``, atomic).
-        target_dir: the target (weights for the transformers backend; tokenizer and template for openai
-            with ``api: completions``; else unused by openai).
-        gen_cfg: validated ``config["generation"]`` (all defaults filled).
-        chat_template, trust_remote_code, dtype: as ``target.*`` (transformers backend; the first two also
-            for ``api: completions``).
-        progress_path: resume file (default ``<out_path>.progress.jsonl``), removed once the shard is written.
-        errors_path: error sidecar (default ``<out_path>.errors.jsonl``), rewritten each run; removed when
-            a run ends with no errors.
+        prompt_shard: Parquet file with `contracts.PROMPT_SCHEMA`.
+        out_path: completion shard to write (`contracts.COMPLETION_SCHEMA`, atomic).
+        target_dir: the target (transformers backend; tokenizer and template for `api: completions`).
+        gen_cfg: validated `config["generation"]`.
+        chat_template, trust_remote_code, dtype: as `target.*`.
+        progress_path: resume file (default `<out_path>.progress.jsonl`), removed once the shard is written.
+        errors_path: error sidecar (default `<out_path>.errors.jsonl`), rewritten each run.
         stats_path: if given, the stats are written there as JSON.
-        backend: an already built backend (tests, benchmarks); default from ``gen_cfg["backend"]``.
+        backend: an already built backend; default from `gen_cfg["backend"]`.
 
     Returns:
-        The stats (:func:`stats.shard_stats`, :class:`contracts.CompletionStats`): the whole shard's counts
-        at the top level, this run's (resumed, generated, seconds, rates, request counters) in ``run``.
+        The stats (`contracts.CompletionStats`): the whole shard's counts, this run's (resumed,
+        generated, seconds, rates, request counters) in `run`.
 
     Raises:
-        GenerationError: the circuit breaker opened, or more than ``max_error_fraction`` of the shard
+        GenerationError: the circuit breaker opened, or more than `max_error_fraction` of the shard
             failed (the shard is not written; finished conversations stay in the progress file).
-        DataError: malformed prompt shard. ConfigError: bad generation settings.
-    """
+        DataError: malformed prompt shard. ConfigError: bad generation settings."""
     t_start = time.monotonic()
     paths = _Paths.of(out_path, progress_path, errors_path)
     prompts = read_prompts(prompt_shard)
@@ -212,10 +204,8 @@ def generate_shard(
 def _backend_and_model(
     backend: Backend | None, done: dict, prompts: Sequence[dict], paths: _Paths, gen_cfg: dict, **backend_kw
 ) -> tuple[Backend | None, str | None]:
-    """The backend that generates what ``done`` lacks (built by :func:`make_backend` with ``backend_kw``
-    unless given; none is built when nothing is left) and the shard's model name so far: the one this
-    run sends when records were resumed (:func:`_resumed_model`, which drops from ``done`` the records
-    of another model), else that of the resumed records (None when there are none)."""
+    """The backend that generates what `done` lacks and the shard's model name so far: the one this run sends when
+    records were resumed, else that of the resumed records (None when there are none)."""
     model_name = next(iter(done.values())).get("model") if done else None
     if all(p["prompt_id"] in done for p in prompts):
         return backend, model_name
@@ -227,20 +217,20 @@ def _backend_and_model(
 
 
 def _without(prompts: Sequence[dict], skipped: dict[str, dict]) -> list[dict]:
-    """``prompts`` less those in ``skipped`` (by prompt_id), in order."""
+    """`prompts` less those in `skipped` (by prompt_id), in order."""
     return [p for p in prompts if p["prompt_id"] not in skipped]
 
 
 def _report_stats(paths: _Paths, stats: dict, stats_path: str | Path | None) -> None:
-    """The shard's stats as the job reports them: its console line (:func:`_console_summary`) and, when
-    ``stats_path`` is given, the stats JSON there (the rule's ``stats`` output)."""
+    """The shard's stats as the job reports them: its console line (`_console_summary`) and, when
+    `stats_path` is given, the stats JSON there (the rule's `stats` output)."""
     _console_summary(paths, stats)
     if stats_path is not None:
         shards.write_json(stats_path, stats, skip_if_identical=False)
 
 
 def _console_summary(paths: _Paths, stats: dict) -> None:
-    """The job's one console line (:func:`dflash_pipeline.workflow.policy.console`): the shard's counts, this run's."""
+    """The job's one console line (`workflow.policy.console`): the shard's counts, this run's."""
     from dflash_pipeline.core.console import console
 
     run = stats["run"]
@@ -264,7 +254,7 @@ def _console_summary(paths: _Paths, stats: dict) -> None:
 
 
 def _skip_too_long(pending, target_dir, gen_cfg, chat_template, trust_remote_code, paths) -> dict[str, dict]:
-    """Prompts of ``pending`` that cannot fit the target's context (:func:`too_long_prompts`), logged; {}
+    """Prompts of `pending` that cannot fit the target's context (`too_long_prompts`), logged; {}
     when the target's config or tokenizer is not available (then only the backend's own check applies)."""
     limit = context_limit(target_dir)
     if not pending or limit is None:
@@ -297,8 +287,8 @@ def _skip_too_long(pending, target_dir, gen_cfg, chat_template, trust_remote_cod
 
 
 def _skip_summary(skipped: dict[str, dict]) -> dict:
-    """``{"skipped": {reason: n}, "skipped_examples": {reason: [example, ...]}}`` (examples bounded by
-    ``MAX_SKIPPED_EXAMPLES``) for the shard's stats and metadata; all skips so far are ``too_long``."""
+    """`{"skipped": {reason: n}, "skipped_examples": {reason: [example, ...]}}` (examples bounded by
+    `MAX_SKIPPED_EXAMPLES`) for the shard's stats and metadata; all skips so far are `too_long`."""
     examples = list(skipped.values())
     return {"skipped": {"too_long": len(examples)}, "skipped_examples": {"too_long": examples[:MAX_SKIPPED_EXAMPLES]}}
 
@@ -321,7 +311,7 @@ class _Paths:
         )
 
     def finished(self, *, errors: bool) -> None:
-        """The shard is written: its progress file goes, and its error sidecar too unless ``errors``."""
+        """The shard is written: its progress file goes, and its error sidecar too unless `errors`."""
         self.progress.unlink(missing_ok=True)
         if not errors:
             self.errors.unlink(missing_ok=True)
@@ -334,7 +324,7 @@ def _resumable(progress: ProgressLog, prompts: Sequence[dict]) -> dict[str, dict
 
 
 def _stopped(exc: GenerationError, paths: _Paths, done: dict, n_prompts: int) -> GenerationError:
-    """``exc`` with the shard named and what a rerun keeps (``done``: the finished records so far)."""
+    """`exc` with the shard named and what a rerun keeps (`done`: the finished records so far)."""
     kept = (
         f"{len(done)} of {n_prompts} conversations are finished and kept in {paths.progress}; rerunning "
         f"sends only the rest"
@@ -345,8 +335,8 @@ def _stopped(exc: GenerationError, paths: _Paths, done: dict, n_prompts: int) ->
 
 
 def _resumed_model(backend: Backend, done: dict, paths: _Paths, n_prompts: int) -> str | None:
-    """The model this run sends (may ask the servers); drops from ``done`` the records of another model.
-    Raises GenerationError (:func:`_stopped`) when the breaker opened before any endpoint answered."""
+    """The model this run sends (may ask the servers); drops from `done` the records of another model.
+    Raises GenerationError (`_stopped`) when the breaker opened before any endpoint answered."""
     resolve = getattr(backend, "resolve_model", None)
     try:
         with _quiet_http_logs():
@@ -359,8 +349,8 @@ def _resumed_model(backend: Backend, done: dict, paths: _Paths, n_prompts: int) 
 
 
 class _Sink:
-    """Where each finished conversation goes: ok/truncated into ``done`` and the progress file, errors
-    into ``failed`` and the error sidecar; every one to the progress bar. Opened by :func:`_generate`."""
+    """Where each finished conversation goes: ok/truncated into `done` and the progress file, errors
+    into `failed` and the error sidecar; every one to the progress bar. Opened by `_generate`."""
 
     def __init__(self, done: dict, failed: dict, n_prompts: int, skipped: dict | None = None):
         self.done, self.failed, self.n_prompts = done, failed, n_prompts
@@ -398,7 +388,7 @@ class _Sink:
 def _generate(
     backend: Backend, pending: Sequence[dict], gen_cfg: dict, progress: ProgressLog, paths: _Paths, sink: _Sink
 ) -> tuple[str, dict]:
-    """Run ``backend`` on ``pending``, every record into ``sink``. Returns ``(model, backend stats)``."""
+    """Run `backend` on `pending`, every record into `sink`. Returns `(model, backend stats)`."""
     info = RunInfo(model=backend.model, sampling=canonical_json(sampling_params(gen_cfg)), thinking=gen_cfg["thinking"])
     progress.open(sink.done.values())
     paths.errors.parent.mkdir(parents=True, exist_ok=True)
@@ -419,7 +409,7 @@ def _generate(
 
 def _final_records(prompts: Sequence[dict], done: dict, failed: dict, gen_cfg: dict, paths: _Paths) -> list[dict]:
     """The shard's records in prompt-shard order. Raises GenerationError when a prompt has no record (a
-    backend bug) or more than ``max_error_fraction`` of the shard failed."""
+    backend bug) or more than `max_error_fraction` of the shard failed."""
     missing = [p["prompt_id"] for p in prompts if p["prompt_id"] not in done and p["prompt_id"] not in failed]
     if missing:  # a backend bug, never silently dropped
         raise GenerationError(

@@ -1,12 +1,9 @@
-"""The openai backend (``generation.backend: openai``): ``AsyncOpenAI`` clients against the fleet of
-OpenAI-compatible servers (SGLang, vLLM), ``POST /chat/completions`` (``generation.api: chat``) or
-``POST /completions`` with token ids of the local render (``api: completions``).
+"""The openai backend (`generation.backend: openai`): `AsyncOpenAI` clients against the fleet, `POST
+/chat/completions` (`generation.api: chat`) or `POST /completions` with token ids (`api: completions`).
 
-One request is :meth:`OpenAIBackend._complete`: acquire an endpoint, one attempt
-(:meth:`OpenAIBackend._attempt`), release it, then act on the :class:`retry.Failure` (see
-:mod:`.retry`). A conversation is its user turns answered in order against the regenerated history
-(:meth:`OpenAIBackend._conversation`); :meth:`OpenAIBackend.run` runs them on one event loop, or on
-several client processes (:mod:`.workers`) with ``generation.client_processes > 1``.
+One request (`_complete`): acquire an endpoint, one attempt, release it, act on the `retry.Failure`. A
+conversation answers its user turns in order; `run` runs them on one event loop or on client processes
+(`.workers`).
 """
 
 from __future__ import annotations
@@ -49,7 +46,7 @@ log = logging.getLogger(__package__)  # one logger for the whole completions sta
 
 
 def _first_choice(data: Any) -> dict:
-    """``choices[0]`` of a response's JSON. Raises ValueError (malformed: retried) when there is none."""
+    """`choices[0]` of a response's JSON. Raises ValueError (malformed: retried) when there is none."""
     choices = data.get("choices") if isinstance(data, dict) else None
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise ValueError("response has no choices")
@@ -57,14 +54,13 @@ def _first_choice(data: Any) -> dict:
 
 
 def _first_present(*values):
-    """The first of ``values`` that is not None (an empty list is an answer: zero ids)."""
+    """The first of `values` that is not None (an empty list is an answer: zero ids)."""
     return next((v for v in values if v is not None), None)
 
 
 def _turn(resp: dict, choice: dict, content: str, reasoning, latency: float, ep: _Endpoint) -> Turn:
-    """The :class:`Turn` of one answered request: its text split into ``content`` and ``reasoning``, the
-    ``choice``'s finish reason (``stop`` when it gives none), the latency (seconds), the endpoint and the
-    response's facts (:func:`_response_facts`)."""
+    """The `Turn` of one answered request: its text split into `content` and `reasoning`, the `choice`'s finish
+    reason (`stop` when it gives none), the latency (seconds), the endpoint and the response's facts."""
     return Turn(
         content=content,
         reasoning_content=reasoning,
@@ -76,13 +72,10 @@ def _turn(resp: dict, choice: dict, content: str, reasoning, latency: float, ep:
 
 
 def _response_facts(data: dict, choice: dict) -> dict:
-    """``prompt_tokens``, ``completion_tokens`` (``usage``) and ``prompt_token_ids``, ``output_token_ids``
-    of a response's JSON, as :class:`Turn` keywords; the ids None when absent. The ids are read where the
-    engines put them: vLLM with ``return_token_ids`` (prompt at the top level of a chat answer, in the choice
-    of a completion; output ``choice.token_ids``), SGLang with ``return_token_ids`` (both in the choice,
-    the raw generated ids before reasoning parsing; sgl-project/sglang PR #30917), and SGLang's
-    response-level ``sglext`` (``input_ids``, ``output_ids[choice index]``: ``return_input_ids_in_sglext`` /
-    ``return_output_ids_in_sglext`` or its ``--return-input-ids`` / ``--return-output-ids``; PR #34488)."""
+    """`prompt_tokens`, `completion_tokens` (`usage`) and `prompt_token_ids`, `output_token_ids` of a response's
+    JSON, as `Turn` keywords (ids None when absent), read where the engines put them: vLLM's
+    `return_token_ids`, SGLang's `return_token_ids` (the raw ids before reasoning parsing; sgl-project/sglang
+    PR #30917) and SGLang's response-level `sglext` (PR #34488)."""
     usage = data.get("usage") or {}
     ext = data.get("sglext") if isinstance(data.get("sglext"), dict) else {}
     ext_out = ext.get("output_ids")
@@ -99,7 +92,7 @@ def _response_facts(data: dict, choice: dict) -> dict:
 
 
 def _answer_calls(calls: Any) -> list[dict] | None:
-    """The ``tool_calls`` of an answer's message as a list of OpenAI calls (None: no call). Raises ValueError
+    """The `tool_calls` of an answer's message as a list of OpenAI calls (None: no call). Raises ValueError
     (malformed: retried) when it is not a list of calls with a function name."""
     if not calls:
         return None
@@ -112,13 +105,13 @@ def _answer_calls(calls: Any) -> list[dict] | None:
     return calls
 
 
-#: ``generation.extra_body`` fields that ask the server for token ids: vLLM's and SGLang's per-choice ids
-#: (``return_token_ids``), or SGLang's response-level ``sglext`` ids (both of its flags).
+#: `generation.extra_body` fields that ask the server for token ids: vLLM's and SGLang's per-choice ids
+#: (`return_token_ids`), or SGLang's response-level `sglext` ids (both of its flags).
 TOKEN_ID_FIELDS = ("return_token_ids", ("return_input_ids_in_sglext", "return_output_ids_in_sglext"))
 
 
 def asked_token_ids(extra_body: dict) -> str:
-    """The ``extra_body`` fields of :data:`TOKEN_ID_FIELDS` that are set, joined (``''``: none asks for ids)."""
+    """The `extra_body` fields of `TOKEN_ID_FIELDS` that are set, joined (`''`: none asks for ids)."""
     for field in TOKEN_ID_FIELDS:
         names = (field,) if isinstance(field, str) else field
         if all(extra_body.get(n) for n in names):
@@ -127,10 +120,9 @@ def asked_token_ids(extra_body: dict) -> str:
 
 
 def _ids_ignored_error(ep: _Endpoint, fields: str) -> ConfigError:
-    """The endpoint answered without the token ids ``generation.extra_body`` asks for (``fields``): it does
-    not know the field (an SGLang before PR #30917 ignores ``return_token_ids``). A configuration error, so
-    the run stops at the first answer instead of generating a fleet's worth of records the tokens stage
-    then has to render (which fails closed for templates like Kimi's in ``thinking: save``)."""
+    """The endpoint answered without the token ids `generation.extra_body` asks for (`fields`): it does not know the
+    field (an SGLang before PR #30917 ignores `return_token_ids`). A configuration error, so the run stops at the first
+    answer instead of generating a fleet's worth of records the tokens stage then has to render."""
     return ConfigError(
         f"{ep.url} answered without token ids although generation.extra_body sets {fields}: the server ignores "
         f"the field. SGLang returns them per choice from v0.5.18 (sgl-project/sglang PR #30917, return_token_ids; "
@@ -159,17 +151,17 @@ def _aiohttp_client(max_concurrency: int, timeout_s: float):
 
 
 class OpenAIBackend:
-    """Generation against OpenAI-compatible servers (``generation.backend: openai``).
+    """Generation against OpenAI-compatible servers (`generation.backend: openai`).
 
-    With ``generation.api: completions`` the target's tokenizer (``target_dir``, ``chat_template``,
-    ``trust_remote_code`` as ``target.*``) is loaded once here and renders every request.
+    With `generation.api: completions` the target's tokenizer (`target_dir`, `chat_template`,
+    `trust_remote_code` as `target.*`) is loaded once here and renders every request.
 
-    ``resolved_model``: the model a parent process settled from ``GET /models`` (``generation.model``
+    `resolved_model`: the model a parent process settled from `GET /models` (`generation.model`
     unset), so that its client processes send and check that one.
 
     Raises:
-        ConfigError: no endpoints, ``api_key_env`` names an unset variable, or completions mode without
-            ``target_dir`` or with ``extra_body.chat_template_kwargs``.
+        ConfigError: no endpoints, `api_key_env` names an unset variable, or completions mode without
+            `target_dir` or with `extra_body.chat_template_kwargs`.
     """
 
     def __init__(
@@ -283,8 +275,8 @@ class OpenAIBackend:
         return turn
 
     def _parse_text(self, resp, latency: float, ep: _Endpoint) -> Turn:
-        """Turn from a ``/completions`` response (``generation.api: completions``): the reasoning is split
-        here from ``<think>…</think>`` in ``choices[0].text``. Raises RowError (wrong thinking) or
+        """Turn from a `/completions` response (`generation.api: completions`): the reasoning is split
+        here from `<think>…</think>` in `choices[0].text`. Raises RowError (wrong thinking) or
         ValueError (malformed: retried)."""
         choice = _first_choice(resp)
         text = choice.get("text")
@@ -304,12 +296,11 @@ class OpenAIBackend:
         return _turn(resp, choice, content, reasoning, latency, ep)
 
     def _request(self, history: list[dict], tools: list[dict] | None = None) -> tuple[str, dict]:
-        """``(path, body)`` of the request answering ``history``'s last user turn.
+        """`(path, body)` of the request answering `history`'s last user turn.
 
-        Sent with the client's generic post (its documented way to call any endpoint: same auth, headers,
-        transport and APIStatusError/APIConnectionError mapping) and the JSON parsed here: the typed
-        ``create`` spends about half of a request's client CPU transforming the parameters and building
-        pydantic models of the answer (bench/bench_completions.py), which caps the requests/s on few cores.
+        Sent with the client's generic post and the JSON parsed here: the typed `create` spends about half of a
+        request's client CPU transforming the parameters and building pydantic models of the answer, which caps the
+        requests/s on few cores.
         """
         kw = self._request_kwargs(history, tools)
         body = {k: v for k, v in kw.items() if k != "extra_body"}
@@ -317,7 +308,7 @@ class OpenAIBackend:
         return ("/completions" if self.api == "completions" else "/chat/completions"), body
 
     async def _attempt(self, ep: _Endpoint, path: str, body: dict) -> tuple[Turn | None, retry.Failure | None]:
-        """One attempt on ``ep``: ``(turn, None)``, or ``(None, failure)`` for an HTTP error, a connection
+        """One attempt on `ep`: `(turn, None)`, or `(None, failure)` for an HTTP error, a connection
         error or timeout, or a malformed answer. Raises RowError (wrong thinking: not retried)."""
         import openai
 
@@ -344,7 +335,7 @@ class OpenAIBackend:
         return turn, None
 
     async def _complete(self, fleet: _Fleet, history: list[dict], tools: list[dict] | None = None) -> Turn:
-        """The assistant turn answering ``history`` (``tools`` offered), retried per :mod:`.retry` on the fleet's
+        """The assistant turn answering `history` (`tools` offered), retried per `.retry` on the fleet's
         least busy endpoint. Raises RowError (client error, retries exhausted, wrong thinking) or ConfigError
         (the key was rejected)."""
         path, body = self._request(history, tools)
@@ -431,9 +422,9 @@ class OpenAIBackend:
         return fleet_stats(self.stats, fleet.eps)
 
     def resolve_model(self) -> str:
-        """The model id sent and recorded: ``generation.model``, else settled from the endpoints'
-        ``GET /models`` (one probe round, waiting for an endpoint like :meth:`run` does). Raises what
-        :meth:`_Fleet.start` raises."""
+        """The model id sent and recorded: `generation.model`, else settled from the endpoints'
+        `GET /models` (one probe round, waiting for an endpoint like `run` does). Raises what
+        `_Fleet.start` raises."""
         if not self.model:
             asyncio.run(self._discover())
         return self.model
@@ -453,9 +444,8 @@ class OpenAIBackend:
     # -- several client processes (generation.client_processes > 1) --------------------------------
 
     def _client_processes(self, n_prompts: int) -> int:
-        """Client processes for ``n_prompts``: ``generation.client_processes``, at most one per prompt and
-        at most the smallest per-endpoint cap (every process keeps a slot on every endpoint, so each one's
-        fleet, take-out and breaker see the whole fleet)."""
+        """Client processes for `n_prompts`: `generation.client_processes`, at most one per prompt and at most the
+        smallest per-endpoint cap."""
         want = int(self.cfg["client_processes"])
         if want <= 1:
             return 1
@@ -472,8 +462,8 @@ class OpenAIBackend:
         return n
 
     async def _discover(self) -> None:
-        """Probe the fleet once and set ``self.model`` to the model it settles (as :meth:`_run`; raises what
-        :meth:`_Fleet.start` raises)."""
+        """Probe the fleet once and set `self.model` to the model it settles (as `_run`; raises what
+        `_Fleet.start` raises)."""
         fleet = self._make_fleet()
         try:
             self.model = await fleet.start()

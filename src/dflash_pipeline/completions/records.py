@@ -1,6 +1,6 @@
-"""Completion records: the generated :class:`Turn`, the record built from a prompt and its turns, the
-thinking-mode checks, and the prompt-shard reader (``contracts.PROMPT_SCHEMA`` in,
-``contracts.COMPLETION_SCHEMA`` rows out). Pure functions: no I/O except :func:`read_prompts`."""
+"""Completion records: the generated `Turn`, the record built from a prompt and its turns, the
+thinking-mode checks, and the prompt-shard reader (`contracts.PROMPT_SCHEMA` in,
+`contracts.COMPLETION_SCHEMA` rows out). Pure functions: no I/O except `read_prompts`."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ OnDone = Callable[[dict], None]
 
 @dataclass
 class Turn:
-    """One generated assistant turn (fields as in ``contracts.TURN_TYPE`` plus the two texts)."""
+    """One generated assistant turn (fields as in `contracts.TURN_TYPE` plus the two texts)."""
 
     content: str
     reasoning_content: str | None
@@ -39,11 +39,11 @@ class Turn:
     output_token_ids: list[int] | None = None
     latency_s: float | None = None
     endpoint: str | None = None
-    #: the tool calls the target made in this turn (the server's OpenAI ``tool_calls`` list); None: no call
+    #: the tool calls the target made in this turn (the server's OpenAI `tool_calls` list); None: no call
     tool_calls: list[dict] | None = None
 
     def facts(self) -> dict:
-        """The ``turns[i]`` entry of the record."""
+        """The `turns[i]` entry of the record."""
         return {
             "finish_reason": self.finish_reason,
             "prompt_tokens": self.prompt_tokens,
@@ -55,10 +55,9 @@ class Turn:
         }
 
     def history_message(self) -> dict:
-        """The assistant message appended to the history for the next user turn. An answer without
-        reasoning that contains ``</think>`` carries ``reasoning_content: ""``, so the template renders it
-        verbatim instead of splitting it there (as :func:`dflash_pipeline.target.chat.template_messages` does for
-        the local renders and the tokens stage)."""
+        """The assistant message appended to the history for the next user turn. An answer without reasoning that
+        contains `</think>` carries `reasoning_content: ""`, so the template renders it verbatim instead of splitting it
+        there."""
         msg = {"role": "assistant", "content": self.content}
         if self.reasoning_content is not None:
             msg["reasoning_content"] = self.reasoning_content
@@ -92,8 +91,8 @@ class RunInfo:
 
 
 def sampling_params(gen_cfg: dict) -> dict:
-    """The sampling parameters recorded in every record (``extra_body`` only when non-empty, ``api`` only
-    when not ``chat``)."""
+    """The sampling parameters recorded in every record (`extra_body` only when non-empty, `api` only
+    when not `chat`)."""
     out = {k: gen_cfg[k] for k in ("temperature", "top_p", "top_k", "max_tokens", "seed")}
     if gen_cfg["extra_body"]:
         out["extra_body"] = gen_cfg["extra_body"]
@@ -103,21 +102,13 @@ def sampling_params(gen_cfg: dict) -> dict:
 
 
 class Dialogue:
-    """One prompt regenerated turn by turn: the history sent to the target (:attr:`history`), the record's
-    messages (:attr:`messages`) and where the next assistant turn is generated.
+    """One prompt regenerated turn by turn: the history sent to the target (`history`), the record's
+    messages (`messages`) and where the next assistant turn is generated.
 
-    An assistant turn is generated after every user turn and, in a conversation with tool calls, after every
-    run of ``tool`` results. There the source's turn is the assistant message with ``tool_calls`` that follows
-    in the prompt (None: the source answered in text). A regenerated turn whose tool calls differ from the
-    source's (:func:`same_tool_calls`) while source turns are left ends the conversation there
-    (:attr:`end_reason` ``tool_call_diverged``): the source's tool results would answer calls never made. A
-    turn whose calls match keeps them; the ``tool_call_id`` of the results that follow is rewritten to the
-    regenerated calls' ids (same position, or by the source call's id), so the history pairs as the target
-    wrote it.
-
-    Conversations without tools walk exactly as before: history ``{role, content}`` messages, a turn after
-    each user turn, record messages ``{role, content, reasoning_content}``.
-    """
+    A turn is generated after every user turn and after every run of `tool` results. A regenerated turn whose
+    tool calls differ from the source's (`same_tool_calls`) while source turns are left ends the
+    conversation (`end_reason` `tool_call_diverged`); a matching turn keeps its calls, and the results'
+    `tool_call_id` are rewritten to the regenerated ids."""
 
     def __init__(self, prompt: dict):
         from dflash_pipeline.target.chat import tools_of
@@ -203,11 +194,10 @@ def _parsed_calls(calls) -> list[dict]:
 
 
 def build_record(prompt: dict, turns: Sequence[Turn], info: RunInfo, error: str | None = None) -> dict:
-    """Completion record (``COMPLETION_SCHEMA`` as a dict) from a prompt and its generated turns (walked as
-    :class:`Dialogue` walks them); a prompt with tools gives a ``COMPLETION_TOOLS_SCHEMA`` record (``tools``,
-    ``end_reason``, messages with their tool fields).
+    """Completion record (`COMPLETION_SCHEMA` as a dict) from a prompt and its generated turns; a prompt with tools
+    gives a `COMPLETION_TOOLS_SCHEMA` record (`tools`, `end_reason`, messages with their tool fields).
 
-    With ``error`` set, the record holds the turns generated before the failure and ``status: error``.
+    With `error` set, the record holds the turns generated before the failure and `status: error`.
     """
     walk = Dialogue(prompt)
     it = iter(turns)
@@ -241,8 +231,8 @@ def build_record(prompt: dict, turns: Sequence[Turn], info: RunInfo, error: str 
 
 
 def context_limit(target_dir: str | Path | None) -> int | None:
-    """``max_position_embeddings`` of the target's text model from ``<target_dir>/config.json`` (top level or
-    ``text_config`` / ``language_config`` / ``llm_config`` of multimodal configs); None when unknown."""
+    """`max_position_embeddings` of the target's text model from `<target_dir>/config.json` (top level or
+    `text_config` / `language_config` / `llm_config` of multimodal configs); None when unknown."""
     if target_dir is None:
         return None
     path = Path(target_dir) / "config.json"
@@ -256,14 +246,13 @@ def context_limit(target_dir: str | Path | None) -> int | None:
     return None
 
 
-#: Examples kept per skip reason in a shard's stats (``skipped_examples``).
+#: Examples kept per skip reason in a shard's stats (`skipped_examples`).
 MAX_SKIPPED_EXAMPLES = 3
 
 
 def skipped_record(prompt: dict, reason: str, **example) -> dict:
-    """The marker a backend reports (``on_done``) for a conversation it skipped without generating it
-    (``reason``, e.g. ``too_long``; ``example``: why, e.g. ``prompt_tokens``, ``limit``). It never goes into
-    the shard: :func:`dflash_pipeline.completions.generate_shard` counts it in the stats with an example."""
+    """The marker a backend reports (`on_done`) for a conversation it skipped without generating it. It never goes
+    into the shard: `completions.generate_shard` counts it in the stats with an example."""
     return {
         "prompt_id": prompt["prompt_id"],
         "dataset": prompt["dataset"],
@@ -277,7 +266,7 @@ def skipped_record(prompt: dict, reason: str, **example) -> dict:
 def cut_at_eos(new: list[int], eos_ids) -> tuple[list[int], bool]:
     """Generated token ids up to and including the first end-of-turn id (padding after it dropped).
 
-    Returns ``(ids, stopped)``; ``stopped`` is False when no eos id was generated (a length cut).
+    Returns `(ids, stopped)`; `stopped` is False when no eos id was generated (a length cut).
     """
     for i, t in enumerate(new):
         if t in eos_ids:
@@ -286,14 +275,13 @@ def cut_at_eos(new: list[int], eos_ids) -> tuple[list[int], bool]:
 
 
 def split_reasoning(text: str, *, opened: bool = False) -> tuple[str | None, str]:
-    """Split generated text into ``(reasoning, content)`` where reasoning is: a think block at the very
-    start of the text, or (``opened``: the generation prompt ended with ``<think>``) the text up to the
-    first ``</think>``. A ``</think>`` later in an answer is answer text (an answer that explains chat
+    """Split generated text into `(reasoning, content)` where reasoning is: a think block at the very
+    start of the text, or (`opened`: the generation prompt ended with `<think>`) the text up to the
+    first `</think>`. A `</think>` later in an answer is answer text (an answer that explains chat
     templates), never the end of reasoning.
 
-    ``"<think>\\nR\\n</think>\\n\\nC"`` → ``("R", "C")``; cut off while thinking (``<think>`` without
-    ``</think>``) → ``(rest, "")``; no leading ``<think>`` and not ``opened`` → ``(None, text)``, whatever
-    follows. Callers with ``generation.thinking=disable`` use :func:`take_reasoning` (never split).
+    `"<think>\\nR\\n</think>\\n\\nC"` → `("R", "C")`; cut off while thinking (`<think>` without `</think>`) → `(rest,
+    "")`; no leading `<think>` and not `opened` → `(None, text)`, whatever follows.
     """
     body = text.lstrip()
     if body.startswith("<think>"):
@@ -309,14 +297,14 @@ def split_reasoning(text: str, *, opened: bool = False) -> tuple[str | None, str
 def take_reasoning(
     text: str, thinking: str, *, field: str | None = None, opened: bool = False
 ) -> tuple[str | None, str]:
-    """``(reasoning, content)`` of one generated answer, reasoning taken only where it is:
+    """`(reasoning, content)` of one generated answer, reasoning taken only where it is:
 
-    * ``field``: the server's own reasoning field (vLLM ``message.reasoning``, SGLang and older vLLM
-      ``reasoning_content``): used as it is, the content is never split;
-    * ``thinking == "disable"``: never split. A non-empty think block at the very start is returned as
-      reasoning only so :func:`check_thinking` rejects the row (the template ignored enable_thinking=false);
-      otherwise the content is the text verbatim, ``</think>`` and all;
-    * else :func:`split_reasoning` (a think block at the very start, or one the generation prompt opened).
+    * `field`: the server's own reasoning field (vLLM `message.reasoning`, SGLang and older vLLM
+      `reasoning_content`): used as it is, the content is never split;
+    * `thinking == "disable"`: never split. A non-empty think block at the very start is returned as
+      reasoning only so `check_thinking` rejects the row (the template ignored enable_thinking=false);
+      otherwise the content is the text verbatim, `</think>` and all;
+    * else `split_reasoning` (a think block at the very start, or one the generation prompt opened).
     """
     if field is not None:
         return field, text
@@ -339,11 +327,11 @@ DISABLE_HINT_LOCAL = (
 def check_thinking(
     thinking: str, reasoning: str | None, *, require_reasoning: bool, disable_hint: str = DISABLE_HINT_SERVER
 ) -> str | None:
-    """Normalize ``reasoning`` for a thinking mode (``disable_hint``: the cause named when a ``disable``
+    """Normalize `reasoning` for a thinking mode (`disable_hint`: the cause named when a `disable`
     answer carries reasoning).
 
     Raises:
-        RowError: ``disable`` but the answer carries reasoning; ``save`` with ``require_reasoning`` but
+        RowError: `disable` but the answer carries reasoning; `save` with `require_reasoning` but
             none came back (the message names the server flag to set).
     """
     if thinking == "disable":
@@ -362,11 +350,11 @@ def check_thinking(
 
 
 def read_prompts(path: str | Path) -> list[dict]:
-    """Read a prompt shard into ``[{prompt_id, dataset, messages}]`` in shard order.
+    """Read a prompt shard into `[{prompt_id, dataset, messages}]` in shard order.
 
     Raises:
         DataError: a record without a user turn, with a role other than system/user, or a duplicate
-            ``prompt_id`` (names the file and prompt_id).
+            `prompt_id` (names the file and prompt_id).
     """
     table = shards.read_parquet(path)
     cols = ["prompt_id", "dataset", "messages"] + (["tools"] if "tools" in table.schema.names else [])
@@ -377,7 +365,7 @@ def read_prompts(path: str | Path) -> list[dict]:
         if pid in seen:
             raise DataError(f"{path}: prompt_id {pid} appears twice; rebuild the prompt shards (they dedup)")
         seen.add(pid)
-        if "tools" in r:  # a shard with tool conversations: its tool-free rows read as before
+        if "tools" in r:  # a shard with tool conversations: its tool-free rows read as plain ones
             if not has_tools(r):
                 r.pop("tools")
                 r["messages"] = [{"role": m["role"], "content": m["content"]} for m in r["messages"]]
@@ -395,7 +383,7 @@ def read_prompts(path: str | Path) -> list[dict]:
 
 
 def _check_tool_prompt(path, r: dict) -> None:
-    """A prompt with tools as the prompts stage writes it: ``tools`` and every ``tool_calls`` parse (JSON lists
+    """A prompt with tools as the prompts stage writes it: `tools` and every `tool_calls` parse (JSON lists
     of calls with a function name). Raises DataError naming the file, prompt_id and field."""
     from dflash_pipeline.target.chat import tool_calls_of, tools_of
 
@@ -420,8 +408,8 @@ def _check_tool_prompt(path, r: dict) -> None:
 
 
 def redact_url(url: str) -> str:
-    """``url`` without ``user:password@`` (safe to record and log): the project's one redaction,
-    :func:`dflash_pipeline.core.errors.strip_url_credentials`."""
+    """`url` without `user:password@` (safe to record and log): the project's one redaction,
+    `core.errors.strip_url_credentials`."""
     return strip_url_credentials(url)
 
 
@@ -430,8 +418,7 @@ HTTP_LOGGERS = ("httpx", "httpx2", "httpcore", "httpcore2", "openai", "aiohttp")
 
 
 def _raise_http_log_levels() -> dict[str, int]:
-    """Set the :data:`HTTP_LOGGERS` to WARNING (``HTTP Request: POST ... "HTTP/1.1 200 OK"`` per request
-    would flood the job log); a logger already stricter keeps its level, this module's own logger is
+    """Set the `HTTP_LOGGERS` to WARNING; a logger already stricter keeps its level, this module's own logger is
     untouched. Returns the levels changed (name: previous level)."""
     saved = {}
     for name in HTTP_LOGGERS:
@@ -444,7 +431,7 @@ def _raise_http_log_levels() -> dict[str, int]:
 
 @contextlib.contextmanager
 def _quiet_http_logs():
-    """:func:`_raise_http_log_levels` for the duration of a ``with`` block (the levels restored on exit)."""
+    """`_raise_http_log_levels` for the duration of a `with` block (the levels restored on exit)."""
     saved = _raise_http_log_levels()
     try:
         yield
@@ -454,11 +441,9 @@ def _quiet_http_logs():
 
 
 def same_tool_calls(original, regenerated) -> bool:
-    """Whether a regenerated assistant turn calls the same tools as the source's turn: same number of calls,
-    in order the same function names and equal arguments compared as parsed JSON (whitespace, key order and
-    call ids do not matter). Either side is a list of OpenAI calls or its JSON text (None: no calls). When
-    this is False the conversation ends at that turn (docs/how-to/tool-calls.md): the source's tool result
-    answers a call that was never made."""
+    """Whether a regenerated assistant turn calls the same tools as the source's turn: same number of calls, in order
+    the same function names and equal arguments compared as parsed JSON. Either side is a list of OpenAI calls or its
+    JSON text (None: no calls)."""
     from dflash_pipeline.target.chat import tool_calls_of
 
     a = tool_calls_of({"tool_calls": original}) or []

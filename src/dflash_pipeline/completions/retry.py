@@ -1,15 +1,11 @@
-"""Retry policy of the openai backend, as small pure functions (after openai-python's ``_should_retry``,
-``_parse_retry_after_header`` and ``_calculate_retry_timeout``, ``openai/_base_client.py``).
+"""Retry policy of the openai backend, as small pure functions (after openai-python's `_should_retry`,
+`_parse_retry_after_header` and `_calculate_retry_timeout`, `openai/_base_client.py`).
 
-A failed attempt becomes a :class:`Failure` of one of four kinds:
-
-* ``auth`` (401/403): the key is wrong; the job stops with a ConfigError (retrying cannot help);
-* ``client`` (any other 4xx but 408/409/425/429): the request is at fault; the conversation becomes an
-  error row at once, and the endpoint counts as alive;
-* ``rate_limited`` (429): backpressure; retried after :func:`retry_delay` (at least the server's
-  ``Retry-After``, capped), the endpoint stays in;
-* ``endpoint`` (5xx, 408/409/425, connection errors, timeouts, malformed answers): retried, and counted
-  against the endpoint (``endpoint_max_failures`` take it out; the circuit breaker counts them too).
+A failed attempt is a `Failure` of one kind: `auth` (401/403: the job stops with a ConfigError),
+`client` (other 4xx but 408/409/425/429: an error row at once, the endpoint stays alive),
+`rate_limited` (429: retried after at least `Retry-After`, capped) or `endpoint` (5xx, 408/409/425,
+connection errors, timeouts, malformed answers: retried and counted against the endpoint and the
+breaker).
 """
 
 from __future__ import annotations
@@ -31,8 +27,8 @@ ENDPOINT = "endpoint"
 
 @dataclass(frozen=True)
 class Failure:
-    """One failed attempt: ``error`` (one line, :func:`describe._describe`), its ``kind`` (see the module
-    doc), the server's ``retry_after`` seconds (429 only) and the exception (for the auth message)."""
+    """One failed attempt: `error` (one line, `describe._describe`), its `kind` (see the module
+    doc), the server's `retry_after` seconds (429 only) and the exception (for the auth message)."""
 
     error: str
     kind: str = ENDPOINT
@@ -41,14 +37,13 @@ class Failure:
 
 
 def should_retry(status: int) -> bool:
-    """Whether an HTTP ``status`` is worth another attempt: :data:`RETRYABLE_STATUS` and every 5xx."""
+    """Whether an HTTP `status` is worth another attempt: `RETRYABLE_STATUS` and every 5xx."""
     return status in RETRYABLE_STATUS or status >= 500
 
 
 def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
-    """Seconds to wait from a ``Retry-After`` header value (RFC 9110 §10.2.3): delay-seconds (``"2"``,
-    ``"0.5"``, as given) or an HTTP-date (``"Wed, 21 Oct 2015 07:28:00 GMT"``: the seconds from ``now``,
-    Unix time, default ``time.time()``, to it; 0.0 when it has passed). None when absent or unparseable."""
+    """Seconds to wait from a `Retry-After` header value (RFC 9110 §10.2.3): delay-seconds (`"2"`, `"0.5"`, as given)
+    or an HTTP-date. None when absent or unparseable."""
     if value is None:
         return None
     try:
@@ -63,12 +58,11 @@ def parse_retry_after(value: str | None, *, now: float | None = None) -> float |
 
 
 def retry_delay(attempt: int, *, base_s: float, max_s: float, retry_after: float | None, jitter: float) -> float:
-    """Seconds to sleep before retry ``attempt`` (1 = the first retry).
+    """Seconds to sleep before retry `attempt` (1 = the first retry).
 
-    Exponential backoff ``min(max_s, base_s * 2**(attempt - 1))`` scaled by ``0.5 + 0.5 * jitter``
-    (``jitter`` in [0, 1): ``random.random()``, so the delay lies in [half, full] of the step), and at least
-    the server's ``retry_after`` capped at ``max_s`` (``generation.retry_backoff_s`` /
-    ``retry_backoff_max_s``)."""
+    Exponential backoff `min(max_s, base_s * 2**(attempt - 1))` scaled by `0.5 + 0.5 * jitter` (`jitter` in
+    [0, 1), so the delay lies in [half, full] of the step), and at least the server's `retry_after` capped at `max_s`
+    (`generation.retry_backoff_s` / `retry_backoff_max_s`)."""
     d = min(max_s, base_s * 2 ** (attempt - 1))
     d = d * (0.5 + 0.5 * jitter)
     if retry_after is not None:
@@ -79,8 +73,8 @@ def retry_delay(attempt: int, *, base_s: float, max_s: float, retry_after: float
 def status_failure(
     status: int, error: str, retry_after_header: str | None = None, exc: BaseException | None = None
 ) -> Failure:
-    """The :class:`Failure` of an HTTP error answer (``status``, its one-line ``error``, its
-    ``Retry-After`` header value, read for 429 only)."""
+    """The `Failure` of an HTTP error answer (`status`, its one-line `error`, its
+    `Retry-After` header value, read for 429 only)."""
     if status in AUTH_STATUS:
         return Failure(error, AUTH, exc=exc)
     if not should_retry(status):

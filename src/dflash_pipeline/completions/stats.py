@@ -1,6 +1,6 @@
 """Stats of a completions job: the live progress bar, the backends' request counts (merged over client
-processes) and the stats JSON of a shard (``generate_completions``' ``stats`` output, read by
-``report.py`` through :func:`dflash_pipeline.core.contracts.run_stats`)."""
+processes) and the stats JSON of a shard (`generate_completions`' `stats` output, read by
+`report.py` through `core.contracts.run_stats`)."""
 
 from __future__ import annotations
 
@@ -19,16 +19,15 @@ from dflash_pipeline.core.contracts import (
     has_tools,
 )
 
-#: Examples kept per ``ended_early`` reason in a shard's stats.
+#: Examples kept per `ended_early` reason in a shard's stats.
 MAX_ENDED_EXAMPLES = 3
 
 
 def ended_early(records: Sequence[dict]) -> dict:
-    """``{"tool_conversations": n, "ended_early": {reason: n}, "ended_early_examples": {reason: [...]}}`` of a
-    shard's records when any has tools ({} otherwise, so the stats of shards without tools keep their keys):
-    conversations with tools, and those that ended before the source's last turn because a regenerated turn's
-    tool calls differ from the source's (``tool_call_diverged``: the later turns were dropped), the first
-    :data:`MAX_ENDED_EXAMPLES` of them as ``{prompt_id, turn}`` (0-based assistant turn they end at)."""
+    """`{"tool_conversations": n, "ended_early": {reason: n}, "ended_early_examples": {reason: [...]}}` of a shard's
+    records when any has tools: conversations with tools, and those that ended before the source's last turn because a
+    regenerated turn's tool calls differ from the source's, the first `MAX_ENDED_EXAMPLES` of them as `{prompt_id,
+    turn}`."""
     tooled = [r for r in records if "end_reason" in r or has_tools(r)]
     if not tooled:
         return {}
@@ -51,8 +50,7 @@ class _Progress:
     """Live bar (stderr) with ok/truncated/error counts, requests/s and output tokens/s."""
 
     def __init__(self, total: int, initial: int, desc: str, resumed_records: Iterable[dict] = ()):
-        """``initial`` conversations are already finished (``resumed_records``: their records, counted in
-        ok/truncated; the rates count this run's only)."""
+        """`initial` conversations are already finished."""
         from tqdm import tqdm
 
         tty = sys.stderr.isatty()
@@ -123,9 +121,8 @@ class _Progress:
 
 
 def fleet_stats(counts: Counter, endpoints: Sequence) -> dict:
-    """The openai backend's stats: ``requests`` (conversation turns sent: attempts less retries),
-    ``attempts``, ``retries``, ``rate_limited`` (429 answers) from ``counts``, and per endpoint (base URL
-    without credentials) its ``attempts, failures, taken_out``."""
+    """The openai backend's stats: `requests`, `attempts`, `retries`, `rate_limited` (429 answers) from `counts`, and
+    per endpoint (base URL without credentials) its `attempts, failures, taken_out`."""
     return {
         "requests": counts["attempts"] - counts["retries"],
         "attempts": counts["attempts"],
@@ -136,8 +133,7 @@ def fleet_stats(counts: Counter, endpoints: Sequence) -> dict:
 
 
 def merge_fleet_stats(parts: Iterable[dict], urls: Sequence[str]) -> dict:
-    """The sum of several client processes' :func:`fleet_stats` (``urls``: every endpoint, in config
-    order, so one that no process reached still shows zeros)."""
+    """The sum of several client processes' `fleet_stats`."""
     total: dict = {key: 0 for key in REQUEST_COUNTERS}
     total["endpoints"] = {url: {key: 0 for key in ENDPOINT_COUNTERS} for url in urls}
     for part in parts:
@@ -165,19 +161,16 @@ def shard_stats(
     backend_stats: dict,
     skip_info: dict | None = None,
 ) -> CompletionStats:
-    """The stats JSON of one completion shard (:class:`contracts.CompletionStats`, version
-    :data:`contracts.COMPLETION_STATS_VERSION`; see :func:`dflash_pipeline.completions.generate_shard`):
-    the whole shard's counts at the top level, this run's in ``run``.
+    """The stats JSON of one completion shard (`contracts.CompletionStats`): the whole shard's counts at the
+    top level, this run's in `run`.
 
     Args:
         records: the shard's final records (resumed ones included), in shard order.
-        generated_ids: prompt_ids of the conversations sent in this run.
+        generated_ids: prompt_ids sent in this run.
         resumed: conversations taken from the progress file.
-        wall_s: seconds of this run (the rates divide this run's counts by it).
-        backend_stats: the backend's counters of this run (``requests, attempts, retries``, for openai
-            ``rate_limited``, ``endpoints``, ``client_processes``), merged last into ``run``.
-        skip_info: ``skipped`` and ``skipped_examples`` of the shard (generate.py's ``_skip_summary``).
-    """
+        wall_s: seconds of this run (the rates' denominator).
+        backend_stats: the backend's counters of this run, merged last into `run`.
+        skip_info: `skipped` and `skipped_examples` of the shard."""
     counts = Counter(r["status"] for r in records)
     all_turns = [t for r in records for t in r["turns"]]
     gen_turns = [t for r in records if r["prompt_id"] in generated_ids for t in r["turns"]]

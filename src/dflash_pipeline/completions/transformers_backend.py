@@ -1,11 +1,8 @@
-"""The transformers backend (``generation.backend: transformers``): the target generates in-process.
+"""The transformers backend (`generation.backend: transformers`): the target generates in-process.
 
-Each conversation's history is rendered with :func:`chat.render` (the thinking mapping the tokens stage
-uses), conversations are sorted by prompt length into left-padded batches of ``generation.batch_size``,
-and decoding is greedy when ``temperature == 0``, else sampled (seeded per batch). Multi-turn prompts go
-round by round: a conversation whose next user turn is left re-enters the next round with its grown
-history. The target is loaded by :func:`dflash_pipeline.target.loading.load_target` (one loader and dtype policy for
-generation, training and eval).
+Histories are rendered with `chat.render`, sorted by prompt length into left-padded batches of
+`generation.batch_size`, decoded greedily at `temperature == 0`, else sampled (seeded per batch).
+Multi-turn prompts go round by round. The target comes from `target.loading.load_target`.
 """
 
 from __future__ import annotations
@@ -37,7 +34,7 @@ from .records import (
 
 @dataclass
 class _Conversation:
-    """One prompt being answered turn by turn (:class:`Dialogue`) and the token ids of its next request."""
+    """One prompt being answered turn by turn (`Dialogue`) and the token ids of its next request."""
 
     prompt: dict
     walk: Dialogue = field(init=False)
@@ -60,14 +57,14 @@ class _Conversation:
 
 
 class TransformersBackend:
-    """In-process batched generation with the target (``generation.backend: transformers``).
+    """In-process batched generation with the target (`generation.backend: transformers`).
 
     Args:
         target_dir: target directory (config, weights, tokenizer).
-        gen_cfg: validated ``config["generation"]``.
+        gen_cfg: validated `config["generation"]`.
         chat_template: optional .jinja overriding the tokenizer's template.
         trust_remote_code: allow the target's own code.
-        dtype: ``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32``, ``bfloat16`` or ``float16``.
+        dtype: `auto` (float32 on CPU, bfloat16 on CUDA), `float32`, `bfloat16` or `float16`.
     """
 
     def __init__(self, target_dir, gen_cfg: dict, *, chat_template=None, trust_remote_code=False, dtype="auto"):
@@ -145,17 +142,16 @@ class TransformersBackend:
         )
 
     def resolve_model(self) -> str:
-        """The target directory's name (recorded as ``model``)."""
+        """The target directory's name (recorded as `model`)."""
         return self.model
 
     def _prepare(self, c: _Conversation) -> None:
-        """Render ``c``'s history (generation prompt added) into the token ids of its next request."""
+        """Render `c`'s history (generation prompt added) into the token ids of its next request."""
         c.ids = render(self.tok, c.history, thinking=self.cfg["thinking"], add_generation_prompt=True, tokenize=True)
 
     def _round(self, active: list[_Conversation], on_done: OnDone, info: RunInfo) -> list[_Conversation]:
-        """Answer the next user turn of every conversation in ``active`` (batches of ``batch_size``,
-        longest first); finished or failed conversations go to ``on_done``. Returns those with a user turn
-        left (their next request prepared)."""
+        """Answer the next user turn of every conversation in `active` (batches of `batch_size`, longest first);
+        finished or failed conversations go to `on_done`. Returns those with a user turn left."""
         bs = self.cfg["batch_size"]
         limit = self.context_limit
         if limit:  # a later turn can outgrow the context (earlier answers): skip that conversation
@@ -196,8 +192,8 @@ class TransformersBackend:
         return still
 
     def run(self, prompts: Sequence[dict], on_done: OnDone, info: RunInfo) -> dict:
-        """Generate every prompt in chunks of ``4 * batch_size`` conversations (each chunk round by round
-        until its conversations are done). Returns ``{requests, attempts, retries}`` (no retries here).
+        """Generate every prompt in chunks of `4 * batch_size` conversations (each chunk round by round
+        until its conversations are done). Returns `{requests, attempts, retries}` (no retries here).
 
         Raises:
             ConfigError: a prompt has tool calls (their parsing needs a server's tool-call parser).

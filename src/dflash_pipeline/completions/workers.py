@@ -1,16 +1,12 @@
-"""Several client processes for one shard (``generation.client_processes > 1``).
+"""Several client processes for one shard (`generation.client_processes > 1`).
 
-The openai client costs about 0.7-1 ms of CPU per request, so one event loop fills one core at about
-1,000-1,400 requests/s. With client_processes = P the parent starts P "spawn" processes, each with its
-own event loop and fleet (every endpoint's max_concurrency split between them, the shares summing to
-the cap, :func:`_split_caps`); they take batches of prompts from one shared queue (dynamic: a long
-conversation does not hold up a static part) and send each finished record back. The parent stays the
-only writer: it calls ``on_done`` per record (progress file, error sidecar, bar), so a killed job re-sends
-its in-flight conversations plus those still in the results pipe, never one the progress file holds.
-Each process has its own take-out/re-probe state and circuit breaker.
+One event loop fills a core at about 1,000-1,400 requests/s. With P processes each has its own event
+loop, fleet (every endpoint's `max_concurrency` split, `_split_caps`), take-out state and breaker; they
+take prompt batches from one shared queue and send finished records back. The parent is the only writer
+(`on_done`: progress file, sidecar, bar), so a killed job re-sends only in-flight conversations.
 
-Messages on the results queue: ``("recs", [record, ...])``, ``("log", wid, logger, level, text)``,
-``("done", wid, stats)``, ``("error", wid, message, "ConfigError" | "GenerationError")``.
+Results queue messages: `("recs", [record, ...])`, `("log", wid, logger, level, text)`,
+`("done", wid, stats)`, `("error", wid, message, "ConfigError" | "GenerationError")`.
 """
 
 from __future__ import annotations
@@ -42,8 +38,8 @@ _STOP_GRACE_S = 10.0
 
 
 def _split_caps(gen_cfg: dict, n: int) -> list[dict]:
-    """``n`` copies of ``gen_cfg`` whose endpoints' ``max_concurrency`` add up to the original caps (the
-    remainders spread round-robin over the processes); each copy has ``client_processes: 1``."""
+    """`n` copies of `gen_cfg` whose endpoints' `max_concurrency` add up to the original caps (the
+    remainders spread round-robin over the processes); each copy has `client_processes: 1`."""
     out = [{**gen_cfg, "client_processes": 1, "endpoints": []} for _ in range(n)]
     turn = 0
     for ep in gen_cfg["endpoints"]:
@@ -56,19 +52,17 @@ def _split_caps(gen_cfg: dict, n: int) -> list[dict]:
     return out
 
 
-# ------------------------------------------------------------------------------------------------
-# the client process
+# --- the client process
 
 
 class _PromptFeed:
-    """Prompts from the shared ``tasks`` queue into this process's asyncio queue. A daemon thread does
-    the blocking gets (off the event loop; a stop never waits on it), one batch ahead: the next batch is
-    fetched once no more prompts are waiting locally than the last batch held. ``None`` (no more) becomes
-    one ``None`` per worker."""
+    """Prompts from the shared `tasks` queue into this process's asyncio queue. A daemon thread does the blocking
+    gets, one batch ahead: the next batch is fetched once no more prompts are waiting locally than the last batch held.
+    `None` (no more) becomes one `None` per worker."""
 
     def __init__(self, tasks, loop: asyncio.AbstractEventLoop, workers: int):
         self.tasks, self.loop, self.workers = tasks, loop, workers
-        self.local: asyncio.Queue = asyncio.Queue()  # prompts taken from ``tasks``, not yet started
+        self.local: asyncio.Queue = asyncio.Queue()  # prompts taken from `tasks`, not yet started
         self.want = threading.Event()  # set by the loop: fetch the next batch
         self.fetching = True
         self.low = 0
@@ -109,7 +103,7 @@ class _PromptFeed:
 
 
 def _cancel_on_stop(stop, loop: asyncio.AbstractEventLoop, main: asyncio.Task) -> None:
-    """Cancel ``main`` once the parent sets ``stop``. Polls: waiting on a multiprocessing.Event blocks its
+    """Cancel `main` once the parent sets `stop`. Polls: waiting on a multiprocessing.Event blocks its
     setter once a waiter died."""
     while not stop.value:
         time.sleep(0.1)
@@ -120,9 +114,9 @@ def _cancel_on_stop(stop, loop: asyncio.AbstractEventLoop, main: asyncio.Task) -
 
 
 async def serve(backend: OpenAIBackend, tasks, emit: OnDone, info: RunInfo, stop) -> dict | None:
-    """One client process's loop: conversations from the shared ``tasks`` queue (batches of prompts,
-    ``None`` = no more) through this process's fleet, each finished record to ``emit``. Returns the
-    fleet's stats, or None when the parent's ``stop`` flag ended it early."""
+    """One client process's loop: conversations from the shared `tasks` queue (batches of prompts,
+    `None` = no more) through this process's fleet, each finished record to `emit`. Returns the
+    fleet's stats, or None when the parent's `stop` flag ended it early."""
     loop = asyncio.get_running_loop()
     fleet = backend._make_fleet()
     n = sum(ep.max_concurrency for ep in fleet.eps)
@@ -177,7 +171,7 @@ class _ForwardLog(logging.Handler):
 def _client_process(
     wid: int, ppid: int, gen_cfg: dict, init_kw: dict, info: RunInfo, tasks, results, stop, log_level: int
 ) -> None:
-    """Entry point of client process ``wid`` (spawned by :func:`run_client_processes`)."""
+    """Entry point of client process `wid` (spawned by `run_client_processes`)."""
     die_with_parent(ppid)
     root = logging.getLogger()
     root.handlers[:] = [_ForwardLog(results, wid)]
@@ -214,8 +208,8 @@ def _client_process(
 
 
 class _BareMain:
-    """While starting "spawn" children, hide the ``__main__`` module: a child re-imports the parent's
-    main script unless it is guarded by ``if __name__ == "__main__"``, and Snakemake's ``script:`` files
+    """While starting "spawn" children, hide the `__main__` module: a child re-imports the parent's
+    main script unless it is guarded by `if __name__ == "__main__"`, and Snakemake's `script:` files
     are not (the child would run the job again). The children need nothing from it."""
 
     def __enter__(self):
@@ -229,14 +223,12 @@ class _BareMain:
             sys.modules["__main__"] = self.saved
 
 
-# ------------------------------------------------------------------------------------------------
-# the parent
+# --- the parent
 
 
 class _Parent:
-    """The parent's side of the results queue: records to ``on_done``, log lines to its own loggers, each
-    process's end (stats or error); a process that exited without a word counts as crashed after 1 s
-    (its last messages may still be in the pipe)."""
+    """The parent's side of the results queue: records to `on_done`, log lines to its own loggers, each process's end
+    (stats or error); a process that exited without a word counts as crashed after 1 s."""
 
     def __init__(self, procs: list, on_done: OnDone):
         self.procs, self.on_done = procs, on_done
@@ -272,8 +264,7 @@ class _Parent:
                 self._fail(f"client process {i} exited with code {p.exitcode} before finishing (see the log above)")
 
     def loop(self, results, stop) -> None:
-        """Until every process finished, or ``_STOP_GRACE_S`` after the first error (``stop`` set then:
-        the others end their in-flight conversations and hand back what finished)."""
+        """Until every process finished, or `_STOP_GRACE_S` after the first error."""
         next_check = time.monotonic() + 0.5
         stop_deadline = None
         while True:
@@ -315,9 +306,8 @@ def _shutdown(procs: list, stop, tasks, results) -> None:
 def run_client_processes(
     backend: OpenAIBackend, prompts: Sequence[dict], on_done: OnDone, info: RunInfo, n: int
 ) -> dict:
-    """:meth:`OpenAIBackend.run` over ``n`` client processes (see the module doc). Returns the merged
-    :func:`stats.fleet_stats` plus ``client_processes``. Raises the first process's ConfigError or
-    GenerationError (a crashed process: GenerationError)."""
+    """`OpenAIBackend.run` over `n` client processes. Returns the merged `stats.fleet_stats` plus `client_processes`.
+    Raises the first process's ConfigError or GenerationError."""
     import multiprocessing
 
     if not backend._probed:  # once here: every process sends and records the same, checked model, and a

@@ -1,5 +1,6 @@
-"""The core every stage builds on: config and schemas, record contracts, atomic shard I/O, errors, the console, where vLLM lives. It imports no other package of dflash_pipeline. Names load on first use
-(``_OWNERS``: :func:`dflash_pipeline.core.faces.lazy_face`)."""
+"""The core every stage builds on: config and schemas, record contracts, atomic shard I/O, errors, the console, where
+vLLM lives. It imports no other package of dflash_pipeline. Names load on first use
+(`_OWNERS`: `core.faces.lazy_face`)."""
 
 from dflash_pipeline.core.faces import lazy_face
 

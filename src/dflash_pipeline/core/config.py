@@ -44,7 +44,7 @@ def _with_defaults(validator_cls):
 
 def load_schema() -> dict:
     """Return the config JSON Schema (a dict; a copy: mutating it changes nothing). The file is parsed once
-    per process (:func:`_schema`): the Snakefile's checks ask for it several times per plan."""
+    per process (`_schema`): the Snakefile's checks ask for it several times per plan."""
     return copy.deepcopy(_schema())
 
 
@@ -81,10 +81,10 @@ def _describe(err: jsonschema.ValidationError) -> str:
 
 
 def schema_problems(config: Mapping[str, Any]) -> list[str]:
-    """Every schema violation of ``config`` as one short line each (dotted key path first), sorted by key path.
+    """Every schema violation of `config` as one short line each (dotted key path first), sorted by key path.
 
-    The Snakefile calls this before Snakemake's ``validate`` (which prints the whole schema and only its
-    first error), so a typo reads ``token: unknown key (did you mean tokens?)`` (key paths in backticks).
+    The Snakefile calls this before Snakemake's `validate` (which prints the whole schema and only its
+    first error), so a typo reads `token: unknown key (did you mean tokens?)` (key paths in backticks).
     """
     cfg = copy.deepcopy(dict(config))
     validator = _with_defaults(jsonschema.Draft202012Validator)(_schema())
@@ -97,10 +97,10 @@ def _is_number_schema(sub: Mapping[str, Any]) -> bool:
 
 
 def normalize_numbers(config: dict, schema: Mapping[str, Any] | None = None) -> dict:
-    """Write every ``number`` field the way its schema default is written, in place: ``temperature: 0``
-    becomes ``0.0`` (default ``0.0``), ``epochs: 6.0`` becomes ``6`` (default ``6``); without a default,
-    ints become floats. Snakemake's params trigger compares ``repr``s, so otherwise ``0`` and ``0.0``
-    would regenerate every shard. Returns ``config``."""
+    """Write every `number` field the way its schema default is written, in place: `temperature: 0`
+    becomes `0.0` (default `0.0`), `epochs: 6.0` becomes `6` (default `6`); without a default,
+    ints become floats. Snakemake's params trigger compares `repr`s, so otherwise `0` and `0.0`
+    would regenerate every shard. Returns `config`."""
     schema = _schema() if schema is None else schema
 
     def walk(node: Any, sch: Mapping[str, Any]) -> None:
@@ -129,9 +129,8 @@ _NULLS = ("null", "Null", "NULL", "~")
 
 
 def _typed_scalar(value: str, types: Sequence[str]) -> Any:
-    """``value`` as the first non-string type of ``types`` it spells (``"4"`` → 4 for integer, ``"0.7"`` →
-    0.7 for number, ``"true"`` → True for boolean, ``"null"`` → None for null); ``value`` unchanged when
-    ``types`` allows a string or it spells none of them."""
+    """`value` as the first non-string type of `types` it spells; `value` unchanged when `types` allows a string or
+    it spells none of them."""
     import re
 
     if "string" in types:
@@ -151,11 +150,9 @@ def _typed_scalar(value: str, types: Sequence[str]) -> Any:
 
 
 def coerce_cli_strings(config: dict, schema: Mapping[str, Any] | None = None) -> dict:
-    """Give the scalars that arrived as strings the type their schema field asks for, in place, and return
-    ``config``. Snakemake reads a nested ``--config`` value with YAML's BaseLoader, so in
-    ``--config "drafter={block_size: 4}"`` every scalar is a string (``'4'``) and the schema refused it;
-    config files are unaffected (their scalars are typed already). Fields that allow a string stay as given;
-    list items follow the list's ``items`` schema."""
+    """Give the scalars that arrived as strings the type their schema field asks for, in place, and return `config`.
+    Snakemake reads a nested `--config` value with YAML's BaseLoader, so in `--config "drafter={block_size: 4}"` every
+    scalar is a string (`'4'`) and the schema would refuse it."""
     schema = _schema() if schema is None else schema
 
     def types_of(sub: Mapping[str, Any]) -> list[str]:
@@ -180,10 +177,9 @@ def coerce_cli_strings(config: dict, schema: Mapping[str, Any] | None = None) ->
 
 
 def validate_config(config: Mapping[str, Any]) -> dict:
-    """Validate ``config`` against the schema and return a deep copy with every default filled in.
+    """Validate `config` against the schema and return a deep copy with every default filled in.
 
-    The stages' cross-field checks (language codes the schema's pattern lets through, files that must
-    exist, …) are gathered by :func:`dflash_pipeline.workflow.problems.problems`, which the Snakefile runs.
+
 
     Raises:
         ConfigError: naming the offending key path and the schema's complaint.
@@ -195,14 +191,14 @@ def validate_config(config: Mapping[str, Any]) -> dict:
 
 
 def fill_defaults(config: Mapping[str, Any]) -> dict:
-    """A deep copy of a schema-valid ``config`` with every default filled and numbers normalized."""
+    """A deep copy of a schema-valid `config` with every default filled and numbers normalized."""
     cfg = copy.deepcopy(dict(config))
     _with_defaults(jsonschema.Draft202012Validator)(load_schema()).validate(cfg)  # fills the defaults
     return normalize_numbers(cfg)
 
 
 def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> dict:
-    """Load a YAML config (default: an empty one), deep-merge ``overrides`` and validate with defaults."""
+    """Load a YAML config (default: an empty one), deep-merge `overrides` and validate with defaults."""
     cfg: dict = {}
     if path is not None:
         with open(path, "r", encoding="utf-8") as fh:
@@ -213,7 +209,7 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
 
 
 def deep_merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict:
-    """Recursively merge ``update`` into a copy of ``base`` (mappings merge, everything else replaces)."""
+    """Recursively merge `update` into a copy of `base` (mappings merge, everything else replaces)."""
     out = copy.deepcopy(dict(base))
     for key, value in update.items():
         if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
@@ -223,14 +219,12 @@ def deep_merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict:
     return out
 
 
-# ------------------------------------------------------------------------------------------------
-# cross-field checks: one place for the plan (Snakefile) and the library
+# --- cross-field checks: one place for the plan (Snakefile) and the library
 
 
 @functools.lru_cache(maxsize=1)
 def _schema() -> dict:
-    """The parsed schema file, shared (never mutate it): libyaml's parser when PyYAML has it (~10x faster
-    than the pure-Python one; the same safe constructors, so the same dict)."""
+    """The parsed schema file, shared (never mutate it): libyaml's parser when PyYAML has it."""
     with open(SCHEMA_PATH, "r", encoding="utf-8") as fh:
         return yaml.load(fh, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
@@ -243,9 +237,7 @@ def _schema_node(path: Sequence[str]) -> Mapping[str, Any]:
 
 
 def schema_default(*path: str) -> Any:
-    """The schema's default of the key at ``path`` (``schema_default("generation", "api")`` -> ``"chat"``;
-    ``"*"`` steps into ``additionalProperties``, e.g. ``("datasets", "*", "format")``), for code that
-    compares a value with its default. A copy (mutating it changes nothing).
+    """The schema's default of the key at `path`, for code that compares a value with its default.
 
     Raises:
         KeyError: no such key, or it has no default.
@@ -254,9 +246,8 @@ def schema_default(*path: str) -> Any:
 
 
 def schema_defaults(*path: str) -> dict:
-    """``{key: default}`` of every key with a default in the object at ``path`` (as :func:`schema_default`),
-    for library entry points that accept a partial section (tests, notebooks): they fill it from the
-    schema rather than re-stating a default."""
+    """`{key: default}` of every key with a default in the object at `path` (as `schema_default`), for library entry
+    points that accept a partial section: they fill it from the schema rather than re-stating a default."""
     props = _schema_node(path).get("properties") or {}
     return {k: copy.deepcopy(v["default"]) for k, v in props.items() if "default" in v}
 
@@ -264,13 +255,13 @@ def schema_defaults(*path: str) -> dict:
 def generation_problems(
     gen: Mapping[str, Any], *, target_dir: Any, backend: str | None = None, environ: Mapping[str, str] | None = None
 ) -> list[str]:
-    """Cross-field problems of a validated ``generation`` section, one line each (empty: none).
+    """Cross-field problems of a validated `generation` section, one line each (empty: none).
 
     Args:
-        gen: validated ``config["generation"]``.
-        target_dir: the target directory (``target.path``; None when a library caller has none).
-        backend: the backend to check for (default ``gen["backend"]``).
-        environ: where ``api_key_env`` variables are looked up (default ``os.environ``).
+        gen: validated `config["generation"]`.
+        target_dir: the target directory (`target.path`; None when a library caller has none).
+        backend: the backend to check for (default `gen["backend"]`).
+        environ: where `api_key_env` variables are looked up (default `os.environ`).
     """
     environ = os.environ if environ is None else environ
     backend = gen["backend"] if backend is None else backend
@@ -313,9 +304,8 @@ def generation_problems(
 
 
 def resolve_path(path: str, base_dir: str | Path | None) -> str:
-    """A relative ``path`` missing from the working directory but present under ``base_dir`` (the
-    workflow's own directory: bundled data under ``data/``) resolves there, so ``snakemake -d elsewhere``
-    works; any other path is returned as given."""
+    """A relative `path` missing from the working directory but present under `base_dir` resolves there, so
+    `snakemake -d elsewhere` works; any other path is returned as given."""
     p = Path(path)
     if base_dir is None or p.is_absolute() or p.exists():
         return str(path)

@@ -1,7 +1,7 @@
 """Record contracts between stages: one place for every schema (see DESIGN.md §2).
 
 Each shard is a Parquet file whose Arrow schema is defined here, and whose file-level metadata carries
-``schema_version`` plus stage-specific provenance (tokenizer hash, template hash, ...).
+`schema_version` plus stage-specific provenance (tokenizer hash, template hash, ...).
 """
 
 from __future__ import annotations
@@ -18,24 +18,23 @@ COMPLETION_SCHEMA_VERSION = 1
 TOKEN_SCHEMA_VERSION = 2  # 2: + turn
 EVAL_SCHEMA_VERSION = 1
 CHECKPOINT_FORMAT_VERSION = 1
-#: Feature shards (``results/features/{dataset}/{shard}.safetensors``): a safetensors file per token shard with
-#: an offsets index, memory-mapped on read; tensors, dtypes and metadata in :mod:`dflash_pipeline.features.format`.
+#: Feature shards (`results/features/{dataset}/{shard}.safetensors`): a safetensors file per token shard with
+#: an offsets index, memory-mapped on read; tensors, dtypes and metadata in `features.format`.
 FEATURE_SCHEMA_VERSION = 2  # 2: fp8 feature_scale per token per layer [N, K] (1: per token [N], still read)
 
 #: Roles allowed in a normalized prompt conversation.
 PROMPT_ROLES = ("system", "user")
-#: Roles allowed in a normalized prompt conversation with tool calls (:data:`PROMPT_TOOLS_SCHEMA`): ``assistant``
-#: only for a source turn that called tools (its ``tool_calls``, compared with the regenerated turn's), ``tool``
-#: for the tool results.
+#: Roles allowed in a normalized prompt conversation with tool calls: `assistant` only for a source turn that
+#: called tools, `tool` for the tool results.
 PROMPT_TOOL_ROLES = ("system", "user", "assistant", "tool")
 #: Roles allowed in a completed conversation.
 CONVERSATION_ROLES = ("system", "user", "assistant")
 
 MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string())])
 
-#: Prompt record: ``prompt_id`` (stable hash of the normalized messages, see :func:`prompt_id`),
-#: ``dataset`` (config name of the source), ``messages`` (system + user turns only; assistant turns are
-#: regenerated), ``metadata`` (JSON string of the source record's other fields).
+#: Prompt record: `prompt_id` (stable hash of the normalized messages, see `prompt_id`),
+#: `dataset` (config name of the source), `messages` (system + user turns only; assistant turns are
+#: regenerated), `metadata` (JSON string of the source record's other fields).
 PROMPT_SCHEMA = pa.schema(
     [
         ("prompt_id", pa.string()),
@@ -45,10 +44,8 @@ PROMPT_SCHEMA = pa.schema(
     ]
 )
 
-#: Prompt messages of a conversation with tool calls: ``tool_calls`` (JSON text of the OpenAI list
-#: ``[{id, type, function: {name, arguments}}]``, on the source's assistant turns that called tools: the calls the
-#: regenerated turn is compared with; their content is not kept), ``tool_call_id`` and ``name`` (on ``tool``
-#: results).
+#: Prompt messages of a conversation with tool calls: `tool_calls` (JSON text of the OpenAI list, on the
+#: source's assistant turns that called tools), `tool_call_id` and `name` (on `tool` results).
 PROMPT_TOOL_MESSAGE_TYPE = pa.struct(
     [
         ("role", pa.string()),
@@ -58,10 +55,8 @@ PROMPT_TOOL_MESSAGE_TYPE = pa.struct(
         ("name", pa.string()),
     ]
 )
-#: :data:`PROMPT_SCHEMA` of a shard that holds a conversation with tools or tool calls: messages of
-#: :data:`PROMPT_TOOL_MESSAGE_TYPE` and ``tools`` (canonical JSON text of the OpenAI ``tools`` list offered to the
-#: model, null when none). Shards without them keep :data:`PROMPT_SCHEMA` (:func:`prompt_schema`), so their bytes
-#: never change.
+#: `PROMPT_SCHEMA` of a shard with tools or tool calls: messages of `PROMPT_TOOL_MESSAGE_TYPE` and `tools`
+#: (canonical JSON text of the OpenAI `tools` list, null when none). Other shards keep `PROMPT_SCHEMA`.
 PROMPT_TOOLS_SCHEMA = pa.schema(
     [
         ("prompt_id", pa.string()),
@@ -74,15 +69,15 @@ PROMPT_TOOLS_SCHEMA = pa.schema(
 
 
 def has_tools(record: Mapping[str, Any]) -> bool:
-    """Whether a prompt or completion record offers tools or has a message with tool fields (a ``tool`` result,
-    ``tool_calls``, a ``tool_call_id``)."""
+    """Whether a prompt or completion record offers tools or has a message with tool fields (a `tool` result,
+    `tool_calls`, a `tool_call_id`)."""
     return bool(record.get("tools")) or any(
         m.get("tool_calls") or m.get("tool_call_id") or m.get("role") == "tool" for m in record.get("messages") or []
     )
 
 
 def prompt_schema(records: Iterable[Mapping[str, Any]]) -> pa.Schema:
-    """:data:`PROMPT_TOOLS_SCHEMA` when a record has tools (:func:`has_tools`), else :data:`PROMPT_SCHEMA`."""
+    """`PROMPT_TOOLS_SCHEMA` when a record has tools (`has_tools`), else `PROMPT_SCHEMA`."""
     return PROMPT_TOOLS_SCHEMA if any(has_tools(r) for r in records) else PROMPT_SCHEMA
 
 
@@ -99,11 +94,11 @@ TURN_TYPE = pa.struct(
     ]
 )
 
-#: Completion record: the regenerated conversation (``messages``: system/user as given, every assistant
+#: Completion record: the regenerated conversation (`messages`: system/user as given, every assistant
 #: turn produced by the target against the regenerated history), per assistant turn generation facts
-#: (``turns``, same order as the assistant messages), the ``model`` name, ``sampling`` (JSON of the
-#: sampling parameters), ``thinking`` mode (``none|save|disable``), ``status`` (``ok|truncated|error``)
-#: and ``error`` (message, null unless status is error).
+#: (`turns`, same order as the assistant messages), the `model` name, `sampling` (JSON of the
+#: sampling parameters), `thinking` mode (`none|save|disable`), `status` (`ok|truncated|error`)
+#: and `error` (message, null unless status is error).
 COMPLETION_SCHEMA = pa.schema(
     [
         ("prompt_id", pa.string()),
@@ -118,9 +113,9 @@ COMPLETION_SCHEMA = pa.schema(
     ]
 )
 
-#: Completion messages of a conversation with tool calls: ``tool_calls`` (JSON text of the OpenAI list
-#: ``[{id, type, function: {name, arguments}}]`` on assistant turns), ``tool_call_id`` and ``name`` (on
-#: ``tool`` results, role ``tool``).
+#: Completion messages of a conversation with tool calls: `tool_calls` (JSON text of the OpenAI list
+#: `[{id, type, function: {name, arguments}}]` on assistant turns), `tool_call_id` and `name` (on
+#: `tool` results, role `tool`).
 CONV_TOOL_MESSAGE_TYPE = pa.struct(
     [
         ("role", pa.string()),
@@ -131,11 +126,9 @@ CONV_TOOL_MESSAGE_TYPE = pa.struct(
         ("name", pa.string()),
     ]
 )
-#: :data:`COMPLETION_SCHEMA` of a shard that holds tool calls: messages of :data:`CONV_TOOL_MESSAGE_TYPE`,
-#: ``tools`` (JSON text of the function schemas offered to the model, null when none) and ``end_reason`` (null
-#: when every turn of the source conversation was regenerated; ``tool_call_diverged`` when the conversation ends
-#: at a regenerated turn whose tool calls differ from the source's, see docs/how-to/tool-calls.md). Shards without
-#: tool calls keep :data:`COMPLETION_SCHEMA` (:func:`completion_schema`), so their bytes never change.
+#: `COMPLETION_SCHEMA` of a shard that holds tool calls: messages of `CONV_TOOL_MESSAGE_TYPE`, `tools` (JSON
+#: text of the function schemas, null when none) and `end_reason` (`tool_call_diverged`, or null;
+#: docs/how-to/tool-calls.md). Shards without tool calls keep `COMPLETION_SCHEMA`, so their bytes never change.
 COMPLETION_TOOLS_SCHEMA = pa.schema(
     [
         ("prompt_id", pa.string()),
@@ -151,23 +144,23 @@ COMPLETION_TOOLS_SCHEMA = pa.schema(
         ("end_reason", pa.string()),
     ]
 )
-#: ``end_reason`` of a conversation that ends at a regenerated turn whose tool calls differ from the source's.
+#: `end_reason` of a conversation that ends at a regenerated turn whose tool calls differ from the source's.
 TOOL_CALL_DIVERGED = "tool_call_diverged"
 
 
 def completion_schema(records: Iterable[dict]) -> pa.Schema:
-    """:data:`COMPLETION_TOOLS_SCHEMA` when a record offers tools or has a message with tool fields
-    (:func:`has_tools`), else :data:`COMPLETION_SCHEMA`."""
+    """`COMPLETION_TOOLS_SCHEMA` when a record offers tools or has a message with tool fields
+    (`has_tools`), else `COMPLETION_SCHEMA`."""
     return COMPLETION_TOOLS_SCHEMA if any(has_tools(r) for r in records) else COMPLETION_SCHEMA
 
 
 COMPLETION_STATUSES = ("ok", "truncated", "error")
 THINKING_MODES = ("none", "save", "disable")
 
-#: Token record: ``input_ids`` int32 [num_tokens], ``loss_mask`` uint8 [num_tokens] (1 on tokens the
-#: target generated incl. end-of-turn, 0 elsewhere), counts and the truncation flag. ``turn``: 0-based index
+#: Token record: `input_ids` int32 [num_tokens], `loss_mask` uint8 [num_tokens] (1 on tokens the
+#: target generated incl. end-of-turn, 0 elsewhere), counts and the truncation flag. `turn`: 0-based index
 #: (among the conversation's assistant turns) of the last turn the row supervises; a conversation split into
-#: several rows (templates that rewrite earlier turns, server token ids) has one row per distinct ``turn``,
+#: several rows (templates that rewrite earlier turns, server token ids) has one row per distinct `turn`,
 #: in turn order.
 TOKEN_SCHEMA = pa.schema(
     [
@@ -183,18 +176,18 @@ TOKEN_SCHEMA = pa.schema(
 
 
 def canonical_json(obj: Any) -> str:
-    """Serialize ``obj`` deterministically (sorted keys, no whitespace, UTF-8 kept)."""
+    """Serialize `obj` deterministically (sorted keys, no whitespace, UTF-8 kept)."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-#: Message fields of a conversation with tool calls that enter :func:`prompt_id` (when not null).
+#: Message fields of a conversation with tool calls that enter `prompt_id` (when not null).
 TOOL_MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "name")
 
 
 def prompt_id(messages: Iterable[Mapping[str, Any]], tools: str | None = None) -> str:
-    """Stable id of a normalized conversation: sha256 over the canonical JSON of ``[{role, content}]``, each
-    message with its :data:`TOOL_MESSAGE_FIELDS` that are not null, and with ``tools`` (the record's JSON text)
-    ``{"messages": [...], "tools": tools}``. A conversation without tools hashes as ``[{role, content}]`` alone.
+    """Stable id of a normalized conversation: sha256 over the canonical JSON of `[{role, content}]`, each
+    message with its `TOOL_MESSAGE_FIELDS` that are not null, and with `tools` (the record's JSON text)
+    `{"messages": [...], "tools": tools}`. A conversation without tools hashes as `[{role, content}]` alone.
 
     Returns the first 24 hex chars (96 bits). The dataset name is *not* part of the hash, so the same
     prompt in two sources dedups to one record.
@@ -216,25 +209,22 @@ def sha256_text(text: str) -> str:
 # that alters them bumps dflash_pipeline.workflow.policy.TOKENIZATION_REVISION, which re-tokenizes and retrains
 # every workdir); the record shapes below decide none.
 #
-# The JSON records the stages write, typed (TypedDict: what readers may index), each with its version.
-# Writers set ``schema_version``; a reader that needs a newer shape checks it.
+# The JSON records the stages write, typed, each with its `schema_version`.
 
 from typing import Literal, TypedDict  # noqa: E402
 
-# Keys only some records carry are declared in a ``total=False`` base class (``NotRequired`` is 3.11+).
+# Keys only some records carry are declared in a `total=False` base class (`NotRequired` is 3.11+).
 
-#: ``results/prompts/manifest.json`` (:class:`PromptManifest`).
+#: `results/prompts/manifest.json` (`PromptManifest`).
 MANIFEST_SCHEMA_VERSION = 1
-#: ``results/completions/<dataset>/<shard>.stats.json`` (:class:`CompletionStats`, in ``stats_version``;
-#: ``schema_version`` is the shard's). 2: the whole shard's counts at the top level, this run's figures once,
-#: in ``run``. 1 (no ``stats_version``): this run's ``generated``, ``wall_s`` and rates at the top level and
-#: again in ``run``, its ``resumed`` and request counters at the top level only. Read ``run`` of either with
-#: :func:`run_stats` (a workdir keeps the stats files of shards it does not regenerate).
+#: `results/completions/<dataset>/<shard>.stats.json` (`CompletionStats`). 2: the whole shard's counts at the
+#: top level, this run's in `run`; 1 (no `stats_version`): this run's figures at the top level. Read `run` of
+#: either with `run_stats`.
 COMPLETION_STATS_VERSION = 2
 
 
 class ManifestShard(TypedDict):
-    """One prompt shard in the manifest (``path`` relative to the manifest's directory)."""
+    """One prompt shard in the manifest (`path` relative to the manifest's directory)."""
 
     name: str  # "00000"
     path: str  # "<dataset>/00000.parquet"
@@ -249,7 +239,7 @@ class _ManifestSourceOptional(TypedDict, total=False):
 
 
 class ManifestSource(_ManifestSourceOptional):
-    """One prompt source (``datasets.<name>``) in the manifest."""
+    """One prompt source (`datasets.<name>`) in the manifest."""
 
     config: dict  # path, format, max_prompts, fraction, strict, mapping (+ split, subset, languages, ...)
     read: int  # records read, malformed ones skipped with strict: false included
@@ -266,14 +256,13 @@ class _PromptManifestOptional(TypedDict, total=False):
 
 
 class PromptManifest(_PromptManifestOptional):
-    """``results/prompts/manifest.json``, written by :func:`dflash_pipeline.prompts.build_prompt_shards`.
+    """`results/prompts/manifest.json`, written by `prompts.build_prompt_shards`.
 
-    Per source (:class:`ManifestSource`), ``skipped_examples`` holds up to ``prompts.MAX_EXAMPLES``
-    located messages per drop reason (malformed and rejected records, in file order);
-    ``inactive_shards`` are its shard files beyond its current shard count, ``inactive_datasets`` the
-    shard files of sources no longer configured: on disk, in no ``shards`` list. A source with a
-    language filter also has ``config.languages``, ``config.min_language_confidence`` and
-    ``dropped_languages``; ``language_detector`` is ``"py3langid <version>"`` when any source used it.
+    Per source (`ManifestSource`), `skipped_examples` holds up to `prompts.MAX_EXAMPLES` located messages per drop
+    reason; `inactive_shards` are its shard files beyond its current shard count, `inactive_datasets` the shard files of
+    sources no longer configured: on disk, in no `shards` list. A source with a language filter also has
+    `config.languages`, `config.min_language_confidence` and `dropped_languages`; `language_detector` is `"py3langid
+    <version>"` when any source used it.
     """
 
     schema_version: int  # MANIFEST_SCHEMA_VERSION
@@ -297,10 +286,9 @@ class _RunStatsOptional(TypedDict, total=False):
 
 
 class RunStats(_RunStatsOptional):
-    """``run`` of :class:`CompletionStats`: the shard's last run (the ``generate_shard`` call that wrote
-    the file). Conversations taken from the progress file (``resumed``) and sent (``generated``); the
-    turns and tokens of those sent; ``wall_s`` (seconds of the call) and the rates (this run's counts per
-    second of ``wall_s``, None when 0 s); the backend's request counters of this run."""
+    """`run` of `CompletionStats`: the shard's last run. Conversations taken from the progress file (`resumed`) and
+    sent (`generated`); the turns and tokens of those sent; `wall_s` (seconds of the call) and the rates; the backend's
+    request counters of this run."""
 
     resumed: int
     generated: int
@@ -326,10 +314,9 @@ class _CompletionStatsOptional(TypedDict, total=False):
 
 
 class CompletionStats(_CompletionStatsOptional):
-    """``<shard>.stats.json`` (``stats_version`` :data:`COMPLETION_STATS_VERSION`), written by
-    :func:`dflash_pipeline.completions.generate_shard` (which returns the same dict). Top level: the
-    whole shard (its final records, resumed ones included): prompts, status counts, turns, tokens,
-    skips. ``run``: the last run's figures (:class:`RunStats`)."""
+    """`<shard>.stats.json` (`stats_version` `COMPLETION_STATS_VERSION`), written by
+    `completions.generate_shard`. Top level: the whole shard: prompts, status counts, turns, tokens,
+    skips. `run`: the last run's figures (`RunStats`)."""
 
     stats_version: int  # COMPLETION_STATS_VERSION
     schema_version: int  # COMPLETION_SCHEMA_VERSION of the shard
@@ -346,7 +333,7 @@ class CompletionStats(_CompletionStatsOptional):
     run: RunStats
 
 
-#: This run's keys a version-1 stats file holds at its top level (its ``run`` repeats some of them).
+#: This run's keys a version-1 stats file holds at its top level (its `run` repeats some of them).
 STATS_V1_RUN_KEYS = (
     "resumed",
     "generated",
@@ -364,10 +351,9 @@ STATS_V1_RUN_KEYS = (
 
 
 def run_stats(stats: Mapping[str, Any]) -> dict:
-    """The last run's figures (:class:`RunStats` keys) of a completion stats file of any version: ``run``
-    of version 2; of version 1 its ``run`` with the :data:`STATS_V1_RUN_KEYS` of its top level; of a file
-    from before the ``run`` block its top level (whose turns and tokens were that run's). Keys a file
-    lacks are absent ({} for ``{}``, no stats file)."""
+    """The last run's figures (`RunStats` keys) of a completion stats file of any version: `run` of version 2; of
+    version 1 its `run` with the `STATS_V1_RUN_KEYS` of its top level; of a file without a `run` block its top
+    level. Keys a file lacks are absent ({} for `{}`, no stats file)."""
     if stats.get("stats_version", 1) >= 2:
         return dict(stats["run"])
     run = stats.get("run")
@@ -376,7 +362,7 @@ def run_stats(stats: Mapping[str, Any]) -> dict:
 
 
 class EvalSetStats(TypedDict, total=False):
-    """τ of one drafter on one eval set (``drafters.<label>.sets.<set>`` of :class:`EvalRecord`)."""
+    """τ of one drafter on one eval set (`drafters.<label>.sets.<set>` of `EvalRecord`)."""
 
     tau: float  # mean acceptance length per response (reference/dflash.md §7)
     num_responses: int
@@ -388,7 +374,7 @@ class EvalSetStats(TypedDict, total=False):
 
 
 class EvalDrafter(TypedDict, total=False):
-    """One evaluated drafter (``trained``, a baseline label, or ``untrained``)."""
+    """One evaluated drafter (`trained`, a baseline label, or `untrained`)."""
 
     checkpoint: str | None
     train_steps: int
@@ -397,8 +383,8 @@ class EvalDrafter(TypedDict, total=False):
 
 
 class EvalRecord(TypedDict, total=False):
-    """``results/eval/<run>/acceptance.json`` (version :data:`EVAL_SCHEMA_VERSION`), written by
-    :func:`dflash_pipeline.evaluate.acceptance.evaluate`."""
+    """`results/eval/<run>/acceptance.json` (version `EVAL_SCHEMA_VERSION`), written by
+    `evaluate.acceptance.evaluate`."""
 
     schema_version: int
     target: dict  # path, model_type, architectures
@@ -411,17 +397,15 @@ class EvalRecord(TypedDict, total=False):
 
 
 class CheckpointMeta(TypedDict, total=False):
-    """``dflash_pipeline`` block of a drafter checkpoint's ``config.json`` (format
-    :data:`CHECKPOINT_FORMAT_VERSION`, written by :func:`dflash_pipeline.drafter.model.save_drafter`; the rest of
-    the file is the Hugging Face config SGLang/vLLM read: architectures, block_size, dflash_config with
-    target_layer_ids and mask_token_id)."""
+    """`dflash_pipeline` block of a drafter checkpoint's `config.json` (format `CHECKPOINT_FORMAT_VERSION`, written
+    by `drafter.model.save_drafter`."""
 
     format_version: int  # always written
     train_steps: int
     zero_target_features: bool
 
 
-#: Fields of a target's ``config.json`` that state its context length in tokens, under the names families give it
+#: Fields of a target's `config.json` that state its context length in tokens, under the names families give it
 #: (same meaning): the probe, the drafter's config and the feature server read the first one present.
 CONTEXT_LENGTH_KEYS = (
     "max_position_embeddings",

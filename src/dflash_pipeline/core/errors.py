@@ -2,15 +2,13 @@
 
 import re
 
-#: The ``user:password@`` part of a URL (up to the host's last ``@``, so a password holding ``@`` goes
+#: The `user:password@` part of a URL (up to the host's last `@`, so a password holding `@` goes
 #: whole), as it may appear in any message text.
 _CREDENTIALS_IN_URL = re.compile(r"(?<=://)[^/?#\s'\"]*@")
 
 
 def strip_url_credentials(text: str) -> str:
-    """``text`` with the ``user:password@`` of every URL in it removed: safe for messages, logs and
-    outputs (secrets never leave the environment). The one redaction of the project: every URL printed or
-    stored goes through it (``dflash_pipeline.completions.redact_url`` is this function)."""
+    """`text` with the `user:password@` of every URL in it removed: safe for messages, logs and outputs."""
     return _CREDENTIALS_IN_URL.sub("", text)
 
 
@@ -27,9 +25,8 @@ class ProbeError(PipelineError):
 
 
 class ProbeRefusal(ProbeError):
-    """The target is a model the drafter cannot be built for; ``reason`` names the kind in a few words
-    (``"attention-free"``, ``"looped layers"`` …, :data:`dflash_pipeline.probe.checks.REASONS`) and
-    the message says which config field shows it and what (if anything) to set."""
+    """The target is a model the drafter cannot be built for; `reason` names the kind in a few words and the message
+    says which config field shows it and what (if anything) to set."""
 
     def __init__(self, reason: str, message: str):
         super().__init__(message)
@@ -49,6 +46,6 @@ class TokenizationError(PipelineError):
 
 
 class MarkupWithoutIdsError(TokenizationError):
-    """An answer's text holds a template's control-token string (``<think>``, ``<tool_call>``,
-    ``<|channel|>`` ...) and no output token ids say whether the model emitted it as one token (markup) or
+    """An answer's text holds a template's control-token string (`<think>`, `<tool_call>`,
+    `<|channel|>` ...) and no output token ids say whether the model emitted it as one token (markup) or
     wrote it as text (a quote): the turn cannot be supervised as what the model emitted."""

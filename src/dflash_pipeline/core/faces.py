@@ -1,17 +1,12 @@
-"""Lazy public faces: a package ``__init__`` that lists its owning modules and the names each one exports, and
-loads a module on the first use of one of its names.
+"""Lazy public faces: a package `__init__` that lists its owning modules and the names each one exports, and
+loads a module on the first use of one of its names, so importing a package costs nothing.
 
-Every stage package's ``__init__`` is its public face (README "Layout"): other packages import a stage's
-names from the package, and the package imports the owning module only when a name is first used, so
-importing a package costs nothing (Snakemake's planning imports several).
-
-The face's table, ``_OWNERS``, maps each owning submodule to the names it exports, as one string of
-whitespace-separated names (the form of :func:`collections.namedtuple`'s field names)::
+The face's table, `_OWNERS`, maps each owning submodule to its names as one whitespace-separated string::
 
     _OWNERS = {"config": "DFlashConfig checkpoint_meta", "block_size": "BlockSizeError check_block_size"}
 
-It is a literal, so tools read it without importing the package (tests/unit/test_layers.py, test_envs.py):
-:func:`face_table` turns it into ``name -> module``.
+It is a literal, so tools read it without importing the package: `face_table` turns it into
+`name -> module`.
 """
 
 import importlib
@@ -19,7 +14,7 @@ from typing import Callable, Mapping
 
 
 def face_table(owners: Mapping[str, str]) -> dict[str, str]:
-    """``name -> owning submodule`` of a face table ``{module: "name name ..."}``.
+    """`name -> owning submodule` of a face table `{module: "name name ..."}`.
 
     Raises ValueError naming both modules when a name is listed under two (a name has one owner)."""
     table: dict[str, str] = {}
@@ -31,9 +26,9 @@ def face_table(owners: Mapping[str, str]) -> dict[str, str]:
 
 
 def lazy_face(package: str, owners: Mapping[str, str], namespace: Callable[[], dict]):
-    """``(__getattr__, __dir__, __all__)`` for ``package`` (its ``__name__``) whose face table ``owners`` maps
-    each submodule to the names it defines (:func:`face_table`); ``namespace`` is the package's ``globals``.
-    ``__getattr__`` raises AttributeError for a name the face does not list; ``__all__`` is the listed names,
+    """`(__getattr__, __dir__, __all__)` for `package` (its `__name__`) whose face table `owners` maps
+    each submodule to the names it defines (`face_table`); `namespace` is the package's `globals`.
+    `__getattr__` raises AttributeError for a name the face does not list; `__all__` is the listed names,
     sorted."""
     table = face_table(owners)
 
@@ -50,12 +45,11 @@ def lazy_face(package: str, owners: Mapping[str, str], namespace: Callable[[], d
 
 
 def moved_module(old: str, *owners: str):
-    """``__getattr__`` of a deprecated module ``old`` (its ``__name__``) whose names now live in the modules
-    ``owners``, looked up in that order; warns with a DeprecationWarning naming them, once, when ``old`` is
-    imported (call it from the module's body). ``__getattr__`` raises AttributeError for a name none of them has.
+    """`__getattr__` of a deprecated module `old` (its `__name__`) whose names now live in the modules `owners`,
+    looked up in that order; warns with a DeprecationWarning naming them, once, when `old` is imported (call it from the
+    module's body). `__getattr__` raises AttributeError for a name none of them has.
 
-    The shims of the old flat layout (``dflash_pipeline.model``, ``.engine``, ``.evaluate_engine``, ``.chat``)
-    are this call, kept for one release."""
+    """
     import warnings
 
     warnings.warn(f"{old} is deprecated; import {' or '.join(owners)}", DeprecationWarning, stacklevel=3)

@@ -1,8 +1,7 @@
 """What made a result: the software, the machine's kernels, the device and dtype, and the target's digest.
 
-Every result file (``train_summary.json``, ``acceptance.json``, ``engine.json``) carries a ``provenance``
-block from :func:`provenance`, and the report header shows it. Snakemake's rerun triggers ignore it: a new
-release of a dependency does not rebuild a result by itself, it shows up here instead.
+Every result file (`train_summary.json`, `acceptance.json`, `engine.json`) carries a `provenance` block from
+`provenance`, and the report header shows it.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ DIGEST_MAX_BYTES = 256 * 2**20
 
 
 def package_versions(names: Iterable[str] = CORE_PACKAGES) -> dict[str, Optional[str]]:
-    """``{distribution: version}`` from the installed metadata (``None`` for one that is not installed)."""
+    """`{distribution: version}` from the installed metadata (`None` for one that is not installed)."""
     out: dict[str, Optional[str]] = {}
     for name in names:
         try:
@@ -47,10 +46,10 @@ def package_versions(names: Iterable[str] = CORE_PACKAGES) -> dict[str, Optional
 
 
 def target_digest(target_dir: str | os.PathLike) -> Optional[dict]:
-    """sha256 over a target directory's files (sorted by relative path; each file's path and bytes), without
-    build facts (``demo_target.json``) and ``LICENSE*`` files. A directory over :data:`DIGEST_MAX_BYTES` is
-    digested over its files under 1 MiB only (config, tokenizer, template), and says so with
-    ``"weights": false``. Returns ``{"sha256", "files", "weights"}``, or None for a missing directory."""
+    """sha256 over a target directory's files (sorted by relative path; each file's path and bytes), without build
+    facts (`demo_target.json`) and `LICENSE*` files. A directory over `DIGEST_MAX_BYTES` is digested over its files
+    under 1 MiB only, and says so with `"weights": false`. Returns `{"sha256", "files", "weights"}`, or None for a
+    missing directory."""
     root = Path(target_dir)
     if not root.is_dir():
         return None
@@ -80,7 +79,7 @@ def _torch():
 
 
 def cpu_capability() -> Optional[str]:
-    """The CPU kernel level torch dispatches to (``"AVX512"``, ``"AVX2"``, ``"DEFAULT"``...), None without torch."""
+    """The CPU kernel level torch dispatches to (`"AVX512"`, `"AVX2"`, `"DEFAULT"`...), None without torch."""
     torch = _torch()
     try:
         return torch.backends.cpu.get_cpu_capability() if torch is not None else None
@@ -99,15 +98,15 @@ def provenance(
     """The provenance block of a result.
 
     Args:
-        target_dir: the target the result was made with; its :func:`target_digest` is recorded.
-        device: the device the result was computed on (``"cpu"``, ``"cuda:0"``...).
-        dtype: the compute dtype (``"float32"``, ``"bfloat16"``...).
-        extra_packages: more distributions to name (``vllm``, ``sglang`` where a job used them).
+        target_dir: the target the result was made with; its `target_digest` is recorded.
+        device: the device the result was computed on (`"cpu"`, `"cuda:0"`...).
+        dtype: the compute dtype (`"float32"`, `"bfloat16"`...).
+        extra_packages: more distributions to name (`vllm`, `sglang` where a job used them).
         engine: facts of a serving engine (name, version) the result came from.
 
     Returns:
-        ``{"python", "packages", "platform", "cpu_capability", "torch_threads", "kernel_env", "device",
-        "dtype", "target", "engine"?}``; JSON-serialisable.
+        `{"python", "packages", "platform", "cpu_capability", "torch_threads", "kernel_env", "device",
+        "dtype", "target", "engine"?}`; JSON-serialisable.
     """
     torch = _torch()
     threads = torch.get_num_threads() if torch is not None else None
@@ -128,8 +127,8 @@ def provenance(
 
 
 def provenance_line(prov: dict) -> str:
-    """One line for a report header or a log: ``torch 2.13.0, transformers 5.25.0, ... · cpu (AVX512, 2 threads),
-    float32 · target sha256 1a2b3c4d5e6f``."""
+    """One line for a report header or a log: `torch 2.13.0, transformers 5.25.0, ... · cpu (AVX512, 2 threads),
+    float32 · target sha256 1a2b3c4d5e6f`."""
     pk = prov.get("packages") or {}
     soft = ", ".join(f"{k} {v}" for k, v in pk.items() if v and k != "dflash-pipeline")
     dev = prov.get("device") or "?"

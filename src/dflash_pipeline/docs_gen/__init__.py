@@ -1,18 +1,10 @@
 """Writes the generated pages of the documentation site and the README's generated tables.
 
-``python -m dflash_pipeline.docs_gen`` (run from the repo root) rewrites:
-
-* ``docs/reference/config.md``: every config key with its type, default and description, from the JSON Schema
-  (``config/schema.yaml``);
-* ``docs/reference/cli.md``: the ``--help`` of every entry point, from its argparse parser;
-* ``docs/reference/rules.md``: every rule with its description and outputs, from ``rules/*.smk``;
-* ``docs/reference/families.md``: the supported-families table, from ``docs/results/zoo.json`` (written by
-  ``python -m dflash_pipeline.testing.zoo --table --json docs/results/zoo.json``);
-* the blocks of the README and the tutorial between ``<!-- BEGIN GENERATED name -->`` and ``<!-- END GENERATED name -->``: the demo's
-  τ table (from ``docs/results/demo/acceptance.json``, an eval record of a default demo run) and the
-  supported-families summary.
-
-``--check`` writes nothing and exits 1 listing the files that differ (``tests/unit/test_docs_gen.py`` runs it).
+`python -m dflash_pipeline.docs_gen` (from the repo root) rewrites `docs/reference/config.md` (from the
+JSON Schema), `cli.md` (every entry point's argparse), `rules.md` (`rules/*.smk`), `families.md`
+(`docs/results/zoo.json`) and the blocks between `<!-- BEGIN GENERATED name -->` and
+`<!-- END GENERATED name -->` in the README and the tutorial. `--check` writes nothing and exits 1
+listing the files that differ.
 """
 
 from __future__ import annotations
@@ -29,15 +21,13 @@ from dflash_pipeline.docs_gen.markdown import GENERATED_NOTE, REPO, md_table, md
 
 DEMO_RESULT = Path("docs/results/demo/acceptance.json")
 ZOO_RESULT = Path("docs/results/zoo.json")
-#: Hand-written files with generated blocks (``BEGIN GENERATED name`` … ``END GENERATED name``).
+#: Hand-written files with generated blocks (`BEGIN GENERATED name` … `END GENERATED name`).
 BLOCK_FILES = ("README.md", "docs/tutorial/demo.md", "docs/explanation/reproducibility.md")
-#: ``bench/bench_repro.py``'s record of the default demo on native and AVX2 kernels.
+#: `bench/bench_repro.py`'s record of the default demo on native and AVX2 kernels.
 REPRO_RESULT = Path("docs/results/repro.json")
 
 
-# --------------------------------------------------------------------------------------------------
-# Config reference (JSON Schema)
-# --------------------------------------------------------------------------------------------------
+# --- Config reference (JSON Schema)
 
 
 def _type_of(node: dict) -> str:
@@ -64,9 +54,7 @@ def _bounds(node: dict) -> str:
 
 
 def schema_keys(schema: dict, prefix: str = "") -> Iterator[tuple[str, dict]]:
-    """Every key of the config schema as ``(dotted path, schema node)``, depth first in schema order: a map
-    of user-named entries (``datasets``) is ``datasets.<name>``, the items of an array of objects
-    (``generation.endpoints``) ``generation.endpoints[]``."""
+    """Every key of the config schema as `(dotted path, schema node)`, depth first in schema order."""
     for name, node in (schema.get("properties") or {}).items():
         path = f"{prefix}{name}"
         yield path, node
@@ -86,7 +74,7 @@ def _children(node: dict, path: str) -> Iterator[tuple[str, dict]]:
 
 
 def load_config_schema() -> dict:
-    """The config JSON Schema (``config/schema.yaml``) as a dict."""
+    """The config JSON Schema (`config/schema.yaml`) as a dict."""
     import yaml
 
     from dflash_pipeline.core.config import SCHEMA_PATH
@@ -95,7 +83,7 @@ def load_config_schema() -> dict:
 
 
 def config_reference(schema: Optional[dict] = None) -> str:
-    """``docs/reference/config.md``: one section per top-level key, one row per key (type, default,
+    """`docs/reference/config.md`: one section per top-level key, one row per key (type, default,
     description)."""
     schema = schema or load_config_schema()
     out = [
@@ -131,9 +119,7 @@ def config_reference(schema: Optional[dict] = None) -> str:
     return "\n".join(out)
 
 
-# --------------------------------------------------------------------------------------------------
-# Rules reference (rules/*.smk)
-# --------------------------------------------------------------------------------------------------
+# --- Rules reference (rules/*.smk)
 
 #: Rule files in the order data flows through them (others follow, sorted).
 RULE_FILE_ORDER = ("demo", "probe", "prompts", "completions", "tokens", "features", "train", "eval", "report")
@@ -141,8 +127,8 @@ _RULE = re.compile(r"^([ \t]*)(rule|checkpoint) (\w+):\s*$")
 
 
 def rules_of(text: str) -> list[tuple[str, str, str]]:
-    """``(kind, name, body)`` of every rule of a Snakemake file, also rules defined inside an ``if`` block: the
-    body is every line after ``rule name:`` indented deeper than it (blank lines included)."""
+    """`(kind, name, body)` of every rule of a Snakemake file, also rules defined inside an `if` block: the
+    body is every line after `rule name:` indented deeper than it (blank lines included)."""
     lines = text.splitlines()
     found = []
     for i, line in enumerate(lines):
@@ -160,7 +146,7 @@ def rules_of(text: str) -> list[tuple[str, str, str]]:
 
 
 def _rule_section(body: str, name: str) -> str:
-    """The lines of one directive (``output:``) of a rule body, dedented; "" when absent."""
+    """The lines of one directive (`output:`) of a rule body, dedented; "" when absent."""
     lines = body.splitlines()
     for i, line in enumerate(lines):
         if line.strip() == f"{name}:":
@@ -183,7 +169,7 @@ def _docstring(body: str) -> str:
 
 
 def rules_reference(repo: Path = REPO) -> str:
-    """``docs/reference/rules.md``: per rule file, each rule's description and its ``output:``."""
+    """`docs/reference/rules.md`: per rule file, each rule's description and its `output:`."""
     out = [
         GENERATED_NOTE.format(source="rules/*.smk"),
         "",
@@ -214,9 +200,7 @@ def rules_reference(repo: Path = REPO) -> str:
     return "\n".join(out)
 
 
-# --------------------------------------------------------------------------------------------------
-# Supported families (docs/results/zoo.json)
-# --------------------------------------------------------------------------------------------------
+# --- Supported families (docs/results/zoo.json)
 
 
 def _zoo(repo: Path) -> Optional[dict]:
@@ -233,7 +217,7 @@ def _zoo_source_line(zoo: dict) -> str:
 
 
 def families_reference(repo: Path = REPO) -> str:
-    """``docs/reference/families.md``: the family × stage table of the zoo's last run."""
+    """`docs/reference/families.md`: the family × stage table of the zoo's last run."""
     out = [
         GENERATED_NOTE.format(source=str(ZOO_RESULT)),
         "",
@@ -290,13 +274,11 @@ def families_summary(repo: Path = REPO) -> str:
     )
 
 
-# --------------------------------------------------------------------------------------------------
-# The demo's τ table (docs/results/demo/acceptance.json)
-# --------------------------------------------------------------------------------------------------
+# --- The demo's τ table (docs/results/demo/acceptance.json)
 
 
 def demo_tau_table(record: Optional[dict]) -> str:
-    """The README's demo block: τ per drafter and eval set of an eval record (``acceptance.json``), with the
+    """The README's demo block: τ per drafter and eval set of an eval record (`acceptance.json`), with the
     settings it was measured under; a sentence saying how to produce it when there is none."""
     if record is None:
         return (
@@ -323,7 +305,7 @@ def demo_tau_table(record: Optional[dict]) -> str:
 
 def repro_table(record: Optional[dict]) -> str:
     """The reproducibility block: τ of the default demo built on this machine's kernels and on AVX2 ones
-    (``bench/bench_repro.py``'s ``repro.json``), the relative difference per set, and where the stages part."""
+    (`bench/bench_repro.py`'s `repro.json`), the relative difference per set, and where the stages part."""
     if record is None:
         return (
             f"No result is committed yet ({REPRO_RESULT}): run `python bench/bench_repro.py --work /tmp/repro`, "
@@ -343,16 +325,14 @@ def repro_table(record: Optional[dict]) -> str:
     )
 
 
-# --------------------------------------------------------------------------------------------------
-# Writing and checking
-# --------------------------------------------------------------------------------------------------
+# --- Writing and checking
 
 _BLOCK = re.compile(r"(<!-- BEGIN GENERATED (\S+)[^\n]*-->\n)(.*?)(<!-- END GENERATED \2 -->)", re.S)
 
 
 def fill_blocks(text: str, blocks: dict[str, str]) -> str:
-    """``text`` with every ``BEGIN GENERATED name`` … ``END GENERATED name`` block's body replaced by
-    ``blocks[name]``.
+    """`text` with every `BEGIN GENERATED name` … `END GENERATED name` block's body replaced by
+    `blocks[name]`.
 
     Raises:
         KeyError: a block names no known generator.
@@ -365,7 +345,7 @@ def fill_blocks(text: str, blocks: dict[str, str]) -> str:
 
 
 def readme_blocks(repo: Path = REPO) -> dict[str, str]:
-    """The text of every generated block (name -> Markdown) of :data:`BLOCK_FILES`."""
+    """The text of every generated block (name -> Markdown) of `BLOCK_FILES`."""
     demo = repo / DEMO_RESULT
     return {
         "demo-tau": demo_tau_table(json.loads(demo.read_text(encoding="utf-8")) if demo.is_file() else None),
@@ -377,7 +357,7 @@ def readme_blocks(repo: Path = REPO) -> dict[str, str]:
 
 
 def generated_files(repo: Path = REPO) -> dict[Path, str]:
-    """Every generated file's path (relative to ``repo``) and the text it must hold."""
+    """Every generated file's path (relative to `repo`) and the text it must hold."""
     pages = {
         Path("docs/reference/config.md"): config_reference(),
         Path("docs/reference/cli.md"): cli_reference(),
@@ -400,7 +380,7 @@ def stale_files(repo: Path = REPO) -> list[Path]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """CLI (module docstring): write every generated file, or with ``--check`` return 1 when one differs."""
+    """CLI (module docstring): write every generated file, or with `--check` exit with 1 when one differs."""
     ap = argparse.ArgumentParser(prog="python -m dflash_pipeline.docs_gen", description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 listing the files that differ")
     ap.add_argument("--repo", default=str(REPO), help="repository root (default: this checkout)")

@@ -1,4 +1,4 @@
-"""``python -m dflash_pipeline.docs_gen``: see :mod:`dflash_pipeline.docs_gen`."""
+"""`python -m dflash_pipeline.docs_gen`: see `dflash_pipeline.docs_gen`."""
 
 from dflash_pipeline.docs_gen import main
 

@@ -1,4 +1,4 @@
-"""The CLI reference page ``docs/reference/cli.md``: every entry point's argparse parser, captured without
+"""The CLI reference page `docs/reference/cli.md`: every entry point's argparse parser, captured without
 running the entry point, rendered as Markdown."""
 
 from __future__ import annotations
@@ -10,9 +10,7 @@ from typing import Callable, Iterator, Sequence
 
 from dflash_pipeline.docs_gen.markdown import GENERATED_NOTE, md_table, md_text
 
-# --------------------------------------------------------------------------------------------------
-# CLI reference (argparse)
-# --------------------------------------------------------------------------------------------------
+# --- CLI reference (argparse)
 
 
 class _Captured(Exception):
@@ -23,8 +21,8 @@ class _Captured(Exception):
 
 @contextlib.contextmanager
 def _capture_parse() -> Iterator[None]:
-    """While active, the first ``parse_args``/``parse_known_args`` call raises :class:`_Captured` with its
-    parser, so an entry point's ``main`` hands over its parser without running."""
+    """While active, the first `parse_args`/`parse_known_args` call raises `_Captured` with its
+    parser, so an entry point's `main` hands over its parser without running."""
     saved = argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args
 
     def grab(self, *args, **kwargs):
@@ -39,10 +37,10 @@ def _capture_parse() -> Iterator[None]:
 
 
 def captured_parser(main: Callable, argv: Sequence[str] = ()) -> argparse.ArgumentParser:
-    """The argparse parser ``main(argv)`` builds (it is not run).
+    """The argparse parser `main(argv)` builds (it is not run).
 
     Raises:
-        RuntimeError: ``main`` returned without parsing arguments.
+        RuntimeError: `main` returned without parsing arguments.
     """
     with _capture_parse():
         try:
@@ -53,7 +51,7 @@ def captured_parser(main: Callable, argv: Sequence[str] = ()) -> argparse.Argume
 
 
 def _argument(action: argparse.Action) -> str:
-    """How an argument is written on the command line: ``--out-dir OUT_DIR``, ``token_shards ...``."""
+    """How an argument is written on the command line: `--out-dir OUT_DIR`, `token_shards ...`."""
     metavar = action.metavar if isinstance(action.metavar, str) else None
     if not action.option_strings:
         name = metavar or action.dest
@@ -77,8 +75,8 @@ def _action_help(action: argparse.Action, prog: str) -> str:
 
 def parser_markdown(parser: argparse.ArgumentParser, prog: str, level: int = 3) -> str:
     """A parser as Markdown: its description, a table of arguments per argument group, its epilog (as
-    written), then each subcommand under a heading of ``level``. Rendered from the parser's actions, not
-    from ``format_help``, so the page does not depend on the Python version's help layout."""
+    written), then each subcommand under a heading of `level`. Rendered from the parser's actions, not
+    from `format_help`, so the page does not depend on the Python version's help layout."""
     out = []
     if parser.description:
         out += [md_text(parser.description).replace("\\|", "|"), ""]
@@ -114,7 +112,7 @@ def _stdout_of(fn: Callable, *args) -> str:
 
 
 def _entry_points() -> list[tuple[str, str, Callable[[], str]]]:
-    """``(command, what it is for, its Markdown)`` of every entry point, in the order of the page."""
+    """`(command, what it is for, its Markdown)` of every entry point, in the order of the page."""
 
     def parsed(module: str, attr: str, prog: str, argv: Sequence[str] = (), sub: str = "") -> Callable[[], str]:
         def text() -> str:
@@ -189,7 +187,7 @@ def _entry_points() -> list[tuple[str, str, Callable[[], str]]]:
 
 
 def cli_reference() -> str:
-    """``docs/reference/cli.md``: every entry point's arguments."""
+    """`docs/reference/cli.md`: every entry point's arguments."""
     out = [
         GENERATED_NOTE.format(source="each entry point's argparse parser"),
         "",

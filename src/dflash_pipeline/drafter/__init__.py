@@ -1,7 +1,7 @@
 """The DFlash drafter: model, blocks (anchors, labels, decayed CE) and attention masks; the drafter families
-(``drafter.family``: :mod:`.dflash`, :mod:`.dflash2`, :mod:`.dspark`, asked through the registry :mod:`.families`). Names load
+(`drafter.family`: `.dflash`, `.dflash2`, `.dspark`, asked through the registry `.families`). Names load
 on first use
-(``_OWNERS``: :func:`dflash_pipeline.core.faces.lazy_face`)."""
+(`_OWNERS`: `core.faces.lazy_face`)."""
 
 from dflash_pipeline.core.faces import lazy_face
 

@@ -1,10 +1,9 @@
 """Attention masks of the DFlash drafter: training block masks (dense and FlexAttention) and the sliding
 layers' inference mask (dflash.md §2.3, §4.4).
 
-KV layout in training: [context (S) ‖ block_0 (B) ‖ … ‖ block_{N−1} (B)], queries the N·B block slots;
-True = attend. :func:`masks_per_layer_type` is the one place that turns a builder into one mask per layer
-type the drafter has (full / sliding); packed rows reuse it (:mod:`dflash_pipeline.train.packing`). The drafter
-itself is :mod:`dflash_pipeline.drafter.model` (which re-exports these names).
+KV layout in training: [context (S) ‖ block_0 (B) ‖ … ‖ block_{N−1} (B)], queries the N·B block slots; True = attend.
+`masks_per_layer_type` is the one place that turns a builder into one mask per layer type the drafter has (full /
+sliding); packed rows reuse it.
 """
 
 from __future__ import annotations
@@ -27,21 +26,18 @@ def build_block_mask(
 ) -> torch.Tensor:
     """Dense training attention mask (dflash.md §4.4), True = attend.
 
-    KV layout is [context (S) ‖ block_0 (B) ‖ … ‖ block_{N−1} (B)]; queries are the N·B block slots.
-    Query slot q of block n = q // B may see context key j iff j < anchors[n] (strictly before the
-    anchor, by *position*, so overlapping anchors never leak), and every key of its own block
-    (bidirectional). It never sees other blocks. Every row has ≥ 1 visible key (its own anchor).
+    KV layout [context (S) ‖ block_0 (B) ‖ … ‖ block_{N−1} (B)]; queries are the N·B block slots. Slot q of
+    block n = q // B sees context key j iff j < anchors[n] (by position, so overlapping anchors never leak)
+    and every key of its own block, never other blocks.
 
-    ``sliding_window`` (sliding-attention layers, dflash.md §2.3, SpecForge semantics): the context is
-    further limited to keys with ``query_position − j < sliding_window``, and inside the block a slot
-    sees only slots at or before it (causal; ``block_causal=False``: the whole block, DFlash2's non-causal
-    sliding window, :mod:`dflash_pipeline.drafter.dflash2`).
+    `sliding_window` (dflash.md §2.3, SpecForge semantics) also limits the context to
+    `query_position − j < sliding_window`, and the block to slots at or before the query (`block_causal=False`:
+    the whole block, DFlash2).
 
     Args:
         anchors: long [b, N].
     Returns:
-        bool [b, 1, N·B, S + N·B].
-    """
+        bool [b, 1, N·B, S + N·B]."""
     b, n = anchors.shape
     dev = anchors.device
     q_block = torch.arange(n * block_size, device=dev) // block_size  # [Q]
@@ -68,10 +64,10 @@ def build_flex_block_mask(
     segment_ids: Optional[torch.Tensor] = None,
     block_causal: bool = True,
 ):
-    """The same predicate as :func:`build_block_mask` as a FlexAttention ``BlockMask`` (no dense
-    [b, Q, S+Q] tensor; dflash.md §4.4). The block index is clamped before the anchor gather.
+    """The same predicate as `build_block_mask` as a FlexAttention `BlockMask` (no dense [b, Q, S+Q] tensor;
+    dflash.md §4.4).
 
-    ``segment_ids`` long [b, S] (packed rows, :mod:`dflash_pipeline.train.packing`): context key j is visible
+    `segment_ids` long [b, S] (packed rows, `train.packing`): context key j is visible
     only when it lies in the anchor's record as well."""
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -97,15 +93,15 @@ def build_flex_block_mask(
 
 
 def build_training_masks(drafter: "DFlashDrafter", anchors: torch.Tensor, seq_len: int, backend: str = "sdpa"):
-    """Masks for every layer type the drafter has: one mask, or ``{layer_type: mask}`` when it mixes
-    full and sliding layers. ``backend``: ``sdpa`` (dense bool) or ``flex`` (BlockMask)."""
+    """Masks for every layer type the drafter has: one mask, or `{layer_type: mask}` when it mixes
+    full and sliding layers. `backend`: `sdpa` (dense bool) or `flex` (BlockMask)."""
     build = build_flex_block_mask if backend == "flex" else build_block_mask
     return masks_per_layer_type(drafter, lambda **kw: build(anchors, seq_len, drafter.block_size, **kw))
 
 
 def masks_per_layer_type(drafter: "DFlashDrafter", build):
-    """``build()`` for full-attention layers and ``build(sliding_window=W)`` for sliding ones: one mask when
-    the drafter has one layer type, else ``{layer_type: mask}``."""
+    """`build()` for full-attention layers and `build(sliding_window=W)` for sliding ones: one mask when
+    the drafter has one layer type, else `{layer_type: mask}`."""
     types = set(drafter.layer_types)
     masks = {}
     if "full_attention" in types:
@@ -121,7 +117,7 @@ def build_inference_sliding_mask(
     start: int, block_size: int, sliding_window: int, device=None, block_causal: bool = True
 ) -> torch.Tensor:
     """Inference mask of a sliding layer: block slot k (position start+k) sees context j with
-    start+k−j < window, and block slots ≤ k (every slot when not ``block_causal``). bool [1, 1, B, start + B]."""
+    start+k−j < window, and block slots ≤ k (every slot when not `block_causal`). bool [1, 1, B, start + B]."""
     k = torch.arange(block_size, device=device).view(-1, 1)
     j = torch.arange(start, device=device).view(1, -1)
     ctx = (start + k) - j < sliding_window

@@ -1,9 +1,8 @@
 """The block sizes a drafter runs with: the one rule for "B ≥ 2" and for "no more than the trained B".
 
-A block is [bonus token, MASK × (B − 1)] (reference/dflash.md §2.5): slot 0 is the last committed token, so
-a block of fewer than 2 slots drafts nothing; the drafter saw blocks of its trained size only, and its
-attention masks, position ids and decay weights (§4) are laid out for at most that many slots, so a larger
-block at inference is refused. Kept free of heavy imports: the plan-time config checks call it.
+A block is [bonus token, MASK × (B − 1)] (reference/dflash.md §2.5), so fewer than 2 slots draft nothing,
+and the drafter's masks, positions and decay weights (§4) are laid out for at most its trained size. Free
+of heavy imports: the plan-time config checks call it.
 """
 
 from __future__ import annotations
@@ -18,10 +17,10 @@ class BlockSizeError(ConfigError, ValueError):
 
 
 def check_block_size(block_size: int, *, key: str = "block_size") -> int:
-    """``block_size`` as an int when it is ≥ 2 (slot 0 is the bonus token, dflash.md §2.5).
+    """`block_size` as an int when it is ≥ 2 (slot 0 is the bonus token, dflash.md §2.5).
 
     Raises:
-        BlockSizeError: ``block_size`` < 2, naming ``key`` (e.g. ``drafter.block_size``).
+        BlockSizeError: `block_size` < 2, naming `key` (e.g. `drafter.block_size`).
     """
     if isinstance(block_size, bool) or int(block_size) != block_size or int(block_size) < 2:
         raise BlockSizeError(f"{key} {block_size} must be >= 2 (slot 0 of a block is the bonus token)")
@@ -29,11 +28,11 @@ def check_block_size(block_size: int, *, key: str = "block_size") -> int:
 
 
 def resolve_block_size(requested: Optional[int], trained: int, *, key: str = "eval.block_size") -> int:
-    """The block size to run: ``requested`` (``eval.block_size``; None = the trained one), never more than
-    ``trained`` (the drafter's ``block_size``, as trained).
+    """The block size to run: `requested` (`eval.block_size`; None = the trained one), never more than
+    `trained` (the drafter's `block_size`, as trained).
 
     Raises:
-        BlockSizeError: the result is < 2, or ``requested`` exceeds ``trained`` (naming ``key``).
+        BlockSizeError: the result is < 2, or `requested` exceeds `trained` (naming `key`).
     """
     trained = check_block_size(trained, key="drafter.block_size")
     if requested is None:

@@ -1,10 +1,6 @@
 """DFlash training blocks and their base loss (dflash.md §4): anchors, block inputs with same-position
 labels and decayed weights, the chunked decayed cross-entropy with its global normaliser, per-slot
-accuracy and the EAL proxy, the LR schedule.
-
-The objectives built on these (``ce_decay``, ``dpace``, ``kl``) are :mod:`dflash_pipeline.train.losses`; the
-attention masks :mod:`dflash_pipeline.drafter.attention_masks`; the drafter :mod:`dflash_pipeline.drafter.model` (which re-exports
-these names). Notation as there: B block size, S sequence length, N anchors per sequence, V vocabulary.
+accuracy and the EAL proxy, the LR schedule. Notation as in `.model`.
 """
 
 from __future__ import annotations
@@ -23,13 +19,12 @@ from dflash_pipeline.target.loading import lm_head_logits
 class LossOutput:
     """One micro-batch's objective on one rank.
 
-    ``total``: float32 scalar with grad, Σ of the per-slot terms (not normalised).
-    ``normalizer``: float32 scalar, this micro-batch's share of the denominator (Σ slot weights for
-    ``ce_decay``/``kl``; the number of sequences for ``dpace``). The loss to report is
-    Σ total / Σ normalizer over every rank and micro-step; :meth:`local` is this micro-batch's alone.
-    ``stats``: ``num_slots`` (supervised slots), ``correct`` bool [num_slots] (argmax == label) and
-    ``index`` long [num_slots] (flat slot index into [b·Q]) — the format of
-    :func:`dflash_pipeline.drafter.model.slot_accuracy`.
+    `total`: float32 scalar with grad, Σ of the per-slot terms (not normalised).
+    `normalizer`: float32 scalar, this micro-batch's share of the denominator (Σ slot weights for
+    `ce_decay`/`kl`; the number of sequences for `dpace`). The loss to report is
+    Σ total / Σ normalizer over every rank and micro-step; `local` is this micro-batch's alone.
+    `stats`: `num_slots` (supervised slots), `correct` bool [num_slots] (argmax == label) and
+    `index` long [num_slots] (flat slot index into [b·Q]).
     """
 
     total: torch.Tensor
@@ -37,13 +32,13 @@ class LossOutput:
     stats: dict = field(default_factory=dict)
 
     def local(self) -> torch.Tensor:
-        """``total / normalizer`` (0 when nothing is supervised)."""
+        """`total / normalizer` (0 when nothing is supervised)."""
         return self.total / self.normalizer.clamp(min=1e-12)
 
 
 @dataclass
 class AnchorBatch:
-    """Sampled anchors for a batch. ``anchors`` long [b, N] (sorted per row), ``keep`` bool [b, N]."""
+    """Sampled anchors for a batch. `anchors` long [b, N] (sorted per row), `keep` bool [b, N]."""
 
     anchors: torch.Tensor
     keep: torch.Tensor
@@ -52,16 +47,16 @@ class AnchorBatch:
 def sample_anchors(
     loss_mask: torch.Tensor, num_anchors: int, generator: Optional[torch.Generator] = None
 ) -> AnchorBatch:
-    """Draw up to ``num_anchors`` random anchors per sequence, redrawn every step (dflash.md §4.2).
+    """Draw up to `num_anchors` random anchors per sequence, redrawn every step (dflash.md §4.2).
 
-    Candidates are positions p ≤ S−2 with ``loss_mask[p] == 1`` and ``loss_mask[p+1] == 1`` (SpecForge
+    Candidates are positions p ≤ S−2 with `loss_mask[p] == 1` and `loss_mask[p+1] == 1` (SpecForge
     HEAD rule: the anchor is a generated token and the first label is supervised). N = min(num_anchors,
-    max #candidates over the batch); rows with fewer candidates get ``keep = False`` fill-ins.
+    max #candidates over the batch); rows with fewer candidates get `keep = False` fill-ins.
 
     Args:
         loss_mask: [b, S] 0/1 (any integer or bool dtype).
     Returns:
-        AnchorBatch with ``anchors`` long [b, N] sorted ascending, ``keep`` bool [b, N]; N ≥ 1.
+        AnchorBatch with `anchors` long [b, N] sorted ascending, `keep` bool [b, N]; N ≥ 1.
     """
     lm = loss_mask.bool()
     b, s = lm.shape
@@ -101,8 +96,8 @@ def block_inputs_and_labels(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Block tokens, positions, same-position labels and loss weights (dflash.md §4.3, §4.5).
 
-    Slot k of the block anchored at p holds ``input_ids[p]`` (k = 0) or MASK, sits at position p+k, and
-    is trained to predict ``input_ids[p+k]`` (same-position labels; slot 0 carries no loss).
+    Slot k of the block anchored at p holds `input_ids[p]` (k = 0) or MASK, sits at position p+k, and
+    is trained to predict `input_ids[p+k]` (same-position labels; slot 0 carries no loss).
     Weight = keep · [p+k < S] · [k ≥ 1] · loss_mask[p+k] · exp(−(k−1)/γ) (γ None → uniform).
 
     Returns:
@@ -136,17 +131,15 @@ def decayed_cross_entropy(
     chunk_tokens: int = 4096,
     normalizer: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict]:
-    """Weighted CE Σ w·CE / Σ w over slots with w > 0, computed in chunks of ``chunk_tokens`` slots
+    """Weighted CE Σ w·CE / Σ w over slots with w > 0, computed in chunks of `chunk_tokens` slots
     under activation checkpointing so memory never holds [N·B, V] logits at once (dflash.md §4.5, §4.7).
 
-    ``normalizer`` (float scalar) replaces the local Σ w as the divisor: :func:`loss_normalizer` makes
-    data-parallel ranks average to the global Σ w·CE / Σ w. Logits are computed in the LM head's dtype
-    and upcast to float32 for the cross-entropy (:func:`dflash_pipeline.target.loading.lm_head_logits`), so a
-    bf16 head works with or without autocast.
+    `normalizer` (float scalar) replaces the local Σ w as the divisor: `loss_normalizer` makes data-parallel ranks
+    average to the global Σ w·CE / Σ w. Logits are computed in the LM head's dtype and upcast to float32 for the
+    cross-entropy, so a bf16 head works with or without autocast.
 
-    Returns ``(loss, stats)``; ``stats`` holds per-slot correct/total counts (for accuracy and the EAL
-    proxy) and ``weight_sum`` (local Σ w). With no supervised slot the loss is ``0 * hidden.sum()`` so
-    every rank still runs backward.
+    Returns `(loss, stats)`; `stats` holds per-slot correct/total counts and `weight_sum` (local Σ w). With no
+    supervised slot the loss is `0 * hidden.sum()` so every rank still runs backward.
     """
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
@@ -184,12 +177,11 @@ def decayed_cross_entropy(
 
 
 def loss_normalizer(local_weight_sum: torch.Tensor, world_size: int, all_reduce_sum=None) -> torch.Tensor:
-    """Divisor for :func:`decayed_cross_entropy` on one of ``world_size`` data-parallel ranks.
+    """Divisor for `decayed_cross_entropy` on one of `world_size` data-parallel ranks.
 
-    DDP averages gradients over ranks, so rank r's loss Σ_r w·CE / (Σ_all w / world_size) averages to
-    the global Σ_all w·CE / Σ_all w: every supervised slot weighs the same whichever rank holds it (a
-    rank with few supervised tokens no longer weighs as much as a full one). ``all_reduce_sum`` sums a
-    float32 scalar over ranks (``accelerator.reduce(t, "sum")``); None = one process.
+    DDP averages gradients over ranks, so rank r's loss Σ_r w·CE / (Σ_all w / world_size) averages to the global Σ_all
+    w·CE / Σ_all w: every supervised slot weighs the same whichever rank holds it. `all_reduce_sum` sums a float32
+    scalar over ranks (`accelerator.reduce(t, "sum")`); None = one process.
     """
     total = local_weight_sum.detach().to(torch.float32).reshape(())
     if all_reduce_sum is not None and world_size > 1:
@@ -198,7 +190,7 @@ def loss_normalizer(local_weight_sum: torch.Tensor, world_size: int, all_reduce_
 
 
 def slot_accuracy(stats: dict, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-slot (k = 0..B−1) correct and total counts from :func:`decayed_cross_entropy` stats."""
+    """Per-slot (k = 0..B−1) correct and total counts from `decayed_cross_entropy` stats."""
     correct = torch.zeros(block_size, dtype=torch.long)
     total = torch.zeros(block_size, dtype=torch.long)
     if stats.get("num_slots", 0):
@@ -218,7 +210,7 @@ def expected_acceptance_length(slot_acc: list[float]) -> float:
 
 
 def cosine_with_warmup(step: int, total: int, warmup: int) -> float:
-    """LR multiplier: linear warmup over ``warmup`` steps, cosine to 0 at ``total`` (dflash.md §4.7)."""
+    """LR multiplier: linear warmup over `warmup` steps, cosine to 0 at `total` (dflash.md §4.7)."""
     if step < warmup:
         return (step + 1) / max(1, warmup)
     progress = (step - warmup) / max(1, total - warmup)

@@ -1,5 +1,5 @@
-"""A drafter of any family (:mod:`dflash_pipeline.drafter.families`), freshly initialised from the target
-(:func:`build_drafter`) or loaded from an export (:func:`load_drafter`)."""
+"""A drafter of any family (`drafter.families`), freshly initialised from the target
+(`build_drafter`) or loaded from an export (`load_drafter`)."""
 
 from __future__ import annotations
 
@@ -23,12 +23,10 @@ def build_drafter(
     family: Optional[str] = None,
     family_settings: Optional[dict] = None,
 ) -> "DFlashDrafter":
-    """Random-init float32 drafter sized from ``target.config`` (its text config) and the probe's drafter
-    decisions (``probe["drafter"]``: block_size, num_draft_layers, target_layer_ids, mask_token_id);
-    ``layer_types``/``sliding_window``: optional sliding-window draft layers (config ``drafter.*``).
-    ``family``/``family_settings``: ``drafter.family`` (None: the default) and its ``drafter.<family>`` section
-    (:mod:`dflash_pipeline.drafter.families`). The train stage's initial drafter and the eval stage's
-    untrained floor; ``seed`` seeds the init."""
+    """Random-init float32 drafter sized from `target.config` (its text config) and the probe's drafter decisions;
+    `layer_types`/`sliding_window`: optional sliding-window draft layers (config `drafter.*`).
+    `family`/`family_settings`: `drafter.family` (None: the default) and its `drafter.<family>` section; `seed` seeds
+    the init."""
     d = probe["drafter"]
     fam = FR.get(family)
     cfg = fam.config_class.from_target(
@@ -48,13 +46,12 @@ def build_drafter(
 def load_drafter(
     ckpt_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> DFlashDrafter:
-    """Load a drafter written by :func:`save_drafter` (or any unprefixed DFlash checkpoint) in ``dtype``
-    (eval passes the target's, :func:`dflash_pipeline.target.loading.drafter_dtype`); its config is
-    :meth:`DFlashConfig.from_checkpoint` of its family's config class (:func:`dflash_pipeline.drafter.families.load_config`).
+    """Load a drafter written by `save_drafter` (or any unprefixed DFlash checkpoint) in `dtype`; its config is
+    `DFlashConfig.from_checkpoint` of its family's config class.
 
     Raises:
-        FileNotFoundError / ValueError: no or a malformed ``config.json`` (:meth:`DFlashConfig.from_checkpoint`);
-            ValueError: tensors missing from or unexpected in ``model.safetensors``.
+        FileNotFoundError / ValueError: no or a malformed `config.json` (`DFlashConfig.from_checkpoint`);
+            ValueError: tensors missing from or unexpected in `model.safetensors`.
     """
     from safetensors.torch import load_file
 

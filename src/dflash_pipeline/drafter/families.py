@@ -1,17 +1,10 @@
-"""The registry of drafter families (config ``drafter.family``): every other module asks it, or the family object
-it returns, what differs per family; no other module compares a family's name.
+"""The registry of drafter families (config `drafter.family`): every other module asks it, or the family
+object it returns, what differs per family; no other module compares a family's name.
 
-A family is a subclass of :class:`dflash_pipeline.drafter.dflash.DFlashFamily` in a module of its own that
-registers itself with :func:`register` when imported (``@register`` on the class). The families this package ships
-(:data:`BUILTIN`) are imported on the first question; a family defined elsewhere (a plugin, a test) is registered
-by importing its module before the pipeline asks for it. docs/how-to/add-a-drafter-family.md walks through one.
-
-Lookups:
-
-* :func:`get` — by name (``drafter.family``); :func:`names` — every registered name;
-* :func:`of_drafter` — the family of a drafter module (unwrapping DDP/FSDP's ``.module``);
-* :func:`of_config` / :func:`of_checkpoint` — the family a ``config.json`` (dict or config object) or an export
-  directory belongs to, from its ``architectures`` (what the engines dispatch on).
+A family is a `DFlashFamily` subclass that registers itself with `@register` when its module is imported;
+`BUILTIN` families are imported on the first question (docs/how-to/add-a-drafter-family.md). Lookups:
+`get` (by name), `names`, `of_drafter` (unwrapping DDP/FSDP), `of_config` / `of_checkpoint` (from
+`architectures`, what the engines dispatch on).
 """
 
 from __future__ import annotations
@@ -27,7 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: Modules of the families this package ships (each registers its family when imported).
 BUILTIN = ("dflash_pipeline.drafter.dflash", "dflash_pipeline.drafter.dflash2", "dflash_pipeline.drafter.dspark")
-#: ``drafter.family`` when a config does not say (the family every run had before there were others).
+#: `drafter.family` when a config does not say.
 DEFAULT = "dflash"
 
 _FAMILIES: dict[str, "DFlashFamily"] = {}
@@ -39,7 +32,7 @@ class UnknownFamily(ValueError):
 
 
 def register(cls):
-    """Class decorator: register an instance of family class ``cls`` under ``cls.name``; returns ``cls``.
+    """Class decorator: register an instance of family class `cls` under `cls.name`; returns `cls`.
 
     Raises:
         ValueError: another class already registered under the same name or architecture.
@@ -58,7 +51,7 @@ def register(cls):
 
 
 def unregister(name: str) -> None:
-    """Remove the family ``name`` (a test's own family, after the test); built-in families stay."""
+    """Remove the family `name` (a test's own family, after the test); built-in families stay."""
     _load_builtin()
     if name == DEFAULT or type(_FAMILIES.get(name)).__module__ in BUILTIN:
         raise ValueError(f"drafter family {name!r} is built in; it cannot be unregistered")
@@ -66,7 +59,7 @@ def unregister(name: str) -> None:
 
 
 def _load_builtin() -> None:
-    """Import the :data:`BUILTIN` family modules once (each registers its family). By name, as a plugin registry
+    """Import the `BUILTIN` family modules once (each registers its family). By name, as a plugin registry
     loads its plugins: the family modules import the registry, never the other way round."""
     global _loaded
     if not _loaded:
@@ -82,7 +75,7 @@ def names() -> tuple[str, ...]:
 
 
 def get(name: Optional[str] = None) -> "DFlashFamily":
-    """The family registered as ``name`` (None: the default).
+    """The family registered as `name` (None: the default).
 
     Raises:
         UnknownFamily: no family of that name.
@@ -95,12 +88,12 @@ def get(name: Optional[str] = None) -> "DFlashFamily":
 
 
 def default() -> "DFlashFamily":
-    """The default family (:data:`DEFAULT`)."""
+    """The default family (`DEFAULT`)."""
     return get(DEFAULT)
 
 
 def of_drafter(drafter) -> "DFlashFamily":
-    """The family of ``drafter`` (a drafter module, or a DDP/FSDP wrapper with ``.module``): the registered family
+    """The family of `drafter` (a drafter module, or a DDP/FSDP wrapper with `.module`): the registered family
     whose drafter class is the closest base of its type.
 
     Raises:
@@ -116,7 +109,7 @@ def of_drafter(drafter) -> "DFlashFamily":
 
 
 def find_by_architectures(archs) -> Optional["DFlashFamily"]:
-    """The family whose architecture is first in ``archs`` (a ``config.json`` ``architectures`` list), None when
+    """The family whose architecture is first in `archs` (a `config.json` `architectures` list), None when
     none is."""
     _load_builtin()
     by_arch = {f.architecture: f for f in _FAMILIES.values()}
@@ -124,11 +117,11 @@ def find_by_architectures(archs) -> Optional["DFlashFamily"]:
 
 
 def of_config(config) -> "DFlashFamily":
-    """The family of a drafter config (a config object or a ``config.json`` dict), from its ``architectures``
-    (none: the default family, as for checkpoints written before families).
+    """The family of a drafter config (a config object or a `config.json` dict), from its `architectures`
+    (none: the default family).
 
     Raises:
-        UnknownFamily: an ``architectures`` list no family serves.
+        UnknownFamily: an `architectures` list no family serves.
     """
     archs = config.get("architectures") if isinstance(config, Mapping) else getattr(config, "architectures", None)
     if not archs:
@@ -143,10 +136,10 @@ def of_config(config) -> "DFlashFamily":
 
 
 def of_checkpoint(ckpt_dir: Optional[str | Path]) -> "DFlashFamily":
-    """The family of the export in ``ckpt_dir`` (the default family when there is none or no ``config.json``).
+    """The family of the export in `ckpt_dir` (the default family when there is none or no `config.json`).
 
     Raises:
-        UnknownFamily: as :func:`of_config`; json.JSONDecodeError: a malformed ``config.json``.
+        UnknownFamily: as `of_config`; json.JSONDecodeError: a malformed `config.json`.
     """
     cfg = Path(ckpt_dir or "") / "config.json"
     if not ckpt_dir or not cfg.is_file():
@@ -155,11 +148,11 @@ def of_checkpoint(ckpt_dir: Optional[str | Path]) -> "DFlashFamily":
 
 
 def load_config(ckpt_dir: str | Path):
-    """The config of the export in ``ckpt_dir`` as its family's config class (:func:`of_checkpoint`,
-    ``config_class.from_checkpoint``).
+    """The config of the export in `ckpt_dir` as its family's config class (`of_checkpoint`,
+    `config_class.from_checkpoint`).
 
     Raises:
-        FileNotFoundError / ValueError: no or a malformed ``config.json`` (naming file and field); UnknownFamily.
+        FileNotFoundError / ValueError: no or a malformed `config.json` (naming file and field); UnknownFamily.
     """
     from dflash_pipeline.drafter.config import DFlashConfig
 
@@ -173,30 +166,27 @@ def load_config(ckpt_dir: str | Path):
     return family.config_class.from_checkpoint(ckpt_dir)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Planning and the Snakemake params (asked of the configured family)
-# ---------------------------------------------------------------------------------------------------
+# --- Planning and the Snakemake params (asked of the configured family)
 
 
 def of_settings(drafter: Mapping[str, Any]) -> "DFlashFamily":
-    """The family a config's validated ``drafter`` section names (``drafter.family``, default :data:`DEFAULT`)."""
+    """The family a config's validated `drafter` section names (`drafter.family`, default `DEFAULT`)."""
     return get(drafter.get("family", DEFAULT))
 
 
 def config_problems(cfg: Mapping[str, Any]) -> list[str]:
-    """Family × setting combinations refused at planning, one line each (``cfg`` validated, defaults filled):
-    the configured family's :meth:`~dflash_pipeline.drafter.dflash.DFlashFamily.config_problems`."""
+    """Family × setting combinations refused at planning, one line each (`cfg` validated, defaults filled):
+    the configured family's `config_problems`."""
     return of_settings(cfg["drafter"]).config_problems(cfg)
 
 
 def section_keys() -> tuple[str, ...]:
-    """The ``drafter.*`` keys that belong to families (``family`` and one section per non-default family)."""
+    """The `drafter.*` keys that belong to families (`family` and one section per non-default family)."""
     return ("family", *(n for n in names() if n != DEFAULT))
 
 
 def family_train_keys() -> tuple[str, ...]:
-    """``train.*`` keys some family reads (each family's :attr:`~dflash_pipeline.drafter.dflash.DFlashFamily.
-    train_keys`, in registration order)."""
+    """`train.*` keys some family reads (each family's `train_keys`, in registration order)."""
     out: list[str] = []
     for n in names():
         out += [k for k in get(n).train_keys if k not in out]
@@ -204,24 +194,21 @@ def family_train_keys() -> tuple[str, ...]:
 
 
 def probe_params(drafter: Mapping[str, Any]) -> dict:
-    """``drafter`` without the family keys (the probe does not depend on the family), so runs configured before
-    ``drafter.family`` existed keep their probe params."""
+    """`drafter` without the family keys: the probe does not depend on the family."""
     drop = set(section_keys())
     return {k: v for k, v in drafter.items() if k not in drop}
 
 
 def arch_params(drafter: Mapping[str, Any]) -> dict:
-    """The train rule's ``arch`` param (the configured family's :meth:`~dflash_pipeline.drafter.dflash.
-    DFlashFamily.arch_params`)."""
+    """The train rule's `arch` param (the configured family's `arch_params`)."""
     return of_settings(drafter).arch_params(drafter)
 
 
 def train_params(train: Mapping[str, Any], family: str) -> dict:
-    """The train rule's ``train`` param for ``family`` (its :meth:`~dflash_pipeline.drafter.dflash.DFlashFamily.
-    train_params`)."""
+    """The train rule's `train` param for `family` (its `train_params`)."""
     return get(family).train_params(train)
 
 
 def eval_params(ev: Mapping[str, Any]) -> dict:
-    """``eval`` without ``confidence_threshold`` at its default 0 (runs evaluated before the key keep their params)."""
+    """`eval` without `confidence_threshold` at its default 0, so the default leaves the params unchanged."""
     return {k: v for k, v in ev.items() if not (k == "confidence_threshold" and not v)}

@@ -1,16 +1,12 @@
 """The DFlash drafter: Qwen3-style layers with KV injection of fused target features.
 
-Read top to bottom like a Hugging Face ``modeling_*.py``:
-builders (the config itself, :class:`dflash_pipeline.drafter.config.DFlashConfig`, owns ``config.json``)
--> attention with KV injection -> decoder layer -> drafter -> export/load in the format SGLang and vLLM serve. The training side lives beside it and is re-exported here (``M.sample_anchors``,
-``M.build_block_mask``, … keep working): :mod:`dflash_pipeline.drafter.blocks` (anchors, block inputs and
-same-position labels, decayed CE, its normaliser, slot accuracy, LR schedule) and
-:mod:`dflash_pipeline.drafter.attention_masks` (training and inference attention masks).
+Read top to bottom like a Hugging Face `modeling_*.py`: builders → attention with KV injection → decoder
+layer → drafter → export/load in the format SGLang and vLLM serve. The training side (`.blocks`,
+`.attention_masks`) is re-exported here.
 
-Method source: ``reference/dflash.md`` (DFlash, arXiv 2602.06036; SpecForge as the public reference):
-§2 architecture, §2.5 inference loop, §3 target layers, §4 training objective, §8 checkpoint format.
-Notation: H hidden size (= target hidden size), K number of fused target layers, B block size,
-S sequence length, N anchors per sequence, V vocabulary.
+Method: `reference/dflash.md` (DFlash, arXiv 2602.06036): §2 architecture, §2.5 inference loop, §3 target
+layers, §4 training objective, §8 checkpoint format. Notation: H hidden size, K fused target layers,
+B block size, S sequence length, N anchors per sequence, V vocabulary.
 """
 
 from __future__ import annotations
@@ -48,28 +44,22 @@ from dflash_pipeline.drafter.config import ARCHITECTURE, DFlashConfig
 from dflash_pipeline.drafter.rope import DFlashRotaryEmbedding, apply_rope
 from dflash_pipeline.target.loading import module_dtype
 
-# ---------------------------------------------------------------------------------------------------
-# Config (the class and the checkpoint's config.json: dflash_pipeline.drafter.config)
-# ---------------------------------------------------------------------------------------------------
+# --- Config (the class and the checkpoint's config.json: dflash_pipeline.drafter.config)
 
 
 def drafter_config_from_target(target_config, **sizes) -> DFlashConfig:
-    """The drafter's config from the target's text config: :meth:`DFlashConfig.from_target` (same keyword
-    arguments: ``block_size``, ``num_draft_layers``, ``target_layer_ids``, ``mask_token_id``, optional
-    ``layer_types`` / ``sliding_window``), the name tests and benches build drafters with."""
+    """The drafter's config from the target's text config: `DFlashConfig.from_target`, the name tests and benches build
+    drafters with."""
     return DFlashConfig.from_target(target_config, **sizes)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Attention with KV injection (dflash.md §2.2)
-# ---------------------------------------------------------------------------------------------------
+# --- Attention with KV injection (dflash.md §2.2)
 
 
 class DraftContextCache:
     """Per-layer keys/values of the injected context, for the inference loop (dflash.md §2.5).
 
-    Only context K/V are cached (block K/V are recomputed each step), so "crop to start" is implicit.
-    ``keys[i]``/``values[i]``: [batch, kv_heads, C, head_dim].
+    Only context K/V are cached, so "crop to start" is implicit. `keys[i]`/`values[i]`: [batch, kv_heads, C, head_dim].
     """
 
     def __init__(self, num_layers: int):
@@ -82,7 +72,7 @@ class DraftContextCache:
         return 0 if self.keys[0] is None else int(self.keys[0].shape[-2])
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append new context K/V [b, kv_heads, C_new, head_dim] of ``layer``; return the full cached K/V."""
+        """Append new context K/V [b, kv_heads, C_new, head_dim] of `layer`; return the full cached K/V."""
         if self.keys[layer] is not None:
             k = torch.cat([self.keys[layer], k], dim=-2)
             v = torch.cat([self.values[layer], v], dim=-2)
@@ -93,7 +83,7 @@ class DraftContextCache:
 class DFlashAttention(nn.Module):
     """Qwen3 GQA attention whose keys/values are [context ‖ block] and whose queries are the block.
 
-    Context and block K/V use the same ``k_proj``/``v_proj``; ``k_norm`` applies to both; RoPE uses the
+    Context and block K/V use the same `k_proj`/`v_proj`; `k_norm` applies to both; RoPE uses the
     absolute positions of each part. Attention is non-causal: visibility comes only from the mask.
     """
 
@@ -156,7 +146,7 @@ _FLEX = None
 
 
 def _flex_attention():
-    """``flex_attention``, compiled once on CUDA (eager elsewhere: correct but unfused, for tests)."""
+    """`flex_attention`, compiled once on CUDA (eager elsewhere: correct but unfused, for tests)."""
     global _FLEX
     if _FLEX is None:
         from torch.nn.attention.flex_attention import flex_attention
@@ -171,7 +161,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class DFlashDecoderLayer(nn.Module):
-    """Pre-norm Qwen3 decoder layer with :class:`DFlashAttention` (dflash.md §2.1)."""
+    """Pre-norm Qwen3 decoder layer with `DFlashAttention` (dflash.md §2.1)."""
 
     def __init__(self, config: DFlashConfig, layer_idx: int):
         super().__init__()
@@ -188,24 +178,22 @@ class DFlashDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-# ---------------------------------------------------------------------------------------------------
-# The drafter
-# ---------------------------------------------------------------------------------------------------
+# --- The drafter
 
 
 class DFlashDrafter(nn.Module):
-    """DFlash drafter: ``fc`` + ``hidden_norm`` fuse K target layers; L KV-injected layers; final ``norm``.
+    """DFlash drafter: `fc` + `hidden_norm` fuse K target layers; L KV-injected layers; final `norm`.
 
     Owns no embedding and no LM head: callers pass target embeddings in and apply the target's
-    ``lm_head`` to :meth:`forward`'s output (dflash.md §2.1). Parameter names match the served format
-    (``fc``, ``hidden_norm``, ``norm``, ``layers.N.*``; §8.3).
+    `lm_head` to `forward`'s output (dflash.md §2.1). Parameter names match the served format
+    (`fc`, `hidden_norm`, `norm`, `layers.N.*`; §8.3).
     """
 
-    #: The architecture vLLM loads (the family, :mod:`dflash_pipeline.drafter.families`, knows the rest).
+    #: The architecture vLLM loads (the family, `drafter.families`, knows the rest).
     architecture = ARCHITECTURE
     #: Sliding layers are causal inside the block (SpecForge/vLLM DFlash semantics, dflash.md §2.3).
     sliding_block_causal = True
-    #: ``train.gradient_checkpointing``: in training, each draft layer keeps only its input and recomputes its
+    #: `train.gradient_checkpointing`: in training, each draft layer keeps only its input and recomputes its
     #: activations in backward (same values, bit for bit: the layers draw no random numbers).
     gradient_checkpointing = False
 
@@ -245,7 +233,7 @@ class DFlashDrafter(nn.Module):
         attn_mask=None,  # bool [b, 1, Q, C_total+Q], a BlockMask, a dict of those per layer type, or None
         cache: Optional[DraftContextCache] = None,
     ) -> torch.Tensor:
-        """Return the final-normed block hidden states [b, Q, H] (apply the target ``lm_head`` next)."""
+        """Return the final-normed block hidden states [b, Q, H] (apply the target `lm_head` next)."""
         context = self.hidden_norm(self.fc(target_hidden))  # [b, C, H], computed once for all layers
         ctx_rope = self.rotary_emb(context, ctx_position_ids)
         block_rope = self.rotary_emb(noise_embedding, block_position_ids)
@@ -270,12 +258,10 @@ class DFlashDrafter(nn.Module):
         cache: DraftContextCache,
         block_size: Optional[int] = None,
     ) -> torch.Tensor:
-        """Final-normed hidden states [b, B, H] of block [bonus, MASK×(B−1)] (one inference step of
-        dflash.md §2.5, before the LM head; every family's drafts start from these).
+        """Final-normed hidden states [b, B, H] of block [bonus, MASK×(B−1)].
 
-        The block sees every cached context position (< ``start``) and itself, bidirectionally (sliding
-        layers: within their window). ``new_context`` covers positions ``cache.length .. start-1`` and is
-        appended to ``cache``. Inputs are cast to the drafter's dtype (dflash_pipeline.target.loading).
+        The block sees every cached context position (< `start`) and itself, bidirectionally (sliding layers: within
+        their window). `new_context` covers positions `cache.length .. start-1` and is appended to `cache`.
         """
         bs = block_size or self.block_size
         b = bonus_token.shape[0]
@@ -302,33 +288,29 @@ class DFlashDrafter(nn.Module):
     def draft_block(
         self, embed_tokens, lm_head, bonus_token, new_context, start, cache, block_size=None
     ) -> torch.Tensor:
-        """Logits [b, B, V] of :meth:`block_hidden`'s block (the output meets ``lm_head`` in the head's dtype;
-        logits come back in the head's dtype)."""
+        """Logits [b, B, V] of `block_hidden`'s block."""
         hidden = self.block_hidden(embed_tokens, bonus_token, new_context, start, cache, block_size)
         return lm_head(hidden.to(lm_head.weight.dtype))
 
     @torch.no_grad()
     def propose(self, embed_tokens, lm_head, bonus_token, new_context, start, cache, block_size=None):
         """The family's drafts for one verify step: DFlash drafts slots 1..B−1 greedily (dflash.md §2.5).
-        Returns ``(drafts long [b, B−1], confidence None)``; DSpark also returns its confidence."""
+        Returns `(drafts long [b, B−1], confidence None)`; DSpark also returns its confidence."""
         logits = self.draft_block(embed_tokens, lm_head, bonus_token, new_context, start, cache, block_size)
         return logits[:, 1:].argmax(dim=-1), None
 
 
-# ---------------------------------------------------------------------------------------------------
-# Checkpoint export / load (dflash.md §8)
-# ---------------------------------------------------------------------------------------------------
+# --- Checkpoint export / load (dflash.md §8)
 
 
 def save_drafter(
     drafter: DFlashDrafter, out_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16, extra: Optional[dict] = None
 ) -> None:
-    """Write ``model.safetensors`` + ``config.json`` in the layout SGLang/vLLM load (dflash.md §8.1–8.3).
+    """Write `model.safetensors` + `config.json` in the layout SGLang/vLLM load (dflash.md §8.1–8.3).
 
-    Tensor names are unprefixed (``fc.weight``, ``layers.0.self_attn.q_proj.weight``, …); no embedding
-    or LM head (they are the target's); tensors in ``dtype``. ``config.json`` is written by
-    :meth:`DFlashConfig.save` (``extra``: the :class:`~dflash_pipeline.core.contracts.CheckpointMeta` keys).
-    Writes into ``out_dir`` (created); callers make the directory atomic.
+    Tensor names are unprefixed (`fc.weight`, `layers.0.self_attn.q_proj.weight`, …); no embedding or LM head (they are
+    the target's); tensors in `dtype`. `config.json` is written by `DFlashConfig.save`. Writes into `out_dir` (created);
+    callers make the directory atomic.
     """
     from safetensors.torch import save_file
 

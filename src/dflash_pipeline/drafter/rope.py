@@ -1,25 +1,17 @@
-"""The drafter's rotary position embedding, the one vLLM serves (``get_rope`` in
-``vllm/model_executor/layers/rotary_embedding/__init__.py``, built by ``qwen3_dflash.DFlashQwen3Attention``).
+"""The drafter's rotary position embedding, the one vLLM serves (`get_rope` in
+`vllm/model_executor/layers/rotary_embedding/__init__.py`, built by `qwen3_dflash.DFlashQwen3Attention`).
 
-What is trained must be what is served (speculators #613, vLLM #46301: drafters trained with one rotary
-and served with another accept near nothing). vLLM builds the drafter's rotary from its
-``config.json`` ``rope_parameters`` alone:
+A drafter trained with one rotary and served with another accepts near nothing (speculators #613, vLLM
+#46301). vLLM builds the drafter's rotary from `config.json` `rope_parameters` alone:
 
-* ``rotary_dim = rope_dim`` if set, else ``int(head_dim × partial_rotary_factor)``; only the first
-  ``rotary_dim`` channels of each head are rotated (neox style: halves of those channels), the rest pass
-  through. Training does the same here (:func:`apply_rope`); transformers' ``Qwen3RotaryEmbedding`` would
-  rotate the whole head with the default rope type (Qwen3.5 / Qwen3.6 / Qwen3-Next: 256 vs 64 channels,
-  MiniMax-M2: 128 vs 64).
-* ``rope_type`` default / yarn / llama3 / linear / dynamic: the inverse frequencies and the attention
-  scaling of transformers' ``ROPE_INIT_FUNCTIONS`` (which honour ``partial_rotary_factor``), equal to
-  vLLM's (checked against vLLM by ``tests/e2e/test_family_parity.py``).
-* ``mrope_section`` makes vLLM build an ``MRotaryEmbedding`` and the DFlash proposer refuse the drafter
-  ("does not support M-RoPE yet", ``llm_base_proposer._raise_if_mrope``); for text the three M-RoPE
-  sections carry the same position, so M-RoPE equals the plain rotary over the same channels. The drafter
-  therefore drops ``mrope_section`` / ``mrope_interleaved`` (:func:`drafter_rope_parameters`), keeping
-  the target's partial rotary, theta and scaling.
+* `rotary_dim = rope_dim` if set, else `int(head_dim × partial_rotary_factor)`; only those channels are
+  rotated (neox style), the rest pass through (`apply_rope`), unlike transformers' `Qwen3RotaryEmbedding`.
+* `rope_type` default / yarn / llama3 / linear / dynamic: transformers' `ROPE_INIT_FUNCTIONS`, equal to
+  vLLM's (`tests/e2e/test_family_parity.py`).
+* `mrope_section` makes the DFlash proposer refuse the drafter (`llm_base_proposer._raise_if_mrope`); for
+  text M-RoPE equals the plain rotary, so `drafter_rope_parameters` drops it.
 
-:func:`servable_rope_problems` lists what vLLM cannot serve (the probe refuses it at planning).
+`servable_rope_problems` lists what vLLM cannot serve (the probe refuses it at planning).
 """
 
 from __future__ import annotations
@@ -29,7 +21,7 @@ from torch import nn
 
 #: rope_parameters keys the drafter cannot honour in vLLM's DFlash proposer (see the module docstring).
 DROPPED_KEYS = ("mrope_section", "mrope_interleaved")
-#: ``rope_type`` values vLLM's ``get_rope`` builds and training reproduces (dflash_pipeline.drafter.rope).
+#: `rope_type` values vLLM's `get_rope` builds and training reproduces (dflash_pipeline.drafter.rope).
 SERVABLE_ROPE_TYPES = ("default", "yarn", "llama3", "linear")
 
 
@@ -41,12 +33,10 @@ def drafter_rope_parameters(
     rotary_dim: int | None = None,
     head_dim: int | None = None,
 ) -> dict:
-    """The drafter's ``rope_parameters`` from the target's (its text config's ``rope_parameters``).
+    """The drafter's `rope_parameters` from the target's (its text config's `rope_parameters`).
 
-    ``target_rope``: a flat dict, or one per layer type (gemma: the ``default``-type entry is used).
-    ``partial_rotary_factor`` / ``rotary_dim`` (a top-level target attribute, e.g. MiniMax-M2's
-    ``rotary_dim`` of a ``head_dim`` head) apply when the dict has no factor. Drops :data:`DROPPED_KEYS`;
-    ``type`` is renamed ``rope_type``.
+    `target_rope`: a flat dict, or one per layer type (gemma: the `default`-type entry is used). `partial_rotary_factor`
+    / `rotary_dim` apply when the dict has no factor. Drops `DROPPED_KEYS`; `type` is renamed `rope_type`.
     """
     rope = dict(target_rope or {})
     if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type (gemma): the plain one
@@ -68,14 +58,14 @@ def drafter_rope_parameters(
 
 
 def rotary_dim_of(rope: dict, head_dim: int) -> int:
-    """Rotated channels per head, as ``get_rope`` computes it: ``rope_dim`` or ``int(head_dim × factor)``."""
+    """Rotated channels per head, as `get_rope` computes it: `rope_dim` or `int(head_dim × factor)`."""
     if rope.get("rope_dim"):
         return int(rope["rope_dim"])
     return int(head_dim * float(rope.get("partial_rotary_factor", 1.0)))
 
 
 def servable_rope_problems(rope: dict, head_dim: int) -> list[str]:
-    """Why vLLM's DFlash drafter cannot serve these ``rope_parameters`` (empty: it can)."""
+    """Why vLLM's DFlash drafter cannot serve these `rope_parameters` (empty: it can)."""
     out = []
     kind = rope.get("rope_type", "default")
     if kind not in SERVABLE_ROPE_TYPES:
@@ -94,12 +84,12 @@ def servable_rope_problems(rope: dict, head_dim: int) -> list[str]:
 
 
 class DFlashRotaryEmbedding(nn.Module):
-    """cos/sin [b, T, rotary_dim] for positions [b, T] (float32 math, cast to ``x``'s dtype).
+    """cos/sin [b, T, rotary_dim] for positions [b, T] (float32 math, cast to `x`'s dtype).
 
-    Inverse frequencies over ``rotary_dim`` channels (:func:`rotary_dim_of`): default rope
-    1/θ^(2i/rotary_dim) (vLLM ``RotaryEmbedding._compute_inv_freq``); other types from transformers'
-    ``ROPE_INIT_FUNCTIONS`` (yarn's and llama3's formulas, which read ``partial_rotary_factor``), their
-    attention scaling multiplied into cos/sin like vLLM's ``mscale``.
+    Inverse frequencies over `rotary_dim` channels (`rotary_dim_of`): default rope
+    1/θ^(2i/rotary_dim) (vLLM `RotaryEmbedding._compute_inv_freq`); other types from transformers'
+    `ROPE_INIT_FUNCTIONS` (yarn's and llama3's formulas, which read `partial_rotary_factor`), their
+    attention scaling multiplied into cos/sin like vLLM's `mscale`.
     """
 
     def __init__(self, config):
@@ -132,11 +122,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first ``rotary_dim`` channels of each head (neox halves), pass the rest through.
+    """Rotate the first `rotary_dim` channels of each head (neox halves), pass the rest through.
 
-    ``x`` [b, heads, T, head_dim]; ``cos``/``sin`` [b, T, rotary_dim] (:class:`DFlashRotaryEmbedding`).
-    vLLM ``RotaryEmbedding.forward_native``: ``query_rot = query[..., :rotary_dim]``, neox rotation,
-    ``cat(query_rot, query_pass)``.
+    `x` [b, heads, T, head_dim]; `cos`/`sin` [b, T, rotary_dim]. vLLM `RotaryEmbedding.forward_native`: `query_rot =
+    query[..., :rotary_dim]`, neox rotation, `cat(query_rot, query_pass)`.
     """
     rd = cos.shape[-1]
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)

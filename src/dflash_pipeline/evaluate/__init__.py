@@ -1,5 +1,5 @@
 """Stage 6, eval: acceptance length (tau) from our speculative loop and from the serving engine. Names load on first use
-(``_OWNERS``: :func:`dflash_pipeline.core.faces.lazy_face`)."""
+(`_OWNERS`: `core.faces.lazy_face`)."""
 
 from dflash_pipeline.core.faces import lazy_face
 

@@ -1,20 +1,10 @@
 """Acceptance evaluation: τ of every drafter on every eval set, with a real speculative-decoding loop.
 
-Running (this module): :func:`evaluate` opens an :class:`EvalSession` (the target, its tokenizer and the
-held-out eval sets, :func:`load_eval_sets`), answers every prompt of every set with each drafter
-(:func:`run_eval_set`, one response per user turn) and aggregates the a+1 values per set
-(:func:`acceptance_stats`, reference/dflash.md §7.1: a response's τ is the mean over its verify steps; the
-reported τ is the mean over responses), then τ across the intermediate ``step_<N>/`` exports
-(:func:`run_checkpoint_series`).
-
-The loop itself (draft + verify, the target's cache policy): :mod:`dflash_pipeline.evaluate.speculative`. Writing
-the record JSON, the τ table and the plots, and comparing records (:func:`merge_eval_records` refuses
-records produced under different thinking modes): :mod:`dflash_pipeline.evaluate.outputs`. Engine τ (τ
-reported by a running SGLang/vLLM): :mod:`dflash_pipeline.evaluate.engine_acceptance`. The names of both modules are
-importable from here too.
-
-Response = one generated assistant turn: a multi-turn conversation (MT-Bench) contributes one response
-per turn, each generated against the history of the drafter's own earlier answers.
+`evaluate` opens an `EvalSession` (target, tokenizer, eval sets), answers every prompt with each drafter
+(`run_eval_set`, one response per user turn, against the drafter's own earlier answers) and aggregates
+the a+1 values per set (`acceptance_stats`, reference/dflash.md §7.1: τ is the mean over responses of
+each response's mean over verify steps), then τ across the `step_<N>/` exports. The loop:
+`.speculative`; record, table and plots: `.outputs`; engine τ: `.engine_acceptance`.
 """
 
 from __future__ import annotations
@@ -52,7 +42,7 @@ from dflash_pipeline.evaluate.outputs import (
 )
 from dflash_pipeline.evaluate.speculative import SpecResult, TargetCache, speculative_generate
 
-#: This module's names and those re-exported from :mod:`.speculative` and :mod:`.eval_outputs` (scripts,
+#: This module's names and those re-exported from `.speculative` and `.eval_outputs` (scripts,
 #: tests and other modules import them from here).
 __all__ = [
     "EvalComparisonError",
@@ -90,9 +80,9 @@ __all__ = [
 def acceptance_stats(accept_lengths_per_response: Sequence[Sequence[int]], block_size: int) -> dict:
     """τ and friends from per-response lists of a+1 values (dflash.md §7.1).
 
-    Returns ``tau`` (mean over responses of the per-response mean; responses with no verify step are
-    left out), ``per_position_acceptance`` (k = 1..B−1: share of steps that accepted ≥ k drafts),
-    ``histogram`` (counts of a+1 = 1..B), ``num_responses``, ``num_steps``, ``tokens_per_step`` (pooled).
+    Returns `tau` (mean over responses of the per-response mean; responses with no verify step are
+    left out), `per_position_acceptance` (k = 1..B−1: share of steps that accepted ≥ k drafts),
+    `histogram` (counts of a+1 = 1..B), `num_responses`, `num_steps`, `tokens_per_step` (pooled).
     """
     per_resp = [sum(r) / len(r) for r in accept_lengths_per_response if len(r)]
     steps = [x for r in accept_lengths_per_response for x in r]
@@ -112,12 +102,11 @@ def acceptance_stats(accept_lengths_per_response: Sequence[Sequence[int]], block
 
 
 def family_build_args(ckpt_dir: Optional[str | Path]) -> dict:
-    """``build_drafter`` keywords that make an untrained drafter of the family of the export in ``ckpt_dir``
-    ({} for DFlash or none: the floor every DFlash run has always had), from its
-    :class:`~dflash_pipeline.drafter.config.DFlashConfig`.
+    """`build_drafter` keywords that make an untrained drafter of the family of the export in `ckpt_dir`, from its
+    `DFlashConfig`.
 
     Raises:
-        FileNotFoundError / ValueError: as :meth:`DFlashConfig.from_checkpoint`.
+        FileNotFoundError / ValueError: as `DFlashConfig.from_checkpoint`.
     """
     if ckpt_dir is None:
         return {}
@@ -135,14 +124,11 @@ def family_build_args(ckpt_dir: Optional[str | Path]) -> dict:
 
 
 def checkpoint_info(ckpt_dir: str | Path) -> dict:
-    """What a drafter checkpoint says about itself: ``train_steps`` (None when it does not say),
-    ``zero_target_features`` (False when it does not say) from its
-    :func:`~dflash_pipeline.drafter.config.checkpoint_meta`, and its trained ``block_size``
-    (:class:`~dflash_pipeline.drafter.config.DFlashConfig`).
+    """What a drafter checkpoint says about itself: `train_steps` (None when it does not say),
+    `zero_target_features` (False when it does not say) and its trained `block_size`.
 
     Raises:
-        FileNotFoundError / ValueError: no or a malformed ``config.json`` (naming the file and field).
-    """
+        FileNotFoundError / ValueError: no or a malformed `config.json` (naming the file and field)."""
     from dflash_pipeline.drafter.config import DFlashConfig, checkpoint_meta
 
     meta = checkpoint_meta(ckpt_dir)
@@ -154,7 +140,7 @@ def checkpoint_info(ckpt_dir: str | Path) -> dict:
 
 
 def step_checkpoints(run_dir: str | Path) -> dict[int, Path]:
-    """The intermediate exports ``<run_dir>/step_<N>/`` written during training, by step (ascending)."""
+    """The intermediate exports `<run_dir>/step_<N>/` written during training, by step (ascending)."""
     import re
 
     found = {}
@@ -181,11 +167,10 @@ def answer_eval_set(
     confidence_threshold: float = 0.0,
 ) -> list[list[SpecResult]]:
     """Answer every user turn of every eval record with the speculative loop: per record, one
-    :class:`SpecResult` per user turn.
+    `SpecResult` per user turn.
 
-    Each turn is answered against the record's ``history`` (fixed earlier messages: long conversations,
-    :mod:`dflash_pipeline.evaluate.long_conversations`), its earlier turns and the loop's own answers to them
-    (MT-Bench multi-turn).
+    Each turn is answered against the record's `history`, its earlier turns and the loop's own answers to them (MT-Bench
+    multi-turn).
     """
     from dflash_pipeline.target.chat import render
 
@@ -225,10 +210,9 @@ def eval_set_stats(
     length_buckets: Sequence[int] = (),
     family: Optional[str] = None,
 ) -> dict:
-    """:func:`acceptance_stats` of a set's answers (:func:`answer_eval_set`) plus ``num_conversations``,
-    ``new_tokens``, ``target_forwards``, ``tokens_per_target_forward``, ``seconds``, ``tokens_per_s`` and,
-    with ``length_buckets`` (edges in tokens), ``by_context_length``
-    (:func:`dflash_pipeline.evaluate.context_length.tau_by_context_length`)."""
+    """`acceptance_stats` of a set's answers (`answer_eval_set`) plus `num_conversations`, `new_tokens`,
+    `target_forwards`, `tokens_per_target_forward`, `seconds`, `tokens_per_s` and, with `length_buckets` (edges in
+    tokens), `by_context_length`."""
     responses = [r for conv in answers for r in conv]
     new_tokens = sum(len(r.output_ids) for r in responses)
     forwards = sum(r.target_forwards for r in responses)
@@ -250,8 +234,8 @@ def eval_set_stats(
 
 
 def run_eval_set(target, tok, drafter, prompts: Sequence[dict], *, length_buckets: Sequence[int] = (), **loop) -> dict:
-    """τ and friends of one drafter on one eval set: :func:`answer_eval_set` (``loop``: its keyword
-    arguments), then :func:`eval_set_stats`."""
+    """τ and friends of one drafter on one eval set: `answer_eval_set` (`loop`: its keyword
+    arguments), then `eval_set_stats`."""
     t0 = time.time()
     answers = answer_eval_set(target, tok, drafter, prompts, **loop)
     return eval_set_stats(
@@ -265,7 +249,7 @@ def run_eval_set(target, tok, drafter, prompts: Sequence[dict], *, length_bucket
 
 @dataclass
 class EvalSession:
-    """The loaded target and everything a run of the speculative loop needs (see :func:`open_session`)."""
+    """The loaded target and everything a run of the speculative loop needs (see `open_session`)."""
 
     target: Any
     tokenizer: Any
@@ -291,7 +275,7 @@ def open_session(
     target_dtype: str = "auto",
     exclude_prompt_ids: Iterable[str] = (),
 ) -> EvalSession:
-    """Load the target (:func:`dflash_pipeline.target.loading.load_target`), its tokenizer and the eval sets."""
+    """Load the target (`target.loading.load_target`), its tokenizer and the eval sets."""
     from dflash_pipeline.target.chat import load_tokenizer, render
     from dflash_pipeline.target.loading import load_target, module_dtype
 
@@ -340,10 +324,10 @@ def open_session(
 
 def load_eval_drafter(session: EvalSession, label: str, ckpt: Optional[str | Path]) -> tuple[M.DFlashDrafter, dict]:
     """A drafter checkpoint (None: an untrained random init, the floor) in the target's dtype, and its
-    :func:`checkpoint_info`.
+    `checkpoint_info`.
 
     Raises:
-        BlockSizeError (a ValueError): ``eval.block_size`` exceeds the drafter's trained block size.
+        BlockSizeError (a ValueError): `eval.block_size` exceeds the drafter's trained block size.
     """
     from dflash_pipeline.target.loading import drafter_dtype
 
@@ -360,8 +344,8 @@ def load_eval_drafter(session: EvalSession, label: str, ckpt: Optional[str | Pat
 
 
 def run_drafters(session: EvalSession, drafters: dict[str, Optional[str | Path]], *, target_dir=None) -> dict:
-    """The eval record (schema ``EVAL_SCHEMA_VERSION``): τ of every drafter on every eval set, plus
-    ``tau_over_untrained`` when an ``untrained`` floor is among them."""
+    """The eval record (schema `EVAL_SCHEMA_VERSION`): τ of every drafter on every eval set, plus
+    `tau_over_untrained` when an `untrained` floor is among them."""
     probe, sets = session.probe, session.sets
     record: dict = {
         "schema_version": EVAL_SCHEMA_VERSION,
@@ -427,7 +411,7 @@ def run_drafters(session: EvalSession, drafters: dict[str, Optional[str | Path]]
 
 
 def run_checkpoint_series(session: EvalSession, checkpoint_series: dict[int, str | Path]) -> dict:
-    """τ of each checkpoint (step → dir) on the first ``eval.checkpoint_samples`` prompts of every set."""
+    """τ of each checkpoint (step → dir) on the first `eval.checkpoint_samples` prompts of every set."""
     n = int(session.eval_cfg["checkpoint_samples"])
     subsets = {name: prompts[:n] for name, prompts in session.sets.items()} if n > 0 else {}
     series = {
@@ -478,16 +462,10 @@ def evaluate(
     train_log: Optional[str | Path] = None,
 ) -> dict:
     """Run the speculative loop for every drafter (label → checkpoint dir, or None for an untrained
-    random-init drafter as a floor) on every eval set; write the eval record JSON (+ a PNG plot, a TSV
-    table). A checkpoint trained with zeroed target features (``checkpoint_info``) is fed zeros here too.
+    drafter as a floor) on every eval set; write the eval record JSON (+ a PNG plot, a TSV table).
 
-    ``exclude_prompt_ids``: training prompts, never drawn as eval prompts (see :func:`load_eval_sets`).
-    ``checkpoint_series`` (step → checkpoint, e.g. :func:`step_checkpoints` plus ``final``): τ of each on
-    the first ``eval.checkpoint_samples`` prompts of every set, written to ``series_json`` and plotted to
-    ``series_png`` (with the train-time EAL proxy from ``train_log`` when given).
-    Running: :func:`open_session`, :func:`run_drafters`, :func:`run_checkpoint_series`; writing (:mod:`.eval_outputs`):
-    :func:`write_eval_outputs`, :func:`plot_tau_vs_step`.
-    """
+    `exclude_prompt_ids`: training prompts, never drawn. `checkpoint_series` (step → checkpoint): τ of each
+    on the first `eval.checkpoint_samples` prompts of every set, to `series_json` and `series_png`."""
     session = open_session(
         target_dir=target_dir,
         probe=probe,
@@ -509,8 +487,7 @@ def evaluate(
 
 
 def main(argv=None) -> None:
-    """CLI: ``dflash-eval --probe P --target T --eval-config JSON --out X [--drafter label=dir]…`` (also
-    ``python -m dflash_pipeline.evaluate``; :mod:`dflash_pipeline.evaluate.__main__` dispatches ``server``)."""
+    """CLI: `dflash-eval --probe P --target T --eval-config JSON --out X [--drafter label=dir]…`."""
     import argparse
 
     p = argparse.ArgumentParser(

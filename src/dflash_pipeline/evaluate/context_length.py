@@ -1,16 +1,10 @@
-"""τ by context length: acceptance where it collapses (long contexts), per bucket of the context length at
-verify time.
+"""τ by context length: acceptance where it collapses (long contexts; vllm-ascend#15237, speculators#613).
 
-A verify step's context length is the number of tokens before its verify block: the prompt (with the
-conversation's earlier turns) plus the tokens generated so far in the response (:class:`SpecResult`
-``context_lengths``). Buckets are half-open ranges of context length from the edges of
-``eval.context_length_buckets`` (tokens, ascending): edges ``[1024, 4096, 16384]`` give ``<1K``, ``1K–4K``,
-``4K–16K`` and ``≥16K``.
-
-τ of a bucket is computed as the eval stage's τ (reference/dflash.md §7.1), restricted to the bucket's verify
-steps: per response the mean a+1 over its steps in the bucket, then the mean over the responses that have
-any; so a set whose steps all fall in one bucket has that bucket's τ equal to its τ. Users report
-acceptance collapsing at long context (vllm-ascend#15237, speculators#613); one τ per set hides it.
+A verify step's context length is the number of tokens before its verify block (`SpecResult`
+`context_lengths`). Buckets are half-open ranges from the edges of `eval.context_length_buckets`:
+`[1024, 4096, 16384]` gives `<1K`, `1K–4K`, `4K–16K` and `≥16K`. A bucket's τ is the eval stage's τ
+(reference/dflash.md §7.1) over the bucket's verify steps: per response the mean a+1 of its steps there,
+then the mean over the responses that have any.
 """
 
 from __future__ import annotations
@@ -22,7 +16,7 @@ from dflash_pipeline.core.errors import ConfigError
 
 
 def _tokens_label(n: int) -> str:
-    """1024 → ``1K``, 16384 → ``16K``, 1536 → ``1.5K``, 512 → ``512`` (a bucket edge in a label)."""
+    """1024 → `1K`, 16384 → `16K`, 1536 → `1.5K`, 512 → `512` (a bucket edge in a label)."""
     if n >= 1024 and (n * 2) % 1024 == 0:
         k = n / 1024
         return f"{int(k)}K" if k == int(k) else f"{k:g}K"
@@ -30,10 +24,10 @@ def _tokens_label(n: int) -> str:
 
 
 def bucket_labels(edges: Sequence[int]) -> list[str]:
-    """Labels of the ``len(edges) + 1`` buckets: ``<e0``, ``e0–e1``, …, ``≥e_last``.
+    """Labels of the `len(edges) + 1` buckets: `<e0`, `e0–e1`, …, `≥e_last`.
 
     Raises:
-        ConfigError: edges not strictly ascending positive integers (names ``eval.context_length_buckets``).
+        ConfigError: edges not strictly ascending positive integers (names `eval.context_length_buckets`).
     """
     edges = list(edges)
     if (
@@ -47,7 +41,7 @@ def bucket_labels(edges: Sequence[int]) -> list[str]:
 
 
 def bucket_ranges(edges: Sequence[int]) -> list[list]:
-    """``[lo, hi)`` token range of each bucket (``hi`` None for the last)."""
+    """`[lo, hi)` token range of each bucket (`hi` None for the last)."""
     bounds = [0, *edges]
     return [[lo, hi] for lo, hi in zip(bounds, [*edges, None])]
 
@@ -56,12 +50,12 @@ def tau_by_context_length(responses: Sequence[tuple[Sequence[int], Sequence[int]
     """τ per context-length bucket of a set's responses.
 
     Args:
-        responses: per response ``(context_lengths, accept_lengths)``: per verify step the tokens before
+        responses: per response `(context_lengths, accept_lengths)`: per verify step the tokens before
             the verify block and a+1 (two int sequences of equal length).
-        edges: bucket edges in tokens (:func:`bucket_labels`).
+        edges: bucket edges in tokens (`bucket_labels`).
 
     Returns:
-        label → ``{tau, num_responses, num_steps, tokens_per_step, range: [lo, hi)}`` for every bucket
+        label → `{tau, num_responses, num_steps, tokens_per_step, range: [lo, hi)}` for every bucket
         with at least one verify step, in bucket order (module docstring for τ).
 
     Raises:
@@ -93,25 +87,19 @@ def tau_by_context_length(responses: Sequence[tuple[Sequence[int], Sequence[int]
 
 
 def tau_by_prompt_length(responses: Sequence[tuple[int, float, int | None]], edges: Sequence[int]) -> dict:
-    """τ per context-length bucket as a serving engine allows it: per request, not per verify step.
-
-    An engine reports acceptance per request (SGLang's ``meta_info.spec_accept_length``; vLLM's counters,
-    read around each request when requests go one at a time), so a request is put in the bucket of its
-    prompt length (``usage.prompt_tokens``: the context at its first verify step; its later steps are
-    ``max_new_tokens`` longer at most). τ of a bucket is the mean of its requests' a+1 means, as
-    :func:`tau_by_context_length` takes the mean over responses.
+    """τ per context-length bucket per request (engines report acceptance per request, not per verify step):
+    a request goes to the bucket of its prompt length; a bucket's τ is the mean of its requests' a+1 means.
 
     Args:
-        responses: per request ``(prompt tokens, a+1 mean, verify steps or None)``.
-        edges: bucket edges in tokens (:func:`bucket_labels`).
+        responses: per request `(prompt tokens, a+1 mean, verify steps or None)`.
+        edges: bucket edges in tokens (`bucket_labels`).
 
     Returns:
-        label → ``{tau, num_responses, num_steps (None when the engine does not say), range: [lo, hi),
-        basis: "prompt_tokens"}`` for every bucket with a request, in bucket order.
+        label → `{tau, num_responses, num_steps (or None), range: [lo, hi), basis: "prompt_tokens"}` for
+        every bucket with a request, in bucket order.
 
     Raises:
-        ConfigError: bad edges.
-    """
+        ConfigError: bad edges."""
     labels = bucket_labels(edges)
     per: dict[int, list[tuple[float, int | None]]] = {}
     for prompt_tokens, tau, steps in responses:
@@ -133,9 +121,8 @@ def tau_by_prompt_length(responses: Sequence[tuple[int, float, int | None]], edg
 
 
 def length_buckets_of(eval_cfg: dict) -> list[int]:
-    """The bucket edges of an ``eval`` section: ``context_length_buckets``, or the schema's default where the
-    section leaves it out (the eval rule's params drop it at its default, so runs from before the key
-    rerun nothing)."""
+    """The bucket edges of an `eval` section: `context_length_buckets`, or the schema's default where the
+    section leaves it out (the eval rule's params drop it at its default)."""
     from dflash_pipeline.core.config import schema_default
 
     edges = eval_cfg.get("context_length_buckets")

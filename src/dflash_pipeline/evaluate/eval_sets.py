@@ -1,7 +1,6 @@
 """The held-out eval sets: each set's prompts drawn with the eval seed after the training prompts are left out
-(:func:`load_eval_sets`), long conversations built up to a token count (``build_to_tokens``), and the
-training prompt ids those draws exclude. The loop (:mod:`dflash_pipeline.evaluate.acceptance`) and engine τ
-(:mod:`dflash_pipeline.evaluate.engine_acceptance`) draw the same prompts from here."""
+(`load_eval_sets`), long conversations built up to a token count (`build_to_tokens`), and the training prompt ids those
+draws exclude."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ from typing import Iterable
 
 
 def training_prompt_ids(manifest_path: str | Path) -> set[str]:
-    """``prompt_id`` of every training prompt in the shards listed by the prompts manifest."""
+    """`prompt_id` of every training prompt in the shards listed by the prompts manifest."""
     from dflash_pipeline.core.shards import read_json, read_parquet
 
     manifest_path = Path(manifest_path)
@@ -24,20 +23,16 @@ def training_prompt_ids(manifest_path: str | Path) -> set[str]:
 def load_eval_sets(
     eval_cfg: dict, exclude_prompt_ids: Iterable[str] = (), *, count_tokens=None
 ) -> tuple[dict[str, list[dict]], dict[str, dict]]:
-    """Each eval set's prompts (``prompts.load_eval_prompts``), with prompts seen in training removed
-    *before* the seeded draw of ``num_samples`` (so the count holds when enough held-out prompts exist).
-    A set with ``build_to_tokens`` is a set of long conversations built up to that many tokens
-    (:func:`dflash_pipeline.evaluate.long_conversations.load_long_conversations`; ``count_tokens(messages)``
-    is the rendered length, required then).
+    """Each eval set's prompts (`load_eval_prompts`), training prompts removed before the seeded draw of
+    `num_samples`. A set with `build_to_tokens` is built of long conversations
+    (`load_long_conversations`; needs `count_tokens(messages)`, the rendered length).
 
-    Returns ``(sets, info)``: name → records, and name → ``{path, format, num_samples, available,
-    excluded_training_prompts, num_prompts, num_turns}`` (+ ``build_to_tokens`` and ``context_tokens``, the
-    mean rendered tokens before the answered turn, for long conversations).
+    Returns `(sets, info)`: name → records, and name → `{path, format, num_samples, available,
+    excluded_training_prompts, num_prompts, num_turns}` (+ `build_to_tokens` and `context_tokens`, the mean
+    rendered tokens before the answered turn).
 
     Raises:
-        ConfigError: a set left with no prompt (every one of them was also a training prompt), which would
-            otherwise report τ = 0.
-    """
+        ConfigError: a set left with no prompt (every one was a training prompt)."""
     from dflash_pipeline.core.errors import ConfigError
     from dflash_pipeline.prompts import load_eval_prompts
 
@@ -72,9 +67,8 @@ def load_eval_sets(
 def long_set_token_counter(
     eval_cfg: dict, target_dir, *, thinking: str, chat_template=None, trust_remote_code: bool = False
 ):
-    """``count_tokens(messages)`` for :func:`load_eval_sets` (the rendered length with the target's chat
-    template and the generation prompt), or None when no eval set has ``build_to_tokens`` (no tokenizer
-    loaded). For callers without an :class:`EvalSession` (engine τ)."""
+    """`count_tokens(messages)` for `load_eval_sets`, or None when no eval set has `build_to_tokens` (no tokenizer
+    loaded)."""
     if not any(s.get("build_to_tokens") is not None for s in eval_cfg["sets"].values()):
         return None
     from dflash_pipeline.target.chat import load_tokenizer, render
@@ -84,10 +78,10 @@ def long_set_token_counter(
 
 
 def _long_set(name: str, s: dict, seed: int, exclude: set, count_tokens) -> tuple[list[dict], dict]:
-    """One long-conversation eval set and its info (:func:`load_eval_sets`).
+    """One long-conversation eval set and its info (`load_eval_sets`).
 
     Raises:
-        ConfigError: no ``count_tokens``, or not one conversation reaches ``build_to_tokens``.
+        ConfigError: no `count_tokens`, or not one conversation reaches `build_to_tokens`.
     """
     from dflash_pipeline.core.errors import ConfigError
     from dflash_pipeline.evaluate.long_conversations import load_long_conversations

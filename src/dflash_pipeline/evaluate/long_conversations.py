@@ -1,13 +1,9 @@
 """Long eval conversations: multi-turn chats built up to a context length, to measure τ where it collapses.
 
-An eval set with ``build_to_tokens: N`` (config ``eval.sets.<name>``) reads a chat file whose records carry
-assistant turns (ShareGPT ``conversations`` of ``{from, value}``, or OpenAI ``messages`` of ``{role,
-content}``: the bundled ShareGPT sample, or any user file), leaves out every record that is a training prompt
-(the prompts stage's ``prompt_id`` of the record), shuffles the rest with ``eval.seed``, and strings their
-exchanges (a user turn and the assistant answer in the file) together into a history until the history,
-rendered with the target's chat template, reaches ``N`` tokens. The next exchange's user turn is then the
-turn the speculative loop answers, at a context of about ``N`` tokens (``num_samples`` such records, each from
-the next exchanges of the stream).
+An eval set with `build_to_tokens: N` reads a chat file with assistant turns (ShareGPT or OpenAI
+messages), leaves out training prompts, shuffles the rest with `eval.seed` and strings their exchanges
+together until the history, rendered with the target's template, reaches `N` tokens; the next user turn
+is the one the loop answers.
 """
 
 from __future__ import annotations
@@ -30,11 +26,11 @@ _ROLES = {
 
 
 def chat_messages(record: Mapping, where: str) -> list[dict]:
-    """``[{role, content}]`` of a ShareGPT (``conversations``: ``from``/``value``) or OpenAI (``messages``:
-    ``role``/``content``) record, assistant turns kept.
+    """`[{role, content}]` of a ShareGPT (`conversations`: `from`/`value`) or OpenAI (`messages`:
+    `role`/`content`) record, assistant turns kept.
 
     Raises:
-        DataError: neither shape, or a turn without string text or with an unknown role (names ``where``).
+        DataError: neither shape, or a turn without string text or with an unknown role (names `where`).
     """
     turns = record.get("conversations", record.get("messages"))
     if not isinstance(turns, list):
@@ -50,7 +46,7 @@ def chat_messages(record: Mapping, where: str) -> list[dict]:
 
 
 def exchanges(messages: Sequence[dict]) -> Iterator[tuple[str, str]]:
-    """The ``(user, assistant)`` pairs of a chat, in order (system turns and an unanswered last user turn left out)."""
+    """The `(user, assistant)` pairs of a chat, in order (system turns and an unanswered last user turn left out)."""
     pending = None
     for m in messages:
         if m["role"] == "user":
@@ -67,10 +63,9 @@ def build_long_conversations(
     num_samples: int,
     count_tokens: Callable[[list[dict]], int],
 ) -> list[dict]:
-    """Up to ``num_samples`` eval records ``{prompt_id, system: None, history, turns: [user turn]}`` whose
-    ``history`` (user/assistant messages) renders to at least ``build_to_tokens`` tokens
-    (``count_tokens(history + [final user turn])``), built from the exchanges of ``chats`` in order
-    (module docstring). ``prompt_id`` hashes the whole conversation sent."""
+    """Up to `num_samples` eval records `{prompt_id, system: None, history, turns: [user turn]}` whose `history`
+    (user/assistant messages) renders to at least `build_to_tokens` tokens (`count_tokens(history + [final user
+    turn])`), built from the exchanges of `chats` in order. `prompt_id` hashes the whole conversation sent."""
     if build_to_tokens < 1:
         raise ConfigError(f"eval.sets.*.build_to_tokens must be >= 1, got {build_to_tokens}")
     stream = (ex for chat in chats for ex in exchanges(chat))
@@ -99,11 +94,10 @@ def load_long_conversations(
     count_tokens: Callable[[list[dict]], int],
     exclude_prompt_ids: Iterable[str] = (),
 ) -> tuple[list[dict], dict]:
-    """The long eval records of one set (module docstring) and ``{available, excluded_training_prompts}``
-    (source records, and those left out as training prompts).
+    """The long eval records of one set (module docstring) and `{available, excluded_training_prompts}`.
 
     Raises:
-        DataError: unreadable file or a record of neither chat shape (:func:`chat_messages`).
+        DataError: unreadable file or a record of neither chat shape (`chat_messages`).
     """
     from dflash_pipeline.prompts import RejectedRecord, normalize_record, read_records
 

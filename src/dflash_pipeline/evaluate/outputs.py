@@ -1,12 +1,5 @@
 """Writing and reading the eval stage's outputs: the eval record JSON, the τ table (TSV), the plots, and
-comparisons of eval records.
-
-:func:`write_eval_outputs` (``acceptance.json`` + ``acceptance.png`` + ``acceptance.tsv``),
-:func:`eval_table_rows` / :func:`write_eval_table` (one row per drafter and eval set, :data:`TABLE_COLUMNS`),
-:func:`merge_eval_records` (side-by-side comparison that refuses records produced under different thinking
-modes), and the plots: per-position acceptance, τ across the ``step_<N>/`` exports, held-out validation τ
-and the training curves (``train_log.jsonl``). The records themselves are computed by
-:mod:`dflash_pipeline.evaluate.acceptance`.
+comparisons of eval records (`merge_eval_records` refuses records of different thinking modes).
 """
 
 from __future__ import annotations
@@ -24,17 +17,14 @@ class EvalComparisonError(PipelineError):
     """Eval records that must not be compared (e.g. produced under different thinking modes)."""
 
 
-# ---------------------------------------------------------------------------------------------------
-# Comparing records
-# ---------------------------------------------------------------------------------------------------
+# --- Comparing records
 
 
 def check_comparable(records: Mapping[str, dict]) -> str:
     """Return the common thinking mode of eval records (name → record).
 
     Raises:
-        EvalComparisonError: the records were produced under different thinking modes (τ with and without
-            thinking measure different text; comparing them is meaningless), or one does not say.
+        EvalComparisonError: the records were produced under different thinking modes, or one does not say.
     """
     modes = {name: (r.get("settings") or {}).get("thinking") for name, r in records.items()}
     missing = [n for n, m in modes.items() if m is None]
@@ -50,8 +40,8 @@ def check_comparable(records: Mapping[str, dict]) -> str:
 
 
 def merge_eval_records(records: Mapping[str, dict]) -> dict:
-    """Side-by-side record of several eval records (name → record): drafters become ``<name>/<label>``,
-    each keeping the settings it was measured under. Refuses mixed thinking modes (:func:`check_comparable`).
+    """Side-by-side record of several eval records (name → record): drafters become `<name>/<label>`,
+    each keeping the settings it was measured under. Refuses mixed thinking modes (`check_comparable`).
     """
     thinking = check_comparable(records)
     merged: dict = {"schema_version": EVAL_SCHEMA_VERSION, "thinking": thinking, "drafters": {}, "settings": {}}
@@ -62,9 +52,7 @@ def merge_eval_records(records: Mapping[str, dict]) -> dict:
     return merged
 
 
-# ---------------------------------------------------------------------------------------------------
-# The τ table and the record's files
-# ---------------------------------------------------------------------------------------------------
+# --- The τ table and the record's files
 
 
 TABLE_COLUMNS = (
@@ -90,7 +78,7 @@ TABLE_COLUMNS = (
 
 
 def eval_table_rows(record: dict) -> list[dict]:
-    """One row per (drafter, set) with τ and the settings that produced it (:data:`TABLE_COLUMNS`)."""
+    """One row per (drafter, set) with τ and the settings that produced it (`TABLE_COLUMNS`)."""
     rows = []
     ratios = record.get("tau_over_untrained") or {}
     for label, entry in record["drafters"].items():
@@ -121,7 +109,7 @@ def eval_table_rows(record: dict) -> list[dict]:
 
 
 def _engine_columns(s: dict) -> dict:
-    """``tau_pooled`` (mean a+1 over verify steps), ``engine_tau`` and ``engine_agrees`` of one set's stats."""
+    """`tau_pooled` (mean a+1 over verify steps), `engine_tau` and `engine_agrees` of one set's stats."""
     eng = s.get("engine") or {}
     return {
         "tau_pooled": round(s.get("tokens_per_step", 0.0), 3),
@@ -131,7 +119,7 @@ def _engine_columns(s: dict) -> dict:
 
 
 def write_eval_table(record: dict, path: str | Path) -> None:
-    """TSV of :func:`eval_table_rows` (the report shows it as a table)."""
+    """TSV of `eval_table_rows` (the report shows it as a table)."""
     write_tsv(path, TABLE_COLUMNS, eval_table_rows(record))
 
 
@@ -144,9 +132,7 @@ def write_eval_outputs(record: dict, out_json: str | Path, *, plot_png=None, tab
         write_eval_table(record, table_tsv)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Plots
-# ---------------------------------------------------------------------------------------------------
+# --- Plots
 
 
 def _pyplot():
@@ -198,7 +184,7 @@ def plot_acceptance(record: dict, path: str | Path) -> None:
 
 
 def read_train_log(path: str | Path) -> list[dict]:
-    """Records of a ``train_log.jsonl`` (empty when the file does not exist)."""
+    """Records of a `train_log.jsonl` (empty when the file does not exist)."""
     p = Path(path)
     if not p.is_file():
         return []
@@ -238,12 +224,12 @@ def plot_tau_vs_step(series: dict, path: str | Path, *, train_log: Optional[str 
 
 
 def plot_validation(val_log: str | Path, path: str | Path, *, placeholder: bool = False) -> None:
-    """PNG of held-out τ vs optimizer step from the trainer's ``val_log.jsonl``: the per-block simulator
-    (:mod:`dflash_pipeline.train.heldout`), the product of marginal slot accuracies beside it and, when the
-    records hold more than one context-length bucket, held-out τ per bucket (dotted).
+    """PNG of held-out τ vs optimizer step from the trainer's `val_log.jsonl`: the per-block simulator, the product
+    of marginal slot accuracies beside it and, when the records hold more than one context-length bucket, held-out τ per
+    bucket (dotted).
 
-    Without records nothing is written, unless ``placeholder`` (the report's figure): then a figure saying
-    that the run had no held-out validation (``train.validation_fraction: 0``)."""
+    Without records nothing is written, unless `placeholder` (the report's figure): then a figure saying
+    that the run had no held-out validation (`train.validation_fraction: 0`)."""
     val_log, path = Path(val_log), Path(path)
     recs = (
         [json.loads(x) for x in val_log.read_text(encoding="utf-8").splitlines() if x.strip()]
@@ -297,7 +283,7 @@ def plot_validation(val_log: str | Path, path: str | Path, *, placeholder: bool 
 
 
 def plot_training(train_logs: Mapping[str, str | Path], path: str | Path) -> None:
-    """PNG: training loss and EAL proxy vs step, one line per run (label → ``train_log.jsonl``)."""
+    """PNG: training loss and EAL proxy vs step, one line per run (label → `train_log.jsonl`)."""
     plt = _pyplot()
     fig, (ax_loss, ax_eal) = plt.subplots(1, 2, figsize=(10, 3.8), dpi=110)
     for label, log_path in train_logs.items():

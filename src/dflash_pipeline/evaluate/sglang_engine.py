@@ -1,15 +1,11 @@
-"""SGLang as the eval engine (``eval.engine: sglang``): what its answers and its server say.
+"""SGLang as the eval engine (`eval.engine: sglang`): what its answers and its server say.
 
-SGLang reports acceptance per request in ``meta_info`` (sgl-project/sglang ``tokenizer_manager``;
-``return_meta_info: true`` puts it in each choice of an OpenAI chat answer, non-streaming only):
-``spec_verify_ct`` verify steps, ``spec_accept_length`` = completion tokens / verify steps, and
-``spec_correct_drafts_histogram`` (older ``spec_accept_histogram``), ``h[n]`` = verify steps that accepted
-exactly n drafts. SpecForge and z-lab's benchmark read the same fields. :func:`histogram_acceptance_stats`
-pools the histograms of a set into the figures vLLM's counters give (τ over verify steps, per-position
-acceptance, the a+1 histogram), so :func:`dflash_pipeline.evaluate.engine_vs_loop.compare_tau` can test
-the agreement with our loop. SGLang cannot run on the CPU machines this project is tested on: the tests use
-the SGLang-shaped test server (``dflash_pipeline.testing.server``, ``flavor="sglang"``), and
-``bench/gpu_check.sh`` runs the real check.
+SGLang reports acceptance per request in `meta_info` (`tokenizer_manager`; asked with
+`return_meta_info: true`, non-streaming): `spec_verify_ct`, `spec_accept_length` = completion tokens /
+verify steps, and `spec_correct_drafts_histogram` (older `spec_accept_histogram`), `h[n]` = steps that
+accepted exactly n drafts. `histogram_acceptance_stats` pools a set's histograms into vLLM's figures, so
+`engine_vs_loop.compare_tau` can test the agreement. Tested with the SGLang-shaped test server;
+`bench/gpu_check.sh` runs the real check.
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ from dflash_pipeline.evaluate.engine_metrics import (
     engine_acceptance_stats,
 )
 
-#: Why ``eval.engine: sglang`` needs ``eval.engine_base_url`` (the job's error; config.problems says it at plan time).
+#: Why `eval.engine: sglang` needs `eval.engine_base_url` (the job's error; config.problems says it at plan time).
 SGLANG_NEEDS_URL = (
     "eval.engine: sglang measures τ on a running SGLang server: start it with the target and the trained drafter "
     "(the SGLang line of results/checkpoints/<run>/final/serve.md) and give its URL as eval.engine_base_url "
@@ -31,11 +27,9 @@ SGLANG_NEEDS_URL = (
 
 
 def response_acceptance(resp: dict) -> tuple[int, float | None, list[int] | None]:
-    """``(completion tokens, a+1 mean, histogram)`` of one chat response: SGLang's
-    ``meta_info.spec_accept_length`` (or ``completion_tokens / meta_info.spec_verify_ct``) and its
-    ``spec_correct_drafts_histogram`` (older ``spec_accept_histogram``: verify steps per number of accepted
-    drafts 0, 1, …); None for what the response does not carry (vLLM: neither). The ``meta_info`` is the
-    choice's (``return_meta_info``) or the response's."""
+    """`(completion tokens, a+1 mean, histogram)` of one chat response: SGLang's `meta_info.spec_accept_length` (or
+    `completion_tokens / meta_info.spec_verify_ct`) and its `spec_correct_drafts_histogram`; None for what the response
+    does not carry (vLLM: neither)."""
     n_out = int((resp.get("usage") or {}).get("completion_tokens") or 0)
     meta = (resp.get("choices") or [{}])[0].get("meta_info") or resp.get("meta_info") or {}
     hist = meta.get("spec_correct_drafts_histogram")
@@ -51,15 +45,15 @@ def response_acceptance(resp: dict) -> tuple[int, float | None, list[int] | None
 def histogram_acceptance_stats(
     histograms: Sequence[Sequence[int]], block_size: int | None, *, base_url: str = "the server"
 ) -> dict:
-    """Pooled acceptance from SGLang's per-response histograms, ``h[n]`` = verify steps that accepted exactly
-    n drafts (SGLang ``tokenizer_manager``: ``spec_correct_drafts_histogram``): the figures of
-    :func:`engine_acceptance_stats` from the counter deltas the histograms imply (steps = Σ h, accepted =
+    """Pooled acceptance from SGLang's per-response histograms, `h[n]` = verify steps that accepted exactly
+    n drafts (SGLang `tokenizer_manager`: `spec_correct_drafts_histogram`): the figures of
+    `engine_acceptance_stats` from the counter deltas the histograms imply (steps = Σ h, accepted =
     Σ n·h[n], steps whose draft k was accepted = Σ_{n>k} h[n]; dflash.md §7.1: acceptance is a prefix), so
-    τ = Σ (n+1)·h[n] / Σ h is pooled over verify steps like vLLM's. ``block_size`` None: the histograms'
-    length (SGLang's ``--speculative-num-draft-tokens``).
+    τ = Σ (n+1)·h[n] / Σ h is pooled over verify steps like vLLM's. `block_size` None: the histograms'
+    length (SGLang's `--speculative-num-draft-tokens`).
 
     Raises:
-        EngineComparisonError: a histogram longer than ``block_size`` (the server runs another drafter), or
+        EngineComparisonError: a histogram longer than `block_size` (the server runs another drafter), or
             no verify step at all.
     """
     width = max(len(h) for h in histograms)
@@ -83,8 +77,8 @@ def histogram_acceptance_stats(
 
 
 def sglang_server_facts(base_url: str, api_key: str | None) -> dict:
-    """``version`` and ``dtype`` (its ``--dtype``; ``auto`` = the checkpoint's) of a running SGLang server from
-    ``GET /get_server_info`` (newer: ``/server_info``); what it does not answer is None, with a note."""
+    """`version` and `dtype` (its `--dtype`; `auto` = the checkpoint's) of a running SGLang server from
+    `GET /get_server_info` (newer: `/server_info`); what it does not answer is None, with a note."""
     root = base_url.rstrip("/").removesuffix("/v1")
     for path in ("/server_info", "/get_server_info"):
         try:

@@ -1,10 +1,8 @@
 """The speculative-decoding loop of the eval stage: the drafter drafts a block, the target verifies it.
 
-Loop: reference/dflash.md §2.5 (z-lab ``dflash_generate``), batch 1. The draft is always greedy; the target
-samples at ``temperature`` (greedy when 0), so the output distribution is the target's. Per verify step the
-loop records a+1 (the accepted drafts plus the bonus token; §7.1); :class:`TargetCache` keeps the target's
-cache equal to that of a target that only ever saw the accepted tokens, for every cache type transformers
-ships. τ over responses and eval sets: :mod:`dflash_pipeline.evaluate.acceptance`.
+Loop: reference/dflash.md §2.5 (z-lab `dflash_generate`), batch 1. The draft is greedy; the target samples
+at `temperature` (greedy at 0), so the output distribution is the target's. Each verify step records a+1
+(§7.1); `TargetCache` keeps the target's cache as if it had only seen the accepted tokens.
 """
 
 from __future__ import annotations
@@ -20,11 +18,9 @@ from dflash_pipeline.drafter.block_size import resolve_block_size
 
 @dataclass
 class SpecResult:
-    """One response: ``output_ids`` (generated tokens, prompt excluded, eos kept), ``accept_lengths``
-    (a+1 per verify step), ``context_lengths`` (per verify step, the tokens before its verify block: prompt
-    plus the tokens generated so far; τ by context length, :mod:`dflash_pipeline.evaluate.context_length`),
-    ``target_forwards`` (verify forwards, prefill excluded; the re-runs of the ``recompute`` cache policy not
-    counted), ``cache_policy`` (:class:`TargetCache`)."""
+    """One response: `output_ids` (generated tokens, prompt excluded, eos kept), `accept_lengths` (a+1 per verify
+    step), `context_lengths` (per verify step, the tokens before its verify block), `target_forwards` (verify
+    forwards, prefill and `recompute` re-runs excluded), `cache_policy` (`TargetCache`)."""
 
     output_ids: list[int]
     accept_lengths: list[int] = field(default_factory=list)
@@ -43,7 +39,7 @@ def _sample(logits: torch.Tensor, temperature: float, generator: Optional[torch.
 
 
 def _cache_kw(target, cache) -> dict:
-    """transformers ≥5.24 names the KV cache argument ``cache`` (``past_key_values`` is deprecated)."""
+    """transformers ≥5.24 names the KV cache argument `cache` (`past_key_values` is deprecated)."""
     import inspect
 
     params = inspect.signature(target.forward).parameters
@@ -51,11 +47,10 @@ def _cache_kw(target, cache) -> dict:
 
 
 def recurrent_rollback_kwargs(activate_past_recording, max_rollback: int) -> dict:
-    """Keywords for ``cache.activate_past_recording``: ``recurrent_states_to_keep=max_rollback`` where the
-    method takes it (transformers ≥ 5.25: linear-attention / SSM layers then keep the recurrent state after
-    each of a forward's last ``max_rollback`` tokens and ``crop`` can roll them back, so they are croppable;
-    its default None made their forward fail, ``min(None, seq_len)``). Older releases take no argument: those
-    layers are then not croppable and :class:`TargetCache` snapshots them (``recompute``)."""
+    """Keywords for `cache.activate_past_recording`: `recurrent_states_to_keep=max_rollback` where the method
+    takes it (transformers ≥ 5.25: linear-attention / SSM layers then keep their recurrent states for the last
+    `max_rollback` tokens of a forward and are croppable). Where it takes no argument those layers are not
+    croppable and `TargetCache` snapshots them (`recompute`)."""
     import inspect
 
     params = inspect.signature(activate_past_recording).parameters.values()
@@ -64,10 +59,9 @@ def recurrent_rollback_kwargs(activate_past_recording, max_rollback: int) -> dic
 
 
 def _unrecorded(layer, n_tokens: int, max_rollback: int) -> bool:
-    """Whether ``layer``, which claims to be croppable, kept fewer recurrent states over the forward of
-    ``n_tokens`` than a rollback of ``min(n_tokens, max_rollback)`` tokens needs: a model that hands its
-    cache only the last state (ZAYA's linear attention, ``update_recurrent_state(state[:, -1])``) leaves one
-    entry, and ``crop`` would index past it."""
+    """Whether `layer`, which claims to be croppable, kept fewer recurrent states over the forward of `n_tokens` than
+    a rollback of `min(n_tokens, max_rollback)` tokens needs: a model that hands its cache only the last state leaves
+    one entry, and `crop` would index past it."""
     history = getattr(layer, "recurrent_states_history", None)
     if not isinstance(history, dict) or n_tokens < 2:
         return False
@@ -80,24 +74,15 @@ class TargetCache:
     """The target's cache in the verify loop, with one rollback policy for every cache type transformers
     ships (dflash.md §2.5: after a verify step only the bonus token and the accepted drafts stay).
 
-    The cache is ``DynamicCache(config=target.config)``, so each layer gets its own type (full attention,
-    sliding window, linear attention / recurrent state), with ``activate_past_recording`` so sliding and
-    conv states keep what a rollback needs, and (transformers ≥ 5.25) recurrent states the last
-    ``max_rollback`` tokens of a forward (:func:`recurrent_rollback_kwargs`; the loop passes B + 1, one
-    verify forward). After the prefill, :attr:`policy` is
+    The cache is `DynamicCache(config=target.config)` (a type per layer) with `activate_past_recording`, and
+    recurrent states recorded for the last `max_rollback` tokens (transformers ≥ 5.25). After the prefill,
+    `policy` is
 
-    * ``crop``: every layer can be cut back (``cache.is_croppable``: full and sliding attention, and linear
-      attention / SSM layers where transformers records their recurrent states) — the rejected tokens are
-      cropped;
-    * ``recompute``: some layer holds a recurrent state that cannot be cut back (linear attention of
-      Qwen3.5/3.6 and Qwen3-Next before transformers 5.25; a layer that claims to be croppable but whose
-      model records only its last recurrent state, ZAYA's, found after the prefill by
-      :func:`_unrecorded`): those layers are snapshotted before each verify
-      forward; on a rejection they are restored, the croppable layers cropped to the same point, and the
-      target re-runs the accepted tokens (one extra forward of a+1 tokens per rejecting step).
+    * `crop`: every layer can be cut back (`cache.is_croppable`): the rejected tokens are cropped;
+    * `recompute`: some layer holds a recurrent state that cannot: those layers are snapshotted before each verify
+      forward and restored on a rejection, and the target re-runs the accepted tokens.
 
-    Either way the cache afterwards equals the cache of a target that only ever saw the accepted tokens.
-    """
+    Either way the cache afterwards equals the cache of a target that only ever saw the accepted tokens."""
 
     def __init__(self, target, *, max_rollback: int):
         from transformers import DynamicCache
@@ -117,7 +102,7 @@ class TargetCache:
         self.recomputes = 0
 
     def forward(self, ids: torch.Tensor, layer_ids: Sequence[int]):
-        """Target forward of ``ids`` [1, n] on the cache → ``(features [1, n, K·H], output)``."""
+        """Target forward of `ids` [1, n] on the cache → `(features [1, n, K·H], output)`."""
         from dflash_pipeline.target.hidden import target_features
 
         if self.policy == "recompute":
@@ -138,7 +123,7 @@ class TargetCache:
         return feats, out
 
     def keep(self, ids: torch.Tensor, n_keep: int, layer_ids: Sequence[int]) -> None:
-        """After verifying ``ids`` [1, n], keep only its first ``n_keep`` tokens in the cache."""
+        """After verifying `ids` [1, n], keep only its first `n_keep` tokens in the cache."""
         n_drop = ids.shape[1] - n_keep
         if self.policy == "crop" or n_drop == 0:
             self.cache.crop(-n_drop)  # crop(0) restricts sliding/conv states back to their window
@@ -159,8 +144,8 @@ class TargetCache:
 
 
 def _check_loop_args(drafter: M.DFlashDrafter, prompt_ids: Sequence[int], block_size: int) -> None:
-    """Raises ValueError: ``block_size`` outside [2, the drafter's trained block size]
-    (:func:`~dflash_pipeline.drafter.block_size.resolve_block_size`), or an empty prompt."""
+    """Raises ValueError: `block_size` outside [2, the drafter's trained block size]
+    (`resolve_block_size`), or an empty prompt."""
     resolve_block_size(block_size, drafter.block_size, key="block_size")
     if not prompt_ids:
         raise ValueError("empty prompt")
@@ -172,8 +157,8 @@ def _drafter_features(feats: torch.Tensor, zero_target_features: bool) -> torch.
 
 
 def _accepted_drafts(draft: torch.Tensor, tgt: torch.Tensor, block_size: int) -> int:
-    """a: how many leading drafts ``draft`` [1, n] equal the target's tokens ``tgt`` [n+1] (acceptance is a
-    prefix, dflash.md §2.5); n is B − 1 for DFlash/DFlash2, up to B for DSpark (``block_size`` is unused)."""
+    """a: how many leading drafts `draft` [1, n] equal the target's tokens `tgt` [n+1] (acceptance is a
+    prefix, dflash.md §2.5); n is B − 1 for DFlash/DFlash2, up to B for DSpark (`block_size` is unused)."""
     a = 0
     while a < draft.shape[1] and int(draft[0, a]) == int(tgt[a]):
         a += 1
@@ -181,11 +166,9 @@ def _accepted_drafts(draft: torch.Tensor, tgt: torch.Tensor, block_size: int) ->
 
 
 def _propose(drafter, embed, head, bonus, pending, start, dcache, block_size: int, confidence_threshold: float):
-    """The family's drafts for one verify step, cut to the verify length: ``drafts`` long [1, n].
+    """The family's drafts for one verify step, cut to the verify length: `drafts` long [1, n].
 
-    DFlash and DFlash2 propose B − 1 tokens, DSpark B, of which it verifies the prefix its confidence head
-    admits (:func:`dflash_pipeline.drafter.dspark.verify_length`; all at ``confidence_threshold`` 0). A drafter
-    without ``propose`` (a test double) drafts greedily from ``draft_block``'s logits."""
+    DFlash and DFlash2 propose B − 1 tokens, DSpark B, of which it verifies the prefix its confidence head admits."""
     if not hasattr(drafter, "propose"):
         return drafter.draft_block(embed, head, bonus, pending, start, dcache, block_size)[:, 1:].argmax(dim=-1)
     drafts, conf = drafter.propose(embed, head, bonus, pending, start, dcache, block_size)
@@ -197,12 +180,12 @@ def _propose(drafter, embed, head, bonus, pending, start, dcache, block_size: in
 
 
 def _finished(output_ids: list[int], stops: set[int], max_new_tokens: int) -> bool:
-    """The response ends: its last token is a stop token, or it has ``max_new_tokens`` tokens."""
+    """The response ends: its last token is a stop token, or it has `max_new_tokens` tokens."""
     return int(output_ids[-1]) in stops or len(output_ids) >= max_new_tokens
 
 
 def _append_until_stop(output_ids: list[int], new: Sequence[int], stops: set[int], max_new_tokens: int) -> None:
-    """Append the accepted tokens ``new`` to ``output_ids`` up to and including a stop token or the limit."""
+    """Append the accepted tokens `new` to `output_ids` up to and including a stop token or the limit."""
     for t in new:
         output_ids.append(int(t))
         if _finished(output_ids, stops, max_new_tokens):
@@ -223,20 +206,15 @@ def speculative_generate(
     zero_target_features: bool = False,
     confidence_threshold: float = 0.0,
 ) -> SpecResult:
-    """Generate up to ``max_new_tokens`` tokens for one prompt with DFlash speculative decoding (batch 1).
+    """Generate up to `max_new_tokens` tokens for one prompt with DFlash speculative decoding (batch 1).
 
-    ``block_size`` ≤ the drafter's trained block size. The drafts and their verify rule are the drafter
-    family's (:meth:`dflash_pipeline.drafter.model.DFlashDrafter.propose`): DFlash drafts B − 1 tokens
-    greedily, DFlash2 walks its candidate selector, DSpark drafts B tokens left to right and verifies the
-    prefix its confidence admits at ``confidence_threshold`` (0: all). ``zero_target_features`` feeds the drafter zeros
-    instead of the target's features (for the baseline trained that way; the target still verifies).
-    The target cache follows :class:`TargetCache` (any cache type); the drafter runs in its own dtype
-    (eval loads it in the target's, :func:`dflash_pipeline.target.loading.drafter_dtype`).
-    Returns a :class:`SpecResult`.
+    `block_size` ≤ the drafter's trained one. Drafts and verify rule are the family's
+    (`DFlashDrafter.propose`); DSpark verifies the prefix its confidence admits at `confidence_threshold`
+    (0: all). `zero_target_features` feeds the drafter zeros (the baseline trained that way). The target
+    cache follows `TargetCache`; the drafter runs in its own dtype. Returns a `SpecResult`.
 
     Raises:
-        ValueError: ``block_size`` larger than the drafter's, or an empty prompt.
-    """
+        ValueError: `block_size` larger than the drafter's, or an empty prompt."""
     from dflash_pipeline.target.loading import input_embeddings, lm_head
 
     _check_loop_args(drafter, prompt_ids, block_size)

@@ -1,18 +1,12 @@
 """The serving engine as users run it: a vLLM OpenAI server with (or without) our drafter, and the launch
 lines written beside every export.
 
-* :class:`VLLMServer` starts ``python -m vllm.entrypoints.openai.api_server`` in vLLM's own environment
-  (:func:`dflash_pipeline.core.vllm_env.require_vllm_python`), waits until ``/v1/models`` answers, captures the
-  engine's output in a log file and stops the whole process group (the API server and its engine-core
-  child) on exit. On a CPU-only machine it adds ``--enforce-eager`` (start-up ~30 s instead of ~80 s) and
-  sets ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB) unless the environment already sets it (``reference/feasibility.md``
-  §9; without it the KV cache is sized from all memory).
-* :func:`dflash_speculative_config` is the ``--speculative-config`` of a DFlash drafter: vLLM ignores the
-  checkpoint's ``block_size`` and needs ``num_speculative_tokens = block_size − 1`` (dflash.md §8.4).
-* :func:`serve_commands` / :func:`write_serve_md`: the exact vLLM and SGLang launch lines of an export
-  (``final/serve.md``; the one writer, with the text of the export's family: its ``serve_md``).
-
-The engine's acceptance counters are read by :mod:`dflash_pipeline.evaluate.engine_acceptance`.
+* `VLLMServer` runs `vllm.entrypoints.openai.api_server` in vLLM's environment, waits for `/v1/models`,
+  logs its output and stops its process group on exit; on CPU it adds `--enforce-eager` and
+  `VLLM_CPU_KVCACHE_SPACE=1` (GiB) unless set (`reference/feasibility.md` §9).
+* `dflash_speculative_config`: vLLM ignores the checkpoint's `block_size` and needs
+  `num_speculative_tokens = block_size − 1` (dflash.md §8.4).
+* `serve_commands` / `write_serve_md`: the vLLM and SGLang launch lines of an export (`final/serve.md`).
 """
 
 from __future__ import annotations
@@ -39,21 +33,21 @@ class EngineError(PipelineError):
 
 
 def dflash_speculative_config(drafter_dir: str | Path, block_size: int) -> dict:
-    """vLLM's ``--speculative-config`` for a DFlash drafter export (dflash.md §8.4, feasibility.md §9): the default
-    family's (:meth:`dflash_pipeline.drafter.dflash.DFlashFamily.speculative_config`).
+    """vLLM's `--speculative-config` for a DFlash drafter export (dflash.md §8.4, feasibility.md §9): the default
+    family's (`drafter.dflash.DFlashFamily.speculative_config`).
 
-    ``num_speculative_tokens`` = ``block_size − 1``: the block's slot 0 is the bonus token, the other
-    ``block_size − 1`` slots are the drafts (vLLM reads no ``block_size`` from the checkpoint).
+    `num_speculative_tokens` = `block_size − 1`: the block's slot 0 is the bonus token, the other
+    `block_size − 1` slots are the drafts (vLLM reads no `block_size` from the checkpoint).
 
     Raises:
-        BlockSizeError (a ValueError): ``block_size`` < 2 (:func:`~dflash_pipeline.drafter.block_size.check_block_size`).
+        BlockSizeError (a ValueError): `block_size` < 2 (`check_block_size`).
     """
     return FR.default().speculative_config(drafter_dir, block_size)
 
 
 def drafter_speculative_config(drafter_dir: str | Path, block_size: int) -> dict:
-    """``--speculative-config`` of the export in ``drafter_dir``, by its family
-    (:meth:`dflash_pipeline.drafter.dflash.DFlashFamily.speculative_config`)."""
+    """`--speculative-config` of the export in `drafter_dir`, by its family
+    (`drafter.dflash.DFlashFamily.speculative_config`)."""
     return FR.of_checkpoint(drafter_dir).speculative_config(drafter_dir, block_size)
 
 
@@ -73,20 +67,20 @@ def _cpu_only() -> bool:
 
 
 def http_get(url: str, *, timeout_s: float = 10.0, api_key: Optional[str] = None) -> str:
-    """GET ``url`` → body text. Raises ``urllib.error.URLError``/``HTTPError`` as urllib does."""
+    """GET `url` → body text. Raises `urllib.error.URLError`/`HTTPError` as urllib does."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s) as resp:
         return resp.read().decode("utf-8")
 
 
 class VLLMServer:
-    """One vLLM OpenAI-compatible server process serving ``model`` (a target directory), optionally with
-    a DFlash ``drafter`` (an export directory) as speculative decoder.
+    """One vLLM OpenAI-compatible server process serving `model` (a target directory), optionally with
+    a DFlash `drafter` (an export directory) as speculative decoder.
 
-    Use as a context manager (``with VLLMServer(...) as srv: srv.base_url``) or ``start()``/``stop()``.
-    ``extra_args`` are appended to the command line (e.g. ``["--dtype", "float32", "--reasoning-parser",
-    "qwen3"]``). The engine's stdout and stderr go to ``log_path`` (appended; a start failure quotes its
-    tail). The server runs in its own session, so :meth:`stop` ends the API server and its engine-core
+    Use as a context manager (`with VLLMServer(...) as srv: srv.base_url`) or `start()`/`stop()`.
+    `extra_args` are appended to the command line (e.g. `["--dtype", "float32", "--reasoning-parser",
+    "qwen3"]`). The engine's stdout and stderr go to `log_path` (appended; a start failure quotes its
+    tail). The server runs in its own session, so `stop` ends the API server and its engine-core
     process together.
     """
 
@@ -123,16 +117,16 @@ class VLLMServer:
 
     @property
     def base_url(self) -> str:
-        """OpenAI base URL, ``http://host:port/v1``."""
+        """OpenAI base URL, `http://host:port/v1`."""
         return f"http://{self.host}:{self.port}/v1"
 
     @property
     def metrics_url(self) -> str:
-        """Prometheus endpoint, ``http://host:port/metrics``."""
+        """Prometheus endpoint, `http://host:port/metrics`."""
         return f"http://{self.host}:{self.port}/metrics"
 
     def argv(self, python: str) -> list[str]:
-        """The server's command line (``python`` is the vLLM environment's interpreter)."""
+        """The server's command line (`python` is the vLLM environment's interpreter)."""
         cmd = [
             python,
             "-m",
@@ -155,11 +149,11 @@ class VLLMServer:
         return cmd + self.extra_args
 
     def start(self, timeout_s: float = 600.0) -> "VLLMServer":
-        """Start the server and wait until ``GET /v1/models`` answers 200 (polled every 0.5 s).
+        """Start the server and wait until `GET /v1/models` answers 200 (polled every 0.5 s).
 
         Raises:
             VLLMNotFound: no vLLM environment.
-            EngineError: the process exited, or was not ready within ``timeout_s`` (it is stopped); the
+            EngineError: the process exited, or was not ready within `timeout_s` (it is stopped); the
                 message quotes the end of the engine log.
         """
         if self.proc is not None:
@@ -208,7 +202,7 @@ class VLLMServer:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM the server's process group; SIGKILL it after ``timeout_s``. Idempotent."""
+        """SIGTERM the server's process group; SIGKILL it after `timeout_s`. Idempotent."""
         proc, self.proc = self.proc, None
         if proc is None:
             return
@@ -231,7 +225,7 @@ class VLLMServer:
             pass
 
     def log_tail(self, n_chars: int = 4000) -> str:
-        """The last ``n_chars`` characters of the engine log ('' when there is none)."""
+        """The last `n_chars` characters of the engine log ('' when there is none)."""
         try:
             return self.log_path.read_text(encoding="utf-8", errors="replace")[-n_chars:]
         except FileNotFoundError:
@@ -245,9 +239,8 @@ class VLLMServer:
 
 
 def loop_dtype(target_dtype: str) -> str:
-    """The dtype our speculative loop runs the target in for ``target.dtype`` = ``target_dtype`` on this
-    machine (:func:`dflash_pipeline.target.loading.resolve_dtype`: ``auto`` → float32 on CPU, bfloat16 on
-    CUDA), as vLLM's ``--dtype`` value (``float32``, ``bfloat16``, ``float16``)."""
+    """The dtype our speculative loop runs the target in for `target.dtype` = `target_dtype` on this machine, as
+    vLLM's `--dtype` value (`float32`, `bfloat16`, `float16`)."""
     import torch
 
     from dflash_pipeline.target.loading import resolve_dtype
@@ -256,24 +249,20 @@ def loop_dtype(target_dtype: str) -> str:
 
 
 def served_dtype_of_log(log_text: str) -> Optional[str]:
-    """The dtype vLLM says it serves in its start-up log (``… dtype=torch.bfloat16, …`` of the engine
-    config line; the last one, after any downcast), None when the log does not say."""
+    """The dtype vLLM says it serves in its start-up log, None when the log does not say."""
     import re
 
     found = re.findall(r"\bdtype=torch\.(\w+)", log_text)
     return found[-1] if found else None
 
 
-# ---------------------------------------------------------------------------------------------------
-# Launch lines of an export (final/serve.md)
-# ---------------------------------------------------------------------------------------------------
+# --- Launch lines of an export (final/serve.md)
 
 
 def serve_commands(drafter_dir: str | Path, target: str | Path, block_size: int, *, port: int = 8000) -> dict[str, str]:
-    """The launch lines that serve the DFlash export ``drafter_dir`` beside ``target`` (dflash.md §8.4):
-    ``{"vllm": ..., "sglang": ...}``, vLLM with ``num_speculative_tokens = block_size − 1``
-    (:func:`dflash_speculative_config`), SGLang with ``--speculative-num-draft-tokens = block_size`` (it
-    counts the bonus slot); :meth:`dflash_pipeline.drafter.dflash.DFlashFamily.serve_commands`.
+    """The launch lines that serve the DFlash export `drafter_dir` beside `target` (dflash.md §8.4): `{"vllm": ...,
+    "sglang": ...}`, vLLM with `num_speculative_tokens = block_size − 1`, SGLang with `--speculative-num-draft-tokens =
+    block_size` (it counts the bonus slot).
     """
     return FR.default().serve_commands(drafter_dir, target, block_size, port=port)
 
@@ -281,13 +270,13 @@ def serve_commands(drafter_dir: str | Path, target: str | Path, block_size: int,
 def write_serve_md(
     drafter_dir: str | Path, *, target: Optional[str | Path] = None, served_dir: Optional[str | Path] = None
 ) -> Path:
-    """Write ``<drafter_dir>/serve.md``: how to serve this export with vLLM and SGLang, block size and
-    target layers read from its ``config.json`` (atomic). ``target``: the target's path or hub id as the
-    user passes it to the engine (default: a ``<target>`` placeholder). ``served_dir``: the drafter's path
-    in the commands when ``drafter_dir`` is a temp dir renamed into place afterwards (default: its own).
+    """Write `<drafter_dir>/serve.md`: how to serve this export with vLLM and SGLang, block size and
+    target layers read from its `config.json` (atomic). `target`: the target's path or hub id as the
+    user passes it to the engine (default: a `<target>` placeholder). `served_dir`: the drafter's path
+    in the commands when `drafter_dir` is a temp dir renamed into place afterwards (default: its own).
 
-    Returns the path written. Raises ``FileNotFoundError`` when the export has no ``config.json``
-    (:meth:`dflash_pipeline.drafter.config.DFlashConfig.from_checkpoint` reads it).
+    Returns the path written. Raises `FileNotFoundError` when the export has no `config.json`
+    (`drafter.config.DFlashConfig.from_checkpoint` reads it).
     """
     from dflash_pipeline.core.shards import atomic_write_bytes
     from dflash_pipeline.drafter.config import checkpoint_meta
@@ -302,8 +291,8 @@ def write_serve_md(
 
 
 def _main(argv: Optional[Sequence[str]] = None) -> None:
-    """CLI: ``dflash-eval serve-md DRAFTER_DIR [--target T]`` (or ``python -m dflash_pipeline.evaluate.vllm_server
-    serve-md …``) writes serve.md."""
+    """CLI: `dflash-eval serve-md DRAFTER_DIR [--target T]` (or `python -m dflash_pipeline.evaluate.vllm_server
+    serve-md …`) writes serve.md."""
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m dflash_pipeline.evaluate.vllm_server")

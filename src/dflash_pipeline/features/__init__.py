@@ -1,22 +1,11 @@
 """The features stage: target features for training, extracted once, stored in feature shards.
 
-``extract_features`` (rules/features.smk) writes one feature shard per token shard with a backend:
-``vllm`` (the serving engine's ``extract_hidden_states`` method: targets larger than one GPU, e.g. Kimi K2.6
-with TP8) or ``hf`` (transformers, ``device_map`` across the job's GPUs; the CPU default). With
-``train.target_features: shards`` the trainer reads them memory-mapped and never loads the target
-(only its embedding, LM head and, for ``kl``, final norm: :mod:`.weights`).
-
-Modules: :mod:`.format` (file format, writer, reader), :mod:`.extract` (one shard, resumable),
-:mod:`.hf_backend`, :mod:`.vllm_backend` + :mod:`.vllm_connector` (engine side), :mod:`.plan` (disk
-arithmetic at plan time), :mod:`.weights` (embedding / LM head from the target's safetensors).
-Streaming (``train.target_features: stream``): :mod:`.server` (the hf feature server, vLLM's request
-contract), :mod:`.stream_client` (:class:`FeatureClient` over the completions fleet), :mod:`.colocate`
-(servers started beside the trainer).
-CLI: ``python -m dflash_pipeline.features extract|extract-many|serve|colocate ...`` (what the rules run, in
-the backend's environment); :mod:`.extract_stream`: shards through the stream client, one server set per job.
-
-This package imports only numpy at the top (torch, transformers, vllm inside the functions that need them),
-so it loads in the vLLM venv, in the training env and in Snakemake's planning process.
+`extract_features` writes one feature shard per token shard with the `vllm` backend (the engine's
+`extract_hidden_states`: targets larger than one GPU) or `hf` (transformers; the CPU default). With
+`train.target_features: shards` the trainer reads them memory-mapped and never loads the target;
+with `stream` it asks feature servers (`.server`, `.stream_client`, `.colocate`).
+CLI: `python -m dflash_pipeline.features extract|extract-many|serve|colocate ...`. Only numpy is imported
+at the top, so the package loads in the vLLM venv and at planning.
 """
 
 from dflash_pipeline.core.faces import lazy_face

@@ -1,8 +1,8 @@
-"""CLI: ``python -m dflash_pipeline.features extract --probe P --target DIR --token-shard T --out F ...``,
-``... serve --target DIR --layer-ids 1,3 ...`` (an hf feature server, :mod:`.server`; prints its URL when
-ready) and ``... colocate --stream-config JSON ... -- CMD`` (servers for a colocated stream run, :mod:`.colocate`).
+"""CLI: `python -m dflash_pipeline.features extract --probe P --target DIR --token-shard T --out F ...`,
+`... serve --target DIR --layer-ids 1,3 ...` (an hf feature server, `.server`; prints its URL when
+ready) and `... colocate --stream-config JSON ... -- CMD` (servers for a colocated stream run, `.colocate`).
 
-Run by the ``extract_features`` / ``train_drafter`` rules with the backend's interpreter (the vLLM venv for ``vllm``).
+Run by the `extract_features` / `train_drafter` rules with the backend's interpreter (the vLLM venv for `vllm`).
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
-"""Colocated streaming: start ``features.stream.servers`` feature servers, run the trainer, stop them.
+"""Colocated streaming: start `features.stream.servers` feature servers, run the trainer, stop them.
 
-``python -m dflash_pipeline.features colocate --stream-config JSON --probe P --target DIR -- CMD...`` is how
-the ``train_drafter`` rule runs a ``train.target_features: stream`` job without ``features.stream.endpoints``:
-the job's GPUs (``CUDA_VISIBLE_DEVICES``) are split, the first ``servers * gpus_per_server`` to the servers
-(``gpus_per_server`` each; 0 = CPU servers), the rest to the trainer; every server writes its URL when it
-is ready (hf: ``--url-file``; vLLM: its ``GET /v1/models`` answers), the trainer gets the endpoints in
-``$DFLASH_STREAM_ENDPOINTS`` (JSON) and the servers are terminated when it exits, whatever its status.
-A server that dies before it is ready fails the job with its log tail.
-
-The servers of one job share a random key made for that job: each server gets it in its environment
-(``$DFLASH_FEATURES_API_KEY`` for hf servers, ``$VLLM_API_KEY`` for ``vllm serve``), the trainer in
-``$DFLASH_STREAM_API_KEY`` (the endpoints name that variable); it is on no command line and in no file.
-hf servers also get ``--max-len`` (the longest record, ``tokens.max_length``).
+`python -m dflash_pipeline.features colocate --stream-config JSON --probe P --target DIR -- CMD...` runs a
+`train.target_features: stream` job without `features.stream.endpoints`: the first
+`servers * gpus_per_server` of the job's GPUs go to the servers, the rest to the trainer, which gets the
+endpoints in `$DFLASH_STREAM_ENDPOINTS`; the servers stop when it exits. A server that dies before it is
+ready fails the job with its log tail. The servers share a random per-job key, passed only through the
+environment (`$DFLASH_FEATURES_API_KEY` / `$VLLM_API_KEY`; the trainer's `$DFLASH_STREAM_API_KEY`).
 """
 
 from __future__ import annotations
@@ -32,7 +26,7 @@ from pathlib import Path
 from dflash_pipeline.core.errors import strip_url_credentials as redact_url
 from dflash_pipeline.core.procs import free_port
 
-#: The variable a feature server (``features serve``) reads its key from, and colocated servers are given theirs in.
+#: The variable a feature server (`features serve`) reads its key from, and colocated servers are given theirs in.
 DEFAULT_API_KEY_ENV = "DFLASH_FEATURES_API_KEY"
 
 #: The variable the trainer reads its colocated endpoints from (JSON list of endpoint dicts).
@@ -42,7 +36,7 @@ STREAM_KEY_ENV = "DFLASH_STREAM_API_KEY"
 
 
 def split_gpus(visible: str | None, servers: int, per_server: int) -> tuple[list[str], str]:
-    """``(each server's CUDA_VISIBLE_DEVICES, the trainer's)`` from the job's ``visible`` devices.
+    """`(each server's CUDA_VISIBLE_DEVICES, the trainer's)` from the job's `visible` devices.
 
     Raises ValueError when the job has fewer GPUs than the servers need."""
     devs = [d for d in (visible or "").split(",") if d.strip()]
@@ -73,7 +67,7 @@ def hf_server_cmd(
     trust_remote_code: bool,
     max_len: int | None = None,
 ) -> list[str]:
-    """The command line of one hf feature server (:mod:`.server`); its key comes through the environment."""
+    """The command line of one hf feature server (`.server`); its key comes through the environment."""
     ids = ",".join(str(i) for i in probe["drafter"]["target_layer_ids"])
     cmd = [
         python,
@@ -146,7 +140,7 @@ def _vllm_url_when_ready(url: str, proc, log: Path, timeout_s: float, api_key: s
 
 
 def stop(procs: Sequence[subprocess.Popen], grace_s: float = 20.0) -> None:
-    """SIGTERM each server (its process group), then SIGKILL after ``grace_s``."""
+    """SIGTERM each server (its process group), then SIGKILL after `grace_s`."""
     for p in procs:
         if p.poll() is None:
             try:
@@ -178,8 +172,8 @@ def vllm_server_cmd(
     trust_remote_code: bool,
     max_len: int,
 ) -> list[str]:
-    """``vllm serve`` with ``extract_hidden_states`` and the hidden-states connector (vLLM's on GPUs, our
-    CPU-safe one on CPU), prefix caching and chunked prefill off, aux layers as :mod:`.vllm_backend`."""
+    """`vllm serve` with `extract_hidden_states` and the hidden-states connector (vLLM's on GPUs, our
+    CPU-safe one on CPU), prefix caching and chunked prefill off, aux layers as `.vllm_backend`."""
     from dflash_pipeline.target.layer_ids import aux_hidden_state_ids
 
     from .vllm_backend import hidden_states_engine_config
@@ -245,9 +239,9 @@ def _server_cmd(
     trust: bool,
     key: str,
 ) -> tuple[list[str], str | None, Path | None]:
-    """``(command, base_url, url_file)`` of feature server ``i`` of :func:`start_servers` (scratch dir ``d``):
-    vLLM on a free port (its URL known now; ``env`` gets the CPU KV-cache default), else the hf server, which
-    writes its URL to ``url_file`` once ready. ``env`` gets the job's API ``key`` (never the command)."""
+    """`(command, base_url, url_file)` of feature server `i` of `start_servers` (scratch dir `d`): vLLM on a free
+    port, else the hf server, which writes its URL to `url_file` once ready. `env` gets the job's API `key` (never the
+    command)."""
 
     if stream.get("backend") == "vllm":
         port = free_port()
@@ -295,14 +289,14 @@ def start_servers(
     trust_remote_code: bool = False,
     timeout_s: float = 1800.0,
 ) -> tuple[list, list[dict]]:
-    """Start ``stream["servers"]`` feature servers of ``stream["backend"]`` on this machine and wait until
-    each is ready; returns ``(processes, endpoints)`` (endpoints as ``features.stream.endpoints`` entries).
+    """Start `stream["servers"]` feature servers of `stream["backend"]` on this machine and wait until
+    each is ready; returns `(processes, endpoints)` (endpoints as `features.stream.endpoints` entries).
 
-    ``stream``: the stream settings (``stream_job_config`` in rules/common/params.smk): ``servers``,
-    ``gpus_per_server``, ``backend``, ``scratch_dir``, ``max_concurrency``, ``last_hidden``, ``max_len``,
-    ``vllm`` (``python``, ``expert_parallel``, ``engine_args``). Every server requires a random key made
-    here; it is put into ``os.environ[STREAM_KEY_ENV]`` and the endpoints name that variable
-    (``api_key_env``). Raises RuntimeError (a server died or was not ready in ``timeout_s``; names its
+    `stream`: the stream settings (`stream_job_config` in rules/common/params.smk): `servers`,
+    `gpus_per_server`, `backend`, `scratch_dir`, `max_concurrency`, `last_hidden`, `max_len`,
+    `vllm` (`python`, `expert_parallel`, `engine_args`). Every server requires a random key made
+    here; it is put into `os.environ[STREAM_KEY_ENV]` and the endpoints name that variable
+    (`api_key_env`). Raises RuntimeError (a server died or was not ready in `timeout_s`; names its
     log), ValueError (too few GPUs)."""
     n, per = int(stream["servers"]), int(stream.get("gpus_per_server") or 0)
     per_env, trainer_gpus = split_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), n, per)
@@ -372,10 +366,9 @@ def _arg(args: Sequence[str], name: str) -> str | None:
 
 @contextlib.contextmanager
 def colocated_servers(trainer_args: Sequence[str]):
-    """Around the trainer's launch (:func:`dflash_pipeline.workflow.policy.run_accelerate`): when its
-    arguments carry ``--stream-config`` without endpoints, start the servers (:func:`start_servers`; on
-    this machine, on the first of its GPUs), put their endpoints into ``$DFLASH_STREAM_ENDPOINTS`` for the
-    trainer, and stop them when the block exits. Anything else: nothing."""
+    """Around the trainer's launch: when its arguments carry `--stream-config` without endpoints, start the servers,
+    put their endpoints into `$DFLASH_STREAM_ENDPOINTS` for the trainer, and stop them when the block exits. Anything
+    else: nothing."""
     raw = _arg(trainer_args, "--stream-config")
     stream = json.loads(raw) if raw else None
     if not stream or stream.get("endpoints"):
@@ -408,7 +401,7 @@ def colocated_servers(trainer_args: Sequence[str]):
 
 
 def run_colocated(a) -> int:
-    """``colocate`` CLI: servers up, the trainer (``a.cmd``) with ``$DFLASH_STREAM_ENDPOINTS``, servers down;
+    """`colocate` CLI: servers up, the trainer (`a.cmd`) with `$DFLASH_STREAM_ENDPOINTS`, servers down;
     returns the trainer's exit status."""
     stream = json.loads(a.stream_config)
     probe = json.loads(Path(a.probe).read_text(encoding="utf-8"))

@@ -1,12 +1,9 @@
-"""Extract one feature shard from one token shard with a backend (``hf`` or ``vllm``), resumably.
+"""Extract one feature shard from one token shard with a backend (`hf` or `vllm`), resumably.
 
-:func:`extract_shard` reads the token shard's flat ``input_ids`` / ``loss_mask`` (Arrow buffers, no Python
-lists), opens a :class:`~.format.FeatureShardWriter` (which resumes a killed run), hands the pending
-records to the backend in chunks of about ``chunk_tokens`` tokens, writes and commits each chunk, and
-renames the finished shard into place. Layer numbering: canonical ``target_layer_ids`` (the output of
-decoder layer ``l``) are HF ``hidden_states`` index ``l + 1`` and vLLM ``extract_hidden_states`` aux id
-``l + 1`` (the state entering layer ``l + 1``; measured in reference/feasibility.md §9), both through
-:func:`dflash_pipeline.probe.hf_hidden_state_index`.
+`extract_shard` reads the shard's flat `input_ids` / `loss_mask`, hands pending records to the backend in
+chunks of about `chunk_tokens` tokens, writes and commits each chunk (`FeatureShardWriter`) and renames
+the finished shard into place. Canonical layer `l` is HF `hidden_states` index and vLLM aux id `l + 1`
+(reference/feasibility.md §9; `probe.hf_hidden_state_index`).
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ BACKENDS = ("hf", "vllm")
 
 
 def read_token_arrays(token_shard: str | os.PathLike) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(input_ids int32 [N], loss_mask uint8 [N], lengths int64 [R])`` of a token shard, flat, from the
+    """`(input_ids int32 [N], loss_mask uint8 [N], lengths int64 [R])` of a token shard, flat, from the
     Arrow list buffers (never Python lists)."""
     import pyarrow.parquet as pq
 
@@ -44,7 +41,7 @@ def read_token_arrays(token_shard: str | os.PathLike) -> tuple[np.ndarray, np.nd
 
 
 def chunks(lengths: np.ndarray, start: int, chunk_tokens: int) -> Iterator[list[int]]:
-    """Consecutive record indices from ``start``, about ``chunk_tokens`` tokens per chunk (≥ 1 record)."""
+    """Consecutive record indices from `start`, about `chunk_tokens` tokens per chunk (≥ 1 record)."""
     cur, n = [], 0
     for r in range(start, len(lengths)):
         cur.append(r)
@@ -57,8 +54,8 @@ def chunks(lengths: np.ndarray, start: int, chunk_tokens: int) -> Iterator[list[
 
 
 def _shard_meta(token_shard, lengths, layer_ids, hidden_size, dtype, last_hidden, backend, num_hidden_layers) -> dict:
-    """The feature shard's metadata (:mod:`.format`): the token shard it was extracted from (name, sha256), its
-    records and tokens (``lengths``: tokens per record), the layers, width, stored dtype and the backend."""
+    """The feature shard's metadata (`.format`): the token shard it was extracted from (name, sha256), its
+    records and tokens (`lengths`: tokens per record), the layers, width, stored dtype and the backend."""
     return {
         "schema_version": FEATURE_SCHEMA_VERSION,
         "token_shard": Path(token_shard).name,
@@ -75,8 +72,8 @@ def _shard_meta(token_shard, lengths, layer_ids, hidden_size, dtype, last_hidden
 
 
 def _engine(backend: str):
-    """The extractor class of ``backend`` (``hf``: :class:`.hf_backend.HFExtractor`, ``vllm``:
-    :class:`.vllm_backend.VLLMExtractor`), imported only when a shard has records left to extract."""
+    """The extractor class of `backend` (`hf`: `.hf_backend.HFExtractor`, `vllm`:
+    `.vllm_backend.VLLMExtractor`), imported only when a shard has records left to extract."""
     if backend == "hf":
         from .hf_backend import HFExtractor
 
@@ -87,7 +84,7 @@ def _engine(backend: str):
 
 
 def _extract_records(engine, writer: FeatureShardWriter, lengths, start: int, chunk_tokens: int) -> None:
-    """Run ``engine`` over the records from ``start`` in chunks of about ``chunk_tokens`` tokens (:func:`chunks`),
+    """Run `engine` over the records from `start` in chunks of about `chunk_tokens` tokens (`chunks`),
     writing each record's features and committing after every chunk (the resume point)."""
     for recs in chunks(lengths, start, chunk_tokens):
         todo_recs = [r for r in recs if lengths[r] > 0]  # empty records have nothing to write
@@ -114,20 +111,16 @@ def extract_shard(
     vllm_options: Optional[dict] = None,
     engine=None,
 ) -> dict:
-    """Write the feature shard ``out`` for ``token_shard`` (format: :mod:`.format`). Returns stats
-    ``{records, tokens, resumed_from, seconds, tokens_per_s, bytes}``.
+    """Write the feature shard `out` for `token_shard` (format: `.format`). Returns stats
+    `{records, tokens, resumed_from, seconds, tokens_per_s, bytes}`.
 
-    ``engine``: a running extractor to use instead of starting one of ``backend`` (it is not closed here;
-    :mod:`.extract_stream` passes one that sends the records to feature servers, reused for many shards).
-
-    ``target_dtype``: the dtype the target runs in (``auto`` = float32 on CPU, bfloat16 on GPU); the stored
-    dtype is ``dtype`` (``bfloat16`` or ``float8_e4m3``). ``gpus``: devices of the job (0 = CPU); vLLM uses
-    them for tensor parallelism, transformers spreads the layers over them (``device_map``).
+    `engine`: a running extractor to use instead of starting one of `backend` (not closed here).
+    `target_dtype`: the target's compute dtype (`auto` = float32 on CPU, bfloat16 on GPU); `dtype`: the
+    stored one (`bfloat16` or `float8_e4m3`). `gpus`: the job's devices (0 = CPU).
 
     Raises:
         ValueError: unknown backend; the engine returned other token ids than the shard's (names the record).
-        OSError: ENOSPC when the filesystem cannot hold the shard (before any compute).
-    """
+        OSError: ENOSPC when the filesystem cannot hold the shard (before any compute)."""
     if engine is None and backend not in BACKENDS:
         raise ValueError(f"features.backend {backend!r}: expected one of {BACKENDS}")
     t0 = time.time()
@@ -169,8 +162,8 @@ def extract_shard(
 
 
 def _finish(writer: FeatureShardWriter, layout: FeatureLayout, backend: str, *, start, todo, t0, t_compute) -> dict:
-    """Finish the shard (rename it into place) and return :func:`extract_shard`'s stats (printed as one line):
-    ``todo`` tokens were extracted from record ``start`` on, since ``t_compute`` (``t0``: the job's start)."""
+    """Finish the shard (rename it into place) and return `extract_shard`'s stats (printed as one line):
+    `todo` tokens were extracted from record `start` on, since `t_compute` (`t0`: the job's start)."""
     dt = time.time() - t_compute
     path = writer.finish()
     stats = {

@@ -1,13 +1,10 @@
 """Feature shards through the stream client: one set of feature servers for many shards.
 
-``extract_features`` with its own engine starts the target once per token shard. :func:`extract_shards`
-instead writes every shard of a job through one :class:`.stream_client.FeatureClient` (the completions
-fleet: balancing, retries, the breaker) to feature servers that stay up for the whole job: the job's own
-(:func:`.colocate.start_servers`, started once, stopped at the end) or running ones
-(``stream["endpoints"]``). Each shard is written by :func:`.extract.extract_shard` (resumable, atomic,
-today's format); the client hands the servers' values over unrounded (``dtype=None``) and the shard writer
-stores them as ``features.dtype`` says, so a shard equals the one ``features.backend: hf`` writes with the
-same target dtype (bf16 and fp8 alike). CLI: ``python -m dflash_pipeline.features extract-many``.
+`extract_shards` writes every shard of a job through one `.stream_client.FeatureClient` to feature
+servers that stay up for the whole job: its own (`.colocate.start_servers`) or running ones
+(`stream["endpoints"]`). Each shard is written by `.extract.extract_shard`; the client hands the values
+over unrounded and the writer stores them as `features.dtype` says, so a shard equals the one
+`features.backend: hf` writes. CLI: `python -m dflash_pipeline.features extract-many`.
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ from dflash_pipeline.core.errors import strip_url_credentials as redact_url
 
 
 class StreamExtractor:
-    """An extractor (the :class:`.hf_backend.HFExtractor` interface) over a started FeatureClient: every
+    """An extractor (the `.hf_backend.HFExtractor` interface) over a started FeatureClient: every
     record of a chunk is submitted at once, the results come back in record order."""
 
     def __init__(self, client):
@@ -47,11 +44,12 @@ def extract_shards(
     target_dtype: str = "auto",
     trust_remote_code: bool = False,
 ) -> list[dict]:
-    """Write the feature shard of every ``(token shard, out)`` of ``pairs`` through one client; returns
-    each shard's stats (:func:`.extract.extract_shard`) with ``server_requests`` (records sent).
+    """Write the feature shard of every `(token shard, out)` of `pairs` through one client; returns
+    each shard's stats (`.extract.extract_shard`) with `server_requests` (records sent).
 
-    ``stream``: the stream settings (``features.stream`` + ``fleet``; the shape of
-    :func:`dflash_pipeline.train.stream.stream_settings`). Without ``endpoints`` the job starts ``stream["servers"]`` servers once (with ``last_hidden``
+    `stream`: the stream settings (`features.stream` + `fleet`; the shape of
+    `train.stream.stream_settings`). Without `endpoints` the job starts `stream["servers"]` servers once
+    (with `last_hidden`
     when asked) and stops them at the end, also on error.
 
     Raises:

@@ -1,40 +1,30 @@
 """Feature shard file format: a safetensors file with an offsets index, memory-mapped on read.
 
-One feature shard per token shard (``results/features/{dataset}/{shard}.safetensors``). All records of the
-token shard, in row order, are concatenated along the token axis; ``offsets`` [R+1] int64 gives record
-``r`` the token rows ``offsets[r]:offsets[r+1]``. Tensors (safetensors names, dtypes, shapes; N = tokens):
+One feature shard per token shard (`results/features/{dataset}/{shard}.safetensors`). All records of the
+token shard, in row order, are concatenated along the token axis; `offsets` [R+1] int64 gives record
+`r` the token rows `offsets[r]:offsets[r+1]`. Tensors (safetensors names, dtypes, shapes; N = tokens):
 
-- ``offsets``        I64  [R+1]
-- ``num_loss_tokens`` I32 [R]         supervised tokens per record (the trainer's anchor filter)
-- ``input_ids``      I32  [N]         the token shard's ``input_ids``, concatenated (the shard is checked
-  against these)
-- ``loss_mask``      U8   [N]
-- ``features``       BF16 or F8_E4M3 [N, K*H]: the outputs of target decoder layers ``target_layer_ids``
-  (canonical ids, layer order), concatenated along the last axis, i.e. ``torch.cat([h_l for l in ids], -1)``
-  exactly as the online path (``train.target_features``) builds them
-- ``feature_scale``  F32  [N, K]      fp8 only: a scale per token per layer, ``x = fp8 * scale``,
-  ``scale = max|x| / 448`` over the token's H values of that layer (e4m3's largest finite value), so a
-  quiet layer beside one with outliers keeps its precision (schema 1 shards: one scale per token [N], read)
-- ``last_hidden``    BF16 or F8_E4M3 [N, H] (optional): the output of the target's last decoder layer,
-  *before* its final norm (apply the target's final norm and LM head for target logits, e.g. a KL loss)
-- ``last_hidden_scale`` F32 [N]       fp8 and last_hidden only
+- `offsets`        I64  [R+1]
+- `num_loss_tokens` I32 [R]         supervised tokens per record
+- `input_ids`      I32  [N]         the token shard's `input_ids`, concatenated
+- `loss_mask`      U8   [N]
+- `features`       BF16 or F8_E4M3 [N, K*H]: the outputs of target decoder layers `target_layer_ids`
+  concatenated along the last axis, `torch.cat([h_l for l in ids], -1)`, as `train.target_features` builds
+- `feature_scale`  F32  [N, K]      fp8 only: `x = fp8 * scale`, `scale = max|x| / 448` over the token's H
+  values of that layer (e4m3's largest finite value); schema 1 shards have one scale per token [N]
+- `last_hidden`    BF16 or F8_E4M3 [N, H] (optional): the last decoder layer's output before its final norm
+- `last_hidden_scale` F32 [N]       fp8 and last_hidden only
 
-``__metadata__["dflash"]`` is canonical JSON: ``schema_version`` (:data:`FEATURE_SCHEMA_VERSION`),
-``token_shard`` (file name), ``token_shard_sha256``, ``num_records``, ``num_tokens``, ``target_layer_ids``,
-``hidden_size``, ``dtype`` (``bfloat16`` | ``float8_e4m3``), ``last_hidden``, ``backend`` and provenance.
-The reader takes the storage dtype from the tensor header and refuses a shard whose metadata ``dtype`` is
-missing or disagrees with it (:class:`FeatureShard`).
-Tensors are laid out widest element first, so every view is naturally aligned. Any safetensors reader
-opens the file; :class:`FeatureShard` maps it instead of reading it.
+`__metadata__["dflash"]` is canonical JSON: `schema_version` (`FEATURE_SCHEMA_VERSION`),
+`token_shard` (file name), `token_shard_sha256`, `num_records`, `num_tokens`, `target_layer_ids`,
+`hidden_size`, `dtype` (`bfloat16` | `float8_e4m3`), `last_hidden`, `backend` and provenance.
+`FeatureShard` refuses a shard whose metadata `dtype` is missing or disagrees with the tensor header.
+Tensors are laid out widest element first, so every view is aligned.
 
-Writes are resumable and atomic (:class:`FeatureShardWriter`): the whole file is allocated up front in a
-hidden ``.<name>.partial`` next to the destination (``posix_fallocate``: a full disk fails before any
-compute), records are written in order (``pwrite``) and committed to ``.<name>.progress`` after an
-``fsync``; a rerun
-with the same header continues after the last committed record; the finished file is renamed into place.
-
-Only numpy at import time (torch inside the functions that take tensors), so the module loads in the vLLM
-environment and in Snakemake's planning process.
+Writes are resumable and atomic (`FeatureShardWriter`): the file is allocated up front in a hidden
+`.<name>.partial` (a full disk fails before any compute), records are written in order and committed to
+`.<name>.progress` after an `fsync`; a rerun with the same header continues after the last committed
+record. Only numpy at import time, so the module loads in the vLLM environment and at planning.
 """
 
 from __future__ import annotations
@@ -52,14 +42,14 @@ import numpy as np
 
 from dflash_pipeline.core.contracts import FEATURE_SCHEMA_VERSION, canonical_json
 
-#: Storage dtypes of ``features.dtype`` → (safetensors dtype, bytes per value).
+#: Storage dtypes of `features.dtype` → (safetensors dtype, bytes per value).
 STORAGE_DTYPES = {"bfloat16": ("BF16", 2), "float8_e4m3": ("F8_E4M3", 1)}
 #: Largest finite float8 e4m3fn value (the per-token scale maps each token's max |x| onto it).
 FP8_E4M3_MAX = 448.0
 _ST_ITEMSIZE = {"I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F8_E4M3": 1, "U8": 1}
-#: safetensors dtype of the ``features`` tensor → ``features.dtype`` name.
+#: safetensors dtype of the `features` tensor → `features.dtype` name.
 _STORAGE_OF_ST = {st: name for name, (st, _) in STORAGE_DTYPES.items()}
-#: ``schema_version`` values this code reads (1: fp8 scale per token; 2: per token per layer).
+#: `schema_version` values this code reads (1: fp8 scale per token; 2: per token per layer).
 READABLE_SCHEMA_VERSIONS = (1, FEATURE_SCHEMA_VERSION)
 _ST_NUMPY = {
     "I64": np.int64,
@@ -76,8 +66,8 @@ class FeatureShardError(ValueError):
 
 
 def bytes_per_token(num_layers: int, hidden_size: int, dtype: str = "bfloat16", last_hidden: bool = False) -> int:
-    """Bytes one token takes in a feature shard: ``K*H`` values (+ ``H`` for ``last_hidden``) at the storage
-    dtype, + 4 B per scale (fp8: one per layer, one for ``last_hidden``), + 5 B for its input id and loss-mask byte.
+    """Bytes one token takes in a feature shard: `K*H` values (+ `H` for `last_hidden`) at the storage
+    dtype, + 4 B per scale (fp8: one per layer, one for `last_hidden`), + 5 B for its input id and loss-mask byte.
 
     Example (Kimi K2.6, K=5, H=7168, bf16): 5 * 7168 * 2 + 5 = 71,685 B ≈ 72 KB.
     """
@@ -92,7 +82,7 @@ def bytes_per_token(num_layers: int, hidden_size: int, dtype: str = "bfloat16", 
 
 @dataclass
 class FeatureLayout:
-    """Shapes of one feature shard (see the module docstring). ``lengths`` [R] are the records' token counts."""
+    """Shapes of one feature shard (see the module docstring). `lengths` [R] are the records' token counts."""
 
     lengths: np.ndarray
     num_layers: int
@@ -110,7 +100,7 @@ class FeatureLayout:
         return int(np.asarray(self.lengths, dtype=np.int64).sum())
 
     def tensors(self) -> list[tuple[str, str, list[int]]]:
-        """``(name, safetensors dtype, shape)`` in file order (widest element first)."""
+        """`(name, safetensors dtype, shape)` in file order (widest element first)."""
         st, _ = STORAGE_DTYPES[self.dtype]
         n, r, kh, h = self.num_tokens, self.num_records, self.num_layers * self.hidden_size, self.hidden_size
         out = [("offsets", "I64", [r + 1])]
@@ -154,12 +144,12 @@ def _parse_header(buf: bytes | mmap.mmap, path: Path) -> tuple[dict, int]:
 
 
 def _storage_dtype(path: Path, header: dict, meta: dict) -> Optional[str]:
-    """The storage dtype of a shard's ``features``/``last_hidden`` tensors, read from the tensor header;
+    """The storage dtype of a shard's `features`/`last_hidden` tensors, read from the tensor header;
     None for a shard without them (a token index).
 
     Raises:
-        FeatureShardError: a tensor dtype this format does not store, metadata ``dtype`` missing or not the
-            header's, or a ``feature_scale`` whose shape is neither [N] nor [N, K].
+        FeatureShardError: a tensor dtype this format does not store, metadata `dtype` missing or not the
+            header's, or a `feature_scale` whose shape is neither [N] nor [N, K].
     """
     names = [n for n in ("features", "last_hidden") if n in header]
     if not names:
@@ -213,8 +203,8 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
 
 
 def _quantize_fp8(x, groups: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
-    """``x`` [T, D] (torch, any float) → (e4m3 bytes uint8 [T, D], scale float32 [T, groups], or [T] when
-    ``groups`` is None): absmax per token and per group of D/groups consecutive values (one group per layer)."""
+    """`x` [T, D] (torch, any float) → (e4m3 bytes uint8 [T, D], scale float32 [T, groups], or [T] when
+    `groups` is None): absmax per token and per group of D/groups consecutive values (one group per layer)."""
     import torch
 
     xf = x.float()
@@ -237,14 +227,12 @@ def _to_storage(x, dtype: str, groups: Optional[int] = None) -> tuple[np.ndarray
 class FeatureShardWriter:
     """Resumable, atomic writer of one feature shard (see the module docstring for the format).
 
-    ``input_ids`` / ``loss_mask`` are the token shard's flat arrays and ``lengths`` its per-record token
-    counts; they are written at open. :attr:`next_record` is where extraction continues (0 for a fresh file,
-    the committed count after a killed run whose partial file has the same header). Call :meth:`write` for
-    records in order, :meth:`commit` to make them survive a
-    kill, :meth:`finish` to verify and rename the file into place.
+    `input_ids` / `loss_mask` are the token shard's flat arrays and `lengths` its per-record token counts; they are
+    written at open. `next_record` is where extraction continues. Call `write` for records in order, `commit` to make
+    them survive a kill, `finish` to verify and rename the file into place.
 
     Raises:
-        OSError: ``ENOSPC`` at open when the filesystem cannot hold the whole shard.
+        OSError: `ENOSPC` at open when the filesystem cannot hold the whole shard.
     """
 
     def __init__(self, path: str | os.PathLike, layout: FeatureLayout, input_ids: np.ndarray, loss_mask: np.ndarray):
@@ -283,7 +271,7 @@ class FeatureShardWriter:
             self.commit(0)
 
     def _put(self, name: str, row: int, values: np.ndarray) -> None:
-        """``pwrite`` rows of tensor ``name`` starting at ``row`` (no mapping: the writer's memory stays flat)."""
+        """`pwrite` rows of tensor `name` starting at `row` (no mapping: the writer's memory stays flat)."""
         values = np.ascontiguousarray(values)
         row_bytes = values.nbytes // len(values) if len(values) else 0
         data = memoryview(values).cast("B")
@@ -305,11 +293,11 @@ class FeatureShardWriter:
             return 0
 
     def record_tokens(self, r: int) -> np.ndarray:
-        """Input ids int32 [T] of record ``r`` (a view into the file)."""
+        """Input ids int32 [T] of record `r` (a view into the file)."""
         return self._ids[self._offsets[r] : self._offsets[r + 1]]
 
     def write(self, r: int, features, last_hidden=None) -> None:
-        """Store record ``r``: ``features`` [T, K*H] and (when the layout has it) ``last_hidden`` [T, H],
+        """Store record `r`: `features` [T, K*H] and (when the layout has it) `last_hidden` [T, H],
         torch float tensors on any device. Raises FeatureShardError on a shape mismatch (names the record)."""
         a, b = int(self._offsets[r]), int(self._offsets[r + 1])
         kh = self.layout.num_layers * self.layout.hidden_size
@@ -335,7 +323,7 @@ class FeatureShardWriter:
                 self._put("last_hidden_scale", a, scale)
 
     def commit(self, records_done: int) -> None:
-        """Make records ``[0, records_done)`` durable: fsync the file, then record the count atomically."""
+        """Make records `[0, records_done)` durable: fsync the file, then record the count atomically."""
         from dflash_pipeline.core.shards import atomic_write_bytes
 
         os.fsync(self._fd)
@@ -370,14 +358,14 @@ _DROP_MARGIN = 256 * 1024
 
 
 class FeatureShard:
-    """Read-only, memory-mapped view of a feature shard (or of a token index with no ``features``).
+    """Read-only, memory-mapped view of a feature shard (or of a token index with no `features`).
 
-    Pages are mapped, never read up front; :meth:`record` copies one record out and tells the kernel to drop
-    the mapped pages it touched (``MADV_DONTNEED``), so a reader's resident memory stays flat however many
+    Pages are mapped, never read up front; `record` copies one record out and tells the kernel to drop
+    the mapped pages it touched (`MADV_DONTNEED`), so a reader's resident memory stays flat however many
     records it goes through (the page cache, not the process, keeps them).
 
     Raises:
-        FeatureShardError: not a feature shard, or a ``schema_version`` this code does not read.
+        FeatureShardError: not a feature shard, or a `schema_version` this code does not read.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -436,7 +424,7 @@ class FeatureShard:
         return (x.view(t, groups, d // groups) * scale.view(t, groups, 1)).view(t, d).to(torch.bfloat16)
 
     def tokens(self, r: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(input_ids int32 [T], loss_mask uint8 [T])`` of record ``r`` (copies)."""
+        """`(input_ids int32 [T], loss_mask uint8 [T])` of record `r` (copies)."""
         a, b = int(self.offsets[r]), int(self.offsets[r + 1])
         ids, mask = np.array(self.arrays["input_ids"][a:b]), np.array(self.arrays["loss_mask"][a:b])
         self._drop("input_ids", a, b)
@@ -444,20 +432,20 @@ class FeatureShard:
         return ids, mask
 
     def features(self, r: int):
-        """Features of record ``r``: torch bfloat16 [T, K*H] (fp8 shards dequantized with their scales)."""
+        """Features of record `r`: torch bfloat16 [T, K*H] (fp8 shards dequantized with their scales)."""
         a, b = int(self.offsets[r]), int(self.offsets[r + 1])
         return self._dense("features", "feature_scale", a, b)
 
     def last_hidden(self, r: int):
-        """Last-layer (pre-norm) hidden state of record ``r``: torch bfloat16 [T, H]; None when not stored."""
+        """Last-layer (pre-norm) hidden state of record `r`: torch bfloat16 [T, H]; None when not stored."""
         if "last_hidden" not in self.arrays:
             return None
         a, b = int(self.offsets[r]), int(self.offsets[r + 1])
         return self._dense("last_hidden", "last_hidden_scale", a, b)
 
     def check_tokens(self, token_shard: str | os.PathLike, *, hash_check: bool = True) -> None:
-        """Check this shard against its token shard: same record count, same per-record lengths (the
-        ``num_tokens`` column), and (``hash_check``) the token shard's sha256 recorded at extraction.
+        """Check this shard against its token shard: same record count, same per-record lengths, and (`hash_check`) the
+        token shard's sha256 recorded at extraction.
 
         Raises:
             FeatureShardError: naming both files and the first mismatching field / record.

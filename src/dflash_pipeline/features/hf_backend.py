@@ -1,8 +1,8 @@
-"""``features.backend: hf``: target features from transformers (``output_hidden_states``).
+"""`features.backend: hf`: target features from transformers (`output_hidden_states`).
 
-One record per forward pass (no padding, so a record's features do not depend on its batch and a resumed
-shard equals an uninterrupted one). With ``gpus > 0`` the layers are spread over the job's devices with
-``device_map="auto"`` (accelerate); on CPU the target runs in float32 unless ``target_dtype`` says otherwise.
+One record per forward pass (no padding, so a record's features do not depend on its batch and a resumed shard equals an
+uninterrupted one). With `gpus > 0` the layers are spread over the job's devices with `device_map="auto"`; on CPU the
+target runs in float32 unless `target_dtype` says otherwise.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import numpy as np
 
 
 class HFExtractor:
-    """Runs the target with transformers and yields ``(record, features [T, K*H], last_hidden [T, H] | None)``.
+    """Runs the target with transformers and yields `(record, features [T, K*H], last_hidden [T, H] | None)`.
 
-    ``last_hidden`` is the output of the last decoder layer before the final norm (a forward hook on it:
-    HF's last ``hidden_states`` entry is already normed).
+    `last_hidden` is the output of the last decoder layer before the final norm (a forward hook on it:
+    HF's last `hidden_states` entry is already normed).
     """
 
     def __init__(

@@ -1,10 +1,7 @@
-"""Disk before compute: what the feature shards of a run will take, stated and checked at plan time.
-
-Called from ``rules/features.smk`` while Snakemake parses the workflow (so ``snakemake -n`` prints it and
-fails early); imports no torch. Bytes per token: :func:`dflash_pipeline.features.format.bytes_per_token`
-(K·H values at the storage dtype, + scales, + 5 B of ids/mask; Kimi K2.6 bf16: 5 × 7168 × 2 B ≈ 72 KB).
-Tokens: exact for shards already tokenized (the ``num_tokens`` column), the mean of those times the prompt
-count for the rest, or — before any token shard exists — an upper bound of ``tokens.max_length`` per prompt.
+"""Disk before compute: what the feature shards of a run will take, stated and checked at plan time
+(`rules/features.smk`; imports no torch). Bytes per token: `format.bytes_per_token` (Kimi K2.6 bf16:
+5 × 7168 × 2 B ≈ 72 KB). Tokens: exact for tokenized shards, their mean times the prompt count for the
+rest, or `tokens.max_length` per prompt before any token shard exists.
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ from .format import bytes_per_token
 
 @dataclass
 class FeaturePlan:
-    """Feature-disk arithmetic of a run (see :func:`plan_features`)."""
+    """Feature-disk arithmetic of a run (see `plan_features`)."""
 
     num_layers: int
     hidden_size: int
@@ -36,7 +33,8 @@ class FeaturePlan:
     fs_bytes: int
 
     def describe(self) -> str:
-        """One line for the plan, e.g. ``features: 5 x 7168 x 2 B = 71,685 B/token; 1.2e9 tokens (exact) -> 86.0 TB; ...``."""
+        """One line for the plan, e.g. `features: 5 x 7168 x 2 B = 71,685 B/token; 1.2e9 tokens (exact) -> 86.0 TB;
+        ...`."""
         per = STORAGE_NAMES.get(self.dtype, self.dtype)
         s = (
             f"features: {self.num_layers} layers x {self.hidden_size} x {per} (+ids/mask{', +last hidden' if self.last_hidden else ''}) "
@@ -68,7 +66,7 @@ STORAGE_NAMES = {"bfloat16": "2 B", "float8_e4m3": "1 B + 4 B scale"}
 
 
 def human(n: Optional[int]) -> str:
-    """``n`` bytes as a short decimal string (``71.7 kB``, ``86.0 TB``)."""
+    """`n` bytes as a short decimal string (`71.7 kB`, `86.0 TB`)."""
     if n is None:
         return "?"
     x = float(n)
@@ -97,11 +95,11 @@ def plan_features(
     max_length: int,
     prompt_counts: Optional[dict] = None,
 ) -> FeaturePlan:
-    """Plan the feature disk of a run. ``shards``: the ``(dataset, shard)`` pairs of the prompts manifest
-    (None before the checkpoint); ``prompt_counts``: prompts per ``(dataset, shard)`` when known.
+    """Plan the feature disk of a run. `shards`: the `(dataset, shard)` pairs of the prompts manifest
+    (None before the checkpoint); `prompt_counts`: prompts per `(dataset, shard)` when known.
 
-    Token shards are read at ``<results_dir>/tokens/<dataset>/<shard>.parquet`` (only their ``num_tokens``
-    column), feature shards at ``<results_dir>/features/<dataset>/<shard>.safetensors``.
+    Token shards are read at `<results_dir>/tokens/<dataset>/<shard>.parquet`, feature shards at
+    `<results_dir>/features/<dataset>/<shard>.safetensors`.
     """
     bpt = bytes_per_token(num_layers, hidden_size, dtype, last_hidden)
     results = Path(results_dir)
@@ -150,7 +148,7 @@ def plan_features(
 
 
 def prompt_counts_from_manifest(manifest_path: str | os.PathLike) -> dict:
-    """``{(dataset, shard): prompts}`` from the prompts manifest (its per-shard ``rows``/``count`` when present)."""
+    """`{(dataset, shard): prompts}` from the prompts manifest (its per-shard `rows`/`count` when present)."""
     m = json.loads(Path(manifest_path).read_text(encoding="utf-8"))
     out = {}
     for name, ds in m.get("datasets", {}).items():
@@ -164,16 +162,16 @@ def prompt_counts_from_manifest(manifest_path: str | os.PathLike) -> dict:
 def window_bytes(
     prefetch_batches: int, batch_size: int, max_record_tokens: int, wire_bytes_per_token: int, max_inflight_bytes: int
 ) -> int:
-    """Bytes the stream may hold at once: ``prefetch_batches`` full batches of the longest record at the wire
-    size, capped by ``max_inflight_bytes`` (but never below one batch, which is always requested)."""
+    """Bytes the stream may hold at once: `prefetch_batches` full batches of the longest record at the wire
+    size, capped by `max_inflight_bytes` (but never below one batch, which is always requested)."""
     one = batch_size * max_record_tokens * wire_bytes_per_token
     return max(one, min(prefetch_batches * one, int(max_inflight_bytes)))
 
 
 def scratch_problem(scratch_dir: str | os.PathLike) -> Optional[str]:
-    """Why ``features.stream.scratch_dir`` cannot hold the servers' answer files, or None: the nearest existing
-    path of it is not a directory (a file in the way), is not writable by this user, or sits on a filesystem
-    of no size (``/proc``, ``/sys``). Touches nothing (plan time)."""
+    """Why `features.stream.scratch_dir` cannot hold the servers' answer files, or None: the nearest existing path of
+    it is not a directory, is not writable by this user, or sits on a filesystem of no size. Touches nothing (plan
+    time)."""
     p = Path(scratch_dir)
     existing = _existing(p)
     if not existing.is_dir():

@@ -1,44 +1,31 @@
-"""The hf feature server: target features over HTTP, in the request contract of ``vllm serve`` with
-``extract_hidden_states`` and a hidden-states KV connector (so one client, :mod:`.stream_client`, reads both).
+"""The hf feature server: target features over HTTP, in the request contract of `vllm serve` with
+`extract_hidden_states` and a hidden-states KV connector (so one client, `.stream_client`, reads both).
 
-Contract (``features.stream``; peers: speculators' online mode, vLLM's ``ExampleHiddenStatesConnector``):
+Contract (`features.stream`; peers: speculators' online mode, vLLM's `ExampleHiddenStatesConnector`):
 
-- ``GET /v1/models`` → ``{"object": "list", "data": [{"id": <model>, "object": "model"}]}`` (the fleet's
-  health probe, :class:`dflash_pipeline.completions._Fleet`).
-- ``POST /v1/completions`` with JSON ``{"model", "prompt": [token ids], "max_tokens": 1}`` → a completion
-  JSON whose top-level ``kv_transfer_params.hidden_states_path`` names a safetensors file in the server's
-  scratch directory: ``hidden_states`` [T, n_aux, H] (the server's compute dtype) and ``token_ids`` int64 [T].
-  The aux ids are HF ``hidden_states`` indices (canonical ``target_layer_ids`` + 1, then, with
-  ``--last-hidden``, ``num_hidden_layers`` for the last decoder layer's output *before* the final norm),
-  exactly vLLM's ``eagle_aux_hidden_state_layer_ids``. The client reads the file and deletes it. vLLM writes
-  a ``<path>.lock`` it holds while writing; this server writes the file atomically (temp + rename) before
-  it answers, so there is no lock file. This server also names its aux ids in the file's metadata
-  (``__metadata__["aux_layer_ids"]``, e.g. ``"2,4"``), so a client expecting other layers of the same count
-  refuses the first answer (vLLM's connector writes no metadata: a shape check only).
-- ``POST /v1/features`` with the same JSON → the same safetensors file as the response body
-  (``application/octet-stream``): for servers whose scratch directory the trainer cannot see (remote).
-- A bad body (not JSON, no token ids, ids out of the vocabulary, a record longer than ``--max-len``, nesting
-  deeper than the JSON parser allows) answers 400 (a client error: not retried); a body larger than
-  ``--max-len`` tokens can take 413 before a byte of it is read; a ``Content-Length`` that is not a
-  non-negative integer 400, none 411; the scratch directory over its byte budget 503 (retried later). A
-  500 is only the server's own fault (a failing forward), with a generic body; the detail goes to the log.
+- `GET /v1/models` → `{"object": "list", "data": [{"id": <model>, "object": "model"}]}` (the fleet's
+  health probe).
+- `POST /v1/completions` with JSON `{"model", "prompt": [token ids], "max_tokens": 1}` → a completion
+  JSON whose `kv_transfer_params.hidden_states_path` names a safetensors file in the server's scratch
+  directory: `hidden_states` [T, n_aux, H] (the server's compute dtype) and `token_ids` int64 [T]. The aux
+  ids are HF `hidden_states` indices (canonical `target_layer_ids` + 1, then, with `--last-hidden`,
+  `num_hidden_layers` for the last decoder layer's output before the final norm), as vLLM's
+  `eagle_aux_hidden_state_layer_ids`. The file is written atomically before the answer (no `.lock`) and
+  names its aux ids in `__metadata__["aux_layer_ids"]` (e.g. `"2,4"`); the client reads and deletes it.
+- `POST /v1/features` with the same JSON → the same safetensors file as the body (remote servers).
+- A bad body answers 400 (not retried), a body over `--max-len` tokens 413, a bad `Content-Length` 400,
+  none 411, a full scratch directory 503 (retried); a 500 is only a failing forward (detail in the log).
 
-Trust (see docs/how-to/streaming-security.md): with a key (``--api-key-env``, default
-``$DFLASH_FEATURES_API_KEY``) every route answers 401 without ``Authorization: Bearer <key>`` except the bare
-liveness probe ``GET /health`` (``{"status": "ok"}``; its counters only with the key). Binding a
-non-loopback address without a key is refused unless ``--insecure-no-auth``. Limits: one request's headers
-and body must arrive within ``--request-timeout-s`` (idle keep-alive connections are closed after it too),
-at most ``--max-connections`` connections are served at once (more get 503 and are closed), and answer files
-nobody read expire after ``--scratch-max-age-s`` or when the files of this server pass
-``--scratch-max-bytes``.
+Trust (docs/how-to/streaming-security.md): with a key (`--api-key-env`, default
+`$DFLASH_FEATURES_API_KEY`) every route but `GET /health` answers 401 without `Authorization: Bearer <key>`;
+a non-loopback address without a key is refused unless `--insecure-no-auth`. `--request-timeout-s`,
+`--max-connections`, `--scratch-max-age-s` and `--scratch-max-bytes` bound what one client can hold.
 
-Features are computed one record per forward by :class:`.hf_backend.HFExtractor` (no padding), the same
-code ``features.backend: hf`` extracts shards with, so a streamed record equals its feature-shard record.
-Forwards are serialized (one lock); HTTP handling is threaded (``http.server``: the limits above are a few
-lines each here, and uvicorn/starlette would give only the connection cap and keep-alive timeout while adding a
-dependency to every train environment). CLI: ``python -m dflash_pipeline.features
-serve --target DIR --layer-ids 1,3 ...``; prints ``[features] serving <url>`` once the target is loaded
-(and writes the URL to ``--url-file`` atomically).
+Features come from `.hf_backend.HFExtractor`, one record per forward, the code `features.backend: hf`
+extracts shards with, so a streamed record equals its feature-shard record. Forwards are serialized; HTTP
+handling is threaded (`http.server`). CLI: `python -m dflash_pipeline.features serve --target DIR
+--layer-ids 1,3 ...`; prints `[features] serving <url>` once the target is loaded (and writes the URL to
+`--url-file`).
 """
 
 from __future__ import annotations
@@ -77,12 +64,12 @@ from .server_limits import (  # noqa: F401
 class FeatureServer:
     """The target and its scratch directory behind the HTTP handler (see the module docstring).
 
-    ``aux`` layout per token: the K layers of ``layer_ids`` (canonical), then the pre-norm last hidden state
-    when ``last_hidden``. ``scratch_dir`` holds the files of answered ``/v1/completions`` requests until their
-    client deletes them (or they expire, :class:`ScratchBudget`). ``max_len``: the longest record (tokens;
-    None or more than the target's ``max_position_embeddings``: that). ``api_key``: the key every route but
-    ``GET /health`` requires (None: none). ``extractor_kwargs`` go to the :class:`.hf_backend.HFExtractor`
-    that runs the target (``num_hidden_layers`` required; ``gpus``, ``target_dtype``, ``trust_remote_code``).
+    `aux` layout per token: the K layers of `layer_ids` (canonical), then the pre-norm last hidden state
+    when `last_hidden`. `scratch_dir` holds the files of answered `/v1/completions` requests until their
+    client deletes them (or they expire, `ScratchBudget`). `max_len`: the longest record (tokens;
+    None or more than the target's `max_position_embeddings`: that). `api_key`: the key every route but
+    `GET /health` requires (None: none). `extractor_kwargs` go to the `.hf_backend.HFExtractor`
+    that runs the target (`num_hidden_layers` required; `gpus`, `target_dtype`, `trust_remote_code`).
     """
 
     def __init__(
@@ -128,28 +115,27 @@ class FeatureServer:
         self.budget = ScratchBudget(self.limits.scratch_max_bytes, self.limits.scratch_max_age_s)
         self.lock = threading.Lock()
         self.stats = {"requests": 0, "tokens": 0, "compute_s": 0.0, "hung": 0, "refused": 0, "errors": 0}
-        #: fault injection (tests, benches): feature requests after the first ``hang_after`` are accepted
-        #: and never answered, while ``GET /v1/models`` and ``/health`` still answer (a wedged engine
-        #: behind a live HTTP front end: only the client's request timeout detects it)
+        #: fault injection (tests, benches): feature requests after the first `hang_after` are never answered
+        #: while `/v1/models` and `/health` still answer (a wedged engine)
         self.hang_after = hang_after
         self._posts = 0
         self._count_lock = threading.Lock()
         self._never = threading.Event()
 
     def authorized(self, header: str | None) -> bool:
-        """Whether an ``Authorization`` header value carries this server's key (always, without a key)."""
+        """Whether an `Authorization` header value carries this server's key (always, without a key)."""
         if self.api_key is None:
             return True
         scheme, _, token = (header or "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
 
     def answer_bytes(self, num_tokens: int) -> int:
-        """The size of one answer file of ``num_tokens`` tokens (bytes; the header estimated at 1 KiB)."""
+        """The size of one answer file of `num_tokens` tokens (bytes; the header estimated at 1 KiB)."""
         n_aux = self.k + int(self.last_hidden)
         return num_tokens * (n_aux * self.hidden_size * self.itemsize + 8) + 1024
 
     def maybe_hang(self) -> None:
-        """Block this request's thread forever once ``hang_after`` feature requests were taken."""
+        """Block this request's thread forever once `hang_after` feature requests were taken."""
         if self.hang_after is None:
             return
         with self._count_lock:
@@ -160,7 +146,7 @@ class FeatureServer:
             self._never.wait()  # never set: the request is accepted and never answered
 
     def tensors(self, ids: np.ndarray) -> dict:
-        """``{"hidden_states": [T, n_aux, H], "token_ids": int64 [T]}`` of one record (torch, CPU)."""
+        """`{"hidden_states": [T, n_aux, H], "token_ids": int64 [T]}` of one record (torch, CPU)."""
         import torch
 
         with self.lock:
@@ -175,7 +161,7 @@ class FeatureServer:
         return {"hidden_states": hs.contiguous(), "token_ids": torch.from_numpy(ids)}
 
     def write(self, tensors: dict) -> Path:
-        """Save ``tensors`` to a fresh file in the scratch directory, atomically, readable by its owner only;
+        """Save `tensors` to a fresh file in the scratch directory, atomically, readable by its owner only;
         returns its path."""
         from safetensors.torch import save_file
 
@@ -191,7 +177,7 @@ class FeatureServer:
         return path
 
     def completion(self, ids: np.ndarray) -> dict:
-        """The ``/v1/completions`` answer for one record (its file written first). Raises RequestRefused
+        """The `/v1/completions` answer for one record (its file written first). Raises RequestRefused
         (503) when the scratch budget cannot take it."""
         self.budget.admit(self.answer_bytes(len(ids)))
         path = self.write(self.tensors(ids))
@@ -210,7 +196,7 @@ class FeatureServer:
         }
 
     def feature_bytes(self, ids: np.ndarray) -> bytes:
-        """The ``/v1/features`` answer: the safetensors bytes of one record."""
+        """The `/v1/features` answer: the safetensors bytes of one record."""
         from safetensors.torch import save
 
         return save(self.tensors(ids), metadata=self.metadata)
@@ -230,8 +216,8 @@ _UNAUTHORIZED = "missing or wrong API key (Authorization: Bearer <key>)"
 
 
 class _FeatureHandler(BaseHTTPRequestHandler):
-    """The HTTP side of one :class:`FeatureServer` (``features``: set by :func:`_handler`): the routes of the
-    module docstring, each request's deadline, and the refusals of :mod:`.server_limits`."""
+    """The HTTP side of one `FeatureServer` (`features`: set by `_handler`): the routes of the
+    module docstring, each request's deadline, and the refusals of `.server_limits`."""
 
     protocol_version = "HTTP/1.1"
     features: FeatureServer
@@ -345,7 +331,7 @@ class _FeatureHandler(BaseHTTPRequestHandler):
         return self._refuse(404, f"no route GET {self.path[:200]}")
 
     def _body_size(self, route: str, declared: str | None, unread: int) -> int | None:
-        """The size of the body to read (the key, the route and ``Content-Length`` checked first); None when
+        """The size of the body to read (the key, the route and `Content-Length` checked first); None when
         the request was refused before its body."""
         if not self._authorized():  # its body is never read
             return self._refuse_unread(401, _UNAUTHORIZED, unread=unread)
@@ -367,7 +353,7 @@ class _FeatureHandler(BaseHTTPRequestHandler):
             self._answer(route, n)
 
     def _answer(self, route: str, n: int) -> None:
-        """Read a feature request's body of ``n`` bytes and answer it (its features, the refusal, or a
+        """Read a feature request's body of `n` bytes and answer it (its features, the refusal, or a
         generic 500)."""
         body = self.rfile.read(n)
         self._deadline.cancel()
@@ -394,13 +380,13 @@ class _FeatureHandler(BaseHTTPRequestHandler):
 
 
 def _handler(server: FeatureServer) -> type[_FeatureHandler]:
-    """The request handler class of ``server`` (for :class:`_BoundedHTTPServer`)."""
+    """The request handler class of `server` (for `_BoundedHTTPServer`)."""
     return type("Handler", (_FeatureHandler,), {"features": server})
 
 
 class _BoundedHTTPServer(ThreadingHTTPServer):
-    """A threading HTTP server serving at most ``max_connections`` connections at once: one more is
-    answered 503 (``Retry-After: 1``) and closed at once, without a thread."""
+    """A threading HTTP server serving at most `max_connections` connections at once: one more is
+    answered 503 (`Retry-After: 1`) and closed at once, without a thread."""
 
     daemon_threads = True
     request_queue_size = 256
@@ -442,7 +428,7 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
 
 
 def is_loopback(host: str) -> bool:
-    """Whether every address ``host`` resolves to is a loopback address (127.0.0.0/8, ::1)."""
+    """Whether every address `host` resolves to is a loopback address (127.0.0.0/8, ::1)."""
     try:
         infos = socket.getaddrinfo(host, None)
     except OSError:
@@ -451,8 +437,8 @@ def is_loopback(host: str) -> bool:
 
 
 def check_bind(host: str, api_key: str | None, insecure_no_auth: bool) -> str | None:
-    """Refuse to serve a non-loopback ``host`` without a key (SystemExit naming the fix) unless
-    ``insecure_no_auth``; returns the warning to log when serving without a key (None with one)."""
+    """Refuse to serve a non-loopback `host` without a key (SystemExit naming the fix) unless
+    `insecure_no_auth`; returns the warning to log when serving without a key (None with one)."""
     if api_key:
         return None
     if not is_loopback(host) and not insecure_no_auth:
@@ -474,10 +460,10 @@ def serve(
     *,
     insecure_no_auth: bool = False,
 ) -> None:
-    """Serve until killed (SIGTERM/SIGINT); prints ``[features] serving http://host:port/v1`` when ready.
+    """Serve until killed (SIGTERM/SIGINT); prints `[features] serving http://host:port/v1` when ready.
 
-    Raises SystemExit before binding when ``host`` is not a loopback address and the server has no key
-    (:func:`check_bind`), unless ``insecure_no_auth``."""
+    Raises SystemExit before binding when `host` is not a loopback address and the server has no key
+    (`check_bind`), unless `insecure_no_auth`."""
     from dflash_pipeline.core.shards import atomic_write_bytes
 
     warning = check_bind(host, server.api_key, insecure_no_auth)

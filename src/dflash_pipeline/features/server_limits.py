@@ -1,6 +1,6 @@
-"""What the hf feature server (:mod:`.server`) accepts: its limits (``features serve`` flags, :class:`Limits`),
-the checks of one request (``Content-Length``, the JSON body, the token ids: :class:`RequestRefused` with the
-HTTP status to answer) and the byte budget of the answer files nobody has read yet (:class:`ScratchBudget`).
+"""What the hf feature server (`.server`) accepts: its limits (`features serve` flags, `Limits`),
+the checks of one request (`Content-Length`, the JSON body, the token ids: `RequestRefused` with the
+HTTP status to answer) and the byte budget of the answer files nobody has read yet (`ScratchBudget`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ BODY_OVERHEAD_BYTES = 64 << 10
 
 
 class RequestRefused(Exception):
-    """A request the server refuses with ``status`` (4xx/503); the message names the field or limit."""
+    """A request the server refuses with `status` (4xx/503); the message names the field or limit."""
 
     status = 400
 
@@ -33,14 +33,14 @@ class BadRequest(RequestRefused, ValueError):
 
 
 def max_body_bytes(max_len: int, vocab_size: int) -> int:
-    """The largest request body accepted: ``max_len`` token ids of the vocabulary's widest decimal
-    spelling, each with a separator (``", "``), plus :data:`BODY_OVERHEAD_BYTES` (bytes)."""
+    """The largest request body accepted: `max_len` token ids of the vocabulary's widest decimal
+    spelling, each with a separator (`", "`), plus `BODY_OVERHEAD_BYTES` (bytes)."""
     return int(max_len) * (len(str(max(int(vocab_size) - 1, 0))) + 2) + BODY_OVERHEAD_BYTES
 
 
 def content_length(value: str | None, cap: int) -> int:
-    """The body size a ``Content-Length`` header announces. Raises RequestRefused: 411 without one, 400 when it
-    is not a non-negative decimal integer, 413 when it exceeds ``cap`` bytes."""
+    """The body size a `Content-Length` header announces. Raises RequestRefused: 411 without one, 400 when it
+    is not a non-negative decimal integer, 413 when it exceeds `cap` bytes."""
     if value is None:
         raise RequestRefused("Content-Length: required (chunked bodies are not accepted)", 411)
     v = value.strip()
@@ -53,9 +53,8 @@ def content_length(value: str | None, cap: int) -> int:
 
 
 def parse_request(body: bytes, *, vocab_size: int, max_len: int) -> np.ndarray:
-    """Token ids int64 [T] of a request body (``prompt``: a list of ints, or a one-element list of such a
-    list, as the OpenAI API allows). Raises BadRequest naming the field (bodies too deeply nested for the
-    JSON parser and integers of any size included)."""
+    """Token ids int64 [T] of a request body (`prompt`: a list of ints, or a one-element list of such a list, as the
+    OpenAI API allows). Raises BadRequest naming the field."""
     try:
         req = json.loads(body or b"{}")
     except (ValueError, RecursionError) as exc:
@@ -82,10 +81,10 @@ def parse_request(body: bytes, *, vocab_size: int, max_len: int) -> np.ndarray:
 
 
 class ScratchBudget:
-    """The answer files this server wrote and nobody has read yet: those older than ``max_age_s`` are
-    deleted, and a new answer is admitted only while the files still there and it fit ``max_bytes``.
+    """The answer files this server wrote and nobody has read yet: those older than `max_age_s` are
+    deleted, and a new answer is admitted only while the files still there and it fit `max_bytes`.
 
-    Only files this server wrote are ever deleted (the scratch directory may be shared). Thread-safe."""
+    Only files this server wrote are ever deleted. Thread-safe."""
 
     def __init__(self, max_bytes: int, max_age_s: float):
         self.max_bytes, self.max_age_s = int(max_bytes), float(max_age_s)
@@ -110,8 +109,8 @@ class ScratchBudget:
         return held
 
     def admit(self, size: int, now: float | None = None) -> None:
-        """Raise RequestRefused (503) when an answer of ``size`` bytes would take the files held past
-        ``max_bytes``."""
+        """Raise RequestRefused (503) when an answer of `size` bytes would take the files held past
+        `max_bytes`."""
         held = self.sweep(now)
         if held + size > self.max_bytes:
             raise RequestRefused(
@@ -127,9 +126,9 @@ class ScratchBudget:
 
 @dataclass
 class Limits:
-    """What one server accepts (``features serve`` flags): ``request_timeout_s`` (a request's headers and
-    body, and an idle keep-alive connection, seconds), ``max_connections`` (served at once; more get 503),
-    ``scratch_max_bytes`` / ``scratch_max_age_s`` (:class:`ScratchBudget`)."""
+    """What one server accepts (`features serve` flags): `request_timeout_s` (seconds for a request's headers and body,
+    and for an idle keep-alive connection), `max_connections` (served at once; more get 503), `scratch_max_bytes` /
+    `scratch_max_age_s` (`ScratchBudget`)."""
 
     request_timeout_s: float = 30.0
     max_connections: int = 64

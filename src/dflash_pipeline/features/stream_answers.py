@@ -1,11 +1,7 @@
-"""The trust checks on a feature server's answer (:mod:`.stream_client`): where a named file may lie, what it
-may be, how large it and its safetensors header may be for the record's shape.
-
-No answer is trusted. A named file is read only when its real path lies under the client's ``scratch_dir``,
-it is a regular file (not a symlink, device or FIFO) and its size is the one its record's shape gives
-(T x n_aux x H values of 2 or 4 bytes, T token ids, the safetensors header); anything else is an
-:class:`UntrustedAnswer` (not retried, nothing deleted). A header that names another shape is an
-:class:`AnswerMismatch`; a malformed one a ValueError (an ordinary failed attempt).
+"""The trust checks on a feature server's answer (`.stream_client`): a named file is read only when its
+real path lies under the client's `scratch_dir`, it is a regular file and its size is the one the record's
+shape gives; anything else is an `UntrustedAnswer` (not retried, nothing deleted). A header naming
+another shape is an `AnswerMismatch`; a malformed one a ValueError (an ordinary failed attempt).
 """
 
 from __future__ import annotations
@@ -17,20 +13,19 @@ import stat
 
 
 class AnswerMismatch(ValueError):
-    """An answer for other token ids or of another shape than the client was told to expect: the server taps
-    other layers, or serves another target. The same request gets the same answer, so it is never retried
-    (retrying it re-computed the record forever: a server that answers its health probe comes back in)."""
+    """An answer for other token ids or of another shape than the client was told to expect: the server taps other
+    layers, or serves another target. The same request gets the same answer, so it is never retried."""
 
 
 class UntrustedAnswer(AnswerMismatch):
-    """An answer the client refuses to act on: a path outside the scratch directory, a symlink, a device or
-    FIFO, a file or body larger than its record's shape allows. Nothing is read past the check and nothing is
-    deleted; never retried (a server that names such a file is broken or hostile)."""
+    """An answer the client refuses to act on: a path outside the scratch directory, a symlink, a device or FIFO, a
+    file or body larger than its record's shape allows. Nothing is read past the check and nothing is deleted; never
+    retried."""
 
 
 #: Largest safetensors header accepted (two tensors and a few metadata keys take about 300 bytes).
 MAX_HEADER_BYTES = 1 << 16
-#: Largest ``/completions`` JSON answer read (it names a file; the features are not in it).
+#: Largest `/completions` JSON answer read (it names a file; the features are not in it).
 MAX_JSON_ANSWER_BYTES = 1 << 20
 #: Bytes per value of the tensors an answer may hold (safetensors dtype names).
 _ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4}
@@ -39,18 +34,19 @@ _TOKEN_DTYPES = ("I64", "I32")
 
 
 def max_answer_bytes(num_tokens: int, n_aux: int, hidden: int) -> int:
-    """The largest answer file or body of a record of ``num_tokens`` tokens: ``hidden_states`` float32
-    [T, n_aux, H], ``token_ids`` int64 [T], the 8-byte length and a header of at most
-    :data:`MAX_HEADER_BYTES` (bytes)."""
+    """The largest answer file or body of a record of `num_tokens` tokens: `hidden_states` float32
+    [T, n_aux, H], `token_ids` int64 [T], the 8-byte length and a header of at most
+    `MAX_HEADER_BYTES` (bytes)."""
     return 8 + MAX_HEADER_BYTES + num_tokens * (n_aux * hidden * 4 + 8)
 
 
 def check_answer_header(raw: bytes, total: int, want: tuple[int, int, int], hint: str = "") -> int:
-    """Check the safetensors header at the start of ``raw`` against the expected ``hidden_states`` shape
-    ``want`` ([T, n_aux, H]) and the answer's ``total`` size in bytes; returns the header's end offset.
+    """Check the safetensors header at the start of `raw` against the expected `hidden_states` shape
+    `want` ([T, n_aux, H]) and the answer's `total` size in bytes; returns the header's end offset.
 
-    ``raw`` holds at least the 8-byte length (and the header, when that fits :data:`MAX_HEADER_BYTES`);
-    ``hint`` ends a shape mismatch's message. Raises AnswerMismatch (another shape: the server taps other layers), UntrustedAnswer (a size the shape
+    `raw` holds at least the 8-byte length (and the header, when that fits `MAX_HEADER_BYTES`);
+    `hint` ends a shape mismatch's message. Raises AnswerMismatch (another shape: the server taps other layers),
+    UntrustedAnswer (a size the shape
     does not give), ValueError (a malformed header)."""
     if len(raw) < 8:
         raise ValueError(f"an answer of {total} bytes has no safetensors header")
@@ -82,7 +78,7 @@ def check_answer_header(raw: bytes, total: int, want: tuple[int, int, int], hint
 
 
 def safetensors_metadata(raw: bytes) -> dict:
-    """The ``__metadata__`` of a safetensors file's bytes ({} when it has none): the header is an 8-byte
+    """The `__metadata__` of a safetensors file's bytes ({} when it has none): the header is an 8-byte
     little-endian length, then that many bytes of JSON (safetensors format spec). Raises ValueError on bytes
     too short for their header."""
     if len(raw) < 8:
@@ -98,12 +94,11 @@ def _under(path: str, root: str) -> bool:
 
 
 def open_scratch_answer(path, scratch_dir: str | os.PathLike, max_bytes: int) -> tuple[int, int]:
-    """Open the answer file ``path`` a server named, after checking it may be trusted: ``(fd, size)``.
+    """Open the answer file `path` a server named, after checking it may be trusted: `(fd, size)`.
 
-    Accepted only when ``path`` is a non-empty string whose real path lies under the real path of
-    ``scratch_dir``, that names a regular file (not a symlink, device, FIFO or directory) of at most
-    ``max_bytes`` bytes, and the file opened is that one (no symlink swapped in between the check and the
-    open: ``O_NOFOLLOW`` and the same inode; on Linux the opened descriptor's own path is checked too).
+    Accepted only when `path` is a non-empty string whose real path lies under the real path of `scratch_dir`, that
+    names a regular file (not a symlink, device, FIFO or directory) of at most `max_bytes` bytes, and the file opened is
+    that one.
 
     Raises:
         UntrustedAnswer: any check fails (nothing has been read or deleted).
@@ -142,7 +137,7 @@ def open_scratch_answer(path, scratch_dir: str | os.PathLike, max_bytes: int) ->
 
 
 def _wait_for_writer(lock: str) -> None:
-    """Wait on ``lock`` (shared flock, as vLLM's ``load_hidden_states``) when it is a regular file; anything
+    """Wait on `lock` (shared flock, as vLLM's `load_hidden_states`) when it is a regular file; anything
     else there (a symlink, a FIFO) is not waited on."""
     try:
         if not stat.S_ISREG(os.lstat(lock).st_mode):
@@ -164,20 +159,16 @@ def read_scratch_file(
     want: tuple[int, int, int],
     hint: str = "",
 ) -> tuple[bytes, int]:
-    """Read a server's answer file and delete it (and its ``.lock``): ``(safetensors bytes, size in bytes)``.
+    """Read a server's answer file and delete it (and its `.lock`): `(safetensors bytes, size in bytes)`.
 
-    ``want``: the record's ``hidden_states`` shape [T, n_aux, H]. The file is checked first
-    (:func:`open_scratch_answer`: under ``scratch_dir``, a regular file, at most :func:`max_answer_bytes`),
-    then its header (:func:`check_answer_header`: that shape, and exactly the size it gives) before the data
-    is read. Waits on ``<path>.lock`` (shared flock) when the server holds one while writing (vLLM's
-    connector; our hf server writes atomically and has none). ``on_size(n)`` is called with the file's size
-    once it is open and with ``-n`` once it is deleted (the scratch accounting).
+    `want`: the record's `hidden_states` shape [T, n_aux, H]. The file (`open_scratch_answer`) and its header
+    (`check_answer_header`: that shape and exactly its size) are checked before the data is read; a
+    `<path>.lock` (vLLM's connector) is waited on. `on_size(n)` gets the size once open and `-n` once deleted.
 
     Raises:
         UntrustedAnswer: the path or the size cannot be trusted (nothing read or deleted).
-        AnswerMismatch: the header names another shape (the file is deleted: it is a real answer).
-        ValueError: a malformed header (the file is deleted). OSError: the file is not there.
-    """
+        AnswerMismatch: the header names another shape (the file is deleted).
+        ValueError: a malformed header (the file is deleted). OSError: the file is not there."""
     max_bytes = max_answer_bytes(*want)
     if isinstance(path, str) and _under(os.path.realpath(path), os.path.realpath(scratch_dir)):
         _wait_for_writer(path + ".lock")

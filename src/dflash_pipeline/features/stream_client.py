@@ -1,34 +1,22 @@
-"""The feature client: token ids to a fleet of feature servers, target features back (``features.stream``).
+"""The feature client: token ids to a fleet of feature servers, target features back (`features.stream`).
 
-One client talks to every server of ``features.stream`` (our hf server, :mod:`.server`, or ``vllm serve``
-with ``extract_hidden_states``: the same contract, see :mod:`.server`) through the completions stage's fleet
-(:class:`dflash_pipeline.completions._Fleet`: least-outstanding-requests balancing under each server's
-``max_concurrency``, take-out after ``endpoint_max_failures`` consecutive failures and re-probing with
-``GET /models``, the circuit breaker) and its retry classes (:mod:`dflash_pipeline.completions.retry`). The
-fleet knobs are the ``generation.*`` ones (``request_timeout_s``, ``max_retries``, ``endpoint_max_failures``,
-``endpoint_reprobe_s``, ``retry_backoff_s``, ``retry_backoff_max_s``, ``circuit_breaker_failures``).
+One client talks to every server of `features.stream` (our hf server, `.server`, or `vllm serve` with
+`extract_hidden_states`: the same contract) through the completions stage's fleet and retry classes; the
+fleet knobs are the `generation.*` ones (`request_timeout_s`, `max_retries`, `endpoint_max_failures`, ...).
 
-Unlike a completion, a record's features are never skipped (the batches are the seed's, whatever happens): a
-failed request is retried on the least busy server that is up, so a server killed mid-epoch costs time only.
-The job stops (its state saved; the rerun resumes) when the breaker opens, at a client error (HTTP 4xx but
-408/409/425/429: the record does not fit the server), or when one record has failed ``max_retries`` + 1 times
-on servers that are up (a record every server fails, e.g. one that runs out of memory or past
-``request_timeout_s``: the servers answer their health probe, so the breaker alone never opens). Rate
-limiting (429) is back-pressure and does not count.
+A record's features are never skipped: a failed request is retried on the least busy server that is up, so
+a server killed mid-epoch costs time only. The job stops (state saved; the rerun resumes) when the breaker
+opens, at a client error (4xx but 408/409/425/429), or when one record has failed `max_retries` + 1 times on
+servers that are up. A 429 is back-pressure and does not count.
 
-The event loop runs in a background thread; :meth:`FeatureClient.submit` returns a
-``concurrent.futures.Future`` of a :class:`Features`. ``transport``: ``path`` (the answer names a file in a
-scratch directory both sides see: read, then deleted with its ``.lock``, following vLLM's
-``load_hidden_states`` / ``cleanup_hidden_states``) or ``bytes`` (``POST /features``, the file in the
-answer body; hf servers only).
+`FeatureClient.submit` returns a `concurrent.futures.Future` of a `Features` (the event loop runs in a
+background thread). `transport`: `path` (the answer names a file in a scratch directory both sides see:
+read, then deleted with its `.lock`, as vLLM's `load_hidden_states` / `cleanup_hidden_states`) or `bytes`
+(`POST /features`; hf servers only).
 
-No answer is trusted (the checks: :mod:`.stream_answers`). A named file is read only when its real path lies
-under the client's ``scratch_dir``, it is a regular file (not a symlink, device or FIFO) and its size is the one
-its record's shape gives (T x n_aux x H values of 2 or 4 bytes, T token ids, the safetensors header); anything
-else is an :class:`UntrustedAnswer` (not retried, nothing deleted). Bodies are read up to that size and no further.
-A malformed answer (not JSON, not safetensors, a header that contradicts the file) is an ordinary failed
-attempt: retried on a server that is up, and after ``max_retries`` + 1 failures a :class:`StreamError` (the
-train job saves its state first, as for a dead fleet).
+No answer is trusted (`.stream_answers`): a named file is read only when it is a regular file under the
+client's `scratch_dir` of the size its record's shape gives, else `UntrustedAnswer` (not retried, nothing
+deleted). A malformed answer is a failed attempt, and after `max_retries` + 1 failures a `StreamError`.
 """
 
 from __future__ import annotations
@@ -67,9 +55,9 @@ class StreamError(GenerationError):
 
 @dataclass
 class Features:
-    """One record's features: ``features`` torch [T, K*H] and ``last_hidden`` [T, H] | None in the storage
-    dtype's values (bf16; fp8 values dequantized exactly as a feature shard stores them), ``wire_bytes``
-    (bytes the server sent or wrote) and ``scratch_bytes`` (of those, bytes that sat in the scratch dir)."""
+    """One record's features: `features` torch [T, K*H] and `last_hidden` [T, H] | None in the storage dtype's
+    values, `wire_bytes` (bytes the server sent or wrote) and `scratch_bytes` (of those, bytes that sat in the scratch
+    dir)."""
 
     features: object
     last_hidden: object
@@ -78,8 +66,8 @@ class Features:
 
 
 def as_stored(x, dtype: str):
-    """``x`` [T, D] (any float) rounded as a feature shard of ``features.dtype`` stores and reads it back:
-    bf16, or fp8 e4m3 with its per-token scale, dequantized to bf16 (:mod:`.format`)."""
+    """`x` [T, D] (any float) rounded as a feature shard of `features.dtype` stores and reads it back:
+    bf16, or fp8 e4m3 with its per-token scale, dequantized to bf16 (`.format`)."""
     import torch
 
     from .format import _to_storage
@@ -92,10 +80,10 @@ def as_stored(x, dtype: str):
 
 
 def endpoint_key(endpoint: dict) -> str | None:
-    """The API key of a stream endpoint: its ``api_key`` (colocated servers' per-job key, handed over in
-    memory or the environment), else the variable its ``api_key_env`` names, else None.
+    """The API key of a stream endpoint: its `api_key` (colocated servers' per-job key, handed over in
+    memory or the environment), else the variable its `api_key_env` names, else None.
 
-    Raises StreamError naming the variable when ``api_key_env`` is set and the variable is not."""
+    Raises StreamError naming the variable when `api_key_env` is set and the variable is not."""
     if endpoint.get("api_key"):
         return endpoint["api_key"]
     env = endpoint.get("api_key_env")
@@ -111,7 +99,7 @@ def endpoint_key(endpoint: dict) -> str | None:
     return os.environ[env]
 
 
-#: The ``generation`` keys the stream client's fleet reuses (timeouts, failures, back-off, the breaker).
+#: The `generation` keys the stream client's fleet reuses (timeouts, failures, back-off, the breaker).
 FLEET_KEYS = (
     "request_timeout_s",
     "max_retries",
@@ -124,7 +112,7 @@ FLEET_KEYS = (
 
 
 def fleet_config(gen_cfg: dict, model: str | None) -> dict:
-    """The fleet's knobs (:class:`dflash_pipeline.completions._Fleet`, :data:`FLEET_KEYS`) from the ``generation``
+    """The fleet's knobs (`completions._Fleet`, `FLEET_KEYS`) from the `generation`
     section."""
     return {**{k: gen_cfg[k] for k in FLEET_KEYS}, "model": model}
 
@@ -132,22 +120,16 @@ def fleet_config(gen_cfg: dict, model: str | None) -> dict:
 class FeatureClient:
     """Target features of token-id records from a fleet of feature servers (see the module docstring).
 
-    ``endpoints``: ``[{"base_url", "max_concurrency", "transport"}]``; ``fleet_cfg``: :func:`fleet_config`.
-    ``num_layers`` (K), ``hidden_size`` (H), ``last_hidden`` describe what the servers send (``[T, K(+1), H]``);
-    ``dtype`` is ``features.dtype`` (the values are rounded as a feature shard stores them; None: the
-    values as the server sent them, for a :class:`.format.FeatureShardWriter` that stores them itself).
-    ``aux_layer_ids``: the HF ``hidden_states`` indices expected
-    (:func:`dflash_pipeline.target.layer_ids.aux_hidden_state_ids`); an answer whose metadata names others
-    (our hf server writes them) stops the client. None: the shape check only. ``scratch_dir``: where
-    path-transport servers write (required when an endpoint uses ``transport: path``); an answer naming a file
-    anywhere else is refused (:class:`UntrustedAnswer`). An endpoint's key: ``api_key`` (colocated servers'
-    per-job key, never logged) or ``api_key_env`` (the variable that holds it), sent as
-    ``Authorization: Bearer``.
+    `endpoints`: `[{"base_url", "max_concurrency", "transport"}]`; `fleet_cfg`: `fleet_config`.
+    `num_layers` (K), `hidden_size` (H), `last_hidden`: what the servers send (`[T, K(+1), H]`); `dtype`:
+    `features.dtype` (values rounded as a feature shard stores them; None: as sent). `aux_layer_ids`: the HF
+    `hidden_states` indices expected; an answer naming others stops the client (None: shape check only).
+    `scratch_dir`: where path-transport servers write (required for `transport: path`). An endpoint's key:
+    `api_key` (never logged) or `api_key_env`, sent as `Authorization: Bearer`.
 
-    Raises (from :meth:`start` and the futures): :class:`StreamError` (breaker open, client error, answers
-    that do not match the record or cannot be trusted; also at construction: path transport without
-    ``scratch_dir``, an ``api_key_env`` that is not set), ConfigError (a rejected key, a 404 ``/models``).
-    """
+    Raises (from `start` and the futures): `StreamError` (breaker open, client error, answers that do not
+    match the record or cannot be trusted; at construction: path transport without `scratch_dir`, an unset
+    `api_key_env`), ConfigError (a rejected key, a 404 `/models`)."""
 
     def __init__(
         self,
@@ -197,7 +179,7 @@ class FeatureClient:
     # -- lifecycle -----------------------------------------------------------------------------------
 
     def start(self) -> str:
-        """Start the loop, probe every server (``GET /models``) and settle the model; returns the model id."""
+        """Start the loop, probe every server (`GET /models`) and settle the model; returns the model id."""
         self._thread.start()
         return self._call(self._start())
 
@@ -251,7 +233,7 @@ class FeatureClient:
     # -- requests ------------------------------------------------------------------------------------
 
     def submit(self, ids: np.ndarray) -> concurrent.futures.Future:
-        """Request the features of one record (token ids int [T]); a Future of :class:`Features`."""
+        """Request the features of one record (token ids int [T]); a Future of `Features`."""
         return asyncio.run_coroutine_threadsafe(self._fetch(np.asarray(ids, dtype=np.int64)), self.loop)
 
     def fetch_all(self, records: Sequence[np.ndarray]) -> list[Features]:
@@ -315,7 +297,7 @@ class FeatureClient:
         return (len(ids), self.k + (1 if self.last_hidden else 0), self.h)
 
     async def _attempt(self, ep, ids: np.ndarray):
-        """One request on ``ep``: ``(Features, None)`` or ``(None, retry.Failure)``."""
+        """One request on `ep`: `(Features, None)` or `(None, retry.Failure)`."""
         import openai
 
         from dflash_pipeline import completions as retry  # its retry classes, through the public face
@@ -353,7 +335,7 @@ class FeatureClient:
 
     @staticmethod
     async def _post_bounded(client, path: str, body: dict, limit: int) -> bytes:
-        """POST ``body`` and read the answer's body up to ``limit`` bytes: a ``Content-Length`` above it is
+        """POST `body` and read the answer's body up to `limit` bytes: a `Content-Length` above it is
         refused before reading, a body that runs past it is cut off there (UntrustedAnswer)."""
         import importlib.util
 
@@ -387,7 +369,7 @@ class FeatureClient:
             await resp.aclose()
 
     def _decode(self, raw: bytes, ids: np.ndarray, transport: str) -> Features:
-        """The :class:`Features` of one answer (runs in a worker thread: file I/O and the dtype rounding)."""
+        """The `Features` of one answer (runs in a worker thread: file I/O and the dtype rounding)."""
         from safetensors.torch import load
 
         want = self._want(ids)

@@ -1,14 +1,11 @@
-"""``features.backend: vllm``: target features from vLLM's offline ``LLM`` engine.
+"""`features.backend: vllm`: target features from vLLM's offline `LLM` engine.
 
-The engine runs the ``extract_hidden_states`` speculative method (aux layer ids = canonical
-``target_layer_ids`` + 1, via :func:`dflash_pipeline.probe.hf_hidden_state_index`; plus ``num_hidden_layers``
-for the last layer's pre-norm output) with a hidden-states KV connector that writes one safetensors file per
-request (``hidden_states`` [T, n_aux, H], ``token_ids`` [T]) into a scratch directory next to the shard. On
-GPUs that is vLLM's own ``ExampleHiddenStatesConnector``; on CPU our
-:class:`~.vllm_connector.CPUHiddenStatesConnector` (no pinned memory). Tensor parallel size = the job's GPUs,
-expert parallel on request (``features.vllm.expert_parallel``), prefix caching off (a cached prefix is never
-recomputed, so its hidden states would be missing), one output token per request, prompts as token ids
-(no tokenizer in the engine). Runs in the vLLM environment (:func:`dflash_pipeline.core.vllm_env.require_vllm_python`).
+The engine runs the `extract_hidden_states` speculative method (aux layer ids = canonical
+`target_layer_ids` + 1, plus `num_hidden_layers` for the last layer's pre-norm output) with a
+hidden-states KV connector that writes one safetensors file per request (`hidden_states` [T, n_aux, H],
+`token_ids` [T]) into a scratch directory: vLLM's `ExampleHiddenStatesConnector` on GPUs, our
+`CPUHiddenStatesConnector` on CPU. Tensor parallel over the job's GPUs, prefix caching off (a cached
+prefix's hidden states would be missing), prompts as token ids. Runs in the vLLM environment.
 """
 
 from __future__ import annotations
@@ -22,11 +19,9 @@ import numpy as np
 
 
 def hidden_states_engine_config(aux: Sequence[int], scratch: str | os.PathLike, cuda: bool) -> tuple[dict, dict]:
-    """vLLM's ``(speculative_config, kv_transfer_config)`` for extracting hidden states: the
-    ``extract_hidden_states`` method on the HF hidden-state indices ``aux`` (ints), and the connector that
-    writes them under ``scratch`` (vLLM's ``ExampleHiddenStatesConnector`` when ``cuda``, else our CPU-safe
-    :mod:`.vllm_connector`). Shared by the in-process :class:`VLLMExtractor` and ``vllm serve``
-    (:func:`dflash_pipeline.features.colocate.vllm_server_cmd`). Pure; raises nothing."""
+    """vLLM's `(speculative_config, kv_transfer_config)` for extracting hidden states: the `extract_hidden_states`
+    method on the HF hidden-state indices `aux` (ints), and the connector that writes them under `scratch`. Pure; raises
+    nothing."""
     connector = (
         {"kv_connector": "ExampleHiddenStatesConnector"}
         if cuda
@@ -49,10 +44,9 @@ def hidden_states_engine_config(aux: Sequence[int], scratch: str | os.PathLike, 
 
 
 class VLLMExtractor:
-    """Yields ``(record, features [T, K*H], last_hidden [T, H] | None)`` for token-id prompts.
+    """Yields `(record, features [T, K*H], last_hidden [T, H] | None)` for token-id prompts.
 
-    ``options`` (config ``features.vllm``): ``expert_parallel`` (bool) and ``engine_args`` (extra ``LLM(...)``
-    keyword arguments, e.g. ``gpu_memory_utilization``, ``max_num_seqs``, ``quantization``).
+    `options` (config `features.vllm`): `expert_parallel` (bool) and `engine_args`.
 
     Raises:
         ValueError: the engine returned token ids that differ from the record's (names the record).

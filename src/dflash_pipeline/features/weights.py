@@ -1,11 +1,6 @@
-"""The target's embedding and LM head, read from its safetensors files without instantiating the target.
-
-With ``train.target_features: shards`` the drafter still needs the target's input embedding (noise tokens
-are embedded with it) and LM head (draft logits; dflash.md §4.3 shares both). A 1T-parameter MoE cannot be
-loaded for that, so :func:`load_embed_and_head` finds the two tensors' keys in the checkpoint index
-(``model.embed_tokens.weight``, ``model.language_model.embed_tokens.weight``, ``language_model.model...``,
-``lm_head.weight``, ``language_model.lm_head.weight``, ...) and reads just those bytes (safetensors maps the
-file). A target with tied embeddings (``tie_word_embeddings``, or no LM-head tensor) uses the embedding for both.
+"""The target's embedding and LM head (and final norm), read from its safetensors without instantiating the
+target: with `train.target_features: shards` the drafter still needs them (dflash.md §4.3), and a
+1T-parameter MoE cannot be loaded for that. Tied embeddings use the embedding for both.
 """
 
 from __future__ import annotations
@@ -23,11 +18,10 @@ _SKIP = ("vision", "visual", "audio", "image", "mtp", "speech", "talker", "draft
 
 
 def weight_map(target_dir: str | Path) -> dict[str, str]:
-    """Tensor name → file name of a target checkpoint (``model.safetensors.index.json``, else the headers
-    of every ``*.safetensors`` file in the directory).
+    """Tensor name → file name of a target checkpoint.
 
     Raises:
-        FileNotFoundError: no safetensors weights in ``target_dir``.
+        FileNotFoundError: no safetensors weights in `target_dir`.
     """
     d = Path(target_dir)
     index = d / "model.safetensors.index.json"
@@ -59,9 +53,9 @@ def _pick(keys, suffixes) -> Optional[str]:
 def find_embed_and_head_keys(
     target_dir: str | Path, tie_word_embeddings: Optional[bool] = None
 ) -> tuple[str, Optional[str]]:
-    """``(embedding key, LM-head key or None when tied)`` of the target's checkpoint.
+    """`(embedding key, LM-head key or None when tied)` of the target's checkpoint.
 
-    ``tie_word_embeddings`` (the probe's value) forces the tied answer; None = tied when there is no head tensor.
+    `tie_word_embeddings` (the probe's value) forces the tied answer; None = tied when there is no head tensor.
 
     Raises:
         KeyError: no embedding tensor found (the message lists the suffixes tried).
@@ -79,9 +73,9 @@ def find_embed_and_head_keys(
 def load_embed_and_head(
     target_dir: str | Path, *, tie_word_embeddings: Optional[bool] = None, dtype=None, device="cpu"
 ):
-    """``(embed nn.Embedding [V, H], lm_head nn.Linear H→V without bias)``, frozen, from the target's weights.
+    """`(embed nn.Embedding [V, H], lm_head nn.Linear H→V without bias)`, frozen, from the target's weights.
 
-    ``dtype``: torch dtype to cast to (None keeps the checkpoint's). Tied targets share one tensor.
+    `dtype`: torch dtype to cast to (None keeps the checkpoint's). Tied targets share one tensor.
 
     Raises:
         KeyError: no embedding tensor; ValueError: a quantized (integer / fp8) embedding or head, or the two
@@ -124,8 +118,8 @@ FINAL_NORM_ATTRS = ("norm", "final_layernorm", "ln_f", "final_norm")
 
 
 def final_norm_module(model):
-    """``(qualified name, module)`` of the final norm of ``model``'s decoder (``get_decoder()``'s ``norm`` /
-    ``final_layernorm`` / ``ln_f`` / ``final_norm``). Raises ValueError (names the class) when it has none."""
+    """`(qualified name, module)` of the final norm of `model`'s decoder (`get_decoder()`'s `norm` /
+    `final_layernorm` / `ln_f` / `final_norm`). Raises ValueError (names the class) when it has none."""
     dec = model.get_decoder() if hasattr(model, "get_decoder") else model
     norm = next((getattr(dec, a) for a in FINAL_NORM_ATTRS if getattr(dec, a, None) is not None), None)
     name = next((n for n, m in model.named_modules() if m is norm), None) if norm is not None else None
@@ -138,23 +132,18 @@ def final_norm_module(model):
 
 
 def load_final_norm(target_dir: str | Path, config, *, dtype=None, device="cpu"):
-    """The target's final norm (the module its LM head reads, frozen), built from its own class and read
-    from its safetensors without instantiating the target (the model is built on the meta device).
+    """The target's final norm (frozen), built from its own class on the meta device and read from its
+    safetensors without instantiating the target.
 
-    ``kl`` with ``shards`` / ``stream`` needs it: feature shards and feature servers carry the last decoder
-    layer's output *before* the final norm (HF: a forward hook on the last layer, :mod:`.hf_backend`; vLLM:
-    aux layer ``num_hidden_layers`` = ``hidden_states + residual`` after the last layer, before
-    ``self.norm``, ``vllm/model_executor/models/qwen2.py`` ``Qwen2Model.forward`` in vLLM 0.32), while the
-    teacher's logits are ``lm_head(norm(h))``: what transformers' last ``hidden_states`` entry is
-    (``transformers/utils/output_capturing.py`` replaces it by ``last_hidden_state``, the normed output,
-    transformers 5.24). The norm's own class keeps architecture details exact (Gemma's ``1 + weight``).
+    `kl` with `shards` / `stream` needs it: feature shards and servers carry the last decoder layer's output
+    before the final norm (vLLM: aux layer `num_hidden_layers`, `Qwen2Model.forward` in vLLM 0.32), while the
+    teacher's logits are `lm_head(norm(h))`. The norm's own class keeps details exact (Gemma's `1 + weight`).
 
-    ``config``: the target's config (:func:`dflash_pipeline.target.loading.load_target_config`).
-    Returns the module: ``[..., H]`` → ``[..., H]`` in ``dtype`` (None keeps the checkpoint's).
+    `config`: the target's config (`load_target_config`). Returns the module: `[..., H]` → `[..., H]` in
+    `dtype` (None keeps the checkpoint's).
 
     Raises:
-        ValueError: no final norm on the decoder; KeyError: a norm tensor is not in the checkpoint.
-    """
+        ValueError: no final norm on the decoder; KeyError: a norm tensor is not in the checkpoint."""
     import torch
     from safetensors import safe_open
 
@@ -176,7 +165,7 @@ def load_final_norm(target_dir: str | Path, config, *, dtype=None, device="cpu")
 
 
 def _meta_model(config):
-    """The target's causal-LM class built from ``config`` (under a meta-device context: no memory)."""
+    """The target's causal-LM class built from `config` (under a meta-device context: no memory)."""
     from dflash_pipeline.target.loading import causal_lm_class
 
     cls = causal_lm_class(config)
@@ -184,8 +173,8 @@ def _meta_model(config):
 
 
 def _norm_key(wmap, tail: list[str], pname: str) -> Optional[str]:
-    """The checkpoint key of the norm's ``pname``: its module path, else the longest suffix of it that one
-    non-layer key ends with (``model.norm`` ↔ ``model.language_model.norm``)."""
+    """The checkpoint key of the norm's `pname`: its module path, else the longest suffix of it that one
+    non-layer key ends with (`model.norm` ↔ `model.language_model.norm`)."""
     for i in range(len(tail)):
         suf = ".".join(tail[i:] + [pname])
         hits = sorted(k for k in wmap if (k == suf or k.endswith("." + suf)) and ".layers." not in k)

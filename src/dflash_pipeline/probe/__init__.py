@@ -1,27 +1,15 @@
 """Config probe: what the drafter needs to know about a target, read from its metadata only.
 
-:func:`probe_target` reads ``config.json`` (raw JSON, cross-checked with ``AutoConfig`` when it can load
-it), the tokenizer files (``AutoTokenizer``) and ``generation_config.json``, and never loads weights; the
-only bytes it reads from a weight file are the safetensors JSON header that states the embedding's shape.
-The result is the probe record of DESIGN.md §2 (``results/probe/<run>.json``), validated against
-``schemas/probe.schema.json``.
+`probe_target` reads `config.json` (cross-checked with `AutoConfig` when it loads), the tokenizer and
+`generation_config.json`, never weights (only the safetensors header that states the embedding's shape).
+The result is the probe record of DESIGN.md §2 (`results/probe/<run>.json`), validated against
+`schemas/probe.schema.json`.
 
-Layer ids. Canonical ids are 0-based indices of the target decoder layer whose *output* feeds the
-drafter (``dflash_config.target_layer_ids``). The Hugging Face ``output_hidden_states`` tuple has the
-embedding output at index 0, so the output of layer ``l`` is index ``l + 1``. :func:`hf_hidden_state_index`
-is the one place that converts; every other module calls it.
+Canonical layer ids are 0-based indices of the decoder layer whose *output* feeds the drafter; the HF
+`output_hidden_states` index of layer `l` is `l + 1` (`hf_hidden_state_index`, the one place that converts).
 
-The package, one module per concern; :func:`probe_target` runs their steps in order:
-
-- :mod:`.config` — ``config.json`` normalisation (nested text config, MLA, MoE, hybrid layer types,
-  rope), the embedding's rows from the safetensors header, ``generation_config.json``'s eos ids;
-- :mod:`.tokenizer` — the tokenizer (fast, sentencepiece, tiktoken, remote code) and its facts;
-- :mod:`.drafter` — drafter sizing: ``block_size``, ``target_layer_ids``, ``mask_token_id``;
-- :mod:`.checks` — plan-time checks: architectures refused from ``config.json`` alone, with the reason
-  (also while the workflow is planned), the target loads, the drafter can be sized, the chat template exists;
-- :mod:`.record` — the record's schema, validation, atomic write and readable summary.
-
-Every name this module had before it became a package is importable from here.
+Modules, in the order `probe_target` runs them: `.config`, `.tokenizer`, `.drafter` (sizing), `.checks`
+(plan-time refusals), `.record` (schema, validation, atomic write).
 """
 
 from __future__ import annotations
@@ -104,29 +92,24 @@ def probe_target(
     """Probe a target model directory and return the probe record (DESIGN.md §2, probe.schema.json).
 
     Args:
-        target_dir: directory with ``config.json`` and (normally) tokenizer files; weights optional.
+        target_dir: directory with `config.json` and (normally) tokenizer files; weights optional.
         block_size: drafter block size B (≥ 2).
         num_draft_layers: drafter decoder layers L (≥ 1).
-        num_target_features: K target layers fused by the drafter (default L, as the reference).
+        num_target_features: K target layers fused by the drafter (default L).
         target_layer_ids: canonical (0-based, layer-output) ids overriding the formula.
-        mask_token_id: explicit mask token id (see :func:`resolve_mask_token_id`).
-        trust_remote_code: allow the target's own tokenizer/config code (``target.trust_remote_code``).
+        mask_token_id: explicit mask token id (`resolve_mask_token_id`).
+        trust_remote_code: allow the target's own tokenizer/config code.
         chat_template: a .jinja file overriding the tokenizer's chat template.
-        strict: True (the pipeline rule): a missing tokenizer or chat template is an error. False (the
-            CLI, inspecting config-only directories): a missing tokenizer gives ``tokenizer.present =
-            false`` and, unless ``mask_token_id`` is given, ``drafter.mask_token_id = null`` with the
-            reason in ``mask_token_source``; a missing chat template is a warning.
+        strict: True (the pipeline rule): a missing tokenizer or chat template is an error. False (the CLI):
+            `tokenizer.present = false` and a null `drafter.mask_token_id` with the reason; a missing
+            template is a warning.
 
     Raises:
-        ProbeRefusal: a target the drafter cannot be built for, with the reason (attention-free, looped
-            layers …, :data:`dflash_pipeline.probe.checks.REASONS`); a ProbeError.
-        ProbeError: missing/unusable config.json, tokenizer that cannot load (message says which package
-            to install or which key to set), missing tokenizer (strict).
-        ConfigError: no chat template and no ``chat_template`` override (strict; names
-            ``target.chat_template``).
-        ConfigError: bad drafter settings (layer ids out of range or repeated, mask id outside the
-            embedding, block_size < 2, ...), naming the ``drafter.*`` key.
-    """
+        ProbeRefusal: a target the drafter cannot be built for, with the reason (`checks.REASONS`).
+        ProbeError: missing/unusable config.json, a tokenizer that cannot load (names the package or key),
+            missing tokenizer (strict).
+        ConfigError: no chat template and no override (strict); bad drafter settings (layer ids, mask id,
+            block_size < 2, ...), naming the `drafter.*` key."""
     t0 = time.perf_counter()
     target_dir = Path(target_dir)
     if not target_dir.is_dir():
@@ -181,15 +164,13 @@ def check_target_config(
     trust_remote_code: bool = False,
     **_ignored,
 ) -> None:
-    """Every check of :func:`probe_target` that reads only ``config.json`` (no tokenizer, no weights): the
-    architecture (:func:`~dflash_pipeline.probe.checks.architecture_refusal`), the config class and
-    the causal-LM class it loads with, the target layers, and the drafter sized from the config (rotary
-    included). The plan-time gate of the workflow runs it before the probe job exists, so a refused target
-    stops ``snakemake`` before the first completion. Extra keyword arguments (``mask_token_id`` …, the
-    other ``drafter`` keys) are accepted and ignored.
+    """Every check of `probe_target` that reads only `config.json` (no tokenizer, no weights): the architecture
+    (`architecture_refusal`), the config class and the causal-LM class it loads with, the target layers, and the drafter
+    sized from the config. Extra keyword arguments (`mask_token_id` …, the other `drafter` keys) are accepted and
+    ignored.
 
     Raises:
-        ProbeRefusal: the target cannot get a drafter (``reason`` says why).
+        ProbeRefusal: the target cannot get a drafter (`reason` says why).
         ProbeError: a missing or unreadable config.json.
         ConfigError: drafter settings the target cannot take (layer ids out of range …).
     """
@@ -213,7 +194,7 @@ def check_target_config(
 
 
 def _merged_eos_ids(*sources: Sequence[int]) -> list[int]:
-    """The eos ids of ``sources`` in order, each once (tokenizer, generation_config.json, config.json)."""
+    """The eos ids of `sources` in order, each once (tokenizer, generation_config.json, config.json)."""
     eos_ids: list[int] = []
     for src in sources:
         eos_ids += [i for i in src if i not in eos_ids]
@@ -221,7 +202,7 @@ def _merged_eos_ids(*sources: Sequence[int]) -> list[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI ``dflash-probe DIR``: print a readable summary, then the record as JSON (or write it with -o)."""
+    """CLI `dflash-probe DIR`: print a readable summary, then the record as JSON (or write it with -o)."""
     ap = argparse.ArgumentParser(prog="dflash-probe", description="Probe a target model directory for DFlash.")
     ap.add_argument("target_dir")
     ap.add_argument("--block-size", type=int, default=16)

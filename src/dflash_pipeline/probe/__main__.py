@@ -1,4 +1,4 @@
-"""``python -m dflash_pipeline.probe DIR``: the ``dflash-probe`` CLI (:func:`dflash_pipeline.probe.main`)."""
+"""`python -m dflash_pipeline.probe DIR`: the `dflash-probe` CLI (`probe.main`)."""
 
 from . import main
 

@@ -1,41 +1,15 @@
 """Plan-time checks of the probe: the target loads as a causal LM, the drafter can be sized from its
 config, and the tokenizer has a chat template and fits the embedding. Each reads metadata only (no
-weights), so a target the pipeline cannot use is refused when the workflow is planned, with the reason,
-rather than at completions or training step 1.
+weights), so a target the pipeline cannot use is refused when the workflow is planned, with the reason.
 
-Architectures. A DFlash drafter reads the outputs of chosen target decoder layers, attends with its own attention sized
-like the target's (hidden size, heads, head_dim, context length), and is served by engines that tap one
-hidden state per decoder layer. :func:`architecture_refusal` finds the configs where one of those
-assumptions does not hold and says which, in a :class:`~dflash_pipeline.core.errors.ProbeRefusal` whose
-``reason`` is one of :data:`REASONS`:
-
-- ``encoder-decoder``: the ``*ForCausalLM`` of an encoder-decoder family (BART, Marian, TrOCR …) is its
-  decoder alone, with cross-attention to an encoder the pipeline never runs.
-- ``not a causal LM``: a masked LM under a causal-LM class (XLM: ``causal: false``).
-- ``looped layers``: the same decoder layers run several times per token (Dory's ``n_recurrent_loops``), so
-  a layer id does not name one hidden state and the engines' per-layer taps do not apply.
-- ``attention-free``: state-space / recurrent models (Mamba, RWKV, xLSTM) state no attention heads; the
-  drafter's attention is sized from them (hybrids with attention layers, Jamba, Falcon-H1, Nemotron-H, are
-  fine).
-- ``per-layer values``: a size the drafter copies (``intermediate_size`` …) is a list per layer (Gemma-3n,
-  whose layers also carry AltUp's parallel streams). Per-layer overrides beside a global value
-  (``per_layer_config``: dots3's heads, gemma-4's head_dim) are fine: the drafter takes the global value.
-- ``no context length``: no ``max_position_embeddings`` nor a field of the same meaning
-  (:data:`CONTEXT_LENGTH_KEYS`) in a config transformers wrote, e.g. RecurrentGemma's local-attention
-  window, CPM-Ant's relative position buckets, BLOOM's ALiBi; the drafter's config states the context it
-  serves. (A hand-written config without one is left to the probe's drafter check, which reads the config
-  class's default.)
-- ``embedding width``: a factorized embedding narrower than the layers (ELECTRA's ``embedding_size``, OPT's
-  ``word_embed_proj_dim``): the drafter embeds its noise tokens with the target's embedding, H wide.
-- ``no language-model config``: no one decoder whose layers see every token (BLT: a byte patcher, a local
-  encoder, a global transformer over patches and a local decoder).
-
-Reading only the JSON (no transformers import), it runs both in the probe and at plan time
-(:func:`dflash_pipeline.workflow.problems.cross_field_problems`), so a refused target stops ``snakemake``
-before the first completion is requested. The reasons that show only through the config class (``sublayer
-count``, ``drafter cannot be sized``, ``rotary not servable``, ``not loadable``) come from
-:func:`_check_drafter_config` and :func:`_probe_loader`, which the plan-time gate runs too
-(:func:`dflash_pipeline.probe.check_target_config`, :func:`dflash_pipeline.workflow.problems.probe_gate_problems`).
+`architecture_refusal` reads only the JSON config and returns a `ProbeRefusal` whose `reason` is one of
+`REASONS` when an assumption of a DFlash drafter does not hold (it reads the outputs of single target
+decoder layers, attends with attention sized like the target's, embeds with the target's H-wide
+embedding): `encoder-decoder`, `not a causal LM`, `looped layers`, `attention-free`, `per-layer values`,
+`no context length`, `embedding width`, `no language-model config` (each explained, with examples, in
+docs/reference/model-types.md). The reasons that show only through the config class (`sublayer count`,
+`drafter cannot be sized`, `rotary not servable`, `not loadable`) come from `_check_drafter_config` and
+`_probe_loader`; the plan-time gate runs both (`workflow.problems.probe_gate_problems`).
 """
 
 from __future__ import annotations
@@ -47,8 +21,7 @@ from typing import Any, Mapping, Sequence
 
 from dflash_pipeline.core.errors import ConfigError, ProbeError, ProbeRefusal
 
-# --------------------------------------------------------------------------------------------------
-# architectures refused from config.json alone
+# --- architectures refused from config.json alone
 
 ENCODER_DECODER = "encoder-decoder"
 NOT_CAUSAL = "not a causal LM"
@@ -62,8 +35,8 @@ SUBLAYERS = "sublayer count"
 UNSIZABLE = "drafter cannot be sized"
 NOT_SERVABLE = "rotary not servable"
 NOT_LOADABLE = "not loadable"
-#: Every ``ProbeRefusal.reason`` the probe gives: up to ``embedding width`` from config.json alone
-#: (:func:`architecture_refusal`), the others through the config class (``sublayer count``: LongCat-Flash's
+#: Every `ProbeRefusal.reason` the probe gives: up to `embedding width` from config.json alone
+#: (`architecture_refusal`), the others through the config class (`sublayer count`: LongCat-Flash's
 #: config class counts two attention sublayers per decoder layer, which config.json does not show).
 REASONS = (
     ENCODER_DECODER,
@@ -84,12 +57,12 @@ from dflash_pipeline.core.contracts import CONTEXT_LENGTH_KEYS  # noqa: E402 - r
 
 #: Fields that run a stack of layers more than once per token.
 LOOP_KEYS = ("n_recurrent_loops", "num_recurrent_loops", "num_loops", "n_loops")
-#: Attention-head counts of attention models (``num_heads`` is also a state-space head count: see below).
+#: Attention-head counts of attention models (`num_heads` is also a state-space head count: see below).
 ATTENTION_HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads", "attention_heads", "decoder_attention_heads")
-#: Fields only state-space / recurrent mixers have (Mamba's ``state_size``, RWKV's ``attention_hidden_size``,
-#: xLSTM's ``qk_dim_factor`` …): with them, ``num_heads`` counts SSM heads, not attention heads.
+#: Fields only state-space / recurrent mixers have (Mamba's `state_size`, RWKV's `attention_hidden_size`,
+#: xLSTM's `qk_dim_factor` …): with them, `num_heads` counts SSM heads, not attention heads.
 RECURRENT_KEYS = ("state_size", "ssm_state_size", "time_step_rank", "attention_hidden_size", "qk_dim_factor")
-#: Widths of a factorized token embedding (ALBERT / ELECTRA ``embedding_size``, OPT's ``word_embed_proj_dim``).
+#: Widths of a factorized token embedding (ALBERT / ELECTRA `embedding_size`, OPT's `word_embed_proj_dim`).
 EMBEDDING_WIDTH_KEYS = ("embedding_size", "word_embed_proj_dim", "embedding_dim")
 #: Sizes the drafter copies from the target: one value each, never a per-layer list.
 COPIED_SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
@@ -103,14 +76,14 @@ def _first(d: Mapping[str, Any], keys) -> tuple[str | None, Any]:
 
 
 def context_length(d: Mapping[str, Any]) -> tuple[str | None, Any]:
-    """``(key, tokens)`` of the context length ``d`` states (:data:`CONTEXT_LENGTH_KEYS`), ``(None, None)``
+    """`(key, tokens)` of the context length `d` states (`CONTEXT_LENGTH_KEYS`), `(None, None)`
     when it states none."""
     return _first(d, CONTEXT_LENGTH_KEYS)
 
 
 def attention_heads(d: Mapping[str, Any]) -> tuple[str | None, Any]:
-    """``(key, count)`` of the attention heads ``d`` states; ``num_heads`` counts only without
-    :data:`RECURRENT_KEYS` (Mamba-2's and xLSTM's ``num_heads`` are their mixers' heads)."""
+    """`(key, count)` of the attention heads `d` states; `num_heads` counts only without
+    `RECURRENT_KEYS` (Mamba-2's and xLSTM's `num_heads` are their mixers' heads)."""
     k, v = _first(d, ATTENTION_HEAD_KEYS)
     if v is None and d.get("num_heads") is not None and not any(r in d for r in RECURRENT_KEYS):
         return "num_heads", d["num_heads"]
@@ -118,8 +91,7 @@ def attention_heads(d: Mapping[str, Any]) -> tuple[str | None, Any]:
 
 
 def block_type_count(d: Mapping[str, Any]) -> tuple[str | None, int | None]:
-    """``(source, layers)`` from a per-layer block list when the config states no layer count (Nemotron-H as
-    transformers ≥ 5 saves it: ``layers_block_type``, ``num_hidden_layers`` derived from its length)."""
+    """`(source, layers)` from a per-layer block list when the config states no layer count."""
     if isinstance(d.get("layers_block_type"), list) and d["layers_block_type"]:
         return "len(layers_block_type)", len(d["layers_block_type"])
     if isinstance(d.get("hybrid_override_pattern"), str) and d["hybrid_override_pattern"]:
@@ -128,9 +100,8 @@ def block_type_count(d: Mapping[str, Any]) -> tuple[str | None, int | None]:
 
 
 def architecture_refusal(raw: Mapping[str, Any], where: str = "config.json") -> ProbeRefusal | None:
-    """The :class:`ProbeRefusal` for a target whose ``config.json`` (``raw``) shows an architecture the
-    drafter cannot be built for (see the module docstring), None when none shows. ``where`` names the file
-    in the message. Reads only ``raw``; never raises."""
+    """The `ProbeRefusal` for a target whose `config.json` (`raw`) shows an architecture the drafter cannot be built
+    for, None when none shows. `where` names the file in the message. Reads only `raw`; never raises."""
     # the config reader imports this module's checks, so it is looked up when a check runs, not at import
     _find_text_config = importlib.import_module("dflash_pipeline.probe.config")._find_text_config
 
@@ -205,7 +176,7 @@ def architecture_refusal(raw: Mapping[str, Any], where: str = "config.json") -> 
 
 
 def raw_config_refusal(target_dir: str | Path) -> ProbeRefusal | None:
-    """:func:`architecture_refusal` of ``<target_dir>/config.json``; None when the file is missing or not a
+    """`architecture_refusal` of `<target_dir>/config.json`; None when the file is missing or not a
     JSON object (other checks name those)."""
     path = Path(target_dir) / "config.json"
     try:
@@ -215,18 +186,17 @@ def raw_config_refusal(target_dir: str | Path) -> ProbeRefusal | None:
     return architecture_refusal(raw, str(path)) if isinstance(raw, dict) else None
 
 
-# --------------------------------------------------------------------------------------------------
-# the tokenizer, the loader and the drafter
+# --- the tokenizer, the loader and the drafter
 
 
 def _preflight_tokenizer(
     target_dir: Path, tok: Mapping[str, Any], embedding_rows: int, *, strict: bool, warnings: list[str]
 ) -> None:
-    """A present tokenizer has a chat template (``strict``: else an error; lenient: a warning) and its
-    ``len`` fits the embedding (else a warning). A missing tokenizer is left alone.
+    """A present tokenizer has a chat template (`strict`: else an error; lenient: a warning) and its
+    `len` fits the embedding (else a warning). A missing tokenizer is left alone.
 
     Raises:
-        ConfigError: no chat template and no override (``strict``; names ``target.chat_template``).
+        ConfigError: no chat template and no override (`strict`; names `target.chat_template`).
     """
     if not tok.get("present"):
         return
@@ -240,9 +210,8 @@ def _preflight_tokenizer(
 
 
 def _probe_loader(target_dir: Path, trust_remote_code: bool, *, strict: bool, warnings: list[str]) -> dict:
-    """How train/eval/completions will load the target (:func:`dflash_pipeline.target.loading.check_loadable`,
-    no weights read): ``{class, config_class, error}``. A target that cannot load is refused here, at plan
-    time, with the reason (strict), or recorded with a warning (CLI)."""
+    """How train/eval/completions will load the target: `{class, config_class, error}`. A target that cannot load is
+    refused here, at plan time, with the reason (strict), or recorded with a warning (CLI)."""
     from dflash_pipeline.target.loading import TargetLoadError, check_loadable
 
     try:
@@ -267,8 +236,7 @@ def _check_drafter_config(
     drafter cannot be sized from fails here with the reason, not at training step 1.
 
     Raises:
-        ProbeRefusal: naming the target and transformers' / the drafter's complaint (``reason``
-            ``sublayer count``, ``drafter cannot be sized`` or ``rotary not servable``).
+        ProbeRefusal: naming the target and transformers' / the drafter's complaint.
     """
     from dflash_pipeline.drafter.config import DFlashConfig
     from dflash_pipeline.drafter.rope import DFlashRotaryEmbedding, servable_rope_problems

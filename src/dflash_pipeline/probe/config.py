@@ -1,12 +1,9 @@
 """config.json normalisation: the text model's sizes, attention (MHA/GQA/MLA), MoE, layer types, rope.
 
-Real configs keep the language model at the top level or nested under a multimodal / wrapper key
-(``text_config``, ``thinker_config.text_config`` …) and name the same field in several ways
-(``n_layer``, ``num_layers`` …; ``n_routed_experts``, ``num_local_experts`` …). :func:`_probe_config`
-finds the text config, reads each field from it (then the top level, then ``AutoConfig``'s default) and
-records where each value came from. Also here: the embedding's row count from the safetensors header
-(:func:`_embedding_rows`) and the eos ids of ``generation_config.json`` (:func:`_generation_eos`), the
-other target files the probe reads besides the tokenizer's.
+`_probe_config` finds the text config (top level or nested: `text_config`, `thinker_config.text_config`
+…), reads each field under its several names (then the top level, then `AutoConfig`'s default) and
+records where each value came from. Also the embedding's rows from the safetensors header and the eos ids
+of `generation_config.json`.
 """
 
 from __future__ import annotations
@@ -56,9 +53,9 @@ _ALIASES = {
     "num_key_value_heads": ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num"),
     "max_position_embeddings": CONTEXT_LENGTH_KEYS,
 }
-#: MoE expert-count keys seen in the wild → normalized ``num_experts``.
+#: MoE expert-count keys seen in the wild → normalized `num_experts`.
 EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts", "n_experts")
-#: MoE routing top-k keys → normalized ``num_experts_per_tok``.
+#: MoE routing top-k keys → normalized `num_experts_per_tok`.
 EXPERTS_PER_TOKEN_KEYS = (
     "num_experts_per_tok",
     "experts_per_token",
@@ -69,13 +66,12 @@ EXPERTS_PER_TOKEN_KEYS = (
 )
 
 
-# --------------------------------------------------------------------------------------------------
-# config.json
+# --- config.json
 
 
 def _find_text_config(cfg: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
-    """Return ``(path, sub_config)`` of the language model's config: ``""`` for the top level, else a
-    dotted key path such as ``"text_config"`` or ``"thinker_config.text_config"``."""
+    """Return `(path, sub_config)` of the language model's config: `""` for the top level, else a
+    dotted key path such as `"text_config"` or `"thinker_config.text_config"`."""
 
     def has_core(d: Mapping[str, Any]) -> bool:
         layers = _first(d, _ALIASES["num_hidden_layers"]) if block_type_count(d)[1] is None else True
@@ -120,7 +116,7 @@ def _first_key(d: Mapping[str, Any], keys: Sequence[str]) -> tuple[str | None, A
 
 
 def _try_autoconfig(target_dir: Path, trust_remote_code: bool) -> tuple[Any, str | None]:
-    """``(config, None)`` when ``AutoConfig`` loads the directory offline, else ``(None, reason)``."""
+    """`(config, None)` when `AutoConfig` loads the directory offline, else `(None, reason)`."""
     try:
         from transformers import AutoConfig
         from transformers.utils import logging as hf_logging
@@ -168,19 +164,18 @@ def _derive_layer_types(text: Mapping[str, Any], n_layers: int, auto_text: Any) 
 
 
 def text_hidden_size(target_dir: str | Path) -> int:
-    """Hidden size H of the target's language model from ``<target_dir>/config.json``, read as the probe
-    reads it (the text config :func:`_find_text_config` finds, the synonyms of ``_ALIASES["hidden_size"]``):
+    """Hidden size H of the target's language model from `<target_dir>/config.json`, read as the probe reads it:
     plan-time sizing before the probe record exists (the features stage's disk check).
 
     Raises:
-        ProbeError: no ``config.json``, or no language-model config in it.
+        ProbeError: no `config.json`, or no language-model config in it.
     """
     raw = _read_config_json(Path(target_dir) / "config.json")
     return int(_first(_find_text_config(raw)[1], _ALIASES["hidden_size"]))
 
 
 def _read_config_json(path: Path) -> dict:
-    """``config.json`` as a dict; ProbeError (naming the file and the fix) when missing or not an object."""
+    """`config.json` as a dict; ProbeError (naming the file and the fix) when missing or not an object."""
     if not path.is_file():
         raise ProbeError(f"{path}: not found; `target.path` must be a model directory with config.json")
     try:
@@ -193,7 +188,7 @@ def _read_config_json(path: Path) -> dict:
 
 
 def _attention_facts(text: Mapping[str, Any], pick, hidden: Any, heads: Any, kv_heads: Any) -> tuple[dict, Any, Any]:
-    """``(attention record, head_dim, head_dim source)``: MLA (kv_lora_rank), else MHA/GQA, plus the
+    """`(attention record, head_dim, head_dim source)`: MLA (kv_lora_rank), else MHA/GQA, plus the
     sliding-window / bias / output-gate / partial-rotary fields the config states."""
     kv_lora = text.get("kv_lora_rank")
     if kv_lora is not None:
@@ -240,7 +235,7 @@ def _moe_facts(text: Mapping[str, Any]) -> dict | None:
 
 
 def _rope_facts(text: Mapping[str, Any]) -> dict:
-    """``{theta, type, scaling, parameters}``; theta per layer type when the config has one per type (Gemma)."""
+    """`{theta, type, scaling, parameters}`; theta per layer type when the config has one per type (Gemma)."""
     rope_params = text.get("rope_parameters")
     rope_scaling = text.get("rope_scaling")
     theta = text.get("rope_theta")
@@ -257,7 +252,7 @@ def _rope_facts(text: Mapping[str, Any]) -> dict:
 
 
 def _tie_facts(raw: Mapping[str, Any], text_path: str, text: Mapping[str, Any], auto_cfg: Any) -> tuple[Any, Any]:
-    """``(tie_word_embeddings, source)`` from the text config, the top level, else AutoConfig's default."""
+    """`(tie_word_embeddings, source)` from the text config, the top level, else AutoConfig's default."""
     for where, d in ((text_path, text), ("", raw)):
         if d.get("tie_word_embeddings") is not None:
             return bool(d["tie_word_embeddings"]), (f"{where}.tie_word_embeddings" if where else "tie_word_embeddings")
@@ -272,15 +267,15 @@ def _eos_list(v: Any) -> list[int]:
     return [int(x) for x in (v if isinstance(v, list) else [v])]
 
 
-#: ``pick(name, keys=None, *, top_fallback=True) -> (value, source)``: see :func:`_picker`.
+#: `pick(name, keys=None, *, top_fallback=True) -> (value, source)`: see `_picker`.
 Picker = Callable[..., "tuple[Any, str | None]"]
 
 
 def _picker(raw: Mapping[str, Any], text_path: str, text: Mapping[str, Any], auto_text: Any) -> Picker:
-    """A lookup of one config field by its aliases: the text config first, then (``top_fallback``, for a
-    nested text config) the top level, then ``AutoConfig``'s default. ``pick`` returns ``(value, source)``,
-    the source a key path (``"text_config.num_experts"``) or ``"AutoConfig default (name)"``; ``(None,
-    None)`` when nothing states the field."""
+    """A lookup of one config field by its aliases: the text config first, then (`top_fallback`, for a
+    nested text config) the top level, then `AutoConfig`'s default. `pick` returns `(value, source)`,
+    the source a key path (`"text_config.num_experts"`) or `"AutoConfig default (name)"`; `(None,
+    None)` when nothing states the field."""
 
     def pick(name: str, keys: Sequence[str] | None = None, *, top_fallback: bool = True) -> tuple[Any, str | None]:
         keys = keys or _ALIASES.get(name, (name,))
@@ -301,16 +296,15 @@ def _picker(raw: Mapping[str, Any], text_path: str, text: Mapping[str, Any], aut
 def _size_facts(
     path: Path, text_path: str, text: Mapping[str, Any], pick: Picker, auto_text: Any, warnings: list[str]
 ) -> dict:
-    """``hidden_size``, ``num_hidden_layers``, ``vocab_size`` (as the config states it), the attention heads
-    and KV heads (default: the attention heads) with the KV heads' source, in the record's key order.
+    """`hidden_size`, `num_hidden_layers`, `vocab_size` (as the config states it), the attention heads and KV heads
+    with the KV heads' source, in the record's key order.
 
-    ``num_hidden_layers`` is the number of decoder layers transformers builds: the config's count, else the
-    length of its per-layer block list (:func:`~dflash_pipeline.probe.checks.block_type_count`); when
-    ``AutoConfig`` (``auto_text``) builds a different number, its count, with a warning appended to
-    ``warnings``.
+    `num_hidden_layers` is the number of decoder layers transformers builds: the config's count, else the length of its
+    per-layer block list; when `AutoConfig` (`auto_text`) builds a different number, its count, with a warning appended
+    to `warnings`.
 
     Raises:
-        ProbeError: no ``vocab_size`` (names the file and where it looked).
+        ProbeError: no `vocab_size` (names the file and where it looked).
     """
     hidden, _ = pick("hidden_size")
     n_layers, n_layers_src = pick("num_hidden_layers")
@@ -343,7 +337,7 @@ def _size_facts(
 
 
 def _config_source(auto_cfg: Any, auto_err: str | None) -> dict:
-    """``{file, loader, autoconfig_error, autoconfig_class}``: whether ``AutoConfig`` or the raw JSON was read."""
+    """`{file, loader, autoconfig_error, autoconfig_class}`: whether `AutoConfig` or the raw JSON was read."""
     return {
         "file": "config.json",
         "loader": "AutoConfig" if auto_cfg is not None else "raw_json",
@@ -353,12 +347,12 @@ def _config_source(auto_cfg: Any, auto_err: str | None) -> dict:
 
 
 def _probe_config(target_dir: Path, trust_remote_code: bool) -> tuple[dict, list[str], Any]:
-    """The config part of the record, warnings, and the ``AutoConfig`` object (None when it could not
+    """The config part of the record, warnings, and the `AutoConfig` object (None when it could not
     load).
 
     Raises:
         ProbeRefusal: an architecture the drafter cannot be built for
-            (:func:`~dflash_pipeline.probe.checks.architecture_refusal`, with the reason).
+            (`architecture_refusal`, with the reason).
         ProbeError: a missing/unusable config.
     """
     path = target_dir / "config.json"
@@ -413,13 +407,12 @@ def _probe_config(target_dir: Path, trust_remote_code: bool) -> tuple[dict, list
     return record, warnings, auto_cfg
 
 
-# --------------------------------------------------------------------------------------------------
-# the embedding and generation_config.json
+# --- the embedding and generation_config.json
 
 
 def _embedding_rows(target_dir: Path, vocab_size: int) -> tuple[int, str]:
     """Rows of the input embedding: from the safetensors header when weights are present (reads only
-    the header, never tensor data), else ``vocab_size``."""
+    the header, never tensor data), else `vocab_size`."""
     index = target_dir / "model.safetensors.index.json"
     candidates: list[tuple[Path, str | None]] = []
     try:
@@ -446,7 +439,7 @@ def _embedding_rows(target_dir: Path, vocab_size: int) -> tuple[int, str]:
 
 
 def _generation_eos(target_dir: Path) -> list[int]:
-    """eos ids listed in ``generation_config.json`` (int or list), [] when absent or unreadable."""
+    """eos ids listed in `generation_config.json` (int or list), [] when absent or unreadable."""
     path = target_dir / "generation_config.json"
     try:
         g = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id") if path.is_file() else None
@@ -456,8 +449,8 @@ def _generation_eos(target_dir: Path) -> list[int]:
 
 
 def _embedding_facts(target_dir: Path, vocab_size: int, warnings: list[str]) -> dict:
-    """``{embedding_rows, embedding_rows_source}`` (:func:`_embedding_rows`); appends a warning to
-    ``warnings`` when the rows differ from the config's ``vocab_size``."""
+    """`{embedding_rows, embedding_rows_source}` (`_embedding_rows`); appends a warning to
+    `warnings` when the rows differ from the config's `vocab_size`."""
     rows, rows_src = _embedding_rows(target_dir, vocab_size)
     if rows != vocab_size:
         warnings.append(f"embedding has {rows} rows but config vocab_size is {vocab_size}")

@@ -1,5 +1,5 @@
-"""Drafter sizing: the decisions the probe records under ``drafter`` (DESIGN.md §2): the block size and
-drafter depth checked, the target layers the drafter reads (``target_layer_ids``, reference/dflash.md
+"""Drafter sizing: the decisions the probe records under `drafter` (DESIGN.md §2): the block size and
+drafter depth checked, the target layers the drafter reads (`target_layer_ids`, reference/dflash.md
 §3.1) and the mask token id (§4.7).
 """
 
@@ -13,17 +13,17 @@ from dflash_pipeline.target.layer_ids import build_target_layer_ids, hf_hidden_s
 
 
 def _check_drafter_sizes(block_size: int, num_draft_layers: int) -> None:
-    """Raise ConfigError (naming the ``drafter.*`` key) for ``block_size < 2``
-    (:func:`~dflash_pipeline.drafter.block_size.check_block_size`) or ``num_draft_layers < 1``."""
+    """Raise ConfigError (naming the `drafter.*` key) for `block_size < 2`
+    (`check_block_size`) or `num_draft_layers < 1`."""
     check_block_size(block_size, key="drafter.block_size")
     if num_draft_layers < 1:
         raise ConfigError(f"drafter.num_draft_layers must be >= 1, got {num_draft_layers}")
 
 
 def target_feature_count(drafter_cfg: Mapping[str, Any]) -> int:
-    """K, the number of target layers the drafter fuses, as the probe chooses it from the validated
-    ``drafter`` config section (:func:`_choose_target_layer_ids`): the length of ``target_layer_ids`` when
-    given, else ``num_target_features``, else ``num_draft_layers`` (reference/dflash.md §3.1)."""
+    """K, the number of target layers the drafter fuses, as the probe chooses it from the validated `drafter` config
+    section: the length of `target_layer_ids` when given, else `num_target_features`, else `num_draft_layers`
+    (reference/dflash.md §3.1)."""
     if drafter_cfg["target_layer_ids"]:
         return len(drafter_cfg["target_layer_ids"])
     k = drafter_cfg["num_target_features"]
@@ -33,11 +33,11 @@ def target_feature_count(drafter_cfg: Mapping[str, Any]) -> int:
 def _choose_target_layer_ids(
     n_layers: int, *, num_draft_layers: int, num_target_features: int | None, target_layer_ids: Sequence[int] | None
 ) -> tuple[list[int], str]:
-    """``(target_layer_ids, source)``: the explicit ids (validated) or the reference formula for
-    K = ``num_target_features`` (default ``num_draft_layers``) of ``n_layers`` (reference/dflash.md §3.1).
+    """`(target_layer_ids, source)`: the explicit ids (validated) or the reference formula for
+    K = `num_target_features` (default `num_draft_layers`) of `n_layers` (reference/dflash.md §3.1).
 
     Raises:
-        ConfigError: ids out of range, repeated or unordered (:func:`validate_target_layer_ids`), K that does
+        ConfigError: ids out of range, repeated or unordered, K that does
             not match the explicit ids, or a K the formula cannot place.
     """
     k = num_target_features if num_target_features is not None else num_draft_layers
@@ -56,14 +56,14 @@ def resolve_mask_token_id(
 ) -> tuple[int, str]:
     """Choose the drafter's mask token id (reference/dflash.md §4.7, pitfall §4.8.6).
 
-    Order: ``explicit`` (``drafter.mask_token_id``) → the tokenizer's mask token → the first embedding
-    row past the real tokens (``len(tokenizer)``, when ``embedding_rows > len(tokenizer)``) → error.
-    The id always indexes an existing row of the target embedding (``0 <= id < embedding_rows``).
+    Order: `explicit` (`drafter.mask_token_id`) → the tokenizer's mask token → the first embedding
+    row past the real tokens (`len(tokenizer)`, when `embedding_rows > len(tokenizer)`) → error.
+    The id always indexes an existing row of the target embedding (`0 <= id < embedding_rows`).
 
-    Returns ``(mask_token_id, explanation)``.
+    Returns `(mask_token_id, explanation)`.
 
     Raises:
-        ConfigError: an explicit id outside the embedding (names ``drafter.mask_token_id``).
+        ConfigError: an explicit id outside the embedding (names `drafter.mask_token_id`).
         ProbeError: no tokenizer to decide from, or no free row and no mask token (names the key to set).
     """
     if explicit is not None:
@@ -96,7 +96,7 @@ def resolve_mask_token_id(
 def _choose_mask_token_id(
     explicit: int | None, tokenizer: Mapping[str, Any], embedding_rows: int
 ) -> tuple[int | None, str]:
-    """:func:`resolve_mask_token_id` when there is a tokenizer or an explicit id; else ``(None, reason)``
+    """`resolve_mask_token_id` when there is a tokenizer or an explicit id; else `(None, reason)`
     (a lenient probe of a directory without tokenizer files)."""
     if tokenizer.get("present") or explicit is not None:
         return resolve_mask_token_id(explicit=explicit, tokenizer=tokenizer, embedding_rows=embedding_rows)
@@ -106,7 +106,7 @@ def _choose_mask_token_id(
 def _drafter_record(
     block_size: int, num_draft_layers: int, ids: list[int], ids_src: str, mask_token_id: int | None, mask_token_src: str
 ) -> dict:
-    """The record's ``drafter`` section, with the HF ``hidden_states`` index of each target layer."""
+    """The record's `drafter` section, with the HF `hidden_states` index of each target layer."""
     return {
         "block_size": int(block_size),
         "num_draft_layers": int(num_draft_layers),

@@ -1,5 +1,5 @@
-"""The probe record on disk: its JSON Schema (``schemas/probe.schema.json``), validation, the atomic write
-of ``results/probe/<run>.json``, and the readable summary the CLI prints."""
+"""The probe record on disk: its JSON Schema (`schemas/probe.schema.json`), validation, the atomic write
+of `results/probe/<run>.json`, and the readable summary the CLI prints."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ SCHEMA_PATH = Path(__file__).parent.parent / "core" / "schemas" / "probe.schema.
 
 
 def write_probe(record: Mapping[str, Any], path: str | os.PathLike) -> bool:
-    """Validate ``record`` against the probe schema and write it atomically (see shards.write_json).
+    """Validate `record` against the probe schema and write it atomically.
 
-    ``probe_seconds`` is dropped from the file so equal targets give byte-identical files (and the
-    Snakemake output keeps its mtime). Returns True when the file was (re)written.
+    `probe_seconds` is dropped from the file so equal targets give byte-identical files. Returns True when the file was
+    (re)written.
     """
     rec = {k: v for k, v in record.items() if k != "probe_seconds"}
     validate_probe(rec)
@@ -26,12 +26,12 @@ def write_probe(record: Mapping[str, Any], path: str | os.PathLike) -> bool:
 
 
 def load_probe_schema() -> dict:
-    """The probe record's JSON Schema (``schemas/probe.schema.json``)."""
+    """The probe record's JSON Schema (`schemas/probe.schema.json`)."""
     return json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
 
 
 def validate_probe(record: Mapping[str, Any]) -> None:
-    """Raise ProbeError when ``record`` does not match the probe schema (names the field)."""
+    """Raise ProbeError when `record` does not match the probe schema (names the field)."""
     import jsonschema
 
     validator = jsonschema.Draft202012Validator(load_probe_schema())

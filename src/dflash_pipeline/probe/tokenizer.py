@@ -1,11 +1,6 @@
-"""Tokenizer probing: load the target's tokenizer as the pipeline will (fast ``tokenizer.json``, a
-sentencepiece or tiktoken vocabulary, or the model's own remote code) and record its facts.
-
-:func:`_tokenizer_facts` is the probe's tokenizer step: the facts of :func:`_probe_tokenizer` when the
-tokenizer files are there, else a ``present: false`` record (lenient) or an error (strict). A tokenizer
-that cannot load is refused with the fix: the package to install (and add to :data:`PROBE_ENV_FILE`) or
-the key to set (``target.trust_remote_code``). The mask token's id is recorded here; the choice of
-``drafter.mask_token_id`` is in :mod:`.drafter`.
+"""Tokenizer probing: load the target's tokenizer as the pipeline will (fast, sentencepiece, tiktoken or
+remote code) and record its facts. A tokenizer that cannot load is refused with the fix: the package to
+install (and add to `PROBE_ENV_FILE`) or `target.trust_remote_code`.
 """
 
 from __future__ import annotations
@@ -46,8 +41,8 @@ def _tokenizer_error(target_dir: Path, exc: Exception, trust_remote_code: bool) 
 
 
 def _vocab_file_kind(path: Path) -> str | None:
-    """``"tiktoken"`` for a tiktoken BPE ranks file (lines ``<base64 token> <rank>``), ``"sentencepiece"``
-    for a binary sentencepiece model (a protobuf), None when unreadable. Both are often named ``*.model``."""
+    """`"tiktoken"` for a tiktoken BPE ranks file (lines `<base64 token> <rank>`), `"sentencepiece"`
+    for a binary sentencepiece model (a protobuf), None when unreadable. Both are often named `*.model`."""
     try:
         with open(path, "rb") as fh:
             head = fh.read(4096)
@@ -62,8 +57,8 @@ def _vocab_file_kind(path: Path) -> str | None:
 
 
 def _vocab_file(tok: Any, target_dir: Path) -> Path | None:
-    """The file the tokenizer's vocabulary came from: ``tokenizer.json`` when present, else the class's
-    ``vocab_file`` (``tokenizer.model``, ``tiktoken.model``, ``vocab.json`` ...)."""
+    """The file the tokenizer's vocabulary came from: `tokenizer.json` when present, else the class's
+    `vocab_file` (`tokenizer.model`, `tiktoken.model`, `vocab.json` ...)."""
     if (target_dir / "tokenizer.json").is_file():
         return target_dir / "tokenizer.json"
     vf = getattr(tok, "vocab_file", None) or (getattr(tok, "init_kwargs", None) or {}).get("vocab_file")
@@ -73,10 +68,8 @@ def _vocab_file(tok: Any, target_dir: Path) -> Path | None:
 
 
 def _backend(tok: Any, vocab_file: Path | None) -> str:
-    """Where the tokenization rules come from: ``tiktoken`` (a tiktoken BPE ranks file, run by tiktoken in
-    remote code, or converted), ``sentencepiece`` (a sentencepiece model: a slow ``sp_model`` tokenizer, or
-    transformers' conversion of ``tokenizer.model`` into a fast tokenizer), ``fast`` (``tokenizer.json``),
-    ``python`` (any other slow tokenizer)."""
+    """Where the tokenization rules come from: `tiktoken`, `sentencepiece`, `fast` (`tokenizer.json`), `python` (any
+    other slow tokenizer)."""
     mods = type(tok).__module__ + " " + " ".join(type(v).__module__ for v in vars(tok).values() if v is not None)
     if "tiktoken" in mods:
         return "tiktoken"
@@ -90,8 +83,8 @@ def _backend(tok: Any, vocab_file: Path | None) -> str:
 
 
 def _check_sentencepiece_deps(target_dir: Path) -> None:
-    """A sentencepiece ``tokenizer.model`` without ``tokenizer.json`` is converted by transformers, which
-    needs ``sentencepiece`` and ``protobuf``; without them it silently falls back to a tiktoken parser and
+    """A sentencepiece `tokenizer.model` without `tokenizer.json` is converted by transformers, which
+    needs `sentencepiece` and `protobuf`; without them it silently falls back to a tiktoken parser and
     fails with an unrelated message. Say what to install instead."""
     if (target_dir / "tokenizer.json").is_file() or _tokenizer_auto_map(target_dir):
         return
@@ -121,15 +114,14 @@ def _check_sentencepiece_deps(target_dir: Path) -> None:
 
 
 def _load_tokenizer(target_dir: Path, *, trust_remote_code: bool, config: Any = None) -> Any:
-    """``AutoTokenizer`` of ``target_dir`` (offline), refused with the fix when it cannot load.
+    """`AutoTokenizer` of `target_dir` (offline), refused with the fix when it cannot load.
 
-    ``config`` is the ``AutoConfig`` the probe already loaded (None when it could not): it is handed to
-    ``AutoTokenizer`` so that a config whose own remote code is absent (a directory with only config.json
-    and the tokenizer files, as often copied around) does not stop the tokenizer from loading.
+    `config` is the `AutoConfig` the probe already loaded (None when it could not): it is handed to `AutoTokenizer` so
+    that a config whose own remote code is absent does not stop the tokenizer from loading.
 
     Raises:
-        ProbeError: remote tokenizer code without ``trust_remote_code``, a missing package (names it and
-            :data:`PROBE_ENV_FILE`), any other load failure, or a tokenizer of under 16 tokens (incomplete files).
+        ProbeError: remote tokenizer code without `trust_remote_code`, a missing package (names it and
+            `PROBE_ENV_FILE`), any other load failure, or a tokenizer of under 16 tokens (incomplete files).
     """
     auto_map = _tokenizer_auto_map(target_dir)
     if auto_map and not trust_remote_code:
@@ -160,8 +152,8 @@ def _load_tokenizer(target_dir: Path, *, trust_remote_code: bool, config: Any = 
 
 
 def _chat_template(tok: Any, chat_template: str | os.PathLike | None) -> tuple[str | None, str | None]:
-    """``(template text, source)``: the ``chat_template`` override file when given, else the tokenizer's
-    own template (source ``"tokenizer"``); ``(None, None)`` when there is neither."""
+    """`(template text, source)`: the `chat_template` override file when given, else the tokenizer's
+    own template (source `"tokenizer"`); `(None, None)` when there is neither."""
     template, template_src = (
         getattr(tok, "chat_template", None),
         "tokenizer" if getattr(tok, "chat_template", None) else None,
@@ -172,7 +164,7 @@ def _chat_template(tok: Any, chat_template: str | os.PathLike | None) -> tuple[s
 
 
 def _thinking_markers(vocab: dict) -> dict | None:
-    """``{open: {token, id}, close: {token, id}}`` of :data:`THINK_MARKERS`, None when neither is a token."""
+    """`{open: {token, id}, close: {token, id}}` of `THINK_MARKERS`, None when neither is a token."""
     markers = {}
     for name, m in zip(("open", "close"), THINK_MARKERS):
         markers[name] = {"token": m, "id": vocab.get(m)}
@@ -184,8 +176,7 @@ def _probe_tokenizer(
 ) -> dict:
     """Tokenizer facts; raises ProbeError (what to install / set) when the files exist but cannot load.
 
-    ``config`` is the ``AutoConfig`` the probe already loaded (None when it could not), handed to
-    ``AutoTokenizer`` (see :func:`_load_tokenizer`)."""
+    `config` is the `AutoConfig` the probe already loaded (None when it could not), handed to `AutoTokenizer`."""
     tok = _load_tokenizer(target_dir, trust_remote_code=trust_remote_code, config=config)
     cls = type(tok)
     remote = not cls.__module__.startswith("transformers.")
@@ -232,11 +223,11 @@ def _tokenizer_facts(
     strict: bool,
     warnings: list[str],
 ) -> dict:
-    """The record's ``tokenizer``: :func:`_probe_tokenizer` when the tokenizer files are there; else
-    (``strict`` False) ``{present: false, missing_reason}`` with the reason appended to ``warnings``.
+    """The record's `tokenizer`: `_probe_tokenizer` when the tokenizer files are there; else
+    (`strict` False) `{present: false, missing_reason}` with the reason appended to `warnings`.
 
     Raises:
-        ProbeError: the tokenizer files are missing (``strict``), or they do not load (see :func:`_load_tokenizer`).
+        ProbeError: the tokenizer files are missing (`strict`), or they do not load (see `_load_tokenizer`).
     """
     missing = tokenizer_files_missing(target_dir)
     if missing is None:

@@ -16,7 +16,7 @@ from .readers import read_records
 
 log = logging.getLogger(__package__)  # one logger for the whole prompts stage
 
-#: Extra formats only :func:`load_eval_prompts` understands (the DFlash authors' eval prompt formats).
+#: Extra formats only `load_eval_prompts` understands (the DFlash authors' eval prompt formats).
 EVAL_FORMATS = FORMATS + ("gsm8k", "humaneval")
 
 #: DFlash eval prompt formats (reference/dflash.md §7.2).
@@ -37,20 +37,17 @@ def _eval_format(record: Mapping[str, Any]) -> str:
 def load_eval_prompts(path: str | os.PathLike, *, fmt: str = "auto", num_samples: int, seed: int) -> list[dict]:
     """Held-out eval prompts in the DFlash authors' formats (reference/dflash.md §7.2).
 
-    Formats: ``gsm8k`` -> ``question + GSM8K_SUFFIX``; ``humaneval`` -> :data:`HUMANEVAL_TEMPLATE`;
-    ``mt_bench`` -> its ``turns`` (multi-turn); any :data:`FORMATS` entry -> the user turns of
-    :func:`normalize_record`. ``auto`` recognizes HumanEval (``task_id`` + ``entry_point`` + ``prompt``) and
-    GSM8K (``question`` + an ``answer`` containing ``####``) records, else defers to normalize_record.
+    Formats: `gsm8k` (`question + GSM8K_SUFFIX`), `humaneval` (`HUMANEVAL_TEMPLATE`), `mt_bench` (its
+    `turns`), any `FORMATS` entry (the user turns of `normalize_record`); `auto` recognizes HumanEval and
+    GSM8K records.
 
     Returns:
-        ``num_samples`` records (all when fewer exist) ``{prompt_id, turns: [user strings], system: str |
-        None}``, chosen by ``random.Random(seed).shuffle`` of the file-ordered records: deterministic for a
-        given file, seed and count. ``prompt_id`` hashes the user messages as sent.
+        `num_samples` records (all when fewer) `{prompt_id, turns: [user strings], system: str | None}`,
+        drawn by `random.Random(seed).shuffle` of the file-ordered records.
 
     Raises:
-        DataError: unreadable/malformed file (strict), or a record without the format's field.
-        ConfigError: unknown ``fmt`` or ``num_samples < 1``.
-    """
+        DataError: unreadable/malformed file, or a record without the format's field.
+        ConfigError: unknown `fmt` or `num_samples < 1`."""
     if fmt not in EVAL_FORMATS:
         raise ConfigError(f"eval set format {fmt!r} unknown; use one of {EVAL_FORMATS}")
     if num_samples < 1:

@@ -1,7 +1,7 @@
-"""The keep decisions of the prompts stage: whether one normalized prompt is kept (:func:`_drop_reason`: the
-``fraction`` draw, dedup across sources, special-token text, language, length), with the options every source
-shares (:class:`_Filters`), checked before any source is read (:func:`_checked_filters`).
-:mod:`.sharding` applies them record by record."""
+"""The keep decisions of the prompts stage: whether one normalized prompt is kept (`_drop_reason`: the
+`fraction` draw, dedup across sources, special-token text, language, length), with the options every source
+shares (`_Filters`), checked before any source is read (`_checked_filters`).
+`.sharding` applies them record by record."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 
 def keep_score(seed: int, pid: str) -> float:
-    """Uniform number in [0, 1) for the per-record ``fraction`` decision: sha256 of ``"{seed}:{pid}"``."""
+    """Uniform number in [0, 1) for the per-record `fraction` decision: sha256 of `"{seed}:{pid}"`."""
     digest = hashlib.sha256(f"{seed}:{pid}".encode("ascii")).digest()
     return int.from_bytes(digest[:8], "big") / 2.0**64
 
@@ -37,7 +37,7 @@ def _count_tokens(tokenizer, messages: Sequence[dict]) -> int:
 
 @dataclass
 class _Filters:
-    """What every source shares: the seed of ``fraction``, the length limit, the language identifier and
+    """What every source shares: the seed of `fraction`, the length limit, the language identifier and
     the prompt ids kept so far (dedup across sources: the first source in config order wins)."""
 
     seed: int
@@ -52,8 +52,8 @@ class _Filters:
 def _language_filters(
     datasets: Mapping[str, Mapping[str, Any]], languages: Sequence[str] | None, min_language_confidence: float
 ) -> tuple[dict[str, tuple[frozenset, float] | None], Any]:
-    """Each source's ``(allowed languages, min confidence)`` (None: no filter) and the py3langid
-    identifier (None when no source filters). Raises ConfigError (see :func:`build_prompt_shards`)."""
+    """Each source's `(allowed languages, min confidence)` (None: no filter) and the py3langid
+    identifier (None when no source filters). Raises ConfigError (see `build_prompt_shards`)."""
     problems = language_problems({"languages": languages, "min_language_confidence": min_language_confidence}, datasets)
     if problems:
         raise ConfigError("language filter: " + "; ".join(problems))
@@ -81,8 +81,8 @@ def _drop_reason(
     filters: _Filters,
     tally: _SourceTally,
 ) -> tuple[str, str] | None:
-    """Why a normalized prompt is not kept (``sampled_out``, ``duplicate``, ``special_token_text``,
-    ``language``, ``low_language_confidence``, ``too_long``, checked in that order) and a detail for its
+    """Why a normalized prompt is not kept (`sampled_out`, `duplicate`, `special_token_text`,
+    `language`, `low_language_confidence`, `too_long`, checked in that order) and a detail for its
     example, or None to keep it."""
     if fraction < 1.0 and keep_score(filters.seed, pid) >= fraction:
         return "sampled_out", f"fraction {fraction}"
@@ -122,13 +122,12 @@ def _checked_filters(
     min_language_confidence: float,
     special_token_text: str | None,
 ) -> tuple[_Filters, dict[str, tuple[frozenset, float] | None]]:
-    """The options of :func:`build_prompt_shards` checked before any source is read: the shared
-    :class:`_Filters` and each source's language filter (:func:`_language_filters`).
+    """The options of `build_prompt_shards` checked before any source is read: the shared
+    `_Filters` and each source's language filter (`_language_filters`).
 
     Raises:
-        ConfigError: ``shard_size`` < 1, ``max_prompt_tokens`` without tokenizer, bad language settings
-            (every problem, by config key: :func:`language_problems`), a language filter without py3langid
-            installed, a ``special_token_text`` other than drop/keep/None or without tokenizer (in that order).
+        ConfigError: `shard_size` < 1, `max_prompt_tokens` without tokenizer, bad language settings, a language filter
+            without py3langid installed, a `special_token_text` other than drop/keep/None or without tokenizer.
     """
     if shard_size < 1:
         raise ConfigError(f"prompts.shard_size must be >= 1, got {shard_size}")

@@ -1,5 +1,5 @@
-"""Language filter of the prompt stage (``prompts.languages``, per-source ``languages``): py3langid on
-the user turns, the config checks of the language block (:func:`language_problems`) and each source's
+"""Language filter of the prompt stage (`prompts.languages`, per-source `languages`): py3langid on
+the user turns, the config checks of the language block (`language_problems`) and each source's
 effective allow-list."""
 
 from __future__ import annotations
@@ -8,12 +8,11 @@ from typing import Any, Mapping, Sequence
 
 from dflash_pipeline.core.errors import ConfigError
 
-#: Characters of a prompt's user text that the language filter classifies (see :func:`language_sample`).
-#: py3langid walks the UTF-8 bytes one by one in Python (~0.4 ms for 500 English characters on the 2-core
-#: dev machine), so the sample is bounded; 500 characters identify a language reliably.
+#: Characters of a prompt's user text that the language filter classifies (see `language_sample`).
+#: py3langid walks the UTF-8 bytes in Python (~0.4 ms for 500 characters), so the sample is bounded.
 LANGUAGE_SAMPLE_CHARS = 500
 #: Labels the model bundled with py3langid 0.4 returns: ISO 639-1 where one exists, else ISO 639-3
-#: (e.g. ``yue``), and ``zxx`` (no linguistic content). ``languages`` entries are checked against this
+#: (e.g. `yue`), and `zxx` (no linguistic content). `languages` entries are checked against this
 #: list at config time, without loading the model.
 LANGUAGE_CODES = frozenset(
     "ace af am an ar ary arz as az ba bcl be bg bn br bs ca crh cs cy da de dz el en eo es et eu ext fa fi fo "
@@ -24,16 +23,15 @@ LANGUAGE_CODES = frozenset(
 )
 #: How to install the language filter's dependency (named in errors).
 LANGUAGE_INSTALL = "pip install 'dflash-pipeline[lang]' (or: pip install 'py3langid>=0.4')"
-#: ``datasets.<name>.languages`` value that turns off a language filter set in ``prompts.languages``.
+#: `datasets.<name>.languages` value that turns off a language filter set in `prompts.languages`.
 ANY_LANGUAGE = "any"
 
 _LANGUAGE_IDENTIFIER = None  # loaded once per process (~1 s), only when a language filter is configured
 
 
 def language_sample(messages: Sequence[Mapping[str, str]]) -> str:
-    """The text the language filter classifies: the user turns' contents joined by newlines, cut to the
-    first :data:`LANGUAGE_SAMPLE_CHARS` characters (system turns are often boilerplate in another
-    language than the user's, so they are left out)."""
+    """The text the language filter classifies: the user turns' contents joined by newlines, cut to the first
+    `LANGUAGE_SAMPLE_CHARS` characters."""
     return "\n".join(m["content"] for m in messages if m["role"] == "user")[:LANGUAGE_SAMPLE_CHARS]
 
 
@@ -41,7 +39,7 @@ def _language_identifier(key: str):
     """The py3langid identifier (probabilities normalized, all languages), loaded on first use.
 
     Raises:
-        ConfigError: py3langid is not installed (names ``key`` and the install command).
+        ConfigError: py3langid is not installed (names `key` and the install command).
     """
     global _LANGUAGE_IDENTIFIER
     if _LANGUAGE_IDENTIFIER is None:
@@ -57,7 +55,7 @@ def _language_identifier(key: str):
 
 
 def _language_detector() -> str:
-    """``"py3langid <version>"``, recorded in the manifest (the model ships in the wheel: version = model)."""
+    """`"py3langid <version>"`, recorded in the manifest (the model ships in the wheel: version = model)."""
     import importlib.metadata
 
     try:
@@ -67,8 +65,8 @@ def _language_detector() -> str:
 
 
 def detect_language(text: str, *, key: str = "prompts.languages") -> tuple[str, float]:
-    """Most likely language of ``text`` and its probability in [0, 1], by py3langid's bundled model
-    (e.g. ``("fr", 0.99)``; text without letters tends to ``zxx``). Deterministic for a given install.
+    """Most likely language of `text` and its probability in [0, 1], by py3langid's bundled model. Deterministic for a
+    given install.
 
     Args:
         key: config key named in the error when py3langid is missing.
@@ -81,10 +79,9 @@ def detect_language(text: str, *, key: str = "prompts.languages") -> tuple[str, 
 
 
 def language_problems(prompts_cfg: Mapping[str, Any], datasets: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    """Problems with the language-filter settings, each naming its config key (empty when fine): unknown
-    language codes (not in :data:`LANGUAGE_CODES`), an empty list, a confidence outside [0, 1], or a
-    source's ``min_language_confidence`` with no language filter applying to that source. Does not need
-    py3langid, so the Snakefile checks this at planning time."""
+    """Problems with the language-filter settings, each naming its config key (empty when fine): unknown language
+    codes (not in `LANGUAGE_CODES`), an empty list, a confidence outside [0, 1], or a source's `min_language_confidence`
+    with no language filter applying to that source."""
     problems: list[str] = []
 
     def check_codes(key: str, value: Any, allow_any: bool) -> None:
@@ -127,7 +124,7 @@ def language_problems(prompts_cfg: Mapping[str, Any], datasets: Mapping[str, Map
 
 
 def _source_languages(default: Sequence[str] | None, name: str, src: Mapping[str, Any]) -> tuple[list[str] | None, str]:
-    """(effective allow-list of source ``name`` or None for no filter, the config key it comes from)."""
+    """`(allow-list or None, config key)` of source `name`."""
     own = src.get("languages")
     if own == ANY_LANGUAGE:
         return None, f"datasets.{name}.languages"

@@ -1,8 +1,7 @@
-"""Normalization of raw source records into prompt messages (``[{role, content}]``, system and user
-turns; in a conversation with tool calls also the source's tool-calling assistant turns and the ``tool``
-results, see :func:`normalize_record`): format detection (ShareGPT, OpenAI messages, Alpaca, plain prompt,
-MT-Bench), per-source field ``mapping``, role aliases, and the policy rejections counted as drop reasons
-(:class:`RejectedRecord`)."""
+"""Normalization of raw source records into prompt messages (`[{role, content}]`, system and user turns, and
+the tool turns of a conversation with tool calls): format detection, per-source field `mapping`, role
+aliases, and the policy rejections counted as drop reasons (`RejectedRecord`).
+"""
 
 from __future__ import annotations
 
@@ -12,12 +11,12 @@ from typing import Any, Mapping
 from dflash_pipeline.core.contracts import canonical_json
 from dflash_pipeline.core.errors import ConfigError, DataError
 
-#: Record formats understood by :func:`normalize_record` (``auto`` detects per record).
+#: Record formats understood by `normalize_record` (`auto` detects per record).
 FORMATS = ("auto", "sharegpt", "openai", "alpaca", "prompt", "mt_bench")
 #: Separator between an Alpaca instruction and its non-empty input (as the DFlash authors' alpaca eval).
 ALPACA_INPUT_SEPARATOR = "\n\nInput:\n"
 
-#: Source role names -> normalized role (ShareGPT ``from`` and OpenAI ``role`` values, lower-cased).
+#: Source role names -> normalized role (ShareGPT `from` and OpenAI `role` values, lower-cased).
 ROLE_ALIASES = {
     "system": "system",
     "developer": "system",
@@ -31,9 +30,9 @@ ROLE_ALIASES = {
     "model": "assistant",
     "bot": "assistant",
 }
-#: Source role names of tool turns -> normalized role: ``tool`` results (OpenAI ``tool``, its legacy ``function``,
-#: ShareGPT ``observation`` as LLaMA-Factory writes it, Llama 3.1's ``ipython``), and ShareGPT ``function_call``
-#: (an assistant turn whose ``value`` is the JSON of one call ``{name, arguments}`` or of a list of them).
+#: Source role names of tool turns -> normalized role: `tool` results (OpenAI `tool`, its legacy `function`,
+#: ShareGPT `observation` as LLaMA-Factory writes it, Llama 3.1's `ipython`), and ShareGPT `function_call`
+#: (an assistant turn whose `value` is the JSON of one call `{name, arguments}` or of a list of them).
 TOOL_ROLE_ALIASES = {
     "tool": "tool",
     "function": "tool",
@@ -41,7 +40,7 @@ TOOL_ROLE_ALIASES = {
     "ipython": "tool",
     "function_call": "function_call",
 }
-#: Canonical field names a per-source ``mapping`` may redirect to other source fields.
+#: Canonical field names a per-source `mapping` may redirect to other source fields.
 MAPPABLE_FIELDS = (
     "conversations",
     "messages",
@@ -64,9 +63,9 @@ _MISSING = object()
 
 
 class RejectedRecord(DataError):
-    """A well-formed record that the prompt policy rejects (``reason`` is the manifest's drop reason).
+    """A well-formed record that the prompt policy rejects (`reason` is the manifest's drop reason).
 
-    :func:`build_prompt_shards` counts these instead of failing, whatever ``strict`` says.
+    `build_prompt_shards` counts these instead of failing, whatever `strict` says.
     """
 
     def __init__(self, reason: str, detail: str):
@@ -76,17 +75,16 @@ class RejectedRecord(DataError):
 
 
 def _bad_tools(where: str, detail: str) -> RejectedRecord:
-    """The drop of a record whose tools or tool turns cannot be used (``bad_tool_turns``; names the field)."""
+    """The drop of a record whose tools or tool turns cannot be used (`bad_tool_turns`; names the field)."""
     return RejectedRecord("bad_tool_turns", f"`{where}` {detail}")
 
 
 def _tool_schemas(value: Any, where: str) -> str | None:
-    """A record's ``tools`` (a list, or its JSON text as LLaMA-Factory and some SpecForge sources write it) as the
-    canonical JSON text of the OpenAI ``tools`` list: ``[{type: function, function: {name, description?,
-    parameters?}}]``; a bare function schema ``{name, ...}`` is wrapped. None when empty or absent.
+    """A record's `tools` as the canonical JSON text of the OpenAI `tools` list: `[{type: function, function: {name,
+    description?, parameters?}}]`; a bare function schema `{name, ...}` is wrapped. None when empty or absent.
 
     Raises:
-        RejectedRecord: ``bad_tool_turns``: not JSON, not a list, or an entry without a function name.
+        RejectedRecord: `bad_tool_turns`: not JSON, not a list, or an entry without a function name.
     """
     if value is None or value == "" or value == []:
         return None
@@ -109,13 +107,12 @@ def _tool_schemas(value: Any, where: str) -> str | None:
 
 
 def _tool_calls(value: Any, where: str) -> list[dict]:
-    """Tool calls of a source turn as the OpenAI list ``[{id?, type: function, function: {name, arguments}}]``
-    (``arguments`` as the source wrote it: JSON text or an object). ``value``: the OpenAI ``tool_calls`` list, a
-    legacy ``function_call`` object, a ShareGPT ``function_call`` value (the JSON text of one call ``{name,
-    arguments}`` or of a list of them), or the JSON text of any of these.
+    """Tool calls of a source turn as the OpenAI list `[{id?, type: function, function: {name, arguments}}]`
+    (`arguments` as the source wrote it: JSON text or an object). `value`: the OpenAI `tool_calls` list, a legacy
+    `function_call` object, a ShareGPT `function_call` value, or the JSON text of any of these.
 
     Raises:
-        RejectedRecord: ``bad_tool_turns``: not JSON, or a call without a function name.
+        RejectedRecord: `bad_tool_turns`: not JSON, or a call without a function name.
     """
     if isinstance(value, str):
         try:
@@ -148,8 +145,8 @@ class MissingField(DataError):
 def _type_error(
     where: str, value: Any, expected: str, container: Mapping[str, Any] | None = None, what: str = "record"
 ) -> DataError:
-    """The error for field ``where`` holding ``value`` instead of ``expected``: :class:`MissingField`
-    when ``value`` is :data:`_MISSING` (listing the fields ``container``, a ``what``, does have)."""
+    """The error for field `where` holding `value` instead of `expected`: `MissingField`
+    when `value` is `_MISSING` (listing the fields `container`, a `what`, does have)."""
     if value is _MISSING:
         have = f" (the {what} has fields {sorted(map(str, container))[:20]})" if container is not None else ""
         return MissingField(f"field `{where}` is missing{have}; expected {expected}")
@@ -161,11 +158,11 @@ def _field(mapping: Mapping[str, str] | None, name: str) -> str:
 
 
 def detect_format(record: Mapping[str, Any], mapping: Mapping[str, str] | None = None) -> str:
-    """Record shape by its fields, first match wins: ``conversations`` -> sharegpt, ``messages`` -> openai,
-    ``turns`` -> mt_bench, ``instruction`` -> alpaca, ``prompt``/``question``/``problem`` -> prompt.
+    """Record shape by its fields, first match wins: `conversations` -> sharegpt, `messages` -> openai,
+    `turns` -> mt_bench, `instruction` -> alpaca, `prompt`/`question`/`problem` -> prompt.
 
     Raises:
-        RejectedRecord: ``no_prompt_field`` when none of them is present (set ``format``/``mapping``).
+        RejectedRecord: `no_prompt_field` when none of them is present (set `format`/`mapping`).
     """
     for name, fmt in (
         ("conversations", "sharegpt"),
@@ -271,8 +268,8 @@ def _chat_messages(
 
 
 def _source_calls(msg: Mapping[str, Any], role: str, where: str, content_key: str) -> list[dict] | None:
-    """The tool calls of a source assistant turn (OpenAI ``tool_calls`` or legacy ``function_call``; a ShareGPT
-    ``function_call`` turn's value), None for a text answer. Raises RejectedRecord (``bad_tool_turns``)."""
+    """The tool calls of a source assistant turn (OpenAI `tool_calls` or legacy `function_call`; a ShareGPT
+    `function_call` turn's value), None for a text answer. Raises RejectedRecord (`bad_tool_turns`)."""
     if role == "function_call":
         return _tool_calls(msg.get(content_key), f"{where}.{content_key}")
     for key in ("tool_calls", "function_call"):
@@ -283,8 +280,8 @@ def _source_calls(msg: Mapping[str, Any], role: str, where: str, content_key: st
 
 
 def _tool_result(msg: Mapping[str, Any], where: str, content_key: str) -> dict:
-    """A normalized ``tool`` message: ``content`` (text; an object or list as its JSON text), and
-    ``tool_call_id`` and ``name`` when the source gives them."""
+    """A normalized `tool` message: `content` (text; an object or list as its JSON text), and
+    `tool_call_id` and `name` when the source gives them."""
     value = msg[content_key]
     if isinstance(value, (dict, list)) and not (
         isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in value)
@@ -305,54 +302,37 @@ def _tool_result(msg: Mapping[str, Any], where: str, content_key: str) -> dict:
 def normalize_record(
     record: Mapping[str, Any], *, fmt: str = "auto", mapping: Mapping[str, Any] | None = None
 ) -> list[dict]:
-    """Normalize one source record to prompt messages ``[{role, content}]`` (system and user turns; with tool
-    calls, see below).
+    """Normalize one source record to prompt messages `[{role, content}]` (system and user turns, and
+    the tool turns below).
 
-    Formats (``fmt``; ``auto`` uses :func:`detect_format`):
-        * ``sharegpt``: ``conversations`` of ``{from, value}`` (``human``/``gpt``/``system`` and aliases;
-          ``{role, content}`` items are accepted too).
-        * ``openai``: ``messages`` of ``{role, content}``; ``content`` may be a list of text parts.
-        * ``mt_bench``: ``turns``, a list of user strings.
-        * ``alpaca``: ``instruction`` plus, when non-empty, ``"\\n\\nInput:\\n" + input``.
-        * ``prompt``: one user turn from ``prompt``, ``question`` or ``problem`` (first present);
-          a ``prompt`` that is a list of messages is read as ``openai``.
-        A top-level ``system`` string becomes a leading system message in every format.
+    Formats (`fmt`; `auto` uses `detect_format`): `sharegpt` (`conversations` of `{from, value}` or
+    `{role, content}`), `openai` (`messages`; `content` may be a list of text parts), `mt_bench` (`turns`),
+    `alpaca` (`instruction` plus `"\\n\\nInput:\\n" + input` when non-empty), `prompt` (one user turn from
+    `prompt`, `question` or `problem`). A top-level `system` string becomes a leading system message.
 
-    ``mapping`` redirects canonical field names to the source's (e.g. ``{"prompt": "query"}``, or
-    ``{"messages": "dialog", "role": "speaker", "content": "text"}``); ``mapping["roles"]`` maps source role
-    values to ``system``/``user``/``assistant``. Text is never stripped or rewritten; assistant turns are
-    dropped (the target regenerates them); empty system messages are dropped.
-
-    Tool calls (``sharegpt`` and ``openai``, SpecForge's ``conversations`` of ``{role, content, tool_calls}``
-    included): an assistant turn that called tools (OpenAI ``tool_calls`` or legacy ``function_call``; a
-    ShareGPT ``function_call`` turn, whose value is the JSON of ``{name, arguments}`` or of a list of them)
-    is kept as ``{role: assistant, content: "", tool_calls}`` (canonical JSON of the OpenAI list; consecutive
-    such turns are one turn with all their calls): the regenerated turn is compared with these calls. Tool
-    results (roles ``tool``, ``function``, ``observation``, ``ipython``) are kept as ``{role: tool, content,
-    tool_call_id?, name?}``. The record's ``tools`` (function schemas: a list or its JSON text, OpenAI-wrapped
-    or bare) are returned by :func:`record_tools`.
+    `mapping` redirects canonical field names to the source's (e.g. `{"prompt": "query"}`);
+    `mapping["roles"]` maps role values. Text is never rewritten; assistant turns and empty system messages
+    are dropped. An assistant turn that called tools is kept as `{role: assistant, content: "", tool_calls}`
+    (consecutive ones merged) and tool results as `{role: tool, content, tool_call_id?, name?}`; the
+    record's `tools` come from `record_tools`.
 
     Raises:
-        RejectedRecord: policy drops, with ``.reason``: ``empty`` (no user turn, or a blank user turn),
-            ``starts_with_assistant``, ``multimodal`` (a non-text content part, an image field),
-            ``unsupported_role`` (an unknown role), ``no_prompt_field``, ``bad_tool_turns`` (``tools`` or a
-            tool call that is not JSON or names no function, a tool result that answers no call, a tool call
-            followed by a user turn without a result; names the field).
-        DataError: a field has the wrong type (message names the field, e.g. ``conversations[2].value``);
-            :class:`MissingField` when a field the format needs is absent (names it and the fields present).
-    """
+        RejectedRecord: with `.reason` `empty`, `starts_with_assistant`, `multimodal`, `unsupported_role`,
+            `no_prompt_field` or `bad_tool_turns` (names the field).
+        DataError: a field has the wrong type (names it, e.g. `conversations[2].value`); `MissingField`
+            when a field the format needs is absent (names it and the fields present)."""
     return _normalize(record, fmt, mapping)[0]
 
 
 def record_tools(record: Mapping[str, Any], *, mapping: Mapping[str, Any] | None = None) -> str | None:
-    """The canonical JSON text of a record's ``tools`` (the OpenAI ``tools`` list, see :func:`_tool_schemas`), or
-    None. Raises RejectedRecord (``bad_tool_turns``)."""
+    """The canonical JSON text of a record's `tools` (the OpenAI `tools` list, see `_tool_schemas`), or
+    None. Raises RejectedRecord (`bad_tool_turns`)."""
     name = _field({k: v for k, v in (mapping or {}).items() if k != "roles"}, "tools")
     return _tool_schemas(record.get(name), name)
 
 
 def _normalize(record: Mapping[str, Any], fmt: str, mapping: Mapping[str, Any] | None) -> tuple[list[dict], str]:
-    """:func:`normalize_record` that also returns the format used (after ``auto`` detection)."""
+    """`normalize_record` that also returns the format used (after `auto` detection)."""
     if fmt not in FORMATS:
         raise ConfigError(f"unknown prompt format {fmt!r}; use one of {FORMATS}")
     mapping = dict(mapping or {})
@@ -424,7 +404,7 @@ def _normalize(record: Mapping[str, Any], fmt: str, mapping: Mapping[str, Any] |
 
 
 def record_metadata(record: Mapping[str, Any], fmt: str, mapping: Mapping[str, Any] | None, source: dict) -> str:
-    """JSON string of the record's fields that did not become messages, plus ``_source`` (file relative to
+    """JSON string of the record's fields that did not become messages, plus `_source` (file relative to
     the source path, and line/record/row number). Deterministic (sorted keys); non-JSON values via str()."""
     mapping = {k: v for k, v in (mapping or {}).items() if k != "roles"}
     if fmt == "auto":

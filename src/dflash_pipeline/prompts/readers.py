@@ -1,7 +1,7 @@
-"""Readers of prompt sources: files (``.jsonl``, ``.json`` arrays, ``.parquet``, ``.arrow``; ``.gz``/``.zst``
-compressed), directories of them, saved Hugging Face datasets (+ DatasetDict split) and ``hf:`` Hub ids.
-:func:`read_records` streams ``(Locator, raw dict)`` pairs; malformed records raise DataError in a
-``strict`` read or are counted and skipped (with located examples) otherwise."""
+"""Readers of prompt sources: files (`.jsonl`, `.json` arrays, `.parquet`, `.arrow`; `.gz`/`.zst`
+compressed), directories of them, saved Hugging Face datasets (+ DatasetDict split) and `hf:` Hub ids.
+`read_records` streams `(Locator, raw dict)` pairs; malformed records raise DataError in a
+`strict` read or are counted and skipped (with located examples) otherwise."""
 
 from __future__ import annotations
 
@@ -24,21 +24,21 @@ from dflash_pipeline.core.errors import ConfigError, DataError
 
 log = logging.getLogger(__package__)  # one logger for the whole prompts stage
 
-#: File suffixes read as records (after removing a ``.gz``/``.zst`` compression suffix).
+#: File suffixes read as records (after removing a `.gz`/`.zst` compression suffix).
 RECORD_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
 COMPRESSION_SUFFIXES = (".gz", ".zst")
 _SURROGATES = re.compile("[\udc80-\udcff]")
 _READ_CHUNK = 1 << 20  # bytes per read of a JSON array
-#: ``path`` prefix of a Hugging Face Hub dataset id (read through the optional `datasets` library).
+#: `path` prefix of a Hugging Face Hub dataset id (read through the optional `datasets` library).
 HF_PREFIX = "hf:"
-#: Examples per drop reason kept in the manifest's ``skipped_examples`` (malformed and rejected records).
+#: Examples per drop reason kept in the manifest's `skipped_examples` (malformed and rejected records).
 MAX_EXAMPLES = 5
 
 
 @dataclass(frozen=True)
 class Locator:
-    """Where a record came from: ``file`` (as given/found), 1-based ``line`` (jsonl; JSON arrays: the line
-    the record starts on) and 0-based ``index`` (record/row number within the file)."""
+    """Where a record came from: `file` (as given/found), 1-based `line` (jsonl; JSON arrays: the line
+    the record starts on) and 0-based `index` (record/row number within the file)."""
 
     file: str
     index: int
@@ -77,20 +77,14 @@ def _record_kind(path: Path) -> str | None:
 
 
 def list_source_files(path: str | os.PathLike, split: str | None = None) -> list[Path]:
-    """Files of a source, in the order they are read.
-
-    A file is returned as is. A directory yields every supported file below it (recursively, hidden
-    files and folders skipped) sorted by relative POSIX path, so ``part-00010`` after ``part-00009`` with
-    zero-padded names. A Hugging Face ``save_to_disk`` directory (``state.json`` + ``*.arrow``) yields only
-    its ``.arrow`` files (read with pyarrow: no `datasets` install needed). A saved ``DatasetDict``
-    (``dataset_dict.json`` + one directory per split) yields the files of ``split`` (default ``train``,
-    or its only split).
+    """Files of a source, in the order they are read: a file as is; a directory's supported files
+    (recursively, hidden ones skipped) sorted by relative POSIX path; a `save_to_disk` directory's `.arrow`
+    files; a saved `DatasetDict`'s files of `split` (default `train`, or its only split).
 
     Raises:
-        DataError: the path does not exist, has an unsupported suffix, the directory holds no supported
-            file, or a DatasetDict has no such split (the message lists its splits).
-        ConfigError: ``split`` given for a source that is not a saved DatasetDict.
-    """
+        DataError: the path does not exist, has an unsupported suffix, holds no supported file, or a
+            DatasetDict has no such split (lists its splits).
+        ConfigError: `split` given for a source that is not a saved DatasetDict."""
     p = Path(path)
     if not p.exists():
         raise DataError(f"{p}: no such file or directory (check `datasets.<name>.path` / `eval.sets.<name>.path`)")
@@ -182,28 +176,22 @@ def read_records(
     subset: str | None = None,
     source: str | None = None,
 ) -> Iterator[tuple[Locator, dict]]:
-    """Stream ``(locator, record)`` pairs from a source file or directory (see :func:`list_source_files`),
-    or from a Hugging Face Hub dataset id ``hf:owner/name`` (``split``, default ``train``; ``subset`` = the
-    dataset's config name) streamed through the optional `datasets` library.
+    """Stream `(locator, record)` pairs from a source file or directory (`list_source_files`), or from a
+    Hugging Face Hub dataset `hf:owner/name` (`split`, default `train`; `subset`) through `datasets`.
 
-    Formats: ``.jsonl`` (one JSON object a line; blank lines ignored), ``.json`` (one JSON array of
-    objects, parsed incrementally), ``.parquet`` and ``.arrow`` (rows as dicts, read in batches), each
-    optionally ``.gz`` or ``.zst`` compressed (``.zst`` through the ``zstandard`` package, or pyarrow's
-    zstd codec when that is missing). Memory: one record (JSON) or one batch of 1024 rows (Parquet/Arrow)
-    at a time plus a 1 MiB read buffer.
+    Formats: `.jsonl`, `.json` (one array, parsed incrementally), `.parquet` and `.arrow` (in batches), each
+    optionally `.gz` or `.zst`. Memory: one record or one batch of 1024 rows at a time plus a 1 MiB buffer.
 
     Args:
-        source: the source's name in ``datasets``, for the config key named in errors.
-        strict: True raises on the first malformed record; False skips it and counts it in ``counts``
-            under ``malformed_json``, ``invalid_utf8``, ``not_an_object`` or ``empty_file``.
-        counts: receives skip counts (only with ``strict=False``).
-        examples: receives the first ``max_examples`` skip messages of each reason (appended, in file order).
+        source: the source's name in `datasets`, for the config key named in errors.
+        strict: True raises on the first malformed record; False skips it and counts it in `counts`
+            (`malformed_json`, `invalid_utf8`, `not_an_object`, `empty_file`).
+        counts: receives skip counts (only with `strict=False`).
+        examples: receives the first `max_examples` skip messages of each reason, in file order.
 
     Raises:
-        DataError: naming file, line/record and what is wrong: invalid JSON, invalid UTF-8, a record that
-            is not an object, an empty file, an unreadable/corrupt file. A JSON array that is not valid
-            JSON raises even with ``strict=False`` (it cannot be resynchronized; fix or convert to jsonl).
-    """
+        DataError: naming file, line/record and what is wrong (invalid JSON or UTF-8, not an object, an empty
+            or corrupt file). An invalid JSON array raises even with `strict=False` (no resynchronizing)."""
     if isinstance(path, str) and path.startswith(HF_PREFIX):
         yield from _read_hf_dataset(path[len(HF_PREFIX) :], split=split, subset=subset)
         return
@@ -244,8 +232,7 @@ MAX_LISTED_MALFORMED = 20
 
 
 def _all_malformed(first: "_Skip", rest, strict_key: str) -> str:
-    """The strict-mode error for a file: ``first`` and every further malformed record of the file (read on,
-    records skipped; the first :data:`MAX_LISTED_MALFORMED` listed, the others counted)."""
+    """The strict-mode error for a file: `first` and every further malformed record of the file."""
     found = [str(first)]
     total = 1
     try:
@@ -264,7 +251,7 @@ def _all_malformed(first: "_Skip", rest, strict_key: str) -> str:
 
 
 def _read_hf_dataset(dataset_id: str, *, split: str | None, subset: str | None):
-    """Rows of a Hub dataset, streamed (``datasets.load_dataset(..., streaming=True)``): nothing is
+    """Rows of a Hub dataset, streamed (`datasets.load_dataset(..., streaming=True)`): nothing is
     downloaded whole, and rows come in the dataset's own order."""
     shown = f"{HF_PREFIX}{dataset_id}"
     try:
@@ -305,7 +292,7 @@ def _count_skip(skip: _Skip, counts, examples, max_examples, shown_per_reason: c
 
 
 def _object(loc: Locator, rec):
-    """``(loc, rec)`` when the parsed record is a JSON object, else the ``not_an_object`` skip."""
+    """`(loc, rec)` when the parsed record is a JSON object, else the `not_an_object` skip."""
     if not isinstance(rec, dict):
         return _Skip("not_an_object", f"{loc}: expected a JSON object, got {type(rec).__name__}")
     return loc, rec
@@ -337,9 +324,8 @@ def _read_jsonl(path: Path, shown: str):
 
 
 class _ArrayScanner:
-    """Incremental scanner over one top-level JSON array in a binary file: reads :data:`_READ_CHUNK`
-    characters at a time (doubling while one element does not fit), forgets consumed text, and keeps
-    the 1-based line of each element (each character counted once)."""
+    """Incremental scanner over one top-level JSON array in a binary file: reads `_READ_CHUNK` characters at a time,
+    forgets consumed text, and keeps the 1-based line of each element."""
 
     def __init__(self, fh: BinaryIO, shown: str):
         self.fh, self.shown = fh, shown
@@ -371,7 +357,7 @@ class _ArrayScanner:
                 return False
 
     def line_at(self, p: int) -> int:
-        """1-based line of ``buf[p]``, ``p >= mark``."""
+        """1-based line of `buf[p]`, `p >= mark`."""
         self.newlines += self.buf.count("\n", self.mark, p)
         self.mark = p
         return self.newlines + 1
@@ -388,7 +374,7 @@ class _ArrayScanner:
         )
 
     def open_array(self) -> None:
-        """Move past the opening ``[``. Raises _Skip (empty file) or DataError (not an array)."""
+        """Move past the opening `[`. Raises _Skip (empty file) or DataError (not an array)."""
         if not self.skip_ws():
             raise _Skip("empty_file", f"{self.shown}: empty file")
         if self.buf[self.pos] != "[":
@@ -396,7 +382,7 @@ class _ArrayScanner:
         self.pos += 1
 
     def next_element(self, index: int) -> tuple[Any, str, int] | None:
-        """``(value, its raw text, its line)`` of element ``index``, or None after the closing ``]``."""
+        """`(value, its raw text, its line)` of element `index`, or None after the closing `]`."""
         if not self.skip_ws():
             self.fail("unexpected end of file inside the array")
         if self.buf[self.pos] == "]":
@@ -430,7 +416,7 @@ class _ArrayScanner:
                 self.want = min(self.want * 2, 1 << 28)
 
     def expect_end(self) -> None:
-        """Nothing but white space may follow the closing ``]``."""
+        """Nothing but white space may follow the closing `]`."""
         if self.skip_ws():
             self.fail(f"unexpected data after the closing ']': {self.buf[self.pos : self.pos + 20]!r}")
 
@@ -476,7 +462,7 @@ def _read_parquet(path: Path, shown: str):
 
 
 def _read_arrow(path: Path, shown: str):
-    """Arrow IPC stream (what ``datasets.save_to_disk`` writes) or IPC file."""
+    """Arrow IPC stream (what `datasets.save_to_disk` writes) or IPC file."""
     with _open_binary(path) as fh:
         data = fh.read()
     if not data:

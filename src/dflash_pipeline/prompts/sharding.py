@@ -1,12 +1,9 @@
 """Sharding: every prompt source through normalization and the keep decisions (fraction, dedup, language,
-length) into stable shards ``{out}/{dataset}/{NNNNN}.parquet`` and the manifest (see the package
-docstring for why shard contents only depend on the records before them).
+length) into stable shards `{out}/{dataset}/{NNNNN}.parquet` and the manifest.
 
-:func:`build_prompt_shards` reads the sources in config order; each source is one :func:`_shard_source`
-call: records are normalized (:func:`_normalized`) and kept or dropped (:func:`.keep._drop_reason`) one by one, written by a :class:`_ShardWriter`, and counted
-in a :class:`_SourceTally` that becomes the source's manifest entry (:func:`_source_entry`). Before any
-source is read :func:`.keep._checked_filters` checks the options; after the last, :func:`_manifest` assembles
-the manifest (:class:`dflash_pipeline.core.contracts.PromptManifest`).
+Each source is one `_shard_source` call: records are normalized and kept or dropped one by one
+(`.keep._drop_reason`), written by a `_ShardWriter`, and counted in a `_SourceTally` (the source's
+manifest entry); `_manifest` assembles the manifest.
 """
 
 from __future__ import annotations
@@ -41,13 +38,13 @@ _SHARD_RE = re.compile(r"^(\d{5})\.parquet$")
 
 
 def shard_name(index: int) -> str:
-    """File stem of shard ``index`` (``00000``)."""
+    """File stem of shard `index` (`00000`)."""
     return f"{index:05d}"
 
 
 def _write_shard(path: Path, rows: list[dict], meta: dict) -> bool:
     """Write a shard unless an existing file already holds the same rows and metadata (mtime kept). Schema:
-    :func:`contracts.prompt_schema` of the rows (the tools schema only when a row has tools)."""
+    `contracts.prompt_schema` of the rows (the tools schema only when a row has tools)."""
     schema = prompt_schema(rows)
     table = shards.table_from_records(rows, schema)
     if path.is_file():
@@ -65,7 +62,7 @@ def _write_shard(path: Path, rows: list[dict], meta: dict) -> bool:
 
 
 def _inactive_shards(ds_dir: Path, active: int) -> list[str]:
-    """Names (``00003``) of the shard files in ``ds_dir`` numbered ``active`` or above: shards no longer in
+    """Names (`00003`) of the shard files in `ds_dir` numbered `active` or above: shards no longer in
     the mix. They are never deleted: their completions stay valid if the shards come back unchanged."""
     if not ds_dir.is_dir():
         return []
@@ -100,7 +97,7 @@ def _source_ref(root: Path, loc: Locator, rel_cache: dict[str, str]) -> dict:
 class _SourceTally:
     """Running totals of one source while it is read: what its manifest entry reports."""
 
-    read: int = 0  # records the reader yielded (malformed ones it skipped are in ``skipped``)
+    read: int = 0  # records the reader yielded (malformed ones it skipped are in `skipped`)
     kept: int = 0
     stopped: bool = False  # reading stopped at max_prompts
     dropped: collections.Counter = field(default_factory=collections.Counter)
@@ -112,7 +109,7 @@ class _SourceTally:
     special_kept: int = 0  # prompts with special-token text kept (prompts.special_token_text: keep)
 
     def drop(self, reason: str, example: str | None = None) -> None:
-        """Count a dropped record; keep ``example`` among the first :data:`MAX_EXAMPLES` of its reason."""
+        """Count a dropped record; keep `example` among the first `MAX_EXAMPLES` of its reason."""
         self.dropped[reason] += 1
         if example is not None and self.shown_per_reason[reason] < MAX_EXAMPLES:
             self.shown_per_reason[reason] += 1
@@ -126,13 +123,13 @@ class _SourceTally:
 
 @dataclass
 class _ShardWriter:
-    """Writes a source's kept rows into shards of ``shard_size`` (``{out}/{name}/{NNNNN}.parquet``)."""
+    """Writes a source's kept rows into shards of `shard_size` (`{out}/{name}/{NNNNN}.parquet`)."""
 
     out: Path
     name: str
     shard_size: int
     rows: list[dict] = field(default_factory=list)
-    shard_list: list[dict] = field(default_factory=list)  # the manifest's ``shards`` entries
+    shard_list: list[dict] = field(default_factory=list)  # the manifest's `shards` entries
 
     def add(self, row: dict) -> None:
         self.rows.append(row)
@@ -160,7 +157,7 @@ class _ShardWriter:
 
 
 def _source_config(name: str, raw_cfg: Mapping[str, Any]) -> dict:
-    """``datasets.<name>`` with the keys it leaves out (or sets to null) taken from the schema's defaults;
+    """`datasets.<name>` with the keys it leaves out (or sets to null) taken from the schema's defaults;
     raises ConfigError for a bad fraction or format."""
     cfg = schema_defaults("datasets", "*")
     cfg.update({k: v for k, v in raw_cfg.items() if v is not None or k == "max_prompts"})
@@ -175,8 +172,8 @@ def _source_config(name: str, raw_cfg: Mapping[str, Any]) -> dict:
 def _normalized(
     rec: dict, loc: Locator, name: str, cfg: dict, root: Path, rel_cache: dict, tally: _SourceTally
 ) -> tuple[list[dict], str, str, str | None] | None:
-    """``(messages, prompt_id, metadata, tools)`` of a raw record (``tools``: JSON text, None without), or None
-    when it is dropped (counted in ``tally``). Raises DataError for a bad record in a ``strict`` source."""
+    """`(messages, prompt_id, metadata, tools)` of a raw record (`tools`: JSON text, None without), or None
+    when it is dropped (counted in `tally`). Raises DataError for a bad record in a `strict` source."""
     try:
         messages, used_fmt = _normalize(rec, cfg["format"], cfg["mapping"])
         tools = record_tools(rec, mapping=cfg["mapping"])
@@ -205,8 +202,8 @@ def _normalized(
 
 
 def _check_prompt_field(name: str, cfg: dict, tally: _SourceTally) -> bool:
-    """Whether no record of the source has a prompt field (every record ``no_prompt_field``): an error
-    in a ``strict`` source (DataError naming the fix), else a warning."""
+    """Whether no record of the source has a prompt field (every record `no_prompt_field`): an error
+    in a `strict` source (DataError naming the fix), else a warning."""
     if tally.first_no_field is None or tally.dropped["no_prompt_field"] != tally.read:
         return False
     loc, fields = tally.first_no_field
@@ -233,7 +230,7 @@ def _check_prompt_field(name: str, cfg: dict, tally: _SourceTally) -> bool:
 def _source_entry(
     name: str, cfg: dict, tally: _SourceTally, writer: _ShardWriter, lang_filter: tuple[frozenset, float] | None
 ) -> dict:
-    """The source's manifest entry (``datasets.<name>``; see :func:`build_prompt_shards`)."""
+    """The source's manifest entry (`datasets.<name>`; see `build_prompt_shards`)."""
     inactive = _inactive_shards(writer.out / name, len(writer.shard_list))
     if inactive:
         log.info("%s: shards %s %s", name, inactive, _LEFT_ON_DISK)
@@ -325,8 +322,7 @@ def _shard_source(
 
 
 def _inactive_datasets(out: Path, active: Mapping[str, Any]) -> dict[str, list[str]]:
-    """Shards of sources that left the config, found on disk (inside the workflow Snakemake deletes the
-    checkpoint's manifest before the job runs, so the previous one is often absent)."""
+    """Shards of sources that left the config, found on disk."""
     inactive = {}
     for d in sorted(out.iterdir()) if out.is_dir() else []:
         if d.is_dir() and d.name not in active and (left := _inactive_shards(d, 0)):
@@ -344,7 +340,7 @@ def _manifest(
     languages: Sequence[str] | None,
     min_language_confidence: float,
 ) -> dict:
-    """The manifest (:class:`contracts.PromptManifest`) of the sources' entries ``ds_out``. Raises
+    """The manifest (`contracts.PromptManifest`) of the sources' entries `ds_out`. Raises
     DataError when no source kept a prompt."""
     total = sum(d["kept"] for d in ds_out.values())
     if total == 0:
@@ -383,44 +379,30 @@ def build_prompt_shards(
     """Normalize, filter, dedup and shard every prompt source; write shards and the manifest.
 
     Args:
-        datasets: validated ``config["datasets"]``: name -> ``{path, format, max_prompts, fraction, strict,
-            mapping, languages, min_language_confidence}`` (missing optional keys take the schema defaults).
-            Processed in mapping order. A source's ``languages`` (a list, or ``"any"`` for no filter) and
-            ``min_language_confidence`` override the two arguments below when not None.
-        out_dir: shards go to ``{out_dir}/{name}/{NNNNN}.parquet`` (schema :data:`contracts.PROMPT_SCHEMA`,
-            ``dflash`` metadata ``{schema_version, dataset, shard}``).
+        datasets: validated `config["datasets"]`, processed in mapping order: name -> `{path, format,
+            max_prompts, fraction, strict, mapping, languages, min_language_confidence}`; a source's
+            `languages` (a list, or `"any"`) and `min_language_confidence` override the arguments below.
+        out_dir: shards go to `{out_dir}/{name}/{NNNNN}.parquet` (`contracts.PROMPT_SCHEMA`).
         shard_size: prompts per shard (the last shard of a source may be smaller).
-        seed: seed of the per-record ``fraction`` decision (see module docstring).
-        tokenizer: object with ``encode(text, add_special_tokens=False)``; needed when ``max_prompt_tokens``
-            is set. Length = sum of the message contents' token counts (no chat template scaffolding).
-        max_prompt_tokens: drop prompts longer than this (counted as ``too_long``).
-        languages: language allow-list (py3langid codes, :data:`LANGUAGE_CODES`) for every source; None =
-            no language filter. See the module docstring for what is classified.
-        min_language_confidence: with a language filter, also drop prompts whose top language has a lower
-            probability than this (counted as ``low_language_confidence``).
-        manifest_path: default ``{out_dir}/manifest.json``.
-        special_token_text: ``prompts.special_token_text`` (needs ``tokenizer``): ``drop`` counts and drops
-            prompts whose system/user text contains a special-token string of the target tokenizer
-            (:func:`dflash_pipeline.target.spans.control_token_strings`: ``<|im_end|>``, ``<think>``, tool markers;
-            the engines would parse them as control tokens, breaking the conversation's structure) as
-            ``special_token_text``; ``keep`` keeps them and counts ``kept_with_special_token_text``; None =
-            no check.
+        seed: seed of the per-record `fraction` decision.
+        tokenizer: has `encode(text, add_special_tokens=False)`; needed for `max_prompt_tokens` (length =
+            the message contents' token counts, no template) and `special_token_text`.
+        max_prompt_tokens: drop longer prompts (`too_long`).
+        languages: language allow-list (`LANGUAGE_CODES`) for every source; None = no filter.
+        min_language_confidence: also drop prompts whose top language is less likely
+            (`low_language_confidence`).
+        manifest_path: default `{out_dir}/manifest.json`.
+        special_token_text: `drop` drops prompts whose system/user text holds a special-token string of the
+            target tokenizer (`special_token_text`); `keep` counts them; None = no check.
 
     Returns:
-        The manifest, also written as key-sorted JSON: :class:`contracts.PromptManifest` (its docstring
-        says what each entry holds); shard ``path`` is relative to ``out_dir``.
-
-    Side effects: shard files whose content is unchanged are not rewritten (mtime kept); no shard file is
-    ever deleted (inactive ones are listed, logged at INFO). A source that keeps no prompt is logged as a
-    WARNING with its drop counts.
+        The manifest (`contracts.PromptManifest`), also written as key-sorted JSON. Unchanged shard files
+        are not rewritten, and none is ever deleted (inactive ones are listed).
 
     Raises:
-        DataError: malformed input in a ``strict`` source (names file, line/record and field), a ``strict``
-            source none of whose records has a prompt field (names the source, its file, the first record's
-            fields and the fix), or no prompt kept at all.
-        ConfigError: a bad option (:func:`.keep._checked_filters`), ``fraction`` or ``format``; all but the last
-            two raised before any source is read.
-    """
+        DataError: malformed input in a `strict` source (names file, line/record and field), a `strict`
+            source none of whose records has a prompt field, or no prompt kept at all.
+        ConfigError: a bad option, `fraction` or `format`."""
     filters, lang_filters = _checked_filters(
         datasets,
         shard_size=shard_size,
@@ -458,17 +440,14 @@ def shard_prompts(
     trust_remote_code: bool = False,
     chat_template: str | os.PathLike | None = None,
 ) -> dict:
-    """The ``shard_prompts`` rule: :func:`build_prompt_shards` with the validated ``prompts`` config section.
+    """The `shard_prompts` rule: `build_prompt_shards` with the validated `prompts` config section.
 
-    The target tokenizer is loaded (from ``target_dir``, :func:`chat.load_tokenizer`) only when
-    ``prompts.max_prompt_tokens`` is set or ``prompts.special_token_text`` is ``drop`` (the default) — the
-    rule depends on the target only then. A new target then re-runs the checkpoint, which rewrites only
-    the shards whose bytes change (prompts holding the new tokenizer's special-token strings). ``prompts.languages`` / ``prompts.min_language_confidence``
-    are the default language filter of every source (py3langid is imported only when one applies).
+    The target tokenizer (`target_dir`) is loaded only when `prompts.max_prompt_tokens` is set or
+    `prompts.special_token_text` is `drop` (the default): the rule depends on the target only then.
+    `prompts.languages` / `prompts.min_language_confidence` are every source's default language filter.
 
     Raises:
-        ConfigError: ``max_prompt_tokens`` set but no ``target_dir``; see :func:`build_prompt_shards`.
-    """
+        ConfigError: `max_prompt_tokens` set but no `target_dir`; see `build_prompt_shards`."""
     prompts_cfg = {**schema_defaults("prompts"), **prompts_cfg}  # a partial section (tests) takes the defaults
     max_tokens = prompts_cfg["max_prompt_tokens"]
     # `keep` needs no tokenizer (nothing is checked), so the target is then no input of the checkpoint
@@ -495,12 +474,12 @@ def shard_prompts(
 
 
 def shard_paths(manifest: Mapping[str, Any], out_dir: str | os.PathLike) -> dict[str, list[str]]:
-    """Shard file paths per dataset (``{out_dir}/{name}/{NNNNN}.parquet``) in manifest order."""
+    """Shard file paths per dataset (`{out_dir}/{name}/{NNNNN}.parquet`) in manifest order."""
     return {name: [str(Path(out_dir) / s["path"]) for s in ds["shards"]] for name, ds in manifest["datasets"].items()}
 
 
 def list_shards(manifest_path: str | os.PathLike) -> list[tuple[str, str]]:
-    """``(dataset, shard)`` pairs of a written manifest, e.g. ``[("gsm8k", "00000"), ...]`` — what the
+    """`(dataset, shard)` pairs of a written manifest, e.g. `[("gsm8k", "00000"), ...]` — what the
     Snakefile expands downstream rules over after the checkpoint."""
     manifest = shards.read_json(manifest_path)
     return [(name, s["name"]) for name, ds in manifest["datasets"].items() for s in ds["shards"]]

@@ -1,5 +1,5 @@
-"""The report: summary tables (:mod:`.tables`: TSV tables of every stage, the console summary) and the
-landing page a person reads first (:mod:`.page`: results/report/summary.html with the plots inline, drawn by :mod:`.plots`).
+"""The report: summary tables (`.tables`: TSV tables of every stage, the console summary) and the
+landing page a person reads first (`.page`: results/report/summary.html with the plots inline, drawn by `.plots`).
 
 The public face: names load lazily from the module that owns them."""
 

@@ -1,9 +1,8 @@
 """What is wrong with a run, in words: the findings the landing page opens with.
 
-Each check reads figures the run already holds (the report tables, the eval record, the training logs, the
-completion stats and job logs) and, past a threshold of the config's ``report.findings`` section, returns a
-:class:`Finding` that names the table or figure behind it (its element id on the page) and the config key that
-changes it. :func:`run_findings` runs every check; :func:`findings_html` renders them.
+Each check reads figures the run already holds and, past a threshold of the config's `report.findings` section, returns
+a `Finding` that names the table or figure behind it (its element id on the page) and the config key that changes it.
+`run_findings` runs every check; `findings_html` renders them.
 """
 
 from __future__ import annotations
@@ -18,10 +17,9 @@ from typing import Mapping, Optional, Sequence
 
 @dataclass(frozen=True)
 class Finding:
-    """One finding: ``kind`` (a stable name, e.g. ``truncated_completions``), ``message`` (what the figures
-    say, with the numbers), ``figure`` (element id of the table or figure behind it on the landing page; ""
-    when it lives elsewhere), ``figure_label`` (that table or figure in words), ``config_key`` (the key that
-    changes it)."""
+    """One finding: `kind` (a stable name, e.g. `truncated_completions`), `message` (what the figures say, with the
+    numbers), `figure` (element id of the table or figure behind it on the landing page; "" when it lives elsewhere),
+    `figure_label`, `config_key` (the key that changes it)."""
 
     kind: str
     message: str
@@ -31,7 +29,7 @@ class Finding:
 
 
 def thresholds(overrides: Optional[Mapping] = None) -> dict:
-    """The ``report.findings`` thresholds: the schema's defaults updated with ``overrides``."""
+    """The `report.findings` thresholds: the schema's defaults updated with `overrides`."""
     from dflash_pipeline.core.config import schema_defaults
 
     return {**schema_defaults("report", "findings"), **(overrides or {})}
@@ -49,13 +47,11 @@ def _all_row(rows: Sequence[Mapping]) -> Mapping:
     return next((r for r in rows if r.get("dataset") == "all"), rows[-1] if rows else {})
 
 
-# --------------------------------------------------------------------------------------------------
-# The checks (each returns a list: none, one or several findings)
-# --------------------------------------------------------------------------------------------------
+# --- The checks (each returns a list: none, one or several findings)
 
 
 def truncated_completions(generation_rows: Sequence[Mapping], th: Mapping) -> list[Finding]:
-    """Most conversations stop at ``generation.max_tokens`` (the generation table's ``truncated``)."""
+    """Most conversations stop at `generation.max_tokens` (the generation table's `truncated`)."""
     row = _all_row(generation_rows)
     n, cut = _num(row.get("conversations")), _num(row.get("truncated"))
     if not n or cut is None or cut / n < th["truncated_fraction"]:
@@ -74,8 +70,8 @@ def truncated_completions(generation_rows: Sequence[Mapping], th: Mapping) -> li
 
 
 def thinking_mismatch(generation_rows: Sequence[Mapping], record: Mapping) -> list[Finding]:
-    """The completions were generated in another thinking mode than the eval's (``thinking`` of the generation
-    table against ``settings.thinking`` of the eval record)."""
+    """The completions were generated in another thinking mode than the eval's (`thinking` of the generation
+    table against `settings.thinking` of the eval record)."""
     gen = {m for m in str(_all_row(generation_rows).get("thinking") or "").split(",") if m}
     ev = (record.get("settings") or {}).get("thinking")
     if not gen or ev is None or gen == {ev}:
@@ -108,7 +104,7 @@ def template_warnings(warnings: Sequence[str]) -> list[Finding]:
 
 
 def few_supervised_tokens(tokens_rows: Sequence[Mapping], block_size: Optional[int], th: Mapping) -> list[Finding]:
-    """The training sequences carry few supervised tokens (fewer than ``min_supervised_blocks`` draft blocks
+    """The training sequences carry few supervised tokens (fewer than `min_supervised_blocks` draft blocks
     on average): few anchors per sequence, little to learn from each."""
     row = _all_row(tokens_rows)
     seqs, sup = _num(row.get("records_out")), _num(row.get("num_loss_tokens"))
@@ -235,16 +231,14 @@ def failing_servers(endpoints: Mapping[str, Mapping], th: Mapping) -> list[Findi
     return out
 
 
-# --------------------------------------------------------------------------------------------------
-# Gathering the inputs
-# --------------------------------------------------------------------------------------------------
+# --- Gathering the inputs
 
 #: A warning line of the completions job's chat-template check (dflash_pipeline.target.spans.check_template).
 _TEMPLATE_WARNING = re.compile(r"^(chat template .*?: .*)$", re.M)
 
 
 def template_warnings_from_logs(log_dir: str | Path) -> list[str]:
-    """The chat-template warnings in the completions job logs under ``log_dir`` (each once, in file order)."""
+    """The chat-template warnings in the completions job logs under `log_dir` (each once, in file order)."""
     found: dict[str, None] = {}
     root = Path(log_dir)
     for log in sorted(root.rglob("*.log")) if root.is_dir() else []:
@@ -254,8 +248,8 @@ def template_warnings_from_logs(log_dir: str | Path) -> list[str]:
 
 
 def endpoint_counts(completions_dir: str | Path) -> dict[str, dict]:
-    """Per endpoint URL: ``attempts``, ``failures``, ``taken_out`` summed over the last run of every completion
-    shard (``<shard>.stats.json`` under ``completions_dir``); {} for in-process generation."""
+    """Per endpoint URL: `attempts`, `failures`, `taken_out` summed over the last run of every completion
+    shard (`<shard>.stats.json` under `completions_dir`); {} for in-process generation."""
     from dflash_pipeline.core.contracts import run_stats
 
     total: dict[str, dict] = {}
@@ -297,7 +291,7 @@ def run_findings(
 
 
 def findings_html(findings: Sequence[Finding]) -> str:
-    """``<section id="findings">``: one item per finding (its ``data-kind``), each linking the table or
+    """`<section id="findings">`: one item per finding (its `data-kind`), each linking the table or
     figure behind it and naming the config key; a line saying there are none otherwise."""
     if not findings:
         items = '<p class="dflash-no-findings">No findings: none of the checks (report.findings) fired.</p>'

@@ -1,20 +1,9 @@
-"""The report's landing page (``results/report/summary.html``): the page a person reads first after a run.
+"""The report's landing page (`results/report/summary.html`): the page a person reads first after a run.
 
-A self-contained HTML document (every plot embedded as a ``data:`` URI, so the file can be mailed, opened
-from any directory, or embedded in ``snakemake --report``'s landing page by ``report/workflow.rst``):
-
-* a header: the target, the drafter (family, layers, block size, trainable parameters), training steps, wall
-  time, and the data counts in one line;
-* the findings: what the figures say is wrong, each naming the table or figure behind it and the config key
-  that changes it (:mod:`dflash_pipeline.report.findings`);
-* the τ table (drafter × eval set, the numbers of ``acceptance.json`` rounded as ``acceptance.tsv``) and τ by
-  context length;
-* the plots inline: τ per set, per-position acceptance, τ by context length, τ vs step, training curves,
-  held-out τ, the training data's length histogram;
-* the data tables, and the long evaluation record folded away (``<details>``).
-
-The tables themselves are :mod:`dflash_pipeline.report.tables`'s; the plots of τ per set, τ by context length and
-the length histogram are drawn here.
+A self-contained HTML document (plots embedded as `data:` URIs): a header (target, drafter, steps, wall
+time, data counts), the findings (`.findings`), the τ tables, the plots, the data tables, and the eval
+record folded away. Tables are `.tables`'s; the plots of τ per set, τ by context length and the length
+histogram are drawn here.
 """
 
 from __future__ import annotations
@@ -33,7 +22,7 @@ from dflash_pipeline.report.plots import (  # noqa: F401 (re-exported: the page'
     plot_tau_per_set,
 )
 
-#: Scoped to the page's own elements: embedded in ``snakemake --report`` it must not restyle the report.
+#: Scoped to the page's own elements: embedded in `snakemake --report` it must not restyle the report.
 PAGE_STYLE = """
 #dflash-run-summary{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:1.5em auto;
 max-width:1200px;color:#1d232a;padding:0 1em}
@@ -53,7 +42,7 @@ details.dflash-details{margin:1em 0}details.dflash-details>summary{cursor:pointe
 
 
 def png_data_uri(path: str | Path | bytes) -> str:
-    """``data:image/png;base64,…`` of a PNG file (or its bytes).
+    """`data:image/png;base64,…` of a PNG file (or its bytes).
 
     Raises:
         ValueError: the bytes are not a PNG (a plot that failed half-way must not become a broken image).
@@ -69,7 +58,7 @@ WIDE_FIGURES = ("fig-acceptance", "fig-data-lengths")
 
 
 def figures_html(figures: Sequence[tuple[str, str | bytes, str]]) -> str:
-    """``<section id="plots">`` of ``(figure id, PNG path or PNG bytes, caption)`` figures, each image as a
+    """`<section id="plots">` of `(figure id, PNG path or PNG bytes, caption)` figures, each image as a
     data URI; figures whose file is missing are left out."""
     items = []
     for fig_id, path, caption in figures:
@@ -98,13 +87,13 @@ def _human_seconds(s: Optional[float]) -> str:
 
 
 def _v(x) -> str:
-    """A fact for the header, escaped; ``?`` when unknown."""
+    """A fact for the header, escaped; `?` when unknown."""
     return "?" if x is None or x == "" else html.escape(str(x))
 
 
 def header_html(run: str, facts: Mapping) -> str:
-    """The page header: run name and target, then one line per kind of fact (:func:`run_facts`; unknown ones
-    show as ``?``)."""
+    """The page header: run name and target, then one line per kind of fact (`run_facts`; unknown ones
+    show as `?`)."""
     target = facts.get("target") or {}
     drafter = facts.get("drafter") or {}
     lines = [
@@ -135,10 +124,9 @@ def header_html(run: str, facts: Mapping) -> str:
 
 
 def stream_line(stream: Mapping) -> str:
-    """Supply and demand of a ``target_features: stream`` run in one line, from ``train_summary.json``'s
-    ``stream`` (:meth:`dflash_pipeline.train.stream.FeatureStream.summary`): servers, the tokens/s they
-    served, the tokens/s the trainer consumed and would consume if it never waited, the share of the run spent
-    waiting for features, the suggested servers per trainer rank, and the peak scratch bytes."""
+    """Supply and demand of a `target_features: stream` run in one line, from `train_summary.json`'s `stream`:
+    servers, the tokens/s they served, the tokens/s the trainer consumed and would consume if it never waited, the share
+    of the run spent waiting for features, the suggested servers per trainer rank, and the peak scratch bytes."""
 
     def rate(key):
         x = stream.get(key)
@@ -164,7 +152,7 @@ def _params(n) -> str:
 
 def data_line(data: Mapping) -> str:
     """The data counts in one line: prompts kept → conversations generated → sequences and supervised tokens
-    → eval prompts per set (unknown counts as ``?``)."""
+    → eval prompts per set (unknown counts as `?`)."""
 
     def v(key):
         return "?" if data.get(key) in (None, "") else str(data[key])
@@ -177,9 +165,7 @@ def data_line(data: Mapping) -> str:
     )
 
 
-# --------------------------------------------------------------------------------------------------
-# Facts of the run (header)
-# --------------------------------------------------------------------------------------------------
+# --- Facts of the run (header)
 
 
 def _read_json_or_none(path) -> Optional[dict]:
@@ -189,8 +175,8 @@ def _read_json_or_none(path) -> Optional[dict]:
 
 
 def _benchmark_total(benchmark_dir: Optional[str | Path], rule: Optional[str] = None) -> Optional[float]:
-    """Summed wall seconds (column ``s``) of the Snakemake benchmark TSVs under ``benchmark_dir`` (of one rule:
-    ``benchmark_dir/<rule>/``); None when there are none."""
+    """Summed wall seconds (column `s`) of the Snakemake benchmark TSVs under `benchmark_dir` (of one rule:
+    `benchmark_dir/<rule>/`); None when there are none."""
     from dflash_pipeline.report.tables import _benchmark_seconds
 
     if not benchmark_dir:
@@ -201,7 +187,7 @@ def _benchmark_total(benchmark_dir: Optional[str | Path], rule: Optional[str] = 
 
 
 def _val_records(path: Path) -> list[dict]:
-    """The records of a ``val_log.jsonl`` (held-out τ during training); [] when there is none."""
+    """The records of a `val_log.jsonl` (held-out τ during training); [] when there is none."""
     import json
 
     if not path.is_file():
@@ -222,9 +208,8 @@ def run_facts(
 ) -> dict:
     """What the header shows, from the run's records (any may be missing; its facts are then None).
 
-    ``checkpoint``: the drafter's ``final/`` (its ``config.json``; ``train_summary.json`` beside it).
-    ``benchmark_dir``: ``results/benchmarks`` (wall time = the jobs' summed seconds, plus
-    ``extra_benchmarks`` such as the demo target's). Rows: the report tables (:func:`dflash_pipeline.report.tables.read_tsv`).
+    `checkpoint`: the drafter's `final/` (its `config.json`; `train_summary.json` beside it).
+    `benchmark_dir`: `results/benchmarks` (wall time: the jobs' summed seconds). Rows: the report tables.
     """
     from dflash_pipeline.report.tables import _benchmark_seconds
 
@@ -277,15 +262,12 @@ def run_facts(
     }
 
 
-# --------------------------------------------------------------------------------------------------
-# The page
-# --------------------------------------------------------------------------------------------------
+# --- The page
 
 
 def length_table_rows(record: Mapping) -> tuple[list[str], list[dict]]:
-    """τ by context length as table rows: one per drafter and set (and ``all sets``), one column per bucket
-    (``τ (verify steps)``), plus the engine's per set where it reported them (bucketed by each request's
-    prompt length, ``τ (requests)``); empty when the record has no buckets."""
+    """τ by context length as table rows: one per drafter and set (and `all sets`), one column per bucket (`τ (verify
+    steps)`), plus the engine's per set where it reported them; empty when the record has no buckets."""
     labels = (record.get("settings") or {}).get("context_length_buckets_labels") or []
     if not labels:
         return [], []
@@ -314,7 +296,7 @@ def length_table_rows(record: Mapping) -> tuple[list[str], list[dict]]:
 
 
 def _eval_details_html(tau_tsv: str | Path | None, record: Mapping) -> str:
-    """The folded part of :func:`summary_page` (``id="eval-details"``): every column of ``acceptance.tsv`` and
+    """The folded part of `summary_page` (`id="eval-details"`): every column of `acceptance.tsv` and
     the eval record's summary; "" when neither exists."""
     from dflash_pipeline.report import tables as R
 
@@ -354,13 +336,13 @@ def summary_page(
 
     Args:
         out_html: the page.
-        run: run name. facts: :func:`run_facts`.
-        tau_tsv: ``acceptance.tsv`` (the τ table ``id="tau"``: drafter × set; the full table folded).
-        eval_json: ``acceptance.json`` (τ by context length; its summary folded, ``id="eval-record"``).
-        tables: ``(TSV path, title, table id)`` of the data tables (missing files left out).
-        figures: ``(figure id, PNG path, caption)``, embedded as data URIs in this order (missing ones left out).
-        outputs: ``(what, path)`` rows of "where the outputs are".
-        findings: :class:`dflash_pipeline.report.findings.Finding` s, listed under the header.
+        run: run name. facts: `run_facts`.
+        tau_tsv: `acceptance.tsv`.
+        eval_json: `acceptance.json`.
+        tables: `(TSV path, title, table id)` of the data tables (missing files left out).
+        figures: `(figure id, PNG path, caption)`, embedded as data URIs in this order (missing ones left out).
+        outputs: `(what, path)` rows of "where the outputs are".
+        findings: `report.findings.Finding` s, listed under the header.
     """
     from dflash_pipeline.core.shards import atomic_write_bytes, read_json
     from dflash_pipeline.report import tables as R
@@ -430,12 +412,11 @@ RUN_FIGURES = (
 
 
 def run_figures(inputs, outputs, record: Optional[Mapping] = None) -> list[tuple[str, str | bytes, str]]:
-    """:data:`RUN_FIGURES` as ``(figure id, path or PNG bytes, caption)``, the path taken from the job's named
-    ``inputs`` or ``outputs`` (Snakemake's namedlists of rules/report.smk ``summarize_run``).
+    """`RUN_FIGURES` as `(figure id, path or PNG bytes, caption)`, the path taken from the job's named `inputs` or
+    `outputs`.
 
-    With the eval ``record`` the per-position acceptance is drawn here (:func:`plot_per_position`: one
-    readable panel) instead of the eval stage's per-set panels. Held-out τ is left out when the run validated
-    fewer than twice (the header gives the one value)."""
+    With the eval `record` the per-position acceptance is drawn here instead of the eval stage's per-set panels.
+    Held-out τ is left out when the run validated fewer than twice."""
     out = []
     drafter = getattr(inputs, "drafter", None)
     val_points = len(_val_records(Path(str(drafter)).parent / "val_log.jsonl")) if drafter else 0

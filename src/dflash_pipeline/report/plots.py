@@ -1,4 +1,4 @@
-"""The plots drawn for the report's landing page (:mod:`.page`): τ per eval set, τ by context length, the
+"""The plots drawn for the report's landing page (`.page`): τ per eval set, τ by context length, the
 training data's length histograms and the per-position acceptance, as PNG files or bytes."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def _pyplot():
 
 
 def _save(fig, path: str | Path) -> None:
-    """Write ``fig`` as a PNG (atomically: a half-written plot never reaches the page) and close it."""
+    """Write `fig` as a PNG (atomically: a half-written plot never reaches the page) and close it."""
     import io
 
     from dflash_pipeline.core.shards import atomic_write_bytes
@@ -54,7 +54,7 @@ def plot_tau_per_set(record: Mapping, path: str | Path) -> None:
 
 
 def plot_tau_by_length(record: Mapping, path: str | Path) -> None:
-    """PNG: τ per context-length bucket (``by_context_length`` of the eval record), one line per drafter (all
+    """PNG: τ per context-length bucket (`by_context_length` of the eval record), one line per drafter (all
     sets pooled, solid) and per drafter and set (thin); a record without buckets gets a figure saying so."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.6), dpi=110)
@@ -102,8 +102,8 @@ def plot_tau_by_length(record: Mapping, path: str | Path) -> None:
 
 
 def data_length_histograms(token_shards: Sequence[str | Path]) -> dict:
-    """Tokens and supervised tokens per training sequence of the token shards (their ``num_tokens`` and
-    ``num_loss_tokens`` columns): ``{num_sequences, tokens: [...], supervised: [...]}`` (per sequence)."""
+    """Tokens and supervised tokens per training sequence of the token shards (their `num_tokens` and
+    `num_loss_tokens` columns): `{num_sequences, tokens: [...], supervised: [...]}` (per sequence)."""
     import pyarrow.parquet as pq
 
     tokens, supervised = [], []
@@ -115,9 +115,8 @@ def data_length_histograms(token_shards: Sequence[str | Path]) -> dict:
 
 
 def plot_data_lengths(token_shards: Sequence[str | Path], path: str | Path) -> dict:
-    """PNG: histograms of tokens per training sequence and supervised tokens per sequence (two panels; the
-    mean and max in each title). Returns the summary ``{num_sequences, tokens: {mean, p50, p95, max},
-    supervised: {...}}``."""
+    """PNG: histograms of tokens per training sequence and supervised tokens per sequence. Returns the summary
+    `{num_sequences, tokens: {mean, p50, p95, max}, supervised: {...}}`."""
     import numpy as np
 
     h = data_length_histograms(token_shards)

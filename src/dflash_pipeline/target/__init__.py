@@ -1,5 +1,6 @@
-"""The target model as the pipeline uses it: loading and dtype policy, chat templates and assistant spans, layer ids, the tapped hidden states. Names load on first use
-(``_OWNERS``: :func:`dflash_pipeline.core.faces.lazy_face`)."""
+"""The target model as the pipeline uses it: loading and dtype policy, chat templates and assistant spans, layer ids,
+the tapped hidden states. Names load on first use
+(`_OWNERS`: `core.faces.lazy_face`)."""
 
 from dflash_pipeline.core.faces import lazy_face
 

@@ -1,18 +1,11 @@
 """Tokenizer loading and chat-template rendering shared by generation, tokenization and eval.
 
-One place decides how a run's settings map onto the chat template, so generation and training render
-alike (reference/dflash.md §4.8.5: a train/serve template mismatch is the #1 cause of low acceptance):
-
-* :func:`template_kwargs` — thinking mode -> template kwargs (also sent to servers as
-  ``chat_template_kwargs``). ``enable_thinking`` is what Qwen3/3.5, GLM, MiniMax and most templates read;
-  DeepSeek-V3.1 reads ``thinking``. Both are passed; templates ignore the one they do not use.
-* :func:`template_messages` — completion messages -> the messages a template sees: ``{role, content}``
-  plus, on assistant turns that carry non-empty reasoning, ``reasoning_content`` and its gpt-oss name
-  ``thinking`` (empty reasoning is dropped, so ``""`` and "none" render alike).
-* :func:`render` / :func:`render_many` — the target's own template, rendered exactly as
-  ``apply_chat_template(tokenize=False)`` renders it (same sandboxed, cached, compiled Jinja template from
-  transformers, same variables: the special-token strings, ``add_generation_prompt``, the kwargs above),
-  without its per-call overhead. ``tests/unit/target/test_templates.py`` checks the equality on every real template.
+One place maps a run's settings onto the chat template, so generation and training render alike
+(reference/dflash.md §4.8.5: a train/serve template mismatch is the #1 cause of low acceptance):
+`template_kwargs` (thinking mode → `enable_thinking` and `thinking`), `template_messages` (completion
+messages → what a template sees) and `render` / `render_many` (exactly
+`apply_chat_template(tokenize=False)`, without its per-call overhead;
+`tests/unit/target/test_templates.py` checks the equality on every real template).
 """
 
 from __future__ import annotations
@@ -23,8 +16,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from dflash_pipeline.core.errors import ConfigError
 
-#: Files that carry a tokenizer's vocabulary (``tokenizer_config.json`` alone does not: transformers then
-#: builds an empty tokenizer). A ``tokenizer_config.json`` with ``auto_map`` (remote code) also counts.
+#: Files that carry a tokenizer's vocabulary (`tokenizer_config.json` alone does not: transformers then
+#: builds an empty tokenizer). A `tokenizer_config.json` with `auto_map` (remote code) also counts.
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer.model",
@@ -37,7 +30,7 @@ TOKENIZER_FILES = (
 
 
 def _tokenizer_auto_map(target_dir: Path) -> Any:
-    """``auto_map["AutoTokenizer"]`` of tokenizer_config.json (remote tokenizer code), else None."""
+    """`auto_map["AutoTokenizer"]` of tokenizer_config.json (remote tokenizer code), else None."""
     try:
         tc = json.loads((target_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
         return (tc.get("auto_map") or {}).get("AutoTokenizer") if isinstance(tc, dict) else None
@@ -60,7 +53,7 @@ def tokenizer_files_missing(target_dir: Path) -> str | None:
     return f"no tokenizer files ({', '.join(TOKENIZER_FILES)}, *.tiktoken) in {target_dir}"
 
 
-#: thinking mode -> extra kwargs passed to the chat template (``chat_template_kwargs`` on servers).
+#: thinking mode -> extra kwargs passed to the chat template (`chat_template_kwargs` on servers).
 THINKING_TEMPLATE_KWARGS: dict[str, dict[str, Any]] = {
     "none": {},
     "save": {"enable_thinking": True, "thinking": True},
@@ -69,10 +62,10 @@ THINKING_TEMPLATE_KWARGS: dict[str, dict[str, Any]] = {
 
 
 def template_kwargs(thinking: str) -> dict[str, Any]:
-    """Template kwargs for a thinking mode (``none|save|disable``).
+    """Template kwargs for a thinking mode (`none|save|disable`).
 
     Raises:
-        ConfigError: unknown mode (names the config key ``generation.thinking``).
+        ConfigError: unknown mode (names the config key `generation.thinking`).
     """
     try:
         return dict(THINKING_TEMPLATE_KWARGS[thinking])
@@ -83,15 +76,15 @@ def template_kwargs(thinking: str) -> dict[str, Any]:
 
 
 def template_messages(messages: Iterable[Mapping[str, Any]]) -> list[dict]:
-    """Messages as the chat template sees them: ``{role, content}`` (``None`` content -> ``""``), plus
-    ``thinking`` and ``reasoning_content`` on assistant turns whose reasoning is non-empty (gpt-oss
-    templates read ``thinking``, Qwen3-style ones ``reasoning_content``), ``tool_calls`` on assistant turns
-    that called tools and ``tool_call_id`` / ``name`` on ``tool`` results (:func:`tool_calls_of`). Other keys
+    """Messages as the chat template sees them: `{role, content}` (`None` content -> `""`), plus
+    `thinking` and `reasoning_content` on assistant turns whose reasoning is non-empty (gpt-oss
+    templates read `thinking`, Qwen3-style ones `reasoning_content`), `tool_calls` on assistant turns
+    that called tools and `tool_call_id` / `name` on `tool` results (`tool_calls_of`). Other keys
     are dropped.
 
-    An assistant turn without reasoning whose content contains ``</think>`` (an answer that explains chat
-    templates) gets ``reasoning_content: ""``: Qwen3/3.5/3.6 and GLM templates otherwise take everything
-    before that ``</think>`` for reasoning and drop it from the answer; with an empty string they render
+    An assistant turn without reasoning whose content contains `</think>` (an answer that explains chat
+    templates) gets `reasoning_content: ""`: Qwen3/3.5/3.6 and GLM templates otherwise take everything
+    before that `</think>` for reasoning and drop it from the answer; with an empty string they render
     the turn exactly as one without reasoning, content verbatim."""
     out = []
     for m in messages:
@@ -113,13 +106,12 @@ def template_messages(messages: Iterable[Mapping[str, Any]]) -> list[dict]:
 
 
 def tool_calls_of(message: Mapping[str, Any]) -> list[dict] | None:
-    """A message's tool calls in the OpenAI shape ``[{"id", "type": "function", "function": {"name",
-    "arguments"}}]`` with ``arguments`` parsed into an object (templates such as Qwen3's write an object with
-    ``tojson`` and a string verbatim; a parsed object renders as the servers render it). ``tool_calls`` may be
-    a list or its JSON text (the shard column); None when the message has none.
+    """A message's tool calls in the OpenAI shape `[{"id", "type": "function", "function": {"name", "arguments"}}]`
+    with `arguments` parsed into an object. `tool_calls` may be a list or its JSON text (the shard column); None when
+    the message has none.
 
     Raises:
-        ValueError: ``tool_calls`` is not a list of calls with a function name (names the field).
+        ValueError: `tool_calls` is not a list of calls with a function name (names the field).
     """
     calls = message.get("tool_calls")
     if isinstance(calls, str):
@@ -147,17 +139,17 @@ def tool_calls_of(message: Mapping[str, Any]) -> list[dict] | None:
 
 
 def tools_of(value: Any) -> list[dict] | None:
-    """The function schemas offered to the model (``tools`` of a record: a list or its JSON text), or None."""
+    """The function schemas offered to the model (`tools` of a record: a list or its JSON text), or None."""
     if isinstance(value, str):
         value = json.loads(value) if value.strip() else None
     return list(value) if value else None
 
 
 def load_tokenizer(target_dir: str | Path, *, chat_template: str | Path | None = None, trust_remote_code: bool = False):
-    """Load the target's tokenizer offline; ``chat_template`` (a .jinja file) overrides its template.
+    """Load the target's tokenizer offline; `chat_template` (a .jinja file) overrides its template.
 
     Raises:
-        ConfigError: the tokenizer has no chat template and none was given (names ``target.chat_template``).
+        ConfigError: the tokenizer has no chat template and none was given (names `target.chat_template`).
     """
     from transformers import AutoTokenizer
 
@@ -177,10 +169,9 @@ def load_tokenizer(target_dir: str | Path, *, chat_template: str | Path | None =
 
 
 def _compiled_template(tokenizer):
-    """``(compiled template, special-token variables)`` for the tokenizer's current template, cached on the
-    tokenizer (recompiled when its template or special tokens change); None when the fast path does not
-    apply (several named templates, or a transformers without the compiler), then callers use
-    ``apply_chat_template``."""
+    """`(compiled template, special-token variables)` for the tokenizer's current template, cached on the tokenizer;
+    None when the fast path does not apply (several named templates, or a transformers without the compiler), then
+    callers use `apply_chat_template`."""
     template = getattr(tokenizer, "chat_template", None)
     if not isinstance(template, str):
         return None
@@ -208,9 +199,8 @@ def render_many(
     add_generation_prompt: bool,
     tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[str]:
-    """Render each conversation with the tokenizer's own chat template (strings, as
-    ``apply_chat_template(tokenize=False)``), messages passed through :func:`template_messages`, ``tools``
-    (function schemas, the same for every conversation) as the template's ``tools`` variable."""
+    """Render each conversation with the tokenizer's own chat template, messages passed through `template_messages`,
+    `tools` (function schemas, the same for every conversation) as the template's `tools` variable."""
     kwargs = template_kwargs(thinking)
     tools = list(tools) if tools else None
     fast = _compiled_template(tokenizer)
@@ -248,9 +238,9 @@ def render(
     tokenize: bool = False,
     tools: Sequence[Mapping[str, Any]] | None = None,
 ):
-    """Render ``messages`` with the tokenizer's own chat template (see :func:`render_many`).
+    """Render `messages` with the tokenizer's own chat template (see `render_many`).
 
-    Returns the rendered string (``tokenize=False``) or a list of token ids (``tokenize=True``, no extra
+    Returns the rendered string (`tokenize=False`) or a list of token ids (`tokenize=True`, no extra
     special tokens are added beyond what the template writes).
     """
     text = render_many(

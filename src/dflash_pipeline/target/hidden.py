@@ -12,10 +12,9 @@ from dflash_pipeline.target import loading as T
 def target_features(
     target, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], layer_ids: Sequence[int], **kw
 ):
-    """Run the frozen target and concatenate the outputs of decoder layers ``layer_ids``.
+    """Run the frozen target and concatenate the outputs of decoder layers `layer_ids`.
 
-    Uses :func:`dflash_pipeline.probe.hf_hidden_state_index` (the one canonical→HF conversion: id+1).
-    Returns ``(features [b, S, K·H] in the target dtype, model output)``.
+    Uses `probe.hf_hidden_state_index`. Returns `(features [b, S, K·H] in the target dtype, model output)`.
     """
     out = T.hidden_states_of(target, input_ids, attention_mask, **kw)
     return T.select_layers(out.hidden_states, layer_ids), out

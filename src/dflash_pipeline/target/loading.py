@@ -1,25 +1,17 @@
-"""The frozen target, loaded the same way for every family: train, eval and the transformers completions
-backend all call :func:`load_target`.
+"""The frozen target, loaded the same way for every family by `load_target` (train, eval, completions).
 
 Three policies live here and nowhere else:
 
-* **dtype** (:func:`resolve_dtype`): ``auto`` → float32 on CPU, bfloat16 on CUDA; ``float32``,
-  ``bfloat16``, ``float16`` as named. The drafter keeps float32 master weights in training and computes
-  in its parameter dtype (inputs cast to it, :func:`to_drafter_dtype`); the drafter output meets the
-  target's LM head in the head's dtype (:func:`lm_head_logits`), and the loss is float32 cross-entropy
-  on those logits. In eval the drafter is loaded in the target's dtype (:func:`drafter_dtype`).
-* **model class** (:func:`causal_lm_class`): the class named by ``config.architectures`` when transformers
-  ships it (``Qwen3_5ForConditionalGeneration``, ``Gemma4ForConditionalGeneration`` …, so checkpoints load
-  with their own key layout), else ``AutoModelForCausalLM``, else ``AutoModelForImageTextToText`` for
-  nested ``text_config`` targets (``kimi_k25``, Qwen3-VL), with ``trust_remote_code`` honoured
-  (``auto_map`` code first when allowed). A config whose ``model_type`` transformers does not know (remote
-  code absent or not allowed, e.g. ``kimi_k2``) but whose ``architectures`` names a class transformers
-  ships (``DeepseekV3ForCausalLM``) is read with that class's config (what vLLM and SGLang do too).
-* **accessors**: :func:`input_embeddings`, :func:`lm_head`, :func:`num_decoder_layers` and
-  :func:`hidden_states_of` hide where each family keeps them (``model.language_model`` …).
+* **dtype** (`resolve_dtype`): `auto` → float32 on CPU, bfloat16 on CUDA. The drafter computes in its
+  parameter dtype (`to_drafter_dtype`), meets the LM head in the head's dtype (`lm_head_logits`), and the
+  loss is float32 cross-entropy; in eval the drafter takes the target's dtype (`drafter_dtype`).
+* **model class** (`causal_lm_class`): the class `config.architectures` names when transformers ships it,
+  else `AutoModelForCausalLM`, else `AutoModelForImageTextToText` for nested `text_config` targets;
+  a `model_type` transformers does not know whose `architectures` it ships (`kimi_k2`) is read with that
+  class's config, as vLLM and SGLang do.
+* **accessors**: `input_embeddings`, `lm_head`, `num_decoder_layers`, `hidden_states_of`.
 
-:func:`check_loadable` runs the class and config resolution without weights, so the probe refuses a
-family that cannot load at plan time, with the reason.
+`check_loadable` resolves class and config without weights, for the probe at plan time.
 """
 
 from __future__ import annotations
@@ -32,28 +24,26 @@ import torch
 
 from dflash_pipeline.core.errors import ProbeRefusal
 
-#: ``target.dtype`` / ``--target-dtype`` values.
+#: `target.dtype` / `--target-dtype` values.
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 
 class TargetLoadError(ProbeRefusal):
     """The target cannot be loaded as a causal LM (the message says why and what to set); a
-    :class:`ProbeRefusal` with ``reason`` ``"not loadable"`` unless given another."""
+    `ProbeRefusal` with `reason` `"not loadable"` unless given another."""
 
     def __init__(self, message: str, reason: str = "not loadable"):
         super().__init__(reason, message)
 
 
-# ---------------------------------------------------------------------------------------------------
-# dtype policy
-# ---------------------------------------------------------------------------------------------------
+# --- dtype policy
 
 
 def resolve_dtype(spec: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
-    """The target dtype for ``spec`` on ``device``: ``auto`` → float32 on CPU, bfloat16 on CUDA.
+    """The target dtype for `spec` on `device`: `auto` → float32 on CPU, bfloat16 on CUDA.
 
     Raises:
-        ValueError: unknown ``spec`` (names the valid choices).
+        ValueError: unknown `spec` (names the valid choices).
     """
     if isinstance(spec, torch.dtype):
         return spec
@@ -65,7 +55,7 @@ def resolve_dtype(spec: str | torch.dtype, device: str | torch.device = "cpu") -
 
 
 def module_dtype(module: torch.nn.Module) -> torch.dtype:
-    """dtype of the first floating-point parameter of ``module`` (float32 when it has none)."""
+    """dtype of the first floating-point parameter of `module` (float32 when it has none)."""
     for p in module.parameters():
         if p.is_floating_point():
             return p.dtype
@@ -73,31 +63,25 @@ def module_dtype(module: torch.nn.Module) -> torch.dtype:
 
 
 def drafter_dtype(target: torch.nn.Module) -> torch.dtype:
-    """dtype the drafter runs in at inference beside ``target``: the target's own (bf16 beside bf16)."""
+    """dtype the drafter runs in at inference beside `target`: the target's own (bf16 beside bf16)."""
     return module_dtype(target)
 
 
 def to_drafter_dtype(drafter: torch.nn.Module, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Cast drafter inputs (target embeddings, target features) to the drafter's parameter dtype.
-
-    Under Accelerate's autocast the matmuls then run in the autocast dtype anyway; without autocast a
-    bf16 target's features meet fp32 master weights in fp32 instead of failing on mixed dtypes.
-    """
+    """Cast drafter inputs (target embeddings, target features) to the drafter's parameter dtype."""
     core = getattr(drafter, "module", drafter)
     dt = module_dtype(core)
     return tuple(t.to(dt) for t in tensors)
 
 
 def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Logits [..., V] float32 of drafter output ``hidden`` [..., H] through the target LM head
-    ``weight`` [V, H]: the matmul runs in the head's dtype (bf16 head → bf16 matmul, as the serving
+    """Logits [..., V] float32 of drafter output `hidden` [..., H] through the target LM head
+    `weight` [V, H]: the matmul runs in the head's dtype (bf16 head → bf16 matmul, as the serving
     engines do), the result is upcast for the softmax/cross-entropy."""
     return torch.nn.functional.linear(hidden.to(weight.dtype), weight).float()
 
 
-# ---------------------------------------------------------------------------------------------------
-# config and class resolution
-# ---------------------------------------------------------------------------------------------------
+# --- config and class resolution
 
 
 def _raw_config(target_dir: Path) -> dict:
@@ -124,8 +108,8 @@ def _native_class(name: Optional[str]):
 
 
 def load_target_config(target_dir: str | Path, *, trust_remote_code: bool = False):
-    """The target's ``PretrainedConfig``: ``AutoConfig`` (offline), else the config class of the natively
-    shipped class ``config.architectures`` names (for unknown/remote ``model_type`` such as ``kimi_k2``).
+    """The target's `PretrainedConfig`: `AutoConfig` (offline), else the config class of the natively
+    shipped class `config.architectures` names (for unknown/remote `model_type` such as `kimi_k2`).
 
     Raises:
         TargetLoadError: neither works (the message carries AutoConfig's reason).
@@ -163,7 +147,7 @@ def load_target_config(target_dir: str | Path, *, trust_remote_code: bool = Fals
 
 
 def causal_lm_class(config, *, trust_remote_code: bool = False):
-    """The class that loads ``config`` as a causal LM with logits over the vocabulary (see module docstring).
+    """The class that loads `config` as a causal LM with logits over the vocabulary (see module docstring).
 
     Raises:
         TargetLoadError: no such class (names the model type and what was tried).
@@ -194,7 +178,7 @@ def causal_lm_class(config, *, trust_remote_code: bool = False):
 
 
 def text_config(config):
-    """The decoder's config (``text_config`` of a multimodal target, else ``config`` itself)."""
+    """The decoder's config (`text_config` of a multimodal target, else `config` itself)."""
     get = getattr(config, "get_text_config", None)
     return get(decoder=True) if get is not None else config
 
@@ -202,7 +186,7 @@ def text_config(config):
 def check_loadable(target_dir: str | Path, *, trust_remote_code: bool = False) -> dict:
     """Resolve the config and model class without reading weights (plan/probe time).
 
-    Returns ``{"class": name, "config_class": name, "num_hidden_layers": L}``.
+    Returns `{"class": name, "config_class": name, "num_hidden_layers": L}`.
 
     Raises:
         TargetLoadError: the family cannot be loaded (the reason is in the message).
@@ -221,9 +205,7 @@ def check_loadable(target_dir: str | Path, *, trust_remote_code: bool = False) -
     return {"class": cls.__name__, "config_class": type(cfg).__name__, "num_hidden_layers": layers}
 
 
-# ---------------------------------------------------------------------------------------------------
-# loading
-# ---------------------------------------------------------------------------------------------------
+# --- loading
 
 
 def load_target(
@@ -235,13 +217,13 @@ def load_target(
     frozen: bool = True,
     device_map: Optional[str] = None,
 ):
-    """Load the target (eval mode; ``frozen``: ``requires_grad=False``) in :func:`resolve_dtype` ``dtype``.
+    """Load the target (eval mode; `frozen`: `requires_grad=False`) in `resolve_dtype` `dtype`.
 
-    ``device_map`` (e.g. ``"auto"``): spread the layers over the visible GPUs (accelerate's big-model
-    loading) instead of moving the whole model to ``device``; ``device`` then only picks the dtype.
+    `device_map` (e.g. `"auto"`): spread the layers over the visible GPUs instead of moving the whole model to
+    `device`; `device` then only picks the dtype.
 
     Raises:
-        TargetLoadError: the config or class cannot be resolved (see :func:`check_loadable`).
+        TargetLoadError: the config or class cannot be resolved (see `check_loadable`).
     """
     dev = torch.device(device)
     cfg = load_target_config(target_dir, trust_remote_code=trust_remote_code)
@@ -259,9 +241,9 @@ def load_target(
 
 
 class BareEmbedding(torch.nn.Module):
-    """The bare lookup ``weight[ids]`` of an embedding module, whatever scaling its forward adds.
+    """The bare lookup `weight[ids]` of an embedding module, whatever scaling its forward adds.
 
-    ``weight`` is the source module's own tensor (not a copy, not registered as a parameter here).
+    `weight` is the source module's own tensor (not a copy, not registered as a parameter here).
     """
 
     def __init__(self, source: torch.nn.Module):
@@ -277,26 +259,22 @@ class BareEmbedding(torch.nn.Module):
 
 
 def input_embeddings(target) -> torch.nn.Module:
-    """The drafter's token embedding: the target's embedding table looked up *bare* (ids → [b, S, H]).
-
-    One convention on every path (online training, feature shards' ``features.weights``, the eval loop),
-    the one vLLM serves: its DFlash ``embed_input_ids`` is the shared ``embed_tokens`` module alone
-    (``vllm/model_executor/models/qwen3_dflash.py``, ``llm_base_proposer._maybe_share_embeddings``), and
-    vLLM's Gemma keeps the √H normaliser outside it (``gemma3.py`` ``embed_input_ids``). So Gemma's
-    ``Gemma3TextScaledWordEmbedding`` ×√H is *not* applied here; a plain ``nn.Embedding`` is returned as is.
-    """
+    """The drafter's token embedding: the target's embedding table looked up *bare* (ids → [b, S, H]), on every
+    path, as vLLM serves it (its DFlash `embed_input_ids` is the shared `embed_tokens` alone,
+    `vllm/model_executor/models/qwen3_dflash.py`; Gemma's √H normaliser stays outside, `gemma3.py`). A plain
+    `nn.Embedding` is returned as is."""
     emb = target.get_input_embeddings()
     return emb if type(emb) is torch.nn.Embedding else BareEmbedding(emb)
 
 
 def final_logit_softcap(config) -> Optional[float]:
-    """The target's ``final_logit_softcapping`` (its text config's; gemma-2/3/4: 30.0), or None."""
+    """The target's `final_logit_softcapping` (its text config's; gemma-2/3/4: 30.0), or None."""
     cap = getattr(text_config(config), "final_logit_softcapping", None)
     return float(cap) if cap else None
 
 
 def lm_head(target) -> torch.nn.Module:
-    """The target's LM head (``weight`` [V, H])."""
+    """The target's LM head (`weight` [V, H])."""
     head = target.get_output_embeddings()
     if head is None:
         raise TargetLoadError(f"{type(target).__name__} has no output embeddings (LM head)")
@@ -304,19 +282,17 @@ def lm_head(target) -> torch.nn.Module:
 
 
 def num_decoder_layers(target) -> int:
-    """Number of decoder layers L (HF ``hidden_states`` has L + 1 entries)."""
+    """Number of decoder layers L (HF `hidden_states` has L + 1 entries)."""
     return int(text_config(target.config).num_hidden_layers)
 
 
 def hidden_states_of(
     target, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *, need_logits: bool = False, **kw
 ):
-    """Forward the target with ``output_hidden_states``; returns the model output, whose
-    ``hidden_states`` is the (L + 1)-tuple of [b, S, H] (index 0 the embeddings, index L after the final
-    norm; a hyper-connection target's ``[b, S, n, H]`` streams collapsed by :func:`collapse_streams`) and ``logits`` [b, S, V] with ``need_logits`` (the eval loop's verification), else at most
-    [b, 1, V]: ``logits_to_keep=1`` (transformers' causal LMs apply the LM head to the last position only),
-    so training never materialises full-vocabulary logits it throws away (4 × 3,072 tokens × 152k vocab
-    is ~3.7 GB of bf16 per step)."""
+    """Forward the target with `output_hidden_states`; returns the model output, whose `hidden_states` is the
+    (L + 1)-tuple of [b, S, H] (index 0 the embeddings, index L after the final norm; `[b, S, n, H]`
+    parallel streams collapsed by `collapse_streams`) and `logits` [b, S, V] with `need_logits`, else at most [b, 1, V]
+    (`logits_to_keep=1`: training never materialises full-vocabulary logits)."""
     if not need_logits and "logits_to_keep" in _forward_params(target):
         kw.setdefault("logits_to_keep", 1)
     out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, **kw)
@@ -334,7 +310,7 @@ def hidden_states_of(
 
 def stream_head(target) -> Optional[torch.nn.Module]:
     """The module that collapses a hyper-connection target's parallel residual streams into one hidden state
-    before its final norm (DeepSeek-V4's ``hc_head``), None for a target without one."""
+    before its final norm (DeepSeek-V4's `hc_head`), None for a target without one."""
     decoder = target.get_decoder() if hasattr(target, "get_decoder") else None
     for owner in (decoder, getattr(target, "model", None), target):
         head = getattr(owner, "hc_head", None) if owner is not None else None
@@ -344,21 +320,13 @@ def stream_head(target) -> Optional[torch.nn.Module]:
 
 
 def collapse_streams(target, hidden: torch.Tensor) -> torch.Tensor:
-    """One hidden state ``[b, S, H]`` from a layer output: ``hidden`` itself when it is ``[b, S, H]``; for a
-    hyper-connection target, whose decoder layers carry ``n`` parallel residual streams ``[b, S, n, H]``
-    (DeepSeek-V4's mHC, ``hc_mult`` = 4), the target's own stream collapse (:func:`stream_head`).
-
-    Why that collapse: it is the one learned map the model has from its streams to a single H-wide state,
-    the one its final norm and LM head read (``norm(hc_head(streams))``), and it weighs the streams per
-    token as the model learned to. A parameter-free reduction (the mean, or stream 0) ignores that
-    weighting; the flattened ``n·H`` streams (what SGLang hands its DeepSeek-V4 MTP head) would change the
-    drafter's input width away from the K·H every engine's DFlash drafter expects. The final norm is not
-    applied, as for every other family's intermediate layers (the drafter's ``hidden_norm`` normalises the
-    fused features). The collapsed state is in ``hidden``'s dtype.
+    """One hidden state `[b, S, H]` from a layer output: `hidden` itself when it is `[b, S, H]`; for a
+    hyper-connection target with `n` parallel residual streams `[b, S, n, H]` (DeepSeek-V4's mHC), the
+    target's own learned stream collapse (`stream_head`, what its final norm and LM head read), without the
+    final norm, in `hidden`'s dtype.
 
     Raises:
-        TargetLoadError: ``hidden`` has parallel streams but the target has no stream collapse.
-    """
+        TargetLoadError: `hidden` has parallel streams but the target has no stream collapse."""
     if hidden.dim() != 4:
         return hidden
     head = stream_head(target)
@@ -380,7 +348,7 @@ def _forward_params(target) -> frozenset:
 
 
 def select_layers(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
-    """Concatenate the outputs of canonical layers ``layer_ids`` (HF index id + 1) → [b, S, K·H]."""
+    """Concatenate the outputs of canonical layers `layer_ids` (HF index id + 1) → [b, S, K·H]."""
     from dflash_pipeline.target.layer_ids import hf_hidden_state_index
 
     return torch.cat([hidden_states[hf_hidden_state_index(i)] for i in layer_ids], dim=-1)

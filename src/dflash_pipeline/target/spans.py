@@ -1,9 +1,6 @@
-"""String level of the tokens stage: supervised character spans from render differences.
-
-The method (prefix diffs of generation-prompt and turn renders, end-of-turn rules, splitting templates
-that rewrite earlier turns, scaffolding the target never generated) is described in the docstring of
-:mod:`dflash_pipeline.tokens.shard`, which turns these spans into token masks. This module needs no numpy or
-pyarrow, so the completions job can run :func:`check_template` before generating (its conda env).
+"""String level of the tokens stage: supervised character spans from render differences (the method:
+docs/DESIGN.md §5; `tokens.shard` turns the spans into token masks). No numpy or pyarrow,
+so the completions job can run `check_template` before generating.
 """
 
 from __future__ import annotations
@@ -15,9 +12,7 @@ from typing import Any, Mapping, Sequence
 from dflash_pipeline.core.errors import ConfigError, MarkupWithoutIdsError, TokenizationError
 from dflash_pipeline.target import chat
 
-# --------------------------------------------------------------------------------------------------
-# String level: supervised character spans from render differences
-# --------------------------------------------------------------------------------------------------
+# --- String level: supervised character spans from render differences
 
 
 @dataclass
@@ -26,17 +21,17 @@ class TrainSequence:
 
     Attributes:
         text: the rendered string (a prefix-closed render of the conversation up to its last turn).
-        spans: supervised character spans ``[(start, end), ...]``, sorted, non-overlapping.
+        spans: supervised character spans `[(start, end), ...]`, sorted, non-overlapping.
         turns: assistant-turn indices (0-based among assistant turns) supervised in this sequence.
     """
 
     text: str
     spans: list[tuple[int, int]] = field(default_factory=list)
     turns: list[int] = field(default_factory=list)
-    #: ``[(start, end, ids), ...]`` sorted, non-overlapping, each inside a span: text the target generated
-    #: that the tokens stage must not re-tokenize like template text. ``ids`` = the target's output ids of
-    #: exactly ``text[start:end]``; None = encode that text as ordinary text (special-token strings in it
-    #: stay plain characters, :func:`dflash_pipeline.tokens.loss_masks.tokenize_sequences`).
+    #: `[(start, end, ids), ...]` sorted, non-overlapping, each inside a span: text the target generated
+    #: that the tokens stage must not re-tokenize like template text. `ids` = the target's output ids of
+    #: exactly `text[start:end]`; None = encode that text as ordinary text (special-token strings in it
+    #: stay plain characters, `tokens.loss_masks.tokenize_sequences`).
     verbatim: list[tuple[int, int, tuple[int, ...] | None]] = field(default_factory=list)
 
 
@@ -53,15 +48,15 @@ def special_token_strings(tokenizer) -> tuple[str, ...]:
     return tuple(sorted(out, key=lambda s: (-len(s), s)))
 
 
-#: A non-special added token is control text too when it looks like markup (``<think>``, ``<tool_call>``,
-#: ``[TOOL_CALLS]``); added tokens that are words or whitespace runs are ordinary text.
+#: A non-special added token is control text too when it looks like markup (`<think>`, `<tool_call>`,
+#: `[TOOL_CALLS]`); added tokens that are words or whitespace runs are ordinary text.
 _MARKUP_TOKEN = re.compile(r"^[<\[].*[>\]]$", re.S)
 
 
 def control_token_strings(tokenizer) -> tuple[str, ...]:
     """Strings the tokenizer turns into a control id when it meets them in text, longest first: every
     *special* added token (plus eos/bos/pad) and every non-special added token that looks like markup
-    (``<think>``, ``</think>``, ``<tool_call>``; no whitespace inside). Text the target generated or a user
+    (`<think>`, `</think>`, `<tool_call>`; no whitespace inside). Text the target generated or a user
     wrote that contains one of them is data, never control: the tokens stage encodes such answer text
     without parsing them, the prompts stage counts and drops prompts whose user/system text holds one."""
     out = set(special_token_strings(tokenizer))
@@ -73,18 +68,18 @@ def control_token_strings(tokenizer) -> tuple[str, ...]:
 
 
 def find_control_strings(text: str, strings: Sequence[str]) -> list[str]:
-    """The control-token strings (:func:`control_token_strings`) that occur in ``text``, in ``strings``
+    """The control-token strings (`control_token_strings`) that occur in `text`, in `strings`
     order."""
     return [s for s in strings if s in text] if text else []
 
 
 def supervised_length(suffix: str, specials: Sequence[str], *, include_eot: bool = True) -> int:
-    """Length of the supervised head of ``suffix`` (= render after the generation prompt).
+    """Length of the supervised head of `suffix` (= render after the generation prompt).
 
     Trailing whitespace is template scaffolding; if what remains ends with a run of special tokens
     (optionally separated by whitespace), only the first of that run is kept: it is the stop token the
-    target emitted, later ones are template text (e.g. a trailing ``<|endoftext|>``). With
-    ``include_eot=False`` (generation cut at max_tokens: the target never emitted a stop token) the whole
+    target emitted, later ones are template text (e.g. a trailing `<|endoftext|>`). With
+    `include_eot=False` (generation cut at max_tokens: the target never emitted a stop token) the whole
     run is excluded.
     """
     end = len(suffix.rstrip())
@@ -119,45 +114,32 @@ def conversation_sequences(
     control_strings: Sequence[str] | None = None,
     tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[TrainSequence]:
-    """Training sequences and supervised character spans for one conversation (see module docstring).
+    """Training sequences and supervised character spans for one conversation (docs/DESIGN.md §5).
 
     Args:
         tokenizer: HF tokenizer carrying the target's chat template.
-        messages: the completed conversation (``role``, ``content``, optional ``reasoning_content``).
-        thinking: ``none|save|disable``, the mode used for generation.
+        messages: the completed conversation (`role`, `content`, optional `reasoning_content`).
+        thinking: `none|save|disable`, the mode used for generation.
         last_turn_only: supervise only the last assistant turn.
         prompt_id: used in error messages.
-        specials: special-token strings (default: :func:`special_token_strings`).
-        finish_reasons: per assistant turn; a turn with ``"length"`` (cut at max_tokens) gets no supervised
-            end-of-turn token, since the target never emitted one.
-        generated: per assistant turn, the text of the ids the target produced (``output_token_ids``
-            decoded with special tokens; None when unknown). When the rendered turn ends with that text
-            (end-of-turn and whitespace aside) but the template put non-whitespace text before it - e.g.
-            the empty ``<think>\n\n</think>\n\n`` Qwen3 renders for a turn without reasoning, which a
-            target that emitted no think block never generated - that leading text is scaffolding: 0.
-        counts: optional dict; ``scaffolding_excluded`` (turns where that happened) and
-            ``render_differs_from_output_ids`` (turns whose render does not end with the generated text,
-            e.g. a template that normalizes whitespace; their mask is left as the render gives it) are
-            incremented, and ``output_ids_spliced`` / ``control_text_kept`` (see below).
-        generated_ids: per assistant turn, the target's ``output_token_ids`` (None when unknown). When
-            their text (``generated[k]``) is exactly the turn's supervised text, the sequence carries them
-            as a ``verbatim`` entry: the supervised tokens are then the ids the target generated, not a
-            re-tokenization (``output_ids_spliced``).
-        control_strings: strings that would become control ids if tokenized as template text (default:
-            :func:`control_token_strings`). Content or reasoning holding one (ids not spliced) is encoded as
-            plain text (``control_text_kept``) when the output ids show it was text, else fails closed
-            (:func:`_check_markup_was_text`).
-        tools: the function schemas (the template's ``tools``); ``tool_calls`` of assistant turns are
-            supervised as the template writes them, ``tool`` results never.
+        specials: special-token strings (default: `special_token_strings`).
+        finish_reasons: per assistant turn; a `"length"` turn gets no supervised end-of-turn token.
+        generated: per assistant turn, the decoded `output_token_ids` (None when unknown); template text
+            before it in the rendered turn (Qwen3's empty think block) is scaffolding: 0.
+        counts: optional dict; increments `scaffolding_excluded`, `render_differs_from_output_ids`,
+            `output_ids_spliced` and `control_text_kept`.
+        generated_ids: per assistant turn, the target's `output_token_ids`; spliced in as the supervised
+            tokens when their text is exactly the turn's supervised text.
+        control_strings: strings that tokenize to control ids (default: `control_token_strings`).
+        tools: the function schemas (the template's `tools`); `tool` results are never supervised.
 
     Returns:
         Sequences in turn order (empty if there is no assistant turn).
 
     Raises:
         TokenizationError: the generation-prompt render is not a prefix of the render with the turn, or
-            the template drops the turn's content or reasoning (message names prompt_id and turn);
-            :class:`MarkupWithoutIdsError` (see ``control_strings``).
-    """
+            the template drops the turn's content or reasoning (names prompt_id and turn);
+            `MarkupWithoutIdsError`: control strings in a turn without ids to tell text from markup."""
     specials = special_token_strings(tokenizer) if specials is None else specials
     controls = control_token_strings(tokenizer) if control_strings is None else control_strings
     msgs = render_messages(messages)
@@ -187,21 +169,20 @@ def conversation_sequences(
 
 
 def _control_ids(tokenizer, controls: Sequence[str]) -> dict[int, str]:
-    """Token id -> control string, for the control strings the model could emit mid-answer as one token:
-    those that are one token of ``tokenizer``, less its ``eos_token`` (generation stops at it, so an
-    ``<|im_end|>`` inside an answer's text was written as text)."""
+    """Token id -> control string, for the control strings the model could emit mid-answer as one token: those that
+    are one token of `tokenizer`, less its `eos_token`."""
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
     eos = getattr(tokenizer, "eos_token", None)
     return {vocab[s]: s for s in controls if s in vocab and s != eos}
 
 
 def _at(per_turn: Sequence | None, k: int):
-    """``per_turn[k]``, or None when the list is None or shorter."""
+    """`per_turn[k]`, or None when the list is None or shorter."""
     return per_turn[k] if per_turn is not None and k < len(per_turn) else None
 
 
 def _count(counts: dict | None, key: str) -> None:
-    """Increment ``counts[key]`` (from 0) when a counts dict is given."""
+    """Increment `counts[key]` (from 0) when a counts dict is given."""
     if counts is not None:
         counts[key] = counts.get(key, 0) + 1
 
@@ -216,11 +197,11 @@ def _render_turns(
     prompt_id: str,
     tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> tuple[list[str], list[str]]:
-    """Per selected assistant turn ``k`` (message ``a_idx[k]``): the generation-prompt render ``P`` of the
-    messages before it and the render ``Q`` with it (both batched, :func:`chat.render_many`).
+    """Per selected assistant turn `k` (message `a_idx[k]`): the generation-prompt render `P` of the
+    messages before it and the render `Q` with it (both batched, `chat.render_many`).
 
     Raises:
-        TokenizationError: the template fails on one of them (jinja ``raise_exception``, a missing key);
+        TokenizationError: the template fails on one of them;
             the message names prompt_id and the first turn that fails, rendered alone.
     """
     try:
@@ -263,12 +244,12 @@ def _turn_span(
     counts: dict | None,
     control_ids: Mapping[int, str] | None = None,
 ) -> tuple[str, int, int, list]:
-    """``(Q, span_start, span_end, verbatim)`` of assistant turn ``k`` from its generation-prompt render ``p``
-    and its render ``q`` (steps 1-2 and 5 of the :mod:`dflash_pipeline.tokens.shard` method); ``message`` is the
-    turn as the template saw it, ``cut``: generation stopped at max_tokens (no end-of-turn supervised).
+    """`(Q, span_start, span_end, verbatim)` of assistant turn `k` from its generation-prompt render `p`
+    and its render `q` (steps 1-2 and 5 of docs/DESIGN.md §5); `message` is the
+    turn as the template saw it, `cut`: generation stopped at max_tokens (no end-of-turn supervised).
 
     Raises:
-        TokenizationError: ``q`` does not start with ``p``, or the supervised text lacks the turn's content
+        TokenizationError: `q` does not start with `p`, or the supervised text lacks the turn's content
             or reasoning.
     """
     _check_prefix(p, q, prompt_id=prompt_id, k=k)
@@ -307,12 +288,12 @@ def _check_markup_was_text(
     prompt_id: str,
     k: int,
 ) -> None:
-    """Turn ``k``'s content or reasoning holds control-token strings that will be encoded as text: allowed
+    """Turn `k`'s content or reasoning holds control-token strings that will be encoded as text: allowed
     only when its output ids show the model wrote them as text (none of their ids among the output ids).
 
     Raises:
         MarkupWithoutIdsError: no output ids (emitted markup and quoted text look alike), or the output ids
-            hold the string's control id (the model emitted it as markup; the render does not reproduce it).
+            hold the string's control id.
     """
     emittable = set(control_ids.values())
     text = (message.get("content") or "") + "\n" + (message.get("reasoning_content") or "")
@@ -336,7 +317,7 @@ def _check_markup_was_text(
 
 
 def _check_prefix(p: str, q: str, *, prompt_id: str, k: int) -> None:
-    """Fail closed when the render with turn ``k`` does not start with its generation-prompt render.
+    """Fail closed when the render with turn `k` does not start with its generation-prompt render.
 
     Raises:
         TokenizationError: names prompt_id, the turn and the first differing character.
@@ -353,7 +334,7 @@ def _check_prefix(p: str, q: str, *, prompt_id: str, k: int) -> None:
 
 
 def _check_rendered(text: str, content: str, reasoning: str | None, *, prompt_id: str, k: int, thinking: str) -> None:
-    """Fail closed when the supervised ``text`` of turn ``k`` lacks its (stripped) content or reasoning.
+    """Fail closed when the supervised `text` of turn `k` lacks its (stripped) content or reasoning.
 
     Raises:
         TokenizationError: the template drops or rewrites what the target generated (names prompt_id, turn).
@@ -371,10 +352,10 @@ def _check_rendered(text: str, content: str, reasoning: str | None, *, prompt_id
 
 
 def _scaffolding_length(text: str, generated: str, specials: Sequence[str], counts: dict | None) -> int:
-    """Characters at the head of the supervised ``text`` that the template wrote before everything the
-    target ``generated`` (Qwen3's empty think block): 0 unless ``text`` ends with the generated text (end of
-    turn and whitespace aside) after non-whitespace template text. Counts ``scaffolding_excluded``, or
-    ``render_differs_from_output_ids`` when the render does not end with the generated text."""
+    """Characters at the head of the supervised `text` that the template wrote before everything the
+    target `generated` (Qwen3's empty think block): 0 unless `text` ends with the generated text (end of
+    turn and whitespace aside) after non-whitespace template text. Counts `scaffolding_excluded`, or
+    `render_differs_from_output_ids` when the render does not end with the generated text."""
     core = generated[: supervised_length(generated, specials, include_eot=False)].strip()
     body = text[: supervised_length(text, specials, include_eot=False)]
     if core and body.endswith(core):
@@ -400,10 +381,9 @@ def _verbatim_ranges(
     controls: Sequence[str],
     counts: dict | None,
 ) -> list:
-    """:attr:`TrainSequence.verbatim` entries of one turn supervised on ``q[start:end]``: the target's output
-    ids when their text is exactly that span (``output_ids_spliced``); else the content (its last
-    occurrence: it ends the turn) and the reasoning before it, each when it holds a control-token string,
-    to be encoded as plain text (``control_text_kept``)."""
+    """`TrainSequence.verbatim` entries of one turn supervised on `q[start:end]`: the target's output ids when their
+    text is exactly that span (`output_ids_spliced`); else the content and the reasoning before it, each when it holds a
+    control-token string, to be encoded as plain text (`control_text_kept`)."""
     verbatim: list = []
     if generated_ids and generated is not None and q[start:end] == generated:
         verbatim.append((start, end, tuple(int(t) for t in generated_ids)))
@@ -424,9 +404,9 @@ def _verbatim_ranges(
 
 
 def _fewest_sequences(turn_spans: dict[int, tuple[str, int, int, list]]) -> list[TrainSequence]:
-    """The fewest sequences that supervise each turn once, in a context it was generated in (step 3 of the
-    :mod:`dflash_pipeline.tokens.shard` method): greedy from the last pending turn ``j``, whose render ``Q_j``
-    supervises every pending turn ``k`` with ``Q_j.startswith(Q_k[:end_k])``. Returned in turn order."""
+    """The fewest sequences that supervise each turn once, in a context it was generated in (step 3 of
+    docs/DESIGN.md §5): greedy from the last pending turn `j`, whose render `Q_j`
+    supervises every pending turn `k` with `Q_j.startswith(Q_k[:end_k])`. Returned in turn order."""
     pending = sorted(turn_spans)
     seqs: list[TrainSequence] = []
     while pending:
@@ -448,7 +428,7 @@ def _fewest_sequences(turn_spans: dict[int, tuple[str, int, int, list]]) -> list
     return seqs
 
 
-#: Synthetic conversation for :func:`check_template` (system, two user turns, two assistant turns).
+#: Synthetic conversation for `check_template` (system, two user turns, two assistant turns).
 _CHECK_TURNS = [
     ("What is 6 times 7?", "Let me think: 6 * 7 = 42.", "The answer is 42."),
     ("And in words?", "Spell it out.", "Forty-two."),
@@ -457,22 +437,15 @@ _CHECK_TURNS = [
 
 def check_template(tokenizer, thinking: str, *, template_name: str = "the target's chat template") -> list[str]:
     """Check, before anything is generated, that the tokens stage can mask conversations of this template
-    in this thinking mode (single- and multi-turn, reasoning present for ``save``; a system turn is tried
-    too, and a template that rejects it only warns).
-
-    The completions job runs it first, so a template/thinking combination the render path rejects
-    (DeepSeek-R1's ``<think>`` generation prompt, an always-thinking template with ``disable``, reasoning
-    a template drops with ``save``, ...) fails in seconds instead of after hours of generation.
+    in this thinking mode (single- and multi-turn, reasoning for `save`; a rejected system turn only warns).
 
     Returns:
-        Warnings (strings), e.g. when a rendered assistant turn does not end with a special token of the
-        tokenizer (the template's end-of-turn text is not one token: wrong template for this tokenizer,
-        or a template without an end-of-turn marker such as GLM's), so the drafter never learns the stop.
+        Warnings, e.g. a rendered assistant turn that does not end with a special token (the drafter would
+        never learn the stop).
 
     Raises:
-        ConfigError: the render path cannot derive exact masks (the message carries the render error and
-            names ``target.chat_template``, ``generation.thinking`` and ``tokens.use_server_token_ids``).
-    """
+        ConfigError: the render path cannot derive exact masks (names `target.chat_template`,
+            `generation.thinking` and `tokens.use_server_token_ids`)."""
     specials = special_token_strings(tokenizer)
     warnings: list[str] = []
     # (label, system turn, user turns); a template that rejects system turns (gemma-2) only warns

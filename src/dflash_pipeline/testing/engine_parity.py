@@ -1,21 +1,11 @@
 """Engine parity for every family: our drafter's logits against vLLM's own DFlash drafter code.
 
-For one target (a zoo twin, any family) :func:`family_case` exports the drafter the pipeline builds for
-it (the probe's decisions, :func:`dflash_pipeline.train.run.build_drafter`, every RMSNorm weight
-randomised so a norm mix-up shows, fp32) and runs our eval loop's path on recorded-style inputs:
-:meth:`DFlashDrafter.draft_block` with its context cache, the target's embedding as
-:func:`dflash_pipeline.target.loading.input_embeddings` gives it and the target's LM head. vLLM's side
-(:mod:`dflash_pipeline.testing.vllm_replay`, one process for every family) loads the same export with
-``DFlashQwen3ForCausalLM`` and the target checkpoint's own ``embed_tokens`` / ``lm_head`` tensors (what
-vLLM shares with the drafter) and computes the same draft steps. :func:`compare` checks max |Δlogit| <
-:data:`ATOL` (the tolerance of ``tests/e2e/test_engine_parity.py``) and equal argmax.
-
-Rope cases (:func:`rope_case`) compare :class:`dflash_pipeline.drafter.rope.DFlashRotaryEmbedding` with
-vLLM's ``get_rope`` on real ``config.json`` files (partial rotary, M-RoPE, yarn, llama3 …) at long positions.
-
-Negative controls (``mistake``): ``full_rotary`` (rotate the whole head: the trained-vs-served bug of
-partial-rotary targets), ``scaled_embedding`` (the target module's own forward, e.g. Gemma's ×√H),
-``ctx_pos_off_by_one``. Each must miss by more than :data:`CONTROL_MIN_DIFF` where it applies.
+`family_case` exports the drafter the pipeline builds for a zoo twin (every RMSNorm weight randomised,
+fp32) and runs our eval path (`DFlashDrafter.draft_block`); `.vllm_replay` loads the same export with
+`DFlashQwen3ForCausalLM` and computes the same steps. `compare` checks max |Δlogit| < `ATOL` and equal
+argmax. `rope_case` compares `DFlashRotaryEmbedding` with vLLM's `get_rope` on real configs.
+Negative controls (`mistake`: `full_rotary`, `scaled_embedding`, `ctx_pos_off_by_one`) must miss by more
+than `CONTROL_MIN_DIFF`.
 """
 
 from __future__ import annotations
@@ -49,8 +39,7 @@ def _randomise_norms(drafter, seed: int) -> None:
 
 
 def surrogate_target(out: Path, *, hidden_size: int, vocab_size: int, num_layers: int) -> Path:
-    """A config-only Qwen3 target for vLLM's ``ModelConfig`` (vLLM reads only its vocab, width and depth
-    for the drafter; the target's weights never load). Returns ``out``."""
+    """A config-only Qwen3 target for vLLM's `ModelConfig`. Returns `out`."""
     out.mkdir(parents=True, exist_ok=True)
     cfg = {
         "architectures": ["Qwen3ForCausalLM"],
@@ -73,9 +62,8 @@ def surrogate_target(out: Path, *, hidden_size: int, vocab_size: int, num_layers
 def family_case(
     twin: Path, work: Path, *, name: str, seed: int = 0, drafter_dir: Path | None = None, mistakes: tuple[str, ...] = ()
 ) -> dict:
-    """Export the family's drafter (or use ``drafter_dir``, e.g. a trained ``final/``), compute our logits
-    and write vLLM's inputs. Returns ``{"case": spec entry, "ours": [logits [B, V]…], "controls": {mistake:
-    [logits…]}, "facts": {...}}``.
+    """Export the family's drafter, compute our logits and write vLLM's inputs. Returns `{"case": spec entry, "ours":
+    [logits [B, V]…], "controls": {mistake: [logits…]}, "facts": {...}}`.
 
     Raises whatever the probe or the target loader raise for a family the pipeline refuses.
     """
@@ -145,7 +133,7 @@ def family_case(
 
 @torch.no_grad()
 def _draft_steps(drafter, embed, head, feats, bonus, *, pos_offset: int = 0) -> list[torch.Tensor]:
-    """Our logits [B, V] per step: ``draft_block`` with one context cache over the growing context."""
+    """Our logits [B, V] per step: `draft_block` with one context cache over the growing context."""
     from dflash_pipeline.drafter import model as M
 
     cache = M.DraftContextCache(len(drafter.layers))
@@ -186,8 +174,8 @@ def _control(mistake: str, drafter, target, embed, head, feats, bonus) -> list[t
 
 
 def rope_case(name: str, drafter_config, work: Path, *, seed: int = 0) -> dict:
-    """Our rotated q/k [N, heads·head_dim] at :data:`ROPE_POSITIONS` (capped at the drafter's
-    ``max_position_embeddings`` − 1) and vLLM's inputs for the same."""
+    """Our rotated q/k [N, heads·head_dim] at `ROPE_POSITIONS` (capped at the drafter's
+    `max_position_embeddings` − 1) and vLLM's inputs for the same."""
     from safetensors.torch import save_file
 
     from dflash_pipeline.drafter.rope import DFlashRotaryEmbedding, apply_rope
@@ -221,7 +209,7 @@ def rope_case(name: str, drafter_config, work: Path, *, seed: int = 0) -> dict:
 
 
 def run_vllm(vllm_python: str, out: Path, *, cases: list[dict], ropes: list[dict], timeout: int = 1800) -> dict:
-    """Run every case in one vLLM-environment process; returns ``{name: meta}`` (``ok``, ``error`` …).
+    """Run every case in one vLLM-environment process; returns `{name: meta}` (`ok`, `error` …).
 
     Raises:
         RuntimeError: the process failed as a whole (its output tail in the message).
@@ -259,7 +247,7 @@ def max_logit_diff(ours: list[torch.Tensor], theirs: dict) -> float:
 
 
 def compare(ours: list[torch.Tensor], theirs: dict) -> tuple[bool, str]:
-    """``(ok, summary)``: within :data:`ATOL` and the same argmax on every mask slot."""
+    """`(ok, summary)`: within `ATOL` and the same argmax on every mask slot."""
     diff = max_logit_diff(ours, theirs)
     same = all(torch.equal(o[1:].argmax(-1), theirs[f"s{j}.logits"][1:].argmax(-1)) for j, o in enumerate(ours))
     scale = max(float(theirs[f"s{j}.logits"].abs().max()) for j in range(len(ours)))
@@ -271,9 +259,8 @@ if __name__ == "__main__":  # pragma: no cover - the zoo table drives this modul
 
 
 def engine_parity_column(families: dict[str, Path], work: Path, vllm_python: str | None) -> dict[str, str]:
-    """The zoo table's ``engine_parity`` cell per family: ``families`` maps a family to its run directory
-    (``target/`` twin, ``train_float32/final`` the fp32-trained export). One vLLM process for all.
-    Cells: ``ok (max |Δlogit| …)``, ``failed: …``, ``skipped: …`` (no export / no vLLM environment)."""
+    """The zoo table's `engine_parity` cell per family: `families` maps a family to its run directory. One vLLM
+    process for all. Cells: `ok (max |Δlogit| …)`, `failed: …`, `skipped: …` (no export / no vLLM environment)."""
     if vllm_python is None:
         return {f: "skipped: no vLLM environment (DFLASH_VLLM_PYTHON)" for f in families}
     out, cases = {}, {}

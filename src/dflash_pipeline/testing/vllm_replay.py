@@ -1,33 +1,21 @@
 """vLLM's own DFlash drafter code on recorded inputs, many drafters in one process, no engine.
 
-Run in vLLM's environment as a file (``.venv-vllm/bin/python …/vllm_replay.py SPEC.json``): it imports
-only the standard library, torch, safetensors and vLLM (never ``dflash_pipeline``). Used by
-:mod:`dflash_pipeline.testing.engine_parity` (the zoo's engine-parity column and
-``tests/e2e/test_family_parity.py``).
+Run in vLLM's environment as a file (`.venv-vllm/bin/python …/vllm_replay.py SPEC.json`): it imports
+only the standard library, torch, safetensors and vLLM. Used by `testing.engine_parity`.
 
-For each drafter case it builds vLLM's ``DFlashQwen3ForCausalLM`` exactly as the engine does (an
-``EngineArgs(...).create_engine_config()`` with ``speculative_config={"method": "dflash", ...}``, the
-model class vLLM resolves, ``load_weights`` + ``process_weights_after_loading``), shares the target's
-embedding and LM head the way ``llm_base_proposer._maybe_share_embeddings`` does (the target
-checkpoint's raw ``embed_tokens`` / ``lm_head`` tensors, given in the case's inputs), and runs one
-draft step per recorded step the way ``DFlashProposer`` does: ``combine_hidden_states`` (``fc``),
-``precompute_and_store_context_kv`` (hidden_norm, fused K/V projection, grouped k_norm, the fused
-rotary kernel on the context keys), the block forward (q/k norms, ``get_rope`` rotary, MLP, norms) and
-``compute_logits``. Only the paged-attention kernel is replaced: each layer's context K/V are taken at
-``do_kv_cache_update`` and the block's queries attend non-causally to [context ‖ block] with SDPA (the
-kernel itself is family-independent and is compared through the full engine in
-``tests/e2e/test_engine_parity.py``).
+Each drafter case builds vLLM's `DFlashQwen3ForCausalLM` as the engine does (`EngineArgs` with
+`speculative_config={"method": "dflash", ...}`, `load_weights` + `process_weights_after_loading`), shares
+the target's embedding and LM head as `llm_base_proposer._maybe_share_embeddings` does, and runs one draft
+step per recorded step as `DFlashProposer` does. Only the paged-attention kernel is replaced: the block's
+queries attend non-causally to [context ‖ block] with SDPA (the kernel is compared through the full engine
+in `tests/e2e/test_engine_parity.py`). Rope cases run `get_rope(head_dim, max_position, True,
+rope_parameters)` on given positions / q / k.
 
-Rope cases run ``get_rope(head_dim, max_position, True, rope_parameters)`` (what
-``DFlashQwen3Attention`` builds) on given positions / q / k.
-
-SPEC.json: ``{"out": DIR, "target": DIR (a config-only target for vLLM's ModelConfig, any family
-layout vLLM resolves), "cases": [{"name", "drafter": DIR, "target": DIR (optional, overrides),
-"inputs": FILE}], "ropes": [{"name", "head_dim", "max_position", "rope_parameters", "inputs": FILE}]}``.
-Case inputs: ``embed`` [V, H], ``head`` [V, H], per step j ``s{j}.features`` [C, K·H] (context
-positions 0..C−1), ``s{j}.block_ids`` [B] (bonus + mask ids). Writes ``OUT/<name>.safetensors`` with
-``s{j}.logits`` [B, V] (float32) or ``q``/``k``; ``OUT/<name>.json`` with ``ok`` and, on failure,
-``error`` (one case failing does not stop the others).
+SPEC.json: `{"out": DIR, "target": DIR (config only), "cases": [{"name", "drafter": DIR, "target": DIR
+(optional), "inputs": FILE}], "ropes": [{"name", "head_dim", "max_position", "rope_parameters", "inputs":
+FILE}]}`. Case inputs: `embed` [V, H], `head` [V, H], per step j `s{j}.features` [C, K·H] and
+`s{j}.block_ids` [B]. Writes `OUT/<name>.safetensors` with `s{j}.logits` [B, V] float32 (or `q`/`k`) and
+`OUT/<name>.json` with `ok` and, on failure, `error` (one failing case does not stop the others).
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
-"""A zoo of tiny twins: one random-weight model per real ``config.json`` under the model metadata corpus
-(``../shared/data/models/<family>/``), small enough to build, train and evaluate in seconds on a CPU.
+"""A zoo of tiny twins: one random-weight model per real `config.json` under the model metadata corpus
+(`../shared/data/models/<family>/`), small enough to build, train and evaluate in seconds on a CPU.
 
-A twin keeps what makes its family distinct and shrinks the rest
-(:func:`dflash_pipeline.testing.zoo_shrink.shrink_config`): the config
-class and ``model_type`` (``auto_map`` and ``architectures`` too), nested ``text_config`` with its vision
-tower (Kimi-K2.5, Qwen3-VL, Qwen3.5, gemma-4), MLA and MoE routing fields (DeepSeek-V3, Kimi-K2, MiniMax-M2),
-the layer-type pattern (hybrid linear/full attention of Qwen3.5/Qwen3-Next, sliding windows of gemma and
-gpt-oss — the window shrinks to :data:`~dflash_pipeline.testing.zoo_shrink.SLIDING_WINDOW` tokens so eval
-sequences cross it), tied vs untied
-embeddings, partial rotary, rope scaling. Quantization configs are dropped (the twin is dense bf16/fp32).
-
-Each twin gets a tokenizer that renders the family's real chat template (:func:`family_template`): the
-demo byte-level BPE (:func:`dflash_pipeline.demo.train_tokenizer`) plus the special tokens the template
-writes, with the family's bos/eos. ``config.vocab_size`` leaves free rows past the tokenizer (mask token).
-
-Built deterministically from ``(family, seed)``; :func:`build_twin` is called once per test session
-(``tests/unit/testing/test_zoo.py``). ``python -m dflash_pipeline.testing.zoo --table`` runs every stage on every twin
-and prints the family × stage table (ok / refused with the reason).
+A twin keeps what makes its family distinct and shrinks the rest (`.zoo_shrink.shrink_config`): config
+class, `model_type`, nested `text_config`, MLA and MoE routing, the layer-type pattern (sliding windows
+shrink to `SLIDING_WINDOW` tokens), tied embeddings, partial rotary, rope scaling; quantization is
+dropped. Its tokenizer renders the family's real chat template (`family_template`) with the family's
+special tokens; `config.vocab_size` leaves free rows (mask token). Built deterministically from
+`(family, seed)`. `python -m dflash_pipeline.testing.zoo --table` runs every stage on every twin.
 """
 
 from __future__ import annotations
@@ -58,13 +48,13 @@ THINK_TOKENS = ("<think>", "</think>")
 
 
 def families(models_dir: str | Path) -> list[str]:
-    """Names of the corpus directories with a ``config.json`` (sorted): the families the zoo covers."""
+    """Names of the corpus directories with a `config.json` (sorted): the families the zoo covers."""
     return sorted(p.parent.name for p in Path(models_dir).glob("*/config.json"))
 
 
 def all_families(models_dir: str | Path) -> list[str]:
-    """:func:`families` plus the twins built from transformers' config classes
-    (:data:`dflash_pipeline.testing.zoo_extra.EXTRA_FAMILIES`)."""
+    """`families` plus the twins built from transformers' config classes
+    (`testing.zoo_extra.EXTRA_FAMILIES`)."""
     from dflash_pipeline.testing.zoo_extra import EXTRA_FAMILIES
 
     return families(models_dir) + sorted(EXTRA_FAMILIES)
@@ -73,9 +63,7 @@ def all_families(models_dir: str | Path) -> list[str]:
 def build_any_twin(
     models_dir: str | Path, family: str, out_dir: str | Path, *, corpus_file: str | Path, seed: int = 0
 ) -> Path:
-    """:func:`build_twin` for a corpus family, an extra one (its source directory written next to
-    ``out_dir`` first, :func:`dflash_pipeline.testing.zoo_extra.extra_source_dir`) or a transformers model type
-    named ``type:<model_type>`` (:func:`dflash_pipeline.testing.zoo_extra.type_source_dir`)."""
+    """`build_twin` for a corpus family, an extra one or a transformers model type named `type:<model_type>`."""
     from dflash_pipeline.testing.zoo_extra import (
         EXTRA_FAMILIES,
         TWIN_SEEDS,
@@ -96,7 +84,7 @@ def build_any_twin(
 
 
 def extra_config_files(out: str | Path) -> list[Path]:
-    """``config.json`` files of the extra families (full size, as their config classes write them), for
+    """`config.json` files of the extra families (full size, as their config classes write them), for
     checks that read configs only (the drafter-rotary parity)."""
     from dflash_pipeline.testing.zoo_extra import EXTRA_FAMILIES, extra_config
 
@@ -109,20 +97,16 @@ def extra_config_files(out: str | Path) -> list[Path]:
     return files
 
 
-# ---------------------------------------------------------------------------------------------------
-# config shrinking
-# ---------------------------------------------------------------------------------------------------
+# --- config shrinking
 
 
-# ---------------------------------------------------------------------------------------------------
-# tokenizer
-# ---------------------------------------------------------------------------------------------------
+# --- tokenizer
 
 _BASE_TOKENIZER: dict = {}
 
 
 def base_tokenizer(corpus_file: str | Path, *, vocab_size: int = 384, max_texts: int = 600):
-    """The demo byte-level BPE trained on the first ``max_texts`` texts of ``corpus_file`` (cached)."""
+    """The demo byte-level BPE trained on the first `max_texts` texts of `corpus_file` (cached)."""
     from ..demo import load_corpus, train_tokenizer
 
     key = (str(corpus_file), vocab_size, max_texts)
@@ -165,18 +149,15 @@ def family_tokenizer(template_text: str, corpus_file: str | Path, tokenizer_conf
     return tok
 
 
-# ---------------------------------------------------------------------------------------------------
-# build
-# ---------------------------------------------------------------------------------------------------
+# --- build
 
 
 def build_twin(
     models_dir: str | Path, family: str, out_dir: str | Path, *, corpus_file: str | Path, seed: int = 0
 ) -> Path:
-    """Write the tiny twin of ``family`` into ``out_dir`` (config.json as the family writes it, shrunk;
-    model.safetensors; tokenizer files with the family's chat template; generation_config.json).
+    """Write the tiny twin of `family` into `out_dir`.
 
-    Deterministic in ``(family, seed)``. Returns ``out_dir``.
+    Deterministic in `(family, seed)`. Returns `out_dir`.
 
     Raises:
         FileNotFoundError: no config.json / chat template for the family.
@@ -237,9 +218,7 @@ def build_twin(
     return out
 
 
-# ---------------------------------------------------------------------------------------------------
-# family × stage table
-# ---------------------------------------------------------------------------------------------------
+# --- family × stage table
 
 STAGES = ("build", "probe", "completions", "tokens", "train_fp32", "train_bf16", "eval")
 
@@ -257,8 +236,7 @@ STAGE_PROMPTS = (
 
 
 def stage_config(twin: Path, eval_set: Path, device: str = "cpu") -> dict:
-    """The validated pipeline config the stages run under (tiny sizes; ``device`` = ``train.device``:
-    ``cpu`` runs the bf16 training on CPU, ``auto`` on a GPU when one is visible)."""
+    """The validated pipeline config the stages run under."""
     from dflash_pipeline.core.config import validate_config
 
     return validate_config(
@@ -286,8 +264,8 @@ def stage_config(twin: Path, eval_set: Path, device: str = "cpu") -> dict:
 
 
 class _TwinStages:
-    """The stages of :func:`run_stages` on one twin (``work/target``), each a method that raises on refusal;
-    ``cfg`` is the twins' config (:func:`stage_config`), filled when the twin is built."""
+    """The stages of `run_stages` on one twin (`work/target`), each a method that raises on refusal;
+    `cfg` is the twins' config (`stage_config`), filled when the twin is built."""
 
     def __init__(self, models_dir: Path, family: str, work: Path, corpus_file: Path, eval_set: Path, device: str):
         self.models_dir, self.family, self.work, self.corpus_file = models_dir, family, work, corpus_file
@@ -376,10 +354,9 @@ def run_stages(
     log: Callable[[str], None] = lambda m: None,
     device: str = "cpu",
 ) -> dict[str, str]:
-    """Every stage on one twin, in-process; each ``ok`` or ``refused: <reason>`` (the stages after a
-    refused one are ``skipped``): twin build, probe, completions (transformers backend), tokens (the
-    family's template), training fp32 and bf16 (bf16 target + ``mixed_precision: bf16`` through
-    Accelerate, on CPU; both export ``final/``), eval τ of the bf16-trained drafter."""
+    """Every stage on one twin, in-process; each `ok` or `refused: <reason>` (the stages after a refused one are
+    `skipped`): twin build, probe, completions (transformers backend), tokens (the family's template), training fp32 and
+    bf16, eval τ of the bf16-trained drafter."""
     run = _TwinStages(models_dir, family, work, corpus_file, eval_set, device)
     stages = {
         "build": run.build,
@@ -405,7 +382,7 @@ def run_stages(
 
 
 def main(argv=None) -> int:
-    """CLI: ``python -m dflash_pipeline.testing.zoo --table [--models DIR] [--family NAME]…``."""
+    """CLI: `python -m dflash_pipeline.testing.zoo --table [--models DIR] [--family NAME]…`."""
     import tempfile
 
     ap = argparse.ArgumentParser(prog="python -m dflash_pipeline.testing.zoo", description=__doc__.split("\n")[0])
@@ -471,10 +448,9 @@ def main(argv=None) -> int:
 def write_table_json(
     path: str | Path, rows: dict, stages, *, device: str, models_dir: str | Path, command: str
 ) -> None:
-    """The family × stage table as JSON (atomic): ``{"source": {...}, "stages": [...], "families": [{"family",
-    "kind", "cells": {stage: cell}}]}``; ``kind`` is ``corpus`` (a real ``config.json`` of ``models_dir``) or
-    ``transformers_config`` (:data:`dflash_pipeline.testing.zoo_extra.EXTRA_FAMILIES`); ``command`` is the
-    command line that produced it."""
+    """The family × stage table as JSON (atomic): `{"source": {...}, "stages": [...], "families": [{"family", "kind",
+    "cells": {stage: cell}}]}`; `kind` is `corpus` (a real `config.json` of `models_dir`) or `transformers_config`;
+    `command` is the command line that produced it."""
     import datetime
 
     from dflash_pipeline.core.shards import write_json

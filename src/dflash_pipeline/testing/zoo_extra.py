@@ -1,32 +1,17 @@
-"""Zoo twins of architectures the model corpus has no ``config.json`` for, built from transformers' own
-config classes (``transformers.JambaConfig(...)`` …): a state-space hybrid (Jamba, Falcon-H1), a
-short-convolution hybrid (LFM2), NoPE layers (SmolLM3), sparse-attention MLA (DeepSeek-V3.2), LongCat's
-double-attention layers, an image-text wrapper one level deeper (Mistral-3 around Mistral). Each must
-either run every zoo stage (train fp32/bf16, eval) or be refused at planning (the probe) with the
-reason — never crash mid-run (``tests/unit/testing/test_zoo_extra.py``).
+"""Zoo twins of architectures the model corpus has no `config.json` for, built from transformers' own
+config classes: a state-space hybrid (Jamba, Falcon-H1), a short-convolution hybrid (LFM2), NoPE layers
+(SmolLM3), sparse-attention MLA (DeepSeek-V3.2), LongCat's double-attention layers, an image-text wrapper
+one level deeper (Mistral-3). Each must run every zoo stage or be refused at planning with the reason,
+never crash mid-run. `extra_source_dir` writes a corpus-style directory for `zoo.build_twin`.
 
-:func:`extra_source_dir` writes a corpus-style directory (``config.json`` from the class, the chat
-template of :data:`EXTRA_FAMILIES`' template family) so :func:`dflash_pipeline.testing.zoo.build_twin`
-shrinks and builds it like any corpus family.
+The sweep goes over every causal LM transformers ships (`sweep_types`): `probe_type` probes the config
+class's defaults as the pipeline probes a target; a type is `ok` when layer count, width and vocabulary
+match what transformers builds, `refused` on a `ProbeRefusal` or `ConfigError`, else a `crash`. No model
+is built. The full pipeline runs on a sample (`PIPELINE_SAMPLE` plus a rotating pick of
+`PIPELINE_VERIFIED`) through `zoo.run_stages`.
 
-The sweep (the second half of this module) goes over every causal LM transformers ships: each model type of
-``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` and each image-text-to-text wrapper around a decoder (:func:`sweep_types`)
-probes right or is refused with the reason.
-
-Probe only, from ``config.json`` (:func:`probe_type`): the config class's own defaults, written as
-transformers writes them (:func:`type_config`), probed as the pipeline probes a target. A type is ``ok`` when
-the record's layer count, width and vocabulary are the ones transformers builds (the config class's text
-config); ``refused`` when the probe raises a :class:`~dflash_pipeline.core.errors.ProbeRefusal` (its
-``reason``) or a :class:`~dflash_pipeline.core.errors.ConfigError`; anything else is a ``crash``. No model is
-built, so the whole sweep takes seconds.
-
-The full pipeline (twin build, probe, completions, tokens, train fp32 / bf16, eval) runs on a sample
-(:data:`PIPELINE_SAMPLE`, plus a rotating pick of :data:`PIPELINE_VERIFIED`, :func:`rotating_sample`) through
-:func:`dflash_pipeline.testing.zoo.run_stages`, whose twins of a type are built from the same config class,
-shrunk (zoo family name ``type:<model_type>``, :func:`type_source_dir`).
-
-``python -m dflash_pipeline.testing.zoo_extra`` prints the supported-types table (docs/reference/model-types.md;
-``--write`` writes it there).
+`python -m dflash_pipeline.testing.zoo_extra` prints the supported-types table
+(docs/reference/model-types.md; `--write` writes it there).
 """
 
 from __future__ import annotations
@@ -143,15 +128,14 @@ EXTRA_FAMILIES: dict[str, tuple[str, str, dict, str]] = {
 }
 
 
-#: Weight seed offsets per extra twin (none needed today). The extras untie their embeddings: a tied twin's
-#: ×HEAD_SCALE head also scales its input embedding, and its greedy completions are then one whitespace
-#: token repeated (no supervised token to train on: a property of the random weights, not the architecture).
+#: Weight seed offsets per extra twin. The extras untie their embeddings: a tied twin's scaled head also scales
+#: its input embedding, and its greedy completions are one token repeated (nothing to supervise).
 TWIN_SEEDS: dict[str, int] = {}
 
 
 def extra_config(name: str) -> dict:
-    """The ``config.json`` dict of extra family ``name``, as its transformers config class writes it (plus
-    ``architectures``). Sizes are then shrunk by the zoo like any corpus config.
+    """The `config.json` dict of extra family `name`, as its transformers config class writes it (plus
+    `architectures`). Sizes are then shrunk by the zoo like any corpus config.
 
     Raises:
         KeyError: not an extra family. AttributeError: this transformers has no such config class.
@@ -168,8 +152,7 @@ def extra_config(name: str) -> dict:
 
 
 def extra_source_dir(models_dir: str | Path, name: str, out: str | Path) -> Path:
-    """A corpus-style directory ``out/<name>`` for an extra family (config.json + the template family's chat
-    template and tokenizer_config.json); returns ``out`` (the ``models_dir`` to build the twin from)."""
+    """A corpus-style directory `out/<name>` for an extra family; returns `out`."""
     from dflash_pipeline.testing.zoo_templates import family_template_text
 
     root = Path(out)
@@ -184,9 +167,7 @@ def extra_source_dir(models_dir: str | Path, name: str, out: str | Path) -> Path
     return root
 
 
-# ---------------------------------------------------------------------------------------------------
-# the sweep over every causal-LM model type
-# ---------------------------------------------------------------------------------------------------
+# --- the sweep over every causal-LM model type
 
 #: Config-class keyword overrides where the defaults do not validate or do not make a decoder the
 #: formula can place layers in (the reason each is needed in the comment).
@@ -199,9 +180,9 @@ TYPE_OVERRIDES: dict[str, dict] = {
 
 #: Types that always run the full in-process pipeline in the tests: a hyper-connection target (DeepSeek-V4:
 #: hidden states [b, t, 4, h]) and a hybrid cache whose linear-attention layers record only their last state
-#: (ZAYA). :func:`rotating_sample` adds :data:`ROTATION_SIZE` of :data:`PIPELINE_VERIFIED` each day.
+#: (ZAYA). `rotating_sample` adds `ROTATION_SIZE` of `PIPELINE_VERIFIED` each day.
 PIPELINE_SAMPLE = ("deepseek_v4", "zaya")
-#: Types whose twin ran every stage (``python -m dflash_pipeline.testing.zoo --table --family type:<type>``):
+#: Types whose twin ran every stage (`python -m dflash_pipeline.testing.zoo --table --family type:<type>`):
 #: the rotation walks them, so each stays verified; add a type here once its run is clean.
 PIPELINE_VERIFIED = (
     "codegen",
@@ -217,17 +198,15 @@ ROTATION_SIZE = 1
 
 #: Chat template family the twins of swept types render (the zoo corpus's Qwen3 template).
 TEMPLATE_FAMILY = "Qwen3-8B"
-#: Prefix of zoo family names that stand for a transformers model type (``type:deepseek_v4``).
+#: Prefix of zoo family names that stand for a transformers model type (`type:deepseek_v4`).
 TYPE_PREFIX = "type:"
 
 
 @dataclass(frozen=True)
 class SweepRow:
-    """One model type's probe: ``status`` ``ok`` / ``refused`` / ``crash``; ``reason`` the refusal's kind
-    (:data:`dflash_pipeline.probe.checks.REASONS`, or ``settings``); ``refused_at`` ``config.json`` (found
-    in it alone: every plan lists it with the config problems) or ``config class`` (the plan-time gate and
-    the probe job find it through the config class); ``detail`` the message, or what the probe found (one
-    line)."""
+    """One model type's probe: `status` `ok` / `refused` / `crash`; `reason` the refusal's kind
+    (`probe.checks.REASONS`, or `settings`); `refused_at` `config.json` or `config class`; `detail` the
+    message, or what the probe found (one line)."""
 
     model_type: str
     kind: str
@@ -243,9 +222,8 @@ def _arch(name: Any) -> str:
 
 
 def sweep_types() -> list[tuple[str, str, str]]:
-    """``(model_type, kind, architecture)`` for every causal-LM type (``causal-lm``) and every image-text-to-text
-    type outside it whose config holds a decoder text config (``image-text``): not encoder-decoder, and
-    ``get_text_config(decoder=True)`` a sub-config of its own. Sorted by kind, then type."""
+    """`(model_type, kind, architecture)` for every causal-LM type (`causal-lm`) and every image-text-to-text type
+    outside it whose config holds a decoder text config (`image-text`). Sorted by kind, then type."""
     from transformers import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
@@ -267,11 +245,10 @@ def sweep_types() -> list[tuple[str, str, str]]:
 
 
 def type_config(model_type: str, architecture: str) -> dict:
-    """The ``config.json`` dict of ``model_type`` as its config class writes it with its defaults (plus
-    :data:`TYPE_OVERRIDES` and ``architectures``; ``transformers_version`` kept, as in every saved config).
+    """The `config.json` dict of `model_type` as its config class writes it with its defaults.
 
     Raises:
-        Exception: whatever the config class raises on its defaults (the sweep reports it as ``crash``).
+        Exception: whatever the config class raises on its defaults (the sweep reports it as `crash`).
     """
     from transformers import CONFIG_MAPPING
 
@@ -286,7 +263,7 @@ def _one_line(text: str, limit: int = 400) -> str:
 
 
 def probe_type(model_type: str, kind: str, architecture: str, work: Path) -> SweepRow:
-    """Probe ``model_type``'s defaults config in ``work/<model_type>`` (config.json only, no tokenizer, mask id
+    """Probe `model_type`'s defaults config in `work/<model_type>` (config.json only, no tokenizer, mask id
     given) and check the record against the config class (see the module docstring)."""
     from transformers import AutoConfig
 
@@ -332,7 +309,7 @@ def probe_type(model_type: str, kind: str, architecture: str, work: Path) -> Swe
 
 
 def sweep(work: Path | None = None) -> list[SweepRow]:
-    """:func:`probe_type` of every :func:`sweep_types` type, in that order (``work``: a temp dir when None)."""
+    """`probe_type` of every `sweep_types` type, in that order (`work`: a temp dir when None)."""
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()
@@ -351,9 +328,8 @@ def sweep(work: Path | None = None) -> list[SweepRow]:
 def rotating_sample(
     verified: tuple[str, ...] = PIPELINE_VERIFIED, *, day: datetime.date | None = None, size: int = ROTATION_SIZE
 ) -> list[str]:
-    """``size`` types of ``verified`` beyond :data:`PIPELINE_SAMPLE`, a different pick each day (the day's
-    ordinal indexes the sorted list; ``$DFLASH_SWEEP_DAY`` = ``YYYY-MM-DD`` replays a day), so successive runs
-    walk every verified type through the full pipeline."""
+    """`size` types of `verified` beyond `PIPELINE_SAMPLE`, a different pick each day, so successive runs walk every
+    verified type through the full pipeline."""
     pool = sorted(t for t in verified if t not in PIPELINE_SAMPLE)
     if not pool:
         return []
@@ -364,12 +340,10 @@ def rotating_sample(
     return [pool[(start + i) % len(pool)] for i in range(min(size, len(pool)))]
 
 
-# ---------------------------------------------------------------------------------------------------
-# twins of a model type for the zoo's full-pipeline stages
-# ---------------------------------------------------------------------------------------------------
+# --- twins of a model type for the zoo's full-pipeline stages
 
 #: Config keys set on a swept type's twin so it builds and trains on CPU in seconds (the rest of the
-#: shrinking is the zoo's :func:`dflash_pipeline.testing.zoo_shrink.shrink_config`).
+#: shrinking is the zoo's `testing.zoo_shrink.shrink_config`).
 TWIN_OVERRIDES: dict[str, dict] = {
     "deepseek_v4": {"num_hidden_layers": 4},
     "nemotron_h": {
@@ -388,19 +362,16 @@ TWIN_OVERRIDES: dict[str, dict] = {
 
 
 def type_source_dir(models_dir: str | Path, model_type: str, out: str | Path) -> Path:
-    """A corpus-style directory ``out/type:<model_type>`` for a swept type (its defaults config with
-    :data:`TWIN_OVERRIDES`, the :data:`TEMPLATE_FAMILY` chat template and tokenizer config); returns ``out``
-    (the ``models_dir`` :func:`dflash_pipeline.testing.zoo.build_twin` builds the twin from).
+    """A corpus-style directory `out/type:<model_type>` for a swept type; returns `out`.
 
     Raises:
-        KeyError: ``model_type`` is not a swept type.
+        KeyError: `model_type` is not a swept type.
     """
     from dflash_pipeline.testing.zoo_templates import family_template
 
     arch = {mt: a for mt, _, a in sweep_types()}[model_type]
     raw = type_config(model_type, arch)
-    # untied, as the zoo's extra twins: a tied twin's scaled head also scales its input embedding, and its
-    # greedy completions are then one token repeated (nothing to supervise: the random weights, not the type)
+    # untied, as the zoo's extra twins (see TWIN_SEEDS)
     for d in (raw, raw.get("text_config")):
         if isinstance(d, dict) and "tie_word_embeddings" in d:
             d["tie_word_embeddings"] = False
@@ -416,9 +387,7 @@ def type_source_dir(models_dir: str | Path, model_type: str, out: str | Path) ->
     return root
 
 
-# ---------------------------------------------------------------------------------------------------
-# the supported-types table
-# ---------------------------------------------------------------------------------------------------
+# --- the supported-types table
 
 PAGE = Path("docs/reference/model-types.md")
 
@@ -429,8 +398,8 @@ def _cell(text: str) -> str:
 
 def table_markdown(rows: list[SweepRow], transformers_version: str) -> str:
     """The supported-types page: a header, counts per status, and one row per type (status, reason, what the
-    probe found or why it refused). Types of :data:`PIPELINE_SAMPLE` are marked as run through the full
-    pipeline in the tests. Deterministic in ``rows``."""
+    probe found or why it refused). Types of `PIPELINE_SAMPLE` are marked as run through the full
+    pipeline in the tests. Deterministic in `rows`."""
     counts = {s: sum(r.status == s for r in rows) for s in ("ok", "refused", "crash")}
     lines = [
         "# Supported model types",
@@ -475,7 +444,7 @@ def table_markdown(rows: list[SweepRow], transformers_version: str) -> str:
 
 
 def main(argv=None) -> int:
-    """CLI: print the supported-types table (``--write``: write it to :data:`PAGE` under ``--repo``)."""
+    """CLI: print the supported-types table (`--write`: write it to `PAGE` under `--repo`)."""
     import transformers
 
     ap = argparse.ArgumentParser(prog="python -m dflash_pipeline.testing.zoo_extra", description=__doc__.split("\n")[0])

@@ -1,7 +1,7 @@
-"""Shrinking a family's config to its twin's (:func:`shrink_config`): the text decoder to :data:`HIDDEN` wide and a
-few layers, keeping what makes the family distinct (layer types, sliding windows of :data:`SLIDING_WINDOW`
+"""Shrinking a family's config to its twin's (`shrink_config`): the text decoder to `HIDDEN` wide and a
+few layers, keeping what makes the family distinct (layer types, sliding windows of `SLIDING_WINDOW`
 tokens, MoE, MLA, rope sections), and a vision tower to its smallest sizes. Used by
-:func:`dflash_pipeline.testing.zoo.build_twin`."""
+`testing.zoo.build_twin`."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ SLIDING_WINDOW = 8
 
 
 def _shrunk_layer_types(types: list[str]) -> list[str]:
-    """Smallest prefix of ``types`` that repeats the family's pattern with every layer type in it,
+    """Smallest prefix of `types` that repeats the family's pattern with every layer type in it,
     at least 4 layers (the target_layer_ids formula's minimum)."""
     kinds = set(types)
     n = next((i + 1 for i in range(len(types)) if set(types[: i + 1]) == kinds), len(types))
@@ -27,7 +27,7 @@ def _shrunk_layer_types(types: list[str]) -> list[str]:
 
 
 def _scale_sections(sections: list[int], total: int) -> list[int]:
-    """Scale mrope sections to sum to ``total`` (each ≥ 0), remainder on the first."""
+    """Scale mrope sections to sum to `total` (each ≥ 0), remainder on the first."""
     s = sum(sections) or 1
     out = [int(x * total // s) for x in sections]
     out[0] += total - sum(out)
@@ -146,7 +146,7 @@ def shrink_vision(v: dict) -> dict:
 
 
 def shrink_config(raw: dict, vocab_size: int, *, bos_id: Optional[int], eos_id: int, pad_id: Optional[int]) -> dict:
-    """The twin's ``config.json`` dict from the real one (structure kept, sizes shrunk, vocab replaced)."""
+    """The twin's `config.json` dict from the real one (structure kept, sizes shrunk, vocab replaced)."""
     raw = copy.deepcopy(raw)
     raw.pop("quantization_config", None)
     ids = {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id}

@@ -1,5 +1,5 @@
 """Which chat template each zoo family's twin renders (its own from the corpus, else a sibling's):
-shared by :mod:`dflash_pipeline.testing.zoo` and :mod:`dflash_pipeline.testing.zoo_extra`."""
+shared by `testing.zoo` and `testing.zoo_extra`."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ TEMPLATE_FROM = {
 }
 
 
-#: Qwen3's generation prompt: pre-fills an empty think block when ``enable_thinking`` is false.
+#: Qwen3's generation prompt: pre-fills an empty think block when `enable_thinking` is false.
 _QWEN3_GENERATION_PROMPT = """{%- if add_generation_prompt %}
     {{- '<|im_start|>assistant\\n' }}
     {%- if enable_thinking is defined and enable_thinking is false %}
@@ -26,25 +26,25 @@ _QWEN3_GENERATION_PROMPT = """{%- if add_generation_prompt %}
     {%- endif %}
 {%- endif %}"""
 #: The Qwen3 "Thinking" (2507) generation prompt, which Qwen3-Next-80B-A3B-Thinking's own template has: it
-#: always opens the think block (``<think>\\n``), so the model never emits that token itself.
+#: always opens the think block (`<think>\\n`), so the model never emits that token itself.
 _QWEN3_THINKING_GENERATION_PROMPT = """{%- if add_generation_prompt %}
     {{- '<|im_start|>assistant\\n<think>\\n' }}
 {%- endif %}"""
 
-#: Families whose sibling template (:data:`TEMPLATE_FROM`) differs from the real one in a known place:
-#: ``[(text in the sibling's template, the family's own text), ...]``, each replaced exactly once.
+#: Families whose sibling template (`TEMPLATE_FROM`) differs from the real one in a known place:
+#: `[(text in the sibling's template, the family's own text), ...]`, each replaced exactly once.
 TEMPLATE_EDITS: dict[str, list[tuple[str, str]]] = {
     "Qwen3-Next-80B-A3B-Thinking": [(_QWEN3_GENERATION_PROMPT, _QWEN3_THINKING_GENERATION_PROMPT)],
 }
 
 
 def family_template_text(models_dir: str | Path, family: str) -> str:
-    """The chat template a family's twin renders: :func:`family_template`'s text with the family's
-    :data:`TEMPLATE_EDITS` applied.
+    """The chat template a family's twin renders: `family_template`'s text with the family's
+    `TEMPLATE_EDITS` applied.
 
     Raises:
         FileNotFoundError: no template for the family. ValueError: an edit's text is not in the sibling's
-            template exactly once (the corpus template changed; update :data:`TEMPLATE_EDITS`).
+            template exactly once.
     """
     path = family_template(models_dir, family)
     text = path.read_text(encoding="utf-8")
@@ -56,7 +56,7 @@ def family_template_text(models_dir: str | Path, family: str) -> str:
 
 
 def family_template(models_dir: str | Path, family: str) -> Path:
-    """The chat template file a family's twin renders (its own, else :data:`TEMPLATE_FROM`).
+    """The chat template file a family's twin renders (its own, else `TEMPLATE_FROM`).
 
     Raises:
         FileNotFoundError: no template for the family (names the directories looked in).

@@ -1,5 +1,6 @@
-"""Stage 4, tokens: completion shards -> token shards with the target's chat template and assistant-only loss masks. Names load on first use
-(``_OWNERS``: :func:`dflash_pipeline.core.faces.lazy_face`)."""
+"""Stage 4, tokens: completion shards -> token shards with the target's chat template and assistant-only loss masks.
+Names load on first use
+(`_OWNERS`: `core.faces.lazy_face`)."""
 
 from dflash_pipeline.core.faces import lazy_face
 

@@ -1,11 +1,9 @@
-"""Token level of the tokens stage: training sequences -> ``input_ids`` int32 and ``loss_mask`` uint8.
+"""Token level of the tokens stage: training sequences -> `input_ids` int32 and `loss_mask` uint8.
 
-Step 4 (strings -> tokens) and step 5 (text is data) of the method in :mod:`dflash_pipeline.tokens.shard`: each
-:class:`~dflash_pipeline.target.spans.TrainSequence` is tokenized once, and a token is supervised iff its
-character span lies inside a supervised span (:func:`span_token_ranges`, the per-token reference
-:func:`mask_from_offsets`); text the target generated is spliced in as its output ids or encoded without
-parsing special tokens (:func:`plain_text_tokenizer`). :func:`server_ids_sequence` builds a row from
-server token ids instead. :mod:`dflash_pipeline.tokens.shard` re-exports every public name here.
+Steps 4 and 5 of docs/DESIGN.md §5: each `TrainSequence` is tokenized once; a token is supervised iff its
+character span lies inside a supervised span (`span_token_ranges`; reference `mask_from_offsets`); text
+the target generated is spliced in as its output ids or encoded without parsing special tokens
+(`plain_text_tokenizer`). `server_ids_sequence` builds a row from server token ids.
 """
 
 from __future__ import annotations
@@ -23,11 +21,11 @@ def mask_from_offsets(offsets: np.ndarray, spans: Sequence[tuple[int, int]]) -> 
     """Loss mask from token character offsets.
 
     Args:
-        offsets: int array [num_tokens, 2] of ``(start, end)`` character offsets into the sequence text.
+        offsets: int array [num_tokens, 2] of `(start, end)` character offsets into the sequence text.
         spans: supervised character spans, sorted and non-overlapping.
 
     Returns:
-        ``(mask, straddling)``: uint8 [num_tokens] (1 iff the token's non-empty span lies inside a
+        `(mask, straddling)`: uint8 [num_tokens] (1 iff the token's non-empty span lies inside a
         supervised span) and the number of tokens that overlap a span without lying inside it.
     """
     n = len(offsets)
@@ -56,23 +54,17 @@ def mask_from_offsets(offsets: np.ndarray, spans: Sequence[tuple[int, int]]) -> 
 def span_token_ranges(
     encoding, spans: Sequence[tuple[int, int]], n_chars: int
 ) -> tuple[list[tuple[int, int]], int] | None:
-    """Token index ranges of supervised character spans, from the span boundaries only.
-
-    Equivalent to :func:`mask_from_offsets` for tokenizers whose token offsets are non-decreasing (every
-    fast tokenizer on text without added post-processor tokens), at two ``char_to_token`` lookups per
-    span instead of converting every token's offsets: a token is inside ``[s, e)`` iff it starts at or
-    after ``s`` and ends at or before ``e``; the token containing ``s`` (``e``) straddles when it starts
-    before ``s`` (``e``).
+    """Token index ranges of supervised character spans, from the span boundaries only: the same as
+    `mask_from_offsets` when offsets are non-decreasing, at two `char_to_token` lookups per span.
 
     Args:
-        encoding: a ``tokenizers.Encoding`` of the sequence text (``add_special_tokens=False``).
+        encoding: a `tokenizers.Encoding` of the sequence text (`add_special_tokens=False`).
         spans: supervised character spans, sorted and non-overlapping.
         n_chars: length of the sequence text in characters.
 
     Returns:
-        ``([(first_token, end_token), ...], straddling_tokens)``, or None when a boundary character maps to
-        no token (a normalizer dropped it): callers then use :func:`mask_from_offsets`.
-    """
+        `([(first_token, end_token), ...], straddling_tokens)`, or None when a boundary character maps to
+        no token: callers then use `mask_from_offsets`."""
     ranges: list[tuple[int, int]] = []
     straddlers: set[int] = set()  # a token can straddle two spans (or both ends of one): count it once
     n_tokens = len(encoding.ids)
@@ -99,9 +91,9 @@ def span_token_ranges(
 
 
 def _encoding_mask(encoding, spans: Sequence[tuple[int, int]], n_chars: int) -> tuple[np.ndarray, int]:
-    """``(loss_mask uint8 [num_tokens], straddling_tokens)`` of a ``tokenizers.Encoding`` of a text of
-    ``n_chars`` characters: from the span boundaries (:func:`span_token_ranges`), else from every token's
-    offsets (:func:`mask_from_offsets`)."""
+    """`(loss_mask uint8 [num_tokens], straddling_tokens)` of a `tokenizers.Encoding` of a text of
+    `n_chars` characters: from the span boundaries (`span_token_ranges`), else from every token's
+    offsets (`mask_from_offsets`)."""
     found = span_token_ranges(encoding, spans, n_chars)
     if found is None:
         return mask_from_offsets(np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2), spans)
@@ -113,13 +105,11 @@ def _encoding_mask(encoding, spans: Sequence[tuple[int, int]], n_chars: int) -> 
 
 
 def plain_text_tokenizer(tokenizer):
-    """The target's Rust tokenizer without its added-token vocabulary, so special-token strings in text
-    are encoded as the ordinary characters they are (``<|im_end|>`` -> ``<``, ``|``, ``im``, ...), and with
-    no prefix space prepended (the text it encodes continues a sequence). Cached on the tokenizer.
+    """The target's Rust tokenizer without its added-token vocabulary, so special-token strings in text are encoded
+    as the ordinary characters they are, and with no prefix space prepended (the text it encodes continues a sequence).
+    Cached on the tokenizer.
 
-    This is what "the answer's text encoded without parsing special tokens" means for the tokens stage;
-    unlike ``split_special_tokens=True`` it also leaves non-special added tokens (Qwen3's ``<think>``) as
-    text. Returns None for a tokenizer without ``backend_tokenizer``.
+    Returns None for a tokenizer without `backend_tokenizer`.
     """
     cached = getattr(tokenizer, "_dflash_plain_backend", None)
     if cached is not None:
@@ -157,9 +147,9 @@ def plain_text_tokenizer(tokenizer):
 
 
 def _segmented(tokenizer, seq: TrainSequence) -> tuple[np.ndarray, np.ndarray, int]:
-    """Tokenize a sequence with ``verbatim`` entries piece by piece: template text as the target's tokenizer
+    """Tokenize a sequence with `verbatim` entries piece by piece: template text as the target's tokenizer
     encodes it (special tokens parsed), each verbatim range as its output ids or as plain text
-    (:func:`plain_text_tokenizer`), supervised in full. Returns ``(input_ids, loss_mask, straddling)``."""
+    (`plain_text_tokenizer`), supervised in full. Returns `(input_ids, loss_mask, straddling)`."""
     backend = tokenizer.backend_tokenizer
     plain = plain_text_tokenizer(tokenizer)
     ids_parts: list[np.ndarray] = []
@@ -193,12 +183,11 @@ def _segmented(tokenizer, seq: TrainSequence) -> tuple[np.ndarray, np.ndarray, i
 def tokenize_sequences(tokenizer, seqs: Sequence[TrainSequence]) -> list[tuple[np.ndarray, np.ndarray, int]]:
     """Tokenize sequences (one batched call) and build their masks.
 
-    A sequence with ``verbatim`` entries (output ids to splice in, or generated text that holds
-    special-token strings) is tokenized piece by piece (:func:`_segmented`): the target's output ids, or the
-    text encoded without parsing special tokens, with loss 1; the template text around as usual.
+    A sequence with `verbatim` entries is tokenized piece by piece (`_segmented`): the target's output ids, or the text
+    encoded without parsing special tokens, with loss 1; the template text around as usual.
 
     Returns:
-        Per sequence ``(input_ids int32 [n], loss_mask uint8 [n], straddling_tokens)``.
+        Per sequence `(input_ids int32 [n], loss_mask uint8 [n], straddling_tokens)`.
 
     Raises:
         TokenizationError: the tokenizer is not a fast tokenizer (no offset mapping).
@@ -231,12 +220,11 @@ def tokenize_sequences(tokenizer, seqs: Sequence[TrainSequence]) -> list[tuple[n
 
 
 def server_ids_sequence(turn: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray] | None:
-    """Exact sequence from server token ids for one turn: ``prompt_token_ids + output_token_ids``.
+    """Exact sequence from server token ids for one turn: `prompt_token_ids + output_token_ids`.
 
-    Returns ``(input_ids int32 [n], loss_mask uint8 [n])`` with 1 on the output ids, or None when either
-    list is missing. These are exactly the tokens the target saw and produced, so no template is
-    involved (works for templates the render path rejects, e.g. DeepSeek-R1). The end-of-turn token is
-    supervised when the server included it in the output ids (vLLM does on ``finish_reason == "stop"``).
+    Returns `(input_ids int32 [n], loss_mask uint8 [n])` with 1 on the output ids, or None when either list is
+    missing. No template is involved. The end-of-turn token is supervised when the server included it in the output
+    ids (vLLM does on `finish_reason == "stop"`).
     """
     p, o = turn.get("prompt_token_ids"), turn.get("output_token_ids")
     if not p or not o:

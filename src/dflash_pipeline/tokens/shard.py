@@ -1,67 +1,13 @@
-"""Tokens stage: completion shard -> token shard (``input_ids`` int32, ``loss_mask`` uint8).
+"""Tokens stage: completion shard -> token shard (`input_ids` int32, `loss_mask` uint8).
 
-The loss mask says which tokens the target *generated*. It is built without any regex over decoded text,
-from differences of renders made with the target's own chat template (``chat.render``) and the same
-thinking mode used for generation:
+The loss mask marks the tokens the target generated, from differences of renders with the target's own
+chat template (`chat.render`) and the generation's thinking mode; a template that rewrites the turn being
+trained fails closed with `TokenizationError`, a turn whose markup cannot be told from text without ids
+with `MarkupWithoutIdsError`. The steps are in docs/DESIGN.md ("How the loss mask is built").
 
-1. For assistant turn ``k`` (message index ``i``) render ``P = render(messages[:i], add_generation_prompt=True)``
-   (exactly the prompt the server rendered) and ``Q = render(messages[:i+1], add_generation_prompt=False)``.
-   ``Q`` must start with ``P``; otherwise the template rewrites the turn being trained (e.g. DeepSeek-R1
-   drops the ``<think>\\n`` its generation prompt opens) and we fail closed with
-   :class:`~dflash_pipeline.core.errors.TokenizationError` naming the prompt_id and the turn.
-2. ``X = Q[len(P):]`` is what the target produced after the prompt, plus what the template writes after
-   the end-of-turn marker. Supervised text = ``X`` without trailing whitespace (the ``\\n`` after
-   ``<|im_end|>``) and, when ``X`` ends with a run of special tokens, only the first of them (the model
-   stops at its first stop token). So the end-of-turn token is supervised, the newline after it is not,
-   and scaffolding the template puts in the generation prompt (Qwen3's empty ``<think>\\n\\n</think>\\n\\n``
-   with ``enable_thinking=False``, DeepSeek-V3.1's ``</think>``, Qwen3.5's opening ``<think>\\n``) is 0.
-   Sanity checks that also fail closed: the turn's content (stripped) and, when present, its reasoning
-   (stripped) must occur in the supervised text, else the template dropped what the target generated.
-3. **Templates that rewrite earlier turns.** Qwen3/3.5/3.6, GLM, MiniMax and gpt-oss render an earlier
-   assistant turn differently once a later user turn exists (reasoning dropped, empty think block
-   omitted, ``<|return|>`` becomes ``<|end|>``). Then ``Q_k`` is not a prefix of the full render, and in
-   the full render turn ``k`` no longer sits in the context the target generated it in. We never train a
-   turn in a context it was not generated in: a conversation becomes the fewest sequences such that each
-   selected turn is supervised exactly once, inside a sequence that starts with its own ``Q_k[:end_k]``.
-   Greedy from the last turn: sequence ``Q_j`` of the latest pending turn supervises every pending turn
-   whose ``Q_i[:end_i]`` is a prefix of ``Q_j``. Prefix-stable templates (Llama 3, Qwen2.5, Kimi-K2,
-   gemma 3, the TRL training templates, ...) give one sequence per conversation; rewriting templates give
-   one per turn (the SpecForge "expand reasoning conversations" layout). Rows split this way share the
-   ``prompt_id`` and are written in turn order; ``stats["split_conversations"]`` counts them.
-4. Strings -> tokens: each sequence is tokenized once (batched, fast tokenizer, character offsets).
-   A token is supervised iff its character span ``[start, end)`` lies entirely inside a supervised span.
-   A token that straddles a span boundary (BPE merged prompt text with generated text) is **0** - its
-   text was partly never generated - and counted in ``stats["straddling_tokens"]``. Offsets are
-   non-decreasing, so only the tokens at the two span boundaries are looked up
-   (:func:`span_token_ranges`); a zero-width token between them is supervised, one outside is not
-   (:func:`mask_from_offsets`, the per-token reference, is used when a boundary maps to no token). This
-   needs offsets relative to the original string (fast tokenizers; ByteLevel post-processors with
-   ``trim_offsets`` shift a leading space out of a token's span, which can only turn a straddling token
-   into an inside one).
-
-5. **Text is data, markup is ids.** Supervised tokens are what the target generated. When a turn's
-   ``output_token_ids`` decode to exactly its supervised text, those ids are the supervised tokens
-   (``output_ids_spliced``). Otherwise a content or reasoning that contains a control-token string
-   (``<|im_end|>``, ``<think>``, tool markers; :func:`~dflash_pipeline.target.spans.control_token_strings`)
-   is encoded without parsing added tokens (:func:`plain_text_tokenizer`) when the turn's output ids show
-   the target wrote those characters as text (none of the strings' ids among them; ``control_text_kept``);
-   without output ids, emitted markup and quoted text look alike, and the record is refused
-   (:class:`~dflash_pipeline.core.errors.MarkupWithoutIdsError`; dropped as ``markup_without_ids`` with
-   ``strict: false``). The template text around keeps the usual tokenization.
-6. **Tool calls.** A record's ``tools`` (function schemas) go to the template as its ``tools``; assistant
-   turns carry ``tool_calls`` and are supervised with the markup and arguments the template writes for them
-   (Qwen3's ``<tool_call>`` is then its added token, as the model emits it); ``tool`` results are context,
-   never supervised.
-
-Server token ids (``turns[k].prompt_token_ids`` / ``output_token_ids``) are the exact trained tokens when
-present. With ``tokens.use_server_token_ids`` a record whose selected turns all carry both lists becomes one
-row per turn, ``prompt_token_ids + output_token_ids`` with 1 on the output ids (:func:`server_ids_sequence`);
-records without ids fall back to the render path. Off by default until the ids of each backend are
-checked against the render path on a real server.
-
-Layers: :mod:`dflash_pipeline.target.spans` (strings: steps 1-3 and the verbatim ranges of step 5),
-:mod:`dflash_pipeline.tokens.loss_masks` (tokens: steps 4-5, server ids), this module (records and shards:
-drops, truncation, counts, the Parquet file); the names of both are re-exported here.
+Layers: `target.spans` (strings: render diffs, supervised spans),
+`tokens.loss_masks` (tokens: offsets, server ids), this module (records and shards: drops,
+truncation, counts, the Parquet file); the names of both are re-exported here.
 """
 
 from __future__ import annotations
@@ -111,9 +57,7 @@ DROP_REASONS = (
 )
 
 
-# --------------------------------------------------------------------------------------------------
-# Shard level
-# --------------------------------------------------------------------------------------------------
+# --- Shard level
 
 
 def tokenizer_hash(tokenizer) -> str:
@@ -125,8 +69,8 @@ def tokenizer_hash(tokenizer) -> str:
 
 
 def generated_texts(tokenizer, turns: Sequence[Mapping[str, Any] | None]) -> list[str | None] | None:
-    """Per turn, the text of ``output_token_ids`` (special tokens kept, no space clean-up), or None per turn
-    without ids; None when no turn has them (:func:`conversation_sequences` ``generated``)."""
+    """Per turn, the text of `output_token_ids` (special tokens kept, no space clean-up), or None per turn
+    without ids; None when no turn has them (`conversation_sequences` `generated`)."""
     if not any((t or {}).get("output_token_ids") for t in turns):
         return None
     return [
@@ -168,27 +112,25 @@ def tokenize_records(
     stats: dict | None = None,
     batch_size: int = 256,
 ) -> Iterator[dict]:
-    """Completion records -> token records (dicts matching ``contracts.TOKEN_SCHEMA``).
+    """Completion records -> token records (dicts matching `contracts.TOKEN_SCHEMA`).
 
     Args:
         tokenizer: the target tokenizer with its chat template.
-        records: dicts with ``prompt_id, messages, turns, thinking, status``.
-        max_length: keep at most this many tokens per sequence (``truncated`` flag set when cut).
+        records: dicts with `prompt_id, messages, turns, thinking, status`.
+        max_length: keep at most this many tokens per sequence (`truncated` set when cut).
         last_turn_only: supervise only the last assistant turn.
-        strict: re-raise :class:`TokenizationError`; ``False`` drops the record and counts it.
-        use_server_token_ids: records whose selected turns all carry prompt/output token ids become one
-            row per turn built from exactly those ids (``server_ids_used`` counts those rows: every turn
-            trained from the server's ids, not the records).
-        stats: dict updated in place (see :func:`_new_stats` for keys).
+        strict: re-raise `TokenizationError`; `False` drops the record and counts it.
+        use_server_token_ids: records whose selected turns all carry server token ids become one row per
+            turn from exactly those ids (counted in `server_ids_used`).
+        stats: dict updated in place (keys: `_new_stats`).
         batch_size: sequences per batched tokenizer call.
 
     Yields:
-        ``{prompt_id, turn, input_ids: int32 ndarray [n], loss_mask: uint8 ndarray [n], num_tokens,
-        num_loss_tokens, truncated}`` in input order (``turn``: last assistant turn the row supervises).
+        `{prompt_id, turn, input_ids: int32 [n], loss_mask: uint8 [n], num_tokens, num_loss_tokens,
+        truncated}` in input order (`turn`: the last assistant turn the row supervises).
 
     Raises:
-        TokenizationError: a conversation cannot be masked exactly and ``strict`` is set.
-    """
+        TokenizationError: a conversation cannot be masked exactly and `strict` is set."""
     stats = {} if stats is None else stats
     for key, value in _new_stats().items():
         stats.setdefault(key, value)
@@ -228,8 +170,8 @@ def tokenize_records(
 def _server_id_units(
     rec: Mapping[str, Any], last_turn_only: bool
 ) -> list[tuple[tuple[np.ndarray, np.ndarray], int]] | None:
-    """``[((input_ids, loss_mask), turn), ...]`` from the server token ids of every selected turn
-    (:func:`server_ids_sequence`), or None when the record has no turns or one lacks its ids."""
+    """`[((input_ids, loss_mask), turn), ...]` from the server token ids of every selected turn
+    (`server_ids_sequence`), or None when the record has no turns or one lacks its ids."""
     turns = rec.get("turns") or []
     if not turns:
         return None
@@ -250,11 +192,11 @@ def _rendered_sequences(
     controls: Sequence[str],
     stats: dict,
 ) -> list[TrainSequence]:
-    """The record's training sequences from the chat-template render (:func:`conversation_sequences`);
-    ``[]`` when it is dropped (``tokenization_error`` without ``strict``, ``no_assistant_turn``: counted).
+    """The record's training sequences from the chat-template render (`conversation_sequences`); `[]` when it is
+    dropped.
 
     Raises:
-        TokenizationError: the conversation cannot be masked exactly and ``strict`` is set.
+        TokenizationError: the conversation cannot be masked exactly and `strict` is set.
     """
     turns = rec.get("turns") or []
     try:
@@ -283,8 +225,8 @@ def _rendered_sequences(
 
 
 def _flush(tokenizer, pending: list[tuple[str, Any]], *, max_length: int, stats: dict) -> Iterator[dict]:
-    """Tokenize the pending sequences in one batched call and yield their rows in order (:func:`_token_row`);
-    ``pending`` is empty afterwards."""
+    """Tokenize the pending sequences in one batched call and yield their rows in order (`_token_row`);
+    `pending` is empty afterwards."""
     seqs = [s for _, s in pending if isinstance(s, TrainSequence)]
     toks = iter(tokenize_sequences(tokenizer, seqs))
     for pid, s in pending:
@@ -304,9 +246,9 @@ def _flush(tokenizer, pending: list[tuple[str, Any]], *, max_length: int, stats:
 def _token_row(
     pid: str, turn: int, ids: np.ndarray, mask: np.ndarray, *, n_turns: int, max_length: int, stats: dict
 ) -> dict | None:
-    """The token record of one sequence (int32 ``ids`` / uint8 ``mask`` [n]) cut at ``max_length``, counted
-    in ``stats``; None, counted as a drop, when no supervised token is left (``no_loss_tokens``, or
-    ``truncated_no_loss`` when the cut removed them all)."""
+    """The token record of one sequence (int32 `ids` / uint8 `mask` [n]) cut at `max_length`, counted
+    in `stats`; None, counted as a drop, when no supervised token is left (`no_loss_tokens`, or
+    `truncated_no_loss` when the cut removed them all)."""
     truncated = len(ids) > max_length
     cut_loss = False
     if truncated:
@@ -343,31 +285,28 @@ def tokenize_shard(
     tokenizer=None,
     row_group_size: int = 1024,
 ) -> dict:
-    """Tokenize one completion shard into one token shard (the Snakemake ``tokenize_completions`` entry).
+    """Tokenize one completion shard into one token shard (the Snakemake `tokenize_completions` entry).
 
     Args:
-        completion_shard: Parquet file with ``contracts.COMPLETION_SCHEMA``.
-        out_path: token shard to write (Parquet, ``contracts.TOKEN_SCHEMA``), atomically.
+        completion_shard: Parquet file with `contracts.COMPLETION_SCHEMA`.
+        out_path: token shard to write (`contracts.TOKEN_SCHEMA`), atomically.
         target_dir: target model directory (tokenizer files).
-        tokens_cfg: validated ``config["tokens"]`` (``max_length``, ``last_turn_only``; optional
-            ``strict`` default True, ``use_server_token_ids`` default False).
+        tokens_cfg: validated `config["tokens"]` (`max_length`, `last_turn_only`, `strict`,
+            `use_server_token_ids`).
         chat_template: optional .jinja file overriding the tokenizer's template.
-        trust_remote_code: passed to ``AutoTokenizer``.
-        tokenizer: an already loaded tokenizer (tests, benchmarks); overrides ``target_dir``.
-        row_group_size: rows per Parquet row group; the shard is written one group at a time (bounded
-            memory) to a temporary file renamed into place at the end.
+        trust_remote_code: passed to `AutoTokenizer`.
+        tokenizer: an already loaded tokenizer; overrides `target_dir`.
+        row_group_size: rows per Parquet row group (written one at a time: bounded memory).
 
     Returns:
-        Stats dict: ``records_in, records_out, conversations_kept, split_conversations, turns_supervised,
-        truncated, num_tokens, num_loss_tokens, straddling_tokens, dropped{reason: n}``, ...
-
-    File metadata (``shards.read_shard_metadata``): ``schema_version``, ``tokenizer_sha256``,
-    ``chat_template_sha256``, ``thinking`` (modes seen), ``max_length``, ``last_turn_only``, ``counts``.
+        Stats dict: `records_in, records_out, conversations_kept, split_conversations, turns_supervised,
+        truncated, num_tokens, num_loss_tokens, straddling_tokens, dropped{reason: n}`, ... File metadata:
+        `schema_version`, `tokenizer_sha256`, `chat_template_sha256`, `thinking`, `max_length`,
+        `last_turn_only`, `counts`.
 
     Raises:
-        TokenizationError: a record cannot be masked exactly (names prompt_id and turn; ``strict``).
-        ConfigError: the tokenizer has no chat template.
-    """
+        TokenizationError: a record cannot be masked exactly (names prompt_id and turn; `strict`).
+        ConfigError: the tokenizer has no chat template."""
     if tokenizer is None:
         tokenizer = chat.load_tokenizer(target_dir, chat_template=chat_template, trust_remote_code=trust_remote_code)
     tokens_cfg = {**schema_defaults("tokens"), **tokens_cfg}  # a partial section (tests, benches): the schema's
@@ -424,7 +363,7 @@ def _log_summary(out_path: str | Path, stats: dict, max_length: int) -> None:
 
 def _completion_records(completion_shard: str | Path, thinking_modes: set[str]) -> Iterator[dict]:
     """The records of a completion shard, read in batches of 512 (only the columns tokenization reads);
-    adds each record's thinking mode to ``thinking_modes``."""
+    adds each record's thinking mode to `thinking_modes`."""
     pf = pq.ParquetFile(str(completion_shard))
     cols = [c for c in ("prompt_id", "messages", "turns", "thinking", "status", "tools") if c in pf.schema_arrow.names]
     for batch in pf.iter_batches(batch_size=512, columns=cols):
@@ -437,10 +376,9 @@ def _completion_records(completion_shard: str | Path, thinking_modes: set[str]) 
 def _write_token_shard(
     out_path: str | Path, rows: Iterable[dict], *, row_group_size: int, metadata: Callable[[], dict]
 ) -> None:
-    """Stream token rows into a token shard, one row group per ``row_group_size`` rows (memory bounded by one
-    group plus the reader's batch, whatever the shard size), with ``metadata()`` (called once the rows are
-    written) in the footer. Row-group boundaries depend only on the input, so a rerun writes identical
-    bytes (and leaves an identical existing file untouched); the file is renamed into place at the end."""
+    """Stream token rows into a token shard, one row group per `row_group_size` rows, with `metadata()` (called once
+    the rows are written) in the footer. Row-group boundaries depend only on the input, so a rerun writes identical
+    bytes; the file is renamed into place at the end."""
     with shards.ParquetStreamWriter(out_path, TOKEN_SCHEMA) as writer:
         group: list[dict] = []
         for r in rows:
@@ -454,7 +392,7 @@ def _write_token_shard(
 
 
 def _token_batch(rows: Sequence[dict]) -> pa.RecordBatch:
-    """Token rows -> one record batch with exactly ``TOKEN_SCHEMA``."""
+    """Token rows -> one record batch with exactly `TOKEN_SCHEMA`."""
     return pa.RecordBatch.from_arrays(
         [
             pa.array([r["prompt_id"] for r in rows], pa.string()),

@@ -1,5 +1,6 @@
-"""Stage 5, train: the drafter trained with Accelerate from the target's hidden states (online or feature shards). Names load on first use
-(``_OWNERS``: :func:`dflash_pipeline.core.faces.lazy_face`)."""
+"""Stage 5, train: the drafter trained with Accelerate from the target's hidden states (online or feature shards). Names
+load on first use
+(`_OWNERS`: `core.faces.lazy_face`)."""
 
 from dflash_pipeline.core.faces import lazy_face
 

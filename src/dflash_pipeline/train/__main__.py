@@ -1,4 +1,4 @@
-"""``python -m dflash_pipeline.train`` (the train rule's entry point)."""
+"""`python -m dflash_pipeline.train` (the train rule's entry point)."""
 
 from dflash_pipeline.train.run import main
 

@@ -1,11 +1,6 @@
-"""What a training run leaves on disk besides its logs: Accelerate state for resume (``state/``) and servable
-drafter exports (``final/``, ``step_<N>/``), each written atomically (temp dir + rename).
-
-A killed run restarts at its last saved state (:func:`resume_state`), and only the same run does: a state saved
-by another run (other settings or other data, :func:`run_identity`) is set aside and training starts from
-step 0; an export is the layout SGLang/vLLM
-load (:func:`dflash_pipeline.drafter.model.save_drafter`) plus its ``serve.md``. Driven by
-:mod:`dflash_pipeline.train.run`, which re-exports these names.
+"""What a training run leaves on disk besides its logs: Accelerate state for resume (`state/`) and servable
+drafter exports (`final/`, `step_<N>/`), each written atomically (temp dir + rename). Only the same run
+resumes a state (`resume_state`, `run_identity`).
 """
 
 from __future__ import annotations
@@ -22,11 +17,11 @@ from dflash_pipeline.drafter import model as M
 from dflash_pipeline.train import fsdp as FS
 from dflash_pipeline.train.rng import STATE_VERSION
 
-#: Intermediate drafter exports live in ``<out_dir>/step_<N>/`` (N zero-padded to 6 digits).
+#: Intermediate drafter exports live in `<out_dir>/step_<N>/` (N zero-padded to 6 digits).
 STEP_EXPORT_PREFIX = "step_"
 
 
-#: ``train`` keys that do not change what is trained (how often it logs, saves and measures held-out τ, where
+#: `train` keys that do not change what is trained (how often it logs, saves and measures held-out τ, where
 #: its trackers and rendezvous live): a resume under other values of these is the same run.
 NOT_RUN_IDENTITY = frozenset(
     {
@@ -61,11 +56,9 @@ def file_digest(path: str | Path) -> str:
 
 
 def run_identity(cfg: dict, *, token_shards, **facts) -> dict:
-    """What makes a training run this run, saved with its state (``step.json["run"]``) and compared on resume:
-    the ``train`` settings except :data:`NOT_RUN_IDENTITY`, the content digest of every token shard in order
-    (a shard rewritten with the same bytes is the same data), and ``facts`` (JSON values: the target dtype, the
-    drafter's architecture and probe decisions, the zero-features baseline flag). Every rank computes it (it
-    reads each token shard once, ~1 GB/s); its values are JSON (``step.json``).
+    """What makes a training run this run, saved with its state (`step.json["run"]`) and compared on resume: the
+    `train` settings except `NOT_RUN_IDENTITY`, the content digest of every token shard in order, and `facts`.
+    Every rank computes it, reading each token shard once (~1 GB/s).
 
     Raises:
         OSError: a token shard cannot be read.
@@ -78,9 +71,7 @@ def run_identity(cfg: dict, *, token_shards, **facts) -> dict:
 
 
 def save_state(accelerator, state_dir: Path, step: int, identity: Optional[dict] = None) -> None:
-    """Save Accelerate state (model, optimizer, scheduler, RNG streams) and ``step.json`` (the step, the
-    state :data:`~dflash_pipeline.train.rng.STATE_VERSION`, the world size and ``run``, the run's
-    :func:`run_identity`, which :func:`resume_state` compares), atomically."""
+    """Save Accelerate state (model, optimizer, scheduler, RNG streams) and `step.json`, atomically."""
     tmp = state_dir.with_name(state_dir.name + ".tmp")
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -95,21 +86,15 @@ def save_state(accelerator, state_dir: Path, step: int, identity: Optional[dict]
 
 
 def resume_state(accelerator, out_dir: Path, total_steps: int, streams, identity: Optional[dict] = None) -> int:
-    """Load ``state/`` when it is this run's and return its step; on a fresh start clear the old logs and exports.
+    """Load `state/` when it is this run's and return its step; on a fresh start clear the old logs and exports.
 
-    ``streams`` (:class:`dflash_pipeline.train.rng.RankStreams`, the anchor generators) is registered
-    for checkpointing here, so every later :func:`save_state` holds it. A state saved by another run
-    (its ``run`` differs from ``identity``, :func:`run_identity`: other settings, data, dtype, drafter) is not
-    resumed: it moves to ``state.previous/`` (nothing is lost) and the run starts from step 0, saying which
-    parts differ; so a rule that reruns because its settings or inputs changed trains those settings, and a
-    run killed and rerun unchanged continues exactly. A state of version 1 (saved before the streams and the
-    identity were, no ``version`` in ``step.json``) is loaded without them: it resumes, but the data order
-    and anchors after it are not the uninterrupted run's (a warning says so).
+    Registers `streams` (`RankStreams`) for checkpointing. A state of another run (`run_identity` differs:
+    settings, data, dtype, drafter) moves to `state.previous/` and the run starts from step 0, saying which
+    parts differ. A version-1 state resumes without streams and identity, with a warning.
 
     Raises:
-        ValueError: ``state/`` was written by a newer trainer (version above :data:`STATE_VERSION`), or by
-            another number of ranks (:meth:`RankStreams.load_state_dict`).
-    """
+        ValueError: `state/` was written by a newer trainer (version above `STATE_VERSION`), or by
+            another number of ranks."""
     state_dir = out_dir / "state"
     step = 0
     meta = json.loads((state_dir / "step.json").read_text()) if (state_dir / "step.json").is_file() else None
@@ -154,9 +139,9 @@ def resume_state(accelerator, out_dir: Path, total_steps: int, streams, identity
 
 
 def _changed_parts(saved: Optional[dict], current: Optional[dict]) -> list[str]:
-    """The parts of two :func:`run_identity` records that differ (``train.<key>`` per setting, else the part's
-    name); none when either is unknown (a version 1 state, a direct call without one). A ``train`` key one side
-    lacks counts as its schema default (a state saved before the key existed is the run of its default)."""
+    """The parts of two `run_identity` records that differ (`train.<key>` per setting, else the part's
+    name); none when either is unknown (a version 1 state, a direct call without one). A `train` key one side
+    lacks counts as its schema default."""
     if not saved or not current:
         return []
     out = []
@@ -181,15 +166,15 @@ def export_module(accelerator, drafter):
 
 
 def export_step(drafter, out_dir: Path, step: int, zero_target_features: bool = False) -> Path:
-    """Export the drafter at ``step`` as a servable checkpoint ``<out_dir>/step_<N>/`` (atomic), so the
-    eval stage can chart τ across training (``evaluate.step_checkpoints`` finds them)."""
+    """Export the drafter at `step` as a servable checkpoint `<out_dir>/step_<N>/` (atomic), so the
+    eval stage can chart τ across training (`evaluate.step_checkpoints` finds them)."""
     final = out_dir / f"{STEP_EXPORT_PREFIX}{step:06d}"
     return export_drafter(drafter, final, extra={"train_steps": step, "zero_target_features": zero_target_features})
 
 
 def export_drafter(drafter, final: Path, *, extra: dict, target: Optional[Path] = None) -> Path:
-    """Write ``drafter`` (bf16, :func:`dflash_pipeline.drafter.model.save_drafter` with ``extra`` in its config)
-    and its ``serve.md`` (naming ``target`` when given) to ``<final>.tmp``, then rename it to ``final``."""
+    """Write `drafter` (bf16, `drafter.model.save_drafter` with `extra` in its config)
+    and its `serve.md` (naming `target` when given) to `<final>.tmp`, then rename it to `final`."""
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     M.save_drafter(drafter, tmp, extra=extra)
@@ -199,8 +184,8 @@ def export_drafter(drafter, final: Path, *, extra: dict, target: Optional[Path] 
 
 
 def _write_serve_md(export_dir: Path, target=None, served_dir=None) -> None:
-    """``<export>/serve.md``: the vLLM and SGLang launch lines of this export (``engine.write_serve_md``);
-    ``served_dir``: where ``export_dir`` (a temp dir) is renamed to."""
+    """`<export>/serve.md`: the vLLM and SGLang launch lines of this export (`engine.write_serve_md`);
+    `served_dir`: where `export_dir` (a temp dir) is renamed to."""
     from dflash_pipeline.evaluate import write_serve_md
 
     write_serve_md(export_dir, target=target, served_dir=served_dir)

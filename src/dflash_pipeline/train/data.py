@@ -1,19 +1,11 @@
 """Training data for the drafter: memory-mapped token records and target features from feature shards.
 
-Two sources of target features (config ``train.target_features``):
-
-- ``online``: the trainer runs the frozen target on each batch (today's colocated path). Token records come
-  from a *token index*: each token shard's flat ``input_ids`` / ``loss_mask`` + offsets, converted once into
-  an uncompressed safetensors file under ``<run>/token_index/`` (same layout as a feature shard without
-  ``features``; :mod:`dflash_pipeline.features.format`) and memory-mapped. No Python list per record.
-- ``shards``: token ids, loss masks and features all come from the feature shards (checked against their
-  token shards: record count, lengths, sha256); the target is never instantiated, only its embedding and LM
-  head are read (:mod:`dflash_pipeline.features.weights`).
-
-Either way the dataset holds only open mappings and a small per-record index (``int64`` shard / record ids
-of the records with ≥ :data:`MIN_LOSS_TOKENS` supervised tokens); a rank reads only the records of its own
-batches (Accelerate shards the batch sampler), and pages it read are dropped again, so resident memory does
-not grow with the dataset.
+`train.target_features: online`: token records come from a token index (each token shard's flat
+`input_ids` / `loss_mask` + offsets in a safetensors file under `<run>/token_index/`, memory-mapped);
+the trainer runs the target per batch. `shards`: ids, masks and features come from the feature shards
+(checked against their token shards: count, lengths, sha256); only the target's embedding and LM head
+are read. The dataset holds open mappings and a per-record index of the records with ≥
+`MIN_LOSS_TOKENS` supervised tokens, so resident memory does not grow with the dataset.
 """
 
 from __future__ import annotations
@@ -31,12 +23,12 @@ from dflash_pipeline.features import FeatureLayout, FeatureShard, FeatureShardEr
 
 #: Supervised (loss-mask) tokens a record needs to be trained on: an anchor is a supervised position and its
 #: block's labels are the supervised tokens after it (reference/dflash.md §4.1), so a record with fewer has
-#: no anchor with anything to predict. The trainer's constant, not a config key (it never changes params).
+#: no anchor with anything to predict.
 MIN_LOSS_TOKENS = 2
 
 
 def token_index_path(token_shard: str | Path, cache_dir: str | Path) -> Path:
-    """Where the token index of ``token_shard`` lives: keyed by its path, size and mtime (a rebuilt token
+    """Where the token index of `token_shard` lives: keyed by its path, size and mtime (a rebuilt token
     shard gets a new index)."""
     import hashlib
 
@@ -46,7 +38,7 @@ def token_index_path(token_shard: str | Path, cache_dir: str | Path) -> Path:
 
 
 def build_token_index(token_shard: str | Path, out: str | Path) -> Path:
-    """Write the token index of one token shard (flat ids / mask / offsets; atomic). Returns ``out``."""
+    """Write the token index of one token shard (flat ids / mask / offsets; atomic). Returns `out`."""
     from dflash_pipeline.core.contracts import FEATURE_SCHEMA_VERSION
     from dflash_pipeline.features import read_token_arrays
 
@@ -66,12 +58,12 @@ def build_token_index(token_shard: str | Path, out: str | Path) -> Path:
 class MappedRecords(torch.utils.data.Dataset):
     """Records of several mapped shards (token indexes or feature shards), filtered by supervised tokens.
 
-    ``__getitem__`` returns ``(input_ids int32 [S], loss_mask uint8 [S])``, or with ``features=True``
-    ``(input_ids, loss_mask, features bfloat16 [S, K*H])``, and with ``last_hidden=True`` also the last
-    decoder layer's output before the final norm, bfloat16 [S, H] (``kl``'s teacher input).
+    `__getitem__` returns `(input_ids int32 [S], loss_mask uint8 [S])`, or with `features=True`
+    `(input_ids, loss_mask, features bfloat16 [S, K*H])`, and with `last_hidden=True` also the last
+    decoder layer's output before the final norm, bfloat16 [S, H] (`kl`'s teacher input).
 
     Raises:
-        FeatureShardError: ``features`` / ``last_hidden`` asked of a shard without that tensor.
+        FeatureShardError: `features` / `last_hidden` asked of a shard without that tensor.
     """
 
     def __init__(
@@ -136,9 +128,9 @@ class MappedRecords(torch.utils.data.Dataset):
 
 
 def collate(batch, pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """Right-pad records to ``input_ids`` long / ``loss_mask`` uint8 / ``attention_mask`` long [b, S_max],
-    plus ``features`` [b, S_max, K*H] (bfloat16, zero padding) when the records carry them, and
-    ``target_last_hidden`` [b, S_max, H] (pre-norm, zero padding) when they carry a fourth tensor."""
+    """Right-pad records to `input_ids` long / `loss_mask` uint8 / `attention_mask` long [b, S_max],
+    plus `features` [b, S_max, K*H] (bfloat16, zero padding) when the records carry them, and
+    `target_last_hidden` [b, S_max, H] (pre-norm, zero padding) when they carry a fourth tensor."""
     s = max(len(x[0]) for x in batch)
     b = len(batch)
     ids = torch.full((b, s), pad_id, dtype=torch.long)
@@ -165,38 +157,38 @@ def collate(batch, pad_id: int = 0) -> dict[str, torch.Tensor]:
 
 @dataclass
 class TrainingData:
-    """What the trainer gets from :func:`open_training_data`."""
+    """What the trainer gets from `open_training_data`."""
 
     dataset: MappedRecords
     collate: Callable
     from_shards: bool
-    #: ``shards`` / ``stream``: the frozen embedding / LM head and the target's (text) config; None when online.
+    #: `shards` / `stream`: the frozen embedding / LM head and the target's (text) config; None when online.
     embed: Any = None
     lm_head: Any = None
     target_config: Any = None
-    #: ``stream`` only: the :class:`dflash_pipeline.train.stream.FeatureStream` that fills each batch's
-    #: features (``from_shards`` is then True too: the target is never loaded).
+    #: `stream` only: the `train.stream.FeatureStream` that fills each batch's
+    #: features (`from_shards` is then True too: the target is never loaded).
     stream: Any = None
-    #: ``shards`` / ``stream`` with a teacher loss (``kl``): the target's final norm, which turns the
+    #: `shards` / `stream` with a teacher loss (`kl`): the target's final norm, which turns the
     #: carried pre-norm last hidden state into the LM head's input
-    #: (:func:`dflash_pipeline.features.weights.load_final_norm`).
+    #: (`features.weights.load_final_norm`).
     final_norm: Any = None
 
 
 class ConfigOnly:
-    """Stands in for the target where only ``.config`` is read (:func:`dflash_pipeline.drafter.build.build_drafter`)."""
+    """Stands in for the target where only `.config` is read (`drafter.build.build_drafter`)."""
 
     def __init__(self, config):
         self.config = config
 
 
 def needs_teacher(cfg: dict) -> bool:
-    """Whether ``train.loss`` reads the target's last hidden state (``kl``, DSpark's ``dspark_tv``)."""
+    """Whether `train.loss` reads the target's last hidden state (`kl`, DSpark's `dspark_tv`)."""
     return {**schema_defaults("train"), **cfg}["loss"] in ("kl", "dspark_tv")
 
 
 def final_norm(target_dir, config, target_dtype: str, device):
-    """The target's final norm in the target dtype (:func:`dflash_pipeline.features.weights.load_final_norm`)."""
+    """The target's final norm in the target dtype (`features.weights.load_final_norm`)."""
     from dflash_pipeline.features import load_final_norm
     from dflash_pipeline.target.loading import resolve_dtype
 
@@ -204,8 +196,8 @@ def final_norm(target_dir, config, target_dtype: str, device):
 
 
 def frozen_head(target_dir, probe: dict, target_dtype: str, device) -> tuple:
-    """``(embedding, LM head, target config)`` read from the target's safetensors and config, without
-    instantiating the target (:mod:`dflash_pipeline.features.weights`)."""
+    """`(embedding, LM head, target config)` read from the target's safetensors and config, without
+    instantiating the target (`features.weights`)."""
     from dflash_pipeline.features import load_embed_and_head
     from dflash_pipeline.target.loading import load_target_config, resolve_dtype
 
@@ -223,8 +215,8 @@ def frozen_head(target_dir, probe: dict, target_dtype: str, device) -> tuple:
 def token_records(
     token_shards, out_dir, *, is_main: bool, barrier: Callable[[], None], min_loss_tokens: int
 ) -> MappedRecords:
-    """The token records of ``token_shards`` from their token indexes under ``<out_dir>/token_index/``
-    (the main process writes missing ones, then ``barrier()``)."""
+    """The token records of `token_shards` from their token indexes under `<out_dir>/token_index/`
+    (the main process writes missing ones, then `barrier()`)."""
     cache = Path(out_dir) / "token_index"
     paths = [token_index_path(t, cache) for t in token_shards]
     if is_main:
@@ -249,17 +241,17 @@ def open_training_data(
     barrier: Callable[[], None] = lambda: None,
     min_loss_tokens: int = MIN_LOSS_TOKENS,
 ) -> TrainingData:
-    """The dataset, collate function and (``shards``) embedding / LM head for ``cfg["target_features"]``.
+    """The dataset, collate function and (`shards`) embedding / LM head for `cfg["target_features"]`.
 
-    ``target_features: stream`` is opened by :func:`dflash_pipeline.train.stream.open_stream_data` instead.
 
-    ``online``: the main process writes missing token indexes under ``<out_dir>/token_index/``, then
-    ``barrier()``. ``shards``: ``feature_shards[i]`` belongs to ``token_shards[i]`` and is checked against it;
-    its ``target_layer_ids`` and ``hidden_size`` must equal the probe's.
+
+    `online`: the main process writes missing token indexes under `<out_dir>/token_index/`, then
+    `barrier()`. `shards`: `feature_shards[i]` belongs to `token_shards[i]` and is checked against it;
+    its `target_layer_ids` and `hidden_size` must equal the probe's.
 
     Raises:
         FeatureShardError: feature / token shard mismatch (names both files), or other layer ids than the probe's.
-        ValueError: no record with ``min_loss_tokens`` supervised tokens.
+        ValueError: no record with `min_loss_tokens` supervised tokens.
     """
     mode = {**schema_defaults("train"), **cfg}["target_features"]  # a partial config (tests, direct calls)
     if mode == "shards":
@@ -300,10 +292,8 @@ def open_training_data(
 
 
 def record_prompt_ids(token_shards: Sequence[str | Path], dataset: MappedRecords) -> list[str]:
-    """``prompt_id`` of every record of ``dataset`` (its order), for the held-out split
-    (:func:`dflash_pipeline.train.heldout.heldout_mask`). Reads only the ``prompt_id`` column of each token
-    shard (``token_shards[s]`` is the shard behind ``dataset``'s shard ``s``, a token index or a feature
-    shard checked against it); a shard without the column gives ``<path>:<row>``."""
+    """`prompt_id` of every record of `dataset` (its order), for the held-out split (`train.heldout.heldout_mask`).
+    Reads only the `prompt_id` column of each token shard; a shard without the column gives `<path>:<row>`."""
     import pyarrow.parquet as pq
 
     per_shard = []

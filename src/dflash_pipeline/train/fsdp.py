@@ -1,14 +1,9 @@
-"""FSDP2 (Accelerate ``fsdp_version=2``) for drafters whose weights + Adam state do not fit one rank.
+"""FSDP2 (Accelerate `fsdp_version=2`) for drafters whose weights + Adam state do not fit one rank.
 
-Under DDP every rank holds the fp32 master weights, their gradients and Adam's two moments: 16 bytes per
-parameter (dflash.md §4.7), ≈ 52 GB for a ~3B-parameter drafter sized from Kimi K2.6 (anchors.md §F).
-FSDP2 shards all four across ranks (per decoder layer, ``DFlashDecoderLayer``), which is what
-SpecForge does (FSDP, per-decoder-layer wrap; dflash.md §4.7). State is saved sharded (torch distributed
-checkpoint) so resume needs no full gather; the servable export gathers the full weights once on rank 0.
-
-On CPU (tests, gloo), Accelerate classifies the ranks as ``MULTI_CPU`` and ignores an FSDP plugin;
-torch's FSDP2 itself runs on CPU/gloo, so :func:`make_accelerator` switches Accelerate's shared state to
-FSDP there (the same code path then runs on GPUs without the switch).
+Under DDP every rank holds 16 bytes per parameter (dflash.md §4.7; ≈ 52 GB for a ~3B drafter sized from
+Kimi K2.6). FSDP2 shards them per decoder layer, as SpecForge does. State is saved sharded; the servable
+export gathers the full weights once on rank 0. On CPU (gloo) Accelerate ignores an FSDP plugin, so
+`make_accelerator` switches its shared state to FSDP there.
 """
 
 from __future__ import annotations
@@ -20,14 +15,14 @@ import torch
 #: Bytes per trainable parameter under DDP with AdamW and fp32 master weights (weights 4 + grads 4 + m 4 + v 4).
 TRAINING_BYTES_PER_PARAM = 16
 
-#: The unit FSDP2 shards (one per draft layer); the fused ``fc``/norms stay in the root unit.
+#: The unit FSDP2 shards (one per draft layer); the fused `fc`/norms stay in the root unit.
 WRAP_CLASSES = (
     "DFlashDecoderLayer",
 )  # accelerate requires each listed class in the model; FSDP2 is DFlash-only (drafter.families refuses the others at planning)
 
 
 def training_bytes(num_params: int, num_shards: int = 1) -> int:
-    """Bytes of fp32 weights + grads + AdamW state per rank: ``16 · num_params / num_shards`` (activations
+    """Bytes of fp32 weights + grads + AdamW state per rank: `16 · num_params / num_shards` (activations
     and the frozen target not included)."""
     return TRAINING_BYTES_PER_PARAM * int(num_params) // max(1, int(num_shards))
 
@@ -35,11 +30,11 @@ def training_bytes(num_params: int, num_shards: int = 1) -> int:
 def fsdp_plugin(
     *, reshard_after_forward: bool = True, activation_checkpointing: bool = False, mixed_precision: str = "no"
 ):
-    """The ``FullyShardedDataParallelPlugin`` (FSDP2) the trainer uses.
+    """The `FullyShardedDataParallelPlugin` (FSDP2) the trainer uses.
 
-    ``reshard_after_forward``: True frees gathered layer weights after each forward (ZeRO-3 / FULL_SHARD);
-    False keeps them to the backward (SHARD_GRAD_OP, SpecForge's choice: faster, more memory).
-    State dicts are ``SHARDED_STATE_DICT`` (resume), the export asks for a full one (:func:`full_drafter`).
+    `reshard_after_forward`: True frees gathered layer weights after each forward; False keeps them to the backward
+    (SHARD_GRAD_OP, SpecForge's choice: faster, more memory). State dicts are `SHARDED_STATE_DICT` (resume), the export
+    asks for a full one (`full_drafter`).
     """
     from accelerate.utils import FullyShardedDataParallelPlugin
 
@@ -58,11 +53,11 @@ def fsdp_plugin(
 
 
 def make_accelerator(*, cpu: bool, mixed_precision: str = "no", plugin=None, **kwargs):
-    """``Accelerator(cpu=…, mixed_precision=…, fsdp_plugin=plugin, **kwargs)``; with a plugin on CPU ranks,
+    """`Accelerator(cpu=…, mixed_precision=…, fsdp_plugin=plugin, **kwargs)`; with a plugin on CPU ranks,
     Accelerate's shared state is switched to FSDP (see the module docstring).
 
     Raises:
-        RuntimeError: the plugin did not take effect (``accelerator.is_fsdp2`` false), e.g. a single process.
+        RuntimeError: the plugin did not take effect (`accelerator.is_fsdp2` false), e.g. a single process.
     """
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, PartialState

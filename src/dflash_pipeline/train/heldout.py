@@ -1,16 +1,10 @@
 """Held-out validation during training: expected acceptance per block, not marginal slot accuracy.
 
-Speculative decoding accepts a block's draft up to its first miss, so a block's accepted length is
-1 (the target's bonus token) + Σ_k Π_{i≤k} a_i, the cumulative product of per-slot acceptance *inside
-the block* (speculators counts accepted length per block, anchors.md §F SP#1032; SpecForge's
-``simulated_acc_len``, NeMo Automodel#2959; users asked for it because accuracy alone misleads: z-lab#41,
-accuracy 0.99 with acceptance 0.12). The product of *marginal* slot accuracies
-(:func:`dflash_pipeline.drafter.model.expected_acceptance_length`) is the same only when misses are independent
-across slots, and is logged beside it for comparison.
-
-Validation runs the training forward (teacher-forced target features, the real block structure of
-dflash.md §4.3–4.4) on records never trained on (:func:`heldout_mask`), with deterministic anchors, and
-greedy acceptance a_k = [argmax drafter logits == label] (what greedy verification accepts).
+A block's accepted length is 1 + Σ_k Π_{i≤k} a_i, the cumulative product of per-slot acceptance inside the
+block (speculators SP#1032, SpecForge's `simulated_acc_len`; accuracy alone misleads, z-lab#41). The
+product of marginal accuracies (`expected_acceptance_length`) is logged beside it. Validation runs the
+training forward on records never trained on (`heldout_mask`) with deterministic anchors and greedy
+acceptance a_k = [argmax drafter logits == label].
 """
 
 from __future__ import annotations
@@ -31,11 +25,11 @@ from dflash_pipeline.train import packing as P
 class AcceptanceCounts:
     """Additive counts (sum them over batches and ranks). All float64 CPU tensors.
 
-    ``blocks`` scalar: blocks simulated. ``chain`` [B−1]: Σ over blocks of Π_{i≤k} a_i·m_i for slots
-    k = 1..B−1. ``correct``/``valid`` [B−1]: marginal per-slot hits and supervised slots.
-    With context-length bucket ``edges`` (tokens, ascending; ``train.validation_length_buckets``):
-    ``bucket_blocks`` [len(edges)+1] blocks per bucket of the tokens before the block's anchor, and
-    ``bucket_chain`` [len(edges)+1] their Σ_k chain_k (empty without edges).
+    `blocks` scalar: blocks simulated. `chain` [B−1]: Σ over blocks of Π_{i≤k} a_i·m_i for slots
+    k = 1..B−1. `correct`/`valid` [B−1]: marginal per-slot hits and supervised slots.
+    With context-length bucket `edges` (tokens, ascending; `train.validation_length_buckets`):
+    `bucket_blocks` [len(edges)+1] blocks per bucket of the tokens before the block's anchor, and
+    `bucket_chain` [len(edges)+1] their Σ_k chain_k (empty without edges).
     """
 
     blocks: torch.Tensor
@@ -75,7 +69,7 @@ class AcceptanceCounts:
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor, edges: Sequence[int] = ()) -> "AcceptanceCounts":
-        """Inverse of :meth:`as_tensor` (``edges``: those of the counts flattened)."""
+        """Inverse of `as_tensor` (`edges`: those of the counts flattened)."""
         t = t.detach().double().cpu()
         nb = len(edges) + 1 if edges else 0
         k = (t.numel() - 1 - 2 * nb) // 3
@@ -83,11 +77,11 @@ class AcceptanceCounts:
         return cls(t[0], t[1 : 1 + k], t[1 + k : 1 + 2 * k], t[1 + 2 * k : e], t[e : e + nb], t[e + nb :], tuple(edges))
 
     def summary(self) -> dict:
-        """``tau`` (mean accepted length per block, bonus token included, in [1, B]),
-        ``per_position_acceptance`` [B−1] (fraction of blocks whose slot k is accepted, chain included),
-        ``slot_acc`` [B−1] (marginal accuracy), ``tau_marginal`` (the product-of-marginals proxy),
-        ``num_blocks``; with bucket edges ``by_context_length``: label → ``{tau, num_blocks, range}`` of the
-        buckets with blocks (labels and ranges of :mod:`dflash_pipeline.evaluate.context_length`)."""
+        """`tau` (mean accepted length per block, bonus token included, in [1, B]),
+        `per_position_acceptance` [B−1] (fraction of blocks whose slot k is accepted, chain included),
+        `slot_acc` [B−1] (marginal accuracy), `tau_marginal` (the product-of-marginals proxy),
+        `num_blocks`; with bucket edges `by_context_length`: label → `{tau, num_blocks, range}` of the
+        buckets with blocks (labels and ranges of `evaluate.context_length`)."""
         n = max(1.0, float(self.blocks))
         per_pos = (self.chain / n).tolist()
         acc = (self.correct / self.valid.clamp(min=1)).tolist()
@@ -116,17 +110,15 @@ def block_acceptance(
 ) -> AcceptanceCounts:
     """Per-block acceptance simulator: chain_k = Π_{i≤k} a_i·m_i inside each block.
 
-    A slot that is not supervised (past the record's end, outside the response) ends the block's chain:
-    generation cannot accept a token past the response.
+    A slot that is not supervised ends the block's chain: generation cannot accept a token past the response.
 
     Args:
-        accept: [n_blocks, B−1] bool or float in [0, 1] (a_k for slots k = 1..B−1; probabilities give the
-            expected count).
+        accept: [n_blocks, B−1] bool or float in [0, 1].
         valid: bool [n_blocks, B−1] (m_k).
-        contexts: long [n_blocks], the tokens of each block's record before its anchor (with ``edges``).
+        contexts: long [n_blocks], the tokens of each block's record before its anchor (with `edges`).
         edges: context-length bucket edges (tokens, ascending); () = no buckets.
     Returns:
-        :class:`AcceptanceCounts` over these blocks.
+        `AcceptanceCounts` over these blocks.
     """
     a = accept.double() * valid.double()
     chain = torch.cumprod(a, dim=-1)
@@ -145,9 +137,9 @@ def block_acceptance(
 
 
 def deterministic_anchors(loss_mask: torch.Tensor, segment_ids: torch.Tensor, num_anchors: int) -> M.AnchorBatch:
-    """Up to ``num_anchors`` anchors per record, evenly spaced over its candidates (the training rule,
-    :func:`dflash_pipeline.train.packing.anchor_candidates`), the same every time; a packed row gets what its
-    records would get alone. Shapes as ``sample_anchors``: ``anchors`` long [b, N], ``keep`` bool [b, N]."""
+    """Up to `num_anchors` anchors per record, evenly spaced over its candidates (the training rule,
+    `train.packing.anchor_candidates`), the same every time; a packed row gets what its
+    records would get alone. Shapes as `sample_anchors`: `anchors` long [b, N], `keep` bool [b, N]."""
     cand = P.anchor_candidates(loss_mask, segment_ids)
     rows = []
     for c, seg in zip(cand, segment_ids):
@@ -185,9 +177,9 @@ def batch_acceptance(
 ) -> AcceptanceCounts:
     """Teacher-forced acceptance of one (padded or packed) batch.
 
-    ``batch``: ``input_ids``/``loss_mask`` [b, S] and either ``attention_mask`` (padded) or
-    ``position_ids`` + ``segment_ids`` (packed, :func:`dflash_pipeline.train.packing.collate_packed`).
-    ``features``: precomputed target features [b, S, K·H] (feature shards) instead of running ``target``.
+    `batch`: `input_ids`/`loss_mask` [b, S] and either `attention_mask` (padded) or
+    `position_ids` + `segment_ids` (packed, `train.packing.collate_packed`).
+    `features`: precomputed target features [b, S, K·H] (feature shards) instead of running `target`.
     """
     core = drafter.module if hasattr(drafter, "module") else drafter
     ids, lmask = batch["input_ids"], batch["loss_mask"]
@@ -237,9 +229,8 @@ def heldout_acceptance(
     reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
     length_buckets: Sequence[int] = (),
 ) -> dict:
-    """:func:`batch_acceptance` summed over ``batches`` (this rank's share of the held-out rows), then
-    summed over ranks with ``reduce`` (e.g. ``lambda t: accelerator.reduce(t, "sum")``), summarised
-    (:meth:`AcceptanceCounts.summary`). Puts the drafter in eval mode and back."""
+    """`batch_acceptance` summed over `batches` (this rank's share of the held-out rows), then summed over ranks with
+    `reduce`, summarised. Puts the drafter in eval mode and back."""
     core = drafter.module if hasattr(drafter, "module") else drafter
     was_training = core.training
     drafter.eval()
@@ -269,12 +260,11 @@ def heldout_acceptance(
 def heldout_mask(
     prompt_ids: Sequence[str], fraction: float, *, seed: int = 0, max_records: Optional[int] = None
 ) -> list[bool]:
-    """Which records are held out: whole prompts (every row of a prompt_id goes the same way, so turns of
-    one conversation never straddle the split), chosen by sha1(seed, prompt_id) < fraction — stable when
-    shards are reordered or added. ``max_records`` caps the held-out rows (whole prompts, lowest hashes first; the others train).
+    """Which records are held out: whole prompts, chosen by sha1(seed, prompt_id) < fraction — stable when shards are
+    reordered or added. `max_records` caps the held-out rows.
 
     Raises:
-        ValueError: ``fraction`` outside [0, 1).
+        ValueError: `fraction` outside [0, 1).
     """
     if not 0.0 <= fraction < 1.0:
         raise ValueError(f"train.validation.fraction must be in [0, 1), got {fraction}")

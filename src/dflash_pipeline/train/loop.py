@@ -1,9 +1,6 @@
-"""The step loop of a training run (:func:`dflash_pipeline.train.run.train` builds the run and calls
-:func:`run_steps`): optimizer steps over accumulated micro-steps, each followed by its ``train_log.jsonl``
-window, held-out validation and periodic saves. The state they share is a :class:`TrainRun`.
-
-Gradients are normalised globally (reference/dflash.md §4.7): see :func:`_optimizer_step` and the
-``Gradients`` paragraph of :func:`dflash_pipeline.train.run.train`.
+"""The step loop of a training run (`train.run.train` builds the run and calls `run_steps`):
+optimizer steps over accumulated micro-steps, each followed by its `train_log.jsonl` window, held-out validation and
+periodic saves. The state they share is a `TrainRun`.
 """
 
 from __future__ import annotations
@@ -28,17 +25,13 @@ from dflash_pipeline.train.checkpoint import export_module, export_step, save_st
 from dflash_pipeline.train.data import TrainingData
 from dflash_pipeline.train.step import StepContext, step_objective
 
-# ---------------------------------------------------------------------------------------------------
-# The run's state
-# ---------------------------------------------------------------------------------------------------
+# --- The run's state
 
 
 @dataclass
 class RunData:
-    """What a run trains and validates on (opened by :func:`dflash_pipeline.train.run.train`): ``records`` (the
-    training split of ``source.dataset``, a ``Subset``), ``heldout`` (the held-out records, a list),
-    ``source`` (the :class:`dflash_pipeline.train.data.TrainingData` they come from: their collate function
-    and, with feature shards, the embedding / LM head / target config) and the frozen ``target`` (None with
+    """What a run trains and validates on (opened by `train.run.train`): `records` (the training split of
+    `source.dataset`, a `Subset`), `heldout` (the held-out records, a list), `source` and the frozen `target` (None with
     feature shards)."""
 
     records: Any
@@ -55,7 +48,7 @@ class RunData:
 @dataclass
 class Schedule:
     """The run's length, per rank (Accelerate shards the loader evenly): micro-batches per epoch,
-    micro-batches per optimizer step (``accum``), optimizer steps per epoch and in all, warmup steps."""
+    micro-batches per optimizer step (`accum`), optimizer steps per epoch and in all, warmup steps."""
 
     micro_per_epoch: int
     accum: int
@@ -65,7 +58,7 @@ class Schedule:
 
     @classmethod
     def of(cls, num_rows: int, cfg: dict, num_processes: int) -> "Schedule":
-        """From ``num_rows`` training rows and ``train.{batch_size, gradient_accumulation_steps, epochs, warmup_ratio}``."""
+        """From `num_rows` training rows and `train.{batch_size, gradient_accumulation_steps, epochs, warmup_ratio}`."""
         accum = cfg["gradient_accumulation_steps"]
         micro_per_epoch = math.ceil(num_rows / (cfg["batch_size"] * num_processes))
         steps_per_epoch = math.ceil(micro_per_epoch / accum)
@@ -75,10 +68,10 @@ class Schedule:
 
 @dataclass
 class TrainRun:
-    """One run's state, built once by :func:`dflash_pipeline.train.run.train` and read by the loop's steps
-    (instead of long argument lists). ``drafter``, ``optimizer`` and ``loader`` are Accelerate-prepared
-    (``ctx.drafter`` is the same ``drafter``); ``num_rows``: training rows (packed or not); ``val_batches``
-    / ``val_counted``: this rank's held-out batches and whether each one counts."""
+    """One run's state, built once by `train.run.train` and read by the loop's steps
+    (instead of long argument lists). `drafter`, `optimizer` and `loader` are Accelerate-prepared
+    (`ctx.drafter` is the same `drafter`); `num_rows`: training rows (packed or not); `val_batches`
+    / `val_counted`: this rank's held-out batches and whether each one counts."""
 
     accelerator: Any
     cfg: dict
@@ -99,14 +92,12 @@ class TrainRun:
     identity: Optional[dict] = None  # train.checkpoint.run_identity: what makes this run this run (in state/)
 
 
-# ---------------------------------------------------------------------------------------------------
-# The step loop
-# ---------------------------------------------------------------------------------------------------
+# --- The step loop
 
 
 def run_steps(run: TrainRun, step: int) -> int:
-    """Optimizer steps from ``step`` to the schedule's total; returns the last step. Each epoch reshuffles
-    the loader (``set_epoch``) and, in the epoch a resumed run restarts in, skips the micro-batches the
+    """Optimizer steps from `step` to the schedule's total; returns the last step. Each epoch reshuffles
+    the loader (`set_epoch`) and, in the epoch a resumed run restarts in, skips the micro-batches the
     saved steps consumed; an epoch's last optimizer step takes the micro-batches left over."""
     acc, sch = run.accelerator, run.schedule
     window = _Window(run.ctx.block_size)
@@ -135,9 +126,8 @@ def run_steps(run: TrainRun, step: int) -> int:
 
 
 def _stream_guarded_step(run: TrainRun, batches, n_micro: int, step: int, window: "_Window") -> float:
-    """:func:`_optimizer_step`; when the feature servers fail for good (``train.target_features: stream``,
-    :class:`dflash_pipeline.features.StreamError`: every server gone), the state of the ``step`` steps done
-    is saved first (a rerun resumes there exactly), then the error is raised."""
+    """`_optimizer_step`; when the feature servers fail for good, the state of the `step` steps done is saved first
+    (a rerun resumes there exactly), then the error is raised."""
     if run.data.source.stream is None:
         return _optimizer_step(run, batches, n_micro, step, window)
     from dflash_pipeline.features import StreamError
@@ -155,12 +145,12 @@ def _stream_guarded_step(run: TrainRun, batches, n_micro: int, step: int, window
 
 
 def _optimizer_step(run: TrainRun, batches, n_micro: int, step: int, window: "_Window") -> float:
-    """One optimizer step over the next ``n_micro`` micro-batches of ``batches``; returns its global loss
+    """One optimizer step over the next `n_micro` micro-batches of `batches`; returns its global loss
     (Σ terms / Σ normaliser over ranks and micro-steps, a float).
 
-    Each micro-step backpropagates its unnormalised objective (:func:`step_objective`; gradients sync on
-    the last one only) and adds its stats to ``window``; the gradients are then multiplied by
-    world_size / Σ normaliser (DDP/FSDP average over ranks), clipped to ``train.max_grad_norm`` and applied.
+    Each micro-step backpropagates its unnormalised objective (`step_objective`; gradients sync on
+    the last one only) and adds its stats to `window`; the gradients are then multiplied by
+    world_size / Σ normaliser (DDP/FSDP average over ranks), clipped to `train.max_grad_norm` and applied.
     """
     acc, drafter = run.accelerator, run.drafter
     norm = torch.zeros((), dtype=torch.float32, device=acc.device)
@@ -191,9 +181,9 @@ def _optimizer_step(run: TrainRun, batches, n_micro: int, step: int, window: "_W
 def _after_step(
     run: TrainRun, step: int, epoch: int, window: "_Window", *, run_t0: float, start_step: int
 ) -> "_Window":
-    """What follows optimizer step ``step``: a ``train_log.jsonl`` line every ``log_every_steps`` and at the
-    end (then a fresh window, returned), held-out validation every ``validation_every_steps`` and at the
-    end, state + a ``step_<N>/`` export every ``save_every_steps`` (the last step is saved by :func:`_finish`)."""
+    """What follows optimizer step `step`: a `train_log.jsonl` line every `log_every_steps` and at the
+    end (then a fresh window, returned), held-out validation every `validation_every_steps` and at the
+    end, state + a `step_<N>/` export every `save_every_steps` (the last step is saved by `_finish`)."""
     acc, cfg, sch = run.accelerator, run.cfg, run.schedule
     if step % cfg["log_every_steps"] == 0 or step == sch.total_steps:
         stream = run.data.source.stream
@@ -237,7 +227,7 @@ class _Window:
         self.total = torch.zeros(self.block_size)
 
     def add(self, loss: Optional[float], stats: dict, tokens: int) -> None:
-        """One micro-step's stats and tokens; ``loss`` (the optimizer step's global loss) when not None."""
+        """One micro-step's stats and tokens; `loss` (the optimizer step's global loss) when not None."""
         c, t = M.slot_accuracy(stats, self.block_size)
         if loss is not None:
             self.loss += loss
@@ -260,10 +250,8 @@ def _log_window(
     start_step: int,
     extra: Optional[dict] = None,
 ) -> dict:
-    """Reduce the window's slot counts over ranks, append one ``train_log.jsonl`` record and log it to the
-    trackers (main rank); the ``[train]`` line carries the ETA. ``extra``: more fields of the record (the
-    main rank's stream supply and demand, :meth:`dflash_pipeline.train.stream.FeatureStream.window_stats`).
-    Returns the record."""
+    """Reduce the window's slot counts over ranks, append one `train_log.jsonl` record and log it to the trackers
+    (main rank); the `[train]` line carries the ETA. `extra`: more fields of the record. Returns the record."""
     totals = accelerator.reduce(torch.stack([w.correct, w.total]).to(accelerator.device), "sum").cpu()
     tokens = int(accelerator.reduce(torch.tensor(float(w.tokens), device=accelerator.device), "sum"))
     acc = (totals[0] / totals[1].clamp(min=1)).tolist()
@@ -295,7 +283,7 @@ def _log_window(
 
 
 def trace_batch(out_dir: Path, rank: int, step: int, batch: dict) -> None:
-    """Append ``{step, batch: sha1 of the input ids}`` to ``trace/rank{rank}.jsonl`` (data-parallel checks)."""
+    """Append `{step, batch: sha1 of the input ids}` to `trace/rank{rank}.jsonl` (data-parallel checks)."""
     import hashlib
 
     path = out_dir / "trace" / f"rank{rank}.jsonl"
@@ -305,13 +293,11 @@ def trace_batch(out_dir: Path, rank: int, step: int, batch: dict) -> None:
         fh.write(json.dumps({"step": step, "batch": digest}) + "\n")
 
 
-# ---------------------------------------------------------------------------------------------------
-# Held-out validation
-# ---------------------------------------------------------------------------------------------------
+# --- Held-out validation
 
 
 def _validate(accelerator, ctx: StepContext, batches, counted, cfg: dict, step: int, out_dir: Path) -> Optional[dict]:
-    """Held-out per-block acceptance (dflash_pipeline.train.heldout) at ``step``: appended to ``val_log.jsonl``,
+    """Held-out per-block acceptance (dflash_pipeline.train.heldout) at `step`: appended to `val_log.jsonl`,
     logged to the trackers and printed (main rank)."""
     if not batches:
         return None

@@ -1,22 +1,12 @@
-"""Training objectives of the DFlash drafter: ``ce_decay``, ``dpace`` and ``kl`` (config ``train.loss``).
+"""Training objectives of the DFlash drafter: `ce_decay`, `dpace` and `kl` (config `train.loss`).
 
-Every objective returns a :class:`LossOutput` holding an *unnormalised* sum and its own normaliser, so
-the trainer can divide by the normaliser summed over ranks and accumulation micro-steps (global
-normalisation: a rank or micro-batch with few supervised slots weighs what its slots weigh, not what a
-full one does; the bug filed against a peer's D-PACE denominator, anchors.md §F Automodel#2572).
+Each returns a `LossOutput` holding an unnormalised sum and its own normaliser, so the trainer divides by
+the normaliser summed over ranks and micro-steps (anchors.md §F Automodel#2572). Notation as in
+`model.py`; slot k predicts its own position's token (dflash.md §4.3); slot 0 carries no loss.
 
-Notation (as in ``model.py``): b batch rows, N anchors per row, B block size, Q = N·B block slots,
-H hidden size, V vocabulary. Slot k of a block is trained to predict its own position's token
-(same-position labels, dflash.md §4.3); slot 0 carries no loss (its weight is 0).
-
-Sources:
-- ``ce_decay``: dflash.md §4.5 (SpecForge's decayed CE, DFlash paper App. A.1); wraps
-  :func:`dflash_pipeline.drafter.model.decayed_cross_entropy`.
-- ``dpace``: dflash.md §4.6 (D-PACE, arXiv 2605.18810; SpecForge ``--loss-type dpace``, speculators'
-  default since #980, Model-Optimizer 0.46 default).
-- ``kl``: dflash.md §4.6 / anchors.md §F (Model-Optimizer ``dflash_self_logit_distillation``, "KD + decay";
-  speculators DFlash2 "KL + decay"); temperature scaling T² from Hinton et al. 2015, "Distilling the
-  knowledge in a neural network", §2.
+Sources: `ce_decay` dflash.md §4.5 (SpecForge's decayed CE, DFlash paper App. A.1); `dpace` dflash.md
+§4.6 (D-PACE, arXiv 2605.18810; SpecForge `--loss-type dpace`); `kl` dflash.md §4.6 / anchors.md §F
+(Model-Optimizer `dflash_self_logit_distillation`), T² from Hinton et al. 2015 §2.
 """
 
 from __future__ import annotations
@@ -30,7 +20,7 @@ from dflash_pipeline.drafter import model as M
 from dflash_pipeline.drafter.blocks import LossOutput  # noqa: F401  (the objectives' result, defined beside the blocks)
 from dflash_pipeline.target.loading import lm_head_logits
 
-#: The objectives ``train.loss`` accepts.
+#: The objectives `train.loss` accepts.
 LOSSES = ("ce_decay", "dpace", "kl")
 
 
@@ -44,8 +34,7 @@ def ce_decay(
 ) -> LossOutput:
     """Decayed cross-entropy Σ_k w_k·CE_k with normaliser Σ_k w_k (dflash.md §4.5).
 
-    ``w_k = exp(−(k−1)/γ)`` on supervised slots (from :func:`dflash_pipeline.drafter.model.block_inputs_and_labels`).
-    Computed by :func:`dflash_pipeline.drafter.model.decayed_cross_entropy` (chunked, checkpointed).
+    `w_k = exp(−(k−1)/γ)` on supervised slots. Computed by `drafter.model.decayed_cross_entropy`.
 
     Args:
         hidden: [b, Q, H] drafter output (any float dtype).
@@ -64,11 +53,11 @@ def slot_cross_entropy(
     index: torch.Tensor,
     chunk_tokens: int = 4096,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-slot CE (float32, with grad) and argmax correctness of the slots ``index`` (flat into [b·Q]).
+    """Per-slot CE (float32, with grad) and argmax correctness of the slots `index` (flat into [b·Q]).
 
-    Logits are formed ``chunk_tokens`` slots at a time under activation checkpointing, as in
-    :func:`dflash_pipeline.drafter.model.decayed_cross_entropy` (dflash.md §4.7), so [Q, V] never exists at once.
-    Returns ``(ce float32 [n], correct bool [n])``.
+    Logits are formed `chunk_tokens` slots at a time under activation checkpointing, as in
+    `drafter.model.decayed_cross_entropy` (dflash.md §4.7), so [Q, V] never exists at once.
+    Returns `(ce float32 [n], correct bool [n])`.
     """
     h = hidden.reshape(-1, hidden.shape[-1])[index]
     y = labels.reshape(-1)[index]
@@ -120,12 +109,11 @@ def dpace(
     num_sequences: Optional[int] = None,
     chunk_tokens: int = 4096,
 ) -> LossOutput:
-    """D-PACE: Σ_k w_k·m_k·CE_k with w from :func:`dpace_weights`, normaliser = number of sequences
-    (not weight-normalised; dflash.md §4.6, SpecForge ``--loss-type dpace``). ``num_sequences`` defaults to
+    """D-PACE: Σ_k w_k·m_k·CE_k with w from `dpace_weights`, normaliser = number of sequences
+    (not weight-normalised; dflash.md §4.6, SpecForge `--loss-type dpace`). `num_sequences` defaults to
     the rows b; packed rows pass their record count, so packing does not change the loss scale.
 
-    The position decay is not applied: ``weights > 0`` only marks the valid slots m_k (pass the
-    weights of :func:`dflash_pipeline.drafter.model.block_inputs_and_labels`, decayed or not).
+    The position decay is not applied: `weights > 0` only marks the valid slots m_k.
 
     Args:
         hidden: [b, N·B, H]; lm_head_weight: [V, H]; labels: long [b, N·B]; weights: float [b, N·B].
@@ -150,17 +138,16 @@ def dpace(
 
 
 def teacher_slot_hidden(last_hidden: torch.Tensor, block_pos: torch.Tensor) -> torch.Tensor:
-    """The target's final hidden state that predicts each slot's token: position ``block_pos − 1``.
+    """The target's final hidden state that predicts each slot's token: position `block_pos − 1`.
 
     The target's logits at position t−1 are its distribution of the token at t, the slot's label
     (same-position labels, dflash.md §4.3). Slot 0 (no loss) is clamped to position 0.
 
     Args:
-        last_hidden: [b, S, H] target's final-normed hidden state (HF ``hidden_states[-1]``, the input of
-            ``lm_head``; the features issue stores it in feature shards).
-        block_pos: long [b, Q] slot positions (from ``block_inputs_and_labels``), < S.
+        last_hidden: [b, S, H] target's final-normed hidden state.
+        block_pos: long [b, Q] slot positions (from `block_inputs_and_labels`), < S.
     Returns:
-        [b, Q, H] in ``last_hidden``'s dtype.
+        [b, Q, H] in `last_hidden`'s dtype.
     """
     idx = (block_pos - 1).clamp(min=0, max=last_hidden.shape[1] - 1)
     return last_hidden.gather(1, idx.unsqueeze(-1).expand(-1, -1, last_hidden.shape[-1]))
@@ -180,22 +167,19 @@ def kl(
 ) -> LossOutput:
     """Soft-label distillation to the target: Σ_k w_k·[(1−λ)·T²·KL(p_T ‖ p_S) + λ·CE_k], normaliser Σ w_k.
 
-    p_T = softmax(z_target / T), p_S = softmax(z_drafter / T) over the full vocabulary, with
-    z_target = lm_head(teacher_hidden) and z_drafter = lm_head(hidden); T² keeps the gradient scale
-    independent of T (Hinton et al. 2015 §2). λ = ``ce_weight`` mixes in the hard-label CE (at T = 1).
-    w_k are the decayed slot weights ("KD + decay", Model-Optimizer ``dflash_self_logit_distillation``).
+    p_T = softmax(lm_head(teacher_hidden) / T), p_S = softmax(lm_head(hidden) / T) over the full vocabulary;
+    T² keeps the gradient scale independent of T (Hinton et al. 2015 §2). w_k are the decayed slot weights
+    ("KD + decay", Model-Optimizer `dflash_self_logit_distillation`).
 
     Args:
         hidden: [b, Q, H] drafter output; lm_head_weight: [V, H] frozen target LM head.
         labels: long [b, Q]; weights: float [b, Q].
-        teacher_hidden: [b, Q, H] target final hidden state per slot (:func:`teacher_slot_hidden`).
+        teacher_hidden: [b, Q, H] target final hidden state per slot (`teacher_slot_hidden`).
         temperature: T > 0. ce_weight: λ in [0, 1].
-        logit_softcap: the target's ``final_logit_softcapping`` c (gemma: 30): teacher logits are
-            c·tanh(z/c) as the target computes them (HF ``Gemma3ForCausalLM.forward``); the student's
-            stay uncapped, as vLLM's DFlash ``compute_logits`` serves them. None: no cap.
+        logit_softcap: the target's `final_logit_softcapping` c: teacher logits c·tanh(z/c) (HF
+            `Gemma3ForCausalLM.forward`); the student's stay uncapped, as vLLM serves them. None: no cap.
     Raises:
-        ValueError: T ≤ 0 or λ outside [0, 1].
-    """
+        ValueError: T ≤ 0 or λ outside [0, 1]."""
     if temperature <= 0:
         raise ValueError(f"kl: temperature must be > 0, got {temperature}")
     if not 0.0 <= ce_weight <= 1.0:
@@ -253,11 +237,11 @@ def compute_loss(
     chunk_tokens: int = 4096,
     logit_softcap: Optional[float] = None,
 ) -> LossOutput:
-    """Dispatch on ``train.loss`` (one of :data:`LOSSES`). ``teacher_hidden`` is required for ``kl``;
-    ``num_sequences`` is D-PACE's normaliser (default: the rows of ``labels``).
+    """Dispatch on `train.loss` (one of `LOSSES`). `teacher_hidden` is required for `kl`;
+    `num_sequences` is D-PACE's normaliser (default: the rows of `labels`).
 
     Raises:
-        ValueError: unknown name, or ``kl`` without ``teacher_hidden``.
+        ValueError: unknown name, or `kl` without `teacher_hidden`.
     """
     if name == "ce_decay":
         return ce_decay(hidden, lm_head_weight, labels, weights, chunk_tokens=chunk_tokens)

@@ -1,31 +1,17 @@
 """The memory plan: peak device memory of one training step per trainer rank, known at planning.
 
-:func:`plan_step_memory` runs two training steps of the configured drafter (forward, loss, backward, optimizer
-step: the second one holds the optimizer state) under torch's own memory tracker
-(``torch.distributed._tools.mem_tracker.MemTracker``) with every floating-point tensor a fake tensor
-(``torch._subclasses.FakeTensorMode``): shapes, dtypes and storages are real, no value is computed and no byte
-is allocated, so a Kimi-K2.6-width step is planned on a laptop in seconds. The step calls the trainer's own
-functions (anchors, block inputs and labels, the training masks, the drafter, the objective, the optimizer),
-so the plan follows the code: a new buffer in the drafter shows in the plan.
+`plan_step_memory` runs two training steps of the configured drafter (the second holds the optimizer
+state) under torch's memory tracker (`torch.distributed._tools.mem_tracker.MemTracker`) with every
+floating-point tensor a fake tensor (`FakeTensorMode`): shapes, dtypes and storages are real, nothing is
+computed or allocated. The step calls the trainer's own functions, so the plan follows the code. The
+integer bookkeeping of a batch is real (anchor sampling reads values). The plan is the worst case: every
+row `seq_len` tokens, `num_anchors` anchors, every draft slot supervised.
 
-What is fake and what is real: the drafter's weights, gradients and optimizer state, the target features, the
-embedding and LM head, every activation and the attention masks are fake; the integer bookkeeping of a batch
-(token ids, loss mask, anchors, block labels and weights: O(b·S + b·N·B) integers) is real, because anchor
-sampling and the loss's slot selection read values. The plan is the worst case of a batch: every row
-``seq_len`` tokens long, ``num_anchors`` anchors per row, every draft slot supervised.
-
-A ``flex`` run is planned with SDPA's fused kernel (on CPU ``_scaled_dot_product_flash_attention_for_cpu``)
-without a mask: the tracker cannot follow FlexAttention's higher-order operator (torch ≤ 2.13), both fused
-kernels keep the same tensors for backward (queries, keys, values, output, log-sum-exp), and flex's BlockMask
-(a few MB of block indices) replaces the dense [b, 1, N·B, S + N·B] masks an ``sdpa`` run builds (planned).
-
-What the plan covers: the drafter step of one rank. With ``train.fsdp`` the weights, gradients and optimizer
-state at the peak are divided over the ranks and one gathered draft layer is added (FSDP2 holds its shard of
-each and gathers one layer at a time); with ``train.target_features: online`` the target's weights (counted on
-the meta device, in its dtype) are added, its no-grad forward's transient activations are not.
-
-Checked against the same tracker on a real CPU step (tests/unit/train/test_memory_plan.py, within 10 %) and
-against ``torch.cuda.max_memory_allocated`` by ``bench/gpu_check.sh``.
+A `flex` run is planned with SDPA's fused kernel without a mask (the tracker cannot follow FlexAttention's
+higher-order operator; both keep the same tensors for backward). With `train.fsdp` weights, gradients and
+optimizer state are divided over the ranks plus one gathered layer; with `train.target_features: online`
+the target's weights are added, its no-grad activations are not. Checked against a real CPU step (within
+10 %, tests/unit/train/test_memory_plan.py) and `torch.cuda.max_memory_allocated` (`bench/gpu_check.sh`).
 """
 
 from __future__ import annotations
@@ -42,7 +28,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-#: Bytes per GB in plans and in ``train.device_memory_gb`` (decimal, as GPU data sheets count).
+#: Bytes per GB in plans and in `train.device_memory_gb` (decimal, as GPU data sheets count).
 GB = 1e9
 #: Revision of what the plan measures; a new value invalidates cached plans.
 PLAN_REVISION = 2
@@ -50,12 +36,12 @@ PLAN_REVISION = 2
 
 @dataclass(frozen=True)
 class StepSettings:
-    """What sizes one training step of one rank (the ``train`` keys and the probe's drafter decisions).
+    """What sizes one training step of one rank (the `train` keys and the probe's drafter decisions).
 
-    ``seq_len``: tokens per row (``tokens.max_length``, or ``train.pack_max_tokens`` with packing);
-    ``head_dtype``: dtype of the target features, embedding and LM head (the target's); ``shards``: the FSDP
-    degree (1 without ``train.fsdp``); ``backend``: ``sdpa`` or ``flex``; ``target_params_bytes``: the frozen
-    target's weights on the rank (``target_features: online``), else 0.
+    `seq_len`: tokens per row (`tokens.max_length`, or `train.pack_max_tokens` with packing);
+    `head_dtype`: dtype of the target features, embedding and LM head (the target's); `shards`: the FSDP
+    degree (1 without `train.fsdp`); `backend`: `sdpa` or `flex`; `target_params_bytes`: the frozen
+    target's weights on the rank (`target_features: online`), else 0.
     """
 
     batch_size: int
@@ -79,9 +65,7 @@ class StepSettings:
 
 @dataclass
 class MemoryPlan:
-    """One rank's planned peak (bytes) and what it is made of at the peak (``by_kind``: the tracker's
-    categories, Parameter / Gradient / Optstate / Activation / Temp / Buffer / Other, plus ``target`` for an
-    online target's weights)."""
+    """One rank's planned peak (bytes) and what it is made of at the peak."""
 
     peak_bytes: int
     by_kind: dict
@@ -103,7 +87,7 @@ class MemoryPlan:
 
 class _FrozenInputs(NamedTuple):
     """The frozen tensors a step reads: embedding, LM head (the embedding when tied), target features
-    [b, S, K·H] and (``kl`` only) the teacher's input, the target's last hidden state."""
+    [b, S, K·H] and (`kl` only) the teacher's input, the target's last hidden state."""
 
     embed: torch.Tensor
     head: torch.Tensor
@@ -112,7 +96,7 @@ class _FrozenInputs(NamedTuple):
 
 
 def _build_step_model(target_config, st: StepSettings, mode) -> tuple[torch.nn.Module, _FrozenInputs]:
-    """The drafter of ``st`` and the frozen tensors of one step, built under ``mode`` (a fake tensor mode; None:
+    """The drafter of `st` and the frozen tensors of one step, built under `mode` (a fake tensor mode; None:
     real tensors)."""
     from dflash_pipeline.drafter.build import build_drafter
     from dflash_pipeline.train.data import ConfigOnly
@@ -144,7 +128,7 @@ def _build_step_model(target_config, st: StepSettings, mode) -> tuple[torch.nn.M
 
 
 def _worst_case_batch(st: StepSettings, vocab_size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """The real token ids and loss mask of a worst-case batch: every row ``seq_len`` tokens, a short prompt
+    """The real token ids and loss mask of a worst-case batch: every row `seq_len` tokens, a short prompt
     unsupervised, then an answer in which every anchor candidate is supervised."""
     b, s = st.batch_size, st.seq_len
     ids = torch.randint(1, vocab_size, (b, s), generator=gen)
@@ -154,7 +138,7 @@ def _worst_case_batch(st: StepSettings, vocab_size: int, gen: torch.Generator) -
 
 
 def _autocast_context(st: StepSettings):
-    """The CPU autocast of ``st.mixed_precision`` (bf16 / fp16), or a null context for ``no``."""
+    """The CPU autocast of `st.mixed_precision` (bf16 / fp16), or a null context for `no`."""
     if st.mixed_precision == "no":
         return contextlib.nullcontext()
     return torch.autocast("cpu", dtype=getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[st.mixed_precision]))
@@ -171,7 +155,7 @@ def _run_tracked_steps(
     gen: torch.Generator,
 ) -> None:
     """Two training steps (anchors, block inputs, masks, drafter, loss, backward, optimizer step) under
-    ``tracker``; the second holds the optimizer state the first one created. ``mode``: the fake tensor mode
+    `tracker`; the second holds the optimizer state the first one created. `mode`: the fake tensor mode
     (None: real tensors)."""
     from dflash_pipeline.drafter import model as M
     from dflash_pipeline.target import loading as T
@@ -217,7 +201,7 @@ def _run_tracked_steps(
 
 
 def _plan_from_snapshot(snap: dict, drafter: torch.nn.Module, st: StepSettings) -> MemoryPlan:
-    """The :class:`MemoryPlan` of the tracker's peak snapshot, with FSDP2 sharding (a 1/D shard of weights,
+    """The `MemoryPlan` of the tracker's peak snapshot, with FSDP2 sharding (a 1/D shard of weights,
     gradients and optimizer state plus one gathered draft layer) and an online target's weights applied."""
     dev = next(iter(snap))
     kinds = {str(getattr(key, "value", key)): int(val) for key, val in snap[dev].items() if key != "Total"}
@@ -236,8 +220,8 @@ def _plan_from_snapshot(snap: dict, drafter: torch.nn.Module, st: StepSettings) 
 
 
 def plan_step_memory(target_config, st: StepSettings, *, fake: bool = True) -> MemoryPlan:
-    """The peak memory of one training step of one rank (module docstring). ``target_config``: the target's
-    text config (a ``transformers`` config). ``fake=False`` runs the same two steps on real tensors (CPU),
+    """The peak memory of one training step of one rank (module docstring). `target_config`: the target's
+    text config (a `transformers` config). `fake=False` runs the same two steps on real tensors (CPU),
     the reference the plan is checked against at small sizes.
 
     Raises:
@@ -263,7 +247,7 @@ def plan_step_memory(target_config, st: StepSettings, *, fake: bool = True) -> M
 
 
 def target_params_bytes(target_config, dtype: str) -> int:
-    """Bytes of the target's weights in ``dtype`` (counted on the meta device: nothing is allocated)."""
+    """Bytes of the target's weights in `dtype` (counted on the meta device: nothing is allocated)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -272,9 +256,9 @@ def target_params_bytes(target_config, dtype: str) -> int:
 
 
 def plan_cache_dir() -> Path:
-    """Where :func:`cached_plan` keeps plans: ``$DFLASH_CACHE_DIR/memory-plans``, else
-    ``$XDG_CACHE_HOME/dflash-pipeline/memory-plans`` (``~/.cache`` by default); shared by every workdir of the user,
-    so a config planned once is never planned again."""
+    """Where `cached_plan` keeps plans: `$DFLASH_CACHE_DIR/memory-plans`, else
+    `$XDG_CACHE_HOME/dflash-pipeline/memory-plans`; shared by every workdir of the user, so a config planned once is
+    never planned again."""
     root = os.environ.get("DFLASH_CACHE_DIR")
     if root:
         return Path(root) / "memory-plans"
@@ -295,7 +279,7 @@ def _code_digest() -> str:
 
 
 def _cached(cache_dir: Optional[str | Path], key: dict, compute):
-    """``compute()`` (a JSON value), kept in ``cache_dir`` under the digest of ``key`` (with the plan revision
+    """`compute()` (a JSON value), kept in `cache_dir` under the digest of `key` (with the plan revision
     and torch's version); None = no cache. A cache file that does not parse is computed again."""
     if cache_dir is None:
         return compute()
@@ -319,8 +303,8 @@ def _cached(cache_dir: Optional[str | Path], key: dict, compute):
 
 
 def cached_plan(target_config, st: StepSettings, cache_dir: Optional[str | Path]) -> MemoryPlan:
-    """:func:`plan_step_memory`, cached in ``cache_dir`` (one JSON per target config and settings; None =
-    no cache), so a repeated ``snakemake -n`` pays nothing."""
+    """`plan_step_memory`, cached in `cache_dir` (one JSON per target config and settings; None =
+    no cache), so a repeated `snakemake -n` pays nothing."""
     key = {"target": target_config.to_dict(), "settings": dataclasses.asdict(st)}
     try:
         return MemoryPlan.from_json(_cached(cache_dir, key, lambda: plan_step_memory(target_config, st).to_json()))
@@ -329,8 +313,8 @@ def cached_plan(target_config, st: StepSettings, cache_dir: Optional[str | Path]
 
 
 def head_dtype_of(cfg: dict) -> str:
-    """The dtype of the target features, embedding and LM head of a validated config's run: ``target.dtype``, or
-    with ``auto`` bf16 when the run trains on GPUs (``train.device`` auto with mixed precision), else float32."""
+    """The dtype of the target features, embedding and LM head of a validated config's run: `target.dtype`, or
+    with `auto` bf16 when the run trains on GPUs (`train.device` auto with mixed precision), else float32."""
     gpu = cfg["train"]["device"] == "auto" and cfg["train"]["mixed_precision"] != "no"
     dtype = cfg["target"]["dtype"]
     return dtype if dtype != "auto" else ("bfloat16" if gpu else "float32")
@@ -339,10 +323,9 @@ def head_dtype_of(cfg: dict) -> str:
 def settings_from_config(
     cfg: dict, *, num_target_features: int, block_size: int, target_params: int = 0
 ) -> StepSettings:
-    """:class:`StepSettings` of a validated config (``cfg``: the whole config): ``train.*``, ``tokens.max_length``,
-    ``drafter.*``, and where the run trains (``train.device`` auto with mixed precision: GPUs, so ``flex``
-    attention and a bf16 target unless set; else CPU, ``sdpa`` and float32). ``target_params``: the bytes of
-    the target's weights, counted with ``train.target_features: online`` only."""
+    """`StepSettings` of a validated config (`cfg`: the whole config): `train.*`, `tokens.max_length`, `drafter.*`,
+    and where the run trains. `target_params`: the bytes of the target's weights, counted with `train.target_features:
+    online` only."""
     tr, dr = cfg["train"], cfg["drafter"]
     gpu = tr["device"] == "auto" and tr["mixed_precision"] != "no"
     backend = tr["attention_backend"] if tr["attention_backend"] != "auto" else ("flex" if gpu else "sdpa")
@@ -371,8 +354,8 @@ def settings_from_config(
 
 
 def describe(plan: MemoryPlan, other: Optional[MemoryPlan] = None) -> str:
-    """The ``[plan] device memory`` line: the peak per rank, what it is made of, the settings that size it, and
-    (``other``: the same step with gradient checkpointing toggled) what checkpointing saves."""
+    """The `[plan] device memory` line: the peak per rank, what it is made of, the settings that size it, and
+    (`other`: the same step with gradient checkpointing toggled) what checkpointing saves."""
     st = plan.settings
     parts = ", ".join(f"{k.lower()} {v / GB:.2f}" for k, v in sorted(plan.by_kind.items(), key=lambda kv: -kv[1]) if v)
     line = (
@@ -393,8 +376,8 @@ def describe(plan: MemoryPlan, other: Optional[MemoryPlan] = None) -> str:
 
 
 def over_budget(plan: MemoryPlan, budget_gb: Optional[float], other: Optional[MemoryPlan] = None) -> Optional[str]:
-    """Why ``plan`` does not fit ``budget_gb`` (``train.device_memory_gb``) and which knobs help, or None when it
-    fits (or no budget is set). ``other``: the same step with gradient checkpointing toggled."""
+    """Why `plan` does not fit `budget_gb` (`train.device_memory_gb`) and which knobs help, or None when it
+    fits (or no budget is set). `other`: the same step with gradient checkpointing toggled."""
     if budget_gb is None or plan.peak_bytes <= budget_gb * GB:
         return None
     st, kinds = plan.settings, plan.by_kind
@@ -431,9 +414,8 @@ def plan_for_workflow(
     block_size: int,
     cache_dir: Optional[str | Path],
 ) -> tuple[Optional[MemoryPlan], Optional[MemoryPlan], str]:
-    """The plan of a validated config's training step and its gradient-checkpointing twin, with the
-    ``[plan]`` line; ``(None, None, why)`` when the target's config is not there yet (the demo target before it
-    is built) or the family is not planned."""
+    """The plan of a validated config's training step and its gradient-checkpointing twin, with the `[plan]` line;
+    `(None, None, why)` when the target's config is not there yet or the family is not planned."""
     from dflash_pipeline.drafter import families as FR
     from dflash_pipeline.target.loading import text_config
 

@@ -1,16 +1,10 @@
-"""The drafter's optimizer (``train.optimizer``): AdamW (dflash.md §4.7), or torch's Muon on the 2-D weight
+"""The drafter's optimizer (`train.optimizer`): AdamW (dflash.md §4.7), or torch's Muon on the 2-D weight
 matrices with AdamW on the rest, as speculators and Moonlight run it.
 
-Muon (``torch.optim.Muon``, torch ≥ 2.9) orthogonalises each 2-D update with a Newton–Schulz iteration;
-it is defined for matrices only, so norms, biases and any embedding keep AdamW. Its learning rate is
-scaled per matrix to AdamW's update RMS (``adjust_lr_fn="match_rms_adamw"``, Moonlight's 0.2·√max(A, B)),
-so one ``train.learning_rate`` serves both halves and a run switches optimizer without retuning. It keeps one
-momentum buffer per matrix (4 bytes per parameter in fp32) where AdamW keeps two (8 bytes).
-
-:class:`MuonWithAdamW` is one ``torch.optim.Optimizer`` over both halves: one ``state``, one list of
-``param_groups`` (Muon's first, each group flagged ``use_muon``), so Accelerate's checkpointing (plain and
-FSDP2's sharded optimizer state), the LR scheduler and gradient clipping see a single optimizer and a
-resumed run restores Muon's momentum like AdamW's moments.
+Muon (`torch.optim.Muon`, torch ≥ 2.9) scales its learning rate per matrix to AdamW's update RMS
+(`adjust_lr_fn="match_rms_adamw"`), so one `train.learning_rate` serves both, and keeps one momentum
+buffer per matrix where AdamW keeps two. `MuonWithAdamW` is one `torch.optim.Optimizer` over both
+halves, so checkpointing, the scheduler and clipping see a single optimizer.
 """
 
 from __future__ import annotations
@@ -20,7 +14,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-#: ``train.optimizer`` values.
+#: `train.optimizer` values.
 OPTIMIZERS = ("adamw", "muon")
 #: AdamW's settings (dflash.md §4.7); the AdamW half of Muon runs uses them too.
 ADAMW_BETAS = (0.9, 0.999)
@@ -31,9 +25,8 @@ MUON_ADJUST_LR = "match_rms_adamw"
 
 
 def muon_parameters(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """``(matrices, rest)`` of ``module``'s trainable parameters: the 2-D weights of its ``nn.Linear``
-    layers go to Muon; every other parameter (norm scales, biases, embeddings, convolution kernels) to AdamW.
-    Order follows ``module.parameters()``."""
+    """`(matrices, rest)` of `module`'s trainable parameters: the 2-D weights of its `nn.Linear` layers go to Muon;
+    every other parameter to AdamW. Order follows `module.parameters()`."""
     linear = {id(m.weight) for m in module.modules() if isinstance(m, nn.Linear)}
     matrices, rest = [], []
     for p in module.parameters():
@@ -43,14 +36,13 @@ def muon_parameters(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Para
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
-    """``torch.optim.Muon`` over ``matrices`` and ``torch.optim.AdamW`` over ``rest`` as one optimizer.
+    """`torch.optim.Muon` over `matrices` and `torch.optim.AdamW` over `rest` as one optimizer.
 
-    Both inner optimizers share this optimizer's ``state`` and its group dicts, so ``state_dict`` /
-    ``load_state_dict`` (and torch.distributed.checkpoint's optimizer state) cover both, and an LR
-    scheduler's change to a group reaches the optimizer that steps it.
+    Both inner optimizers share this optimizer's `state` and its group dicts, so `state_dict` / `load_state_dict` cover
+    both, and an LR scheduler's change to a group reaches the optimizer that steps it.
 
     Raises:
-        ValueError: no 2-D parameter for Muon, or a torch without ``torch.optim.Muon`` (before 2.9).
+        ValueError: no 2-D parameter for Muon, or a torch without `torch.optim.Muon` (before 2.9).
     """
 
     def __init__(
@@ -91,13 +83,13 @@ class MuonWithAdamW(torch.optim.Optimizer):
             self._adamw.state = self.state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """As ``torch.optim.Optimizer.load_state_dict``; the inner optimizers follow the loaded groups."""
+        """As `torch.optim.Optimizer.load_state_dict`; the inner optimizers follow the loaded groups."""
         super().load_state_dict(state_dict)
         self._link()
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One Muon step on the matrices, one AdamW step on the rest; returns ``closure()``'s loss if given."""
+        """One Muon step on the matrices, one AdamW step on the rest; returns `closure()`'s loss if given."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -109,11 +101,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
 
 def make_optimizer(module: nn.Module, name: str, *, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    """``train.optimizer`` ``name`` over ``module``'s trainable parameters: ``adamw`` (betas 0.9/0.999,
-    eps 1e-8) or ``muon`` (:class:`MuonWithAdamW`).
+    """`train.optimizer` `name` over `module`'s trainable parameters: `adamw` (betas 0.9/0.999,
+    eps 1e-8) or `muon` (`MuonWithAdamW`).
 
     Raises:
-        ValueError: an unknown ``name``.
+        ValueError: an unknown `name`.
     """
     if name == "adamw":
         return torch.optim.AdamW(

@@ -1,20 +1,11 @@
 """Sequence packing for drafter training: several token records per row, never a token across records.
 
-A packed row is ``[record_a ‖ record_b ‖ … ‖ pad]``. Per token it carries ``segment_ids`` (the record's
-slot in the row, 0, 1, …; −1 on padding) and ``position_ids`` (restarting at 0 in every record), so:
-
-- the target runs once per row with ``position_ids`` and no 2-D attention mask; Hugging Face then
-  detects the packed format from the position restarts and builds a block-diagonal causal mask
-  (``transformers.masking_utils.find_packed_sequence_indices``; requires ``use_cache=False``).
-  :func:`check_target_isolates_records` proves it for the actual target before training;
-- anchors are drawn only where the anchor and its first label are in the same record;
-- a block sees the context of its own record only, strictly before its anchor (dflash.md §4.4 with a
-  record predicate), and slots past its record's end carry no loss;
-- block positions are record-relative (RoPE sees what inference sees).
-
-A padded batch is the special case of one record per row (:func:`padded_segments`), so the same block
-builders serve both. SpecForge measured 1.39× step speedup for DFlash with packing (anchors.md §F,
-``docs/sections/benchmarks/dflash-sequence-packing.md``); ``bench/bench_train.py`` measures ours.
+A packed row is `[record_a ‖ record_b ‖ … ‖ pad]` with per-token `segment_ids` (−1 on padding) and
+`position_ids` restarting at 0 in every record, so the target builds a block-diagonal causal mask from
+the position restarts (`transformers.masking_utils.find_packed_sequence_indices`; proved per target by
+`check_target_isolates_records`), anchors and block contexts stay inside their record (dflash.md §4.4)
+and block positions are record-relative. A padded batch is one record per row (`padded_segments`).
+`bench/bench_train.py` measures the speedup.
 """
 
 from __future__ import annotations
@@ -27,20 +18,18 @@ import torch
 
 from dflash_pipeline.drafter import model as M
 
-# ---------------------------------------------------------------------------------------------------
-# Packing records into rows
-# ---------------------------------------------------------------------------------------------------
+# --- Packing records into rows
 
 
 def pack_records(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """First-fit-decreasing bins of record indices with Σ length ≤ ``max_tokens`` per bin.
+    """First-fit-decreasing bins of record indices with Σ length ≤ `max_tokens` per bin.
 
-    A record longer than ``max_tokens`` gets a bin of its own (records are already cut at
-    ``tokens.max_length``; packing never truncates). Deterministic: ties keep index order, and each bin
+    A record longer than `max_tokens` gets a bin of its own (records are already cut at
+    `tokens.max_length`; packing never truncates). Deterministic: ties keep index order, and each bin
     lists its records in index order.
 
     Raises:
-        ValueError: ``max_tokens`` < 1.
+        ValueError: `max_tokens` < 1.
     """
     if max_tokens < 1:
         raise ValueError(f"train.pack_max_tokens must be ≥ 1, got {max_tokens}")
@@ -61,9 +50,9 @@ def pack_records(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
 
 
 class PackedDataset(torch.utils.data.Dataset):
-    """Map-style dataset whose items are packed rows: lists of ``(input_ids int32 [S_i], loss_mask uint8
-    [S_i][, features [S_i, K*H][, last_hidden [S_i, H]]])`` records (see :func:`collate_packed`). Rows are
-    fixed once (:func:`pack_records`); the DataLoader shuffles rows per epoch. ``lengths``: the records'
+    """Map-style dataset whose items are packed rows: lists of `(input_ids int32 [S_i], loss_mask uint8
+    [S_i][, features [S_i, K*H][, last_hidden [S_i, H]]])` records (see `collate_packed`). Rows are
+    fixed once (`pack_records`); the DataLoader shuffles rows per epoch. `lengths`: the records'
     token counts when known (feature shards: from their offsets, so no record is read to pack)."""
 
     def __init__(self, records, max_tokens: int, lengths: Optional[Sequence[int]] = None):
@@ -81,12 +70,11 @@ class PackedDataset(torch.utils.data.Dataset):
 def collate_packed(rows, pad_id: int = 0) -> dict[str, torch.Tensor]:
     """Concatenate each row's records and right-pad rows to the longest.
 
-    Returns ``input_ids`` long, ``loss_mask`` uint8, ``attention_mask`` long (1 on record tokens; for
-    counting only, never passed to the target), ``position_ids`` long (0.. per record; padding continues
-    as a segment of its own, 0..), ``segment_ids`` long (record slot in the row; −1 on padding), all
-    [b, S_max], and ``num_records`` long [b]. Records from feature shards also give ``features``
-    [b, S_max, K*H] (and ``target_last_hidden`` [b, S_max, H]), each record's own at its segment, zero on
-    padding: a shard record was computed by the target alone, so packed rows need no isolation check.
+    Returns `input_ids` long, `loss_mask` uint8, `attention_mask` long (1 on record tokens), `position_ids` long,
+    `segment_ids` long (record
+    slot in the row; −1 on padding), all [b, S_max], and `num_records` long [b]. Records from feature shards also give
+    `features` [b, S_max, K*H] (and `target_last_hidden` [b, S_max, H]), each record's own at its segment, zero on
+    padding.
     """
     s = max(sum(len(rec[0]) for rec in row) for row in rows)
     b = len(rows)
@@ -122,21 +110,19 @@ def collate_packed(rows, pad_id: int = 0) -> dict[str, torch.Tensor]:
 
 
 def padded_segments(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(position_ids, segment_ids)`` [b, S] long of a right-padded batch (one record per row)."""
+    """`(position_ids, segment_ids)` [b, S] long of a right-padded batch (one record per row)."""
     b, s = attention_mask.shape
     pos = torch.arange(s, device=attention_mask.device).expand(b, -1).clone()
     seg = torch.where(attention_mask.bool(), torch.zeros_like(pos), torch.full_like(pos, -1))
     return pos, seg
 
 
-# ---------------------------------------------------------------------------------------------------
-# Anchors, blocks and masks that respect record boundaries
-# ---------------------------------------------------------------------------------------------------
+# --- Anchors, blocks and masks that respect record boundaries
 
 
 def anchor_candidates(loss_mask: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
-    """bool [b, S]: p ≤ S−2 with ``loss_mask[p] = loss_mask[p+1] = 1`` in the same record (the
-    SpecForge HEAD rule of :func:`dflash_pipeline.drafter.model.sample_anchors`, plus the record predicate)."""
+    """bool [b, S]: p ≤ S−2 with `loss_mask[p] = loss_mask[p+1] = 1` in the same record (the
+    SpecForge HEAD rule of `drafter.model.sample_anchors`, plus the record predicate)."""
     lm = loss_mask.bool()
     cand = torch.zeros_like(lm)
     cand[:, :-1] = lm[:, :-1] & lm[:, 1:] & (segment_ids[:, :-1] == segment_ids[:, 1:]) & (segment_ids[:, :-1] >= 0)
@@ -146,12 +132,12 @@ def anchor_candidates(loss_mask: torch.Tensor, segment_ids: torch.Tensor) -> tor
 def sample_packed_anchors(
     loss_mask: torch.Tensor, segment_ids: torch.Tensor, num_anchors: int, generator: Optional[torch.Generator] = None
 ) -> M.AnchorBatch:
-    """Up to ``num_anchors`` random anchors *per record* among :func:`anchor_candidates`, redrawn every
+    """Up to `num_anchors` random anchors *per record* among `anchor_candidates`, redrawn every
     call (dflash.md §4.2): a packed record gets the blocks it would get alone in a padded row, so packing
     changes the step time, not the training signal. Per row N = max kept; anchors sorted by position,
-    ``keep`` False fill-ins (anchor 0) after them, as :func:`dflash_pipeline.drafter.model.sample_anchors`.
+    `keep` False fill-ins (anchor 0) after them, as `drafter.model.sample_anchors`.
 
-    Returns AnchorBatch ``anchors`` long [b, N], ``keep`` bool [b, N] (N ≥ 1).
+    Returns AnchorBatch `anchors` long [b, N], `keep` bool [b, N] (N ≥ 1).
     """
     cand = anchor_candidates(loss_mask, segment_ids)
     b, s = cand.shape
@@ -178,8 +164,7 @@ def sample_packed_anchors(
 class Blocks:
     """Block inputs of a (packed) batch. All long/float [b, N·B].
 
-    ``ids`` block tokens; ``pos`` record-relative positions (RoPE); ``rows`` row indices a+k (to gather
-    per-slot row data, e.g. :func:`dflash_pipeline.train.losses.teacher_slot_hidden`); ``labels``; ``weights``.
+    `ids` block tokens; `pos` record-relative positions (RoPE); `rows` row indices a+k; `labels`; `weights`.
     """
 
     ids: torch.Tensor
@@ -199,8 +184,8 @@ def packed_block_inputs_and_labels(
     mask_token_id: int,
     gamma: Optional[float],
 ) -> Blocks:
-    """:func:`dflash_pipeline.drafter.model.block_inputs_and_labels` with slots outside the anchor's record
-    weighted 0 and positions made record-relative (``position_ids[anchor] + k``)."""
+    """`drafter.model.block_inputs_and_labels` with slots outside the anchor's record
+    weighted 0 and positions made record-relative (`position_ids[anchor] + k`)."""
     ids, rows, labels, weights = M.block_inputs_and_labels(
         input_ids, loss_mask, anchors, block_size, mask_token_id, gamma
     )
@@ -221,9 +206,9 @@ def build_packed_block_mask(
     sliding_window: Optional[int] = None,
     block_causal: bool = True,
 ) -> torch.Tensor:
-    """Dense training mask of :func:`dflash_pipeline.drafter.model.build_block_mask` (True = attend) restricted to
-    the anchor's record: context key j is visible iff ``j < anchor`` and ``segment_ids[j] ==
-    segment_ids[anchor]`` (and, on sliding layers, within the window). bool [b, 1, N·B, S + N·B]."""
+    """Dense training mask of `drafter.model.build_block_mask` (True = attend) restricted to
+    the anchor's record: context key j is visible iff `j < anchor` and `segment_ids[j] ==
+    segment_ids[anchor]` (and, on sliding layers, within the window). bool [b, 1, N·B, S + N·B]."""
     s = segment_ids.shape[1]
     mask = M.build_block_mask(anchors, s, block_size, sliding_window=sliding_window, block_causal=block_causal)
     q_seg = segment_ids.gather(1, anchors).repeat_interleave(block_size, dim=1)  # [b, Q]
@@ -240,8 +225,8 @@ def build_packed_flex_block_mask(
     sliding_window: Optional[int] = None,
     block_causal: bool = True,
 ):
-    """:func:`build_packed_block_mask`'s predicate as a FlexAttention ``BlockMask`` (no dense tensor):
-    :func:`dflash_pipeline.drafter.model.build_flex_block_mask` with the record test."""
+    """`build_packed_block_mask`'s predicate as a FlexAttention `BlockMask` (no dense tensor):
+    `drafter.model.build_flex_block_mask` with the record test."""
     return M.build_flex_block_mask(
         anchors,
         segment_ids.shape[1],
@@ -253,20 +238,18 @@ def build_packed_flex_block_mask(
 
 
 def build_packed_training_masks(drafter, anchors: torch.Tensor, segment_ids: torch.Tensor, backend: str = "sdpa"):
-    """Masks per layer type, as :func:`dflash_pipeline.drafter.model.build_training_masks` (one mask or a dict)."""
+    """Masks per layer type, as `drafter.model.build_training_masks` (one mask or a dict)."""
     build = build_packed_flex_block_mask if backend == "flex" else build_packed_block_mask
     return M.masks_per_layer_type(drafter, lambda **kw: build(anchors, segment_ids, drafter.block_size, **kw))
 
 
-# ---------------------------------------------------------------------------------------------------
-# The target on packed rows
-# ---------------------------------------------------------------------------------------------------
+# --- The target on packed rows
 
 
 def packed_target_features(target, input_ids: torch.Tensor, position_ids: torch.Tensor, layer_ids: Sequence[int]):
-    """:func:`dflash_pipeline.train.run.target_features` on packed rows: ``position_ids`` restart per record,
+    """`train.run.target_features` on packed rows: `position_ids` restart per record,
     no 2-D attention mask and no cache, so Hugging Face builds the block-diagonal causal mask.
-    Returns ``(features [b, S, K·H], model output)``."""
+    Returns `(features [b, S, K·H], model output)`."""
     from dflash_pipeline.target.hidden import target_features
 
     return target_features(target, input_ids, None, layer_ids, position_ids=position_ids, use_cache=False)

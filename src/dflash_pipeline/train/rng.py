@@ -1,24 +1,17 @@
-"""The random streams of a training run, and how ``state/`` keeps them: a resumed run is the run.
+"""The random streams of a training run, and how `state/` keeps them: a resumed run is the run.
 
-Killed at any step and restarted from its last ``state/``, a run ends with the weights of an uninterrupted
-run (bit-identical in fp32 on CPU, plain, packed, from feature shards, on 2 gloo ranks and under FSDP2:
-``tests/unit/train/test_resume.py``). So every random stream the trainer draws from is a function of
-``train.seed`` and of what ``state/`` holds:
+Killed at any step and restarted from its last `state/`, a run ends with the weights of an uninterrupted
+run (bit-identical in fp32 on CPU: `tests/unit/train/test_resume.py`). Every random stream is a function
+of `train.seed` and of `state/`:
 
-- **the data order**: Accelerate's ``SeedableRandomSampler`` (:func:`dataloader_config`). Epoch e's
-  permutation is ``randperm`` under a generator seeded ``train.seed + e``, the same on every rank (each takes
-  its own batches of it): a function of (seed, epoch) only, so ``skip_first_batches`` on a resume skips the
-  batches of the right permutation, and ``DataLoaderShard.set_epoch`` reshuffles each epoch. A plain
-  ``RandomSampler`` is neither reseeded by ``set_epoch`` nor saved: after a resume, epoch 1 repeated epoch 0.
-- **the anchor generator** of each rank (:class:`RankStreams`), registered with
-  ``Accelerator.register_for_checkpointing``: ``state/custom_checkpoint_<i>.pkl`` holds every rank's
-  generator state, and a resumed rank continues its own stream where it stopped.
-- **the global generators** (python ``random``, numpy, torch CPU and CUDA): Accelerate's own
-  ``state/random_states_<rank>.pkl``.
+- **the data order**: Accelerate's `SeedableRandomSampler`; epoch e's permutation is seeded
+  `train.seed + e` on every rank, so `skip_first_batches` on a resume skips the right batches (a plain
+  `RandomSampler` is neither reseeded by `set_epoch` nor saved).
+- **the anchor generator** of each rank (`RankStreams`), registered for checkpointing
+  (`state/custom_checkpoint_<i>.pkl`).
+- **the global generators** (python, numpy, torch CPU and CUDA): `state/random_states_<rank>.pkl`.
 
-``state/step.json`` carries :data:`STATE_VERSION`; a state saved before it (no anchor streams) still
-resumes, with a warning that the run will not match an uninterrupted one
-(:func:`dflash_pipeline.train.checkpoint.resume_state`).
+A state without `STATE_VERSION` in `state/step.json` resumes with a warning that the run will not match.
 """
 
 from __future__ import annotations
@@ -27,26 +20,25 @@ from collections.abc import Mapping
 
 import torch
 
-#: ``state/step.json["version"]``: 2 = data order (seeded per epoch) and per-rank anchor streams in state;
+#: `state/step.json["version"]`: 2 = data order (seeded per epoch) and per-rank anchor streams in state;
 #: a state without the key is version 1 (sampler and anchor generator not saved).
 STATE_VERSION = 2
 
 
 def dataloader_config(seed: int):
-    """Accelerate's ``DataLoaderConfiguration`` of the run: the seedable sampler (permutation of epoch e
-    drawn from ``seed + e``, identical on every rank; see the module docstring)."""
+    """Accelerate's `DataLoaderConfiguration` of the run: the seedable sampler."""
     from accelerate import DataLoaderConfiguration
 
     return DataLoaderConfiguration(use_seedable_sampler=True, data_seed=int(seed))
 
 
 class RankStreams:
-    """The per-rank ``torch.Generator`` s the trainer draws from (the anchor generator), as one object
-    Accelerate checkpoints (``register_for_checkpointing``).
+    """The per-rank `torch.Generator` s the trainer draws from (the anchor generator), as one object
+    Accelerate checkpoints (`register_for_checkpointing`).
 
-    Accelerate writes a custom object from the main process only, so :meth:`state_dict` gathers every
-    rank's generator states (a collective: every rank calls it, as ``save_state`` does) and
-    :meth:`load_state_dict` takes this rank's. State: ``{"world_size": int, "ranks": [{name: uint8 state}]}``.
+    Accelerate writes a custom object from the main process only, so `state_dict` gathers every
+    rank's generator states (a collective: every rank calls it, as `save_state` does) and
+    `load_state_dict` takes this rank's. State: `{"world_size": int, "ranks": [{name: uint8 state}]}`.
     """
 
     def __init__(self, generators: Mapping[str, torch.Generator], *, rank: int, world_size: int):
@@ -66,8 +58,7 @@ class RankStreams:
         """Set this rank's generators to their saved states.
 
         Raises:
-            ValueError: the state was saved by another number of ranks, or lacks one of the generators
-                (the streams are per rank: such a state cannot continue them).
+            ValueError: the state was saved by another number of ranks, or lacks one of the generators.
         """
         saved = int(state.get("world_size", -1))
         if saved != self.world_size:

@@ -1,30 +1,17 @@
 """Train a DFlash drafter with HF Accelerate from a frozen target's features: the target run online
-(``train.target_features: online``), or its feature shards read from disk (``shards``, the features stage).
+(`train.target_features: online`), or its feature shards read from disk (`shards`).
 
-Launched by the ``train_drafter`` rule as ``accelerate launch … -m dflash_pipeline.train …`` (1..N GPUs,
-or N CPU ranks over gloo; see :func:`dflash_pipeline.workflow.policy.accelerate_launch_args`). Method: reference/dflash.md §4 (anchors,
-block mask, same-position labels, decayed CE), §4.7 (AdamW, warmup + cosine, clipping, fp32 master
+Launched by the `train_drafter` rule as `accelerate launch … -m dflash_pipeline.train …`. Method:
+reference/dflash.md §4 (anchors, block mask, labels, decayed CE), §4.7 (optimizer, schedule, fp32 master
 weights under bf16 autocast), §5.3 (online target features).
 
-:func:`train` reads top to bottom as the run's steps: start Accelerate → open the data (token records,
-held-out split, the target or its embedding + LM head) → build the drafter, optimizer, scheduler and
-loader and ``accelerator.prepare`` them into a :class:`dflash_pipeline.train.loop.TrainRun` → resume from
-``state/`` → the step loop (:func:`dflash_pipeline.train.loop.run_steps`) → export. One step's objective
-is :mod:`dflash_pipeline.train.step`; state and exports :mod:`dflash_pipeline.train.checkpoint` (the names
-tests, benches and other modules import from here are re-exported).
+`train` reads top to bottom as the run's steps: Accelerate → data → drafter, optimizer, scheduler, loader
+(`accelerator.prepare` into a `.loop.TrainRun`) → resume from `state/` → the step loop
+(`.loop.run_steps`) → export. One step's objective is `.step`; state and exports `.checkpoint`.
 
-Objectives (``train.loss``): ``ce_decay``, ``dpace``, ``kl`` (:mod:`dflash_pipeline.train.losses`), normalised
-globally over ranks and gradient-accumulation micro-steps. Optional sequence packing
-(:mod:`dflash_pipeline.train.packing`), FSDP2 (:mod:`dflash_pipeline.train.fsdp`), multi-node launch
-(:func:`dflash_pipeline.workflow.policy.launch_topology`), held-out validation τ (:mod:`dflash_pipeline.train.heldout`),
-trackers (:mod:`dflash_pipeline.train.trackers`).
-
-Outputs under ``out_dir``: ``final/`` (servable checkpoint, written atomically), ``state/`` (Accelerate
-state for resume; a killed run restarts at its last saved step), ``train_log.jsonl`` (one JSON per
-logged step), ``val_log.jsonl`` (one JSON per held-out validation: per-block τ, per-position acceptance),
-``val_tau.png`` (validation τ vs step), ``trackers/`` (TensorBoard event files), ``train_summary.json`` and
-``step_<N>/`` (an intermediate servable export at every state save, ``save_every_steps``; the eval stage
-charts τ across them).
+Outputs under `out_dir`: `final/` (servable checkpoint, atomic), `state/` (for resume), `train_log.jsonl`,
+`val_log.jsonl` (held-out τ per validation), `val_tau.png`, `trackers/`, `train_summary.json` and
+`step_<N>/` (a servable export at every state save).
 """
 
 from __future__ import annotations
@@ -67,19 +54,16 @@ from dflash_pipeline.train.checkpoint import (  # noqa: F401 - STEP_EXPORT_PREFI
 from dflash_pipeline.train.loop import RunData, Schedule, TrainRun, run_steps, trace_batch  # noqa: F401 - trace_batch re-exported
 from dflash_pipeline.train.step import StepContext, step_objective, target_features, training_step  # noqa: F401 - re-exported
 
-# ---------------------------------------------------------------------------------------------------
-# Data
-# ---------------------------------------------------------------------------------------------------
+# --- Data
 
 
 def load_token_shards(
     paths: Sequence[str | Path], *, min_loss_tokens: int = train_data.MIN_LOSS_TOKENS
 ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Read token shards eagerly into ``(input_ids int32 [S], loss_mask uint8 [S])`` pairs, in path order.
+    """Read token shards eagerly into `(input_ids int32 [S], loss_mask uint8 [S])` pairs, in path order.
 
-    Not the trainer's path (it memory-maps them: :mod:`dflash_pipeline.train.data`, resident memory flat as
-    the dataset grows); kept as the baseline of ``bench/bench_features.py`` / ``bench/bench_train.py`` and for
-    small in-memory uses. Records with fewer than ``min_loss_tokens`` supervised tokens are skipped.
+    Not the trainer's path; kept as the baseline of `bench/bench_features.py` / `bench/bench_train.py` and for small
+    in-memory uses. Records with fewer than `min_loss_tokens` supervised tokens are skipped.
     """
     out = []
     for p in paths:
@@ -91,13 +75,12 @@ def load_token_shards(
 
 
 def with_schema_defaults(cfg: dict) -> dict:
-    """``cfg`` (the ``train`` section) with every key it lacks taken from the config schema's defaults
-    (callers such as tests and benches pass partial dicts; the schema stays the one place for defaults)."""
+    """`cfg` (the `train` section) with every key it lacks taken from the config schema's defaults."""
     return {**schema_defaults("train"), **cfg}
 
 
 def collate(batch, pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """Right-pad a list of (input_ids, loss_mask) to ``input_ids``/``loss_mask``/``attention_mask`` [b, S_max]."""
+    """Right-pad a list of (input_ids, loss_mask) to `input_ids`/`loss_mask`/`attention_mask` [b, S_max]."""
     s = max(len(ids) for ids, _ in batch)
     ids = torch.full((len(batch), s), pad_id, dtype=torch.long)
     lm = torch.zeros((len(batch), s), dtype=torch.uint8)
@@ -109,16 +92,12 @@ def collate(batch, pad_id: int = 0) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "loss_mask": lm, "attention_mask": am}
 
 
-# ---------------------------------------------------------------------------------------------------
-# Target (the drafter is built by dflash_pipeline.drafter.build.build_drafter)
-# ---------------------------------------------------------------------------------------------------
+# --- Target (the drafter is built by dflash_pipeline.drafter.build.build_drafter)
 
 load_target = T.load_target  # one loader for every family (dflash_pipeline.target.loading); re-exported here
 
 
-# ---------------------------------------------------------------------------------------------------
-# The run: train() and the steps it reads as
-# ---------------------------------------------------------------------------------------------------
+# --- The run: train() and the steps it reads as
 
 
 def train(
@@ -136,31 +115,23 @@ def train(
     feature_shards: Sequence[str | Path] = (),
     stream: Optional[dict] = None,
 ) -> dict:
-    """Train the drafter; see the module docstring for outputs. ``cfg`` is the validated ``train`` config
-    (missing keys take the schema defaults, :func:`with_schema_defaults`).
+    """Train the drafter; outputs in the module docstring. Returns the summary dict (also written to
+    `train_summary.json`).
 
-    ``target_dtype`` / ``trust_remote_code``: ``target.dtype`` / ``target.trust_remote_code``
-    (:func:`dflash_pipeline.target.loading.load_target`; ``auto`` = bf16 on CUDA, fp32 on CPU). The drafter keeps
-    float32 master weights; ``train.mixed_precision`` sets Accelerate's autocast. ``device``:
-    ``train.device`` (``cpu``: CPU ranks whatever GPUs are visible; not part of ``cfg``, which is the
-    rule's rerun fingerprint). ``feature_shards`` (one per token shard, same order) are read when
-    ``cfg["target_features"]`` is ``shards``: the target is then never instantiated (embedding and LM head
-    only, :mod:`dflash_pipeline.train.data`). ``stream``: the stream settings for ``target_features: stream``
-    (:func:`dflash_pipeline.train.stream.open_stream_data`; features from running feature servers, the
-    target never instantiated either).
-    ``drafter_arch`` holds the optional ``layer_types``/``sliding_window`` (config ``drafter.*``).
-    ``zero_target_features`` trains the ablation baseline whose fused features are all zero (what the
-    target features buy). Returns the summary dict (also written to ``train_summary.json``).
+    `cfg` is the validated `train` config (`with_schema_defaults`). `target_dtype` / `trust_remote_code`:
+    `target.dtype` / `target.trust_remote_code`. `device`: `train.device` (kept out of `cfg`, the rule's
+    rerun fingerprint). `feature_shards` (one per token shard, same order) are read when
+    `cfg["target_features"]` is `shards`; `stream` holds the settings for `stream`; in both the target is
+    never instantiated. `drafter_arch`: the optional `layer_types`/`sliding_window`. `zero_target_features`
+    trains the ablation baseline with all-zero fused features.
 
     Gradients: each micro-step backpropagates its unnormalised objective; after
-    ``gradient_accumulation_steps`` micro-steps the gradients are multiplied by world_size / Σ normaliser
-    (summed over ranks and micro-steps; DDP/FSDP average over ranks), so the update is that of the global
-    Σ terms / Σ normaliser whatever the split across ranks and micro-steps.
+    `gradient_accumulation_steps` micro-steps they are multiplied by world_size / Σ normaliser (over ranks
+    and micro-steps), so the update is that of the global Σ terms / Σ normaliser.
 
     Raises:
-        ValueError: no token record has an anchor candidate; ``train.packing`` with a target that does
-            not keep packed records apart.
-    """
+        ValueError: no token record has an anchor candidate; `train.packing` with a target that does
+            not keep packed records apart."""
     cfg = with_schema_defaults(cfg)
     out_dir = Path(out_dir)
     accelerator, log_with = _start_run(cfg, out_dir, device)
@@ -209,10 +180,9 @@ def make_accelerator(
     log_with: Optional[list] = None,
     data_seed: int = 0,
 ):
-    """The run's ``Accelerator``: CPU when ``device`` (``train.device``) is ``cpu`` or no CUDA device is
-    visible, with ``mixed_precision`` (``train.mixed_precision``; bf16 autocast works on CPU too, which is
-    how the tests exercise it); FSDP2 when ``fsdp`` (``train.fsdp``, :func:`dflash_pipeline.train.fsdp.make_accelerator`);
-    trackers ``log_with`` writing under ``<out_dir>/trackers``."""
+    """The run's `Accelerator`: CPU when `device` (`train.device`) is `cpu` or no CUDA device is visible, with
+    `mixed_precision`; FSDP2 when `fsdp` (`train.fsdp`, `train.fsdp.make_accelerator`); trackers `log_with` writing
+    under `<out_dir>/trackers`."""
     from accelerate.state import AcceleratorState
 
     cpu = device == "cpu" or not torch.cuda.is_available()
@@ -230,8 +200,8 @@ def make_accelerator(
 
 
 def _start_run(cfg: dict, out_dir: Path, device: str):
-    """The run's ``Accelerator`` (:func:`make_accelerator`) with the global seed set and ``out_dir``
-    created; returns it and the trackers it logs to (``train.trackers`` that are installed)."""
+    """The run's `Accelerator` (`make_accelerator`) with the global seed set and `out_dir`
+    created; returns it and the trackers it logs to (`train.trackers` that are installed)."""
     from accelerate.utils import set_seed
 
     log_with, tracker_notes = TR.resolve_trackers(cfg["trackers"])
@@ -264,14 +234,14 @@ def _open_data(
     trust_remote_code: bool,
     stream: Optional[dict] = None,
 ) -> RunData:
-    """Token records memory-mapped (:mod:`dflash_pipeline.train.data`), split into training and held-out
-    records by prompt (:func:`dflash_pipeline.train.heldout.heldout_mask`; all held out = train on all, no
-    validation), and the target loaded; with ``train.target_features: shards`` the features come from the
+    """Token records memory-mapped (`train.data`), split into training and held-out
+    records by prompt (`train.heldout.heldout_mask`; all held out = train on all, no
+    validation), and the target loaded; with `train.target_features: shards` the features come from the
     feature shards and the target is never instantiated (embedding + LM head only).
 
     Raises:
-        ValueError: ``train.packing`` with a target that does not keep packed records apart
-            (:func:`dflash_pipeline.train.packing.check_target_isolates_records`).
+        ValueError: `train.packing` with a target that does not keep packed records apart
+            (`train.packing.check_target_isolates_records`).
     """
     where = dict(
         target_dir=target_dir,
@@ -315,12 +285,9 @@ def _open_data(
 def _prepare_run(
     accelerator, cfg: dict, out_dir: Path, data: RunData, probe: dict, arch: dict, zero_target_features: bool
 ) -> TrainRun:
-    """The drafter (seeded, sized by the probe and ``arch``: ``drafter.layer_types`` / ``sliding_window``),
-    its rows (packed or not) and schedule, the optimizer (``train.optimizer``: AdamW, or Muon + AdamW,
-    :mod:`dflash_pipeline.train.optim`) with gradient checkpointing of the draft layers when
-    ``train.gradient_checkpointing``, warmup + cosine (dflash.md §4.7) and the shuffled loader,
-    prepared by Accelerate (the scheduler registered for checkpointing), the :class:`StepContext` and this
-    rank's held-out batches.
+    """The drafter, its rows (packed or not) and schedule, the optimizer with gradient checkpointing of the draft
+    layers when `train.gradient_checkpointing`, warmup + cosine and the shuffled loader, prepared by Accelerate, the
+    `StepContext` and this rank's held-out batches.
 
     Raises:
         RuntimeError: the prepared per-rank loader has another length than the schedule assumes.
@@ -392,9 +359,9 @@ def _step_context(
     anchors,
     zero_target_features: bool,
 ) -> StepContext:
-    """The :class:`StepContext` of :func:`_prepare_run`: the prepared ``drafter`` (its ``block_size``), the target
-    or the feature source's frozen embedding / LM head, the ``anchors`` generator, the attention backend
-    (``auto``: flex on CUDA, else sdpa), γ (``train.loss_gamma`` or the block size's default), the loss
+    """The `StepContext` of `_prepare_run`: the prepared `drafter` (its `block_size`), the target
+    or the feature source's frozen embedding / LM head, the `anchors` generator, the attention backend
+    (`auto`: flex on CUDA, else sdpa), γ (`train.loss_gamma` or the block size's default), the loss
     settings, the target's logit softcap, and the family's keys when the family is not DFlash."""
     backend = (
         cfg["attention_backend"]
@@ -430,8 +397,8 @@ def _step_context(
 
 
 def _rows(records, cfg: dict):
-    """The rows a loader batches: ``records`` themselves, or with ``train.packing`` the records packed into
-    rows of up to ``train.pack_max_tokens`` tokens (default: the longest record; :class:`dflash_pipeline.train.packing.PackedDataset`)."""
+    """The rows a loader batches: `records` themselves, or with `train.packing` the records packed into rows of up to
+    `train.pack_max_tokens` tokens."""
     if not cfg["packing"]:
         return records
     ds = getattr(records, "dataset", None)
@@ -444,7 +411,7 @@ def _rows(records, cfg: dict):
 
 
 def _describe(run: TrainRun) -> str:
-    """The ``[train]`` line that opens a run's log: data, processes, schedule, objective, drafter size, dtypes."""
+    """The `[train]` line that opens a run's log: data, processes, schedule, objective, drafter size, dtypes."""
     cfg, acc, ctx = run.cfg, run.accelerator, run.ctx
     return (
         f"[train] records={len(run.data.records)} rows={run.num_rows} heldout={len(run.data.heldout)} processes={acc.num_processes} "
@@ -472,14 +439,12 @@ def _heldout_batches(records, cfg: dict, rank: int, world: int) -> tuple[list[di
     return mine + [batches[0]] * (n - len(mine)), [True] * len(mine) + [False] * (n - len(mine))
 
 
-# ---------------------------------------------------------------------------------------------------
-# End of the run
-# ---------------------------------------------------------------------------------------------------
+# --- End of the run
 
 
 def _summary(run: TrainRun, log_with, target_dir) -> dict:
-    """``train_summary.json``: the run's size, schedule, objective, drafter and dtypes, its ``train`` config, and
-    its provenance (software, kernels, device, dtype, the digest of the target at ``target_dir``)."""
+    """`train_summary.json`: the run's size, schedule, objective, drafter and dtypes, its `train` config, and its
+    provenance."""
     cfg, ctx, acc = run.cfg, run.ctx, run.accelerator
     return {
         "steps": run.schedule.total_steps,
@@ -511,8 +476,7 @@ def _summary(run: TrainRun, log_with, target_dir) -> dict:
 
 
 def _stream_summary(run: TrainRun) -> dict:
-    """``{"stream": supply and demand, peak scratch}`` of a ``target_features: stream`` run (printed as the
-    ``[stream]`` line; the client is closed here, the last thing that needs it), else ``{}``."""
+    """`{"stream": supply and demand, peak scratch}` of a `target_features: stream` run, else `{}`."""
     stream = run.data.source.stream
     if stream is None:
         return {}
@@ -523,7 +487,8 @@ def _stream_summary(run: TrainRun) -> dict:
 
 
 def _finish(run: TrainRun, step: int, target_dir, summary: dict) -> dict:
-    """Export ``final/`` (atomic, with its ``serve.md`` naming ``target_dir``), write ``train_summary.json``, save the last state; returns ``summary``."""
+    """Export `final/` (atomic, with its `serve.md` naming `target_dir`), write `train_summary.json`, save the last
+    state; returns `summary`."""
     accelerator, out_dir = run.accelerator, run.out_dir
     accelerator.wait_for_everyone()
     module = export_module(accelerator, run.drafter)
@@ -537,10 +502,8 @@ def _finish(run: TrainRun, step: int, target_dir, summary: dict) -> dict:
         write_json(out_dir / "train_summary.json", summary)
     save_state(accelerator, out_dir / "state", step, run.identity)
     accelerator.wait_for_everyone()
-    # The DDP wrapper's Reducer holds the process group. Free it while the group is still registered, so the
-    # group ends in destroy_process_group (end_training), whose destructor releases the GIL, and not in the
-    # Reducer's dealloc, which joins Gloo's worker threads holding it: a worker finishing the last barrier
-    # needs the GIL, and the rank hung at exit (py-spy: ~ProcessGroupGloo under Reducer dealloc; pytorch#56297).
+    # Free the DDP Reducer while the process group is registered: ending the group in the Reducer's dealloc
+    # joins Gloo's workers while holding the GIL, and the rank hangs at exit (pytorch#56297).
     run.drafter = run.ctx.drafter = None
     accelerator.free_memory()
     accelerator.end_training()
@@ -548,7 +511,7 @@ def _finish(run: TrainRun, step: int, target_dir, summary: dict) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    """CLI used under ``accelerate launch -m dflash_pipeline.train``."""
+    """CLI used under `accelerate launch -m dflash_pipeline.train`."""
     p = argparse.ArgumentParser(description="Train a DFlash drafter (run under accelerate launch).")
     p.add_argument("--probe", required=True, help="config probe JSON")
     p.add_argument("--target", required=True, help="target model directory")

@@ -1,10 +1,8 @@
 """One DFlash training step on a batch: target features -> anchors -> blocks -> drafter -> objective
 (reference/dflash.md §4, §5.3), normalised globally over ranks.
 
-:class:`StepContext` holds what a step needs besides the batch; :func:`step_objective` is the forward pass
-(unnormalised), :func:`training_step` the normalised loss of one micro-step. The loop that drives them
-(accumulation, optimizer, logging, checkpoints) is :mod:`dflash_pipeline.train.loop`, started by
-:func:`dflash_pipeline.train.run.train`, which re-exports these names; packed rows: :mod:`dflash_pipeline.train.packing`; objectives: :mod:`dflash_pipeline.train.losses`.
+`StepContext` holds what a step needs besides the batch; `step_objective` is the forward pass
+(unnormalised), `training_step` the normalised loss of one micro-step; `.loop` drives them.
 """
 
 from __future__ import annotations
@@ -21,17 +19,17 @@ from dflash_pipeline.target.hidden import target_features
 from dflash_pipeline.train import losses as L
 from dflash_pipeline.train import packing as P
 
-#: Objectives that read the target's final-normed last hidden state (its distribution): ``kl``, DSpark's ``dspark_tv``.
+#: Objectives that read the target's final-normed last hidden state (its distribution): `kl`, DSpark's `dspark_tv`.
 TEACHER_LOSSES = ("kl", "dspark_tv")
 
 
 @dataclass
 class StepContext:
-    """What :func:`training_step` needs besides the batch (built once per run by :func:`dflash_pipeline.train.run.train`).
+    """What `training_step` needs besides the batch (built once per run by `train.run.train`).
 
-    ``reduce_sum`` sums a scalar over data-parallel ranks (None = one process) for the global loss
-    normalisation (:func:`dflash_pipeline.drafter.model.loss_normalizer`). ``loss``/``kl_*``/``dpace_alpha``:
-    the objective (``train.loss``, :func:`dflash_pipeline.train.losses.compute_loss`).
+    `reduce_sum` sums a scalar over data-parallel ranks (None = one process) for the global loss
+    normalisation (`drafter.model.loss_normalizer`). `loss`/`kl_*`/`dpace_alpha`:
+    the objective (`train.loss`, `train.losses.compute_loss`).
     """
 
     drafter: Any
@@ -55,11 +53,11 @@ class StepContext:
     selector_gold: str = "insert"  # DFlash2 (train.selector_gold, dflash_pipeline.drafter.dflash2)
     selector_weight: float = 1.0
     confidence_weight: float = 1.0  # DSpark's confidence head (train.confidence_weight)
-    #: the target's ``final_logit_softcapping`` (kl's teacher is capped like the target); None = read it
-    #: from ``target.config`` when a target is given
+    #: the target's `final_logit_softcapping` (kl's teacher is capped like the target); None = read it
+    #: from `target.config` when a target is given
     logit_softcap: Optional[float] = None
-    #: ``shards`` / ``stream`` with a teacher loss: the target's final norm, applied to the batch's pre-norm
-    #: ``target_last_hidden`` (:func:`dflash_pipeline.features.weights.load_final_norm`)
+    #: `shards` / `stream` with a teacher loss: the target's final norm, applied to the batch's pre-norm
+    #: `target_last_hidden` (`features.weights.load_final_norm`)
     final_norm: Any = None
 
     def __post_init__(self):
@@ -70,25 +68,18 @@ class StepContext:
 
 
 def step_objective(ctx: StepContext, batch: dict) -> L.LossOutput:
-    """One forward pass: target features → anchors → blocks → drafter → ``ctx.loss`` (dflash.md §4). What differs
-    per drafter family comes from its hooks (:class:`dflash_pipeline.drafter.dflash.DFlashFamily`):
-    ``training_blocks`` (how a block reads the anchor's labels) and ``objective`` (given the plain objective).
+    """One forward pass: target features → anchors → blocks → drafter → `ctx.loss` (dflash.md §4). The
+    drafter family's hooks set how a block reads the anchor's labels (`training_blocks`) and the objective.
 
-    ``batch``: ``input_ids`` long [b, S], ``loss_mask`` uint8 [b, S], ``attention_mask`` long [b, S];
-    packed rows (:func:`dflash_pipeline.train.packing.collate_packed`) add ``position_ids``/``segment_ids`` and
-    anchors, labels and attention then stay inside each record. Precomputed ``features``
-    [b, S, K·H] (and ``target_last_hidden`` [b, S, H] for ``kl``: the last decoder layer's output before the
-    final norm, as feature shards and servers carry it; ``ctx.final_norm`` is applied) replace the target
-    forward (feature shards, streamed features).
-    Dtypes (dflash_pipeline.target.loading): the target runs in its dtype, the drafter in its parameter dtype
-    (inputs cast; Accelerate's autocast, when on, covers the drafter forward), the LM head in its dtype,
-    the loss in float32.
+    `batch`: `input_ids` long [b, S], `loss_mask` uint8 [b, S], `attention_mask` long [b, S]; packed rows add
+    `position_ids`/`segment_ids`. Precomputed `features` [b, S, K·H] (and `target_last_hidden` [b, S, H]
+    for `kl`, before the final norm) replace the target forward. Dtypes: the target in its dtype, the
+    drafter in its parameter dtype, the LM head in its dtype, the loss in float32.
 
-    Returns the unnormalised :class:`dflash_pipeline.train.losses.LossOutput` (the caller normalises globally).
+    Returns the unnormalised `LossOutput` (the caller normalises globally).
 
     Raises:
-        ValueError: ``kl`` without the target's last hidden state (:func:`_batch_features`).
-    """
+        ValueError: `kl` without the target's last hidden state."""
     ids, lmask = batch["input_ids"], batch["loss_mask"]
     packed = "segment_ids" in batch
     d = ctx.probe["drafter"]
@@ -148,16 +139,15 @@ def step_objective(ctx: StepContext, batch: dict) -> L.LossOutput:
 
 
 def _batch_features(ctx: StepContext, batch: dict) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """``(features [b, S, K·H], target last hidden [b, S, H] or None)`` of ``batch``, without gradients:
-    the feature shards' when the batch carries them (``features``, ``target_last_hidden`` pre-norm, passed
-    through ``ctx.final_norm``), zeros for the
-    ablation (``zero_target_features``; the target runs only when ``kl`` needs its teacher), else the
-    target's forward (packed rows keep records apart, :func:`dflash_pipeline.train.packing.packed_target_features`).
-    The last hidden state (final-normed: the LM head's input) is kept for ``kl`` only.
+    """`(features [b, S, K·H], target last hidden [b, S, H] or None)` of `batch`, without gradients: the feature
+    shards' when the batch carries them, zeros for the ablation (`zero_target_features`; the target runs only when `kl`
+    needs its teacher), else the target's forward (packed rows keep records apart,
+    `train.packing.packed_target_features`). The last hidden state (final-normed: the LM head's input) is kept for `kl`
+    only.
 
     Raises:
-        ValueError: ``kl`` without the target's last hidden state (feature shards written without it), or a
-            carried last hidden state without ``ctx.final_norm``.
+        ValueError: `kl` without the target's last hidden state (feature shards written without it), or a
+            carried last hidden state without `ctx.final_norm`.
     """
     ids, am = batch["input_ids"], batch["attention_mask"]
     d = ctx.probe["drafter"]
@@ -192,9 +182,8 @@ def _batch_features(ctx: StepContext, batch: dict) -> tuple[torch.Tensor, Option
 
 
 def training_step(ctx: StepContext, batch: dict) -> tuple[torch.Tensor, dict]:
-    """:func:`step_objective` normalised for one micro-step: its total divided by the global normaliser
-    over ranks / world size (:func:`dflash_pipeline.drafter.model.loss_normalizer`), so DDP's gradient average is
-    the global Σ terms / Σ normaliser. Returns ``(loss scalar float32, stats)``."""
+    """`step_objective` normalised for one micro-step: its total divided by the global normaliser over ranks / world
+    size, so DDP's gradient average is the global Σ terms / Σ normaliser. Returns `(loss scalar float32, stats)`."""
     out = step_objective(ctx, batch)
     norm = M.loss_normalizer(out.normalizer, ctx.world_size, ctx.reduce_sum)
     return out.total / norm.to(out.total.device).clamp(min=1e-12), out.stats

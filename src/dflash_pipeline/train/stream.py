@@ -1,21 +1,11 @@
-"""``train.target_features: stream``: the trainer's target features from running feature servers.
+"""`train.target_features: stream`: the trainer's target features from running feature servers.
 
-The token records are the online path's token indexes (:mod:`.data`), so the record set, the held-out
-split and the shuffled batch order are those of a ``shards`` run on the same token shards: a function of
-``train.seed`` and the epoch only. :class:`FeatureStream` sits between the loader and the step
-(:func:`dflash_pipeline.train.loop.run_steps`): it pulls up to ``features.stream.prefetch_batches``
-batches ahead, sends every record of them to the servers (:class:`dflash_pipeline.features.FeatureClient`,
-the completions fleet underneath), and hands each batch to the step, in loader order, once all its
-records are back (replies that arrive out of order wait in memory). The batch then carries ``features``
-[b, S, K*H] bf16 with zero padding, exactly what :func:`.data.collate` builds from feature shards; packed
-rows (:mod:`dflash_pipeline.train.packing`) get each record's features at its segment, computed by the
-server for the record alone (records never see each other, so packing needs no isolation check here).
-
-Bounded: at most ``prefetch_batches`` batches are requested ahead and at most ``max_inflight_bytes`` of
-their features (estimated at the wire size, ``[T, n_aux, H]`` in the servers' dtype) are in flight or in
-memory; a batch larger than the budget alone is still requested (one at a time). Scratch files are deleted
-as soon as they are read. The trainer never loads the target: the embedding and LM head come from its
-safetensors (:mod:`dflash_pipeline.features.weights`), as with ``shards``.
+The record set, held-out split and batch order are those of a `shards` run on the same token shards.
+`FeatureStream` sits between the loader and the step: it requests up to `features.stream.prefetch_batches`
+batches ahead from the servers (`features.FeatureClient`) and hands each batch on, in
+loader order, with `features` [b, S, K*H] bf16 zero-padded, as `.data.collate` builds from feature shards
+(packed rows get each record's features at its segment). At most `max_inflight_bytes` of features are in
+flight or in memory (one oversized batch still goes alone). The trainer never loads the target.
 """
 
 from __future__ import annotations
@@ -36,8 +26,8 @@ from dflash_pipeline.train.data import MIN_LOSS_TOKENS
 
 
 def row_spans(batch: dict) -> list[list[tuple[int, int]]]:
-    """Token spans ``[(start, end)]`` of the records in each row of a collated batch: one span per row
-    (``attention_mask``'s length), or one per segment of a packed row (``segment_ids`` ≥ 0)."""
+    """Token spans `[(start, end)]` of the records in each row of a collated batch: one span per row
+    (`attention_mask`'s length), or one per segment of a packed row (`segment_ids` ≥ 0)."""
     am = batch["attention_mask"].cpu()
     if "segment_ids" not in batch:
         return [[(0, int(n))] for n in am.sum(dim=1).tolist()]
@@ -54,8 +44,8 @@ def row_spans(batch: dict) -> list[list[tuple[int, int]]]:
 
 
 def check_scratch(scratch_dir: str | Path, need: int) -> int:
-    """Free bytes of the filesystem of ``scratch_dir`` (created if missing); raises OSError (ENOSPC) when fewer
-    than ``need``, and an OSError naming ``features.stream.scratch_dir`` when it cannot be created."""
+    """Free bytes of the filesystem of `scratch_dir` (created if missing); raises OSError (ENOSPC) when fewer
+    than `need`, and an OSError naming `features.stream.scratch_dir` when it cannot be created."""
     import errno
 
     p = Path(scratch_dir)
@@ -86,12 +76,12 @@ class _Pending:
 
 
 class FeatureStream:
-    """Features for the loader's batches from a :class:`~dflash_pipeline.features.FeatureClient` (module doc).
+    """Features for the loader's batches from a `FeatureClient` (module doc).
 
-    ``wire_bytes_per_token``: ``n_aux * H * itemsize`` of the servers' answers (the in-flight estimate).
-    ``cache``: a :class:`dflash_pipeline.train.stream_cache.FeatureCache` (``features.stream.cache:
-    first_epoch``): records it holds are read from it instead of requested, streamed ones are handed to it.
-    Counters since the last :meth:`window_stats`: seconds the step waited for features, tokens delivered.
+    `wire_bytes_per_token`: `n_aux * H * itemsize` of the servers' answers (the in-flight estimate).
+    `cache`: a `train.stream_cache.FeatureCache` (`features.stream.cache:
+    first_epoch`): records it holds are read from it instead of requested, streamed ones are handed to it.
+    Counters since the last `window_stats`: seconds the step waited for features, tokens delivered.
     """
 
     def __init__(
@@ -166,9 +156,9 @@ class FeatureStream:
         return out
 
     def batches(self, it: Iterator[dict], *, cache_writes: bool = True) -> Iterator[dict]:
-        """The batches of ``it`` in order, each with its ``features`` (see the module docstring). Raises what
-        the client raises (:class:`dflash_pipeline.features.StreamError` once every server is gone).
-        ``cache_writes``: hand streamed records to the cache (not for the held-out batches, fetched once)."""
+        """The batches of `it` in order, each with its `features` (see the module docstring). Raises what
+        the client raises (`features.StreamError` once every server is gone).
+        `cache_writes`: hand streamed records to the cache (not for the held-out batches, fetched once)."""
         queue: deque[_Pending] = deque()
         held: _Pending | None = None
         done = False
@@ -211,12 +201,12 @@ class FeatureStream:
                 self.cache.flush()
 
     def fill(self, batches: Sequence[dict]) -> list[dict]:
-        """``batches`` (e.g. the held-out ones) with their features, fetched now."""
+        """`batches` (e.g. the held-out ones) with their features, fetched now."""
         return list(self.batches(iter(batches), cache_writes=False))
 
     def window_stats(self) -> dict:
-        """Supply and demand since the last call (then reset): ``stream_wait_fraction`` of the wall time the
-        step waited for features, ``trainer_tokens_per_s`` consumed, ``server_tokens_per_s`` received (all
+        """Supply and demand since the last call (then reset): `stream_wait_fraction` of the wall time the
+        step waited for features, `trainer_tokens_per_s` consumed, `server_tokens_per_s` received (all
         servers, since the start), peak in-flight and scratch bytes."""
         now = time.perf_counter()
         wall = max(1e-9, now - self._t0)
@@ -270,16 +260,15 @@ class FeatureStream:
         )
 
     def close(self, *, finished: bool = False) -> None:
-        """Close the client (and the cache; ``finished``: the run is over, the cache is deleted)."""
+        """Close the client (and the cache; `finished`: the run is over, the cache is deleted)."""
         self.client.close()
         if self.cache is not None:
             self.cache.close(delete=finished)
 
 
 def stream_settings(stream: dict) -> dict:
-    """``stream`` (the job's stream settings: ``features.stream`` plus ``dtype``, ``last_hidden`` and the
-    ``fleet`` knobs) with every key it lacks from the config schema's defaults (tests and direct calls pass
-    partial dicts; the schema stays the one place for defaults)."""
+    """`stream` (the job's stream settings: `features.stream` plus `dtype`, `last_hidden` and the `fleet` knobs) with
+    every key it lacks from the config schema's defaults."""
     from dflash_pipeline.core.config import load_schema
 
     props = load_schema()["properties"]
@@ -300,9 +289,7 @@ def stream_settings(stream: dict) -> dict:
 
 
 def _cache(st: dict, out_dir, probe: dict, k: int, h: int, last: bool):
-    """The :class:`~dflash_pipeline.train.stream_cache.FeatureCache` of ``features.stream.cache:
-    first_epoch`` (under ``cache_dir``, default ``<out_dir>/stream_cache``, one ``rank<R>`` directory per
-    process: ``$RANK``), else None."""
+    """The `FeatureCache` of `features.stream.cache: first_epoch`, else None."""
     if st["cache"] == "none":
         return None
     import os
@@ -324,8 +311,8 @@ def _cache(st: dict, out_dir, probe: dict, k: int, h: int, last: bool):
 
 
 def _stream_endpoints(st: dict) -> list[dict]:
-    """The feature servers of :func:`open_stream_data`: ``st["endpoints"]`` (:func:`stream_settings`), else those the
-    colocated launcher put in ``$DFLASH_STREAM_ENDPOINTS`` (JSON), each with the schema's endpoint defaults.
+    """The feature servers of `open_stream_data`: `st["endpoints"]` (`stream_settings`), else those the
+    colocated launcher put in `$DFLASH_STREAM_ENDPOINTS` (JSON), each with the schema's endpoint defaults.
 
     Raises:
         StreamError: neither names a server.
@@ -361,13 +348,13 @@ def open_stream_data(
     barrier=lambda: None,
     min_loss_tokens: int = MIN_LOSS_TOKENS,
 ):
-    """:class:`dflash_pipeline.train.data.TrainingData` for ``train.target_features: stream``: the token
-    records (token indexes, as online), the frozen embedding / LM head (as ``shards``) and a started
-    :class:`FeatureStream` (every server probed; the model they serve settled).
+    """`train.data.TrainingData` for `train.target_features: stream`: the token
+    records (token indexes, as online), the frozen embedding / LM head (as `shards`) and a started
+    `FeatureStream` (every server probed; the model they serve settled).
 
-    Endpoints: ``stream["endpoints"]``, else ``$DFLASH_STREAM_ENDPOINTS`` (set by the colocated launcher,
-    :mod:`dflash_pipeline.features.colocate`). The scratch directory (``scratch_dir``, where path-transport
-    servers write) must hold the window (:func:`window_bytes`).
+    Endpoints: `stream["endpoints"]`, else `$DFLASH_STREAM_ENDPOINTS` (set by the colocated launcher,
+    `features.colocate`). The scratch directory (`scratch_dir`, where path-transport
+    servers write) must hold the window (`window_bytes`).
 
     Raises:
         StreamError: no endpoint, or the breaker opened while probing. OSError (ENOSPC): scratch too small.

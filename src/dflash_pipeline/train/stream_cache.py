@@ -1,17 +1,11 @@
-"""``features.stream.cache: first_epoch``: what epoch 0 streamed, kept in feature shards for later epochs.
+"""`features.stream.cache: first_epoch`: what epoch 0 streamed, kept in feature shards for later epochs.
 
-The first epoch (of this job: after a resume, the first epoch it runs) writes each streamed record's
-features into feature shards of today's format (:class:`dflash_pipeline.features.FeatureShardWriter`:
-preallocated, fsynced, renamed into place, so a killed job leaves only whole shards) under
-``features.stream.cache_dir`` (default ``<run>/stream_cache``), until ``cache_max_bytes`` of them are on
-disk; later epochs read a cached record from there and stream only the rest.
-
-Records are keyed by their token ids (BLAKE2b of the int32 ids; a hit is checked against the stored ids):
-the servers compute every record alone, so its features are a function of its ids, and a cached record is
-the streamed one bit for bit (the shard stores the values the client returned: bf16, also for a
-``float8_e4m3`` stream, whose dequantized values bf16 holds exactly). Records are buffered in memory until
-:data:`FLUSH_BYTES` of them (or the epoch's end), then written as one shard; the buffer counts against the
-budget too. Shards of another layer set / hidden size (another config) are ignored, not read.
+The first epoch this job runs writes each streamed record's features into feature shards
+(`FeatureShardWriter`: a killed job leaves only whole shards) under `features.stream.cache_dir`, up to
+`cache_max_bytes`; later epochs read cached records and stream only the rest. Records are keyed by the
+BLAKE2b of their int32 ids (a hit is checked against the stored ids) and are the streamed ones bit for
+bit (bf16, also for an fp8 stream). Records are buffered up to `FLUSH_BYTES` (counted in the budget);
+shards of another layer set or hidden size are ignored.
 """
 
 from __future__ import annotations
@@ -39,9 +33,9 @@ def record_key(ids) -> bytes:
 class FeatureCache:
     """The first epoch's features on disk (module docstring).
 
-    ``num_layers`` (K), ``hidden_size`` (H), ``last_hidden`` describe the records (``features`` [T, K*H],
-    ``last_hidden`` [T, H] bf16); ``max_bytes`` (None = no cap) bounds the shards' bytes on disk.
-    Counters: ``hits`` (records read from the cache), ``bytes`` (on disk), ``records`` (cached).
+    `num_layers` (K), `hidden_size` (H), `last_hidden` describe the records (`features` [T, K*H],
+    `last_hidden` [T, H] bf16); `max_bytes` (None = no cap) bounds the shards' bytes on disk.
+    Counters: `hits` (records read from the cache), `bytes` (on disk), `records` (cached).
     """
 
     def __init__(
@@ -97,7 +91,7 @@ class FeatureCache:
         return len(self._index)
 
     def get(self, ids) -> Features | None:
-        """The cached features of the record with token ids ``ids`` [T], or None."""
+        """The cached features of the record with token ids `ids` [T], or None."""
         key = record_key(ids)
         if key in self._pending:
             self.hits += 1
@@ -156,7 +150,7 @@ class FeatureCache:
             self.full = True
 
     def close(self, *, delete: bool = False) -> None:
-        """Close the shards; ``delete``: remove the cache directory (the run is over)."""
+        """Close the shards; `delete`: remove the cache directory (the run is over)."""
         for s in self._shards:
             s.close()
         self._shards, self._index = [], {}

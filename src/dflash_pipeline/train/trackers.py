@@ -1,9 +1,8 @@
-"""Experiment trackers and the progress bar of the trainer (Accelerate ``log_with``).
+"""Experiment trackers and the progress bar of the trainer (Accelerate `log_with`).
 
-TensorBoard is the default: offline event files under ``<run_dir>/trackers/<project>/`` (open with
-``tensorboard --logdir <run_dir>/trackers``). wandb and trackio are used only when installed *and*
-configured (named in ``train.trackers``; wandb also needs ``WANDB_API_KEY`` or ``WANDB_MODE=offline``);
-otherwise they are skipped with a note, never a crash. The JSONL log (``train_log.jsonl``) is always written.
+TensorBoard is the default: offline event files under `<run_dir>/trackers/<project>/`. wandb and trackio are used only
+when installed *and* configured (named in `train.trackers`; wandb also needs `WANDB_API_KEY` or `WANDB_MODE=offline`);
+otherwise they are skipped with a note, never a crash. The JSONL log (`train_log.jsonl`) is always written.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import os
 import sys
 from typing import Mapping, Optional, Sequence
 
-#: Trackers ``train.trackers`` accepts.
+#: Trackers `train.trackers` accepts.
 TRACKERS = ("tensorboard", "wandb", "trackio")
 
 
@@ -25,13 +24,13 @@ def _installed(module: str) -> bool:
 def resolve_trackers(
     requested: Sequence[str], env: Optional[Mapping[str, str]] = None, installed=_installed
 ) -> tuple[list[str], list[str]]:
-    """Which of ``requested`` trackers to hand to ``Accelerator(log_with=…)``, and a note per skipped one.
+    """Which of `requested` trackers to hand to `Accelerator(log_with=…)`, and a note per skipped one.
 
     Args:
-        requested: names from ``train.trackers`` (subset of :data:`TRACKERS`).
-        env: environment (default ``os.environ``); installed: ``module name -> bool``.
+        requested: names from `train.trackers` (subset of `TRACKERS`).
+        env: environment (default `os.environ`); installed: `module name -> bool`.
     Returns:
-        ``(use, notes)``.
+        `(use, notes)`.
     Raises:
         ValueError: an unknown tracker name.
     """
@@ -66,8 +65,8 @@ def resolve_trackers(
 
 
 def flat_hparams(cfg: Mapping, prefix: str = "") -> dict:
-    """A nested config as flat ``{"a.b": scalar}`` for tracker hyper-parameters (TensorBoard ``add_hparams``
-    takes bool/int/float/str only): lists become JSON strings, None becomes ``"null"``."""
+    """A nested config as flat `{"a.b": scalar}` for tracker hyper-parameters (TensorBoard `add_hparams`
+    takes bool/int/float/str only): lists become JSON strings, None becomes `"null"`."""
     out: dict = {}
     for k, v in cfg.items():
         key = f"{prefix}{k}"
@@ -83,8 +82,8 @@ def flat_hparams(cfg: Mapping, prefix: str = "") -> dict:
 
 
 def scalars(record: Mapping, prefix: str) -> dict[str, float]:
-    """Numbers of a log record as tracker scalars ``prefix/name``; lists become ``prefix/name/<i>``
-    (e.g. per-position acceptance ``val/per_position_acceptance/1`` for slot 1)."""
+    """Numbers of a log record as tracker scalars `prefix/name`; lists become `prefix/name/<i>`
+    (e.g. per-position acceptance `val/per_position_acceptance/1` for slot 1)."""
     out: dict[str, float] = {}
     for k, v in record.items():
         if isinstance(v, bool) or k == "step":
@@ -99,8 +98,8 @@ def scalars(record: Mapping, prefix: str) -> dict[str, float]:
 
 
 def progress_bar(total: int, initial: int, disable: bool):
-    """tqdm bar over optimizer steps (rate and ETA; starts at ``initial`` on resume), on stderr so the
-    ``[train]`` lines on stdout stay parseable. ``disable`` on non-main ranks."""
+    """tqdm bar over optimizer steps (rate and ETA; starts at `initial` on resume), on stderr so the
+    `[train]` lines on stdout stay parseable. `disable` on non-main ranks."""
     try:
         from tqdm.auto import tqdm
     except ImportError:  # the bar is optional (the [train] lines carry the ETA)

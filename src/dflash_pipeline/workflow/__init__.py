@@ -1,6 +1,6 @@
 """The Snakemake side: params policy (what reruns a job), GPUs, accelerate launch topology, job logs, and the
-plan-time config problems of every stage (:mod:`.problems`). Names load on first use
-(``_OWNERS``: :func:`dflash_pipeline.core.faces.lazy_face`)."""
+plan-time config problems of every stage (`.problems`). Names load on first use
+(`_OWNERS`: `core.faces.lazy_face`)."""
 
 from dflash_pipeline.core.faces import lazy_face
 

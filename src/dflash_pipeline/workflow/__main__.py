@@ -1,4 +1,4 @@
-"""``python -m dflash_pipeline.workflow gpus|launch|tee ...`` (the rules' job wrappers)."""
+"""`python -m dflash_pipeline.workflow gpus|launch|tee ...` (the rules' job wrappers)."""
 
 import sys
 

@@ -1,14 +1,9 @@
-"""Shell entry points of per-shard rules: ``python -m dflash_pipeline.workflow.jobs tokenize ...``.
+"""Shell entry points of per-shard rules: `python -m dflash_pipeline.workflow.jobs tokenize ...`.
 
-A ``script:`` rule costs Snakemake a read of the script and three source-cache look-ups per job at plan
-time, about a quarter of a dry run over 10,000 shards (bench/bench_dag.py); a ``shell:`` rule costs none.
-So the rules run once per shard call these instead of a script. Each takes what the script took from the
-``snakemake`` object: the same params values (the rule keeps them as its rerun triggers), its input and
-output paths, its log (the same :func:`dflash_pipeline.workflow.policy.log_to`: the job's output in the
-log, its console lines on stderr).
-
-``generate_completions`` stays a script rule: its job reads the whole ``generation`` section, endpoints
-included, which would otherwise be printed in its command line.
+A `shell:` rule costs Snakemake nothing at plan time where a `script:` rule costs a quarter of a dry run
+over 10,000 shards (bench/bench_dag.py). Each command takes what the script took from the `snakemake`
+object: the same params values, input, output and log paths. `generate_completions` stays a script rule,
+so its endpoints never appear in a command line.
 """
 
 from __future__ import annotations
@@ -21,9 +16,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 
 def tokenize_args(tokens_cfg: Mapping[str, Any], chat_template: Optional[str], trust_remote_code: bool) -> str:
-    """The settings part of the ``tokenize`` command line, shell-quoted: ``--tokens JSON`` (key order kept,
-    so the job sees the dict the rule's ``params.tokens`` holds), ``--chat-template FILE`` when one is set,
-    ``--trust-remote-code`` when on."""
+    """The settings part of the `tokenize` command line, shell-quoted: `--tokens JSON`, `--chat-template FILE` when
+    one is set, `--trust-remote-code` when on."""
     args = ["--tokens", json.dumps(dict(tokens_cfg))]
     if chat_template is not None:
         args += ["--chat-template", str(chat_template)]
@@ -33,8 +27,8 @@ def tokenize_args(tokens_cfg: Mapping[str, Any], chat_template: Optional[str], t
 
 
 def tokenize(argv: Sequence[str]) -> int:
-    """``tokenize COMPLETION_SHARD TOKEN_SHARD --target DIR --tokens JSON [--chat-template F]
-    [--trust-remote-code] [--log LOG]``: :func:`dflash_pipeline.tokens.tokenize_shard` of one shard."""
+    """`tokenize COMPLETION_SHARD TOKEN_SHARD --target DIR --tokens JSON [--chat-template F]
+    [--trust-remote-code] [--log LOG]`: `tokens.tokenize_shard` of one shard."""
     p = argparse.ArgumentParser(
         prog="python -m dflash_pipeline.workflow.jobs tokenize",
         description="tokenize one completion shard into one token shard",
@@ -67,7 +61,7 @@ COMMANDS = {"tokenize": tokenize}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Dispatch ``COMMAND ARGS...``; 2 with a usage line for an unknown command."""
+    """Dispatch `COMMAND ARGS...`; 2 with a usage line for an unknown command."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:
         print(f"usage: python -m dflash_pipeline.workflow.jobs {{{','.join(COMMANDS)}}} ARGS...", file=sys.stderr)

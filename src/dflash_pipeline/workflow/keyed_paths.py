@@ -1,14 +1,7 @@
-"""Outputs keyed by what they are built from, so two configs in one checkout never undo each other.
-
-* The demo target (``target.path: demo``) is shared by every config of a checkout; its directory names the
-  settings it was built with (:func:`demo_target_dir`), so a config with other ``target.demo`` settings builds
-  its own instead of rebuilding the first one's in place.
-* The probe record holds the target's facts and one run's drafter decisions; it is per run
-  (:func:`probe_record_path`), so a run with another block size or depth in the same results directory never
-  rewrites the record another run's checkpoints were trained from.
-
-Both keep the paths of earlier releases where those still hold what the config asks for, so an existing
-results directory reruns nothing (tests/e2e/test_upgrade.py).
+"""Outputs keyed by what they are built from, so two configs in one checkout never undo each other: the
+demo target's directory names the settings it was built with (`demo_target_dir`), and the probe record is
+per run (`probe_record_path`). Existing results directories keep their paths where those still hold what
+the config asks for, so they rerun nothing (tests/e2e/test_upgrade.py).
 """
 
 from __future__ import annotations
@@ -21,24 +14,23 @@ from typing import Optional
 
 from dflash_pipeline.workflow.policy import as_json, canonical
 
-#: Where the demo target of the default demo settings lives (and every demo target built before the key).
+#: Where the demo target of the default demo settings lives.
 DEMO_TARGET_DIR = "resources/demo-target"
 #: The shipped demo target, relative to the workflow's directory: built once by
-#: :func:`dflash_pipeline.demo.build_demo_target` with the embedded config's ``target.demo`` settings and
-#: committed, so every machine runs the default demo on the same weights (a target trained on the user's CPU
-#: differs with the CPU's kernels, and so does everything downstream).
+#: `demo.build_demo_target` with the embedded config's `target.demo` settings and
+#: committed, so every machine runs the default demo on the same weights.
 SHIPPED_DEMO_TARGET = "data/demo-target"
 
 
 def params_digest(obj) -> str:
-    """First 10 hex digits of sha256 over the canonical JSON of ``obj`` (a path key for its parameters)."""
+    """First 10 hex digits of sha256 over the canonical JSON of `obj` (a path key for its parameters)."""
     return hashlib.sha256(as_json(canonical(obj)).encode("utf-8")).hexdigest()[:10]
 
 
 def recorded_demo_params(target_dir: str | os.PathLike) -> Optional[dict]:
-    """The ``target.demo`` settings a built demo target was made with, from its ``demo_target.json``: the
-    ``params`` it records, or for a target built before that key, those settings read back from its build
-    facts (``vocab_size`` asked = ``len_tokenizer`` − the two think tokens added on top). None when there is
+    """The `target.demo` settings a built demo target was made with, from its `demo_target.json`: the
+    `params` it records, or for a target built before that key, those settings read back from its build
+    facts (`vocab_size` asked = `len_tokenizer` − the two think tokens added on top). None when there is
     no readable build record."""
     path = Path(target_dir) / "demo_target.json"
     try:
@@ -60,8 +52,8 @@ def recorded_demo_params(target_dir: str | os.PathLike) -> Optional[dict]:
 
 
 def embedded_demo_settings(workflow_dir: str | os.PathLike) -> dict:
-    """``target.demo`` of the workflow's embedded default config (``<workflow_dir>/config/config.yaml``) with the
-    schema's defaults filled: the settings whose demo target keeps :data:`DEMO_TARGET_DIR`."""
+    """`target.demo` of the workflow's embedded default config (`<workflow_dir>/config/config.yaml`) with the
+    schema's defaults filled: the settings whose demo target keeps `DEMO_TARGET_DIR`."""
     import yaml
 
     from dflash_pipeline.core.config import schema_defaults
@@ -74,16 +66,16 @@ def embedded_demo_settings(workflow_dir: str | os.PathLike) -> dict:
 def demo_target_dir(
     demo: dict, default_demo: dict, *, root: str | os.PathLike = ".", shipped: str | os.PathLike | None = None
 ) -> str:
-    """Directory of the demo target with the ``target.demo`` settings ``demo`` (relative to ``root``, the
+    """Directory of the demo target with the `target.demo` settings `demo` (relative to `root`, the
     working directory), so two configs never rebuild each other's target:
 
-    * :data:`DEMO_TARGET_DIR` when the target there was built with ``demo`` (a results directory of an earlier
+    * `DEMO_TARGET_DIR` when the target there was built with `demo` (a results directory of an earlier
       release keeps the target its outputs were made from);
-    * ``shipped`` (the committed :data:`SHIPPED_DEMO_TARGET`, as the workflow resolves it) when it was built
-      with ``demo``: no rule builds it;
-    * :data:`DEMO_TARGET_DIR` when there is none there yet and ``demo`` are the default config's settings
-      ``default_demo`` (a checkout without the shipped target builds it);
-    * else ``resources/demo-target-<digest of demo>`` (:func:`params_digest`).
+    * `shipped` (the committed `SHIPPED_DEMO_TARGET`, as the workflow resolves it) when it was built
+      with `demo`: no rule builds it;
+    * `DEMO_TARGET_DIR` when there is none there yet and `demo` are the default config's settings
+      `default_demo` (a checkout without the shipped target builds it);
+    * else `resources/demo-target-<digest of demo>` (`params_digest`).
     """
     legacy = Path(root) / DEMO_TARGET_DIR
     recorded = recorded_demo_params(legacy) if legacy.exists() else None
@@ -100,9 +92,9 @@ def demo_target_dir(
 
 
 def probe_matches(record: dict, drafter: dict) -> bool:
-    """Whether a probe record's drafter decisions are those the ``drafter`` config section asks for: equal
+    """Whether a probe record's drafter decisions are those the `drafter` config section asks for: equal
     block size and depth, explicit layer ids / mask id equal and recorded as explicit, and left-null ones
-    resolved by the defaults (K = ``num_target_features`` or ``num_draft_layers`` layer ids by the formula)."""
+    resolved by the defaults (K = `num_target_features` or `num_draft_layers` layer ids by the formula)."""
     d = record.get("drafter") or {}
     ids, src = d.get("target_layer_ids") or [], str(d.get("target_layer_ids_source", ""))
     if d.get("block_size") != drafter["block_size"] or d.get("num_draft_layers") != drafter["num_draft_layers"]:
@@ -119,10 +111,8 @@ def probe_matches(record: dict, drafter: dict) -> bool:
 
 
 def probe_record_path(results: str, run: str, drafter: dict, *, root: str | os.PathLike = ".") -> str:
-    """The probe record of run ``run``: ``<results>/probe/<run>.json`` (the target's facts and this run's
-    drafter decisions, so another run in the same results directory never rewrites it), or the shared
-    ``<results>/probe/target.json`` of earlier releases while it holds this run's decisions
-    (:func:`probe_matches`), so an existing results directory reruns nothing."""
+    """The probe record of run `run`: `<results>/probe/<run>.json`, or the shared `<results>/probe/target.json` while
+    it holds this run's decisions (`probe_matches`), so an existing results directory reruns nothing."""
     legacy = Path(root) / results / "probe" / "target.json"
     try:
         record = json.loads(legacy.read_text(encoding="utf-8"))

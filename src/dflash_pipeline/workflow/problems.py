@@ -1,14 +1,8 @@
 """Every problem of a config, found at plan time: the schema's, then each stage's cross-field checks.
 
-The Snakefile calls :func:`problems` before Snakemake's ``validate``, so ``snakemake -n`` names every
-problem (one line each, config key first) in seconds instead of a job failing hours later. The schema and
-its defaults are :mod:`dflash_pipeline.core.config`'s; the checks gathered here read the stages that own
-them (the language block: :func:`dflash_pipeline.prompts.language_problems`; generation:
-:func:`dflash_pipeline.core.config.generation_problems`; block sizes:
-:func:`dflash_pipeline.drafter.block_size.resolve_block_size`; the target's files:
-:func:`dflash_pipeline.target.chat.tokenizer_files_missing`; the target's architecture:
-:func:`dflash_pipeline.probe.checks.raw_config_refusal`), which is why this lives above the stages and
-not in core (core imports no other package).
+The Snakefile calls `problems` before Snakemake's `validate`, so `snakemake -n` names every problem (one
+line each, config key first). The checks live in the stages that own them and are gathered here, above
+the stages (core imports no other package).
 """
 
 from __future__ import annotations
@@ -26,9 +20,8 @@ from dflash_pipeline.target.chat import tokenizer_files_missing
 
 
 def language_block_problems(cfg: Mapping[str, Any]) -> list[str]:
-    """Problems of the language block (``prompts.languages``, ``prompts.min_language_confidence`` and the
-    per-source ``languages``/``min_language_confidence``) of a validated config: codes the language filter
-    does not know, confidences out of range. Imports the prompts stage only when a filter is configured."""
+    """Problems of the language block of a validated config: codes the language filter does not know, confidences out
+    of range. Imports the prompts stage only when a filter is configured."""
     if not cfg["prompts"].get("languages") and not any(
         src.get("languages") is not None or src.get("min_language_confidence") is not None
         for src in cfg["datasets"].values()
@@ -40,10 +33,8 @@ def language_block_problems(cfg: Mapping[str, Any]) -> list[str]:
 
 
 def cross_field_problems(cfg: Mapping[str, Any], *, base_dir: str | Path | None = None) -> list[str]:
-    """Problems of a validated config that no single key shows, one line each: files that must exist (the
-    target and its tokenizer, the chat template, local dataset and eval set paths, resolved against
-    ``base_dir`` like the workflow does), no dataset, an eval block size above the trained one,
-    :func:`generation_problems` and :func:`language_block_problems`."""
+    """Problems of a validated config that no single key shows, one line each: files that must exist, no dataset, an
+    eval block size above the trained one, `generation_problems` and `language_block_problems`."""
     out = []
     path = cfg["target"]["path"]
     if path != "demo" and not (Path(path) / "config.json").is_file():
@@ -100,12 +91,11 @@ def cross_field_problems(cfg: Mapping[str, Any], *, base_dir: str | Path | None 
 
 
 def target_architecture_problems(target_dir: str | Path) -> list[str]:
-    """The probe's refusal of the target's architecture, read from ``<target_dir>/config.json`` alone
-    (:func:`dflash_pipeline.probe.checks.raw_config_refusal`: attention-free, looped layers, per-layer
-    sizes, no context length …), as one ``target.path`` line; [] when the probe would not refuse it there.
+    """The probe's refusal of the target's architecture, read from `<target_dir>/config.json` alone, as one
+    `target.path` line; [] when the probe would not refuse it there.
 
     The probe rule runs the same check, but completions do not wait for it (the probe record is not their
-    input, so that upgrading never reruns them): refusing at plan time stops ``snakemake`` before the first
+    input, so that upgrading never reruns them): refusing at plan time stops `snakemake` before the first
     completion is requested. Imports no transformers (planning stays fast)."""
     from dflash_pipeline.probe.checks import raw_config_refusal
 
@@ -116,16 +106,10 @@ def target_architecture_problems(target_dir: str | Path) -> list[str]:
 
 
 def probe_gate_problems(cfg: Mapping[str, Any], probe_record: str | Path) -> list[str]:
-    """The probe's config-only checks (:func:`dflash_pipeline.probe.check_target_config`) of a local target
-    that has no probe record yet, or one older than its ``config.json``: one ``target.path`` line when the
-    probe would refuse it (reasons that need the config class, beyond :func:`target_architecture_problems`:
-    a layer count the class derives, a drafter it cannot size, a rotary vLLM would serve differently). []
-    for the demo target and for a target the probe record already accepted (then nothing is imported:
-    planning an existing run stays fast; the first plan of a target pays the transformers import, ~2 s).
-
-    The Snakefile raises it while planning, before any job: completions do not wait for the probe job (its
-    record is not their input, so upgrading never reruns them), and a refused target must not cost a
-    generation pass first."""
+    """The probe's config-only checks (`probe.check_target_config`) of a local target without a probe
+    record, or with one older than its `config.json`: one `target.path` line when the probe would refuse it.
+    [] for the demo target and for a target its probe record accepted (nothing imported then). The Snakefile
+    raises it while planning: a refused target must not cost a generation pass first."""
     from dflash_pipeline.core.errors import ConfigError, ProbeError
 
     path = cfg["target"]["path"]
@@ -197,11 +181,11 @@ def training_problems(cfg: Mapping[str, Any]) -> list[str]:
 
 
 def problems(config: Mapping[str, Any], *, base_dir: str | Path | None = None) -> list[str]:
-    """Every problem of ``config`` (as loaded, defaults not filled), one line each; empty when none.
+    """Every problem of `config` (as loaded, defaults not filled), one line each; empty when none.
 
-    The schema's problems (:func:`schema_problems`) first; only when there are none, the
-    :func:`cross_field_problems` of the validated config (they need the defaults). The Snakefile calls
-    this before Snakemake's ``validate``, so ``snakemake -n`` fails in seconds on settings that would
+    The schema's problems (`schema_problems`) first; only when there are none, the
+    `cross_field_problems` of the validated config (they need the defaults). The Snakefile calls
+    this before Snakemake's `validate`, so `snakemake -n` fails in seconds on settings that would
     otherwise fail hours later.
     """
     found = schema_problems(config)

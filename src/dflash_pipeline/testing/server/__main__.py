@@ -1,4 +1,4 @@
-"""``python -m dflash_pipeline.testing.server``: the test server's command line (:func:`.cli.main`)."""
+"""`python -m dflash_pipeline.testing.server`: the test server's command line (`.cli.main`)."""
 
 import sys
 

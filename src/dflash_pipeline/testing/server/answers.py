@@ -1,8 +1,8 @@
 """How the test server answers: canned answers computed from the request, or greedy generation with the
-tiny target (:class:`TargetModel`); and the ``(text, token ids)`` of a completions prompt.
+tiny target (`TargetModel`); and the `(text, token ids)` of a completions prompt.
 
 Canned answers count one "token" per whitespace-separated word; their token ids are fake but stable
-(:func:`fake_id`), ending in id 2 when the answer stopped rather than hit ``max_tokens``.
+(`fake_id`), ending in id 2 when the answer stopped rather than hit `max_tokens`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def fake_id(word: str) -> int:
 
 def split_think(text: str) -> tuple[str | None, str]:
     """Split generated text into (reasoning, content) like a Qwen3 reasoning parser (the pipeline's own
-    :func:`dflash_pipeline.completions.split_reasoning`)."""
+    `completions.split_reasoning`)."""
     from ...completions import split_reasoning
 
     return split_reasoning(text)
@@ -52,15 +52,15 @@ class TargetModel:
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else eos[0]
 
     def answer(self, messages: list[dict], template_kwargs: dict, max_tokens: int):
-        """Greedy answer to ``messages`` rendered with the target's chat template (``template_kwargs`` =
-        the request's ``chat_template_kwargs``): ``(text, finish_reason, prompt ids, output ids)``."""
+        """Greedy answer to `messages` rendered with the target's chat template (`template_kwargs` =
+        the request's `chat_template_kwargs`): `(text, finish_reason, prompt ids, output ids)`."""
         msgs = [{k: v for k, v in m.items() if v is not None} for m in messages]
         text = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **template_kwargs)
         ids = self.tok(text, add_special_tokens=False)["input_ids"]
         return self.complete(ids, max_tokens)
 
     def complete(self, ids: list[int], max_tokens: int):
-        """Greedy continuation of prompt ``ids``: ``(text, finish_reason, ids, output ids)``."""
+        """Greedy continuation of prompt `ids`: `(text, finish_reason, ids, output ids)`."""
         with self.torch.inference_mode():
             out = self.model.generate(
                 self.torch.tensor([ids]),
@@ -79,9 +79,9 @@ class TargetModel:
 
 
 def canned_chat(messages: list[dict], kwargs: dict, max_tokens: int, *, reasoning: bool):
-    """Canned chat answer ``"Answer <n> to: <last user message>"`` (n = user turns): ``(reasoning, content,
-    finish_reason, prompt ids, output ids)``; with ``reasoning`` a thought unless ``kwargs`` (the
-    request's ``chat_template_kwargs``) disable thinking."""
+    """Canned chat answer `"Answer <n> to: <last user message>"` (n = user turns): `(reasoning, content,
+    finish_reason, prompt ids, output ids)`; with `reasoning` a thought unless `kwargs` (the
+    request's `chat_template_kwargs`) disable thinking."""
     n_user = sum(1 for m in messages if m.get("role") == "user")
     words = f"Answer {n_user} to: {last_user(messages)}".split()
     finish = "stop"
@@ -96,19 +96,18 @@ def canned_chat(messages: list[dict], kwargs: dict, max_tokens: int, *, reasonin
 
 
 def canned_tool_call(messages: list[dict], tools: list[dict], n: int) -> list[dict]:
-    """The canned tool call of a request that offers ``tools`` and ends with a user turn: the first tool, called
-    with ``{"query": <last user message>}`` (arguments as JSON text, id ``call_<n>_0`` for request ``n``), as an
-    OpenAI ``tool_calls`` list."""
+    """The canned tool call of a request that offers `tools` and ends with a user turn: the first tool, called with
+    `{"query": <last user message>}`, as an OpenAI `tool_calls` list."""
     name = (tools[0].get("function") or tools[0])["name"]
     args = json.dumps({"query": last_user(messages)}, ensure_ascii=False)
     return [{"id": f"call_{n}_0", "type": "function", "function": {"name": name, "arguments": args}}]
 
 
 def tool_turn_ids(tok, messages: list[dict], tools: list[dict], calls: list[dict], kwargs: dict) -> list[int]:
-    """The output ids of an assistant turn that makes ``calls``, as the chat template writes it (``tok``'s
-    template, ``tools`` and ``kwargs`` as the request sends them): the render of the conversation with the turn,
+    """The output ids of an assistant turn that makes `calls`, as the chat template writes it (`tok`'s
+    template, `tools` and `kwargs` as the request sends them): the render of the conversation with the turn,
     less the render of the prompt, without the whitespace after the end-of-turn token (Qwen3:
-    ``<tool_call>\n{...}\n</tool_call><|im_end|>``, the added tokens as the model emits them)."""
+    `<tool_call>\n{...}\n</tool_call><|im_end|>`, the added tokens as the model emits them)."""
     msgs = [{k: v for k, v in m.items() if v is not None} for m in messages]
     prompt = tok.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs)
     turn = {"role": "assistant", "content": "", "tool_calls": [_parsed_args(c) for c in calls]}
@@ -126,9 +125,8 @@ def _parsed_args(call: dict) -> dict:
 
 
 def canned_text(prompt: str, max_tokens: int, wrong: bool, *, reasoning: bool) -> tuple[str, str, list[int]]:
-    """Canned continuation of a raw prompt: ``(text, finish_reason, output ids)``; one "token" per
-    whitespace-separated piece (whitespace kept, so a cut inside the think block looks like one).
-    ``wrong`` (or ``reasoning``, unless the prompt ends with ``</think>``) puts a think block first."""
+    """Canned continuation of a raw prompt: `(text, finish_reason, output ids)`; one "token" per whitespace-separated
+    piece. `wrong` (or `reasoning`, unless the prompt ends with `</think>`) puts a think block first."""
     digest = hashlib.sha256(prompt.encode("utf-8")).hexdigest()[:8]
     answer = f"Completion {digest} of a {len(prompt.split())}-word prompt."
     tail = prompt.rstrip()
@@ -145,8 +143,8 @@ def canned_text(prompt: str, max_tokens: int, wrong: bool, *, reasoning: bool) -
 
 
 def prompt_of(prompt: Any, tok) -> tuple[str, list[int]]:
-    """``(text, token ids)`` of a completions ``prompt``: a string (tokenized with special tokens, as
-    vLLM/SGLang do) or a list of token ids (decoded verbatim), with tokenizer ``tok`` (None: fake ids
+    """`(text, token ids)` of a completions `prompt`: a string (tokenized with special tokens, as
+    vLLM/SGLang do) or a list of token ids (decoded verbatim), with tokenizer `tok` (None: fake ids
     for a string, the ids themselves as text). Raises ValueError on anything else."""
     if isinstance(prompt, str):
         if tok is not None:

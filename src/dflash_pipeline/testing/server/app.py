@@ -1,6 +1,6 @@
-"""The test server itself (:class:`TestServer`): its lifecycle (a background thread or the caller's event
-loop) and the HTTP handlers of ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``,
-``/health``, ``/metrics`` and ``/stats`` (the package docstring has the behaviour)."""
+"""The test server itself (`TestServer`): its lifecycle (a background thread or the caller's event
+loop) and the HTTP handlers of `/v1/models`, `/v1/chat/completions`, `/v1/completions`,
+`/health`, `/metrics` and `/stats` (the package docstring has the behaviour)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from .stats import ServerStats, conversation_key, first_user
 
 #: Model id served when none is given.
 DEFAULT_MODEL_NAME = "test-model"
-#: Answer shapes the server can give (``TestServer(flavor=...)``).
+#: Answer shapes the server can give (`TestServer(flavor=...)`).
 FLAVORS = ("vllm", "sglang", "sglang-legacy")
 
 
@@ -38,31 +38,21 @@ class TestServer:
 
     Args:
         target_dir: serve the tiny target at this path (greedy); None = canned answers.
-        model_name: id listed by ``/v1/models`` and echoed in answers.
-        faults: the fault plan (mutable while running; see :class:`Faults`).
-        reasoning: canned mode only: act like a thinking model behind a reasoning parser (on
-            ``/v1/completions``: write a ``<think>`` block into the text).
-        tokenizer_dir: canned mode: decode token-id prompts of ``/v1/completions`` with this tokenizer.
-        reasoning_field: response field that carries reasoning (``reasoning_content`` as SGLang and
-            older vLLM, ``reasoning`` as newer vLLM).
-        api_key: if set, requests without ``Authorization: Bearer <api_key>`` get 401.
+        model_name: id listed by `/v1/models` and echoed in answers.
+        faults: the fault plan (`Faults`, mutable while running).
+        reasoning: canned mode: act like a thinking model behind a reasoning parser.
+        tokenizer_dir: canned mode: decode token-id prompts of `/v1/completions` with this tokenizer.
+        reasoning_field: `reasoning_content` (SGLang, older vLLM) or `reasoning` (newer vLLM).
+        api_key: if set, requests without `Authorization: Bearer <api_key>` get 401.
         port: TCP port (0 = a free one).
-        host: address to bind (``0.0.0.0`` = every interface; :attr:`base_url` then names 127.0.0.1).
-        spec_accept_length: act like an engine with a drafter loaded that reports this acceptance
-            length (canned speculative metrics; see the module docstring). None = no such metrics.
-        spec_meta_info: with ``spec_accept_length``, also put ``meta_info`` in each answer (SGLang);
-            False = counters on ``/metrics`` only (vLLM). Flavor vllm only (the sglang flavors answer
-            ``meta_info`` per choice when the request asks, as SGLang does).
-        flavor: answer shapes: ``vllm`` (token ids as vLLM returns them), ``sglang`` (SGLang's shapes and
-            streaming, :mod:`.sglang`), ``sglang-legacy`` (an SGLang before PR #30917: no token ids).
-        spec_block_size: sglang flavors: the drafter's block size (SGLang's ``--speculative-num-draft-tokens``)
-            of the ``spec_*`` histograms.
-        return_input_ids, return_output_ids: sglang flavor: put the ids in every answer's ``sglext``, as
-            SGLang's ``--return-input-ids`` / ``--return-output-ids`` do.
-        spec_long_context: ``(prompt tokens, τ)``: answers to prompts of at least that many tokens report
-            this acceptance length instead of ``spec_accept_length`` (acceptance collapsing at long context,
-            vllm-ascend#15237), in ``meta_info`` and in the counters alike.
-    """
+        host: address to bind (`base_url` names 127.0.0.1 for `0.0.0.0`).
+        spec_accept_length: report this acceptance length as an engine with a drafter; None = no metrics.
+        spec_meta_info: with `spec_accept_length`, also `meta_info` in each answer (flavor vllm only).
+        flavor: `vllm`, `sglang` (`.sglang`) or `sglang-legacy` (no token ids).
+        spec_block_size: sglang flavors: the block size of the `spec_*` histograms.
+        return_input_ids, return_output_ids: sglang flavor: ids in every answer's `sglext`.
+        spec_long_context: `(prompt tokens, τ)`: longer prompts report this τ instead (acceptance
+            collapsing at long context, vllm-ascend#15237)."""
 
     __test__ = False  # not a pytest test class
 
@@ -115,8 +105,7 @@ class TestServer:
     # -- lifecycle ------------------------------------------------------------------------------
     @property
     def base_url(self) -> str:
-        """``http://<host>:<port>/v1`` (what a client passes as ``base_url``; 127.0.0.1 when bound to
-        every interface)."""
+        """`http://<host>:<port>/v1`."""
         host = "127.0.0.1" if self.host in ("", "0.0.0.0", "::") else self.host
         return f"http://[{host}]:{self.port}/v1" if ":" in host else f"http://{host}:{self.port}/v1"
 
@@ -131,7 +120,7 @@ class TestServer:
         return app
 
     async def start_async(self) -> None:
-        """Start serving on the running loop (used by the CLI and by :meth:`start`)."""
+        """Start serving on the running loop (used by the CLI and by `start`)."""
         if self.target_dir is not None and self._target is None:
             self._target = TargetModel(self.target_dir)
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="test-server-gen")
@@ -254,9 +243,8 @@ class TestServer:
         return web.Response(text="\n".join(lines) + "\n")
 
     def stats_json(self) -> dict[str, Any]:
-        """What ``GET /stats`` answers: every :class:`ServerStats` counter (statuses keyed by their string),
-        ``by_prompt`` and ``by_conversation`` as ``{key: requests}`` in first-arrival order, and ``dead``
-        (``die_after`` reached). Request bodies are left out."""
+        """What `GET /stats` answers: every `ServerStats` counter (statuses keyed by their string), `by_prompt` and
+        `by_conversation` as `{key: requests}` in first-arrival order, and `dead` (`die_after` reached)."""
         s = self.stats
         return {
             "model": self.model_name,
@@ -279,11 +267,11 @@ class TestServer:
         return web.json_response(self.stats_json(), dumps=lambda o: json.dumps(o, ensure_ascii=False))
 
     def _fault_of(self, n: int) -> str | None:
-        """What the fault plan does to generation request ``n`` (:meth:`Faults.fault_of`)."""
+        """What the fault plan does to generation request `n` (`Faults.fault_of`)."""
         return self.faults.fault_of(n)
 
     def _accept_length(self, num_prompt_tokens: int) -> float:
-        """The acceptance length this server reports for a prompt of ``num_prompt_tokens`` tokens."""
+        """The acceptance length this server reports for a prompt of `num_prompt_tokens` tokens."""
         if self.spec_long_context is not None and num_prompt_tokens >= self.spec_long_context[0]:
             return float(self.spec_long_context[1])
         return self.spec_accept_length
@@ -301,7 +289,7 @@ class TestServer:
         return web.json_response(resp)
 
     def _admit(self, request: web.Request, *, completions: bool) -> tuple[int, web.Response | None]:
-        """Number and count a generation request: ``(n, refusal)``, the refusal being a dropped connection
+        """Number and count a generation request: `(n, refusal)`, the refusal being a dropped connection
         once the server is dead (not counted) or a 401 for a wrong API key (None: go on)."""
         if self._dead():
             return 0, drop(request)
@@ -315,7 +303,7 @@ class TestServer:
         return stats.chat_requests, denied
 
     async def _faulted(self, request: web.Request, n: int, marked_text: str) -> web.StreamResponse | None:
-        """The fault plan's answer to generation request ``n``, else the one a marker in ``marked_text``
+        """The fault plan's answer to generation request `n`, else the one a marker in `marked_text`
         forces (None: answer normally)."""
         faulted = await inject_faults(request, n, self.faults, self.stats, self._stopping)
         if faulted is not None:
@@ -325,9 +313,9 @@ class TestServer:
     async def _admitted_json(
         self, request: web.Request, field: str, parse: Callable[[Any], Any], *, completions: bool
     ) -> tuple[int, dict, Any, web.StreamResponse | None]:
-        """Admit generation request ``request`` (:meth:`_admit`), read its JSON body and ``parse(body[field])``:
-        ``(n, body, parsed, None)``, else ``(n, {}, None, answer)`` with the refusal, or a counted 400 when the
-        body is not JSON or ``field`` does not parse (the completions' message also says why)."""
+        """Admit generation request `request` (`_admit`), read its JSON body and `parse(body[field])`: `(n, body,
+        parsed, None)`, else `(n, {}, None, answer)` with the refusal, or a counted 400 when the body is not JSON or
+        `field` does not parse."""
         n, refused = self._admit(request, completions=completions)
         if refused is not None:
             return n, {}, None, refused
@@ -399,10 +387,9 @@ class TestServer:
         return self._finish(resp, out_ids)
 
     def _tool_call_answer(self, n: int, body: dict, messages: list, tools: list, kwargs: dict) -> web.Response:
-        """Canned mode, a request that offers ``tools`` and ends with a user turn: the answer calls the first tool
-        (:func:`.answers.canned_tool_call`), ``finish_reason: tool_calls``, as a server with a tool-call parser
-        answers. Output ids: with a tokenizer, the template's render of the call (:func:`.answers.tool_turn_ids`),
-        else fake ones; returned as the flavor returns ids."""
+        """Canned mode, a request that offers `tools` and ends with a user turn: the answer calls the first tool,
+        `finish_reason: tool_calls`, as a server with a tool-call parser answers. Output ids: with a tokenizer, the
+        template's render of the call, else fake ones; returned as the flavor returns ids."""
         from .answers import fake_id, tool_turn_ids
 
         calls = canned_tool_call(messages, tools, n)
@@ -473,14 +460,14 @@ class TestServer:
         return self.flavor == "sglang-legacy"
 
     def _spec_figures(self, out_ids: list[int], num_prompt_tokens: int) -> dict | None:
-        """Count one answer's speculative decoding (when configured) and return SGLang's ``spec_*`` figures."""
+        """Count one answer's speculative decoding (when configured) and return SGLang's `spec_*` figures."""
         if self.spec_accept_length is None or not out_ids:
             return None
         verify = self.stats.count_spec_decode(len(out_ids), self._accept_length(num_prompt_tokens))
         return sg.spec_meta_info(len(out_ids), verify, self.spec_block_size)
 
     async def _send(self, request: web.Request, resp: dict, events: list[bytes] | None) -> web.StreamResponse:
-        """Count an answer and send it: the JSON ``resp``, or the server-sent ``events`` of a streamed one."""
+        """Count an answer and send it: the JSON `resp`, or the server-sent `events` of a streamed one."""
         self.stats.statuses[200] += 1
         self.stats.answered += 1
         if events is not None:
@@ -499,7 +486,7 @@ class TestServer:
         prompt_ids: list[int],
         out_ids: list[int],
     ) -> web.StreamResponse:
-        """A chat answer in SGLang's shapes: ids per choice and in ``sglext``, ``meta_info``, or a stream."""
+        """A chat answer in SGLang's shapes: ids per choice and in `sglext`, `meta_info`, or a stream."""
         choice = sg.matched_choice(resp, finish, out_ids)
         if body.get("return_prompt_token_ids") or (body.get("return_token_ids") and not self._legacy):
             choice["prompt_token_ids"] = prompt_ids
@@ -537,7 +524,7 @@ class TestServer:
         prompt_ids: list[int],
         out_ids: list[int],
     ) -> web.StreamResponse:
-        """A completion in SGLang's shapes: both id lists in the choice (``return_token_ids``), or a stream."""
+        """A completion in SGLang's shapes: both id lists in the choice (`return_token_ids`), or a stream."""
         choice = sg.matched_choice(resp, finish, out_ids)
         with_ids = bool(body.get("return_token_ids")) and not self._legacy
         if with_ids:
@@ -562,7 +549,7 @@ class TestServer:
     def _envelope(
         self, id_prefix: str, obj: str, n: int, body: dict, choice: dict, prompt_ids: list[int], out_ids: list[int]
     ) -> dict[str, Any]:
-        """The OpenAI response around one choice (``id``, ``object``, ``model``, ``usage`` in tokens)."""
+        """The OpenAI response around one choice (`id`, `object`, `model`, `usage` in tokens)."""
         return {
             "id": f"{id_prefix}-{n}",
             "object": obj,
@@ -579,7 +566,7 @@ class TestServer:
 
 @contextlib.contextmanager
 def start_test_server(**kwargs) -> Iterator[TestServer]:
-    """Run a :class:`TestServer` (same keyword arguments) for the duration of a ``with`` block."""
+    """Run a `TestServer` (same keyword arguments) for the duration of a `with` block."""
     server = TestServer(**kwargs).start()
     try:
         yield server

@@ -1,6 +1,6 @@
-"""The test server's command line: ``python -m dflash_pipeline.testing.server --help`` (:func:`main`).
+"""The test server's command line: `python -m dflash_pipeline.testing.server --help` (`main`).
 
-One flag per field of :class:`Faults` (same name, its default), in three argument groups: server
+One flag per field of `Faults` (same name, its default), in three argument groups: server
 (address, port file, API key), answers (canned or target mode, reasoning, speculative metrics) and
 faults.
 """
@@ -21,8 +21,8 @@ from .faults import Faults, faults_summary
 
 
 def _checked(name: str, convert, ok, what: str):
-    """An argparse ``type`` called ``name``: ``convert(text)`` when ``ok`` of it, else ArgumentTypeError
-    "must be ``what``" (argparse reports a failed ``convert`` as "invalid ``name`` value")."""
+    """An argparse `type` called `name`: `convert(text)` when `ok` of it, else ArgumentTypeError
+    "must be `what`" (argparse reports a failed `convert` as "invalid `name` value")."""
 
     def parse(text: str):
         value = convert(text)
@@ -64,7 +64,7 @@ example: a server that fails every 5th request with 429 (Retry-After: 2) and ans
 
 
 def _parser() -> argparse.ArgumentParser:
-    """The CLI's parser: the server, answers and faults argument groups (epilog :data:`_CLI_EPILOG`)."""
+    """The CLI's parser: the server, answers and faults argument groups (epilog `_CLI_EPILOG`)."""
     ap = argparse.ArgumentParser(
         prog="python -m dflash_pipeline.testing.server",
         description=sys.modules[__package__].__doc__.split("\n")[0],  # the package docstring's summary
@@ -187,8 +187,8 @@ def _add_answer_flags(ans: argparse._ArgumentGroup) -> None:
     )
 
 
-#: The drops, hangs, failures, delay and crash of :class:`Faults`: flag -> (type, metavar, help). A flag names
-#: its field (``--drop-first``: ``drop_first``), whose value in the defaults is the flag's default.
+#: The drops, hangs, failures, delay and crash of `Faults`: flag -> (type, metavar, help). A flag names
+#: its field (`--drop-first`: `drop_first`), whose value in the defaults is the flag's default.
 _FAULT_PLAN_FLAGS = {
     "--delay-s": (
         _seconds,
@@ -261,14 +261,14 @@ _FAULT_PLAN_FLAGS = {
 
 
 def _add_fault_plan_flags(flt: argparse._ArgumentGroup, d: Faults) -> None:
-    """The drops, hangs, failures, delay and crash of :class:`Faults` (:data:`_FAULT_PLAN_FLAGS`; defaults from
-    ``d``)."""
+    """The drops, hangs, failures, delay and crash of `Faults` (`_FAULT_PLAN_FLAGS`; defaults from
+    `d`)."""
     for flag, (kind, metavar, text) in _FAULT_PLAN_FLAGS.items():
         flt.add_argument(flag, type=kind, default=getattr(d, flag[2:].replace("-", "_")), metavar=metavar, help=text)
 
 
 def _add_marker_flags(flt: argparse._ArgumentGroup, d: Faults) -> None:
-    """The marker strings of :class:`Faults` that force a 400, wrong content or a malformed body."""
+    """The marker strings of `Faults` that force a 400, wrong content or a malformed body."""
     flt.add_argument(
         "--bad-request-marker",
         default=d.bad_request_marker,
@@ -293,7 +293,7 @@ def _add_marker_flags(flt: argparse._ArgumentGroup, d: Faults) -> None:
     )
 
 
-#: TestServer's arguments whose flag has the same name (``--reasoning-field`` → ``reasoning_field``).
+#: TestServer's arguments whose flag has the same name (`--reasoning-field` → `reasoning_field`).
 _SAME_NAMED = (
     "model_name reasoning reasoning_field port host spec_accept_length flavor spec_block_size return_input_ids"
     " return_output_ids"
@@ -301,7 +301,7 @@ _SAME_NAMED = (
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: serve until SIGINT/SIGTERM. Prints ``READY <base_url>`` on stdout once listening."""
+    """CLI: serve until SIGINT/SIGTERM. Prints `READY <base_url>` on stdout once listening."""
     args = _parser().parse_args(argv)
     api_key = os.environ[args.api_key_env] if args.api_key_env else None
     faults = Faults(**{f.name: getattr(args, f.name) for f in fields(Faults)})  # one flag per field
@@ -318,9 +318,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _serve(server: TestServer, args: argparse.Namespace) -> None:
-    """Start ``server``, write ``--port-file`` (atomically), print READY (stdout) and the plan (stderr),
-    then serve until SIGINT/SIGTERM. The signal handlers are installed before the server is announced: a
-    SIGTERM sent as soon as READY (or the port file) appears stops it cleanly (exit 0), never kills it."""
+    """Start `server`, write `--port-file` (atomically), print READY (stdout) and the plan (stderr), then serve until
+    SIGINT/SIGTERM (handlers installed before READY, so an early SIGTERM exits 0)."""
     done = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,9 +1,8 @@
-"""The test server's fault plan (:class:`Faults`) and how it answers a generation request.
+"""The test server's fault plan (`Faults`) and how it answers a generation request.
 
-Generation requests (chat and completions, counted together) are numbered 1, 2, … in order of arrival;
-:meth:`Faults.fault_of` says which of them the plan drops, hangs or fails, :func:`inject_faults` gives
-that answer (or waits ``delay_s``), and :func:`marker_response` the 400 or malformed 200 that a marker
-string in the prompt forces (the package docstring has the whole behaviour).
+Generation requests (chat and completions, counted together) are numbered 1, 2, … in order of arrival; `Faults.fault_of`
+says which of them the plan drops, hangs or fails, `inject_faults` gives that answer (or waits `delay_s`), and
+`marker_response` the 400 or malformed 200 that a marker string in the prompt forces.
 """
 
 from __future__ import annotations
@@ -19,9 +18,9 @@ from .stats import ServerStats
 
 @dataclass
 class Faults:
-    """Fault plan of a :class:`TestServer` (counts are numbers of chat + completions requests, in arrival
-    order; times in seconds). ``*_first`` take consecutive requests from the start (drops, then hangs,
-    then failures); ``*_every = N`` (0 = off) takes every later request whose number is a multiple of N
+    """Fault plan of a `TestServer` (counts are numbers of chat + completions requests, in arrival
+    order; times in seconds). `*_first` take consecutive requests from the start (drops, then hangs,
+    then failures); `*_every = N` (0 = off) takes every later request whose number is a multiple of N
     (drop before hang before fail)."""
 
     drop_first: int = 0
@@ -40,7 +39,7 @@ class Faults:
     malformed_marker: str = "[[MALFORMED]]"
 
     def fault_of(self, n: int) -> str | None:
-        """``"drop"``, ``"hang"``, ``"fail"`` or None: what the plan does to generation request ``n``."""
+        """`"drop"`, `"hang"`, `"fail"` or None: what the plan does to generation request `n`."""
         if n <= self.drop_first:
             return "drop"
         if n <= self.drop_first + self.hang_first:
@@ -54,14 +53,14 @@ class Faults:
 
 
 def faults_summary(faults: Faults) -> str:
-    """The fields of ``faults`` that differ from the defaults, as ``name=value`` (``none`` if all do not)."""
+    """The fields of `faults` that differ from the defaults, as `name=value` (`none` if all do not)."""
     default = Faults()
     changed = [f"{k}={v!r}" for k, v in vars(faults).items() if getattr(default, k) != v]
     return " ".join(changed) or "none"
 
 
 def drop(request: web.Request) -> web.Response:
-    """Abort ``request``'s connection: the client gets no answer (the response returned never reaches it)."""
+    """Abort `request`'s connection: the client gets no answer (the response returned never reaches it)."""
     if request.transport is not None:
         request.transport.abort()
     return web.Response(status=500)  # never reaches the client: the connection is gone
@@ -70,9 +69,9 @@ def drop(request: web.Request) -> web.Response:
 async def inject_faults(
     request: web.Request, n: int, faults: Faults, stats: ServerStats, stopping: asyncio.Event
 ) -> web.StreamResponse | None:
-    """The fault plan's answer to generation request number ``n`` (None: answer normally, after
-    ``faults.delay_s`` seconds). Hangs and delays end early once ``stopping`` is set. Counts the fault in
-    ``stats.statuses`` (``"dropped"``, ``"hung"`` or the failure status)."""
+    """The fault plan's answer to generation request number `n` (None: answer normally, after
+    `faults.delay_s` seconds). Hangs and delays end early once `stopping` is set. Counts the fault in
+    `stats.statuses` (`"dropped"`, `"hung"` or the failure status)."""
     fault = faults.fault_of(n)
     if fault == "drop":
         stats.statuses["dropped"] += 1
@@ -97,8 +96,8 @@ async def inject_faults(
 
 
 def marker_response(text: str, faults: Faults, stats: ServerStats) -> web.Response | None:
-    """A 400 or a malformed 200 forced by a marker in ``text`` (None: no such marker); counted in
-    ``stats.statuses``."""
+    """A 400 or a malformed 200 forced by a marker in `text` (None: no such marker); counted in
+    `stats.statuses`."""
     if faults.bad_request_marker and faults.bad_request_marker in text:
         stats.statuses[400] += 1
         return web.json_response(

@@ -1,30 +1,19 @@
-"""SGLang's answer shapes for the test server (``TestServer(flavor="sglang")``), as SGLang's OpenAI layer
-gives them (sgl-project/sglang ``python/sglang/srt/entrypoints/openai/``: ``protocol.py``,
-``serving_chat.py``, ``serving_completions.py``):
+"""SGLang's answer shapes for the test server (`TestServer(flavor="sglang")`), as SGLang's OpenAI layer
+gives them (sgl-project/sglang `python/sglang/srt/entrypoints/openai/`: `protocol.py`, `serving_chat.py`,
+`serving_completions.py`):
 
-* **chat, not streamed**: ``return_token_ids`` puts ``prompt_token_ids`` and ``token_ids`` (the raw
-  generated ids, before reasoning and tool-call parsing) in each choice (PR #30917);
-  ``return_prompt_token_ids`` the first alone. ``return_input_ids_in_sglext`` /
-  ``return_output_ids_in_sglext`` (also the request headers ``x-sglext-return-input-ids: 1`` /
-  ``x-sglext-return-output-ids: 1``, or the server's ``--return-input-ids`` / ``--return-output-ids``) put
-  the response-level ``sglext.input_ids`` (the prompt, shared by the choices) and ``sglext.output_ids``
-  (one list per choice) (PR #34488). ``return_meta_info`` puts the request's ``meta_info`` in each choice
-  (``id``, ``finish_reason``, token counts and, with a drafter, the ``spec_*`` acceptance figures).
-* **chat, streamed**: ``return_prompt_token_ids``, ``return_token_ids`` or ``return_meta_info`` with
-  ``stream: true`` is refused with HTTP 400 and SGLang's error object (:data:`STREAM_REFUSALS`); otherwise
-  server-sent events: a role chunk, reasoning and content deltas, the finish chunk, the ``sglext`` ids once
-  in a chunk with ``choices: []``, a usage chunk when ``stream_options.include_usage``, then ``[DONE]``.
-* **completions**: ``return_token_ids`` puts both id lists in the choice; streamed, each chunk carries the
-  ids generated in it and the first chunk the prompt's ids.
+* **chat**: `return_token_ids` puts `prompt_token_ids` and the raw generated `token_ids` in each choice
+  (PR #30917); `return_input_ids_in_sglext` / `return_output_ids_in_sglext` (or the `x-sglext-*` headers,
+  or the server flags) put `sglext.input_ids` / `sglext.output_ids` in the response (PR #34488);
+  `return_meta_info` puts `meta_info` in each choice. Streamed, asking for ids or meta info is refused
+  with HTTP 400 (`STREAM_REFUSALS`); otherwise server-sent events end with the `sglext` chunk, usage and
+  `[DONE]`.
+* **completions**: `return_token_ids` puts both id lists in the choice; streamed, per chunk.
 
-``legacy=True`` is an SGLang from before PR #30917 (e.g. v0.5.9): ``return_token_ids`` is ignored (no ids
-come back) and only ``return_prompt_token_ids`` is refused on a streamed chat.
-
-Speculative figures (:func:`spec_meta_info`) follow SGLang's ``tokenizer_manager``: ``spec_verify_ct``
-verify steps, ``spec_correct_drafts_histogram[n]`` = steps that accepted exactly n drafts (alias
-``spec_accept_histogram``), ``spec_num_correct_drafts`` / ``spec_num_proposed_drafts`` (aliases
-``spec_accepted_drafts`` / ``spec_proposed_drafts``), ``spec_accept_rate`` and ``spec_accept_length`` =
-completion tokens / verify steps.
+`legacy=True` is an SGLang before PR #30917 (e.g. v0.5.9): `return_token_ids` is ignored. Speculative
+figures follow SGLang's `tokenizer_manager`: `spec_verify_ct`, `spec_correct_drafts_histogram`,
+`spec_num_correct_drafts` / `spec_num_proposed_drafts` (and their aliases), `spec_accept_rate` and
+`spec_accept_length` = completion tokens / verify steps.
 """
 
 from __future__ import annotations
@@ -61,7 +50,7 @@ STREAM_REFUSALS = (
 
 
 def error_response(message: str, status: int = 400, err_type: str = "BadRequestError") -> web.Response:
-    """SGLang's error answer: ``{object: error, message, type, param: null, code}`` (``ErrorResponse``)."""
+    """SGLang's error answer: `{object: error, message, type, param: null, code}` (`ErrorResponse`)."""
     return web.json_response(
         {"object": "error", "message": message, "type": err_type, "param": None, "code": status}, status=status
     )
@@ -78,14 +67,14 @@ def stream_refusal(body: dict, *, legacy: bool = False) -> web.Response | None:
 
 
 def sglext_wanted(body: dict, headers, *, server_input_ids: bool, server_output_ids: bool) -> tuple[bool, bool]:
-    """``(input ids, output ids)`` wanted in ``sglext``: the request flags, their headers, the server flags."""
+    """`(input ids, output ids)` wanted in `sglext`: the request flags, their headers, the server flags."""
     want_in = bool(body.get("return_input_ids_in_sglext")) or headers.get("x-sglext-return-input-ids") == "1"
     want_out = bool(body.get("return_output_ids_in_sglext")) or headers.get("x-sglext-return-output-ids") == "1"
     return want_in or server_input_ids, want_out or server_output_ids
 
 
 def sglext(prompt_ids: list[int], out_ids: list[int], want: tuple[bool, bool]) -> dict | None:
-    """The response-level ``sglext`` of a one-choice answer (None when nothing is wanted)."""
+    """The response-level `sglext` of a one-choice answer (None when nothing is wanted)."""
     ext: dict[str, Any] = {}
     if want[0]:
         ext["input_ids"] = list(prompt_ids)
@@ -95,9 +84,9 @@ def sglext(prompt_ids: list[int], out_ids: list[int], want: tuple[bool, bool]) -
 
 
 def spec_meta_info(num_tokens: int, verify: int, block_size: int) -> dict:
-    """SGLang's per-request speculative figures for ``num_tokens`` completion tokens produced in ``verify``
-    steps of a drafter with ``block_size`` (draft tokens per step + 1): the accepted drafts
-    (``num_tokens − verify``) spread as evenly as the steps allow, each step at most ``block_size − 1``."""
+    """SGLang's per-request speculative figures for `num_tokens` completion tokens produced in `verify` steps of a
+    drafter with `block_size`: the accepted drafts (`num_tokens − verify`) spread as evenly as the steps allow, each
+    step at most `block_size − 1`."""
     accepted = max(0, num_tokens - verify)
     base, extra = divmod(accepted, max(1, verify))
     hist = [0] * block_size
@@ -119,21 +108,21 @@ def spec_meta_info(num_tokens: int, verify: int, block_size: int) -> dict:
 
 
 def matched_stop(finish: str, out_ids: Sequence[int]) -> int | None:
-    """The stop token id SGLang reports: the last output id when the answer ended on a stop (``finish``
-    ``"stop"``), else None."""
+    """The stop token id SGLang reports: the last output id when the answer ended on a stop (`finish`
+    `"stop"`), else None."""
     return out_ids[-1] if finish == "stop" and out_ids else None
 
 
 def matched_choice(resp: dict, finish: str, out_ids: Sequence[int]) -> dict:
-    """The one choice of answer ``resp``, given SGLang's ``matched_stop`` (:func:`matched_stop`) in place."""
+    """The one choice of answer `resp`, given SGLang's `matched_stop` (`matched_stop`) in place."""
     choice = resp["choices"][0]
     choice["matched_stop"] = matched_stop(finish, out_ids)
     return choice
 
 
 def meta_info(rid: str, finish: str, prompt_ids: Sequence[int], out_ids: Sequence[int], spec: dict | None) -> dict:
-    """A choice's ``meta_info`` (``return_meta_info``): request id, finish reason as SGLang records it
-    (``matched``: the stop token id), token counts and the speculative figures."""
+    """A choice's `meta_info` (`return_meta_info`): request id, finish reason as SGLang records it
+    (`matched`: the stop token id), token counts and the speculative figures."""
     matched = matched_stop(finish, out_ids)
     info = {
         "id": rid,
@@ -149,10 +138,9 @@ def meta_info(rid: str, finish: str, prompt_ids: Sequence[int], out_ids: Sequenc
 def chat_ids(
     tok, messages: list[dict], kwargs: dict, reasoning: str | None, content: str, finish: str
 ) -> tuple[list[int], list[int]]:
-    """``(prompt ids, output ids)`` of a canned chat answer with the tokenizer ``tok``: the request rendered
-    with its chat template (``kwargs``: the request's ``chat_template_kwargs``), and the raw text the model
-    wrote (``<think>\\n…\\n</think>\\n\\n`` before the content when it thought) plus the end-of-turn token
-    when it stopped, as a model behind a Qwen3-style reasoning parser generates it."""
+    """`(prompt ids, output ids)` of a canned chat answer with the tokenizer `tok`: the request rendered with its
+    chat template, and the raw text the model wrote (`<think>\\n…\\n</think>\\n\\n` before the content when it thought)
+    plus the end-of-turn token when it stopped, as a model behind a Qwen3-style reasoning parser generates it."""
     msgs = [{k: v for k, v in m.items() if v is not None} for m in messages]
     text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kwargs)
     prompt = list(tok(text, add_special_tokens=False)["input_ids"])
@@ -161,8 +149,8 @@ def chat_ids(
 
 
 def text_ids(tok, text: str, finish: str) -> list[int]:
-    """The ids a model wrote ``text`` in (``tok`` without special tokens added), and its end-of-turn token
-    when it stopped (SGLang's ids include the stop token; ``matched_stop`` names it)."""
+    """The ids a model wrote `text` in (`tok` without special tokens added), and its end-of-turn token
+    when it stopped (SGLang's ids include the stop token; `matched_stop` names it)."""
     out = list(tok(text, add_special_tokens=False)["input_ids"])
     if finish == "stop" and tok.eos_token_id is not None:
         out.append(tok.eos_token_id)
@@ -170,13 +158,13 @@ def text_ids(tok, text: str, finish: str) -> list[int]:
 
 
 def _pieces(text: str, n: int) -> list[str]:
-    """``text`` in ``n`` consecutive pieces (the last ones may be empty)."""
+    """`text` in `n` consecutive pieces (the last ones may be empty)."""
     size = math.ceil(len(text) / n) if text else 0
     return [text[i * size : (i + 1) * size] for i in range(n)] if size else [""] * n
 
 
 def _split(ids: Sequence[int], n: int) -> list[list[int]]:
-    """``ids`` in ``n`` consecutive slices."""
+    """`ids` in `n` consecutive slices."""
     size = math.ceil(len(ids) / n) if ids else 0
     return [list(ids[i * size : (i + 1) * size]) for i in range(n)] if size else [[] for _ in range(n)]
 
@@ -196,7 +184,7 @@ def chat_stream_events(
     usage: dict | None,
     chunks: int = 3,
 ) -> list[bytes]:
-    """The server-sent events of a streamed chat answer (see the module docstring), ``[DONE]`` last."""
+    """The server-sent events of a streamed chat answer (see the module docstring), `[DONE]` last."""
 
     def choice(delta: dict, finish_reason=None) -> dict:
         return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason, "matched_stop": None}
@@ -230,7 +218,7 @@ def completion_stream_events(
     chunks: int = 3,
 ) -> list[bytes]:
     """The server-sent events of a streamed completion: text pieces, each chunk with the ids generated in it
-    and the first with the prompt's ids (``with_ids``: ``return_token_ids``), the finish on the last."""
+    and the first with the prompt's ids (`with_ids`: `return_token_ids`), the finish on the last."""
     n = max(1, min(chunks, len(out_ids) or 1))
     out = []
     for k, (piece, ids) in enumerate(zip(_pieces(text, n), _split(out_ids, n))):
@@ -252,7 +240,7 @@ def completion_stream_events(
 
 
 async def send_events(request: web.Request, events: list[bytes]) -> web.StreamResponse:
-    """Stream ``events`` as ``text/event-stream``."""
+    """Stream `events` as `text/event-stream`."""
     resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     for ev in events:
