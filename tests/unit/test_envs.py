@@ -9,6 +9,7 @@ distributions, and check each is listed in the rule's `envs/*.yaml`.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -82,6 +83,16 @@ def _guards_import_error(node: ast.Try) -> bool:
 
 
 def import_statements(path: Path, module: str | None = None, *, top_level_only: bool = False):
+    """Cached :func:`_import_statements` (every rule reaches the same modules)."""
+    return _import_statements(path, module, top_level_only)
+
+
+@functools.cache
+def _import_statements(path: Path, module: str | None, top_level_only: bool) -> tuple:
+    return tuple(_parse_imports(path, module, top_level_only=top_level_only))
+
+
+def _parse_imports(path: Path, module: str | None = None, *, top_level_only: bool = False):
     """``(module, names)`` for each absolute import in ``path`` (``names`` is None for ``import a.b``, the
     imported names for ``from a.b import x, y``). Lazy imports in functions count unless ``top_level_only``
     (what importing the module runs); optional ones (in a ``try`` whose ``except`` catches ImportError) and
@@ -233,8 +244,13 @@ def env_packages(env_file: Path) -> tuple[set[str], bool]:
     return names, installs_self
 
 
+@functools.cache
+def _packages_distributions() -> dict:
+    return importlib.metadata.packages_distributions()  # reads every installed RECORD: once per run
+
+
 def distributions_of(top_module: str) -> set[str]:
-    dists = importlib.metadata.packages_distributions().get(top_module, [])
+    dists = _packages_distributions().get(top_module, [])
     return {normalize(d) for d in dists}
 
 
