@@ -466,7 +466,9 @@ def test_a_server_that_hangs_costs_only_time(setup, shards_run, tmp_path):
     root = setup[0]
     a = Server(root / "target", tmp_path / "sa")
     b = Server(root / "target", tmp_path / "sb", extra=("--hang-after", "3"))
-    fleet = {**FAST_FLEET, "endpoint_reprobe_s": 600}  # the hung server stays out once its requests time out
+    # the hung server stays out once its requests time out; 8 s is 10x a feature request of this tiny target on a
+    # loaded 2-core box, and what each hung request costs the test
+    fleet = {**FAST_FLEET, "endpoint_reprobe_s": 600, "request_timeout_s": 8}
     try:
         st = _train(
             setup,
