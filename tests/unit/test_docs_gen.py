@@ -169,3 +169,15 @@ def test_rules_inside_an_if_block_are_listed():
     assert [(k, n) for k, n, _ in rules] == [("rule", "build_it"), ("rule", "top")]
     assert docs_gen._rule_section(rules[0][2], "output") == "directory(OUT),"
     assert docs_gen._docstring(rules[0][2]) == "Builds it."
+
+
+def test_coverage_line_from_a_coverage_report():
+    """The README's coverage line comes from coverage.py's JSON report; without one it says how to make it."""
+    record = {
+        "meta": {"version": "7.18.0", "timestamp": "2026-12-04T17:23:29"},
+        "totals": {"percent_covered": 88.514, "covered_lines": 12084, "num_statements": 13652},
+    }
+    line = docs_gen.coverage_line(record)
+    assert "88.5 %" in line and "12,084 of 13,652 statements" in line and "2026-12-04" in line
+    assert docs_gen.COVERAGE_COMMAND in line and docs_gen.COVERAGE_COMMAND in docs_gen.coverage_line(None)
+    assert "No coverage result" in docs_gen.coverage_line(None)

@@ -25,6 +25,9 @@ ZOO_RESULT = Path("docs/results/zoo.json")
 BLOCK_FILES = ("README.md", "docs/tutorial/demo.md", "docs/explanation/reproducibility.md")
 #: `bench/bench_repro.py`'s record of the default demo on native and AVX2 kernels.
 REPRO_RESULT = Path("docs/results/repro.json")
+#: coverage.py's JSON report of the suite (only `meta` and `totals` are read; the per-file part may be dropped).
+COVERAGE_RESULT = Path("docs/results/coverage.json")
+COVERAGE_COMMAND = "python -m pytest -q -n 2 --cov=dflash_pipeline --cov-report=json:docs/results/coverage.json"
 
 
 # --- Config reference (JSON Schema)
@@ -325,6 +328,21 @@ def repro_table(record: Optional[dict]) -> str:
     )
 
 
+def coverage_line(record: Optional[dict]) -> str:
+    """The README's coverage line: the suite's line coverage of `src/dflash_pipeline` from coverage.py's JSON
+    report (`totals`), with the command that writes it."""
+    if record is None:
+        return (
+            f"No coverage result is committed yet: run `{COVERAGE_COMMAND}`, then `python -m dflash_pipeline.docs_gen`."
+        )
+    t = record["totals"]
+    return (
+        f"Line coverage of `src/dflash_pipeline`: {t['percent_covered']:.1f} % ({t['covered_lines']:,} of "
+        f"{t['num_statements']:,} statements; `{COVERAGE_COMMAND}`, coverage.py {record['meta']['version']}, "
+        f"{record['meta']['timestamp'][:10]})."
+    )
+
+
 # --- Writing and checking
 
 _BLOCK = re.compile(r"(<!-- BEGIN GENERATED (\S+)[^\n]*-->\n)(.*?)(<!-- END GENERATED \2 -->)", re.S)
@@ -352,6 +370,9 @@ def readme_blocks(repo: Path = REPO) -> dict[str, str]:
         "families": families_summary(repo),
         "repro": repro_table(
             json.loads((repo / REPRO_RESULT).read_text()) if (repo / REPRO_RESULT).is_file() else None
+        ),
+        "coverage": coverage_line(
+            json.loads((repo / COVERAGE_RESULT).read_text()) if (repo / COVERAGE_RESULT).is_file() else None
         ),
     }
 
