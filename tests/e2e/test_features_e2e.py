@@ -1,7 +1,17 @@
-"""End to end on CPU through real Snakemake: the same data trained online and from vLLM feature shards.
+"""End to end on CPU through real Snakemake, in one working directory on the same data: trained online, from vLLM
+feature shards, and from a colocated vLLM feature server (``train.target_features: stream``).
 
-One vLLM engine start in all (the extract_features job of the single token shard). Then the hf backend
-extracts the same token shard in-process and the two feature shards are compared (max abs diff printed).
+- ``online`` and ``shards``: one vLLM engine start for the extract_features job of the single token shard; then
+  the hf backend extracts the same token shard in-process and the two feature shards are compared.
+- ``shards3`` and ``stream``: a shorter schedule trained from those same feature shards (nothing is extracted
+  again) and through a real vLLM CPU feature server (the train job starts ``vllm serve`` with
+  extract_hidden_states and our CPU connector, trains against it, stops it): the second engine start.
+  The two runs see the same batches in the same order (the batch sequence is a function of the seed and
+  epoch), but vLLM computes the features in differently composed batches (the offline engine takes a chunk of
+  records at once, the server whatever requests are in flight), so fp32 matmuls over other shapes give features
+  that differ in the last bits, and a bf16 rounding can flip; the loss curves then agree to 1e-3 relative per
+  step, not bit for bit (the hf server's stream run is bit-equal to its shards run:
+  tests/unit/features/test_stream.py).
 """
 
 from __future__ import annotations
@@ -12,7 +22,7 @@ from pathlib import Path
 import pytest
 from mini_workflow import REPO, planned_jobs, snakemake, write_config
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3000)]  # a demo target, two runs and one vLLM engine
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3600)]  # four runs, two vLLM engine starts
 
 
 def _tau(work: Path, run: str) -> dict:
@@ -28,7 +38,8 @@ def _losses(work: Path, run: str) -> list[float]:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, vllm_python):
-    """The reduced e2e config (its demo target, built by the workflow) on 8 GSM8K prompts in one shard."""
+    """The reduced e2e config (the shipped target) on 8 GSM8K prompts in one shard, its four runs:
+    ``(work, shards plan, shards config, stream plan)``."""
     import yaml
 
     work = tmp_path_factory.mktemp("features-e2e")
@@ -41,24 +52,35 @@ def built(tmp_path_factory, vllm_python):
         "exclude_training_prompts": False,
         "sets": {"gsm8k": {"path": str(REPO / "data/gsm8k/train.jsonl"), "num_samples": 4}},
     }
+    features = {"backend": "vllm", "keep": True, "vllm": {"python": vllm_python}}
     online = dict(cfg, run="online")
-    shards = dict(
+    shards = dict(cfg, run="shards", train={**cfg["train"], "target_features": "shards"}, features=features)
+    # the stream comparison's schedule: 3 epochs at the schema's learning rate
+    short = {**{k: v for k, v in cfg["train"].items() if k != "learning_rate"}, "epochs": 3}
+    shards3 = dict(cfg, run="shards3", train={**short, "target_features": "shards"}, features=features)
+    stream = dict(
         cfg,
-        run="shards",
-        train={**cfg["train"], "target_features": "shards"},
-        features={"backend": "vllm", "keep": True, "vllm": {"python": vllm_python}},
+        run="stream",
+        train={**short, "target_features": "stream"},
+        features={**features, "stream": {"backend": "vllm", "servers": 1}},
     )
     c_on, c_sh = write_config(work, online, "online.yaml"), write_config(work, shards, "shards.yaml")
+    c_sh3, c_st = write_config(work, shards3, "shards3.yaml"), write_config(work, stream, "stream.yaml")
     proc = snakemake(work, "results/eval/online/acceptance.json", configfile=c_on, timeout=2400)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     plan = snakemake(work, "-n", "results/eval/shards/acceptance.json", configfile=c_sh)
     proc = snakemake(work, "results/eval/shards/acceptance.json", configfile=c_sh, timeout=2400)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    return work, plan, c_sh
+    proc = snakemake(work, "results/checkpoints/shards3/final", configfile=c_sh3, timeout=2400)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    stream_plan = snakemake(work, "-n", "results/checkpoints/stream/final", configfile=c_st)
+    proc = snakemake(work, "results/checkpoints/stream/final", configfile=c_st, timeout=3000)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return work, plan, c_sh, stream_plan
 
 
 def test_plan_states_feature_disk(built):
-    work, plan, _ = built
+    work, plan, _, _ = built
     out = plan.stdout + plan.stderr
     probe = json.loads((work / "results/probe/shards.json").read_text())
     k, h = len(probe["drafter"]["target_layer_ids"]), probe["hidden_size"]
@@ -70,7 +92,7 @@ def test_plan_states_feature_disk(built):
 
 
 def test_shards_run_matches_online(built):
-    work, _, _ = built
+    work, _, _, _ = built
     t_on, t_sh = _tau(work, "online"), _tau(work, "shards")
     l_on, l_sh = _losses(work, "online"), _losses(work, "shards")
     print(f"tau online {t_on} shards {t_sh}; final loss online {l_on[-1]:.4f} shards {l_sh[-1]:.4f}")
@@ -89,7 +111,7 @@ def test_hf_and_vllm_features_agree(built, tmp_path):
     from dflash_pipeline.features import FeatureShard
     from dflash_pipeline.features.extract import extract_shard
 
-    work, _, _ = built
+    work, _, _, _ = built
     probe = json.loads((work / "results/probe/shards.json").read_text())
     (vllm_path,) = sorted((work / "results/features").glob("*/*.safetensors"))
     token = work / "results/tokens" / vllm_path.parent.name / (vllm_path.stem + ".parquet")
@@ -117,7 +139,7 @@ def test_hf_and_vllm_features_agree(built, tmp_path):
 
 
 def test_rerun_does_nothing(built):
-    work, _, c_sh = built
+    work, _, c_sh, _ = built
     assert planned_jobs(snakemake(work, "-n", "results/eval/shards/acceptance.json", configfile=c_sh)) == {}
 
 
@@ -128,7 +150,7 @@ def test_plan_fails_early_without_disk(built):
 
     import yaml
 
-    work, _, c_sh = built
+    work, _, c_sh, _ = built
     cfg = yaml.safe_load(c_sh.read_text())
     cfg["features"] = {**cfg["features"], "min_free_fraction": 1.0}
     path = write_config(work, dict(cfg, run="nodisk"), "nodisk.yaml")
@@ -140,3 +162,33 @@ def test_plan_fails_early_without_disk(built):
         shutil.copytree(work / "features.bak", work / "results/features")
     assert proc.returncode != 0
     assert "features: the feature shards need" in proc.stdout + proc.stderr
+
+
+def test_shards3_reused_the_feature_shards(built):
+    """The shorter run trained from the feature shards the ``shards`` run extracted: one shard on disk, one
+    extract_features job log."""
+    work, _, _, _ = built
+    assert len(sorted((work / "results/features").glob("*/*.safetensors"))) == 1
+    assert len(list((work / "results/logs/extract_features").rglob("*.log"))) == 1
+
+
+def test_stream_plan_names_the_server_and_no_extraction(built):
+    _, _, _, plan = built
+    out = plan.stdout + plan.stderr
+    assert "[plan] stream: 1 colocated vllm server(s) x 0 GPU(s); 1 trainer rank(s); window" in out, out[-3000:]
+    jobs = planned_jobs(plan)
+    assert jobs.get("train_drafter") == 1 and "extract_features" not in jobs
+
+
+def test_stream_through_vllm_equals_the_shards_run(built):
+    work, _, _, _ = built
+    l_sh, l_st = _losses(work, "shards3"), _losses(work, "stream")
+    print(f"loss shards {l_sh[0]:.5f}..{l_sh[-1]:.5f} stream {l_st[0]:.5f}..{l_st[-1]:.5f}")
+    assert len(l_sh) == len(l_st)
+    for a, b in zip(l_sh, l_st):
+        assert abs(a - b) <= 1e-3 * abs(a), (a, b)
+    log = (work / "results/logs/train_drafter/stream.log").read_text()
+    assert "[stream] colocated: 1 vllm feature server(s)" in log and "peak scratch" in log
+    summary = json.loads((work / "results/checkpoints/stream/train_summary.json").read_text())
+    assert summary["stream"]["requests"] > 0 and summary["train_config"]["target_features"] == "stream"
+    assert not any((work / "results/stream_scratch/stream/server0").iterdir())  # every answer's file deleted
