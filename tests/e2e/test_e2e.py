@@ -226,6 +226,66 @@ def test_failed_shard_reruns_only_that_shard(built):
         final.with_name("final.aside").rename(final)
 
 
+def _plan_with_edited_package(work, tmp_path, edit) -> dict[str, int]:
+    """`snakemake -n` job counts with a copy of the package first on PYTHONPATH, ``edit(pkg_dir)`` applied."""
+    import shutil
+
+    pkg = tmp_path / "src" / "dflash_pipeline"
+    shutil.copytree(REPO / "src" / "dflash_pipeline", pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    edit(pkg)
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(tmp_path / "src") + (os.pathsep + old if old else "")
+    try:
+        return planned_jobs(snakemake(work, "-n"))
+    finally:
+        if old is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
+@pytest.mark.parametrize("module", ["tokens/shard.py", "target/chat.py"])
+def test_tokenization_code_edit_keeping_the_revision_reruns_nothing(built, tmp_path, module):
+    """An edit of a tokenization module that keeps ``workflow.TOKENIZATION_REVISION`` (a refactor: the
+    golden test, tests/unit/tokens/test_tokenization_golden.py, proves the shard bytes stay) plans nothing."""
+    work, _ = built
+
+    def edit(pkg):
+        assert (pkg / module).is_file()  # an edit of the module itself, not a new file beside its package
+        with open(pkg / module, "a", encoding="utf-8") as fh:
+            fh.write("\n# an edit of the tokenization code\n")
+
+    assert _plan_with_edited_package(work, tmp_path, edit) == {}
+
+
+def test_tokenization_revision_bump_retokenizes_only(built, tmp_path):
+    """A new ``TOKENIZATION_REVISION`` (the token-shard bytes changed): every token shard is planned again (and
+    what reads them), no completion, prompt shard or probe is."""
+    work, _ = built
+
+    def edit(pkg):
+        from dflash_pipeline.workflow.policy import TOKENIZATION_REVISION
+
+        text = (pkg / "workflow" / "policy.py").read_text(encoding="utf-8")
+        line = f'TOKENIZATION_REVISION = "{TOKENIZATION_REVISION}"'
+        assert line in text
+        (pkg / "workflow" / "policy.py").write_text(
+            text.replace(line, 'TOKENIZATION_REVISION = "bumped"'), encoding="utf-8"
+        )
+
+    jobs = _plan_with_edited_package(work, tmp_path, edit)
+    assert jobs.get("tokenize_completions") == 3, jobs
+    assert "generate_completions" not in jobs and "shard_prompts" not in jobs and "probe_target" not in jobs
+
+
+def test_completion_stats_written_next_to_shards(built):
+    work, _ = built
+    for shard in ("gsm8k/00000", "gsm8k/00001", "mt_bench/00000"):
+        stats = json.loads((work / f"results/completions/{shard}.stats.json").read_text())
+        assert stats["backend"] == "transformers" and stats["prompts"] == stats["ok"] + stats["truncated"]
+        assert stats["completion_tokens"] > 0 and stats["run"]["requests_per_s"] > 0
+
+
 def report_files(html: str) -> dict[str, bytes]:
     """Files embedded in a Snakemake HTML report (data URIs), by file name."""
     import base64
