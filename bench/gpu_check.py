@@ -395,8 +395,13 @@ def _timed_step(label, tcfg, seq, anchors, block, layers, k, device, steps) -> d
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    counter = FlopCounterMode(display=False)  # model FLOPs of one step, the dense (sdpa) attention counted
-    with counter:
+    # model FLOPs of one step, the dense (sdpa) attention counted through its math kernel: the fused CUDA kernels'
+    # FLOP formulas refuse grouped-query shapes (torch 2.11: "query/key/value shapes are incompatible"), the math
+    # kernel's matmuls count them as the attention they compute
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    counter = FlopCounterMode(display=False)
+    with counter, sdpa_kernel(SDPBackend.MATH):
         step(ctx("sdpa"))
     flops = counter.get_total_flops()
     timed = ctx("flex" if cuda else "sdpa")

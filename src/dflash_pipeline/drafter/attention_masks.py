@@ -16,6 +16,21 @@ if TYPE_CHECKING:
     from dflash_pipeline.drafter.model import DFlashDrafter
 
 
+#: The smallest head dimension FlexAttention's compiled kernels take (torch 2.11 inductor: "embedding dimension of
+#: the query, key, and value must be at least 16"); seen on an H200 with a tiny target's head_dim 8.
+FLEX_MIN_HEAD_DIM = 16
+
+
+def training_attention_backend(setting: str, device_type: str, head_dim: Optional[int] = None) -> str:
+    """`train.attention_backend` as a run uses it: an explicit `sdpa` or `flex` stays; `auto` is `flex` on CUDA
+    when the drafter's `head_dim` (None: unknown, taken as large enough) is at least `FLEX_MIN_HEAD_DIM`, else
+    `sdpa` (CPU, where FlexAttention has no backward, and tiny heads)."""
+    if setting != "auto":
+        return setting
+    small = head_dim is not None and head_dim < FLEX_MIN_HEAD_DIM
+    return "flex" if device_type == "cuda" and not small else "sdpa"
+
+
 def build_block_mask(
     anchors: torch.Tensor,
     seq_len: int,

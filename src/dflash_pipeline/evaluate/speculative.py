@@ -70,6 +70,14 @@ def _unrecorded(layer, n_tokens: int, max_rollback: int) -> bool:
     return any(started.get(i) and len(states) < need for i, states in history.items())
 
 
+def _has_sliding_layers(config) -> bool:
+    """Whether a target config (or its `text_config`) has sliding-window attention layers."""
+    cfg = getattr(config, "text_config", None) or config
+    return "sliding_attention" in (getattr(cfg, "layer_types", None) or ()) or bool(
+        getattr(cfg, "sliding_window", None)
+    )
+
+
 class TargetCache:
     """The target's cache in the verify loop, with one rollback policy for every cache type transformers
     ships (dflash.md §2.5: after a verify step only the bonus token and the accepted drafts stay).
@@ -88,9 +96,17 @@ class TargetCache:
         from transformers import DynamicCache
 
         self.target = target
-        try:
-            self.cache = DynamicCache(config=target.config)
-        except (TypeError, ValueError, AttributeError):  # older transformers: layers appear lazily
+        self.cache = None
+        # Without recurrent-state recording (transformers < 5.25) a config-typed cache gives sliding layers a window-sized
+        # layer whose masks no longer match its keys after a crop (gpt-oss on 5.17: "size of tensor a (302) must
+        # match the size of tensor b (11)"); full layers with the sliding mask compute the same attention.
+        recording = recurrent_rollback_kwargs(getattr(DynamicCache, "activate_past_recording", lambda: None), 1)
+        if recording or not _has_sliding_layers(target.config):
+            try:
+                self.cache = DynamicCache(config=target.config)
+            except (TypeError, ValueError, AttributeError):  # older transformers: layers appear lazily
+                pass
+        if self.cache is None:
             self.cache = DynamicCache()
         if hasattr(self.cache, "activate_past_recording"):
             rec = self.cache.activate_past_recording

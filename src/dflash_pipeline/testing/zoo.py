@@ -18,6 +18,7 @@ import os
 import re
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -375,7 +376,9 @@ def run_stages(
             out[name] = "ok"
         except Exception as exc:  # noqa: BLE001 - the table reports the reason
             out[name] = f"refused: {_reason(exc)}"
-            log(f"{family} {name}: {out[name]}")
+            log(
+                f"{family} {name}: {out[name]}\n{traceback.format_exc()}"
+            )  # the table keeps the reason, the log the traceback
             break
         log(f"{family} {name}: ok ({time.time() - t0:.1f} s)")
     return out

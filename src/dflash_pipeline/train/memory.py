@@ -328,7 +328,9 @@ def settings_from_config(
     online` only."""
     tr, dr = cfg["train"], cfg["drafter"]
     gpu = tr["device"] == "auto" and tr["mixed_precision"] != "no"
-    backend = tr["attention_backend"] if tr["attention_backend"] != "auto" else ("flex" if gpu else "sdpa")
+    from dflash_pipeline.drafter.attention_masks import training_attention_backend
+
+    backend = training_attention_backend(tr["attention_backend"], "cuda" if gpu else "cpu")
     head_dtype = head_dtype_of(cfg)
     ranks = tr["num_processes"] * (tr.get("num_machines") or 1)
     seq = (tr.get("pack_max_tokens") or cfg["tokens"]["max_length"]) if tr["packing"] else cfg["tokens"]["max_length"]

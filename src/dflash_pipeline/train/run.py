@@ -31,6 +31,7 @@ from dflash_pipeline.core.config import schema_defaults
 from dflash_pipeline.core.procs import die_with_parent
 from dflash_pipeline.core.provenance import provenance
 from dflash_pipeline.core.shards import read_parquet, write_json
+from dflash_pipeline.drafter import attention_masks as AM
 from dflash_pipeline.drafter import families as FR
 from dflash_pipeline.drafter import model as M
 from dflash_pipeline.drafter.build import build_drafter  # train.run.build_drafter: the name tests and benches use
@@ -361,12 +362,11 @@ def _step_context(
 ) -> StepContext:
     """The `StepContext` of `_prepare_run`: the prepared `drafter` (its `block_size`), the target
     or the feature source's frozen embedding / LM head, the `anchors` generator, the attention backend
-    (`auto`: flex on CUDA, else sdpa), γ (`train.loss_gamma` or the block size's default), the loss
+    (`drafter.attention_masks.training_attention_backend`), γ (`train.loss_gamma` or the block size's default), the loss
     settings, the target's logit softcap, and the family's keys when the family is not DFlash."""
-    backend = (
-        cfg["attention_backend"]
-        if cfg["attention_backend"] != "auto"
-        else ("flex" if accelerator.device.type == "cuda" else "sdpa")
+    core = getattr(drafter, "module", drafter)
+    backend = AM.training_attention_backend(
+        cfg["attention_backend"], accelerator.device.type, getattr(core.config, "head_dim", None)
     )
     gamma = cfg["loss_gamma"] or M.loss_decay_gamma(block_size)
     return StepContext(

@@ -322,3 +322,14 @@ def test_batch_without_supervised_token_gives_every_parameter_a_gradient(tiny):
     loss.backward()
     assert stats["num_slots"] == 0 and float(loss) == 0.0
     assert all(p.grad is not None for p in drafter.parameters())
+
+
+def test_auto_attention_backend_is_flex_on_cuda_only_for_heads_its_kernel_takes():
+    """`auto`: FlexAttention on CUDA, dense sdpa on CPU (no flex backward there) and for heads under 16 wide,
+    which FlexAttention's compiled kernel refuses (seen on an H200: head_dim 8); an explicit choice stays."""
+    from dflash_pipeline.drafter.attention_masks import FLEX_MIN_HEAD_DIM
+    from dflash_pipeline.drafter.attention_masks import training_attention_backend as pick
+
+    assert pick("auto", "cuda", 128) == pick("auto", "cuda", None) == pick("auto", "cuda", FLEX_MIN_HEAD_DIM) == "flex"
+    assert pick("auto", "cuda", 8) == pick("auto", "cpu", 128) == "sdpa"
+    assert pick("flex", "cpu", 8) == "flex" and pick("sdpa", "cuda", 128) == "sdpa"
