@@ -396,11 +396,36 @@ def artefact_dir() -> Path:
     return d
 
 
+#: The longest modules, longest first (as measured on 2 cores; the cluster ones mostly wait on their executor's
+#: status polling): under pytest-xdist they start first, so no worker is left alone with one at the end.
+LONGEST_MODULES = (
+    "tests/e2e/test_cluster.py",
+    "tests/e2e/test_upgrade_previous.py",
+    "tests/e2e/test_features_e2e.py",
+    "tests/bench/test_bench_families.py",
+    "tests/e2e/test_engine_vllm.py",
+    "tests/e2e/test_e2e.py",
+    "tests/e2e/test_upgrade.py",
+    "tests/e2e/test_cluster_ssh.py",
+    "tests/e2e/test_stable_shards.py",
+    "tests/e2e/test_resume_e2e.py",
+)
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """End-to-end and bench modules first, each module's tests in their order: under pytest-xdist
-    (``--dist loadfile``, one module to a worker) the long modules start first and the short unit modules fill
-    the gaps at the end, so the workers finish together."""
-    items.sort(key=lambda it: 0 if it.nodeid.startswith(("tests/e2e/", "tests/bench/")) else 1)
+    """The longest modules first (`LONGEST_MODULES`), then the other end-to-end and bench modules, then the
+    unit modules, each module's tests in their order: under pytest-xdist (`--dist loadfile
+    --no-loadscope-reorder`, one module to a worker, in this order) the short unit modules fill the gaps at the
+    end, so the workers finish together."""
+    rank = {m: i for i, m in enumerate(LONGEST_MODULES)}
+
+    def key(it):
+        module = it.nodeid.split("::", 1)[0]
+        if module in rank:
+            return (0, rank[module])
+        return (1, 0) if module.startswith(("tests/e2e/", "tests/bench/")) else (2, 0)
+
+    items.sort(key=key)
 
 
 #: A test that runs longer than this must say why in its docstring (a line starting ``Slow:``); the end of every

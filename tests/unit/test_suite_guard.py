@@ -79,3 +79,11 @@ def test_slow_tests_without_a_reason_are_named():
     assert [has_slow_reason(it) for it in items] == [True, False, False]
     calls = {it.nodeid: (secs, has_slow_reason(it)) for it, secs in zip(items, (200.0, 130.0, 300.0))}
     assert unexplained_slow_tests(calls) == ["c (300 s)", "b (130 s)"]
+
+
+def test_longest_modules_exist():
+    """The modules the suite starts first under xdist (conftest `LONGEST_MODULES`) are real files: a renamed one
+    would silently fall back to the default order."""
+    from conftest import LONGEST_MODULES, REPO
+
+    assert [m for m in LONGEST_MODULES if not (REPO / m).is_file()] == []
