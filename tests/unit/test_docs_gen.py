@@ -181,3 +181,15 @@ def test_coverage_line_from_a_coverage_report():
     assert "88.5 %" in line and "12,084 of 13,652 statements" in line and "2026-12-04" in line
     assert docs_gen.COVERAGE_COMMAND in line and docs_gen.COVERAGE_COMMAND in docs_gen.coverage_line(None)
     assert "No coverage result" in docs_gen.coverage_line(None)
+
+
+def test_gpu_check_table_from_a_run():
+    """The GPU check's docs table is the committed `bench/gpu_check.sh --json` record, one row per part."""
+    record = {
+        "device": "NVIDIA H200",
+        "torch": "2.11.0",
+        "rows": {"fsdp": {"status": "ok", "seconds": 15.2, "figures": "a | b"}},
+    }
+    table = docs_gen.gpu_check_table(record)
+    assert "| fsdp | ok | 15 | a / b |" in table and "NVIDIA H200, torch 2.11.0" in table
+    assert "No GPU run" in docs_gen.gpu_check_table(None)

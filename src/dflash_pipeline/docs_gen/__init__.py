@@ -22,11 +22,18 @@ from dflash_pipeline.docs_gen.markdown import GENERATED_NOTE, REPO, md_table, md
 DEMO_RESULT = Path("docs/results/demo/acceptance.json")
 ZOO_RESULT = Path("docs/results/zoo.json")
 #: Hand-written files with generated blocks (`BEGIN GENERATED name` … `END GENERATED name`).
-BLOCK_FILES = ("README.md", "docs/tutorial/demo.md", "docs/explanation/reproducibility.md")
+BLOCK_FILES = (
+    "README.md",
+    "docs/tutorial/demo.md",
+    "docs/explanation/reproducibility.md",
+    "docs/explanation/gpu-check.md",
+)
 #: `bench/bench_repro.py`'s record of the default demo on native and AVX2 kernels.
 REPRO_RESULT = Path("docs/results/repro.json")
 #: coverage.py's JSON report of the suite (only `meta` and `totals` are read; the per-file part may be dropped).
 COVERAGE_RESULT = Path("docs/results/coverage.json")
+#: `bench/gpu_check.sh --json` of the last run on a lent GPU.
+GPU_CHECK_RESULT = Path("docs/results/gpu_check_h200.json")
 COVERAGE_COMMAND = "python -m pytest -q -n 2 --cov=dflash_pipeline --cov-report=json:docs/results/coverage.json"
 
 
@@ -343,6 +350,19 @@ def coverage_line(record: Optional[dict]) -> str:
     )
 
 
+def gpu_check_table(record: Optional[dict]) -> str:
+    """The GPU check's table (`bench/gpu_check.sh --json`): one row per part, its status, seconds and figures."""
+    if record is None:
+        return f"No GPU run is committed yet ({GPU_CHECK_RESULT}): the script is ready for the first lent device."
+    rows = [
+        [name, r["status"], f"{r['seconds']:.0f}", r["figures"].replace("|", "/")] for name, r in record["rows"].items()
+    ]
+    return (
+        md_table(["check", "status", "s", "figures"], rows)
+        + f"\n\nOn {record['device']}, torch {record['torch']}. From `{GPU_CHECK_RESULT}`."
+    )
+
+
 # --- Writing and checking
 
 _BLOCK = re.compile(r"(<!-- BEGIN GENERATED (\S+)[^\n]*-->\n)(.*?)(<!-- END GENERATED \2 -->)", re.S)
@@ -370,6 +390,9 @@ def readme_blocks(repo: Path = REPO) -> dict[str, str]:
         "families": families_summary(repo),
         "repro": repro_table(
             json.loads((repo / REPRO_RESULT).read_text()) if (repo / REPRO_RESULT).is_file() else None
+        ),
+        "gpu-check": gpu_check_table(
+            json.loads((repo / GPU_CHECK_RESULT).read_text()) if (repo / GPU_CHECK_RESULT).is_file() else None
         ),
         "coverage": coverage_line(
             json.loads((repo / COVERAGE_RESULT).read_text()) if (repo / COVERAGE_RESULT).is_file() else None
