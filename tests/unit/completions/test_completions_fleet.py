@@ -91,20 +91,28 @@ def test_generation_model_not_listed_by_an_endpoint(tmp_path):
 
 def test_endpoint_back_with_another_model_stops_the_job(tmp_path):
     """An endpoint that was down at start is judged when it answers: it may not join with another model."""
-    write_prompts(tmp_path / "p.parquet", single_turn(40))
+    n = 120
+    write_prompts(tmp_path / "p.parquet", single_turn(n))
     late_url = dead_url()
     late = TestServer(model_name="model-b", port=int(late_url.rsplit(":", 1)[1].split("/")[0]))
     with start_test_server(model_name="model-a", faults=Faults(delay_s=0.05)) as a:
         cfg = openai_cfg(a.base_url, late_url, concurrency=1, model=None)
-        timer = threading.Timer(0.4, late.start)
-        timer.start()
+
+        def start_late_once_the_job_runs() -> None:  # on the job's progress, not on a timer: load cannot reorder it
+            deadline = time.monotonic() + 60
+            while a.stats.answered < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            late.start()
+
+        starter = threading.Thread(target=start_late_once_the_job_runs, daemon=True)
+        starter.start()
         try:
             with pytest.raises(ConfigError) as info:
                 generate_shard(tmp_path / "p.parquet", tmp_path / "c.parquet", target_dir=None, gen_cfg=cfg)
         finally:
-            timer.join()
+            starter.join()
             late.stop()
-        assert late.stats.chat_requests == 0 and 0 < a.stats.answered < 40
+        assert late.stats.chat_requests == 0 and 3 <= a.stats.answered < n
     msg = str(info.value)
     assert f"endpoint {late_url} lists 'model-b' - not 'model-a'" in msg and "set generation.model" in msg
     # what model-a answered is kept for the rerun
