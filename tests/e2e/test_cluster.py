@@ -23,11 +23,6 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def cluster_target(demo_target) -> Path:
-    return demo_target
-
-
-@pytest.fixture(scope="module")
 def slurm_python() -> Path:
     env = service_env()
     if "SLURM_CONF" not in env or not ok(["sinfo", "-h"], env):
@@ -38,14 +33,14 @@ def slurm_python() -> Path:
     return python
 
 
-def test_reduced_workflow_through_slurm(slurm_python, cluster_target, tmp_path):
+def test_reduced_workflow_through_slurm(slurm_python, demo_target, tmp_path):
     """The reduced workflow, every rule a SLURM job on the one-node CI cluster.
 
     Slow: one whole workflow through sbatch and the plugin's status polling, about 4 min: while a job runs the
     plugin waits 10 s longer before each next check (1, 11, 21 s), so each of the five dependent levels (probe,
     completions, tokens, train, eval) is seen done after ~33 s. Mostly waiting: xdist runs other modules beside it."""
     env, python = service_env(), slurm_python
-    wd = workdir(tmp_path, "ci-slurm", CI_SLURM_OVERLAY, cluster_target)
+    wd = workdir(tmp_path, "ci-slurm", CI_SLURM_OVERLAY, demo_target)
     started = time.monotonic()
     text = run(
         [

@@ -5,18 +5,12 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import yaml
 from cluster_run import CI_SSH_OVERLAY, SLURM_RULES, check_outputs, ok, run, service_env, unavailable, workdir
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(scope="module")
-def cluster_target(demo_target) -> Path:
-    return demo_target
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +24,12 @@ def ssh_ready() -> None:
         unavailable("snakemake-executor-plugin-cluster-generic is not installed (pip install -e '.[ssh]')")
 
 
-def test_reduced_workflow_through_ssh_hosts(ssh_ready, cluster_target, tmp_path):
+def test_reduced_workflow_through_ssh_hosts(ssh_ready, demo_target, tmp_path):
     """The reduced workflow, every job over ssh on the loopback host.
 
     Slow: one whole workflow, each job a remote shell (about 2.5 min on 2 cores)."""
     env = service_env()
-    wd = workdir(tmp_path, "ci-ssh", CI_SSH_OVERLAY, cluster_target)
+    wd = workdir(tmp_path, "ci-ssh", CI_SSH_OVERLAY, demo_target)
     hosts = {"hosts": [{"name": "loopback", "ssh": env.get("DFLASH_SSH_HOST", "dflash-ci"), "slots": 2, "gpus": []}]}
     (wd / "hosts.yaml").write_text(yaml.safe_dump(hosts))
     env["DFLASH_SSH_HOSTS"] = str(wd / "hosts.yaml")
