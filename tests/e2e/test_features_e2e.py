@@ -3,9 +3,9 @@ feature shards, and from a colocated vLLM feature server (``train.target_feature
 
 - ``online`` and ``shards``: one vLLM engine start for the extract_features job of the single token shard; then
   the hf backend extracts the same token shard in-process and the two feature shards are compared.
-- ``shards3`` and ``stream``: a shorter schedule trained from those same feature shards (nothing is extracted
-  again) and through a real vLLM CPU feature server (the train job starts ``vllm serve`` with
-  extract_hidden_states and our CPU connector, trains against it, stops it): the second engine start.
+- ``stream``: the ``shards`` run's settings through a real vLLM CPU feature server (the train job starts
+  ``vllm serve`` with extract_hidden_states and our CPU connector, trains against it, stops it; the first
+  epoch's features cached for the others, ``features.stream.cache: first_epoch``): the second engine start.
   The two runs see the same batches in the same order (the batch sequence is a function of the seed and
   epoch), but vLLM computes the features in differently composed batches (the offline engine takes a chunk of
   records at once, the server whatever requests are in flight), so fp32 matmuls over other shapes give features
@@ -55,23 +55,19 @@ def built(tmp_path_factory, vllm_python):
     features = {"backend": "vllm", "keep": True, "vllm": {"python": vllm_python}}
     online = dict(cfg, run="online")
     shards = dict(cfg, run="shards", train={**cfg["train"], "target_features": "shards"}, features=features)
-    # the stream comparison's schedule: 3 epochs at the schema's learning rate
-    short = {**{k: v for k, v in cfg["train"].items() if k != "learning_rate"}, "epochs": 3}
-    shards3 = dict(cfg, run="shards3", train={**short, "target_features": "shards"}, features=features)
+    # the shards run's settings, streamed; the first epoch's features are cached for the other 24
     stream = dict(
         cfg,
         run="stream",
-        train={**short, "target_features": "stream"},
-        features={**features, "stream": {"backend": "vllm", "servers": 1}},
+        train={**cfg["train"], "target_features": "stream"},
+        features={**features, "stream": {"backend": "vllm", "servers": 1, "cache": "first_epoch"}},
     )
     c_on, c_sh = write_config(work, online, "online.yaml"), write_config(work, shards, "shards.yaml")
-    c_sh3, c_st = write_config(work, shards3, "shards3.yaml"), write_config(work, stream, "stream.yaml")
+    c_st = write_config(work, stream, "stream.yaml")
     proc = snakemake(work, "results/eval/online/acceptance.json", configfile=c_on, timeout=2400)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     plan = snakemake(work, "-n", "results/eval/shards/acceptance.json", configfile=c_sh)
     proc = snakemake(work, "results/eval/shards/acceptance.json", configfile=c_sh, timeout=2400)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    proc = snakemake(work, "results/checkpoints/shards3/final", configfile=c_sh3, timeout=2400)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     stream_plan = snakemake(work, "-n", "results/checkpoints/stream/final", configfile=c_st)
     proc = snakemake(work, "results/checkpoints/stream/final", configfile=c_st, timeout=3000)
@@ -164,14 +160,6 @@ def test_plan_fails_early_without_disk(built):
     assert "features: the feature shards need" in proc.stdout + proc.stderr
 
 
-def test_shards3_reused_the_feature_shards(built):
-    """The shorter run trained from the feature shards the ``shards`` run extracted: one shard on disk, one
-    extract_features job log."""
-    work, _, _, _ = built
-    assert len(sorted((work / "results/features").glob("*/*.safetensors"))) == 1
-    assert len(list((work / "results/logs/extract_features").rglob("*.log"))) == 1
-
-
 def test_stream_plan_names_the_server_and_no_extraction(built):
     _, _, _, plan = built
     out = plan.stdout + plan.stderr
@@ -182,7 +170,7 @@ def test_stream_plan_names_the_server_and_no_extraction(built):
 
 def test_stream_through_vllm_equals_the_shards_run(built):
     work, _, _, _ = built
-    l_sh, l_st = _losses(work, "shards3"), _losses(work, "stream")
+    l_sh, l_st = _losses(work, "shards"), _losses(work, "stream")
     print(f"loss shards {l_sh[0]:.5f}..{l_sh[-1]:.5f} stream {l_st[0]:.5f}..{l_st[-1]:.5f}")
     assert len(l_sh) == len(l_st)
     for a, b in zip(l_sh, l_st):
