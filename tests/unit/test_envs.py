@@ -385,7 +385,7 @@ def test_the_lock_satisfies_pyproject_and_covers_every_dependency():
 def test_installed_versions_equal_the_lock():
     """The environment this suite runs in is the locked one (`.ci/run` and the README install from the lock):
     every installed distribution the lock names has the lock's version (a local build label such as +cpu
-    aside). `.ci/run latest` deselects this test: there the newest releases are the point."""
+    aside). `.ci/run latest` and `.ci/run lowest` deselect this test: there other releases are the point."""
     from packaging.version import Version
 
     lock = _pin_envs().read_lock(LOCK)
