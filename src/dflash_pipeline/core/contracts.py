@@ -44,28 +44,31 @@ PROMPT_SCHEMA = pa.schema(
     ]
 )
 
-#: Prompt messages of a conversation with tool calls: `tool_calls` (JSON text of the OpenAI list, on the
-#: source's assistant turns that called tools), `tool_call_id` and `name` (on `tool` results).
-PROMPT_TOOL_MESSAGE_TYPE = pa.struct(
-    [
-        ("role", pa.string()),
-        ("content", pa.string()),
-        ("tool_calls", pa.string()),
-        ("tool_call_id", pa.string()),
-        ("name", pa.string()),
-    ]
+#: The fields a message of a conversation with tool calls adds: `tool_calls` (JSON text of the OpenAI list
+#: `[{id, type, function: {name, arguments}}]`, on assistant turns that called tools), `tool_call_id` and
+#: `name` (on `tool` results).
+TOOL_MESSAGE_FIELDS = (
+    pa.field("tool_calls", pa.string()),
+    pa.field("tool_call_id", pa.string()),
+    pa.field("name", pa.string()),
 )
+
+
+def _with_tools(schema: pa.Schema, message_type: pa.StructType, *extra: pa.Field) -> pa.Schema:
+    """`schema` with `messages` of `message_type` and the `extra` fields appended (the tool variants of a
+    shard schema: the same columns in the same order, so a change to the base schema reaches both)."""
+    i = schema.get_field_index("messages")
+    out = schema.set(i, pa.field("messages", pa.list_(message_type)))
+    for f in extra:
+        out = out.append(f)
+    return out
+
+
+#: Prompt messages of a conversation with tool calls: `MESSAGE_TYPE` and `TOOL_MESSAGE_FIELDS`.
+PROMPT_TOOL_MESSAGE_TYPE = pa.struct([*MESSAGE_TYPE, *TOOL_MESSAGE_FIELDS])
 #: `PROMPT_SCHEMA` of a shard with tools or tool calls: messages of `PROMPT_TOOL_MESSAGE_TYPE` and `tools`
 #: (canonical JSON text of the OpenAI `tools` list, null when none). Other shards keep `PROMPT_SCHEMA`.
-PROMPT_TOOLS_SCHEMA = pa.schema(
-    [
-        ("prompt_id", pa.string()),
-        ("dataset", pa.string()),
-        ("messages", pa.list_(PROMPT_TOOL_MESSAGE_TYPE)),
-        ("metadata", pa.string()),
-        ("tools", pa.string()),
-    ]
-)
+PROMPT_TOOLS_SCHEMA = _with_tools(PROMPT_SCHEMA, PROMPT_TOOL_MESSAGE_TYPE, pa.field("tools", pa.string()))
 
 
 def has_tools(record: Mapping[str, Any]) -> bool:
@@ -113,36 +116,13 @@ COMPLETION_SCHEMA = pa.schema(
     ]
 )
 
-#: Completion messages of a conversation with tool calls: `tool_calls` (JSON text of the OpenAI list
-#: `[{id, type, function: {name, arguments}}]` on assistant turns), `tool_call_id` and `name` (on
-#: `tool` results, role `tool`).
-CONV_TOOL_MESSAGE_TYPE = pa.struct(
-    [
-        ("role", pa.string()),
-        ("content", pa.string()),
-        ("reasoning_content", pa.string()),
-        ("tool_calls", pa.string()),
-        ("tool_call_id", pa.string()),
-        ("name", pa.string()),
-    ]
-)
+#: Completion messages of a conversation with tool calls: `CONV_MESSAGE_TYPE` and `TOOL_MESSAGE_FIELDS`.
+CONV_TOOL_MESSAGE_TYPE = pa.struct([*CONV_MESSAGE_TYPE, *TOOL_MESSAGE_FIELDS])
 #: `COMPLETION_SCHEMA` of a shard that holds tool calls: messages of `CONV_TOOL_MESSAGE_TYPE`, `tools` (JSON
 #: text of the function schemas, null when none) and `end_reason` (`tool_call_diverged`, or null;
 #: docs/how-to/tool-calls.md). Shards without tool calls keep `COMPLETION_SCHEMA`, so their bytes never change.
-COMPLETION_TOOLS_SCHEMA = pa.schema(
-    [
-        ("prompt_id", pa.string()),
-        ("dataset", pa.string()),
-        ("messages", pa.list_(CONV_TOOL_MESSAGE_TYPE)),
-        ("turns", pa.list_(TURN_TYPE)),
-        ("model", pa.string()),
-        ("sampling", pa.string()),
-        ("thinking", pa.string()),
-        ("status", pa.string()),
-        ("error", pa.string()),
-        ("tools", pa.string()),
-        ("end_reason", pa.string()),
-    ]
+COMPLETION_TOOLS_SCHEMA = _with_tools(
+    COMPLETION_SCHEMA, CONV_TOOL_MESSAGE_TYPE, pa.field("tools", pa.string()), pa.field("end_reason", pa.string())
 )
 #: `end_reason` of a conversation that ends at a regenerated turn whose tool calls differ from the source's.
 TOOL_CALL_DIVERGED = "tool_call_diverged"
