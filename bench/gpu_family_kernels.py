@@ -25,7 +25,7 @@ def main() -> int:
     from vllm.model_executor.models.qwen3_dflash2 import dflash2_grouped_conv_impl
     from vllm.v1.worker.gpu.spec_decode.dflash2.speculator import CandidateSampler
 
-    from dflash_pipeline.drafter.dflash2 import grouped_conv, walk
+    from dflash_pipeline.drafter.dflash2_model import grouped_conv, walk
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)

@@ -185,7 +185,7 @@ def our_hidden(drafter, target, steps: list[dict]):
 
 def dflash2_outputs(drafter, lm_head, hidden, anchor, mistake=None) -> dict:
     """Our DFlash2 heads on our hidden [B, H] (``mistake``: ``softcap_first`` or ``predecessor_same_slot``)."""
-    from dflash_pipeline.drafter import dflash2 as D2
+    from dflash_pipeline.drafter import dflash2_model as D2
 
     h = hidden[1:]
     logits = lm_head(h)

@@ -1,7 +1,7 @@
 """The DFlash family (`drafter.family: dflash`, the default) and the base class of every drafter family.
 
-A family is a `DFlashFamily` subclass registered with `.families.register`; its module owns its config
-class and model, its anchors and slots (`drafts_per_block`, `label_slots`, `first_draft_slot`), its
+A family is a `DFlashFamily` subclass registered with `.families.register`; its module names its config
+class and model (`LazyClass`: the module imports neither torch nor transformers, so planning stays light), its anchors and slots (`drafts_per_block`, `label_slots`, `first_draft_slot`), its
 training hooks (`training_blocks`, `objective`), its verify rule (`teacher_forced_hits`) and proposal,
 its export (`speculative_config`, `engine_env`, `serve_md`) and its planning checks and params
 (docs/how-to/add-a-drafter-family.md).
@@ -17,15 +17,17 @@ import json
 import shlex
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Callable, Optional
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from dflash_pipeline.drafter.block_size import check_block_size
-from dflash_pipeline.drafter.config import DFlashConfig
-from dflash_pipeline.drafter.families import DEFAULT, register
-from dflash_pipeline.drafter.model import DFlashDrafter
+from dflash_pipeline.drafter.families import DEFAULT, LazyClass, register
 from dflash_pipeline.target.layer_ids import hf_hidden_state_index
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from dflash_pipeline.drafter.config import DFlashConfig
+    from dflash_pipeline.drafter.model import DFlashDrafter
 
 #: `Blocks` builder the training step and held-out acceptance hand to `DFlashFamily.training_blocks`:
 #: `build(slots, gamma)` → blocks of `slots` same-position label slots from each anchor (`ids`, `pos`,
@@ -39,10 +41,11 @@ class DFlashFamily:
 
     #: `drafter.family` value and the `drafter.<name>` section of the family's settings.
     name = DEFAULT
-    #: The config class (`config.json`); its class attributes name what the engines dispatch on.
-    config_class = DFlashConfig
-    #: The drafter module class.
-    drafter_class = DFlashDrafter
+    #: The config class (`config.json`); its class attributes name what the engines dispatch on. Imported when
+    #: first read: planning asks the family its settings and checks, and must not import torch or transformers.
+    config_class = LazyClass("dflash_pipeline.drafter.config:DFlashConfig")
+    #: The drafter module class (imported when first read, as `config_class`).
+    drafter_class = LazyClass("dflash_pipeline.drafter.model:DFlashDrafter")
     #: `train.loss` values this family trains with.
     losses: tuple[str, ...] = ("ce_decay", "dpace", "kl")
     #: `drafter.<name>` keys (the family's settings; validated by config/schema.yaml).
@@ -132,6 +135,8 @@ class DFlashFamily:
     def teacher_forced_hits(self, core, lm_head, hidden: torch.Tensor, blocks) -> torch.Tensor:
         """bool [b, Q]: whether this family's draft rule, teacher-forced, proposes each slot's label. DFlash:
         the argmax of the LM head's logits (chunks of 4096 slots: never [Q, V] logits at once)."""
+        import torch
+
         labels = blocks.labels
         hits = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
         for i in range(0, hidden.shape[1], 4096):

@@ -2,7 +2,9 @@
 object it returns, what differs per family; no other module compares a family's name.
 
 A family is a `DFlashFamily` subclass that registers itself with `@register` when its module is imported;
-`BUILTIN` families are imported on the first question (docs/how-to/add-a-drafter-family.md). Lookups:
+`BUILTIN` families are imported on the first question (docs/how-to/add-a-drafter-family.md). A family module
+imports neither torch nor transformers: Snakemake asks the families its checks and params each time it parses
+the workflow (every `snakemake -n`), so the family names its config and drafter classes by `LazyClass`. Lookups:
 `get` (by name), `names`, `of_drafter` (unwrapping DDP/FSDP), `of_config` / `of_checkpoint` (from
 `architectures`, what the engines dispatch on).
 """
@@ -31,20 +33,38 @@ class UnknownFamily(ValueError):
     """A family name, architecture or drafter class no registered family owns."""
 
 
+class LazyClass:
+    """A family's class attribute that names a class as ``"module:attribute"`` and imports it when first read, so
+    the family's module (read at planning) does not import the model code (torch, transformers).
+
+    Raises (when read):
+        ImportError / AttributeError: the module or attribute does not exist.
+    """
+
+    def __init__(self, spec: str):
+        self.spec = spec
+
+    def __get__(self, obj, owner=None):
+        module, _, attr = self.spec.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def __repr__(self) -> str:
+        return f"LazyClass({self.spec!r})"
+
+
 def register(cls):
-    """Class decorator: register an instance of family class `cls` under `cls.name`; returns `cls`.
+    """Class decorator: register an instance of family class `cls` under `cls.name`; returns `cls`. Two families
+    with one architecture are refused when an architecture is looked up (`find_by_architectures`): reading it here
+    would import every family's config class at planning.
 
     Raises:
-        ValueError: another class already registered under the same name or architecture.
+        ValueError: another class already registered under the same name.
     """
     fam = cls()
     for other in _FAMILIES.values():
-        if type(other) is cls:
-            continue
-        if other.name == fam.name or other.architecture == fam.architecture:
+        if type(other) is not cls and other.name == fam.name:
             raise ValueError(
-                f"drafter family {cls.__qualname__}: name {fam.name!r} / architecture {fam.architecture!r} "
-                f"already registered by {type(other).__qualname__}"
+                f"drafter family {cls.__qualname__}: name {fam.name!r} already registered by {type(other).__qualname__}"
             )
     _FAMILIES[fam.name] = fam
     return cls
@@ -110,9 +130,19 @@ def of_drafter(drafter) -> "DFlashFamily":
 
 def find_by_architectures(archs) -> Optional["DFlashFamily"]:
     """The family whose architecture is first in `archs` (a `config.json` `architectures` list), None when
-    none is."""
+    none is.
+
+    Raises:
+        ValueError: two registered families claim one architecture.
+    """
     _load_builtin()
-    by_arch = {f.architecture: f for f in _FAMILIES.values()}
+    by_arch: dict[str, "DFlashFamily"] = {}
+    for fam in _FAMILIES.values():
+        other = by_arch.setdefault(fam.architecture, fam)
+        if other is not fam:
+            raise ValueError(
+                f"drafter families {other.name!r} and {fam.name!r} both claim architecture {fam.architecture!r}"
+            )
     return next((by_arch[a] for a in archs or () if a in by_arch), None)
 
 

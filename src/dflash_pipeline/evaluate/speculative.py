@@ -189,7 +189,7 @@ def _propose(drafter, embed, head, bonus, pending, start, dcache, block_size: in
         return drafter.draft_block(embed, head, bonus, pending, start, dcache, block_size)[:, 1:].argmax(dim=-1)
     drafts, conf = drafter.propose(embed, head, bonus, pending, start, dcache, block_size)
     if conf is not None:
-        from dflash_pipeline.drafter.dspark import verify_length
+        from dflash_pipeline.drafter.dspark_model import verify_length
 
         drafts = drafts[:, : verify_length(conf, confidence_threshold, drafts.shape[1])]
     return drafts

@@ -11,8 +11,8 @@ import torch
 from conftest import tiny_target_and_drafter
 
 from dflash_pipeline.drafter import build as DB
-from dflash_pipeline.drafter import dflash2 as D2
-from dflash_pipeline.drafter import dspark as DS
+from dflash_pipeline.drafter import dflash2_model as D2
+from dflash_pipeline.drafter import dspark_model as DS
 from dflash_pipeline.drafter import families as FR
 from dflash_pipeline.drafter import model as M
 
