@@ -19,14 +19,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import importlib.metadata
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
-import torch
-import torch.nn.functional as F
+if TYPE_CHECKING:  # pragma: no cover - torch is imported by the functions that step: a cached plan needs none of it
+    import torch
 
 #: Bytes per GB in plans and in `train.device_memory_gb` (decimal, as GPU data sheets count).
 GB = 1e9
@@ -98,6 +99,8 @@ class _FrozenInputs(NamedTuple):
 def _build_step_model(target_config, st: StepSettings, mode) -> tuple[torch.nn.Module, _FrozenInputs]:
     """The drafter of `st` and the frozen tensors of one step, built under `mode` (a fake tensor mode; None:
     real tensors)."""
+    import torch
+
     from dflash_pipeline.drafter.build import build_drafter
     from dflash_pipeline.train.data import ConfigOnly
 
@@ -130,6 +133,8 @@ def _build_step_model(target_config, st: StepSettings, mode) -> tuple[torch.nn.M
 def _worst_case_batch(st: StepSettings, vocab_size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """The real token ids and loss mask of a worst-case batch: every row `seq_len` tokens, a short prompt
     unsupervised, then an answer in which every anchor candidate is supervised."""
+    import torch
+
     b, s = st.batch_size, st.seq_len
     ids = torch.randint(1, vocab_size, (b, s), generator=gen)
     lmask = torch.ones(b, s, dtype=torch.uint8)
@@ -141,6 +146,8 @@ def _autocast_context(st: StepSettings):
     """The CPU autocast of `st.mixed_precision` (bf16 / fp16), or a null context for `no`."""
     if st.mixed_precision == "no":
         return contextlib.nullcontext()
+    import torch
+
     return torch.autocast("cpu", dtype=getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[st.mixed_precision]))
 
 
@@ -157,6 +164,9 @@ def _run_tracked_steps(
     """Two training steps (anchors, block inputs, masks, drafter, loss, backward, optimizer step) under
     `tracker`; the second holds the optimizer state the first one created. `mode`: the fake tensor mode
     (None: real tensors)."""
+    import torch
+    import torch.nn.functional as F
+
     from dflash_pipeline.drafter import model as M
     from dflash_pipeline.target import loading as T
     from dflash_pipeline.train import losses as L
@@ -228,6 +238,7 @@ def plan_step_memory(target_config, st: StepSettings, *, fake: bool = True) -> M
         ValueError: settings the trainer would refuse too (sliding layers without a window, an unknown
             optimizer or loss).
     """
+    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -248,6 +259,7 @@ def plan_step_memory(target_config, st: StepSettings, *, fake: bool = True) -> M
 
 def target_params_bytes(target_config, dtype: str) -> int:
     """Bytes of the target's weights in `dtype` (counted on the meta device: nothing is allocated)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -265,51 +277,80 @@ def plan_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash-pipeline" / "memory-plans"
 
 
-def _code_digest() -> str:
-    """sha256 of the sources a plan steps through (drafter, masks, blocks, objectives, optimizer, this module):
-    a cached plan is one of this code."""
-    from dflash_pipeline.drafter import attention_masks, blocks, config, model, rope
-    from dflash_pipeline.train import losses, optim
+#: The sources a plan steps through (drafter, masks, blocks, objectives, optimizer), relative to the package; read
+#: as files, so a cache lookup imports none of them.
+_PLANNED_SOURCES = (
+    "drafter/attention_masks.py",
+    "drafter/blocks.py",
+    "drafter/config.py",
+    "drafter/model.py",
+    "drafter/rope.py",
+    "train/losses.py",
+    "train/optim.py",
+)
 
+
+def _code_digest() -> str:
+    """sha256 of the sources a plan steps through (`_PLANNED_SOURCES` and this module): a cached plan is one of
+    this code."""
+    package = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for mod in (attention_masks, blocks, config, model, rope, losses, optim):
-        h.update(Path(mod.__file__).read_bytes())
+    for rel in _PLANNED_SOURCES:
+        h.update((package / rel).read_bytes())
     h.update(Path(__file__).read_bytes())
     return h.hexdigest()[:16]
 
 
-def _cached(cache_dir: Optional[str | Path], key: dict, compute):
-    """`compute()` (a JSON value), kept in `cache_dir` under the digest of `key` (with the plan revision
-    and torch's version); None = no cache. A cache file that does not parse is computed again."""
+def _installed_version(dist: str) -> Optional[str]:
+    """The installed version of the distribution `dist` from its metadata (nothing imported); torch's own
+    `__version__` when torch has no metadata (a source build), None for another package without it."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        if dist != "torch":
+            return None
+        import torch
+
+        return torch.__version__
+
+
+def _cached(
+    cache_dir: Optional[str | Path],
+    key: dict,
+    compute: Callable[[], Any],
+    decode: Optional[Callable[[Any], Any]] = None,
+):
+    """`decode(compute())` (`compute()` a JSON value; `decode` the identity when None), kept in `cache_dir` under
+    the digest of `key` (with the plan revision, torch's installed version and the code digest); None = no cache.
+    A cache file that does not parse, or whose value `decode` refuses (KeyError, TypeError, ValueError), is
+    computed again and rewritten."""
+    decode = decode or (lambda value: value)
     if cache_dir is None:
-        return compute()
+        return decode(compute())
     text = json.dumps(
-        {"revision": PLAN_REVISION, "torch": torch.__version__, "code": _code_digest(), **key},
+        {"revision": PLAN_REVISION, "torch": _installed_version("torch"), "code": _code_digest(), **key},
         sort_keys=True,
         default=str,
     )
     path = Path(cache_dir) / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
     if path.is_file():
         try:
-            return json.loads(path.read_text())["value"]
-        except (ValueError, KeyError):
+            return decode(json.loads(path.read_text())["value"])
+        except (ValueError, KeyError, TypeError):
             pass
     value = compute()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"value": value}))
     tmp.replace(path)  # atomic: concurrent planners write the same value
-    return value
+    return decode(value)
 
 
 def cached_plan(target_config, st: StepSettings, cache_dir: Optional[str | Path]) -> MemoryPlan:
     """`plan_step_memory`, cached in `cache_dir` (one JSON per target config and settings; None =
     no cache), so a repeated `snakemake -n` pays nothing."""
     key = {"target": target_config.to_dict(), "settings": dataclasses.asdict(st)}
-    try:
-        return MemoryPlan.from_json(_cached(cache_dir, key, lambda: plan_step_memory(target_config, st).to_json()))
-    except (KeyError, TypeError):  # a cache entry of another shape: plan again
-        return plan_step_memory(target_config, st)
+    return _cached(cache_dir, key, lambda: plan_step_memory(target_config, st).to_json(), MemoryPlan.from_json)
 
 
 def head_dtype_of(cfg: dict) -> str:
@@ -408,6 +449,62 @@ def over_budget(plan: MemoryPlan, budget_gb: Optional[float], other: Optional[Me
     )
 
 
+class _NotPlanned(Exception):
+    """The target's config does not load (the message says why); never cached."""
+
+
+def _workflow_key(cfg: dict, target_dir: Path, num_target_features: int, block_size: int) -> dict:
+    """What decides `plan_for_workflow`'s result, read without transformers: the target's `config.json` bytes (and
+    its remote code under `target.trust_remote_code`), transformers' installed version (it fills the config's
+    defaults), the config sections the settings come from (the target's path aside: the bytes stand for it), the
+    feature count and the block size."""
+    trust = bool(cfg["target"].get("trust_remote_code", False))
+    remote = (
+        {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(target_dir.glob("*.py"))} if trust else {}
+    )
+    return {
+        "workflow": {
+            "config_json": hashlib.sha256((target_dir / "config.json").read_bytes()).hexdigest(),
+            "remote_code": remote,
+            "transformers": _installed_version("transformers"),
+            "train": {k: v for k, v in cfg["train"].items() if k != "device_memory_gb"},  # checked after, not planned
+            "drafter": cfg["drafter"],
+            "tokens": cfg["tokens"],
+            "target": {k: v for k, v in cfg["target"].items() if k != "path"},
+            "num_target_features": int(num_target_features),
+            "block_size": int(block_size),
+        }
+    }
+
+
+def _plan_pair(cfg: dict, target_dir: Path, num_target_features: int, block_size: int, cache_dir) -> dict:
+    """The plan and its gradient-checkpointing twin as JSON (`{"plan", "other"}`), from the target's text config;
+    each cached per target config and settings.
+
+    Raises:
+        _NotPlanned: the target's config does not load.
+    """
+    from dflash_pipeline.target.loading import TargetLoadError, load_target_config, text_config
+
+    try:
+        tcfg = text_config(
+            load_target_config(target_dir, trust_remote_code=cfg["target"].get("trust_remote_code", False))
+        )
+    except TargetLoadError as exc:  # the probe stage fails on it with the fix; the plan says why it is missing
+        raise _NotPlanned(str(exc)) from exc
+    tbytes = 0
+    if cfg["train"]["target_features"] == "online":
+        tbytes = _cached(
+            cache_dir,
+            {"target_bytes": tcfg.to_dict(), "dtype": head_dtype_of(cfg)},
+            lambda: target_params_bytes(tcfg, head_dtype_of(cfg)),
+        )
+    st = settings_from_config(cfg, num_target_features=num_target_features, block_size=block_size, target_params=tbytes)
+    plan = cached_plan(tcfg, st, cache_dir)
+    other = cached_plan(tcfg, dataclasses.replace(st, gradient_checkpointing=not st.gradient_checkpointing), cache_dir)
+    return {"plan": plan.to_json(), "other": other.to_json()}
+
+
 def plan_for_workflow(
     cfg: dict,
     *,
@@ -417,9 +514,14 @@ def plan_for_workflow(
     cache_dir: Optional[str | Path],
 ) -> tuple[Optional[MemoryPlan], Optional[MemoryPlan], str]:
     """The plan of a validated config's training step and its gradient-checkpointing twin, with the `[plan]` line;
-    `(None, None, why)` when the target's config is not there yet or the family is not planned."""
+    `(None, None, why)` when the target's config is not there yet, does not load, or the family is not planned.
+
+    Cached twice in `cache_dir` (None: no cache): by what decides the result without reading the target's config
+    through transformers (`config.json`'s bytes, the config's `train`, `drafter`, `tokens` and `target` sections,
+    the feature count, block size, torch's and transformers' installed versions, the planned code), so a repeated
+    `snakemake -n` imports neither torch nor transformers; and per target config and settings (`cached_plan`).
+    """
     from dflash_pipeline.drafter import families as FR
-    from dflash_pipeline.target.loading import text_config
 
     family = FR.of_settings(cfg["drafter"])
     if type(family) is not type(FR.default()):  # DFlash2/DSpark add heads and objectives the plan does not step
@@ -434,24 +536,16 @@ def plan_for_workflow(
             None,
             "device memory: planned once the target's config.json exists (the demo target is built first)",
         )
-    from dflash_pipeline.target.loading import TargetLoadError, load_target_config
-
+    target_dir = Path(target_dir)
     try:
-        tcfg = text_config(
-            load_target_config(target_dir, trust_remote_code=cfg["target"].get("trust_remote_code", False))
-        )
-    except TargetLoadError as exc:  # the probe stage fails on it with the fix; the plan says why it is missing
-        return None, None, f"device memory: not planned ({exc})"
-    tbytes = 0
-    if cfg["train"]["target_features"] == "online":
-        tbytes = _cached(
+        plan, other = _cached(
             cache_dir,
-            {"target_bytes": tcfg.to_dict(), "dtype": head_dtype_of(cfg)},
-            lambda: target_params_bytes(tcfg, head_dtype_of(cfg)),
+            _workflow_key(cfg, target_dir, num_target_features, block_size),
+            lambda: _plan_pair(cfg, target_dir, num_target_features, block_size, cache_dir),
+            lambda rec: (MemoryPlan.from_json(rec["plan"]), MemoryPlan.from_json(rec["other"])),
         )
-    st = settings_from_config(cfg, num_target_features=num_target_features, block_size=block_size, target_params=tbytes)
-    plan = cached_plan(tcfg, st, cache_dir)
-    other = cached_plan(tcfg, dataclasses.replace(st, gradient_checkpointing=not st.gradient_checkpointing), cache_dir)
+    except _NotPlanned as exc:
+        return None, None, f"device memory: not planned ({exc})"
     return plan, other, describe(plan, other)
 
 
