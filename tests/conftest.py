@@ -20,6 +20,12 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite runs more busy threads than the machine has cores (two xdist workers, each a Snakemake with --cores 2,
+# training ranks, engines). An OpenMP thread that waits for work spins by default, on a core another process
+# needs: on 2 cores the e2e workflow took 162 s of CPU beside a running suite, and 75 s with passive waiting.
+# Every subprocess inherits it (set before any test imports torch, whose OpenMP reads it when loaded); results do
+# not depend on it. Users' Snakemake never oversubscribes (a job's threads are counted against --cores).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 REPO = REPO_ROOT
