@@ -1,5 +1,6 @@
 """The DFlash drafter: model, blocks (anchors, labels, decayed CE) and attention masks; the drafter families
-(`drafter.family`: `.dflash`, `.dflash2`, `.dspark`, asked through the registry `.families`). Names load
+(`drafter.family`: `.dflash`, `.dflash2`, `.dspark`, asked through the registry `.families`; the models of the
+last two in `.dflash2_model`, `.dspark_model`). Names load
 on first use
 (`_OWNERS`: `core.faces.lazy_face`)."""
 
@@ -22,8 +23,10 @@ _OWNERS = {
     ),
     "families": "register get of_drafter of_config of_checkpoint load_config",
     "dflash": "DFlashFamily",
-    "dflash2": "DFlash2Drafter DFlash2Config DFlash2Family",
-    "dspark": "DSparkDrafter DSparkConfig DSparkFamily",
+    "dflash2": "DFlash2Family",
+    "dflash2_model": "DFlash2Drafter DFlash2Config",
+    "dspark": "DSparkFamily",
+    "dspark_model": "DSparkDrafter DSparkConfig",
 }
 
 __getattr__, __dir__, __all__ = lazy_face(__name__, _OWNERS, globals)

@@ -1,7 +1,7 @@
 """The DFlash2 family (`drafter.family: dflash2`): the DFlash drafter with dynamic grouped convolutions around
 every sublayer and a low-rank candidate selector that re-ranks each mask slot's top-K and walks one path from the
-anchor. Its config, model and objective are in `dflash2_model` (imported when a run builds or trains one:
-planning reads this module only).
+anchor. Its config, model and objective are in `dflash2_model`, which this module names only as strings
+(`LazyClass`) and reaches through the drafter it is handed: planning reads this module alone.
 """
 
 from __future__ import annotations
@@ -51,12 +51,9 @@ class DFlash2Family(DFlashFamily):
         return {k: raw["dflash_config"][k] for k in SETTINGS_KEYS}
 
     def objective(self, ctx, core, hidden, blocks, teacher, base):
-        """`train.loss` on the unary logits + the selector term (`dflash2_objective`)."""
-        from dflash_pipeline.drafter.dflash2_model import dflash2_objective
-
-        return dflash2_objective(
+        """`train.loss` on the unary logits + the selector term (`DFlash2Drafter.selector_objective`)."""
+        return core.selector_objective(
             base(),
-            core,
             hidden,
             ctx.lm_head.weight,
             blocks.labels,
@@ -67,23 +64,8 @@ class DFlash2Family(DFlashFamily):
         )
 
     def teacher_forced_hits(self, core, lm_head, hidden, blocks) -> torch.Tensor:
-        """The selector's best candidate after the gold token of slot k − 1 (a gold token outside the top-K is a
-        miss, as at serving)."""
-        import torch
-
-        from dflash_pipeline.drafter.dflash2_model import unary_top_k
-
-        labels, prev = blocks.labels, blocks.labels.roll(1, dims=1)
-        hits = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
-        for i in range(0, hidden.shape[1], 4096):  # chunks of slots: never [Q, V] logits at once
-            h, y, p = hidden[:, i : i + 4096], labels[:, i : i + 4096], prev[:, i : i + 4096]
-            logits = lm_head(h.to(lm_head.weight.dtype)).float()
-            cand, unary = unary_top_k(logits, core.top_k, core.output_multiplier, core.softcap)
-            n, q = y.shape
-            e = core.candidate_selector.edge(h.reshape(n * q, -1), p.reshape(-1, 1), cand.reshape(n * q, -1))
-            best = (unary.reshape(n * q, -1) + e[:, 0]).argmax(-1, keepdim=True)
-            hits[:, i : i + 4096] = cand.reshape(n * q, -1).gather(1, best).view(n, q) == y
-        return hits
+        """The selector's best candidate after the gold token of slot k − 1 (`DFlash2Drafter.teacher_forced_hits`)."""
+        return core.teacher_forced_hits(lm_head, hidden, blocks)
 
     def engine_env(self) -> dict[str, str]:
         return {"VLLM_USE_V2_MODEL_RUNNER": "1"}

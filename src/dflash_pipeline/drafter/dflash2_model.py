@@ -253,6 +253,30 @@ class DFlash2Drafter(DFlashDrafter):
         scores = self.candidate_selector.scores(hidden, cand, unary, bonus_token.view(-1))
         return walk(scores, cand), None
 
+    def selector_objective(
+        self, base, hidden, lm_head_weight, labels, weights, block_size, *, gold: str, selector_weight: float
+    ):
+        """`dflash2_objective` of this drafter (the family's training objective)."""
+        return dflash2_objective(
+            base, self, hidden, lm_head_weight, labels, weights, block_size, gold=gold, selector_weight=selector_weight
+        )
+
+    def teacher_forced_hits(self, lm_head, hidden: torch.Tensor, blocks) -> torch.Tensor:
+        """bool [b, Q]: whether the selector's best candidate after the gold token of slot k − 1 is slot k's label
+        (`blocks.labels` [b, Q]; `hidden` [b, Q, H] final-normed); a gold token outside the top-K is a miss, as at
+        serving."""
+        labels, prev = blocks.labels, blocks.labels.roll(1, dims=1)
+        hits = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
+        for i in range(0, hidden.shape[1], 4096):  # chunks of slots: never [Q, V] logits at once
+            h, y, p = hidden[:, i : i + 4096], labels[:, i : i + 4096], prev[:, i : i + 4096]
+            logits = lm_head(h.to(lm_head.weight.dtype)).float()
+            cand, unary = unary_top_k(logits, self.top_k, self.output_multiplier, self.softcap)
+            n, q = y.shape
+            e = self.candidate_selector.edge(h.reshape(n * q, -1), p.reshape(-1, 1), cand.reshape(n * q, -1))
+            best = (unary.reshape(n * q, -1) + e[:, 0]).argmax(-1, keepdim=True)
+            hits[:, i : i + 4096] = cand.reshape(n * q, -1).gather(1, best).view(n, q) == y
+        return hits
+
 
 # --- Training: the selector's objective (teacher-forced walk)
 

@@ -1,7 +1,7 @@
 """The DSpark family (`drafter.family: dspark`): the DFlash backbone drafting a whole block from the anchor, a
 low-rank Markov logit bias on the previous token, and a confidence head that sets how many drafts to verify. Its
-config, model and objective are in `dspark_model` (imported when a run builds or trains one: planning reads this
-module only).
+config, model and objective are in `dspark_model`, which this module names only as strings (`LazyClass`) and
+reaches through its drafter class: planning reads this module alone.
 """
 
 from __future__ import annotations
@@ -56,17 +56,14 @@ class DSparkFamily(DFlashFamily):
     def training_blocks(self, build, block_size, gamma):
         """Blocks of B + 1 label slots read shifted by one (`dspark_view`): slot k predicts p+k+1, weight
         `exp(−k/γ)`, `prev` the gold token at p+k."""
-        from dflash_pipeline.drafter.dspark_model import dspark_view
-
         blk = build(self.label_slots(block_size), None)
-        return dspark_view(blk.ids, blk.pos, blk.labels, blk.weights, block_size, gamma, rows=blk.rows)
+        return self.drafter_class.training_view(
+            blk.ids, blk.pos, blk.labels, blk.weights, block_size, gamma, rows=blk.rows
+        )
 
     def objective(self, ctx, core, hidden, blocks, teacher, base):
-        """`dspark_objective` (the plain objectives leave out the Markov bias: `base` is not used)."""
-        from dflash_pipeline.drafter.dspark_model import dspark_objective
-
-        return dspark_objective(
-            core,
+        """`DSparkDrafter.objective` (the plain objectives leave out the Markov bias: `base` is not used)."""
+        return core.objective(
             hidden,
             ctx.lm_head.weight,
             blocks,

@@ -133,6 +133,15 @@ class DSparkDrafter(DFlashDrafter):
             conf = torch.sigmoid(self.confidence_head(hidden, torch.stack(embeds, dim=1).to(hidden.dtype)))
         return torch.stack(drafts, dim=1), conf
 
+    def objective(self, hidden, lm_head_weight, blocks, **kwargs):
+        """`dspark_objective` of this drafter (the family's training objective; keywords as there)."""
+        return dspark_objective(self, hidden, lm_head_weight, blocks, **kwargs)
+
+    @staticmethod
+    def training_view(ids, pos, labels, weights, block_size: int, gamma=None, rows=None):
+        """`dspark_view`: the family's training blocks read shifted by one."""
+        return dspark_view(ids, pos, labels, weights, block_size, gamma, rows=rows)
+
 
 def verify_length(confidence: torch.Tensor | None, threshold: float, num_drafts: int) -> int:
     """How many of `num_drafts` drafts to verify: all when `threshold` ≤ 0 or there is no confidence head, else the
