@@ -162,7 +162,10 @@ def part_zoo(a) -> dict:
     ok = len(cells) == len(fams) and not bad and not notes
     figures = f"{len(cells) - len(bad)}/{len(fams)} families through build..eval ({', '.join(fams)})"
     if finished:
-        figures += " side by side in " + ", ".join(f"{s:.0f}" for s in finished.values()) + " s"
+        figures += (
+            (" side by side" if len(fams) > 1 else "") + " in " + ", ".join(f"{s:.0f}" for s in finished.values())
+        )
+        figures += " s"
     if bad:
         figures += "; " + "; ".join(f"{f}: {next(x for x in c if x != 'ok')}" for f, c in bad.items())
     if notes:
@@ -189,7 +192,8 @@ def _job_seconds(work: Path, top: int = 3) -> str:
         lines = tsv.read_text().splitlines()
         if len(lines) >= 2:
             row = dict(zip(lines[0].split("\t"), lines[1].split("\t")))
-            secs.append((float(row.get("s", 0) or 0), tsv.relative_to(work / "results" / "benchmarks").parts[0]))
+            rule = tsv.relative_to(work / "results" / "benchmarks").with_suffix("").parts[0]  # RULE.tsv, RULE/...
+            secs.append((float(row.get("s", 0) or 0), rule))
     return ", ".join(f"{rule} {s:.0f} s" for s, rule in sorted(secs, reverse=True)[:top])
 
 
@@ -216,7 +220,7 @@ def part_workflow(a) -> dict:
     signal.signal(signal.SIGTERM, lambda *_: (_kill_group(proc, grace=2), sys.exit(143)))  # the driver's kill
     while proc.poll() is None:
         progress = _snakemake_progress(log, t0)
-        if progress.split(" after ")[0] != shown.split(" after ")[0]:
+        if re.sub(r" after \d+ s", "", progress) != re.sub(r" after \d+ s", "", shown):  # a step done or begun
             _partial(progress)
             shown = progress
         if time.time() - t0 > budget:
@@ -242,7 +246,7 @@ def part_workflow(a) -> dict:
     # a drafter trained on the GPU drafts: on average above the untrained floor (τ 1 when it never drafts right)
     ok = not floor or sum(tau.values()) / len(tau) > sum(floor.values()) / len(floor)
     figures = (
-        f"{WORKFLOW_CONFIG.relative_to(REPO)} ({summary['records']} records, {summary['steps']} steps) in "
+        f"{os.path.relpath(WORKFLOW_CONFIG, REPO)} ({summary['records']} records, {summary['steps']} steps) in "
         f"{time.time() - t0:.0f} s; trained on {summary['provenance']['device']} ({summary['attention_backend']}, "
         f"{summary['provenance']['dtype']}), eval on {acc['settings']['device']} {acc['settings']['dtype']}; τ "
         + ", ".join(f"{name} {t:.2f}" for name, t in tau.items())
@@ -436,21 +440,43 @@ STEP_SIZES = {
 }
 
 
-def _count_step_flops(step, ctx) -> tuple[float, float]:
-    """Model FLOPs of one training step ``step(ctx)`` (forward, backward, optimizer) as ``(dense, masked)``:
-    counted by torch's ``FlopCounterMode`` with SDPA's math kernel (the fused CUDA kernels' FLOP formulas refuse
-    grouped-query shapes, torch 2.11: "query/key/value shapes are incompatible"; the math kernel's batched
-    matmuls count them as the attention they compute). ``dense`` counts every query-key pair; ``masked`` scales
+class _Frozen:
+    """A frozen embedding or LM head as the trainer hands it to a step (a weight, called on token ids)."""
+
+    def __init__(self, w):
+        self.weight = w
+
+    def __call__(self, ids):
+        import torch.nn.functional as F
+
+        return F.embedding(ids, self.weight)
+
+
+def _count_step_flops(tc, probe: dict, batch: dict, num_anchors: int, block: int) -> tuple[float, float]:
+    """Model FLOPs of one training step's forward and backward on `batch` as ``(dense, masked)``, counted by
+    torch's ``FlopCounterMode`` on a twin of the drafter made of fake tensors (``FakeTensorMode``: shapes only,
+    nothing computed or allocated, so the count costs no device memory) that samples the same anchors (real
+    integer bookkeeping, the same generator seed as the timed step).
+
+    The twin runs SDPA's math kernel with the dense training mask: the fused kernels' FLOP formulas refuse
+    grouped-query shapes (torch 2.11: "query/key/value shapes are incompatible"), the math kernel's batched
+    matmuls count them as the attention they compute. ``dense`` counts every query-key pair; ``masked`` scales
     the attention matmuls (``aten.bmm``: the only batched matmuls of a drafter step) by the share of pairs the
-    training mask lets attend, the work FlexAttention does (it skips fully masked tiles)."""
+    mask lets attend, the work FlexAttention does (it skips fully masked tiles)."""
     import torch
     import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.overrides import TorchFunctionMode
     from torch.utils.flop_counter import FlopCounterMode
 
+    from dflash_pipeline.drafter import model as M
+    from dflash_pipeline.drafter.build import build_drafter
+    from dflash_pipeline.train.data import ConfigOnly
+    from dflash_pipeline.train.step import StepContext, step_objective
+
     class MaskDensity(TorchFunctionMode):
-        """Share of True in each dense attention mask SDPA is called with."""
+        """Share of True in each dense attention mask SDPA is called with (the masks are real tensors)."""
 
         def __init__(self):
             super().__init__()
@@ -463,11 +489,29 @@ def _count_step_flops(step, ctx) -> tuple[float, float]:
                 self.shares.append(1.0 if mask is None else float(mask.float().mean()))
             return func(*args, **kwargs)
 
+    h, v = tc.hidden_size, tc.vocab_size
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        twin = build_drafter(ConfigOnly(tc), probe).train()
+        embed, head = torch.zeros(v, h), torch.zeros(v, h)
+        feats = torch.zeros(batch["features"].shape)
+    real = {key: batch[key].cpu() for key in ("input_ids", "loss_mask", "attention_mask")}
+    ctx = StepContext(
+        drafter=twin,
+        target=None,
+        probe=probe,
+        num_anchors=num_anchors,
+        block_size=block,
+        gamma=M.loss_decay_gamma(block),
+        generator=torch.Generator().manual_seed(0),
+        embed=_Frozen(embed),
+        lm_head=_Frozen(head),
+        backend="sdpa",
+    )
     counter, density = FlopCounterMode(display=False), MaskDensity()
     with counter, density, sdpa_kernel(SDPBackend.MATH):
-        step(ctx)
+        step_objective(ctx, {**real, "features": feats}).total.backward()
     dense = float(counter.get_total_flops())
-    attention = float(sum(v for op, v in counter.get_flop_counts()["Global"].items() if str(op) == "aten.bmm"))
+    attention = float(sum(n for op, n in counter.get_flop_counts()["Global"].items() if str(op) == "aten.bmm"))
     share = sum(density.shares) / len(density.shares) if density.shares else 1.0
     return dense, dense - attention * (1.0 - share)
 
@@ -480,7 +524,6 @@ def _timed_step(label, tcfg, seq, anchors, block, layers, k, device, steps, prog
     import gc
 
     import torch
-    import torch.nn.functional as F
     from transformers import Qwen3Config
 
     from dflash_pipeline.drafter import model as M
@@ -512,13 +555,6 @@ def _timed_step(label, tcfg, seq, anchors, block, layers, k, device, steps, prog
     t0 = time.time()
     plan = MP.plan_step_memory(tc, st)
     plan_s = time.time() - t0
-
-    class Frozen:
-        def __init__(self, w):
-            self.weight = w
-
-        def __call__(self, ids):
-            return F.embedding(ids, self.weight)
 
     probe = {
         "drafter": {
@@ -560,8 +596,8 @@ def _timed_step(label, tcfg, seq, anchors, block, layers, k, device, steps, prog
             block_size=block,
             gamma=M.loss_decay_gamma(block),
             generator=torch.Generator().manual_seed(0),
-            embed=Frozen(embed),
-            lm_head=Frozen(head),
+            embed=_Frozen(embed),
+            lm_head=_Frozen(head),
             backend=backend,
         )
 
@@ -571,7 +607,7 @@ def _timed_step(label, tcfg, seq, anchors, block, layers, k, device, steps, prog
         opt.zero_grad(set_to_none=True)
 
     progress("counting FLOPs")
-    flops_dense, flops = _count_step_flops(step, ctx("sdpa"))
+    flops_dense, flops = _count_step_flops(tc, probe, batch, anchors, block)
     timed = ctx("flex" if cuda else "sdpa")
     progress("first step (flex compile)" if cuda else "first step")
     t0 = time.time()
@@ -607,7 +643,7 @@ def _timed_step(label, tcfg, seq, anchors, block, layers, k, device, steps, prog
 
 def _step_figure(r: dict) -> str:
     f = f"{r['label']}: {r['tokens_per_s']:.0f} tok/s ({r['slots_per_s']:.0f} slots/s, {r['step_s']:.3f} s/step"
-    f += f", first {r['first_step_s']:.0f} s)"
+    f += f", first step {r['first_step_s']:.1f} s)"
     if r["mfu"] is not None:
         f += f", MFU {100 * r['mfu']:.1f} % ({r['tflop_per_step']:.1f} TFLOP/step; dense attention"
         f += f" {r['tflop_per_step_dense']:.1f}, {100 * r['mfu_dense']:.1f} %)"
