@@ -5,10 +5,11 @@
 #   bench/gpu_check.sh --device cpu    # the same parts end to end at tiny sizes (the suite runs it)
 # Missing packages (snakemake, pyarrow, ...) are installed offline from bench/gpu_carry/wheels, which
 # bench/gpu_prepare.sh fills on a networked machine (<= 64 MiB; carry bench/gpu_carry with the run).
-# It prints one table: the zoo's families (bf16 train + eval), the demo workflow through Snakemake with
-# train.device auto (its τ), training fed by an hf feature server, one FSDP2 rank, and timed Qwen3-8B-sized and
-# Kimi-K2.6-width drafter steps (tokens/s, MFU, peak memory against the memory plan). Other arguments go to
-# bench/gpu_check.py (--skip PART, --family NAME, --models DIR, --workflow-workdir DIR, --json FILE).
+# It prints one table, the parts in this order, each under its own time limit (460 s together): timed Qwen3-8B-sized
+# and Kimi-K2.6-width drafter steps (tokens/s, MFU, peak memory against the memory plan), the demo target through
+# the workflow under Snakemake with train.device auto (bench/gpu_check_workflow.yaml; its τ), the zoo's families
+# (bf16 train + eval), training fed by an hf feature server, and one FSDP2 rank. Other arguments go to
+# bench/gpu_check.py (--skip PART, --family NAME, --models DIR, --workflow-workdir DIR, --json FILE, --logs DIR).
 # Checks that need vLLM or SGLang: bench/gpu_check_engines.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."

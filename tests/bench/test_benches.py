@@ -117,14 +117,15 @@ def test_bench_train():
 
 
 def test_gpu_check_runs_end_to_end_on_cpu(tmp_path, real_models_dir):
-    """``bench/gpu_check.sh --device cpu``: the GPU check's parts at tiny sizes, one table. The demo workflow
-    part is skipped with its reason (a Snakemake run of its own; tests/e2e runs the demo workflow)."""
+    """``bench/gpu_check.sh --device cpu``: the GPU check's parts at tiny sizes, one table with each part's time
+    limit, and each part's log. The demo workflow part is skipped with its reason (a Snakemake run of its own;
+    tests/e2e runs the workflow)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))}
     env["PYTHON"] = sys.executable
-    table = tmp_path / "gpu_check.json"
+    table, logs = tmp_path / "gpu_check.json", tmp_path / "logs"
     proc = subprocess.run(
         ["bash", str(REPO / "bench" / "gpu_check.sh"), "--device", "cpu", "--skip", "workflow", "--json", str(table)]
-        + ["--models", str(real_models_dir)],
+        + ["--models", str(real_models_dir), "--logs", str(logs)],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -135,16 +136,22 @@ def test_gpu_check_runs_end_to_end_on_cpu(tmp_path, real_models_dir):
     assert proc.returncode == 0, out[-4000:]
     assert_lines(
         out,
-        r"^\| check \| status \| s \| figures \|$",
-        r"^\| workflow \| skipped \| 0 \| --skip workflow \(the suite",
-        r"^\| stream \| ok \| \d+ \| \d+ steps in .* from an hf server \(CPU\)",
-        rf"^\| fsdp \| ok \| \d+ \| 1 rank, fully_shard .* adamw loss {NUM} -> {NUM} .* muon loss {NUM} -> {NUM}",
-        rf"^\| steps \| ok \| \d+ \| tiny \(Qwen3-8B shape\): {NUM} tok/s .* plan {NUM} GB; tiny \(Kimi shape\)",
+        r"^\[gpu-check\] cpu: limits steps \d+ s, zoo \d+ s, stream \d+ s, fsdp \d+ s; the whole check within \d+ s$",
+        r"^\| check \| status \| s \| limit s \| figures \|$",
+        r"^\| workflow \| skipped \| 0 \| - \| --skip workflow \(the suite",
+        r"^\| stream \| ok \| \d+ \| \d+ \| \d+ steps in .* from an hf server \(CPU\)",
+        rf"^\| fsdp \| ok \| \d+ \| \d+ \| 1 rank, fully_shard .* adamw loss {NUM} -> {NUM} .* muon loss {NUM} -> {NUM}",
+        rf"^\| steps \| ok \| \d+ \| \d+ \| tiny \(Qwen3-8B shape\): {NUM} tok/s .* plan {NUM} GB; tiny \(Kimi shape\)",
+        r"^\[gpu-check\] steps: tiny \(Qwen3-8B shape\): counting FLOPs$",  # progress, echoed as it comes
     )
     rows = json.loads(table.read_text())["rows"]
-    assert list(rows) == ["zoo", "workflow", "stream", "fsdp", "steps"]
+    assert list(rows) == ["steps", "workflow", "zoo", "stream", "fsdp"]  # the parts missing GPU figures first
     assert rows["zoo"]["status"] == "ok" and "1/1 families" in rows["zoo"]["figures"], rows["zoo"]
-    assert all(r["plan_gb"] > 0 for r in rows["steps"]["rows"])
+    assert all(r["limit_s"] >= r["seconds"] for r in rows.values() if r["status"] != "skipped")
+    for r in rows["steps"]["rows"]:
+        # the masked FLOP count takes off the attention the training mask forbids, never more than all of it
+        assert r["plan_gb"] > 0 and 0 < r["tflop_per_step"] < r["tflop_per_step_dense"], r
+    assert sorted(p.name for p in logs.iterdir()) == ["fsdp.log", "steps.log", "stream.log", "zoo.log"]
 
 
 def test_every_bench_has_a_smoke_test():

@@ -193,3 +193,7 @@ def test_gpu_check_table_from_a_run():
     table = docs_gen.gpu_check_table(record)
     assert "| fsdp | ok | 15 | a / b |" in table and "NVIDIA H200, torch 2.11.0" in table
     assert "No GPU run" in docs_gen.gpu_check_table(None)
+    record["rows"]["steps"] = {"status": "FAIL", "seconds": 140.2, "limit_s": 140, "figures": "over its 140 s limit"}
+    table = docs_gen.gpu_check_table(record)  # the limits the check ran under, where it recorded them
+    assert "| check | status | s | limit s | figures |" in table
+    assert "| fsdp | ok | 15 | - | a / b |" in table and "| steps | FAIL | 140 | 140 | over its 140 s limit |" in table

@@ -351,16 +351,19 @@ def coverage_line(record: Optional[dict]) -> str:
 
 
 def gpu_check_table(record: Optional[dict]) -> str:
-    """The GPU check's table (`bench/gpu_check.sh --json`): one row per part, its status, seconds and figures."""
+    """The GPU check's table (`bench/gpu_check.sh --json`): one row per part, its status, seconds, time limit (a
+    `limit s` column when the record has them) and figures."""
     if record is None:
         return f"No GPU run is committed yet ({GPU_CHECK_RESULT}): the script is ready for the first lent device."
+    limits = any("limit_s" in r for r in record["rows"].values())
     rows = [
-        [name, r["status"], f"{r['seconds']:.0f}", r["figures"].replace("|", "/")] for name, r in record["rows"].items()
+        [name, r["status"], f"{r['seconds']:.0f}"]
+        + ([f"{r['limit_s']:.0f}" if "limit_s" in r else "-"] if limits else [])
+        + [r["figures"].replace("|", "/")]
+        for name, r in record["rows"].items()
     ]
-    return (
-        md_table(["check", "status", "s", "figures"], rows)
-        + f"\n\nOn {record['device']}, torch {record['torch']}. From `{GPU_CHECK_RESULT}`."
-    )
+    columns = ["check", "status", "s"] + (["limit s"] if limits else []) + ["figures"]
+    return md_table(columns, rows) + f"\n\nOn {record['device']}, torch {record['torch']}. From `{GPU_CHECK_RESULT}`."
 
 
 # --- Writing and checking
