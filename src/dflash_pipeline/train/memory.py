@@ -18,13 +18,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import importlib.metadata
-import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
+
+from dflash_pipeline.core.plan_cache import (
+    cache_root,
+    cached_json,
+    installed_version,
+    source_digest,
+    target_config_key,
+)
 
 if TYPE_CHECKING:  # pragma: no cover - torch is imported by the functions that step: a cached plan needs none of it
     import torch
@@ -268,17 +272,13 @@ def target_params_bytes(target_config, dtype: str) -> int:
 
 
 def plan_cache_dir() -> Path:
-    """Where `cached_plan` keeps plans: `$DFLASH_CACHE_DIR/memory-plans`, else
-    `$XDG_CACHE_HOME/dflash-pipeline/memory-plans`; shared by every workdir of the user, so a config planned once is
-    never planned again."""
-    root = os.environ.get("DFLASH_CACHE_DIR")
-    if root:
-        return Path(root) / "memory-plans"
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash-pipeline" / "memory-plans"
+    """Where `cached_plan` keeps plans: `memory-plans` under `core.plan_cache.cache_root` (`$DFLASH_CACHE_DIR`, else
+    `$XDG_CACHE_HOME/dflash-pipeline`)."""
+    return cache_root() / "memory-plans"
 
 
-#: The sources a plan steps through (drafter, masks, blocks, objectives, optimizer), relative to the package; read
-#: as files, so a cache lookup imports none of them.
+#: The sources a plan steps through (drafter, masks, blocks, objectives, optimizer) and this module, relative to
+#: the package; read as files, so a cache lookup imports none of them.
 _PLANNED_SOURCES = (
     "drafter/attention_masks.py",
     "drafter/blocks.py",
@@ -287,31 +287,8 @@ _PLANNED_SOURCES = (
     "drafter/rope.py",
     "train/losses.py",
     "train/optim.py",
+    "train/memory.py",
 )
-
-
-def _code_digest() -> str:
-    """sha256 of the sources a plan steps through (`_PLANNED_SOURCES` and this module): a cached plan is one of
-    this code."""
-    package = Path(__file__).resolve().parents[1]
-    h = hashlib.sha256()
-    for rel in _PLANNED_SOURCES:
-        h.update((package / rel).read_bytes())
-    h.update(Path(__file__).read_bytes())
-    return h.hexdigest()[:16]
-
-
-def _installed_version(dist: str) -> Optional[str]:
-    """The installed version of the distribution `dist` from its metadata (nothing imported); torch's own
-    `__version__` when torch has no metadata (a source build), None for another package without it."""
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        if dist != "torch":
-            return None
-        import torch
-
-        return torch.__version__
 
 
 def _cached(
@@ -320,30 +297,15 @@ def _cached(
     compute: Callable[[], Any],
     decode: Optional[Callable[[Any], Any]] = None,
 ):
-    """`decode(compute())` (`compute()` a JSON value; `decode` the identity when None), kept in `cache_dir` under
-    the digest of `key` (with the plan revision, torch's installed version and the code digest); None = no cache.
-    A cache file that does not parse, or whose value `decode` refuses (KeyError, TypeError, ValueError), is
-    computed again and rewritten."""
-    decode = decode or (lambda value: value)
-    if cache_dir is None:
-        return decode(compute())
-    text = json.dumps(
-        {"revision": PLAN_REVISION, "torch": _installed_version("torch"), "code": _code_digest(), **key},
-        sort_keys=True,
-        default=str,
-    )
-    path = Path(cache_dir) / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
-    if path.is_file():
-        try:
-            return decode(json.loads(path.read_text())["value"])
-        except (ValueError, KeyError, TypeError):
-            pass
-    value = compute()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"value": value}))
-    tmp.replace(path)  # atomic: concurrent planners write the same value
-    return decode(value)
+    """`core.plan_cache.cached_json` with the plan revision, torch's installed version and the digest of
+    `_PLANNED_SOURCES` in the key: a cached plan is one of this code and this torch."""
+    full = {
+        "revision": PLAN_REVISION,
+        "torch": installed_version("torch"),
+        "code": source_digest(*_PLANNED_SOURCES),
+        **key,
+    }
+    return cached_json(cache_dir, full, compute, decode)
 
 
 def cached_plan(target_config, st: StepSettings, cache_dir: Optional[str | Path]) -> MemoryPlan:
@@ -459,14 +421,9 @@ def _workflow_key(cfg: dict, target_dir: Path, num_target_features: int, block_s
     defaults), the config sections the settings come from (the target's path aside: the bytes stand for it), the
     feature count and the block size."""
     trust = bool(cfg["target"].get("trust_remote_code", False))
-    remote = (
-        {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(target_dir.glob("*.py"))} if trust else {}
-    )
     return {
         "workflow": {
-            "config_json": hashlib.sha256((target_dir / "config.json").read_bytes()).hexdigest(),
-            "remote_code": remote,
-            "transformers": _installed_version("transformers"),
+            **target_config_key(target_dir, trust),
             "train": {k: v for k, v in cfg["train"].items() if k != "device_memory_gb"},  # checked after, not planned
             "drafter": cfg["drafter"],
             "tokens": cfg["tokens"],

@@ -105,12 +105,20 @@ def target_architecture_problems(target_dir: str | Path) -> list[str]:
     return [f"target.path: the probe refuses this target ({refusal.reason}): {refusal}"]
 
 
+#: The sources the probe's config-only checks run through (`probe.check_target_config`), relative to the package.
+PROBE_GATE_SOURCES = ("probe", "target", "drafter/config.py", "drafter/block_size.py", "drafter/rope.py")
+
+
 def probe_gate_problems(cfg: Mapping[str, Any], probe_record: str | Path) -> list[str]:
     """The probe's config-only checks (`probe.check_target_config`) of a local target without a probe
     record, or with one older than its `config.json`: one `target.path` line when the probe would refuse it.
     [] for the demo target and for a target its probe record accepted (nothing imported then). The Snakefile
-    raises it while planning: a refused target must not cost a generation pass first."""
-    from dflash_pipeline.core.errors import ConfigError, ProbeError
+    raises it while planning: a refused target must not cost a generation pass first.
+
+    The answer is cached (`core.plan_cache`, under `probe-gate/`) by the target's `config.json` (and remote code),
+    the `drafter` section, transformers' version and the checks' sources, so plans before the probe job has run read
+    a file instead of importing transformers each time."""
+    from dflash_pipeline.core.plan_cache import cache_root, cached_json, source_digest, target_config_key
 
     path = cfg["target"]["path"]
     config_json = Path(path) / "config.json"
@@ -119,15 +127,40 @@ def probe_gate_problems(cfg: Mapping[str, Any], probe_record: str | Path) -> lis
         return []
     if record.is_file() and record.stat().st_mtime >= config_json.stat().st_mtime:
         return []
+    trust = bool(cfg["target"]["trust_remote_code"])
+    key = {
+        "probe_gate": target_config_key(path, trust),
+        "drafter": cfg["drafter"],
+        "code": source_digest(*PROBE_GATE_SOURCES),
+    }
+    try:
+        return cached_json(cache_root() / "probe-gate", key, lambda: _probe_gate_check(cfg))
+    except _NotARefusal:
+        return []
+
+
+class _NotARefusal(Exception):
+    """The check failed on something other than a refusal (the probe job reports it); never cached."""
+
+
+def _probe_gate_check(cfg: Mapping[str, Any]) -> list[str]:
+    """`probe_gate_problems` computed: `probe.check_target_config` on the configured target.
+
+    Raises:
+        _NotARefusal: it failed otherwise than by refusing (not cached; the probe job reports it with its traceback).
+    """
+    from dflash_pipeline.core.errors import ConfigError, ProbeError
     from dflash_pipeline.probe import check_target_config
 
     try:
-        check_target_config(path, **cfg["drafter"], trust_remote_code=cfg["target"]["trust_remote_code"])
+        check_target_config(
+            cfg["target"]["path"], **cfg["drafter"], trust_remote_code=cfg["target"]["trust_remote_code"]
+        )
     except (ProbeError, ConfigError) as exc:
         reason = getattr(exc, "reason", None)
         return [f"target.path: the probe refuses this target{f' ({reason})' if reason else ''}: {exc}"]
-    except Exception:  # noqa: BLE001 - not a refusal: the probe job reports it, with its traceback in the log
-        return []
+    except Exception as exc:  # noqa: BLE001 - not a refusal: the probe job reports it, with its traceback in the log
+        raise _NotARefusal(str(exc)) from exc
     return []
 
 

@@ -147,3 +147,32 @@ def test_plan_time_gate_runs_the_config_class_checks_until_a_probe_record_accept
     qwen = write(tmp_path / "qwen", type_config("qwen3", "Qwen3ForCausalLM"))
     assert probe_gate_problems({**cfg, "target": {**cfg["target"], "path": str(qwen)}}, tmp_path / "none") == []
     assert probe_gate_problems({**cfg, "target": {**cfg["target"], "path": "demo"}}, tmp_path / "none") == []
+
+
+def test_plan_time_gate_answer_is_cached_by_the_config_json(tmp_path, monkeypatch):
+    """Until the probe job has run, every plan asks the gate: its answer is read back from the plan cache while
+    config.json and the drafter settings stay, and computed again when config.json changes; a check that fails
+    otherwise than by refusing is never cached."""
+    from dflash_pipeline import probe as P
+    from dflash_pipeline.core.config import validate_config
+
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    target = write(tmp_path, type_config("longcat_flash", "LongcatFlashForCausalLM"))
+    cfg = validate_config({"target": {"path": str(target)}, "drafter": {"block_size": 4, "num_draft_layers": 1}})
+    none = tmp_path / "no-record"
+    (refused,) = probe_gate_problems(cfg, none)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        raise RuntimeError("not a refusal")
+
+    monkeypatch.setattr(P, "check_target_config", counted)
+    assert probe_gate_problems(cfg, none) == [refused] and calls == []  # read back, nothing checked
+    other = dict(cfg, drafter={**cfg["drafter"], "block_size": 8})
+    assert probe_gate_problems(other, none) == [] and len(calls) == 1  # other settings: checked (and failed)
+    assert probe_gate_problems(other, none) == [] and len(calls) == 2  # the failure was not cached
+    monkeypatch.undo()
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    write(tmp_path, type_config("qwen3", "Qwen3ForCausalLM"))  # the same directory, another config.json
+    assert probe_gate_problems(cfg, none) == []

@@ -1,6 +1,7 @@
 """A plan stays light: Snakemake reads the workflow on every call (each `snakemake -n`, each run, and on a cluster
-each job), and once the device-memory plan of a config is cached, reading it imports neither torch nor
-transformers (the drafter families' modules name their model code lazily: drafter/families.py `LazyClass`)."""
+each job), and once the device-memory plan and the probe's plan-time gate of a config are cached, reading it
+imports neither torch nor transformers (the drafter families' modules name their model code lazily:
+drafter/families.py `LazyClass`; the cache: core/plan_cache.py)."""
 
 from __future__ import annotations
 
@@ -25,9 +26,12 @@ def _imported_top_level(stderr: str) -> set[str]:
 
 
 def test_a_cached_plan_imports_neither_torch_nor_transformers(tmp_path):
+    import shutil
     import subprocess
 
     cfg = yaml.safe_load((REPO / "tests" / "e2e" / "e2e_config.yaml").read_text())
+    # a target of the user's (not `demo`) with no probe record yet: the gate checks it on every plan
+    cfg["target"] = {"path": str(shutil.copytree(REPO / "data" / "demo-target", tmp_path / "target"))}
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
     env = {
         **os.environ,
