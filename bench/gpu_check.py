@@ -64,21 +64,11 @@ def _partial(text: str) -> None:
 
 
 def _kill_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
-    """End the process group `proc` leads (started with ``start_new_session``): SIGTERM, then SIGKILL to whatever
-    is left after `grace` seconds, so a part's Snakemake jobs, servers and zoo processes end with it."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    try:
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
+    """End the process group `proc` leads (started with ``start_new_session``), so a part's Snakemake jobs, servers
+    and zoo processes end with it (`core.procs.end_process_group`)."""
+    from dflash_pipeline.core.procs import end_process_group
+
+    end_process_group(proc, grace)
 
 
 def _models_dir(given: str | None) -> Path | None:

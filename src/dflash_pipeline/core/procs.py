@@ -49,3 +49,22 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def end_process_group(proc, grace_s: float = 5.0) -> None:
+    """End the process group `proc` (a `subprocess.Popen` started with `start_new_session=True`) leads: SIGTERM,
+    SIGKILL to whatever of the group is left after `grace_s` seconds (children that share the group, such as an
+    engine's core process, included), and reap `proc`. A group already gone is no error."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=grace_s)
+    except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: the group is killed below either way
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import signal
 import subprocess
 import time
 import urllib.error
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 from dflash_pipeline.core.errors import PipelineError
-from dflash_pipeline.core.procs import free_port
+from dflash_pipeline.core.procs import end_process_group, free_port
 from dflash_pipeline.core.vllm_env import require_vllm_python
 from dflash_pipeline.drafter import families as FR
 
@@ -202,27 +201,11 @@ class VLLMServer:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM the server's process group; SIGKILL it after `timeout_s`. Idempotent."""
+        """SIGTERM the server's process group (the engine-core child shares it); SIGKILL what is left after
+        `timeout_s`. Idempotent."""
         proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(timeout=timeout_s)
-        # The engine-core child shares the group: make sure nothing of it outlives the server.
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        if proc is not None:
+            end_process_group(proc, timeout_s)
 
     def log_tail(self, n_chars: int = 4000) -> str:
         """The last `n_chars` characters of the engine log ('' when there is none)."""
