@@ -256,7 +256,12 @@ class DFlash2Drafter(DFlashDrafter):
     def selector_objective(
         self, base, hidden, lm_head_weight, labels, weights, block_size, *, gold: str, selector_weight: float
     ):
-        """`dflash2_objective` of this drafter (the family's training objective)."""
+        """`dflash2_objective` of this drafter (the family's training objective): `base` the `train.loss` objective (a
+        `LossOutput`), `hidden` the final-normed block states [b, Q, H], `lm_head_weight` [V, H], `labels` long and
+        `weights` float [b, Q]; returns a `LossOutput`.
+
+        Raises:
+            ValueError: `gold` is not one of `SELECTOR_GOLD`."""
         return dflash2_objective(
             base, self, hidden, lm_head_weight, labels, weights, block_size, gold=gold, selector_weight=selector_weight
         )

@@ -134,12 +134,15 @@ class DSparkDrafter(DFlashDrafter):
         return torch.stack(drafts, dim=1), conf
 
     def objective(self, hidden, lm_head_weight, blocks, **kwargs):
-        """`dspark_objective` of this drafter (the family's training objective; keywords as there)."""
+        """`dspark_objective` of this drafter (the family's training objective; keywords as there): `hidden` the
+        final-normed block states [b, Q, H], `lm_head_weight` [V, H], `blocks` a `DSparkBlocks`; returns a
+        `LossOutput`."""
         return dspark_objective(self, hidden, lm_head_weight, blocks, **kwargs)
 
     @staticmethod
     def training_view(ids, pos, labels, weights, block_size: int, gamma=None, rows=None):
-        """`dspark_view`: the family's training blocks read shifted by one."""
+        """`dspark_view`: the family's training blocks (`ids`, `pos`, `labels`, `weights` [b, N·(B+1)]) read shifted by
+        one, as a `DSparkBlocks` of B slots per block."""
         return dspark_view(ids, pos, labels, weights, block_size, gamma, rows=rows)
 
 

@@ -295,3 +295,21 @@ def test_untrained_floor_drafter_is_of_the_exports_family(tmp_path, family):
         "sliding_window": 8,
     }
     assert family_build_args(None) == {}
+
+
+def test_two_families_claiming_one_architecture_are_refused_at_lookup():
+    """Registration checks names only (reading an architecture imports the config class); the lookup the engines'
+    dispatch goes through refuses two families with one architecture."""
+    from dflash_pipeline.drafter import families as FR
+    from dflash_pipeline.drafter.dflash import DFlashFamily
+
+    @FR.register
+    class Twin(DFlashFamily):  # inherits DFlash's config class, so its architecture
+        name = "twin-architecture"
+
+    try:
+        with pytest.raises(ValueError, match="both claim architecture 'DFlashDraftModel'"):
+            FR.find_by_architectures(["DFlashDraftModel"])
+    finally:
+        FR.unregister("twin-architecture")
+    assert FR.find_by_architectures(["DFlashDraftModel"]) is FR.default()
